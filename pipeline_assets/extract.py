@@ -1,0 +1,180 @@
+"""Text extraction: raw bytes of a source item -> normalised text.
+
+Dispatch is by the extension of ``document_id``:
+
+* text formats (.txt .md .markdown .rst .csv .json): UTF-8, BOM stripped;
+* .html / .htm: visible text via BeautifulSoup ("html.parser");
+* .pdf: pypdf text of every page, pages joined by a blank line;
+* anything else: content sniffing -- a NUL byte in the first 8 KiB or
+  invalid UTF-8 -> ``unsupported_binary``; valid UTF-8 is accepted as text.
+
+Normalisation applied to every result (see ``normalise``):
+``\\r\\n`` and ``\\r`` become ``\\n``; NUL characters are removed (PostgreSQL
+text cannot store them); lone surrogates become U+FFFD; leading/trailing
+whitespace of the whole document is stripped. Line content is otherwise
+kept as is. Empty or whitespace-only documents yield "" (not an error).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import PurePosixPath
+
+# Bump on any change that alters output text; rows extracted by older versions
+# become stale and are the targets of reruns.
+EXTRACTOR_VERSION = "extract-1"
+
+TEXT_EXTENSIONS = frozenset({".txt", ".md", ".markdown", ".rst", ".csv", ".json"})
+HTML_EXTENSIONS = frozenset({".html", ".htm"})
+PDF_EXTENSIONS = frozenset({".pdf"})
+SNIFF_BYTES = 8 * 1024  # how much of an unknown file is checked for NUL bytes
+DECODE_POLICIES = ("strict", "replace")
+
+# Error classes recorded for failed documents.
+TOO_LARGE = "too_large"
+UNSUPPORTED_BINARY = "unsupported_binary"
+BAD_ENCODING = "bad_encoding"
+PARSE_ERROR = "parse_error"
+
+_DROP_TAGS = ("script", "style", "noscript", "template")
+# Elements that end a line, and elements that end a paragraph (blank line).
+_LINE_TAGS = frozenset("br dd dt li option tr".split())
+_PARAGRAPH_TAGS = frozenset(
+    "address article aside blockquote caption details dialog div dl fieldset figcaption "
+    "figure footer form h1 h2 h3 h4 h5 h6 header hr main nav ol p pre section summary "
+    "table title ul".split()
+)
+_CELL_TAGS = frozenset({"td", "th"})  # cells of a row are separated by a space
+_WS_RUN = re.compile(r"\s+")
+_BLANK_RUNS = re.compile(r"\n{3,}")
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+class ExtractError(Exception):
+    """A document that cannot be turned into text; ``error_class`` is stable."""
+
+    def __init__(self, error_class: str, message: str) -> None:
+        super().__init__(f"{error_class}: {message}")
+        self.error_class = error_class
+        self.message = message
+
+
+def extractor_version() -> str:
+    """EXTRACTOR_VERSION, or PIPELINE_EXTRACTOR_VERSION if set (tests use it)."""
+    return os.environ.get("PIPELINE_EXTRACTOR_VERSION") or EXTRACTOR_VERSION
+
+
+def decode_policy_from_env() -> str:
+    """PIPELINE_DECODE_ERRORS: "strict" (default) or "replace"."""
+    policy = (os.environ.get("PIPELINE_DECODE_ERRORS") or "strict").strip().lower()
+    if policy not in DECODE_POLICIES:
+        raise ValueError(f"PIPELINE_DECODE_ERRORS must be one of {DECODE_POLICIES}, got {policy!r}")
+    return policy
+
+
+def extract_text(document_id: str, raw: bytes, *, decode_errors: str = "strict") -> str:
+    if decode_errors not in DECODE_POLICIES:
+        raise ValueError(f"decode_errors must be one of {DECODE_POLICIES}, got {decode_errors!r}")
+    ext = PurePosixPath(document_id).suffix.lower()
+    if ext in TEXT_EXTENSIONS:
+        text = _decode_text(raw, decode_errors)
+    elif ext in HTML_EXTENSIONS:
+        text = _html_to_text(_decode_text(raw, decode_errors))
+    elif ext in PDF_EXTENSIONS:
+        text = _pdf_to_text(raw)
+    else:
+        text = _sniff_text(raw)
+    return normalise(text)
+
+
+def normalise(text: str) -> str:
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    text = _SURROGATES.sub("\ufffd", text)
+    return text.strip()
+
+
+def _decode_text(raw: bytes, decode_errors: str) -> str:
+    if b"\x00" in raw:
+        raise ExtractError(UNSUPPORTED_BINARY, "NUL byte in a text file")
+    try:
+        # utf-8-sig strips a leading BOM.
+        return raw.decode("utf-8-sig", errors=decode_errors)
+    except UnicodeDecodeError as e:
+        raise ExtractError(
+            BAD_ENCODING,
+            f"invalid UTF-8 at byte {e.start} (set PIPELINE_DECODE_ERRORS=replace to accept)",
+        ) from None
+
+
+def _sniff_text(raw: bytes) -> str:
+    if b"\x00" in raw[:SNIFF_BYTES]:
+        raise ExtractError(UNSUPPORTED_BINARY, "NUL byte in the first 8 KiB; looks binary")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise ExtractError(UNSUPPORTED_BINARY, "unknown extension and not valid UTF-8") from None
+
+
+def _html_to_text(html: str) -> str:
+    from bs4 import BeautifulSoup, CData, NavigableString, Tag
+
+    try:
+        soup = BeautifulSoup(html, "html.parser")
+        for tag in soup.find_all(_DROP_TAGS):
+            tag.extract()
+    except Exception as e:  # html.parser is lenient; this is a last resort
+        raise ExtractError(PARSE_ERROR, f"html: {type(e).__name__}: {e}") from e
+
+    # Walk the tree once (iteratively: deep nesting must not hit the recursion
+    # limit). Text outside <pre> has whitespace runs collapsed to one space
+    # (HTML rendering rules); line/paragraph elements request 1/2 newlines,
+    # merged with neighbouring requests so adjacent blocks do not pile up
+    # blank lines. Comments, doctypes and processing instructions are skipped.
+    out: list[str] = []
+    pending = 0  # newlines requested since the last text
+    stack: list = [(child, False) for child in reversed(soup.contents)]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int):  # end of a line/paragraph element
+            pending = max(pending, item)
+            continue
+        node, in_pre = item
+        if isinstance(node, Tag):
+            breaks = 2 if node.name in _PARAGRAPH_TAGS else 1 if node.name in _LINE_TAGS else 0
+            if breaks:
+                pending = max(pending, breaks)
+                stack.append(breaks)
+            elif node.name in _CELL_TAGS and out and not pending:
+                out.append(" ")
+            pre = in_pre or node.name == "pre"
+            stack.extend((child, pre) for child in reversed(node.contents))
+        elif type(node) in (NavigableString, CData):
+            text = str(node) if in_pre else _WS_RUN.sub(" ", node)
+            if not text.strip() and (pending or not out):
+                continue  # whitespace between blocks
+            if pending and out:
+                out.append("\n" * pending)
+            pending = 0
+            out.append(text)
+
+    # Strip each line (removes collapse artefacts; <pre> indentation is lost),
+    # then collapse runs of blank lines to a single blank line.
+    lines = [line.strip() for line in "".join(out).split("\n")]
+    return _BLANK_RUNS.sub("\n\n", "\n".join(lines))
+
+
+def _pdf_to_text(raw: bytes) -> str:
+    try:
+        from pypdf import PdfReader
+
+        reader = PdfReader(io.BytesIO(raw))
+        if reader.is_encrypted and not reader.decrypt(""):
+            raise ExtractError(PARSE_ERROR, "encrypted PDF (no empty user password)")
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except ExtractError:
+        raise
+    except Exception as e:  # pypdf raises many types on malformed input
+        raise ExtractError(PARSE_ERROR, f"pdf: {type(e).__name__}: {e}") from e
+    return "\n\n".join(page.strip() for page in pages)

@@ -1,0 +1,66 @@
+"""Model registry: one row per model_id, with its dimension and an HNSW index.
+
+The dimension comes from the model's configuration or, when unknown, from the
+first response; the per-model HNSW index (a partial expression index, since
+one column holds vectors of several dimensions) is created once it is known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import psycopg
+
+from .providers import ModelSpec
+
+
+def _index_name(model_id: str) -> str:
+    return "embeddings_hnsw_" + hashlib.sha1(model_id.encode()).hexdigest()[:12]
+
+
+def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
+    """Register (and activate) the model; return True if it was new."""
+    row = conn.execute(
+        "INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)"
+        " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (model_id) DO NOTHING RETURNING model_id",
+        (spec.model_id, spec.provider, spec.name, spec.dimension, spec.max_input_tokens),
+    ).fetchone()
+    conn.execute("UPDATE app.models SET active = true WHERE model_id = %s AND NOT active", (spec.model_id,))
+    if spec.dimension:
+        ensure_index(conn, spec.model_id, spec.dimension)
+    return row is not None
+
+
+def model_dimension(conn: psycopg.Connection, model_id: str) -> int | None:
+    row = conn.execute("SELECT dimension FROM app.models WHERE model_id = %s", (model_id,)).fetchone()
+    return row[0] if row else None
+
+
+def record_dimension(conn: psycopg.Connection, model_id: str, dimension: int) -> None:
+    """First response of a model whose dimension was unknown: record it and index it."""
+    conn.execute("UPDATE app.models SET dimension = %s WHERE model_id = %s AND dimension IS NULL",
+                 (dimension, model_id))
+    ensure_index(conn, model_id, dimension)
+
+
+def ensure_index(conn: psycopg.Connection, model_id: str, dimension: int) -> None:
+    name = _index_name(model_id)
+    exists = conn.execute("SELECT 1 FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
+                          (name,)).fetchone()
+    if exists:
+        return
+    literal = model_id.replace("'", "''")
+    conn.execute(
+        f"CREATE INDEX IF NOT EXISTS {name} ON app.embeddings"
+        f" USING hnsw ((embedding::vector({int(dimension)})) vector_cosine_ops)"
+        f" WHERE model_id = '{literal}'"
+    )
+
+
+def resolve_model_id(conn: psycopg.Connection, name: str) -> str | None:
+    """Map a configured model name (PIPELINE_EMBEDDING_MODEL) to its model_id."""
+    row = conn.execute(
+        "SELECT model_id FROM app.models WHERE name = %s OR model_id = %s ORDER BY active DESC, created_at DESC LIMIT 1",
+        (name, name),
+    ).fetchone()
+    return row[0] if row else None

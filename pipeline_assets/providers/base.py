@@ -1,0 +1,102 @@
+"""The provider interface and its error classification.
+
+A provider turns a list of texts into vectors. It never retries: one retry
+policy, the job table's, owns retries. Every failure is a ProviderError whose
+``kind`` tells the worker what to do with the items:
+
+* RETRYABLE  timeouts, connection errors, 408, 409, 5xx: back off, count the attempt
+* THROTTLED  429: the provider's state, not the item's; pause all workers, defer the
+             items without consuming their attempts
+* TERMINAL   400, 413, 422: the input is bad; split a batch to isolate it, fail it
+* FATAL      401, 403, 404 (model): configuration; stop the worker, touch no item
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from ..settings import ERROR_MESSAGE_MAX_CHARS
+
+RETRYABLE = "retryable"
+THROTTLED = "throttled"
+TERMINAL = "terminal"
+FATAL = "fatal"
+
+RETRYABLE_STATUSES = frozenset({408, 409, 500, 502, 503, 504})
+TERMINAL_STATUSES = frozenset({400, 413, 422})
+FATAL_STATUSES = frozenset({401, 403, 404})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What identifies a model and bounds its requests."""
+
+    provider: str
+    name: str
+    dimension: int | None
+    max_input_tokens: int
+    max_batch_inputs: int
+    max_batch_tokens: int
+    # Options sent with every request that change the vector (e.g. dimensions).
+    options: tuple[tuple[str, str], ...] = ()
+    # The name inside model_id when it must say more than the configured name
+    # (e.g. the local embedder's algorithm version).
+    id_name: str | None = None
+
+    @property
+    def model_id(self) -> str:
+        suffix = f"@{self.dimension}" if self.dimension else ""
+        return f"{self.provider}/{self.id_name or self.name}{suffix}"
+
+
+@dataclass
+class EmbedResult:
+    vectors: list[np.ndarray]
+    tokens: int
+
+
+@dataclass
+class ProviderError(Exception):
+    kind: str
+    error_class: str
+    message: str
+    status: int | None = None
+    retry_after: float | None = None
+    billed_maybe: bool = field(default=False)  # the request may have been computed and billed
+
+    def __post_init__(self) -> None:
+        self.message = sanitize(self.message)
+        super().__init__(f"{self.error_class}: {self.message}")
+
+
+class Provider(Protocol):
+    spec: ModelSpec
+
+    def embed(self, texts: Sequence[str]) -> EmbedResult: ...
+
+    def close(self) -> None: ...
+
+
+_KEY_PATTERNS = [
+    re.compile(r"sk-[A-Za-z0-9_\-]{6,}"),
+    re.compile(r"(?i)(bearer\s+)[A-Za-z0-9_\-\.]{6,}"),
+    re.compile(r"(?i)(api[_-]?key[\"'=:\s]+)[A-Za-z0-9_\-\.]{6,}"),
+]
+
+
+def sanitize(message: str, limit: int = ERROR_MESSAGE_MAX_CHARS) -> str:
+    """Remove anything that looks like a credential, flatten, truncate."""
+    text = " ".join(str(message).split())
+    key = os.environ.get("OPENAI_API_KEY")
+    if key and len(key) >= 4:
+        text = text.replace(key, "[redacted]")
+    for pattern in _KEY_PATTERNS:
+        text = pattern.sub(lambda m: (m.group(1) if m.groups() else "") + "[redacted]", text)
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text

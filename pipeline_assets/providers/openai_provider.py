@@ -1,0 +1,108 @@
+"""OpenAI-compatible provider through the official ``openai`` SDK.
+
+The SDK's own retries are off (max_retries=0): the job table's policy is the
+only one. Each request has a wall-clock timeout. OPENAI_API_KEY and
+OPENAI_BASE_URL are honoured exactly as the SDK honours them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import openai
+
+from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, ProviderError
+
+# Known dimensions and per-input token limits; other models are discovered
+# from the first response (the dimension is then recorded with the model).
+KNOWN_MODELS = {
+    "text-embedding-3-small": (1536, 8191),
+    "text-embedding-3-large": (3072, 8191),
+    "text-embedding-ada-002": (1536, 8191),
+}
+DEFAULT_MAX_INPUT_TOKENS = 8191
+
+
+def parse_retry_after(headers) -> float | None:
+    """Retry-After in seconds (numeric form), or OpenAI's retry-after-ms."""
+    if headers is None:
+        return None
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        raw = headers.get(name)
+        if raw:
+            try:
+                return max(0.0, float(raw) * scale)
+            except ValueError:
+                continue
+    return None
+
+
+def classify(exc: Exception) -> ProviderError:
+    """Map an SDK exception to our four kinds."""
+    if isinstance(exc, openai.APITimeoutError):
+        return ProviderError(RETRYABLE, "timeout", "provider call timed out", billed_maybe=True)
+    if isinstance(exc, openai.APIConnectionError):
+        return ProviderError(RETRYABLE, "connection", f"connection error: {exc}", billed_maybe=True)
+    if isinstance(exc, openai.APIStatusError):
+        status = exc.status_code
+        message = _error_message(exc)
+        retry_after = parse_retry_after(exc.response.headers if exc.response is not None else None)
+        if status == 429:
+            return ProviderError(THROTTLED, "rate_limited", message, status, retry_after)
+        if status in (401, 403):
+            return ProviderError(FATAL, "auth", message, status)
+        if status == 404:
+            return ProviderError(FATAL, "model_not_found", message, status)
+        if status in (400, 413, 422):
+            return ProviderError(TERMINAL, "bad_input", message, status)
+        if status in (408, 409) or status >= 500:
+            return ProviderError(RETRYABLE, f"http_{status}", message, status, retry_after)
+        return ProviderError(TERMINAL, f"http_{status}", message, status)
+    return ProviderError(RETRYABLE, "provider_error", f"{type(exc).__name__}: {exc}")
+
+
+def _error_message(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return f"HTTP {exc.status_code}: {inner['message']}"
+    return f"HTTP {exc.status_code}: {exc.message}"
+
+
+class OpenAIProvider:
+    def __init__(self, name: str, *, dimensions: int | None, timeout: float,
+                 max_batch_inputs: int, max_batch_tokens: int) -> None:
+        known_dim, max_tokens = KNOWN_MODELS.get(name, (None, DEFAULT_MAX_INPUT_TOKENS))
+        options: tuple[tuple[str, str], ...] = ()
+        if dimensions:
+            options = (("dimensions", str(dimensions)),)
+        self.spec = ModelSpec(
+            provider="openai",
+            name=name,
+            dimension=dimensions or known_dim,
+            max_input_tokens=max_tokens,
+            max_batch_inputs=max_batch_inputs,
+            max_batch_tokens=max_batch_tokens,
+            options=options,
+        )
+        self._dimensions = dimensions
+        # api_key / base_url come from OPENAI_API_KEY / OPENAI_BASE_URL as the SDK reads them.
+        self._client = openai.OpenAI(max_retries=0, timeout=timeout)
+
+    def embed(self, texts: Sequence[str]) -> EmbedResult:
+        kwargs = {"dimensions": self._dimensions} if self._dimensions else {}
+        try:
+            resp = self._client.embeddings.create(model=self.spec.name, input=list(texts), **kwargs)
+        except openai.OpenAIError as exc:
+            raise classify(exc) from None
+        data = sorted(resp.data, key=lambda d: d.index)
+        if len(data) != len(texts):
+            raise ProviderError(RETRYABLE, "bad_response", f"expected {len(texts)} vectors, got {len(data)}")
+        vectors = [np.asarray(d.embedding, dtype=np.float32) for d in data]
+        tokens = resp.usage.total_tokens if resp.usage else 0
+        return EmbedResult(vectors=vectors, tokens=tokens)
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,226 @@
+"""The SQL of the job state machine, in one place.
+
+Every transition is one guarded UPDATE whose WHERE clause names the state(s) it
+leaves (and, for a worker's own transitions, its lease); the returned rows tell
+the caller exactly which jobs it moved. A transition that finds the row in any
+other state moves nothing: that is how a refused transition looks.
+"""
+
+# pending|retry -> processing. Batch claim; the lease comes from the database
+# clock, never the worker's. A shared provider pause (429) blocks all claims.
+CLAIM = """
+WITH picked AS (
+    SELECT job_id FROM app.embedding_jobs
+    WHERE model_id = %(model)s
+      AND status IN ('pending', 'retry')
+      AND available_at <= now()
+      AND NOT EXISTS (SELECT 1 FROM app.provider_state p
+                      WHERE p.model_id = %(model)s AND p.paused_until > now())
+    ORDER BY available_at, job_id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE app.embedding_jobs j
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_expires_at = now() + make_interval(secs => %(lease)s),
+    attempts = j.attempts + 1,
+    updated_at = now()
+FROM picked
+WHERE j.job_id = picked.job_id
+RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts,
+          (SELECT c.text FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum LIMIT 1) AS text
+"""
+
+# processing -> ready, only under this lease and only while the content is still
+# wanted (a current chunk carries the checksum) by an active model. The vector
+# is stored in the same statement.
+COMPLETE = """
+WITH input AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(vecs)s::vector[]) AS t(job_id, embedding)
+), won AS (
+    UPDATE app.embedding_jobs j
+    SET status = 'ready', lease_owner = NULL, lease_expires_at = NULL,
+        error_class = NULL, error_message = NULL, updated_at = now()
+    FROM input i
+    WHERE j.job_id = i.job_id
+      AND j.status = 'processing'
+      AND j.lease_owner = %(owner)s
+      AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+      AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
+    RETURNING j.job_id, j.chunk_checksum, j.model_id
+), stored AS (
+    INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)
+    SELECT w.chunk_checksum, w.model_id, i.embedding FROM won w JOIN input i USING (job_id)
+    ON CONFLICT (chunk_checksum, model_id)
+    DO UPDATE SET embedding = EXCLUDED.embedding, created_at = now()
+)
+SELECT job_id FROM won
+"""
+
+# processing -> superseded for a lease holder whose content is no longer wanted.
+SUPERSEDE_HELD = """
+UPDATE app.embedding_jobs
+SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
+RETURNING job_id
+"""
+
+# processing -> retry (or failed when attempts are used up), with a per-job delay.
+FAIL_RETRYABLE = """
+UPDATE app.embedding_jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'retry' END,
+    available_at = now() + make_interval(secs => d.delay),
+    lease_owner = NULL, lease_expires_at = NULL,
+    error_class = %(cls)s, error_message = %(msg)s, updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(delays)s::float8[]) AS d(job_id, delay)
+WHERE j.job_id = d.job_id AND j.status = 'processing' AND j.lease_owner = %(owner)s
+RETURNING j.job_id, j.status
+"""
+
+# processing -> retry without consuming the attempt (throttling is the
+# provider's state, not the item's) or on release at shutdown.
+GIVE_BACK = """
+UPDATE app.embedding_jobs j
+SET status = CASE WHEN j.attempts <= 1 THEN 'pending' ELSE 'retry' END,
+    attempts = greatest(j.attempts - 1, 0),
+    available_at = now() + make_interval(secs => %(delay)s),
+    lease_owner = NULL, lease_expires_at = NULL,
+    error_class = coalesce(%(cls)s, j.error_class),
+    error_message = coalesce(%(msg)s, j.error_message),
+    updated_at = now()
+WHERE j.job_id = ANY(%(ids)s) AND j.status = 'processing' AND j.lease_owner = %(owner)s
+RETURNING j.job_id
+"""
+
+# processing -> failed at once: the input itself is bad.
+FAIL_TERMINAL = """
+UPDATE app.embedding_jobs
+SET status = 'failed', lease_owner = NULL, lease_expires_at = NULL,
+    error_class = %(cls)s, error_message = %(msg)s, updated_at = now()
+WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
+RETURNING job_id
+"""
+
+# Heartbeat: a healthy lease holder pushes its expiry forward.
+EXTEND_LEASE = """
+UPDATE app.embedding_jobs
+SET lease_expires_at = now() + make_interval(secs => %(lease)s)
+WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
+"""
+
+# Lease rescue: expired processing -> retry (or failed when attempts are used up).
+RESCUE_EXPIRED = """
+UPDATE app.embedding_jobs
+SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'retry' END,
+    lease_owner = NULL, lease_expires_at = NULL, available_at = now(),
+    error_class = 'lease_expired',
+    error_message = 'lease expired before completion (worker died or stalled)',
+    updated_at = now()
+WHERE status = 'processing' AND lease_expires_at < now()
+RETURNING job_id, status
+"""
+
+# failed -> pending (a person or policy requeues the dead letter); content that
+# is no longer wanted goes to superseded instead.
+REQUEUE_FAILED = """
+UPDATE app.embedding_jobs j
+SET status = CASE WHEN EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+                  THEN 'pending' ELSE 'superseded' END,
+    attempts = 0, available_at = now(), updated_at = now()
+WHERE j.status = 'failed' AND (%(all)s OR j.job_id = ANY(%(ids)s))
+RETURNING j.job_id, j.status
+"""
+
+# pending|retry|processing|ready|failed -> superseded when no current chunk
+# carries the checksum any more; the vector goes with it. Optionally limited to
+# some checksums (the ones an ingest batch just dropped).
+SUPERSEDE_UNWANTED = """
+WITH gone AS (
+    UPDATE app.embedding_jobs j
+    SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+    WHERE j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
+      AND (%(checksums)s::bytea[] IS NULL OR j.chunk_checksum = ANY(%(checksums)s::bytea[]))
+      AND NOT EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+    RETURNING j.chunk_checksum, j.model_id
+), dropped AS (
+    DELETE FROM app.embeddings e USING gone g
+    WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
+)
+SELECT count(*) FROM gone
+"""
+
+# New work: every current chunk x active model without a job. Set-based;
+# ON CONFLICT makes a duplicate event a no-op.
+ENQUEUE_FOR_DOCS = """
+INSERT INTO app.embedding_jobs (chunk_checksum, model_id, max_attempts)
+SELECT DISTINCT c.chunk_checksum, m.model_id, %(max_attempts)s
+FROM app.chunks c CROSS JOIN app.models m
+WHERE m.active AND c.doc_pk = ANY(%(docs)s)
+ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+"""
+
+ENQUEUE_MISSING = """
+INSERT INTO app.embedding_jobs (chunk_checksum, model_id, max_attempts)
+SELECT DISTINCT c.chunk_checksum, m.model_id, %(max_attempts)s
+FROM app.chunks c CROSS JOIN app.models m
+WHERE m.active
+  AND NOT EXISTS (SELECT 1 FROM app.embedding_jobs j
+                  WHERE j.chunk_checksum = c.chunk_checksum AND j.model_id = m.model_id)
+ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+"""
+
+# superseded -> pending: content came back (a revert, a re-added file).
+REVIVE_WANTED = """
+UPDATE app.embedding_jobs j
+SET status = 'pending', attempts = 0, available_at = now(),
+    error_class = NULL, error_message = NULL, updated_at = now()
+WHERE j.status = 'superseded'
+  AND (%(checksums)s::bytea[] IS NULL OR j.chunk_checksum = ANY(%(checksums)s::bytea[]))
+  AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+  AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
+"""
+
+# ready -> pending: the job says ready but its vector is missing.
+REPAIR_MISSING_VECTORS = """
+UPDATE app.embedding_jobs j
+SET status = 'pending', attempts = 0, available_at = now(), updated_at = now()
+WHERE j.status = 'ready'
+  AND NOT EXISTS (SELECT 1 FROM app.embeddings e
+                  WHERE e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id)
+"""
+
+# Is there anything left for this model? (until-idle)
+OUTSTANDING = """
+SELECT count(*) FILTER (WHERE status IN ('pending', 'retry')) AS waiting,
+       count(*) FILTER (WHERE status = 'processing') AS held
+FROM app.embedding_jobs
+WHERE model_id = %(model)s AND status IN ('pending', 'retry', 'processing')
+"""
+
+# Shared throttle: every worker of the model stops claiming until paused_until.
+PAUSE_PROVIDER = """
+INSERT INTO app.provider_state (model_id, paused_until, consecutive_failures, updated_at)
+VALUES (%(model)s, now() + make_interval(secs => %(secs)s), 1, now())
+ON CONFLICT (model_id) DO UPDATE
+SET paused_until = greatest(app.provider_state.paused_until, EXCLUDED.paused_until),
+    consecutive_failures = app.provider_state.consecutive_failures + 1,
+    updated_at = now()
+RETURNING consecutive_failures
+"""
+
+PROVIDER_HEALTHY = """
+UPDATE app.provider_state SET consecutive_failures = 0, updated_at = now()
+WHERE model_id = %(model)s AND consecutive_failures <> 0
+"""
+
+RECORD_CALL = """
+INSERT INTO app.provider_calls (model_id, worker_id, inputs, tokens, outcome, http_status, latency_ms)
+VALUES (%(model)s, %(worker)s, %(inputs)s, %(tokens)s, %(outcome)s, %(status)s, %(latency)s)
+"""
+
+RECORD_SENDS = """
+INSERT INTO app.input_sends (chunk_checksum, model_id, sends)
+SELECT c, %(model)s, 1 FROM unnest(%(checksums)s::bytea[]) AS c
+ON CONFLICT (chunk_checksum, model_id) DO UPDATE SET sends = app.input_sends.sends + 1
+"""

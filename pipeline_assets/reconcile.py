@@ -1,0 +1,67 @@
+"""Reconciliation: how missed events are repaired.
+
+Re-scan every source that was ingested (which replaces changed documents and
+tombstones vanished ones), then, set-based: enqueue every current chunk x
+active model that has no job, revive superseded jobs whose content is wanted
+again, supersede jobs whose content nobody wants, send ready jobs whose vector
+is missing back to pending, and rescue expired leases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psycopg
+
+from . import queue, stages
+from .ingest import IngestOptions, ingest_directory
+from .sources import SourceError
+
+
+@dataclass
+class ReconcileReport:
+    sources: int = 0
+    missing_sources: list[str] = field(default_factory=list)
+    changed: int = 0
+    new: int = 0
+    deleted: int = 0
+    enqueued: int = 0
+    revived: int = 0
+    superseded: int = 0
+    repaired_vectors: int = 0
+    rescued: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str | None = None,
+              rescan: bool = True) -> ReconcileReport:
+    report = ReconcileReport()
+    if rescan:
+        roots = [r[0] for r in conn.execute("SELECT root FROM app.sources ORDER BY source_id")]
+        for root in roots:
+            try:
+                scan = ingest_directory(conn, Path(root), options)
+            except SourceError as exc:
+                # A source that vanished entirely is reported, never mass-tombstoned.
+                report.missing_sources.append(str(exc))
+                continue
+            report.sources += 1
+            report.changed += scan.changed
+            report.new += scan.new
+            report.deleted += scan.deleted
+            report.enqueued += scan.enqueued
+            report.revived += scan.revived
+            report.superseded += scan.superseded
+    with conn.transaction():
+        report.enqueued += queue.enqueue_missing(conn, options.max_attempts)
+        report.revived += queue.revive_wanted(conn)
+        report.superseded += queue.supersede_unwanted(conn)
+        report.repaired_vectors = queue.repair_missing_vectors(conn)
+    rescued = queue.rescue_expired(conn)
+    report.rescued = rescued["retry"] + rescued["failed"]
+    if model_id:
+        stages.refresh_embed(conn, model_id)
+    return report

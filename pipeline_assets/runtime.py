@@ -1,0 +1,38 @@
+"""Everything a command needs, built from the environment in one place.
+
+The CLI and the Dagster resources both start here, so they share defaults:
+the embedded database and the local model when nothing is configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import settings
+from .chunking import chunker_from_env
+from .extract import decode_policy_from_env
+from .ingest import IngestOptions
+from .providers import Provider, provider_from_env
+from .sources import max_input_bytes_from_env
+
+
+@dataclass
+class Runtime:
+    provider: Provider
+    options: IngestOptions
+
+    @property
+    def model_id(self) -> str:
+        return self.provider.spec.model_id
+
+
+def runtime_from_env(model: str | None = None, *, run_id: str | None = None) -> Runtime:
+    provider = provider_from_env(model)
+    options = IngestOptions(
+        chunker=chunker_from_env(hard_limit=provider.spec.max_input_tokens),
+        max_bytes=max_input_bytes_from_env(),
+        decode_errors=decode_policy_from_env(),
+        max_attempts=settings.max_attempts(),
+        run_id=run_id,
+    )
+    return Runtime(provider=provider, options=options)

@@ -1,0 +1,281 @@
+"""The worker: claim a batch, call the provider outside any transaction, complete.
+
+Threads (``concurrency``) each loop claim -> call -> complete, taking a pooled
+connection only for the short database steps, so a slow provider call holds no
+connection, no transaction and no row lock. A heartbeat thread extends the
+leases of healthy calls; the per-call timeout bounds a stalled one. The main
+thread rescues expired leases of dead workers and decides when to stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from . import backoff, crashpoints, db, ledger, models, queue, settings
+from .providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError
+from .queue import ClaimedJob
+
+log = logging.getLogger(__name__)
+
+# How long a stopping worker waits for in-flight calls before releasing their jobs.
+SHUTDOWN_GRACE_SECONDS = 3.0
+
+
+@dataclass
+class WorkerConfig:
+    concurrency: int = settings.DEFAULT_CONCURRENCY
+    lease_seconds: float = settings.DEFAULT_LEASE_SECONDS
+    worker_id: str | None = None
+    until_idle: bool = False
+    batch_inputs: int | None = None  # default: the provider's max_batch_inputs
+    poll_seconds: float = settings.IDLE_POLL_SECONDS
+    rescue_interval: float = settings.RESCUE_INTERVAL_SECONDS
+
+
+@dataclass
+class WorkerReport:
+    embedded: int = 0
+    superseded: int = 0
+    failed: int = 0
+    retried: int = 0
+    throttled: int = 0
+    refused: int = 0
+    provider_calls: int = 0
+    tokens: int = 0
+    rescued: int = 0
+    fatal: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for key, value in counts.items():
+                setattr(self, key, getattr(self, key) + value)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+class FatalProviderError(RuntimeError):
+    """Configuration/auth failure: the worker stopped; no item was touched."""
+
+
+class Worker:
+    def __init__(self, url: str, provider: Provider, config: WorkerConfig,
+                 stop_event: threading.Event | None = None) -> None:
+        self.provider = provider
+        self.config = config
+        self.model_id = provider.spec.model_id
+        self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        # Lease owners are unique per claim, so a late completion of an older
+        # claim by the same worker id can never pass as the current lease.
+        self._owner_prefix = f"{self.worker_id}/{secrets.token_hex(3)}"
+        self._claim_seq = itertools.count(1)
+        self.stop = stop_event or threading.Event()
+        self.report = WorkerReport()
+        self._pool = db.make_pool(url, min_size=1, max_size=config.concurrency + 2)
+        self._held: dict[str, tuple[list[int], float]] = {}  # owner -> (job ids, heartbeat deadline)
+        self._held_lock = threading.Lock()
+        self._idle = [False] * config.concurrency
+        self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
+        self._dimension_known = bool(provider.spec.dimension)
+        self._fatal: ProviderError | None = None
+
+    # -- lifecycle -------------------------------------------------------
+    def run(self) -> WorkerReport:
+        with self._pool.connection() as conn:
+            models.ensure_model(conn, self.provider.spec)
+            self._dimension_known = models.model_dimension(conn, self.model_id) is not None
+        threads = [threading.Thread(target=self._loop, args=(i,), name=f"embed-{i}", daemon=True)
+                   for i in range(self.config.concurrency)]
+        heartbeat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        for t in threads:
+            t.start()
+        heartbeat.start()
+        next_rescue = 0.0
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                if now >= next_rescue:
+                    self._rescue()
+                    next_rescue = now + self.config.rescue_interval
+                if self.config.until_idle and all(self._idle) and self._nothing_outstanding():
+                    break
+                self.stop.wait(self.config.poll_seconds)
+        finally:
+            self.stop.set()
+            deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            self._release_all()
+            self._pool.close()
+        if self._fatal is not None:
+            self.report.fatal = self._fatal.message
+            raise FatalProviderError(f"{self._fatal.error_class}: {self._fatal.message}")
+        return self.report
+
+    def _nothing_outstanding(self) -> bool:
+        with self._pool.connection() as conn:
+            waiting, held = queue.outstanding(conn, self.model_id)
+        return waiting == 0 and held == 0
+
+    def _rescue(self) -> None:
+        with self._pool.connection() as conn:
+            counts = queue.rescue_expired(conn)
+        self.report.add(rescued=counts["retry"] + counts["failed"])
+
+    def _heartbeat(self) -> None:
+        interval = max(0.2, self.config.lease_seconds / 3)
+        while not self.stop.wait(interval):
+            now = time.monotonic()
+            with self._held_lock:
+                live = [(o, ids) for o, (ids, deadline) in self._held.items() if deadline > now]
+            if not live:
+                continue
+            try:
+                with self._pool.connection() as conn:
+                    for owner, ids in live:
+                        queue.extend_lease(conn, owner=owner, job_ids=ids,
+                                           lease_seconds=self.config.lease_seconds)
+            except Exception:  # a missed beat is harmless; the next one retries
+                log.exception("heartbeat failed")
+
+    def _release_all(self) -> None:
+        with self._held_lock:
+            held = list(self._held.items())
+            self._held.clear()
+        if not held:
+            return
+        with self._pool.connection() as conn:
+            for owner, (ids, _) in held:
+                queue.give_back(conn, owner=owner, job_ids=ids)
+
+    # -- one thread --------------------------------------------------------
+    def _loop(self, index: int) -> None:
+        while not self.stop.is_set():
+            owner = f"{self._owner_prefix}/{next(self._claim_seq)}"
+            try:
+                with self._pool.connection() as conn:
+                    jobs = queue.claim(conn, model_id=self.model_id, owner=owner, limit=self._batch,
+                                       lease_seconds=self.config.lease_seconds)
+            except Exception:
+                log.exception("claim failed")
+                self.stop.wait(self.config.poll_seconds)
+                continue
+            if not jobs:
+                self._idle[index] = True
+                self.stop.wait(self.config.poll_seconds)
+                continue
+            self._idle[index] = False
+            requests = self._split(jobs)
+            budget = settings.call_timeout() * (len(requests) + 1) + self.config.lease_seconds
+            with self._held_lock:
+                self._held[owner] = ([j.job_id for j in jobs], time.monotonic() + budget)
+            try:
+                crashpoints.reach(crashpoints.AFTER_CLAIM)
+                gone = [j.job_id for j in jobs if j.text is None]
+                if gone:
+                    with self._pool.connection() as conn:
+                        self.report.add(superseded=len(queue.supersede_held(conn, owner=owner, job_ids=gone)))
+                for n, request in enumerate(requests):
+                    if self.stop.is_set():
+                        # Stopping (signal or fatal error): hand back what was not sent.
+                        rest = [j.job_id for r in requests[n:] for j in r]
+                        with self._pool.connection() as conn:
+                            queue.give_back(conn, owner=owner, job_ids=rest)
+                        break
+                    self._call(owner, request)
+            except Exception:
+                log.exception("batch failed; its jobs stay leased until rescued")
+            finally:
+                with self._held_lock:
+                    self._held.pop(owner, None)
+
+    def _split(self, jobs: Sequence[ClaimedJob]) -> list[list[ClaimedJob]]:
+        """Group jobs into requests bounded by inputs and a token budget."""
+        from .chunking import count_tokens
+
+        requests: list[list[ClaimedJob]] = []
+        current: list[ClaimedJob] = []
+        tokens = 0
+        limit = self.provider.spec.max_batch_tokens
+        for job in jobs:
+            if job.text is None:
+                continue
+            n = count_tokens(job.text)
+            if current and (tokens + n > limit or len(current) >= self._batch):
+                requests.append(current)
+                current, tokens = [], 0
+            current.append(job)
+            tokens += n
+        if current:
+            requests.append(current)
+        return requests
+
+    def _call(self, owner: str, jobs: list[ClaimedJob]) -> None:
+        started = time.monotonic()
+        try:
+            result = self.provider.embed([j.text for j in jobs])
+        except ProviderError as err:
+            latency = time.monotonic() - started
+            with self._pool.connection() as conn:
+                ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
+                                   tokens=0, outcome=err.error_class, status=err.status, latency=latency,
+                                   billed=err.billed_maybe)
+            self.report.add(provider_calls=1)
+            self._handle_error(owner, jobs, err)
+            return
+        latency = time.monotonic() - started
+        self.report.add(provider_calls=1, tokens=result.tokens)
+        crashpoints.reach(crashpoints.AFTER_CALL)
+        with self._pool.connection() as conn:
+            if not self._dimension_known:
+                models.record_dimension(conn, self.model_id, len(result.vectors[0]))
+                self._dimension_known = True
+            with conn.transaction():
+                ready, superseded = queue.complete(conn, owner=owner, job_ids=[j.job_id for j in jobs],
+                                                   vectors=result.vectors)
+                ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
+                                   tokens=result.tokens, outcome="ok", status=200, latency=latency, billed=True)
+            queue.provider_healthy(conn, self.model_id)
+        refused = len(jobs) - len(ready) - len(superseded)
+        self.report.add(embedded=len(ready), superseded=len(superseded), refused=refused)
+
+    def _handle_error(self, owner: str, jobs: list[ClaimedJob], err: ProviderError) -> None:
+        ids = [j.job_id for j in jobs]
+        if err.kind == TERMINAL and len(jobs) > 1:
+            # Isolate the bad input: split and retry halves; innocent neighbours succeed.
+            mid = len(jobs) // 2
+            self._call(owner, jobs[:mid])
+            self._call(owner, jobs[mid:])
+            return
+        with self._pool.connection() as conn:
+            if err.kind == TERMINAL:
+                n = len(queue.fail_terminal(conn, owner=owner, job_ids=ids, error_class=err.error_class,
+                                            message=err.message))
+                self.report.add(failed=n)
+            elif err.kind == THROTTLED:
+                pause = err.retry_after if err.retry_after is not None else backoff.full_jitter(
+                    1, base=settings.backoff_base(), cap=settings.backoff_cap())
+                queue.pause_provider(conn, self.model_id, pause)
+                queue.give_back(conn, owner=owner, job_ids=ids, delay=pause, error_class=err.error_class,
+                                message=err.message)
+                self.report.add(throttled=len(ids))
+            elif err.kind == RETRYABLE:
+                delays = [backoff.retry_delay(j.attempts, base=settings.backoff_base(), cap=settings.backoff_cap(),
+                                              retry_after=err.retry_after) for j in jobs]
+                moved = queue.fail_retryable(conn, owner=owner, job_ids=ids, delays=delays,
+                                             error_class=err.error_class, message=err.message)
+                self.report.add(retried=sum(1 for s in moved.values() if s == "retry"),
+                                failed=sum(1 for s in moved.values() if s == "failed"))
+            elif err.kind == FATAL:
+                queue.give_back(conn, owner=owner, job_ids=ids)
+                self._fatal = err
+                self.stop.set()
