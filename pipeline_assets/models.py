@@ -45,16 +45,25 @@ def record_dimension(conn: psycopg.Connection, model_id: str, dimension: int) ->
 
 def ensure_index(conn: psycopg.Connection, model_id: str, dimension: int) -> None:
     name = _index_name(model_id)
-    exists = conn.execute("SELECT 1 FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
-                          (name,)).fetchone()
-    if exists:
+    if _index_exists(conn, name):
         return
     literal = model_id.replace("'", "''")
-    conn.execute(
-        f"CREATE INDEX IF NOT EXISTS {name} ON app.embeddings"
-        f" USING hnsw ((embedding::vector({int(dimension)})) vector_cosine_ops)"
-        f" WHERE model_id = '{literal}'"
-    )
+    # Two workers may discover a dimension at once; concurrent CREATE INDEX IF
+    # NOT EXISTS can still collide in the catalog, so serialise them.
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (name,))
+        if _index_exists(conn, name):
+            return
+        conn.execute(
+            f"CREATE INDEX {name} ON app.embeddings"
+            f" USING hnsw ((embedding::vector({int(dimension)})) vector_cosine_ops)"
+            f" WHERE model_id = '{literal}'"
+        )
+
+
+def _index_exists(conn: psycopg.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
+                        (name,)).fetchone() is not None
 
 
 def resolve_model_id(conn: psycopg.Connection, name: str) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from . import backoff, crashpoints, db, ledger, models, queue, settings
-from .providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError
+from .providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError, sanitize
 from .queue import ClaimedJob
 
 log = logging.getLogger(__name__)
@@ -192,11 +192,25 @@ class Worker:
                             queue.give_back(conn, owner=owner, job_ids=rest)
                         break
                     self._call(owner, request)
-            except Exception:
-                log.exception("batch failed; its jobs stay leased until rescued")
+            except Exception as exc:
+                # A bug or a database hiccup, not the items' fault: count the
+                # attempt and let the backoff retry them (rescue covers us if
+                # even this fails).
+                log.exception("batch failed in the worker")
+                self._fail_held(owner, jobs, exc)
             finally:
                 with self._held_lock:
                     self._held.pop(owner, None)
+
+    def _fail_held(self, owner: str, jobs: Sequence[ClaimedJob], exc: Exception) -> None:
+        try:
+            with self._pool.connection() as conn:
+                delays = [backoff.retry_delay(j.attempts, base=settings.backoff_base(), cap=settings.backoff_cap())
+                          for j in jobs]
+                queue.fail_retryable(conn, owner=owner, job_ids=[j.job_id for j in jobs], delays=delays,
+                                     error_class="worker_error", message=sanitize(f"{type(exc).__name__}: {exc}"))
+        except Exception:
+            log.exception("could not hand back jobs; they return when their lease expires")
 
     def _split(self, jobs: Sequence[ClaimedJob]) -> list[list[ClaimedJob]]:
         """Group jobs into requests bounded by inputs and a token budget."""
@@ -208,6 +222,11 @@ class Worker:
         limit = self.provider.spec.max_batch_tokens
         for job in jobs:
             if job.text is None:
+                continue
+            if job.attempts > 1:
+                # A job that failed before goes alone: if it is the poison, it
+                # no longer drags innocent neighbours through its retries.
+                requests.append([job])
                 continue
             n = count_tokens(job.text)
             if current and (tokens + n > limit or len(current) >= self._batch):

@@ -1,0 +1,142 @@
+"""Shared fixtures: a real PostgreSQL (embedded, or PIPELINE_DATABASE_URL's
+server), a fresh database per test module, the fake OpenAI server, corpora,
+and helpers that run the real CLI in real processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pipeline_assets import db, embedded
+from pipeline_assets_tests.fake_openai import FakeOpenAI
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_MODEL = "fake-embed"   # unknown to the provider table: dimension discovered from the first response
+FAKE_DIM = 16
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory) -> str:
+    """The PostgreSQL server the suite creates its databases on."""
+    url = os.environ.get("PIPELINE_TEST_SERVER_URL") or os.environ.get("PIPELINE_DATABASE_URL")
+    if url:
+        return url
+    home = Path(os.environ.get("PIPELINE_TEST_HOME") or tmp_path_factory.mktemp("pg"))
+    return embedded.ensure_server(home)
+
+
+def _with_dbname(url: str, name: str) -> str:
+    return psycopg.conninfo.make_conninfo(url, dbname=name)
+
+
+@pytest.fixture(scope="module")
+def database_url(server_url, request) -> str:
+    """A fresh, migrated database for this test module."""
+    name = "t_" + re.sub(r"\W", "_", request.module.__name__.split(".")[-1])[:40] + "_" + uuid.uuid4().hex[:6]
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = _with_dbname(server_url, name)
+    with db.session(url):
+        pass
+    yield url
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def conn(database_url):
+    c = db.connect(database_url)
+    db.migrate(c)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def clean_db(conn):
+    """Empty every table (same schema) so a test starts from nothing."""
+    conn.execute("""TRUNCATE app.sources, app.documents, app.chunks, app.embedding_jobs, app.embeddings,
+                    app.stage_runs, app.provider_state, app.provider_calls, app.input_sends,
+                    app.models CASCADE""")
+    return conn
+
+
+@pytest.fixture
+def fake():
+    with FakeOpenAI(dim=FAKE_DIM) as srv:
+        yield srv
+
+
+@pytest.fixture
+def env(database_url, fake, tmp_path, monkeypatch):
+    """Environment for in-process calls and CLI subprocesses: fake provider, test database, fast backoff."""
+    values = {
+        "PIPELINE_DATABASE_URL": database_url,
+        "OPENAI_API_KEY": "test-key",
+        "OPENAI_BASE_URL": fake.base_url,
+        "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL,
+        "PIPELINE_BACKOFF_BASE": "0.05",
+        "PIPELINE_BACKOFF_CAP": "0.2",
+        "PIPELINE_CALL_TIMEOUT": "5",
+        "PIPELINE_HOME": str(tmp_path / "home"),
+    }
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("PIPELINE_CRASHPOINT", raising=False)
+    full = dict(os.environ)
+    return full
+
+
+def write_corpus(root: Path, n: int, *, prefix: str = "doc", words: int = 60) -> list[Path]:
+    """n small distinct markdown documents."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = root / f"{prefix}{i:04d}.md"
+        body = " ".join(f"w{(i * 7 + j) % 997}" for j in range(words))
+        p.write_text(f"# {prefix} {i}\n\n{body}\n")
+        paths.append(p)
+    return paths
+
+
+def cli(*args: str, env: dict, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pipeline-assets {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def start_cli(*args: str, env: dict) -> subprocess.Popen:
+    """A CLI process in its own process group, so a test can SIGKILL the whole group."""
+    return subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 30) -> str:
+    """Read the process's stderr until a line containing needle (e.g. a CRASHPOINT)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if needle in line:
+            return line
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"process never printed {needle!r} (exit {proc.poll()})")
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
+def job_counts(conn) -> dict[str, int]:
+    return dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY status").fetchall())
