@@ -10,7 +10,7 @@ other state moves nothing: that is how a refused transition looks.
 # clock, never the worker's. A shared provider pause (429) blocks all claims.
 CLAIM = """
 WITH picked AS (
-    SELECT job_id FROM app.embedding_jobs
+    SELECT job_id, chunk_checksum FROM app.embedding_jobs
     WHERE model_id = %(model)s
       AND status IN ('pending', 'retry')
       AND available_at <= now()
@@ -27,9 +27,10 @@ SET status = 'processing',
     attempts = j.attempts + 1,
     updated_at = now()
 FROM picked
+LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
+                   WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
 WHERE j.job_id = picked.job_id
-RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts,
-          (SELECT c.text FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum LIMIT 1) AS text
+RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count
 """
 
 # processing -> ready, only under this lease and only while the content is still

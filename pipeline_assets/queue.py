@@ -28,6 +28,7 @@ class ClaimedJob:
     attempts: int
     max_attempts: int
     text: str | None  # None: no current chunk carries the checksum any more
+    token_count: int | None = None
 
 
 def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int,

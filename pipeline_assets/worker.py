@@ -214,8 +214,6 @@ class Worker:
 
     def _split(self, jobs: Sequence[ClaimedJob]) -> list[list[ClaimedJob]]:
         """Group jobs into requests bounded by inputs and a token budget."""
-        from .chunking import count_tokens
-
         requests: list[list[ClaimedJob]] = []
         current: list[ClaimedJob] = []
         tokens = 0
@@ -228,7 +226,7 @@ class Worker:
                 # no longer drags innocent neighbours through its retries.
                 requests.append([job])
                 continue
-            n = count_tokens(job.text)
+            n = job.token_count or 0
             if current and (tokens + n > limit or len(current) >= self._batch):
                 requests.append(current)
                 current, tokens = [], 0
