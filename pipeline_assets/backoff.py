@@ -11,7 +11,8 @@ import random
 
 def full_jitter(attempt: int, *, base: float, cap: float, rng: random.Random | None = None) -> float:
     """Delay before retry number ``attempt`` (1-based attempts already made)."""
-    bound = min(cap, base * (2 ** max(attempt, 0)))
+    # 2**62 already exceeds any sane cap; clamping keeps the float math finite.
+    bound = min(cap, base * (2 ** min(max(attempt, 0), 62)))
     return (rng or random).uniform(0.0, bound)
 
 

@@ -134,21 +134,23 @@ RETURNING j.job_id, j.status
 """
 
 # pending|retry|processing|ready|failed -> superseded when no current chunk
-# carries the checksum any more; the vector goes with it. Optionally limited to
-# some checksums (the ones an ingest batch just dropped).
+# carries the checksum any more. Optionally limited to some checksums (the ones
+# an ingest batch just dropped). The vectors go in a SEPARATE statement
+# (DELETE_VECTORS): a completion that committed while this UPDATE waited on its
+# row is only visible to a statement with a newer snapshot.
 SUPERSEDE_UNWANTED = """
-WITH gone AS (
-    UPDATE app.embedding_jobs j
-    SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
-    WHERE j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
-      AND (%(checksums)s::bytea[] IS NULL OR j.chunk_checksum = ANY(%(checksums)s::bytea[]))
-      AND NOT EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
-    RETURNING j.chunk_checksum, j.model_id
-), dropped AS (
-    DELETE FROM app.embeddings e USING gone g
-    WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
-)
-SELECT count(*) FROM gone
+UPDATE app.embedding_jobs j
+SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+WHERE j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
+  AND (%(checksums)s::bytea[] IS NULL OR j.chunk_checksum = ANY(%(checksums)s::bytea[]))
+  AND NOT EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+RETURNING j.chunk_checksum, j.model_id
+"""
+
+DELETE_VECTORS = """
+DELETE FROM app.embeddings e
+USING unnest(%(checksums)s::bytea[], %(models)s::text[]) AS g(chunk_checksum, model_id)
+WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
 """
 
 # New work: every current chunk x active model without a job. Set-based;

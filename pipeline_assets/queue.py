@@ -103,8 +103,12 @@ def requeue_failed(conn: psycopg.Connection, job_ids: Sequence[int] = (), *, all
 
 
 def supersede_unwanted(conn: psycopg.Connection, checksums: Sequence[bytes] | None = None) -> int:
-    return conn.execute(queries.SUPERSEDE_UNWANTED,
-                        {"checksums": list(checksums) if checksums is not None else None}).fetchone()[0]
+    """Supersede jobs whose content nobody wants, and delete their vectors."""
+    gone = conn.execute(queries.SUPERSEDE_UNWANTED,
+                        {"checksums": list(checksums) if checksums is not None else None}).fetchall()
+    if gone:
+        conn.execute(queries.DELETE_VECTORS, {"checksums": [g[0] for g in gone], "models": [g[1] for g in gone]})
+    return len(gone)
 
 
 def revive_wanted(conn: psycopg.Connection, checksums: Sequence[bytes] | None = None) -> int:

@@ -1,0 +1,77 @@
+"""Shared helpers for the benchmarks: a fresh database per run, small utilities.
+
+Each benchmark creates its own database (bench_<name>_<random>) on the server
+named by PIPELINE_DATABASE_URL, or on the embedded server under PIPELINE_HOME
+(default ./.pipeline), migrates it with the project's own migrations, and drops
+it at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import psycopg
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a clean checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from pipeline_assets import db, embedded  # noqa: E402
+
+
+def server_url() -> str:
+    url = os.environ.get("PIPELINE_DATABASE_URL")
+    if url:
+        return url
+    return embedded.ensure_server(Path(os.environ.get("PIPELINE_HOME", ".pipeline")))
+
+
+def with_dbname(url: str, name: str) -> str:
+    return psycopg.conninfo.make_conninfo(url, dbname=name)
+
+
+@contextmanager
+def fresh_database(tag: str) -> Iterator[str]:
+    """CREATE DATABASE bench_<tag>_<rand>, migrate it, yield its URL, drop it."""
+    server = server_url()
+    name = f"bench_{tag}_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = with_dbname(server, name)
+    try:
+        with db.session(url):
+            pass
+        yield url
+    finally:
+        with psycopg.connect(server, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def emit(result: dict) -> None:
+    print(json.dumps(result, indent=2, default=str), flush=True)
+
+
+def rate(n: int, seconds: float) -> float:
+    return round(n / seconds, 1) if seconds > 0 else float("inf")

@@ -1,0 +1,247 @@
+"""B1: core throughput of the job table, with no provider cost.
+
+Measured side by side in one run, on one fresh database:
+  (a) ingest_directory over N one-chunk documents           -> chunks/s
+  (b) the real Worker, zero-latency provider (claim -> embed -> complete,
+      concurrency 4, 100 inputs per batch)                   -> jobs/s
+  (c) raw binary COPY of N vectors into a bare table         -> rows/s
+  (d) naive baseline: claim 1 / complete 1 per transaction   -> jobs/s
+  (e) pgqueuer 1.6 draining N no-op jobs (QueueManager)      -> jobs/s
+Diagnostics (to explain the ratios): the worker again for a second model
+without the per-model HNSW index, and COPY into a table with an HNSW index.
+
+    python benchmarks/b1_core.py [--chunks 20000] [--dim 256] [--naive-jobs 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import psycopg
+from pgvector.psycopg import register_vector
+
+from _common import Timer, emit, fresh_database, rate
+
+from pipeline_assets import db, models, queue
+from pipeline_assets.chunking import chunker_from_env
+from pipeline_assets.ingest import IngestOptions, ingest_directory
+from pipeline_assets.providers import EmbedResult, ModelSpec
+from pipeline_assets.sources import max_input_bytes_from_env
+from pipeline_assets.worker import Worker, WorkerConfig
+
+
+class ZeroLatencyProvider:
+    """Implements the Provider protocol; returns random vectors at once."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.spec = ModelSpec(provider="bench", name="zero-latency", dimension=dim, max_input_tokens=8191,
+                              max_batch_inputs=2048, max_batch_tokens=1_000_000)
+
+    def embed(self, texts: Sequence[str]) -> EmbedResult:
+        vecs = np.random.default_rng().standard_normal((len(texts), self.dim), dtype=np.float32)
+        return EmbedResult(vectors=list(vecs), tokens=len(texts))
+
+    def close(self) -> None:
+        pass
+
+
+def write_corpus(root: Path, n: int, tag: str) -> None:
+    """n small, distinct documents (one chunk each), 1000 per folder."""
+    for i in range(n):
+        folder = root / f"{i // 1000:04d}"
+        if i % 1000 == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{tag}-{i:06d}.txt").write_text(
+            f"Document {tag} {i}. A short note about retries, leases and idempotent embedding jobs.\n")
+
+
+def ingest_options() -> IngestOptions:
+    return IngestOptions(chunker=chunker_from_env(hard_limit=8191), max_bytes=max_input_bytes_from_env())
+
+
+def bench_ingest(conn, root: Path, n: int) -> dict:
+    with Timer() as t:
+        report = ingest_directory(conn, root, ingest_options())
+    assert report.chunks == n and report.enqueued == n, report
+    return {"documents": report.scanned, "chunks": report.chunks, "jobs_enqueued": report.enqueued,
+            "seconds": round(t.seconds, 3), "chunks_per_s": rate(report.chunks, t.seconds)}
+
+
+def bench_worker(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
+    config = WorkerConfig(concurrency=4, until_idle=True, batch_inputs=100, poll_seconds=0.05)
+    with Timer() as t:
+        report = Worker(url, provider, config).run()
+    assert report.embedded == n, report.as_dict()
+    return {"config": "concurrency=4 batch_inputs=100 poll_seconds=0.05", "jobs": report.embedded,
+            "provider_calls": report.provider_calls, "seconds": round(t.seconds, 3),
+            "jobs_per_s": rate(report.embedded, t.seconds)}
+
+
+def bench_copy(url: str, n: int, dim: int, hnsw: bool = False) -> dict:
+    """Binary COPY into a bare table; with hnsw=True the table carries the same
+    kind of HNSW index (m=16, ef_construction=64 defaults) that app.embeddings has."""
+    vecs = np.random.default_rng(1).standard_normal((n, dim), dtype=np.float32)
+    with psycopg.connect(url, autocommit=True) as conn:
+        register_vector(conn)
+        conn.execute(f"CREATE TABLE bench_copy (id bigint, v vector({dim}))")
+        if hnsw:
+            conn.execute("CREATE INDEX ON bench_copy USING hnsw (v vector_cosine_ops)")
+        with Timer() as t:
+            with conn.cursor().copy("COPY bench_copy (id, v) FROM STDIN WITH (FORMAT BINARY)") as copy:
+                copy.set_types(["bigint", "vector"])
+                for i in range(n):
+                    copy.write_row((i, vecs[i]))
+        count = conn.execute("SELECT count(*) FROM bench_copy").fetchone()[0]
+        conn.execute("DROP TABLE bench_copy")
+    assert count == n
+    return {"rows": n, "seconds": round(t.seconds, 3), "rows_per_s": rate(n, t.seconds)}
+
+
+def bench_worker_without_hnsw(url: str, dim: int, n: int) -> dict:
+    """Diagnostic: the same worker run for a second model whose HNSW index is
+    replaced by a no-op placeholder of the same name (ensure_index then skips it),
+    over the same chunks. Shows what the vector index costs the worker."""
+    provider = ZeroLatencyProvider(dim)
+    provider.spec = dataclasses.replace(provider.spec, name="zero-latency-no-hnsw")
+    with db.connect(url) as conn:
+        name = models._index_name(provider.spec.model_id)
+        conn.execute(f"CREATE INDEX {name} ON app.embeddings (model_id) WHERE false")
+        models.ensure_model(conn, provider.spec)
+        queue.enqueue_missing(conn, max_attempts=5)
+    result = bench_worker(url, provider, n)
+    with db.connect(url) as conn:  # leave the main model the only active one
+        conn.execute("UPDATE app.models SET active = false WHERE model_id = %s", (provider.spec.model_id,))
+    return result
+
+
+def bench_naive(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
+    """One job per transaction: claim(limit=1), embed, complete -- single thread."""
+    model = provider.spec.model_id
+    done = 0
+    with db.connect(url) as conn:
+        with Timer() as t:
+            while True:
+                owner = f"naive/{done}"
+                jobs = queue.claim(conn, model_id=model, owner=owner, limit=1, lease_seconds=60)
+                if not jobs:
+                    break
+                result = provider.embed([jobs[0].text])
+                ready, _ = queue.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
+                done += len(ready)
+    assert done == n, done
+    return {"jobs": done, "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}
+
+
+def _asyncpg_kwargs(url: str) -> dict:
+    d = psycopg.conninfo.conninfo_to_dict(url)
+    kw = {"host": d.get("host"), "user": d.get("user"), "database": d.get("dbname")}
+    if d.get("port"):
+        kw["port"] = int(d["port"])
+    if d.get("password"):
+        kw["password"] = d["password"]
+    return kw
+
+
+async def _pgqueuer_drain(url: str, n: int, batch_size: int, install: bool) -> dict:
+    import asyncpg
+    from pgqueuer import AsyncpgDriver, Queries, QueueManager
+    from pgqueuer.domain.types import QueueExecutionMode
+
+    conn = await asyncpg.connect(**_asyncpg_kwargs(url))
+    try:
+        q = Queries(AsyncpgDriver(conn))
+        if install:
+            await q.install()
+        with Timer() as te:
+            for i in range(0, n, 1000):
+                k = min(1000, n - i)
+                await q.enqueue(["noop"] * k, [None] * k, [0] * k)
+    finally:
+        await conn.close()
+
+    conn = await asyncpg.connect(**_asyncpg_kwargs(url))
+    try:
+        qm = QueueManager(Queries(AsyncpgDriver(conn)))
+        done = 0
+
+        @qm.entrypoint("noop")
+        async def noop(job) -> None:
+            nonlocal done
+            done += 1
+
+        with Timer() as t:
+            await qm.run(batch_size=batch_size, mode=QueueExecutionMode.drain,
+                         dequeue_timeout=timedelta(seconds=1))
+    finally:
+        await conn.close()
+    assert done == n, done
+    return {"batch_size": batch_size, "jobs": done, "enqueue_seconds": round(te.seconds, 3),
+            "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}
+
+
+def bench_pgqueuer(url: str, n: int) -> dict:
+    try:
+        import pgqueuer
+    except ImportError as exc:
+        return {"error": f"pgqueuer not installed ({exc}); pip install -e '.[bench]'"}
+    logging.getLogger("pgqueuer").setLevel(logging.WARNING)
+    try:
+        default = asyncio.run(_pgqueuer_drain(url, n, batch_size=10, install=True))
+        batch100 = asyncio.run(_pgqueuer_drain(url, n, batch_size=100, install=False))
+    except Exception as exc:  # report exactly why, do not hide the other results
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"version": pgqueuer.__version__, "driver": "AsyncpgDriver, one QueueManager, mode=drain",
+            "default_batch_10": default, "batch_100": batch100, "jobs_per_s": default["jobs_per_s"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunks", type=int, default=20000)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--naive-jobs", type=int, default=2000)
+    args = p.parse_args()
+    n, dim = args.chunks, args.dim
+    provider = ZeroLatencyProvider(dim)
+    out: dict = {"benchmark": "b1_core", "chunks": n, "dim": dim}
+    with fresh_database("b1") as url, tempfile.TemporaryDirectory(prefix="b1-") as tmp:
+        main_dir, naive_dir = Path(tmp) / "main", Path(tmp) / "naive"
+        write_corpus(main_dir, n, "m")
+        write_corpus(naive_dir, args.naive_jobs, "n")
+        with db.connect(url) as conn:
+            models.ensure_model(conn, provider.spec)  # jobs are enqueued for active models
+            out["ingest"] = bench_ingest(conn, main_dir, n)
+        out["worker"] = bench_worker(url, provider, n)
+        out["copy"] = bench_copy(url, n, dim)
+        out["diagnostics"] = {"worker_without_hnsw": bench_worker_without_hnsw(url, dim, n),
+                              "copy_into_hnsw_table": bench_copy(url, n, dim, hnsw=True)}
+        with db.connect(url) as conn:
+            bench_ingest(conn, naive_dir, args.naive_jobs)
+        out["naive_one_per_txn"] = bench_naive(url, provider, args.naive_jobs)
+        out["pgqueuer"] = bench_pgqueuer(url, n)
+
+    w = out["worker"]["jobs_per_s"]
+    out["ratio_to_copy"] = round(w / out["copy"]["rows_per_s"], 3)
+    d = out["diagnostics"]
+    d["ratio_to_copy_without_hnsw"] = round(d["worker_without_hnsw"]["jobs_per_s"] / out["copy"]["rows_per_s"], 3)
+    d["ratio_to_copy_into_hnsw_table"] = round(w / d["copy_into_hnsw_table"]["rows_per_s"], 3)
+    out["ratio_to_naive"] = round(w / out["naive_one_per_txn"]["jobs_per_s"], 2)
+    pgq = out["pgqueuer"].get("jobs_per_s")
+    out["ratio_to_pgqueuer"] = round(w / pgq, 2) if pgq else None
+    out["ratio_to_pgqueuer_batch100"] = (round(w / out["pgqueuer"]["batch_100"]["jobs_per_s"], 2)
+                                         if pgq else None)
+    out["targets"] = {"ratio_to_copy>=0.25": out["ratio_to_copy"] >= 0.25,
+                      "ratio_to_pgqueuer>=5": bool(pgq) and out["ratio_to_pgqueuer"] >= 5}
+    emit(out)
+
+
+if __name__ == "__main__":
+    main()

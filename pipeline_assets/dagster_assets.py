@@ -1,0 +1,246 @@
+"""Dagster assets: documents -> chunks -> embeddings, one partition per source document.
+
+The partition key is the stable ``document_id`` (the path relative to the source
+root). The assets are thin: ``documents`` calls the core's ``ingest_paths``
+(extract, chunk and enqueue in one transaction per batch), ``chunks`` reports
+what the database holds (and re-chunks only documents produced by another
+extractor/chunker version), ``embeddings`` runs the in-process worker until the
+job table is idle. PostgreSQL stays the source of truth; Dagster records what
+ran, with which code version and which data version.
+
+Every asset has ``BackfillPolicy.single_run()``: a backfill of N partitions is
+one run over a partition range, and the job table does the per-item work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Iterable, Sequence
+
+import dagster as dg
+
+from . import models, queue, reports, stages
+from .chunking import chunker_from_env
+from .dagster_resources import (EmbeddingProviderResource, PostgresResource, SourceDirectoryResource,
+                                embedding_model_id)
+from .extract import extractor_version
+from .ingest import IngestReport, ingest_paths
+from .worker import FatalProviderError, Worker, WorkerConfig
+
+PARTITIONS_NAME = "documents"
+DOCUMENT_PARTITIONS = dg.DynamicPartitionsDefinition(name=PARTITIONS_NAME)
+GROUP = "embedding_pipeline"
+
+DOCUMENTS = dg.AssetKey("documents")
+CHUNKS = dg.AssetKey("chunks")
+EMBEDDINGS = dg.AssetKey("embeddings")
+ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
+
+# Run tags set by the sensors. FORCE re-extracts even unchanged bytes (a rerun
+# after a parser fix must also refresh quarantined documents).
+FORCE_TAG = "pipeline/force"
+RERUN_TAG = "pipeline/rerun"
+
+# "|" separates the dimensions of multi-partition keys; the rest are refused by
+# Dagster itself ("..." is its partition-range separator).
+INVALID_KEY_PARTS = ("|", "...", "\n", "\r", "\t", "\0", "\a", "\b", "\f", "\v")
+
+
+def partition_key_problem(document_id: str) -> str | None:
+    """Why a document id cannot be a partition key, or None if it can."""
+    if not document_id:
+        return "empty document id"
+    for part in INVALID_KEY_PARTS:
+        if part in document_id:
+            return f"contains {part!r}"
+    return None
+
+
+def valid_partition_keys(keys: Iterable[str], log) -> list[str]:
+    """The keys usable as document ids; each refused one is logged once, clearly."""
+    good = []
+    for key in keys:
+        problem = partition_key_problem(key)
+        if problem:
+            log.warning(f"skipping document {key!r}: {problem}; it cannot be a Dagster partition key "
+                        "(rename the file, or let `pipeline-assets reconcile` handle it)")
+        else:
+            good.append(key)
+    return good
+
+
+def code_versions(model: str | None = None) -> dict[str, str]:
+    """Code version of each asset from the current environment."""
+    return {
+        "documents": extractor_version(),
+        "chunks": chunker_from_env().version,
+        "embeddings": embedding_model_id(model),
+    }
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
+def _single(keys: Sequence[str]) -> str | None:
+    return keys[0] if len(keys) == 1 else None
+
+
+def _report_metadata(report: IngestReport) -> dict[str, int]:
+    return {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
+
+
+def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefinition]:
+    """The three assets, with code versions read from the environment now.
+
+    A factory so that tests (and anything else changing PIPELINE_EXTRACTOR_VERSION
+    or the model in-process) can build definitions that see the change.
+    """
+    v = versions or code_versions()
+    common = dict(partitions_def=DOCUMENT_PARTITIONS, backfill_policy=dg.BackfillPolicy.single_run(),
+                  group_name=GROUP, kinds={"postgres"})
+
+    @dg.asset(name="documents", code_version=v["documents"], **common,
+              description="Source documents extracted to text (and chunked and enqueued by the same "
+                          "ingest transaction). Data version: sha256 of the extracted text.")
+    def documents(context: dg.AssetExecutionContext, postgres: PostgresResource,
+                  embedding_provider: EmbeddingProviderResource,
+                  source: SourceDirectoryResource) -> dg.MaterializeResult:
+        started = time.monotonic()
+        keys = valid_partition_keys(context.partition_keys, context.log)
+        root = source.root_path()
+        rt = embedding_provider.runtime(run_id=context.run.run_id)
+        rt.options.force = context.run.tags.get(FORCE_TAG) == "true"
+        with postgres.connection() as conn:
+            models.ensure_model(conn, rt.provider.spec)
+            report = ingest_paths(conn, root, keys, rt.options) if keys else IngestReport()
+            summaries = reports.document_summaries(conn, str(root), keys)
+        data_versions = {}
+        for key in keys:
+            s = summaries.get(key)
+            if s is None:
+                meta = {"status": "absent"}
+                data_versions[key] = "absent"
+            else:
+                meta = {"status": s.status, "text_checksum": s.text_checksum or "",
+                        "source_checksum": s.source_checksum or ""}
+                if s.error_class:
+                    meta["error_class"] = s.error_class
+                data_versions[key] = s.text_checksum or f"{s.status}:{s.error_class}:{s.source_checksum}"
+            context.add_asset_metadata(meta, partition_key=key)
+        metadata = {**_report_metadata(report), "partitions": len(context.partition_keys),
+                    "skipped_invalid_keys": len(context.partition_keys) - len(keys),
+                    "duration_seconds": round(time.monotonic() - started, 3), "source_root": str(root)}
+        one = _single(keys)
+        return dg.MaterializeResult(metadata=metadata,
+                                    data_version=dg.DataVersion(data_versions[one]) if one else None)
+
+    @dg.asset(name="chunks", deps=[documents], code_version=v["chunks"], **common,
+              description="Current chunks of each document in app.chunks. Data version: sha256 of the "
+                          "chunk checksums in order. Re-chunks documents made by other code versions.")
+    def chunks(context: dg.AssetExecutionContext, postgres: PostgresResource,
+               embedding_provider: EmbeddingProviderResource,
+               source: SourceDirectoryResource) -> dg.MaterializeResult:
+        started = time.monotonic()
+        keys = valid_partition_keys(context.partition_keys, context.log)
+        root = source.root_path()
+        rt = embedding_provider.runtime(run_id=context.run.run_id)
+        wanted = (extractor_version(), rt.options.chunker.version)
+        with postgres.connection() as conn:
+            summaries = reports.document_summaries(conn, str(root), keys)
+            # Normally `documents` just did the work; materialized alone after a
+            # chunker change, this asset brings the partition up to date itself.
+            todo = [k for k in keys if k not in summaries or (
+                summaries[k].status != "deleted"
+                and (summaries[k].extractor_version, summaries[k].chunker_version) != wanted)]
+            if todo:
+                models.ensure_model(conn, rt.provider.spec)
+                ingest_paths(conn, root, todo, rt.options)
+                summaries = reports.document_summaries(conn, str(root), keys)
+        for key in keys:
+            s = summaries.get(key)
+            context.add_asset_metadata({"chunk_count": s.chunks if s else 0,
+                                        "chunks_digest": s.chunks_digest if s else ""}, partition_key=key)
+        metadata = {"chunks": sum(s.chunks for s in summaries.values()),
+                    "tokens": sum(s.tokens for s in summaries.values()),
+                    "rechunked": len(todo), "partitions": len(context.partition_keys),
+                    "duration_seconds": round(time.monotonic() - started, 3)}
+        one = _single(keys)
+        version = None
+        if one:
+            version = summaries[one].chunks_digest if one in summaries else "absent"
+        return dg.MaterializeResult(metadata=metadata,
+                                    data_version=dg.DataVersion(version) if version else None)
+
+    @dg.asset(name="embeddings", deps=[chunks], code_version=v["embeddings"], **common,
+              description="Vectors of the chunks for the configured model (app.embeddings), made by the "
+                          "in-process worker. Code version: the model id.")
+    def embeddings(context: dg.AssetExecutionContext, postgres: PostgresResource,
+                   embedding_provider: EmbeddingProviderResource,
+                   source: SourceDirectoryResource) -> dg.MaterializeResult:
+        """Embed the partition's chunks (and anything else waiting in the job table).
+
+        The model id is this asset's code version. One model is active at a time,
+        chosen by the environment (PIPELINE_EMBEDDING_MODEL, OPENAI_API_KEY), and
+        the vectors are a function of (chunk text, model): the model is the code
+        that turns the upstream data into this asset. Changing the model is
+        therefore a code-version change, and Dagster marks every embeddings
+        partition stale until it is re-materialized with the new model, while
+        documents and chunks stay fresh. Re-materializing is cheap where nothing
+        changed: jobs are keyed by (chunk checksum, model), so only content
+        without a vector for the new model is sent to the provider.
+        """
+        started = time.monotonic()
+        keys = valid_partition_keys(context.partition_keys, context.log)
+        root = str(source.root_path())
+        rt = embedding_provider.runtime(run_id=context.run.run_id)
+        model_id = rt.model_id
+        with postgres.connection() as conn:
+            models.ensure_model(conn, rt.provider.spec)
+            summaries = reports.document_summaries(conn, root, keys)
+            pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
+            enqueued = queue.enqueue_for_docs(conn, pks, rt.options.max_attempts)
+            _, before = reports.embedding_coverage(conn, root, keys, model_id)
+        worker = Worker(postgres.url(), rt.provider, WorkerConfig(until_idle=True))
+        try:
+            work = worker.run()
+        except FatalProviderError as exc:
+            raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
+                             allow_retries=False) from None
+        with postgres.connection() as conn:
+            stages.refresh_embed(conn, model_id)
+            per_doc, after = reports.embedding_coverage(conn, root, keys, model_id)
+        for key in keys:
+            cov = per_doc.get(key)
+            if cov:
+                context.add_asset_metadata({"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed},
+                                           partition_key=key)
+        metadata = {
+            "model": model_id,
+            "chunks": after.wanted,
+            "embedded": work.embedded,
+            "reused": before.ready,
+            "superseded": work.superseded,
+            "failed": after.failed,
+            "waiting": after.waiting,
+            "enqueued": enqueued,
+            "retried": work.retried,
+            "throttled": work.throttled,
+            "provider_calls": work.provider_calls,
+            "tokens": work.tokens,
+            "coverage_ratio": round(after.ready / after.wanted, 6) if after.wanted else 1.0,
+            "partitions": len(context.partition_keys),
+            "duration_seconds": round(time.monotonic() - started, 3),
+        }
+        one = _single(keys)
+        version = None
+        if one:
+            s = summaries.get(one)
+            cov = per_doc.get(one)
+            version = _digest(model_id, s.chunks_digest if s else "absent",
+                              f"{cov.ready}/{cov.wanted}" if cov else "0/0")
+        return dg.MaterializeResult(metadata=metadata,
+                                    data_version=dg.DataVersion(version) if version else None)
+
+    return [documents, chunks, embeddings]

@@ -1,0 +1,159 @@
+"""The embedded PostgreSQL: no PIPELINE_DATABASE_URL, only PIPELINE_HOME.
+
+The real CLI starts (or reuses) the server under PIPELINE_HOME; it must outlive
+any CLI process, even one whose whole process group is SIGKILLed, and several
+processes starting it at once must all succeed. Every test stops its server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import psutil
+import psycopg
+import pytest
+
+from pipeline_assets import db, embedded
+from pipeline_assets_tests.conftest import cli, kill_group, start_cli, write_corpus
+
+LOCAL_MODEL_ID = "local/hashing-cl100k-v1@256"
+
+
+def embedded_env(home: Path) -> dict:
+    """The environment of a user with nothing configured but PIPELINE_HOME: embedded DB, local model."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PIPELINE_", "OPENAI_", "PGSERVER_"))}
+    env["PIPELINE_HOME"] = str(home)
+    return env
+
+
+def postmasters_of(pgdata: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].endswith("/postgres") and "-D" in cmd and cmd[cmd.index("-D") + 1] == str(pgdata):
+            found.append(p)
+    return found
+
+
+@pytest.fixture
+def home(tmp_path):
+    h = (tmp_path / "home").resolve()
+    yield h
+    try:
+        embedded.stop_server(h)
+    finally:
+        deadline = time.monotonic() + 15
+        while postmasters_of(h / "pgdata") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not postmasters_of(h / "pgdata"), f"embedded postgres under {h} still running"
+
+
+def wait_until(predicate, timeout: float = 30, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_embedded_server_survives_sigkilled_worker_group(home, tmp_path):
+    env = embedded_env(home)
+    expected = [p.name for p in db.migration_files()]
+    first = cli("migrate", env=env, timeout=180)
+    assert first.stdout.startswith(f"applied {len(expected)} migration(s)"), first.stdout
+    assert cli("migrate", env=env).stdout.strip() == "applied 0 migration(s)"
+    assert (home / "pgdata" / "postmaster.pid").exists()
+    assert len(postmasters_of(home / "pgdata")) == 1
+
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 30)
+    cli("ingest", str(corpus), env=env)
+
+    url = embedded.ensure_server(home)  # the running server's URI (no second server)
+    assert len(postmasters_of(home / "pgdata")) == 1
+
+    worker = start_cli("work", env=env)  # local model, no --until-idle: runs until killed
+    try:
+        with psycopg.connect(url, autocommit=True) as c:
+            wait_until(lambda: c.execute(
+                "SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] > 0,
+                what="the worker to embed something")
+            assert c.execute("SELECT DISTINCT model_id FROM app.embedding_jobs").fetchall() == [(LOCAL_MODEL_ID,)]
+    finally:
+        kill_group(worker)
+    assert worker.returncode == -9
+
+    st = cli("status", "--json", env=env)
+    assert st.returncode == 0
+    data = json.loads(st.stdout)
+    assert data["documents"] == {"current": 30}
+    assert LOCAL_MODEL_ID in data["coverage"]
+    assert len(postmasters_of(home / "pgdata")) == 1
+    # The database still takes writes too: a fresh worker finishes the rest.
+    cli("work", "--until-idle", env=env)
+    data = json.loads(cli("status", "--json", env=env).stdout)
+    cov = data["coverage"][LOCAL_MODEL_ID]
+    assert cov["ready"] == cov["wanted"] > 0
+    assert "processing" not in data["jobs"]
+
+
+def test_two_ingests_on_fresh_home_share_one_server(home, tmp_path):
+    env = embedded_env(home)
+    assert not home.exists()
+    corpora = [tmp_path / "a", tmp_path / "b"]
+    write_corpus(corpora[0], 12, prefix="a")
+    write_corpus(corpora[1], 9, prefix="b")
+    procs = [start_cli("ingest", str(c), "--json", env=env) for c in corpora]
+    reports = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        assert "Traceback" not in err
+        reports.append(json.loads(out))
+    assert [(r["scanned"], r["new"]) for r in reports] == [(12, 12), (9, 9)]
+    assert len(postmasters_of(home / "pgdata")) == 1
+
+    url = embedded.ensure_server(home)
+    with psycopg.connect(url) as c:
+        assert c.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 21
+        assert c.execute("SELECT count(*) FROM app.sources").fetchone()[0] == 2
+        rows = c.execute("SELECT version, count(*) FROM app.schema_migrations GROUP BY 1 ORDER BY 1").fetchall()
+        assert rows == [(p.name, 1) for p in db.migration_files()]
+        assert c.execute("SELECT count(*) FROM app.models").fetchone()[0] == 1
+        distinct = c.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
+        assert c.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'pending'").fetchone()[0] \
+            == distinct
+
+
+def test_server_started_by_a_worker_survives_its_group_sigkill(home, tmp_path):
+    """The first process to need the database is a worker; killing its group must not take the server."""
+    env = embedded_env(home)
+    assert not home.exists()
+    worker = start_cli("work", env=env)
+    try:
+        wait_until(lambda: embedded._uri_if_running(home / "pgdata") if (home / "pgdata").exists() else None,
+                   timeout=120, what="the embedded server to be ready")
+        url = embedded.ensure_server(home)
+        # Wait until the worker is past start-up (it registered the local model).
+        with psycopg.connect(url, autocommit=True) as c:
+            wait_until(lambda: _has_model(c), what="the worker to register its model")
+    finally:
+        kill_group(worker)
+    st = cli("status", "--json", env=env)
+    assert st.returncode == 0, st.stderr
+    assert json.loads(st.stdout)["jobs"] == {}
+    assert len(postmasters_of(home / "pgdata")) == 1
+
+
+def _has_model(c) -> bool:
+    try:
+        return c.execute("SELECT count(*) FROM app.models").fetchone()[0] > 0
+    except psycopg.errors.UndefinedTable:
+        c.rollback() if not c.autocommit else None
+        return False
