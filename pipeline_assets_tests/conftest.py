@@ -31,7 +31,9 @@ def server_url(tmp_path_factory) -> str:
     if url:
         return url
     home = Path(os.environ.get("PIPELINE_TEST_HOME") or tmp_path_factory.mktemp("pg"))
-    return embedded.ensure_server(home)
+    yield embedded.ensure_server(home)
+    if not os.environ.get("PIPELINE_TEST_HOME"):
+        embedded.stop_server(home)  # a server this session started does not outlive it
 
 
 def _with_dbname(url: str, name: str) -> str:

