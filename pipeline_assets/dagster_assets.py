@@ -12,10 +12,11 @@ Every asset has ``BackfillPolicy.single_run()``: a backfill of N partitions is
 one run over a partition range, and the job table does the per-item work.
 """
 
-from __future__ import annotations
 
 import hashlib
+import os
 import time
+import warnings
 from typing import Iterable, Sequence
 
 import dagster as dg
@@ -36,6 +37,9 @@ DOCUMENTS = dg.AssetKey("documents")
 CHUNKS = dg.AssetKey("chunks")
 EMBEDDINGS = dg.AssetKey("embeddings")
 ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
+
+WORKER_POLL_SECONDS = 0.1
+PER_PARTITION_METADATA_MAX = int(os.environ.get("PIPELINE_PARTITION_METADATA_MAX", "100"))
 
 # Run tags set by the sensors. FORCE re-extracts even unchanged bytes (a rerun
 # after a parser fix must also refresh quarantined documents).
@@ -91,13 +95,38 @@ def _report_metadata(report: IngestReport) -> dict[str, int]:
     return {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
 
 
+def _add_partition_metadata(context: dg.AssetExecutionContext, per_key: dict[str, dict]) -> dict:
+    """Metadata on each partition's own materialization event (its checksum, its counts).
+
+    Dagster re-reads the run's whole partition list on every call, so this is
+    quadratic in the partitions of a run: past PER_PARTITION_METADATA_MAX keys
+    the per-document values stay in the database (the source of truth) and the
+    run records a digest of them instead. Returns the run-level metadata to add.
+    """
+    if len(context.partition_keys) <= PER_PARTITION_METADATA_MAX:
+        for key, meta in per_key.items():
+            context.add_asset_metadata(meta, partition_key=key)
+        return {}
+    digest = _digest(*(f"{k}={sorted(m.items())}" for k, m in sorted(per_key.items())))
+    return {"per_partition_digest": digest,
+            "per_partition_metadata": f"omitted for {len(context.partition_keys)} partitions "
+                                      f"(> {PER_PARTITION_METADATA_MAX}); per-document values are in "
+                                      "app.documents / app.chunks"}
+
+
 def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefinition]:
     """The three assets, with code versions read from the environment now.
 
     A factory so that tests (and anything else changing PIPELINE_EXTRACTOR_VERSION
     or the model in-process) can build definitions that see the change.
     """
-    v = versions or code_versions()
+    # backfill_policy is "beta" in 1.13; it is the point of this layout, so no warning per asset.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
+        return _build_assets(versions or code_versions())
+
+
+def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
     common = dict(partitions_def=DOCUMENT_PARTITIONS, backfill_policy=dg.BackfillPolicy.single_run(),
                   group_name=GROUP, kinds={"postgres"})
 
@@ -117,6 +146,7 @@ def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefini
             report = ingest_paths(conn, root, keys, rt.options) if keys else IngestReport()
             summaries = reports.document_summaries(conn, str(root), keys)
         data_versions = {}
+        per_partition: dict[str, dict] = {}
         for key in keys:
             s = summaries.get(key)
             if s is None:
@@ -128,8 +158,9 @@ def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefini
                 if s.error_class:
                     meta["error_class"] = s.error_class
                 data_versions[key] = s.text_checksum or f"{s.status}:{s.error_class}:{s.source_checksum}"
-            context.add_asset_metadata(meta, partition_key=key)
-        metadata = {**_report_metadata(report), "partitions": len(context.partition_keys),
+            per_partition[key] = meta
+        metadata = {**_add_partition_metadata(context, per_partition), **_report_metadata(report),
+                    "partitions": len(context.partition_keys),
                     "skipped_invalid_keys": len(context.partition_keys) - len(keys),
                     "duration_seconds": round(time.monotonic() - started, 3), "source_root": str(root)}
         one = _single(keys)
@@ -158,11 +189,10 @@ def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefini
                 models.ensure_model(conn, rt.provider.spec)
                 ingest_paths(conn, root, todo, rt.options)
                 summaries = reports.document_summaries(conn, str(root), keys)
-        for key in keys:
-            s = summaries.get(key)
-            context.add_asset_metadata({"chunk_count": s.chunks if s else 0,
-                                        "chunks_digest": s.chunks_digest if s else ""}, partition_key=key)
-        metadata = {"chunks": sum(s.chunks for s in summaries.values()),
+        per_partition = {key: {"chunk_count": s.chunks, "chunks_digest": s.chunks_digest}
+                         for key, s in summaries.items()}
+        metadata = {**_add_partition_metadata(context, per_partition),
+                    "chunks": sum(s.chunks for s in summaries.values()),
                     "tokens": sum(s.tokens for s in summaries.values()),
                     "rechunked": len(todo), "partitions": len(context.partition_keys),
                     "duration_seconds": round(time.monotonic() - started, 3)}
@@ -202,7 +232,9 @@ def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefini
             pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
             enqueued = queue.enqueue_for_docs(conn, pks, rt.options.max_attempts)
             _, before = reports.embedding_coverage(conn, root, keys, model_id)
-        worker = Worker(postgres.url(), rt.provider, WorkerConfig(until_idle=True))
+        # A short idle poll: the run ends ~0.1 s after the job table is idle, not 0.5 s.
+        worker = Worker(postgres.url(), rt.provider,
+                        WorkerConfig(until_idle=True, poll_seconds=WORKER_POLL_SECONDS))
         try:
             work = worker.run()
         except FatalProviderError as exc:
@@ -211,12 +243,10 @@ def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefini
         with postgres.connection() as conn:
             stages.refresh_embed(conn, model_id)
             per_doc, after = reports.embedding_coverage(conn, root, keys, model_id)
-        for key in keys:
-            cov = per_doc.get(key)
-            if cov:
-                context.add_asset_metadata({"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed},
-                                           partition_key=key)
+        per_partition = {key: {"chunks": c.wanted, "ready": c.ready, "failed": c.failed}
+                         for key, c in per_doc.items()}
         metadata = {
+            **_add_partition_metadata(context, per_partition),
             "model": model_id,
             "chunks": after.wanted,
             "embedded": work.embedded,

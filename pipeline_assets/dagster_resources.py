@@ -15,7 +15,6 @@ database, the model and its defaults:
   ``root`` field, else PIPELINE_SOURCE_DIR, else ``examples/corpus``.
 """
 
-from __future__ import annotations
 
 import os
 from contextlib import contextmanager
@@ -54,7 +53,10 @@ class PostgresResource(dg.ConfigurableResource):
         return cls()
 
     def url(self) -> str:
-        return self.database_url or db.database_url()
+        value = self.database_url
+        if isinstance(value, dg.EnvVar):  # used directly, outside a run or sensor
+            value = value.get_value()
+        return value or db.database_url()
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:

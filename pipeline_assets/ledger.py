@@ -17,8 +17,6 @@ from . import queries
 
 def record_call(conn: psycopg.Connection, *, model_id: str, worker_id: str, jobs: Sequence, tokens: int,
                 outcome: str, status: int | None, latency: float, billed: bool) -> None:
-    conn.execute(queries.RECORD_CALL, {"model": model_id, "worker": worker_id, "inputs": len(jobs),
-                                       "tokens": tokens, "outcome": outcome, "status": status,
-                                       "latency": int(latency * 1000)})
-    if billed:
-        conn.execute(queries.RECORD_SENDS, {"model": model_id, "checksums": [j.chunk_checksum for j in jobs]})
+    conn.execute(queries.RECORD_CALL, {"model": model_id, "worker": worker_id, "tokens": tokens,
+                                       "outcome": outcome, "status": status, "latency": int(latency * 1000),
+                                       "checksums": [j.chunk_checksum for j in jobs], "billed": billed})

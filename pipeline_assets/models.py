@@ -1,8 +1,10 @@
 """Model registry: one row per model_id, with its dimension and an HNSW index.
 
 The dimension comes from the model's configuration or, when unknown, from the
-first response; the per-model HNSW index (a partial expression index, since
-one column holds vectors of several dimensions) is created once it is known.
+first response. The per-model HNSW index (a partial expression index, since
+one column holds vectors of several dimensions) is built when a worker first
+finds the queue drained (and by reconcile), so a backfill builds it in bulk
+instead of maintaining it one insert at a time.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
         (spec.model_id, spec.provider, spec.name, spec.dimension, spec.max_input_tokens),
     ).fetchone()
     conn.execute("UPDATE app.models SET active = true WHERE model_id = %s AND NOT active", (spec.model_id,))
-    if spec.dimension:
-        ensure_index(conn, spec.model_id, spec.dimension)
     return row is not None
 
 
@@ -40,7 +40,6 @@ def record_dimension(conn: psycopg.Connection, model_id: str, dimension: int) ->
     """First response of a model whose dimension was unknown: record it and index it."""
     conn.execute("UPDATE app.models SET dimension = %s WHERE model_id = %s AND dimension IS NULL",
                  (dimension, model_id))
-    ensure_index(conn, model_id, dimension)
 
 
 def ensure_index(conn: psycopg.Connection, model_id: str, dimension: int) -> None:

@@ -38,7 +38,7 @@ RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.toke
 # is stored in the same statement.
 COMPLETE = """
 WITH input AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(vecs)s::vector[]) AS t(job_id, embedding)
+    SELECT * FROM unnest(%(ids)s::bigint[], %(vecs)b::vector[]) AS t(job_id, embedding)
 ), won AS (
     UPDATE app.embedding_jobs j
     SET status = 'ready', lease_owner = NULL, lease_expires_at = NULL,
@@ -217,13 +217,15 @@ UPDATE app.provider_state SET consecutive_failures = 0, updated_at = now()
 WHERE model_id = %(model)s AND consecutive_failures <> 0
 """
 
+# One statement per call: the call row, and (when it may have been billed) one
+# more send of each input.
 RECORD_CALL = """
-INSERT INTO app.provider_calls (model_id, worker_id, inputs, tokens, outcome, http_status, latency_ms)
-VALUES (%(model)s, %(worker)s, %(inputs)s, %(tokens)s, %(outcome)s, %(status)s, %(latency)s)
-"""
-
-RECORD_SENDS = """
+WITH call AS (
+    INSERT INTO app.provider_calls (model_id, worker_id, inputs, tokens, outcome, http_status, latency_ms)
+    VALUES (%(model)s, %(worker)s, cardinality(%(checksums)s::bytea[]), %(tokens)s, %(outcome)s,
+            %(status)s, %(latency)s)
+)
 INSERT INTO app.input_sends (chunk_checksum, model_id, sends)
-SELECT c, %(model)s, 1 FROM unnest(%(checksums)s::bytea[]) AS c
+SELECT c, %(model)s, 1 FROM unnest(%(checksums)s::bytea[]) AS c WHERE %(billed)s
 ON CONFLICT (chunk_checksum, model_id) DO UPDATE SET sends = app.input_sends.sends + 1
 """

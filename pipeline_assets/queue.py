@@ -48,8 +48,11 @@ def complete(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
     with conn.transaction():
         ready = [r[0] for r in conn.execute(
             queries.COMPLETE, {"ids": ids, "vecs": [np.asarray(v, dtype=np.float32) for v in vectors],
-                               "owner": owner}, binary=True)]
-        superseded = supersede_held(conn, owner=owner, job_ids=[i for i in ids if i not in set(ready)])
+                               "owner": owner})]
+        if len(ready) == len(ids):
+            return ready, []
+        won = set(ready)
+        superseded = supersede_held(conn, owner=owner, job_ids=[i for i in ids if i not in won])
     return ready, superseded
 
 

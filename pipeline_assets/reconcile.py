@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psycopg
 
-from . import queue, stages
+from . import models, queue, stages
 from .ingest import IngestOptions, ingest_directory
 from .sources import SourceError
 
@@ -64,4 +64,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
     report.rescued = rescued["retry"] + rescued["failed"]
     if model_id:
         stages.refresh_embed(conn, model_id)
+        dim = models.model_dimension(conn, model_id)
+        if dim:
+            models.ensure_index(conn, model_id, dim)
     return report

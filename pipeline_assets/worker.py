@@ -87,6 +87,8 @@ class Worker:
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
         self._dimension_known = bool(provider.spec.dimension)
         self._fatal: ProviderError | None = None
+        self._had_failure = False  # reset the shared failure count only after failures
+        self._indexed = False
 
     # -- lifecycle -------------------------------------------------------
     def run(self) -> WorkerReport:
@@ -106,8 +108,10 @@ class Worker:
                 if now >= next_rescue:
                     self._rescue()
                     next_rescue = now + self.config.rescue_interval
-                if self.config.until_idle and all(self._idle) and self._nothing_outstanding():
-                    break
+                if all(self._idle) and self._nothing_outstanding():
+                    self._on_drained()
+                    if self.config.until_idle:
+                        break
                 self.stop.wait(self.config.poll_seconds)
         finally:
             self.stop.set()
@@ -120,6 +124,21 @@ class Worker:
             self.report.fatal = self._fatal.message
             raise FatalProviderError(f"{self._fatal.error_class}: {self._fatal.message}")
         return self.report
+
+    def _on_drained(self) -> None:
+        """The queue is empty: build the model's vector index now if it is missing.
+
+        Building HNSW over a drained backfill in bulk is far cheaper than
+        maintaining it insert by insert during the backfill; after that,
+        incremental inserts maintain it.
+        """
+        if self._indexed:
+            return
+        with self._pool.connection() as conn:
+            dim = models.model_dimension(conn, self.model_id)
+            if dim:
+                models.ensure_index(conn, self.model_id, dim)
+                self._indexed = True
 
     def _nothing_outstanding(self) -> bool:
         with self._pool.connection() as conn:
@@ -261,12 +280,15 @@ class Worker:
                                                    vectors=result.vectors)
                 ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
                                    tokens=result.tokens, outcome="ok", status=200, latency=latency, billed=True)
-            queue.provider_healthy(conn, self.model_id)
+            if self._had_failure:
+                queue.provider_healthy(conn, self.model_id)
+                self._had_failure = False
         refused = len(jobs) - len(ready) - len(superseded)
         self.report.add(embedded=len(ready), superseded=len(superseded), refused=refused)
 
     def _handle_error(self, owner: str, jobs: list[ClaimedJob], err: ProviderError) -> None:
         ids = [j.job_id for j in jobs]
+        self._had_failure = True
         if err.kind == TERMINAL and len(jobs) > 1:
             # Isolate the bad input: split and retry halves; innocent neighbours succeed.
             mid = len(jobs) // 2

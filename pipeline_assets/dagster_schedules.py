@@ -1,0 +1,66 @@
+"""Schedules: reconciliation (hourly by default) and the health checks.
+
+Reconciliation is how missed events are repaired: the core's ``reconcile()``
+re-scans every ingested source and repairs the job table set-based. The op only
+calls it and reports the counts as output metadata (numeric, so the UI plots
+them run over run).
+"""
+
+
+import os
+import time
+
+import dagster as dg
+
+from . import models
+from .dagster_resources import EmbeddingProviderResource, PostgresResource
+from .reconcile import reconcile
+
+RECONCILE_CRON_ENV = "PIPELINE_RECONCILE_CRON"
+DEFAULT_RECONCILE_CRON = "0 * * * *"
+HEALTH_CRON_ENV = "PIPELINE_HEALTH_CRON"
+DEFAULT_HEALTH_CRON = "*/15 * * * *"
+
+
+@dg.op(description="Re-scan the ingested sources and repair the job table (core reconcile()).")
+def reconcile_op(context: dg.OpExecutionContext, postgres: PostgresResource,
+                 embedding_provider: EmbeddingProviderResource) -> dg.Output[dict]:
+    started = time.monotonic()
+    rt = embedding_provider.runtime(run_id=context.run_id)
+    with postgres.connection() as conn:
+        models.ensure_model(conn, rt.provider.spec)
+        report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=True)
+    counts = report.as_dict()
+    metadata: dict = {k: int(v) for k, v in counts.items() if isinstance(v, int)}
+    metadata["missing_sources"] = len(report.missing_sources)
+    metadata["duration_seconds"] = round(time.monotonic() - started, 3)
+    for problem in report.missing_sources:
+        context.log.warning(problem)
+    if report.missing_sources:
+        metadata["missing_source_errors"] = "\n".join(report.missing_sources)
+    return dg.Output(counts, metadata=metadata)
+
+
+@dg.job(executor_def=dg.in_process_executor, description="Reconcile sources and the job table.")
+def reconcile_job():
+    reconcile_op()
+
+
+HEALTH_JOB = dg.define_asset_job(
+    "pipeline_health", selection=dg.AssetSelection.checks_for_assets("embeddings"),
+    description="The embeddings asset checks alone: coverage, stale vectors, dead-letter growth.")
+
+
+def build_schedules() -> list[dg.ScheduleDefinition]:
+    return [
+        dg.ScheduleDefinition(
+            name="reconcile_hourly", job=reconcile_job,
+            cron_schedule=os.environ.get(RECONCILE_CRON_ENV) or DEFAULT_RECONCILE_CRON,
+            default_status=dg.DefaultScheduleStatus.RUNNING,
+            description=f"Reconciliation; cron from {RECONCILE_CRON_ENV} (default hourly)."),
+        dg.ScheduleDefinition(
+            name="pipeline_health_checks", job=HEALTH_JOB,
+            cron_schedule=os.environ.get(HEALTH_CRON_ENV) or DEFAULT_HEALTH_CRON,
+            default_status=dg.DefaultScheduleStatus.RUNNING,
+            description=f"Asset checks of embeddings; cron from {HEALTH_CRON_ENV} (default every 15 min)."),
+    ]

@@ -1,0 +1,193 @@
+"""``pipeline-assets dev``: the Dagster UI and daemon on a local PostgreSQL, one command.
+
+1. The pipeline database: PIPELINE_DATABASE_URL, or the embedded PostgreSQL under
+   PIPELINE_HOME (started, or reused if running). Migrated before anything runs.
+2. Dagster's own storage (runs, events, schedules) goes to a ``dagster`` database
+   (PIPELINE_DAGSTER_DATABASE overrides the name) on the same server, created if
+   missing, through dagster-postgres.
+3. DAGSTER_HOME is PIPELINE_HOME/dagster with a generated dagster.yaml. Its
+   ``postgres_url`` reads the environment variable DAGSTER_PG_URL, set for the
+   child processes only, so no password is written to disk. The URL uses the
+   ``postgresql+psycopg2://`` scheme: with SQLAlchemy 2.1 a plain
+   ``postgresql://`` selects psycopg 3, with which dagster-postgres fails on
+   ``$1`` parameters. The embedded server listens on a unix socket, given as
+   ``?host=<socket dir>``.
+4. ``dagster dev -w workspace.yaml -h HOST -p PORT`` runs in its own session;
+   Ctrl-C (SIGINT) or SIGTERM is forwarded to it once, and it shuts its
+   webserver, daemon and code server down cleanly.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from . import db, embedded, settings
+
+DAGSTER_DB_ENV = "PIPELINE_DAGSTER_DATABASE"
+DEFAULT_DAGSTER_DB = "dagster"
+DAGSTER_URL_ENV = "DAGSTER_PG_URL"
+REPO = Path(__file__).resolve().parent.parent
+STOP_TIMEOUT_SECONDS = 30
+
+# Dagster settings read from the environment by the processes that create runs
+# (webserver, daemon) and execute them. A single-run backfill of N partitions
+# otherwise writes 3N "planned" events and 3N materializations one row (and,
+# with dagster-postgres' NullPool, one connection) at a time: measured 153 s for
+# 1,000 partitions, 10 s with these. The cost: Dagster no longer marks the
+# partitions of a FAILED range run as failed in its UI (the run shows failed; the
+# per-item state lives in app.stage_runs and the job table, as designed).
+RUN_EVENT_SETTINGS = {
+    "DAGSTER_EVENT_BATCH_SIZE": "1000",
+    "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS": "true",
+}
+
+DAGSTER_YAML = f"""\
+# Written by `pipeline-assets dev` at every start; edits here are overwritten.
+# Storage (runs, event log, schedules) in PostgreSQL through dagster-postgres;
+# the URL (postgresql+psycopg2://...) comes from ${DAGSTER_URL_ENV}.
+storage:
+  postgres:
+    postgres_url:
+      env: {DAGSTER_URL_ENV}
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: QueuedRunCoordinator
+  config:
+    max_concurrent_runs: 4
+    dequeue_interval_seconds: 1
+telemetry:
+  enabled: false
+"""
+
+
+def sqlalchemy_url(libpq_url: str) -> str:
+    """A libpq URL/DSN as a SQLAlchemy psycopg2 URL (a unix-socket host goes into ``?host=``)."""
+    from sqlalchemy.engine import URL
+
+    params = psycopg.conninfo.conninfo_to_dict(libpq_url)
+    host = params.pop("host", None)
+    query = {k: str(v) for k, v in params.items() if k not in ("user", "password", "port", "dbname")}
+    tcp_host = host
+    if host and (host.startswith("/") or "," in host):
+        query["host"] = host
+        tcp_host = None
+    url = URL.create("postgresql+psycopg2", username=params.get("user") or None,
+                     password=params.get("password") or None, host=tcp_host,
+                     port=int(params["port"]) if params.get("port") else None,
+                     database=params.get("dbname"), query=query)
+    return url.render_as_string(hide_password=False)
+
+
+def ensure_database(server_url: str, name: str) -> str:
+    """CREATE DATABASE name on the server of ``server_url`` if missing; return its libpq URL."""
+    with psycopg.connect(server_url, autocommit=True, connect_timeout=db.CONNECT_TIMEOUT_SECONDS) as conn:
+        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
+            try:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            except psycopg.errors.DuplicateDatabase:
+                pass  # created concurrently
+    return psycopg.conninfo.make_conninfo(server_url, dbname=name)
+
+
+def prepare(home: Path | None = None) -> tuple[dict[str, str], Path]:
+    """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME)."""
+    home = (home or settings.pipeline_home()).resolve()
+    pipeline_url = settings.database_url_from_env() or embedded.ensure_server(home)
+    with db.session(pipeline_url):
+        pass  # migrations applied once, before webserver, daemon and runs start
+    dagster_db = os.environ.get(DAGSTER_DB_ENV) or DEFAULT_DAGSTER_DB
+    dagster_url = sqlalchemy_url(ensure_database(pipeline_url, dagster_db))
+    dagster_home = home / "dagster"
+    dagster_home.mkdir(parents=True, exist_ok=True)
+    (dagster_home / "dagster.yaml").write_text(DAGSTER_YAML)
+    env = {**RUN_EVENT_SETTINGS, **os.environ}
+    env.update({"DAGSTER_HOME": str(dagster_home), DAGSTER_URL_ENV: dagster_url, "PIPELINE_HOME": str(home)})
+    _init_storage(dagster_home, env)
+    return env, dagster_home
+
+
+def _init_storage(dagster_home: Path, env: dict[str, str]) -> None:
+    """Create Dagster's tables once, before the webserver and the daemon race to do it."""
+    saved = os.environ.get(DAGSTER_URL_ENV)
+    os.environ[DAGSTER_URL_ENV] = env[DAGSTER_URL_ENV]
+    try:
+        from dagster import DagsterInstance
+
+        DagsterInstance.from_config(str(dagster_home)).dispose()
+    finally:
+        if saved is None:
+            os.environ.pop(DAGSTER_URL_ENV, None)
+        else:
+            os.environ[DAGSTER_URL_ENV] = saved
+
+
+def dagster_command(host: str, port: int) -> list[str]:
+    workspace = REPO / "workspace.yaml"
+    target = ["-w", str(workspace)] if workspace.is_file() else ["-m", "pipeline_assets.definitions", "-a", "defs"]
+    # `dagster dev` warns that `dg dev` supersedes it; dg needs a [tool.dg] block that
+    # would make dagster ignore workspace.yaml, so this stays on `dagster dev`.
+    quiet = ["-W", "ignore:Function `dev_command` is superseded"]
+    return [sys.executable, *quiet, "-m", "dagster", "dev", *target, "-h", host, "-p", str(port)]
+
+
+def _stop_leftovers(pgid: int) -> None:
+    """Run workers launched by the code server outlive `dagster dev`; end them too.
+
+    Killing a run is safe here by design (idempotent stages, leases that expire).
+    """
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def run_dev(host: str = "127.0.0.1", port: int = 3000) -> int:
+    """Run the Dagster UI + daemon until Ctrl-C; return the exit status."""
+    try:
+        env, dagster_home = prepare()
+    except (db.DatabaseUnavailable, embedded.EmbeddedServerError, psycopg.Error, OSError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    print(f"Dagster UI: http://{host}:{port}  (DAGSTER_HOME={dagster_home}; Ctrl-C stops it)", flush=True)
+    proc = subprocess.Popen(dagster_command(host, port), env=env, cwd=REPO, start_new_session=True)
+    stopping = {"signals": 0}
+
+    def forward(signum, frame):
+        stopping["signals"] += 1
+        if proc.poll() is not None:
+            return
+        if stopping["signals"] == 1:
+            proc.send_signal(signal.SIGINT)      # dagster dev's clean shutdown
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)  # asked twice: stop now
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=STOP_TIMEOUT_SECONDS if stopping["signals"] else None)
+                break
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop_leftovers(proc.pid)
+    if stopping["signals"]:
+        print("Dagster stopped.", flush=True)
+        return 0
+    return code
