@@ -12,7 +12,6 @@ Every asset has ``BackfillPolicy.single_run()``: a backfill of N partitions is
 one run over a partition range, and the job table does the per-item work.
 """
 
-
 import hashlib
 import os
 import time

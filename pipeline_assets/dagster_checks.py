@@ -5,7 +5,6 @@ schedule. Each reads one core query (pipeline_assets.reports) and decides; the
 numbers go into the check's metadata so the UI shows why it passed or failed.
 """
 
-
 import dagster as dg
 
 from . import reports, settings

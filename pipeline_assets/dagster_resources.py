@@ -15,7 +15,6 @@ database, the model and its defaults:
   ``root`` field, else PIPELINE_SOURCE_DIR, else ``examples/corpus``.
 """
 
-
 import os
 from contextlib import contextmanager
 from pathlib import Path

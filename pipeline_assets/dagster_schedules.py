@@ -6,7 +6,6 @@ calls it and reports the counts as output metadata (numeric, so the UI plots
 them run over run).
 """
 
-
 import os
 import time
 

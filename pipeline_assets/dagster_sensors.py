@@ -25,7 +25,6 @@ observation and does run: a bare ``document:checksum`` key would be refused as
 a duplicate there and leave B's vectors served until the next reconcile.
 """
 
-
 import hashlib
 import json
 from pathlib import Path
@@ -34,8 +33,8 @@ from typing import Iterable
 import dagster as dg
 
 from . import stages
-from .dagster_assets import (ASSET_KEYS, DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG, partition_key_problem,
-                             valid_partition_keys)
+from .dagster_assets import (ASSET_KEYS, DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG,
+                             partition_key_problem, valid_partition_keys)
 from .dagster_resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from .extract import extractor_version
 from .ingest import ingest_paths

@@ -6,11 +6,11 @@ thin layers over the core, which knows nothing of Dagster.
 
 Executor: in-process for every job. A run here is one step per asset doing
 set-based database work (the parallelism lives in the worker's threads and the
-job table, not in Dagster steps), and starting a run costs about 5 s with the
-multiprocess executor (a fresh Python process importing Dagster and this code
-per step) against about 0.5 s in-process.
+job table, not in Dagster steps), and the multiprocess executor starts a fresh
+Python process importing Dagster and this code for every step: about 5 s of
+start-up per run at best. Measured on this project (one partition, 3 assets +
+3 checks, dagster.execute_job): 11.4 s multiprocess against 1.2 s in-process.
 """
-
 
 import os
 

@@ -14,7 +14,8 @@
    ``?host=<socket dir>``.
 4. ``dagster dev -w workspace.yaml -h HOST -p PORT`` runs in its own session;
    Ctrl-C (SIGINT) or SIGTERM is forwarded to it once, and it shuts its
-   webserver, daemon and code server down cleanly.
+   webserver, daemon and code server down cleanly; run workers still going
+   after that (Dagster leaves them running) get SIGTERM, then SIGKILL.
 """
 
 import os
@@ -33,6 +34,7 @@ DAGSTER_DB_ENV = "PIPELINE_DAGSTER_DATABASE"
 DEFAULT_DAGSTER_DB = "dagster"
 DAGSTER_URL_ENV = "DAGSTER_PG_URL"
 REPO = Path(__file__).resolve().parent.parent
+PATH_SETTINGS = ("PIPELINE_SOURCE_DIR", "PIPELINE_SQL_DIR")
 STOP_TIMEOUT_SECONDS = 30
 
 # Dagster settings read from the environment by the processes that create runs
@@ -108,6 +110,10 @@ def prepare(home: Path | None = None) -> tuple[dict[str, str], Path]:
     (dagster_home / "dagster.yaml").write_text(DAGSTER_YAML)
     env = {**RUN_EVENT_SETTINGS, **os.environ}
     env.update({"DAGSTER_HOME": str(dagster_home), DAGSTER_URL_ENV: dagster_url, "PIPELINE_HOME": str(home)})
+    # The services run in DAGSTER_HOME: relative paths keep meaning what they meant here.
+    for name in PATH_SETTINGS:
+        if env.get(name):
+            env[name] = str(Path(env[name]).expanduser().resolve())
     _init_storage(dagster_home, env)
     return env, dagster_home
 
@@ -129,7 +135,10 @@ def _init_storage(dagster_home: Path, env: dict[str, str]) -> None:
 
 def dagster_command(host: str, port: int) -> list[str]:
     workspace = REPO / "workspace.yaml"
-    target = ["-w", str(workspace)] if workspace.is_file() else ["-m", "pipeline_assets.definitions", "-a", "defs"]
+    if workspace.is_file():
+        target = ["-w", str(workspace)]
+    else:  # installed without the repository around it
+        target = ["-m", "pipeline_assets.definitions", "-a", "defs"]
     # `dagster dev` warns that `dg dev` supersedes it; dg needs a [tool.dg] block that
     # would make dagster ignore workspace.yaml, so this stays on `dagster dev`.
     quiet = ["-W", "ignore:Function `dev_command` is superseded"]
@@ -163,17 +172,22 @@ def run_dev(host: str = "127.0.0.1", port: int = 3000) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(f"Dagster UI: http://{host}:{port}  (DAGSTER_HOME={dagster_home}; Ctrl-C stops it)", flush=True)
-    proc = subprocess.Popen(dagster_command(host, port), env=env, cwd=REPO, start_new_session=True)
+    # cwd DAGSTER_HOME: dagster warns about (and ignores) a dagster.yaml in the working
+    # directory, and the repository's is the deployment template.
+    proc = subprocess.Popen(dagster_command(host, port), env=env, cwd=dagster_home, start_new_session=True)
     stopping = {"signals": 0}
 
     def forward(signum, frame):
         stopping["signals"] += 1
         if proc.poll() is not None:
             return
-        if stopping["signals"] == 1:
-            proc.send_signal(signal.SIGINT)      # dagster dev's clean shutdown
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)  # asked twice: stop now
+        try:
+            if stopping["signals"] == 1:
+                proc.send_signal(signal.SIGINT)      # dagster dev's clean shutdown
+            else:
+                os.killpg(proc.pid, signal.SIGKILL)  # asked twice: stop now
+        except ProcessLookupError:
+            pass
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -182,7 +196,7 @@ def run_dev(host: str = "127.0.0.1", port: int = 3000) -> int:
                 code = proc.wait(timeout=STOP_TIMEOUT_SECONDS if stopping["signals"] else None)
                 break
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _stop_leftovers(proc.pid)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

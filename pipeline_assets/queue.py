@@ -12,6 +12,7 @@ statement (or one short transaction) and returns which jobs it moved.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -45,7 +46,7 @@ def complete(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
     Returns (ready_ids, superseded_ids); any other id was refused (lease lost).
     """
     ids = list(job_ids)
-    with conn.transaction():
+    with _atomic(conn):
         ready = [r[0] for r in conn.execute(
             queries.COMPLETE, {"ids": ids, "vecs": [np.asarray(v, dtype=np.float32) for v in vectors],
                                "owner": owner})]
@@ -54,6 +55,13 @@ def complete(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
         won = set(ready)
         superseded = supersede_held(conn, owner=owner, job_ids=[i for i in ids if i not in won])
     return ready, superseded
+
+
+def _atomic(conn: psycopg.Connection):
+    """A transaction, unless the caller already opened one (no savepoint round trips)."""
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        return conn.transaction()
+    return contextlib.nullcontext()
 
 
 def supersede_held(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]) -> list[int]:

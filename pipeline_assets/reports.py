@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import psycopg
 
 STATUS_BY_MODEL = """
@@ -102,9 +105,6 @@ def dead_letters(conn: psycopg.Connection) -> list[dict]:
 # Read-only, set-based; the Dagster assets, sensors and checks report from
 # these and hold no SQL of their own.
 # ---------------------------------------------------------------------------
-
-from dataclasses import dataclass  # noqa: E402
-from typing import Sequence  # noqa: E402
 
 # One row per requested document of a source: its state, versions and a digest
 # of its current chunk checksums in chunk order (the chunks' data version).

@@ -38,6 +38,7 @@ class WorkerConfig:
     batch_inputs: int | None = None  # default: the provider's max_batch_inputs
     poll_seconds: float = settings.IDLE_POLL_SECONDS
     rescue_interval: float = settings.RESCUE_INTERVAL_SECONDS
+    build_index: bool = True  # build the model's HNSW index when the queue drains
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Worker:
         maintaining it insert by insert during the backfill; after that,
         incremental inserts maintain it.
         """
-        if self._indexed:
+        if self._indexed or not self.config.build_index:
             return
         with self._pool.connection() as conn:
             dim = models.model_dimension(conn, self.model_id)
@@ -275,11 +276,13 @@ class Worker:
             if not self._dimension_known:
                 models.record_dimension(conn, self.model_id, len(result.vectors[0]))
                 self._dimension_known = True
-            with conn.transaction():
-                ready, superseded = queue.complete(conn, owner=owner, job_ids=[j.job_id for j in jobs],
-                                                   vectors=result.vectors)
+            # One transaction, pipelined: the ledger row and the completion
+            # travel together and commit together.
+            with conn.pipeline(), conn.transaction():
                 ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
                                    tokens=result.tokens, outcome="ok", status=200, latency=latency, billed=True)
+                ready, superseded = queue.complete(conn, owner=owner, job_ids=[j.job_id for j in jobs],
+                                                   vectors=result.vectors)
             if self._had_failure:
                 queue.provider_healthy(conn, self.model_id)
                 self._had_failure = False
