@@ -19,9 +19,10 @@ from .ingest import ingest_directory, ingest_paths
 from .providers import ConfigError, ProviderError
 from .runtime import Runtime, runtime_from_env
 from .sources import SourceError
-from .worker import FatalProviderError, Worker, WorkerConfig
+from .worker import BudgetExhausted, FatalProviderError, Worker, WorkerConfig
 
-EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, FatalProviderError, ProviderError, ValueError, OSError)
+EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, FatalProviderError, BudgetExhausted, ProviderError,
+            ValueError, OSError)
 
 
 def expected_errors(fn):

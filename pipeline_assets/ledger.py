@@ -20,3 +20,11 @@ def record_call(conn: psycopg.Connection, *, model_id: str, worker_id: str, jobs
     conn.execute(queries.RECORD_CALL, {"model": model_id, "worker": worker_id, "tokens": tokens,
                                        "outcome": outcome, "status": status, "latency": int(latency * 1000),
                                        "checksums": [j.chunk_checksum for j in jobs], "billed": billed})
+
+
+def tokens_today(conn: psycopg.Connection, model_id: str) -> int:
+    """Tokens billed for the model since midnight UTC."""
+    return conn.execute(
+        "SELECT coalesce(sum(tokens), 0) FROM app.provider_calls"
+        " WHERE model_id = %s AND called_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'",
+        (model_id,)).fetchone()[0]

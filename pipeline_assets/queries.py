@@ -7,15 +7,21 @@ other state moves nothing: that is how a refused transition looks.
 """
 
 # pending|retry -> processing. Batch claim; the lease comes from the database
-# clock, never the worker's. A shared provider pause (429) blocks all claims.
+# clock, never the worker's. The shared circuit breaker gates it: while tripped
+# and paused nobody claims; once the pause is over (half-open) one claim at a
+# time wins the probe slot, and the first success closes the breaker.
 CLAIM = """
-WITH picked AS (
+WITH gate AS (
+    UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s)
+    WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
+    RETURNING true AS probe
+), picked AS (
     SELECT job_id, chunk_checksum FROM app.embedding_jobs
     WHERE model_id = %(model)s
       AND status IN ('pending', 'retry')
       AND available_at <= now()
-      AND NOT EXISTS (SELECT 1 FROM app.provider_state p
-                      WHERE p.model_id = %(model)s AND p.paused_until > now())
+      AND (NOT EXISTS (SELECT 1 FROM app.provider_state p WHERE p.model_id = %(model)s AND p.tripped)
+           OR EXISTS (SELECT 1 FROM gate))
     ORDER BY available_at, job_id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -30,7 +36,8 @@ FROM picked
 LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
                    WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
 WHERE j.job_id = picked.job_id
-RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count
+RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
+          EXISTS (SELECT 1 FROM gate) AS probe
 """
 
 # processing -> ready, only under this lease and only while the content is still
@@ -201,29 +208,42 @@ FROM app.embedding_jobs
 WHERE model_id = %(model)s AND status IN ('pending', 'retry', 'processing')
 """
 
-# Shared throttle: every worker of the model stops claiming until paused_until.
-PAUSE_PROVIDER = """
-INSERT INTO app.provider_state (model_id, paused_until, consecutive_failures, updated_at)
-VALUES (%(model)s, now() + make_interval(secs => %(secs)s), 1, now())
+# A provider failure, shared by every worker. A throttle (429, or a
+# Retry-After) trips the breaker at once; other failures trip it after
+# %(threshold)s in a row. The pause is at least the Retry-After and otherwise a
+# full-jitter backoff over the consecutive failures, so workers that failed
+# together do not come back together.
+PROVIDER_FAILURE = """
+INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
+VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
+        CASE WHEN %(trip)s OR 1 >= %(threshold)s
+             THEN now() + make_interval(secs => greatest(%(floor)s, random() * least(%(cap)s, %(base)s * 2)))
+             ELSE '-infinity' END)
 ON CONFLICT (model_id) DO UPDATE
-SET paused_until = greatest(app.provider_state.paused_until, EXCLUDED.paused_until),
-    consecutive_failures = app.provider_state.consecutive_failures + 1,
+SET consecutive_failures = p.consecutive_failures + 1,
+    tripped = p.tripped OR %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s,
+    paused_until = CASE WHEN %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
+                        THEN greatest(p.paused_until, now() + make_interval(secs => greatest(%(floor)s,
+                             random() * least(%(cap)s, %(base)s * 2 ^ least(p.consecutive_failures + 1, 30)))))
+                        ELSE p.paused_until END,
     updated_at = now()
-RETURNING consecutive_failures
+RETURNING paused_until > now() AS paused, tripped, consecutive_failures
 """
 
 PROVIDER_HEALTHY = """
-UPDATE app.provider_state SET consecutive_failures = 0, updated_at = now()
-WHERE model_id = %(model)s AND consecutive_failures <> 0
+UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_until = '-infinity',
+       updated_at = now()
+WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
 """
 
 # One statement per call: the call row, and (when it may have been billed) one
 # more send of each input.
 RECORD_CALL = """
 WITH call AS (
-    INSERT INTO app.provider_calls (model_id, worker_id, inputs, tokens, outcome, http_status, latency_ms)
+    INSERT INTO app.provider_calls (model_id, worker_id, inputs, tokens, outcome, http_status, latency_ms,
+                                    called_at)
     VALUES (%(model)s, %(worker)s, cardinality(%(checksums)s::bytea[]), %(tokens)s, %(outcome)s,
-            %(status)s, %(latency)s)
+            %(status)s, %(latency)s, clock_timestamp() - make_interval(secs => %(latency)s / 1000.0))
 )
 INSERT INTO app.input_sends (chunk_checksum, model_id, sends)
 SELECT c, %(model)s, 1 FROM unnest(%(checksums)s::bytea[]) AS c WHERE %(billed)s

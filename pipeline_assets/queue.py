@@ -30,6 +30,7 @@ class ClaimedJob:
     max_attempts: int
     text: str | None  # None: no current chunk carries the checksum any more
     token_count: int | None = None
+    probe: bool = False  # this claim is the half-open breaker's probe
 
 
 def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int,
@@ -147,8 +148,20 @@ def outstanding(conn: psycopg.Connection, model_id: str) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def provider_failure(conn: psycopg.Connection, model_id: str, *, trip: bool, floor: float, base: float,
+                     cap: float, threshold: int) -> tuple[bool, bool]:
+    """Count a provider failure for every worker; returns (paused now, tripped)."""
+    row = conn.execute(queries.PROVIDER_FAILURE, {"model": model_id, "trip": trip, "floor": floor,
+                                                  "base": base, "cap": cap, "threshold": threshold}).fetchone()
+    return row[0], row[1]
+
+
 def pause_provider(conn: psycopg.Connection, model_id: str, seconds: float) -> int:
-    return conn.execute(queries.PAUSE_PROVIDER, {"model": model_id, "secs": seconds}).fetchone()[0]
+    """Trip the breaker for exactly ``seconds`` (never shortening a longer pause);
+    returns the consecutive failure count."""
+    row = conn.execute(queries.PROVIDER_FAILURE, {"model": model_id, "trip": True, "floor": seconds,
+                                                  "base": 0.0, "cap": 0.0, "threshold": 1}).fetchone()
+    return row[2]
 
 
 def provider_healthy(conn: psycopg.Connection, model_id: str) -> None:

@@ -38,6 +38,15 @@ DEFAULT_CONCURRENCY = 4
 IDLE_POLL_SECONDS = 0.5
 RESCUE_INTERVAL_SECONDS = 5.0
 
+# Consecutive provider failures (5xx, timeouts, connection errors) that trip
+# the shared circuit breaker; a 429 trips it at once.
+BREAKER_THRESHOLD = 5
+
+# Optional token budgets (0 = none): a worker stops claiming, leaving jobs
+# pending, once the model's tokens today (UTC) or this run reach them.
+DEFAULT_DAILY_TOKEN_BUDGET = 0
+DEFAULT_RUN_TOKEN_BUDGET = 0
+
 # Documents written per ingest transaction.
 INGEST_BATCH_DOCUMENTS = 200
 

@@ -68,6 +68,10 @@ class FatalProviderError(RuntimeError):
     """Configuration/auth failure: the worker stopped; no item was touched."""
 
 
+class BudgetExhausted(RuntimeError):
+    """A token budget was reached: the worker stopped claiming; jobs stay pending."""
+
+
 class Worker:
     def __init__(self, url: str, provider: Provider, config: WorkerConfig,
                  stop_event: threading.Event | None = None) -> None:
@@ -90,6 +94,8 @@ class Worker:
         self._fatal: ProviderError | None = None
         self._had_failure = False  # reset the shared failure count only after failures
         self._indexed = False
+        self._budget: str | None = None  # why claiming stopped on a budget
+        self._others_today: int | None = None  # tokens billed today not by this process
 
     # -- lifecycle -------------------------------------------------------
     def run(self) -> WorkerReport:
@@ -109,6 +115,9 @@ class Worker:
                 if now >= next_rescue:
                     self._rescue()
                     next_rescue = now + self.config.rescue_interval
+                self._refresh_spend()
+                if self._budget is not None:
+                    break
                 if all(self._idle) and self._nothing_outstanding():
                     self._on_drained()
                     if self.config.until_idle:
@@ -124,7 +133,32 @@ class Worker:
         if self._fatal is not None:
             self.report.fatal = self._fatal.message
             raise FatalProviderError(f"{self._fatal.error_class}: {self._fatal.message}")
+        if self._budget is not None:
+            raise BudgetExhausted(self._budget)
         return self.report
+
+    def _check_budget(self) -> str | None:
+        """Stop claiming once a token budget is reached. Threads check the
+        in-process count before every claim; the main loop refreshes what other
+        workers spent today. Overshoot is bounded by the requests in flight."""
+        per_run = settings.env_int("PIPELINE_RUN_TOKEN_BUDGET", settings.DEFAULT_RUN_TOKEN_BUDGET)
+        daily = settings.env_int("PIPELINE_DAILY_TOKEN_BUDGET", settings.DEFAULT_DAILY_TOKEN_BUDGET)
+        if per_run and self.report.tokens >= per_run:
+            return f"run token budget of {per_run} reached ({self.report.tokens} used); remaining jobs left pending"
+        if daily:
+            if self._others_today is None:
+                self._refresh_spend()
+            used = self._others_today + self.report.tokens
+            if used >= daily:
+                return f"daily token budget of {daily} reached ({used} used today, UTC); remaining jobs left pending"
+        return None
+
+    def _refresh_spend(self) -> None:
+        if not settings.env_int("PIPELINE_DAILY_TOKEN_BUDGET", 0):
+            return
+        with self._pool.connection() as conn:
+            mine = self.report.tokens
+            self._others_today = ledger.tokens_today(conn, self.model_id) - mine
 
     def _on_drained(self) -> None:
         """The queue is empty: build the model's vector index now if it is missing.
@@ -180,6 +214,11 @@ class Worker:
     # -- one thread --------------------------------------------------------
     def _loop(self, index: int) -> None:
         while not self.stop.is_set():
+            reason = self._check_budget()
+            if reason is not None:
+                self._budget = reason
+                self.stop.set()
+                break
             owner = f"{self._owner_prefix}/{next(self._claim_seq)}"
             try:
                 with self._pool.connection() as conn:
@@ -283,7 +322,7 @@ class Worker:
                                    tokens=result.tokens, outcome="ok", status=200, latency=latency, billed=True)
                 ready, superseded = queue.complete(conn, owner=owner, job_ids=[j.job_id for j in jobs],
                                                    vectors=result.vectors)
-            if self._had_failure:
+            if self._had_failure or any(j.probe for j in jobs):
                 queue.provider_healthy(conn, self.model_id)
                 self._had_failure = False
         refused = len(jobs) - len(ready) - len(superseded)
@@ -304,13 +343,18 @@ class Worker:
                                             message=err.message))
                 self.report.add(failed=n)
             elif err.kind == THROTTLED:
-                pause = err.retry_after if err.retry_after is not None else backoff.full_jitter(
-                    1, base=settings.backoff_base(), cap=settings.backoff_cap())
-                queue.pause_provider(conn, self.model_id, pause)
-                queue.give_back(conn, owner=owner, job_ids=ids, delay=pause, error_class=err.error_class,
-                                message=err.message)
+                # The provider's state, not the items': trip the shared breaker
+                # and hand the items back without consuming their attempt.
+                queue.provider_failure(conn, self.model_id, trip=True, floor=err.retry_after or 0.0,
+                                       base=settings.backoff_base(), cap=settings.backoff_cap(),
+                                       threshold=settings.BREAKER_THRESHOLD)
+                queue.give_back(conn, owner=owner, job_ids=ids, delay=err.retry_after or 0.0,
+                                error_class=err.error_class, message=err.message)
                 self.report.add(throttled=len(ids))
             elif err.kind == RETRYABLE:
+                queue.provider_failure(conn, self.model_id, trip=False, floor=err.retry_after or 0.0,
+                                       base=settings.backoff_base(), cap=settings.backoff_cap(),
+                                       threshold=settings.BREAKER_THRESHOLD)
                 delays = [backoff.retry_delay(j.attempts, base=settings.backoff_base(), cap=settings.backoff_cap(),
                                               retry_after=err.retry_after) for j in jobs]
                 moved = queue.fail_retryable(conn, owner=owner, job_ids=ids, delays=delays,

@@ -138,7 +138,7 @@ CREATE TABLE app.provider_calls (
     outcome    text NOT NULL,          -- ok | error class
     http_status int,
     latency_ms int NOT NULL,
-    called_at  timestamptz NOT NULL DEFAULT now()
+    called_at  timestamptz NOT NULL DEFAULT now()   -- when the call started
 );
 CREATE TABLE app.input_sends (
     chunk_checksum bytea NOT NULL,
