@@ -315,5 +315,15 @@ def search(query: str, k: int, model: str | None, as_json: bool) -> None:
     _emit(hits, as_json, lines)
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535))
+def dev(host: str, port: int) -> None:
+    """Start the Dagster UI and daemon on the embedded (or configured) database."""
+    from .devserver import run_dev
+
+    sys.exit(run_dev(host=host, port=port))
+
+
 if __name__ == "__main__":
     main()

@@ -172,14 +172,13 @@ def run_dev(host: str = "127.0.0.1", port: int = 3000) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(f"Dagster UI: http://{host}:{port}  (DAGSTER_HOME={dagster_home}; Ctrl-C stops it)", flush=True)
-    # cwd DAGSTER_HOME: dagster warns about (and ignores) a dagster.yaml in the working
-    # directory, and the repository's is the deployment template.
-    proc = subprocess.Popen(dagster_command(host, port), env=env, cwd=dagster_home, start_new_session=True)
     stopping = {"signals": 0}
+    child: dict[str, subprocess.Popen] = {}
 
     def forward(signum, frame):
         stopping["signals"] += 1
-        if proc.poll() is not None:
+        proc = child.get("proc")
+        if proc is None or proc.poll() is not None:
             return
         try:
             if stopping["signals"] == 1:
@@ -189,7 +188,16 @@ def run_dev(host: str = "127.0.0.1", port: int = 3000) -> int:
         except ProcessLookupError:
             pass
 
+    # Handlers first: a child inherits an *ignored* SIGINT (as in a shell's
+    # background job), but a caught one is reset to the default at exec, so
+    # dagster dev always gets a working Ctrl-C (it maps SIGTERM to SIGINT).
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # cwd DAGSTER_HOME: dagster warns about (and ignores) a dagster.yaml in the working
+    # directory, and the repository's is the deployment template.
+    proc = child["proc"] = subprocess.Popen(dagster_command(host, port), env=env, cwd=dagster_home,
+                                            start_new_session=True)
+    if stopping["signals"]:  # interrupted while starting it
+        proc.send_signal(signal.SIGINT)
     try:
         while True:
             try:

@@ -1,0 +1,68 @@
+"""Helpers shared by the test_dagster_* modules (not fixtures: plain functions)."""
+
+from __future__ import annotations
+
+import dagster as dg
+# What the sensor daemon wraps an evaluation in, so partition keys resolve against the instance.
+from dagster._core.definitions.partitions.context import partition_loading_context
+
+from pipeline_assets.dagster_assets import PARTITIONS_NAME
+from pipeline_assets.dagster_resources import resources_from_env
+from pipeline_assets.definitions import build_definitions
+
+
+def fresh_defs() -> dg.Definitions:
+    """Definitions built from the (monkeypatched) environment of the test."""
+    return build_definitions()
+
+
+def evaluate_sensor(sensor: dg.SensorDefinition, defs: dg.Definitions, instance: dg.DagsterInstance,
+                    cursor: str | None = None):
+    """One tick as the daemon runs it: evaluate, then apply the dynamic-partition requests.
+
+    Returns the SensorExecutionData (run_requests resolved, cursor, skip_message).
+    """
+    with dg.build_sensor_context(instance=instance, instance_ref=instance.get_ref(), cursor=cursor,
+                                 definitions=defs, resources=resources_from_env()) as context:
+        with partition_loading_context(dynamic_partitions_store=instance):
+            data = sensor.evaluate_tick(context)
+    for request in data.dynamic_partitions_requests or []:
+        if isinstance(request, dg.AddDynamicPartitionsRequest):
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        else:
+            for key in request.partition_keys:
+                instance.delete_dynamic_partition(request.partitions_def_name, key)
+    return data
+
+
+def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest | None = None, *,
+            job: str = "embed_documents", partition_key: str | None = None,
+            tags: dict | None = None) -> dg.ExecuteInProcessResult:
+    """Run a job in-process as the run a RunRequest (or a partition key) describes."""
+    job_def = defs.resolve_job_def(job)
+    if request is not None:
+        partition_key = request.partition_key
+        tags = {k: v for k, v in request.tags.items() if k != "dagster/partition"}
+    result = job_def.execute_in_process(instance=instance, partition_key=partition_key, tags=tags or {},
+                                        raise_on_error=False)
+    return result
+
+
+def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest) -> list[str]:
+    """The partition keys a run request covers (one key, or a range in partition order)."""
+    if request.partition_key:
+        return [request.partition_key]
+    order = instance.get_dynamic_partitions(PARTITIONS_NAME)
+    start = order.index(request.tags["dagster/asset_partition_range_start"])
+    end = order.index(request.tags["dagster/asset_partition_range_end"])
+    return order[start:end + 1]
+
+
+def materialization_metadata(result: dg.ExecuteInProcessResult, asset: str) -> dict:
+    """Metadata values (plain Python) of the first materialization of an asset in a result."""
+    events = result.asset_materializations_for_node(asset)
+    return {k: v.value for k, v in events[0].metadata.items()}
+
+
+def check_results(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetCheckEvaluation]:
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}

@@ -1,0 +1,110 @@
+"""The Dagster code location loads, and the instance configuration works on real PostgreSQL."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pipeline_assets import devserver
+from pipeline_assets.dagster_assets import ASSET_KEYS, code_versions
+from pipeline_assets.dagster_resources import PostgresResource, SourceDirectoryResource
+from pipeline_assets_tests.conftest import REPO
+from pipeline_assets_tests.dagster_helpers import fresh_defs
+
+
+@pytest.fixture(autouse=True)
+def _plain_environment(monkeypatch):
+    for name in ("OPENAI_API_KEY", "PIPELINE_EMBEDDING_MODEL", "PIPELINE_EXTRACTOR_VERSION",
+                 "PIPELINE_SOURCE_DIR", "PIPELINE_DATABASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_definitions_load_with_the_lineage_graph(monkeypatch):
+    monkeypatch.setenv("PIPELINE_RECONCILE_CRON", "*/5 * * * *")
+    defs = fresh_defs()
+    dg.Definitions.validate_loadable(defs)
+    repo = defs.get_repository_def()
+    graph = repo.asset_graph
+    assert set(ASSET_KEYS) <= set(graph.get_all_asset_keys())
+    assert graph.get(dg.AssetKey("chunks")).parent_keys == {dg.AssetKey("documents")}
+    assert graph.get(dg.AssetKey("embeddings")).parent_keys == {dg.AssetKey("chunks")}
+    versions = code_versions()
+    for key in ASSET_KEYS:
+        node = graph.get(key)
+        assert node.partitions_def.name == "documents"
+        assert node.backfill_policy == dg.BackfillPolicy.single_run()
+        assert node.code_version == versions[key.path[-1]]
+    assert versions["documents"] == "extract-1"
+    assert versions["embeddings"].startswith("local/")   # no OPENAI_API_KEY: the local model
+    for job in ("embed_documents", "reconcile_job", "pipeline_health", "__ASSET_JOB"):
+        assert repo.get_job(job).executor_def.name == "in_process", job
+    assert {s.name for s in repo.sensor_defs} == {"source_documents", "rerun_stale_documents"}
+    schedules = {s.name: s for s in repo.schedule_defs}
+    assert schedules["reconcile_hourly"].cron_schedule == "*/5 * * * *"
+    checks = {k.name for k in graph.asset_check_keys}
+    assert checks == {"current_chunks_have_ready_embeddings", "no_stale_vector_current", "dead_letter_growth"}
+
+
+def test_model_and_versions_follow_the_environment(monkeypatch):
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-9")
+    monkeypatch.setenv("OPENAI_API_KEY", "k")
+    monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "text-embedding-3-large")
+    graph = fresh_defs().get_repository_def().asset_graph
+    assert graph.get(dg.AssetKey("documents")).code_version == "extract-9"
+    assert graph.get(dg.AssetKey("embeddings")).code_version == "openai/text-embedding-3-large@3072"
+
+
+def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
+    assert PostgresResource.from_env().database_url is None       # embedded server, as db.database_url()
+    monkeypatch.setenv("PIPELINE_DATABASE_URL", "postgresql://u@h/db")
+    resource = PostgresResource.from_env()
+    assert resource.database_url == dg.EnvVar("PIPELINE_DATABASE_URL")   # the UI shows the name, not the URL
+    assert resource.url() == "postgresql://u@h/db"
+    with dg.build_resources({"postgres": resource}) as built:
+        assert built.postgres.url() == "postgresql://u@h/db"
+    assert SourceDirectoryResource().root_path() == (REPO / "examples" / "corpus").resolve()
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path))
+    assert SourceDirectoryResource().root_path() == tmp_path.resolve()
+    assert SourceDirectoryResource(root="/x/y").root_path() == Path("/x/y")
+
+
+def test_workspace_yaml_and_no_tool_dagster_block():
+    text = (REPO / "workspace.yaml").read_text()
+    assert "pipeline_assets.definitions" in text
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert "[tool.dagster]" not in pyproject and "[tool.dg]" not in pyproject
+
+
+def test_sqlalchemy_url_uses_psycopg2_and_the_socket_dir():
+    assert devserver.sqlalchemy_url("postgresql://postgres:@/dagster?host=/tmp/pg/pgdata") == \
+        "postgresql+psycopg2://postgres@/dagster?host=%2Ftmp%2Fpg%2Fpgdata"
+    assert devserver.sqlalchemy_url("postgresql://u:p%40ss@db.example:5433/dagster?sslmode=require") == \
+        "postgresql+psycopg2://u:p%40ss@db.example:5433/dagster?sslmode=require"
+
+
+def test_top_level_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkeypatch):
+    """The deployment dagster.yaml: storage through dagster-postgres with a psycopg2 URL from env."""
+    name = "t_dagster_" + uuid.uuid4().hex[:8]
+    url = devserver.ensure_database(server_url, name)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_PG_URL", devserver.sqlalchemy_url(url))
+    try:
+        instance = dg.DagsterInstance.from_config(str(home))
+        try:
+            assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+            assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
+            assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
+            instance.add_dynamic_partitions("documents", ["a.md", "b.md"])
+            assert instance.get_dynamic_partitions("documents") == ["a.md", "b.md"]
+        finally:
+            instance.dispose()
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
