@@ -159,7 +159,7 @@ def run_request(group: list[str], run_key: str, tags: dict[str, str]) -> dg.RunR
 
 # -- (a) source changes ------------------------------------------------------------
 @dg.sensor(name="source_documents", job=EMBED_JOB, minimum_interval_seconds=30,
-           default_status=dg.DefaultSensorStatus.STOPPED,
+           default_status=dg.DefaultSensorStatus.RUNNING,
            description="Scans the source directory; adds partitions for new documents, deletes (and "
                        "tombstones) vanished ones, and requests batched runs for new and changed ones.")
 def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
@@ -228,7 +228,7 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
 
 # -- (b) partial reruns after a parser/chunker fix -----------------------------------
 @dg.sensor(name="rerun_stale_documents", job=EMBED_JOB, minimum_interval_seconds=60,
-           default_status=dg.DefaultSensorStatus.STOPPED,
+           default_status=dg.DefaultSensorStatus.RUNNING,
            description="Requests reruns of exactly the partitions whose extract or chunk stage ran under "
                        "another code version (stages.rerun_targets); once per version.")
 def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
