@@ -142,3 +142,14 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def job_counts(conn) -> dict[str, int]:
     return dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY status").fetchall())
+
+
+def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")

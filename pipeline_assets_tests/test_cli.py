@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from pipeline_assets import db
-from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, _with_dbname, cli, job_counts, start_cli, write_corpus
+from pipeline_assets_tests.conftest import wait_until, FAKE_DIM, FAKE_MODEL, _with_dbname, cli, job_counts, start_cli, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 MODEL_ID = f"openai/{FAKE_MODEL}"          # dimension unknown up front: no "@16" suffix
@@ -28,14 +28,6 @@ UNREACHABLE_DB = "postgresql://nobody@127.0.0.1:1/x"
 
 # -- helpers ------------------------------------------------------------------
 
-def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def cli_json(*args: str, env: dict):

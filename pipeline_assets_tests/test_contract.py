@@ -11,23 +11,14 @@ import json
 import os
 import shutil
 import signal
-import time
 
 import numpy as np
 import pytest
 
-from pipeline_assets_tests.conftest import (cli, job_counts, kill_group, start_cli, wait_for_line,
+from pipeline_assets_tests.conftest import (wait_until, cli, job_counts, kill_group, start_cli, wait_for_line,
                                             write_corpus)
 
 
-def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def chunk_texts(conn) -> list[str]:

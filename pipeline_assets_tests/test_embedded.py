@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from pipeline_assets import db, embedded
-from pipeline_assets_tests.conftest import cli, kill_group, start_cli, write_corpus
+from pipeline_assets_tests.conftest import wait_until, cli, kill_group, start_cli, write_corpus
 
 LOCAL_MODEL_ID = "local/hashing-cl100k-v1@256"
 
@@ -76,14 +76,6 @@ def home(new_home):
     return new_home()
 
 
-def wait_until(predicate, timeout: float = 30, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_embedded_server_survives_sigkilled_worker_group(home, tmp_path):
