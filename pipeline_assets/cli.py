@@ -315,6 +315,33 @@ def search(query: str, k: int, model: str | None, as_json: bool) -> None:
     _emit(hits, as_json, lines)
 
 
+@main.group("models")
+def models_group() -> None:
+    """Embedding models: list them, retire one after a model change."""
+
+
+@models_group.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@expected_errors
+def models_list(as_json: bool) -> None:
+    with db.session() as conn:
+        rows = models.list_models(conn)
+    _emit(rows, as_json, lambda rs: [f"{r['model_id']} name={r['name']} dim={r['dimension']} "
+                                     f"active={r['active']} ready={r['ready']} outstanding={r['outstanding']}"
+                                     for r in rs])
+
+
+@models_group.command("retire")
+@click.argument("model")
+@expected_errors
+def models_retire(model: str) -> None:
+    """Stop embedding new content with MODEL (its ready vectors are kept)."""
+    with db.session() as conn:
+        model_id = _model_id(conn, model, "")
+        superseded = models.retire(conn, model_id)
+    click.echo(f"retired {model_id}: {superseded} unstarted job(s) superseded")
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535))

@@ -72,3 +72,29 @@ def resolve_model_id(conn: psycopg.Connection, name: str) -> str | None:
         (name, name),
     ).fetchone()
     return row[0] if row else None
+
+
+def list_models(conn: psycopg.Connection) -> list[dict]:
+    rows = conn.execute(
+        """SELECT m.model_id, m.name, m.provider, m.dimension, m.active,
+                  count(j.job_id) FILTER (WHERE j.status = 'ready') AS ready,
+                  count(j.job_id) FILTER (WHERE j.status IN ('pending', 'retry', 'processing')) AS outstanding
+           FROM app.models m LEFT JOIN app.embedding_jobs j ON j.model_id = m.model_id
+           GROUP BY m.model_id ORDER BY m.created_at""").fetchall()
+    return [{"model_id": r[0], "name": r[1], "provider": r[2], "dimension": r[3], "active": r[4],
+             "ready": r[5], "outstanding": r[6]} for r in rows]
+
+
+def retire(conn: psycopg.Connection, model_id: str) -> int:
+    """Stop wanting vectors of a model after a model change.
+
+    New content is no longer enqueued for it and its unstarted jobs are
+    superseded (a late completion is refused: the model is inactive). Its ready
+    vectors stay, so ``export --model`` still works and re-activating it (run a
+    worker with it) needs no re-embedding of unchanged content.
+    """
+    with conn.transaction():
+        conn.execute("UPDATE app.models SET active = false WHERE model_id = %s", (model_id,))
+        return conn.execute(
+            "UPDATE app.embedding_jobs SET status = 'superseded', updated_at = now()"
+            " WHERE model_id = %s AND status IN ('pending', 'retry')", (model_id,)).rowcount

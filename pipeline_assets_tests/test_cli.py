@@ -527,3 +527,26 @@ def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
     cli("work", "--until-idle", env=env)
     assert job_counts(conn) == {"ready": total}
     assert_vectors_match_fake(conn, fake)
+
+
+def test_model_change_then_retire_old_model(env, fake, clean_db, tmp_path):
+    """Switch models: the new one embeds everything once; the retired one stops getting work."""
+    corpus = tmp_path / "models"
+    write_corpus(corpus, 5)
+    cli("embed", str(corpus), env=env)
+    new_env = {**env, "PIPELINE_EMBEDDING_MODEL": "fake-embed-v2"}
+    summary = json.loads(cli("embed", str(corpus), "--json", env=new_env).stdout)
+    ready, wanted = summary["coverage"].split("/")
+    assert summary["embedded"] > 0 and ready == wanted
+    listed = {m["name"]: m for m in json.loads(cli("models", "list", "--json", env=new_env).stdout)}
+    assert listed[FAKE_MODEL]["ready"] == listed["fake-embed-v2"]["ready"] > 0
+    out = cli("models", "retire", FAKE_MODEL, env=new_env).stdout
+    assert out.startswith("retired openai/fake-embed")
+    (corpus / "doc0000.md").write_text("new content after the model change")
+    cli("embed", str(corpus), env=new_env)
+    conn = clean_db
+    outstanding = conn.execute("""SELECT count(*) FROM app.embedding_jobs j JOIN app.models m USING (model_id)
+                                  WHERE NOT m.active AND j.status IN ('pending', 'retry')""").fetchone()[0]
+    assert outstanding == 0  # nothing waits for a worker that will never come
+    exported = [json.loads(line) for line in cli("export", "--model", FAKE_MODEL, env=new_env).stdout.splitlines()]
+    assert exported and all(r["model"] == FAKE_MODEL for r in exported)  # the old index stays readable
