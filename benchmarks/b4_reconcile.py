@@ -43,6 +43,8 @@ def load(conn, chunks: int, per_doc: int) -> dict:
             " WHERE (d.doc_pk - 1) * %s + k < %s", (per_doc, per_doc, chunks))
         conn.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
                      " SELECT chunk_checksum, %s, 'ready', 1 FROM app.chunks", (MODEL,))
+        conn.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
+                     " SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs")
         conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
                      " SELECT chunk_checksum, %s, %s::vector FROM app.chunks", (MODEL, VECTOR))
     with Timer() as v:
@@ -61,11 +63,15 @@ def damage(conn, chunks: int) -> dict:
         conn.execute("CREATE TEMP TABLE lost AS SELECT chunk_checksum FROM app.chunks"
                      " ORDER BY chunk_checksum LIMIT %s", (n,))
         conn.execute("DELETE FROM app.embedding_jobs j USING lost l WHERE j.chunk_checksum = l.chunk_checksum")
+        conn.execute("DELETE FROM app.job_keys k USING lost l WHERE k.chunk_checksum = l.chunk_checksum")
         conn.execute("DELETE FROM app.embeddings e USING lost l WHERE e.chunk_checksum = l.chunk_checksum")
         conn.execute("CREATE TEMP TABLE orphan AS SELECT sha256(('orphan' || g)::bytea) AS chunk_checksum"
                      " FROM generate_series(1, %s) g", (n,))
         conn.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
                      " SELECT chunk_checksum, %s, 'ready', 1 FROM orphan", (MODEL,))
+        conn.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
+                     " SELECT j.chunk_checksum, j.model_id, j.job_id FROM app.embedding_jobs j"
+                     " JOIN orphan o USING (chunk_checksum)")
         conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
                      " SELECT chunk_checksum, %s, %s::vector FROM orphan", (MODEL, VECTOR))
     conn.execute("ANALYZE app.embedding_jobs")

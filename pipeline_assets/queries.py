@@ -149,7 +149,16 @@ SUPERSEDE_UNWANTED = """
 UPDATE app.embedding_jobs j
 SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
 WHERE j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
-  AND (%(checksums)s::bytea[] IS NULL OR j.chunk_checksum = ANY(%(checksums)s::bytea[]))
+  AND NOT EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+RETURNING j.chunk_checksum, j.model_id
+"""
+
+SUPERSEDE_UNWANTED_AMONG = """
+UPDATE app.embedding_jobs j
+SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+FROM app.job_keys k
+WHERE k.chunk_checksum = ANY(%(checksums)s::bytea[]) AND j.job_id = k.job_id
+  AND j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
   AND NOT EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
 RETURNING j.chunk_checksum, j.model_id
 """
@@ -160,24 +169,43 @@ USING unnest(%(checksums)s::bytea[], %(models)s::text[]) AS g(chunk_checksum, mo
 WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
 """
 
-# New work: every current chunk x active model without a job. Set-based;
-# ON CONFLICT makes a duplicate event a no-op.
+# New work: every current chunk x active model without a job. Set-based; the
+# identity is claimed in app.job_keys first, so a duplicate event (or a racing
+# ingest) is a no-op there and creates no state row.
 ENQUEUE_FOR_DOCS = """
-INSERT INTO app.embedding_jobs (chunk_checksum, model_id, max_attempts)
-SELECT DISTINCT c.chunk_checksum, m.model_id, %(max_attempts)s
-FROM app.chunks c CROSS JOIN app.models m
-WHERE m.active AND c.doc_pk = ANY(%(docs)s)
-ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+WITH wanted AS (
+    SELECT DISTINCT c.chunk_checksum, m.model_id
+    FROM app.chunks c CROSS JOIN app.models m
+    WHERE m.active AND c.doc_pk = ANY(%(docs)s)
+), keyed AS (
+    INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
+    SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
+    FROM wanted w
+    ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+    RETURNING chunk_checksum, model_id, job_id
+)
+INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
+OVERRIDING SYSTEM VALUE
+SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
 """
 
 ENQUEUE_MISSING = """
-INSERT INTO app.embedding_jobs (chunk_checksum, model_id, max_attempts)
-SELECT DISTINCT c.chunk_checksum, m.model_id, %(max_attempts)s
-FROM app.chunks c CROSS JOIN app.models m
-WHERE m.active
-  AND NOT EXISTS (SELECT 1 FROM app.embedding_jobs j
-                  WHERE j.chunk_checksum = c.chunk_checksum AND j.model_id = m.model_id)
-ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+WITH wanted AS (
+    SELECT DISTINCT c.chunk_checksum, m.model_id
+    FROM app.chunks c CROSS JOIN app.models m
+    WHERE m.active
+      AND NOT EXISTS (SELECT 1 FROM app.job_keys k
+                      WHERE k.chunk_checksum = c.chunk_checksum AND k.model_id = m.model_id)
+), keyed AS (
+    INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
+    SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
+    FROM wanted w
+    ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+    RETURNING chunk_checksum, model_id, job_id
+)
+INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
+OVERRIDING SYSTEM VALUE
+SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
 """
 
 # superseded -> pending: content came back (a revert, a re-added file).
@@ -186,9 +214,26 @@ UPDATE app.embedding_jobs j
 SET status = 'pending', attempts = 0, available_at = now(),
     error_class = NULL, error_message = NULL, updated_at = now()
 WHERE j.status = 'superseded'
-  AND (%(checksums)s::bytea[] IS NULL OR j.chunk_checksum = ANY(%(checksums)s::bytea[]))
   AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
   AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
+"""
+
+REVIVE_WANTED_AMONG = """
+UPDATE app.embedding_jobs j
+SET status = 'pending', attempts = 0, available_at = now(),
+    error_class = NULL, error_message = NULL, updated_at = now()
+FROM app.job_keys k
+WHERE k.chunk_checksum = ANY(%(checksums)s::bytea[]) AND j.job_id = k.job_id
+  AND j.status = 'superseded'
+  AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+  AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
+"""
+
+# An identity whose state row was lost (a manual DELETE, a restore) would block
+# re-enqueueing that content forever; drop it so ENQUEUE_MISSING can recreate both.
+DROP_ORPHAN_KEYS = """
+DELETE FROM app.job_keys k
+WHERE NOT EXISTS (SELECT 1 FROM app.embedding_jobs j WHERE j.job_id = k.job_id)
 """
 
 # ready -> pending: the job says ready but its vector is missing.

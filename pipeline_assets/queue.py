@@ -116,16 +116,19 @@ def requeue_failed(conn: psycopg.Connection, job_ids: Sequence[int] = (), *, all
 
 def supersede_unwanted(conn: psycopg.Connection, checksums: Sequence[bytes] | None = None) -> int:
     """Supersede jobs whose content nobody wants, and delete their vectors."""
-    gone = conn.execute(queries.SUPERSEDE_UNWANTED,
-                        {"checksums": list(checksums) if checksums is not None else None}).fetchall()
+    if checksums is None:
+        gone = conn.execute(queries.SUPERSEDE_UNWANTED).fetchall()
+    else:
+        gone = conn.execute(queries.SUPERSEDE_UNWANTED_AMONG, {"checksums": list(checksums)}).fetchall()
     if gone:
         conn.execute(queries.DELETE_VECTORS, {"checksums": [g[0] for g in gone], "models": [g[1] for g in gone]})
     return len(gone)
 
 
 def revive_wanted(conn: psycopg.Connection, checksums: Sequence[bytes] | None = None) -> int:
-    return conn.execute(queries.REVIVE_WANTED,
-                        {"checksums": list(checksums) if checksums is not None else None}).rowcount
+    if checksums is None:
+        return conn.execute(queries.REVIVE_WANTED).rowcount
+    return conn.execute(queries.REVIVE_WANTED_AMONG, {"checksums": list(checksums)}).rowcount
 
 
 def enqueue_for_docs(conn: psycopg.Connection, doc_pks: Sequence[int], max_attempts: int) -> int:
@@ -136,6 +139,10 @@ def enqueue_for_docs(conn: psycopg.Connection, doc_pks: Sequence[int], max_attem
 
 def enqueue_missing(conn: psycopg.Connection, max_attempts: int) -> int:
     return conn.execute(queries.ENQUEUE_MISSING, {"max_attempts": max_attempts}).rowcount
+
+
+def drop_orphan_keys(conn: psycopg.Connection) -> int:
+    return conn.execute(queries.DROP_ORPHAN_KEYS).rowcount
 
 
 def repair_missing_vectors(conn: psycopg.Connection) -> int:

@@ -56,6 +56,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
             report.revived += scan.revived
             report.superseded += scan.superseded
     with conn.transaction():
+        queue.drop_orphan_keys(conn)
         report.enqueued += queue.enqueue_missing(conn, options.max_attempts)
         report.revived += queue.revive_wanted(conn)
         report.superseded += queue.supersede_unwanted(conn)

@@ -132,7 +132,8 @@ SELECT d.document_id,
 FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 JOIN app.chunks c ON c.doc_pk = d.doc_pk
-LEFT JOIN app.embedding_jobs j ON j.chunk_checksum = c.chunk_checksum AND j.model_id = %(model)s
+LEFT JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = %(model)s
+LEFT JOIN app.embedding_jobs j ON j.job_id = k.job_id
 LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %(model)s
 WHERE s.root = %(root)s AND d.document_id = ANY(%(ids)s) AND d.status = 'current'
 GROUP BY GROUPING SETS ((d.document_id), ())
@@ -146,11 +147,13 @@ WITH wanted AS (
 SELECT m.model_id,
        (SELECT count(*) FROM wanted) AS wanted,
        (SELECT count(*) FROM wanted w WHERE NOT EXISTS (
-            SELECT 1 FROM app.embedding_jobs j
-            JOIN app.embeddings e ON e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id
-            WHERE j.chunk_checksum = w.chunk_checksum AND j.model_id = m.model_id AND j.status = 'ready')) AS missing,
-       (SELECT count(*) FROM wanted w JOIN app.embedding_jobs j
-            ON j.chunk_checksum = w.chunk_checksum AND j.model_id = m.model_id AND j.status = 'failed') AS failed
+            SELECT 1 FROM app.job_keys k
+            JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'ready'
+            JOIN app.embeddings e ON e.chunk_checksum = k.chunk_checksum AND e.model_id = k.model_id
+            WHERE k.chunk_checksum = w.chunk_checksum AND k.model_id = m.model_id)) AS missing,
+       (SELECT count(*) FROM wanted w
+            JOIN app.job_keys k ON k.chunk_checksum = w.chunk_checksum AND k.model_id = m.model_id
+            JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'failed') AS failed
 FROM app.models m WHERE m.active ORDER BY m.model_id
 """
 
@@ -159,15 +162,16 @@ FROM app.models m WHERE m.active ORDER BY m.model_id
 STALE_VECTORS = """
 SELECT
   (SELECT count(*) FROM app.embeddings e WHERE NOT EXISTS (
-       SELECT 1 FROM app.embedding_jobs j
-       WHERE j.chunk_checksum = e.chunk_checksum AND j.model_id = e.model_id AND j.status = 'ready')),
+       SELECT 1 FROM app.job_keys k JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'ready'
+       WHERE k.chunk_checksum = e.chunk_checksum AND k.model_id = e.model_id)),
   (SELECT count(*) FROM app.chunks c
    JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status <> 'current'
    JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum),
   (SELECT array_agg(x) FROM (
        SELECT e.model_id || ':' || encode(e.chunk_checksum, 'hex') AS x FROM app.embeddings e
-       WHERE NOT EXISTS (SELECT 1 FROM app.embedding_jobs j WHERE j.chunk_checksum = e.chunk_checksum
-                         AND j.model_id = e.model_id AND j.status = 'ready')
+       WHERE NOT EXISTS (SELECT 1 FROM app.job_keys k JOIN app.embedding_jobs j
+                         ON j.job_id = k.job_id AND j.status = 'ready'
+                         WHERE k.chunk_checksum = e.chunk_checksum AND k.model_id = e.model_id)
        ORDER BY 1 LIMIT 5) s)
 """
 

@@ -22,7 +22,8 @@ SELECT d.document_id, d.source_uri, c.chunk_index, c.text, m.name, e.embedding
 FROM app.chunks c
 JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
 JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %(model)s
-JOIN app.embedding_jobs j ON j.chunk_checksum = c.chunk_checksum AND j.model_id = %(model)s AND j.status = 'ready'
+JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = %(model)s
+JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'ready'
 JOIN app.models m ON m.model_id = e.model_id
 ORDER BY d.document_id, c.chunk_index
 """

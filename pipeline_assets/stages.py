@@ -26,7 +26,8 @@ SELECT d.doc_pk, 'embed',
        CASE WHEN bool_and(j.status IN ('ready', 'failed')) THEN max(j.updated_at) END
 FROM app.documents d
 JOIN app.chunks c ON c.doc_pk = d.doc_pk
-JOIN app.embedding_jobs j ON j.chunk_checksum = c.chunk_checksum AND j.model_id = %(model)s
+JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = %(model)s
+JOIN app.embedding_jobs j ON j.job_id = k.job_id
 WHERE d.status = 'current'
 GROUP BY d.doc_pk, d.source_checksum
 ON CONFLICT (doc_pk, stage) DO UPDATE

@@ -65,7 +65,7 @@ def conn(database_url):
 @pytest.fixture
 def clean_db(conn):
     """Empty every table (same schema) so a test starts from nothing."""
-    conn.execute("""TRUNCATE app.sources, app.documents, app.chunks, app.embedding_jobs, app.embeddings,
+    conn.execute("""TRUNCATE app.sources, app.documents, app.chunks, app.embedding_jobs, app.job_keys, app.embeddings,
                     app.stage_runs, app.provider_state, app.provider_calls, app.input_sends,
                     app.models CASCADE""")
     return conn

@@ -783,8 +783,9 @@ def test_enqueue_leaves_existing_jobs_alone(q):
 
 def test_unique_constraint_rejects_duplicate_job(q):
     [jid] = seed(q, 1, labels=["dup"])
+    # The identity lives in app.job_keys (written once; the state row stays narrow).
     with pytest.raises(psycopg.errors.UniqueViolation):
-        q.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id) VALUES (%s, %s)",
+        q.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id) VALUES (%s, %s, -1)",
                   (checksum("dup"), MODEL))
     assert q.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0] == 1
 
@@ -869,7 +870,7 @@ def test_transition_table(q, op):
     ctx = CONTEXT.get(op, {})
     for state in STATES:
         # Each state gets a fresh job in an otherwise empty queue (global operations see only it).
-        q.execute("TRUNCATE app.embedding_jobs, app.embeddings, app.chunks")
+        q.execute("TRUNCATE app.embedding_jobs, app.job_keys, app.embeddings, app.chunks")
         jid = to_state(q, state, max_attempts=3)
         if not ctx.get("wanted", True):
             drop_chunks(q, jid)
