@@ -253,23 +253,26 @@ FROM app.embedding_jobs
 WHERE model_id = %(model)s AND status IN ('pending', 'retry', 'processing')
 """
 
-# A provider failure, shared by every worker. A throttle (429, or a
-# Retry-After) trips the breaker at once; other failures trip it after
-# %(threshold)s in a row. The pause is at least the Retry-After and otherwise a
-# full-jitter backoff over the consecutive failures, so workers that failed
-# together do not come back together.
+# A provider failure, shared by every worker. A throttle (429) trips the
+# breaker at once; other failures trip it after %(threshold)s in a row. The
+# pause is the provider's Retry-After when it gave one (authoritative; the
+# half-open probe, not a random spread, keeps workers from returning as a
+# herd), otherwise a full-jitter backoff over the consecutive failures.
 PROVIDER_FAILURE = """
 INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
 VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
         CASE WHEN %(trip)s OR 1 >= %(threshold)s
-             THEN now() + make_interval(secs => greatest(%(floor)s, random() * least(%(cap)s, %(base)s * 2)))
+             THEN now() + make_interval(secs => CASE WHEN %(floor)s > 0 THEN %(floor)s
+                                                     ELSE random() * least(%(cap)s, %(base)s * 2) END)
              ELSE '-infinity' END)
 ON CONFLICT (model_id) DO UPDATE
 SET consecutive_failures = p.consecutive_failures + 1,
     tripped = p.tripped OR %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s,
     paused_until = CASE WHEN %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
-                        THEN greatest(p.paused_until, now() + make_interval(secs => greatest(%(floor)s,
-                             random() * least(%(cap)s, %(base)s * 2 ^ least(p.consecutive_failures + 1, 30)))))
+                        THEN greatest(p.paused_until, now() + make_interval(secs => CASE
+                             WHEN %(floor)s > 0 THEN %(floor)s
+                             ELSE random() * least(%(cap)s, %(base)s * 2 ^ least(p.consecutive_failures + 1, 30))
+                             END))
                         ELSE p.paused_until END,
     updated_at = now()
 RETURNING paused_until > now() AS paused, tripped, consecutive_failures
