@@ -315,6 +315,21 @@ def search(query: str, k: int, model: str | None, as_json: bool) -> None:
     _emit(hits, as_json, lines)
 
 
+@main.command("stop-db")
+@expected_errors
+def stop_db() -> None:
+    """Stop the embedded PostgreSQL under PIPELINE_HOME (it otherwise outlives every command)."""
+    from . import embedded, settings
+
+    home = settings.pipeline_home()
+    if settings.database_url_from_env():
+        click.echo("PIPELINE_DATABASE_URL is set: no embedded server is managed here")
+    elif embedded.stop_server(home):
+        click.echo(f"stopped the embedded PostgreSQL in {home}")
+    else:
+        click.echo(f"no embedded PostgreSQL running in {home}")
+
+
 @main.group("models")
 def models_group() -> None:
     """Embedding models: list them, retire one after a model change."""
