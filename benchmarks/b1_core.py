@@ -17,6 +17,7 @@ HNSW index row by row.
 from __future__ import annotations
 
 import argparse
+import statistics
 import asyncio
 import logging
 import tempfile
@@ -39,12 +40,16 @@ from pipeline_assets.sources import max_input_bytes_from_env
 from pipeline_assets.worker import Worker, WorkerConfig
 
 
+# Rounds of the worker / COPY / pgqueuer measurements; the medians are reported.
+ROUNDS = 3
+
+
 class ZeroLatencyProvider:
     """Implements the Provider protocol; returns random vectors at once."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, name: str = "zero-latency") -> None:
         self.dim = dim
-        self.spec = ModelSpec(provider="bench", name="zero-latency", dimension=dim, max_input_tokens=8191,
+        self.spec = ModelSpec(provider="bench", name=name, dimension=dim, max_input_tokens=8191,
                               max_batch_inputs=2048, max_batch_tokens=1_000_000)
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
@@ -115,6 +120,7 @@ def bench_copy(url: str, n: int, dim: int, hnsw: bool = False) -> dict:
     vecs = np.random.default_rng(1).standard_normal((n, dim), dtype=np.float32)
     with psycopg.connect(url, autocommit=True) as conn:
         register_vector(conn)
+        conn.execute("DROP TABLE IF EXISTS bench_copy")
         conn.execute(f"CREATE TABLE bench_copy (id bigint, v vector({dim}))")
         if hnsw:
             conn.execute("CREATE INDEX ON bench_copy USING hnsw (v vector_cosine_ops)")
@@ -203,14 +209,24 @@ async def _pgqueuer_drain(url: str, n: int, batch_size: int, install: bool) -> d
             "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}
 
 
-def bench_pgqueuer(url: str, n: int) -> dict:
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median rate, plus every round's rate."""
+    ordered = sorted(runs, key=lambda r: r.get("jobs_per_s", r.get("rows_per_s", 0)))
+    pick = dict(ordered[len(ordered) // 2])
+    pick["rounds_per_s"] = [r.get("jobs_per_s", r.get("rows_per_s")) for r in runs]
+    return pick
+
+
+def bench_pgqueuer(url: str, n: int, install: bool = True, with_batch100: bool = True) -> dict:
     try:
         import pgqueuer
     except ImportError as exc:
         return {"error": f"pgqueuer not installed ({exc}); pip install -e '.[bench]'"}
     logging.getLogger("pgqueuer").setLevel(logging.WARNING)
     try:
-        default = with_wal(url, n, lambda: asyncio.run(_pgqueuer_drain(url, n, batch_size=10, install=True)))
+        default = with_wal(url, n, lambda: asyncio.run(_pgqueuer_drain(url, n, batch_size=10, install=install)))
+        if not with_batch100:
+            return {"jobs_per_s": default["jobs_per_s"]}
         batch100 = asyncio.run(_pgqueuer_drain(url, n, batch_size=100, install=False))
     except Exception as exc:  # report exactly why, do not hide the other results
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -234,15 +250,33 @@ def main() -> None:
         with db.connect(url) as conn:
             models.ensure_model(conn, provider.spec)  # jobs are enqueued for active models
             out["ingest"] = bench_ingest(conn, main_dir, n)
-        out["worker"] = with_wal(url, n, bench_worker, url, provider, n)
+        # Interleaved rounds (worker, COPY, pgqueuer) and medians: one round of
+        # each takes seconds, and this shared 2-core machine is noisy.
+        worker_runs, copy_runs, pgq_runs = [], [], []
+        for r in range(ROUNDS):
+            p_r = provider if r == 0 else ZeroLatencyProvider(dim, name=f"zero-latency-r{r}")
+            if r:
+                with db.connect(url) as conn:
+                    models.ensure_model(conn, p_r.spec)
+                    queue.enqueue_missing(conn, max_attempts=5)
+                    conn.execute("UPDATE app.models SET active = false WHERE model_id <> %s", (p_r.spec.model_id,))
+            worker_runs.append(with_wal(url, n, bench_worker, url, p_r, n))
+            copy_runs.append(with_wal(url, n, bench_copy, url, n, dim))
+            pgq_runs.append(bench_pgqueuer(url, n, install=(r == 0), with_batch100=(r == 0)))
+        with db.connect(url) as conn:  # the first model again, for the diagnostics below
+            conn.execute("UPDATE app.models SET active = (model_id = %s)", (provider.spec.model_id,))
+        out["worker"] = median_run(worker_runs)
         out["worker"]["embedding_jobs"] = job_update_stats(url)
-        out["copy"] = with_wal(url, n, bench_copy, url, n, dim)
+        out["copy"] = median_run(copy_runs)
         out["diagnostics"] = {"hnsw_bulk_build_after_drain": bench_index_build(url, provider, n),
                               "copy_into_hnsw_table": bench_copy(url, n, dim, hnsw=True)}
         with db.connect(url) as conn:
             bench_ingest(conn, naive_dir, args.naive_jobs)
         out["naive_one_per_txn"] = bench_naive(url, provider, args.naive_jobs)
-        out["pgqueuer"] = bench_pgqueuer(url, n)
+        out["pgqueuer"] = pgq_runs[0]
+        if all("jobs_per_s" in r for r in pgq_runs):
+            out["pgqueuer"]["rounds_jobs_per_s"] = [r["jobs_per_s"] for r in pgq_runs]
+            out["pgqueuer"]["jobs_per_s"] = statistics.median(out["pgqueuer"]["rounds_jobs_per_s"])
 
     w = out["worker"]["jobs_per_s"]
     out["ratio_to_copy"] = round(w / out["copy"]["rows_per_s"], 3)

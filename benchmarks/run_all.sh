@@ -21,3 +21,4 @@ for bench in b1_core b2_provider b3_rerun b4_reconcile; do
         || { echo "$bench failed" >&2; status=1; }
 done
 exit $status
+python benchmarks/b5_memory.py --documents 3000
