@@ -15,10 +15,9 @@ if ! "$PYTHON" -c "import pgqueuer, asyncpg" 2>/dev/null; then
 fi
 
 status=0
-for bench in b1_core b2_provider b3_rerun b4_reconcile; do
+for bench in b1_core b2_provider b3_rerun b4_reconcile b5_memory; do
     echo "== $bench" >&2
     "$PYTHON" "benchmarks/$bench.py" | "$PYTHON" -c 'import json, sys; print(json.dumps(json.load(sys.stdin)))' \
         || { echo "$bench failed" >&2; status=1; }
 done
 exit $status
-python benchmarks/b5_memory.py --documents 3000
