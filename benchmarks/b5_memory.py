@@ -5,7 +5,7 @@ over N and 10*N documents, each in a fresh database, and reports every
 process's peak RSS. Streaming everywhere (scan, ingest batches, claim batches,
 export cursor) means the 10x corpus should cost about the same memory.
 
-    python benchmarks/b5_memory.py [--documents 1000]
+    python benchmarks/b5_memory.py [--documents 3000]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def measure(n: int, env: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--documents", type=int, default=1000)
+    p.add_argument("--documents", type=int, default=3000)
     args = p.parse_args()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
