@@ -7,12 +7,14 @@ import functools
 import json
 import logging
 import signal
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import click
+import psycopg
 
 from . import db, models, queue, reconcile as reconcile_mod, reports, retrieval, stages
 from .ingest import ingest_directory, ingest_paths
@@ -22,7 +24,7 @@ from .sources import SourceError
 from .worker import BudgetExhausted, FatalProviderError, Worker, WorkerConfig
 
 EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, FatalProviderError, BudgetExhausted, ProviderError,
-            ValueError, OSError)
+            psycopg.OperationalError, subprocess.TimeoutExpired, ValueError, OSError)
 
 
 def expected_errors(fn):
@@ -32,7 +34,7 @@ def expected_errors(fn):
         try:
             return fn(*args, **kwargs)
         except EXPECTED as exc:
-            message = " ".join(str(exc).split()) or type(exc).__name__
+            message = db.redact_text(" ".join(str(exc).split()) or type(exc).__name__)
             click.echo(f"error: {message}", err=True)
             sys.exit(1)
     return wrapper
@@ -68,11 +70,12 @@ def migrate() -> None:
 
 
 def _ingest(conn, directory: str, rt: Runtime, allow_empty: bool):
-    models.ensure_model(conn, rt.provider.spec)
+    fresh_model = models.ensure_model(conn, rt.provider.spec)
     rt.options.allow_empty = allow_empty
     report = ingest_directory(conn, Path(directory), rt.options)
-    # A model seen for the first time needs jobs for content ingested before it.
-    report.enqueued += queue.enqueue_missing(conn, rt.options.max_attempts)
+    if fresh_model:
+        # A model seen for the first time needs jobs for content ingested before it.
+        report.enqueued += queue.enqueue_missing(conn, rt.options.max_attempts)
     return report
 
 

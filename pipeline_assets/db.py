@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +36,14 @@ class DatabaseUnavailable(RuntimeError):
 
 
 def redact_url(url: str) -> str:
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """A connection string fit to print: no password, in any of its forms."""
+    return redact_text(url)
+
+
+def redact_text(text: str) -> str:
+    text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)            # scheme://user:pass@
+    text = re.sub(r"(?i)(password\s*=\s*)('[^']*'|[^\s&]+)", r"\1***", text)  # key=value / ?password=
+    return text
 
 
 def database_url() -> str:
@@ -44,7 +52,7 @@ def database_url() -> str:
         return url
     try:
         return embedded.ensure_server(settings.pipeline_home())
-    except (embedded.EmbeddedServerError, OSError) as exc:
+    except (embedded.EmbeddedServerError, OSError, subprocess.TimeoutExpired) as exc:
         raise DatabaseUnavailable(str(exc)) from None
 
 

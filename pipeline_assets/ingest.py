@@ -77,6 +77,7 @@ def ingest_directory(conn: psycopg.Connection, root: Path, options: IngestOption
     """Scan everything under ``root``; tombstone what is no longer there."""
     root = Path(root).expanduser().resolve()
     items = scan_directory(root)  # raises SourceError for a missing root
+    scan_started = conn.execute("SELECT now()").fetchone()[0]
     first = next(items, None)
     source_id = register_source(conn, root)
     report = IngestReport()
@@ -91,8 +92,12 @@ def ingest_directory(conn: psycopg.Connection, root: Path, options: IngestOption
             raise SourceError(f"source {root} is empty but {current} documents from it are current; "
                               "refusing to tombstone them all (pass --allow-empty if this is intended)")
     with conn.transaction():
-        _tombstone(conn, report, "source_id = %s AND status <> 'deleted'"
-                   " AND NOT EXISTS (SELECT 1 FROM ingest_seen s WHERE s.document_id = d.document_id)", (source_id,))
+        write_lock(conn)
+        # Only what this scan could have seen: a document another process
+        # ingested after the listing started is not "gone".
+        _tombstone(conn, report, "source_id = %s AND status <> 'deleted' AND updated_at < %s"
+                   " AND NOT EXISTS (SELECT 1 FROM ingest_seen s WHERE s.document_id = d.document_id)",
+                   (source_id, scan_started))
         conn.execute("UPDATE app.sources SET last_scan_at = now() WHERE source_id = %s", (source_id,))
     return report
 
@@ -119,9 +124,22 @@ def ingest_paths(conn: psycopg.Connection, root: Path, document_ids: Iterable[st
     _ingest_items(conn, source_id, iter(present), options, report, record_seen=False)
     if missing:
         with conn.transaction():
+            write_lock(conn)
             _tombstone(conn, report, "source_id = %s AND status <> 'deleted' AND document_id = ANY(%s)",
                        (source_id, missing))
     return report
+
+
+# Arbitrary fixed key: one content-changing ingest transaction at a time.
+INGEST_WRITE_LOCK_KEY = 7_301_946_222
+
+
+def write_lock(conn: psycopg.Connection) -> None:
+    """Serialise transactions that replace chunks. Two concurrent ingests that
+    share a chunk checksum could otherwise each miss the other's chunk row and
+    supersede (and delete the vector of) content that is still wanted. The
+    transactions are short; workers never take this lock."""
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (INGEST_WRITE_LOCK_KEY,))
 
 
 def _tombstone(conn: psycopg.Connection, report: IngestReport, where: str, params: tuple) -> None:
@@ -187,6 +205,7 @@ def _ingest_items(conn: psycopg.Connection, source_id: int, items: Iterator[Sour
                     for item in batch:
                         copy.write_row((item.document_id,))
             if todo:
+                write_lock(conn)
                 _write(conn, source_id, todo, options, ext_version, report)
 
 

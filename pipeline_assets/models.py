@@ -21,14 +21,20 @@ def _index_name(model_id: str) -> str:
 
 
 def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
-    """Register (and activate) the model; return True if it was new."""
+    """Register (and activate) the model; return True if it was new or re-activated."""
     row = conn.execute(
         "INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)"
         " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (model_id) DO NOTHING RETURNING model_id",
         (spec.model_id, spec.provider, spec.name, spec.dimension, spec.max_input_tokens),
     ).fetchone()
-    conn.execute("UPDATE app.models SET active = true WHERE model_id = %s AND NOT active", (spec.model_id,))
-    return row is not None
+    reactivated = conn.execute("UPDATE app.models SET active = true WHERE model_id = %s AND NOT active",
+                               (spec.model_id,)).rowcount
+    if reactivated:
+        # Back after `models retire`: its superseded jobs for wanted content return.
+        from . import queue
+
+        queue.revive_wanted(conn)
+    return row is not None or bool(reactivated)
 
 
 def model_dimension(conn: psycopg.Connection, model_id: str) -> int | None:

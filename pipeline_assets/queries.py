@@ -20,6 +20,7 @@ WITH gate AS (
     WHERE model_id = %(model)s
       AND status IN ('pending', 'retry')
       AND available_at <= now()
+      AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = %(model)s AND m.active)
       AND (NOT EXISTS (SELECT 1 FROM app.provider_state p WHERE p.model_id = %(model)s AND p.tripped)
            OR EXISTS (SELECT 1 FROM gate))
     ORDER BY available_at, job_id
@@ -247,10 +248,9 @@ WHERE j.status = 'ready'
 
 # Is there anything left for this model? (until-idle)
 OUTSTANDING = """
-SELECT count(*) FILTER (WHERE status IN ('pending', 'retry')) AS waiting,
-       count(*) FILTER (WHERE status = 'processing') AS held
-FROM app.embedding_jobs
-WHERE model_id = %(model)s AND status IN ('pending', 'retry', 'processing')
+SELECT EXISTS (SELECT 1 FROM app.embedding_jobs
+               WHERE model_id = %(model)s AND status IN ('pending', 'retry')),
+       EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s)
 """
 
 # A provider failure, shared by every worker. A throttle (429) trips the
@@ -282,6 +282,7 @@ PROVIDER_HEALTHY = """
 UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_until = '-infinity',
        updated_at = now()
 WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
+  AND (NOT tripped OR paused_until <= now())  -- a call that was already in flight cannot cut a pause short
 """
 
 # One statement per call: the call row, and (when it may have been billed) one

@@ -149,10 +149,11 @@ def repair_missing_vectors(conn: psycopg.Connection) -> int:
     return conn.execute(queries.REPAIR_MISSING_VECTORS).rowcount
 
 
-def outstanding(conn: psycopg.Connection, model_id: str) -> tuple[int, int]:
-    """(waiting, held) jobs of a model: claimable or on retry, and under a lease."""
+def outstanding(conn: psycopg.Connection, model_id: str) -> tuple[bool, bool]:
+    """Whether a model has jobs waiting (claimable or on retry) and jobs under a
+    lease. Two EXISTS probes, each answered by a partial index: cheap to poll."""
     row = conn.execute(queries.OUTSTANDING, {"model": model_id}).fetchone()
-    return int(row[0]), int(row[1])
+    return bool(row[0]), bool(row[1])
 
 
 def provider_failure(conn: psycopg.Connection, model_id: str, *, trip: bool, floor: float, base: float,

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 
 from . import models, queue, stages
-from .ingest import IngestOptions, ingest_directory
+from .ingest import IngestOptions, ingest_directory, write_lock
 from .sources import SourceError
 
 
@@ -56,6 +56,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
             report.revived += scan.revived
             report.superseded += scan.superseded
     with conn.transaction():
+        write_lock(conn)
         queue.drop_orphan_keys(conn)
         report.enqueued += queue.enqueue_missing(conn, options.max_attempts)
         report.revived += queue.revive_wanted(conn)

@@ -42,7 +42,16 @@ def search(conn: psycopg.Connection, model_id: str, query_vector: np.ndarray, k:
     if not dim:
         return []
     dim = int(dim)
-    rows = conn.execute(
+    with conn.transaction():
+        # The HNSW scan yields at most ef_search candidates; ask for enough.
+        conn.execute("SELECT set_config('hnsw.ef_search', %s, true)", (str(max(40, k * SEARCH_OVERFETCH)),))
+        rows = _nearest(conn, dim, model_id, query_vector, k)
+    return [{"document_id": d, "source_uri": u, "chunk_index": i, "text": t, "distance": float(dist)}
+            for d, u, i, t, dist in rows]
+
+
+def _nearest(conn: psycopg.Connection, dim: int, model_id: str, query_vector: np.ndarray, k: int) -> list:
+    return conn.execute(
         f"""WITH nearest AS (
                 SELECT e.chunk_checksum, e.embedding::vector({dim}) <=> %(q)s::vector({dim}) AS distance
                 FROM app.embeddings e
@@ -58,5 +67,3 @@ def search(conn: psycopg.Connection, model_id: str, query_vector: np.ndarray, k:
         {"q": np.asarray(query_vector, dtype=np.float32), "model": model_id, "fetch": k * SEARCH_OVERFETCH,
          "k": k},
     ).fetchall()
-    return [{"document_id": d, "source_uri": u, "chunk_index": i, "text": t, "distance": float(dist)}
-            for d, u, i, t, dist in rows]

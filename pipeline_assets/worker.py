@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import psycopg
+from psycopg_pool import PoolTimeout
+
 from . import backoff, crashpoints, db, ledger, models, queue, settings
 from .providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError, sanitize
 from .queue import ClaimedJob
@@ -27,6 +30,12 @@ log = logging.getLogger(__name__)
 
 # How long a stopping worker waits for in-flight calls before releasing their jobs.
 SHUTDOWN_GRACE_SECONDS = 3.0
+
+# Completion transactions retried on a deadlock with a concurrent ingest.
+COMPLETE_RETRIES = 3
+
+# The trivial input that tells a bad configuration from a bad input after a 400.
+CONFIG_PROBE_TEXT = "ping"
 
 
 @dataclass
@@ -95,6 +104,8 @@ class Worker:
         self._had_failure = False  # reset the shared failure count only after failures
         self._indexed = False
         self._budget: str | None = None  # why claiming stopped on a budget
+        self._config_checked: bool | None = None  # None: not probed yet
+        self._paused_until = 0.0  # monotonic; a 429 seen here: send nothing more of held claims
         self._others_today: int | None = None  # tokens billed today not by this process
 
     # -- lifecycle -------------------------------------------------------
@@ -111,17 +122,22 @@ class Worker:
         next_rescue = 0.0
         try:
             while not self.stop.is_set():
-                now = time.monotonic()
-                if now >= next_rescue:
-                    self._rescue()
-                    next_rescue = now + self.config.rescue_interval
-                self._refresh_spend()
-                if self._budget is not None:
-                    break
-                if all(self._idle) and self._nothing_outstanding():
-                    self._on_drained()
-                    if self.config.until_idle:
+                try:
+                    now = time.monotonic()
+                    if now >= next_rescue:
+                        self._rescue()
+                        next_rescue = now + self.config.rescue_interval
+                    self._refresh_spend()
+                    if self._budget is not None:
                         break
+                    if all(self._idle) and self._nothing_outstanding():
+                        self._on_drained()
+                        if self.config.until_idle:
+                            break
+                except (psycopg.OperationalError, PoolTimeout) as exc:
+                    # The database restarted or is unreachable for a moment:
+                    # keep the worker, try again on the next beat.
+                    log.warning("database unavailable in the worker's main loop: %s", exc)
                 self.stop.wait(self.config.poll_seconds)
         finally:
             self.stop.set()
@@ -178,7 +194,7 @@ class Worker:
     def _nothing_outstanding(self) -> bool:
         with self._pool.connection() as conn:
             waiting, held = queue.outstanding(conn, self.model_id)
-        return waiting == 0 and held == 0
+        return not waiting and not held
 
     def _rescue(self) -> None:
         with self._pool.connection() as conn:
@@ -244,8 +260,9 @@ class Worker:
                     with self._pool.connection() as conn:
                         self.report.add(superseded=len(queue.supersede_held(conn, owner=owner, job_ids=gone)))
                 for n, request in enumerate(requests):
-                    if self.stop.is_set():
-                        # Stopping (signal or fatal error): hand back what was not sent.
+                    if self.stop.is_set() or self._provider_paused:
+                        # Stopping, or the provider just throttled us: hand back
+                        # what was not sent instead of hammering it.
                         rest = [j.job_id for r in requests[n:] for j in r]
                         with self._pool.connection() as conn:
                             queue.give_back(conn, owner=owner, job_ids=rest)
@@ -260,6 +277,28 @@ class Worker:
             finally:
                 with self._held_lock:
                     self._held.pop(owner, None)
+
+    def _config_ok(self) -> bool:
+        """One trivial request (a single token) tells a bad input from a bad
+        configuration; asked once per worker, after the first 400."""
+        if self._config_checked is None:
+            started = time.monotonic()
+            try:
+                result = self.provider.embed([CONFIG_PROBE_TEXT])
+                self._config_checked, tokens, outcome, status = True, result.tokens, "config_probe", 200
+            except ProviderError as err:
+                self._config_checked = err.kind != TERMINAL
+                tokens, outcome, status = 0, f"config_probe_{err.error_class}", err.status
+            with self._pool.connection() as conn:
+                ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=[],
+                                   tokens=tokens, outcome=outcome, status=status,
+                                   latency=time.monotonic() - started, billed=False)
+            self.report.add(provider_calls=1)
+        return self._config_checked
+
+    @property
+    def _provider_paused(self) -> bool:
+        return time.monotonic() < self._paused_until
 
     def _fail_held(self, owner: str, jobs: Sequence[ClaimedJob], exc: Exception) -> None:
         try:
@@ -297,6 +336,10 @@ class Worker:
 
     def _call(self, owner: str, jobs: list[ClaimedJob]) -> None:
         started = time.monotonic()
+        with self._held_lock:  # a healthy call keeps its lease for as long as it may take
+            if owner in self._held:
+                ids, _ = self._held[owner]
+                self._held[owner] = (ids, started + settings.call_timeout() + self.config.lease_seconds)
         try:
             result = self.provider.embed([j.text for j in jobs])
         except ProviderError as err:
@@ -312,16 +355,35 @@ class Worker:
         self.report.add(provider_calls=1, tokens=result.tokens)
         crashpoints.reach(crashpoints.AFTER_CALL)
         with self._pool.connection() as conn:
+            expected = models.model_dimension(conn, self.model_id) if self._dimension_known else None
+            got = {len(v) for v in result.vectors}
+            if expected is not None and got != {expected}:
+                # A misconfigured endpoint, not bad items: stop, touch nothing.
+                queue.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs])
+                self._fatal = ProviderError(FATAL, "dimension_mismatch",
+                                            f"provider returned {sorted(got)}-dimensional vectors for "
+                                            f"{self.model_id}, which has {expected} dimensions")
+                self.stop.set()
+                return
             if not self._dimension_known:
                 models.record_dimension(conn, self.model_id, len(result.vectors[0]))
                 self._dimension_known = True
             # One transaction, pipelined: the ledger row and the completion
-            # travel together and commit together.
-            with conn.pipeline(), conn.transaction():
-                ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
-                                   tokens=result.tokens, outcome="ok", status=200, latency=latency, billed=True)
-                ready, superseded = queue.complete(conn, owner=owner, job_ids=[j.job_id for j in jobs],
-                                                   vectors=result.vectors)
+            # travel together and commit together. A deadlock with a
+            # concurrent ingest is retried: the vectors are already paid for.
+            for attempt in range(COMPLETE_RETRIES):
+                try:
+                    with conn.pipeline(), conn.transaction():
+                        ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
+                                           tokens=result.tokens, outcome="ok", status=200, latency=latency,
+                                           billed=True)
+                        ready, superseded = queue.complete(conn, owner=owner,
+                                                           job_ids=[j.job_id for j in jobs],
+                                                           vectors=result.vectors)
+                    break
+                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                    if attempt == COMPLETE_RETRIES - 1:
+                        raise
             if self._had_failure or any(j.probe for j in jobs):
                 queue.provider_healthy(conn, self.model_id)
                 self._had_failure = False
@@ -331,10 +393,18 @@ class Worker:
     def _handle_error(self, owner: str, jobs: list[ClaimedJob], err: ProviderError) -> None:
         ids = [j.job_id for j in jobs]
         self._had_failure = True
+        if err.kind == TERMINAL and not self._config_ok():
+            # The "bad input" is the configuration (e.g. an option the model
+            # rejects): a trivial input fails too. Do not dead-letter the corpus.
+            err = ProviderError(FATAL, "config_rejected", err.message, err.status)
         if err.kind == TERMINAL and len(jobs) > 1:
             # Isolate the bad input: split and retry halves; innocent neighbours succeed.
             mid = len(jobs) // 2
             self._call(owner, jobs[:mid])
+            if self.stop.is_set() or self._provider_paused:
+                with self._pool.connection() as conn:
+                    queue.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs[mid:]])
+                return
             self._call(owner, jobs[mid:])
             return
         with self._pool.connection() as conn:
@@ -350,6 +420,7 @@ class Worker:
                                        threshold=settings.BREAKER_THRESHOLD)
                 queue.give_back(conn, owner=owner, job_ids=ids, delay=err.retry_after or 0.0,
                                 error_class=err.error_class, message=err.message)
+                self._paused_until = time.monotonic() + max(err.retry_after or 0.0, self.config.poll_seconds)
                 self.report.add(throttled=len(ids))
             elif err.kind == RETRYABLE:
                 queue.provider_failure(conn, self.model_id, trip=False, floor=err.retry_after or 0.0,

@@ -128,6 +128,9 @@ def test_checks_pass_healthy_and_fail_on_stale_vector_and_dead_letter_burst(corp
     conn.execute("""INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts, error_class)
                     SELECT sha256(('poison' || i)::bytea), %s, 'failed', 5, 'bad_input'
                     FROM generate_series(1, 25) AS i""", (model,))
+    conn.execute("""INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
+                    SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs
+                    WHERE chunk_checksum IN (SELECT sha256(('poison' || i)::bytea) FROM generate_series(1, 25) i)""")
     growth = _health(defs, instance)["dead_letter_growth"]
     assert not growth.passed
     assert growth.metadata["failed_last_hour"].value == 25 and growth.metadata["threshold_per_hour"].value == 10

@@ -7,6 +7,9 @@
 -- identity lives in app.job_keys, written once at enqueue and never updated,
 -- and app.embedding_jobs carries only narrow indexes (its bigint key and the
 -- partial claim/lease/failed indexes). Lookups by content go through job_keys.
+-- No job may be enqueued between the copy below and the constraint drop.
+LOCK TABLE app.embedding_jobs IN SHARE ROW EXCLUSIVE MODE;
+
 CREATE TABLE app.job_keys (
     chunk_checksum bytea NOT NULL,
     model_id       text NOT NULL,

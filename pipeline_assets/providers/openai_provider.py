@@ -49,6 +49,9 @@ def classify(exc: Exception) -> ProviderError:
         message = _error_message(exc)
         retry_after = parse_retry_after(exc.response.headers if exc.response is not None else None)
         if status == 429:
+            if _error_code(exc) == "insufficient_quota":
+                # Out of credit is not a rate limit: waiting will not fix it.
+                return ProviderError(FATAL, "insufficient_quota", message, status)
             return ProviderError(THROTTLED, "rate_limited", message, status, retry_after)
         if status in (401, 403):
             return ProviderError(FATAL, "auth", message, status)
@@ -58,8 +61,16 @@ def classify(exc: Exception) -> ProviderError:
             return ProviderError(TERMINAL, "bad_input", message, status)
         if status in (408, 409) or status >= 500:
             return ProviderError(RETRYABLE, f"http_{status}", message, status, retry_after)
-        return ProviderError(TERMINAL, f"http_{status}", message, status)
+        # Any other 4xx (402, 405, 410, 415, ...) says the request is wrong, not
+        # an input: stop rather than dead-letter the corpus.
+        return ProviderError(FATAL, f"http_{status}", message, status)
     return ProviderError(RETRYABLE, "provider_error", f"{type(exc).__name__}: {exc}")
+
+
+def _error_code(exc: openai.APIStatusError) -> str | None:
+    body = exc.body
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    return inner.get("code") if isinstance(inner, dict) else None
 
 
 def _error_message(exc: openai.APIStatusError) -> str:
