@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
 # How long to wait for the embedded server to start (initdb on first use included).
 START_TIMEOUT_SECONDS = 120
+
+# Start attempts, and how long to wait after a failed one for a slow start-up to finish.
+START_ATTEMPTS = 2
+SLOW_START_GRACE_SECONDS = 20
 
 
 class EmbeddedServerError(RuntimeError):
@@ -46,19 +51,29 @@ def ensure_server(home: Path) -> str:
     if uri:
         return uri
     home.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipeline_assets.embedded", str(pgdata)],
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT_SECONDS,
-        start_new_session=True,  # never in the caller's process group
-    )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        last = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
-        raise EmbeddedServerError(f"could not start embedded PostgreSQL in {pgdata}: {last} "
-                                  f"(server log: {pgdata / 'log'})")
-    return lines[-1]
+    last = "unknown error"
+    for _ in range(START_ATTEMPTS):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline_assets.embedded", str(pgdata)],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_SECONDS,
+            start_new_session=True,  # never in the caller's process group
+        )
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode == 0 and lines:
+            return lines[-1]
+        last = (proc.stderr.strip().splitlines() or [last])[-1]
+        # pgserver gives pg_ctl 10 s; on a loaded machine the server may still
+        # be coming up after that. Wait for it before trying again.
+        deadline = time.monotonic() + SLOW_START_GRACE_SECONDS
+        while time.monotonic() < deadline:
+            uri = _uri_if_running(pgdata)
+            if uri:
+                return uri
+            time.sleep(0.5)
+    raise EmbeddedServerError(f"could not start embedded PostgreSQL in {pgdata}: {last} "
+                              f"(server log: {pgdata / 'log'})")
 
 
 def stop_server(home: Path) -> bool:
