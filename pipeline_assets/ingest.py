@@ -21,6 +21,7 @@ from .chunking import Chunk, Chunker
 from .extract import ExtractError, extract_text, extractor_version
 from .identity import sha256_hex
 from .sources import SourceError, SourceItem, read_guarded, scan_directory
+from .timeouts import wall_clock_limit
 
 
 @dataclass
@@ -32,6 +33,7 @@ class IngestOptions:
     run_id: str | None = None       # the Dagster run id, when run from Dagster
     force: bool = False             # re-extract even when nothing changed (a rerun)
     allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
+    stage_timeout: float = settings.DEFAULT_STAGE_TIMEOUT_SECONDS  # per document: extract + chunk
 
     @property
     def config_hash(self) -> str:
@@ -224,11 +226,13 @@ def _process(item: SourceItem, options: IngestOptions, old: tuple | None, ext_ve
     checksum = hashlib.sha256(raw).digest()
     if (not options.force and unchanged_versions and old[0] == checksum and old[3] != "deleted"):
         return None
+    limit = options.stage_timeout
     try:
-        text = extract_text(item.document_id, raw, decode_errors=options.decode_errors)
+        with wall_clock_limit(limit, ExtractError("timeout", f"extract and chunk took longer than {limit:g} s")):
+            text = extract_text(item.document_id, raw, decode_errors=options.decode_errors)
+            chunks = options.chunker.chunk(text)
     except ExtractError as exc:
         return _Processed(item, checksum, None, [], exc.error_class, exc.message)
-    chunks = options.chunker.chunk(text)
     return _Processed(item, checksum, hashlib.sha256(text.encode("utf-8", "replace")).digest(), chunks)
 
 

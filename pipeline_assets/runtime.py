@@ -33,6 +33,7 @@ def runtime_from_env(model: str | None = None, *, run_id: str | None = None) -> 
         max_bytes=max_input_bytes_from_env(),
         decode_errors=decode_policy_from_env(),
         max_attempts=settings.max_attempts(),
+        stage_timeout=settings.env_float("PIPELINE_STAGE_TIMEOUT", settings.DEFAULT_STAGE_TIMEOUT_SECONDS),
         run_id=run_id,
     )
     return Runtime(provider=provider, options=options)

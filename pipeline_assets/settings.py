@@ -47,6 +47,10 @@ BREAKER_THRESHOLD = 5
 DEFAULT_DAILY_TOKEN_BUDGET = 0
 DEFAULT_RUN_TOKEN_BUDGET = 0
 
+# Wall-clock limit of extracting and chunking one document; a pathological
+# file is quarantined with error class 'timeout' instead of stalling ingest.
+DEFAULT_STAGE_TIMEOUT_SECONDS = 60.0
+
 # Documents written per ingest transaction.
 INGEST_BATCH_DOCUMENTS = 200
 
