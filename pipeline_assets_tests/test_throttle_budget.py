@@ -63,6 +63,10 @@ def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
     queue.enqueue_for_docs(conn, [doc], 5)
     queue.pause_provider(conn, spec.model_id, 60)
     assert queue.claim(conn, model_id=spec.model_id, owner="a", limit=1, lease_seconds=30) == []
+    # A call that was already in flight and succeeds cannot cut the pause short.
+    queue.provider_healthy(conn, spec.model_id)
+    assert conn.execute("SELECT tripped FROM app.provider_state").fetchone()[0] is True
+    assert queue.claim(conn, model_id=spec.model_id, owner="a", limit=1, lease_seconds=30) == []
     conn.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second'")
     probe = queue.claim(conn, model_id=spec.model_id, owner="a", limit=1, lease_seconds=30)
     assert len(probe) == 1 and probe[0].probe
