@@ -173,12 +173,10 @@ WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
 # New work: every current chunk x active model without a job. Set-based; the
 # identity is claimed in app.job_keys first, so a duplicate event (or a racing
 # ingest) is a no-op there and creates no state row.
-ENQUEUE_FOR_DOCS = """
-WITH wanted AS (
-    SELECT DISTINCT c.chunk_checksum, m.model_id
-    FROM app.chunks c CROSS JOIN app.models m
-    WHERE m.active AND c.doc_pk = ANY(%(docs)s)
-), keyed AS (
+# Claim the identity in app.job_keys, then create the state row for each key
+# this statement actually inserted (shared tail of the two enqueue queries).
+_ENQUEUE_KEYED = """
+, keyed AS (
     INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
     SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
     FROM wanted w
@@ -190,6 +188,13 @@ OVERRIDING SYSTEM VALUE
 SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
 """
 
+ENQUEUE_FOR_DOCS = """
+WITH wanted AS (
+    SELECT DISTINCT c.chunk_checksum, m.model_id
+    FROM app.chunks c CROSS JOIN app.models m
+    WHERE m.active AND c.doc_pk = ANY(%(docs)s)
+)""" + _ENQUEUE_KEYED
+
 ENQUEUE_MISSING = """
 WITH wanted AS (
     SELECT DISTINCT c.chunk_checksum, m.model_id
@@ -197,17 +202,7 @@ WITH wanted AS (
     WHERE m.active
       AND NOT EXISTS (SELECT 1 FROM app.job_keys k
                       WHERE k.chunk_checksum = c.chunk_checksum AND k.model_id = m.model_id)
-), keyed AS (
-    INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
-    SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
-    FROM wanted w
-    ON CONFLICT (chunk_checksum, model_id) DO NOTHING
-    RETURNING chunk_checksum, model_id, job_id
-)
-INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
-OVERRIDING SYSTEM VALUE
-SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
-"""
+)""" + _ENQUEUE_KEYED
 
 # superseded -> pending: content came back (a revert, a re-added file).
 REVIVE_WANTED = """

@@ -153,3 +153,19 @@ def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def assert_vectors_match(conn, fake, model_id: str = f"openai/{FAKE_MODEL}") -> int:
+    """Every current chunk has a vector, and it is exactly the fake's vector for the chunk text."""
+    import numpy as np
+
+    rows = conn.execute("""
+        SELECT c.text, e.embedding FROM app.chunks c
+        JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
+        LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s""",
+                        (model_id,)).fetchall()
+    assert rows, "no current chunks"
+    for text, vec in rows:
+        assert vec is not None, f"no vector for current chunk {text[:40]!r}"
+        assert np.allclose(vec.to_numpy(), fake.vector_for(text), atol=1e-6), text[:40]
+    return len(rows)

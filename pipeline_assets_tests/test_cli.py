@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from pipeline_assets import db
-from pipeline_assets_tests.conftest import wait_until, FAKE_DIM, FAKE_MODEL, _with_dbname, cli, job_counts, start_cli, write_corpus
+from pipeline_assets_tests.conftest import assert_vectors_match, wait_until, FAKE_DIM, FAKE_MODEL, _with_dbname, cli, job_counts, start_cli, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 MODEL_ID = f"openai/{FAKE_MODEL}"          # dimension unknown up front: no "@16" suffix
@@ -49,18 +49,6 @@ def distinct_chunk_texts(conn) -> list[str]:
     return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
 
 
-def assert_vectors_match_fake(conn, fake) -> int:
-    """Every current chunk has a vector, and it is exactly the fake's vector for the chunk text."""
-    rows = conn.execute("""
-        SELECT c.text, e.embedding FROM app.chunks c
-        JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
-        LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s""",
-                        (MODEL_ID,)).fetchall()
-    assert rows, "no current chunks"
-    for text, vec in rows:
-        assert vec is not None, f"no vector for current chunk {text[:40]!r}"
-        assert np.allclose(vec.to_numpy(), fake.vector_for(text), atol=1e-6), text[:40]
-    return len(rows)
 
 
 def assert_one_line_error(proc, *, secret: str | None = None) -> str:
@@ -187,7 +175,7 @@ def test_embed_summary_vectors_reuse_and_dedup(env, fake, clean_db, corpus):
         == conn.execute("SELECT count(*) FROM app.provider_calls").fetchone()[0] >= 1
     assert s["failed"] == 0 and s["coverage"] == f"{distinct}/{distinct}"
     assert job_counts(conn) == {"ready": distinct}
-    assert assert_vectors_match_fake(conn, fake) == n_chunks
+    assert assert_vectors_match(conn, fake) == n_chunks
     # Identical texts in two files: billed exactly once; every text billed exactly once.
     shared_text = conn.execute(
         "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = 'copy_a.md'"
@@ -235,7 +223,7 @@ def test_edit_and_delete_supersede_old_content(env, fake, clean_db, corpus):
                             (checksum,)).fetchone()[0] == 0
     assert conn.execute("SELECT status FROM app.documents WHERE document_id = 'doc0001.md'").fetchone()[0] \
         == "deleted"
-    assert assert_vectors_match_fake(conn, fake) == len(rows)
+    assert assert_vectors_match(conn, fake) == len(rows)
 
 
 # -- status -------------------------------------------------------------------
@@ -306,7 +294,7 @@ def test_dlq_poison_quarantine_and_requeue(env, fake, clean_db, corpus):
     cli("work", "--until-idle", env=env)
     assert job_counts(conn) == {"ready": distinct}
     assert fake.billed_count(poison_text) == 1
-    assert assert_vectors_match_fake(conn, fake) == conn.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
+    assert assert_vectors_match(conn, fake) == conn.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
     remaining = cli_json("dlq", "list", "--json", env=env)
     assert [i["kind"] for i in remaining] == ["document", "document"]
 
@@ -526,7 +514,7 @@ def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
     fake.latency = 0.0
     cli("work", "--until-idle", env=env)
     assert job_counts(conn) == {"ready": total}
-    assert_vectors_match_fake(conn, fake)
+    assert_vectors_match(conn, fake)
 
 
 def test_model_change_then_retire_old_model(env, fake, clean_db, tmp_path):

@@ -12,10 +12,9 @@ import os
 import shutil
 import signal
 
-import numpy as np
 import pytest
 
-from pipeline_assets_tests.conftest import (wait_until, cli, job_counts, kill_group, start_cli, wait_for_line,
+from pipeline_assets_tests.conftest import (assert_vectors_match, wait_until, cli, job_counts, kill_group, start_cli, wait_for_line,
                                             write_corpus)
 
 
@@ -25,16 +24,6 @@ def chunk_texts(conn) -> list[str]:
     return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
 
 
-def assert_all_current_vectors_correct(conn, fake) -> int:
-    """Every current chunk has exactly the vector the provider computes for its text."""
-    rows = conn.execute("""
-        SELECT c.text, e.embedding FROM app.chunks c
-        JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
-        LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum""").fetchall()
-    for text, vec in rows:
-        assert vec is not None, f"no vector for current chunk {text[:40]!r}"
-        assert np.allclose(vec.to_numpy(), fake.vector_for(text), atol=1e-6)
-    return len(rows)
 
 
 @pytest.fixture
@@ -61,7 +50,7 @@ def test_two_workers_claim_each_job_once(env, fake, clean_db, corpus):
     # Both workers really took part.
     workers_seen = {r[0] for r in conn.execute("SELECT DISTINCT worker_id FROM app.provider_calls")}
     assert workers_seen == {"w0", "w1"}
-    assert_all_current_vectors_correct(conn, fake)
+    assert_vectors_match(conn, fake)
 
 
 # 2 -------------------------------------------------------------------------
@@ -82,7 +71,7 @@ def test_crash_before_provider_call(env, fake, clean_db, corpus):
     assert job_counts(conn) == {"ready": len(texts)}
     assert all(fake.billed_count(t) == 1 for t in texts)  # no duplicate bill
     assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE attempts = 2").fetchone()[0] == held
-    assert_all_current_vectors_correct(conn, fake)
+    assert_vectors_match(conn, fake)
 
 
 # 3 -------------------------------------------------------------------------
@@ -104,7 +93,7 @@ def test_crash_after_call_before_commit(env, fake, clean_db, corpus):
     assert max(fake.billed_count(t) for t in texts) == 2
     assert fake.stats["billed_inputs"] == len(texts) + billed_before
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == len(texts)
-    assert_all_current_vectors_correct(conn, fake)
+    assert_vectors_match(conn, fake)
 
 
 # 4 -------------------------------------------------------------------------
@@ -124,7 +113,7 @@ def test_timeout_ambiguity(env, fake, clean_db, corpus):
     status = json.loads(cli("status", "--json", env=env).stdout)
     spend = next(iter(status["spend"].values()))
     assert spend["duplicate_inputs"] == len(texts)
-    assert_all_current_vectors_correct(conn, fake)
+    assert_vectors_match(conn, fake)
 
 
 # 5 -------------------------------------------------------------------------
@@ -246,6 +235,6 @@ def test_reconcile_repairs_missed_change_and_delete(env, fake, clean_db, corpus)
     assert exported["doc0001.md"] == "a changed document that no event announced"
     assert old_text not in exported.values()
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == len(exported)
-    assert_all_current_vectors_correct(conn, fake)
+    assert_vectors_match(conn, fake)
     again = json.loads(cli("reconcile", "--json", env=env).stdout)
     assert again["changed"] == again["deleted"] == again["enqueued"] == again["superseded"] == 0
