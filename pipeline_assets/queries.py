@@ -118,10 +118,13 @@ SET lease_expires_at = now() + make_interval(secs => %(lease)s)
 WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
 """
 
-# Lease rescue: expired processing -> retry (or failed when attempts are used up).
+# Lease rescue: expired processing -> retry (or failed when attempts are used up;
+# superseded when its model was retired meanwhile).
 RESCUE_EXPIRED = """
-UPDATE app.embedding_jobs
-SET status = CASE WHEN attempts >= max_attempts THEN 'failed' ELSE 'retry' END,
+UPDATE app.embedding_jobs j
+SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
+                  THEN 'superseded'  -- its model was retired: nobody will claim it again
+                  WHEN attempts >= max_attempts THEN 'failed' ELSE 'retry' END,
     lease_owner = NULL, lease_expires_at = NULL, available_at = now(),
     error_class = 'lease_expired',
     error_message = 'lease expired before completion (worker died or stalled)',
@@ -135,6 +138,7 @@ RETURNING job_id, status
 REQUEUE_FAILED = """
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
+                       AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
                   THEN 'pending' ELSE 'superseded' END,
     attempts = 0, available_at = now(), updated_at = now()
 WHERE j.status = 'failed' AND (%(all)s OR j.job_id = ANY(%(ids)s))
@@ -237,6 +241,7 @@ REPAIR_MISSING_VECTORS = """
 UPDATE app.embedding_jobs j
 SET status = 'pending', attempts = 0, available_at = now(), updated_at = now()
 WHERE j.status = 'ready'
+  AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
   AND NOT EXISTS (SELECT 1 FROM app.embeddings e
                   WHERE e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id)
 """

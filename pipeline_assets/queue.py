@@ -100,7 +100,7 @@ def extend_lease(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]
 
 def rescue_expired(conn: psycopg.Connection) -> dict[str, int]:
     """Expired leases (dead or stalled workers) go back to retry, or to failed when exhausted."""
-    counts = {"retry": 0, "failed": 0}
+    counts = {"retry": 0, "failed": 0, "superseded": 0}
     for _, status in conn.execute(queries.RESCUE_EXPIRED):
         counts[status] += 1
     return counts

@@ -63,7 +63,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
         report.superseded += queue.supersede_unwanted(conn)
         report.repaired_vectors = queue.repair_missing_vectors(conn)
     rescued = queue.rescue_expired(conn)
-    report.rescued = rescued["retry"] + rescued["failed"]
+    report.rescued = sum(rescued.values())
     if model_id:
         stages.refresh_embed(conn, model_id)
         dim = models.model_dimension(conn, model_id)

@@ -199,7 +199,7 @@ class Worker:
     def _rescue(self) -> None:
         with self._pool.connection() as conn:
             counts = queue.rescue_expired(conn)
-        self.report.add(rescued=counts["retry"] + counts["failed"])
+        self.report.add(rescued=sum(counts.values()))
 
     def _heartbeat(self) -> None:
         interval = max(0.2, self.config.lease_seconds / 3)

@@ -372,7 +372,7 @@ def test_complete_refused_after_lease_rescued(q):
     hold(q, jid)
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s",
               (jid,))
-    assert queue.rescue_expired(q) == {"retry": 1, "failed": 0}
+    assert queue.rescue_expired(q) == {"retry": 1, "failed": 0, "superseded": 0}
 
     assert queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     j = job(q, jid)
@@ -564,6 +564,23 @@ def test_extend_lease_owner_only(q):
     assert_no_lease(job(q, jid))
 
 
+def test_jobs_of_a_retired_model_never_wait_for_a_worker(q):
+    """After `models retire`, a rescued lease, a requeued dead letter and a missing
+    vector all end superseded: no worker of that model will come for them."""
+    held, dead, done = seed(q, 3)
+    assert sorted(claim_ids(q)) == sorted([held, dead, done])
+    queue.fail_terminal(q, owner=OWNER, job_ids=[dead], error_class="bad_input", message="x")
+    queue.complete(q, owner=OWNER, job_ids=[done], vectors=[np.ones(4, dtype=np.float32)])
+    models.retire(q, MODEL)
+    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s",
+              (held,))
+    assert queue.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 1}
+    assert queue.requeue_failed(q, [dead]) == {"pending": 0, "superseded": 1}
+    q.execute("DELETE FROM app.embeddings")
+    assert queue.repair_missing_vectors(q) == 0
+    assert claim_ids(q) == []
+
+
 # --------------------------------------------------------------------------- rescue_expired
 
 
@@ -574,7 +591,7 @@ def test_rescue_expired(q):
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = ANY(%s)",
               ([expired, exhausted],))
 
-    assert queue.rescue_expired(q) == {"retry": 1, "failed": 1}
+    assert queue.rescue_expired(q) == {"retry": 1, "failed": 1, "superseded": 0}
 
     e = job(q, expired)
     assert (e.status, e.attempts, e.error_class) == ("retry", 1, "lease_expired")
@@ -587,7 +604,7 @@ def test_rescue_expired(q):
     assert (a.status, a.lease_owner, a.error_class) == ("processing", OWNER, None)
     assert_about(a.lease_in, LEASE)
 
-    assert queue.rescue_expired(q) == {"retry": 0, "failed": 0}
+    assert queue.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 0}
     assert claim_ids(q, owner=OTHER) == [expired]
 
 
