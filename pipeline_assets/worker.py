@@ -22,7 +22,9 @@ from typing import Sequence
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from . import backoff, crashpoints, db, ledger, models, queue, settings
+from . import backoff, crashpoints, db, leases, ledger, models, queue, settings
+from .budget import TokenBudget
+from .leases import HeldLeases
 from .providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError, sanitize
 from .queue import ClaimedJob
 
@@ -95,27 +97,28 @@ class Worker:
         self.stop = stop_event or threading.Event()
         self.report = WorkerReport()
         self._pool = db.make_pool(url, min_size=1, max_size=config.concurrency + 2)
-        self._held: dict[str, tuple[list[int], float]] = {}  # owner -> (job ids, heartbeat deadline)
-        self._held_lock = threading.Lock()
+        self._leases = HeldLeases()
         self._idle = [False] * config.concurrency
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
-        self._dimension_known = bool(provider.spec.dimension)
+        self._dimension: int | None = provider.spec.dimension  # recorded one wins, read in run()
         self._fatal: ProviderError | None = None
         self._had_failure = False  # reset the shared failure count only after failures
         self._indexed = False
         self._budget: str | None = None  # why claiming stopped on a budget
         self._config_checked: bool | None = None  # None: not probed yet
         self._paused_until = 0.0  # monotonic; a 429 seen here: send nothing more of held claims
-        self._others_today: int | None = None  # tokens billed today not by this process
+        self._token_budget = TokenBudget.from_env(self.model_id)
 
     # -- lifecycle -------------------------------------------------------
     def run(self) -> WorkerReport:
         with self._pool.connection() as conn:
             models.ensure_model(conn, self.provider.spec)
-            self._dimension_known = models.model_dimension(conn, self.model_id) is not None
+            self._dimension = models.model_dimension(conn, self.model_id)
+        self._refresh_spend()  # before any claim: today's spend by other workers
         threads = [threading.Thread(target=self._loop, args=(i,), name=f"embed-{i}", daemon=True)
                    for i in range(self.config.concurrency)]
-        heartbeat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        heartbeat = threading.Thread(target=leases.heartbeat, name="heartbeat", daemon=True,
+                                     args=(self._leases, self._pool, self.config.lease_seconds, self.stop))
         for t in threads:
             t.start()
         heartbeat.start()
@@ -153,28 +156,10 @@ class Worker:
             raise BudgetExhausted(self._budget)
         return self.report
 
-    def _check_budget(self) -> str | None:
-        """Stop claiming once a token budget is reached. Threads check the
-        in-process count before every claim; the main loop refreshes what other
-        workers spent today. Overshoot is bounded by the requests in flight."""
-        per_run = settings.env_int("PIPELINE_RUN_TOKEN_BUDGET", settings.DEFAULT_RUN_TOKEN_BUDGET)
-        daily = settings.env_int("PIPELINE_DAILY_TOKEN_BUDGET", settings.DEFAULT_DAILY_TOKEN_BUDGET)
-        if per_run and self.report.tokens >= per_run:
-            return f"run token budget of {per_run} reached ({self.report.tokens} used); remaining jobs left pending"
-        if daily:
-            if self._others_today is None:
-                self._refresh_spend()
-            used = self._others_today + self.report.tokens
-            if used >= daily:
-                return f"daily token budget of {daily} reached ({used} used today, UTC); remaining jobs left pending"
-        return None
-
     def _refresh_spend(self) -> None:
-        if not settings.env_int("PIPELINE_DAILY_TOKEN_BUDGET", 0):
-            return
-        with self._pool.connection() as conn:
-            mine = self.report.tokens
-            self._others_today = ledger.tokens_today(conn, self.model_id) - mine
+        if self._token_budget.daily:
+            with self._pool.connection() as conn:
+                self._token_budget.refresh(conn, self.report.tokens)
 
     def _on_drained(self) -> None:
         """The queue is empty: build the model's vector index now if it is missing.
@@ -185,11 +170,10 @@ class Worker:
         """
         if self._indexed or not self.config.build_index:
             return
-        with self._pool.connection() as conn:
-            dim = models.model_dimension(conn, self.model_id)
-            if dim:
-                models.ensure_index(conn, self.model_id, dim)
-                self._indexed = True
+        if self._dimension:
+            with self._pool.connection() as conn:
+                models.ensure_index(conn, self.model_id, self._dimension)
+            self._indexed = True
 
     def _nothing_outstanding(self) -> bool:
         with self._pool.connection() as conn:
@@ -201,36 +185,18 @@ class Worker:
             counts = queue.rescue_expired(conn)
         self.report.add(rescued=sum(counts.values()))
 
-    def _heartbeat(self) -> None:
-        interval = max(0.2, self.config.lease_seconds / 3)
-        while not self.stop.wait(interval):
-            now = time.monotonic()
-            with self._held_lock:
-                live = [(o, ids) for o, (ids, deadline) in self._held.items() if deadline > now]
-            if not live:
-                continue
-            try:
-                with self._pool.connection() as conn:
-                    for owner, ids in live:
-                        queue.extend_lease(conn, owner=owner, job_ids=ids,
-                                           lease_seconds=self.config.lease_seconds)
-            except Exception:  # a missed beat is harmless; the next one retries
-                log.exception("heartbeat failed")
-
     def _release_all(self) -> None:
-        with self._held_lock:
-            held = list(self._held.items())
-            self._held.clear()
+        held = self._leases.take_all()
         if not held:
             return
         with self._pool.connection() as conn:
-            for owner, (ids, _) in held:
+            for owner, ids in held:
                 queue.give_back(conn, owner=owner, job_ids=ids)
 
     # -- one thread --------------------------------------------------------
     def _loop(self, index: int) -> None:
         while not self.stop.is_set():
-            reason = self._check_budget()
+            reason = self._token_budget.exceeded(self.report.tokens)
             if reason is not None:
                 self._budget = reason
                 self.stop.set()
@@ -251,8 +217,7 @@ class Worker:
             self._idle[index] = False
             requests = self._split(jobs)
             budget = settings.call_timeout() * (len(requests) + 1) + self.config.lease_seconds
-            with self._held_lock:
-                self._held[owner] = ([j.job_id for j in jobs], time.monotonic() + budget)
+            self._leases.hold(owner, [j.job_id for j in jobs], time.monotonic() + budget)
             try:
                 crashpoints.reach(crashpoints.AFTER_CLAIM)
                 gone = [j.job_id for j in jobs if j.text is None]
@@ -275,8 +240,7 @@ class Worker:
                 log.exception("batch failed in the worker")
                 self._fail_held(owner, jobs, exc)
             finally:
-                with self._held_lock:
-                    self._held.pop(owner, None)
+                self._leases.drop(owner)
 
     def _config_ok(self) -> bool:
         """One trivial request (a single token) tells a bad input from a bad
@@ -303,9 +267,7 @@ class Worker:
     def _fail_held(self, owner: str, jobs: Sequence[ClaimedJob], exc: Exception) -> None:
         try:
             with self._pool.connection() as conn:
-                delays = [backoff.retry_delay(j.attempts, base=settings.backoff_base(), cap=settings.backoff_cap())
-                          for j in jobs]
-                queue.fail_retryable(conn, owner=owner, job_ids=[j.job_id for j in jobs], delays=delays,
+                queue.fail_retryable(conn, owner=owner, job_ids=[j.job_id for j in jobs], delays=_delays(jobs),
                                      error_class="worker_error", message=sanitize(f"{type(exc).__name__}: {exc}"))
         except Exception:
             log.exception("could not hand back jobs; they return when their lease expires")
@@ -336,10 +298,8 @@ class Worker:
 
     def _call(self, owner: str, jobs: list[ClaimedJob]) -> None:
         started = time.monotonic()
-        with self._held_lock:  # a healthy call keeps its lease for as long as it may take
-            if owner in self._held:
-                ids, _ = self._held[owner]
-                self._held[owner] = (ids, started + settings.call_timeout() + self.config.lease_seconds)
+        # A healthy call keeps its lease for as long as it may take.
+        self._leases.extend_deadline(owner, started + settings.call_timeout() + self.config.lease_seconds)
         try:
             result = self.provider.embed([j.text for j in jobs])
         except ProviderError as err:
@@ -355,7 +315,7 @@ class Worker:
         self.report.add(provider_calls=1, tokens=result.tokens)
         crashpoints.reach(crashpoints.AFTER_CALL)
         with self._pool.connection() as conn:
-            expected = models.model_dimension(conn, self.model_id) if self._dimension_known else None
+            expected = self._dimension
             got = {len(v) for v in result.vectors}
             if expected is not None and got != {expected}:
                 # A misconfigured endpoint, not bad items: stop, touch nothing.
@@ -365,9 +325,9 @@ class Worker:
                                             f"{self.model_id}, which has {expected} dimensions")
                 self.stop.set()
                 return
-            if not self._dimension_known:
+            if expected is None:
                 models.record_dimension(conn, self.model_id, len(result.vectors[0]))
-                self._dimension_known = True
+                self._dimension = models.model_dimension(conn, self.model_id)
             # One transaction, pipelined: the ledger row and the completion
             # travel together and commit together. A deadlock with a
             # concurrent ingest is retried: the vectors are already paid for.
@@ -426,9 +386,7 @@ class Worker:
                 queue.provider_failure(conn, self.model_id, trip=False, floor=err.retry_after or 0.0,
                                        base=settings.backoff_base(), cap=settings.backoff_cap(),
                                        threshold=settings.BREAKER_THRESHOLD)
-                delays = [backoff.retry_delay(j.attempts, base=settings.backoff_base(), cap=settings.backoff_cap(),
-                                              retry_after=err.retry_after) for j in jobs]
-                moved = queue.fail_retryable(conn, owner=owner, job_ids=ids, delays=delays,
+                moved = queue.fail_retryable(conn, owner=owner, job_ids=ids, delays=_delays(jobs, err.retry_after),
                                              error_class=err.error_class, message=err.message)
                 self.report.add(retried=sum(1 for s in moved.values() if s == "retry"),
                                 failed=sum(1 for s in moved.values() if s == "failed"))
@@ -436,3 +394,9 @@ class Worker:
                 queue.give_back(conn, owner=owner, job_ids=ids)
                 self._fatal = err
                 self.stop.set()
+
+
+def _delays(jobs: Sequence[ClaimedJob], retry_after: float | None = None) -> list[float]:
+    """Each job's next retry: full jitter over its attempts, never before Retry-After."""
+    return [backoff.retry_delay(j.attempts, base=settings.backoff_base(), cap=settings.backoff_cap(),
+                                retry_after=retry_after) for j in jobs]
