@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a clean checkout without installing
     sys.path.insert(0, str(REPO))
 
-from pipeline_assets import db, embedded  # noqa: E402
+from pipeline_assets.store import db
+from pipeline_assets import embedded  # noqa: E402
 
 
 def server_url() -> str:

@@ -32,12 +32,14 @@ from pgvector.psycopg import register_vector
 
 from _common import Timer, emit, fresh_database, rate
 
-from pipeline_assets import db, models, queue
-from pipeline_assets.chunking import chunker_from_env
-from pipeline_assets.ingest import IngestOptions, ingest_directory
+from pipeline_assets.store import db
+from pipeline_assets.jobs import models
+from pipeline_assets.jobs import transitions
+from pipeline_assets.content.chunking import chunker_from_env
+from pipeline_assets.app.ingest import IngestOptions, ingest_directory
 from pipeline_assets.providers import EmbedResult, ModelSpec
-from pipeline_assets.sources import max_input_bytes_from_env
-from pipeline_assets.worker import Worker, WorkerConfig
+from pipeline_assets.content.sources import max_input_bytes_from_env
+from pipeline_assets.jobs.worker import Worker, WorkerConfig
 
 
 # Rounds of the worker / COPY / pgqueuer measurements; the medians are reported.
@@ -152,11 +154,11 @@ def bench_naive(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
         with Timer() as t:
             while True:
                 owner = f"naive/{done}"
-                jobs = queue.claim(conn, model_id=model, owner=owner, limit=1, lease_seconds=60)
+                jobs = transitions.claim(conn, model_id=model, owner=owner, limit=1, lease_seconds=60)
                 if not jobs:
                     break
                 result = provider.embed([jobs[0].text])
-                ready, _ = queue.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
+                ready, _ = transitions.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
                 done += len(ready)
     assert done == n, done
     return {"jobs": done, "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}
@@ -258,7 +260,7 @@ def main() -> None:
             if r:
                 with db.connect(url) as conn:
                     models.ensure_model(conn, p_r.spec)
-                    queue.enqueue_missing(conn, max_attempts=5)
+                    transitions.enqueue_missing(conn, max_attempts=5)
                     conn.execute("UPDATE app.models SET active = false WHERE model_id <> %s", (p_r.spec.model_id,))
             worker_runs.append(with_wal(url, n, bench_worker, url, p_r, n))
             copy_runs.append(with_wal(url, n, bench_copy, url, n, dim))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from _common import REPO, emit, fresh_database
 
-from pipeline_assets import db
+from pipeline_assets.store import db
 from pipeline_assets_tests.fake_openai import count_tokens, fetch_stats
 
 RPM, TPM, LATENCY, DIM = 3000, 1_000_000, 0.2, 64

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from _common import REPO, emit, fresh_database
 
-from pipeline_assets import db
+from pipeline_assets.store import db
 
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]  # the `pipeline-assets` entry point
 WORDS = ("lease heartbeat checksum chunk vector model provider retry backoff jitter queue ledger "

@@ -17,10 +17,10 @@ import argparse
 
 from _common import Timer, emit, fresh_database, peak_rss_mb
 
-from pipeline_assets import db
-from pipeline_assets.chunking import chunker_from_env
-from pipeline_assets.ingest import IngestOptions
-from pipeline_assets.reconcile import reconcile
+from pipeline_assets.store import db
+from pipeline_assets.content.chunking import chunker_from_env
+from pipeline_assets.app.ingest import IngestOptions
+from pipeline_assets.app.reconcile import reconcile
 
 MODEL = "bench/reconcile@8"
 VECTOR = "[1,0,0,0,0,0,0,0]"

@@ -16,12 +16,18 @@ from pathlib import Path
 import click
 import psycopg
 
-from . import db, models, queue, reconcile as reconcile_mod, reports, retrieval, stages
-from .ingest import ingest_directory, ingest_paths
-from .providers import ConfigError, ProviderError
-from .runtime import Runtime, runtime_from_env
-from .sources import SourceError
-from .worker import BudgetExhausted, FatalProviderError, Worker, WorkerConfig
+from pipeline_assets.store import db
+from pipeline_assets.jobs import models
+from pipeline_assets.jobs import transitions
+from pipeline_assets.app import reconcile as reconcile_mod
+from pipeline_assets.app import reports
+from pipeline_assets.app import retrieval
+from pipeline_assets.app import stages
+from pipeline_assets.app.ingest import ingest_directory, ingest_paths
+from pipeline_assets.providers import ConfigError, ProviderError
+from pipeline_assets.app.runtime import Runtime, runtime_from_env
+from pipeline_assets.content.sources import SourceError
+from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError, Worker, WorkerConfig
 
 EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, FatalProviderError, BudgetExhausted, ProviderError,
             psycopg.OperationalError, subprocess.TimeoutExpired, ValueError, OSError)
@@ -75,7 +81,7 @@ def _ingest(conn, directory: str, rt: Runtime, allow_empty: bool):
     report = ingest_directory(conn, Path(directory), rt.options)
     if fresh_model:
         # A model seen for the first time needs jobs for content ingested before it.
-        report.enqueued += queue.enqueue_missing(conn, rt.options.max_attempts)
+        report.enqueued += transitions.enqueue_missing(conn, rt.options.max_attempts)
     return report
 
 
@@ -232,7 +238,7 @@ def dlq_requeue(job_ids: tuple[int, ...], all_: bool) -> None:
     if not job_ids and not all_:
         raise click.UsageError("give job ids or --all")
     with db.session() as conn:
-        counts = queue.requeue_failed(conn, job_ids, all_failed=all_)
+        counts = transitions.requeue_failed(conn, job_ids, all_failed=all_)
     click.echo(f"requeued={counts['pending']} superseded={counts['superseded']}")
 
 
@@ -244,7 +250,7 @@ def dlq_requeue(job_ids: tuple[int, ...], all_: bool) -> None:
 @expected_errors
 def rerun(stage: str, error_class: str | None, stale: bool, dry_run: bool) -> None:
     """Re-run a stage for the documents a query selects (a partial rerun)."""
-    from .extract import extractor_version
+    from pipeline_assets.content.extract import extractor_version
 
     rt = _runtime()
     current = extractor_version() if stage == "extract" else rt.options.chunker.version
@@ -322,12 +328,13 @@ def search(query: str, k: int, model: str | None, as_json: bool) -> None:
 @expected_errors
 def stop_db() -> None:
     """Stop the embedded PostgreSQL under PIPELINE_HOME (it otherwise outlives every command)."""
-    from . import embedded, settings
+    from pipeline_assets.store import embedded_postgres
+    from pipeline_assets import settings
 
     home = settings.pipeline_home()
     if settings.database_url_from_env():
         click.echo("PIPELINE_DATABASE_URL is set: no embedded server is managed here")
-    elif embedded.stop_server(home):
+    elif embedded_postgres.stop_server(home):
         click.echo(f"stopped the embedded PostgreSQL in {home}")
     else:
         click.echo(f"no embedded PostgreSQL running in {home}")
@@ -365,7 +372,7 @@ def models_retire(model: str) -> None:
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535))
 def dev(host: str, port: int) -> None:
     """Start the Dagster UI and daemon on the embedded (or configured) database."""
-    from .devserver import run_dev
+    from pipeline_assets.defs.devserver import run_dev
 
     sys.exit(run_dev(host=host, port=port))
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pipeline_assets import db, embedded
+from pipeline_assets.store import db
+from pipeline_assets.store import embedded_postgres
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,9 +32,9 @@ def server_url(tmp_path_factory) -> str:
     if url:
         return url
     home = Path(os.environ.get("PIPELINE_TEST_HOME") or tmp_path_factory.mktemp("pg"))
-    yield embedded.ensure_server(home)
+    yield embedded_postgres.ensure_server(home)
     if not os.environ.get("PIPELINE_TEST_HOME"):
-        embedded.stop_server(home)  # a server this session started does not outlive it
+        embedded_postgres.stop_server(home)  # a server this session started does not outlive it
 
 
 def _with_dbname(url: str, name: str) -> str:

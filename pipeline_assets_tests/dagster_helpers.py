@@ -6,9 +6,9 @@ import dagster as dg
 # What the sensor daemon wraps an evaluation in, so partition keys resolve against the instance.
 from dagster._core.definitions.partitions.context import partition_loading_context
 
-from pipeline_assets.dagster_assets import PARTITIONS_NAME
-from pipeline_assets.dagster_resources import resources_from_env
-from pipeline_assets.definitions import build_definitions
+from pipeline_assets.defs.assets import PARTITIONS_NAME
+from pipeline_assets.defs.resources import resources_from_env
+from pipeline_assets.defs.definitions import build_definitions
 
 
 def fresh_defs() -> dg.Definitions:

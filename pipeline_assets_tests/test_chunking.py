@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from pipeline_assets.chunking import (
+from pipeline_assets.content.chunking import (
     CHUNKER_ALGORITHM,
     DEFAULT_CHUNK_OVERLAP,
     DEFAULT_CHUNK_TOKENS,
@@ -12,7 +12,7 @@ from pipeline_assets.chunking import (
     chunker_from_env,
     count_tokens,
 )
-from pipeline_assets.identity import chunk_checksum
+from pipeline_assets.content.identity import chunk_checksum
 
 
 def sample_text(n_words: int = 3000, seed: int = 7) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets import db
+from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import assert_vectors_match, wait_until, FAKE_DIM, FAKE_MODEL, _with_dbname, cli, job_counts, start_cli, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 

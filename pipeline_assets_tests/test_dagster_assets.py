@@ -5,10 +5,10 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from pipeline_assets import reports
-from pipeline_assets.dagster_assets import build_assets
-from pipeline_assets.dagster_checks import CHECKS
-from pipeline_assets.dagster_resources import resources_from_env
+from pipeline_assets.app import reports
+from pipeline_assets.defs.assets import build_assets
+from pipeline_assets.defs.checks import CHECKS
+from pipeline_assets.defs.resources import resources_from_env
 from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
 from pipeline_assets_tests.dagster_helpers import (check_results, execute, fresh_defs,
                                                    materialization_metadata)

@@ -10,9 +10,9 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pipeline_assets import devserver
-from pipeline_assets.dagster_assets import ASSET_KEYS, code_versions
-from pipeline_assets.dagster_resources import PostgresResource, SourceDirectoryResource
+from pipeline_assets.defs import devserver
+from pipeline_assets.defs.assets import ASSET_KEYS, code_versions
+from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets_tests.conftest import REPO
 from pipeline_assets_tests.dagster_helpers import fresh_defs
 
@@ -75,7 +75,7 @@ def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
 
 def test_workspace_yaml_and_no_tool_dagster_block():
     text = (REPO / "workspace.yaml").read_text()
-    assert "pipeline_assets.definitions" in text
+    assert "pipeline_assets.defs.definitions" in text
     pyproject = (REPO / "pyproject.toml").read_text()
     assert "[tool.dagster]" not in pyproject and "[tool.dg]" not in pyproject
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from pipeline_assets import stages
-from pipeline_assets.chunking import chunker_from_env
-from pipeline_assets.dagster_sensors import (MAX_KEYS_PER_TICK, contiguous_groups, decode_cursor,
+from pipeline_assets.app import stages
+from pipeline_assets.content.chunking import chunker_from_env
+from pipeline_assets.defs.sensors import (MAX_KEYS_PER_TICK, contiguous_groups, decode_cursor,
                                              rerun_stale_documents_sensor, source_documents_sensor)
 from pipeline_assets_tests.conftest import write_corpus
 from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, requested_keys
@@ -100,7 +100,7 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
 
 
 def test_source_sensor_bounds_a_tick(corpus, instance, monkeypatch):
-    import pipeline_assets.dagster_sensors as sensors
+    import pipeline_assets.defs.sensors as sensors
 
     monkeypatch.setattr(sensors, "MAX_KEYS_PER_TICK", 2)
     defs = fresh_defs()

@@ -22,8 +22,8 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pipeline_assets import reports
-from pipeline_assets.devserver import DAGSTER_URL_ENV, sqlalchemy_url
+from pipeline_assets.app import reports
+from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -91,7 +91,7 @@ def dev_server(database_url, server_url, tmp_path_factory):
         })
         log = open(base / "server.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; from pipeline_assets.devserver import run_dev; "
+            [sys.executable, "-c", f"import sys; from pipeline_assets.defs.devserver import run_dev; "
                                    f"sys.exit(run_dev(port={port}))"],
             env=env, cwd=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = DevServer(port, env, proc, corpus, base / "home" / "dagster")

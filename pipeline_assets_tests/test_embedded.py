@@ -16,7 +16,8 @@ import psutil
 import psycopg
 import pytest
 
-from pipeline_assets import db, embedded
+from pipeline_assets.store import db
+from pipeline_assets.store import embedded_postgres
 from pipeline_assets_tests.conftest import wait_until, cli, kill_group, start_cli, write_corpus
 
 LOCAL_MODEL_ID = "local/hashing-cl100k-v1@256"
@@ -44,7 +45,7 @@ def _stop(home: Path) -> None:
     deadline = time.monotonic() + 20
     while True:
         try:
-            embedded.stop_server(home)
+            embedded_postgres.stop_server(home)
             break
         except Exception:
             # e.g. a postmaster.pid being written at this very moment: try again shortly.
@@ -91,7 +92,7 @@ def test_embedded_server_survives_sigkilled_worker_group(home, tmp_path):
     write_corpus(corpus, 30)
     cli("ingest", str(corpus), env=env)
 
-    url = embedded.ensure_server(home)  # the running server's URI (no second server)
+    url = embedded_postgres.ensure_server(home)  # the running server's URI (no second server)
     assert len(postmasters_of(home / "pgdata")) == 1
 
     worker = start_cli("work", env=env)  # local model, no --until-idle: runs until killed
@@ -147,7 +148,7 @@ def test_two_ingests_on_fresh_home_share_one_server(new_home, tmp_path, when, de
     assert [(r["scanned"], r["new"]) for r in reports] == [(12, 12), (9, 9)]
     assert len(postmasters_of(home / "pgdata")) == 1
 
-    url = embedded.ensure_server(home)
+    url = embedded_postgres.ensure_server(home)
     with psycopg.connect(url) as c:
         assert c.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 21
         assert c.execute("SELECT count(*) FROM app.sources").fetchone()[0] == 2
@@ -166,7 +167,7 @@ def test_server_started_by_a_worker_survives_its_group_sigkill(home, tmp_path):
     worker = start_cli("work", env=env)
     try:
         wait_until(lambda: _postmaster_ready(home / "pgdata"), timeout=120, what="the embedded server to be ready")
-        url = embedded.ensure_server(home)
+        url = embedded_postgres.ensure_server(home)
         # Wait until the worker is past start-up (it registered the local model).
         with psycopg.connect(url, autocommit=True) as c:
             wait_until(lambda: _has_model(c), what="the worker to register its model")

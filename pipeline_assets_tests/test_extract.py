@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline_assets.extract import (
+from pipeline_assets.content.extract import (
     EXTRACTOR_VERSION,
     ExtractError,
     decode_policy_from_env,

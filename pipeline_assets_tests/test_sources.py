@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_assets.extract import ExtractError
-from pipeline_assets.sources import (
+from pipeline_assets.content.extract import ExtractError
+from pipeline_assets.content.sources import (
     DEFAULT_MAX_INPUT_BYTES,
     SourceError,
     SourceItem,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from pipeline_assets import ingest
-from pipeline_assets.chunking import Chunker
-from pipeline_assets.ingest import IngestOptions, ingest_directory
+from pipeline_assets.app import ingest
+from pipeline_assets.content.chunking import Chunker
+from pipeline_assets.app.ingest import IngestOptions, ingest_directory
 
 
 def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, monkeypatch):

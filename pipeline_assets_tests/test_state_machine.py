@@ -1,8 +1,8 @@
 """Unit tests of every transition of the job state machine (app.embedding_jobs).
 
 Each test builds the minimal rows itself (model, source, document, chunks with
-chosen checksums, jobs via ``queue.enqueue_for_docs``), drives the jobs through
-the functions of ``pipeline_assets.queue`` against the real database, and
+chosen checksums, jobs via ``transitions.enqueue_for_docs``), drives the jobs through
+the functions of ``pipeline_assets.jobs.transitions`` against the real database, and
 asserts on the resulting rows: status, attempts, lease, available_at relative to
 the database clock, error_class and the presence of the app.embeddings row.
 Refused transitions are asserted too: the function reports nothing moved and
@@ -21,7 +21,9 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from pipeline_assets import db, models, queue
+from pipeline_assets.store import db
+from pipeline_assets.jobs import models
+from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import ModelSpec
 
 SPEC = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10,
@@ -63,7 +65,7 @@ def seed(conn, n: int = 1, *, max_attempts: int = 5, labels: list[str] | None = 
     sums = [checksum(label) for label in labels]
     doc_pk = add_document(conn)
     add_chunks(conn, doc_pk, sums)
-    queue.enqueue_for_docs(conn, [doc_pk], max_attempts)
+    transitions.enqueue_for_docs(conn, [doc_pk], max_attempts)
     rows = dict(conn.execute(
         "SELECT chunk_checksum, job_id FROM app.embedding_jobs WHERE model_id = %s AND chunk_checksum = ANY(%s)",
         (model, sums)).fetchall())
@@ -131,7 +133,7 @@ def job(conn, job_id: int) -> Job:
 
 
 def claim_ids(conn, *, owner: str = OWNER, limit: int = 100, lease: float = LEASE, model: str = MODEL) -> list[int]:
-    return [c.job_id for c in queue.claim(conn, model_id=model, owner=owner, limit=limit, lease_seconds=lease)]
+    return [c.job_id for c in transitions.claim(conn, model_id=model, owner=owner, limit=limit, lease_seconds=lease)]
 
 
 def hold(conn, job_id: int, *, owner: str = OWNER, lease: float = LEASE) -> None:
@@ -168,15 +170,15 @@ def to_state(conn, state: str, *, max_attempts: int = 5, owner: str = OWNER) -> 
     if state == "processing":
         return jid
     if state == "retry":
-        assert queue.fail_retryable(conn, owner=owner, job_ids=[jid], delays=[0.0], error_class="e",
+        assert transitions.fail_retryable(conn, owner=owner, job_ids=[jid], delays=[0.0], error_class="e",
                                     message="m") == {jid: "retry"}
     elif state == "ready":
-        assert queue.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
+        assert transitions.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
     elif state == "failed":
-        assert queue.fail_terminal(conn, owner=owner, job_ids=[jid], error_class="bad", message="m") == [jid]
+        assert transitions.fail_terminal(conn, owner=owner, job_ids=[jid], error_class="bad", message="m") == [jid]
     elif state == "superseded":
         drop_chunks(conn, jid)
-        assert queue.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
+        assert transitions.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
         restore_chunk(conn, jid)
     else:
         raise ValueError(state)
@@ -199,7 +201,7 @@ def test_claim_pending_to_processing(q):
     before = job(q, jid)
     assert (before.status, before.attempts, before.lease_owner, before.vector) == ("pending", 0, None, None)
 
-    [claimed] = queue.claim(q, model_id=MODEL, owner=OWNER, limit=10, lease_seconds=LEASE)
+    [claimed] = transitions.claim(q, model_id=MODEL, owner=OWNER, limit=10, lease_seconds=LEASE)
     assert claimed.job_id == jid
     assert claimed.chunk_checksum == checksum("alpha")
     assert (claimed.attempts, claimed.max_attempts) == (1, 3)
@@ -217,7 +219,7 @@ def test_claim_pending_to_processing(q):
 def test_claim_reports_text_none_when_content_gone(q):
     [jid] = seed(q, 1)
     drop_chunks(q, jid)
-    [claimed] = queue.claim(q, model_id=MODEL, owner=OWNER, limit=10, lease_seconds=LEASE)
+    [claimed] = transitions.claim(q, model_id=MODEL, owner=OWNER, limit=10, lease_seconds=LEASE)
     assert claimed.job_id == jid and claimed.text is None
     assert job(q, jid).status == "processing"
 
@@ -225,10 +227,10 @@ def test_claim_reports_text_none_when_content_gone(q):
 def test_claim_retry_to_processing(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    queue.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
+    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
     assert job(q, jid).status == "retry"
 
-    [claimed] = queue.claim(q, model_id=MODEL, owner=OTHER, limit=10, lease_seconds=120)
+    [claimed] = transitions.claim(q, model_id=MODEL, owner=OTHER, limit=10, lease_seconds=120)
     assert (claimed.job_id, claimed.attempts) == (jid, 2)
     j = job(q, jid)
     assert (j.status, j.attempts, j.lease_owner) == ("processing", 2, OTHER)
@@ -239,7 +241,7 @@ def test_claim_retry_to_processing(q):
 def test_retry_not_claimed_before_available_at(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    queue.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[3600.0], error_class="http_500", message="boom")
+    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[3600.0], error_class="http_500", message="boom")
 
     assert claim_ids(q, owner=OTHER) == []
     j = job(q, jid)
@@ -264,13 +266,13 @@ def test_paused_provider_blocks_claims_of_that_model_only(q):
                                     (MODEL2,))]
     assert len(ids2) == 3
 
-    assert queue.pause_provider(q, MODEL, 60) == 1
+    assert transitions.pause_provider(q, MODEL, 60) == 1
     assert claim_ids(q, model=MODEL) == []
     assert all(job(q, i).status == "pending" and job(q, i).attempts == 0 for i in ids1)
     assert sorted(claim_ids(q, model=MODEL2)) == ids2
 
     # A second pause counts a consecutive failure and never shortens the pause.
-    assert queue.pause_provider(q, MODEL, 1) == 2
+    assert transitions.pause_provider(q, MODEL, 1) == 2
     assert claim_ids(q, model=MODEL) == []
 
     q.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second' WHERE model_id = %s",
@@ -343,11 +345,11 @@ def test_claim_never_takes_a_job_out_of(q, state):
 def test_complete_processing_to_ready_stores_vector(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    queue.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
+    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
     hold(q, jid)
     assert job(q, jid).error_class == "http_500"
 
-    assert queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(7)]) == ([jid], [])
+    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(7)]) == ([jid], [])
     j = job(q, jid)
     assert (j.status, j.attempts) == ("ready", 2)
     assert_no_lease(j)
@@ -358,12 +360,12 @@ def test_complete_processing_to_ready_stores_vector(q):
 def test_complete_refused_for_wrong_owner(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert queue.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
+    assert transitions.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     j = job(q, jid)
     assert (j.status, j.lease_owner, j.attempts) == ("processing", OWNER, 1)
     assert j.vector is None
     # The rightful owner still can.
-    assert queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(2)]) == ([jid], [])
+    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(2)]) == ([jid], [])
     np.testing.assert_allclose(job(q, jid).vector, vec(2))
 
 
@@ -372,9 +374,9 @@ def test_complete_refused_after_lease_rescued(q):
     hold(q, jid)
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s",
               (jid,))
-    assert queue.rescue_expired(q) == {"retry": 1, "failed": 0, "superseded": 0}
+    assert transitions.rescue_expired(q) == {"retry": 1, "failed": 0, "superseded": 0}
 
-    assert queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
+    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     j = job(q, jid)
     assert (j.status, j.error_class) == ("retry", "lease_expired")
     assert_no_lease(j)
@@ -382,9 +384,9 @@ def test_complete_refused_after_lease_rescued(q):
 
     # Someone else claims it: the old owner is still refused, the new one wins.
     hold(q, jid, owner=OTHER)
-    assert queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
+    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     assert job(q, jid).vector is None
-    assert queue.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(3)]) == ([jid], [])
+    assert transitions.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(3)]) == ([jid], [])
     np.testing.assert_allclose(job(q, jid).vector, vec(3))
 
 
@@ -393,7 +395,7 @@ def test_complete_when_chunk_gone_supersedes(q):
     assert sorted(claim_ids(q)) == sorted([keep, gone])
     drop_chunks(q, gone)
 
-    ready, superseded = queue.complete(q, owner=OWNER, job_ids=[keep, gone], vectors=[vec(1), vec(2)])
+    ready, superseded = transitions.complete(q, owner=OWNER, job_ids=[keep, gone], vectors=[vec(1), vec(2)])
     assert (ready, superseded) == ([keep], [gone])
     g = job(q, gone)
     assert g.status == "superseded"
@@ -408,7 +410,7 @@ def test_complete_for_inactive_model_supersedes(q):
     [jid] = seed(q, 1)
     hold(q, jid)
     q.execute("UPDATE app.models SET active = false WHERE model_id = %s", (MODEL,))
-    assert queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
+    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
     j = job(q, jid)
     assert j.status == "superseded" and j.vector is None
 
@@ -416,9 +418,9 @@ def test_complete_for_inactive_model_supersedes(q):
 def test_second_completion_refused_and_vector_kept(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
+    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
     for owner in (OWNER, OTHER):
-        assert queue.complete(q, owner=owner, job_ids=[jid], vectors=[vec(9)]) == ([], [])
+        assert transitions.complete(q, owner=owner, job_ids=[jid], vectors=[vec(9)]) == ([], [])
         j = job(q, jid)
         assert (j.status, j.attempts) == ("ready", 1)
         np.testing.assert_allclose(j.vector, vec(1))
@@ -430,7 +432,7 @@ def test_second_completion_refused_and_vector_kept(q):
 def test_fail_retryable_processing_to_retry(q):
     a, b = seed(q, 2)
     assert sorted(claim_ids(q)) == sorted([a, b])
-    moved = queue.fail_retryable(q, owner=OWNER, job_ids=[a, b], delays=[10.0, 300.0], error_class="http_500",
+    moved = transitions.fail_retryable(q, owner=OWNER, job_ids=[a, b], delays=[10.0, 300.0], error_class="http_500",
                                  message="server error")
     assert moved == {a: "retry", b: "retry"}
     for jid, delay in ((a, 10.0), (b, 300.0)):
@@ -445,11 +447,11 @@ def test_fail_retryable_processing_to_retry(q):
 def test_fail_retryable_exhausted_goes_to_failed(q):
     [jid] = seed(q, 1, max_attempts=2)
     hold(q, jid)
-    assert queue.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="1") == {
+    assert transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="1") == {
         jid: "retry"}
     hold(q, jid)
     assert job(q, jid).attempts == 2
-    assert queue.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="timeout",
+    assert transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="timeout",
                                 message="2") == {jid: "failed"}
     j = job(q, jid)
     assert (j.status, j.attempts, j.error_class) == ("failed", 2, "timeout")
@@ -459,10 +461,10 @@ def test_fail_retryable_exhausted_goes_to_failed(q):
 
 def test_fail_retryable_refused_for_non_owner_and_non_processing(q):
     [jid] = seed(q, 1)
-    assert queue.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
+    assert transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
     assert job(q, jid).status == "pending"
     hold(q, jid)
-    assert queue.fail_retryable(q, owner=OTHER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
+    assert transitions.fail_retryable(q, owner=OTHER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
     j = job(q, jid)
     assert (j.status, j.attempts, j.lease_owner, j.error_class) == ("processing", 1, OWNER, None)
 
@@ -473,7 +475,7 @@ def test_fail_retryable_refused_for_non_owner_and_non_processing(q):
 def test_give_back_first_attempt_to_pending(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert queue.give_back(q, owner=OWNER, job_ids=[jid], delay=20.0, error_class="http_429",
+    assert transitions.give_back(q, owner=OWNER, job_ids=[jid], delay=20.0, error_class="http_429",
                            message="slow down") == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts) == ("pending", 0)
@@ -485,10 +487,10 @@ def test_give_back_first_attempt_to_pending(q):
 def test_give_back_later_attempt_to_retry(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    queue.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="m")
+    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="m")
     hold(q, jid)
     assert job(q, jid).attempts == 2
-    assert queue.give_back(q, owner=OWNER, job_ids=[jid]) == [jid]
+    assert transitions.give_back(q, owner=OWNER, job_ids=[jid]) == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts) == ("retry", 1)
     assert_about(j.available_in, 0.0)
@@ -500,7 +502,7 @@ def test_give_back_does_not_consume_attempts(q):
     [jid] = seed(q, 1, max_attempts=2)
     for _ in range(10):
         hold(q, jid)
-        assert queue.give_back(q, owner=OWNER, job_ids=[jid], error_class="http_429", message="m") == [jid]
+        assert transitions.give_back(q, owner=OWNER, job_ids=[jid], error_class="http_429", message="m") == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts) == ("pending", 0)
 
@@ -508,7 +510,7 @@ def test_give_back_does_not_consume_attempts(q):
 def test_give_back_refused_for_non_owner(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert queue.give_back(q, owner=OTHER, job_ids=[jid]) == []
+    assert transitions.give_back(q, owner=OTHER, job_ids=[jid]) == []
     j = job(q, jid)
     assert (j.status, j.attempts, j.lease_owner) == ("processing", 1, OWNER)
 
@@ -519,7 +521,7 @@ def test_give_back_refused_for_non_owner(q):
 def test_fail_terminal_processing_to_failed(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert queue.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="input_invalid", message="bad") == [jid]
+    assert transitions.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="input_invalid", message="bad") == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts, j.error_class, j.error_message) == ("failed", 1, "input_invalid", "bad")
     assert_no_lease(j)
@@ -530,7 +532,7 @@ def test_fail_terminal_processing_to_failed(q):
 def test_fail_terminal_refused_for_non_processing(q, state):
     jid = to_state(q, state)
     before = job(q, jid)
-    assert queue.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="x", message="x") == []
+    assert transitions.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="x", message="x") == []
     after = job(q, jid)
     assert (after.status, after.attempts, after.error_class) == (before.status, before.attempts, before.error_class)
 
@@ -538,7 +540,7 @@ def test_fail_terminal_refused_for_non_processing(q, state):
 def test_fail_terminal_refused_for_non_owner(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert queue.fail_terminal(q, owner=OTHER, job_ids=[jid], error_class="x", message="x") == []
+    assert transitions.fail_terminal(q, owner=OTHER, job_ids=[jid], error_class="x", message="x") == []
     j = job(q, jid)
     assert (j.status, j.lease_owner, j.error_class) == ("processing", OWNER, None)
 
@@ -551,16 +553,16 @@ def test_extend_lease_owner_only(q):
     hold(q, jid, lease=5)
     assert_about(job(q, jid).lease_in, 5)
 
-    assert queue.extend_lease(q, owner=OTHER, job_ids=[jid], lease_seconds=600) == 0
+    assert transitions.extend_lease(q, owner=OTHER, job_ids=[jid], lease_seconds=600) == 0
     assert_about(job(q, jid).lease_in, 5)
 
-    assert queue.extend_lease(q, owner=OWNER, job_ids=[jid], lease_seconds=600) == 1
+    assert transitions.extend_lease(q, owner=OWNER, job_ids=[jid], lease_seconds=600) == 1
     j = job(q, jid)
     assert (j.status, j.lease_owner, j.attempts) == ("processing", OWNER, 1)
     assert_about(j.lease_in, 600)
 
-    queue.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)])
-    assert queue.extend_lease(q, owner=OWNER, job_ids=[jid], lease_seconds=600) == 0
+    transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)])
+    assert transitions.extend_lease(q, owner=OWNER, job_ids=[jid], lease_seconds=600) == 0
     assert_no_lease(job(q, jid))
 
 
@@ -569,15 +571,15 @@ def test_jobs_of_a_retired_model_never_wait_for_a_worker(q):
     vector all end superseded: no worker of that model will come for them."""
     held, dead, done = seed(q, 3)
     assert sorted(claim_ids(q)) == sorted([held, dead, done])
-    queue.fail_terminal(q, owner=OWNER, job_ids=[dead], error_class="bad_input", message="x")
-    queue.complete(q, owner=OWNER, job_ids=[done], vectors=[np.ones(4, dtype=np.float32)])
+    transitions.fail_terminal(q, owner=OWNER, job_ids=[dead], error_class="bad_input", message="x")
+    transitions.complete(q, owner=OWNER, job_ids=[done], vectors=[np.ones(4, dtype=np.float32)])
     models.retire(q, MODEL)
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s",
               (held,))
-    assert queue.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 1}
-    assert queue.requeue_failed(q, [dead]) == {"pending": 0, "superseded": 1}
+    assert transitions.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 1}
+    assert transitions.requeue_failed(q, [dead]) == {"pending": 0, "superseded": 1}
     q.execute("DELETE FROM app.embeddings")
-    assert queue.repair_missing_vectors(q) == 0
+    assert transitions.repair_missing_vectors(q) == 0
     assert claim_ids(q) == []
 
 
@@ -591,7 +593,7 @@ def test_rescue_expired(q):
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = ANY(%s)",
               ([expired, exhausted],))
 
-    assert queue.rescue_expired(q) == {"retry": 1, "failed": 1, "superseded": 0}
+    assert transitions.rescue_expired(q) == {"retry": 1, "failed": 1, "superseded": 0}
 
     e = job(q, expired)
     assert (e.status, e.attempts, e.error_class) == ("retry", 1, "lease_expired")
@@ -604,7 +606,7 @@ def test_rescue_expired(q):
     assert (a.status, a.lease_owner, a.error_class) == ("processing", OWNER, None)
     assert_about(a.lease_in, LEASE)
 
-    assert queue.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 0}
+    assert transitions.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 0}
     assert claim_ids(q, owner=OTHER) == [expired]
 
 
@@ -619,7 +621,7 @@ def test_requeue_failed_by_ids(q):
     drop_chunks(q, unwanted)
     before = {s: job(q, i) for s, i in others.items()}
 
-    counts = queue.requeue_failed(q, [wanted, unwanted, *others.values()])
+    counts = transitions.requeue_failed(q, [wanted, unwanted, *others.values()])
     assert counts == {"pending": 1, "superseded": 1}
 
     w = job(q, wanted)
@@ -643,9 +645,9 @@ def test_requeue_all_failed(q):
     gone = to_state(q, "failed")
     ready = to_state(q, "ready")
     drop_chunks(q, gone)
-    assert queue.requeue_failed(q, all_failed=True) == {"pending": 2, "superseded": 1}
+    assert transitions.requeue_failed(q, all_failed=True) == {"pending": 2, "superseded": 1}
     assert [job(q, i).status for i in (a, b, gone, ready)] == ["pending", "pending", "superseded", "ready"]
-    assert queue.requeue_failed(q, all_failed=True) == {"pending": 0, "superseded": 0}
+    assert transitions.requeue_failed(q, all_failed=True) == {"pending": 0, "superseded": 0}
 
 
 # --------------------------------------------------------------------------- supersede_unwanted
@@ -657,7 +659,7 @@ def test_supersede_unwanted_from_every_live_state(q):
     for jid in ids.values():
         drop_chunks(q, jid)
 
-    assert queue.supersede_unwanted(q) == 5
+    assert transitions.supersede_unwanted(q) == 5
     for s, jid in ids.items():
         j = job(q, jid)
         assert j.status == "superseded", s
@@ -665,9 +667,9 @@ def test_supersede_unwanted_from_every_live_state(q):
         assert j.vector is None, s
     assert q.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
     # The former lease holder can no longer complete it.
-    assert queue.complete(q, owner=OWNER, job_ids=[ids["processing"]], vectors=[vec(1)]) == ([], [])
+    assert transitions.complete(q, owner=OWNER, job_ids=[ids["processing"]], vectors=[vec(1)]) == ([], [])
     assert job(q, ids["processing"]).vector is None
-    assert queue.supersede_unwanted(q) == 0
+    assert transitions.supersede_unwanted(q) == 0
 
 
 def test_supersede_unwanted_keeps_content_carried_by_another_document(q):
@@ -676,11 +678,11 @@ def test_supersede_unwanted_keeps_content_carried_by_another_document(q):
     doc2 = add_document(q)
     add_chunks(q, doc2, [checksum("shared")])
     hold(q, shared)
-    queue.complete(q, owner=OWNER, job_ids=[shared], vectors=[vec(4)])
+    transitions.complete(q, owner=OWNER, job_ids=[shared], vectors=[vec(4)])
 
     q.execute("DELETE FROM app.chunks WHERE doc_pk = %s", (doc1,))
-    assert queue.supersede_unwanted(q) == 0
-    assert queue.supersede_unwanted(q, [checksum("shared")]) == 0
+    assert transitions.supersede_unwanted(q) == 0
+    assert transitions.supersede_unwanted(q, [checksum("shared")]) == 0
     j = job(q, shared)
     assert j.status == "ready"
     np.testing.assert_allclose(j.vector, vec(4))
@@ -691,10 +693,10 @@ def test_supersede_unwanted_with_checksum_filter(q):
     drop_chunks(q, a)
     drop_chunks(q, b)
 
-    assert queue.supersede_unwanted(q, [checksum("fa"), checksum("fkept")]) == 1
+    assert transitions.supersede_unwanted(q, [checksum("fa"), checksum("fkept")]) == 1
     assert [job(q, i).status for i in (a, b, kept)] == ["superseded", "pending", "pending"]
-    assert queue.supersede_unwanted(q, []) == 0
-    assert queue.supersede_unwanted(q) == 1
+    assert transitions.supersede_unwanted(q, []) == 0
+    assert transitions.supersede_unwanted(q) == 1
     assert [job(q, i).status for i in (a, b, kept)] == ["superseded", "superseded", "pending"]
 
 
@@ -707,27 +709,27 @@ def test_revive_wanted(q):
     drop_chunks(q, still_gone)
     q.execute("UPDATE app.embedding_jobs SET error_class = 'old', attempts = 3 WHERE job_id = %s", (back,))
 
-    assert queue.revive_wanted(q) == 1
+    assert transitions.revive_wanted(q) == 1
     j = job(q, back)
     assert (j.status, j.attempts, j.error_class, j.error_message) == ("pending", 0, None, None)
     assert_about(j.available_in, 0.0)
     assert_no_lease(j)
     assert j.vector is None
     assert job(q, still_gone).status == "superseded"
-    assert queue.revive_wanted(q) == 0
+    assert transitions.revive_wanted(q) == 0
     assert claim_ids(q) == [back]
 
 
 def test_revive_wanted_with_checksum_filter(q):
     a = to_state(q, "superseded")
     b = to_state(q, "superseded")
-    assert queue.revive_wanted(q, [checksum_of(q, b)]) == 1
+    assert transitions.revive_wanted(q, [checksum_of(q, b)]) == 1
     assert (job(q, a).status, job(q, b).status) == ("superseded", "pending")
 
 
 def test_revive_does_not_touch_live_jobs(q):
     ids = {s: to_state(q, s) for s in ("pending", "retry", "processing", "ready", "failed")}
-    assert queue.revive_wanted(q) == 0
+    assert transitions.revive_wanted(q) == 0
     assert {s: job(q, i).status for s, i in ids.items()} == {s: s for s in ids}
 
 
@@ -739,13 +741,13 @@ def test_repair_missing_vectors(q):
     fine = to_state(q, "ready")
     q.execute("DELETE FROM app.embeddings WHERE chunk_checksum = %s", (checksum_of(q, lost),))
 
-    assert queue.repair_missing_vectors(q) == 1
+    assert transitions.repair_missing_vectors(q) == 1
     j = job(q, lost)
     assert (j.status, j.attempts, j.vector) == ("pending", 0, None)
     assert_about(j.available_in, 0.0)
     f = job(q, fine)
     assert f.status == "ready" and f.vector is not None
-    assert queue.repair_missing_vectors(q) == 0
+    assert transitions.repair_missing_vectors(q) == 0
 
 
 # --------------------------------------------------------------------------- enqueue
@@ -754,35 +756,35 @@ def test_repair_missing_vectors(q):
 def test_enqueue_for_docs_idempotent(q):
     doc = add_document(q)
     add_chunks(q, doc, [checksum("e1"), checksum("e2"), checksum("e1")])  # a repeated chunk is one job
-    assert queue.enqueue_for_docs(q, [doc], 5) == 2
-    assert queue.enqueue_for_docs(q, [doc], 5) == 0
-    assert queue.enqueue_missing(q, 5) == 0
+    assert transitions.enqueue_for_docs(q, [doc], 5) == 2
+    assert transitions.enqueue_for_docs(q, [doc], 5) == 0
+    assert transitions.enqueue_missing(q, 5) == 0
     rows = q.execute("SELECT status, attempts, max_attempts FROM app.embedding_jobs").fetchall()
     assert sorted(rows) == [("pending", 0, 5), ("pending", 0, 5)]
-    assert queue.enqueue_for_docs(q, [], 5) == 0
+    assert transitions.enqueue_for_docs(q, [], 5) == 0
 
 
 def test_enqueue_for_docs_one_job_per_active_model(q):
     models.ensure_model(q, SPEC2)
     doc = add_document(q)
     add_chunks(q, doc, [checksum("two-models")])
-    assert queue.enqueue_for_docs(q, [doc], 5) == 2
+    assert transitions.enqueue_for_docs(q, [doc], 5) == 2
     q.execute("UPDATE app.models SET active = false WHERE model_id = %s", (MODEL2,))
     doc2 = add_document(q)
     add_chunks(q, doc2, [checksum("one-model")])
-    assert queue.enqueue_for_docs(q, [doc2], 5) == 1
+    assert transitions.enqueue_for_docs(q, [doc2], 5) == 1
 
 
 def test_enqueue_missing_idempotent(q):
     doc = add_document(q)
     add_chunks(q, doc, [checksum("m1"), checksum("m2")])
-    assert queue.enqueue_missing(q, 7) == 2
-    assert queue.enqueue_missing(q, 7) == 0
-    assert queue.enqueue_for_docs(q, [doc], 7) == 0
+    assert transitions.enqueue_missing(q, 7) == 2
+    assert transitions.enqueue_missing(q, 7) == 0
+    assert transitions.enqueue_for_docs(q, [doc], 7) == 0
     other = add_document(q)
     add_chunks(q, other, [checksum("m1"), checksum("m3")])
-    assert queue.enqueue_missing(q, 7) == 1
-    assert queue.enqueue_missing(q, 7) == 0
+    assert transitions.enqueue_missing(q, 7) == 1
+    assert transitions.enqueue_missing(q, 7) == 0
     assert q.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0] == 3
 
 
@@ -791,8 +793,8 @@ def test_enqueue_leaves_existing_jobs_alone(q):
     ids = {s: to_state(q, s) for s in STATES}
     before = {s: job(q, i) for s, i in ids.items()}
     docs = [r[0] for r in q.execute("SELECT doc_pk FROM app.documents")]
-    assert queue.enqueue_for_docs(q, docs, 5) == 0
-    assert queue.enqueue_missing(q, 5) == 0
+    assert transitions.enqueue_for_docs(q, docs, 5) == 0
+    assert transitions.enqueue_missing(q, 5) == 0
     for s, i in ids.items():
         after = job(q, i)
         assert (after.status, after.attempts) == (before[s].status, before[s].attempts)
@@ -851,24 +853,24 @@ def apply(conn, op: str, jid: int) -> int:
     if name == "claim":
         return len(claim_ids(conn, owner=OTHER))
     if name == "complete":
-        ready, superseded = queue.complete(conn, owner=OWNER, job_ids=[jid], vectors=[vec(5)])
+        ready, superseded = transitions.complete(conn, owner=OWNER, job_ids=[jid], vectors=[vec(5)])
         return len(ready) + len(superseded)
     if name == "fail_retryable":
-        return len(queue.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m"))
+        return len(transitions.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m"))
     if name == "give_back":
-        return len(queue.give_back(conn, owner=OWNER, job_ids=[jid]))
+        return len(transitions.give_back(conn, owner=OWNER, job_ids=[jid]))
     if name == "fail_terminal":
-        return len(queue.fail_terminal(conn, owner=OWNER, job_ids=[jid], error_class="e", message="m"))
+        return len(transitions.fail_terminal(conn, owner=OWNER, job_ids=[jid], error_class="e", message="m"))
     if name == "rescue_expired":
-        return sum(queue.rescue_expired(conn).values())
+        return sum(transitions.rescue_expired(conn).values())
     if name == "requeue_failed":
-        return sum(queue.requeue_failed(conn, [jid]).values())
+        return sum(transitions.requeue_failed(conn, [jid]).values())
     if name == "supersede_unwanted":
-        return queue.supersede_unwanted(conn)
+        return transitions.supersede_unwanted(conn)
     if name == "revive_wanted":
-        return queue.revive_wanted(conn)
+        return transitions.revive_wanted(conn)
     if name == "repair_missing_vectors":
-        return queue.repair_missing_vectors(conn)
+        return transitions.repair_missing_vectors(conn)
     raise ValueError(op)
 
 
@@ -949,12 +951,12 @@ def test_supersede_unwanted_racing_a_completion_deletes_its_vector(q, database_u
             try:
                 with ingest.transaction():
                     drop_chunks(ingest, jid)
-                    result["superseded"] = queue.supersede_unwanted(ingest)
+                    result["superseded"] = transitions.supersede_unwanted(ingest)
             except BaseException as exc:  # surfaced below
                 result["error"] = exc
 
         with worker.transaction():
-            assert queue.complete(worker, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
+            assert transitions.complete(worker, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
             t = threading.Thread(target=run_ingest)
             t.start()
             wait_until_blocked(q, ingest.info.backend_pid, t)

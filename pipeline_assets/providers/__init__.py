@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .. import settings
+from pipeline_assets import settings
 from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, Provider, ProviderError, sanitize
 from .local import LOCAL_MODEL_NAME, LocalHashingProvider
 from .openai_provider import OpenAIProvider

@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from ..settings import ERROR_MESSAGE_MAX_CHARS
+from pipeline_assets.settings import ERROR_MESSAGE_MAX_CHARS
 
 RETRYABLE = "retryable"
 THROTTLED = "throttled"

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..chunking import get_encoding
+from pipeline_assets.content.chunking import get_encoding
 from .base import EmbedResult, ModelSpec
 
 LOCAL_MODEL_NAME = "local-hashing"

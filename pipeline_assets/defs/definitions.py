@@ -16,11 +16,11 @@ import os
 
 import dagster as dg
 
-from .dagster_assets import build_assets
-from .dagster_checks import CHECKS
-from .dagster_resources import resources_from_env
-from .dagster_schedules import HEALTH_JOB, build_schedules, reconcile_job
-from .dagster_sensors import EMBED_JOB, SENSORS
+from pipeline_assets.defs.assets import build_assets
+from pipeline_assets.defs.checks import CHECKS
+from pipeline_assets.defs.resources import resources_from_env
+from pipeline_assets.defs.schedules import HEALTH_JOB, build_schedules, reconcile_job
+from pipeline_assets.defs.sensors import EMBED_JOB, SENSORS
 
 
 # Write the materializations of a partition-range run in batches, not one row

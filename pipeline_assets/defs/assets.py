@@ -20,13 +20,16 @@ from typing import Iterable, Sequence
 
 import dagster as dg
 
-from . import models, queue, reports, stages
-from .chunking import chunker_from_env
-from .dagster_resources import (EmbeddingProviderResource, PostgresResource, SourceDirectoryResource,
+from pipeline_assets.jobs import models
+from pipeline_assets.jobs import transitions
+from pipeline_assets.app import reports
+from pipeline_assets.app import stages
+from pipeline_assets.content.chunking import chunker_from_env
+from pipeline_assets.defs.resources import (EmbeddingProviderResource, PostgresResource, SourceDirectoryResource,
                                 embedding_model_id)
-from .extract import extractor_version
-from .ingest import IngestReport, ingest_paths
-from .worker import FatalProviderError, Worker, WorkerConfig
+from pipeline_assets.content.extract import extractor_version
+from pipeline_assets.app.ingest import IngestReport, ingest_paths
+from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig
 
 PARTITIONS_NAME = "documents"
 DOCUMENT_PARTITIONS = dg.DynamicPartitionsDefinition(name=PARTITIONS_NAME)
@@ -229,7 +232,7 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
             models.ensure_model(conn, rt.provider.spec)
             summaries = reports.document_summaries(conn, root, keys)
             pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
-            enqueued = queue.enqueue_for_docs(conn, pks, rt.options.max_attempts)
+            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
             _, before = reports.embedding_coverage(conn, root, keys, model_id)
         # A short idle poll: the run ends ~0.1 s after the job table is idle, not 0.5 s.
         worker = Worker(postgres.url(), rt.provider,

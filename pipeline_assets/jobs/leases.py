@@ -14,7 +14,7 @@ import time
 
 from psycopg_pool import ConnectionPool
 
-from . import queue
+from pipeline_assets.jobs import transitions
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,6 @@ def heartbeat(leases: HeldLeases, pool: ConnectionPool, lease_seconds: float, st
         try:
             with pool.connection() as conn:
                 for owner, ids in live:
-                    queue.extend_lease(conn, owner=owner, job_ids=ids, lease_seconds=lease_seconds)
+                    transitions.extend_lease(conn, owner=owner, job_ids=ids, lease_seconds=lease_seconds)
         except Exception:  # a missed beat is harmless; the next one retries
             log.exception("heartbeat failed")

@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .identity import chunk_checksum
+from pipeline_assets.content.identity import chunk_checksum
 
 # Target tokens per chunk: well under every provider's per-input limit
 # (OpenAI: 8191) while small enough for focused retrieval.

@@ -54,7 +54,7 @@ def ensure_server(home: Path) -> str:
     last = "unknown error"
     for _ in range(START_ATTEMPTS):
         proc = subprocess.run(
-            [sys.executable, "-m", "pipeline_assets.embedded", str(pgdata)],
+            [sys.executable, "-m", "pipeline_assets.store.embedded_postgres", str(pgdata)],
             capture_output=True,
             text=True,
             timeout=START_TIMEOUT_SECONDS,

@@ -22,11 +22,18 @@ from typing import Sequence
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from . import backoff, crashpoints, db, leases, ledger, models, queue, settings
-from .budget import TokenBudget
-from .leases import HeldLeases
-from .providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError, sanitize
-from .queue import ClaimedJob
+from pipeline_assets.jobs import backoff
+from pipeline_assets.jobs import crashpoints
+from pipeline_assets.store import db
+from pipeline_assets.jobs import leases
+from pipeline_assets.jobs import ledger
+from pipeline_assets.jobs import models
+from pipeline_assets.jobs import transitions
+from pipeline_assets import settings
+from pipeline_assets.jobs.budget import TokenBudget
+from pipeline_assets.jobs.leases import HeldLeases
+from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError, sanitize
+from pipeline_assets.jobs.transitions import ClaimedJob
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +184,12 @@ class Worker:
 
     def _nothing_outstanding(self) -> bool:
         with self._pool.connection() as conn:
-            waiting, held = queue.outstanding(conn, self.model_id)
+            waiting, held = transitions.outstanding(conn, self.model_id)
         return not waiting and not held
 
     def _rescue(self) -> None:
         with self._pool.connection() as conn:
-            counts = queue.rescue_expired(conn)
+            counts = transitions.rescue_expired(conn)
         self.report.add(rescued=sum(counts.values()))
 
     def _release_all(self) -> None:
@@ -191,7 +198,7 @@ class Worker:
             return
         with self._pool.connection() as conn:
             for owner, ids in held:
-                queue.give_back(conn, owner=owner, job_ids=ids)
+                transitions.give_back(conn, owner=owner, job_ids=ids)
 
     # -- one thread --------------------------------------------------------
     def _loop(self, index: int) -> None:
@@ -204,7 +211,7 @@ class Worker:
             owner = f"{self._owner_prefix}/{next(self._claim_seq)}"
             try:
                 with self._pool.connection() as conn:
-                    jobs = queue.claim(conn, model_id=self.model_id, owner=owner, limit=self._batch,
+                    jobs = transitions.claim(conn, model_id=self.model_id, owner=owner, limit=self._batch,
                                        lease_seconds=self.config.lease_seconds)
             except Exception:
                 log.exception("claim failed")
@@ -223,14 +230,14 @@ class Worker:
                 gone = [j.job_id for j in jobs if j.text is None]
                 if gone:
                     with self._pool.connection() as conn:
-                        self.report.add(superseded=len(queue.supersede_held(conn, owner=owner, job_ids=gone)))
+                        self.report.add(superseded=len(transitions.supersede_held(conn, owner=owner, job_ids=gone)))
                 for n, request in enumerate(requests):
                     if self.stop.is_set() or self._provider_paused:
                         # Stopping, or the provider just throttled us: hand back
                         # what was not sent instead of hammering it.
                         rest = [j.job_id for r in requests[n:] for j in r]
                         with self._pool.connection() as conn:
-                            queue.give_back(conn, owner=owner, job_ids=rest)
+                            transitions.give_back(conn, owner=owner, job_ids=rest)
                         break
                     self._call(owner, request)
             except Exception as exc:
@@ -267,7 +274,7 @@ class Worker:
     def _fail_held(self, owner: str, jobs: Sequence[ClaimedJob], exc: Exception) -> None:
         try:
             with self._pool.connection() as conn:
-                queue.fail_retryable(conn, owner=owner, job_ids=[j.job_id for j in jobs], delays=_delays(jobs),
+                transitions.fail_retryable(conn, owner=owner, job_ids=[j.job_id for j in jobs], delays=_delays(jobs),
                                      error_class="worker_error", message=sanitize(f"{type(exc).__name__}: {exc}"))
         except Exception:
             log.exception("could not hand back jobs; they return when their lease expires")
@@ -319,7 +326,7 @@ class Worker:
             got = {len(v) for v in result.vectors}
             if expected is not None and got != {expected}:
                 # A misconfigured endpoint, not bad items: stop, touch nothing.
-                queue.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs])
+                transitions.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs])
                 self._fatal = ProviderError(FATAL, "dimension_mismatch",
                                             f"provider returned {sorted(got)}-dimensional vectors for "
                                             f"{self.model_id}, which has {expected} dimensions")
@@ -337,7 +344,7 @@ class Worker:
                         ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
                                            tokens=result.tokens, outcome="ok", status=200, latency=latency,
                                            billed=True)
-                        ready, superseded = queue.complete(conn, owner=owner,
+                        ready, superseded = transitions.complete(conn, owner=owner,
                                                            job_ids=[j.job_id for j in jobs],
                                                            vectors=result.vectors)
                     break
@@ -345,7 +352,7 @@ class Worker:
                     if attempt == COMPLETE_RETRIES - 1:
                         raise
             if self._had_failure or any(j.probe for j in jobs):
-                queue.provider_healthy(conn, self.model_id)
+                transitions.provider_healthy(conn, self.model_id)
                 self._had_failure = False
         refused = len(jobs) - len(ready) - len(superseded)
         self.report.add(embedded=len(ready), superseded=len(superseded), refused=refused)
@@ -363,35 +370,35 @@ class Worker:
             self._call(owner, jobs[:mid])
             if self.stop.is_set() or self._provider_paused:
                 with self._pool.connection() as conn:
-                    queue.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs[mid:]])
+                    transitions.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs[mid:]])
                 return
             self._call(owner, jobs[mid:])
             return
         with self._pool.connection() as conn:
             if err.kind == TERMINAL:
-                n = len(queue.fail_terminal(conn, owner=owner, job_ids=ids, error_class=err.error_class,
+                n = len(transitions.fail_terminal(conn, owner=owner, job_ids=ids, error_class=err.error_class,
                                             message=err.message))
                 self.report.add(failed=n)
             elif err.kind == THROTTLED:
                 # The provider's state, not the items': trip the shared breaker
                 # and hand the items back without consuming their attempt.
-                queue.provider_failure(conn, self.model_id, trip=True, floor=err.retry_after or 0.0,
+                transitions.provider_failure(conn, self.model_id, trip=True, floor=err.retry_after or 0.0,
                                        base=settings.backoff_base(), cap=settings.backoff_cap(),
                                        threshold=settings.BREAKER_THRESHOLD)
-                queue.give_back(conn, owner=owner, job_ids=ids, delay=err.retry_after or 0.0,
+                transitions.give_back(conn, owner=owner, job_ids=ids, delay=err.retry_after or 0.0,
                                 error_class=err.error_class, message=err.message)
                 self._paused_until = time.monotonic() + max(err.retry_after or 0.0, self.config.poll_seconds)
                 self.report.add(throttled=len(ids))
             elif err.kind == RETRYABLE:
-                queue.provider_failure(conn, self.model_id, trip=False, floor=err.retry_after or 0.0,
+                transitions.provider_failure(conn, self.model_id, trip=False, floor=err.retry_after or 0.0,
                                        base=settings.backoff_base(), cap=settings.backoff_cap(),
                                        threshold=settings.BREAKER_THRESHOLD)
-                moved = queue.fail_retryable(conn, owner=owner, job_ids=ids, delays=_delays(jobs, err.retry_after),
+                moved = transitions.fail_retryable(conn, owner=owner, job_ids=ids, delays=_delays(jobs, err.retry_after),
                                              error_class=err.error_class, message=err.message)
                 self.report.add(retried=sum(1 for s in moved.values() if s == "retry"),
                                 failed=sum(1 for s in moved.values() if s == "failed"))
             elif err.kind == FATAL:
-                queue.give_back(conn, owner=owner, job_ids=ids)
+                transitions.give_back(conn, owner=owner, job_ids=ids)
                 self._fatal = err
                 self.stop.set()
 

@@ -28,12 +28,14 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from . import db, embedded, settings
+from pipeline_assets.store import db
+from pipeline_assets.store import embedded_postgres
+from pipeline_assets import settings
 
 DAGSTER_DB_ENV = "PIPELINE_DAGSTER_DATABASE"
 DEFAULT_DAGSTER_DB = "dagster"
 DAGSTER_URL_ENV = "DAGSTER_PG_URL"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PATH_SETTINGS = ("PIPELINE_SOURCE_DIR", "PIPELINE_SQL_DIR")
 STOP_TIMEOUT_SECONDS = 30
 
@@ -100,7 +102,7 @@ def ensure_database(server_url: str, name: str) -> str:
 def prepare(home: Path | None = None) -> tuple[dict[str, str], Path]:
     """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME)."""
     home = (home or settings.pipeline_home()).resolve()
-    pipeline_url = settings.database_url_from_env() or embedded.ensure_server(home)
+    pipeline_url = settings.database_url_from_env() or embedded_postgres.ensure_server(home)
     with db.session(pipeline_url):
         pass  # migrations applied once, before webserver, daemon and runs start
     dagster_db = os.environ.get(DAGSTER_DB_ENV) or DEFAULT_DAGSTER_DB
@@ -138,7 +140,7 @@ def dagster_command(host: str, port: int) -> list[str]:
     if workspace.is_file():
         target = ["-w", str(workspace)]
     else:  # installed without the repository around it
-        target = ["-m", "pipeline_assets.definitions", "-a", "defs"]
+        target = ["-m", "pipeline_assets.defs.definitions", "-a", "defs"]
     # `dagster dev` warns that `dg dev` supersedes it; dg needs a [tool.dg] block that
     # would make dagster ignore workspace.yaml, so this stays on `dagster dev`.
     quiet = ["-W", "ignore:Function `dev_command` is superseded"]
@@ -168,7 +170,7 @@ def run_dev(host: str = "127.0.0.1", port: int = 3000) -> int:
     """Run the Dagster UI + daemon until Ctrl-C; return the exit status."""
     try:
         env, dagster_home = prepare()
-    except (db.DatabaseUnavailable, embedded.EmbeddedServerError, psycopg.Error, OSError) as exc:
+    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, psycopg.Error, OSError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(f"Dagster UI: http://{host}:{port}  (DAGSTER_HOME={dagster_home}; Ctrl-C stops it)", flush=True)

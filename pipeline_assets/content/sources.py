@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .extract import TOO_LARGE, ExtractError
+from pipeline_assets.content.extract import TOO_LARGE, ExtractError
 
 # Largest source file that is read into memory for extraction. Bounds the
 # memory of one extraction (raw bytes plus decoded text) and rejects stray

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import psycopg
 
-from . import queries
+from pipeline_assets.jobs import queries
 
 
 @dataclass(frozen=True)

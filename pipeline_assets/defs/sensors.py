@@ -32,13 +32,13 @@ from typing import Iterable
 
 import dagster as dg
 
-from . import stages
-from .dagster_assets import (ASSET_KEYS, DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG,
+from pipeline_assets.app import stages
+from pipeline_assets.defs.assets import (ASSET_KEYS, DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG,
                              partition_key_problem, valid_partition_keys)
-from .dagster_resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from .extract import extractor_version
-from .ingest import ingest_paths
-from .sources import SourceError, SourceItem, max_input_bytes_from_env, scan_directory
+from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.content.extract import extractor_version
+from pipeline_assets.app.ingest import ingest_paths
+from pipeline_assets.content.sources import SourceError, SourceItem, max_input_bytes_from_env, scan_directory
 
 EMBED_JOB_NAME = "embed_documents"
 EMBED_JOB = dg.define_asset_job(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import psycopg
 
-from . import ledger, settings
+from pipeline_assets.jobs import ledger
+from pipeline_assets import settings
 
 
 class TokenBudget:

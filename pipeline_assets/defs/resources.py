@@ -24,14 +24,14 @@ import dagster as dg
 import psycopg
 from pydantic import Field, PrivateAttr
 
-from . import db
-from .providers import ConfigError, configured_model_name, provider_from_env
-from .runtime import Runtime, runtime_from_env
+from pipeline_assets.store import db
+from pipeline_assets.providers import ConfigError, configured_model_name, provider_from_env
+from pipeline_assets.app.runtime import Runtime, runtime_from_env
 
 DATABASE_URL_ENV = "PIPELINE_DATABASE_URL"
 SOURCE_DIR_ENV = "PIPELINE_SOURCE_DIR"
 DEFAULT_SOURCE_DIR = "examples/corpus"
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]
 
 
 class PostgresResource(dg.ConfigurableResource):

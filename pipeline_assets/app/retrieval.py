@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import psycopg
 
-from . import models
+from pipeline_assets.jobs import models
 
 # Candidates fetched from the HNSW index per requested result; current-chunk
 # filtering happens after the index scan, so ask for a few more than k.

@@ -16,12 +16,13 @@ from typing import Iterable, Iterator
 
 import psycopg
 
-from . import queue, settings
-from .chunking import Chunk, Chunker
-from .extract import ExtractError, extract_text, extractor_version
-from .identity import sha256_hex
-from .sources import SourceError, SourceItem, read_guarded, scan_directory
-from .timeouts import wall_clock_limit
+from pipeline_assets.jobs import transitions
+from pipeline_assets import settings
+from pipeline_assets.content.chunking import Chunk, Chunker
+from pipeline_assets.content.extract import ExtractError, extract_text, extractor_version
+from pipeline_assets.content.identity import sha256_hex
+from pipeline_assets.content.sources import SourceError, SourceItem, read_guarded, scan_directory
+from pipeline_assets.content.timeouts import wall_clock_limit
 
 
 @dataclass
@@ -155,7 +156,7 @@ def _tombstone(conn: psycopg.Connection, report: IngestReport, where: str, param
     dropped = {r[0] for r in conn.execute(
         "DELETE FROM app.chunks WHERE doc_pk = ANY(%s) RETURNING chunk_checksum", (pks,))}
     if dropped:
-        report.superseded += queue.supersede_unwanted(conn, list(dropped))
+        report.superseded += transitions.supersede_unwanted(conn, list(dropped))
 
 
 def _chain(first: SourceItem | None, rest: Iterator[SourceItem]) -> Iterator[SourceItem]:
@@ -276,12 +277,12 @@ def _write(conn: psycopg.Connection, source_id: int, todo: list[_Processed], opt
                 new_checksums.add(digest)
                 copy.write_row((pk, c.index, digest, c.text, c.token_count, c.char_start, c.char_end))
                 report.chunks += 1
-    report.enqueued += queue.enqueue_for_docs(conn, pks, options.max_attempts)
+    report.enqueued += transitions.enqueue_for_docs(conn, pks, options.max_attempts)
     if new_checksums:
-        report.revived += queue.revive_wanted(conn, list(new_checksums))
+        report.revived += transitions.revive_wanted(conn, list(new_checksums))
     dropped = old_checksums - new_checksums
     if dropped:
-        report.superseded += queue.supersede_unwanted(conn, list(dropped))
+        report.superseded += transitions.supersede_unwanted(conn, list(dropped))
     _record_stage_runs(conn, todo, pk_of, options, ext_version)
 
 

@@ -11,9 +11,9 @@ import time
 
 import dagster as dg
 
-from . import models
-from .dagster_resources import EmbeddingProviderResource, PostgresResource
-from .reconcile import reconcile
+from pipeline_assets.jobs import models
+from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
+from pipeline_assets.app.reconcile import reconcile
 
 RECONCILE_CRON_ENV = "PIPELINE_RECONCILE_CRON"
 DEFAULT_RECONCILE_CRON = "0 * * * *"

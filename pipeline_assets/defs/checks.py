@@ -7,9 +7,10 @@ numbers go into the check's metadata so the UI shows why it passed or failed.
 
 import dagster as dg
 
-from . import reports, settings
-from .dagster_assets import EMBEDDINGS
-from .dagster_resources import PostgresResource
+from pipeline_assets.app import reports
+from pipeline_assets import settings
+from pipeline_assets.defs.assets import EMBEDDINGS
+from pipeline_assets.defs.resources import PostgresResource
 
 DLQ_GROWTH_ENV = "PIPELINE_DLQ_GROWTH_PER_HOUR"
 DEFAULT_DLQ_GROWTH_PER_HOUR = 10

@@ -13,7 +13,7 @@ import hashlib
 
 import psycopg
 
-from .providers import ModelSpec
+from pipeline_assets.providers import ModelSpec
 
 
 def _index_name(model_id: str) -> str:
@@ -31,9 +31,9 @@ def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
                                (spec.model_id,)).rowcount
     if reactivated:
         # Back after `models retire`: its superseded jobs for wanted content return.
-        from . import queue
+        from pipeline_assets.jobs import transitions
 
-        queue.revive_wanted(conn)
+        transitions.revive_wanted(conn)
     return row is not None or bool(reactivated)
 
 

@@ -20,9 +20,10 @@ import psycopg
 from pgvector.psycopg import register_vector
 from psycopg_pool import ConnectionPool
 
-from . import embedded, settings
+from pipeline_assets.store import embedded_postgres
+from pipeline_assets import settings
 
-SQL_DIR = Path(os.environ.get("PIPELINE_SQL_DIR") or Path(__file__).resolve().parent.parent / "sql")
+SQL_DIR = Path(os.environ.get("PIPELINE_SQL_DIR") or Path(__file__).resolve().parents[2] / "sql")
 
 # Arbitrary but fixed key of the advisory lock that serialises migrations.
 MIGRATION_LOCK_KEY = 7_301_946_221
@@ -51,8 +52,8 @@ def database_url() -> str:
     if url:
         return url
     try:
-        return embedded.ensure_server(settings.pipeline_home())
-    except (embedded.EmbeddedServerError, OSError, subprocess.TimeoutExpired) as exc:
+        return embedded_postgres.ensure_server(settings.pipeline_home())
+    except (embedded_postgres.EmbeddedServerError, OSError, subprocess.TimeoutExpired) as exc:
         raise DatabaseUnavailable(str(exc)) from None
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import settings
-from .chunking import chunker_from_env
-from .extract import decode_policy_from_env
-from .ingest import IngestOptions
-from .providers import Provider, provider_from_env
-from .sources import max_input_bytes_from_env
+from pipeline_assets import settings
+from pipeline_assets.content.chunking import chunker_from_env
+from pipeline_assets.content.extract import decode_policy_from_env
+from pipeline_assets.app.ingest import IngestOptions
+from pipeline_assets.providers import Provider, provider_from_env
+from pipeline_assets.content.sources import max_input_bytes_from_env
 
 
 @dataclass

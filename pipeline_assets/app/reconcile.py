@@ -14,9 +14,11 @@ from pathlib import Path
 
 import psycopg
 
-from . import models, queue, stages
-from .ingest import IngestOptions, ingest_directory, write_lock
-from .sources import SourceError
+from pipeline_assets.jobs import models
+from pipeline_assets.jobs import transitions
+from pipeline_assets.app import stages
+from pipeline_assets.app.ingest import IngestOptions, ingest_directory, write_lock
+from pipeline_assets.content.sources import SourceError
 
 
 @dataclass
@@ -57,12 +59,12 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
             report.superseded += scan.superseded
     with conn.transaction():
         write_lock(conn)
-        queue.drop_orphan_keys(conn)
-        report.enqueued += queue.enqueue_missing(conn, options.max_attempts)
-        report.revived += queue.revive_wanted(conn)
-        report.superseded += queue.supersede_unwanted(conn)
-        report.repaired_vectors = queue.repair_missing_vectors(conn)
-    rescued = queue.rescue_expired(conn)
+        transitions.drop_orphan_keys(conn)
+        report.enqueued += transitions.enqueue_missing(conn, options.max_attempts)
+        report.revived += transitions.revive_wanted(conn)
+        report.superseded += transitions.supersede_unwanted(conn)
+        report.repaired_vectors = transitions.repair_missing_vectors(conn)
+    rescued = transitions.rescue_expired(conn)
     report.rescued = sum(rescued.values())
     if model_id:
         stages.refresh_embed(conn, model_id)

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import psycopg
 
-from . import queries
+from pipeline_assets.jobs import queries
 
 
 def record_call(conn: psycopg.Connection, *, model_id: str, worker_id: str, jobs: Sequence, tokens: int,
