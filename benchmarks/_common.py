@@ -24,15 +24,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run from a clean checkout without installing
     sys.path.insert(0, str(REPO))
 
-from pipeline_assets.store import db
-from pipeline_assets import embedded  # noqa: E402
+from pipeline_assets.settings import Settings  # noqa: E402
+from pipeline_assets.store import db, embedded_postgres  # noqa: E402
 
 
 def server_url() -> str:
     url = os.environ.get("PIPELINE_DATABASE_URL")
     if url:
         return url
-    return embedded.ensure_server(Path(os.environ.get("PIPELINE_HOME", ".pipeline")))
+    return embedded_postgres.ensure_server(Settings.from_env().home_path)
 
 
 def with_dbname(url: str, name: str) -> str:

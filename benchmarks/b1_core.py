@@ -35,11 +35,11 @@ from _common import Timer, emit, fresh_database, rate
 from pipeline_assets.store import db
 from pipeline_assets.jobs import models
 from pipeline_assets.jobs import transitions
-from pipeline_assets.content.chunking import chunker_from_env
-from pipeline_assets.app.ingest import IngestOptions, ingest_directory
+from pipeline_assets.app.ingest import ingest_directory
+from pipeline_assets.app.runtime import IngestOptions, chunker_for
 from pipeline_assets.providers import EmbedResult, ModelSpec
-from pipeline_assets.content.sources import max_input_bytes_from_env
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.settings import Settings
 
 
 # Rounds of the worker / COPY / pgqueuer measurements; the medians are reported.
@@ -73,7 +73,7 @@ def write_corpus(root: Path, n: int, tag: str) -> None:
 
 
 def ingest_options() -> IngestOptions:
-    return IngestOptions(chunker=chunker_from_env(hard_limit=8191), max_bytes=max_input_bytes_from_env())
+    return IngestOptions(chunker=chunker_for(Settings.from_env(), hard_limit=8191), max_bytes=Settings.from_env().max_input_bytes)
 
 
 def bench_ingest(conn, root: Path, n: int) -> dict:
@@ -89,7 +89,7 @@ def bench_worker(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
     config = WorkerConfig(concurrency=4, until_idle=True, batch_inputs=100, poll_seconds=0.05,
                           build_index=False)
     with Timer() as t:
-        report = Worker(url, provider, config).run()
+        report = Worker(url, provider, config, settings=Settings.from_env()).run()
     assert report.embedded == n, report.as_dict()
     return {"config": "concurrency=4 batch_inputs=100 poll_seconds=0.05", "jobs": report.embedded,
             "provider_calls": report.provider_calls, "seconds": round(t.seconds, 3),

@@ -18,8 +18,8 @@ import argparse
 from _common import Timer, emit, fresh_database, peak_rss_mb
 
 from pipeline_assets.store import db
-from pipeline_assets.content.chunking import chunker_from_env
-from pipeline_assets.app.ingest import IngestOptions
+from pipeline_assets.app.runtime import IngestOptions, chunker_for
+from pipeline_assets.settings import Settings
 from pipeline_assets.app.reconcile import reconcile
 
 MODEL = "bench/reconcile@8"
@@ -109,7 +109,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=1_000_000)
     p.add_argument("--chunks-per-doc", type=int, default=4)
     args = p.parse_args()
-    options = IngestOptions(chunker=chunker_from_env(), max_bytes=1 << 20)
+    options = IngestOptions(chunker=chunker_for(Settings.from_env()), max_bytes=1 << 20)
     out: dict = {"benchmark": "b4_reconcile"}
     with fresh_database("b4") as url:
         with db.connect(url) as conn:

@@ -1,36 +1,40 @@
-"""The command line: a thin layer over the core. Expected failures print one
-line and exit non-zero; nothing here holds logic the Dagster layer would need."""
+"""The command line: parse, call a use case in ``pipeline_assets.app``, print.
+
+Settings are read from the environment once, here, and passed down. Expected
+failures print one line (``error: ...``) and exit 1; nothing here holds logic
+the Dagster layer would need.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
-import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import click
 import psycopg
 
-from pipeline_assets.store import db
-from pipeline_assets.jobs import models
-from pipeline_assets.jobs import transitions
-from pipeline_assets.app import reconcile as reconcile_mod
-from pipeline_assets.app import reports
-from pipeline_assets.app import retrieval
-from pipeline_assets.app import stages
-from pipeline_assets.app.ingest import ingest_directory, ingest_paths
-from pipeline_assets.providers import ConfigError, ProviderError
-from pipeline_assets.app.runtime import Runtime, runtime_from_env
+from pipeline_assets.app import embed as embed_uc
+from pipeline_assets.app import ingest as ingest_uc
+from pipeline_assets.app import model_admin, reconcile as reconcile_uc, rerun as rerun_uc, search as search_uc
+from pipeline_assets.app import status as status_uc
+from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.sources import SourceError
-from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError, Worker, WorkerConfig
+from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError
+from pipeline_assets.providers import ConfigError, ProviderError
+from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings, SettingsError, redact_text, reference_table
+from pipeline_assets.store import db, embedded_postgres
 
-EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, FatalProviderError, BudgetExhausted, ProviderError,
-            psycopg.OperationalError, subprocess.TimeoutExpired, ValueError, OSError)
+EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, SettingsError, FatalProviderError, BudgetExhausted,
+            ProviderError, psycopg.OperationalError, subprocess.TimeoutExpired, ValueError, OSError)
 
 
 def expected_errors(fn):
@@ -40,14 +44,24 @@ def expected_errors(fn):
         try:
             return fn(*args, **kwargs)
         except EXPECTED as exc:
-            message = db.redact_text(" ".join(str(exc).split()) or type(exc).__name__)
+            message = redact_text(" ".join(str(exc).split()) or type(exc).__name__)
             click.echo(f"error: {message}", err=True)
             sys.exit(1)
     return wrapper
 
 
+def _settings() -> Settings:
+    return click.get_current_context().find_root().obj
+
+
+@contextmanager
+def _pool(max_size: int = 4) -> Iterator:
+    with db.open_pool(_settings(), max_size=max_size) as pool:
+        yield pool
+
+
 def _runtime(model: str | None = None) -> Runtime:
-    return runtime_from_env(model)
+    return Runtime.build(_settings(), model)
 
 
 def _emit(data, as_json: bool, text_lines) -> None:
@@ -58,31 +72,39 @@ def _emit(data, as_json: bool, text_lines) -> None:
             click.echo(line)
 
 
+def _pairs(d: dict) -> list[str]:
+    return [" ".join(f"{k}={v}" for k, v in d.items() if v is not None)]
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGTERM/SIGINT stop claiming; the worker hands back what it holds and exits."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    return stop
+
+
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
-def main(verbose: bool) -> None:
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """Idempotent embedding pipeline: documents -> chunks -> embeddings in PostgreSQL."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        ctx.obj = Settings.from_env()
+    except SettingsError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
 
 
 @main.command()
 @expected_errors
 def migrate() -> None:
     """Apply pending SQL migrations."""
-    conn = db.connect()
+    conn = db.connect(db.database_url(_settings()))
     applied = db.migrate(conn)
     click.echo(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
-
-
-def _ingest(conn, directory: str, rt: Runtime, allow_empty: bool):
-    fresh_model = models.ensure_model(conn, rt.provider.spec)
-    rt.options.allow_empty = allow_empty
-    report = ingest_directory(conn, Path(directory), rt.options)
-    if fresh_model:
-        # A model seen for the first time needs jobs for content ingested before it.
-        report.enqueued += transitions.enqueue_missing(conn, rt.options.max_attempts)
-    return report
 
 
 @main.command()
@@ -92,32 +114,10 @@ def _ingest(conn, directory: str, rt: Runtime, allow_empty: bool):
 @expected_errors
 def ingest(directory: str, allow_empty: bool, as_json: bool) -> None:
     """Scan, checksum, extract, chunk and enqueue DIRECTORY. No provider calls."""
-    rt = _runtime()
-    with db.session() as conn:
-        report = _ingest(conn, directory, rt, allow_empty)
-    _emit(report.as_dict(), as_json, lambda d: [" ".join(f"{k}={v}" for k, v in d.items())])
-
-
-def _work(rt: Runtime, *, concurrency: int, until_idle: bool, lease_seconds: float | None,
-          worker_id: str | None):
-    url = db.database_url()
-    with db.session(url):
-        pass  # migrations applied before any thread starts
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    config = WorkerConfig(concurrency=concurrency, until_idle=until_idle, worker_id=worker_id)
-    if lease_seconds:
-        config.lease_seconds = lease_seconds
-    worker = Worker(url, rt.provider, config, stop_event=stop)
-    report = worker.run()
-    with db.session(url) as conn:
-        stages.refresh_embed(conn, rt.model_id)
-    return report
+    rt = Runtime.build(_settings(), allow_empty=allow_empty)
+    with _pool() as pool:
+        report = ingest_uc.ingest_source(rt, pool, Path(directory))
+    _emit(report.as_dict(), as_json, _pairs)
 
 
 @main.command()
@@ -131,9 +131,10 @@ def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None,
          as_json: bool) -> None:
     """Claim and process embedding jobs (until SIGTERM, or --until-idle)."""
     rt = _runtime()
-    report = _work(rt, concurrency=concurrency or WorkerConfig.concurrency, until_idle=until_idle,
-                   lease_seconds=lease_seconds, worker_id=worker_id)
-    _emit(report.as_dict(), as_json, lambda d: [" ".join(f"{k}={v}" for k, v in d.items() if v is not None)])
+    with _pool() as pool:
+        report = embed_uc.work(rt, pool, concurrency=concurrency or DEFAULT_CONCURRENCY, until_idle=until_idle,
+                               lease_seconds=lease_seconds, worker_id=worker_id, stop=_stop_on_signals())
+    _emit(report.as_dict(), as_json, _pairs)
 
 
 @main.command()
@@ -144,30 +145,12 @@ def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None,
 @expected_errors
 def embed(directory: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
     """Ingest DIRECTORY, then work until idle: the one-shot job."""
-    started = time.monotonic()
-    rt = _runtime()
-    with db.session() as conn:
-        ing = _ingest(conn, directory, rt, allow_empty)
-    work_report = _work(rt, concurrency=concurrency or WorkerConfig.concurrency, until_idle=True,
-                        lease_seconds=None, worker_id=None)
-    with db.session() as conn:
-        st = reports.status(conn)
-    cov = st["coverage"].get(rt.model_id, {"ready": 0, "wanted": 0})
-    summary = {
-        "model": rt.model_id,
-        "documents": ing.scanned,
-        "documents_changed": ing.new + ing.changed,
-        "quarantined": ing.quarantined,
-        "deleted": ing.deleted,
-        "chunks": ing.chunks,
-        "embedded": work_report.embedded,
-        "reused": max(cov["ready"] - work_report.embedded, 0),
-        "failed": st["jobs_by_model"].get(rt.model_id, {}).get("failed", 0),
-        "provider_calls": work_report.provider_calls,
-        "coverage": f"{cov['ready']}/{cov['wanted']}",
-        "seconds": round(time.monotonic() - started, 2),
-    }
-    _emit(summary, as_json, lambda d: [" ".join(f"{k}={v}" for k, v in d.items())])
+    rt = Runtime.build(_settings(), allow_empty=allow_empty)
+    with _pool() as pool:
+        summary = embed_uc.embed_directory(rt, pool, Path(directory),
+                                           concurrency=concurrency or DEFAULT_CONCURRENCY,
+                                           stop=_stop_on_signals())
+    _emit(summary, as_json, _pairs)
 
 
 @main.command()
@@ -177,10 +160,9 @@ def embed(directory: str, concurrency: int | None, allow_empty: bool, as_json: b
 def reconcile(as_json: bool, no_rescan: bool) -> None:
     """Re-scan ingested sources and repair the job table to match."""
     rt = _runtime()
-    with db.session() as conn:
-        models.ensure_model(conn, rt.provider.spec)
-        report = reconcile_mod.reconcile(conn, rt.options, model_id=rt.model_id, rescan=not no_rescan)
-    _emit(report.as_dict(), as_json, lambda d: [" ".join(f"{k}={v}" for k, v in d.items())])
+    with _pool() as pool:
+        report = reconcile_uc.reconcile_all(rt, pool, rescan=not no_rescan)
+    _emit(report.as_dict(), as_json, _pairs)
 
 
 def _status_lines(d: dict):
@@ -202,10 +184,8 @@ def _status_lines(d: dict):
 @expected_errors
 def status(as_json: bool) -> None:
     """Counts by job status and stage, coverage, dead letters, spend."""
-    with db.session() as conn:
-        for (model_id,) in conn.execute("SELECT model_id FROM app.models WHERE active"):
-            stages.refresh_embed(conn, model_id)
-        data = reports.status(conn)
+    with _pool() as pool:
+        data = status_uc.status(pool)
     _emit(data, as_json, _status_lines)
 
 
@@ -218,8 +198,8 @@ def dlq() -> None:
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
 def dlq_list(as_json: bool) -> None:
-    with db.session() as conn:
-        items = reports.dead_letters(conn)
+    with _pool() as pool:
+        items = status_uc.dead_letters(pool)
 
     def lines(rows):
         if not rows:
@@ -237,50 +217,29 @@ def dlq_list(as_json: bool) -> None:
 def dlq_requeue(job_ids: tuple[int, ...], all_: bool) -> None:
     if not job_ids and not all_:
         raise click.UsageError("give job ids or --all")
-    with db.session() as conn:
-        counts = transitions.requeue_failed(conn, job_ids, all_failed=all_)
+    with _pool() as pool:
+        counts = status_uc.requeue(pool, job_ids, all_failed=all_)
     click.echo(f"requeued={counts['pending']} superseded={counts['superseded']}")
 
 
 @main.command()
-@click.option("--stage", type=click.Choice(["extract", "chunk"]), default="extract")
+@click.option("--stage", type=click.Choice(rerun_uc.RERUN_STAGES), default="extract")
 @click.option("--error-class", default=None, help="Only items that failed with this error class.")
 @click.option("--stale", is_flag=True, help="Only items produced by another code version than the current one.")
 @click.option("--dry-run", is_flag=True)
 @expected_errors
 def rerun(stage: str, error_class: str | None, stale: bool, dry_run: bool) -> None:
     """Re-run a stage for the documents a query selects (a partial rerun)."""
-    from pipeline_assets.content.extract import extractor_version
-
     rt = _runtime()
-    current = extractor_version() if stage == "extract" else rt.options.chunker.version
-    with db.session() as conn:
-        targets = stages.rerun_targets(conn, stage=stage, error_class=error_class,
-                                       not_version=current if stale else None)
+    with _pool() as pool:
+        targets = rerun_uc.select(rt, pool, stages_=(stage,), error_class=error_class, stale=stale)
         if dry_run:
             for t in targets:
                 click.echo(f"{t.document_id} [{t.status} {t.error_class or ''} {t.code_version}]")
             click.echo(f"{len(targets)} document(s) would be rerun")
             return
-        rt.options.force = True
-        total = 0
-        by_root: dict[str, list[str]] = {}
-        for t in targets:
-            by_root.setdefault(t.root, []).append(t.document_id)
-        for root, ids in by_root.items():
-            report = ingest_paths(conn, Path(root), ids, rt.options)
-            total += report.scanned
-        models.ensure_model(conn, rt.provider.spec)
+        total = rerun_uc.rerun(rt, pool, targets)
     click.echo(f"reran {stage} for {total} document(s)")
-
-
-def _model_id(conn, model: str | None, rt_model: str) -> str:
-    if model is None:
-        return rt_model
-    resolved = models.resolve_model_id(conn, model)
-    if resolved is None:
-        raise ConfigError(f"unknown model {model!r}")
-    return resolved
 
 
 @main.command()
@@ -288,19 +247,17 @@ def _model_id(conn, model: str | None, rt_model: str) -> str:
 @expected_errors
 def export(model: str | None) -> None:
     """Current chunk embeddings as JSON Lines."""
-    rt = _runtime(model) if model is None else None
-    with db.session() as conn:
-        model_id = _model_id(conn, model, rt.model_id if rt else "")
+    model_id = None if model else _runtime().model_id
+    with _pool() as pool:
+        model_id = model_id or model_admin.resolve(pool, model)
         out = sys.stdout
         try:
-            for row in retrieval.export_rows(conn, model_id):
+            for row in search_uc.export(pool, model_id):
                 out.write(json.dumps(row, ensure_ascii=False))
                 out.write("\n")
             out.flush()
         except BrokenPipeError:
             # The reader (head, a closed pipe) has had enough; that is not an error.
-            import os
-
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
@@ -313,9 +270,8 @@ def export(model: str | None) -> None:
 def search(query: str, k: int, model: str | None, as_json: bool) -> None:
     """Nearest current chunks to QUERY by cosine distance."""
     rt = _runtime(model)
-    vector = rt.provider.embed([query]).vectors[0]
-    with db.session() as conn:
-        hits = retrieval.search(conn, rt.model_id, vector, k)
+    with _pool() as pool:
+        hits = search_uc.search(rt, pool, query, k)
 
     def lines(rows):
         for h in rows:
@@ -328,11 +284,9 @@ def search(query: str, k: int, model: str | None, as_json: bool) -> None:
 @expected_errors
 def stop_db() -> None:
     """Stop the embedded PostgreSQL under PIPELINE_HOME (it otherwise outlives every command)."""
-    from pipeline_assets.store import embedded_postgres
-    from pipeline_assets import settings
-
-    home = settings.pipeline_home()
-    if settings.database_url_from_env():
+    settings = _settings()
+    home = settings.home_path
+    if settings.database_url:
         click.echo("PIPELINE_DATABASE_URL is set: no embedded server is managed here")
     elif embedded_postgres.stop_server(home):
         click.echo(f"stopped the embedded PostgreSQL in {home}")
@@ -349,8 +303,8 @@ def models_group() -> None:
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
 def models_list(as_json: bool) -> None:
-    with db.session() as conn:
-        rows = models.list_models(conn)
+    with _pool() as pool:
+        rows = model_admin.list_models(pool)
     _emit(rows, as_json, lambda rs: [f"{r['model_id']} name={r['name']} dim={r['dimension']} "
                                      f"active={r['active']} ready={r['ready']} outstanding={r['outstanding']}"
                                      for r in rs])
@@ -361,10 +315,20 @@ def models_list(as_json: bool) -> None:
 @expected_errors
 def models_retire(model: str) -> None:
     """Stop embedding new content with MODEL (its ready vectors are kept)."""
-    with db.session() as conn:
-        model_id = _model_id(conn, model, "")
-        superseded = models.retire(conn, model_id)
+    with _pool() as pool:
+        model_id, superseded = model_admin.retire(pool, model)
     click.echo(f"retired {model_id}: {superseded} unstarted job(s) superseded")
+
+
+@main.command("settings")
+@click.option("--reference", is_flag=True, help="Print the reference table of every setting (Markdown).")
+@click.option("--json", "as_json", is_flag=True)
+def settings_cmd(reference: bool, as_json: bool) -> None:
+    """The effective settings (secrets shown only as set/unset)."""
+    if reference:
+        click.echo(reference_table())
+        return
+    _emit(_settings().describe(), as_json, lambda d: [f"{k}={v}" for k, v in d.items()])
 
 
 @main.command()
@@ -374,7 +338,7 @@ def dev(host: str, port: int) -> None:
     """Start the Dagster UI and daemon on the embedded (or configured) database."""
     from pipeline_assets.defs.devserver import run_dev
 
-    sys.exit(run_dev(host=host, port=port))
+    sys.exit(run_dev(_settings(), host=host, port=port))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ import dagster as dg
 from dagster._core.definitions.partitions.context import partition_loading_context
 
 from pipeline_assets.defs.assets import PARTITIONS_NAME
-from pipeline_assets.defs.resources import resources_from_env
+from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.definitions import build_definitions
+from pipeline_assets.settings import Settings
 
 
 def fresh_defs() -> dg.Definitions:
@@ -23,7 +24,7 @@ def evaluate_sensor(sensor: dg.SensorDefinition, defs: dg.Definitions, instance:
     Returns the SensorExecutionData (run_requests resolved, cursor, skip_message).
     """
     with dg.build_sensor_context(instance=instance, instance_ref=instance.get_ref(), cursor=cursor,
-                                 definitions=defs, resources=resources_from_env()) as context:
+                                 definitions=defs, resources=build_resources(Settings.from_env())) as context:
         with partition_loading_context(dynamic_partitions_store=instance):
             data = sensor.evaluate_tick(context)
     for request in data.dynamic_partitions_requests or []:

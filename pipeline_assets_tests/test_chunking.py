@@ -9,7 +9,6 @@ from pipeline_assets.content.chunking import (
     DEFAULT_CHUNK_TOKENS,
     Chunk,
     Chunker,
-    chunker_from_env,
     count_tokens,
 )
 from pipeline_assets.content.identity import chunk_checksum
@@ -153,20 +152,6 @@ def test_lone_surrogate_does_not_break_offsets():
     chunks = chunker.chunk(text)
     clean = text.replace("\ud800", "\ufffd")
     check_invariants(clean, chunks, chunker)
-
-
-def test_chunker_from_env(monkeypatch):
-    monkeypatch.delenv("PIPELINE_CHUNK_TOKENS", raising=False)
-    monkeypatch.delenv("PIPELINE_CHUNK_OVERLAP", raising=False)
-    assert chunker_from_env().version == "tok-window-1/cl100k/512/64"
-    monkeypatch.setenv("PIPELINE_CHUNK_TOKENS", "200")
-    monkeypatch.setenv("PIPELINE_CHUNK_OVERLAP", "20")
-    assert chunker_from_env().version == "tok-window-1/cl100k/200/20"
-    with pytest.raises(ValueError):
-        chunker_from_env(hard_limit=100)
-    monkeypatch.setenv("PIPELINE_CHUNK_TOKENS", "big")
-    with pytest.raises(ValueError, match="PIPELINE_CHUNK_TOKENS"):
-        chunker_from_env()
 
 
 def test_one_megabyte_speed():

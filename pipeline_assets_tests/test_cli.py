@@ -17,7 +17,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets.store import db
+from pipeline_assets.store import db, migrations
 from pipeline_assets_tests.conftest import assert_vectors_match, wait_until, FAKE_DIM, FAKE_MODEL, _with_dbname, cli, job_counts, start_cli, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -97,7 +97,7 @@ def fresh_db(server_url):
 
 def test_migrate_twice_second_applies_nothing(env, fresh_db):
     env = {**env, "PIPELINE_DATABASE_URL": fresh_db}
-    expected = [p.name for p in db.migration_files()]
+    expected = [p.name for p in migrations.migration_files()]
     first = cli("migrate", env=env)
     assert first.stdout.startswith(f"applied {len(expected)} migration(s)"), first.stdout
     second = cli("migrate", env=env)
@@ -115,7 +115,7 @@ def test_two_concurrent_migrates_on_new_database(env, fresh_db):
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
         outputs.append(out.strip())
-    expected = [p.name for p in db.migration_files()]
+    expected = [p.name for p in migrations.migration_files()]
     # Exactly one of them applied everything, the other nothing.
     applied_counts = sorted(int(o.split()[1]) for o in outputs)
     assert applied_counts == [0, len(expected)], outputs

@@ -8,7 +8,8 @@ import pytest
 from pipeline_assets.app import reports
 from pipeline_assets.defs.assets import build_assets
 from pipeline_assets.defs.checks import CHECKS
-from pipeline_assets.defs.resources import resources_from_env
+from pipeline_assets.defs.resources import build_resources
+from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
 from pipeline_assets_tests.dagster_helpers import (check_results, execute, fresh_defs,
                                                    materialization_metadata)
@@ -23,8 +24,8 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
 
 
 def _materialize(instance, key: str) -> dg.ExecuteInProcessResult:
-    return dg.materialize([*build_assets(), *CHECKS], partition_key=key, instance=instance,
-                          resources=resources_from_env())
+    return dg.materialize([*build_assets(Settings.from_env()), *CHECKS], partition_key=key, instance=instance,
+                          resources=build_resources(Settings.from_env()))
 
 
 def test_materialize_one_partition_then_again_without_provider_calls(corpus, conn, fake):

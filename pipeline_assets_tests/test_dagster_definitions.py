@@ -11,8 +11,11 @@ import psycopg
 import pytest
 
 from pipeline_assets.defs import devserver
-from pipeline_assets.defs.assets import ASSET_KEYS, code_versions
+from pipeline_assets.store import db
+from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.defs.assets import ASSET_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
+from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import REPO
 from pipeline_assets_tests.dagster_helpers import fresh_defs
 
@@ -33,7 +36,7 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     assert set(ASSET_KEYS) <= set(graph.get_all_asset_keys())
     assert graph.get(dg.AssetKey("chunks")).parent_keys == {dg.AssetKey("documents")}
     assert graph.get(dg.AssetKey("embeddings")).parent_keys == {dg.AssetKey("chunks")}
-    versions = code_versions()
+    versions = code_versions(Settings.from_env())
     for key in ASSET_KEYS:
         node = graph.get(key)
         assert node.partitions_def.name == "documents"
@@ -60,9 +63,9 @@ def test_model_and_versions_follow_the_environment(monkeypatch):
 
 
 def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
-    assert PostgresResource.from_env().database_url is None       # embedded server, as db.database_url()
+    assert PostgresResource.from_settings(Settings.from_env()).database_url is None       # embedded server, as db.database_url()
     monkeypatch.setenv("PIPELINE_DATABASE_URL", "postgresql://u@h/db")
-    resource = PostgresResource.from_env()
+    resource = PostgresResource.from_settings(Settings.from_env())
     assert resource.database_url == dg.EnvVar("PIPELINE_DATABASE_URL")   # the UI shows the name, not the URL
     assert resource.url() == "postgresql://u@h/db"
     with dg.build_resources({"postgres": resource}) as built:
@@ -90,7 +93,7 @@ def test_sqlalchemy_url_uses_psycopg2_and_the_socket_dir():
 def test_top_level_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkeypatch):
     """The deployment dagster.yaml: storage through dagster-postgres with a psycopg2 URL from env."""
     name = "t_dagster_" + uuid.uuid4().hex[:8]
-    url = devserver.ensure_database(server_url, name)
+    url = db.ensure_database(server_url, name)
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")

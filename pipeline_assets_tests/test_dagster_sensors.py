@@ -6,7 +6,8 @@ import dagster as dg
 import pytest
 
 from pipeline_assets.app import stages
-from pipeline_assets.content.chunking import chunker_from_env
+from pipeline_assets.app.runtime import chunker_for
+from pipeline_assets.settings import Settings
 from pipeline_assets.defs.sensors import (MAX_KEYS_PER_TICK, contiguous_groups, decode_cursor,
                                              rerun_stale_documents_sensor, source_documents_sensor)
 from pipeline_assets_tests.conftest import write_corpus
@@ -150,7 +151,7 @@ def test_parser_fix_reruns_exactly_the_stale_partitions(corpus, conn, fake, inst
 
     for r in tick.run_requests:
         assert execute(defs, instance, r).success
-    chunk_version = chunker_from_env().version
+    chunk_version = chunker_for(Settings.from_env()).version
     assert stages.rerun_targets(conn, stage="extract", not_version="extract-2") == []
     assert stages.rerun_targets(conn, stage="chunk", not_version=chunk_version) == []
     assert conn.execute("SELECT count(*) FROM app.stage_runs WHERE stage IN ('extract', 'chunk')"

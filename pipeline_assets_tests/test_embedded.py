@@ -16,7 +16,7 @@ import psutil
 import psycopg
 import pytest
 
-from pipeline_assets.store import db
+from pipeline_assets.store import db, migrations
 from pipeline_assets.store import embedded_postgres
 from pipeline_assets_tests.conftest import wait_until, cli, kill_group, start_cli, write_corpus
 
@@ -81,7 +81,7 @@ def home(new_home):
 
 def test_embedded_server_survives_sigkilled_worker_group(home, tmp_path):
     env = embedded_env(home)
-    expected = [p.name for p in db.migration_files()]
+    expected = [p.name for p in migrations.migration_files()]
     first = cli("migrate", env=env, timeout=180)
     assert first.stdout.startswith(f"applied {len(expected)} migration(s)"), first.stdout
     assert cli("migrate", env=env).stdout.strip() == "applied 0 migration(s)"
@@ -153,7 +153,7 @@ def test_two_ingests_on_fresh_home_share_one_server(new_home, tmp_path, when, de
         assert c.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 21
         assert c.execute("SELECT count(*) FROM app.sources").fetchone()[0] == 2
         rows = c.execute("SELECT version, count(*) FROM app.schema_migrations GROUP BY 1 ORDER BY 1").fetchall()
-        assert rows == [(p.name, 1) for p in db.migration_files()]
+        assert rows == [(p.name, 1) for p in migrations.migration_files()]
         assert c.execute("SELECT count(*) FROM app.models").fetchone()[0] == 1
         distinct = c.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
         assert c.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'pending'").fetchone()[0] \

@@ -5,11 +5,10 @@ from pathlib import Path
 import pytest
 
 from pipeline_assets.content.extract import ExtractError
+from pipeline_assets.settings import Settings
 from pipeline_assets.content.sources import (
-    DEFAULT_MAX_INPUT_BYTES,
     SourceError,
     SourceItem,
-    max_input_bytes_from_env,
     read_guarded,
     scan_directory,
 )
@@ -105,7 +104,7 @@ def test_too_large_without_reading(tmp_path, monkeypatch):
     monkeypatch.setattr("builtins.open", no_open)
     t = time.monotonic()
     with pytest.raises(ExtractError) as e:
-        read_guarded(item, DEFAULT_MAX_INPUT_BYTES)
+        read_guarded(item, Settings().max_input_bytes)
     assert time.monotonic() - t < 1.0
     assert e.value.error_class == "too_large"
     assert "exceeds limit 20971520" in str(e.value)
@@ -125,13 +124,3 @@ def test_grown_file_detected(tmp_path, monkeypatch):
     with pytest.raises(ExtractError, match="grew") as e:
         read_guarded(item, 3)
     assert e.value.error_class == "too_large"
-
-
-def test_max_input_bytes_from_env(monkeypatch):
-    monkeypatch.delenv("PIPELINE_MAX_INPUT_BYTES", raising=False)
-    assert max_input_bytes_from_env() == 20 * 1024 * 1024
-    monkeypatch.setenv("PIPELINE_MAX_INPUT_BYTES", "1234")
-    assert max_input_bytes_from_env() == 1234
-    monkeypatch.setenv("PIPELINE_MAX_INPUT_BYTES", "lots")
-    with pytest.raises(ValueError, match="PIPELINE_MAX_INPUT_BYTES"):
-        max_input_bytes_from_env()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
-from pipeline_assets.app import ingest
+from pipeline_assets.content import process
 from pipeline_assets.content.chunking import Chunker
-from pipeline_assets.app.ingest import IngestOptions, ingest_directory
+from pipeline_assets.app.ingest import ingest_directory
+from pipeline_assets.app.runtime import IngestOptions
 
 
 def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, monkeypatch):
@@ -14,14 +15,14 @@ def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, mon
     corpus.mkdir()
     (corpus / "fine.md").write_text("an ordinary document")
     (corpus / "stall.md").write_text("this one makes the parser hang")
-    real = ingest.extract_text
+    real = process.extract_text
 
     def extract(document_id, raw, **kw):
         if document_id == "stall.md":
             time.sleep(30)  # a parser stuck on a pathological input
         return real(document_id, raw, **kw)
 
-    monkeypatch.setattr(ingest, "extract_text", extract)
+    monkeypatch.setattr(process, "extract_text", extract)
     started = time.monotonic()
     report = ingest_directory(clean_db, corpus, IngestOptions(chunker=Chunker(), max_bytes=1 << 20,
                                                               stage_timeout=0.5))

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import psycopg
 
-from pipeline_assets.jobs import models
-from pipeline_assets.jobs import transitions
-from pipeline_assets.app import stages
-from pipeline_assets.app.ingest import IngestOptions, ingest_directory, write_lock
+from psycopg_pool import ConnectionPool
+
+from pipeline_assets.app import documents, stages
+from pipeline_assets.app.ingest import ingest_directory, register_model
+from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.sources import SourceError
+from pipeline_assets.jobs import models, transitions
 
 
 @dataclass
@@ -38,12 +40,20 @@ class ReconcileReport:
         return asdict(self)
 
 
+def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> ReconcileReport:
+    """`reconcile` and the scheduled reconciliation: register the model, re-scan, repair."""
+    with pool.connection() as conn:
+        enqueued = register_model(conn, rt)
+        report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan)
+    report.enqueued += enqueued
+    return report
+
+
 def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str | None = None,
               rescan: bool = True) -> ReconcileReport:
     report = ReconcileReport()
     if rescan:
-        roots = [r[0] for r in conn.execute("SELECT root FROM app.sources ORDER BY source_id")]
-        for root in roots:
+        for root in documents.source_roots(conn):
             try:
                 scan = ingest_directory(conn, Path(root), options)
             except SourceError as exc:
@@ -58,7 +68,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
             report.revived += scan.revived
             report.superseded += scan.superseded
     with conn.transaction():
-        write_lock(conn)
+        documents.write_lock(conn)
         transitions.drop_orphan_keys(conn)
         report.enqueued += transitions.enqueue_missing(conn, options.max_attempts)
         report.revived += transitions.revive_wanted(conn)

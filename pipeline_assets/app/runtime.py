@@ -1,23 +1,62 @@
-"""Everything a command needs, built from the environment in one place.
+"""What a use case needs besides a pool: the provider and the ingest options,
+built from one ``Settings``.
 
-The CLI and the Dagster resources both start here, so they share defaults:
-the embedded database and the local model when nothing is configured.
+The command line and the Dagster resources both build it here, so they agree
+on the model, the chunker, the extractor version and every limit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline_assets import settings
-from pipeline_assets.content.chunking import chunker_from_env
-from pipeline_assets.content.extract import decode_policy_from_env
-from pipeline_assets.app.ingest import IngestOptions
-from pipeline_assets.providers import Provider, provider_from_env
-from pipeline_assets.content.sources import max_input_bytes_from_env
+from pipeline_assets.content.chunking import Chunker
+from pipeline_assets.content.identity import sha256_hex
+from pipeline_assets.content.extract import EXTRACTOR_VERSION
+from pipeline_assets.providers import Provider, model_id_for, provider_for
+from pipeline_assets.settings import Settings
+
+
+def extractor_version(settings: Settings) -> str:
+    """EXTRACTOR_VERSION, or PIPELINE_EXTRACTOR_VERSION when set (a dry run of a parser fix)."""
+    return settings.extractor_version or EXTRACTOR_VERSION
+
+
+def chunker_for(settings: Settings, hard_limit: int | None = None) -> Chunker:
+    """The chunker PIPELINE_CHUNK_TOKENS / PIPELINE_CHUNK_OVERLAP configure (ValueError if invalid)."""
+    return Chunker(max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap, hard_limit=hard_limit)
+
+
+def code_versions(settings: Settings, model: str | None = None) -> dict[str, str]:
+    """The code version of each stage: extractor, chunker, model id. Never raises for a missing key."""
+    return {
+        "documents": extractor_version(settings),
+        "chunks": chunker_for(settings).version,
+        "embeddings": model_id_for(settings, model),
+    }
+
+
+@dataclass
+class IngestOptions:
+    """How ingest turns files into chunks and jobs (built from Settings by ``Runtime.build``)."""
+
+    chunker: Chunker
+    max_bytes: int
+    decode_errors: str = Settings.decode_errors
+    max_attempts: int = Settings.max_attempts
+    run_id: str | None = None       # the Dagster run id, when run from Dagster
+    force: bool = False             # re-extract even when nothing changed (a rerun)
+    allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
+    stage_timeout: float = Settings.stage_timeout  # per document: extract + chunk
+    extractor_version: str = EXTRACTOR_VERSION
+
+    @property
+    def config_hash(self) -> str:
+        return sha256_hex(f"{self.max_bytes}|{self.decode_errors}".encode())[:16]
 
 
 @dataclass
 class Runtime:
+    settings: Settings
     provider: Provider
     options: IngestOptions
 
@@ -25,15 +64,19 @@ class Runtime:
     def model_id(self) -> str:
         return self.provider.spec.model_id
 
-
-def runtime_from_env(model: str | None = None, *, run_id: str | None = None) -> Runtime:
-    provider = provider_from_env(model)
-    options = IngestOptions(
-        chunker=chunker_from_env(hard_limit=provider.spec.max_input_tokens),
-        max_bytes=max_input_bytes_from_env(),
-        decode_errors=decode_policy_from_env(),
-        max_attempts=settings.max_attempts(),
-        stage_timeout=settings.env_float("PIPELINE_STAGE_TIMEOUT", settings.DEFAULT_STAGE_TIMEOUT_SECONDS),
-        run_id=run_id,
-    )
-    return Runtime(provider=provider, options=options)
+    @classmethod
+    def build(cls, settings: Settings, model: str | None = None, *, run_id: str | None = None,
+              force: bool = False, allow_empty: bool = False) -> "Runtime":
+        provider = provider_for(settings, model)
+        options = IngestOptions(
+            chunker=chunker_for(settings, hard_limit=provider.spec.max_input_tokens),
+            max_bytes=settings.max_input_bytes,
+            decode_errors=settings.decode_errors,
+            max_attempts=settings.max_attempts,
+            stage_timeout=settings.stage_timeout,
+            extractor_version=extractor_version(settings),
+            run_id=run_id,
+            force=force,
+            allow_empty=allow_empty,
+        )
+        return cls(settings=settings, provider=provider, options=options)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import re
 from dataclasses import dataclass
 
@@ -205,22 +204,3 @@ def _snap_to_whitespace(text: str, start: int, lo: int, end: int) -> int:
     if p >= lo:
         return p  # cl100k attaches a space to the following word
     return end
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def chunker_from_env(hard_limit: int | None = None) -> Chunker:
-    """Chunker configured by PIPELINE_CHUNK_TOKENS / PIPELINE_CHUNK_OVERLAP."""
-    return Chunker(
-        max_tokens=_env_int("PIPELINE_CHUNK_TOKENS", DEFAULT_CHUNK_TOKENS),
-        overlap=_env_int("PIPELINE_CHUNK_OVERLAP", DEFAULT_CHUNK_OVERLAP),
-        hard_limit=hard_limit,
-    )

@@ -18,7 +18,6 @@ kept as is. Empty or whitespace-only documents yield "" (not an error).
 from __future__ import annotations
 
 import io
-import os
 import re
 from pathlib import PurePosixPath
 
@@ -30,7 +29,7 @@ TEXT_EXTENSIONS = frozenset({".txt", ".md", ".markdown", ".rst", ".csv", ".json"
 HTML_EXTENSIONS = frozenset({".html", ".htm"})
 PDF_EXTENSIONS = frozenset({".pdf"})
 SNIFF_BYTES = 8 * 1024  # how much of an unknown file is checked for NUL bytes
-DECODE_POLICIES = ("strict", "replace")
+from pipeline_assets.settings import DECODE_POLICIES  # noqa: E402  (the one list, shared with Settings)
 
 # Error classes recorded for failed documents.
 TOO_LARGE = "too_large"
@@ -59,19 +58,6 @@ class ExtractError(Exception):
         super().__init__(f"{error_class}: {message}")
         self.error_class = error_class
         self.message = message
-
-
-def extractor_version() -> str:
-    """EXTRACTOR_VERSION, or PIPELINE_EXTRACTOR_VERSION if set (tests use it)."""
-    return os.environ.get("PIPELINE_EXTRACTOR_VERSION") or EXTRACTOR_VERSION
-
-
-def decode_policy_from_env() -> str:
-    """PIPELINE_DECODE_ERRORS: "strict" (default) or "replace"."""
-    policy = (os.environ.get("PIPELINE_DECODE_ERRORS") or "strict").strip().lower()
-    if policy not in DECODE_POLICIES:
-        raise ValueError(f"PIPELINE_DECODE_ERRORS must be one of {DECODE_POLICIES}, got {policy!r}")
-    return policy
 
 
 def extract_text(document_id: str, raw: bytes, *, decode_errors: str = "strict") -> str:

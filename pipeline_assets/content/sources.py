@@ -16,13 +16,6 @@ from pathlib import Path
 
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError
 
-# Largest source file that is read into memory for extraction. Bounds the
-# memory of one extraction (raw bytes plus decoded text) and rejects stray
-# huge files (dumps, videos) before any byte is read. Override with
-# PIPELINE_MAX_INPUT_BYTES.
-DEFAULT_MAX_INPUT_BYTES = 20 * 1024 * 1024
-
-
 class SourceError(Exception):
     """The source as a whole cannot be scanned (missing root, unreadable dir)."""
 
@@ -34,19 +27,6 @@ class SourceItem:
     size: int
     mtime_ns: int
     source_uri: str  # file:// URI of the absolute path
-
-
-def max_input_bytes_from_env() -> int:
-    raw = os.environ.get("PIPELINE_MAX_INPUT_BYTES")
-    if raw is None or raw.strip() == "":
-        return DEFAULT_MAX_INPUT_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"PIPELINE_MAX_INPUT_BYTES must be an integer, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"PIPELINE_MAX_INPUT_BYTES must be positive, got {value}")
-    return value
 
 
 def _sorted_entries(directory: str) -> list[os.DirEntry]:

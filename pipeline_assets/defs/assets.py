@@ -1,11 +1,12 @@
 """Dagster assets: documents -> chunks -> embeddings, one partition per source document.
 
 The partition key is the stable ``document_id`` (the path relative to the source
-root). The assets are thin: ``documents`` calls the core's ``ingest_paths``
+root). The assets are thin: each calls a use case of ``pipeline_assets.app``,
+the same ones the command line calls. ``documents`` runs ``ingest_documents``
 (extract, chunk and enqueue in one transaction per batch), ``chunks`` reports
 what the database holds (and re-chunks only documents produced by another
-extractor/chunker version), ``embeddings`` runs the in-process worker until the
-job table is idle. PostgreSQL stays the source of truth; Dagster records what
+extractor/chunker version), ``embeddings`` runs ``embed_documents`` (the
+in-process worker until the job table is idle). PostgreSQL stays the source of truth; Dagster records what
 ran, with which code version and which data version.
 
 Every asset has ``BackfillPolicy.single_run()``: a backfill of N partitions is
@@ -13,23 +14,19 @@ one run over a partition range, and the job table does the per-item work.
 """
 
 import hashlib
-import os
 import time
 import warnings
 from typing import Iterable, Sequence
 
 import dagster as dg
 
-from pipeline_assets.jobs import models
-from pipeline_assets.jobs import transitions
 from pipeline_assets.app import reports
-from pipeline_assets.app import stages
-from pipeline_assets.content.chunking import chunker_from_env
-from pipeline_assets.defs.resources import (EmbeddingProviderResource, PostgresResource, SourceDirectoryResource,
-                                embedding_model_id)
-from pipeline_assets.content.extract import extractor_version
-from pipeline_assets.app.ingest import IngestReport, ingest_paths
-from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig
+from pipeline_assets.app.embed import embed_documents
+from pipeline_assets.app.ingest import IngestReport, ingest_documents
+from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.settings import Settings
 
 PARTITIONS_NAME = "documents"
 DOCUMENT_PARTITIONS = dg.DynamicPartitionsDefinition(name=PARTITIONS_NAME)
@@ -40,8 +37,9 @@ CHUNKS = dg.AssetKey("chunks")
 EMBEDDINGS = dg.AssetKey("embeddings")
 ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
 
+# The embeddings run's worker polls the idle queue this often, so a run ends
+# ~0.1 s after the job table is idle instead of the CLI's 0.5 s.
 WORKER_POLL_SECONDS = 0.1
-PER_PARTITION_METADATA_MAX = int(os.environ.get("PIPELINE_PARTITION_METADATA_MAX", "100"))
 
 # Run tags set by the sensors. FORCE re-extracts even unchanged bytes (a rerun
 # after a parser fix must also refresh quarantined documents).
@@ -76,15 +74,6 @@ def valid_partition_keys(keys: Iterable[str], log) -> list[str]:
     return good
 
 
-def code_versions(model: str | None = None) -> dict[str, str]:
-    """Code version of each asset from the current environment."""
-    return {
-        "documents": extractor_version(),
-        "chunks": chunker_from_env().version,
-        "embeddings": embedding_model_id(model),
-    }
-
-
 def _digest(*parts: str) -> str:
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
@@ -97,7 +86,8 @@ def _report_metadata(report: IngestReport) -> dict[str, int]:
     return {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
 
 
-def _add_partition_metadata(context: dg.AssetExecutionContext, per_key: dict[str, dict]) -> dict:
+def _add_partition_metadata(context: dg.AssetExecutionContext, per_key: dict[str, dict],
+                            settings: Settings) -> dict:
     """Metadata on each partition's own materialization event (its checksum, its counts).
 
     Dagster re-reads the run's whole partition list on every call, so this is
@@ -105,19 +95,19 @@ def _add_partition_metadata(context: dg.AssetExecutionContext, per_key: dict[str
     the per-document values stay in the database (the source of truth) and the
     run records a digest of them instead. Returns the run-level metadata to add.
     """
-    if len(context.partition_keys) <= PER_PARTITION_METADATA_MAX:
+    if len(context.partition_keys) <= settings.partition_metadata_max:
         for key, meta in per_key.items():
             context.add_asset_metadata(meta, partition_key=key)
         return {}
     digest = _digest(*(f"{k}={sorted(m.items())}" for k, m in sorted(per_key.items())))
     return {"per_partition_digest": digest,
             "per_partition_metadata": f"omitted for {len(context.partition_keys)} partitions "
-                                      f"(> {PER_PARTITION_METADATA_MAX}); per-document values are in "
+                                      f"(> {settings.partition_metadata_max}); per-document values are in "
                                       "app.documents / app.chunks"}
 
 
-def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefinition]:
-    """The three assets, with code versions read from the environment now.
+def build_assets(settings: Settings) -> list[dg.AssetsDefinition]:
+    """The three assets, with the code versions the settings give (extractor, chunker, model).
 
     A factory so that tests (and anything else changing PIPELINE_EXTRACTOR_VERSION
     or the model in-process) can build definitions that see the change.
@@ -125,7 +115,7 @@ def build_assets(versions: dict[str, str] | None = None) -> list[dg.AssetsDefini
     # backfill_policy is "beta" in 1.13; it is the point of this layout, so no warning per asset.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
-        return _build_assets(versions or code_versions())
+        return _build_assets(code_versions(settings))
 
 
 def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
@@ -140,12 +130,10 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
                   source: SourceDirectoryResource) -> dg.MaterializeResult:
         started = time.monotonic()
         keys = valid_partition_keys(context.partition_keys, context.log)
-        root = source.root_path()
-        rt = embedding_provider.runtime(run_id=context.run.run_id)
-        rt.options.force = context.run.tags.get(FORCE_TAG) == "true"
+        rt = embedding_provider.runtime(run_id=context.run.run_id, force=context.run.tags.get(FORCE_TAG) == "true")
+        root = source.root_path(rt.settings)
+        report = ingest_documents(rt, postgres.pool(), root, keys) if keys else IngestReport()
         with postgres.connection() as conn:
-            models.ensure_model(conn, rt.provider.spec)
-            report = ingest_paths(conn, root, keys, rt.options) if keys else IngestReport()
             summaries = reports.document_summaries(conn, str(root), keys)
         data_versions = {}
         per_partition: dict[str, dict] = {}
@@ -161,7 +149,7 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
                     meta["error_class"] = s.error_class
                 data_versions[key] = s.text_checksum or f"{s.status}:{s.error_class}:{s.source_checksum}"
             per_partition[key] = meta
-        metadata = {**_add_partition_metadata(context, per_partition), **_report_metadata(report),
+        metadata = {**_add_partition_metadata(context, per_partition, rt.settings), **_report_metadata(report),
                     "partitions": len(context.partition_keys),
                     "skipped_invalid_keys": len(context.partition_keys) - len(keys),
                     "duration_seconds": round(time.monotonic() - started, 3), "source_root": str(root)}
@@ -177,23 +165,23 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
                source: SourceDirectoryResource) -> dg.MaterializeResult:
         started = time.monotonic()
         keys = valid_partition_keys(context.partition_keys, context.log)
-        root = source.root_path()
         rt = embedding_provider.runtime(run_id=context.run.run_id)
-        wanted = (extractor_version(), rt.options.chunker.version)
+        root = source.root_path(rt.settings)
+        wanted = (rt.options.extractor_version, rt.options.chunker.version)
         with postgres.connection() as conn:
             summaries = reports.document_summaries(conn, str(root), keys)
-            # Normally `documents` just did the work; materialized alone after a
-            # chunker change, this asset brings the partition up to date itself.
-            todo = [k for k in keys if k not in summaries or (
-                summaries[k].status != "deleted"
-                and (summaries[k].extractor_version, summaries[k].chunker_version) != wanted)]
-            if todo:
-                models.ensure_model(conn, rt.provider.spec)
-                ingest_paths(conn, root, todo, rt.options)
+        # Normally `documents` just did the work; materialized alone after a
+        # chunker change, this asset brings the partition up to date itself.
+        todo = [k for k in keys if k not in summaries or (
+            summaries[k].status != "deleted"
+            and (summaries[k].extractor_version, summaries[k].chunker_version) != wanted)]
+        if todo:
+            ingest_documents(rt, postgres.pool(), root, todo)
+            with postgres.connection() as conn:
                 summaries = reports.document_summaries(conn, str(root), keys)
         per_partition = {key: {"chunk_count": s.chunks, "chunks_digest": s.chunks_digest}
                          for key, s in summaries.items()}
-        metadata = {**_add_partition_metadata(context, per_partition),
+        metadata = {**_add_partition_metadata(context, per_partition, rt.settings),
                     "chunks": sum(s.chunks for s in summaries.values()),
                     "tokens": sum(s.tokens for s in summaries.values()),
                     "rechunked": len(todo), "partitions": len(context.partition_keys),
@@ -225,30 +213,19 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
         """
         started = time.monotonic()
         keys = valid_partition_keys(context.partition_keys, context.log)
-        root = str(source.root_path())
         rt = embedding_provider.runtime(run_id=context.run.run_id)
         model_id = rt.model_id
-        with postgres.connection() as conn:
-            models.ensure_model(conn, rt.provider.spec)
-            summaries = reports.document_summaries(conn, root, keys)
-            pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
-            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
-            _, before = reports.embedding_coverage(conn, root, keys, model_id)
-        # A short idle poll: the run ends ~0.1 s after the job table is idle, not 0.5 s.
-        worker = Worker(postgres.url(), rt.provider,
-                        WorkerConfig(until_idle=True, poll_seconds=WORKER_POLL_SECONDS))
         try:
-            work = worker.run()
+            done = embed_documents(rt, postgres.pool(), source.root_path(rt.settings), keys,
+                                   poll_seconds=WORKER_POLL_SECONDS)
         except FatalProviderError as exc:
             raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                              allow_retries=False) from None
-        with postgres.connection() as conn:
-            stages.refresh_embed(conn, model_id)
-            per_doc, after = reports.embedding_coverage(conn, root, keys, model_id)
+        work, summaries, before, after, per_doc = done.work, done.summaries, done.before, done.after, done.per_document
         per_partition = {key: {"chunks": c.wanted, "ready": c.ready, "failed": c.failed}
                          for key, c in per_doc.items()}
         metadata = {
-            **_add_partition_metadata(context, per_partition),
+            **_add_partition_metadata(context, per_partition, rt.settings),
             "model": model_id,
             "chunks": after.wanted,
             "embedded": work.embedded,
@@ -256,7 +233,7 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
             "superseded": work.superseded,
             "failed": after.failed,
             "waiting": after.waiting,
-            "enqueued": enqueued,
+            "enqueued": done.enqueued,
             "retried": work.retried,
             "throttled": work.throttled,
             "provider_calls": work.provider_calls,

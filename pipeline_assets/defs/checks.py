@@ -8,17 +8,10 @@ numbers go into the check's metadata so the UI shows why it passed or failed.
 import dagster as dg
 
 from pipeline_assets.app import reports
-from pipeline_assets import settings
 from pipeline_assets.defs.assets import EMBEDDINGS
-from pipeline_assets.defs.resources import PostgresResource
+from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
 
-DLQ_GROWTH_ENV = "PIPELINE_DLQ_GROWTH_PER_HOUR"
-DEFAULT_DLQ_GROWTH_PER_HOUR = 10
 HOUR_SECONDS = 3600.0
-
-
-def dlq_growth_threshold() -> int:
-    return settings.env_int(DLQ_GROWTH_ENV, DEFAULT_DLQ_GROWTH_PER_HOUR)
 
 
 @dg.asset_check(asset=EMBEDDINGS, name="current_chunks_have_ready_embeddings",
@@ -57,8 +50,9 @@ def no_stale_vector_current(postgres: PostgresResource) -> dg.AssetCheckResult:
 @dg.asset_check(asset=EMBEDDINGS, name="dead_letter_growth",
                 description="Failed (dead-lettered) jobs grow by at most PIPELINE_DLQ_GROWTH_PER_HOUR "
                             "(default 10) per hour. A large but stable queue passes: it is a work list.")
-def dead_letter_growth(postgres: PostgresResource) -> dg.AssetCheckResult:
-    threshold = dlq_growth_threshold()
+def dead_letter_growth(postgres: PostgresResource,
+                       embedding_provider: EmbeddingProviderResource) -> dg.AssetCheckResult:
+    threshold = embedding_provider.settings().dlq_growth_per_hour
     with postgres.connection() as conn:
         recent, total = reports.dead_letter_growth(conn, HOUR_SECONDS)
     passed = recent <= threshold

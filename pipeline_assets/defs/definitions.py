@@ -12,32 +12,27 @@ start-up per run at best. Measured on this project (one partition, 3 assets +
 3 checks, dagster.execute_job): 11.4 s multiprocess against 1.2 s in-process.
 """
 
-import os
-
 import dagster as dg
 
 from pipeline_assets.defs.assets import build_assets
 from pipeline_assets.defs.checks import CHECKS
-from pipeline_assets.defs.resources import resources_from_env
+from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.schedules import HEALTH_JOB, build_schedules, reconcile_job
 from pipeline_assets.defs.sensors import EMBED_JOB, SENSORS
+from pipeline_assets.settings import Settings
 
 
-# Write the materializations of a partition-range run in batches, not one row
-# (and one connection) each; see devserver.RUN_EVENT_SETTINGS. Read by the run
-# worker, which imports this module; an explicit setting wins.
-os.environ.setdefault("DAGSTER_EVENT_BATCH_SIZE", "1000")
-
-
-def build_definitions() -> dg.Definitions:
-    """Definitions from the current environment (code versions, cron, database)."""
+def build_definitions(settings: Settings | None = None) -> dg.Definitions:
+    """Definitions from one Settings (default: read from the environment now):
+    code versions, cron strings, the database."""
+    settings = settings or Settings.from_env()
     return dg.Definitions(
-        assets=build_assets(),
+        assets=build_assets(settings),
         asset_checks=CHECKS,
         jobs=[EMBED_JOB, reconcile_job, HEALTH_JOB],
         sensors=SENSORS,
-        schedules=build_schedules(),
-        resources=resources_from_env(),
+        schedules=build_schedules(settings),
+        resources=build_resources(settings),
         executor=dg.in_process_executor,
     )
 

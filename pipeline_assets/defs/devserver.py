@@ -3,7 +3,7 @@
 1. The pipeline database: PIPELINE_DATABASE_URL, or the embedded PostgreSQL under
    PIPELINE_HOME (started, or reused if running). Migrated before anything runs.
 2. Dagster's own storage (runs, events, schedules) goes to a ``dagster`` database
-   (PIPELINE_DAGSTER_DATABASE overrides the name) on the same server, created if
+   (``Settings.dagster_database``, PIPELINE_DAGSTER_DATABASE) on the same server, created if
    missing, through dagster-postgres.
 3. DAGSTER_HOME is PIPELINE_HOME/dagster with a generated dagster.yaml. Its
    ``postgres_url`` reads the environment variable DAGSTER_PG_URL, set for the
@@ -26,17 +26,13 @@ import time
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
 
-from pipeline_assets.store import db
-from pipeline_assets.store import embedded_postgres
-from pipeline_assets import settings
+from pipeline_assets.settings import Settings
+from pipeline_assets.store import db, embedded_postgres
 
-DAGSTER_DB_ENV = "PIPELINE_DAGSTER_DATABASE"
-DEFAULT_DAGSTER_DB = "dagster"
 DAGSTER_URL_ENV = "DAGSTER_PG_URL"
 REPO = Path(__file__).resolve().parents[2]
-PATH_SETTINGS = ("PIPELINE_SOURCE_DIR", "PIPELINE_SQL_DIR")
+PATH_SETTINGS = ("PIPELINE_SOURCE_DIR",)
 STOP_TIMEOUT_SECONDS = 30
 
 # Dagster settings read from the environment by the processes that create runs
@@ -88,25 +84,13 @@ def sqlalchemy_url(libpq_url: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def ensure_database(server_url: str, name: str) -> str:
-    """CREATE DATABASE name on the server of ``server_url`` if missing; return its libpq URL."""
-    with psycopg.connect(server_url, autocommit=True, connect_timeout=db.CONNECT_TIMEOUT_SECONDS) as conn:
-        if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
-            try:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-            except psycopg.errors.DuplicateDatabase:
-                pass  # created concurrently
-    return psycopg.conninfo.make_conninfo(server_url, dbname=name)
-
-
-def prepare(home: Path | None = None) -> tuple[dict[str, str], Path]:
+def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str], Path]:
     """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME)."""
-    home = (home or settings.pipeline_home()).resolve()
-    pipeline_url = settings.database_url_from_env() or embedded_postgres.ensure_server(home)
+    home = (home or settings.home_path).resolve()
+    pipeline_url = settings.database_url or embedded_postgres.ensure_server(home)
     with db.session(pipeline_url):
         pass  # migrations applied once, before webserver, daemon and runs start
-    dagster_db = os.environ.get(DAGSTER_DB_ENV) or DEFAULT_DAGSTER_DB
-    dagster_url = sqlalchemy_url(ensure_database(pipeline_url, dagster_db))
+    dagster_url = sqlalchemy_url(db.ensure_database(pipeline_url, settings.dagster_database))
     dagster_home = home / "dagster"
     dagster_home.mkdir(parents=True, exist_ok=True)
     (dagster_home / "dagster.yaml").write_text(DAGSTER_YAML)
@@ -166,10 +150,10 @@ def _stop_leftovers(pgid: int) -> None:
             time.sleep(0.1)
 
 
-def run_dev(host: str = "127.0.0.1", port: int = 3000) -> int:
+def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int = 3000) -> int:
     """Run the Dagster UI + daemon until Ctrl-C; return the exit status."""
     try:
-        env, dagster_home = prepare()
+        env, dagster_home = prepare(settings or Settings.from_env())
     except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, psycopg.Error, OSError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1

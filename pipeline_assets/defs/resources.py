@@ -1,36 +1,37 @@
 """Dagster resources: the database, the embedding provider, the source directory.
 
-Thin wrappers over the core. Each one resolves its setting the same way the
-CLI does, so a run in the UI and ``pipeline-assets embed`` agree on the
-database, the model and its defaults:
+Thin wrappers that turn resource config into what the use cases in
+``pipeline_assets.app`` take: a pool, a ``Runtime`` (provider and ingest
+options built from ``Settings``), a source root. Each resource reads the
+environment once (``Settings.from_env()``, cached on the instance) and lets
+its own config fields override it, so a run in the UI and the command line
+agree on the database, the model and every default:
 
 * ``PostgresResource``: ``database_url`` comes from ``EnvVar("PIPELINE_DATABASE_URL")``
   when that variable is set (the UI then shows the variable's name, never the
-  URL and its password); unset, ``db.database_url()`` starts or reuses the
-  embedded server under PIPELINE_HOME, exactly as the CLI does. Connections come
-  from a psycopg 3 pool, opened on first use, migrated once, closed at teardown.
-* ``EmbeddingProviderResource``: ``runtime_from_env`` (the CLI's entry point):
-  OpenAI-compatible when OPENAI_API_KEY is set, the local offline model otherwise.
+  URL and its password); unset, the embedded server under PIPELINE_HOME is
+  started or reused, exactly as the CLI does. Connections come from a
+  psycopg 3 pool, opened on first use, migrated once, closed at teardown.
+* ``EmbeddingProviderResource``: OpenAI-compatible when OPENAI_API_KEY is set,
+  the local offline model otherwise; ``model`` overrides PIPELINE_EMBEDDING_MODEL.
 * ``SourceDirectoryResource``: the directory whose files are the partitions;
-  ``root`` field, else PIPELINE_SOURCE_DIR, else ``examples/corpus``.
+  ``root`` overrides PIPELINE_SOURCE_DIR (default ``examples/corpus``).
 """
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
 import dagster as dg
 import psycopg
+from psycopg_pool import ConnectionPool
 from pydantic import Field, PrivateAttr
 
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets.providers import ConfigError, configured_model_name, provider_from_env
-from pipeline_assets.app.runtime import Runtime, runtime_from_env
 
 DATABASE_URL_ENV = "PIPELINE_DATABASE_URL"
-SOURCE_DIR_ENV = "PIPELINE_SOURCE_DIR"
-DEFAULT_SOURCE_DIR = "examples/corpus"
 _REPO = Path(__file__).resolve().parents[2]
 
 
@@ -46,8 +47,8 @@ class PostgresResource(dg.ConfigurableResource):
     _pool = PrivateAttr(default=None)
 
     @classmethod
-    def from_env(cls) -> "PostgresResource":
-        if os.environ.get(DATABASE_URL_ENV):
+    def from_settings(cls, settings: Settings) -> "PostgresResource":
+        if settings.database_url:
             return cls(database_url=dg.EnvVar(DATABASE_URL_ENV))
         return cls()
 
@@ -55,17 +56,21 @@ class PostgresResource(dg.ConfigurableResource):
         value = self.database_url
         if isinstance(value, dg.EnvVar):  # used directly, outside a run or sensor
             value = value.get_value()
-        return value or db.database_url()
+        return value or db.database_url(Settings.from_env())
 
-    @contextmanager
-    def connection(self) -> Iterator[psycopg.Connection]:
-        """A pooled autocommit connection to the migrated database."""
+    def pool(self) -> ConnectionPool:
+        """The pool, opened (and the database migrated) on first use."""
         if self._pool is None:
             url = self.url()
             with db.session(url):
                 pass  # apply pending migrations once, before the pool hands out connections
             self._pool = db.make_pool(url, min_size=1, max_size=self.pool_max_size)
-        with self._pool.connection() as conn:
+        return self._pool
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A pooled autocommit connection to the migrated database."""
+        with self.pool().connection() as conn:
             yield conn
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
@@ -82,8 +87,16 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
         description="Model name; unset: PIPELINE_EMBEDDING_MODEL, else text-embedding-3-small with "
                     "OPENAI_API_KEY, else the local offline model.")
 
-    def runtime(self, run_id: str | None = None) -> Runtime:
-        return runtime_from_env(self.model, run_id=run_id)
+    _settings = PrivateAttr(default=None)
+
+    def settings(self) -> Settings:
+        """The environment's settings (read once per resource instance) with this resource's model."""
+        if self._settings is None:
+            self._settings = Settings.from_env().replace(embedding_model=self.model)
+        return self._settings
+
+    def runtime(self, run_id: str | None = None, *, force: bool = False) -> Runtime:
+        return Runtime.build(self.settings(), run_id=run_id, force=force)
 
 
 class SourceDirectoryResource(dg.ConfigurableResource):
@@ -92,29 +105,17 @@ class SourceDirectoryResource(dg.ConfigurableResource):
     root: Optional[str] = Field(
         default=None, description="Source directory; unset: PIPELINE_SOURCE_DIR, else examples/corpus.")
 
-    def root_path(self) -> Path:
-        raw = self.root or os.environ.get(SOURCE_DIR_ENV) or DEFAULT_SOURCE_DIR
+    def root_path(self, settings: Settings | None = None) -> Path:
+        raw = self.root or (settings or Settings.from_env()).source_dir
         path = Path(raw).expanduser()
         if not path.is_absolute() and not path.exists() and (_REPO / path).exists():
             path = _REPO / path  # the bundled example corpus, whatever the working directory
         return path.resolve()
 
 
-def embedding_model_id(model: str | None = None) -> str:
-    """The configured model's id (``provider/name@dimension``), for code versions.
-
-    Never raises: a missing key is reported when a run needs the provider, not
-    when the definitions load.
-    """
-    try:
-        return provider_from_env(model).spec.model_id
-    except (ConfigError, ValueError) as exc:
-        return f"unconfigured/{model or configured_model_name()} ({type(exc).__name__})"
-
-
-def resources_from_env() -> dict[str, dg.ConfigurableResource]:
+def build_resources(settings: Settings) -> dict[str, dg.ConfigurableResource]:
     return {
-        "postgres": PostgresResource.from_env(),
+        "postgres": PostgresResource.from_settings(settings),
         "embedding_provider": EmbeddingProviderResource(),
         "source": SourceDirectoryResource(),
     }

@@ -6,29 +6,20 @@ calls it and reports the counts as output metadata (numeric, so the UI plots
 them run over run).
 """
 
-import os
 import time
 
 import dagster as dg
 
-from pipeline_assets.jobs import models
+from pipeline_assets.app.reconcile import reconcile_all
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
-from pipeline_assets.app.reconcile import reconcile
-
-RECONCILE_CRON_ENV = "PIPELINE_RECONCILE_CRON"
-DEFAULT_RECONCILE_CRON = "0 * * * *"
-HEALTH_CRON_ENV = "PIPELINE_HEALTH_CRON"
-DEFAULT_HEALTH_CRON = "*/15 * * * *"
+from pipeline_assets.settings import Settings
 
 
 @dg.op(description="Re-scan the ingested sources and repair the job table (core reconcile()).")
 def reconcile_op(context: dg.OpExecutionContext, postgres: PostgresResource,
                  embedding_provider: EmbeddingProviderResource) -> dg.Output[dict]:
     started = time.monotonic()
-    rt = embedding_provider.runtime(run_id=context.run_id)
-    with postgres.connection() as conn:
-        models.ensure_model(conn, rt.provider.spec)
-        report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=True)
+    report = reconcile_all(embedding_provider.runtime(run_id=context.run_id), postgres.pool(), rescan=True)
     counts = report.as_dict()
     metadata: dict = {k: int(v) for k, v in counts.items() if isinstance(v, int)}
     metadata["missing_sources"] = len(report.missing_sources)
@@ -50,16 +41,16 @@ HEALTH_JOB = dg.define_asset_job(
     description="The embeddings asset checks alone: coverage, stale vectors, dead-letter growth.")
 
 
-def build_schedules() -> list[dg.ScheduleDefinition]:
+def build_schedules(settings: Settings) -> list[dg.ScheduleDefinition]:
     return [
         dg.ScheduleDefinition(
             name="reconcile_hourly", job=reconcile_job,
-            cron_schedule=os.environ.get(RECONCILE_CRON_ENV) or DEFAULT_RECONCILE_CRON,
+            cron_schedule=settings.reconcile_cron,
             default_status=dg.DefaultScheduleStatus.RUNNING,
-            description=f"Reconciliation; cron from {RECONCILE_CRON_ENV} (default hourly)."),
+            description="Reconciliation; cron from PIPELINE_RECONCILE_CRON (default hourly)."),
         dg.ScheduleDefinition(
             name="pipeline_health_checks", job=HEALTH_JOB,
-            cron_schedule=os.environ.get(HEALTH_CRON_ENV) or DEFAULT_HEALTH_CRON,
+            cron_schedule=settings.health_cron,
             default_status=dg.DefaultScheduleStatus.RUNNING,
-            description=f"Asset checks of embeddings; cron from {HEALTH_CRON_ENV} (default every 15 min)."),
+            description="Asset checks of embeddings; cron from PIPELINE_HEALTH_CRON (default every 15 min)."),
     ]

@@ -32,13 +32,12 @@ from typing import Iterable
 
 import dagster as dg
 
-from pipeline_assets.app import stages
+from pipeline_assets.app import rerun as rerun_uc
+from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.defs.assets import (ASSET_KEYS, DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG,
                              partition_key_problem, valid_partition_keys)
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.content.extract import extractor_version
-from pipeline_assets.app.ingest import ingest_paths
-from pipeline_assets.content.sources import SourceError, SourceItem, max_input_bytes_from_env, scan_directory
+from pipeline_assets.content.sources import SourceError, SourceItem, scan_directory
 
 EMBED_JOB_NAME = "embed_documents"
 EMBED_JOB = dg.define_asset_job(
@@ -105,9 +104,8 @@ def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
     return value
 
 
-def observe(root: Path, previous: dict[str, str], log) -> dict[str, str]:
+def observe(root: Path, previous: dict[str, str], log, max_bytes: int) -> dict[str, str]:
     """{document_id: checksum} of the source now. Raises SourceError if it cannot be listed."""
-    max_bytes = max_input_bytes_from_env()
     observed: dict[str, str] = {}
     refused: list[str] = []
     for item in scan_directory(root):
@@ -166,11 +164,12 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
                             embedding_provider: EmbeddingProviderResource,
                             source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
     generation, seen = decode_cursor(context.cursor)
-    root = source.root_path()
+    settings = embedding_provider.settings()
+    root = source.root_path(settings)
     if not root.is_dir():
         return dg.SkipReason(f"source directory {root} not found; nothing is deleted on that account")
     try:
-        observed = observe(root, seen, context.log)
+        observed = observe(root, seen, context.log, settings.max_input_bytes)
     except SourceError as exc:
         return dg.SkipReason(f"cannot scan {root}: {exc}")
     if not observed and seen:
@@ -195,9 +194,7 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
 
     if deleted:
         # Tombstone in the core first: chunks dropped, unwanted vectors superseded.
-        rt = embedding_provider.runtime()
-        with postgres.connection() as conn:
-            report = ingest_paths(conn, root, deleted, rt.options)
+        report = ingest_documents(embedding_provider.runtime(), postgres.pool(), root, deleted)
         context.log.info(f"tombstoned {report.deleted} document(s), superseded {report.superseded} job(s)")
 
     requests = []
@@ -230,7 +227,7 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
 @dg.sensor(name="rerun_stale_documents", job=EMBED_JOB, minimum_interval_seconds=60,
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="Requests reruns of exactly the partitions whose extract or chunk stage ran under "
-                       "another code version (stages.rerun_targets); once per version.")
+                       "another code version (app.rerun.select); once per version.")
 def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
                                  embedding_provider: EmbeddingProviderResource,
                                  source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
@@ -240,12 +237,11 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
         # The targets of a running rerun are still stale in the database; wait for it.
         return dg.SkipReason(f"{in_flight} rerun run(s) still in flight")
     rt = embedding_provider.runtime()
-    ext_version, chunk_version = extractor_version(), rt.options.chunker.version
-    root = str(source.root_path())
-    with postgres.connection() as conn:
-        targets = (stages.rerun_targets(conn, stage="extract", not_version=ext_version, limit=RERUN_SCAN_LIMIT)
-                   + stages.rerun_targets(conn, stage="chunk", not_version=chunk_version,
-                                          limit=RERUN_SCAN_LIMIT))
+    ext_version, chunk_version = rt.options.extractor_version, rt.options.chunker.version
+    root = str(source.root_path(rt.settings))
+    # The same selection as `pipeline-assets rerun --stale`, for both stages.
+    targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.RERUN_STAGES, stale=True,
+                              limit=RERUN_SCAN_LIMIT)
     docs = valid_partition_keys(sorted({t.document_id for t in targets if t.root == root}), context.log)
     docs = docs[:MAX_KEYS_PER_TICK]
     if not docs:

@@ -7,10 +7,7 @@ by the requests already in flight.
 
 from __future__ import annotations
 
-import psycopg
-
-from pipeline_assets.jobs import ledger
-from pipeline_assets import settings
+from pipeline_assets.settings import Settings
 
 
 class TokenBudget:
@@ -21,15 +18,13 @@ class TokenBudget:
         self._others_today: int | None = None  # tokens billed today, not by this process
 
     @classmethod
-    def from_env(cls, model_id: str) -> "TokenBudget":
-        return cls(model_id,
-                   per_run=settings.env_int("PIPELINE_RUN_TOKEN_BUDGET", settings.DEFAULT_RUN_TOKEN_BUDGET),
-                   daily=settings.env_int("PIPELINE_DAILY_TOKEN_BUDGET", settings.DEFAULT_DAILY_TOKEN_BUDGET))
+    def from_settings(cls, model_id: str, settings: Settings) -> "TokenBudget":
+        return cls(model_id, per_run=settings.run_token_budget, daily=settings.daily_token_budget)
 
-    def refresh(self, conn: psycopg.Connection, run_tokens: int) -> None:
-        """Re-read what the model spent today (all workers)."""
+    def refresh(self, tokens_today: int, run_tokens: int) -> None:
+        """Take in what the model spent today (all workers: ``ledger.tokens_today``)."""
         if self.daily:
-            self._others_today = ledger.tokens_today(conn, self.model_id) - run_tokens
+            self._others_today = tokens_today - run_tokens
 
     def exceeded(self, run_tokens: int) -> str | None:
         """Why claiming must stop, or None."""

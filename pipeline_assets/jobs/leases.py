@@ -12,9 +12,7 @@ import logging
 import threading
 import time
 
-from psycopg_pool import ConnectionPool
-
-from pipeline_assets.jobs import transitions
+from typing import Protocol, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +47,13 @@ class HeldLeases:
         return held
 
 
-def heartbeat(leases: HeldLeases, pool: ConnectionPool, lease_seconds: float, stop: threading.Event) -> None:
+class LeaseStore(Protocol):
+    """What the heartbeat needs of the database (``jobs.job_store.JobStore``)."""
+
+    def extend_leases(self, held: Sequence[tuple[str, list[int]]], lease_seconds: float) -> None: ...
+
+
+def heartbeat(leases: HeldLeases, store: LeaseStore, lease_seconds: float, stop: threading.Event) -> None:
     """Extend live leases every third of a lease until ``stop``."""
     interval = max(0.2, lease_seconds / 3)
     while not stop.wait(interval):
@@ -57,8 +61,6 @@ def heartbeat(leases: HeldLeases, pool: ConnectionPool, lease_seconds: float, st
         if not live:
             continue
         try:
-            with pool.connection() as conn:
-                for owner, ids in live:
-                    transitions.extend_lease(conn, owner=owner, job_ids=ids, lease_seconds=lease_seconds)
+            store.extend_leases(live, lease_seconds)
         except Exception:  # a missed beat is harmless; the next one retries
             log.exception("heartbeat failed")

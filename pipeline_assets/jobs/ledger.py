@@ -12,19 +12,18 @@ from typing import Sequence
 
 import psycopg
 
-from pipeline_assets.jobs import queries
+from pipeline_assets.store import queries
+
+LEDGER = queries.load("ledger")
 
 
 def record_call(conn: psycopg.Connection, *, model_id: str, worker_id: str, jobs: Sequence, tokens: int,
                 outcome: str, status: int | None, latency: float, billed: bool) -> None:
-    conn.execute(queries.RECORD_CALL, {"model": model_id, "worker": worker_id, "tokens": tokens,
-                                       "outcome": outcome, "status": status, "latency": int(latency * 1000),
-                                       "checksums": [j.chunk_checksum for j in jobs], "billed": billed})
+    conn.execute(LEDGER.record_call, {"model": model_id, "worker": worker_id, "tokens": tokens,
+                                      "outcome": outcome, "status": status, "latency": int(latency * 1000),
+                                      "checksums": [j.chunk_checksum for j in jobs], "billed": billed})
 
 
 def tokens_today(conn: psycopg.Connection, model_id: str) -> int:
     """Tokens billed for the model since midnight UTC."""
-    return conn.execute(
-        "SELECT coalesce(sum(tokens), 0) FROM app.provider_calls"
-        " WHERE model_id = %s AND called_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'",
-        (model_id,)).fetchone()[0]
+    return conn.execute(LEDGER.tokens_today, {"model": model_id}).fetchone()[0]

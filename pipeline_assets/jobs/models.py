@@ -4,7 +4,8 @@ The dimension comes from the model's configuration or, when unknown, from the
 first response. The per-model HNSW index (a partial expression index, since
 one column holds vectors of several dimensions) is built when a worker first
 finds the queue drained (and by reconcile), so a backfill builds it in bulk
-instead of maintaining it one insert at a time.
+instead of maintaining it one insert at a time. The SQL is in
+sql/queries/models.sql; the index DDL is a psycopg.sql template there.
 """
 
 from __future__ import annotations
@@ -12,8 +13,14 @@ from __future__ import annotations
 import hashlib
 
 import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
 
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.store import queries
+
+MODELS = queries.load("models")
+JOBS = queries.load("jobs")
 
 
 def _index_name(model_id: str) -> str:
@@ -22,13 +29,10 @@ def _index_name(model_id: str) -> str:
 
 def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
     """Register (and activate) the model; return True if it was new or re-activated."""
-    row = conn.execute(
-        "INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)"
-        " VALUES (%s, %s, %s, %s, %s) ON CONFLICT (model_id) DO NOTHING RETURNING model_id",
-        (spec.model_id, spec.provider, spec.name, spec.dimension, spec.max_input_tokens),
-    ).fetchone()
-    reactivated = conn.execute("UPDATE app.models SET active = true WHERE model_id = %s AND NOT active",
-                               (spec.model_id,)).rowcount
+    row = conn.execute(MODELS.insert_model, {
+        "model": spec.model_id, "provider": spec.provider, "name": spec.name, "dimension": spec.dimension,
+        "max_input_tokens": spec.max_input_tokens}).fetchone()
+    reactivated = conn.execute(MODELS.reactivate, {"model": spec.model_id}).rowcount
     if reactivated:
         # Back after `models retire`: its superseded jobs for wanted content return.
         from pipeline_assets.jobs import transitions
@@ -38,57 +42,46 @@ def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
 
 
 def model_dimension(conn: psycopg.Connection, model_id: str) -> int | None:
-    row = conn.execute("SELECT dimension FROM app.models WHERE model_id = %s", (model_id,)).fetchone()
+    row = conn.execute(MODELS.dimension, {"model": model_id}).fetchone()
     return row[0] if row else None
 
 
 def record_dimension(conn: psycopg.Connection, model_id: str, dimension: int) -> None:
     """First response of a model whose dimension was unknown: record it and index it."""
-    conn.execute("UPDATE app.models SET dimension = %s WHERE model_id = %s AND dimension IS NULL",
-                 (dimension, model_id))
+    conn.execute(MODELS.record_dimension, {"dimension": dimension, "model": model_id})
 
 
 def ensure_index(conn: psycopg.Connection, model_id: str, dimension: int) -> None:
     name = _index_name(model_id)
     if _index_exists(conn, name):
         return
-    literal = model_id.replace("'", "''")
     # Two workers may discover a dimension at once; concurrent CREATE INDEX IF
     # NOT EXISTS can still collide in the catalog, so serialise them.
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (name,))
+        conn.execute(MODELS.lock_index_build, {"name": name})
         if _index_exists(conn, name):
             return
-        conn.execute(
-            f"CREATE INDEX {name} ON app.embeddings"
-            f" USING hnsw ((embedding::vector({int(dimension)})) vector_cosine_ops)"
-            f" WHERE model_id = '{literal}'"
-        )
+        conn.execute(sql.SQL(MODELS.create_hnsw_index).format(
+            name=sql.Identifier(name), dim=sql.Literal(int(dimension)), model=sql.Literal(model_id)))
 
 
 def _index_exists(conn: psycopg.Connection, name: str) -> bool:
-    return conn.execute("SELECT 1 FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
-                        (name,)).fetchone() is not None
+    return conn.execute(MODELS.index_exists, {"name": name}).fetchone() is not None
 
 
 def resolve_model_id(conn: psycopg.Connection, name: str) -> str | None:
     """Map a configured model name (PIPELINE_EMBEDDING_MODEL) to its model_id."""
-    row = conn.execute(
-        "SELECT model_id FROM app.models WHERE name = %s OR model_id = %s ORDER BY active DESC, created_at DESC LIMIT 1",
-        (name, name),
-    ).fetchone()
+    row = conn.execute(MODELS.resolve_model_id, {"name": name}).fetchone()
     return row[0] if row else None
 
 
+def active_model_ids(conn: psycopg.Connection) -> list[str]:
+    return [r[0] for r in conn.execute(MODELS.active_model_ids)]
+
+
 def list_models(conn: psycopg.Connection) -> list[dict]:
-    rows = conn.execute(
-        """SELECT m.model_id, m.name, m.provider, m.dimension, m.active,
-                  count(j.job_id) FILTER (WHERE j.status = 'ready') AS ready,
-                  count(j.job_id) FILTER (WHERE j.status IN ('pending', 'retry', 'processing')) AS outstanding
-           FROM app.models m LEFT JOIN app.embedding_jobs j ON j.model_id = m.model_id
-           GROUP BY m.model_id ORDER BY m.created_at""").fetchall()
-    return [{"model_id": r[0], "name": r[1], "provider": r[2], "dimension": r[3], "active": r[4],
-             "ready": r[5], "outstanding": r[6]} for r in rows]
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(MODELS.list_models).fetchall()
 
 
 def retire(conn: psycopg.Connection, model_id: str) -> int:
@@ -100,7 +93,5 @@ def retire(conn: psycopg.Connection, model_id: str) -> int:
     worker with it) needs no re-embedding of unchanged content.
     """
     with conn.transaction():
-        conn.execute("UPDATE app.models SET active = false WHERE model_id = %s", (model_id,))
-        return conn.execute(
-            "UPDATE app.embedding_jobs SET status = 'superseded', updated_at = now()"
-            " WHERE model_id = %s AND status IN ('pending', 'retry')", (model_id,)).rowcount
+        conn.execute(MODELS.deactivate, {"model": model_id})
+        return conn.execute(JOBS.supersede_retired_model, {"model": model_id}).rowcount

@@ -1,10 +1,13 @@
 """The worker: claim a batch, call the provider outside any transaction, complete.
 
 Threads (``concurrency``) each loop claim -> call -> complete, taking a pooled
-connection only for the short database steps, so a slow provider call holds no
-connection, no transaction and no row lock. A heartbeat thread extends the
-leases of healthy calls; the per-call timeout bounds a stalled one. The main
-thread rescues expired leases of dead workers and decides when to stop.
+connection only for the short database steps (``JobStore``), so a slow provider
+call holds no connection, no transaction and no row lock. A heartbeat thread
+extends the leases of healthy calls; the per-call timeout bounds a stalled one.
+The main thread rescues expired leases of dead workers and decides when to stop.
+
+What to do after an answer or an error is decided by the pure functions of
+``jobs.decisions``; this module only carries the outcomes out.
 """
 
 from __future__ import annotations
@@ -22,26 +25,21 @@ from typing import Sequence
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from pipeline_assets.jobs import backoff
-from pipeline_assets.jobs import crashpoints
-from pipeline_assets.store import db
-from pipeline_assets.jobs import leases
-from pipeline_assets.jobs import ledger
-from pipeline_assets.jobs import models
-from pipeline_assets.jobs import transitions
-from pipeline_assets import settings
+from pipeline_assets.jobs import crashpoints, decisions, leases
 from pipeline_assets.jobs.budget import TokenBudget
+from pipeline_assets.jobs.decisions import Fail, GiveBack, ProbeConfig, Retry, Split, Stop
+from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.leases import HeldLeases
-from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError, sanitize
 from pipeline_assets.jobs.transitions import ClaimedJob
+from pipeline_assets.providers import TERMINAL, Provider, ProviderError
+from pipeline_assets.settings import (DEFAULT_CONCURRENCY, DEFAULT_LEASE_SECONDS, IDLE_POLL_SECONDS,
+                                      RESCUE_INTERVAL_SECONDS, Settings)
+from pipeline_assets.store import db
 
 log = logging.getLogger(__name__)
 
 # How long a stopping worker waits for in-flight calls before releasing their jobs.
 SHUTDOWN_GRACE_SECONDS = 3.0
-
-# Completion transactions retried on a deadlock with a concurrent ingest.
-COMPLETE_RETRIES = 3
 
 # The trivial input that tells a bad configuration from a bad input after a 400.
 CONFIG_PROBE_TEXT = "ping"
@@ -49,13 +47,13 @@ CONFIG_PROBE_TEXT = "ping"
 
 @dataclass
 class WorkerConfig:
-    concurrency: int = settings.DEFAULT_CONCURRENCY
-    lease_seconds: float = settings.DEFAULT_LEASE_SECONDS
+    concurrency: int = DEFAULT_CONCURRENCY
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     worker_id: str | None = None
     until_idle: bool = False
     batch_inputs: int | None = None  # default: the provider's max_batch_inputs
-    poll_seconds: float = settings.IDLE_POLL_SECONDS
-    rescue_interval: float = settings.RESCUE_INTERVAL_SECONDS
+    poll_seconds: float = IDLE_POLL_SECONDS
+    rescue_interval: float = RESCUE_INTERVAL_SECONDS
     build_index: bool = True  # build the model's HNSW index when the queue drains
 
 
@@ -91,10 +89,12 @@ class BudgetExhausted(RuntimeError):
 
 
 class Worker:
-    def __init__(self, url: str, provider: Provider, config: WorkerConfig,
+    def __init__(self, url: str, provider: Provider, config: WorkerConfig, *, settings: Settings,
                  stop_event: threading.Event | None = None) -> None:
+        self.url = url
         self.provider = provider
         self.config = config
+        self.settings = settings
         self.model_id = provider.spec.model_id
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         # Lease owners are unique per claim, so a late completion of an older
@@ -103,7 +103,7 @@ class Worker:
         self._claim_seq = itertools.count(1)
         self.stop = stop_event or threading.Event()
         self.report = WorkerReport()
-        self._pool = db.make_pool(url, min_size=1, max_size=config.concurrency + 2)
+        self.store: JobStore | None = None  # opened (with its pool) by run()
         self._leases = HeldLeases()
         self._idle = [False] * config.concurrency
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
@@ -114,18 +114,31 @@ class Worker:
         self._budget: str | None = None  # why claiming stopped on a budget
         self._config_checked: bool | None = None  # None: not probed yet
         self._paused_until = 0.0  # monotonic; a 429 seen here: send nothing more of held claims
-        self._token_budget = TokenBudget.from_env(self.model_id)
+        self._token_budget = TokenBudget.from_settings(self.model_id, settings)
 
     # -- lifecycle -------------------------------------------------------
     def run(self) -> WorkerReport:
-        with self._pool.connection() as conn:
-            models.ensure_model(conn, self.provider.spec)
-            self._dimension = models.model_dimension(conn, self.model_id)
+        pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2)
+        try:
+            self.store = JobStore(pool, model_id=self.model_id, worker_id=self.worker_id,
+                                  backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap)
+            self._run()
+        finally:
+            pool.close()
+        if self._fatal is not None:
+            self.report.fatal = self._fatal.message
+            raise FatalProviderError(f"{self._fatal.error_class}: {self._fatal.message}")
+        if self._budget is not None:
+            raise BudgetExhausted(self._budget)
+        return self.report
+
+    def _run(self) -> None:
+        self._dimension = self.store.register_model(self.provider.spec)
         self._refresh_spend()  # before any claim: today's spend by other workers
         threads = [threading.Thread(target=self._loop, args=(i,), name=f"embed-{i}", daemon=True)
                    for i in range(self.config.concurrency)]
         heartbeat = threading.Thread(target=leases.heartbeat, name="heartbeat", daemon=True,
-                                     args=(self._leases, self._pool, self.config.lease_seconds, self.stop))
+                                     args=(self._leases, self.store, self.config.lease_seconds, self.stop))
         for t in threads:
             t.start()
         heartbeat.start()
@@ -135,12 +148,12 @@ class Worker:
                 try:
                     now = time.monotonic()
                     if now >= next_rescue:
-                        self._rescue()
+                        self.report.add(rescued=self.store.rescue())
                         next_rescue = now + self.config.rescue_interval
                     self._refresh_spend()
                     if self._budget is not None:
                         break
-                    if all(self._idle) and self._nothing_outstanding():
+                    if all(self._idle) and not self.store.outstanding():
                         self._on_drained()
                         if self.config.until_idle:
                             break
@@ -154,19 +167,14 @@ class Worker:
             deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
-            self._release_all()
-            self._pool.close()
-        if self._fatal is not None:
-            self.report.fatal = self._fatal.message
-            raise FatalProviderError(f"{self._fatal.error_class}: {self._fatal.message}")
-        if self._budget is not None:
-            raise BudgetExhausted(self._budget)
-        return self.report
+            held = self._leases.take_all()
+            if held:
+                self.store.give_back_all(held)
 
     def _refresh_spend(self) -> None:
         if self._token_budget.daily:
-            with self._pool.connection() as conn:
-                self._token_budget.refresh(conn, self.report.tokens)
+            run_tokens = self.report.tokens
+            self._token_budget.refresh(self.store.tokens_today(), run_tokens)
 
     def _on_drained(self) -> None:
         """The queue is empty: build the model's vector index now if it is missing.
@@ -178,27 +186,8 @@ class Worker:
         if self._indexed or not self.config.build_index:
             return
         if self._dimension:
-            with self._pool.connection() as conn:
-                models.ensure_index(conn, self.model_id, self._dimension)
+            self.store.ensure_index(self._dimension)
             self._indexed = True
-
-    def _nothing_outstanding(self) -> bool:
-        with self._pool.connection() as conn:
-            waiting, held = transitions.outstanding(conn, self.model_id)
-        return not waiting and not held
-
-    def _rescue(self) -> None:
-        with self._pool.connection() as conn:
-            counts = transitions.rescue_expired(conn)
-        self.report.add(rescued=sum(counts.values()))
-
-    def _release_all(self) -> None:
-        held = self._leases.take_all()
-        if not held:
-            return
-        with self._pool.connection() as conn:
-            for owner, ids in held:
-                transitions.give_back(conn, owner=owner, job_ids=ids)
 
     # -- one thread --------------------------------------------------------
     def _loop(self, index: int) -> None:
@@ -210,9 +199,7 @@ class Worker:
                 break
             owner = f"{self._owner_prefix}/{next(self._claim_seq)}"
             try:
-                with self._pool.connection() as conn:
-                    jobs = transitions.claim(conn, model_id=self.model_id, owner=owner, limit=self._batch,
-                                       lease_seconds=self.config.lease_seconds)
+                jobs = self.store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
             except Exception:
                 log.exception("claim failed")
                 self.stop.wait(self.config.poll_seconds)
@@ -222,22 +209,20 @@ class Worker:
                 self.stop.wait(self.config.poll_seconds)
                 continue
             self._idle[index] = False
-            requests = self._split(jobs)
-            budget = settings.call_timeout() * (len(requests) + 1) + self.config.lease_seconds
+            requests = decisions.plan_requests(jobs, max_inputs=self._batch,
+                                               max_tokens=self.provider.spec.max_batch_tokens)
+            budget = self.settings.call_timeout * (len(requests) + 1) + self.config.lease_seconds
             self._leases.hold(owner, [j.job_id for j in jobs], time.monotonic() + budget)
             try:
-                crashpoints.reach(crashpoints.AFTER_CLAIM)
-                gone = [j.job_id for j in jobs if j.text is None]
+                crashpoints.reach(crashpoints.AFTER_CLAIM, self.settings.crashpoint)
+                gone = decisions.unwanted(jobs)
                 if gone:
-                    with self._pool.connection() as conn:
-                        self.report.add(superseded=len(transitions.supersede_held(conn, owner=owner, job_ids=gone)))
+                    self.report.add(superseded=len(self.store.supersede(owner=owner, job_ids=gone)))
                 for n, request in enumerate(requests):
                     if self.stop.is_set() or self._provider_paused:
                         # Stopping, or the provider just throttled us: hand back
                         # what was not sent instead of hammering it.
-                        rest = [j.job_id for r in requests[n:] for j in r]
-                        with self._pool.connection() as conn:
-                            transitions.give_back(conn, owner=owner, job_ids=rest)
+                        self.store.give_back(owner=owner, job_ids=[j.job_id for r in requests[n:] for j in r])
                         break
                     self._call(owner, request)
             except Exception as exc:
@@ -249,161 +234,103 @@ class Worker:
             finally:
                 self._leases.drop(owner)
 
-    def _config_ok(self) -> bool:
-        """One trivial request (a single token) tells a bad input from a bad
-        configuration; asked once per worker, after the first 400."""
-        if self._config_checked is None:
-            started = time.monotonic()
-            try:
-                result = self.provider.embed([CONFIG_PROBE_TEXT])
-                self._config_checked, tokens, outcome, status = True, result.tokens, "config_probe", 200
-            except ProviderError as err:
-                self._config_checked = err.kind != TERMINAL
-                tokens, outcome, status = 0, f"config_probe_{err.error_class}", err.status
-            with self._pool.connection() as conn:
-                ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=[],
-                                   tokens=tokens, outcome=outcome, status=status,
-                                   latency=time.monotonic() - started, billed=False)
-            self.report.add(provider_calls=1)
-        return self._config_checked
-
     @property
     def _provider_paused(self) -> bool:
         return time.monotonic() < self._paused_until
 
     def _fail_held(self, owner: str, jobs: Sequence[ClaimedJob], exc: Exception) -> None:
+        retry = decisions.worker_error(exc, jobs, base=self.settings.backoff_base, cap=self.settings.backoff_cap)
         try:
-            with self._pool.connection() as conn:
-                transitions.fail_retryable(conn, owner=owner, job_ids=[j.job_id for j in jobs], delays=_delays(jobs),
-                                     error_class="worker_error", message=sanitize(f"{type(exc).__name__}: {exc}"))
+            self.store.fail_retryable(owner=owner, job_ids=retry.job_ids, delays=retry.delays,
+                                      error_class=retry.error_class, message=retry.message)
         except Exception:
             log.exception("could not hand back jobs; they return when their lease expires")
 
-    def _split(self, jobs: Sequence[ClaimedJob]) -> list[list[ClaimedJob]]:
-        """Group jobs into requests bounded by inputs and a token budget."""
-        requests: list[list[ClaimedJob]] = []
-        current: list[ClaimedJob] = []
-        tokens = 0
-        limit = self.provider.spec.max_batch_tokens
-        for job in jobs:
-            if job.text is None:
-                continue
-            if job.attempts > 1:
-                # A job that failed before goes alone: if it is the poison, it
-                # no longer drags innocent neighbours through its retries.
-                requests.append([job])
-                continue
-            n = job.token_count or 0
-            if current and (tokens + n > limit or len(current) >= self._batch):
-                requests.append(current)
-                current, tokens = [], 0
-            current.append(job)
-            tokens += n
-        if current:
-            requests.append(current)
-        return requests
-
-    def _call(self, owner: str, jobs: list[ClaimedJob]) -> None:
+    def _call(self, owner: str, jobs: Sequence[ClaimedJob]) -> None:
         started = time.monotonic()
         # A healthy call keeps its lease for as long as it may take.
-        self._leases.extend_deadline(owner, started + settings.call_timeout() + self.config.lease_seconds)
+        self._leases.extend_deadline(owner, started + self.settings.call_timeout + self.config.lease_seconds)
         try:
             result = self.provider.embed([j.text for j in jobs])
         except ProviderError as err:
-            latency = time.monotonic() - started
-            with self._pool.connection() as conn:
-                ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
-                                   tokens=0, outcome=err.error_class, status=err.status, latency=latency,
-                                   billed=err.billed_maybe)
+            self.store.record_call(jobs=jobs, tokens=0, outcome=err.error_class, status=err.status,
+                                   latency=time.monotonic() - started, billed=err.billed_maybe)
             self.report.add(provider_calls=1)
+            self._had_failure = True
             self._handle_error(owner, jobs, err)
             return
         latency = time.monotonic() - started
         self.report.add(provider_calls=1, tokens=result.tokens)
-        crashpoints.reach(crashpoints.AFTER_CALL)
-        with self._pool.connection() as conn:
-            expected = self._dimension
-            got = {len(v) for v in result.vectors}
-            if expected is not None and got != {expected}:
-                # A misconfigured endpoint, not bad items: stop, touch nothing.
-                transitions.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs])
-                self._fatal = ProviderError(FATAL, "dimension_mismatch",
-                                            f"provider returned {sorted(got)}-dimensional vectors for "
-                                            f"{self.model_id}, which has {expected} dimensions")
-                self.stop.set()
-                return
-            if expected is None:
-                models.record_dimension(conn, self.model_id, len(result.vectors[0]))
-                self._dimension = models.model_dimension(conn, self.model_id)
-            # One transaction, pipelined: the ledger row and the completion
-            # travel together and commit together. A deadlock with a
-            # concurrent ingest is retried: the vectors are already paid for.
-            for attempt in range(COMPLETE_RETRIES):
-                try:
-                    with conn.pipeline(), conn.transaction():
-                        ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
-                                           tokens=result.tokens, outcome="ok", status=200, latency=latency,
-                                           billed=True)
-                        ready, superseded = transitions.complete(conn, owner=owner,
-                                                           job_ids=[j.job_id for j in jobs],
-                                                           vectors=result.vectors)
-                    break
-                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
-                    if attempt == COMPLETE_RETRIES - 1:
-                        raise
-            if self._had_failure or any(j.probe for j in jobs):
-                transitions.provider_healthy(conn, self.model_id)
-                self._had_failure = False
+        crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint)
+        stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self._dimension,
+                                       model_id=self.model_id)
+        if stop is not None:
+            self._stop(owner, stop)
+            return
+        if self._dimension is None:
+            self._dimension = self.store.record_dimension(len(result.vectors[0]))
+        ready, superseded = self.store.complete(owner=owner, jobs=jobs, vectors=result.vectors,
+                                                tokens=result.tokens, latency=latency)
+        if self._had_failure or any(j.probe for j in jobs):
+            self.store.provider_healthy()
+            self._had_failure = False
         refused = len(jobs) - len(ready) - len(superseded)
         self.report.add(embedded=len(ready), superseded=len(superseded), refused=refused)
 
-    def _handle_error(self, owner: str, jobs: list[ClaimedJob], err: ProviderError) -> None:
-        ids = [j.job_id for j in jobs]
-        self._had_failure = True
-        if err.kind == TERMINAL and not self._config_ok():
-            # The "bad input" is the configuration (e.g. an option the model
-            # rejects): a trivial input fails too. Do not dead-letter the corpus.
-            err = ProviderError(FATAL, "config_rejected", err.message, err.status)
-        if err.kind == TERMINAL and len(jobs) > 1:
-            # Isolate the bad input: split and retry halves; innocent neighbours succeed.
-            mid = len(jobs) // 2
-            self._call(owner, jobs[:mid])
+    def _handle_error(self, owner: str, jobs: Sequence[ClaimedJob], err: ProviderError) -> None:
+        outcome = self._decide(err, jobs)
+        if isinstance(outcome, ProbeConfig):
+            self._probe_config()
+            outcome = self._decide(err, jobs)
+        if isinstance(outcome, Split):
+            first, second = outcome.halves
+            self._call(owner, first)
             if self.stop.is_set() or self._provider_paused:
-                with self._pool.connection() as conn:
-                    transitions.give_back(conn, owner=owner, job_ids=[j.job_id for j in jobs[mid:]])
+                self.store.give_back(owner=owner, job_ids=[j.job_id for j in second])
                 return
-            self._call(owner, jobs[mid:])
-            return
-        with self._pool.connection() as conn:
-            if err.kind == TERMINAL:
-                n = len(transitions.fail_terminal(conn, owner=owner, job_ids=ids, error_class=err.error_class,
-                                            message=err.message))
-                self.report.add(failed=n)
-            elif err.kind == THROTTLED:
-                # The provider's state, not the items': trip the shared breaker
-                # and hand the items back without consuming their attempt.
-                transitions.provider_failure(conn, self.model_id, trip=True, floor=err.retry_after or 0.0,
-                                       base=settings.backoff_base(), cap=settings.backoff_cap(),
-                                       threshold=settings.BREAKER_THRESHOLD)
-                transitions.give_back(conn, owner=owner, job_ids=ids, delay=err.retry_after or 0.0,
-                                error_class=err.error_class, message=err.message)
-                self._paused_until = time.monotonic() + max(err.retry_after or 0.0, self.config.poll_seconds)
-                self.report.add(throttled=len(ids))
-            elif err.kind == RETRYABLE:
-                transitions.provider_failure(conn, self.model_id, trip=False, floor=err.retry_after or 0.0,
-                                       base=settings.backoff_base(), cap=settings.backoff_cap(),
-                                       threshold=settings.BREAKER_THRESHOLD)
-                moved = transitions.fail_retryable(conn, owner=owner, job_ids=ids, delays=_delays(jobs, err.retry_after),
-                                             error_class=err.error_class, message=err.message)
-                self.report.add(retried=sum(1 for s in moved.values() if s == "retry"),
-                                failed=sum(1 for s in moved.values() if s == "failed"))
-            elif err.kind == FATAL:
-                transitions.give_back(conn, owner=owner, job_ids=ids)
-                self._fatal = err
-                self.stop.set()
+            self._call(owner, second)
+        elif isinstance(outcome, Fail):
+            n = len(self.store.fail_terminal(owner=owner, job_ids=outcome.job_ids,
+                                             error_class=outcome.error_class, message=outcome.message))
+            self.report.add(failed=n)
+        elif isinstance(outcome, GiveBack):
+            # The provider's state, not the items': trip the shared breaker
+            # and hand the items back without consuming their attempt.
+            self.store.provider_failure(outcome.breaker)
+            self.store.give_back(owner=owner, job_ids=outcome.job_ids, delay=outcome.delay,
+                                 error_class=outcome.error_class, message=outcome.message)
+            self._paused_until = time.monotonic() + outcome.pause
+            self.report.add(throttled=len(outcome.job_ids))
+        elif isinstance(outcome, Retry):
+            if outcome.breaker is not None:
+                self.store.provider_failure(outcome.breaker)
+            moved = self.store.fail_retryable(owner=owner, job_ids=outcome.job_ids, delays=outcome.delays,
+                                              error_class=outcome.error_class, message=outcome.message)
+            self.report.add(retried=sum(1 for s in moved.values() if s == "retry"),
+                            failed=sum(1 for s in moved.values() if s == "failed"))
+        elif isinstance(outcome, Stop):
+            self._stop(owner, outcome)
 
+    def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob]) -> decisions.Outcome:
+        return decisions.decide(err, jobs, config_ok=self._config_checked, base=self.settings.backoff_base,
+                                cap=self.settings.backoff_cap, poll_seconds=self.config.poll_seconds)
 
-def _delays(jobs: Sequence[ClaimedJob], retry_after: float | None = None) -> list[float]:
-    """Each job's next retry: full jitter over its attempts, never before Retry-After."""
-    return [backoff.retry_delay(j.attempts, base=settings.backoff_base(), cap=settings.backoff_cap(),
-                                retry_after=retry_after) for j in jobs]
+    def _stop(self, owner: str, stop: Stop) -> None:
+        """Not the items' fault: hand them back untouched and stop the worker."""
+        self.store.give_back(owner=owner, job_ids=stop.job_ids)
+        self._fatal = stop.error
+        self.stop.set()
+
+    def _probe_config(self) -> None:
+        """One trivial request (a single token) tells a bad input from a bad
+        configuration; asked once per worker, after the first 400."""
+        started = time.monotonic()
+        try:
+            result = self.provider.embed([CONFIG_PROBE_TEXT])
+            ok, tokens, outcome, status = True, result.tokens, "config_probe", 200
+        except ProviderError as err:
+            ok, tokens, outcome, status = err.kind != TERMINAL, 0, f"config_probe_{err.error_class}", err.status
+        self._config_checked = ok
+        self.store.record_call(jobs=[], tokens=tokens, outcome=outcome, status=status,
+                               latency=time.monotonic() - started, billed=False)
+        self.report.add(provider_calls=1)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
+from pipeline_assets.settings import Settings
 
-from pipeline_assets import settings
-from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, Provider, ProviderError, sanitize
+from .base import (FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, Provider, ProviderError,
+                   register_secret, sanitize)
 from .local import LOCAL_MODEL_NAME, LocalHashingProvider
 from .openai_provider import OpenAIProvider
 
-DEFAULT_OPENAI_MODEL = "text-embedding-3-small"
-
 __all__ = [
     "FATAL", "RETRYABLE", "TERMINAL", "THROTTLED", "EmbedResult", "ModelSpec", "Provider",
-    "ProviderError", "sanitize", "provider_from_env", "configured_model_name", "ConfigError",
+    "ProviderError", "sanitize", "provider_for", "model_id_for", "ConfigError",
 ]
 
 
@@ -21,27 +19,43 @@ class ConfigError(RuntimeError):
     """The provider is misconfigured; the message is one line and holds no key."""
 
 
-def configured_model_name() -> str:
-    name = os.environ.get("PIPELINE_EMBEDDING_MODEL")
-    if name:
-        return name
-    return DEFAULT_OPENAI_MODEL if os.environ.get("OPENAI_API_KEY") else LOCAL_MODEL_NAME
+# The model used with a key when PIPELINE_EMBEDDING_MODEL is unset.
+DEFAULT_OPENAI_MODEL = "text-embedding-3-small"
 
 
-def provider_from_env(model: str | None = None) -> Provider:
+def configured_model_name(settings: Settings) -> str:
+    """PIPELINE_EMBEDDING_MODEL, else the OpenAI default with a key, else the offline model."""
+    if settings.embedding_model:
+        return settings.embedding_model
+    return DEFAULT_OPENAI_MODEL if settings.openai_api_key else LOCAL_MODEL_NAME
+
+
+def provider_for(settings: Settings, model: str | None = None) -> Provider:
     """The provider for ``model`` (default: the configured one)."""
-    name = model or configured_model_name()
+    name = model or configured_model_name(settings)
     if name == LOCAL_MODEL_NAME:
         return LocalHashingProvider()
-    if not os.environ.get("OPENAI_API_KEY"):
+    if not settings.openai_api_key:
         raise ConfigError(f"model {name!r} needs OPENAI_API_KEY (unset it or use {LOCAL_MODEL_NAME!r} offline)")
-    dims = settings.env_int("PIPELINE_EMBEDDING_DIMENSIONS", 0) or None
-    batch_inputs = min(settings.env_int("PIPELINE_BATCH_INPUTS", settings.DEFAULT_BATCH_INPUTS),
-                       settings.MAX_BATCH_INPUTS)
+    register_secret(settings.openai_api_key)
     return OpenAIProvider(
         name,
-        dimensions=dims,
-        timeout=settings.call_timeout(),
-        max_batch_inputs=batch_inputs,
-        max_batch_tokens=settings.env_int("PIPELINE_BATCH_TOKENS", settings.DEFAULT_BATCH_TOKENS),
+        api_key=settings.openai_api_key,
+        base_url=settings.openai_base_url,
+        dimensions=settings.embedding_dimensions,
+        timeout=settings.call_timeout,
+        max_batch_inputs=settings.request_inputs,
+        max_batch_tokens=settings.batch_tokens,
     )
+
+
+def model_id_for(settings: Settings, model: str | None = None) -> str:
+    """The configured model's id (``provider/name@dimension``), for code versions.
+
+    Never raises: a missing key is reported when a run needs the provider, not
+    when the Dagster definitions load.
+    """
+    try:
+        return provider_for(settings, model).spec.model_id
+    except (ConfigError, ValueError) as exc:
+        return f"unconfigured/{model or configured_model_name(settings)} ({type(exc).__name__})"

@@ -13,7 +13,6 @@ policy, the job table's, owns retries. Every failure is a ProviderError whose
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -26,10 +25,6 @@ RETRYABLE = "retryable"
 THROTTLED = "throttled"
 TERMINAL = "terminal"
 FATAL = "fatal"
-
-RETRYABLE_STATUSES = frozenset({408, 409, 500, 502, 503, 504})
-TERMINAL_STATUSES = frozenset({400, 413, 422})
-FATAL_STATUSES = frozenset({401, 403, 404})
 
 
 @dataclass(frozen=True)
@@ -89,12 +84,21 @@ _KEY_PATTERNS = [
 ]
 
 
+# Credentials in use by this process (registered when a provider is built):
+# removed verbatim from every message, whatever their shape.
+_SECRETS: set[str] = set()
+
+
+def register_secret(value: str) -> None:
+    if value and len(value) >= 4:
+        _SECRETS.add(value)
+
+
 def sanitize(message: str, limit: int = ERROR_MESSAGE_MAX_CHARS) -> str:
     """Remove anything that looks like a credential, flatten, truncate."""
     text = " ".join(str(message).split())
-    key = os.environ.get("OPENAI_API_KEY")
-    if key and len(key) >= 4:
-        text = text.replace(key, "[redacted]")
+    for secret in _SECRETS:
+        text = text.replace(secret, "[redacted]")
     for pattern in _KEY_PATTERNS:
         text = pattern.sub(lambda m: (m.group(1) if m.groups() else "") + "[redacted]", text)
     if len(text) > limit:

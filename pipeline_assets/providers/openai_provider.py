@@ -1,8 +1,8 @@
 """OpenAI-compatible provider through the official ``openai`` SDK.
 
 The SDK's own retries are off (max_retries=0): the job table's policy is the
-only one. Each request has a wall-clock timeout. OPENAI_API_KEY and
-OPENAI_BASE_URL are honoured exactly as the SDK honours them.
+only one. Each request has a timeout. The key and base URL come from
+``Settings`` (OPENAI_API_KEY, OPENAI_BASE_URL).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def _error_message(exc: openai.APIStatusError) -> str:
 
 
 class OpenAIProvider:
-    def __init__(self, name: str, *, dimensions: int | None, timeout: float,
-                 max_batch_inputs: int, max_batch_tokens: int) -> None:
+    def __init__(self, name: str, *, api_key: str, base_url: str | None, dimensions: int | None,
+                 timeout: float, max_batch_inputs: int, max_batch_tokens: int) -> None:
         known_dim, max_tokens = KNOWN_MODELS.get(name, (None, DEFAULT_MAX_INPUT_TOKENS))
         options: tuple[tuple[str, str], ...] = ()
         if dimensions:
@@ -99,8 +99,8 @@ class OpenAIProvider:
             options=options,
         )
         self._dimensions = dimensions
-        # api_key / base_url come from OPENAI_API_KEY / OPENAI_BASE_URL as the SDK reads them.
-        self._client = openai.OpenAI(max_retries=0, timeout=timeout)
+        # Explicit key and base URL (from Settings); the SDK reads no environment of its own here.
+        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout)
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
         kwargs = {"dimensions": self._dimensions} if self._dimensions else {}

@@ -1,32 +1,26 @@
-"""Connections and migrations.
+"""Connections and pools.
 
-``database_url()`` is PIPELINE_DATABASE_URL when set (never starting a server),
-otherwise the embedded server under PIPELINE_HOME. Migrations are the numbered
-plain-SQL files in ``sql/``, applied in order exactly once, recorded in
-``app.schema_migrations``, serialised by an advisory lock so two processes
-starting at once cannot apply the same file twice.
+``database_url(settings)`` is PIPELINE_DATABASE_URL when set (never starting a
+server), otherwise the embedded server under PIPELINE_HOME. ``open_pool``
+resolves it, applies pending migrations once, and hands out a psycopg 3 pool
+with pgvector's adapter registered on every connection.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 from pgvector.psycopg import register_vector
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.store import embedded_postgres
-from pipeline_assets import settings
-
-SQL_DIR = Path(os.environ.get("PIPELINE_SQL_DIR") or Path(__file__).resolve().parents[2] / "sql")
-
-# Arbitrary but fixed key of the advisory lock that serialises migrations.
-MIGRATION_LOCK_KEY = 7_301_946_221
+from pipeline_assets.settings import Settings, redact_text
+from pipeline_assets.store import migrations
 
 # How long a new connection may take before the database counts as unreachable.
 CONNECT_TIMEOUT_SECONDS = 10
@@ -36,23 +30,12 @@ class DatabaseUnavailable(RuntimeError):
     """The database cannot be reached; the message is one line and holds no password."""
 
 
-def redact_url(url: str) -> str:
-    """A connection string fit to print: no password, in any of its forms."""
-    return redact_text(url)
-
-
-def redact_text(text: str) -> str:
-    text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)            # scheme://user:pass@
-    text = re.sub(r"(?i)(password\s*=\s*)('[^']*'|[^\s&]+)", r"\1***", text)  # key=value / ?password=
-    return text
-
-
-def database_url() -> str:
-    url = settings.database_url_from_env()
-    if url:
-        return url
+def database_url(settings: Settings | None = None) -> str:
+    settings = settings or Settings.from_env()
+    if settings.database_url:
+        return settings.database_url
     try:
-        return embedded_postgres.ensure_server(settings.pipeline_home())
+        return embedded_postgres.ensure_server(settings.home_path)
     except (embedded_postgres.EmbeddedServerError, OSError, subprocess.TimeoutExpired) as exc:
         raise DatabaseUnavailable(str(exc)) from None
 
@@ -63,7 +46,7 @@ def connect(url: str | None = None, *, autocommit: bool = True) -> psycopg.Conne
         conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     except psycopg.OperationalError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DatabaseUnavailable(f"cannot connect to database {redact_url(url)}: {first}") from None
+        raise DatabaseUnavailable(f"cannot connect to database {redact_text(url)}: {first}") from None
     _configure(conn)
     return conn
 
@@ -87,30 +70,20 @@ def make_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPo
     return pool
 
 
-def migration_files() -> list[Path]:
-    files = sorted(SQL_DIR.glob("[0-9][0-9][0-9]_*.sql"))
-    if not files:
-        raise RuntimeError(f"no migrations found in {SQL_DIR}")
-    return files
+def ensure_database(server_url: str, name: str) -> str:
+    """CREATE DATABASE name on the server of ``server_url`` if missing; return its libpq URL."""
+    with psycopg.connect(server_url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS) as conn:
+        if conn.execute(migrations.MIGRATIONS.database_exists, {"name": name}).fetchone() is None:
+            try:
+                conn.execute(sql.SQL(migrations.MIGRATIONS.create_database).format(name=sql.Identifier(name)))
+            except psycopg.errors.DuplicateDatabase:
+                pass  # created concurrently
+    return psycopg.conninfo.make_conninfo(server_url, dbname=name)
 
 
-def migrate(conn: psycopg.Connection) -> list[str]:
-    """Apply pending migrations; return the names applied by this call."""
-    applied: list[str] = []
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-        conn.execute("CREATE SCHEMA IF NOT EXISTS app")
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS app.schema_migrations ("
-            " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {r[0] for r in conn.execute("SELECT version FROM app.schema_migrations")}
-        for path in migration_files():
-            if path.name in done:
-                continue
-            conn.execute(path.read_text())
-            conn.execute("INSERT INTO app.schema_migrations (version) VALUES (%s)", (path.name,))
-            applied.append(path.name)
+def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str]:
+    """Apply pending migrations, then (re)register the vector type on ``conn``."""
+    applied = migrations.migrate(conn, directory)
     _configure(conn)
     return applied
 
@@ -124,3 +97,16 @@ def session(url: str | None = None) -> Iterator[psycopg.Connection]:
         yield conn
     finally:
         conn.close()
+
+
+@contextmanager
+def open_pool(settings: Settings, *, max_size: int = 4, url: str | None = None) -> Iterator[ConnectionPool]:
+    """A pool on the migrated pipeline database (``url`` or the settings' one), closed on exit."""
+    url = url or database_url(settings)
+    with session(url):
+        pass  # migrations applied once, before any pooled connection is handed out
+    pool = make_pool(url, min_size=1, max_size=max_size)
+    try:
+        yield pool
+    finally:
+        pool.close()

@@ -1,16 +1,19 @@
-"""The SQL of the job state machine, in one place.
+-- The SQL of the job state machine (pipeline_assets/jobs/transitions.py), in one place.
+--
+-- Every transition is one guarded UPDATE whose WHERE clause names the state(s) it
+-- leaves (and, for a worker's own transitions, its lease); the returned rows tell
+-- the caller exactly which jobs it moved. A transition that finds the row in any
+-- other state moves nothing: that is how a refused transition looks.
+--
+-- Status literals here must be values of pipeline_assets.jobs.status.JobStatus
+-- (checked by pipeline_assets_tests/test_named_queries.py).
 
-Every transition is one guarded UPDATE whose WHERE clause names the state(s) it
-leaves (and, for a worker's own transitions, its lease); the returned rows tell
-the caller exactly which jobs it moved. A transition that finds the row in any
-other state moves nothing: that is how a refused transition looks.
-"""
-
-# pending|retry -> processing. Batch claim; the lease comes from the database
-# clock, never the worker's. The shared circuit breaker gates it: while tripped
-# and paused nobody claims; once the pause is over (half-open) one claim at a
-# time wins the probe slot, and the first success closes the breaker.
-CLAIM = """
+-- name: claim
+-- pending|retry -> processing. Batch claim; the lease comes from the database
+-- clock, never the worker's. The shared circuit breaker gates it: while tripped
+-- and paused nobody claims; once the pause is over (half-open) one claim at a
+-- time wins the probe slot, and the first success closes the breaker.
+-- Columns are named as the fields of transitions.ClaimedJob.
 WITH gate AS (
     UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s)
     WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
@@ -39,12 +42,11 @@ LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
 WHERE j.job_id = picked.job_id
 RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
           EXISTS (SELECT 1 FROM gate) AS probe
-"""
 
-# processing -> ready, only under this lease and only while the content is still
-# wanted (a current chunk carries the checksum) by an active model. The vector
-# is stored in the same statement.
-COMPLETE = """
+-- name: complete
+-- processing -> ready, only under this lease and only while the content is still
+-- wanted (a current chunk carries the checksum) by an active model. The vector
+-- is stored in the same statement.
 WITH input AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(vecs)b::vector[]) AS t(job_id, embedding)
 ), won AS (
@@ -65,18 +67,16 @@ WITH input AS (
     DO UPDATE SET embedding = EXCLUDED.embedding, created_at = now()
 )
 SELECT job_id FROM won
-"""
 
-# processing -> superseded for a lease holder whose content is no longer wanted.
-SUPERSEDE_HELD = """
+-- name: supersede_held
+-- processing -> superseded for a lease holder whose content is no longer wanted.
 UPDATE app.embedding_jobs
 SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
 WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
 RETURNING job_id
-"""
 
-# processing -> retry (or failed when attempts are used up), with a per-job delay.
-FAIL_RETRYABLE = """
+-- name: fail_retryable
+-- processing -> retry (or failed when attempts are used up), with a per-job delay.
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'retry' END,
     available_at = now() + make_interval(secs => d.delay),
@@ -85,11 +85,10 @@ SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'retry' E
 FROM unnest(%(ids)s::bigint[], %(delays)s::float8[]) AS d(job_id, delay)
 WHERE j.job_id = d.job_id AND j.status = 'processing' AND j.lease_owner = %(owner)s
 RETURNING j.job_id, j.status
-"""
 
-# processing -> retry without consuming the attempt (throttling is the
-# provider's state, not the item's) or on release at shutdown.
-GIVE_BACK = """
+-- name: give_back
+-- processing -> retry without consuming the attempt (throttling is the
+-- provider's state, not the item's) or on release at shutdown.
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN j.attempts <= 1 THEN 'pending' ELSE 'retry' END,
     attempts = greatest(j.attempts - 1, 0),
@@ -100,27 +99,24 @@ SET status = CASE WHEN j.attempts <= 1 THEN 'pending' ELSE 'retry' END,
     updated_at = now()
 WHERE j.job_id = ANY(%(ids)s) AND j.status = 'processing' AND j.lease_owner = %(owner)s
 RETURNING j.job_id
-"""
 
-# processing -> failed at once: the input itself is bad.
-FAIL_TERMINAL = """
+-- name: fail_terminal
+-- processing -> failed at once: the input itself is bad.
 UPDATE app.embedding_jobs
 SET status = 'failed', lease_owner = NULL, lease_expires_at = NULL,
     error_class = %(cls)s, error_message = %(msg)s, updated_at = now()
 WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
 RETURNING job_id
-"""
 
-# Heartbeat: a healthy lease holder pushes its expiry forward.
-EXTEND_LEASE = """
+-- name: extend_lease
+-- Heartbeat: a healthy lease holder pushes its expiry forward.
 UPDATE app.embedding_jobs
 SET lease_expires_at = now() + make_interval(secs => %(lease)s)
 WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
-"""
 
-# Lease rescue: expired processing -> retry (or failed when attempts are used up;
-# superseded when its model was retired meanwhile).
-RESCUE_EXPIRED = """
+-- name: rescue_expired
+-- Lease rescue: expired processing -> retry (or failed when attempts are used up;
+-- superseded when its model was retired meanwhile).
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
                   THEN 'superseded'  -- its model was retired: nobody will claim it again
@@ -131,11 +127,10 @@ SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id =
     updated_at = now()
 WHERE status = 'processing' AND lease_expires_at < now()
 RETURNING job_id, status
-"""
 
-# failed -> pending (a person or policy requeues the dead letter); content that
-# is no longer wanted goes to superseded instead.
-REQUEUE_FAILED = """
+-- name: requeue_failed
+-- failed -> pending (a person or policy requeues the dead letter); content that
+-- is no longer wanted goes to superseded instead.
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
                        AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
@@ -143,22 +138,21 @@ SET status = CASE WHEN EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum
     attempts = 0, available_at = now(), updated_at = now()
 WHERE j.status = 'failed' AND (%(all)s OR j.job_id = ANY(%(ids)s))
 RETURNING j.job_id, j.status
-"""
 
-# pending|retry|processing|ready|failed -> superseded when no current chunk
-# carries the checksum any more. Optionally limited to some checksums (the ones
-# an ingest batch just dropped). The vectors go in a SEPARATE statement
-# (DELETE_VECTORS): a completion that committed while this UPDATE waited on its
-# row is only visible to a statement with a newer snapshot.
-SUPERSEDE_UNWANTED = """
+-- name: supersede_unwanted
+-- pending|retry|processing|ready|failed -> superseded when no current chunk
+-- carries the checksum any more. The vectors go in a SEPARATE statement
+-- (delete_vectors): a completion that committed while this UPDATE waited on its
+-- row is only visible to a statement with a newer snapshot.
 UPDATE app.embedding_jobs j
 SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
 WHERE j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
   AND NOT EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
 RETURNING j.chunk_checksum, j.model_id
-"""
 
-SUPERSEDE_UNWANTED_AMONG = """
+-- name: supersede_unwanted_among
+-- supersede_unwanted limited to some checksums (the ones an ingest batch just
+-- dropped). Its vectors, too, go through delete_vectors.
 UPDATE app.embedding_jobs j
 SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
 FROM app.job_keys k
@@ -166,21 +160,24 @@ WHERE k.chunk_checksum = ANY(%(checksums)s::bytea[]) AND j.job_id = k.job_id
   AND j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
   AND NOT EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
 RETURNING j.chunk_checksum, j.model_id
-"""
 
-DELETE_VECTORS = """
+-- name: delete_vectors
+-- The vectors of the (checksum, model) pairs supersede_unwanted* just moved.
 DELETE FROM app.embeddings e
 USING unnest(%(checksums)s::bytea[], %(models)s::text[]) AS g(chunk_checksum, model_id)
 WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
-"""
 
-# New work: every current chunk x active model without a job. Set-based; the
-# identity is claimed in app.job_keys first, so a duplicate event (or a racing
-# ingest) is a no-op there and creates no state row.
-# Claim the identity in app.job_keys, then create the state row for each key
-# this statement actually inserted (shared tail of the two enqueue queries).
-_ENQUEUE_KEYED = """
-, keyed AS (
+-- name: enqueue_for_docs
+-- New work: every chunk of some documents x active model without a job.
+-- Set-based; the identity is claimed in app.job_keys first, so a duplicate
+-- event (or a racing ingest) is a no-op there and creates no state row: the
+-- state row is created for each key this statement actually inserted.
+-- (The keyed tail is the same as enqueue_missing's.)
+WITH wanted AS (
+    SELECT DISTINCT c.chunk_checksum, m.model_id
+    FROM app.chunks c CROSS JOIN app.models m
+    WHERE m.active AND c.doc_pk = ANY(%(docs)s)
+), keyed AS (
     INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
     SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
     FROM wanted w
@@ -190,35 +187,41 @@ _ENQUEUE_KEYED = """
 INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
 OVERRIDING SYSTEM VALUE
 SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
-"""
 
-ENQUEUE_FOR_DOCS = """
-WITH wanted AS (
-    SELECT DISTINCT c.chunk_checksum, m.model_id
-    FROM app.chunks c CROSS JOIN app.models m
-    WHERE m.active AND c.doc_pk = ANY(%(docs)s)
-)""" + _ENQUEUE_KEYED
-
-ENQUEUE_MISSING = """
+-- name: enqueue_missing
+-- New work: every current chunk x active model without a job. Set-based; the
+-- identity is claimed in app.job_keys first, so a duplicate event (or a racing
+-- ingest) is a no-op there and creates no state row: the state row is created
+-- for each key this statement actually inserted.
+-- (The keyed tail is the same as enqueue_for_docs's.)
 WITH wanted AS (
     SELECT DISTINCT c.chunk_checksum, m.model_id
     FROM app.chunks c CROSS JOIN app.models m
     WHERE m.active
       AND NOT EXISTS (SELECT 1 FROM app.job_keys k
                       WHERE k.chunk_checksum = c.chunk_checksum AND k.model_id = m.model_id)
-)""" + _ENQUEUE_KEYED
+), keyed AS (
+    INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
+    SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
+    FROM wanted w
+    ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+    RETURNING chunk_checksum, model_id, job_id
+)
+INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
+OVERRIDING SYSTEM VALUE
+SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
 
-# superseded -> pending: content came back (a revert, a re-added file).
-REVIVE_WANTED = """
+-- name: revive_wanted
+-- superseded -> pending: content came back (a revert, a re-added file).
 UPDATE app.embedding_jobs j
 SET status = 'pending', attempts = 0, available_at = now(),
     error_class = NULL, error_message = NULL, updated_at = now()
 WHERE j.status = 'superseded'
   AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
   AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
-"""
 
-REVIVE_WANTED_AMONG = """
+-- name: revive_wanted_among
+-- revive_wanted limited to some checksums.
 UPDATE app.embedding_jobs j
 SET status = 'pending', attempts = 0, available_at = now(),
     error_class = NULL, error_message = NULL, updated_at = now()
@@ -227,38 +230,42 @@ WHERE k.chunk_checksum = ANY(%(checksums)s::bytea[]) AND j.job_id = k.job_id
   AND j.status = 'superseded'
   AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
   AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
-"""
 
-# An identity whose state row was lost (a manual DELETE, a restore) would block
-# re-enqueueing that content forever; drop it so ENQUEUE_MISSING can recreate both.
-DROP_ORPHAN_KEYS = """
+-- name: supersede_retired_model
+-- pending|retry -> superseded for a model that was just retired (models.retire):
+-- nobody will claim them again. Held and ready jobs are left alone (a late
+-- completion is refused by complete: the model is inactive).
+UPDATE app.embedding_jobs SET status = 'superseded', updated_at = now()
+WHERE model_id = %(model)s AND status IN ('pending', 'retry')
+
+-- name: drop_orphan_keys
+-- An identity whose state row was lost (a manual DELETE, a restore) would block
+-- re-enqueueing that content forever; drop it so enqueue_missing can recreate both.
 DELETE FROM app.job_keys k
 WHERE NOT EXISTS (SELECT 1 FROM app.embedding_jobs j WHERE j.job_id = k.job_id)
-"""
 
-# ready -> pending: the job says ready but its vector is missing.
-REPAIR_MISSING_VECTORS = """
+-- name: repair_missing_vectors
+-- ready -> pending: the job says ready but its vector is missing.
 UPDATE app.embedding_jobs j
 SET status = 'pending', attempts = 0, available_at = now(), updated_at = now()
 WHERE j.status = 'ready'
   AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
   AND NOT EXISTS (SELECT 1 FROM app.embeddings e
                   WHERE e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id)
-"""
 
-# Is there anything left for this model? (until-idle)
-OUTSTANDING = """
+-- name: outstanding
+-- Is there anything left for this model? (until-idle) Two EXISTS probes, each
+-- answered by a partial index.
 SELECT EXISTS (SELECT 1 FROM app.embedding_jobs
-               WHERE model_id = %(model)s AND status IN ('pending', 'retry')),
-       EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s)
-"""
+               WHERE model_id = %(model)s AND status IN ('pending', 'retry')) AS waiting,
+       EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s) AS held
 
-# A provider failure, shared by every worker. A throttle (429) trips the
-# breaker at once; other failures trip it after %(threshold)s in a row. The
-# pause is the provider's Retry-After when it gave one (authoritative; the
-# half-open probe, not a random spread, keeps workers from returning as a
-# herd), otherwise a full-jitter backoff over the consecutive failures.
-PROVIDER_FAILURE = """
+-- name: provider_failure
+-- A provider failure, shared by every worker. A throttle (429) trips the
+-- breaker at once; other failures trip it after `threshold` in a row. The
+-- pause is the provider's Retry-After when it gave one (authoritative; the
+-- half-open probe, not a random spread, keeps workers from returning as a
+-- herd), otherwise a full-jitter backoff over the consecutive failures.
 INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
 VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
         CASE WHEN %(trip)s OR 1 >= %(threshold)s
@@ -276,25 +283,10 @@ SET consecutive_failures = p.consecutive_failures + 1,
                         ELSE p.paused_until END,
     updated_at = now()
 RETURNING paused_until > now() AS paused, tripped, consecutive_failures
-"""
 
-PROVIDER_HEALTHY = """
+-- name: provider_healthy
+-- A success closes the breaker and resets the failure count.
 UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_until = '-infinity',
        updated_at = now()
 WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
   AND (NOT tripped OR paused_until <= now())  -- a call that was already in flight cannot cut a pause short
-"""
-
-# One statement per call: the call row, and (when it may have been billed) one
-# more send of each input.
-RECORD_CALL = """
-WITH call AS (
-    INSERT INTO app.provider_calls (model_id, worker_id, inputs, tokens, outcome, http_status, latency_ms,
-                                    called_at)
-    VALUES (%(model)s, %(worker)s, cardinality(%(checksums)s::bytea[]), %(tokens)s, %(outcome)s,
-            %(status)s, %(latency)s, clock_timestamp() - make_interval(secs => %(latency)s / 1000.0))
-)
-INSERT INTO app.input_sends (chunk_checksum, model_id, sends)
-SELECT c, %(model)s, 1 FROM unnest(%(checksums)s::bytea[]) AS c WHERE %(billed)s
-ON CONFLICT (chunk_checksum, model_id) DO UPDATE SET sends = app.input_sends.sends + 1
-"""

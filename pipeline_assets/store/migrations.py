@@ -1,0 +1,44 @@
+"""Migrations: the numbered plain-SQL files in ``sql/``, applied in order exactly once.
+
+Each applied file is recorded in ``app.schema_migrations``; an advisory lock
+serialises the whole step, so two processes starting at once cannot apply the
+same file twice.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psycopg
+
+from pipeline_assets.store import queries
+
+# Arbitrary but fixed key of the advisory lock that serialises migrations.
+MIGRATION_LOCK_KEY = 7_301_946_221
+
+MIGRATIONS = queries.load("migrations")
+
+
+def migration_files(directory: Path | None = None) -> list[Path]:
+    directory = directory or queries.sql_dir()
+    files = sorted(directory.glob("[0-9][0-9][0-9]_*.sql"))
+    if not files:
+        raise RuntimeError(f"no migrations found in {directory}")
+    return files
+
+
+def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str]:
+    """Apply pending migrations; return the names applied by this call."""
+    applied: list[str] = []
+    with conn.transaction():
+        conn.execute(MIGRATIONS.lock, {"key": MIGRATION_LOCK_KEY})
+        conn.execute(MIGRATIONS.create_schema)
+        conn.execute(MIGRATIONS.create_ledger)
+        done = {r[0] for r in conn.execute(MIGRATIONS.applied)}
+        for path in migration_files(directory):
+            if path.name in done:
+                continue
+            conn.execute(path.read_text(encoding="utf-8"))
+            conn.execute(MIGRATIONS.record, {"version": path.name})
+            applied.append(path.name)
+    return applied

@@ -1,0 +1,83 @@
+"""Named SQL queries, loaded by name from ``sql/queries/<family>.sql``.
+
+Each table family keeps its SQL in one plain-SQL file, in blocks introduced by
+a ``-- name: <query_name>`` line (the comment lines right after it document
+the query). Python code refers to a query by name and passes parameters by
+name; no SQL is assembled from strings. Dynamic identifiers (an index name, a
+vector dimension) go through ``psycopg.sql`` at the call site.
+
+    JOBS = queries.load("jobs")
+    conn.execute(JOBS.claim, {...})
+
+Files are read on first use (not at import) and cached for the process.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+_NAME_LINE = re.compile(r"^--\s*name:\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:--)?\s*$", re.M)
+
+
+def sql_dir() -> Path:
+    """The SQL shipped with the code: ``pipeline_assets/sql`` in an installed
+    wheel, the repository's top-level ``sql/`` in a checkout."""
+    for candidate in (PACKAGE_DIR / "sql", PACKAGE_DIR.parent / "sql"):
+        if (candidate / "queries").is_dir():
+            return candidate
+    raise FileNotFoundError(f"no sql/ directory next to {PACKAGE_DIR}")
+
+
+def parse(text: str, *, source: str = "<sql>") -> dict[str, str]:
+    """``{name: sql}`` from a file of ``-- name:`` blocks."""
+    marks = list(_NAME_LINE.finditer(text))
+    if not marks:
+        raise ValueError(f"{source}: no '-- name:' blocks")
+    out: dict[str, str] = {}
+    for i, mark in enumerate(marks):
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
+        body = text[mark.end():end].strip()
+        name = mark.group(1)
+        if name in out:
+            raise ValueError(f"{source}: query {name!r} defined twice")
+        if not body:
+            raise ValueError(f"{source}: query {name!r} is empty")
+        out[name] = body
+    return out
+
+
+class NamedQueries:
+    """The queries of one family; ``family.name`` is the SQL text of a query."""
+
+    def __init__(self, family: str, directory: Path | None = None) -> None:
+        self.family = family
+        self._directory = directory
+
+    @cached_property
+    def _queries(self) -> dict[str, str]:
+        path = (self._directory or sql_dir() / "queries") / f"{self.family}.sql"
+        return parse(path.read_text(encoding="utf-8"), source=str(path))
+
+    def __getattr__(self, name: str) -> str:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._queries[name]
+        except KeyError:
+            raise AttributeError(f"no query {name!r} in sql/queries/{self.family}.sql") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._queries)
+
+
+_loaded: dict[str, NamedQueries] = {}
+
+
+def load(family: str) -> NamedQueries:
+    if family not in _loaded:
+        _loaded[family] = NamedQueries(family)
+    return _loaded[family]

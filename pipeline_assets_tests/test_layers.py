@@ -1,0 +1,154 @@
+"""The architecture, checked: layers import only downwards, nothing below the
+Dagster layer knows Dagster or click, modules stay small, the README's layout
+matches the tree, and the command line and the Dagster assets run the same
+use cases (one corpus through each lands the same database state)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import uuid
+from pathlib import Path
+
+import dagster as dg
+import psycopg
+import pytest
+
+from pipeline_assets_tests.conftest import _with_dbname, cli, write_corpus
+from pipeline_assets_tests.dagster_helpers import execute, fresh_defs
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "pipeline_assets"
+MAX_MODULE_LINES = 400
+
+# What each layer may import from the package (besides itself). settings.py is the floor.
+ALLOWED = {
+    "settings": set(),
+    "content": {"settings"},
+    "providers": {"settings", "content"},
+    "store": {"settings"},
+    "jobs": {"settings", "providers", "store", "content"},
+    "app": {"settings", "providers", "store", "content", "jobs"},
+    "defs": {"settings", "providers", "store", "content", "jobs", "app"},
+    "cli": {"settings", "providers", "store", "content", "jobs", "app", "defs"},
+}
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_layers_import_only_downwards():
+    problems = []
+    for path in _modules():
+        layer = _layer(path)
+        if layer == "__init__":
+            continue
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in ("dagster", "dagster_webserver", "dagster_postgres") and layer != "defs":
+                problems.append(f"{path.relative_to(REPO)} imports {name} (only defs/ may know Dagster)")
+            if top == "click" and layer != "cli":
+                problems.append(f"{path.relative_to(REPO)} imports {name} (only cli.py may know click)")
+            if top == "pipeline_assets" and "." in name:
+                target = name.split(".")[1]
+                if target in ALLOWED and target != layer and target not in ALLOWED[layer]:
+                    problems.append(f"{path.relative_to(REPO)} ({layer}) imports {name}")
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_is_too_long():
+    long = {str(p.relative_to(REPO)): n for p in _modules()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_readme_layout_matches_the_tree():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    for path in _modules():
+        rel = path.relative_to(PACKAGE)
+        if rel.name == "__init__.py":
+            continue
+        folder = f"{rel.parts[0]}/" if len(rel.parts) > 1 else None
+        assert (folder or rel.name) in block, f"README layout does not mention {rel}"
+        if folder:
+            assert re.search(rf"\b{re.escape(rel.stem)}\b", block), f"README layout does not mention {rel}"
+    for folder in re.findall(r"^\s+(\w+)/\s", block, flags=re.M):
+        assert (PACKAGE / folder).is_dir() or (REPO / folder).is_dir(), f"README names a missing folder {folder}/"
+
+
+# -- one code path: the CLI and the Dagster assets land the same state ---------------------
+
+STATE = {
+    "documents": """SELECT document_id, status, encode(source_checksum, 'hex'), encode(text_checksum, 'hex'),
+                           extractor_version, chunker_version, chunk_count, error_class
+                    FROM app.documents ORDER BY 1""",
+    "chunks": """SELECT d.document_id, c.chunk_index, encode(c.chunk_checksum, 'hex'), c.token_count,
+                        c.char_start, c.char_end
+                 FROM app.chunks c JOIN app.documents d USING (doc_pk) ORDER BY 1, 2""",
+    "jobs": """SELECT encode(k.chunk_checksum, 'hex'), k.model_id, j.status, j.attempts, j.error_class
+               FROM app.job_keys k JOIN app.embedding_jobs j USING (job_id) ORDER BY 1, 2""",
+    "embeddings": "SELECT encode(chunk_checksum, 'hex'), model_id, embedding::text FROM app.embeddings ORDER BY 1, 2",
+    "stages": """SELECT d.document_id, s.stage, s.status, s.error_class, s.code_version
+                 FROM app.stage_runs s JOIN app.documents d USING (doc_pk) ORDER BY 1, 2""",
+    "models": "SELECT model_id, dimension, active FROM app.models ORDER BY 1",
+}
+
+
+def _state(url: str) -> dict[str, list[tuple]]:
+    with psycopg.connect(url) as conn:
+        return {name: conn.execute(query).fetchall() for name, query in STATE.items()}
+
+
+@pytest.fixture
+def second_db(server_url):
+    name = "t_layers_b_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield _with_dbname(server_url, name)
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_cli_and_dagster_land_the_same_database_state(env, clean_db, database_url, second_db, fake, tmp_path,
+                                                      monkeypatch):
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 5)
+    (corpus / "copy.md").write_text((corpus / "doc0001.md").read_text())   # shared content: one job
+    (corpus / "blob.bin").write_bytes(b"\x00\x01binary")                  # quarantined
+    (corpus / "page.html").write_text("<html><body><h1>Title</h1><p>Some text.</p></body></html>")
+
+    cli("embed", str(corpus), env={**env, "PIPELINE_DATABASE_URL": database_url})
+
+    monkeypatch.setenv("PIPELINE_DATABASE_URL", second_db)
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
+    keys = sorted(p.name for p in corpus.iterdir())
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("documents", keys)
+        result = execute(fresh_defs(), instance, tags={"dagster/asset_partition_range_start": keys[0],
+                                                       "dagster/asset_partition_range_end": keys[-1]})
+        assert result.success
+
+    via_cli, via_dagster = _state(database_url), _state(second_db)
+    assert via_cli["documents"] and via_cli["embeddings"], "the corpus produced nothing"
+    assert {r[1] for r in via_cli["documents"]} == {"current", "quarantined"}
+    assert {r[2] for r in via_cli["jobs"]} == {"ready"}
+    for table in STATE:
+        assert via_cli[table] == via_dagster[table], f"{table} differs between the CLI and Dagster"

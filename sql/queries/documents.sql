@@ -1,0 +1,93 @@
+-- The document table family: app.sources, app.documents, app.chunks, and the
+-- extract/chunk rows of app.stage_runs that ingest writes with them.
+-- Used by pipeline_assets/app/documents.py.
+
+-- name: write_lock
+-- Serialise transactions that replace chunks (see documents.write_lock).
+SELECT pg_advisory_xact_lock(%(key)s)
+
+-- name: register_source
+INSERT INTO app.sources (root) VALUES (%(root)s)
+ON CONFLICT (root) DO UPDATE SET root = EXCLUDED.root
+RETURNING source_id
+
+-- name: sources
+SELECT root FROM app.sources ORDER BY source_id
+
+-- name: mark_scanned
+UPDATE app.sources SET last_scan_at = now() WHERE source_id = %(source)s
+
+-- name: db_now
+SELECT now()
+
+-- name: create_seen
+-- Document ids a full scan listed (a session-local temp table).
+CREATE TEMP TABLE IF NOT EXISTS ingest_seen (document_id text PRIMARY KEY)
+
+-- name: truncate_seen
+TRUNCATE ingest_seen
+
+-- name: copy_seen
+COPY ingest_seen (document_id) FROM STDIN
+
+-- name: current_count
+SELECT count(*) FROM app.documents WHERE source_id = %(source)s AND status <> 'deleted'
+
+-- name: existing
+-- What ingest knows of some documents, to skip the unchanged ones.
+SELECT document_id, source_checksum, extractor_version, chunker_version, status, error_class, size_bytes
+FROM app.documents WHERE source_id = %(source)s AND document_id = ANY(%(ids)s)
+
+-- name: tombstone_unseen
+-- Documents of a source that a complete scan did not list. Only what this scan
+-- could have seen: a document another process ingested after the listing
+-- started (updated_at >= scan start) is not "gone".
+UPDATE app.documents d SET status = 'deleted', chunk_count = 0, updated_at = now()
+WHERE d.source_id = %(source)s AND d.status <> 'deleted' AND d.updated_at < %(scan_started)s
+  AND NOT EXISTS (SELECT 1 FROM ingest_seen s WHERE s.document_id = d.document_id)
+RETURNING d.doc_pk
+
+-- name: tombstone_ids
+-- Named documents of a source whose file is gone.
+UPDATE app.documents d SET status = 'deleted', chunk_count = 0, updated_at = now()
+WHERE d.source_id = %(source)s AND d.status <> 'deleted' AND d.document_id = ANY(%(ids)s)
+RETURNING d.doc_pk
+
+-- name: delete_chunks
+DELETE FROM app.chunks WHERE doc_pk = ANY(%(pks)s) RETURNING chunk_checksum
+
+-- name: upsert_documents
+-- One row per processed document (current, or quarantined with its error).
+INSERT INTO app.documents AS d (source_id, document_id, source_uri, source_checksum, size_bytes, status,
+                                extractor_version, chunker_version, text_checksum, chunk_count,
+                                error_class, error_message)
+SELECT %(source)s, t.document_id, t.uri, t.checksum, t.size,
+       CASE WHEN t.error_class IS NULL THEN 'current' ELSE 'quarantined' END,
+       %(ext)s, %(chunker)s, t.text_checksum, t.chunk_count, t.error_class, t.error_message
+FROM unnest(%(ids)s::text[], %(uris)s::text[], %(checksums)s::bytea[], %(sizes)s::bigint[],
+            %(text_checksums)s::bytea[], %(counts)s::int[], %(classes)s::text[], %(messages)s::text[])
+     AS t(document_id, uri, checksum, size, text_checksum, chunk_count, error_class, error_message)
+ON CONFLICT (source_id, document_id) DO UPDATE
+SET source_uri = EXCLUDED.source_uri, source_checksum = EXCLUDED.source_checksum,
+    size_bytes = EXCLUDED.size_bytes, status = EXCLUDED.status,
+    extractor_version = EXCLUDED.extractor_version, chunker_version = EXCLUDED.chunker_version,
+    text_checksum = EXCLUDED.text_checksum, chunk_count = EXCLUDED.chunk_count,
+    error_class = EXCLUDED.error_class, error_message = EXCLUDED.error_message, updated_at = now()
+RETURNING d.document_id, d.doc_pk
+
+-- name: copy_chunks
+COPY app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end) FROM STDIN
+
+-- name: record_stage_runs
+-- The extract and chunk rows of the documents just written.
+INSERT INTO app.stage_runs AS s (doc_pk, stage, status, error_class, last_error, code_version,
+                                 config_hash, dagster_run_id, source_checksum, finished_at)
+SELECT t.pk, t.stage, t.status, t.cls, t.msg, t.version, %(config)s, %(run)s, t.checksum, now()
+FROM unnest(%(pks)s::bigint[], %(stages)s::text[], %(statuses)s::text[], %(classes)s::text[],
+            %(messages)s::text[], %(versions)s::text[], %(checksums)s::bytea[])
+     AS t(pk, stage, status, cls, msg, version, checksum)
+ON CONFLICT (doc_pk, stage) DO UPDATE
+SET status = EXCLUDED.status, error_class = EXCLUDED.error_class, last_error = EXCLUDED.last_error,
+    code_version = EXCLUDED.code_version, config_hash = EXCLUDED.config_hash,
+    dagster_run_id = EXCLUDED.dagster_run_id, source_checksum = EXCLUDED.source_checksum,
+    attempts = s.attempts + 1, started_at = now(), finished_at = now()

@@ -1,0 +1,27 @@
+-- The bookkeeping of pipeline_assets/store/migrations.py.
+
+-- name: lock
+-- One migrating process at a time (released at commit).
+SELECT pg_advisory_xact_lock(%(key)s)
+
+-- name: create_schema
+CREATE SCHEMA IF NOT EXISTS app
+
+-- name: create_ledger
+CREATE TABLE IF NOT EXISTS app.schema_migrations (
+    version    text PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now())
+
+-- name: applied
+SELECT version FROM app.schema_migrations
+
+-- name: record
+INSERT INTO app.schema_migrations (version) VALUES (%(version)s)
+
+-- name: database_exists
+-- Server-level: is there a database of this name (for Dagster's own storage)?
+SELECT 1 FROM pg_database WHERE datname = %(name)s
+
+-- name: create_database
+-- A psycopg.sql template: {name} is an Identifier.
+CREATE DATABASE {name}

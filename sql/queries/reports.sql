@@ -1,0 +1,128 @@
+-- Read-only views for people and for the Dagster layer
+-- (pipeline_assets/app/reports.py): status, dead-letter queue, spend, and the
+-- per-document and health read models. Set-based; the Dagster assets, sensors
+-- and checks report from these and hold no SQL of their own.
+
+-- name: status_by_model
+SELECT model_id, status, count(*) AS n FROM app.embedding_jobs GROUP BY model_id, status ORDER BY 1, 2
+
+-- name: stages
+SELECT stage, status, count(*) AS n FROM app.stage_runs GROUP BY stage, status ORDER BY 1, 2
+
+-- name: documents
+SELECT status, count(*) AS n FROM app.documents GROUP BY status ORDER BY 1
+
+-- name: quarantined_count
+SELECT count(*) AS n FROM app.documents WHERE status = 'quarantined'
+
+-- name: coverage
+-- Wanted = distinct checksums of current chunks (per active model); ready = those with a vector.
+SELECT m.model_id,
+       (SELECT count(DISTINCT c.chunk_checksum) FROM app.chunks c) AS wanted,
+       (SELECT count(*) FROM (SELECT DISTINCT c.chunk_checksum FROM app.chunks c) w
+        WHERE EXISTS (SELECT 1 FROM app.embeddings e
+                      WHERE e.chunk_checksum = w.chunk_checksum AND e.model_id = m.model_id)) AS ready
+FROM app.models m WHERE m.active ORDER BY m.model_id
+
+-- name: spend
+-- Provider calls per model: how many, tokens billed, inputs answered, calls failed.
+SELECT model_id, count(*) AS calls, coalesce(sum(tokens), 0) AS tokens,
+       coalesce(sum(inputs) FILTER (WHERE outcome = 'ok'), 0) AS inputs_ok,
+       count(*) FILTER (WHERE outcome <> 'ok') AS failed_calls
+FROM app.provider_calls GROUP BY model_id ORDER BY model_id
+
+-- name: duplicate_sends
+-- The duplicate spend: inputs sent more than once for the same content and model.
+SELECT model_id, count(*) FILTER (WHERE sends > 1) AS inputs_sent_more_than_once,
+       coalesce(sum(sends - 1), 0) AS extra_sends
+FROM app.input_sends GROUP BY model_id ORDER BY model_id
+
+-- name: dead_letter_jobs
+-- Failed jobs, with the documents that (still) carry their content.
+SELECT j.job_id, j.model_id, j.error_class, j.error_message, j.attempts, j.updated_at,
+       (SELECT array_agg(DISTINCT d.document_id ORDER BY d.document_id)
+        FROM app.chunks c JOIN app.documents d ON d.doc_pk = c.doc_pk
+        WHERE c.chunk_checksum = j.chunk_checksum) AS documents
+FROM app.embedding_jobs j WHERE j.status = 'failed' ORDER BY j.updated_at, j.job_id
+
+-- name: quarantined
+-- Documents the guard or the extractor refused.
+SELECT d.document_id, src.root, d.error_class, d.error_message, d.updated_at
+FROM app.documents d JOIN app.sources src USING (source_id)
+WHERE d.status = 'quarantined' ORDER BY d.document_id
+
+-- name: document_summaries
+-- One row per requested document of a source: its state, versions and a digest
+-- of its current chunk checksums in chunk order (the chunks' data version).
+-- Columns are named as the fields of reports.DocumentSummary; checksums as hex.
+SELECT d.document_id, d.doc_pk, d.status,
+       encode(d.source_checksum, 'hex') AS source_checksum,
+       encode(d.text_checksum, 'hex') AS text_checksum,
+       d.extractor_version, d.chunker_version, d.error_class,
+       count(c.chunk_index) AS chunks,
+       coalesce(sum(c.token_count), 0) AS tokens,
+       encode(sha256(coalesce(string_agg(c.chunk_checksum, ''::bytea ORDER BY c.chunk_index), ''::bytea)),
+              'hex') AS chunks_digest
+FROM app.documents d
+JOIN app.sources s ON s.source_id = d.source_id
+LEFT JOIN app.chunks c ON c.doc_pk = d.doc_pk
+WHERE s.root = %(root)s AND d.document_id = ANY(%(ids)s)
+GROUP BY d.doc_pk
+
+-- name: embedding_coverage
+-- Embedding state of the distinct chunk checksums of some documents for one
+-- model; the grouping-set row with document_id NULL is the distinct total.
+SELECT d.document_id,
+       count(DISTINCT c.chunk_checksum) AS wanted,
+       count(DISTINCT c.chunk_checksum) FILTER (WHERE j.status = 'ready' AND e.chunk_checksum IS NOT NULL) AS ready,
+       count(DISTINCT c.chunk_checksum) FILTER (WHERE j.status = 'failed') AS failed,
+       count(DISTINCT c.chunk_checksum) FILTER (WHERE j.job_id IS NULL
+                                                   OR j.status IN ('pending', 'retry', 'processing')) AS waiting
+FROM app.documents d
+JOIN app.sources s ON s.source_id = d.source_id
+JOIN app.chunks c ON c.doc_pk = d.doc_pk
+LEFT JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = %(model)s
+LEFT JOIN app.embedding_jobs j ON j.job_id = k.job_id
+LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %(model)s
+WHERE s.root = %(root)s AND d.document_id = ANY(%(ids)s) AND d.status = 'current'
+GROUP BY GROUPING SETS ((d.document_id), ())
+
+-- name: missing_embeddings
+-- Every distinct current chunk x active model: how many lack a ready job with its vector.
+WITH wanted AS (
+    SELECT DISTINCT c.chunk_checksum FROM app.chunks c
+    JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current')
+SELECT m.model_id,
+       (SELECT count(*) FROM wanted) AS wanted,
+       (SELECT count(*) FROM wanted w WHERE NOT EXISTS (
+            SELECT 1 FROM app.job_keys k
+            JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'ready'
+            JOIN app.embeddings e ON e.chunk_checksum = k.chunk_checksum AND e.model_id = k.model_id
+            WHERE k.chunk_checksum = w.chunk_checksum AND k.model_id = m.model_id)) AS missing,
+       (SELECT count(*) FROM wanted w
+            JOIN app.job_keys k ON k.chunk_checksum = w.chunk_checksum AND k.model_id = m.model_id
+            JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'failed') AS failed
+FROM app.models m WHERE m.active ORDER BY m.model_id
+
+-- name: stale_vectors
+-- Vectors that must not be current: stored without a ready job (superseded,
+-- failed, pending...), or reachable from a document that is not current.
+SELECT
+  (SELECT count(*) FROM app.embeddings e WHERE NOT EXISTS (
+       SELECT 1 FROM app.job_keys k JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'ready'
+       WHERE k.chunk_checksum = e.chunk_checksum AND k.model_id = e.model_id)) AS not_ready,
+  (SELECT count(*) FROM app.chunks c
+   JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status <> 'current'
+   JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum) AS noncurrent_documents,
+  (SELECT array_agg(x) FROM (
+       SELECT e.model_id || ':' || encode(e.chunk_checksum, 'hex') AS x FROM app.embeddings e
+       WHERE NOT EXISTS (SELECT 1 FROM app.job_keys k JOIN app.embedding_jobs j
+                         ON j.job_id = k.job_id AND j.status = 'ready'
+                         WHERE k.chunk_checksum = e.chunk_checksum AND k.model_id = e.model_id)
+       ORDER BY 1 LIMIT 5) s) AS sample
+
+-- name: dead_letter_growth
+-- Growth of the dead-letter queue: jobs that became 'failed' within a window, and the depth.
+SELECT count(*) FILTER (WHERE updated_at > now() - make_interval(secs => %(window)s)) AS recent,
+       count(*) AS total
+FROM app.embedding_jobs WHERE status = 'failed'
