@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from pipeline_assets.defs import devserver
-from pipeline_assets.store import db
+from pipeline_assets.store import migrations
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs.assets import ASSET_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
@@ -93,7 +93,7 @@ def test_sqlalchemy_url_uses_psycopg2_and_the_socket_dir():
 def test_top_level_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkeypatch):
     """The deployment dagster.yaml: storage through dagster-postgres with a psycopg2 URL from env."""
     name = "t_dagster_" + uuid.uuid4().hex[:8]
-    url = db.ensure_database(server_url, name)
+    url = migrations.ensure_database(server_url, name)
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")

@@ -29,7 +29,7 @@ OWNED = [
     "jobs/transitions.py", "jobs/models.py", "jobs/ledger.py", "jobs/status.py",
     "app/reports.py", "app/retrieval.py", "app/stages.py",
 ]
-FAMILIES = ["jobs", "models", "ledger", "reports", "retrieval", "stage_runs"]
+FAMILIES = ["jobs", "models", "ledger", "reports", "retrieval", "stage_runs", "documents", "migrations"]
 
 
 # --------------------------------------------------------------------------- the file format
@@ -190,10 +190,12 @@ def _fields(template: str) -> set[str]:
 def test_templates_have_exactly_their_fields():
     assert _fields(models.MODELS.create_hnsw_index) == {"name", "dim", "model"}
     assert _fields(retrieval.RETRIEVAL.nearest) == {"dim"}
+    assert _fields(transitions.JOBS.enqueue) == {"scope"}
     for family in FAMILIES:
         fam = queries.load(family)
         for name in fam.names():
-            if (family, name) not in {("models", "create_hnsw_index"), ("retrieval", "nearest")}:
+            if (family, name) not in {("models", "create_hnsw_index"), ("retrieval", "nearest"),
+                                      ("jobs", "enqueue"), ("migrations", "create_database")}:
                 assert "{" not in getattr(fam, name), (family, name)
 
 

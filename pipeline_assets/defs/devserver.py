@@ -28,7 +28,7 @@ from pathlib import Path
 import psycopg
 
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db, embedded_postgres
+from pipeline_assets.store import db, embedded_postgres, migrations
 
 DAGSTER_URL_ENV = "DAGSTER_PG_URL"
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
     pipeline_url = settings.database_url or embedded_postgres.ensure_server(home)
     with db.session(pipeline_url):
         pass  # migrations applied once, before webserver, daemon and runs start
-    dagster_url = sqlalchemy_url(db.ensure_database(pipeline_url, settings.dagster_database))
+    dagster_url = sqlalchemy_url(migrations.ensure_database(pipeline_url, settings.dagster_database))
     dagster_home = home / "dagster"
     dagster_home.mkdir(parents=True, exist_ok=True)
     (dagster_home / "dagster.yaml").write_text(DAGSTER_YAML)

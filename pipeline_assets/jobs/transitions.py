@@ -13,12 +13,15 @@ is in sql/queries/jobs.sql (``JOBS.<name>``); the states are ``JobStatus``.
 
 from __future__ import annotations
 
+import functools
+
 import contextlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import psycopg
+from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
 from pipeline_assets.jobs.status import JobStatus
@@ -137,14 +140,21 @@ def revive_wanted(conn: psycopg.Connection, checksums: Sequence[bytes] | None = 
     return conn.execute(JOBS.revive_wanted_among, {"checksums": list(checksums)}).rowcount
 
 
+@functools.cache
+def _enqueue(scope: str) -> sql.Composed:
+    """The enqueue statement for one scope, composed once per process."""
+    return sql.SQL(JOBS.enqueue).format(scope=sql.SQL(scope))
+
+
 def enqueue_for_docs(conn: psycopg.Connection, doc_pks: Sequence[int], max_attempts: int) -> int:
     if not doc_pks:
         return 0
-    return conn.execute(JOBS.enqueue_for_docs, {"docs": list(doc_pks), "max_attempts": max_attempts}).rowcount
+    return conn.execute(_enqueue(JOBS.enqueue_scope_docs),
+                        {"docs": list(doc_pks), "max_attempts": max_attempts}).rowcount
 
 
 def enqueue_missing(conn: psycopg.Connection, max_attempts: int) -> int:
-    return conn.execute(JOBS.enqueue_missing, {"max_attempts": max_attempts}).rowcount
+    return conn.execute(_enqueue(JOBS.enqueue_scope_missing), {"max_attempts": max_attempts}).rowcount
 
 
 def drop_orphan_keys(conn: psycopg.Connection) -> int:

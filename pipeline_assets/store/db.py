@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
 from pgvector.psycopg import register_vector
 from psycopg_pool import ConnectionPool
 
@@ -68,17 +67,6 @@ def make_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPo
                           kwargs={"connect_timeout": CONNECT_TIMEOUT_SECONDS}, open=False)
     pool.open(wait=True, timeout=CONNECT_TIMEOUT_SECONDS * 3)
     return pool
-
-
-def ensure_database(server_url: str, name: str) -> str:
-    """CREATE DATABASE name on the server of ``server_url`` if missing; return its libpq URL."""
-    with psycopg.connect(server_url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECONDS) as conn:
-        if conn.execute(migrations.MIGRATIONS.database_exists, {"name": name}).fetchone() is None:
-            try:
-                conn.execute(sql.SQL(migrations.MIGRATIONS.create_database).format(name=sql.Identifier(name)))
-            except psycopg.errors.DuplicateDatabase:
-                pass  # created concurrently
-    return psycopg.conninfo.make_conninfo(server_url, dbname=name)
 
 
 def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str]:

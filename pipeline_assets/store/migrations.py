@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 
 from pipeline_assets.store import queries
 
@@ -42,3 +43,14 @@ def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str
             conn.execute(MIGRATIONS.record, {"version": path.name})
             applied.append(path.name)
     return applied
+
+
+def ensure_database(server_url: str, name: str, *, connect_timeout: float = 10) -> str:
+    """CREATE DATABASE name on the server of ``server_url`` if missing; return its libpq URL."""
+    with psycopg.connect(server_url, autocommit=True, connect_timeout=connect_timeout) as conn:
+        if conn.execute(MIGRATIONS.database_exists, {"name": name}).fetchone() is None:
+            try:
+                conn.execute(sql.SQL(MIGRATIONS.create_database).format(name=sql.Identifier(name)))
+            except psycopg.errors.DuplicateDatabase:
+                pass  # created concurrently
+    return psycopg.conninfo.make_conninfo(server_url, dbname=name)

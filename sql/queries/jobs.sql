@@ -167,16 +167,17 @@ DELETE FROM app.embeddings e
 USING unnest(%(checksums)s::bytea[], %(models)s::text[]) AS g(chunk_checksum, model_id)
 WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
 
--- name: enqueue_for_docs
--- New work: every chunk of some documents x active model without a job.
+-- name: enqueue
+-- New work: every current chunk x active model in a scope (one of the
+-- enqueue_scope_* conditions below, filled in as the psycopg.sql field "scope")
+-- that has no job.
 -- Set-based; the identity is claimed in app.job_keys first, so a duplicate
 -- event (or a racing ingest) is a no-op there and creates no state row: the
 -- state row is created for each key this statement actually inserted.
--- (The keyed tail is the same as enqueue_missing's.)
 WITH wanted AS (
     SELECT DISTINCT c.chunk_checksum, m.model_id
     FROM app.chunks c CROSS JOIN app.models m
-    WHERE m.active AND c.doc_pk = ANY(%(docs)s)
+    WHERE m.active AND {scope}
 ), keyed AS (
     INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
     SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
@@ -188,28 +189,13 @@ INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
 OVERRIDING SYSTEM VALUE
 SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
 
--- name: enqueue_missing
--- New work: every current chunk x active model without a job. Set-based; the
--- identity is claimed in app.job_keys first, so a duplicate event (or a racing
--- ingest) is a no-op there and creates no state row: the state row is created
--- for each key this statement actually inserted.
--- (The keyed tail is the same as enqueue_for_docs's.)
-WITH wanted AS (
-    SELECT DISTINCT c.chunk_checksum, m.model_id
-    FROM app.chunks c CROSS JOIN app.models m
-    WHERE m.active
-      AND NOT EXISTS (SELECT 1 FROM app.job_keys k
-                      WHERE k.chunk_checksum = c.chunk_checksum AND k.model_id = m.model_id)
-), keyed AS (
-    INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
-    SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
-    FROM wanted w
-    ON CONFLICT (chunk_checksum, model_id) DO NOTHING
-    RETURNING chunk_checksum, model_id, job_id
-)
-INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
-OVERRIDING SYSTEM VALUE
-SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
+-- name: enqueue_scope_docs
+-- The chunks of some documents (an ingest batch); ON CONFLICT skips known keys.
+c.doc_pk = ANY(%(docs)s)
+
+-- name: enqueue_scope_missing
+-- Every chunk whose key is missing (reconcile, a model seen for the first time).
+NOT EXISTS (SELECT 1 FROM app.job_keys k WHERE k.chunk_checksum = c.chunk_checksum AND k.model_id = m.model_id)
 
 -- name: revive_wanted
 -- superseded -> pending: content came back (a revert, a re-added file).
