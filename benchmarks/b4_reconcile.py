@@ -41,10 +41,11 @@ def load(conn, chunks: int, per_doc: int) -> dict:
             " SELECT d.doc_pk, k, sha256(int8send(d.doc_pk * 1000 + k)), 'chunk ' || d.doc_pk || '/' || k, 3, 0, 10"
             " FROM app.documents d CROSS JOIN generate_series(0, %s - 1) k"
             " WHERE (d.doc_pk - 1) * %s + k < %s", (per_doc, per_doc, chunks))
-        conn.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
-                     " SELECT chunk_checksum, %s, 'ready', 1 FROM app.chunks", (MODEL,))
-        conn.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
-                     " SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs")
+        with conn.transaction():  # a job and its key commit together (deferred foreign keys, sql/009)
+            conn.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
+                         " SELECT chunk_checksum, %s, 'ready', 1 FROM app.chunks", (MODEL,))
+            conn.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
+                         " SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs")
         conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
                      " SELECT chunk_checksum, %s, %s::vector FROM app.chunks", (MODEL, VECTOR))
     with Timer() as v:

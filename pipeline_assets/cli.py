@@ -28,13 +28,18 @@ from pipeline_assets.app import model_admin, reconcile as reconcile_uc, rerun as
 from pipeline_assets.app import status as status_uc
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.sources import SourceError
-from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError
+from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError, WorkerFault
 from pipeline_assets.providers import ConfigError, ProviderError
 from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings, SettingsError, redact_text, reference_table
 from pipeline_assets.store import db, embedded_postgres
 
+# Expected database errors, besides a lost connection (OperationalError): InternalError
+# covers a read-only server or transaction (ReadOnlySqlTransaction) and an index build
+# pgvector refuses; InsufficientPrivilege a role that lacks a grant.
 EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, SettingsError, FatalProviderError, BudgetExhausted,
-            ProviderError, psycopg.OperationalError, subprocess.TimeoutExpired, ValueError, OSError)
+            WorkerFault,
+            ProviderError, psycopg.OperationalError, psycopg.InternalError, psycopg.errors.InsufficientPrivilege,
+            subprocess.TimeoutExpired, ValueError, OSError)
 
 
 def expected_errors(fn):
@@ -172,20 +177,27 @@ def _status_lines(d: dict):
         yield f"stage {stage}: " + " ".join(f"{k}={v}" for k, v in counts.items())
     for model, c in d["coverage"].items():
         yield f"coverage {model}: {c['ready']}/{c['wanted']} ({c['ratio']:.1%})"
+    for model, index in d.get("vector_index", {}).items():
+        yield f"vector index {model}: {index}"
     yield f"dead letter: {d['dead_letter']} jobs, {d['quarantined_documents']} quarantined documents"
     yield f"superseded: {d['superseded']}"
     for model, s in d["spend"].items():
         yield (f"spend {model}: calls={s['calls']} tokens={s['tokens']} "
                f"duplicate_inputs={s.get('duplicate_inputs', 0)} extra_sends={s.get('extra_sends', 0)}")
+    for model, b in d.get("breaker", {}).items():
+        yield (f"breaker {model}: {b['state']} paused_for={b['paused_for']:.1f}s "
+               f"failures_in_row={b['consecutive_failures']} probe_out={b['probe_out']}")
+    yield f"retry-after cap: {d['retry_after_cap']:g}s (PIPELINE_RETRY_AFTER_CAP)"
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
 def status(as_json: bool) -> None:
-    """Counts by job status and stage, coverage, dead letters, spend."""
+    """Counts by job status and stage, coverage, dead letters, spend, the provider breaker."""
     with _pool() as pool:
         data = status_uc.status(pool)
+    data["retry_after_cap"] = _settings().retry_after_cap
     _emit(data, as_json, _status_lines)
 
 
@@ -296,17 +308,19 @@ def stop_db() -> None:
 
 @main.group("models")
 def models_group() -> None:
-    """Embedding models: list them, retire one after a model change."""
+    """Embedding models: list them, retire one after a model change, activate it again, build its index."""
 
 
 @models_group.command("list")
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
 def models_list(as_json: bool) -> None:
+    """Models with their jobs and their vector index (exact search where there is none)."""
     with _pool() as pool:
         rows = model_admin.list_models(pool)
     _emit(rows, as_json, lambda rs: [f"{r['model_id']} name={r['name']} dim={r['dimension']} "
-                                     f"active={r['active']} ready={r['ready']} outstanding={r['outstanding']}"
+                                     f"active={r['active']} ready={r['ready']} outstanding={r['outstanding']} "
+                                     f"index={r['index_detail']}"
                                      for r in rs])
 
 
@@ -314,10 +328,39 @@ def models_list(as_json: bool) -> None:
 @click.argument("model")
 @expected_errors
 def models_retire(model: str) -> None:
-    """Stop embedding new content with MODEL (its ready vectors are kept)."""
+    """Stop embedding new content with MODEL (its ready vectors are kept).
+
+    Sticky: anything still configured with MODEL is refused until `models activate MODEL`."""
     with _pool() as pool:
         model_id, superseded = model_admin.retire(pool, model)
     click.echo(f"retired {model_id}: {superseded} unstarted job(s) superseded")
+
+
+@models_group.command("activate")
+@click.argument("model")
+@expected_errors
+def models_activate(model: str) -> None:
+    """Use a retired MODEL again: its wanted content gets jobs (the next worker bills them)."""
+    with _pool() as pool:
+        r = model_admin.activate(pool, model, max_attempts=_settings().max_attempts)
+    if not r["was_retired"]:
+        click.echo(f"{r['model_id']} is already active")
+    else:
+        click.echo(f"activated {r['model_id']}: {r['revived']} job(s) revived, {r['enqueued']} enqueued")
+
+
+@models_group.command("index")
+@click.argument("model")
+@expected_errors
+def models_index(model: str) -> None:
+    """Build MODEL's vector index now, concurrently (workers otherwise build it when their queue drains)."""
+    with _pool() as pool:
+        try:
+            r = model_admin.build_index(pool, model)
+        except model_admin.IndexBuildError as exc:
+            click.echo(f"error: {redact_text(str(exc))}", err=True)
+            sys.exit(1)
+    click.echo(f"{r['model_id']}: index {r['detail']}")
 
 
 @main.command("settings")
@@ -339,6 +382,14 @@ def dev(host: str, port: int) -> None:
     from pipeline_assets.defs.devserver import run_dev
 
     sys.exit(run_dev(_settings(), host=host, port=port))
+
+
+@main.command("dagster-env")
+def dagster_env() -> None:
+    """Print the environment (export lines) that points Dagster's own commands at `dev`'s instance."""
+    from pipeline_assets.defs.devserver import run_dagster_env
+
+    sys.exit(run_dagster_env(_settings()))
 
 
 if __name__ == "__main__":

@@ -36,9 +36,10 @@ DEFAULT_CONCURRENCY = 4
 DEFAULT_LEASE_SECONDS = 60.0
 
 # How often an idle worker polls for new work, and how often it rescues
-# expired leases of dead workers.
+# expired leases and the claims of dead workers (one cheap UPDATE over the
+# jobs in flight; every second so a dead worker's claims wait seconds, not a lease).
 IDLE_POLL_SECONDS = 0.5
-RESCUE_INTERVAL_SECONDS = 5.0
+RESCUE_INTERVAL_SECONDS = 1.0
 
 # Consecutive provider failures (5xx, timeouts, connection errors) that trip
 # the shared circuit breaker; a 429 trips it at once.
@@ -90,7 +91,13 @@ class Settings:
                                                 shown_default="model default")
     # Wall-clock limit of one provider request; a stalled call becomes an
     # ordinary retryable failure instead of holding a worker (and its lease).
-    call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", 60.0, "wall-clock limit of one provider request (s)")
+    call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", 60.0,
+                                   "wall-clock limit of one provider request, however its answer trickles in (s)")
+    # Each worker refreshes its liveness row five times per window; a worker
+    # silent for a whole window (killed, frozen, cut off) is dead, and its claims
+    # are rescued at once instead of after their leases.
+    worker_dead_after: float = _setting("PIPELINE_WORKER_DEAD_AFTER", 5.0,
+                                        "a worker silent this long is dead; its claims are rescued (s)")
     batch_inputs: int = _setting("PIPELINE_BATCH_INPUTS", 256, f"inputs per provider request (≤ {MAX_BATCH_INPUTS})")
     batch_tokens: int = _setting("PIPELINE_BATCH_TOKENS", 100_000, "tokens per provider request")
 
@@ -99,6 +106,15 @@ class Settings:
     backoff_base: float = _setting("PIPELINE_BACKOFF_BASE", 1.0,
                                    "full-jitter backoff `uniform(0, min(cap, base·2^attempt))`: base (s)")
     backoff_cap: float = _setting("PIPELINE_BACKOFF_CAP", 60.0, "full-jitter backoff: cap (s)")
+    # A proxy's `Retry-After: 86400` would otherwise pause every worker (and hold
+    # `work --until-idle`, `embed` and Dagster runs) for a day.
+    retry_after_cap: float = _setting("PIPELINE_RETRY_AFTER_CAP", 300.0,
+                                      "longest pause a provider's Retry-After may impose (s)")
+    # A throttle uses no attempt; without a cap, a request the provider never
+    # accepts (over the account's tokens per minute) would stall the model forever.
+    max_throttles: int = _setting("PIPELINE_MAX_THROTTLES", 10,
+                                  "429s one input may meet; one more while alone in its request dead-letters it "
+                                  "(`throttled_too_often`)")
     daily_token_budget: int = _setting("PIPELINE_DAILY_TOKEN_BUDGET", 0,
                                        "stop claiming once the model's tokens today (UTC) reach it; 0 = none")
     run_token_budget: int = _setting("PIPELINE_RUN_TOKEN_BUDGET", 0,
@@ -112,6 +128,21 @@ class Settings:
                                     shown_default="20 MiB")
     stage_timeout: float = _setting("PIPELINE_STAGE_TIMEOUT", 60.0,
                                     "wall-clock limit of extract + chunk per document (s); over it: `timeout`")
+    # Extraction runs in a child process; this bounds what one document's parser
+    # may allocate (a PDF that inflates, a pathological HTML tree).
+    extract_memory: int = _setting("PIPELINE_EXTRACT_MEMORY", 2 * 1024 ** 3,
+                                   "address space one extraction may add, in bytes; over it: `memory_limit`; 0 = none",
+                                   shown_default="2 GiB")
+    # A small PDF can inflate to far more text than its bytes; these cap what one
+    # document may cost in memory, chunk rows and provider tokens.
+    max_text_chars: int = _setting("PIPELINE_MAX_TEXT_CHARS", 20_000_000,
+                                   "extracted characters per document; over it: `text_too_large`")
+    max_chunks_per_document: int = _setting("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", 20_000,
+                                            "chunks per document; over it: `too_many_chunks`")
+    # Bounds the chunk text one ingest transaction holds in memory (with at most
+    # INGEST_BATCH_DOCUMENTS documents); one larger document is a batch alone.
+    ingest_batch_bytes: int = _setting("PIPELINE_INGEST_BATCH_BYTES", 64 * 1024 * 1024,
+                                       "chunk text per ingest transaction, in bytes", shown_default="64 MiB")
     decode_errors: str = _setting("PIPELINE_DECODE_ERRORS", "strict",
                                   "`replace` decodes bad UTF-8 with U+FFFD instead of quarantining (`bad_encoding`)")
     chunk_tokens: int = _setting("PIPELINE_CHUNK_TOKENS", 512, "chunk size in cl100k tokens")
@@ -124,11 +155,7 @@ class Settings:
     reconcile_cron: str = _setting("PIPELINE_RECONCILE_CRON", "0 * * * *", "the reconciliation schedule")
     health_cron: str = _setting("PIPELINE_HEALTH_CRON", "*/15 * * * *", "the asset-check schedule")
     dlq_growth_per_hour: int = _setting("PIPELINE_DLQ_GROWTH_PER_HOUR", 10,
-                                        "the dead-letter growth check fails above this many new failures per hour")
-    # Dagster re-reads a run's whole partition list per call, so per-partition
-    # metadata is quadratic in the partitions of a run.
-    partition_metadata_max: int = _setting("PIPELINE_PARTITION_METADATA_MAX", 100,
-                                           "runs over more partitions record a digest instead of per-partition metadata")
+                                        "the dead-letter growth check warns above this many new failures per hour")
 
     # -- tests ----------------------------------------------------------------------------
     crashpoint: str | None = _setting("PIPELINE_CRASHPOINT", None,
@@ -138,11 +165,18 @@ class Settings:
         checks = [
             (self.decode_errors in DECODE_POLICIES, "decode_errors", f"must be one of {DECODE_POLICIES}"),
             (self.max_input_bytes > 0, "max_input_bytes", "must be positive"),
+            (self.extract_memory >= 0, "extract_memory", "must not be negative"),
+            (self.max_text_chars > 0, "max_text_chars", "must be positive"),
+            (self.max_chunks_per_document > 0, "max_chunks_per_document", "must be positive"),
+            (self.ingest_batch_bytes > 0, "ingest_batch_bytes", "must be positive"),
             (self.call_timeout > 0, "call_timeout", "must be positive"),
+            (self.worker_dead_after > 0, "worker_dead_after", "must be positive"),
             (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
             (1 <= self.batch_inputs, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
             (self.backoff_base >= 0 and self.backoff_cap >= 0, "backoff_base", "backoff must not be negative"),
+            (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),
+            (self.max_throttles >= 1, "max_throttles", "must be at least 1"),
             (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",
              "must be positive"),
         ]
@@ -197,7 +231,19 @@ class Settings:
 
 def redact_text(text: str) -> str:
     """Text fit to print: no password in a connection string, in any of its forms."""
-    text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)            # scheme://user:pass@
+    tails: set[str] = set()
+
+    def hide(match: re.Match) -> str:
+        # A password containing "@": a parser that stops at its first "@" (libpq) takes the
+        # rest for the host and may echo it ("failed to resolve host 'rest@db'").
+        parts = match.group(2).split("@")
+        tails.update("@".join(parts[i:]) for i in range(1, len(parts)))
+        return match.group(1) + "***@"
+
+    # scheme://user:pass@host: up to the last "@" of the URL, so all of such a password is hidden
+    text = re.sub(r"(://[^:/@\s]*:)(\S*)@", hide, text)
+    for tail in sorted(filter(None, tails), key=len, reverse=True):
+        text = text.replace(tail + "@", "***@")
     text = re.sub(r"(?i)(password\s*=\s*)('[^']*'|[^\s&]+)", r"\1***", text)  # key=value / ?password=
     return text
 

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
 import dagster as dg
+import psycopg
+from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStaleStatusResolver
 # What the sensor daemon wraps an evaluation in, so partition keys resolve against the instance.
 from dagster._core.definitions.partitions.context import partition_loading_context
+from dagster._core.loader import LoadingContextForTest
 
+from pipeline_assets.defs import devserver
 from pipeline_assets.defs.assets import PARTITIONS_NAME
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.settings import Settings
+from pipeline_assets.store import migrations
 
 
 def fresh_defs() -> dg.Definitions:
@@ -67,3 +79,60 @@ def materialization_metadata(result: dg.ExecuteInProcessResult, asset: str) -> d
 
 def check_results(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetCheckEvaluation]:
     return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+
+def latest_materializations(instance: dg.DagsterInstance, asset: str,
+                            keys: list[str]) -> dict[str, dg.EventLogRecord]:
+    """The latest materialization record of each partition, read from the instance's event log."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=list(keys)),
+        limit=10 * len(keys) + 10, ascending=False).records
+    latest: dict[str, dg.EventLogRecord] = {}
+    for record in records:
+        latest.setdefault(record.partition_key, record)
+    return latest
+
+
+def latest_data_versions(instance: dg.DagsterInstance, asset: str, keys: list[str]) -> dict[str, str]:
+    """Each partition's data version as the UI shows it: the tag of its latest materialization."""
+    return {k: r.asset_materialization.tags.get(DATA_VERSION_TAG)
+            for k, r in latest_materializations(instance, asset, keys).items()}
+
+
+def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str,
+                 keys: list[str]) -> dict[str, str]:
+    """Dagster's own staleness verdict (what the UI shows: FRESH, STALE, MISSING) for some partitions."""
+    resolver = CachingStaleStatusResolver(instance, defs.get_repository_def().asset_graph,
+                                          LoadingContextForTest(instance))
+    return {k: resolver.get_status(dg.AssetKey(asset), k).value for k in keys}
+
+
+def range_tags(keys: list[str]) -> dict[str, str]:
+    """The tags of a run over a partition range (what sensors and single-run backfills launch)."""
+    return {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
+
+
+@contextmanager
+def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
+    """A Dagster instance on PostgreSQL storage (a fresh database), configured as `pipeline-assets dev` does.
+
+    SQLite storage writes each event in its own transaction: a range run of a few
+    hundred partitions takes minutes there against seconds on PostgreSQL.
+    """
+    name = "t_dagster_" + uuid.uuid4().hex[:8]
+    url = migrations.ensure_database(server_url, name)
+    with tempfile.TemporaryDirectory() as home:
+        (Path(home) / "dagster.yaml").write_text(devserver.DAGSTER_YAML)
+        saved = os.environ.get(devserver.DAGSTER_URL_ENV)
+        os.environ[devserver.DAGSTER_URL_ENV] = devserver.sqlalchemy_url(url)
+        instance = dg.DagsterInstance.from_config(home)
+        try:
+            yield instance
+        finally:
+            instance.dispose()
+            if saved is None:
+                os.environ.pop(devserver.DAGSTER_URL_ENV, None)
+            else:
+                os.environ[devserver.DAGSTER_URL_ENV] = saved
+            with psycopg.connect(server_url, autocommit=True) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

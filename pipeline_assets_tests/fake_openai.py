@@ -15,13 +15,18 @@ stats JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes t
 :meth:`FakeOpenAI.configure`; helpers :func:`fetch_stats` / :func:`post_faults` wrap them.
 
 ``POST /v1/embeddings`` is processed in this order:
- 1. sleep ``latency`` (+ ``slow_seconds`` if an input contains ``slow_marker``); stop() aborts it;
- 2. ``fail_next`` -> canned status (optional Retry-After header), not billed;
+ 1. sleep ``latency`` (+ ``slow_seconds`` if an input contains ``slow_marker``, or with probability
+    ``slow_rate``, drawn from the ``fault_seed`` generator); stop() aborts it;
+ 2. ``fail_next`` -> canned status (optional Retry-After header), not billed; then ``random_faults``
+    (``[[probability, status, retry_after or null], ...]``, drawn once per request from a generator
+    seeded by ``fault_seed``) -> that status, not billed; then ``throttle_marker`` (an input containing
+    it) -> 429 with ``Retry-After: 1`` on every request, not billed (a request the provider never accepts);
  3. auth (missing/wrong Bearer key -> 401 ``invalid_api_key``), model (-> 404 ``model_not_found``),
     validation (-> 400), ``poison_marker`` (-> 400 naming the index; whole request, nothing billed);
  4. rpm/tpm sliding 60 s window -> 429 + Retry-After/retry-after-ms/x-ratelimit-*, not billed;
- 5. vectors computed and BILLED; then ``drop_next``/``drop_marker`` abort the connection without a
-    response (SDK raises ``openai.APIConnectionError``), otherwise the OpenAI-shaped JSON is sent.
+ 5. vectors computed (NaN for an input containing ``nan_marker``) and BILLED; then ``drop_next``/``drop_marker`` abort the connection without a
+    response (SDK raises ``openai.APIConnectionError``), otherwise the OpenAI-shaped JSON is sent
+    (a piece every ``DRIP_INTERVAL`` over ``drip_seconds`` if an input contains ``drip_marker``).
 
 Vectors: sha256(key) seeds ``numpy.random.default_rng`` -> standard normal of ``dim`` (request
 ``dimensions`` overrides), L2-normalised float32.  The key of a string input is the string, of a
@@ -30,7 +35,7 @@ token-array input ``"tokens:1,2,3"``.  Tokens (deterministic tiktoken stand-in):
 """
 from __future__ import annotations
 
-import argparse, base64, collections, copy, functools, hashlib, json, signal, socket, struct
+import argparse, base64, collections, copy, functools, hashlib, json, random, signal, socket, struct
 import sys, threading, time, urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
@@ -38,7 +43,10 @@ from typing import Any, Sequence
 import numpy as np
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-FAULT_FIELDS = ("poison_marker", "drop_marker", "slow_marker", "slow_seconds", "latency", "rpm", "tpm")
+FAULT_FIELDS = ("poison_marker", "drop_marker", "slow_marker", "slow_seconds", "latency", "rpm", "tpm",
+                "random_faults", "fault_seed", "drip_marker", "drip_seconds", "throttle_marker",
+                "nan_marker", "drop_rate", "slow_rate")
+DRIP_INTERVAL = 0.05  # seconds between the bytes of a slow-drip answer (far below any read timeout)
 
 
 def count_tokens(text: str) -> int:
@@ -161,6 +169,17 @@ class FakeOpenAI:
         self.dim, self.api_key, self.models = dim, api_key, (set(models) if models is not None else None)
         self.latency, self.rpm, self.tpm, self.slow_seconds = latency, rpm, tpm, 0.0
         self.poison_marker = self.drop_marker = self.slow_marker = None  # type: str | None
+        # Slow drip: an answer to an input containing drip_marker is billed, then sent a piece
+        # every DRIP_INTERVAL, so that the whole answer takes drip_seconds.
+        self.drip_marker, self.drip_seconds = None, 60.0  # type: str | None, float
+        self.random_faults: list = []  # [[probability, status, retry_after or None], ...]
+        self.throttle_marker: str | None = None
+        self.nan_marker: str | None = None
+        # Random faults by probability per request (drawn from the fault_seed generator): a slow
+        # call (slow_seconds more) and a dropped answer (billed, then the connection aborted;
+        # stats["dropped_inputs"] counts their inputs).
+        self.drop_rate = self.slow_rate = 0.0
+        self._fault_rng = random.Random(0)
         self._host, self._port = host, port
         self._lock = threading.Lock()  # guards stats, one-shot counters, rate window, _conns
         self._fail_n, self._fail_spec, self._drop_n = 0, (500, None, None), 0
@@ -225,7 +244,8 @@ class FakeOpenAI:
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = {"requests": 0, "billed_inputs": 0, "billed_tokens": 0, "rate_limited": 0,
-                           "dropped": 0, "responses_by_status": {}, "billed_by_text": {}}
+                           "dropped": 0, "dropped_inputs": 0, "slow": 0, "responses_by_status": {},
+                           "billed_by_text": {}}
 
     @property
     def stats(self) -> dict:
@@ -250,11 +270,26 @@ class FakeOpenAI:
         with self._lock:
             self._drop_n = n
 
+    @property
+    def fault_seed(self) -> None:
+        return None
+
+    @fault_seed.setter
+    def fault_seed(self, seed: int) -> None:
+        """Reseed the generator of ``random_faults`` (reproducible fault sequences)."""
+        with self._lock:
+            self._fault_rng = random.Random(seed)
+
     def clear_faults(self) -> None:
         self.fail_next(0, 500)
         self.drop_next(0)
+        self.random_faults = []
+        self.throttle_marker = None
+        self.nan_marker = None
+        self.drop_rate = self.slow_rate = 0.0
         self.poison_marker = self.drop_marker = self.slow_marker = None
         self.slow_seconds = self.latency = 0.0
+        self.drip_marker = None
 
     def configure(self, *, fail_next: dict | None = None, drop_next: int | None = None,
                   clear: bool = False, reset_stats: bool = False, **attrs: Any) -> dict:
@@ -316,6 +351,10 @@ class FakeOpenAI:
             hdrs |= {"retry-after": f"{wait:.3f}", "retry-after-ms": str(int(wait * 1000))}
         return wait, hdrs
 
+    def _draw(self, probability: float) -> bool:
+        with self._lock:
+            return self._fault_rng.random() < probability
+
     def _drop(self, h: _Handler, count: bool = True) -> None:
         h.close_connection = True
         if count:
@@ -339,13 +378,26 @@ class FakeOpenAI:
         texts = [t for _, t, _ in items if t is not None]  # string inputs (markers live there)
         has = lambda marker: bool(marker) and any(marker in t for t in texts)  # noqa: E731
         # 1. latency (global + slow marker); stop() interrupts the sleep and drops the request
-        delay = (self.latency or 0.0) + (self.slow_seconds if has(self.slow_marker) else 0.0)
+        slow = has(self.slow_marker) or (self.slow_rate > 0 and self._draw(self.slow_rate))
+        if slow:
+            with self._lock:
+                self._stats["slow"] += 1
+        delay = (self.latency or 0.0) + (self.slow_seconds if slow else 0.0)
         if delay > 0 and self._stopping.wait(delay):
             return self._drop(h, count=False)
         # 2. one-shot canned failures
         with self._lock:
             fail = self._fail_spec if self._fail_n > 0 else None
             self._fail_n -= fail is not None
+            if fail is None and self.random_faults:
+                draw = self._fault_rng.random()
+                for probability, status, retry_after in self.random_faults:
+                    if draw < probability:
+                        fail = (int(status), retry_after, None)
+                        break
+                    draw -= probability
+        if fail is None and has(self.throttle_marker):
+            fail = (429, "1", None)
         if fail:
             status, retry_after, body = fail
             return self._respond(h, status, body if body is not None else _err(
@@ -384,20 +436,52 @@ class FakeOpenAI:
                                               f"{wait:.3f}s.", "requests", "rate_limit_exceeded"), rl_headers)
         # 5. compute + bill, then either drop the connection or answer
         vecs = [_vector(key, dim) for key, _, _ in items]
+        if self.nan_marker:  # a provider bug: NaN vectors for the inputs containing nan_marker
+            vecs = [np.full(dim, np.nan, "<f4") if t is not None and self.nan_marker in t else v
+                    for (_, t, _), v in zip(items, vecs)]
         with self._lock:
             s = self._stats
             s["billed_inputs"] += len(items)
             s["billed_tokens"] += tokens
             for key, _, _ in items:
                 s["billed_by_text"][key] = s["billed_by_text"].get(key, 0) + 1
-            drop = self._drop_n > 0 or has(self.drop_marker)
+            drop = (self._drop_n > 0 or has(self.drop_marker)
+                    or (self.drop_rate > 0 and self._fault_rng.random() < self.drop_rate))
             self._drop_n -= self._drop_n > 0
+            s["dropped_inputs"] += len(items) if drop else 0
         if drop:
             return self._drop(h)
         enc = (lambda v: base64.b64encode(v.tobytes()).decode("ascii")) if fmt == "base64" else np.ndarray.tolist
         data = [{"object": "embedding", "index": i, "embedding": enc(v)} for i, v in enumerate(vecs)]
-        self._respond(h, 200, {"object": "list", "data": data, "model": model,
-                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, rl_headers)
+        answer = {"object": "list", "data": data, "model": model,
+                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        if has(self.drip_marker):
+            return self._drip(h, json.dumps(answer).encode())
+        self._respond(h, 200, answer, rl_headers)
+
+    def _drip(self, h: _Handler, body: bytes) -> None:
+        """A valid 200 answer sent a piece every DRIP_INTERVAL over ``drip_seconds`` (padded with
+        leading JSON whitespace): every read gets data in time, the whole takes drip_seconds."""
+        ticks = max(1, int(self.drip_seconds / DRIP_INTERVAL))
+        body = b" " * max(0, ticks - len(body)) + body
+        step = -(-len(body) // ticks)
+        h.close_connection = True
+        try:
+            h.send_response(200)
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.flush()
+            for i in range(0, len(body), step):
+                if self._stopping.wait(DRIP_INTERVAL):
+                    return self._drop(h, count=False)
+                h.wfile.write(body[i:i + step])
+                h.wfile.flush()
+        except OSError:  # the client gave up
+            return
+        with self._lock:
+            by = self._stats["responses_by_status"]
+            by[200] = by.get(200, 0) + 1
 
 
 # ---- process mode --------------------------------------------------------------------------

@@ -24,6 +24,22 @@ def chunk_texts(conn) -> list[str]:
     return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
 
 
+def assert_ledger_matches_bill(conn, fake, env) -> int:
+    """The spend ledger's duplicate sends are exactly the provider's duplicate
+    bills (sends recorded before each request, so a crash loses none), in the
+    table and in `status`. Returns the number of duplicate bills."""
+    billed = fake.stats["billed_by_text"]
+    extra_billed = sum(n - 1 for n in billed.values() if n > 1)
+    inputs_billed_twice = sum(1 for n in billed.values() if n > 1)
+    ledger = conn.execute("""SELECT coalesce(sum(sends - 1) FILTER (WHERE sends > 1), 0),
+                                    count(*) FILTER (WHERE sends > 1) FROM app.input_sends""").fetchone()
+    assert ledger == (extra_billed, inputs_billed_twice)
+    spend = json.loads(cli("status", "--json", env=env).stdout)["spend"]
+    assert sum(s.get("extra_sends", 0) for s in spend.values()) == extra_billed
+    assert sum(s.get("duplicate_inputs", 0) for s in spend.values()) == inputs_billed_twice
+    return extra_billed
+
+
 
 
 @pytest.fixture
@@ -51,6 +67,7 @@ def test_two_workers_claim_each_job_once(env, fake, clean_db, corpus):
     workers_seen = {r[0] for r in conn.execute("SELECT DISTINCT worker_id FROM app.provider_calls")}
     assert workers_seen == {"w0", "w1"}
     assert_vectors_match(conn, fake)
+    assert assert_ledger_matches_bill(conn, fake, env) == 0
 
 
 # 2 -------------------------------------------------------------------------
@@ -72,6 +89,7 @@ def test_crash_before_provider_call(env, fake, clean_db, corpus):
     assert all(fake.billed_count(t) == 1 for t in texts)  # no duplicate bill
     assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE attempts = 2").fetchone()[0] == held
     assert_vectors_match(conn, fake)
+    assert assert_ledger_matches_bill(conn, fake, env) == 0
 
 
 # 3 -------------------------------------------------------------------------
@@ -86,6 +104,9 @@ def test_crash_after_call_before_commit(env, fake, clean_db, corpus):
     billed_before = fake.stats["billed_inputs"]
     assert billed_before > 0  # the provider computed and billed...
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0  # ...nothing committed
+    # ...but the ledger had counted the send before it went out: unanswered, possibly billed.
+    assert conn.execute("""SELECT outcome, billed, inputs, answered_at FROM app.provider_calls""").fetchall() \
+        == [("sent", "maybe", billed_before, None)]
     cli("work", "--until-idle", env=env)
     texts = chunk_texts(conn)
     assert job_counts(conn) == {"ready": len(texts)}
@@ -94,6 +115,7 @@ def test_crash_after_call_before_commit(env, fake, clean_db, corpus):
     assert fake.stats["billed_inputs"] == len(texts) + billed_before
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == len(texts)
     assert_vectors_match(conn, fake)
+    assert assert_ledger_matches_bill(conn, fake, env) == billed_before
 
 
 # 4 -------------------------------------------------------------------------
@@ -114,6 +136,7 @@ def test_timeout_ambiguity(env, fake, clean_db, corpus):
     spend = next(iter(status["spend"].values()))
     assert spend["duplicate_inputs"] == len(texts)
     assert_vectors_match(conn, fake)
+    assert assert_ledger_matches_bill(conn, fake, env) == len(texts)
 
 
 # 5 -------------------------------------------------------------------------
@@ -190,6 +213,7 @@ def test_expired_lease_late_completion_refused(env, fake, clean_db, corpus):
     assert conn.execute("SELECT status FROM app.embedding_jobs").fetchone()[0] == "ready"
     assert conn.execute("SELECT created_at FROM app.embeddings").fetchone()[0] == stored_at  # not overwritten
     assert fake.billed_count("SLOWDOC a document whose worker stalls") == 2
+    assert assert_ledger_matches_bill(conn, fake, env) == 1
 
 
 # 8 -------------------------------------------------------------------------

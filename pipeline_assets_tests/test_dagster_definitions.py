@@ -49,8 +49,13 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     assert {s.name for s in repo.sensor_defs} == {"source_documents", "rerun_stale_documents"}
     schedules = {s.name: s for s in repo.schedule_defs}
     assert schedules["reconcile_hourly"].cron_schedule == "*/5 * * * *"
-    checks = {k.name for k in graph.asset_check_keys}
-    assert checks == {"current_chunks_have_ready_embeddings", "no_stale_vector_current", "dead_letter_growth"}
+    checks = {(k.asset_key.to_user_string(), k.name) for k in graph.asset_check_keys}
+    assert checks == {("embeddings", "partition_embedded"), ("embedding_store", "no_stale_vector_current"),
+                      ("embedding_store", "dead_letter_growth")}
+    # documents and chunks: one step that cannot be subset; the store is not materialized by Dagster.
+    ingest = graph.get(dg.AssetKey("documents")).assets_def
+    assert ingest is graph.get(dg.AssetKey("chunks")).assets_def and not ingest.can_subset
+    assert not graph.get(dg.AssetKey("embedding_store")).is_materializable
 
 
 def test_model_and_versions_follow_the_environment(monkeypatch):
@@ -90,13 +95,13 @@ def test_sqlalchemy_url_uses_psycopg2_and_the_socket_dir():
         "postgresql+psycopg2://u:p%40ss@db.example:5433/dagster?sslmode=require"
 
 
-def test_top_level_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkeypatch):
-    """The deployment dagster.yaml: storage through dagster-postgres with a psycopg2 URL from env."""
+def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkeypatch):
+    """The deployment template deploy/dagster.yaml: storage through dagster-postgres, URL from env."""
     name = "t_dagster_" + uuid.uuid4().hex[:8]
     url = migrations.ensure_database(server_url, name)
     home = tmp_path / "dagster_home"
     home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(REPO / "deploy" / "dagster.yaml", home / "dagster.yaml")
     monkeypatch.setenv("DAGSTER_PG_URL", devserver.sqlalchemy_url(url))
     try:
         instance = dg.DagsterInstance.from_config(str(home))

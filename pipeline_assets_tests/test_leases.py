@@ -33,7 +33,9 @@ def test_per_call_timeout_turns_a_stall_into_a_retryable_failure(env, fake, clea
     (corpus / "stall.md").write_text("STALL this call never answers in time")
     (corpus / "fine.md").write_text("an ordinary document")
     fake.slow_marker, fake.slow_seconds = "STALL", 30.0
-    env = {**env, "PIPELINE_CALL_TIMEOUT": "0.5", "PIPELINE_MAX_ATTEMPTS": "2"}
+    # One input per request: a timeout is not the input's fault, so nothing isolates the
+    # stalling input from a neighbour in its request; here it has none.
+    env = {**env, "PIPELINE_CALL_TIMEOUT": "0.5", "PIPELINE_MAX_ATTEMPTS": "2", "PIPELINE_BATCH_INPUTS": "1"}
     cli("embed", str(corpus), env=env, timeout=60)
     conn = clean_db
     assert job_counts(conn) == {"ready": 1, "failed": 1}

@@ -26,7 +26,7 @@ QUERY_DIR = queries.sql_dir() / "queries"
 
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
-    "jobs/transitions.py", "jobs/models.py", "jobs/ledger.py", "jobs/status.py",
+    "jobs/transitions.py", "jobs/models.py", "jobs/vector_index.py", "jobs/ledger.py", "jobs/status.py",
     "app/reports.py", "app/retrieval.py", "app/stages.py",
 ]
 FAMILIES = ["jobs", "models", "ledger", "reports", "retrieval", "stage_runs", "documents", "migrations"]
@@ -188,23 +188,30 @@ def _fields(template: str) -> set[str]:
 
 
 def test_templates_have_exactly_their_fields():
-    assert _fields(models.MODELS.create_hnsw_index) == {"name", "dim", "model"}
-    assert _fields(retrieval.RETRIEVAL.nearest) == {"dim"}
+    assert _fields(models.MODELS.create_hnsw_index) == {"name", "kind", "dim", "opclass", "model"}
+    assert _fields(models.MODELS.drop_index) == {"name"}
+    assert _fields(retrieval.RETRIEVAL.nearest) == {"kind", "dim"}
     assert _fields(transitions.JOBS.enqueue) == {"scope"}
+    assert _fields(stages.STAGE_RUNS.embed_state) == {"models", "scope"}
+    assert _fields(stages.STAGE_RUNS.refresh_embed) == _fields(stages.STAGE_RUNS.embed_counts) == {"state"}
     for family in FAMILIES:
         fam = queries.load(family)
         for name in fam.names():
-            if (family, name) not in {("models", "create_hnsw_index"), ("retrieval", "nearest"),
-                                      ("jobs", "enqueue"), ("migrations", "create_database")}:
+            if (family, name) not in {("models", "create_hnsw_index"), ("models", "drop_index"),
+                                      ("retrieval", "nearest"),
+                                      ("jobs", "enqueue"), ("migrations", "create_database"),
+                                      ("stage_runs", "embed_state"), ("stage_runs", "refresh_embed"),
+                                      ("stage_runs", "embed_counts")}:
                 assert "{" not in getattr(fam, name), (family, name)
 
 
 def test_index_template_quotes_what_it_interpolates():
     text = sql.SQL(models.MODELS.create_hnsw_index).format(
-        name=sql.Identifier("embeddings_hnsw_x"), dim=sql.Literal(16), model=sql.Literal("o'brien/m@16")
+        name=sql.Identifier("embeddings_hnsw_x"), kind=sql.Identifier("halfvec"),
+        opclass=sql.Identifier("halfvec_cosine_ops"), dim=sql.Literal(3072), model=sql.Literal("o'brien/m@16")
     ).as_string(None)
-    assert 'CREATE INDEX "embeddings_hnsw_x" ON app.embeddings' in text
-    assert "vector(16)" in text
+    assert 'CREATE INDEX CONCURRENTLY IF NOT EXISTS "embeddings_hnsw_x" ON app.embeddings' in text
+    assert '"halfvec"(3072)) "halfvec_cosine_ops"' in text
     assert "model_id = 'o''brien/m@16'" in text
 
 
@@ -242,6 +249,7 @@ def test_check_constraint_allows_exactly_the_job_statuses(conn):
 # Literals in jobs.sql that are not job states (anything else must be a JobStatus).
 NOT_STATUS_LITERALS = {
     "lease_expired", "lease expired before completion (worker died or stalled)",  # error class / message
+    "worker_dead", "its worker process stopped beating (died) before completion",  # error class / message
     "-infinity",                                                                   # timestamps
     "app.embedding_jobs", "job_id",                                                # pg_get_serial_sequence
 }
@@ -356,7 +364,7 @@ def test_read_paths_run_against_a_real_database(clean_db):
                                                     "duplicate_inputs": 0, "extra_sends": 0}
 
     assert models.list_models(conn) == [{"model_id": MODEL, "name": "o'named", "provider": "test", "dimension": 4,
-                                         "active": True, "ready": 2, "outstanding": 0}]
+                                         "active": True, "ready": 2, "outstanding": 0, "index": "ready"}]
     assert transitions.requeue_failed(conn, all_failed=True) == {JobStatus.PENDING: 1, JobStatus.SUPERSEDED: 0}
     assert models.active_model_ids(conn) == [MODEL]
     assert models.retire(conn, MODEL) == 1

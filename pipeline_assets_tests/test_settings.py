@@ -105,3 +105,34 @@ def test_no_environment_read_outside_settings():
             if re.search(r"os\.environ|os\.getenv", line):
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_password_containing_at_is_fully_redacted():
+    from pipeline_assets.settings import redact_text
+
+    url = "postgresql://app:s3@cr3t@db.internal:5432/x"
+    # What the CLI prints when libpq, stopping at the first "@", echoes the rest as the host.
+    message = f"cannot connect to database {url}: failed to resolve host 'cr3t@db.internal': [Errno -2]"
+    shown = redact_text(message)
+    assert "s3" not in shown and "cr3t" not in shown, shown
+    assert "db.internal:5432" in shown
+    assert redact_text("postgresql://app:a@b@c@h/db") == "postgresql://app:***@h/db"
+    assert "p@ss" not in redact_text("host=h password=p@ss user=u")
+    assert "cr3t" not in str(Settings.from_env({"PIPELINE_DATABASE_URL": url}).describe())
+
+
+def test_ingest_guard_settings(monkeypatch):
+    s = Settings.from_env({})
+    assert s.ingest_batch_bytes == 64 * 1024 * 1024 and s.extract_memory == 2 * 1024 ** 3
+    assert s.max_text_chars == 20_000_000 and s.max_chunks_per_document == 20_000
+    s = Settings.from_env({"PIPELINE_INGEST_BATCH_BYTES": "1000", "PIPELINE_MAX_TEXT_CHARS": "50",
+                           "PIPELINE_MAX_CHUNKS_PER_DOCUMENT": "3", "PIPELINE_EXTRACT_MEMORY": "0"})
+    assert (s.ingest_batch_bytes, s.max_text_chars, s.max_chunks_per_document, s.extract_memory) == (1000, 50, 3, 0)
+    for env, value in (("PIPELINE_INGEST_BATCH_BYTES", "0"), ("PIPELINE_MAX_TEXT_CHARS", "0"),
+                       ("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", "-1"), ("PIPELINE_EXTRACT_MEMORY", "-1")):
+        with pytest.raises(SettingsError, match=env):
+            Settings.from_env({env: value})
+    from pipeline_assets.app.runtime import Runtime
+
+    options = Runtime.build(s).options
+    assert (options.batch_bytes, options.max_text_chars, options.max_chunks, options.extract_memory) == (1000, 50, 3, 0)

@@ -1,7 +1,13 @@
-"""The per-document wall-clock limit on extract + chunk."""
+"""The per-document wall-clock limit and memory limit on extract + chunk: the
+extraction runs in a child process that is killed at its deadline, so a stall
+in C code, a parser that swallows exceptions, a run off the main thread or an
+input that inflates past the memory limit quarantines only its document."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 from pipeline_assets.content import process
@@ -10,25 +16,159 @@ from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions
 
 
-def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, monkeypatch):
+def _corpus(tmp_path):
     corpus = tmp_path / "c"
     corpus.mkdir()
-    (corpus / "fine.md").write_text("an ordinary document")
-    (corpus / "stall.md").write_text("this one makes the parser hang")
+    # The poison document comes first: the one after it needs a fresh child.
+    (corpus / "a-poison.md").write_text("this one makes the parser misbehave")
+    (corpus / "b-fine.md").write_text("an ordinary document")
+    (corpus / "c-fine.md").write_text("another ordinary document")
+    return corpus
+
+
+def _poison(monkeypatch, behaviour):
     real = process.extract_text
 
     def extract(document_id, raw, **kw):
-        if document_id == "stall.md":
-            time.sleep(30)  # a parser stuck on a pathological input
+        if document_id == "a-poison.md":
+            behaviour()
         return real(document_id, raw, **kw)
 
     monkeypatch.setattr(process, "extract_text", extract)
+
+
+def _ingest(conn, corpus, **options):
+    return ingest_directory(conn, corpus, IngestOptions(chunker=Chunker(), max_bytes=1 << 20, **options))
+
+
+def _assert_only_poison_quarantined(conn, report, error_class):
+    assert report.quarantined == 1 and report.errors == {error_class: 1}, report
+    rows = dict(conn.execute("SELECT document_id, status || ':' || coalesce(error_class, '')"
+                             " FROM app.documents").fetchall())
+    assert rows == {"a-poison.md": f"quarantined:{error_class}", "b-fine.md": "current:", "c-fine.md": "current:"}
+    assert conn.execute("SELECT count(*) FROM app.chunks").fetchone()[0] == 2
+    stage = conn.execute("SELECT s.status, s.error_class FROM app.stage_runs s JOIN app.documents d USING (doc_pk)"
+                         " WHERE d.document_id = 'a-poison.md' AND s.stage = 'extract'").fetchone()
+    assert stage == ("failed", error_class)
+
+
+def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, monkeypatch):
+    _poison(monkeypatch, lambda: time.sleep(30))  # a parser stuck on a pathological input
     started = time.monotonic()
-    report = ingest_directory(clean_db, corpus, IngestOptions(chunker=Chunker(), max_bytes=1 << 20,
-                                                              stage_timeout=0.5))
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
     assert time.monotonic() - started < 10
-    assert report.quarantined == 1 and report.errors == {"timeout": 1}
-    rows = dict(clean_db.execute("SELECT document_id, status || ':' || coalesce(error_class, '')"
-                                 " FROM app.documents").fetchall())
-    assert rows == {"fine.md": "current:", "stall.md": "quarantined:timeout"}
-    assert clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0] == 1
+    _assert_only_poison_quarantined(clean_db, report, "timeout")
+
+
+def test_a_stall_in_c_code_is_killed_at_its_deadline(clean_db, tmp_path, monkeypatch):
+    # One C call that never returns to the interpreter: a signal handler cannot run
+    # inside it (SIGALRM fired only after it ended, ~20 s later).
+    _poison(monkeypatch, lambda: sum(range(10 ** 9)))
+    started = time.monotonic()
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
+    assert time.monotonic() - started < 5
+    _assert_only_poison_quarantined(clean_db, report, "timeout")
+
+
+def test_a_parser_that_swallows_exceptions_is_still_stopped(clean_db, tmp_path, monkeypatch):
+    def swallowing():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)
+            except Exception:  # a parser's blanket handler eats whatever the timeout raises
+                pass
+
+    _poison(monkeypatch, swallowing)
+    started = time.monotonic()
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
+    assert time.monotonic() - started < 8
+    _assert_only_poison_quarantined(clean_db, report, "timeout")
+
+
+def test_the_limit_holds_off_the_main_thread(clean_db, tmp_path, monkeypatch):
+    """A Dagster run or a sensor ingests off the main thread, where SIGALRM cannot be used."""
+    _poison(monkeypatch, lambda: time.sleep(20))
+    corpus = _corpus(tmp_path)
+    result = {}
+    started = time.monotonic()
+    t = threading.Thread(target=lambda: result.update(report=_ingest(clean_db, corpus, stage_timeout=0.5)))
+    t.start()
+    t.join(60)
+    assert time.monotonic() - started < 8
+    _assert_only_poison_quarantined(clean_db, result["report"], "timeout")
+
+
+def test_an_extraction_over_the_memory_limit_is_quarantined(clean_db, tmp_path, monkeypatch):
+    def inflate():
+        blob = bytearray(1 << 30)  # a 1 GiB parse tree, say
+        blob[-1] = 1
+
+    _poison(monkeypatch, inflate)
+    report = _ingest(clean_db, _corpus(tmp_path), extract_memory=256 * 1024 * 1024)
+    _assert_only_poison_quarantined(clean_db, report, "memory_limit")
+
+
+def test_a_parser_that_crashes_its_process_is_one_documents_error(clean_db, tmp_path, monkeypatch):
+    _poison(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGSEGV))  # a crash in a C extension
+    report = _ingest(clean_db, _corpus(tmp_path))
+    _assert_only_poison_quarantined(clean_db, report, "extract_crashed")
+
+
+def test_a_bug_in_a_parser_is_one_documents_error(clean_db, tmp_path, monkeypatch):
+    def bug():
+        raise KeyError("a parser bug")
+
+    _poison(monkeypatch, bug)
+    report = _ingest(clean_db, _corpus(tmp_path))
+    _assert_only_poison_quarantined(clean_db, report, "extract_failed")
+
+
+# -- the sandbox itself ---------------------------------------------------------------------
+def _nap(seconds: float, value):
+    time.sleep(seconds)
+    return value
+
+
+def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued():
+    from pipeline_assets.content.extract import ExtractError
+    from pipeline_assets.content.sandbox import Sandbox
+
+    with Sandbox(_nap, timeout=1.0, memory_limit=0) as box:
+        calls = [(0.3, "a"), (0.3, "b"), (30, "stuck"), (0.3, "c"), (0.3, "d"), (0, b"x" * (3 << 20))]
+        outcomes = []
+        for i, args in enumerate(calls):
+            while not box.submit(i, *args):
+                outcomes.append(box.take())
+        while box.pending:
+            outcomes.append(box.take())
+        assert box.starts == 2  # one kill, at the stuck call
+    assert [tag for tag, _ in outcomes] == list(range(len(calls)))
+    values = [o if not isinstance(o, ExtractError) else o.error_class for _, o in outcomes]
+    # 0.3 s each, queued together: none charged for the time spent waiting behind the others.
+    assert values == ["a", "b", "timeout", "c", "d", b"x" * (3 << 20)]
+
+
+def test_the_child_does_not_outlive_a_killed_parent(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import os, signal\n"
+              "from pipeline_assets.content.sandbox import Sandbox\n"
+              "box = Sandbox(lambda x: x, timeout=5, memory_limit=0)\n"
+              "assert box.call(1) == 1\n"
+              "print(box._proc.pid, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    child = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return  # exited (a zombie until init reaps it)
+        time.sleep(0.1)
+    raise AssertionError(f"extraction child {child} still running after its parent was killed")

@@ -7,19 +7,23 @@ import random
 import pytest
 
 from pipeline_assets.jobs import backoff
-from pipeline_assets.jobs.decisions import (BreakerFailure, Fail, GiveBack, ProbeConfig, Retry, Split, Stop,
-                                            check_vectors, decide, plan_requests, retry_delays, unwanted,
+from pipeline_assets.jobs.decisions import (BAD_VECTOR, MAX_CONSECUTIVE_WORKER_FAULTS, THROTTLE_SHRINK_AFTER,
+                                            THROTTLED_TOO_OFTEN, BreakerFailure, Fail, GiveBack, ProbeConfig,
+                                            Release, Retry, Split, Stop, bad_vectors, check_vectors, decide,
+                                            halvings, plan_requests, retry_delays, unwanted, without,
                                             worker_error)
 from pipeline_assets.jobs.transitions import ClaimedJob
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError
 
 BASE, CAP, POLL = 1.0, 60.0, 0.5
+RETRY_AFTER_CAP, MAX_THROTTLES = 300.0, 10
 SEED = 1234
 
 
 def job(job_id: int, *, attempts: int = 1, max_attempts: int = 5, text: str | None = "x",
-        tokens: int | None = 10, probe: bool = False) -> ClaimedJob:
-    return ClaimedJob(job_id, job_id.to_bytes(4, "big"), attempts, max_attempts, text, tokens, probe)
+        tokens: int | None = 10, probe: bool = False, throttles: int = 0, isolate: bool = False) -> ClaimedJob:
+    return ClaimedJob(job_id, job_id.to_bytes(4, "big"), attempts, max_attempts, text, tokens, probe, throttles,
+                      isolate)
 
 
 def ids(requests) -> list[list[int]]:
@@ -37,10 +41,28 @@ PLANS = [
     pytest.param([job(1, tokens=None), job(2, tokens=None)], 10, 1, [[1, 2]], id="unknown tokens count as 0"),
     pytest.param([job(1), job(2, text=None), job(3)], 10, 100, [[1, 3]], id="no text: skipped"),
     pytest.param([job(1, text=None)], 10, 100, [], id="only unwanted jobs"),
-    pytest.param([job(1), job(2, attempts=2), job(3)], 10, 100, [[2], [1, 3]], id="a retried job goes alone"),
-    pytest.param([job(1, attempts=3), job(2, attempts=2)], 10, 100, [[1], [2]], id="every retried job alone"),
-    pytest.param([job(1), job(2), job(3, attempts=2), job(4)], 2, 100, [[3], [1, 2], [4]],
-                 id="a retried job goes out at once; the open batch keeps filling"),
+    pytest.param([job(1), job(2, isolate=True), job(3)], 10, 100, [[2], [1, 3]], id="an isolated job goes alone"),
+    pytest.param([job(1, isolate=True), job(2, isolate=True)], 10, 100, [[1], [2]], id="every isolated job alone"),
+    pytest.param([job(1), job(2), job(3, isolate=True), job(4)], 2, 100, [[3], [1, 2], [4]],
+                 id="an isolated job goes out at once; the open batch keeps filling"),
+    # Issue 8: a retry after a 5xx, a timeout or a crash isolates nobody (one 5xx on a
+    # 23-input batch used to become 23 requests).
+    pytest.param([job(i, attempts=2) for i in range(1, 24)], 256, 10_000, [list(range(1, 24))],
+                 id="retried jobs (5xx, crash) still travel together"),
+    pytest.param([job(1, throttles=1), job(2), job(3, throttles=1)], 10, 100, [[1, 2, 3]],
+                 id="one throttle does not shrink"),
+    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER) for i in range(1, 9)], 8, 1000, [[1, 2, 3, 4], [5, 6, 7, 8]],
+                 id="repeated throttles halve the request"),
+    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER + 1) for i in range(1, 5)], 8, 1000,
+                 [[1, 2], [3, 4]], id="each further throttle halves again"),
+    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER, tokens=10) for i in range(1, 5)], 100, 40,
+                 [[1, 2], [3, 4]], id="the token bound halves too"),
+    pytest.param([job(1), job(2, throttles=5), job(3), job(4, throttles=5), job(5, throttles=5),
+                  job(6, throttles=5)], 64, 1000, [[2, 4], [1, 3], [5, 6]],
+                 id="throttled jobs travel only with jobs throttled as often"),
+    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER) for i in range(1, 14)], 256, 100_000,
+                 [list(range(1, 8)), list(range(8, 14))], id="a throttled group far below the batch is halved too"),
+    pytest.param([job(1, throttles=40)], 8, 1000, [[1]], id="shrinking stops at one input"),
 ]
 
 
@@ -52,13 +74,17 @@ def test_plan_requests(jobs, max_inputs, max_tokens, expected):
 def test_plan_requests_keeps_every_wanted_job_exactly_once():
     rng = random.Random(SEED)
     jobs = [job(i, attempts=rng.choice([1, 1, 1, 2]), text=rng.choice(["x", "x", None]),
-                tokens=rng.randint(1, 50)) for i in range(1, 300)]
+                tokens=rng.randint(1, 50), throttles=rng.choice([0, 0, 1, 2, 3, 9]),
+                isolate=rng.random() < 0.1) for i in range(1, 300)]
     requests = plan_requests(jobs, max_inputs=7, max_tokens=120)
     planned = [j.job_id for r in requests for j in r]
     assert sorted(planned) == sorted(j.job_id for j in jobs if j.text is not None)
     for r in requests:
-        assert 1 <= len(r) <= 7
-        assert len(r) == 1 or (sum(j.token_count for j in r) <= 120 and all(j.attempts == 1 for j in r))
+        level = halvings(r[0].throttles)
+        assert 1 <= len(r) <= max(1, 7 >> level)
+        assert len(r) == 1 or (sum(j.token_count for j in r) <= max(1, 120 >> level)
+                               and not any(j.isolate for j in r)
+                               and {halvings(j.throttles) for j in r} == {level})
 
 
 def test_unwanted():
@@ -74,7 +100,7 @@ def err(kind: str, error_class: str = "e", *, status: int | None = None, retry_a
 
 def run(error: ProviderError, jobs, *, config_ok: bool | None = True, seed: int = SEED):
     return decide(error, jobs, config_ok=config_ok, base=BASE, cap=CAP, poll_seconds=POLL,
-                  rng=random.Random(seed))
+                  retry_after_cap=RETRY_AFTER_CAP, max_throttles=MAX_THROTTLES, rng=random.Random(seed))
 
 
 def expected_delays(jobs, retry_after=None, seed=SEED):
@@ -113,6 +139,26 @@ DECISIONS = [
     pytest.param(err(THROTTLED, "rate_limited", status=429), [job(1, attempts=5, max_attempts=5)], True,
                  GiveBack((1,), 0.0, "rate_limited", "boom", BreakerFailure(trip=True, floor=0.0), pause=POLL),
                  id="throttled costs no attempt, even the last"),
+    # Issue 8, item 2: Retry-After is capped (a proxy's 86400 must not hold every worker for a day).
+    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=86400.0), ONE, True,
+                 GiveBack((1,), RETRY_AFTER_CAP, "rate_limited", "boom",
+                          BreakerFailure(trip=True, floor=RETRY_AFTER_CAP), pause=RETRY_AFTER_CAP),
+                 id="throttled: Retry-After capped"),
+    pytest.param(err(RETRYABLE, "http_503", status=503, retry_after=86400.0), ONE, True,
+                 Retry((1,), (RETRY_AFTER_CAP,), "http_503", "boom", BreakerFailure(trip=False, floor=RETRY_AFTER_CAP)),
+                 id="retryable: Retry-After capped"),
+    # Issue 8, item 3: throttles are counted; a lone input throttled past the cap is dead-lettered.
+    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES - 1)],
+                 True, GiveBack((1,), 2.0, "rate_limited", "boom", BreakerFailure(trip=True, floor=2.0), pause=2.0),
+                 id="throttled: the cap-th throttle is still given back"),
+    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES)],
+                 True, Fail((1,), THROTTLED_TOO_OFTEN,
+                            f"throttled {MAX_THROTTLES + 1} times, alone in its request (cap {MAX_THROTTLES}): boom",
+                            breaker=BreakerFailure(trip=True, floor=2.0), pause=2.0),
+                 id="throttled past the cap alone: dead-lettered, the breaker still trips"),
+    pytest.param(err(THROTTLED, "rate_limited", status=429), [job(1, throttles=50), job(2, throttles=50)], True,
+                 GiveBack((1, 2), 0.0, "rate_limited", "boom", BreakerFailure(trip=True, floor=0.0), pause=POLL),
+                 id="throttled past the cap in a batch: given back (the next request is smaller)"),
     # TERMINAL: the input is bad, unless the configuration is.
     pytest.param(err(TERMINAL, "bad_request", status=400), ONE, None, ProbeConfig(),
                  id="terminal: probe the configuration first"),
@@ -174,9 +220,36 @@ def test_retry_delays_are_full_jitter_bounded_by_the_attempt(attempts):
     assert max(delays) > 0.8 * bound
 
 
-def test_retry_after_above_the_cap_still_wins():
+def test_retry_after_above_the_backoff_cap_still_wins_up_to_its_own_cap():
+    out = run(err(RETRYABLE, "server_error", retry_after=200.0), [job(1, attempts=10)])
+    assert out.delays == (200.0,)
     out = run(err(RETRYABLE, "server_error", retry_after=600.0), [job(1, attempts=10)])
-    assert out.delays == (600.0,)
+    assert out.delays == (RETRY_AFTER_CAP,)
+
+
+def test_a_poison_input_that_is_always_throttled_is_dead_lettered_and_frees_the_rest():
+    """The worker's loop over a request the provider never accepts (issue 8, item 3):
+    its requests shrink, it ends alone, and it is dead-lettered past the cap."""
+    jobs = {i: job(i) for i in range(1, 17)}
+    poison, sent, failed = 7, 0, []
+    while jobs:
+        request = plan_requests(list(jobs.values()), max_inputs=16, max_tokens=10_000)[0]
+        sent += 1
+        if poison not in [j.job_id for j in request]:
+            for j in request:
+                del jobs[j.job_id]  # accepted
+            continue
+        outcome = run(err(THROTTLED, "rate_limited", status=429), request)
+        if isinstance(outcome, Fail):
+            failed.extend(outcome.job_ids)
+            for i in outcome.job_ids:
+                del jobs[i]
+        else:
+            assert isinstance(outcome, GiveBack)
+            for i in outcome.job_ids:  # give_back counts the throttle
+                jobs[i] = job(i, throttles=jobs[i].throttles + 1)
+    assert failed == [poison]
+    assert sent <= MAX_THROTTLES + 10
 
 
 def test_decide_rejects_an_unknown_kind():
@@ -208,16 +281,46 @@ def test_config_probe_then_split_isolates_the_bad_input():
 
 # -- worker errors and the answer's dimension ------------------------------------------------------
 
-def test_worker_error_counts_the_attempt_without_blaming_the_provider():
+def test_worker_error_gives_back_without_an_attempt_and_without_blaming_the_provider():
     jobs = [job(1), job(2, attempts=5, max_attempts=5)]
-    out = worker_error(RuntimeError("connection reset sk-abcdefghijklmnop"), jobs, base=BASE, cap=CAP,
-                       rng=random.Random(SEED))
+    out = worker_error(RuntimeError("permission denied sk-abcdefghijklmnop"), jobs, consecutive=1, unavailable=False,
+                       base=BASE, cap=CAP, rng=random.Random(SEED))
+    assert isinstance(out, Release)  # no attempt used: even the job on its last attempt is not failed
     assert out.job_ids == (1, 2)
-    assert out.delays == expected_delays(jobs)
+    assert out.delay == random.Random(SEED).uniform(0.0, min(CAP, BASE * 2))
     assert out.error_class == "worker_error"
-    assert out.message.startswith("RuntimeError: connection reset") and "sk-abcdefghijklmnop" not in out.message
-    assert out.breaker is None
+    assert out.message.startswith("RuntimeError: permission denied") and "sk-abcdefghijklmnop" not in out.message
+    assert out.stop is None
+
+
+@pytest.mark.parametrize("consecutive, unavailable, stops", [
+    (1, False, False),
+    (MAX_CONSECUTIVE_WORKER_FAULTS - 1, False, False),
+    (MAX_CONSECUTIVE_WORKER_FAULTS, False, True),
+    (MAX_CONSECUTIVE_WORKER_FAULTS + 5, False, True),
+    (MAX_CONSECUTIVE_WORKER_FAULTS + 5, True, False),  # an unreachable database is waited for
+])
+def test_worker_error_stops_after_a_few_in_a_row(consecutive, unavailable, stops):
+    out = worker_error(ValueError("boom\nsecond line"), [job(1)], consecutive=consecutive, unavailable=unavailable,
+                       base=BASE, cap=CAP, rng=random.Random(SEED))
+    assert (out.stop is not None) == stops
+    if stops:
+        assert "\n" not in out.stop and out.stop.endswith("ValueError: boom second line")
+        assert f"after {consecutive} faults" in out.stop
+    assert 0.0 <= out.delay <= min(CAP, BASE * 2 ** consecutive)
+
+
+def test_bad_vectors_retry_only_the_non_finite_ones_as_a_provider_fault():
+    jobs = [job(1), job(2, attempts=5, max_attempts=5), job(3)]
+    assert bad_vectors([True, True, True], jobs, base=BASE, cap=CAP) is None
+    out = bad_vectors([True, False, False], jobs, base=BASE, cap=CAP, rng=random.Random(SEED))
+    assert isinstance(out, Retry) and out.job_ids == (2, 3)
+    assert out.error_class == BAD_VECTOR
+    assert out.breaker == BreakerFailure(trip=False, floor=0.0)  # the provider's fault, counted by the breaker
     assert out.exhausted == (2,)
+    assert out.delays == expected_delays(jobs[1:])
+    kept, vectors = without(out.job_ids, jobs, ["v1", "v2", "v3"])
+    assert [j.job_id for j in kept] == [1] and vectors == ["v1"]
 
 
 VECTORS = [

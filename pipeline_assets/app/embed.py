@@ -25,7 +25,7 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
          lease_seconds: float | None = None, worker_id: str | None = None, poll_seconds: float | None = None,
          stop: threading.Event | None = None) -> WorkerReport:
     """Claim and embed until ``stop`` is set (or, ``until_idle``, until nothing is
-    claimable, waiting or leased); then refresh the documents' embed stage rows.
+    claimable, waiting or leased); then refresh the embed stage rows of the documents it touched.
 
     Raises the worker's FatalProviderError / BudgetExhausted with their one-line messages.
     """
@@ -35,9 +35,11 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     if poll_seconds:
         config.poll_seconds = poll_seconds
     worker = Worker(pool.conninfo, rt.provider, config, settings=rt.settings, stop_event=stop)
+    with pool.connection() as conn:
+        since = stages.clock(conn)
     report = worker.run()
     with pool.connection() as conn:
-        stages.refresh_embed(conn, rt.model_id)
+        stages.refresh_embed_touched(conn, rt.model_id, since)
     return report
 
 
@@ -65,6 +67,7 @@ def embed_documents(rt: Runtime, pool: ConnectionPool, root: Path, document_ids:
         _, before = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
     report = work(rt, pool, until_idle=True, poll_seconds=poll_seconds)
     with pool.connection() as conn:
+        stages.refresh_embed_docs(conn, rt.model_id, pks)
         per_doc, after = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
     return DocumentsEmbedded(work=report, enqueued=enqueued, summaries=summaries, before=before, after=after,
                              per_document=per_doc)

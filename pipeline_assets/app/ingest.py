@@ -6,25 +6,47 @@ replaced and its new chunks enqueued in one transaction per batch, and the
 jobs of content no longer wanted are superseded at once. Items gone from the
 source are tombstoned after a complete scan.
 
+Guards: one transaction holds at most INGEST_BATCH_DOCUMENTS documents and,
+past PIPELINE_INGEST_BATCH_BYTES of chunk text, is written at once; extraction
+runs in a child process (``content.process.Extractor``); every failure of one
+document is that document's quarantine; a transaction the server aborts for a
+deadlock is retried (TX_ATTEMPTS) instead of aborting the ingest or reconcile.
+
 The use cases (``ingest_source``, ``ingest_documents``) are what the command
 line and the Dagster assets and sensors call; the rest is their machinery.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents
 from pipeline_assets.app.runtime import IngestOptions, Runtime
-from pipeline_assets.content.process import Processed, process_item
-from pipeline_assets.content.sources import SourceError, SourceItem, scan_directory
+from pipeline_assets.content.process import ExtractSpec, Extractor, Processed, process_items
+from pipeline_assets.content.sources import SourceError, SourceItem, document_id_problem, item_for, scan_directory
 from pipeline_assets.jobs import models, transitions
 from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS
+
+T = TypeVar("T")
+
+# Attempts of one ingest transaction that the server aborted to break a deadlock
+# or a serialization conflict (with another ingest, a reconcile, a person's
+# statement), before the error is the ingest's.
+TX_ATTEMPTS = 4
+# Pause before such a retry: this times the attempt number, plus up to as much jitter.
+TX_RETRY_PAUSE_SECONDS = 0.05
+RETRYABLE_TX_ERRORS = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+
+# Error class counted in IngestReport.errors for a document id that is refused
+# (absolute, '..', hidden; see sources.document_id_problem): nothing is read or written.
+INVALID_DOCUMENT_ID = "invalid_document_id"
 
 
 @dataclass
@@ -47,8 +69,9 @@ class IngestReport:
 
 # -- use cases ---------------------------------------------------------------------------
 def register_model(conn: psycopg.Connection, rt: Runtime) -> int:
-    """Register (or re-activate) the runtime's model; a model seen for the first
-    time gets jobs for every current chunk ingested before it. Returns the jobs enqueued."""
+    """Register the runtime's model; a model seen for the first time gets jobs for
+    every current chunk ingested before it. Returns the jobs enqueued. A retired
+    model is refused (``models.ModelRetired``, one line) until `models activate`."""
     if models.ensure_model(conn, rt.provider.spec):
         return transitions.enqueue_missing(conn, rt.options.max_attempts)
     return 0
@@ -87,16 +110,25 @@ def ingest_directory(conn: psycopg.Connection, root: Path, options: IngestOption
         if current:
             raise SourceError(f"source {root} is empty but {current} documents from it are current; "
                               "refusing to tombstone them all (pass --allow-empty if this is intended)")
-    with conn.transaction():
-        documents.write_lock(conn)
-        _tombstone(conn, report, documents.tombstone_unseen(conn, source_id, scan_started))
-        documents.mark_scanned(conn, source_id)
+
+    def tombstone() -> list[int]:
+        with conn.transaction():
+            documents.write_lock(conn)
+            pks = documents.tombstone_unseen(conn, source_id, scan_started)
+            superseded = documents.tombstone(conn, pks)
+            documents.mark_scanned(conn, source_id)
+        return [len(pks), superseded]
+
+    deleted, superseded = _retrying(tombstone)
+    report.deleted += deleted
+    report.superseded += superseded
     return report
 
 
 def ingest_paths(conn: psycopg.Connection, root: Path, document_ids: Iterable[str],
                  options: IngestOptions) -> IngestReport:
-    """Ingest only some documents of a source. An id whose file is gone is tombstoned."""
+    """Ingest only some documents of a source. An id whose file is gone is tombstoned;
+    an id that could leave the root (absolute, '..') is refused and counted, never read."""
     root = Path(root).expanduser().resolve()
     if not root.is_dir():
         raise SourceError(f"source directory not found: {root}")
@@ -104,23 +136,39 @@ def ingest_paths(conn: psycopg.Connection, root: Path, document_ids: Iterable[st
     report = IngestReport()
     present, missing = [], []
     for doc_id in document_ids:
-        path = root / doc_id
-        if path.is_file():
-            st = path.stat()
-            present.append(SourceItem(doc_id, path, st.st_size, st.st_mtime_ns, path.as_uri()))
-        else:
+        if document_id_problem(doc_id):
+            report.errors[INVALID_DOCUMENT_ID] = report.errors.get(INVALID_DOCUMENT_ID, 0) + 1
+            continue
+        item = item_for(root, doc_id)
+        if item is None:
             missing.append(doc_id)
+        else:
+            present.append(item)
     _ingest_items(conn, source_id, iter(present), options, report, record_seen=False)
     if missing:
-        with conn.transaction():
-            documents.write_lock(conn)
-            _tombstone(conn, report, documents.tombstone_ids(conn, source_id, missing))
+        def tombstone() -> list[int]:
+            with conn.transaction():
+                documents.write_lock(conn)
+                pks = documents.tombstone_ids(conn, source_id, missing)
+                return [len(pks), documents.tombstone(conn, pks)]
+
+        deleted, superseded = _retrying(tombstone)
+        report.deleted += deleted
+        report.superseded += superseded
     return report
 
 
-def _tombstone(conn: psycopg.Connection, report: IngestReport, doc_pks: list[int]) -> None:
-    report.deleted += len(doc_pks)
-    report.superseded += documents.tombstone(conn, doc_pks)
+def _retrying(transaction: Callable[[], T]) -> T:
+    """Run ``transaction`` (which opens and commits its own); again, after a short pause,
+    when the server aborted it to break a deadlock or a serialization conflict."""
+    for attempt in range(1, TX_ATTEMPTS + 1):
+        try:
+            return transaction()
+        except RETRYABLE_TX_ERRORS:
+            if attempt == TX_ATTEMPTS:
+                raise
+            time.sleep(TX_RETRY_PAUSE_SECONDS * attempt * (1 + random.random()))
+    raise AssertionError("unreachable")
 
 
 def _chain(first: SourceItem | None, rest: Iterator[SourceItem]) -> Iterator[SourceItem]:
@@ -142,36 +190,58 @@ def _batches(items: Iterator[SourceItem], size: int) -> Iterator[list[SourceItem
 
 def _ingest_items(conn: psycopg.Connection, source_id: int, items: Iterator[SourceItem],
                   options: IngestOptions, report: IngestReport, *, record_seen: bool) -> None:
-    for batch in _batches(items, INGEST_BATCH_DOCUMENTS):
-        report.scanned += len(batch)
-        known = documents.known_documents(conn, source_id, [i.document_id for i in batch])
-        todo: list[Processed] = []
-        for item in batch:
-            old = known.get(item.document_id)
-            processed = process_item(item, old, chunker=options.chunker, max_bytes=options.max_bytes,
-                                     decode_errors=options.decode_errors, stage_timeout=options.stage_timeout,
-                                     extractor_version=options.extractor_version, force=options.force)
-            if processed is None:
-                report.unchanged += 1
-                continue
-            if old is None or old.status == "deleted":
-                report.new += 1
-            else:
-                report.changed += 1
-            if processed.error_class:
-                report.quarantined += 1
-                report.errors[processed.error_class] = report.errors.get(processed.error_class, 0) + 1
-            todo.append(processed)
+    """Process and write ``items``: one transaction per INGEST_BATCH_DOCUMENTS documents,
+    or sooner once the results hold ``options.batch_bytes`` of chunk text."""
+    spec = ExtractSpec(chunker=options.chunker, decode_errors=options.decode_errors,
+                       max_text_chars=options.max_text_chars, max_chunks=options.max_chunks)
+    with Extractor(spec, timeout=options.stage_timeout, memory_limit=options.extract_memory) as extractor:
+        for batch in _batches(items, INGEST_BATCH_DOCUMENTS):
+            report.scanned += len(batch)
+            known = documents.known_documents(conn, source_id, [i.document_id for i in batch])
+            seen: list[str] = []
+            todo: list[Processed] = []
+            held = 0
+            for item, processed in process_items(batch, known, extractor=extractor, max_bytes=options.max_bytes,
+                                                 extractor_version=options.extractor_version,
+                                                 force=options.force):
+                seen.append(item.document_id)
+                old = known.get(item.document_id)
+                if processed is None:
+                    report.unchanged += 1
+                    continue
+                if old is None or old.status == "deleted":
+                    report.new += 1
+                else:
+                    report.changed += 1
+                if processed.error_class:
+                    report.quarantined += 1
+                    report.errors[processed.error_class] = report.errors.get(processed.error_class, 0) + 1
+                todo.append(processed)
+                held += processed.text_bytes
+                if held >= options.batch_bytes:
+                    _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
+                    seen, todo, held = [], [], 0
+            _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
+
+
+def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list[Processed],
+           options: IngestOptions, report: IngestReport, *, record_seen: bool) -> None:
+    """One ingest transaction: the ids seen, the documents processed (retried on a deadlock)."""
+    if not todo and not (record_seen and seen):
+        return
+
+    def transaction() -> dict[str, int]:
         with conn.transaction():
             if record_seen:
-                documents.record_seen(conn, (item.document_id for item in batch))
-            if todo:
-                documents.write_lock(conn)
-                counts = documents.write_documents(
-                    conn, source_id, todo, extractor_version=options.extractor_version,
-                    chunker_version=options.chunker.version, max_attempts=options.max_attempts,
-                    config_hash=options.config_hash, run_id=options.run_id)
-                report.chunks += counts["chunks"]
-                report.enqueued += counts["enqueued"]
-                report.revived += counts["revived"]
-                report.superseded += counts["superseded"]
+                documents.record_seen(conn, seen)
+            if not todo:
+                return {}
+            documents.write_lock(conn)
+            return documents.write_documents(
+                conn, source_id, todo, extractor_version=options.extractor_version,
+                chunker_version=options.chunker.version, max_attempts=options.max_attempts,
+                config_hash=options.config_hash, run_id=options.run_id)
+
+    counts = _retrying(transaction)
+    for key in ("chunks", "enqueued", "revived", "superseded"):
+        setattr(report, key, getattr(report, key) + counts.get(key, 0))

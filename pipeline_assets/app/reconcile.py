@@ -20,7 +20,7 @@ from pipeline_assets.app import documents, stages
 from pipeline_assets.app.ingest import ingest_directory, register_model
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.sources import SourceError
-from pipeline_assets.jobs import models, transitions
+from pipeline_assets.jobs import transitions
 
 
 @dataclass
@@ -44,13 +44,15 @@ def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> 
     """`reconcile` and the scheduled reconciliation: register the model, re-scan, repair."""
     with pool.connection() as conn:
         enqueued = register_model(conn, rt)
-        report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan)
+        report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan,
+                           backoff=(rt.settings.backoff_base, rt.settings.backoff_cap))
     report.enqueued += enqueued
     return report
 
 
 def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str | None = None,
-              rescan: bool = True) -> ReconcileReport:
+              rescan: bool = True, backoff: tuple[float, float] = (0.0, 0.0)) -> ReconcileReport:
+    """``backoff``: (base, cap) of the full-jitter delay a rescued job waits out."""
     report = ReconcileReport()
     if rescan:
         for root in documents.source_roots(conn):
@@ -74,11 +76,10 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
         report.revived += transitions.revive_wanted(conn)
         report.superseded += transitions.supersede_unwanted(conn)
         report.repaired_vectors = transitions.repair_missing_vectors(conn)
-    rescued = transitions.rescue_expired(conn)
+    rescued = transitions.rescue_expired(conn, base=backoff[0], cap=backoff[1])
     report.rescued = sum(rescued.values())
     if model_id:
         stages.refresh_embed(conn, model_id)
-        dim = models.model_dimension(conn, model_id)
-        if dim:
-            models.ensure_index(conn, model_id, dim)
+    # No vector index build here: reconcile never waits on one. A worker builds
+    # it (concurrently) when its queue drains, `models index` on demand.
     return report

@@ -8,6 +8,7 @@ from typing import Sequence
 import psycopg
 from psycopg.rows import class_row, dict_row
 
+from pipeline_assets.app import stages
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import queries
 
@@ -21,6 +22,10 @@ def status(conn: psycopg.Connection) -> dict:
     stages_: dict[str, dict[str, int]] = {}
     for r in _dicts(conn, REPORTS.stages):
         stages_.setdefault(r["stage"], {})[r["status"]] = r["n"]
+    # The embed stage is computed from the jobs here, never stored by a read.
+    embed, embed_by_model = stages.embed_counts(conn)
+    if embed:
+        stages_["embed"] = embed
     coverage = {r["model_id"]: {"ready": r["ready"], "wanted": r["wanted"],
                                 "ratio": (r["ready"] / r["wanted"] if r["wanted"] else 1.0)}
                 for r in _dicts(conn, REPORTS.coverage)}
@@ -38,11 +43,13 @@ def status(conn: psycopg.Connection) -> dict:
         "jobs": totals,
         "jobs_by_model": jobs,
         "stages": stages_,
+        "embed_by_model": embed_by_model,
         "coverage": coverage,
         "dead_letter": totals.get(JobStatus.FAILED, 0),
         "superseded": totals.get(JobStatus.SUPERSEDED, 0),
         "quarantined_documents": _dicts(conn, REPORTS.quarantined_count)[0]["n"],
         "spend": spend,
+        "breaker": {r.pop("model_id"): r for r in _dicts(conn, REPORTS.breaker)},
     }
 
 

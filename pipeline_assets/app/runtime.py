@@ -48,6 +48,10 @@ class IngestOptions:
     allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
     stage_timeout: float = Settings.stage_timeout  # per document: extract + chunk
     extractor_version: str = EXTRACTOR_VERSION
+    extract_memory: int = Settings.extract_memory  # address space one extraction may add (0: none)
+    max_text_chars: int = Settings.max_text_chars  # per document
+    max_chunks: int = Settings.max_chunks_per_document
+    batch_bytes: int = Settings.ingest_batch_bytes  # chunk text per ingest transaction
 
     @property
     def config_hash(self) -> str:
@@ -75,6 +79,10 @@ class Runtime:
             max_attempts=settings.max_attempts,
             stage_timeout=settings.stage_timeout,
             extractor_version=extractor_version(settings),
+            extract_memory=settings.extract_memory,
+            max_text_chars=settings.max_text_chars,
+            max_chunks=settings.max_chunks_per_document,
+            batch_bytes=settings.ingest_batch_bytes,
             run_id=run_id,
             force=force,
             allow_empty=allow_empty,

@@ -1,16 +1,22 @@
 """Per-item stage state (app.stage_runs) and the partial-rerun query.
 
-extract and chunk rows are written by ingest as it runs. The embed row of a
-document is derived from its jobs for a model, refreshed set-based (one
-statement, no loop over rows) at the end of a work run, by reconcile and by
-status.
+extract and chunk rows are written by ingest as it runs (model_id ''). The embed
+row of a document is per model, derived from its jobs for that model
+(``embed_state`` in sql/queries/stage_runs.sql) and stored set-based (one
+statement, no loop over rows): at the end of a work run for the documents the
+run touched, after ``embed_documents`` for its documents, and by reconcile for
+every current document. ``status`` never stores it: ``embed_counts`` computes
+the same derivation in its read query.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Sequence
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import class_row
 
 from pipeline_assets.store import queries
@@ -28,14 +34,58 @@ class RerunTarget:
     code_version: str | None
 
 
+def _state(models: str, scope: str) -> sql.Composed:
+    return sql.SQL(STAGE_RUNS.embed_state).format(models=sql.SQL(models), scope=sql.SQL(scope))
+
+
+def _refresh(scope: str) -> sql.Composed:
+    return sql.SQL(STAGE_RUNS.refresh_embed).format(state=_state(STAGE_RUNS.embed_models_one, scope))
+
+
+def clock(conn: psycopg.Connection) -> datetime:
+    """The database's now(): take it before a work run and pass it to ``refresh_embed_touched``."""
+    return conn.execute(STAGE_RUNS.clock).fetchone()[0]
+
+
 def refresh_embed(conn: psycopg.Connection, model_id: str) -> int:
-    return conn.execute(STAGE_RUNS.refresh_embed, {"model": model_id}).rowcount
+    """Store the embed row of every current document for a model (reconcile). Returns rows written."""
+    return conn.execute(_refresh(STAGE_RUNS.embed_scope_all), {"model": model_id}).rowcount
+
+
+def refresh_embed_docs(conn: psycopg.Connection, model_id: str, doc_pks: Sequence[int]) -> int:
+    """Store the embed rows of some documents for a model."""
+    if not doc_pks:
+        return 0
+    return conn.execute(_refresh(STAGE_RUNS.embed_scope_docs), {"model": model_id, "docs": list(doc_pks)}).rowcount
+
+
+def refresh_embed_touched(conn: psycopg.Connection, model_id: str, since: datetime) -> int:
+    """Store the embed rows of the documents a work run touched: whose content got
+    its vector or failed since ``since`` (the database clock before the run), and
+    those whose stored row says failed."""
+    return conn.execute(_refresh(STAGE_RUNS.embed_scope_touched), {"model": model_id, "since": since}).rowcount
+
+
+def embed_counts(conn: psycopg.Connection) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """The embed stage of current documents, read-only: (documents by status over every
+    active model, {model: documents by status})."""
+    query = sql.SQL(STAGE_RUNS.embed_counts).format(
+        state=_state(STAGE_RUNS.embed_models_active, STAGE_RUNS.embed_scope_all))
+    overall: dict[str, int] = {}
+    by_model: dict[str, dict[str, int]] = {}
+    for model_id, status, n in conn.execute(query).fetchall():
+        if model_id is None:
+            overall[status] = n
+        else:
+            by_model.setdefault(model_id, {})[status] = n
+    return overall, by_model
 
 
 def rerun_targets(conn: psycopg.Connection, *, stage: str, error_class: str | None = None,
-                  not_version: str | None = None, failed_only: bool = False,
+                  not_version: str | None = None, failed_only: bool = False, model_id: str | None = None,
                   limit: int = 1_000_000) -> list[RerunTarget]:
+    """For embed, one target per (document, model) unless ``model_id`` picks one model."""
     with conn.cursor(row_factory=class_row(RerunTarget)) as cur:
         return cur.execute(STAGE_RUNS.rerun_targets, {"stage": stage, "error_class": error_class,
                                                       "not_version": not_version, "failed_only": failed_only,
-                                                      "limit": limit}).fetchall()
+                                                      "model": model_id, "limit": limit}).fetchall()

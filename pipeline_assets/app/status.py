@@ -6,16 +6,18 @@ from typing import Sequence
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import reports, stages
+from pipeline_assets.app import reports
 from pipeline_assets.jobs import models, transitions
 
 
 def status(pool: ConnectionPool) -> dict:
-    """Jobs by status and model, stages, coverage, dead letters, spend (embed stage rows refreshed first)."""
+    """Jobs by status and model, stages, coverage, dead letters, spend. Read-only: it
+    writes nothing (the embed stage is computed from the jobs in the read query), so
+    a role with only SELECT can run it."""
     with pool.connection() as conn:
-        for model_id in models.active_model_ids(conn):
-            stages.refresh_embed(conn, model_id)
-        return reports.status(conn)
+        data = reports.status(conn)
+        data["vector_index"] = models.index_states(conn)  # per active model: hnsw, building, exact search...
+        return data
 
 
 def dead_letters(pool: ConnectionPool) -> list[dict]:

@@ -1,20 +1,30 @@
-"""One source item to chunks: read under the size guard, checksum, extract and
-chunk under the wall-clock limit. No database: the caller says what it already
-knows of the document and writes the result.
+"""One source item to chunks: read under the size guard, checksum, then extract
+and chunk in a child process killed at the wall-clock limit, under a memory
+limit and the caps on text and chunks per document. No database: the caller
+says what it already knows of the document and writes the result.
+
+Every failure here is that one document's error (a ``Processed`` with an error
+class), never the ingest's.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from pipeline_assets.content.chunking import Chunk, Chunker
+from pipeline_assets.content.chunking import Chunk, Chunker, get_encoding
 from pipeline_assets.content.extract import ExtractError, extract_text
+from pipeline_assets.content.sandbox import Sandbox
 from pipeline_assets.content.sources import SourceItem, read_guarded
-from pipeline_assets.content.timeouts import wall_clock_limit
+from pipeline_assets.settings import ERROR_MESSAGE_MAX_CHARS
 
 # Error class of a file that exists but cannot be read (permissions, I/O error).
 UNREADABLE = "unreadable"
+# Error classes of documents over the per-document caps (PIPELINE_MAX_TEXT_CHARS,
+# PIPELINE_MAX_CHUNKS_PER_DOCUMENT).
+TEXT_TOO_LARGE = "text_too_large"
+TOO_MANY_CHUNKS = "too_many_chunks"
 
 
 @dataclass(frozen=True)
@@ -39,18 +49,101 @@ class Processed:
     error_class: str | None = None
     error_message: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.error_message is not None:
+            self.error_message = storable(self.error_message)[:ERROR_MESSAGE_MAX_CHARS]
 
-def process_item(item: SourceItem, known: KnownDocument | None, *, chunker: Chunker, max_bytes: int,
-                 decode_errors: str, stage_timeout: float, extractor_version: str,
-                 force: bool = False) -> Processed | None:
-    """Read, checksum, extract, chunk one item; None when nothing changed.
+    @property
+    def text_bytes(self) -> int:
+        """UTF-8 bytes of chunk text this result holds (what an ingest batch is sized by)."""
+        return sum(len(c.text.encode("utf-8", "replace")) for c in self.chunks)
+
+
+def storable(text: str) -> str:
+    """Text PostgreSQL can store: no NUL, no lone surrogates (an undecodable file name in an
+    OS error message is kept readable as backslash escapes)."""
+    return text.replace("\0", "").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@dataclass(frozen=True)
+class ExtractSpec:
+    """What extraction needs besides the bytes; handed to the child once, at its start."""
+
+    chunker: Chunker
+    decode_errors: str
+    max_text_chars: int
+    max_chunks: int
+
+
+def extract_and_chunk(spec: ExtractSpec, document_id: str, raw: bytes) -> tuple[bytes, list[Chunk]]:
+    """Bytes to (text checksum, chunks), or ExtractError. Runs in the extraction child."""
+    text = extract_text(document_id, raw, decode_errors=spec.decode_errors)
+    if len(text) > spec.max_text_chars:
+        raise ExtractError(TEXT_TOO_LARGE, f"extracted text of {len(text)} characters exceeds the limit of "
+                                           f"{spec.max_text_chars} (PIPELINE_MAX_TEXT_CHARS)")
+    chunks = spec.chunker.chunk(text)
+    if len(chunks) > spec.max_chunks:
+        raise ExtractError(TOO_MANY_CHUNKS, f"{len(chunks)} chunks exceed the limit of {spec.max_chunks} "
+                                            "per document (PIPELINE_MAX_CHUNKS_PER_DOCUMENT)")
+    return hashlib.sha256(text.encode("utf-8", "replace")).digest(), chunks
+
+
+class Extractor:
+    """``extract_and_chunk`` of one ingest's documents in the extraction child, each under
+    ``timeout`` seconds and ``memory_limit`` bytes (0: none), pipelined (``sandbox.Sandbox``).
+    The child starts at the first document that needs it; use as a context manager so it
+    ends with the ingest."""
+
+    def __init__(self, spec: ExtractSpec, *, timeout: float, memory_limit: int) -> None:
+        self.spec = spec
+        self.sandbox = Sandbox(self._run, timeout=timeout, memory_limit=memory_limit)
+        self._warm = False
+
+    def _run(self, document_id: str, raw: bytes) -> tuple[bytes, list[Chunk]]:
+        return extract_and_chunk(self.spec, document_id, raw)
+
+    def __enter__(self) -> "Extractor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sandbox.close()
+
+    @property
+    def pending(self) -> int:
+        return self.sandbox.pending
+
+    def submit(self, item: SourceItem, checksum: bytes, raw: bytes) -> bool:
+        """Queue one document; False when the queue is full (``take`` first)."""
+        if not self._warm:
+            # Load the tokenizer and the parsers here, once: every child inherits them, and
+            # no document's deadline pays for an import.
+            get_encoding()
+            for module in ("bs4", "pypdf"):
+                try:
+                    __import__(module)
+                except ImportError:
+                    pass
+            self._warm = True
+        return self.sandbox.submit((item, checksum), item.document_id, raw)
+
+    def take(self) -> Processed:
+        """The oldest queued document, extracted and chunked (or quarantined)."""
+        (item, checksum), outcome = self.sandbox.take()
+        if isinstance(outcome, ExtractError):
+            return Processed(item, checksum, None, [], outcome.error_class, outcome.message)
+        text_checksum, chunks = outcome
+        return Processed(item, checksum, text_checksum, chunks)
+
+
+def read_item(item: SourceItem, known: KnownDocument | None, *, chunker_version: str, max_bytes: int,
+              extractor_version: str, force: bool = False) -> Processed | tuple[bytes, bytes] | None:
+    """Read and checksum one item: None when nothing changed, a quarantine when it cannot be
+    read, else ``(checksum, raw)`` to extract.
 
     Unchanged means: same raw bytes under the same extractor and chunker
     versions, or the same quarantine (same error class and size) again.
     ``force`` (a rerun) processes it anyway.
     """
-    same_versions = (known is not None and known.extractor_version == extractor_version
-                     and known.chunker_version == chunker.version)
     try:
         raw = read_guarded(item, max_bytes)
     except ExtractError as exc:
@@ -59,15 +152,30 @@ def process_item(item: SourceItem, known: KnownDocument | None, *, chunker: Chun
             return None
         return Processed(item, None, None, [], exc.error_class, exc.message)
     except OSError as exc:
-        return Processed(item, None, None, [], UNREADABLE, f"{type(exc).__name__}: {exc}"[:300])
+        return Processed(item, None, None, [], UNREADABLE, f"{type(exc).__name__}: {exc}")
     checksum = hashlib.sha256(raw).digest()
-    if not force and same_versions and known.source_checksum == checksum and known.status != "deleted":
+    if (not force and known is not None and known.extractor_version == extractor_version
+            and known.chunker_version == chunker_version and known.source_checksum == checksum
+            and known.status != "deleted"):
         return None
-    timeout = ExtractError("timeout", f"extract and chunk took longer than {stage_timeout:g} s")
-    try:
-        with wall_clock_limit(stage_timeout, timeout):
-            text = extract_text(item.document_id, raw, decode_errors=decode_errors)
-            chunks = chunker.chunk(text)
-    except ExtractError as exc:
-        return Processed(item, checksum, None, [], exc.error_class, exc.message)
-    return Processed(item, checksum, hashlib.sha256(text.encode("utf-8", "replace")).digest(), chunks)
+    return checksum, raw
+
+
+def process_items(items: Iterable[SourceItem], known: Mapping[str, KnownDocument], *, extractor: Extractor,
+                  max_bytes: int, extractor_version: str,
+                  force: bool = False) -> Iterator[tuple[SourceItem, Processed | None]]:
+    """Every item with its result (None: unchanged), in no particular order. Reading the
+    next files overlaps the extraction of earlier ones in the child."""
+    for item in items:
+        step = read_item(item, known.get(item.document_id), chunker_version=extractor.spec.chunker.version,
+                         max_bytes=max_bytes, extractor_version=extractor_version, force=force)
+        if not isinstance(step, tuple):
+            yield item, step
+            continue
+        checksum, raw = step
+        while not extractor.submit(item, checksum, raw):
+            done = extractor.take()
+            yield done.item, done
+    while extractor.pending:
+        done = extractor.take()
+        yield done.item, done

@@ -2,21 +2,29 @@
 
 The partition key is the stable ``document_id`` (the path relative to the source
 root). The assets are thin: each calls a use case of ``pipeline_assets.app``,
-the same ones the command line calls. ``documents`` runs ``ingest_documents``
-(extract, chunk and enqueue in one transaction per batch), ``chunks`` reports
-what the database holds (and re-chunks only documents produced by another
-extractor/chunker version), ``embeddings`` runs ``embed_documents`` (the
-in-process worker until the job table is idle). PostgreSQL stays the source of truth; Dagster records what
-ran, with which code version and which data version.
+the same ones the command line calls.
+
+* ``documents`` and ``chunks`` are ONE multi-asset (``ingest``) that cannot be
+  subset: ``ingest_documents`` extracts, chunks and enqueues a document in one
+  transaction, so they are always materialized together and neither can look
+  stale against the other while the database is current.
+* ``embeddings`` runs ``embed_documents`` and records the coverage of its partitions.
+* ``embedding_store`` is not materialized by Dagster: the job table and the
+  vectors search serves. Its health checks run on the schedule (``checks.py``).
+
+Data versions, per partition: the sha256 of the extracted text (``documents``),
+of the chunk checksums in order (``chunks``), of model, chunks and coverage
+(``embeddings``); also in a run over many partitions (``partition_versions``).
+Code versions: the extractor, the chunker, the model id. PostgreSQL stays the
+source of truth; Dagster records what ran, with which code and data version.
 
 Every asset has ``BackfillPolicy.single_run()``: a backfill of N partitions is
 one run over a partition range, and the job table does the per-item work.
 """
 
-import hashlib
 import time
 import warnings
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator
 
 import dagster as dg
 
@@ -24,6 +32,8 @@ from pipeline_assets.app import reports
 from pipeline_assets.app.embed import embed_documents
 from pipeline_assets.app.ingest import IngestReport, ingest_documents
 from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.content.sources import document_id_problem
+from pipeline_assets.defs.partition_versions import PartitionVersion, digest, materialize
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.settings import Settings
@@ -36,6 +46,8 @@ DOCUMENTS = dg.AssetKey("documents")
 CHUNKS = dg.AssetKey("chunks")
 EMBEDDINGS = dg.AssetKey("embeddings")
 ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
+EMBEDDING_STORE = dg.AssetKey("embedding_store")
+INGEST_OP = "ingest"
 
 # The embeddings run's worker polls the idle queue this often, so a run ends
 # ~0.1 s after the job table is idle instead of the CLI's 0.5 s.
@@ -58,7 +70,7 @@ def partition_key_problem(document_id: str) -> str | None:
     for part in INVALID_KEY_PARTS:
         if part in document_id:
             return f"contains {part!r}"
-    return None
+    return document_id_problem(document_id)  # absolute, '..', hidden: could leave the source root
 
 
 def valid_partition_keys(keys: Iterable[str], log) -> list[str]:
@@ -74,40 +86,23 @@ def valid_partition_keys(keys: Iterable[str], log) -> list[str]:
     return good
 
 
-def _digest(*parts: str) -> str:
-    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
-
-
-def _single(keys: Sequence[str]) -> str | None:
-    return keys[0] if len(keys) == 1 else None
-
-
 def _report_metadata(report: IngestReport) -> dict[str, int]:
     return {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
 
 
-def _add_partition_metadata(context: dg.AssetExecutionContext, per_key: dict[str, dict],
-                            settings: Settings) -> dict:
-    """Metadata on each partition's own materialization event (its checksum, its counts).
-
-    Dagster re-reads the run's whole partition list on every call, so this is
-    quadratic in the partitions of a run: past PER_PARTITION_METADATA_MAX keys
-    the per-document values stay in the database (the source of truth) and the
-    run records a digest of them instead. Returns the run-level metadata to add.
-    """
-    if len(context.partition_keys) <= settings.partition_metadata_max:
-        for key, meta in per_key.items():
-            context.add_asset_metadata(meta, partition_key=key)
-        return {}
-    digest = _digest(*(f"{k}={sorted(m.items())}" for k, m in sorted(per_key.items())))
-    return {"per_partition_digest": digest,
-            "per_partition_metadata": f"omitted for {len(context.partition_keys)} partitions "
-                                      f"(> {settings.partition_metadata_max}); per-document values are in "
-                                      "app.documents / app.chunks"}
+def _document_version(s: reports.DocumentSummary | None) -> PartitionVersion:
+    """A document's data version: its text checksum (a quarantined one: why, and which bytes)."""
+    if s is None:
+        return PartitionVersion("absent", {"status": "absent"})
+    meta = {"status": s.status, "text_checksum": s.text_checksum or "", "source_checksum": s.source_checksum or "",
+            "extractor_version": s.extractor_version or ""}
+    if s.error_class:
+        meta["error_class"] = s.error_class
+    return PartitionVersion(s.text_checksum or f"{s.status}:{s.error_class}:{s.source_checksum}", meta)
 
 
-def build_assets(settings: Settings) -> list[dg.AssetsDefinition]:
-    """The three assets, with the code versions the settings give (extractor, chunker, model).
+def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:
+    """The assets, with the code versions the settings give (extractor, chunker, model).
 
     A factory so that tests (and anything else changing PIPELINE_EXTRACTOR_VERSION
     or the model in-process) can build definitions that see the change.
@@ -115,19 +110,32 @@ def build_assets(settings: Settings) -> list[dg.AssetsDefinition]:
     # backfill_policy is "beta" in 1.13; it is the point of this layout, so no warning per asset.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
-        return _build_assets(code_versions(settings))
+        return [*_build_assets(code_versions(settings)), EMBEDDING_STORE_SPEC]
+
+
+EMBEDDING_STORE_SPEC = dg.AssetSpec(
+    EMBEDDING_STORE, group_name=GROUP, kinds={"postgres"},
+    description="The job table and the vectors search serves (app.embedding_jobs, app.embeddings). Not "
+                "materialized by Dagster: its health checks (stale vectors, dead-letter growth) run on the "
+                "pipeline_health_checks schedule, never in the runs that embed.")
 
 
 def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
-    common = dict(partitions_def=DOCUMENT_PARTITIONS, backfill_policy=dg.BackfillPolicy.single_run(),
-                  group_name=GROUP, kinds={"postgres"})
+    common = dict(partitions_def=DOCUMENT_PARTITIONS, backfill_policy=dg.BackfillPolicy.single_run())
+    spec = dict(group_name=GROUP, kinds={"postgres"})
 
-    @dg.asset(name="documents", code_version=v["documents"], **common,
-              description="Source documents extracted to text (and chunked and enqueued by the same "
-                          "ingest transaction). Data version: sha256 of the extracted text.")
-    def documents(context: dg.AssetExecutionContext, postgres: PostgresResource,
-                  embedding_provider: EmbeddingProviderResource,
-                  source: SourceDirectoryResource) -> dg.MaterializeResult:
+    @dg.multi_asset(
+        name=INGEST_OP, can_subset=False, **common,
+        specs=[dg.AssetSpec(DOCUMENTS, code_version=v["documents"], **spec,
+                            description="Source documents extracted to text. Materialized together with "
+                                        "chunks (one ingest transaction). Data version: sha256 of the text."),
+               dg.AssetSpec(CHUNKS, deps=[DOCUMENTS], code_version=v["chunks"], **spec,
+                            description="Current chunks of each document in app.chunks, enqueued for "
+                                        "embedding. Data version: sha256 of the chunk checksums in order.")])
+    def ingest(context: dg.AssetExecutionContext, postgres: PostgresResource,
+               embedding_provider: EmbeddingProviderResource,
+               source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult]:
+        """Extract, chunk and enqueue the partitions' documents (unchanged ones are skipped)."""
         started = time.monotonic()
         keys = valid_partition_keys(context.partition_keys, context.log)
         rt = embedding_provider.runtime(run_id=context.run.run_id, force=context.run.tags.get(FORCE_TAG) == "true")
@@ -135,81 +143,34 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
         report = ingest_documents(rt, postgres.pool(), root, keys) if keys else IngestReport()
         with postgres.connection() as conn:
             summaries = reports.document_summaries(conn, str(root), keys)
-        data_versions = {}
-        per_partition: dict[str, dict] = {}
+        docs = {key: _document_version(summaries.get(key)) for key in keys}
+        run_meta = {"partitions": len(context.partition_keys),
+                    "skipped_invalid_keys": len(context.partition_keys) - len(keys)}
+        chunks = {}
         for key in keys:
             s = summaries.get(key)
-            if s is None:
-                meta = {"status": "absent"}
-                data_versions[key] = "absent"
-            else:
-                meta = {"status": s.status, "text_checksum": s.text_checksum or "",
-                        "source_checksum": s.source_checksum or ""}
-                if s.error_class:
-                    meta["error_class"] = s.error_class
-                data_versions[key] = s.text_checksum or f"{s.status}:{s.error_class}:{s.source_checksum}"
-            per_partition[key] = meta
-        metadata = {**_add_partition_metadata(context, per_partition, rt.settings), **_report_metadata(report),
-                    "partitions": len(context.partition_keys),
-                    "skipped_invalid_keys": len(context.partition_keys) - len(keys),
-                    "duration_seconds": round(time.monotonic() - started, 3), "source_root": str(root)}
-        one = _single(keys)
-        return dg.MaterializeResult(metadata=metadata,
-                                    data_version=dg.DataVersion(data_versions[one]) if one else None)
+            meta = {"chunk_count": s.chunks, "tokens": s.tokens, "chunks_digest": s.chunks_digest} if s else {}
+            chunks[key] = PartitionVersion(s.chunks_digest if s else "absent", meta,
+                                           inputs={DOCUMENTS: docs[key].data_version})
+        yield from materialize(context, [
+            (DOCUMENTS, docs, {**_report_metadata(report), **run_meta, "source_root": str(root),
+                               "duration_seconds": round(time.monotonic() - started, 3)}),
+            (CHUNKS, chunks, {**run_meta, "chunks": sum(s.chunks for s in summaries.values()),
+                              "tokens": sum(s.tokens for s in summaries.values())})])
 
-    @dg.asset(name="chunks", deps=[documents], code_version=v["chunks"], **common,
-              description="Current chunks of each document in app.chunks. Data version: sha256 of the "
-                          "chunk checksums in order. Re-chunks documents made by other code versions.")
-    def chunks(context: dg.AssetExecutionContext, postgres: PostgresResource,
-               embedding_provider: EmbeddingProviderResource,
-               source: SourceDirectoryResource) -> dg.MaterializeResult:
-        started = time.monotonic()
-        keys = valid_partition_keys(context.partition_keys, context.log)
-        rt = embedding_provider.runtime(run_id=context.run.run_id)
-        root = source.root_path(rt.settings)
-        wanted = (rt.options.extractor_version, rt.options.chunker.version)
-        with postgres.connection() as conn:
-            summaries = reports.document_summaries(conn, str(root), keys)
-        # Normally `documents` just did the work; materialized alone after a
-        # chunker change, this asset brings the partition up to date itself.
-        todo = [k for k in keys if k not in summaries or (
-            summaries[k].status != "deleted"
-            and (summaries[k].extractor_version, summaries[k].chunker_version) != wanted)]
-        if todo:
-            ingest_documents(rt, postgres.pool(), root, todo)
-            with postgres.connection() as conn:
-                summaries = reports.document_summaries(conn, str(root), keys)
-        per_partition = {key: {"chunk_count": s.chunks, "chunks_digest": s.chunks_digest}
-                         for key, s in summaries.items()}
-        metadata = {**_add_partition_metadata(context, per_partition, rt.settings),
-                    "chunks": sum(s.chunks for s in summaries.values()),
-                    "tokens": sum(s.tokens for s in summaries.values()),
-                    "rechunked": len(todo), "partitions": len(context.partition_keys),
-                    "duration_seconds": round(time.monotonic() - started, 3)}
-        one = _single(keys)
-        version = None
-        if one:
-            version = summaries[one].chunks_digest if one in summaries else "absent"
-        return dg.MaterializeResult(metadata=metadata,
-                                    data_version=dg.DataVersion(version) if version else None)
-
-    @dg.asset(name="embeddings", deps=[chunks], code_version=v["embeddings"], **common,
+    @dg.asset(name="embeddings", deps=[CHUNKS], code_version=v["embeddings"], **common, **spec,
               description="Vectors of the chunks for the configured model (app.embeddings), made by the "
                           "in-process worker. Code version: the model id.")
     def embeddings(context: dg.AssetExecutionContext, postgres: PostgresResource,
                    embedding_provider: EmbeddingProviderResource,
-                   source: SourceDirectoryResource) -> dg.MaterializeResult:
+                   source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult]:
         """Embed the partition's chunks (and anything else waiting in the job table).
 
-        The model id is this asset's code version. One model is active at a time,
-        chosen by the environment (PIPELINE_EMBEDDING_MODEL, OPENAI_API_KEY), and
-        the vectors are a function of (chunk text, model): the model is the code
-        that turns the upstream data into this asset. Changing the model is
-        therefore a code-version change, and Dagster marks every embeddings
-        partition stale until it is re-materialized with the new model, while
-        documents and chunks stay fresh. Re-materializing is cheap where nothing
-        changed: jobs are keyed by (chunk checksum, model), so only content
-        without a vector for the new model is sent to the provider.
+        The model id is this asset's code version: the vectors are a function of
+        (chunk text, model), so changing the model marks every embeddings
+        partition stale while documents and chunks stay fresh. Re-materializing
+        is cheap where nothing changed: jobs are keyed by (chunk checksum,
+        model), so only content without a vector for the model is sent.
         """
         started = time.monotonic()
         keys = valid_partition_keys(context.partition_keys, context.log)
@@ -221,11 +182,16 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
         except FatalProviderError as exc:
             raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                              allow_retries=False) from None
-        work, summaries, before, after, per_doc = done.work, done.summaries, done.before, done.after, done.per_document
-        per_partition = {key: {"chunks": c.wanted, "ready": c.ready, "failed": c.failed}
-                         for key, c in per_doc.items()}
-        metadata = {
-            **_add_partition_metadata(context, per_partition, rt.settings),
+        work, before, after = done.work, done.before, done.after
+        versions = {}
+        for key in keys:
+            s, cov = done.summaries.get(key), done.per_document.get(key)
+            chunks_version = s.chunks_digest if s else "absent"
+            coverage = f"{cov.ready}/{cov.wanted}" if cov else "0/0"
+            meta = {"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed} if cov else {"chunks": 0}
+            versions[key] = PartitionVersion(digest(model_id, chunks_version, coverage), meta,
+                                             inputs={CHUNKS: chunks_version})
+        yield from materialize(context, [(EMBEDDINGS, versions, {
             "model": model_id,
             "chunks": after.wanted,
             "embedded": work.embedded,
@@ -241,15 +207,6 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
             "coverage_ratio": round(after.ready / after.wanted, 6) if after.wanted else 1.0,
             "partitions": len(context.partition_keys),
             "duration_seconds": round(time.monotonic() - started, 3),
-        }
-        one = _single(keys)
-        version = None
-        if one:
-            s = summaries.get(one)
-            cov = per_doc.get(one)
-            version = _digest(model_id, s.chunks_digest if s else "absent",
-                              f"{cov.ready}/{cov.wanted}" if cov else "0/0")
-        return dg.MaterializeResult(metadata=metadata,
-                                    data_version=dg.DataVersion(version) if version else None)
+        })])
 
-    return [documents, chunks, embeddings]
+    return [ingest, embeddings]

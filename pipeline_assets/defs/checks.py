@@ -1,40 +1,69 @@
-"""Asset checks on ``embeddings``: coverage, no stale vector current, dead-letter growth.
+"""Asset checks: coverage per partition with every embeddings run; store health on the schedule.
 
-They run with every materialization of ``embeddings`` and on the health
-schedule. Each reads one core query (pipeline_assets.reports) and decides; the
-numbers go into the check's metadata so the UI shows why it passed or failed.
+* ``partition_embedded`` (on ``embeddings``, partitioned like it, ERROR): in the
+  run that embeds, one evaluation per partition of the run: every current chunk
+  of that document has a ready vector for the model, none failed, none still
+  waiting. It reads the run's partitions only (one query), so a backfill in
+  progress elsewhere, or a document other runs have not reached yet, never makes
+  it fail. Dagster writes check evaluations one by one (they cannot be batched as
+  materializations are): this costs one event per partition of the run.
+* ``no_stale_vector_current`` (ERROR) and ``dead_letter_growth`` (WARN) read the
+  whole store, so they target ``embedding_store``, which no run materializes: they
+  run only on the ``pipeline_health_checks`` schedule (or from its page in the UI),
+  never after each partition run.
+
+Each reads one query of ``pipeline_assets.app.reports`` and decides; the numbers
+go into the check's metadata so the UI shows why it passed or failed.
 """
+
+import warnings
+from typing import Iterator
 
 import dagster as dg
 
 from pipeline_assets.app import reports
-from pipeline_assets.defs.assets import EMBEDDINGS
-from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
+from pipeline_assets.defs.assets import DOCUMENT_PARTITIONS, EMBEDDING_STORE, EMBEDDINGS, valid_partition_keys
+from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 
 HOUR_SECONDS = 3600.0
+COVERAGE_CHECK = "partition_embedded"
+
+with warnings.catch_warnings():  # partitions_def on an asset check is a "preview" in 1.13
+    warnings.filterwarnings("ignore", message=".*partitions_def.*", category=dg.PreviewWarning)
+
+    @dg.asset_check(asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=DOCUMENT_PARTITIONS,
+                    description="Per partition of the run: every current chunk of the document has a ready "
+                                "vector for the configured model (none failed, none still waiting).")
+    def partition_embedded(context: dg.AssetCheckExecutionContext, postgres: PostgresResource,
+                           embedding_provider: EmbeddingProviderResource,
+                           source: SourceDirectoryResource) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+        keys = valid_partition_keys(context.op_execution_context.partition_keys, context.log)
+        settings = embedding_provider.settings()
+        model_id = embedding_provider.runtime().model_id
+        with postgres.connection() as conn:
+            per_doc, _ = reports.embedding_coverage(conn, str(source.root_path(settings)), keys, model_id)
+        for key in keys:
+            yield _coverage_evaluation(key, per_doc.get(key), model_id)
+        yield dg.Output(None)  # the check's output: its evaluations are the events above
 
 
-@dg.asset_check(asset=EMBEDDINGS, name="current_chunks_have_ready_embeddings",
-                description="Every current chunk has a ready embedding (job ready and vector stored) "
-                            "for each active model.")
-def current_chunks_embedded(postgres: PostgresResource) -> dg.AssetCheckResult:
-    with postgres.connection() as conn:
-        per_model = reports.missing_embeddings(conn)
-    missing = sum(m["missing"] for m in per_model.values())
-    metadata: dict = {"missing": missing, "active_models": len(per_model)}
-    for model, counts in per_model.items():
-        metadata[f"{model} wanted"] = counts["wanted"]
-        metadata[f"{model} missing"] = counts["missing"]
-        metadata[f"{model} failed"] = counts["failed"]
-    return dg.AssetCheckResult(passed=missing == 0, metadata=metadata,
-                               description=None if missing == 0 else
-                               f"{missing} current chunk x model pair(s) lack a ready embedding")
+def _coverage_evaluation(key: str, cov: reports.Coverage | None, model_id: str) -> dg.AssetCheckEvaluation:
+    if cov is None:  # not a current document (absent, tombstoned, quarantined): nothing to embed
+        passed, metadata, why = True, {"model": model_id, "chunks": 0, "current_document": False}, None
+    else:
+        passed = cov.ready == cov.wanted and cov.failed == 0 and cov.waiting == 0
+        metadata = {"model": model_id, "chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
+                    "waiting": cov.waiting, "current_document": True}
+        why = None if passed else (f"{cov.wanted - cov.ready} of {cov.wanted} chunk(s) lack a ready vector "
+                                   f"({cov.failed} failed, {cov.waiting} waiting); see `pipeline-assets dlq list`")
+    return dg.AssetCheckEvaluation(asset_key=EMBEDDINGS, check_name=COVERAGE_CHECK, partition=key, passed=passed,
+                                   metadata=metadata, severity=dg.AssetCheckSeverity.ERROR, description=why)
 
 
-@dg.asset_check(asset=EMBEDDINGS, name="no_stale_vector_current",
+@dg.asset_check(asset=EMBEDDING_STORE, name="no_stale_vector_current",
                 description="No vector is stored without a ready job (superseded, failed, pending) and "
                             "none is reachable from a document that is not current (tombstoned, "
-                            "quarantined).")
+                            "quarantined). Whole store; on the health schedule.")
 def no_stale_vector_current(postgres: PostgresResource) -> dg.AssetCheckResult:
     with postgres.connection() as conn:
         stale = reports.stale_vectors(conn)
@@ -43,13 +72,14 @@ def no_stale_vector_current(postgres: PostgresResource) -> dg.AssetCheckResult:
                 "vectors_of_noncurrent_documents": stale["noncurrent_documents"]}
     if stale["sample"]:
         metadata["sample"] = ", ".join(stale["sample"])
-    return dg.AssetCheckResult(passed=bad == 0, metadata=metadata,
+    return dg.AssetCheckResult(passed=bad == 0, metadata=metadata, severity=dg.AssetCheckSeverity.ERROR,
                                description=None if bad == 0 else f"{bad} stale vector(s) could be served")
 
 
-@dg.asset_check(asset=EMBEDDINGS, name="dead_letter_growth",
+@dg.asset_check(asset=EMBEDDING_STORE, name="dead_letter_growth",
                 description="Failed (dead-lettered) jobs grow by at most PIPELINE_DLQ_GROWTH_PER_HOUR "
-                            "(default 10) per hour. A large but stable queue passes: it is a work list.")
+                            "(default 10) per hour; a warning above. A large but stable queue passes: it is "
+                            "a work list.")
 def dead_letter_growth(postgres: PostgresResource,
                        embedding_provider: EmbeddingProviderResource) -> dg.AssetCheckResult:
     threshold = embedding_provider.settings().dlq_growth_per_hour
@@ -57,10 +87,11 @@ def dead_letter_growth(postgres: PostgresResource,
         recent, total = reports.dead_letter_growth(conn, HOUR_SECONDS)
     passed = recent <= threshold
     return dg.AssetCheckResult(
-        passed=passed,
+        passed=passed, severity=dg.AssetCheckSeverity.WARN,
         metadata={"failed_last_hour": recent, "failed_total": total, "threshold_per_hour": threshold},
         description=None if passed else
         f"{recent} jobs failed in the last hour (threshold {threshold}/h); see `pipeline-assets dlq list`")
 
 
-CHECKS = [current_chunks_embedded, no_stale_vector_current, dead_letter_growth]
+CHECKS = [partition_embedded, no_stale_vector_current, dead_letter_growth]
+HEALTH_CHECKS = dg.AssetSelection.checks_for_assets(EMBEDDING_STORE)

@@ -16,14 +16,22 @@
    Ctrl-C (SIGINT) or SIGTERM is forwarded to it once, and it shuts its
    webserver, daemon and code server down cleanly; run workers still going
    after that (Dagster leaves them running) get SIGTERM, then SIGKILL.
+
+``pipeline-assets dagster-env`` does steps 1-3 (and registers the source
+directory's documents as partitions) and prints them as ``export`` lines, so
+Dagster's own commands (``dagster dev``, ``dagster asset materialize``,
+``dagster job launch``) use the same instance as ``pipeline-assets dev``.
 """
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psycopg
 
@@ -106,17 +114,77 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
 
 def _init_storage(dagster_home: Path, env: dict[str, str]) -> None:
     """Create Dagster's tables once, before the webserver and the daemon race to do it."""
-    saved = os.environ.get(DAGSTER_URL_ENV)
-    os.environ[DAGSTER_URL_ENV] = env[DAGSTER_URL_ENV]
-    try:
+    with _environ(DAGSTER_URL_ENV, env[DAGSTER_URL_ENV]):
         from dagster import DagsterInstance
 
         DagsterInstance.from_config(str(dagster_home)).dispose()
+
+
+@contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """One environment variable set for the duration (the instance reads its URL from it)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
     finally:
         if saved is None:
-            os.environ.pop(DAGSTER_URL_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[DAGSTER_URL_ENV] = saved
+            os.environ[name] = saved
+
+
+def dagster_env(settings: Settings) -> tuple[dict[str, str], int]:
+    """``prepare``, then register the source's documents as partitions; return (the
+    variables Dagster's own commands need, partitions added)."""
+    env, dagster_home = prepare(settings)
+    names = ["PIPELINE_HOME", "DAGSTER_HOME", DAGSTER_URL_ENV, *RUN_EVENT_SETTINGS, *PATH_SETTINGS]
+    exported = {name: env[name] for name in names if env.get(name)}
+    return exported, _register_partitions(settings, dagster_home, env)
+
+
+def _register_partitions(settings: Settings, dagster_home: Path, env: dict[str, str]) -> int:
+    """Add a partition for each document of the source directory not registered yet (what
+    the source sensor adds on its first tick), so `dagster asset materialize --partition`
+    works before any sensor ran. Keys that cannot be partition keys are left out."""
+    from dagster import DagsterInstance
+
+    from pipeline_assets.content.sources import scan_directory
+    from pipeline_assets.defs.assets import PARTITIONS_NAME, partition_key_problem
+    from pipeline_assets.defs.resources import SourceDirectoryResource
+
+    root = SourceDirectoryResource(root=env.get("PIPELINE_SOURCE_DIR")).root_path(settings)
+    if not root.is_dir():
+        return 0
+    keys = sorted(i.document_id for i in scan_directory(root) if not partition_key_problem(i.document_id))
+    with _environ(DAGSTER_URL_ENV, env[DAGSTER_URL_ENV]):
+        instance = DagsterInstance.from_config(str(dagster_home))
+        try:
+            known = set(instance.get_dynamic_partitions(PARTITIONS_NAME))
+            new = [k for k in keys if k not in known]
+            if new:
+                instance.add_dynamic_partitions(PARTITIONS_NAME, new)
+        finally:
+            instance.dispose()
+    return len(new)
+
+
+def export_lines(env: dict[str, str]) -> str:
+    """``export NAME=value`` lines for a POSIX shell (``eval "$(pipeline-assets dagster-env)"``)."""
+    return "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items())
+
+
+def run_dagster_env(settings: Settings | None = None) -> int:
+    """`pipeline-assets dagster-env`: print the environment, or one `error:` line and 1."""
+    try:
+        exported, added = dagster_env(settings or Settings.from_env())
+    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, psycopg.Error, OSError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    print(export_lines(exported), flush=True)
+    print(f"# Dagster instance: DAGSTER_HOME={exported['DAGSTER_HOME']} (storage in PostgreSQL); "
+          f"{added} new partition(s) registered", file=sys.stderr)
+    return 0
 
 
 def dagster_command(host: str, port: int) -> list[str]:
@@ -179,7 +247,7 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
     # dagster dev always gets a working Ctrl-C (it maps SIGTERM to SIGINT).
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     # cwd DAGSTER_HOME: dagster warns about (and ignores) a dagster.yaml in the working
-    # directory, and the repository's is the deployment template.
+    # directory when DAGSTER_HOME is elsewhere (and a .env there would be loaded).
     proc = child["proc"] = subprocess.Popen(dagster_command(host, port), env=env, cwd=dagster_home,
                                             start_new_session=True)
     if stopping["signals"]:  # interrupted while starting it

@@ -1,4 +1,4 @@
-"""Schedules: reconciliation (hourly by default) and the health checks.
+"""Schedules: reconciliation (hourly by default) and the store's health checks.
 
 Reconciliation is how missed events are repaired: the core's ``reconcile()``
 re-scans every ingested source and repairs the job table set-based. The op only
@@ -11,6 +11,7 @@ import time
 import dagster as dg
 
 from pipeline_assets.app.reconcile import reconcile_all
+from pipeline_assets.defs.checks import HEALTH_CHECKS
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
 from pipeline_assets.settings import Settings
 
@@ -37,8 +38,9 @@ def reconcile_job():
 
 
 HEALTH_JOB = dg.define_asset_job(
-    "pipeline_health", selection=dg.AssetSelection.checks_for_assets("embeddings"),
-    description="The embeddings asset checks alone: coverage, stale vectors, dead-letter growth.")
+    "pipeline_health", selection=HEALTH_CHECKS,
+    description="The store's health checks alone (stale vectors, dead-letter growth): whole-store queries, "
+                "run on the pipeline_health_checks schedule instead of after every partition run.")
 
 
 def build_schedules(settings: Settings) -> list[dg.ScheduleDefinition]:
@@ -52,5 +54,6 @@ def build_schedules(settings: Settings) -> list[dg.ScheduleDefinition]:
             name="pipeline_health_checks", job=HEALTH_JOB,
             cron_schedule=settings.health_cron,
             default_status=dg.DefaultScheduleStatus.RUNNING,
-            description="Asset checks of embeddings; cron from PIPELINE_HEALTH_CRON (default every 15 min)."),
+            description="Health checks of embedding_store (stale vectors, dead-letter growth); cron from "
+                        "PIPELINE_HEALTH_CRON (default every 15 min)."),
     ]

@@ -87,7 +87,10 @@ def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
     if hit is not None:
         return hit
     h = hashlib.sha256()
-    if item.size > max_bytes:
+    if item.problem:
+        # Out of the source root: quarantined without being read; never read here either.
+        h.update(f"{item.problem}:{item.size}:{item.mtime_ns}".encode())
+    elif item.size > max_bytes:
         # Quarantined as too large without being read; do not read it here either.
         h.update(f"oversize:{item.size}:{item.mtime_ns}".encode())
     else:

@@ -17,7 +17,7 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.jobs import ledger, models, transitions
 from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.transitions import ClaimedJob
-from pipeline_assets.providers import ModelSpec
+from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.settings import BREAKER_THRESHOLD
 
 # Completion transactions retried on a deadlock with a concurrent ingest.
@@ -26,16 +26,17 @@ COMPLETE_RETRIES = 3
 
 class JobStore:
     def __init__(self, pool: ConnectionPool, *, model_id: str, worker_id: str, backoff_base: float,
-                 backoff_cap: float) -> None:
+                 backoff_cap: float, run: str | None = None) -> None:
         self.pool = pool
         self.model_id = model_id
         self.worker_id = worker_id
+        self.run = run  # this worker run (its lease-owner prefix), recorded with its sends
         self._base = backoff_base  # the breaker's pause without a Retry-After
         self._cap = backoff_cap
 
     # -- the model ------------------------------------------------------------------
     def register_model(self, spec: ModelSpec) -> int | None:
-        """Register (and activate) the model; return its recorded dimension."""
+        """Register the model (ModelRetired if it was retired); return its recorded dimension."""
         with self.pool.connection() as conn:
             models.ensure_model(conn, spec)
             return models.model_dimension(conn, self.model_id)
@@ -52,9 +53,20 @@ class JobStore:
 
     # -- the queue --------------------------------------------------------------------
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
+        """Claim a batch. A claim that took the half-open probe slot but found
+        nothing (a job taken meanwhile) frees the slot at once."""
         with self.pool.connection() as conn:
-            return transitions.claim(conn, model_id=self.model_id, owner=owner, limit=limit,
+            jobs = transitions.claim(conn, model_id=self.model_id, owner=owner, limit=limit,
                                      lease_seconds=lease_seconds)
+            if not jobs:
+                transitions.release_probe(conn, self.model_id, owner)
+            return jobs
+
+    def release_probe(self, owner: str) -> None:
+        """A probe claim ended without closing the breaker (a 400, nothing sent,
+        a fault of ours): the next claim may probe at once."""
+        with self.pool.connection() as conn:
+            transitions.release_probe(conn, self.model_id, owner)
 
     def outstanding(self) -> bool:
         """Whether the model has jobs waiting or under a lease."""
@@ -62,9 +74,12 @@ class JobStore:
             waiting, held = transitions.outstanding(conn, self.model_id)
         return waiting or held
 
-    def rescue(self) -> int:
+    def rescue(self, rescuer: str | None = None) -> int:
+        """Rescue expired leases and the claims of dead workers (``rescuer``: this
+        worker's owner prefix, a live worker that may judge others dead); a
+        rescued job waits out the backoff of its attempt."""
         with self.pool.connection() as conn:
-            return sum(transitions.rescue_expired(conn).values())
+            return sum(transitions.rescue_expired(conn, rescuer=rescuer, base=self._base, cap=self._cap).values())
 
     def extend_leases(self, held: Sequence[tuple[str, list[int]]], lease_seconds: float) -> None:
         with self.pool.connection() as conn:
@@ -77,12 +92,17 @@ class JobStore:
             return transitions.supersede_held(conn, owner=owner, job_ids=job_ids)
 
     def give_back(self, *, owner: str, job_ids: Sequence[int], delay: float = 0.0,
-                  error_class: str | None = None, message: str | None = None) -> list[int]:
+                  error_class: str | None = None, message: str | None = None,
+                  throttled: bool = False) -> list[int]:
         if not job_ids:
             return []
         with self.pool.connection() as conn:
             return transitions.give_back(conn, owner=owner, job_ids=job_ids, delay=delay,
-                                         error_class=error_class, message=message)
+                                         error_class=error_class, message=message, throttled=throttled)
+
+    def mark_isolated(self, *, owner: str, job_ids: Sequence[int]) -> None:
+        with self.pool.connection() as conn:
+            transitions.mark_isolated(conn, owner=owner, job_ids=job_ids)
 
     def give_back_all(self, held: Sequence[tuple[str, list[int]]]) -> None:
         with self.pool.connection() as conn:
@@ -101,19 +121,22 @@ class JobStore:
                                              message=message)
 
     def complete(self, *, owner: str, jobs: Sequence[ClaimedJob], vectors: Sequence[np.ndarray], tokens: int,
-                 latency: float) -> tuple[list[int], list[int]]:
+                 latency: float, call_id: int) -> tuple[list[int], list[int]]:
         """Store the vectors of jobs still held and wanted; returns (ready, superseded).
 
-        One transaction, pipelined: the ledger row and the completion travel
-        together and commit together. A deadlock with a concurrent ingest is
-        retried: the vectors are already paid for.
+        One transaction, pipelined: the call's outcome (its send was recorded
+        before the call) and the completion travel together and commit
+        together; if they never commit, the send stays counted as possibly
+        billed. A deadlock with a concurrent ingest is retried: the vectors
+        are already paid for.
         """
         with self.pool.connection() as conn:
             for attempt in range(COMPLETE_RETRIES):
                 try:
                     with conn.pipeline(), conn.transaction():
-                        ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs,
-                                           tokens=tokens, outcome="ok", status=200, latency=latency, billed=True)
+                        ledger.record_outcome(conn, call_id=call_id, model_id=self.model_id,
+                                              checksums=[j.chunk_checksum for j in jobs], outcome="ok", status=200,
+                                              latency=latency, billed=ledger.BILLED, tokens=tokens)
                         ready, superseded = transitions.complete(conn, owner=owner,
                                                                  job_ids=[j.job_id for j in jobs], vectors=vectors)
                     break
@@ -123,15 +146,31 @@ class JobStore:
         return ready, superseded
 
     # -- spend and the provider's state --------------------------------------------------------
-    def record_call(self, *, jobs: Sequence[ClaimedJob], tokens: int, outcome: str, status: int | None,
-                    latency: float, billed: bool) -> None:
+    def record_send(self, jobs: Sequence[ClaimedJob], tokens: int) -> int:
+        """Before a request goes out: count its send (committed on its own); returns the call id."""
         with self.pool.connection() as conn:
-            ledger.record_call(conn, model_id=self.model_id, worker_id=self.worker_id, jobs=jobs, tokens=tokens,
-                               outcome=outcome, status=status, latency=latency, billed=billed)
+            return ledger.record_send(conn, model_id=self.model_id, worker_id=self.worker_id, run=self.run,
+                                      checksums=[j.chunk_checksum for j in jobs], tokens=tokens)
 
-    def tokens_today(self) -> int:
+    def record_outcome(self, call_id: int, jobs: Sequence[ClaimedJob], *, outcome: str, status: int | None,
+                       latency: float, billed: str, tokens: int | None = None) -> None:
         with self.pool.connection() as conn:
-            return ledger.tokens_today(conn, self.model_id)
+            ledger.record_outcome(conn, call_id=call_id, model_id=self.model_id,
+                                  checksums=[j.chunk_checksum for j in jobs], outcome=outcome, status=status,
+                                  latency=latency, billed=billed, tokens=tokens)
+
+    def record_failure(self, call_id: int, jobs: Sequence[ClaimedJob], err: ProviderError, latency: float,
+                       prefix: str = "") -> None:
+        """Settle a failed send: an ambiguous failure (timeout, dropped answer) may
+        have been billed and keeps its estimated tokens; a refusal was not billed."""
+        maybe = err.billed_maybe
+        self.record_outcome(call_id, jobs, outcome=prefix + err.error_class, status=err.status, latency=latency,
+                            billed=ledger.MAYBE_BILLED if maybe else ledger.NOT_BILLED, tokens=None if maybe else 0)
+
+    def tokens_today_of_others(self) -> int:
+        """The model's tokens today, except this worker run's (it counts its own as they are answered)."""
+        with self.pool.connection() as conn:
+            return ledger.tokens_today(conn, self.model_id, excluding_run=self.run)
 
     def provider_failure(self, breaker: BreakerFailure) -> None:
         with self.pool.connection() as conn:

@@ -1,20 +1,41 @@
-"""The leases a worker process holds, and the heartbeat that keeps them.
+"""The leases a worker process holds, the heartbeat that keeps them, and the
+worker's liveness.
 
 Each claim registers its jobs under its lease owner with a deadline: the latest
 moment a healthy call could still be running. The heartbeat extends, in the
 database, only leases whose deadline has not passed, so a stalled call stops
 being extended and its jobs are rescued like a dead worker's.
+
+Liveness is separate and faster: every worker keeps a row in ``app.workers``
+(``Liveness``), refreshed by its own thread on its own connection several times
+per ``dead_after``. All its lease owners start with the row's owner prefix, so
+when a worker stops beating (SIGKILL, OOM, a lost host) the others rescue its
+claims within seconds (``rescue_expired``) instead of waiting out the lease,
+while a live worker's slow call keeps its lease.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
+from typing import Callable, Protocol, Sequence
 
-from typing import Protocol, Sequence
+import psycopg
+
+from pipeline_assets.store import queries
 
 log = logging.getLogger(__name__)
+
+WORKERS = queries.load("workers")
+
+# Beats per liveness window: a worker is declared dead only after missing this many in a row.
+BEATS_PER_WINDOW = 5
+
+# How long the row of a dead worker is kept (for inspection) once it holds no claim.
+DEAD_WORKER_KEEP_SECONDS = 3600.0
 
 
 class HeldLeases:
@@ -64,3 +85,66 @@ def heartbeat(leases: HeldLeases, store: LeaseStore, lease_seconds: float, stop:
             store.extend_leases(live, lease_seconds)
         except Exception:  # a missed beat is harmless; the next one retries
             log.exception("heartbeat failed")
+
+
+class Liveness:
+    """This worker's row in ``app.workers``, kept fresh by a thread on its own
+    connection (never the pool's: a busy pool must not make a live worker look dead)."""
+
+    def __init__(self, connect: Callable[[], psycopg.Connection], *, owner_prefix: str, worker_id: str,
+                 model_id: str, dead_after: float) -> None:
+        self._connect = connect
+        self._params = {"prefix": owner_prefix, "worker": worker_id, "model": model_id, "host": socket.gethostname(),
+                        "pid": os.getpid(), "dead_after": dead_after}
+        self._interval = dead_after / BEATS_PER_WINDOW
+        self._conn: psycopg.Connection | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Liveness":
+        """Register (a failure here is the caller's: no claim before the first beat), then beat."""
+        self._beat()
+        try:
+            forget_dead_workers(self._conn)
+        except psycopg.Error as exc:  # housekeeping only
+            log.warning("could not forget dead workers: %s", exc)
+        self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+        try:
+            self._conn.execute(WORKERS.beat, self._params)
+        except psycopg.Error:
+            self._conn.close()  # reconnect on the next beat
+            raise
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._beat()
+            except Exception as exc:  # a missed beat is harmless unless the window passes
+                log.warning("liveness beat failed: %s", exc)
+
+    def stop(self, *, leave: bool = True) -> None:
+        """Stop beating; ``leave``: delete the row (the claims were handed back)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self._interval + 5)
+        try:
+            if leave:
+                if self._conn is None or self._conn.closed:
+                    self._conn = self._connect()
+                self._conn.execute(WORKERS.leave, {"prefix": self._params["prefix"]})
+        except Exception as exc:  # the row then simply goes stale and is forgotten
+            log.warning("could not deregister the worker: %s", exc)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+
+def forget_dead_workers(conn: psycopg.Connection) -> int:
+    """Drop the rows of workers long dead that hold no claim."""
+    return conn.execute(WORKERS.forget_dead, {"keep": DEAD_WORKER_KEEP_SECONDS}).rowcount

@@ -1,9 +1,15 @@
 """The spend ledger: every provider call, and how often each input was sent.
 
-An input counts as sent when the provider answered, or when the call's outcome
-is ambiguous (timeout, dropped connection: it may have been computed and
-billed). Inputs sent more than once for the same content and model are the
-duplicate spend that ``status`` reports.
+Each send is recorded *before* the request goes out, in its own short
+transaction (``record_send``): the call row starts as ``sent`` and possibly
+billed, with the estimated tokens of its inputs, and every input's send is
+counted at once. The outcome settles it afterwards (``record_outcome``): an
+answer is billed with the provider's usage; an ambiguous failure (timeout,
+dropped connection) stays possibly billed with the estimate; a refusal (429,
+5xx, 4xx) was not billed and takes the sends back. So a send whose answer never
+came (the worker was killed mid-call, the completion failed) is still counted,
+and the inputs sent more than once for the same content and model are exactly
+the duplicate spend that ``status`` reports.
 """
 
 from __future__ import annotations
@@ -16,14 +22,41 @@ from pipeline_assets.store import queries
 
 LEDGER = queries.load("ledger")
 
+# billed: what the ledger knows of a call's cost.
+BILLED, MAYBE_BILLED, NOT_BILLED = "yes", "maybe", "no"
+
+
+def record_send(conn: psycopg.Connection, *, model_id: str, worker_id: str, checksums: Sequence[bytes],
+                tokens: int, run: str | None = None) -> int:
+    """Count a send before it goes out, in its own short transaction (one round
+    trip, committed when this returns: see ``send_commit_async``); returns the call id."""
+    with conn.pipeline(), conn.transaction():
+        conn.execute(LEDGER.send_commit_async)
+        cur = conn.execute(LEDGER.record_send, {"model": model_id, "worker": worker_id, "run": run,
+                                                "tokens": tokens, "checksums": list(checksums)})
+    return cur.fetchone()[0]
+
+
+def record_outcome(conn: psycopg.Connection, *, call_id: int, model_id: str, checksums: Sequence[bytes],
+                   outcome: str, status: int | None, latency: float, billed: str,
+                   tokens: int | None = None) -> None:
+    """Settle a recorded send (once; a second outcome for the same call changes nothing).
+    ``tokens`` None keeps the estimate recorded with the send."""
+    conn.execute(LEDGER.record_outcome, {"call": call_id, "model": model_id, "checksums": list(checksums),
+                                         "outcome": outcome, "status": status, "latency": int(latency * 1000),
+                                         "billed": billed, "tokens": tokens})
+
 
 def record_call(conn: psycopg.Connection, *, model_id: str, worker_id: str, jobs: Sequence, tokens: int,
                 outcome: str, status: int | None, latency: float, billed: bool) -> None:
+    """Record a call after the fact, in one statement (callers that send nothing
+    worth counting beforehand)."""
     conn.execute(LEDGER.record_call, {"model": model_id, "worker": worker_id, "tokens": tokens,
                                       "outcome": outcome, "status": status, "latency": int(latency * 1000),
                                       "checksums": [j.chunk_checksum for j in jobs], "billed": billed})
 
 
-def tokens_today(conn: psycopg.Connection, model_id: str) -> int:
-    """Tokens billed for the model since midnight UTC."""
-    return conn.execute(LEDGER.tokens_today, {"model": model_id}).fetchone()[0]
+def tokens_today(conn: psycopg.Connection, model_id: str, *, excluding_run: str | None = None) -> int:
+    """Tokens billed (or possibly billed) for the model since midnight UTC, except
+    those sent by the worker run ``excluding_run`` (``run`` of ``record_send``)."""
+    return conn.execute(LEDGER.tokens_today, {"model": model_id, "run": excluding_run}).fetchone()[0]

@@ -1,44 +1,65 @@
-"""Model registry: one row per model_id, with its dimension and an HNSW index.
+"""Model registry: one row per model_id, with its dimension, active or retired.
 
 The dimension comes from the model's configuration or, when unknown, from the
-first response. The per-model HNSW index (a partial expression index, since
-one column holds vectors of several dimensions) is built when a worker first
-finds the queue drained (and by reconcile), so a backfill builds it in bulk
-instead of maintaining it one insert at a time. The SQL is in
-sql/queries/models.sql; the index DDL is a psycopg.sql template there.
+first response. Retiring is sticky: a worker, ingest or Dagster run still
+configured with a retired model is refused (``ModelRetired``) until a person
+runs ``models activate``; nothing reactivates it (and bills for it) silently.
+The per-model HNSW index is ``jobs.vector_index``. The SQL is in
+sql/queries/models.sql.
 """
 
 from __future__ import annotations
 
-import hashlib
-
 import psycopg
-from psycopg import sql
 from psycopg.rows import dict_row
 
-from pipeline_assets.providers import ModelSpec
+from pipeline_assets.jobs import transitions, vector_index
+from pipeline_assets.providers import ConfigError, ModelSpec
 from pipeline_assets.store import queries
 
 MODELS = queries.load("models")
 JOBS = queries.load("jobs")
 
 
+class ModelRetired(ConfigError):
+    """The configured model was retired; only `models activate` brings it back."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(f"model {model_id} was retired; run `pipeline-assets models activate {model_id}` "
+                         "to use it again")
+        self.model_id = model_id
+
+
 def _index_name(model_id: str) -> str:
-    return "embeddings_hnsw_" + hashlib.sha1(model_id.encode()).hexdigest()[:12]
+    return vector_index.index_name(model_id)
 
 
 def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
-    """Register (and activate) the model; return True if it was new or re-activated."""
+    """Register the model; return True if it was new. Raises ModelRetired for a retired one."""
     row = conn.execute(MODELS.insert_model, {
         "model": spec.model_id, "provider": spec.provider, "name": spec.name, "dimension": spec.dimension,
         "max_input_tokens": spec.max_input_tokens}).fetchone()
-    reactivated = conn.execute(MODELS.reactivate, {"model": spec.model_id}).rowcount
-    if reactivated:
-        # Back after `models retire`: its superseded jobs for wanted content return.
-        from pipeline_assets.jobs import transitions
+    if row is not None:
+        return True
+    active = conn.execute(MODELS.is_active, {"model": spec.model_id}).fetchone()
+    if active is not None and not active[0]:
+        raise ModelRetired(spec.model_id)
+    return False
 
-        transitions.revive_wanted(conn)
-    return row is not None or bool(reactivated)
+
+def activate(conn: psycopg.Connection, model_id: str, max_attempts: int) -> tuple[bool, int, int]:
+    """`models activate`: undo a retire. Returns (was retired, jobs revived, jobs enqueued).
+
+    Its superseded jobs for content still wanted return to pending (their
+    vectors were deleted when superseded), and content ingested while it was
+    retired gets jobs. Unchanged content whose jobs stayed ready costs nothing.
+    """
+    with conn.transaction():
+        if not conn.execute(MODELS.reactivate, {"model": model_id}).rowcount:
+            return False, 0, 0
+        revived = transitions.revive_wanted(conn)
+        enqueued = transitions.enqueue_missing(conn, max_attempts)
+    return True, revived, enqueued
 
 
 def model_dimension(conn: psycopg.Connection, model_id: str) -> int | None:
@@ -51,22 +72,9 @@ def record_dimension(conn: psycopg.Connection, model_id: str, dimension: int) ->
     conn.execute(MODELS.record_dimension, {"dimension": dimension, "model": model_id})
 
 
-def ensure_index(conn: psycopg.Connection, model_id: str, dimension: int) -> None:
-    name = _index_name(model_id)
-    if _index_exists(conn, name):
-        return
-    # Two workers may discover a dimension at once; concurrent CREATE INDEX IF
-    # NOT EXISTS can still collide in the catalog, so serialise them.
-    with conn.transaction():
-        conn.execute(MODELS.lock_index_build, {"name": name})
-        if _index_exists(conn, name):
-            return
-        conn.execute(sql.SQL(MODELS.create_hnsw_index).format(
-            name=sql.Identifier(name), dim=sql.Literal(int(dimension)), model=sql.Literal(model_id)))
-
-
-def _index_exists(conn: psycopg.Connection, name: str) -> bool:
-    return conn.execute(MODELS.index_exists, {"name": name}).fetchone() is not None
+def ensure_index(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
+    """Build the model's index now if missing (concurrently; see ``vector_index.build``)."""
+    return vector_index.build(conn, model_id, dimension)
 
 
 def resolve_model_id(conn: psycopg.Connection, name: str) -> str | None:
@@ -79,9 +87,19 @@ def active_model_ids(conn: psycopg.Connection) -> list[str]:
     return [r[0] for r in conn.execute(MODELS.active_model_ids)]
 
 
+def index_states(conn: psycopg.Connection) -> dict[str, str]:
+    """Each active model's vector index, described in a few words (for `status`)."""
+    return {model_id: vector_index.describe(vector_index.state(conn, model_id, dim), dim)
+            for model_id, dim in conn.execute(MODELS.active_dimensions).fetchall()}
+
+
 def list_models(conn: psycopg.Connection) -> list[dict]:
+    """Every model with its job counts and its index state (see ``vector_index``)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(MODELS.list_models).fetchall()
+        rows = cur.execute(MODELS.list_models).fetchall()
+    for row in rows:
+        row["index"] = vector_index.state(conn, row["model_id"], row["dimension"])
+    return rows
 
 
 def retire(conn: psycopg.Connection, model_id: str) -> int:
@@ -89,8 +107,9 @@ def retire(conn: psycopg.Connection, model_id: str) -> int:
 
     New content is no longer enqueued for it and its unstarted jobs are
     superseded (a late completion is refused: the model is inactive). Its ready
-    vectors stay, so ``export --model`` still works and re-activating it (run a
-    worker with it) needs no re-embedding of unchanged content.
+    vectors stay, so ``export --model`` still works and ``models activate``
+    needs no re-embedding of unchanged content. Until then, anything still
+    configured with it is refused (``ensure_model`` raises ModelRetired).
     """
     with conn.transaction():
         conn.execute(MODELS.deactivate, {"model": model_id})

@@ -39,6 +39,8 @@ class ClaimedJob:
     text: str | None  # None: no current chunk carries the checksum any more
     token_count: int | None = None
     probe: bool = False  # this claim is the half-open breaker's probe
+    throttles: int = 0  # 429s this job met (they use no attempt; past a cap a lone input fails)
+    isolate: bool = False  # it was in a batch refused for a bad input: send it alone
 
 
 def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int,
@@ -87,12 +89,24 @@ def fail_retryable(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[in
 
 
 def give_back(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], delay: float = 0.0,
-              error_class: str | None = None, message: str | None = None) -> list[int]:
-    """Return held jobs without consuming their attempt (throttle, shutdown, fatal config)."""
+              error_class: str | None = None, message: str | None = None, throttled: bool = False) -> list[int]:
+    """Return held jobs without consuming their attempt (throttle, a fault of our
+    own, shutdown, fatal config); ``throttled`` counts a throttle on each."""
     if not job_ids:
         return []
     return [r[0] for r in conn.execute(JOBS.give_back, {
-        "ids": list(job_ids), "owner": owner, "delay": delay, "cls": error_class, "msg": message})]
+        "ids": list(job_ids), "owner": owner, "delay": delay, "cls": error_class, "msg": message,
+        "throttled": throttled})]
+
+
+def mark_isolated(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]) -> int:
+    """Held jobs of a batch refused for a bad input: each goes alone next time."""
+    return conn.execute(JOBS.mark_isolated, {"ids": list(job_ids), "owner": owner}).rowcount
+
+
+def release_probe(conn: psycopg.Connection, model_id: str, owner: str) -> int:
+    """Free the half-open probe slot if the claim ``owner`` holds it."""
+    return conn.execute(JOBS.release_probe, {"model": model_id, "owner": owner}).rowcount
 
 
 def fail_terminal(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], error_class: str,
@@ -106,10 +120,17 @@ def extend_lease(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]
     return cur.rowcount
 
 
-def rescue_expired(conn: psycopg.Connection) -> dict[str, int]:
-    """Expired leases (dead or stalled workers) go back to retry, or to failed when exhausted."""
+def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base: float = 0.0,
+                   cap: float = 0.0) -> dict[str, int]:
+    """Expired leases (dead or stalled workers) go back to retry, or to failed when exhausted.
+
+    ``rescuer``: the owner prefix of a live worker (``app.workers``); with it,
+    the claims of workers that stopped beating are rescued too, without waiting
+    for their leases. ``base``/``cap``: the full-jitter backoff a rescued job
+    waits out (0: available at once).
+    """
     counts = {JobStatus.RETRY: 0, JobStatus.FAILED: 0, JobStatus.SUPERSEDED: 0}
-    for row in _dicts(conn, JOBS.rescue_expired):
+    for row in _dicts(conn, JOBS.rescue_expired, {"rescuer": rescuer, "base": base, "cap": cap}):
         counts[row["status"]] += 1
     return counts
 

@@ -1,8 +1,10 @@
 """OpenAI-compatible provider through the official ``openai`` SDK.
 
 The SDK's own retries are off (max_retries=0): the job table's policy is the
-only one. Each request has a timeout. The key and base URL come from
-``Settings`` (OPENAI_API_KEY, OPENAI_BASE_URL).
+only one. Each request has a hard wall-clock deadline (``Settings.call_timeout``
+over the whole call, not per read: ``providers.deadline``); a call past it is
+an ordinary retryable ``timeout`` whose inputs may have been billed. The key and
+base URL come from ``Settings`` (OPENAI_API_KEY, OPENAI_BASE_URL).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Sequence
 import numpy as np
 import openai
 
+from . import deadline
 from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, ProviderError
 
 # Known dimensions and per-input token limits; other models are discovered
@@ -41,7 +44,8 @@ def parse_retry_after(headers) -> float | None:
 def classify(exc: Exception) -> ProviderError:
     """Map an SDK exception to our four kinds."""
     if isinstance(exc, openai.APITimeoutError):
-        return ProviderError(RETRYABLE, "timeout", "provider call timed out", billed_maybe=True)
+        return ProviderError(RETRYABLE, "timeout", "provider call timed out (wall-clock deadline)",
+                             billed_maybe=True)
     if isinstance(exc, openai.APIConnectionError):
         return ProviderError(RETRYABLE, "connection", f"connection error: {exc}", billed_maybe=True)
     if isinstance(exc, openai.APIStatusError):
@@ -99,13 +103,17 @@ class OpenAIProvider:
             options=options,
         )
         self._dimensions = dimensions
+        self._timeout = timeout
         # Explicit key and base URL (from Settings); the SDK reads no environment of its own here.
-        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout)
+        http_client = deadline.install(openai.DefaultHttpxClient(timeout=timeout))
+        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout,
+                                     http_client=http_client)
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
         kwargs = {"dimensions": self._dimensions} if self._dimensions else {}
         try:
-            resp = self._client.embeddings.create(model=self.spec.name, input=list(texts), **kwargs)
+            with deadline.within(self._timeout):  # the whole call, however the answer trickles in
+                resp = self._client.embeddings.create(model=self.spec.name, input=list(texts), **kwargs)
         except openai.OpenAIError as exc:
             raise classify(exc) from None
         data = sorted(resp.data, key=lambda d: d.index)

@@ -31,6 +31,8 @@ def migration_files(directory: Path | None = None) -> list[Path]:
 def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str]:
     """Apply pending migrations; return the names applied by this call."""
     applied: list[str] = []
+    if _up_to_date(conn, directory):
+        return applied  # read-only: a role with only SELECT (``status``) gets this far
     with conn.transaction():
         conn.execute(MIGRATIONS.lock, {"key": MIGRATION_LOCK_KEY})
         conn.execute(MIGRATIONS.create_schema)
@@ -43,6 +45,15 @@ def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str
             conn.execute(MIGRATIONS.record, {"version": path.name})
             applied.append(path.name)
     return applied
+
+
+def _up_to_date(conn: psycopg.Connection, directory: Path | None) -> bool:
+    """Every migration file already applied (checked with reads only, before any lock or DDL)."""
+    with conn.transaction():
+        if not conn.execute(MIGRATIONS.ledger_exists).fetchone()[0]:
+            return False
+        done = {r[0] for r in conn.execute(MIGRATIONS.applied)}
+    return all(path.name in done for path in migration_files(directory))
 
 
 def ensure_database(server_url: str, name: str, *, connect_timeout: float = 10) -> str:

@@ -86,7 +86,7 @@ SELECT t.pk, t.stage, t.status, t.cls, t.msg, t.version, %(config)s, %(run)s, t.
 FROM unnest(%(pks)s::bigint[], %(stages)s::text[], %(statuses)s::text[], %(classes)s::text[],
             %(messages)s::text[], %(versions)s::text[], %(checksums)s::bytea[])
      AS t(pk, stage, status, cls, msg, version, checksum)
-ON CONFLICT (doc_pk, stage) DO UPDATE
+ON CONFLICT (doc_pk, stage, model_id) DO UPDATE
 SET status = EXCLUDED.status, error_class = EXCLUDED.error_class, last_error = EXCLUDED.last_error,
     code_version = EXCLUDED.code_version, config_hash = EXCLUDED.config_hash,
     dagster_run_id = EXCLUDED.dagster_run_id, source_checksum = EXCLUDED.source_checksum,

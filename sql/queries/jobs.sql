@@ -12,11 +12,18 @@
 -- pending|retry -> processing. Batch claim; the lease comes from the database
 -- clock, never the worker's. The shared circuit breaker gates it: while tripped
 -- and paused nobody claims; once the pause is over (half-open) one claim at a
--- time wins the probe slot, and the first success closes the breaker.
+-- time wins the probe slot (probe_owner), and the first success closes the
+-- breaker. The slot is taken only when a job is waiting, and it is released as
+-- soon as its claim ends or finds nothing (release_probe) or a call fails
+-- while the breaker is tripped (provider_failure): probe_until (a lease) only
+-- bounds the slot of a probe whose worker died.
 -- Columns are named as the fields of transitions.ClaimedJob.
 WITH gate AS (
-    UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s)
+    UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s),
+                                    probe_owner = %(owner)s
     WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
+      AND EXISTS (SELECT 1 FROM app.embedding_jobs w
+                  WHERE w.model_id = %(model)s AND w.status IN ('pending', 'retry') AND w.available_at <= now())
     RETURNING true AS probe
 ), picked AS (
     SELECT job_id, chunk_checksum FROM app.embedding_jobs
@@ -41,7 +48,19 @@ LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
                    WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
 WHERE j.job_id = picked.job_id
 RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
-          EXISTS (SELECT 1 FROM gate) AS probe
+          EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate
+
+-- name: release_probe
+-- The probe slot goes free at once when the claim holding it found nothing,
+-- failed or ended without closing the breaker: no worker waits out a lease.
+UPDATE app.provider_state SET probe_until = '-infinity', probe_owner = NULL, updated_at = now()
+WHERE model_id = %(model)s AND probe_owner = %(owner)s
+
+-- name: mark_isolated
+-- A batch was refused for a bad input and is being split: should the split be
+-- cut short (a throttle, a crash), each of these jobs goes alone next time.
+UPDATE app.embedding_jobs SET isolate = true
+WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s AND NOT isolate
 
 -- name: complete
 -- processing -> ready, only under this lease and only while the content is still
@@ -76,9 +95,11 @@ WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)
 RETURNING job_id
 
 -- name: fail_retryable
--- processing -> retry (or failed when attempts are used up), with a per-job delay.
+-- processing -> retry (or failed when attempts are used up), with a per-job delay;
+-- superseded when its model was retired meanwhile (nobody would claim it again).
 UPDATE app.embedding_jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'retry' END,
+SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) THEN 'superseded'
+                  WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'retry' END,
     available_at = now() + make_interval(secs => d.delay),
     lease_owner = NULL, lease_expires_at = NULL,
     error_class = %(cls)s, error_message = %(msg)s, updated_at = now()
@@ -87,11 +108,15 @@ WHERE j.job_id = d.job_id AND j.status = 'processing' AND j.lease_owner = %(owne
 RETURNING j.job_id, j.status
 
 -- name: give_back
--- processing -> retry without consuming the attempt (throttling is the
--- provider's state, not the item's) or on release at shutdown.
+-- processing -> retry without consuming the attempt: throttling (the provider's
+-- state, not the item's; counted in throttles), a fault of our own (database,
+-- infrastructure), a fatal configuration error, or release at shutdown.
+-- Superseded instead when its model was retired meanwhile.
 UPDATE app.embedding_jobs j
-SET status = CASE WHEN j.attempts <= 1 THEN 'pending' ELSE 'retry' END,
+SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) THEN 'superseded'
+                  WHEN j.attempts <= 1 THEN 'pending' ELSE 'retry' END,
     attempts = greatest(j.attempts - 1, 0),
+    throttles = j.throttles + CASE WHEN %(throttled)s THEN 1 ELSE 0 END,
     available_at = now() + make_interval(secs => %(delay)s),
     lease_owner = NULL, lease_expires_at = NULL,
     error_class = coalesce(%(cls)s, j.error_class),
@@ -115,18 +140,39 @@ SET lease_expires_at = now() + make_interval(secs => %(lease)s)
 WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
 
 -- name: rescue_expired
--- Lease rescue: expired processing -> retry (or failed when attempts are used up;
--- superseded when its model was retired meanwhile).
+-- Lease rescue: processing -> retry (or failed when attempts are used up;
+-- superseded when its model was retired meanwhile) when the lease expired, or
+-- when its owner's worker process is dead: past its liveness deadline
+-- (app.workers.alive_until) while the rescuer, a live worker, could beat: it
+-- was already beating without a gap when that deadline passed, or it has been
+-- for a whole liveness window of its own since. So the database was reachable
+-- and the silent one missed its beats; a database outage that silenced every
+-- worker at once condemns nobody (a beat after a gap restarts alive_since). A
+-- rescued job waits out the full-jitter backoff of its attempt,
+-- uniform(0, min(cap, base * 2^attempts)), like any other retry.
+WITH rescuer AS (
+    SELECT r.alive_since, now() - (r.alive_until - r.beat_at) AS window_start FROM app.workers r
+    WHERE r.owner_prefix = %(rescuer)s AND r.alive_until >= now()
+), dead AS (
+    SELECT w.owner_prefix FROM app.workers w, rescuer r
+    WHERE w.alive_until < now() AND (r.alive_since <= w.alive_until OR r.alive_since <= r.window_start)
+)
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
                   THEN 'superseded'  -- its model was retired: nobody will claim it again
                   WHEN attempts >= max_attempts THEN 'failed' ELSE 'retry' END,
-    lease_owner = NULL, lease_expires_at = NULL, available_at = now(),
-    error_class = 'lease_expired',
-    error_message = 'lease expired before completion (worker died or stalled)',
+    lease_owner = NULL, lease_expires_at = NULL,
+    available_at = now() + make_interval(secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts, 30))),
+    error_class = why.error_class, error_message = why.error_message,
     updated_at = now()
-WHERE status = 'processing' AND lease_expires_at < now()
-RETURNING job_id, status
+FROM (VALUES (true, 'lease_expired', 'lease expired before completion (worker died or stalled)'),
+             (false, 'worker_dead', 'its worker process stopped beating (died) before completion'))
+     AS why(expired, error_class, error_message)
+WHERE j.status = 'processing'
+  AND why.expired = (j.lease_expires_at < now())
+  AND (j.lease_expires_at < now()
+       OR EXISTS (SELECT 1 FROM dead d WHERE starts_with(j.lease_owner, d.owner_prefix)))
+RETURNING j.job_id, j.status
 
 -- name: requeue_failed
 -- failed -> pending (a person or policy requeues the dead letter); content that
@@ -135,7 +181,7 @@ UPDATE app.embedding_jobs j
 SET status = CASE WHEN EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
                        AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
                   THEN 'pending' ELSE 'superseded' END,
-    attempts = 0, available_at = now(), updated_at = now()
+    attempts = 0, throttles = 0, available_at = now(), updated_at = now()
 WHERE j.status = 'failed' AND (%(all)s OR j.job_id = ANY(%(ids)s))
 RETURNING j.job_id, j.status
 
@@ -200,7 +246,7 @@ NOT EXISTS (SELECT 1 FROM app.job_keys k WHERE k.chunk_checksum = c.chunk_checks
 -- name: revive_wanted
 -- superseded -> pending: content came back (a revert, a re-added file).
 UPDATE app.embedding_jobs j
-SET status = 'pending', attempts = 0, available_at = now(),
+SET status = 'pending', attempts = 0, throttles = 0, available_at = now(),
     error_class = NULL, error_message = NULL, updated_at = now()
 WHERE j.status = 'superseded'
   AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
@@ -209,7 +255,7 @@ WHERE j.status = 'superseded'
 -- name: revive_wanted_among
 -- revive_wanted limited to some checksums.
 UPDATE app.embedding_jobs j
-SET status = 'pending', attempts = 0, available_at = now(),
+SET status = 'pending', attempts = 0, throttles = 0, available_at = now(),
     error_class = NULL, error_message = NULL, updated_at = now()
 FROM app.job_keys k
 WHERE k.chunk_checksum = ANY(%(checksums)s::bytea[]) AND j.job_id = k.job_id
@@ -249,9 +295,12 @@ SELECT EXISTS (SELECT 1 FROM app.embedding_jobs
 -- name: provider_failure
 -- A provider failure, shared by every worker. A throttle (429) trips the
 -- breaker at once; other failures trip it after `threshold` in a row. The
--- pause is the provider's Retry-After when it gave one (authoritative; the
--- half-open probe, not a random spread, keeps workers from returning as a
--- herd), otherwise a full-jitter backoff over the consecutive failures.
+-- pause is the provider's Retry-After when it gave one (authoritative, already
+-- capped by the worker; the half-open probe, not a random spread, keeps
+-- workers from returning as a herd), otherwise a full-jitter backoff over the
+-- consecutive failures. Any failure while the breaker is tripped (a failed
+-- probe) frees the probe slot: the next probe goes out when the pause (if
+-- any) ends, not when the failed probe's lease would have.
 INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
 VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
         CASE WHEN %(trip)s OR 1 >= %(threshold)s
@@ -267,12 +316,16 @@ SET consecutive_failures = p.consecutive_failures + 1,
                              ELSE random() * least(%(cap)s, %(base)s * 2 ^ least(p.consecutive_failures + 1, 30))
                              END))
                         ELSE p.paused_until END,
+    probe_until = CASE WHEN p.tripped OR %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
+                       THEN '-infinity' ELSE p.probe_until END,
+    probe_owner = CASE WHEN p.tripped OR %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
+                       THEN NULL ELSE p.probe_owner END,
     updated_at = now()
 RETURNING paused_until > now() AS paused, tripped, consecutive_failures
 
 -- name: provider_healthy
 -- A success closes the breaker and resets the failure count.
 UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_until = '-infinity',
-       updated_at = now()
+       probe_owner = NULL, updated_at = now()
 WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
   AND (NOT tripped OR paused_until <= now())  -- a call that was already in flight cannot cut a pause short

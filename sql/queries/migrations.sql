@@ -12,6 +12,10 @@ CREATE TABLE IF NOT EXISTS app.schema_migrations (
     version    text PRIMARY KEY,
     applied_at timestamptz NOT NULL DEFAULT now())
 
+-- name: ledger_exists
+-- Read-only probe: has any migration run here (is there a ledger to read)?
+SELECT to_regclass('app.schema_migrations') IS NOT NULL
+
 -- name: applied
 SELECT version FROM app.schema_migrations
 

@@ -7,7 +7,10 @@
 SELECT model_id, status, count(*) AS n FROM app.embedding_jobs GROUP BY model_id, status ORDER BY 1, 2
 
 -- name: stages
-SELECT stage, status, count(*) AS n FROM app.stage_runs GROUP BY stage, status ORDER BY 1, 2
+-- The stored stages (extract, chunk); status computes the embed stage from
+-- the jobs instead (stages.embed_counts).
+SELECT stage, status, count(*) AS n FROM app.stage_runs WHERE stage <> 'embed'
+GROUP BY stage, status ORDER BY 1, 2
 
 -- name: documents
 SELECT status, count(*) AS n FROM app.documents GROUP BY status ORDER BY 1
@@ -32,10 +35,24 @@ SELECT model_id, count(*) AS calls, coalesce(sum(tokens), 0) AS tokens,
 FROM app.provider_calls GROUP BY model_id ORDER BY model_id
 
 -- name: duplicate_sends
--- The duplicate spend: inputs sent more than once for the same content and model.
+-- The duplicate spend: inputs sent (billed or possibly billed: an unanswered
+-- send counts) more than once for the same content and model. A send the
+-- provider refused is taken back, so sends may be 0.
 SELECT model_id, count(*) FILTER (WHERE sends > 1) AS inputs_sent_more_than_once,
-       coalesce(sum(sends - 1), 0) AS extra_sends
+       coalesce(sum(sends - 1) FILTER (WHERE sends > 1), 0) AS extra_sends
 FROM app.input_sends GROUP BY model_id ORDER BY model_id
+
+-- name: breaker
+-- The shared circuit breaker of each model that has met a provider failure:
+-- closed, open (paused for paused_for more seconds) or half-open (the pause is
+-- over; one probe claim at a time, probe_out while one is in flight).
+SELECT model_id,
+       CASE WHEN NOT tripped THEN 'closed' WHEN paused_until > now() THEN 'open' ELSE 'half-open' END AS state,
+       CASE WHEN paused_until > now() THEN extract(epoch FROM paused_until - now())::float8 ELSE 0.0 END
+           AS paused_for,
+       consecutive_failures,
+       tripped AND probe_owner IS NOT NULL AND probe_until > now() AS probe_out
+FROM app.provider_state ORDER BY model_id
 
 -- name: dead_letter_jobs
 -- Failed jobs, with the documents that (still) carry their content.

@@ -1,44 +1,112 @@
 -- Per-item stage state, app.stage_runs (pipeline_assets/app/stages.py).
 
--- name: refresh_embed
--- The embed row of every current document, derived from its jobs for a model:
--- one set-based statement, writing only rows that changed.
-INSERT INTO app.stage_runs AS s (doc_pk, stage, status, attempts, error_class, last_error, code_version,
-                                 source_checksum, started_at, finished_at)
-SELECT d.doc_pk, 'embed',
+-- name: embed_state
+-- The embed state of documents for models, derived from their jobs: one row per
+-- current document x model; succeeded when every chunk's job is ready, failed
+-- when one failed, pending otherwise (a chunk with no job yet is pending).
+-- A psycopg.sql template: the field "models" is one of the embed_models_*
+-- conditions on m (app.models), "scope" one of the embed_scope_* conditions on
+-- d (app.documents). Read by
+-- refresh_embed (which stores it) and by embed_counts (status, which does not).
+SELECT d.doc_pk, m.model_id,
        CASE WHEN bool_or(j.status = 'failed') THEN 'failed'
-            WHEN bool_and(j.status = 'ready') THEN 'succeeded'
-            ELSE 'pending' END,
-       greatest(coalesce(max(j.attempts), 0), 1),
-       max(j.error_class) FILTER (WHERE j.status = 'failed'),
-       max(j.error_message) FILTER (WHERE j.status = 'failed'),
-       %(model)s, d.source_checksum, min(j.created_at),
-       CASE WHEN bool_and(j.status IN ('ready', 'failed')) THEN max(j.updated_at) END
+            WHEN bool_and(coalesce(j.status = 'ready', false)) THEN 'succeeded'
+            ELSE 'pending' END AS status,
+       greatest(coalesce(max(j.attempts), 0), 1) AS attempts,
+       max(j.error_class) FILTER (WHERE j.status = 'failed') AS error_class,
+       max(j.error_message) FILTER (WHERE j.status = 'failed') AS last_error,
+       d.source_checksum,
+       coalesce(min(j.created_at), now()) AS started_at,
+       CASE WHEN bool_and(coalesce(j.status IN ('ready', 'failed'), false)) THEN max(j.updated_at) END
+           AS finished_at
 FROM app.documents d
 JOIN app.chunks c ON c.doc_pk = d.doc_pk
-JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = %(model)s
-JOIN app.embedding_jobs j ON j.job_id = k.job_id
-WHERE d.status = 'current'
-GROUP BY d.doc_pk, d.source_checksum
-ON CONFLICT (doc_pk, stage) DO UPDATE
+JOIN app.models m ON {models}
+LEFT JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = m.model_id
+LEFT JOIN app.embedding_jobs j ON j.job_id = k.job_id
+WHERE d.status = 'current' AND {scope}
+GROUP BY d.doc_pk, m.model_id
+
+-- name: embed_models_one
+m.model_id = %(model)s
+
+-- name: embed_models_active
+m.active
+
+-- name: embed_scope_all
+-- Every current document (reconcile's full refresh).
+true
+
+-- name: embed_scope_docs
+-- Some documents (a per-call list).
+d.doc_pk = ANY(%(docs)s::bigint[])
+
+-- name: embed_scope_touched
+-- The documents a work run touched: those whose chunks carry a checksum whose
+-- vector was stored (embeddings_model_created) or whose job failed
+-- (embedding_jobs_failed) since the run started, plus those whose stored row
+-- says failed (a requeued dead letter may have moved since).
+d.doc_pk = ANY(ARRAY(
+    SELECT c.doc_pk FROM app.chunks c
+    WHERE c.chunk_checksum IN (
+        SELECT e.chunk_checksum FROM app.embeddings e
+        WHERE e.model_id = %(model)s AND e.created_at >= %(since)s
+        UNION
+        SELECT j.chunk_checksum FROM app.embedding_jobs j
+        WHERE j.status = 'failed' AND j.updated_at >= %(since)s AND j.model_id = %(model)s)
+    UNION
+    SELECT s.doc_pk FROM app.stage_runs s
+    WHERE s.stage = 'embed' AND s.status = 'failed' AND s.model_id = %(model)s))
+
+-- name: refresh_embed
+-- Store the embed rows of embed_state (the field "state", for one model), writing only rows
+-- that changed. code_version of an embed row is its model.
+INSERT INTO app.stage_runs AS s (doc_pk, stage, model_id, status, attempts, error_class, last_error,
+                                 code_version, source_checksum, started_at, finished_at)
+SELECT e.doc_pk, 'embed', e.model_id, e.status, e.attempts, e.error_class, e.last_error,
+       e.model_id, e.source_checksum, e.started_at, e.finished_at
+FROM ({state}) e
+ON CONFLICT (doc_pk, stage, model_id) DO UPDATE
 SET status = EXCLUDED.status, attempts = EXCLUDED.attempts, error_class = EXCLUDED.error_class,
     last_error = EXCLUDED.last_error, code_version = EXCLUDED.code_version,
     source_checksum = EXCLUDED.source_checksum, finished_at = EXCLUDED.finished_at
-WHERE (s.status, s.code_version, s.source_checksum, s.error_class)
-      IS DISTINCT FROM (EXCLUDED.status, EXCLUDED.code_version, EXCLUDED.source_checksum, EXCLUDED.error_class)
+WHERE (s.status, s.attempts, s.code_version, s.source_checksum, s.error_class, s.finished_at)
+      IS DISTINCT FROM (EXCLUDED.status, EXCLUDED.attempts, EXCLUDED.code_version, EXCLUDED.source_checksum,
+                        EXCLUDED.error_class, EXCLUDED.finished_at)
+
+-- name: embed_counts
+-- The embed stage as status shows it, computed from the jobs (the field
+-- "state": embed_state for every active model) and never stored: documents per model and status (model_id
+-- set), and per document over every active model (model_id NULL: failed if
+-- one failed, succeeded if all succeeded).
+WITH e AS ({state}),
+per_doc AS (
+    SELECT CASE WHEN bool_or(status = 'failed') THEN 'failed'
+                WHEN bool_and(status = 'succeeded') THEN 'succeeded'
+                ELSE 'pending' END AS status
+    FROM e GROUP BY doc_pk)
+SELECT model_id, status, count(*) AS n FROM e GROUP BY model_id, status
+UNION ALL
+SELECT NULL, status, count(*) FROM per_doc GROUP BY status
+ORDER BY 1 NULLS FIRST, 2
+
+-- name: clock
+-- The database clock: a work run's "since".
+SELECT now()
 
 -- name: rerun_targets
 -- Documents whose stage ran under another code version, or failed with a given
--- error class: the targets of a partial rerun. Columns are named as the fields
--- of stages.RerunTarget.
+-- error class: the targets of a partial rerun (for embed, one row per model, or
+-- only those of one model). Columns are named as the fields of stages.RerunTarget.
 SELECT src.root, d.document_id, s.stage, s.status, s.error_class, s.code_version
 FROM app.stage_runs s
 JOIN app.documents d ON d.doc_pk = s.doc_pk
 JOIN app.sources src ON src.source_id = d.source_id
 WHERE d.status <> 'deleted'
   AND s.stage = %(stage)s
+  AND (%(model)s::text IS NULL OR s.model_id = %(model)s)
   AND (%(error_class)s::text IS NULL OR (s.status = 'failed' AND s.error_class = %(error_class)s))
   AND (%(not_version)s::text IS NULL OR s.code_version IS DISTINCT FROM %(not_version)s)
   AND (%(failed_only)s = false OR s.status = 'failed')
-ORDER BY src.root, d.document_id
+ORDER BY src.root, d.document_id, s.model_id
 LIMIT %(limit)s

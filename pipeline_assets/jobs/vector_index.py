@@ -1,0 +1,226 @@
+"""The per-model HNSW index on app.embeddings: which kind, its state, its build.
+
+One column holds the vectors of every model, so each model gets a partial
+expression index (``WHERE model_id = …``) over a cast to its dimension:
+``vector`` up to 2,000 dimensions, ``halfvec`` (half precision) up to 4,000
+(pgvector's HNSW limits); above that a model has no index and is searched
+exactly (a scan of its vectors).
+
+The build never blocks completions: ``CREATE INDEX CONCURRENTLY`` outside any
+transaction, one builder per index (a session advisory lock that dies with its
+connection; a second builder does not wait, it leaves the build to the first).
+A failed or cancelled build leaves an INVALID index; the next build drops it
+and builds again. A build error is returned as one line (``IndexBuildError``),
+never an internal error that kills a worker or a run. Workers build when their
+queue drains (``BackgroundBuild``, on its own connection, cancelled on stop);
+``pipeline-assets models index`` builds on demand; reconcile never builds.
+Until the index exists, search is an exact scan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from typing import Callable
+
+import psycopg
+from psycopg import sql
+
+from pipeline_assets.store import queries
+
+log = logging.getLogger(__name__)
+
+MODELS = queries.load("models")
+
+# pgvector's HNSW index takes `vector` columns of at most this many dimensions...
+HNSW_MAX_VECTOR_DIM = 2000
+# ...and `halfvec` of at most this many; a model above it has no index (exact search).
+HNSW_MAX_HALFVEC_DIM = 4000
+# First key of the build lock (pg_try_advisory_lock(int, int)); the second is hashtext(index name).
+INDEX_LOCK_NAMESPACE = 0x766E6478
+# A long-running worker whose build failed (or was left to another builder) looks again after this long.
+INDEX_RETRY_SECONDS = 600.0
+
+# Index states, as `models list` and `status` show them.
+READY = "ready"          # a valid HNSW index: approximate nearest neighbours
+BUILDING = "building"    # a builder holds the lock (searches scan exactly meanwhile)
+INVALID = "invalid"      # a build failed or was cancelled; the next build drops and rebuilds it
+MISSING = "missing"      # not built yet (built when a worker's queue drains): exact scan
+EXACT = "exact"          # over HNSW_MAX_HALFVEC_DIM dimensions: never indexed, exact scan
+NO_VECTORS = "none"      # dimension unknown: nothing embedded yet
+
+
+class IndexBuildError(RuntimeError):
+    """The index could not be built; the message is one line. The run goes on without it."""
+
+
+def index_name(model_id: str) -> str:
+    return "embeddings_hnsw_" + hashlib.sha1(model_id.encode()).hexdigest()[:12]
+
+
+def index_kind(dimension: int) -> str | None:
+    """The type the index casts to: vector, halfvec, or None (too many dimensions to index)."""
+    if dimension <= HNSW_MAX_VECTOR_DIM:
+        return "vector"
+    if dimension <= HNSW_MAX_HALFVEC_DIM:
+        return "halfvec"
+    return None
+
+
+def search_kind(dimension: int) -> str:
+    """The cast a search orders by: the index's (so the planner can use it), else full precision."""
+    return index_kind(dimension) or "vector"
+
+
+def describe(state: str, dimension: int | None) -> str:
+    """One human line for a state, with the kind of index."""
+    if state == EXACT:
+        return f"exact search (no index over {HNSW_MAX_HALFVEC_DIM} dimensions)"
+    if state == NO_VECTORS or dimension is None:
+        return "none yet (no vectors)"
+    kind = index_kind(dimension)
+    return {READY: f"hnsw {kind}", BUILDING: f"hnsw {kind} building (exact search meanwhile)",
+            INVALID: f"hnsw {kind} invalid (a build failed; rebuilt on the next drain)",
+            MISSING: "not built yet (exact search until a worker drains)"}[state]
+
+
+def state(conn: psycopg.Connection, model_id: str, dimension: int | None) -> str:
+    """The model's index state (read-only: catalog and lock views)."""
+    if not dimension:
+        return NO_VECTORS
+    if index_kind(int(dimension)) is None:
+        return EXACT
+    valid, building = conn.execute(MODELS.index_state, _lock_params(model_id)).fetchone()
+    if building:
+        return BUILDING
+    return MISSING if valid is None else READY if valid else INVALID
+
+
+def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
+    """Build the model's index concurrently if it is missing or invalid; return the state after.
+
+    ``conn`` must be in autocommit mode with no transaction open (CREATE INDEX
+    CONCURRENTLY cannot run inside one). Returns BUILDING without waiting when
+    another session is building it, EXACT when the dimension cannot be indexed.
+    Raises IndexBuildError (one line) when the database refuses the build.
+    """
+    kind = index_kind(int(dimension))
+    if kind is None:
+        return EXACT
+    if not conn.autocommit or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise ValueError("an index is built concurrently, outside any transaction (use an autocommit connection)")
+    name = index_name(model_id)
+    params = _lock_params(model_id)
+    if not conn.execute(MODELS.try_lock_index_build, params).fetchone()[0]:
+        return BUILDING
+    try:
+        valid, _ = conn.execute(MODELS.index_state, params).fetchone()
+        if valid:
+            return READY
+        if valid is not None:  # INVALID: left by a failed or cancelled build
+            log.warning("dropping the invalid index %s of model %s and building it again", name, model_id)
+            conn.execute(_drop(name))
+        started = time.monotonic()
+        try:
+            conn.execute(sql.SQL(MODELS.create_hnsw_index).format(
+                name=sql.Identifier(name), kind=sql.Identifier(kind), opclass=sql.Identifier(f"{kind}_cosine_ops"),
+                dim=sql.Literal(int(dimension)), model=sql.Literal(model_id)))
+        except psycopg.Error as exc:
+            if not isinstance(exc, psycopg.errors.QueryCanceled):  # cancelled: stopping; the next build drops it
+                _drop_quietly(conn, name)  # an invalid index is still maintained on every insert
+            raise IndexBuildError(f"could not build the vector index of model {model_id} "
+                                  f"({dimension} dimensions): {_one_line(exc)}") from None
+        log.info("built the %s HNSW index %s of model %s in %.1f s", kind, name, model_id,
+                 time.monotonic() - started)
+        return READY
+    finally:
+        if not conn.closed and not conn.broken:
+            try:
+                conn.execute(MODELS.unlock_index_build, params)
+            except psycopg.Error:
+                pass  # the lock dies with the connection
+
+
+def _lock_params(model_id: str) -> dict:
+    return {"namespace": INDEX_LOCK_NAMESPACE, "name": index_name(model_id)}
+
+
+def _drop(name: str) -> sql.Composed:
+    return sql.SQL(MODELS.drop_index).format(name=sql.Identifier(name))
+
+
+def _drop_quietly(conn: psycopg.Connection, name: str) -> None:
+    try:
+        conn.execute(_drop(name))
+    except psycopg.Error as exc:
+        log.warning("could not drop the invalid index %s (the next build will): %s", name, _one_line(exc))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+class BackgroundBuild:
+    """A worker's build: its own connection, a thread, cancelled when the worker stops.
+
+    The worker's main loop keeps rescuing leases and watching for stop signals
+    while the index builds; completions go on committing (CONCURRENTLY).
+    """
+
+    def __init__(self, connect: Callable[[], psycopg.Connection], model_id: str, dimension: int) -> None:
+        self._connect = connect
+        self.model_id = model_id
+        self.dimension = dimension
+        self.outcome: str | None = None   # a state, once the build is over
+        self.error: str | None = None     # the one-line error of a failed build
+        self.finished_at: float | None = None
+        self._conn: psycopg.Connection | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._thread = threading.Thread(target=self._run, name="index-build", daemon=True)
+
+    def start(self) -> "BackgroundBuild":
+        self._thread.start()
+        return self
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    def retry_due(self, now: float) -> bool:
+        """Whether a long-running worker should try again (the last build did not leave a usable index)."""
+        return (self.done and self.outcome not in (READY, EXACT)
+                and now - self.finished_at >= INDEX_RETRY_SECONDS)
+
+    def cancel(self, timeout: float = 5.0) -> None:
+        """Stop a build in progress (it leaves an INVALID index the next build replaces)."""
+        with self._lock:
+            self._cancelled = True
+            if self._conn is not None and not self.done:
+                try:
+                    self._conn.cancel_safe(timeout=timeout)
+                except Exception:  # noqa: BLE001 - best effort: the connection closes anyway
+                    pass
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            with self._lock:
+                if self._cancelled:
+                    return
+                self._conn = self._connect()
+            try:
+                self.outcome = build(self._conn, self.model_id, self.dimension)
+            finally:
+                self._conn.close()
+        except IndexBuildError as exc:
+            self.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the worker goes on without the index
+            self.error = f"could not build the vector index of model {self.model_id}: {_one_line(exc)}"
+        finally:
+            if self.error and not self._cancelled:
+                log.warning("%s (search scans exactly until it is built)", self.error)
+            self.finished_at = time.monotonic()

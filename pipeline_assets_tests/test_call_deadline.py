@@ -1,0 +1,114 @@
+"""A hard wall-clock deadline on every provider call (issue 8, item 4).
+
+httpx times out per read: an answer that drips a byte at a time never trips a
+read timeout, so without a deadline over the whole call the worker thread stays
+pinned and `work --until-idle` never exits. The fake server's slow-drip fault
+sends a valid answer one byte every 50 ms for `drip_seconds`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pipeline_assets.providers import RETRYABLE, ProviderError, deadline
+from pipeline_assets.providers.openai_provider import OpenAIProvider
+from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts
+from pipeline_assets_tests.fake_openai import FakeOpenAI
+
+DRIP_TEXT = "DRIP an answer that trickles in forever"
+
+
+def provider(fake: FakeOpenAI, timeout: float) -> OpenAIProvider:
+    return OpenAIProvider(FAKE_MODEL, api_key="test-key", base_url=fake.base_url, dimensions=None, timeout=timeout,
+                          max_batch_inputs=16, max_batch_tokens=10_000)
+
+
+def test_a_dripping_answer_ends_at_the_deadline_as_a_retryable_timeout(fake):
+    fake.drip_marker, fake.drip_seconds = "DRIP", 30.0
+    p = provider(fake, timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(ProviderError) as caught:
+        p.embed([DRIP_TEXT])
+    elapsed = time.monotonic() - started
+    assert 0.9 <= elapsed < 2.0, elapsed  # the deadline, not the 30 s drip
+    err = caught.value
+    assert (err.kind, err.error_class, err.billed_maybe) == (RETRYABLE, "timeout", True)
+    assert fake.billed_count(DRIP_TEXT) == 1  # the provider computed (and billed) it
+    # The client is still usable: the cut connection was dropped, not pooled.
+    result = p.embed(["an ordinary input"])
+    assert np.allclose(result.vectors[0], fake.vector_for("an ordinary input"), atol=1e-6)
+    assert getattr(deadline._current, "deadline", None) is None  # no deadline left behind on the thread
+
+
+def test_the_deadline_covers_the_whole_call_not_each_read(fake):
+    """Each read gets data in time (every 50 ms); the whole answer takes 3 s."""
+    fake.drip_marker, fake.drip_seconds = "DRIP", 3.0
+    p = provider(fake, timeout=1.5)
+    started = time.monotonic()
+    with pytest.raises(ProviderError, match="timeout"):
+        p.embed([DRIP_TEXT])
+    assert time.monotonic() - started < 2.5
+    # With a deadline beyond the drip, the same answer is taken.
+    slow_but_in_time = provider(fake, timeout=10.0)
+    result = slow_but_in_time.embed([DRIP_TEXT])
+    assert np.allclose(result.vectors[0], fake.vector_for(DRIP_TEXT), atol=1e-6)
+
+
+def test_deadlines_are_per_thread(fake):
+    """Concurrent calls on one client: a dripping call times out, a fast one on another thread does not."""
+    fake.drip_marker, fake.drip_seconds = "DRIP", 30.0
+    fake.latency = 0.3
+    p = provider(fake, timeout=1.0)
+    outcomes: dict[str, object] = {}
+
+    def run(name: str, text: str) -> None:
+        try:
+            outcomes[name] = p.embed([text])
+        except ProviderError as exc:
+            outcomes[name] = exc
+
+    threads = [threading.Thread(target=run, args=("drip", DRIP_TEXT)),
+               threading.Thread(target=run, args=("fast", "a fast input"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert isinstance(outcomes["drip"], ProviderError) and outcomes["drip"].error_class == "timeout"
+    assert not isinstance(outcomes["fast"], ProviderError)
+
+
+def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_path):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    (corpus / "drip.md").write_text(DRIP_TEXT)
+    (corpus / "fine.md").write_text("an ordinary document")
+    env = {**env, "PIPELINE_CALL_TIMEOUT": "1", "PIPELINE_MAX_ATTEMPTS": "2", "PIPELINE_BATCH_INPUTS": "1"}
+    cli("ingest", str(corpus), env=env)
+    fake.drip_marker, fake.drip_seconds = "DRIP", 120.0
+    started = time.monotonic()
+    out = json.loads(cli("work", "--until-idle", "--json", env=env, timeout=60).stdout)
+    elapsed = time.monotonic() - started
+    print(f"\nwork --until-idle with a dripping answer exited after {elapsed:.1f} s")
+    assert elapsed < 20, elapsed  # two 1 s deadlines and backoff, not two 120 s drips
+    conn = clean_db
+    assert job_counts(conn) == {"ready": 1, "failed": 1}
+    assert conn.execute("""SELECT j.error_class, j.attempts FROM app.embedding_jobs j
+                           WHERE j.status = 'failed'""").fetchone() == ("timeout", 2)
+    assert out["embedded"] == 1 and out["failed"] == 1
+    # Each timed-out send was billed by the provider, and the ledger counts it as
+    # possibly billed, with its estimated tokens (not 0).
+    assert fake.billed_count(DRIP_TEXT) == 2
+    calls = conn.execute("""SELECT outcome, billed, tokens, answered_at IS NOT NULL FROM app.provider_calls
+                            WHERE outcome <> 'ok' ORDER BY call_id""").fetchall()
+    assert [(o, b, a) for o, b, _, a in calls] == [("timeout", "maybe", True)] * 2
+    assert all(tokens > 0 for _, _, tokens, _ in calls)
+    sends = conn.execute("""SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum)
+                            WHERE c.text = %s""", (DRIP_TEXT,)).fetchone()[0]
+    assert sends == fake.billed_count(DRIP_TEXT) == 2
+    spend = json.loads(cli("status", "--json", env=env).stdout)["spend"][f"openai/{FAKE_MODEL}"]
+    assert (spend["duplicate_inputs"], spend["extra_sends"]) == (1, 1)

@@ -1,0 +1,126 @@
+"""Asset checks: coverage per partition of the run (ERROR); store health on the schedule only."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+
+from pipeline_assets.app.ingest import ingest_documents
+from pipeline_assets.defs.assets import EMBEDDINGS
+from pipeline_assets.defs.checks import COVERAGE_CHECK
+from pipeline_assets.defs.resources import build_resources
+from pipeline_assets.settings import Settings
+from pipeline_assets_tests.conftest import job_counts, write_corpus
+from pipeline_assets_tests.dagster_helpers import check_results, execute, fresh_defs, range_tags
+
+KEYS = [f"doc{i:04d}.md" for i in range(6)]
+
+
+@pytest.fixture
+def corpus(env, clean_db, tmp_path, monkeypatch):
+    root = tmp_path / "corpus"
+    write_corpus(root, len(KEYS))
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
+    return root
+
+
+def _coverage_only(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> dg.AssetCheckEvaluation:
+    """The coverage check alone for one partition, as 'Execute check' in the UI runs it."""
+    job = defs.resolve_implicit_global_asset_job_def().get_subset(
+        asset_selection=set(), asset_check_selection={dg.AssetCheckKey(EMBEDDINGS, COVERAGE_CHECK)})
+    result = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    assert result.success
+    (evaluation,) = result.get_asset_check_evaluations()
+    assert evaluation.partition == key and evaluation.severity == dg.AssetCheckSeverity.ERROR
+    return evaluation
+
+
+def _health(defs, instance) -> dict[str, dg.AssetCheckEvaluation]:
+    result = execute(defs, instance, job="pipeline_health")
+    assert result.success
+    return check_results(result)
+
+
+def test_coverage_is_per_partition_and_a_backlog_elsewhere_does_not_fail_it(corpus, conn, fake):
+    defs = fresh_defs()
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("documents", KEYS)
+    result = execute(defs, instance, tags=range_tags(KEYS[:2]))
+    assert result.success
+    evaluations = {e.partition: e for e in result.get_asset_check_evaluations()}
+    # One ERROR-severity evaluation per partition of the run, and only the coverage check runs.
+    assert set(evaluations) == set(KEYS[:2])
+    assert all(e.check_name == COVERAGE_CHECK and e.passed for e in evaluations.values())
+    assert all(e.severity == dg.AssetCheckSeverity.ERROR for e in evaluations.values())
+    assert evaluations[KEYS[0]].metadata["ready"].value == evaluations[KEYS[0]].metadata["chunks"].value > 0
+
+    # A backfill in progress elsewhere: the other documents are ingested, their jobs still pending.
+    settings = Settings.from_env()
+    with dg.build_resources(build_resources(settings)) as res:
+        ingest_documents(res.embedding_provider.runtime(), res.postgres.pool(), corpus.resolve(), KEYS[2:])
+    assert job_counts(conn)["pending"] > 0
+    assert _coverage_only(defs, instance, KEYS[0]).passed              # its own chunks are embedded
+    waiting = _coverage_only(defs, instance, KEYS[3])                   # not reached yet: says so
+    assert not waiting.passed and waiting.metadata["waiting"].value == waiting.metadata["chunks"].value > 0
+    assert all(c.passed for c in _health(defs, instance).values())      # pending work is not unhealthy
+
+    # A dead-lettered job fails exactly the partitions whose chunk it is.
+    conn.execute("""UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input'
+                    WHERE job_id = (SELECT j.job_id FROM app.embedding_jobs j
+                                    JOIN app.chunks c ON c.chunk_checksum = j.chunk_checksum
+                                    JOIN app.documents d ON d.doc_pk = c.doc_pk
+                                    WHERE d.document_id = %s AND j.status = 'ready' LIMIT 1)""", (KEYS[1],))
+    failed = _coverage_only(defs, instance, KEYS[1])
+    assert not failed.passed and failed.metadata["failed"].value == 1
+    assert "see `pipeline-assets dlq list`" in failed.description
+    assert _coverage_only(defs, instance, KEYS[0]).passed
+
+
+def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, conn, fake, monkeypatch):
+    defs = fresh_defs()
+    repo = defs.get_repository_def()
+    # The schedule's job selects the store's checks alone; the embedding job never runs them.
+    schedule = repo.get_schedule_def("pipeline_health_checks")
+    assert schedule.job_name == "pipeline_health"
+    health_checks = {k.name for k in repo.get_job("pipeline_health").asset_layer.asset_graph.asset_check_keys
+                     if k.asset_key == dg.AssetKey("embedding_store")}
+    assert health_checks == {"no_stale_vector_current", "dead_letter_growth"}
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("documents", KEYS[:2])
+    run = execute(defs, instance, partition_key=KEYS[0])
+    assert run.success and {e.check_name for e in run.get_asset_check_evaluations()} == {COVERAGE_CHECK}
+    assert execute(defs, instance, partition_key=KEYS[1]).success
+    checks = _health(defs, instance)
+    assert {n: c.passed for n, c in checks.items()} == {"no_stale_vector_current": True, "dead_letter_growth": True}
+
+    # A stale vector: the job was superseded but its vector is still stored. ERROR.
+    conn.execute("UPDATE app.embedding_jobs SET status = 'superseded'"
+                 " WHERE job_id = (SELECT min(job_id) FROM app.embedding_jobs WHERE status = 'ready')")
+    checks = _health(defs, instance)
+    stale = checks["no_stale_vector_current"]
+    assert not stale.passed and stale.severity == dg.AssetCheckSeverity.ERROR
+    assert stale.metadata["vectors_without_ready_job"].value == 1
+    assert checks["dead_letter_growth"].passed
+    conn.execute("UPDATE app.embedding_jobs SET status = 'ready' WHERE status = 'superseded'")
+    assert all(c.passed for c in _health(defs, instance).values())
+
+    # A dead-letter burst: 25 jobs failed within the hour (threshold 10/h): a WARNING.
+    model = conn.execute("SELECT model_id FROM app.models WHERE active").fetchone()[0]
+    with conn.transaction():  # a job and its key commit together (deferred foreign keys, sql/009)
+        conn.execute("""INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts, error_class)
+                        SELECT sha256(('poison' || i)::bytea), %s, 'failed', 5, 'bad_input'
+                        FROM generate_series(1, 25) AS i""", (model,))
+        conn.execute("""INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
+                        SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs
+                        WHERE chunk_checksum IN (SELECT sha256(('poison' || i)::bytea) FROM generate_series(1, 25) i)""")
+    growth = _health(defs, instance)["dead_letter_growth"]
+    assert not growth.passed and growth.severity == dg.AssetCheckSeverity.WARN
+    assert growth.metadata["failed_last_hour"].value == 25 and growth.metadata["threshold_per_hour"].value == 10
+    # A higher threshold from the environment passes the same burst.
+    monkeypatch.setenv("PIPELINE_DLQ_GROWTH_PER_HOUR", "30")
+    assert _health(defs, instance)["dead_letter_growth"].passed
+    monkeypatch.delenv("PIPELINE_DLQ_GROWTH_PER_HOUR")
+    # Large but not growing (failed hours ago): passes. Depth is not the signal.
+    conn.execute("UPDATE app.embedding_jobs SET updated_at = now() - interval '3 hours' WHERE status = 'failed'")
+    growth = _health(defs, instance)["dead_letter_growth"]
+    assert growth.passed and growth.metadata["failed_total"].value == 25

@@ -1,0 +1,376 @@
+"""The per-model vector index (issue 8, items 8 and 9).
+
+Models over 2,000 dimensions get a halfvec index up to 4,000 and none above
+(exact search); a build error is one line or a logged warning, never a lost
+run; the build is concurrent (completions commit while it runs), drops and
+rebuilds an INVALID index, and reconcile never waits on it; search works
+before the index exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+
+import numpy as np
+import psycopg
+import pytest
+from psycopg import sql
+
+from pipeline_assets.app import retrieval
+from pipeline_assets.app.reconcile import reconcile
+from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
+from pipeline_assets.jobs import models, transitions, vector_index
+from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.providers import ModelSpec
+from pipeline_assets.settings import Settings
+from pipeline_assets.store import db
+from pipeline_assets_tests.conftest import FAKE_MODEL, cli, wait_until, write_corpus
+from pipeline_assets_tests.fake_openai import FakeOpenAI
+
+MODEL_ID = f"openai/{FAKE_MODEL}"
+
+
+def spec(dim: int, name: str = "vi") -> ModelSpec:
+    return ModelSpec(provider="test", name=name, dimension=dim, max_input_tokens=100, max_batch_inputs=10,
+                     max_batch_tokens=1000)
+
+
+def unit(rng: np.random.Generator, dim: int) -> np.ndarray:
+    v = rng.standard_normal(dim).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def seed_ready(conn, s: ModelSpec, vectors: list[np.ndarray], *, prefix: str = "t") -> list[str]:
+    """One current document whose chunks t0..tn have ready jobs with these vectors; returns the texts."""
+    models.ensure_model(conn, s)
+    source_id = conn.execute("INSERT INTO app.sources (root) VALUES ('/vi') ON CONFLICT (root) DO UPDATE"
+                             " SET root = EXCLUDED.root RETURNING source_id").fetchone()[0]
+    doc = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    doc_pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
+                          " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
+                          (source_id, doc, f"file:///{doc}", b"\x01")).fetchone()[0]
+    texts = [f"{doc} chunk {i}" for i in range(len(vectors))]
+    for i, t in enumerate(texts):
+        conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)", (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+    transitions.enqueue_for_docs(conn, [doc_pk], 3)
+    claimed = transitions.claim(conn, model_id=s.model_id, owner="seed", limit=len(texts), lease_seconds=60)
+    by_text = {c.text: c.job_id for c in claimed}
+    ready, _ = transitions.complete(conn, owner="seed", job_ids=[by_text[t] for t in texts], vectors=vectors)
+    assert len(ready) == len(texts)
+    return texts
+
+
+def index_row(conn, model_id: str):
+    return conn.execute("SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i"
+                        " JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
+                        (vector_index.index_name(model_id),)).fetchone()
+
+
+def uses_index(conn, model_id: str, dim: int) -> bool:
+    """Whether search's query can use the model's index (sequential scans and sorts discouraged:
+    on a few rows the planner would rightly prefer them)."""
+    query = sql.SQL("EXPLAIN ") + sql.SQL(retrieval.RETRIEVAL.nearest).format(
+        kind=sql.Identifier(vector_index.search_kind(dim)), dim=sql.Literal(dim))
+    with conn.transaction():
+        conn.execute("SET LOCAL enable_seqscan = off")
+        conn.execute("SET LOCAL enable_sort = off")
+        conn.execute(retrieval.RETRIEVAL.set_ef_search, {"ef_search": "40"})
+        plan = "\n".join(r[0] for r in conn.execute(query, {"q": np.zeros(dim, dtype=np.float32) + 0.1,
+                                                            "model": model_id, "fetch": 8, "k": 2}))
+    return vector_index.index_name(model_id) in plan
+
+
+@pytest.fixture(autouse=True)
+def no_vector_indexes(conn):
+    """clean_db empties the tables but keeps indexes: a model id reused with another
+    dimension (openai/fake-embed at 3,072 then 4,100) must not meet the old one's index."""
+    for (name,) in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'app'"
+                                " AND indexname LIKE 'embeddings_hnsw_%%'").fetchall():
+        conn.execute(sql.SQL("DROP INDEX app.{}").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def blocker(database_url):
+    """A connection whose open transaction has written to app.embeddings (a RowExclusiveLock held)."""
+    c = db.connect(database_url)
+    yield c
+    c.close()
+
+
+def hold_write_lock(conn) -> None:
+    conn.execute("BEGIN")
+    conn.execute("LOCK TABLE app.embeddings IN ROW EXCLUSIVE MODE")
+
+
+def builder_waiting(conn, pid_holder: dict) -> bool:
+    row = conn.execute("SELECT pid FROM pg_stat_activity WHERE query LIKE '%%CREATE INDEX CONCURRENTLY%%'"
+                       " AND wait_event_type = 'Lock' AND datname = current_database()"
+                       " AND pid <> pg_backend_pid()").fetchone()
+    if row:
+        pid_holder["pid"] = row[0]
+    return bool(row)
+
+
+# --------------------------------------------------------------------------- kinds
+
+
+def test_index_kind_follows_pgvector_limits():
+    assert [vector_index.index_kind(d) for d in (4, 1536, 2000, 2001, 3072, 4000, 4001, 8192)] == \
+        ["vector", "vector", "vector", "halfvec", "halfvec", "halfvec", None, None]
+    assert vector_index.search_kind(4100) == "vector"
+
+
+# --------------------------------------------------------------------------- end to end, real CLI
+
+
+def test_embed_with_3072_dimensions_builds_a_halfvec_index_and_searches(env, clean_db, tmp_path):
+    """Before: the HNSW build on vector(3072) failed with an uncaught internal error and `embed` never exited."""
+    corpus = tmp_path / "big"
+    write_corpus(corpus, 6)
+    with FakeOpenAI(dim=3072) as big:
+        env = {**env, "OPENAI_BASE_URL": big.base_url}
+        summary = json.loads(cli("embed", str(corpus), "--json", env=env, timeout=120).stdout)
+        assert summary["coverage"] == "6/6"
+        valid, indexdef = index_row(clean_db, MODEL_ID)
+        assert valid and "halfvec(3072)" in indexdef and "halfvec_cosine_ops" in indexdef
+        assert uses_index(clean_db, MODEL_ID, 3072)
+        [listed] = json.loads(cli("models", "list", "--json", env=env).stdout)
+        assert (listed["dimension"], listed["index"]) == (3072, "ready")
+        assert "hnsw halfvec" in cli("models", "list", env=env).stdout
+        assert json.loads(cli("status", "--json", env=env).stdout)["vector_index"] == {MODEL_ID: "hnsw halfvec"}
+        text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+                                " WHERE d.document_id = 'doc0003.md'").fetchone()[0]
+        hits = json.loads(cli("search", text, "-k", "3", "--json", env=env).stdout)
+    assert hits[0]["document_id"] == "doc0003.md" and hits[0]["distance"] == pytest.approx(0, abs=1e-5)
+    assert len(hits) == 3 and hits[0]["distance"] < hits[1]["distance"]
+
+
+def test_embed_with_4100_dimensions_has_no_index_and_searches_exactly(env, clean_db, tmp_path):
+    corpus = tmp_path / "huge"
+    write_corpus(corpus, 5)
+    with FakeOpenAI(dim=4100) as huge:
+        env = {**env, "OPENAI_BASE_URL": huge.base_url}
+        summary = json.loads(cli("embed", str(corpus), "--json", env=env, timeout=120).stdout)
+        assert summary["coverage"] == "5/5"
+        assert index_row(clean_db, MODEL_ID) is None
+        [listed] = json.loads(cli("models", "list", "--json", env=env).stdout)
+        assert (listed["dimension"], listed["index"]) == (4100, "exact")
+        assert "exact search (no index over 4000 dimensions)" in listed["index_detail"]
+        assert f"vector index {MODEL_ID}: exact search (no index over 4000 dimensions)" in \
+            cli("status", env=env).stdout
+        assert cli("models", "index", FAKE_MODEL, env=env).stdout.strip().endswith(
+            "index exact search (no index over 4000 dimensions)")
+        text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+                                " WHERE d.document_id = 'doc0001.md'").fetchone()[0]
+        hits = json.loads(cli("search", text, "-k", "5", "--json", env=env).stdout)
+    assert [h["document_id"] for h in hits][0] == "doc0001.md" and len(hits) == 5
+    assert hits[0]["distance"] == pytest.approx(0, abs=1e-6)
+    assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)
+
+
+def test_a_failing_index_build_is_a_warning_for_the_worker_and_one_line_for_models_index(env, clean_db, tmp_path):
+    """A vector out of halfvec's range makes the build fail: the worker logs it and exits 0 with
+    every job ready; `models index` says it in one line; no INVALID index is left behind."""
+    corpus = tmp_path / "bad"
+    write_corpus(corpus, 3)
+    with FakeOpenAI(dim=2500) as fake:
+        env = {**env, "OPENAI_BASE_URL": fake.base_url}
+        cli("ingest", str(corpus), env=env)
+        poison = np.full(2500, 1e6, dtype=np.float32)
+        clean_db.execute("UPDATE app.models SET dimension = 2500")
+        clean_db.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding) VALUES (%s, %s, %s)",
+                         (b"orphan", MODEL_ID, poison))
+        proc = cli("-v", "work", "--until-idle", env=env, timeout=120)
+        assert "could not build the vector index" in proc.stderr and "Traceback" not in proc.stderr
+        assert clean_db.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 3
+        assert index_row(clean_db, MODEL_ID) is None  # the failed build's INVALID index was dropped
+        bad = cli("models", "index", FAKE_MODEL, env=env, check=False)
+        assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1, bad.stderr
+        assert bad.stderr.startswith("error: could not build the vector index") and "halfvec" in bad.stderr
+        clean_db.execute("DELETE FROM app.embeddings WHERE chunk_checksum = 'orphan'")
+        assert cli("models", "index", FAKE_MODEL, env=env).stdout.strip() == f"{MODEL_ID}: index hnsw halfvec"
+    assert index_row(clean_db, MODEL_ID)[0] is True
+
+
+# --------------------------------------------------------------------------- concurrency (item 9)
+
+
+def test_a_completion_commits_while_the_index_builds(clean_db, database_url, blocker):
+    """The build waits behind an open writer; meanwhile a completion takes its lock and commits
+    at once. Before: CREATE INDEX (not CONCURRENTLY) queued a SHARE lock that every completion
+    then waited behind, for the whole build."""
+    conn = clean_db
+    rng = np.random.default_rng(1)
+    s = spec(8)
+    seed_ready(conn, s, [unit(rng, 8) for _ in range(20)])
+    seed_pending(conn, s, 1)
+    hold_write_lock(blocker)
+    outcome: dict = {}
+    build_conn = db.connect(database_url)
+    t = threading.Thread(target=lambda: outcome.setdefault("state", vector_index.build(build_conn, s.model_id, 8)))
+    t.start()
+    try:
+        pid: dict = {}
+        wait_until(lambda: builder_waiting(conn, pid), timeout=10, what="the build to wait for the writer")
+        assert vector_index.state(conn, s.model_id, 8) == vector_index.BUILDING
+        with db.connect(database_url) as worker:
+            worker.execute("SET lock_timeout = '2s'")
+            [job] = transitions.claim(worker, model_id=s.model_id, owner="w", limit=1, lease_seconds=60)
+            started = time.monotonic()
+            ready, _ = transitions.complete(worker, owner="w", job_ids=[job.job_id], vectors=[unit(rng, 8)])
+            elapsed = time.monotonic() - started
+        assert ready == [job.job_id] and elapsed < 1.0, elapsed
+        assert t.is_alive()  # the build was still running when the completion committed
+        # A second builder does not wait for the first: it leaves the build to it.
+        with db.connect(database_url) as other:
+            assert vector_index.build(other, s.model_id, 8) == vector_index.BUILDING
+    finally:
+        blocker.execute("COMMIT")
+        t.join(30)
+        build_conn.close()
+    assert outcome["state"] == vector_index.READY and index_row(conn, s.model_id)[0] is True
+
+
+def seed_pending(conn, s: ModelSpec, n: int) -> str:
+    """A document with n chunks whose jobs are pending (claimable) for model s."""
+    source_id = conn.execute("SELECT source_id FROM app.sources WHERE root = '/vi'").fetchone()[0]
+    doc = f"p-{uuid.uuid4().hex[:6]}"
+    doc_pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
+                          " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
+                          (source_id, doc, f"file:///{doc}", b"\x02")).fetchone()[0]
+    for i in range(n):
+        t = f"{doc} pending {i}"
+        conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)", (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+    transitions.enqueue_for_docs(conn, [doc_pk], 3)
+    return doc
+
+
+def test_an_invalid_index_left_by_a_failed_build_is_dropped_and_rebuilt(clean_db, database_url):
+    conn = clean_db
+    rng = np.random.default_rng(2)
+    s = spec(2100)
+    seed_ready(conn, s, [unit(rng, 2100) for _ in range(5)])
+    conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding) VALUES ('x', %s, %s)",
+                 (s.model_id, np.full(2100, 1e6, dtype=np.float32)))
+    name = vector_index.index_name(s.model_id)
+    with pytest.raises(psycopg.errors.NumericValueOutOfRange):  # a builder that died mid-way, no clean-up
+        conn.execute(sql.SQL(models.MODELS.create_hnsw_index).format(
+            name=sql.Identifier(name), kind=sql.Identifier("halfvec"), opclass=sql.Identifier("halfvec_cosine_ops"),
+            dim=sql.Literal(2100), model=sql.Literal(s.model_id)))
+    assert index_row(conn, s.model_id)[0] is False
+    assert vector_index.state(conn, s.model_id, 2100) == vector_index.INVALID
+    conn.execute("DELETE FROM app.embeddings WHERE chunk_checksum = 'x'")
+    assert vector_index.build(conn, s.model_id, 2100) == vector_index.READY
+    valid, indexdef = index_row(conn, s.model_id)
+    assert valid and "halfvec(2100)" in indexdef
+    assert vector_index.build(conn, s.model_id, 2100) == vector_index.READY  # idempotent
+
+
+def test_a_build_refuses_to_run_inside_a_transaction(clean_db):
+    with clean_db.transaction():
+        with pytest.raises(ValueError, match="outside any transaction"):
+            vector_index.build(clean_db, "test/vi@8", 8)
+
+
+def test_a_cancelled_background_build_leaves_an_index_the_next_build_replaces(clean_db, database_url, blocker):
+    """What a worker stopped during its build leaves behind, and the next drain repairs."""
+    conn = clean_db
+    s = spec(8, "cancel")
+    seed_ready(conn, s, [unit(np.random.default_rng(3), 8) for _ in range(4)])
+    hold_write_lock(blocker)
+    try:
+        build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+        wait_until(lambda: builder_waiting(conn, {}), timeout=10, what="the build to wait")
+        build.cancel()
+        assert build.done and build.outcome is None
+    finally:
+        blocker.execute("COMMIT")
+    assert vector_index.state(conn, s.model_id, 8) == vector_index.INVALID
+    again = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+    wait_until(lambda: again.done, timeout=30, what="the rebuild")
+    assert again.outcome == vector_index.READY and again.error is None
+    assert index_row(conn, s.model_id)[0] is True
+
+
+def test_a_worker_stays_responsive_while_its_index_builds(env, clean_db, database_url, blocker, tmp_path):
+    """The drain's build runs beside the worker's main loop: `--until-idle` waits for it, a stop
+    signal cancels it at once, and the next drain drops the INVALID leftover and builds again."""
+    corpus = tmp_path / "w"
+    write_corpus(corpus, 4)
+    cli("ingest", str(corpus), env=env)
+    rt = Runtime.build(Settings.from_env())
+    hold_write_lock(blocker)
+    stop = threading.Event()
+    worker = Worker(database_url, rt.provider, WorkerConfig(concurrency=2, until_idle=True, poll_seconds=0.05),
+                    settings=rt.settings, stop_event=stop)
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()))
+    thread.start()
+    try:
+        wait_until(lambda: builder_waiting(clean_db, {}), timeout=30, what="the drain's build")
+        assert clean_db.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 4
+        time.sleep(0.5)
+        assert thread.is_alive()  # --until-idle waits for its build...
+        started = time.monotonic()
+        stop.set()                # ...but a stop signal does not
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - started < 8
+    finally:
+        blocker.execute("COMMIT")
+        stop.set()
+        thread.join(10)
+    assert result["report"].embedded == 4
+    assert vector_index.state(clean_db, MODEL_ID, 16) == vector_index.INVALID
+    cli("work", "--until-idle", env=env)
+    assert index_row(clean_db, MODEL_ID)[0] is True
+
+
+def test_reconcile_neither_builds_nor_waits_for_a_build(clean_db, database_url, blocker):
+    conn = clean_db
+    s = spec(8, "rec")
+    seed_ready(conn, s, [unit(np.random.default_rng(4), 8) for _ in range(4)])
+    options = IngestOptions(chunker=chunker_for(Settings.from_env()), max_bytes=1 << 20)
+    reconcile(conn, options, model_id=s.model_id, rescan=False)
+    assert vector_index.state(conn, s.model_id, 8) == vector_index.MISSING  # left to a worker's drain
+    hold_write_lock(blocker)
+    build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+    try:
+        wait_until(lambda: builder_waiting(conn, {}), timeout=10, what="the build to wait")
+        with db.connect(database_url) as rc:
+            rc.execute("SET lock_timeout = '2s'")
+            started = time.monotonic()
+            reconcile(rc, options, model_id=s.model_id, rescan=False)
+        assert time.monotonic() - started < 2.0
+        assert not build.done
+    finally:
+        blocker.execute("COMMIT")
+    wait_until(lambda: build.done, timeout=30, what="the build")
+    assert build.outcome == vector_index.READY
+
+
+# --------------------------------------------------------------------------- search without an index
+
+
+@pytest.mark.parametrize("dim", [8, 2100])
+def test_search_is_exact_before_the_index_exists_and_uses_it_after(clean_db, dim):
+    conn = clean_db
+    rng = np.random.default_rng(dim)
+    s = spec(dim, f"s{dim}")
+    vectors = [unit(rng, dim) for _ in range(30)]
+    texts = seed_ready(conn, s, vectors)
+    query = vectors[7] + 0.05 * unit(rng, dim)
+    exact = sorted(range(30), key=lambda i: 1 - float(np.dot(vectors[i], query) / np.linalg.norm(query)))
+    assert vector_index.state(conn, s.model_id, dim) == vector_index.MISSING
+    hits = retrieval.search(conn, s.model_id, query, k=5)
+    assert [h["text"] for h in hits] == [texts[i] for i in exact[:5]]
+    assert vector_index.build(conn, s.model_id, dim) == vector_index.READY
+    assert uses_index(conn, s.model_id, dim)
+    hits = retrieval.search(conn, s.model_id, query, k=3)
+    assert hits[0]["text"] == texts[7]
+    assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)
