@@ -47,10 +47,6 @@ class JobStore:
             models.record_dimension(conn, self.model_id, dimension)
             return models.model_dimension(conn, self.model_id)
 
-    def ensure_index(self, dimension: int) -> None:
-        with self.pool.connection() as conn:
-            models.ensure_index(conn, self.model_id, dimension)
-
     # -- the queue --------------------------------------------------------------------
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
         """Claim a batch. A claim that took the half-open probe slot but found
