@@ -134,7 +134,8 @@ def test_wheel_holds_every_subpackage_the_sql_and_py_typed(wheel):
     subpackages = sorted(p.parent.relative_to(REPO).as_posix() for p in PACKAGE.rglob("__init__.py")
                          if "__pycache__" not in p.parts)
     assert {"pipeline_assets", "pipeline_assets/content", "pipeline_assets/jobs", "pipeline_assets/store",
-            "pipeline_assets/app", "pipeline_assets/defs", "pipeline_assets/providers"} <= set(subpackages)
+            "pipeline_assets/app", "pipeline_assets/defs", "pipeline_assets/providers",
+            "pipeline_assets/cli"} <= set(subpackages)
     missing_inits = [f"{pkg}/__init__.py" for pkg in subpackages if f"{pkg}/__init__.py" not in names]
     assert not missing_inits, f"subpackages missing from the wheel (list them in pyproject.toml): {missing_inits}"
 

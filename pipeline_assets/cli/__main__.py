@@ -1,0 +1,3 @@
+from pipeline_assets.cli.root import main
+
+main()

@@ -1,0 +1,83 @@
+"""What every command shares: the expected-error boundary, the settings read once by the
+root group, a pool, a runtime, and printing as text or JSON."""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import click
+import psycopg
+
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.content.sources import SourceError
+from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError, WorkerFault
+from pipeline_assets.providers import ConfigError, ProviderError
+from pipeline_assets.settings import Settings, SettingsError, redact_text
+from pipeline_assets.store import db
+
+# Expected database errors, besides a lost connection (OperationalError): InternalError
+# covers a read-only server or transaction (ReadOnlySqlTransaction) and an index build
+# pgvector refuses; InsufficientPrivilege a role that lacks a grant.
+EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, SettingsError, FatalProviderError, BudgetExhausted,
+            WorkerFault,
+            ProviderError, psycopg.OperationalError, psycopg.InternalError, psycopg.errors.InsufficientPrivilege,
+            subprocess.TimeoutExpired, ValueError, OSError)
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit status 1."""
+    click.echo(f"error: {redact_text(' '.join(message.split()))}", err=True)
+    sys.exit(1)
+
+
+def expected_errors(fn):
+    """Turn expected failures into one line on stderr and exit status 1."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except EXPECTED as exc:
+            fail(str(exc) or type(exc).__name__)
+    return wrapper
+
+
+def settings() -> Settings:
+    """The Settings the root group read once from the environment."""
+    return click.get_current_context().find_root().obj
+
+
+@contextmanager
+def pool(max_size: int = 4) -> Iterator:
+    with db.open_pool(settings(), max_size=max_size) as p:
+        yield p
+
+
+def runtime(model: str | None = None, **options) -> Runtime:
+    return Runtime.build(settings(), model, **options)
+
+
+def emit(data, as_json: bool, text_lines) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        for line in text_lines(data):
+            click.echo(line)
+
+
+def pairs(d: dict) -> list[str]:
+    return [" ".join(f"{k}={v}" for k, v in d.items() if v is not None)]
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGTERM/SIGINT stop claiming; the worker hands back what it holds and exits."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    return stop

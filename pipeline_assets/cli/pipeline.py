@@ -1,0 +1,105 @@
+"""The pipeline's own commands: migrate, ingest, work, embed, reconcile, rerun."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from pipeline_assets.app import embed as embed_uc
+from pipeline_assets.app import ingest as ingest_uc
+from pipeline_assets.app import reconcile as reconcile_uc
+from pipeline_assets.app import rerun as rerun_uc
+from pipeline_assets.cli.common import emit, expected_errors, pairs, pool, runtime, settings, stop_on_signals
+from pipeline_assets.settings import DEFAULT_CONCURRENCY
+from pipeline_assets.store import db
+
+
+@click.command()
+@expected_errors
+def migrate() -> None:
+    """Apply pending SQL migrations."""
+    conn = db.connect(db.database_url(settings()))
+    applied = db.migrate(conn)
+    click.echo(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+
+
+@click.command()
+@click.argument("directory")
+@click.option("--allow-empty", is_flag=True, help="Allow an empty source to tombstone all its documents.")
+@click.option("--json", "as_json", is_flag=True)
+@expected_errors
+def ingest(directory: str, allow_empty: bool, as_json: bool) -> None:
+    """Scan, checksum, extract, chunk and enqueue DIRECTORY. No provider calls."""
+    rt = runtime(allow_empty=allow_empty)
+    with pool() as p:
+        report = ingest_uc.ingest_source(rt, p, Path(directory))
+    emit(report.as_dict(), as_json, pairs)
+
+
+@click.command()
+@click.option("--concurrency", default=None, type=click.IntRange(1, 256), help="Requests in flight.")
+@click.option("--until-idle", is_flag=True, help="Exit when no work is claimable, waiting or leased.")
+@click.option("--lease-seconds", type=click.FloatRange(0.5, 3600), default=None)
+@click.option("--worker-id", default=None)
+@click.option("--json", "as_json", is_flag=True)
+@expected_errors
+def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None, worker_id: str | None,
+         as_json: bool) -> None:
+    """Claim and process embedding jobs (until SIGTERM, or --until-idle)."""
+    rt = runtime()
+    with pool() as p:
+        report = embed_uc.work(rt, p, concurrency=concurrency or DEFAULT_CONCURRENCY, until_idle=until_idle,
+                               lease_seconds=lease_seconds, worker_id=worker_id, stop=stop_on_signals())
+    emit(report.as_dict(), as_json, pairs)
+
+
+@click.command()
+@click.argument("directory")
+@click.option("--concurrency", default=None, type=click.IntRange(1, 256))
+@click.option("--allow-empty", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+@expected_errors
+def embed(directory: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
+    """Ingest DIRECTORY, then work until idle: the one-shot job."""
+    rt = runtime(allow_empty=allow_empty)
+    with pool() as p:
+        summary = embed_uc.embed_directory(rt, p, Path(directory),
+                                           concurrency=concurrency or DEFAULT_CONCURRENCY,
+                                           stop=stop_on_signals())
+    emit(summary, as_json, pairs)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--no-rescan", is_flag=True, help="Skip re-scanning sources; only repair the job table.")
+@expected_errors
+def reconcile(as_json: bool, no_rescan: bool) -> None:
+    """Re-scan ingested sources and repair the job table to match."""
+    rt = runtime()
+    with pool() as p:
+        report = reconcile_uc.reconcile_all(rt, p, rescan=not no_rescan)
+    emit(report.as_dict(), as_json, pairs)
+
+
+@click.command()
+@click.option("--stage", type=click.Choice(rerun_uc.RERUN_STAGES), default="extract")
+@click.option("--error-class", default=None, help="Only items that failed with this error class.")
+@click.option("--stale", is_flag=True, help="Only items produced by another code version than the current one.")
+@click.option("--dry-run", is_flag=True)
+@expected_errors
+def rerun(stage: str, error_class: str | None, stale: bool, dry_run: bool) -> None:
+    """Re-run a stage for the documents a query selects (a partial rerun)."""
+    rt = runtime()
+    with pool() as p:
+        targets = rerun_uc.select(rt, p, stages_=(stage,), error_class=error_class, stale=stale)
+        if dry_run:
+            for t in targets:
+                click.echo(f"{t.document_id} [{t.status} {t.error_class or ''} {t.code_version}]")
+            click.echo(f"{len(targets)} document(s) would be rerun")
+            return
+        total = rerun_uc.rerun(rt, p, targets)
+    click.echo(f"reran {stage} for {total} document(s)")
+
+
+COMMANDS = (migrate, ingest, work, embed, reconcile, rerun)

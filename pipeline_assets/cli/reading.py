@@ -1,0 +1,96 @@
+"""Reading commands: status, search, export, settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from pipeline_assets.app import model_admin, search as search_uc, status as status_uc
+from pipeline_assets.cli.common import emit, expected_errors, pool, runtime, settings
+from pipeline_assets.settings import reference_table
+
+
+def _status_lines(d: dict):
+    yield "documents: " + (" ".join(f"{k}={v}" for k, v in d["documents"].items()) or "none")
+    yield "jobs: " + (" ".join(f"{k}={v}" for k, v in d["jobs"].items()) or "none")
+    for stage, counts in d["stages"].items():
+        yield f"stage {stage}: " + " ".join(f"{k}={v}" for k, v in counts.items())
+    for model, c in d["coverage"].items():
+        yield f"coverage {model}: {c['ready']}/{c['wanted']} ({c['ratio']:.1%})"
+    for model, index in d.get("vector_index", {}).items():
+        yield f"vector index {model}: {index}"
+    yield f"dead letter: {d['dead_letter']} jobs, {d['quarantined_documents']} quarantined documents"
+    yield f"superseded: {d['superseded']}"
+    for model, s in d["spend"].items():
+        yield (f"spend {model}: calls={s['calls']} tokens={s['tokens']} "
+               f"duplicate_inputs={s.get('duplicate_inputs', 0)} extra_sends={s.get('extra_sends', 0)}")
+    for model, b in d.get("breaker", {}).items():
+        yield (f"breaker {model}: {b['state']} paused_for={b['paused_for']:.1f}s "
+               f"failures_in_row={b['consecutive_failures']} probe_out={b['probe_out']}")
+    yield f"retry-after cap: {d['retry_after_cap']:g}s (PIPELINE_RETRY_AFTER_CAP)"
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+@expected_errors
+def status(as_json: bool) -> None:
+    """Counts by job status and stage, coverage, dead letters, spend, the provider breaker."""
+    with pool() as p:
+        data = status_uc.status(p)
+    data["retry_after_cap"] = settings().retry_after_cap
+    emit(data, as_json, _status_lines)
+
+
+@click.command()
+@click.option("--model", default=None, help="Model name as configured in PIPELINE_EMBEDDING_MODEL.")
+@expected_errors
+def export(model: str | None) -> None:
+    """Current chunk embeddings as JSON Lines."""
+    model_id = None if model else runtime().model_id
+    with pool() as p:
+        model_id = model_id or model_admin.resolve(p, model)
+        out = sys.stdout
+        try:
+            for row in search_uc.export(p, model_id):
+                out.write(json.dumps(row, ensure_ascii=False))
+                out.write("\n")
+            out.flush()
+        except BrokenPipeError:
+            # The reader (head, a closed pipe) has had enough; that is not an error.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+@click.command()
+@click.argument("query")
+@click.option("-k", default=5, type=click.IntRange(1, 1000))
+@click.option("--model", default=None)
+@click.option("--json", "as_json", is_flag=True)
+@expected_errors
+def search(query: str, k: int, model: str | None, as_json: bool) -> None:
+    """Nearest current chunks to QUERY by cosine distance."""
+    rt = runtime(model)
+    with pool() as p:
+        hits = search_uc.search(rt, p, query, k)
+
+    def lines(rows):
+        for h in rows:
+            snippet = " ".join(h["text"].split())[:100]
+            yield f"{h['distance']:.4f} {h['document_id']}#{h['chunk_index']}: {snippet}"
+    emit(hits, as_json, lines)
+
+
+@click.command("settings")
+@click.option("--reference", is_flag=True, help="Print the reference table of every setting (Markdown).")
+@click.option("--json", "as_json", is_flag=True)
+def settings_cmd(reference: bool, as_json: bool) -> None:
+    """The effective settings (secrets shown only as set/unset)."""
+    if reference:
+        click.echo(reference_table())
+        return
+    emit(settings().describe(), as_json, lambda d: [f"{k}={v}" for k, v in d.items()])
+
+
+COMMANDS = (status, search, export, settings_cmd)
