@@ -1,4 +1,5 @@
-"""Sensors: source changes, and partial reruns after a code-version bump.
+"""The source sensor: new, changed and deleted documents become partitions and runs
+(the rerun sensor, after a code-version bump, is in rerun_sensor.py).
 
 How runs are batched (Dagster 1.13). A RunRequest carries one ``partition_key``
 (one run per partition), and a sensor-made backfill (``asset_graph_subset``) has
@@ -28,32 +29,22 @@ a duplicate there and leave B's vectors served until the next reconcile.
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterable
 
 import dagster as dg
 
-from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.ingest import ingest_documents
-from pipeline_assets.defs.assets import (ASSET_KEYS, DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG,
-                             partition_key_problem, valid_partition_keys)
-from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.content.sources import SourceError, SourceItem, scan_directory
+from pipeline_assets.defs.assets import DOCUMENT_PARTITIONS, PARTITIONS_NAME, partition_key_problem
+from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
+from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.defs.run_requests import (EMBED_JOB, MAX_KEYS_PER_TICK, MAX_RUNS_PER_TICK, TRIGGER_TAG,
+                                               batch_digest, contiguous_groups, run_request)
 
-EMBED_JOB_NAME = "embed_documents"
-EMBED_JOB = dg.define_asset_job(
-    EMBED_JOB_NAME, selection=dg.AssetSelection.assets(*ASSET_KEYS),
-    description="documents -> chunks -> embeddings for one partition or a partition range.")
+__all__ = ["EMBED_JOB", "MAX_KEYS_PER_TICK", "SENSORS", "contiguous_groups", "decode_cursor", "encode_cursor",
+           "source_documents_sensor"]
 
-MAX_KEYS_PER_TICK = 1000
-MAX_RUNS_PER_TICK = 25
-RERUN_SCAN_LIMIT = 100_000
 CHECKSUM_HEX = 16          # 64-bit prefix of sha256: enough to tell versions of one document apart
 CURSOR_VERSION = 1
-TRIGGER_TAG = "pipeline/trigger"
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
-_IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 
 # (path, size, mtime_ns) -> checksum, so a tick re-reads only files that changed.
 # Lives as long as the code server process; a cold cache costs one read per file.
@@ -62,6 +53,7 @@ _CACHE_MAX = 500_000
 
 
 # -- cursor -------------------------------------------------------------------
+
 def decode_cursor(raw: str | None) -> tuple[int, dict[str, str]]:
     """(generation, {document_id: checksum}); an unreadable cursor counts as empty."""
     if not raw:
@@ -129,35 +121,6 @@ def observe(root: Path, previous: dict[str, str], log, max_bytes: int) -> dict[s
 
 
 # -- batching -------------------------------------------------------------------
-def contiguous_groups(order: Iterable[str], wanted: set[str]) -> list[list[str]]:
-    """Maximal runs of consecutive keys (in partition order) that are all wanted."""
-    groups: list[list[str]] = []
-    current: list[str] = []
-    for key in order:
-        if key in wanted:
-            current.append(key)
-        elif current:
-            groups.append(current)
-            current = []
-    if current:
-        groups.append(current)
-    return groups
-
-
-def batch_digest(pairs: Iterable[tuple[str, str]]) -> str:
-    h = hashlib.sha256()
-    for doc, checksum in pairs:
-        h.update(f"{doc}\x1f{checksum}\x1e".encode())
-    return h.hexdigest()[:16]
-
-
-def run_request(group: list[str], run_key: str, tags: dict[str, str]) -> dg.RunRequest:
-    """One run for one partition, or for a contiguous partition range."""
-    if len(group) == 1:
-        return dg.RunRequest(run_key=run_key, partition_key=group[0], tags=tags)
-    return dg.RunRequest(run_key=run_key, tags={**tags, RANGE_START_TAG: group[0], RANGE_END_TAG: group[-1]})
-
-
 # -- (a) source changes ------------------------------------------------------------
 @dg.sensor(name="source_documents", job=EMBED_JOB, minimum_interval_seconds=30,
            default_status=dg.DefaultSensorStatus.RUNNING,
@@ -224,51 +187,6 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
                      f"runs={len(requests)} (keys in runs: {sum(len(g) for g in groups)})")
     return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests,
                            cursor=encode_cursor(generation + (1 if requests else 0), docs))
-
-
-# -- (b) partial reruns after a parser/chunker fix -----------------------------------
-@dg.sensor(name="rerun_stale_documents", job=EMBED_JOB, minimum_interval_seconds=60,
-           default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Requests reruns of exactly the partitions whose extract or chunk stage ran under "
-                       "another code version (app.rerun.select); once per version.")
-def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                                 embedding_provider: EmbeddingProviderResource,
-                                 source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
-    in_flight = context.instance.get_runs_count(
-        dg.RunsFilter(tags={TRIGGER_TAG: "rerun_stale_documents"}, statuses=_IN_FLIGHT))
-    if in_flight:
-        # The targets of a running rerun are still stale in the database; wait for it.
-        return dg.SkipReason(f"{in_flight} rerun run(s) still in flight")
-    rt = embedding_provider.runtime()
-    ext_version, chunk_version = rt.options.extractor_version, rt.options.chunker.version
-    root = str(source.root_path(rt.settings))
-    # The same selection as `pipeline-assets rerun --stale`, for both stages.
-    targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.RERUN_STAGES, stale=True,
-                              limit=RERUN_SCAN_LIMIT)
-    docs = valid_partition_keys(sorted({t.document_id for t in targets if t.root == root}), context.log)
-    docs = docs[:MAX_KEYS_PER_TICK]
-    if not docs:
-        return dg.SkipReason(f"nothing stale under extract={ext_version} chunk={chunk_version}")
-
-    existing = context.instance.get_dynamic_partitions(PARTITIONS_NAME)
-    existing_set = set(existing)
-    to_add = [k for k in docs if k not in existing_set]   # ingested by the CLI, never a partition
-    groups = contiguous_groups([*existing, *to_add], set(docs))[:MAX_RUNS_PER_TICK]
-    versions = f"{ext_version}:{chunk_version}"
-    tags = {TRIGGER_TAG: "rerun_stale_documents", FORCE_TAG: "true",
-            RERUN_TAG: f"extract={ext_version} chunk={chunk_version}"}
-    requests = []
-    for group in groups:
-        if len(group) == 1:
-            key = f"rerun:{group[0]}:{versions}"
-        else:
-            digest = batch_digest((k, versions) for k in group)
-            key = f"rerun@{versions}:{len(group)}:{digest}:{group[0]}..{group[-1]}"
-        requests.append(run_request(group, key, tags))
-    context.log.info(f"{len(docs)} stale document(s) -> {len(requests)} run(s)")
-    return dg.SensorResult(
-        run_requests=requests,
-        dynamic_partitions_requests=[DOCUMENT_PARTITIONS.build_add_request(to_add)] if to_add else [])
 
 
 SENSORS = [source_documents_sensor, rerun_stale_documents_sensor]
