@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -24,6 +26,7 @@ import pytest
 
 from pipeline_assets.app import reports
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
+from pipeline_assets_tests.browser import Browser, chromium_path
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -115,31 +118,60 @@ def dev_server(database_url, server_url, tmp_path_factory):
     assert "Dagster stopped." in (base / "server.log").read_text()
 
 
-def test_webserver_smoke_graphql_asset_graph_and_one_partition_run(dev_server, database_url):
-    started = time.monotonic()
-    assert {"documents", "chunks", "embeddings"} <= dev_server.asset_keys()
-    added = dev_server.gql(
+def _materialize_partition(server: DevServer, key: str) -> str:
+    """Add a partition and launch the embed job for it through GraphQL, as the UI does; its run id."""
+    added = server.gql(
         """mutation($repo: RepositorySelector!, $key: String!) {
              addDynamicPartition(repositorySelector: $repo, partitionsDefName: "documents", partitionKey: $key) {
-               __typename ... on AddDynamicPartitionSuccess { partitionKey } ... on PythonError { message } } }""",
-        {"repo": REPO_SELECTOR, "key": "doc0000.md"})["addDynamicPartition"]
-    assert added["__typename"] == "AddDynamicPartitionSuccess", added
-    launched = dev_server.gql(
+               __typename ... on AddDynamicPartitionSuccess { partitionKey }
+               ... on DuplicateDynamicPartitionError { partitionName } ... on PythonError { message } } }""",
+        {"repo": REPO_SELECTOR, "key": key})["addDynamicPartition"]
+    assert added["__typename"] in ("AddDynamicPartitionSuccess", "DuplicateDynamicPartitionError"), added
+    launched = server.gql(
         """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) {
              __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }""",
         {"p": {"selector": {**REPO_SELECTOR, "jobName": "embed_documents"},
-               "executionMetadata": {"tags": [{"key": "dagster/partition", "value": "doc0000.md"}]}}})["launchRun"]
+               "executionMetadata": {"tags": [{"key": "dagster/partition", "value": key}]}}})["launchRun"]
     assert launched["__typename"] == "LaunchRunSuccess", launched
     run_id = launched["run"]["runId"]
-    status = _wait(lambda: (s := dev_server.run_status(run_id)) in ("SUCCESS", "FAILURE", "CANCELED") and s,
-                   60, "the partition run", dev_server.proc)
+    status = _wait(lambda: (st := server.run_status(run_id)) in ("SUCCESS", "FAILURE", "CANCELED") and st,
+                   60, "the partition run", server.proc)
     assert status == "SUCCESS"
+    return run_id
+
+
+def test_webserver_smoke_graphql_asset_graph_and_one_partition_run(dev_server, database_url):
+    started = time.monotonic()
+    assert {"documents", "chunks", "embeddings"} <= dev_server.asset_keys()
+    _materialize_partition(dev_server, "doc0000.md")
     with psycopg.connect(database_url) as conn:
         (doc,) = reports.document_summaries(conn, str(dev_server.corpus.resolve()), ["doc0000.md"]).values()
         _, cov = reports.embedding_coverage(conn, str(dev_server.corpus.resolve()), ["doc0000.md"],
                                             f"openai/{FAKE_MODEL}")
     assert doc.status == "current" and cov.wanted == cov.ready == doc.chunks
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="no Chromium on this machine (.ci/run installs Debian's "
+                                                    "chromium; elsewhere: apt-get install chromium)")
+def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_server, database_url):
+    """The user's path, in a real browser: the asset graph shows the three assets, and the page of
+    the partition just materialized shows that run and the metadata the asset reported."""
+    key = "doc0001.md"
+    run_id = _materialize_partition(dev_server, key)
+    with psycopg.connect(database_url) as conn:
+        _, cov = reports.embedding_coverage(conn, str(dev_server.corpus.resolve()), [key], f"openai/{FAKE_MODEL}")
+    base = f"http://127.0.0.1:{dev_server.port}"
+    with Browser() as browser:
+        browser.open(f"{base}/asset-groups/embedding_pipeline")
+        graph = browser.wait_for_text("documents", "chunks", "embeddings", "Materialize all")
+        assert "embedding_store" in graph
+        browser.open(f"{base}/assets/embeddings?view=partitions&partition={urllib.parse.quote(key, safe='')}")
+        page = browser.wait_for_text("Latest materialization", run_id[:8], "Metadata")
+    metadata = " ".join(page.split("Metadata", 1)[1].split())
+    assert cov.wanted == cov.ready > 0
+    for name, value in (("chunks", cov.wanted), ("ready", cov.ready), ("failed", 0)):
+        assert re.search(rf"\b{name} {value}\b", metadata), f"{name}={value} not in {metadata[:300]}"
 
 
 def test_backfill_of_1000_partitions_is_one_run(dev_server, database_url, monkeypatch):
