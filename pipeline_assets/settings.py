@@ -54,6 +54,23 @@ ERROR_MESSAGE_MAX_CHARS = 500
 
 DECODE_POLICIES = ("strict", "replace")
 
+# How long a retired model's vectors and vector index are kept after `models
+# retire` (a rollback within it is `models activate` + `models serve`, with no
+# re-embedding) before reconcile deletes them; bounds the storage a replaced
+# model holds.
+DEFAULT_MODEL_RETIRE_GRACE_SECONDS = 7 * 24 * 3600.0
+
+# How an embeddings run in Dagster gets its partitions' chunks embedded:
+# `in-process` starts a worker inside the run (the quick start); `external`
+# only waits for `pipeline-assets work` processes running elsewhere (scale-out).
+EMBED_WORKER_MODES = ("in-process", "external")
+
+# The longest an embeddings run waits for the chunks of its own partitions to
+# be ready or failed (retry backoffs, breaker pauses, other hosts' leases
+# included) before it fails with the counts; bounds how long one run can sit
+# in the UI, and how long it holds the `embedding_worker` pool slot.
+DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
+
 
 class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
@@ -89,6 +106,9 @@ class Settings:
     embedding_dimensions: int | None = _setting("PIPELINE_EMBEDDING_DIMENSIONS", None,
                                                 "sent as `dimensions`; part of the model id",
                                                 shown_default="model default")
+    model_retire_grace: float = _setting("PIPELINE_MODEL_RETIRE_GRACE", DEFAULT_MODEL_RETIRE_GRACE_SECONDS,
+                                         "a retired model's vectors and index are deleted by reconcile this long "
+                                         "after `models retire` (s)", shown_default="7 days")
     # Wall-clock limit of one provider request; a stalled call becomes an
     # ordinary retryable failure instead of holding a worker (and its lease).
     call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", 60.0,
@@ -148,7 +168,8 @@ class Settings:
     chunk_tokens: int = _setting("PIPELINE_CHUNK_TOKENS", 512, "chunk size in cl100k tokens")
     chunk_overlap: int = _setting("PIPELINE_CHUNK_OVERLAP", 64, "tokens shared by consecutive chunks")
     extractor_version: str | None = _setting("PIPELINE_EXTRACTOR_VERSION", None,
-                                             "overrides the extractor's code version (a dry run of a parser fix)",
+                                             "overrides the extractor versions (a dry run of a parser fix): `V` for "
+                                             "every format, `pdf=V[,html=W]` for those formats only (text, html, pdf)",
                                              shown_default="`EXTRACTOR_VERSION` in `content/extract.py`")
 
     # -- Dagster ------------------------------------------------------------------------
@@ -156,6 +177,11 @@ class Settings:
     health_cron: str = _setting("PIPELINE_HEALTH_CRON", "*/15 * * * *", "the asset-check schedule")
     dlq_growth_per_hour: int = _setting("PIPELINE_DLQ_GROWTH_PER_HOUR", 10,
                                         "the dead-letter growth check warns above this many new failures per hour")
+    embed_workers: str = _setting("PIPELINE_EMBED_WORKERS", "in-process",
+                                  "`external`: Dagster embeddings runs only wait for `work` processes elsewhere")
+    embed_run_deadline: float = _setting("PIPELINE_EMBED_RUN_DEADLINE", DEFAULT_EMBED_RUN_DEADLINE_SECONDS,
+                                         "an embeddings run fails (with its counts) if its chunks are not ready "
+                                         "or failed by then (s)")
 
     # -- tests ----------------------------------------------------------------------------
     crashpoint: str | None = _setting("PIPELINE_CRASHPOINT", None,
@@ -177,6 +203,9 @@ class Settings:
             (self.backoff_base >= 0 and self.backoff_cap >= 0, "backoff_base", "backoff must not be negative"),
             (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),
             (self.max_throttles >= 1, "max_throttles", "must be at least 1"),
+            (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
+            (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
+            (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
             (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",
              "must be positive"),
         ]

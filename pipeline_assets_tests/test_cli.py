@@ -471,8 +471,9 @@ def test_search_provider_failure_is_one_line_error(env, fake, clean_db, corpus):
     line = assert_one_line_error(proc, secret=key)
     assert "401" in line or "auth" in line, line
     with FakeOpenAI(dim=FAKE_DIM, models={FAKE_MODEL}) as strict:
-        proc = cli("search", "w1", "--json", env={**env, "OPENAI_BASE_URL": strict.base_url,
-                                                   "PIPELINE_EMBEDDING_MODEL": "nope"}, check=False, timeout=60)
+        # (search reads the served model whatever is configured; --model picks another)
+        proc = cli("search", "w1", "--json", "--model", "nope", env={**env, "OPENAI_BASE_URL": strict.base_url},
+                   check=False, timeout=60)
         assert strict.stats["responses_by_status"].get(404, 0) == 1
     assert_one_line_error(proc)
 
@@ -528,6 +529,8 @@ def test_model_change_then_retire_old_model(env, fake, clean_db, tmp_path):
     assert summary["embedded"] > 0 and ready == wanted
     listed = {m["name"]: m for m in json.loads(cli("models", "list", "--json", env=new_env).stdout)}
     assert listed[FAKE_MODEL]["ready"] == listed["fake-embed-v2"]["ready"] > 0
+    assert listed[FAKE_MODEL]["served"] and not listed["fake-embed-v2"]["served"]
+    cli("models", "serve", "fake-embed-v2", env=new_env)   # the served model cannot be retired
     out = cli("models", "retire", FAKE_MODEL, env=new_env).stdout
     assert out.startswith("retired openai/fake-embed")
     (corpus / "doc0000.md").write_text("new content after the model change")

@@ -46,9 +46,16 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     assert versions["embeddings"].startswith("local/")   # no OPENAI_API_KEY: the local model
     for job in ("embed_documents", "reconcile_job", "pipeline_health", "__ASSET_JOB"):
         assert repo.get_job(job).executor_def.name == "in_process", job
-    assert {s.name for s in repo.sensor_defs} == {"source_documents", "rerun_stale_documents"}
+    assert {s.name for s in repo.sensor_defs} >= {"source_documents", "rerun_stale_documents",
+                                                  "reconcile_on_dead_letters", "reconcile_on_run_failure"}
     schedules = {s.name: s for s in repo.schedule_defs}
     assert schedules["reconcile_hourly"].cron_schedule == "*/5 * * * *"
+    # Reconciliation is an asset (not partitioned: it spans every source), run by reconcile_job.
+    assert schedules["reconcile_hourly"].job_name == "reconcile_job"
+    assert repo.get_job("reconcile_job").asset_layer.executable_asset_keys == {dg.AssetKey("reconciliation")}
+    assert graph.get(dg.AssetKey("reconciliation")).partitions_def is None
+    # In-process embedding (the default) runs in the concurrency pool.
+    assert graph.get(dg.AssetKey("embeddings")).assets_def.op.pool == "embedding_worker"
     checks = {(k.asset_key.to_user_string(), k.name) for k in graph.asset_check_keys}
     assert checks == {("embeddings", "partition_embedded"), ("embedding_store", "no_stale_vector_current"),
                       ("embedding_store", "dead_letter_growth")}

@@ -119,3 +119,38 @@ def test_what_dagster_marks_stale_after_a_parser_or_chunker_change(corpus, conn,
         ingest(defs, instance)   # new chunks: new chunk checksums
         assert statuses(defs, instance) == {"documents": {"FRESH"}, "chunks": {"FRESH"}, "embeddings": {"STALE"}}
         assert fake.stats["requests"] == requests   # none of this embedded anything
+
+
+def test_a_pdf_only_fix_reruns_pdf_partitions_and_the_ui_shows_their_version(corpus, conn, fake, monkeypatch):
+    """The README's honest reading: a per-format bump is not a Dagster code version (one per asset),
+    so Dagster marks no partition stale; the rerun sensor reruns exactly the PDF partitions, and each
+    partition's latest materialization carries its own extractor version and unchanged data version."""
+    from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
+    from pipeline_assets_tests.dagster_helpers import evaluate_sensor, requested_keys
+    from pipeline_assets_tests.test_extract import make_pdf
+
+    (corpus / "paper.pdf").write_bytes(make_pdf(["A paper on jittered retries", "and its second page"]))
+    keys = ["doc0000.md", "doc0001.md", "paper.pdf"]
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("documents", keys)
+        assert execute(fresh_defs(), instance, tags=range_tags(keys)).success
+        versions = latest_data_versions(instance, "documents", keys)
+        requests = fake.stats["requests"]
+
+        monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "pdf=extract-2")
+        defs = fresh_defs()
+        assert defs.get_repository_def().asset_graph.get(dg.AssetKey("documents")).code_version == "extract-1"
+        assert set(stale_status(defs, instance, "documents", keys).values()) == {"FRESH"}
+        tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
+        (request,) = tick.run_requests
+        assert requested_keys(instance, request) == ["paper.pdf"]
+        assert execute(defs, instance, request).success
+
+        latest = latest_materializations(instance, "documents", keys)
+        assert {k: r.asset_materialization.metadata["extractor_version"].value for k, r in latest.items()} == \
+            {"doc0000.md": "extract-1", "doc0001.md": "extract-1", "paper.pdf": "extract-2"}
+        assert latest["paper.pdf"].run_id != latest["doc0000.md"].run_id     # only the PDF was rerun
+        assert latest_data_versions(instance, "documents", keys) == versions  # same texts
+        for asset in ("documents", "chunks", "embeddings"):
+            assert set(stale_status(defs, instance, asset, keys).values()) == {"FRESH"}
+        assert fake.stats["requests"] == requests

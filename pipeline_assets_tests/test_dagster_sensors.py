@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
+
 import dagster as dg
 import pytest
 
-from pipeline_assets.app import stages
+from pipeline_assets.app import observations, stages
 from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.settings import Settings
 from pipeline_assets.defs.sensors import (MAX_KEYS_PER_TICK, contiguous_groups, decode_cursor,
@@ -13,12 +17,15 @@ from pipeline_assets.defs.sensors import (MAX_KEYS_PER_TICK, contiguous_groups, 
 from pipeline_assets_tests.conftest import write_corpus
 from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, requested_keys
 
+HOUR_NS = 3600 * 10**9
+
 
 @pytest.fixture
 def corpus(env, clean_db, tmp_path, monkeypatch):
     root = tmp_path / "corpus"
     write_corpus(root, 3)
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
+    clean_db.execute("TRUNCATE app.source_observations")   # the source sensor's memory
     return root
 
 
@@ -30,6 +37,25 @@ def instance():
 
 def _docs(conn) -> dict[str, str]:
     return dict(conn.execute("SELECT document_id, status FROM app.documents ORDER BY 1").fetchall())
+
+
+def _observed(conn) -> dict[str, str | None]:
+    """The source sensor's observations: {document_id: checksum (None: gone)}."""
+    return dict(conn.execute("SELECT document_id, checksum FROM app.source_observations ORDER BY 1").fetchall())
+
+
+def _age(root, seconds: int = 3600) -> None:
+    """Set every file's mtime in the past: out of the window where a same-size rewrite could hide."""
+    past = time.time_ns() - seconds * 10**9
+    for p in root.rglob("*"):
+        if p.is_file():
+            os.utime(p, ns=(past, past))
+
+
+def _execute_tombstone(defs, instance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
+    assert request.job_name == "tombstone_documents"
+    return defs.resolve_job_def("tombstone_documents").execute_in_process(
+        run_config=request.run_config, instance=instance, tags=request.tags, raise_on_error=False)
 
 
 def test_contiguous_groups():
@@ -50,9 +76,10 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     assert execute(defs, instance, request).success
     assert _docs(conn) == {f"doc000{i}.md": "current" for i in range(3)}
     cursor = tick.cursor
-    generation, seen = decode_cursor(cursor)
-    assert generation == 1 and set(seen) == {"doc0000.md", "doc0001.md", "doc0002.md"}
-    assert len(cursor) < 200   # compact: id -> 16 hex digits
+    assert decode_cursor(cursor) == (1, {})                  # the generation only...
+    assert len(cursor) < 40
+    observed = _observed(conn)                               # ...the checksums are in PostgreSQL
+    assert set(observed) == {"doc0000.md", "doc0001.md", "doc0002.md"} and all(observed.values())
 
     # Duplicate observation: nothing changed -> no run request; touching a file
     # (new mtime, same bytes) is no change either.
@@ -68,7 +95,8 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     (corpus / "doc0001.md").write_text("# doc 1\n\nentirely new words here\n")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     (request,) = tick.run_requests
-    checksum = decode_cursor(tick.cursor)[1]["doc0001.md"]
+    checksum = _observed(conn)["doc0001.md"]
+    assert checksum != observed["doc0001.md"]
     assert request.partition_key == "doc0001.md"
     assert request.run_key == f"doc0001.md:{checksum}@g1"
     assert execute(defs, instance, request).success
@@ -85,16 +113,26 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
         assert execute(defs, instance, r).success
     cursor = tick.cursor
 
-    # Deleted (and a new file with an id that cannot be a partition key, skipped).
+    # Deleted (and a new file with an id that cannot be a partition key, skipped): the tick
+    # tombstones nothing itself; it requests a tombstone run, which does.
     (corpus / "doc0002.md").unlink()
     (corpus / "bad|name.md").write_text("x")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
-    assert not tick.run_requests
+    (request,) = tick.run_requests
+    assert request.job_name == "tombstone_documents" and request.run_key.startswith("tombstone@g3:1:")
+    assert request.run_config["ops"]["tombstone_documents_op"]["config"]["document_ids"] == ["doc0002.md"]
+    assert _docs(conn)["doc0002.md"] == "current"            # not inside the evaluation
+    assert _observed(conn)["doc0002.md"] is None and "bad|name.md" not in _observed(conn)
+    # Re-evaluated before its cursor was saved: the same tombstone run key.
+    replay = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
+    assert [r.run_key for r in replay.run_requests] == [request.run_key]
+    result = _execute_tombstone(defs, instance, request)
+    assert result.success
     assert instance.get_dynamic_partitions("documents") == ["doc0000.md", "doc0001.md"]
     assert _docs(conn)["doc0002.md"] == "deleted"
     assert conn.execute("""SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk)
                            WHERE d.document_id = 'doc0002.md'""").fetchone()[0] == 0
-    assert "doc0002.md" not in decode_cursor(tick.cursor)[1]
+    assert "doc0002.md" not in _observed(conn)
     # ...and observing the deletion again does nothing.
     again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     assert not again.run_requests and not again.dynamic_partitions_requests
@@ -121,6 +159,178 @@ def test_empty_source_deletes_nothing(corpus, instance):
         p.unlink()
     again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     assert "refusing" in again.skip_message and not again.dynamic_partitions_requests
+
+
+def _count_reads(monkeypatch) -> list[str]:
+    """Every file the source sensor reads to checksum it, by document id."""
+    reads: list[str] = []
+    real = observations.file_checksum
+
+    def counting(item, max_bytes):
+        reads.append(item.document_id)
+        return real(item, max_bytes)
+
+    monkeypatch.setattr(observations, "file_checksum", counting)
+    return reads
+
+
+def test_source_sensor_cursor_stays_small_with_many_documents(corpus, conn, instance):
+    write_corpus(corpus, 1500, words=5)
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    assert sum(len(requested_keys(instance, r)) for r in tick.run_requests) == 1000   # MAX_KEYS_PER_TICK
+    assert decode_cursor(tick.cursor) == (1, {}) and len(tick.cursor.encode()) < 40
+    assert len(_observed(conn)) == 1500
+    # The cursor it replaces: the whole map, id -> 16 hex digits (~45 kB here, ~4 MB at 100,000).
+    old = json.dumps({"v": 1, "g": 1, "d": _observed(conn)}, separators=(",", ":"), sort_keys=True)
+    assert len(old) > 1000 * len(tick.cursor)
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert sum(len(requested_keys(instance, r)) for r in tick.run_requests) == 500    # the rest, next tick
+    assert decode_cursor(tick.cursor) == (2, {})
+    assert len(instance.get_dynamic_partitions("documents")) == 1500
+
+
+def test_unchanged_tick_reads_no_file(corpus, conn, instance, monkeypatch):
+    write_corpus(corpus, 20, words=5)
+    _age(corpus)
+    reads = _count_reads(monkeypatch)
+    tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance)
+    assert len(reads) == 20 and len(tick.run_requests) == 1
+    cursor = tick.cursor
+    # A code reload (fresh definitions, a fresh module state): the observations are in
+    # PostgreSQL, so an unchanged tick reads nothing.
+    reads.clear()
+    again = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, cursor)
+    assert reads == [] and "no change among 20 documents" in again.skip_message
+    # Touched (new mtime, same bytes): read once, no run; then trusted again.
+    os.utime(corpus / "doc0003.md", ns=(time.time_ns() - HOUR_NS // 2,) * 2)
+    again = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, cursor)
+    assert reads == ["doc0003.md"] and not again.run_requests
+    reads.clear()
+    assert evaluate_sensor(source_documents_sensor, fresh_defs(), instance, cursor).skip_message
+    assert reads == []
+    # Changed: only that file is read; one run for it.
+    (corpus / "doc0007.md").write_text("new words\n")
+    tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, cursor)
+    assert reads == ["doc0007.md"] and [r.partition_key for r in tick.run_requests] == ["doc0007.md"]
+    # Written just now: its mtime granule may still hide a same-size rewrite, so the next
+    # tick reads it once more (and nothing else); after that it is trusted.
+    reads.clear()
+    assert evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor).skip_message
+    assert reads == ["doc0007.md"]
+    _age(corpus)
+    reads.clear()
+    evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
+    reads.clear()
+    evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
+    assert reads == []
+
+
+def test_source_sensor_backpressure(corpus, conn, instance):
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    (request,) = tick.run_requests
+    # The daemon launched the run; it is still queued.
+    run = instance.create_run_for_job(defs.resolve_job_def("embed_documents"), tags=request.tags)
+    cursor = tick.cursor
+    (corpus / "doc0001.md").write_text("changed one\n")
+    (corpus / "doc0003.md").write_text("a new one\n")
+    held = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
+    assert not held.run_requests and "still queued or running" in held.skip_message
+    assert held.cursor == cursor
+    assert "doc0003.md" in instance.get_dynamic_partitions("documents")    # partitions still come
+    held = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
+    assert not held.run_requests and not held.dynamic_partitions_requests   # added once
+    # The run ends: the next tick asks for everything that waited.
+    instance.report_run_canceled(instance.get_run_by_id(run.run_id))
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
+    assert sorted(k for r in tick.run_requests for k in requested_keys(instance, r)) == ["doc0001.md", "doc0003.md"]
+    assert decode_cursor(tick.cursor) == (2, {})
+    # Its tombstone runs hold it back as well.
+    (corpus / "doc0000.md").unlink()
+    for r in tick.run_requests:
+        instance.report_run_canceled(instance.create_run_for_job(defs.resolve_job_def("embed_documents"),
+                                                                 tags=r.tags))
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (tombstone,) = tick.run_requests
+    run = instance.create_run_for_job(defs.resolve_job_def("tombstone_documents"), tags=tombstone.tags,
+                                      run_config=tombstone.run_config)
+    (corpus / "doc0002.md").write_text("changed two\n")
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert not held.run_requests and "still queued or running" in held.skip_message
+
+
+def test_tombstone_run_leaves_a_file_that_came_back(corpus, conn, fake, instance):
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    assert execute(defs, instance, tick.run_requests[0]).success
+    body = (corpus / "doc0001.md").read_bytes()
+    (corpus / "doc0001.md").unlink()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (request,) = tick.run_requests
+    (corpus / "doc0001.md").write_bytes(body + b"more\n")   # back before the run
+    assert _execute_tombstone(defs, instance, request).success
+    assert _docs(conn)["doc0001.md"] == "current"
+    assert "doc0001.md" in instance.get_dynamic_partitions("documents")
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert [r.partition_key for r in tick.run_requests] == ["doc0001.md"]
+
+
+def test_failed_tombstone_run_is_requested_again(corpus, conn, instance, monkeypatch):
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    (corpus / "doc0002.md").unlink()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (request,) = tick.run_requests
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("database went away")
+
+    real = observations.ingest_documents
+    monkeypatch.setattr(observations, "ingest_documents", broken)
+    assert not _execute_tombstone(defs, instance, request).success
+    assert _observed(conn)["doc0002.md"] is None           # still gone, still pending
+    monkeypatch.setattr(observations, "ingest_documents", real)
+    again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (retry,) = again.run_requests
+    assert retry.job_name == "tombstone_documents" and retry.run_key != request.run_key
+    assert _execute_tombstone(defs, instance, retry).success
+    assert instance.get_dynamic_partitions("documents") == ["doc0000.md", "doc0001.md"]
+
+
+def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus.parent / "not-there"))
+    with pytest.raises(Exception, match="not found; nothing is deleted"):
+        evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
+    real_scandir = os.scandir
+
+    def unreadable(path="."):   # the tests run as root: chmod 000 would not stop the walk
+        if str(path).startswith(str(corpus)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    with pytest.raises(Exception, match="cannot scan .*Permission denied"):
+        evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
+    assert len(_observed(conn)) == 3 and all(_observed(conn).values())   # nothing marked gone
+    assert len(instance.get_dynamic_partitions("documents")) == 3
+
+
+def test_legacy_map_cursor_is_adopted(corpus, conn, instance, monkeypatch):
+    _age(corpus)
+    from pipeline_assets.app.observations import file_checksum
+    from pipeline_assets.content.sources import scan_directory
+
+    docs = {i.document_id: file_checksum(i, 1 << 20) for i in scan_directory(corpus)}
+    legacy = json.dumps({"v": 1, "g": 7, "d": docs}, separators=(",", ":"), sort_keys=True)
+    instance.add_dynamic_partitions("documents", sorted(docs))
+    (corpus / "doc0001.md").write_text("changed since\n")
+    tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, legacy)
+    assert [(r.partition_key, r.run_key.split("@")[1]) for r in tick.run_requests] == [("doc0001.md", "g7")]
+    assert decode_cursor(tick.cursor) == (8, {})
 
 
 def test_parser_fix_reruns_exactly_the_stale_partitions(corpus, conn, fake, instance, monkeypatch):
@@ -169,3 +379,81 @@ def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):
                                       tags={"pipeline/trigger": "rerun_stale_documents"})
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.NOT_STARTED
     assert "in flight" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message
+
+
+def test_a_pdf_only_fix_reruns_only_pdf_partitions(corpus, conn, fake, instance, monkeypatch):
+    from pipeline_assets_tests.test_extract import make_pdf
+    for i in range(2):
+        (corpus / f"paper{i}.pdf").write_bytes(make_pdf([f"Paper {i} on backoff", f"its second page {i}"]))
+    keys = sorted(p.name for p in corpus.iterdir())      # doc0000..doc0002.md, paper0..1.pdf
+    defs = fresh_defs()
+    instance.add_dynamic_partitions("documents", keys)
+    assert execute(defs, instance, tags={"dagster/asset_partition_range_start": keys[0],
+                                         "dagster/asset_partition_range_end": keys[-1]}).success
+    billed = fake.stats["billed_inputs"]
+    attempts = dict(conn.execute("SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
+                                 " USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
+    assert attempts == {k: 1 for k in keys}
+
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "pdf=extract-2")
+    defs = fresh_defs()
+    tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
+    (request,) = tick.run_requests
+    assert requested_keys(instance, request) == ["paper0.pdf", "paper1.pdf"]
+    assert execute(defs, instance, request).success
+    rows = {r[0]: (r[1], r[2]) for r in conn.execute(
+        "SELECT d.document_id, s.code_version, s.attempts FROM app.stage_runs s"
+        " JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'")}
+    assert rows == {k: ("extract-2", 2) if k.endswith(".pdf") else ("extract-1", 1) for k in keys}
+    assert fake.stats["billed_inputs"] == billed           # same PDF texts: nothing sent again
+    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
+                                              tick.cursor).skip_message
+
+
+def _used_run_keys(instance) -> set[str]:
+    return {r.tags.get("dagster/run_key") for r in instance.get_runs()} - {None}
+
+
+def _run_as_daemon(defs, instance, request):
+    """Execute a request as the daemon launches it: with its run key tag (what Dagster deduplicates on)."""
+    tags = {**request.tags, "dagster/run_key": request.run_key}
+    return execute(defs, instance, partition_key=request.partition_key, tags=tags)
+
+
+def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, conn, fake, instance,
+                                                                     monkeypatch, tmp_path):
+    keys = [f"doc{i:04d}.md" for i in range(3)]
+    instance.add_dynamic_partitions("documents", keys)
+    assert execute(fresh_defs(), instance, tags={"dagster/asset_partition_range_start": keys[0],
+                                                 "dagster/asset_partition_range_end": keys[-1]}).success
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    defs = fresh_defs()
+    first = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
+    (request,) = first.run_requests
+    # Re-evaluated from the same (empty) cursor: the same key, so Dagster would launch nothing twice.
+    assert [r.run_key for r in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).run_requests] \
+        == [request.run_key]
+
+    # The rerun fails before committing anything (its source directory is gone for the run).
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path / "missing"))
+    assert not _run_as_daemon(fresh_defs(), instance, request).success
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
+    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
+        == {"extract-1"}
+    used = _used_run_keys(instance)
+    assert request.run_key in used
+
+    # The next tick asks again, under a key no run has used.
+    second = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, first.cursor)
+    (again,) = second.run_requests
+    assert requested_keys(instance, again) == keys and again.run_key not in used
+
+    # A cursor reset (the UI's "reset cursor"): a new epoch from the run history, no collision either.
+    reset = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, None)
+    (after_reset,) = reset.run_requests
+    assert requested_keys(instance, after_reset) == keys and after_reset.run_key not in used
+    assert _run_as_daemon(defs, instance, after_reset).success
+    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
+        == {"extract-2"}
+    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
+                                              reset.cursor).skip_message

@@ -22,6 +22,7 @@ from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, write_corpus
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
+OTHER_MODEL = "fake-embed-2"
 REFUSAL = (f"error: model {MODEL_ID} was retired; run `pipeline-assets models activate {MODEL_ID}` "
            "to use it again")
 SPEC = ModelSpec(provider="test", name="adm", dimension=4, max_input_tokens=100, max_batch_inputs=10,
@@ -52,6 +53,12 @@ def test_every_command_configured_with_a_retired_model_is_refused_until_activate
     corpus = tmp_path / "c"
     write_corpus(corpus, 4)
     cli("embed", str(corpus), env=env)
+    # The served model cannot be retired: another one is added, embedded and served first.
+    assert cli("models", "retire", FAKE_MODEL, env=env, check=False).stderr.startswith(
+        f"error: model {MODEL_ID} is served")
+    cli("models", "add", OTHER_MODEL, env=env)
+    cli("work", "--until-idle", env={**env, "PIPELINE_EMBEDDING_MODEL": OTHER_MODEL})
+    cli("models", "serve", OTHER_MODEL, env=env)
     assert cli("models", "retire", FAKE_MODEL, env=env).stdout.startswith(f"retired {MODEL_ID}")
     (corpus / "doc0000.md").write_text("changed after the retire")
     billed = fake.stats["billed_inputs"]
@@ -61,8 +68,8 @@ def test_every_command_configured_with_a_retired_model_is_refused_until_activate
         assert proc.stderr.splitlines() == [REFUSAL], (args, proc.stderr)
     assert fake.stats["billed_inputs"] == billed
     assert not active(clean_db, MODEL_ID)
-    [listed] = json.loads(cli("models", "list", "--json", env=env).stdout)
-    assert listed["active"] is False
+    listed, _ = json.loads(cli("models", "list", "--json", env=env).stdout)
+    assert listed["model_id"] == MODEL_ID and listed["active"] is False and listed["served"] is False
 
     out = cli("models", "activate", FAKE_MODEL, env=env).stdout.strip()
     assert out == f"activated {MODEL_ID}: 0 job(s) revived, 0 enqueued"

@@ -11,6 +11,7 @@ from pathlib import Path
 import psycopg
 from psycopg.rows import class_row
 
+from pipeline_assets.content.extract import ExtractorVersions
 from pipeline_assets.content.process import KnownDocument, Processed
 from pipeline_assets.jobs import transitions
 from pipeline_assets.store import queries
@@ -83,13 +84,15 @@ def mark_scanned(conn: psycopg.Connection, source_id: int) -> None:
     conn.execute(DOCS.mark_scanned, {"source": source_id})
 
 
-def write_documents(conn: psycopg.Connection, source_id: int, todo: list[Processed], *, extractor_version: str,
+def write_documents(conn: psycopg.Connection, source_id: int, todo: list[Processed], *,
+                    extractor_version: ExtractorVersions,
                     chunker_version: str, max_attempts: int, config_hash: str,
                     run_id: str | None) -> dict[str, int]:
     """Upsert the documents, replace their chunks, enqueue and supersede; one call per
     ingest batch, inside its transaction. Returns counts (chunks, enqueued, revived, superseded)."""
     rows = conn.execute(DOCS.upsert_documents, {
-        "source": source_id, "ext": extractor_version, "chunker": chunker_version,
+        "source": source_id, "chunker": chunker_version,
+        "exts": [extractor_version.of(p.item.document_id) for p in todo],
         "ids": [p.item.document_id for p in todo], "uris": [p.item.source_uri for p in todo],
         "checksums": [p.checksum for p in todo], "sizes": [p.item.size for p in todo],
         "text_checksums": [p.text_checksum for p in todo], "counts": [len(p.chunks) for p in todo],
@@ -119,13 +122,14 @@ def write_documents(conn: psycopg.Connection, source_id: int, todo: list[Process
 
 
 def _record_stage_runs(conn: psycopg.Connection, todo: list[Processed], pk_of: dict[str, int], *,
-                       extractor_version: str, chunker_version: str, config_hash: str,
+                       extractor_version: ExtractorVersions, chunker_version: str, config_hash: str,
                        run_id: str | None) -> None:
     cols: dict[str, list] = {k: [] for k in ("pks", "stages", "statuses", "classes", "messages", "versions",
                                              "checksums")}
     for p in todo:
         extract_failed = p.error_class is not None
-        for stage, version in (("extract", extractor_version), ("chunk", chunker_version)):
+        for stage, version in (("extract", extractor_version.of(p.item.document_id)),
+                               ("chunk", chunker_version)):
             if stage == "extract" and extract_failed:
                 status, cls, msg = "failed", p.error_class, p.error_message
             elif extract_failed:

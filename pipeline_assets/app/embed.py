@@ -1,10 +1,12 @@
-"""Embedding use cases: run a worker until the queue is idle (or until stopped),
-for the whole queue or after enqueueing some documents, and the one-shot
-``embed DIR`` (ingest, then work until idle).
+"""Embedding use cases: run a worker until the queue is idle (or until stopped);
+embed some documents (a worker scoped to their jobs, or only waiting for
+external workers, until their chunks are ready or failed, with a deadline);
+and the one-shot ``embed DIR`` (ingest, then work until idle).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,9 +18,16 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app import reports, stages
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.worker import Worker, WorkerConfig, WorkerReport
+from pipeline_assets.jobs import models, transitions, vector_index
+from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
+from pipeline_assets.store import db
+
+log = logging.getLogger(__name__)
+
+# How often a run embedding some documents re-reads their coverage (one
+# grouped query over their chunks) while it waits for them.
+WAIT_POLL_SECONDS = 0.1
 
 
 def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCURRENCY, until_idle: bool = False,
@@ -53,24 +62,133 @@ class DocumentsEmbedded:
     before: reports.Coverage
     after: reports.Coverage
     per_document: dict[str, reports.Coverage] = field(default_factory=dict)
+    in_process: bool = True
+    waited_seconds: float = 0.0
+
+
+class EmbedIncomplete(RuntimeError):
+    """Some of the documents' chunks are neither ready nor failed; carries their counts."""
+
+    def __init__(self, message: str, coverage: reports.Coverage) -> None:
+        self.coverage = coverage
+        self.outstanding = outstanding(coverage)
+        super().__init__(message)
+
+
+class EmbedDeadlineExceeded(EmbedIncomplete):
+    """The documents' chunks were not all ready or failed by the deadline."""
+
+    def __init__(self, coverage: reports.Coverage, deadline: float, in_process: bool) -> None:
+        who = "the in-process worker and any `work` process" if in_process else "the external `work` processes"
+        super().__init__(f"{outstanding(coverage)} of {coverage.wanted} chunk(s) still not embedded after "
+                         f"{deadline:g} s ({coverage.ready} ready, {coverage.failed} failed) waiting for {who}; "
+                         "see `pipeline-assets status`", coverage)
+
+
+class EmbedStopped(EmbedIncomplete):
+    """The in-process worker stopped first (a token budget, a fault of our own); its one-line message."""
+
+
+def outstanding(cov: reports.Coverage) -> int:
+    """Chunks neither ready nor failed (waiting, leased, backing off, or without a job yet)."""
+    return max(cov.wanted - cov.ready - cov.failed, 0)
 
 
 def embed_documents(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: Sequence[str], *,
-                    poll_seconds: float | None = None) -> DocumentsEmbedded:
-    """Make sure the current chunks of some documents have jobs, then work until the queue is idle."""
+                    poll_seconds: float | None = None, in_process: bool = True,
+                    deadline_seconds: float | None = None) -> DocumentsEmbedded:
+    """Make sure the current chunks of some documents have jobs, then wait until
+    each of them is ready or failed: not for the rest of the queue.
+
+    ``in_process``: a worker scoped to these documents (it claims only their
+    jobs) embeds them here; otherwise only ``work`` processes elsewhere do, and
+    this waits. ``deadline_seconds`` (default: the settings') bounds the wait:
+    past it, EmbedDeadlineExceeded with the counts. A worker that stopped before
+    they were done (BudgetExhausted, WorkerFault) is EmbedStopped with its message
+    and the counts; FatalProviderError is raised as it is.
+    """
     root_s = str(root)
+    deadline = deadline_seconds or rt.settings.embed_run_deadline
     with pool.connection() as conn:
         register_model(conn, rt)
         summaries = reports.document_summaries(conn, root_s, document_ids)
         pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
         enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
         _, before = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
-    report = work(rt, pool, until_idle=True, poll_seconds=poll_seconds)
+        since = stages.clock(conn)
+    started = time.monotonic()
+    scoped = _ScopedWorker(rt, pool, pks, poll_seconds) if in_process and outstanding(before) else None
+    try:
+        now = before
+        while outstanding(now) and (scoped is None or scoped.alive) and time.monotonic() - started < deadline:
+            time.sleep(WAIT_POLL_SECONDS)
+            with pool.connection() as conn:
+                _, now = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+    finally:
+        report, error = scoped.finish() if scoped is not None else (WorkerReport(), None)
     with pool.connection() as conn:
+        if scoped is not None:
+            stages.refresh_embed_touched(conn, rt.model_id, since)
         stages.refresh_embed_docs(conn, rt.model_id, pks)
         per_doc, after = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+        idle = not any(transitions.outstanding(conn, rt.model_id))
+    if isinstance(error, FatalProviderError):
+        raise error
+    if error is not None and outstanding(after):
+        raise EmbedStopped(str(error), after) from error
+    if error is not None:  # e.g. the budget was reached by the call that finished these documents
+        log.warning("the worker stopped after these documents were done: %s", error)
+    if outstanding(after):
+        raise EmbedDeadlineExceeded(after, deadline, in_process)
+    if scoped is not None and idle:
+        _build_index(pool, rt.model_id)  # the whole queue drained: as a worker does when it drains
     return DocumentsEmbedded(work=report, enqueued=enqueued, summaries=summaries, before=before, after=after,
-                             per_document=per_doc)
+                             per_document=per_doc, in_process=in_process,
+                             waited_seconds=round(time.monotonic() - started, 3))
+
+
+class _ScopedWorker:
+    """A worker in a thread that claims only some documents' jobs, until told to stop."""
+
+    def __init__(self, rt: Runtime, pool: ConnectionPool, doc_pks: Sequence[int], poll_seconds: float | None):
+        config = WorkerConfig(until_idle=False, scope=list(doc_pks), build_index=False)
+        if poll_seconds:
+            config.poll_seconds = poll_seconds
+        self._stop = threading.Event()
+        self._worker = Worker(pool.conninfo, rt.provider, config, settings=rt.settings, stop_event=self._stop)
+        self._report: WorkerReport | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="scoped-worker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._report = self._worker.run()
+        except BaseException as exc:  # BudgetExhausted, FatalProviderError, WorkerFault, ...: raised by finish()
+            self._error = exc
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def finish(self) -> tuple[WorkerReport, BaseException | None]:
+        """Stop it (it hands back what it holds); its report and the error it stopped on, if any."""
+        self._stop.set()
+        self._thread.join()
+        return self._report or self._worker.report, self._error
+
+
+def _build_index(pool: ConnectionPool, model_id: str) -> None:
+    """Build the model's vector index if it is missing (concurrently; a failure is only logged)."""
+    with pool.connection() as conn:
+        dimension = models.model_dimension(conn, model_id)
+    if not dimension:
+        return
+    try:
+        with db.connect(pool.conninfo) as conn:
+            vector_index.build(conn, model_id, int(dimension))
+    except vector_index.IndexBuildError as exc:
+        log.warning("%s", exc)
 
 
 def embed_directory(rt: Runtime, pool: ConnectionPool, root: Path, *,

@@ -1,15 +1,42 @@
-"""Model use cases: resolve a configured name, list models, retire one after a
-model change, activate a retired one again, build a model's vector index."""
+"""Model use cases: add a model (jobs for every current chunk), serve it once it
+covers the corpus, retire the replaced one (its vectors deleted after a grace
+period), activate a retired one again, list models, build a model's vector index.
+
+Several models may be active; one is *served*: ``search`` and ``export`` read
+it (``served_runtime``, ``served_model_id``). A switch is one UPDATE of one row
+(``jobs.models.serve``), taken only when the new model has a vector for every
+current chunk, so search never answers from a half-built model, nor nothing.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents
-from pipeline_assets.jobs import models, vector_index
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
-from pipeline_assets.providers import ConfigError
+from pipeline_assets.providers import ConfigError, model_id_for
+from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
+
+
+class NotCovered(ConfigError):
+    """`models serve` of a model that lacks vectors for some current chunks (without --force)."""
+
+    def __init__(self, cov: models.Coverage) -> None:
+        super().__init__(f"model {cov.model_id} does not cover the corpus yet: {cov.describe_missing()}; "
+                         "search stays on the served model (wait for its workers, or --force)")
+        self.coverage = cov
+
+
+class ServedModel(ConfigError):
+    """`models retire` of the served model: search would have nothing to read."""
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(f"model {model_id} is served; `pipeline-assets models serve OTHER` first")
 
 
 def resolve(pool: ConnectionPool, name: str) -> str:
@@ -21,19 +48,29 @@ def resolve(pool: ConnectionPool, name: str) -> str:
     return model_id
 
 
-def list_models(pool: ConnectionPool) -> list[dict]:
-    """Every model with its job counts and its index state (``index``: see ``jobs.vector_index``)."""
+def list_models(pool: ConnectionPool, grace_seconds: float = Settings.model_retire_grace) -> list[dict]:
+    """Every model with its job counts, its index state (``index``: see ``jobs.vector_index``),
+    whether it is served, its coverage (active ones) and its retirement (retired_at, purge_after, purged_at)."""
     with pool.connection() as conn:
         rows = models.list_models(conn)
+    states = {s["model_id"]: s for s in model_states(pool, grace_seconds)}
     for row in rows:
         row["index_detail"] = vector_index.describe(row["index"], row["dimension"])
+        state = states.get(row["model_id"], {})
+        row.update({k: state.get(k) for k in ("served", "coverage", "retired_at", "purge_after", "purged_at")})
     return rows
 
 
 def retire(pool: ConnectionPool, name: str) -> tuple[str, int]:
-    """Stop embedding new content with a model; returns (model_id, unstarted jobs superseded)."""
+    """Stop embedding new content with a model; returns (model_id, unstarted jobs superseded).
+
+    Refused (``ServedModel``) for the served model. Its vectors and index stay
+    for PIPELINE_MODEL_RETIRE_GRACE; then reconcile deletes them (``purge_expired``).
+    """
     model_id = resolve(pool, name)
-    with pool.connection() as conn:
+    with pool.connection() as conn, conn.transaction():
+        if models.served_model_id(conn) == model_id:
+            raise ServedModel(model_id)
         return model_id, models.retire(conn, model_id)
 
 
@@ -65,3 +102,144 @@ def build_index(pool: ConnectionPool, name: str) -> dict:
     with db.connect(pool.conninfo) as conn:
         outcome = vector_index.build(conn, model_id, int(dimension))
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
+
+
+# -- several models, one served ---------------------------------------------------------------
+
+
+def runtime_for_model(settings: Settings, name: str, dimensions: int | None = None) -> Runtime:
+    """The runtime of a model given by name (and `dimensions` option), the rest as configured."""
+    return Runtime.build(dataclasses.replace(settings, embedding_model=name, embedding_dimensions=dimensions))
+
+
+def add(settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int | None = None) -> dict:
+    """`models add`: register a model and enqueue every current chunk for it.
+
+    Search keeps reading the served model; `serve` switches once this one
+    covers the corpus. A retired model is refused (``ModelRetired``: activate
+    it instead). Workers configured with the model do its jobs.
+    """
+    rt = runtime_for_model(settings, name, dimensions)
+    with pool.connection() as conn, conn.transaction():
+        documents.write_lock(conn)  # as reconcile's repairs: no ingest replaces chunks meanwhile
+        new = models.ensure_model(conn, rt.provider.spec)
+        enqueued = transitions.enqueue_missing(conn, settings.max_attempts)
+    with pool.connection() as conn:
+        cov = models.coverage(conn, rt.model_id)
+        served = models.served_model_id(conn)
+    return {"model_id": rt.model_id, "new": new, "enqueued": enqueued, "served": served == rt.model_id,
+            "coverage": dataclasses.asdict(cov)}
+
+
+def serve(pool: ConnectionPool, name: str, *, force: bool = False) -> dict:
+    """`models serve`: switch search and export to a model once it covers every current chunk.
+
+    Checked and switched in one transaction under the ingest write lock, so no
+    chunk arrives between the check and the switch. Without ``force`` a model
+    with any current chunk lacking a vector is refused (``NotCovered``, saying
+    what is missing) and the served model stays; with it the switch happens and
+    the result says what is missing (search then misses those chunks until
+    their vectors arrive).
+    """
+    model_id = resolve(pool, name)
+    with pool.connection() as conn, conn.transaction():
+        documents.write_lock(conn)
+        cov = models.coverage(conn, model_id)
+        if not cov.complete and not force:
+            raise NotCovered(cov)
+        changed, previous = models.serve(conn, model_id)
+    return {"model_id": model_id, "changed": changed, "previous": previous, "coverage": dataclasses.asdict(cov),
+            "missing": cov.missing, "missing_detail": cov.describe_missing() if cov.missing else ""}
+
+
+def served_model_id(pool: ConnectionPool) -> str | None:
+    """The model search and export read (None before any model was registered)."""
+    with pool.connection() as conn:
+        return models.served_model_id(conn)
+
+
+def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
+    """The runtime search embeds its query with: the served model's, whatever is configured.
+
+    Before any model is registered, the configured one (there is nothing to read yet).
+    Raises ConfigError when this process cannot build the served model's provider
+    (e.g. it is an OpenAI model and OPENAI_API_KEY is unset).
+    """
+    with pool.connection() as conn:
+        row = models.served(conn)
+    if row is None or row["model_id"] == model_id_for(settings):
+        return Runtime.build(settings)
+    # The model id says provider, name and dimension; the `dimensions` option was
+    # either sent (the id's dimension) or not (the model's default).
+    for dims in (None, row["dimension"]):
+        rt = runtime_for_model(settings, row["name"], dims)
+        if rt.model_id == row["model_id"]:
+            return rt
+    raise ConfigError(f"cannot build the served model {row['model_id']} here; "
+                      f"`pipeline-assets search --model NAME` reads another")
+
+
+def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:
+    """Delete the vectors and the index of every model retired longer than the grace
+    period (what reconcile runs). Returns the vectors deleted per model."""
+    purged: dict[str, int] = {}
+    with db.connect(pool.conninfo) as conn:  # autocommit: the index is dropped concurrently
+        for model_id in models.purge_due(conn, grace_seconds):
+            deleted = models.purge(conn, model_id)
+            if deleted is not None:
+                purged[model_id] = deleted
+    return purged
+
+
+def model_states(pool: ConnectionPool, grace_seconds: float) -> list[dict]:
+    """Every model with its coverage, whether it is served, and its retirement (for `models list`, `status`)."""
+    with pool.connection() as conn:
+        states = models.model_states(conn, grace_seconds)
+        for row in states:
+            row["coverage"] = dataclasses.asdict(models.coverage(conn, row["model_id"])) if row["active"] else None
+    return states
+
+
+def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True) -> dict:
+    """A model change without downtime, done by the Dagster layer (``defs/model_switch.py``) each tick.
+
+    1. ``add`` the configured model (a new one gets jobs for every current chunk);
+       a retired one is refused (``ModelRetired``), as everywhere.
+    2. While another model is served, keep serving it; once the configured model
+       covers every current chunk, serve it and retire the one it replaced (whose
+       vectors reconcile deletes after the grace period).
+
+    ``switch=False`` does step 1 only (the caller already switched to this model
+    once: a person who served another one since is not overruled).
+
+    Returns what happened: ``added`` (and ``enqueued``), ``served`` (the model
+    search reads after this call), ``switched``, ``switched_from`` and ``retired`` (the
+    replaced model, when this call switched), and the configured model's ``coverage``
+    (None when no switch is pending: it reads every current chunk).
+    """
+    model_id = rt.model_id
+    with pool.connection() as conn, conn.transaction():
+        added = models.ensure_model(conn, rt.provider.spec)
+        enqueued = 0
+        if added:
+            documents.write_lock(conn)
+            enqueued = transitions.enqueue_missing(conn, rt.settings.max_attempts)
+    switched, switched_from, retired = False, None, None
+    with pool.connection() as conn:
+        served = models.served_model_id(conn)
+        pending = switch and served != model_id
+        # Coverage reads every current chunk: only while a switch is pending (or the model is new).
+        cov = models.coverage(conn, model_id) if pending or added else None
+        if pending and cov.complete:
+            with conn.transaction():
+                documents.write_lock(conn)  # no chunk arrives between the check and the switch
+                cov = models.coverage(conn, model_id)
+                if cov.complete:
+                    changed, previous = models.serve(conn, model_id)
+                    if changed:
+                        served, switched, switched_from = model_id, True, previous
+                        if previous:
+                            models.retire(conn, previous)
+                            retired = previous
+    return {"model_id": model_id, "added": added, "enqueued": enqueued, "served": served,
+            "switched": switched, "switched_from": switched_from, "retired": retired, "coverage": cov}

@@ -4,7 +4,8 @@ Re-scan every source that was ingested (which replaces changed documents and
 tombstones vanished ones), then, set-based: enqueue every current chunk x
 active model that has no job, revive superseded jobs whose content is wanted
 again, supersede jobs whose content nobody wants, send ready jobs whose vector
-is missing back to pending, and rescue expired leases.
+is missing back to pending, and rescue expired leases. ``reconcile_all`` also
+deletes the vectors and index of models retired longer than the grace period.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import psycopg
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import documents, stages
+from pipeline_assets.app import documents, model_admin, stages
 from pipeline_assets.app.ingest import ingest_directory, register_model
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.sources import SourceError
@@ -35,6 +36,8 @@ class ReconcileReport:
     superseded: int = 0
     repaired_vectors: int = 0
     rescued: int = 0
+    purged_models: int = 0     # retired models past PIPELINE_MODEL_RETIRE_GRACE: vectors and index deleted
+    purged_vectors: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +50,8 @@ def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> 
         report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan,
                            backoff=(rt.settings.backoff_base, rt.settings.backoff_cap))
     report.enqueued += enqueued
+    purged = model_admin.purge_expired(pool, rt.settings.model_retire_grace)
+    report.purged_models, report.purged_vectors = len(purged), sum(purged.values())
     return report
 
 

@@ -1,4 +1,4 @@
-"""Read-only views for people: status, dead-letter queue, spend."""
+"""Read-only views for people: status, spend, dead-letter growth (the queue itself: app/dlq.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def status(conn: psycopg.Connection) -> dict:
         "embed_by_model": embed_by_model,
         "coverage": coverage,
         "dead_letter": totals.get(JobStatus.FAILED, 0),
+        "dead_letter_discarded": dead_letter_discarded(conn),  # of those, given up on (`dlq discard`)
         "superseded": totals.get(JobStatus.SUPERSEDED, 0),
         "quarantined_documents": _dicts(conn, REPORTS.quarantined_count)[0]["n"],
         "spend": spend,
@@ -54,18 +55,10 @@ def status(conn: psycopg.Connection) -> dict:
 
 
 def dead_letters(conn: psycopg.Connection) -> list[dict]:
-    items = [
-        {"kind": "job", "id": r["job_id"], "model": r["model_id"], "error_class": r["error_class"],
-         "message": r["error_message"], "attempts": r["attempts"], "failed_at": r["updated_at"].isoformat(),
-         "documents": r["documents"] or []}
-        for r in _dicts(conn, REPORTS.dead_letter_jobs)
-    ]
-    items += [
-        {"kind": "document", "id": r["document_id"], "source": r["root"], "error_class": r["error_class"],
-         "message": r["error_message"], "failed_at": r["updated_at"].isoformat(), "documents": [r["document_id"]]}
-        for r in _dicts(conn, REPORTS.quarantined)
-    ]
-    return items
+    """The open dead letters (failed jobs, quarantined documents): ``dlq.dead_letters``."""
+    from pipeline_assets.app import dlq  # the dead-letter queue's own module (it imports the rerun use case)
+
+    return dlq.dead_letters(conn)
 
 
 # ---------------------------------------------------------------------------
@@ -134,9 +127,15 @@ def stale_vectors(conn: psycopg.Connection) -> dict:
 
 
 def dead_letter_growth(conn: psycopg.Connection, window_seconds: float = 3600.0) -> tuple[int, int]:
-    """(jobs that became failed within the window, failed jobs in total)."""
+    """(jobs that became failed within the window, failed jobs in total), neither
+    counting the discarded ones (`dlq discard`)."""
     r = _dicts(conn, REPORTS.dead_letter_growth, {"window": window_seconds})[0]
     return int(r["recent"]), int(r["total"])
+
+
+def dead_letter_discarded(conn: psycopg.Connection) -> int:
+    """Failed jobs a person gave up on (`dlq discard`): not in the growth count."""
+    return int(_dicts(conn, REPORTS.dead_letter_discarded)[0]["n"])
 
 
 def _dicts(conn: psycopg.Connection, query: str, params: dict | None = None) -> list[dict]:

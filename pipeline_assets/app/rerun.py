@@ -1,53 +1,128 @@
 """Partial reruns: re-run a stage for exactly the documents a query selects.
 
-The selection is ``stages.rerun_targets`` (app.stage_runs): items whose stage
-failed with an error class, or ran under another code version than the
-current one. The command line and the Dagster rerun sensor select through
-``select`` here, so they cannot disagree on what is stale.
+The selection is ``stages.rerun_targets`` (one query over app.stage_runs):
+every filter optional and combinable (status, a failed stage's error class,
+document-id globs, a code version other than the current one, one older than
+a given version). The command line and the Dagster rerun sensor select
+through ``select`` here, so they cannot disagree on what is stale.
+
+The current extractor version is per format (``content.extract``): after a
+PDF-only fix, only PDF documents are stale.
+
+What a rerun does per stage:
+
+* ``extract`` / ``chunk``: re-ingest the documents, forced (ingest extracts and
+  chunks together). Chunks whose text did not change keep their jobs and
+  vectors: nothing is sent to the provider for them.
+* ``embed`` (the current model): requeue the failed jobs of the documents'
+  current chunks (attempts reset) and enqueue the jobs missing; a worker
+  (`work`, or the Dagster ``embeddings`` asset) then embeds them. Ready vectors
+  are never sent again: a vector is a function of (chunk text, model id), so
+  re-embedding it would bill for the same vector; a provider-side change is a
+  new model id (`models add`).
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import stages
-from pipeline_assets.app.ingest import ingest_documents
+from pipeline_assets.app.ingest import ingest_documents, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.stages import RerunTarget
+from pipeline_assets.jobs import transitions
 
-# Stages a rerun can target: ingest runs extract and chunk together.
-RERUN_STAGES = ("extract", "chunk")
+# Stages a rerun can target; the rerun sensor reruns the first two after a version bump.
+RERUN_STAGES = ("extract", "chunk", "embed")
+VERSIONED_STAGES = ("extract", "chunk")
+STATUSES = ("succeeded", "failed", "skipped", "pending")
+# --before-version compares the number a version ends with (extract-1 < extract-2).
+_NUMBERED = re.compile(r"[0-9]+$")
+
+
+@dataclass(frozen=True)
+class EmbedRerun:
+    documents: int
+    requeued: int
+    enqueued: int
 
 
 def current_version(rt: Runtime, stage: str) -> str:
-    return rt.options.extractor_version if stage == "extract" else rt.options.chunker.version
+    """The current code version of a stage, as one label (per-format extractor versions joined)."""
+    if stage == "extract":
+        return str(rt.options.extractor_version)
+    return rt.options.chunker.version if stage == "chunk" else rt.model_id
 
 
 def select(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extract",),
-           error_class: str | None = None, stale: bool = False,
+           error_class: str | None = None, stale: bool = False, statuses: Sequence[str] = (),
+           before_version: str | None = None, documents: Sequence[str] = (),
            limit: int = 1_000_000) -> list[RerunTarget]:
-    """Targets of a rerun: per stage, failed with ``error_class`` and/or produced by
-    another code version than the current one (``stale``)."""
+    """Targets of a rerun, per stage: every given filter holds. ``stale``: produced by another
+    code version than the current one (for extract, the current version of the document's
+    format); ``before_version``: by an older one; ``documents``: id globs. For embed the
+    targets are the current model's rows, refreshed from the jobs first; ``stale`` and
+    ``before_version`` do not apply to it (its version is the model). ValueError if misused."""
+    if before_version is not None and not _NUMBERED.search(before_version):
+        raise ValueError(f"--before-version {before_version!r} must end with a number (e.g. extract-2)")
+    unknown = set(statuses) - set(STATUSES)
+    if unknown:
+        raise ValueError(f"unknown status {sorted(unknown)}; statuses: {', '.join(STATUSES)}")
     targets: list[RerunTarget] = []
     with pool.connection() as conn:
         for stage in stages_:
-            targets += stages.rerun_targets(conn, stage=stage, error_class=error_class,
-                                            not_version=current_version(rt, stage) if stale else None,
-                                            limit=limit)
+            filters = dict(stage=stage, error_class=error_class, statuses=statuses, documents=documents,
+                           before_version=before_version, limit=limit)
+            if stage == "embed":
+                if stale or before_version:
+                    raise ValueError("--stale and --before-version compare extractor and chunker versions; the "
+                                     "embed stage's version is its model (select with --status / --error-class)")
+                stages.refresh_embed(conn, rt.model_id)
+                filters["model_id"] = rt.model_id
+            elif stale and stage == "extract":
+                versions = rt.options.extractor_version
+                filters.update(not_version=versions.default, versions_by_extension=versions.by_extension())
+            elif stale:
+                filters["not_version"] = rt.options.chunker.version
+            targets += stages.rerun_targets(conn, **filters)
     return targets
 
 
 def rerun(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget]) -> int:
-    """Re-extract and re-chunk the targets (forced, even if their bytes did not change);
+    """Re-extract and re-chunk the targets' documents (forced, even if their bytes did not change);
     returns the documents processed. Chunks whose text did not change keep their jobs."""
     rt.options.force = True
-    by_root: dict[str, list[str]] = {}
-    for t in targets:
-        by_root.setdefault(t.root, []).append(t.document_id)
     total = 0
-    for root, ids in by_root.items():
+    for root, ids in _by_root(targets).items():
         total += ingest_documents(rt, pool, Path(root), ids).scanned
     return total
+
+
+def rerun_embed(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget]) -> EmbedRerun:
+    """Requeue the failed jobs and enqueue the missing ones of the targets' current chunks,
+    for the runtime's model. Ready vectors are left alone (never billed again)."""
+    documents = requeued = enqueued = 0
+    with pool.connection() as conn:
+        register_model(conn, rt)
+        for root, ids in _by_root(targets).items():
+            with conn.transaction():
+                pks = stages.current_document_pks(conn, root, ids)
+                failed = stages.failed_jobs_of(conn, root, ids, rt.model_id)
+                requeued += transitions.requeue_failed(conn, failed)["pending"] if failed else 0
+                enqueued += transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
+                stages.refresh_embed_docs(conn, rt.model_id, pks)
+            documents += len(pks)
+    return EmbedRerun(documents=documents, requeued=requeued, enqueued=enqueued)
+
+
+def _by_root(targets: Sequence[RerunTarget]) -> dict[str, list[str]]:
+    """Document ids per source root, each once, in order."""
+    by_root: dict[str, dict[str, None]] = {}
+    for t in targets:
+        by_root.setdefault(t.root, {})[t.document_id] = None
+    return {root: list(ids) for root, ids in by_root.items()}

@@ -11,14 +11,35 @@ from dataclasses import dataclass
 
 from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.content.identity import sha256_hex
-from pipeline_assets.content.extract import EXTRACTOR_VERSION
+from pipeline_assets.content.extract import EXTRACTOR_VERSION, EXTRACTOR_VERSIONS, FORMATS, ExtractorVersions
 from pipeline_assets.providers import Provider, model_id_for, provider_for
 from pipeline_assets.settings import Settings
 
 
+def extractor_versions(settings: Settings) -> ExtractorVersions:
+    """Each format's extractor version: EXTRACTOR_VERSIONS, overridden by PIPELINE_EXTRACTOR_VERSION
+    (a dry run of a parser fix): ``V`` for every format, or ``pdf=V[,html=W]`` for those formats
+    only. ValueError for an unknown format."""
+    spec = (settings.extractor_version or "").strip()
+    if not spec:
+        return ExtractorVersions.of_formats(EXTRACTOR_VERSIONS)
+    if "=" not in spec:
+        return ExtractorVersions.of_formats({f: spec for f in FORMATS})
+    overrides = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        fmt, _, version = part.partition("=")
+        if not version.strip():
+            raise ValueError(f"PIPELINE_EXTRACTOR_VERSION: {part!r} is not FORMAT=VERSION")
+        overrides[fmt.strip()] = version.strip()
+    return ExtractorVersions.of_formats({**EXTRACTOR_VERSIONS, **overrides})
+
+
 def extractor_version(settings: Settings) -> str:
-    """EXTRACTOR_VERSION, or PIPELINE_EXTRACTOR_VERSION when set (a dry run of a parser fix)."""
-    return settings.extractor_version or EXTRACTOR_VERSION
+    """The code version of Dagster's ``documents`` asset: EXTRACTOR_VERSION (the code every format
+    shares), or a plain PIPELINE_EXTRACTOR_VERSION (every format). A per-format bump leaves it
+    alone: Dagster's code version is one per asset, it cannot make only some partitions stale."""
+    spec = (settings.extractor_version or "").strip()
+    return spec if spec and "=" not in spec else EXTRACTOR_VERSION
 
 
 def chunker_for(settings: Settings, hard_limit: int | None = None) -> Chunker:
@@ -47,7 +68,8 @@ class IngestOptions:
     force: bool = False             # re-extract even when nothing changed (a rerun)
     allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
     stage_timeout: float = Settings.stage_timeout  # per document: extract + chunk
-    extractor_version: str = EXTRACTOR_VERSION
+    # Each format's extractor version (``extractor_version.of(document_id)``).
+    extractor_version: ExtractorVersions = ExtractorVersions.of_formats(EXTRACTOR_VERSIONS)
     extract_memory: int = Settings.extract_memory  # address space one extraction may add (0: none)
     max_text_chars: int = Settings.max_text_chars  # per document
     max_chunks: int = Settings.max_chunks_per_document
@@ -78,7 +100,7 @@ class Runtime:
             decode_errors=settings.decode_errors,
             max_attempts=settings.max_attempts,
             stage_timeout=settings.stage_timeout,
-            extractor_version=extractor_version(settings),
+            extractor_version=extractor_versions(settings),
             extract_memory=settings.extract_memory,
             max_text_chars=settings.max_text_chars,
             max_chunks=settings.max_chunks_per_document,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import psycopg
 from psycopg import sql
@@ -81,11 +81,37 @@ def embed_counts(conn: psycopg.Connection) -> tuple[dict[str, int], dict[str, di
     return overall, by_model
 
 
+def glob_to_like(pattern: str) -> str:
+    """A document-id glob (``*`` any run of characters, ``/`` included; ``?`` one character) as a LIKE pattern."""
+    escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped.replace("*", "%").replace("?", "_")
+
+
 def rerun_targets(conn: psycopg.Connection, *, stage: str, error_class: str | None = None,
-                  not_version: str | None = None, failed_only: bool = False, model_id: str | None = None,
-                  limit: int = 1_000_000) -> list[RerunTarget]:
-    """For embed, one target per (document, model) unless ``model_id`` picks one model."""
+                  not_version: str | None = None, versions_by_extension: Mapping[str, str] | None = None,
+                  statuses: Sequence[str] | None = None, before_version: str | None = None,
+                  documents: Sequence[str] | None = None, failed_only: bool = False,
+                  model_id: str | None = None, limit: int = 1_000_000) -> list[RerunTarget]:
+    """The rows ``rerun_targets`` selects (see sql/queries/stage_runs.sql); every filter is optional.
+
+    ``not_version``: produced by another version than this one, or, for a document whose
+    extension is in ``versions_by_extension``, than that extension's. ``documents``: globs.
+    For embed, one target per (document, model) unless ``model_id`` picks one model."""
+    exts = dict(versions_by_extension or {})
     with conn.cursor(row_factory=class_row(RerunTarget)) as cur:
-        return cur.execute(STAGE_RUNS.rerun_targets, {"stage": stage, "error_class": error_class,
-                                                      "not_version": not_version, "failed_only": failed_only,
-                                                      "model": model_id, "limit": limit}).fetchall()
+        return cur.execute(STAGE_RUNS.rerun_targets, {
+            "stage": stage, "error_class": error_class, "not_version": not_version,
+            "ext_keys": list(exts), "ext_versions": list(exts.values()),
+            "statuses": list(statuses) if statuses else None, "before_version": before_version,
+            "documents": [glob_to_like(g) for g in documents] if documents else None,
+            "failed_only": failed_only, "model": model_id, "limit": limit}).fetchall()
+
+
+def failed_jobs_of(conn: psycopg.Connection, root: str, document_ids: Sequence[str], model_id: str) -> list[int]:
+    """The failed jobs of a model for the current chunks of some documents of a source."""
+    rows = conn.execute(STAGE_RUNS.rerun_failed_jobs, {"root": root, "ids": list(document_ids), "model": model_id})
+    return [r[0] for r in rows]
+
+
+def current_document_pks(conn: psycopg.Connection, root: str, document_ids: Sequence[str]) -> list[int]:
+    return [r[0] for r in conn.execute(STAGE_RUNS.rerun_document_pks, {"root": root, "ids": list(document_ids)})]

@@ -83,20 +83,37 @@ def reconcile(as_json: bool, no_rescan: bool) -> None:
 
 
 @click.command()
-@click.option("--stage", type=click.Choice(rerun_uc.RERUN_STAGES), default="extract")
+@click.option("--stage", type=click.Choice(rerun_uc.RERUN_STAGES), default="extract", show_default=True,
+              help="extract/chunk re-ingest the documents; embed requeues their failed jobs and enqueues the "
+                   "missing ones for the current model (ready vectors are never sent again).")
+@click.option("--status", "statuses", multiple=True, type=click.Choice(rerun_uc.STATUSES),
+              help="Only items whose stage has this status (repeatable).")
 @click.option("--error-class", default=None, help="Only items that failed with this error class.")
-@click.option("--stale", is_flag=True, help="Only items produced by another code version than the current one.")
-@click.option("--dry-run", is_flag=True)
+@click.option("--stale", is_flag=True, help="Only items produced by another code version than the current one "
+                                            "(the extractor's is per format). extract and chunk only.")
+@click.option("--before-version", default=None, metavar="V",
+              help="Only items produced by an older version than V (same name, smaller final number: "
+                   "extract-1 is before extract-2). extract and chunk only.")
+@click.option("--document", "documents", multiple=True, metavar="GLOB",
+              help="Only documents whose id matches (* and ?; * crosses /; repeatable).")
+@click.option("--dry-run", is_flag=True, help="List what would be rerun; change nothing.")
 @expected_errors
-def rerun(stage: str, error_class: str | None, stale: bool, dry_run: bool) -> None:
-    """Re-run a stage for the documents a query selects (a partial rerun)."""
+def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale: bool,
+          before_version: str | None, documents: tuple[str, ...], dry_run: bool) -> None:
+    """Re-run a stage for the documents a query selects (a partial rerun); the filters combine."""
     rt = runtime()
     with pool() as p:
-        targets = rerun_uc.select(rt, p, stages_=(stage,), error_class=error_class, stale=stale)
+        targets = rerun_uc.select(rt, p, stages_=(stage,), error_class=error_class, stale=stale,
+                                  statuses=statuses, before_version=before_version, documents=documents)
         if dry_run:
             for t in targets:
-                click.echo(f"{t.document_id} [{t.status} {t.error_class or ''} {t.code_version}]")
+                click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
             click.echo(f"{len(targets)} document(s) would be rerun")
+            return
+        if stage == "embed":
+            done = rerun_uc.rerun_embed(rt, p, targets)
+            click.echo(f"reran embed for {done.documents} document(s): requeued={done.requeued} "
+                       f"enqueued={done.enqueued} (`pipeline-assets work --until-idle` embeds them)")
             return
         total = rerun_uc.rerun(rt, p, targets)
     click.echo(f"reran {stage} for {total} document(s)")

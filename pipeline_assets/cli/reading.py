@@ -19,7 +19,11 @@ def _status_lines(d: dict):
     for stage, counts in d["stages"].items():
         yield f"stage {stage}: " + " ".join(f"{k}={v}" for k, v in counts.items())
     for model, c in d["coverage"].items():
-        yield f"coverage {model}: {c['ready']}/{c['wanted']} ({c['ratio']:.1%})"
+        served = " served" if model == d.get("served_model") else ""
+        yield f"coverage {model}: {c['ready']}/{c['wanted']} ({c['ratio']:.1%}){served}"
+    for model, r in d.get("retired_models", {}).items():
+        yield f"retired {model}: since {r['retired_at']}, " + (
+            f"vectors deleted {r['purged_at']}" if r["purged_at"] else f"vectors deleted after {r['purge_after']}")
     for model, index in d.get("vector_index", {}).items():
         yield f"vector index {model}: {index}"
     yield f"dead letter: {d['dead_letter']} jobs, {d['quarantined_documents']} quarantined documents"
@@ -39,7 +43,7 @@ def _status_lines(d: dict):
 def status(as_json: bool) -> None:
     """Counts by job status and stage, coverage, dead letters, spend, the provider breaker."""
     with pool() as p:
-        data = status_uc.status(p)
+        data = status_uc.status(p, settings().model_retire_grace)
     data["retry_after_cap"] = settings().retry_after_cap
     emit(data, as_json, _status_lines)
 
@@ -49,9 +53,10 @@ def status(as_json: bool) -> None:
 @expected_errors
 def export(model: str | None) -> None:
     """Current chunk embeddings as JSON Lines."""
-    model_id = None if model else runtime().model_id
     with pool() as p:
-        model_id = model_id or model_admin.resolve(p, model)
+        # Without --model: the served model (`models serve`); the configured one before any is registered.
+        model_id = model_admin.resolve(p, model) if model else (model_admin.served_model_id(p)
+                                                                or runtime().model_id)
         out = sys.stdout
         try:
             for row in search_uc.export(p, model_id):
@@ -67,18 +72,22 @@ def export(model: str | None) -> None:
 @click.argument("query")
 @click.option("-k", default=5, type=click.IntRange(1, 1000))
 @click.option("--model", default=None)
+@click.option("--mode", type=click.Choice(search_uc.MODES), default=search_uc.MODES[0], show_default=True,
+              help="hybrid: full-text and vector rankings fused; vector: cosine distance; text: full-text only.")
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
-def search(query: str, k: int, model: str | None, as_json: bool) -> None:
-    """Nearest current chunks to QUERY by cosine distance."""
-    rt = runtime(model)
+def search(query: str, k: int, model: str | None, mode: str, as_json: bool) -> None:
+    """Best current chunks for QUERY: full-text search and vector similarity fused (hybrid), or either alone."""
     with pool() as p:
-        hits = search_uc.search(rt, p, query, k)
+        # Without --model: the served model (`models serve`), whatever is configured.
+        rt = runtime(model) if model else model_admin.served_runtime(settings(), p)
+        hits = search_uc.search(rt, p, query, k, mode)
 
     def lines(rows):
         for h in rows:
             snippet = " ".join(h["text"].split())[:100]
-            yield f"{h['distance']:.4f} {h['document_id']}#{h['chunk_index']}: {snippet}"
+            distance = "-" if h["distance"] is None else f"{h['distance']:.4f}"
+            yield f"{h['score']:.4f} {distance} {h['document_id']}#{h['chunk_index']}: {snippet}"
     emit(hits, as_json, lines)
 
 

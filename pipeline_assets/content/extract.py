@@ -13,21 +13,43 @@ Normalisation applied to every result (see ``normalise``):
 text cannot store them); lone surrogates become U+FFFD; leading/trailing
 whitespace of the whole document is stripped. Line content is otherwise
 kept as is. Empty or whitespace-only documents yield "" (not an error).
+
+Versions are per format (``format_of``: text, html, pdf; ``EXTRACTOR_VERSIONS``):
+a document's extract stage records its own format's version, so a fix of one
+format makes only that format's documents stale.
 """
 
 from __future__ import annotations
 
 import io
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import PurePosixPath
-
-# Bump on any change that alters output text; rows extracted by older versions
-# become stale and are the targets of reruns.
-EXTRACTOR_VERSION = "extract-1"
 
 TEXT_EXTENSIONS = frozenset({".txt", ".md", ".markdown", ".rst", ".csv", ".json"})
 HTML_EXTENSIONS = frozenset({".html", ".htm"})
 PDF_EXTENSIONS = frozenset({".pdf"})
+
+# Formats, each with its own extractor version. "text" also covers any other
+# extension (read as UTF-8 after sniffing).
+TEXT, HTML, PDF = "text", "html", "pdf"
+FORMATS = (TEXT, HTML, PDF)
+EXTENSION_FORMATS: dict[str, str] = {**{e: TEXT for e in TEXT_EXTENSIONS}, **{e: HTML for e in HTML_EXTENSIONS},
+                                     **{e: PDF for e in PDF_EXTENSIONS}}
+
+# The version of the code every format shares (dispatch, normalise()): the
+# Dagster code version of `documents`. Bump it, and every entry below, on a
+# change that alters every format's output (every partition becomes stale, in
+# the UI too). Each format started from it ("extract-1" is the one version all
+# formats shared before versions were per format: a database extracted then is
+# not stale).
+EXTRACTOR_VERSION = "extract-1"
+# Each format's extractor version: bump ONE format's entry (to the next number,
+# e.g. "extract-2") on a change that alters that format's output text; only
+# documents of that format become stale: in `rerun --stale` and for the rerun
+# sensor (the Dagster code version of `documents` stays: see the README).
+EXTRACTOR_VERSIONS: dict[str, str] = {TEXT: EXTRACTOR_VERSION, HTML: EXTRACTOR_VERSION, PDF: EXTRACTOR_VERSION}
 SNIFF_BYTES = 8 * 1024  # how much of an unknown file is checked for NUL bytes
 from pipeline_assets.settings import DECODE_POLICIES  # noqa: E402  (the one list, shared with Settings)
 
@@ -73,6 +95,45 @@ def extract_text(document_id: str, raw: bytes, *, decode_errors: str = "strict")
     else:
         text = _sniff_text(raw)
     return normalise(text)
+
+
+def format_of(document_id: str) -> str:
+    """The format (key of EXTRACTOR_VERSIONS) ``extract_text`` treats a document as, by its extension."""
+    return EXTENSION_FORMATS.get(PurePosixPath(document_id).suffix.lower(), TEXT)
+
+
+@dataclass(frozen=True)
+class ExtractorVersions:
+    """The extractor version of each format; ``of(document_id)`` is the one a document is extracted under."""
+
+    by_format: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of_formats(cls, versions: Mapping[str, str]) -> "ExtractorVersions":
+        unknown = set(versions) - set(FORMATS)
+        if unknown:
+            raise ValueError(f"unknown extractor format(s) {sorted(unknown)}; formats: {', '.join(FORMATS)}")
+        return cls(tuple((f, versions.get(f, EXTRACTOR_VERSIONS[f])) for f in FORMATS))
+
+    def of(self, document_id: str) -> str:
+        return dict(self.by_format)[format_of(document_id)]
+
+    def by_extension(self) -> dict[str, str]:
+        """Every known extension (lower case, with its dot) with its format's version."""
+        versions = dict(self.by_format)
+        return {ext: versions[fmt] for ext, fmt in sorted(EXTENSION_FORMATS.items())}
+
+    @property
+    def default(self) -> str:
+        """The version of a document whose extension is not listed (read as text)."""
+        return dict(self.by_format)[TEXT]
+
+    def __str__(self) -> str:
+        """One label: the version, when every format has the same; else ``html=…,pdf=…,text=…``."""
+        values = {v for _, v in self.by_format}
+        if len(values) == 1:
+            return values.pop()
+        return ",".join(f"{f}={v}" for f, v in sorted(self.by_format))
 
 
 def normalise(text: str) -> str:

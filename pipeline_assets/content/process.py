@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from pipeline_assets.content.chunking import Chunk, Chunker, get_encoding
-from pipeline_assets.content.extract import ExtractError, extract_text
+from pipeline_assets.content.extract import ExtractError, ExtractorVersions, extract_text
 from pipeline_assets.content.sandbox import Sandbox
 from pipeline_assets.content.sources import SourceItem, read_guarded
 from pipeline_assets.settings import ERROR_MESSAGE_MAX_CHARS
@@ -136,7 +136,7 @@ class Extractor:
 
 
 def read_item(item: SourceItem, known: KnownDocument | None, *, chunker_version: str, max_bytes: int,
-              extractor_version: str, force: bool = False) -> Processed | tuple[bytes, bytes] | None:
+              extractor_version: ExtractorVersions, force: bool = False) -> Processed | tuple[bytes, bytes] | None:
     """Read and checksum one item: None when nothing changed, a quarantine when it cannot be
     read, else ``(checksum, raw)`` to extract.
 
@@ -154,7 +154,7 @@ def read_item(item: SourceItem, known: KnownDocument | None, *, chunker_version:
     except OSError as exc:
         return Processed(item, None, None, [], UNREADABLE, f"{type(exc).__name__}: {exc}")
     checksum = hashlib.sha256(raw).digest()
-    if (not force and known is not None and known.extractor_version == extractor_version
+    if (not force and known is not None and known.extractor_version == extractor_version.of(item.document_id)
             and known.chunker_version == chunker_version and known.source_checksum == checksum
             and known.status != "deleted"):
         return None
@@ -162,7 +162,7 @@ def read_item(item: SourceItem, known: KnownDocument | None, *, chunker_version:
 
 
 def process_items(items: Iterable[SourceItem], known: Mapping[str, KnownDocument], *, extractor: Extractor,
-                  max_bytes: int, extractor_version: str,
+                  max_bytes: int, extractor_version: ExtractorVersions,
                   force: bool = False) -> Iterator[tuple[SourceItem, Processed | None]]:
     """Every item with its result (None: unchanged), in no particular order. Reading the
     next files overlaps the extraction of earlier ones in the child."""

@@ -8,7 +8,12 @@ the same ones the command line calls.
   subset: ``ingest_documents`` extracts, chunks and enqueues a document in one
   transaction, so they are always materialized together and neither can look
   stale against the other while the database is current.
-* ``embeddings`` runs ``embed_documents`` and records the coverage of its partitions.
+* ``embeddings`` runs ``embed_documents``: it waits until the chunks of ITS
+  partitions are ready or failed (not the whole queue), embedding them itself
+  with a worker scoped to them (``in_process``) or leaving that to external
+  ``work`` processes (``EmbeddingRunResource``), and fails with the counts at
+  its deadline. In-process, it runs in the ``embedding_worker`` concurrency
+  pool, so concurrent runs do not each start a worker fleet.
 * ``embedding_store`` is not materialized by Dagster: the job table and the
   vectors search serves. Its health checks run on the schedule (``checks.py``).
 
@@ -29,12 +34,14 @@ from typing import Iterable, Iterator
 import dagster as dg
 
 from pipeline_assets.app import reports
-from pipeline_assets.app.embed import embed_documents
+from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import IngestReport, ingest_documents
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.content.sources import document_id_problem
+from pipeline_assets.defs.model_switch import refuse_model_override
 from pipeline_assets.defs.partition_versions import PartitionVersion, digest, materialize
-from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.defs.resources import (EmbeddingProviderResource, EmbeddingRunResource, PostgresResource,
+                                             SourceDirectoryResource)
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.settings import Settings
 
@@ -49,8 +56,14 @@ ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
 EMBEDDING_STORE = dg.AssetKey("embedding_store")
 INGEST_OP = "ingest"
 
-# The embeddings run's worker polls the idle queue this often, so a run ends
-# ~0.1 s after the job table is idle instead of the CLI's 0.5 s.
+# The Dagster concurrency pool of the embeddings step when it embeds in-process:
+# its limit (deploy/dagster.yaml, `pipeline-assets dev`: 1) is how many runs may
+# run a worker at once; the others' steps wait for the slot.
+EMBEDDING_POOL = "embedding_worker"
+
+# The embeddings run's scoped worker polls for claimable jobs of its documents
+# this often (a retry coming due), instead of the CLI's 0.5 s; the run itself
+# re-reads its documents' coverage every app.embed.WAIT_POLL_SECONDS.
 WORKER_POLL_SECONDS = 0.1
 
 # Run tags set by the sensors. FORCE re-extracts even unchanged bytes (a rerun
@@ -101,6 +114,19 @@ def _document_version(s: reports.DocumentSummary | None) -> PartitionVersion:
     return PartitionVersion(s.text_checksum or f"{s.status}:{s.error_class}:{s.source_checksum}", meta)
 
 
+def ingest_versions(summaries: dict[str, reports.DocumentSummary], keys: Iterable[str],
+                    ) -> tuple[dict[str, PartitionVersion], dict[str, PartitionVersion]]:
+    """The documents and chunks versions of some partitions after an ingest (also a reconciliation's)."""
+    docs, chunks = {}, {}
+    for key in keys:
+        s = summaries.get(key)
+        docs[key] = _document_version(s)
+        meta = {"chunk_count": s.chunks, "tokens": s.tokens, "chunks_digest": s.chunks_digest} if s else {}
+        chunks[key] = PartitionVersion(s.chunks_digest if s else "absent", meta,
+                                       inputs={DOCUMENTS: docs[key].data_version})
+    return docs, chunks
+
+
 def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:
     """The assets, with the code versions the settings give (extractor, chunker, model).
 
@@ -110,7 +136,8 @@ def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]
     # backfill_policy is "beta" in 1.13; it is the point of this layout, so no warning per asset.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
-        return [*_build_assets(code_versions(settings)), EMBEDDING_STORE_SPEC]
+        pool = EMBEDDING_POOL if settings.embed_workers == "in-process" else None
+        return [*_build_assets(code_versions(settings), pool), EMBEDDING_STORE_SPEC]
 
 
 EMBEDDING_STORE_SPEC = dg.AssetSpec(
@@ -120,7 +147,7 @@ EMBEDDING_STORE_SPEC = dg.AssetSpec(
                 "pipeline_health_checks schedule, never in the runs that embed.")
 
 
-def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
+def _build_assets(v: dict[str, str], pool: str | None = None) -> list[dg.AssetsDefinition]:
     common = dict(partitions_def=DOCUMENT_PARTITIONS, backfill_policy=dg.BackfillPolicy.single_run())
     spec = dict(group_name=GROUP, kinds={"postgres"})
 
@@ -143,28 +170,24 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
         report = ingest_documents(rt, postgres.pool(), root, keys) if keys else IngestReport()
         with postgres.connection() as conn:
             summaries = reports.document_summaries(conn, str(root), keys)
-        docs = {key: _document_version(summaries.get(key)) for key in keys}
+        docs, chunks = ingest_versions(summaries, keys)
         run_meta = {"partitions": len(context.partition_keys),
                     "skipped_invalid_keys": len(context.partition_keys) - len(keys)}
-        chunks = {}
-        for key in keys:
-            s = summaries.get(key)
-            meta = {"chunk_count": s.chunks, "tokens": s.tokens, "chunks_digest": s.chunks_digest} if s else {}
-            chunks[key] = PartitionVersion(s.chunks_digest if s else "absent", meta,
-                                           inputs={DOCUMENTS: docs[key].data_version})
         yield from materialize(context, [
             (DOCUMENTS, docs, {**_report_metadata(report), **run_meta, "source_root": str(root),
                                "duration_seconds": round(time.monotonic() - started, 3)}),
             (CHUNKS, chunks, {**run_meta, "chunks": sum(s.chunks for s in summaries.values()),
                               "tokens": sum(s.tokens for s in summaries.values())})])
 
-    @dg.asset(name="embeddings", deps=[CHUNKS], code_version=v["embeddings"], **common, **spec,
-              description="Vectors of the chunks for the configured model (app.embeddings), made by the "
-                          "in-process worker. Code version: the model id.")
+    @dg.asset(name="embeddings", deps=[CHUNKS], code_version=v["embeddings"], pool=pool, **common, **spec,
+              description="Vectors of the chunks for the configured model (app.embeddings). A run ends when "
+                          "the chunks of its own partitions are ready or failed (a worker scoped to them "
+                          "embeds them in the run, or external `work` processes do), or fails at its "
+                          "deadline with the counts. Code version: the model id.")
     def embeddings(context: dg.AssetExecutionContext, postgres: PostgresResource,
-                   embedding_provider: EmbeddingProviderResource,
-                   source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult]:
-        """Embed the partition's chunks (and anything else waiting in the job table).
+                   embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
+                   embedding_run: EmbeddingRunResource) -> Iterator[dg.MaterializeResult]:
+        """Embed the partitions' chunks, first and only (the rest of the queue is others' work).
 
         The model id is this asset's code version: the vectors are a function of
         (chunk text, model), so changing the model marks every embeddings
@@ -176,12 +199,22 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
         keys = valid_partition_keys(context.partition_keys, context.log)
         rt = embedding_provider.runtime(run_id=context.run.run_id)
         model_id = rt.model_id
+        refuse_model_override(context, model_id)  # vectors and code version name the same model
+        in_process = embedding_run.embeds_in_process(rt.settings)
         try:
             done = embed_documents(rt, postgres.pool(), source.root_path(rt.settings), keys,
-                                   poll_seconds=WORKER_POLL_SECONDS)
+                                   poll_seconds=WORKER_POLL_SECONDS, in_process=in_process,
+                                   deadline_seconds=embedding_run.deadline(rt.settings))
         except FatalProviderError as exc:
             raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                              allow_retries=False) from None
+        except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
+            cov = exc.coverage
+            why = "deadline passed" if isinstance(exc, EmbedDeadlineExceeded) else "embedding stopped"
+            raise dg.Failure(description=f"{why}: {exc}", allow_retries=isinstance(exc, EmbedDeadlineExceeded),
+                             metadata={"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
+                                       "outstanding": exc.outstanding, "partitions": len(keys),
+                                       "in_process": in_process}) from None
         work, before, after = done.work, done.before, done.after
         versions = {}
         for key in keys:
@@ -206,6 +239,8 @@ def _build_assets(v: dict[str, str]) -> list[dg.AssetsDefinition]:
             "tokens": work.tokens,
             "coverage_ratio": round(after.ready / after.wanted, 6) if after.wanted else 1.0,
             "partitions": len(context.partition_keys),
+            "in_process": in_process,
+            "waited_seconds": done.waited_seconds,
             "duration_seconds": round(time.monotonic() - started, 3),
         })])
 

@@ -79,16 +79,18 @@ def no_stale_vector_current(postgres: PostgresResource) -> dg.AssetCheckResult:
 @dg.asset_check(asset=EMBEDDING_STORE, name="dead_letter_growth",
                 description="Failed (dead-lettered) jobs grow by at most PIPELINE_DLQ_GROWTH_PER_HOUR "
                             "(default 10) per hour; a warning above. A large but stable queue passes: it is "
-                            "a work list.")
+                            "a work list. Jobs given up on (`dlq discard`) do not count.")
 def dead_letter_growth(postgres: PostgresResource,
                        embedding_provider: EmbeddingProviderResource) -> dg.AssetCheckResult:
     threshold = embedding_provider.settings().dlq_growth_per_hour
     with postgres.connection() as conn:
         recent, total = reports.dead_letter_growth(conn, HOUR_SECONDS)
+        discarded = reports.dead_letter_discarded(conn)
     passed = recent <= threshold
     return dg.AssetCheckResult(
         passed=passed, severity=dg.AssetCheckSeverity.WARN,
-        metadata={"failed_last_hour": recent, "failed_total": total, "threshold_per_hour": threshold},
+        metadata={"failed_last_hour": recent, "failed_total": total, "threshold_per_hour": threshold,
+                  "discarded": discarded},
         description=None if passed else
         f"{recent} jobs failed in the last hour (threshold {threshold}/h); see `pipeline-assets dlq list`")
 

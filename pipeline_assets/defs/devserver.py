@@ -67,8 +67,14 @@ run_coordinator:
   module: dagster.core.run_coordinator
   class: QueuedRunCoordinator
   config:
-    max_concurrent_runs: 4
     dequeue_interval_seconds: 1
+# One run at a time embeds in-process (the embeddings step's pool, embedding_worker).
+concurrency:
+  runs:
+    max_concurrent_runs: 4
+  pools:
+    default_limit: 1
+    granularity: op
 telemetry:
   enabled: false
 """

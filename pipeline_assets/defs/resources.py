@@ -16,6 +16,11 @@ agree on the database, the model and every default:
   the local offline model otherwise; ``model`` overrides PIPELINE_EMBEDDING_MODEL.
 * ``SourceDirectoryResource``: the directory whose files are the partitions;
   ``root`` overrides PIPELINE_SOURCE_DIR (default ``examples/corpus``).
+* ``EmbeddingRunResource``: how an ``embeddings`` run gets its chunks embedded:
+  ``in_process`` (default from PIPELINE_EMBED_WORKERS: a worker scoped to the
+  run's documents inside the run) or only waiting for external ``work``
+  processes; ``deadline_seconds`` (PIPELINE_EMBED_RUN_DEADLINE) bounds the wait.
+  Both can be overridden per run in the launchpad (``resources.embedding_run.config``).
 """
 
 from contextlib import contextmanager
@@ -113,9 +118,30 @@ class SourceDirectoryResource(dg.ConfigurableResource):
         return path.resolve()
 
 
+class EmbeddingRunResource(dg.ConfigurableResource):
+    """How an embeddings run gets its partitions' chunks embedded, and how long it waits."""
+
+    in_process: Optional[bool] = Field(
+        default=None,
+        description="Embed in the run (a worker claiming only the run's chunks) or only wait for "
+                    "`pipeline-assets work` processes elsewhere. Unset: PIPELINE_EMBED_WORKERS "
+                    "(`in-process` by default, `external` for the scale-out path).")
+    deadline_seconds: Optional[float] = Field(
+        default=None,
+        description="The run fails, with ready/failed/outstanding counts, if its chunks are not all ready or "
+                    "failed by then. Unset: PIPELINE_EMBED_RUN_DEADLINE (3600 s by default).")
+
+    def embeds_in_process(self, settings: Settings) -> bool:
+        return self.in_process if self.in_process is not None else settings.embed_workers == "in-process"
+
+    def deadline(self, settings: Settings) -> float:
+        return self.deadline_seconds if self.deadline_seconds else settings.embed_run_deadline
+
+
 def build_resources(settings: Settings) -> dict[str, dg.ConfigurableResource]:
     return {
         "postgres": PostgresResource.from_settings(settings),
         "embedding_provider": EmbeddingProviderResource(),
         "source": SourceDirectoryResource(),
+        "embedding_run": EmbeddingRunResource(),
     }

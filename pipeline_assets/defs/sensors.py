@@ -24,169 +24,150 @@ saved, a duplicate observation) yields the same keys and Dagster launches
 nothing, while a later revert of a file to earlier bytes (A -> B -> A) is a new
 observation and does run: a bare ``document:checksum`` key would be refused as
 a duplicate there and leave B's vectors served until the next reconcile.
+
+State. The cursor holds only the generation (``{"v": 2, "g": n}``, a few bytes
+at any corpus size); what the sensor saw lives in PostgreSQL
+(``app.source_observations``, ``app/observations.py``): per file its checksum,
+size and mtime (the prefilter: an unchanged tick reads no file, also after a
+code reload) and the checksum last requested with the generation that asked.
+A tick requests what is pending there and marks it requested under its
+generation ``n``; if Dagster does not save the cursor ``n + 1``, the next
+evaluation starts from ``n`` again, finds the same rows pending (requested at
+``>= n``) and asks for the same run keys. A cleared cursor goes on from the
+latest generation in the table (only that tick's requests are asked again,
+under their old keys). A legacy cursor holding the whole map seeds the table.
+
+Backpressure. While a run this sensor requested is queued or running, a tick
+requests nothing (partitions for new documents are still added); what it
+observed stays pending and the next free tick requests it.
+
+Deletions. A vanished file is tombstoned in a run of ``tombstone_documents``
+(defs/tombstone.py), never inside the evaluation; that run also deletes the
+partitions. A source that cannot be scanned (missing or unreadable directory)
+is a failed tick, shown in the UI, and deletes nothing; an empty source that
+had documents is a skip that deletes nothing.
 """
 
-import hashlib
 import json
-from pathlib import Path
 
 import dagster as dg
 
-from pipeline_assets.app.ingest import ingest_documents
-from pipeline_assets.content.sources import SourceError, SourceItem, scan_directory
+from pipeline_assets.app import observations
+from pipeline_assets.content.sources import SourceError
 from pipeline_assets.defs.assets import DOCUMENT_PARTITIONS, PARTITIONS_NAME, partition_key_problem
 from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import (EMBED_JOB, MAX_KEYS_PER_TICK, MAX_RUNS_PER_TICK, TRIGGER_TAG,
-                                               batch_digest, contiguous_groups, run_request)
+from pipeline_assets.defs.run_requests import (EMBED_JOB, EMBED_JOB_NAME, IN_FLIGHT, MAX_KEYS_PER_TICK,
+                                               MAX_RUNS_PER_TICK, TRIGGER_TAG, batch_digest, contiguous_groups,
+                                               run_request)
+from pipeline_assets.defs.tombstone import tombstone_job, tombstone_request
 
-__all__ = ["EMBED_JOB", "MAX_KEYS_PER_TICK", "SENSORS", "contiguous_groups", "decode_cursor", "encode_cursor",
-           "source_documents_sensor"]
+__all__ = ["EMBED_JOB", "MAX_KEYS_PER_TICK", "SENSORS", "SourceScanError", "contiguous_groups", "decode_cursor",
+           "encode_cursor", "source_documents_sensor"]
 
-CHECKSUM_HEX = 16          # 64-bit prefix of sha256: enough to tell versions of one document apart
-CURSOR_VERSION = 1
+SENSOR_NAME = "source_documents"
+CURSOR_VERSION = 2          # {"v": 2, "g": generation}
+LEGACY_CURSOR_VERSION = 1   # {"v": 1, "g": generation, "d": {document: checksum}}: seeds the table once
 
-# (path, size, mtime_ns) -> checksum, so a tick re-reads only files that changed.
-# Lives as long as the code server process; a cold cache costs one read per file.
-_checksum_cache: dict[tuple[str, int, int], str] = {}
-_CACHE_MAX = 500_000
+
+class SourceScanError(Exception):
+    """The source cannot be scanned: the tick fails (the UI shows it) and nothing is deleted."""
 
 
 # -- cursor -------------------------------------------------------------------
 
-def decode_cursor(raw: str | None) -> tuple[int, dict[str, str]]:
-    """(generation, {document_id: checksum}); an unreadable cursor counts as empty."""
+def decode_cursor(raw: str | None) -> tuple[int | None, dict[str, str]]:
+    """(generation, legacy {document_id: checksum} map); generation None without a readable cursor."""
     if not raw:
-        return 0, {}
+        return None, {}
     try:
         data = json.loads(raw)
         if data.get("v") == CURSOR_VERSION:
+            return int(data["g"]), {}
+        if data.get("v") == LEGACY_CURSOR_VERSION:
             return int(data["g"]), dict(data["d"])
     except (ValueError, KeyError, TypeError, AttributeError):
         pass
-    return 0, {}
+    return None, {}
 
 
-def encode_cursor(generation: int, docs: dict[str, str]) -> str:
-    return json.dumps({"v": CURSOR_VERSION, "g": generation, "d": docs}, separators=(",", ":"), sort_keys=True)
+def encode_cursor(generation: int) -> str:
+    return json.dumps({"v": CURSOR_VERSION, "g": generation}, separators=(",", ":"))
 
 
-# -- observation ---------------------------------------------------------------
-def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
-    """sha256 prefix of the bytes, or of size+mtime for files the core will not read; None if unreadable."""
-    key = (str(item.path), item.size, item.mtime_ns)
-    hit = _checksum_cache.get(key)
-    if hit is not None:
-        return hit
-    h = hashlib.sha256()
-    if item.problem:
-        # Out of the source root: quarantined without being read; never read here either.
-        h.update(f"{item.problem}:{item.size}:{item.mtime_ns}".encode())
-    elif item.size > max_bytes:
-        # Quarantined as too large without being read; do not read it here either.
-        h.update(f"oversize:{item.size}:{item.mtime_ns}".encode())
-    else:
-        try:
-            with open(item.path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-        except OSError:
-            return None
-    value = h.hexdigest()[:CHECKSUM_HEX]
-    if len(_checksum_cache) >= _CACHE_MAX:
-        _checksum_cache.clear()
-    _checksum_cache[key] = value
-    return value
-
-
-def observe(root: Path, previous: dict[str, str], log, max_bytes: int) -> dict[str, str]:
-    """{document_id: checksum} of the source now. Raises SourceError if it cannot be listed."""
-    observed: dict[str, str] = {}
-    refused: list[str] = []
-    for item in scan_directory(root):
-        if partition_key_problem(item.document_id):
-            refused.append(item.document_id)
-            continue
-        checksum = file_checksum(item, max_bytes)
-        if checksum is None:
-            # Unreadable right now: neither changed nor deleted; look again next tick.
-            if item.document_id in previous:
-                observed[item.document_id] = previous[item.document_id]
-            continue
-        observed[item.document_id] = checksum
-    if refused:
-        log.warning(f"skipping {len(refused)} document(s) whose ids cannot be partition keys "
-                    f"(they contain '|', '...' or control characters): {refused[:5]}")
-    return observed
-
-
-# -- batching -------------------------------------------------------------------
 # -- (a) source changes ------------------------------------------------------------
-@dg.sensor(name="source_documents", job=EMBED_JOB, minimum_interval_seconds=30,
+@dg.sensor(name=SENSOR_NAME, jobs=[EMBED_JOB, tombstone_job], minimum_interval_seconds=30,
            default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Scans the source directory; adds partitions for new documents, deletes (and "
-                       "tombstones) vanished ones, and requests batched runs for new and changed ones.")
+           description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
+                       "read); adds partitions for new documents, requests batched runs for new and changed "
+                       "ones and a tombstone run for vanished ones; nothing while its earlier runs are in flight.")
 def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
                             embedding_provider: EmbeddingProviderResource,
                             source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
-    generation, seen = decode_cursor(context.cursor)
     settings = embedding_provider.settings()
     root = source.root_path(settings)
     if not root.is_dir():
-        return dg.SkipReason(f"source directory {root} not found; nothing is deleted on that account")
-    try:
-        observed = observe(root, seen, context.log, settings.max_input_bytes)
-    except SourceError as exc:
-        return dg.SkipReason(f"cannot scan {root}: {exc}")
-    if not observed and seen:
-        return dg.SkipReason(f"source {root} is empty but {len(seen)} documents were seen before; refusing "
-                             "to delete them all (clear the sensor cursor if this is intended)")
+        raise SourceScanError(f"source directory {root} not found; nothing is deleted on that account")
+    generation, legacy = decode_cursor(context.cursor)
+    with postgres.connection() as conn:
+        if legacy and generation is not None:
+            observations.adopt(conn, root, legacy, generation - 1)
+        try:
+            found = observations.scan(conn, root, max_bytes=settings.max_input_bytes, refuse=partition_key_problem)
+        except SourceError as exc:
+            raise SourceScanError(f"cannot scan {root}: {exc}; nothing is deleted on that account") from exc
+        if found.refused:
+            context.log.warning(f"skipping {len(found.refused)} document(s) whose ids cannot be partition keys "
+                                f"(they contain '|', '...' or control characters): {found.refused[:5]}")
+        context.log.info(f"{found.present} file(s): {found.hashed} read, {found.written} observation(s) written, "
+                         f"{found.gone} gone, {found.unreadable} unreadable")
+        if found.empty_refused:
+            return dg.SkipReason(f"source {root} is empty but {found.empty_refused} documents were seen before; "
+                                 "refusing to delete them all")
+        if generation is None:
+            generation = observations.latest_generation(conn, root) or 0
+        todo = observations.pending(conn, root, generation, MAX_KEYS_PER_TICK)
+        if not todo:
+            return dg.SkipReason(f"no change among {found.present} documents ({found.hashed} file(s) read)")
 
-    budget = MAX_KEYS_PER_TICK
-    deleted = sorted(set(seen) - set(observed))[:budget]
-    budget -= len(deleted)
-    changed = sorted(k for k, c in observed.items() if k in seen and seen[k] != c)[:budget]
-    budget -= len(changed)
-    new = sorted(k for k in observed if k not in seen)[:budget]
-    if not (deleted or changed or new):
-        return dg.SkipReason(f"no change among {len(observed)} documents")
+        existing = context.instance.get_dynamic_partitions(PARTITIONS_NAME)
+        existing_set = set(existing)
+        gone = [p.document_id for p in todo if p.checksum is None]
+        wanted = {p.document_id: p.checksum for p in todo if p.checksum is not None}
+        to_add = sorted(k for k in wanted if k not in existing_set)
+        add = [DOCUMENT_PARTITIONS.build_add_request(to_add)] if to_add else []
+        in_flight = context.instance.get_runs_count(
+            dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
+        if in_flight:
+            # Backpressure: nothing is marked requested, so the next free tick asks for all of it.
+            return dg.SensorResult(
+                skip_reason=f"{in_flight} run(s) of this sensor still queued or running; {len(todo)} change(s) "
+                            f"wait for the next tick ({len(to_add)} new partition(s) added)",
+                dynamic_partitions_requests=add, cursor=context.cursor)
 
-    existing = context.instance.get_dynamic_partitions(PARTITIONS_NAME)
-    existing_set = set(existing)
-    deleted_set = set(deleted)
-    to_add = sorted(k for k in (*changed, *new) if k not in existing_set)
-    order = [k for k in existing if k not in deleted_set] + to_add
-    groups = contiguous_groups(order, set(changed) | set(new))[:MAX_RUNS_PER_TICK]
-
-    if deleted:
-        # Tombstone in the core first: chunks dropped, unwanted vectors superseded.
-        report = ingest_documents(embedding_provider.runtime(), postgres.pool(), root, deleted)
-        context.log.info(f"tombstoned {report.deleted} document(s), superseded {report.superseded} job(s)")
-
-    requests = []
-    docs = dict(seen)
-    for key in deleted:
-        docs.pop(key, None)
-    tags = {TRIGGER_TAG: "source_documents"}
-    for group in groups:
-        if len(group) == 1:
-            key = f"{group[0]}:{observed[group[0]]}@g{generation}"
-        else:
-            digest = batch_digest((k, observed[k]) for k in group)
-            key = f"batch@g{generation}:{len(group)}:{digest}:{group[0]}..{group[-1]}"
-        requests.append(run_request(group, key, tags))
-        docs.update({k: observed[k] for k in group})
-
-    partition_requests = []
-    if to_add:
-        partition_requests.append(DOCUMENT_PARTITIONS.build_add_request(to_add))
-    gone = [k for k in deleted if k in existing_set]
-    if gone:
-        partition_requests.append(DOCUMENT_PARTITIONS.build_delete_request(gone))
-    context.log.info(f"new={len(new)} changed={len(changed)} deleted={len(deleted)} "
-                     f"runs={len(requests)} (keys in runs: {sum(len(g) for g in groups)})")
-    return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests,
-                           cursor=encode_cursor(generation + (1 if requests else 0), docs))
+        tags = {TRIGGER_TAG: SENSOR_NAME}
+        requests: list[dg.RunRequest] = []
+        done: list[tuple[str, str | None]] = []
+        if gone:
+            digest = batch_digest((k, "") for k in gone)
+            key = f"tombstone@g{generation}:{len(gone)}:{digest}:{gone[0]}..{gone[-1]}"
+            requests.append(tombstone_request(root, gone, key, tags))
+            done += [(k, None) for k in gone]
+        groups = contiguous_groups([*existing, *to_add], set(wanted))[:MAX_RUNS_PER_TICK]
+        for group in groups:
+            if len(group) == 1:
+                key = f"{group[0]}:{wanted[group[0]]}@g{generation}"
+            else:
+                digest = batch_digest((k, wanted[k]) for k in group)
+                key = f"batch@g{generation}:{len(group)}:{digest}:{group[0]}..{group[-1]}"
+            requests.append(run_request(group, key, tags).with_replaced_attrs(job_name=EMBED_JOB_NAME))
+            done += [(k, wanted[k]) for k in group]
+        observations.mark_requested(conn, root, done, generation)
+    new = sum(1 for p in todo if p.never_requested and p.checksum is not None)
+    context.log.info(f"new={new} changed={len(wanted) - new} gone={len(gone)} runs={len(requests)} "
+                     f"(keys in embed runs: {sum(len(g) for g in groups)})")
+    return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=add,
+                           cursor=encode_cursor(generation + 1))
 
 
 SENSORS = [source_documents_sensor, rerun_stale_documents_sensor]

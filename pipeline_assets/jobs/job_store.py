@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 import psycopg
+from psycopg.rows import class_row
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.jobs import ledger, models, transitions
@@ -19,6 +20,9 @@ from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.transitions import ClaimedJob
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.settings import BREAKER_THRESHOLD
+from pipeline_assets.store import queries
+
+JOBS = queries.load("jobs")  # claim_scoped; the rest through jobs.transitions
 
 # Completion transactions retried on a deadlock with a concurrent ingest.
 COMPLETE_RETRIES = 3
@@ -26,8 +30,10 @@ COMPLETE_RETRIES = 3
 
 class JobStore:
     def __init__(self, pool: ConnectionPool, *, model_id: str, worker_id: str, backoff_base: float,
-                 backoff_cap: float, run: str | None = None) -> None:
+                 backoff_cap: float, run: str | None = None, scope: Sequence[int] | None = None) -> None:
         self.pool = pool
+        # Claim only the jobs of these documents' chunks (doc_pk), when set: a Dagster run's own partitions.
+        self.scope = list(scope) if scope is not None else None
         self.model_id = model_id
         self.worker_id = worker_id
         self.run = run  # this worker run (its lease-owner prefix), recorded with its sends
@@ -51,9 +57,21 @@ class JobStore:
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
         """Claim a batch. A claim that took the half-open probe slot but found
         nothing (a job taken meanwhile) frees the slot at once."""
+        if self.scope is not None:
+            return self._claim_scoped(owner=owner, limit=limit, lease_seconds=lease_seconds)
         with self.pool.connection() as conn:
             jobs = transitions.claim(conn, model_id=self.model_id, owner=owner, limit=limit,
                                      lease_seconds=lease_seconds)
+            if not jobs:
+                transitions.release_probe(conn, self.model_id, owner)
+            return jobs
+
+    def _claim_scoped(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
+        """``claim`` limited to the scope's jobs (sql/queries/jobs.sql: claim_scoped), same probe rules."""
+        with self.pool.connection() as conn:
+            with conn.cursor(row_factory=class_row(ClaimedJob)) as cur:
+                jobs = cur.execute(JOBS.claim_scoped, {"model": self.model_id, "owner": owner, "limit": limit,
+                                                       "lease": lease_seconds, "docs": self.scope}).fetchall()
             if not jobs:
                 transitions.release_probe(conn, self.model_id, owner)
             return jobs

@@ -1,7 +1,12 @@
 """Model registry: one row per model_id, with its dimension, active or retired.
 
 The dimension comes from the model's configuration or, when unknown, from the
-first response. Retiring is sticky: a worker, ingest or Dagster run still
+first response. Several models may be active (each gets jobs for every current
+chunk); one is *served* (``app.served_model``): the one search and export read.
+The first model registered is served at once; after that only ``serve``
+switches it, and ``coverage`` says whether a model is complete enough for it.
+A retired model keeps its vectors for a grace period; ``purge_due`` and
+``purge`` then delete them and its index. Retiring is sticky: a worker, ingest or Dagster run still
 configured with a retired model is refused (``ModelRetired``) until a person
 runs ``models activate``; nothing reactivates it (and bills for it) silently.
 The per-model HNSW index is ``jobs.vector_index``. The SQL is in
@@ -10,7 +15,10 @@ sql/queries/models.sql.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 
 from pipeline_assets.jobs import transitions, vector_index
@@ -39,6 +47,7 @@ def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
     row = conn.execute(MODELS.insert_model, {
         "model": spec.model_id, "provider": spec.provider, "name": spec.name, "dimension": spec.dimension,
         "max_input_tokens": spec.max_input_tokens}).fetchone()
+    conn.execute(MODELS.serve_first, {"model": spec.model_id})  # the first model: nothing to switch from
     if row is not None:
         return True
     active = conn.execute(MODELS.is_active, {"model": spec.model_id}).fetchone()
@@ -107,10 +116,99 @@ def retire(conn: psycopg.Connection, model_id: str) -> int:
 
     New content is no longer enqueued for it and its unstarted jobs are
     superseded (a late completion is refused: the model is inactive). Its ready
-    vectors stay, so ``export --model`` still works and ``models activate``
-    needs no re-embedding of unchanged content. Until then, anything still
-    configured with it is refused (``ensure_model`` raises ModelRetired).
+    vectors stay for the grace period (then ``purge``), so ``export --model``
+    still works and ``models activate`` needs no re-embedding of unchanged
+    content. Until then, anything still configured with it is refused
+    (``ensure_model`` raises ModelRetired). The served model is not retired
+    here: the use case refuses that (``app.model_admin.retire``).
     """
     with conn.transaction():
         conn.execute(MODELS.deactivate, {"model": model_id})
         return conn.execute(JOBS.supersede_retired_model, {"model": model_id}).rowcount
+
+
+# -- the served model ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the current corpus (distinct current chunk checksums) a model has vectors for."""
+
+    model_id: str
+    wanted: int
+    ready: int
+    waiting: int = 0   # a job pending, on retry or held by a worker
+    failed: int = 0    # dead-lettered
+    no_job: int = 0    # no live job (never enqueued, superseded): `models add` / reconcile enqueues them
+
+    @property
+    def complete(self) -> bool:
+        return self.ready >= self.wanted
+
+    @property
+    def missing(self) -> int:
+        return max(self.wanted - self.ready, 0)
+
+    def describe_missing(self) -> str:
+        return (f"{self.missing} of {self.wanted} current chunk(s) have no vector "
+                f"(waiting={self.waiting} failed={self.failed} no_job={self.no_job})")
+
+
+def coverage(conn: psycopg.Connection, model_id: str) -> Coverage:
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(MODELS.coverage, {"model": model_id}).fetchone()
+    return Coverage(model_id=model_id, **{k: int(v) for k, v in row.items()})
+
+
+def served(conn: psycopg.Connection) -> dict | None:
+    """The served model's row (model_id, previous_model_id, served_at, provider, name, dimension), or None."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(MODELS.served_model).fetchone()
+
+
+def served_model_id(conn: psycopg.Connection) -> str | None:
+    row = served(conn)
+    return row["model_id"] if row else None
+
+
+def serve(conn: psycopg.Connection, model_id: str) -> tuple[bool, str | None]:
+    """Make an active model the served one. Returns (changed, previous served model).
+
+    Raises ``ConfigError`` for a model that is not active. The caller checks
+    coverage first (``coverage``), in the same transaction.
+    """
+    row = conn.execute(MODELS.serve, {"model": model_id}).fetchone()
+    if row is not None:
+        return True, row[0]
+    active = conn.execute(MODELS.is_active, {"model": model_id}).fetchone()
+    if active is None or not active[0]:
+        raise ConfigError(f"model {model_id} is not active; `pipeline-assets models activate {model_id}` first")
+    return False, model_id
+
+
+def model_states(conn: psycopg.Connection, grace_seconds: float) -> list[dict]:
+    """Every model: active, served, retired_at, purged_at, purge_after (retired_at + grace)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(MODELS.model_states, {"grace": float(grace_seconds)}).fetchall()
+
+
+def purge_due(conn: psycopg.Connection, grace_seconds: float) -> list[str]:
+    """Retired models past their grace period whose vectors are still there (never the served one)."""
+    return [r[0] for r in conn.execute(MODELS.purge_due, {"grace": float(grace_seconds)})]
+
+
+def purge(conn: psycopg.Connection, model_id: str) -> int | None:
+    """Delete a retired model's vectors and its vector index; returns the vectors deleted
+    (None: it was activated, served or purged meanwhile). ``conn`` must be in autocommit:
+    the index is dropped concurrently, outside the transaction that deletes the vectors.
+
+    Its jobs become superseded, so `models activate` revives the wanted ones.
+    """
+    with conn.transaction():
+        if conn.execute(MODELS.purge_lock, {"model": model_id}).fetchone() is None:
+            return None
+        deleted = conn.execute(MODELS.purge_vectors, {"model": model_id}).rowcount
+        conn.execute(MODELS.supersede_purged_jobs, {"model": model_id})
+        conn.execute(MODELS.mark_purged, {"model": model_id})
+    conn.execute(sql.SQL(MODELS.drop_index).format(name=sql.Identifier(_index_name(model_id))))
+    return deleted

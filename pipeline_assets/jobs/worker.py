@@ -58,6 +58,7 @@ class WorkerConfig:
     poll_seconds: float = IDLE_POLL_SECONDS
     rescue_interval: float = RESCUE_INTERVAL_SECONDS
     build_index: bool = True  # build the model's HNSW index when the queue drains
+    scope: Sequence[int] | None = None  # claim only the jobs of these documents (doc_pk); None: the whole queue
 
 
 @dataclass
@@ -128,7 +129,8 @@ class Worker:
         pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2)
         try:
             self.store = JobStore(pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
-                                  backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap)
+                                  backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap,
+                                  scope=self.config.scope)
             self._run()
         finally:
             pool.close()

@@ -1,14 +1,40 @@
-"""The offline default embedder: feature hashing of tokens, L2-normalised.
+"""The offline default embedder: signed feature hashing of words, L2-normalised.
 
-Deterministic, needs no download and no key, and is clearly named as what it is
-(``local/hashing-cl100k-v1@256``). Token ids from the cl100k tokenizer (unigrams
-and bigrams) are hashed into a fixed number of signed buckets. It captures
-lexical overlap, not meaning: good for the bundled example, tests and a pipeline
-dry run, not a substitute for a real model.
+Deterministic, needs no download and no key, and is named as what it is
+(``local/hashing-words-v2@512``). Each text becomes a bag of features:
+
+* words (lower-cased letters and digits), English stop words dropped, each
+  reduced by a few suffix rules (``retries`` and ``retrying`` -> ``retri``);
+* bigrams of neighbouring kept words (``thunder herd``), at half weight;
+* the character trigrams of each kept word, at a low total weight, so that
+  spellings the suffix rules miss (``jittered``/``jitter``) still overlap.
+
+A feature's weight grows sublinearly with its count (``1 + log tf``), so one
+word repeated twenty times does not drown the rest; it is hashed (blake2b) to
+one of ``dimension`` buckets with a sign taken from the same hash, so
+collisions cancel out on average instead of piling up.
+
+What it is not: a semantic model. It knows no synonyms (``car`` and
+``automobile`` share nothing), no word order beyond neighbours, no language but
+English for its stop words, and no corpus statistics (a word rare in your
+corpus weighs as much as a common one). It is good for the bundled example,
+tests and a pipeline dry run; hybrid search (``app/search.py``) adds
+PostgreSQL's full-text ranking on top of it. For real retrieval use a real
+model.
+
+Any change to its output must change ``LOCAL_MODEL_VERSION``: the version is
+part of the model id, so vectors of two versions are never mixed (a database
+embedded with an older version re-embeds everything under the new id; the old
+model can then be retired).
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections import Counter
+from functools import lru_cache
+from hashlib import blake2b
 from typing import Sequence
 
 import numpy as np
@@ -17,12 +43,96 @@ from pipeline_assets.content.chunking import get_encoding
 from .base import EmbedResult, ModelSpec
 
 LOCAL_MODEL_NAME = "local-hashing"
-LOCAL_DIMENSION = 256
+# Part of the model id: bump it whenever the embedder's output changes.
+LOCAL_MODEL_VERSION = "hashing-words-v2"
+# Buckets of the hashed vector; more buckets, fewer collisions (and 4 bytes each per stored vector).
+LOCAL_DIMENSION = 512
 # The local model has no input limit of its own; this bounds chunk size checks.
 LOCAL_MAX_INPUT_TOKENS = 8191
 
-_MULT_A = np.uint64(0x9E3779B97F4A7C15)
-_MULT_B = np.uint64(0xC2B2AE3D27D4EB4F)
+# Relative weight of a word bigram and of a word's character trigrams (all of
+# them together) against the word itself.
+BIGRAM_WEIGHT = 0.5
+TRIGRAM_WEIGHT = 0.35
+# Words shorter than this get no character trigrams (they are their own trigram).
+TRIGRAM_MIN_WORD = 5
+# Distinct features cached with their bucket and sign (a bounded LRU).
+FEATURE_CACHE_SIZE = 200_000
+
+_WORD = re.compile(r"[^\W_]+")
+
+# English function words: they say how a sentence is built, not what it is about.
+STOP_WORDS = frozenset("""
+a about above after again against all am an and any are aren't as at be because been before being below
+between both but by can cannot could did do does doing down during each few for from further had has have
+having he her here hers herself him himself his how i if in into is it its itself just let me more most my
+myself no nor not now of off on once only or other our ours ourselves out over own same she should so some
+such than that the their theirs them themselves then there these they this those through to too under until
+up very was we were what when where which while who whom why will with would you your yours yourself
+yourselves s t d ll m re ve also may might must shall us get got gets much many one ones every
+""".split())
+
+# Inflectional suffixes, longest first: (suffix, replacement, shortest stem kept).
+_SUFFIXES = (
+    ("ments", "", 4), ("ment", "", 4), ("ness", "", 3), ("ings", "", 3), ("ing", "", 3), ("edly", "", 3),
+    ("ies", "y", 2), ("ied", "y", 2), ("ed", "", 3), ("ly", "", 4), ("s", "", 3),
+)
+
+
+@lru_cache(maxsize=FEATURE_CACHE_SIZE)
+def stem(word: str) -> str:
+    """A few English suffix rules: not Porter's stemmer, only enough to join plurals and tenses
+    (``retry``, ``retries``, ``retrying`` -> ``retri``; ``queue``, ``queues`` -> ``queu``)."""
+    for suffix, replacement, shortest in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= shortest and not word.endswith("ss"):
+            word = word[: len(word) - len(suffix)] + replacement
+            if replacement == "" and suffix != "s" and len(word) > 3 and word[-1] == word[-2] \
+                    and word[-1] not in "aeiouls":
+                word = word[:-1]  # stopp(ed) -> stop, runn(ing) -> run
+            break
+    if len(word) > 3 and word[-1] == "e":
+        word = word[:-1]
+    elif len(word) > 3 and word[-1] == "y":
+        word = word[:-1] + "i"
+    return word
+
+
+def terms(text: str) -> list[str]:
+    """The kept words of ``text``, stemmed, in order."""
+    return [stem(w) for w in _WORD.findall(text.lower()) if w not in STOP_WORDS and len(w) > 1]
+
+
+def features(text: str) -> dict[str, float]:
+    """Feature -> weight before hashing: sublinear word and bigram counts, trigrams spread per word."""
+    words = terms(text)
+    counts: Counter[str] = Counter(words)
+    weights: dict[str, float] = {}
+    for word, tf in counts.items():
+        weights[word] = 1.0 + math.log(tf)
+    for pair, tf in Counter(f"{a} {b}" for a, b in zip(words, words[1:])).items():
+        weights[pair] = BIGRAM_WEIGHT * (1.0 + math.log(tf))
+    for word in counts:
+        grams = _trigrams(word)
+        if grams:
+            share = TRIGRAM_WEIGHT * weights[word] / len(grams)
+            for gram in grams:
+                weights[gram] = weights.get(gram, 0.0) + share
+    return weights
+
+
+@lru_cache(maxsize=FEATURE_CACHE_SIZE)
+def _trigrams(word: str) -> tuple[str, ...]:
+    """The character trigrams of a kept word, as features (``#`` keeps them apart from words)."""
+    if len(word) < TRIGRAM_MIN_WORD:
+        return ()
+    padded = f"<{word}>"
+    return tuple("#" + padded[i:i + 3] for i in range(len(padded) - 2))
+
+
+@lru_cache(maxsize=FEATURE_CACHE_SIZE)
+def _bucket(feature: str, dim: int) -> tuple[int, float]:
+    h = int.from_bytes(blake2b(feature.encode("utf-8"), digest_size=8).digest(), "little")
+    return (h >> 1) % dim, (1.0 if h & 1 else -1.0)
 
 
 class LocalHashingProvider:
@@ -30,7 +140,7 @@ class LocalHashingProvider:
         self.spec = ModelSpec(
             provider="local",
             name=LOCAL_MODEL_NAME,
-            id_name="hashing-cl100k-v1",
+            id_name=LOCAL_MODEL_VERSION,
             dimension=dimension,
             max_input_tokens=LOCAL_MAX_INPUT_TOKENS,
             max_batch_inputs=2048,
@@ -39,25 +149,19 @@ class LocalHashingProvider:
         self._dim = dimension
 
     def embed_one(self, text: str) -> tuple[np.ndarray, int]:
-        ids = np.asarray(get_encoding().encode_ordinary(text), dtype=np.uint64)
-        if ids.size == 0:
-            vec = np.zeros(self._dim, dtype=np.float32)
-            vec[0] = 1.0
-            return vec, 0
-        feats = ids * _MULT_A
-        if ids.size > 1:
-            feats = np.concatenate([feats, (ids[:-1] * _MULT_B) ^ (ids[1:] * _MULT_A)])
-        with np.errstate(over="ignore"):
-            mixed = feats ^ (feats >> np.uint64(29))
-        buckets = (mixed % np.uint64(self._dim)).astype(np.int64)
-        signs = np.where((mixed >> np.uint64(40)) & np.uint64(1), 1.0, -1.0)
-        vec = np.bincount(buckets, weights=signs, minlength=self._dim).astype(np.float32)
+        """The text's vector, and its cl100k token count (what usage and budgets count)."""
+        weighted = features(text)
+        hashed = [_bucket(feature, self._dim) for feature in weighted]
+        buckets = np.fromiter((b for b, _ in hashed), dtype=np.int64, count=len(hashed))
+        signed = np.fromiter((s * w for (_, s), w in zip(hashed, weighted.values())), dtype=np.float64,
+                             count=len(hashed))
+        vec = np.bincount(buckets, weights=signed, minlength=self._dim)
         norm = float(np.linalg.norm(vec))
         if norm == 0.0:
-            vec[0] = 1.0
+            vec[0] = 1.0  # nothing but stop words: a fixed unit vector, never a zero one
         else:
             vec /= norm
-        return vec, int(ids.size)
+        return vec.astype(np.float32), len(get_encoding().encode_ordinary(text))
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
         vectors, tokens = [], 0

@@ -57,16 +57,18 @@ RETURNING d.doc_pk
 DELETE FROM app.chunks WHERE doc_pk = ANY(%(pks)s) RETURNING chunk_checksum
 
 -- name: upsert_documents
--- One row per processed document (current, or quarantined with its error).
+-- One row per processed document (current, or quarantined with its error), with
+-- the extractor version of its own format (ext).
 INSERT INTO app.documents AS d (source_id, document_id, source_uri, source_checksum, size_bytes, status,
                                 extractor_version, chunker_version, text_checksum, chunk_count,
                                 error_class, error_message)
 SELECT %(source)s, t.document_id, t.uri, t.checksum, t.size,
        CASE WHEN t.error_class IS NULL THEN 'current' ELSE 'quarantined' END,
-       %(ext)s, %(chunker)s, t.text_checksum, t.chunk_count, t.error_class, t.error_message
+       t.ext, %(chunker)s, t.text_checksum, t.chunk_count, t.error_class, t.error_message
 FROM unnest(%(ids)s::text[], %(uris)s::text[], %(checksums)s::bytea[], %(sizes)s::bigint[],
-            %(text_checksums)s::bytea[], %(counts)s::int[], %(classes)s::text[], %(messages)s::text[])
-     AS t(document_id, uri, checksum, size, text_checksum, chunk_count, error_class, error_message)
+            %(text_checksums)s::bytea[], %(counts)s::int[], %(classes)s::text[], %(messages)s::text[],
+            %(exts)s::text[])
+     AS t(document_id, uri, checksum, size, text_checksum, chunk_count, error_class, error_message, ext)
 ON CONFLICT (source_id, document_id) DO UPDATE
 SET source_uri = EXCLUDED.source_uri, source_checksum = EXCLUDED.source_checksum,
     size_bytes = EXCLUDED.size_bytes, status = EXCLUDED.status,
@@ -91,3 +93,12 @@ SET status = EXCLUDED.status, error_class = EXCLUDED.error_class, last_error = E
     code_version = EXCLUDED.code_version, config_hash = EXCLUDED.config_hash,
     dagster_run_id = EXCLUDED.dagster_run_id, source_checksum = EXCLUDED.source_checksum,
     attempts = s.attempts + 1, started_at = now(), finished_at = now()
+
+-- name: touched_since
+-- Documents of one source whose row changed since a point of the database
+-- clock (a reconciliation's start): new (created since), changed, quarantined
+-- or tombstoned. What Dagster is told about after a reconciliation.
+SELECT d.document_id, d.status, d.created_at >= %(since)s AS new
+FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+WHERE s.root = %(root)s AND d.updated_at >= %(since)s
+ORDER BY d.document_id

@@ -329,3 +329,47 @@ UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_u
        probe_owner = NULL, updated_at = now()
 WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
   AND (NOT tripped OR paused_until <= now())  -- a call that was already in flight cannot cut a pause short
+
+-- name: claim_scoped
+-- claim limited to the jobs of some documents' current chunks (%(docs)s: their
+-- doc_pk): a Dagster embeddings run embeds its own partitions first instead of
+-- the oldest work of the whole queue. Everything else mirrors claim: the
+-- breaker gate (the probe slot is taken only when a job of the scope is
+-- waiting), the lease from the database clock, the order, the columns.
+WITH scope AS (
+    SELECT j.job_id FROM app.job_keys k
+    JOIN app.embedding_jobs j ON j.job_id = k.job_id
+    WHERE k.model_id = %(model)s
+      AND k.chunk_checksum IN (SELECT c.chunk_checksum FROM app.chunks c WHERE c.doc_pk = ANY(%(docs)s))
+      AND j.status IN ('pending', 'retry') AND j.available_at <= now()
+), gate AS (
+    UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s),
+                                    probe_owner = %(owner)s
+    WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
+      AND EXISTS (SELECT 1 FROM scope)
+    RETURNING true AS probe
+), picked AS (
+    SELECT job_id, chunk_checksum FROM app.embedding_jobs
+    WHERE job_id IN (SELECT job_id FROM scope)
+      AND model_id = %(model)s
+      AND status IN ('pending', 'retry')
+      AND available_at <= now()
+      AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = %(model)s AND m.active)
+      AND (NOT EXISTS (SELECT 1 FROM app.provider_state p WHERE p.model_id = %(model)s AND p.tripped)
+           OR EXISTS (SELECT 1 FROM gate))
+    ORDER BY available_at, job_id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE app.embedding_jobs j
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_expires_at = now() + make_interval(secs => %(lease)s),
+    attempts = j.attempts + 1,
+    updated_at = now()
+FROM picked
+LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
+                   WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
+WHERE j.job_id = picked.job_id
+RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
+          EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate

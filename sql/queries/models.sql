@@ -10,7 +10,9 @@ RETURNING model_id
 
 -- name: reactivate
 -- `models activate`: back after `models retire` (only ever by a person's decision).
-UPDATE app.models SET active = true WHERE model_id = %(model)s AND NOT active
+-- Row-locked against a concurrent purge (purge_lock): one of them waits.
+UPDATE app.models SET active = true, retired_at = NULL, purged_at = NULL
+WHERE model_id = %(model)s AND NOT active
 
 -- name: dimension
 SELECT dimension FROM app.models WHERE model_id = %(model)s
@@ -55,7 +57,8 @@ WHERE model_id = {model}
 
 -- name: drop_index
 -- A psycopg.sql template: name is an sql.Identifier. Drops an INVALID index
--- left by a failed or cancelled build (outside any transaction, like the build).
+-- left by a failed or cancelled build, or a purged model's index (outside any
+-- transaction, like the build).
 DROP INDEX CONCURRENTLY IF EXISTS app.{name}
 
 -- name: is_active
@@ -81,5 +84,87 @@ FROM app.models m LEFT JOIN app.embedding_jobs j ON j.model_id = m.model_id
 GROUP BY m.model_id ORDER BY m.created_at
 
 -- name: deactivate
--- `models retire`: new content is no longer enqueued for it.
-UPDATE app.models SET active = false WHERE model_id = %(model)s
+-- `models retire`: new content is no longer enqueued for it; its grace period
+-- starts (retiring again keeps the first date).
+UPDATE app.models SET active = false, retired_at = coalesce(retired_at, now()) WHERE model_id = %(model)s
+
+-- ---------------------------------------------------------------- the served model (migration 012)
+
+-- name: serve_first
+-- The first model registered is served at once: there is nothing to switch from.
+INSERT INTO app.served_model (model_id)
+SELECT m.model_id FROM app.models m
+WHERE m.model_id = %(model)s AND m.active AND NOT EXISTS (SELECT 1 FROM app.served_model)
+ON CONFLICT (singleton) DO NOTHING
+
+-- name: served_model
+-- The model search and export read, with what a provider for it is built from.
+SELECT s.model_id, s.previous_model_id, s.served_at, m.provider, m.name, m.dimension
+FROM app.served_model s JOIN app.models m ON m.model_id = s.model_id
+
+-- name: serve
+-- Switch search and export to an active model: one row, one statement, so
+-- there is never a moment with no served model. A row comes back only when
+-- the served model changed (previous_model_id NULL: nothing was served).
+INSERT INTO app.served_model (model_id)
+SELECT m.model_id FROM app.models m WHERE m.model_id = %(model)s AND m.active
+ON CONFLICT (singleton) DO UPDATE
+SET model_id = EXCLUDED.model_id, previous_model_id = app.served_model.model_id, served_at = now()
+WHERE app.served_model.model_id <> EXCLUDED.model_id
+RETURNING previous_model_id
+
+-- name: coverage
+-- How much of the current corpus one model covers: distinct checksums of
+-- current chunks (app.chunks holds only those), those with a vector (what
+-- search can return), and the rest by the state of their job: waiting for a
+-- worker, dead-lettered, or with no live job (never enqueued, superseded).
+WITH wanted AS (SELECT DISTINCT chunk_checksum FROM app.chunks)
+SELECT count(*) AS wanted,
+       count(*) FILTER (WHERE e.chunk_checksum IS NOT NULL) AS ready,
+       count(*) FILTER (WHERE e.chunk_checksum IS NULL AND j.status IN ('pending', 'retry', 'processing'))
+           AS waiting,
+       count(*) FILTER (WHERE e.chunk_checksum IS NULL AND j.status = 'failed') AS failed,
+       count(*) FILTER (WHERE e.chunk_checksum IS NULL
+                          AND (j.job_id IS NULL OR j.status IN ('ready', 'superseded'))) AS no_job
+FROM wanted w
+LEFT JOIN app.embeddings e ON e.chunk_checksum = w.chunk_checksum AND e.model_id = %(model)s
+LEFT JOIN app.job_keys k ON k.chunk_checksum = w.chunk_checksum AND k.model_id = %(model)s
+LEFT JOIN app.embedding_jobs j ON j.job_id = k.job_id
+
+-- name: model_states
+-- Every model with whether it is served and where its retirement stands.
+SELECT m.model_id, m.active, s.model_id IS NOT NULL AS served, m.retired_at, m.purged_at,
+       m.retired_at + make_interval(secs => %(grace)s) AS purge_after
+FROM app.models m LEFT JOIN app.served_model s ON s.model_id = m.model_id
+ORDER BY m.created_at, m.model_id
+
+-- name: purge_due
+-- Retired models whose grace period is over and whose vectors are not deleted
+-- yet. Never the served model.
+SELECT m.model_id FROM app.models m
+WHERE NOT m.active AND m.purged_at IS NULL
+  AND m.retired_at <= now() - make_interval(secs => %(grace)s)
+  AND NOT EXISTS (SELECT 1 FROM app.served_model s WHERE s.model_id = m.model_id)
+ORDER BY m.model_id
+
+-- name: purge_lock
+-- Lock one due model's row for its purge (a concurrent `models activate` waits);
+-- no row: it was activated or purged meanwhile.
+SELECT m.model_id FROM app.models m
+WHERE m.model_id = %(model)s AND NOT m.active AND m.purged_at IS NULL
+  AND NOT EXISTS (SELECT 1 FROM app.served_model s WHERE s.model_id = m.model_id)
+FOR UPDATE
+
+-- name: purge_vectors
+DELETE FROM app.embeddings WHERE model_id = %(model)s
+
+-- name: supersede_purged_jobs
+-- Every job of a purged model that is not superseded yet (ready, failed, and
+-- any still held) -> superseded: its vector is gone; `models activate`
+-- revives the ones whose content is still wanted.
+UPDATE app.embedding_jobs
+SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+WHERE model_id = %(model)s AND status <> 'superseded'
+
+-- name: mark_purged
+UPDATE app.models SET purged_at = now() WHERE model_id = %(model)s

@@ -1,5 +1,5 @@
 -- Read-only views for people and for the Dagster layer
--- (pipeline_assets/app/reports.py): status, dead-letter queue, spend, and the
+-- (pipeline_assets/app/reports.py): status, spend, dead-letter growth, and the
 -- per-document and health read models. Set-based; the Dagster assets, sensors
 -- and checks report from these and hold no SQL of their own.
 
@@ -53,20 +53,6 @@ SELECT model_id,
        consecutive_failures,
        tripped AND probe_owner IS NOT NULL AND probe_until > now() AS probe_out
 FROM app.provider_state ORDER BY model_id
-
--- name: dead_letter_jobs
--- Failed jobs, with the documents that (still) carry their content.
-SELECT j.job_id, j.model_id, j.error_class, j.error_message, j.attempts, j.updated_at,
-       (SELECT array_agg(DISTINCT d.document_id ORDER BY d.document_id)
-        FROM app.chunks c JOIN app.documents d ON d.doc_pk = c.doc_pk
-        WHERE c.chunk_checksum = j.chunk_checksum) AS documents
-FROM app.embedding_jobs j WHERE j.status = 'failed' ORDER BY j.updated_at, j.job_id
-
--- name: quarantined
--- Documents the guard or the extractor refused.
-SELECT d.document_id, src.root, d.error_class, d.error_message, d.updated_at
-FROM app.documents d JOIN app.sources src USING (source_id)
-WHERE d.status = 'quarantined' ORDER BY d.document_id
 
 -- name: document_summaries
 -- One row per requested document of a source: its state, versions and a digest
@@ -139,7 +125,14 @@ SELECT
        ORDER BY 1 LIMIT 5) s) AS sample
 
 -- name: dead_letter_growth
--- Growth of the dead-letter queue: jobs that became 'failed' within a window, and the depth.
-SELECT count(*) FILTER (WHERE updated_at > now() - make_interval(secs => %(window)s)) AS recent,
+-- Growth of the dead-letter queue: jobs that became 'failed' within a window,
+-- and the depth; discarded ones (`dlq discard`, app.dlq_discards) count in neither.
+SELECT count(*) FILTER (WHERE j.updated_at > now() - make_interval(secs => %(window)s)) AS recent,
        count(*) AS total
-FROM app.embedding_jobs WHERE status = 'failed'
+FROM app.embedding_jobs j
+WHERE j.status = 'failed' AND NOT EXISTS (SELECT 1 FROM app.dlq_discards dd WHERE dd.job_id = j.job_id)
+
+-- name: dead_letter_discarded
+-- Failed jobs a person gave up on (`dlq discard`).
+SELECT count(*) AS n FROM app.dlq_discards dd JOIN app.embedding_jobs j ON j.job_id = dd.job_id
+WHERE j.status = 'failed'

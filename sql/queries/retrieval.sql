@@ -1,6 +1,6 @@
--- Reading the index (pipeline_assets/app/retrieval.py). Both queries go through
+-- Reading the index (pipeline_assets/app/retrieval.py). Every query goes through
 -- app.chunks, which holds only current chunks of current documents, so a
--- superseded or tombstoned vector can never be returned.
+-- superseded or tombstoned vector (or chunk text) can never be returned.
 
 -- name: export
 -- Current embeddings of a model, one row per current chunk whose job is ready.
@@ -17,6 +17,11 @@ ORDER BY d.document_id, c.chunk_index
 -- name: read_only
 -- Export reads only (it also runs under a read-only role or on a standby).
 SET TRANSACTION READ ONLY
+
+-- name: snapshot
+-- Hybrid search reads both rankings (and the distances of text-only hits) from
+-- one snapshot: an ingest committing meanwhile is seen by all three or none.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY
 
 -- name: set_ef_search
 -- The HNSW scan yields at most ef_search candidates; ask for enough. A plan
@@ -46,3 +51,71 @@ JOIN app.chunks c ON c.chunk_checksum = n.chunk_checksum
 JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
 ORDER BY n.distance, d.document_id, c.chunk_index
 LIMIT %(k)s
+
+-- name: text_ranked
+-- Full-text search over current chunks, ranked by BM25 (Robertson and
+-- Zaragoza): a query word counts for more the rarer it is among the chunks
+-- (idf), and for more the more often it occurs in a chunk, with diminishing
+-- returns (k1) and against the chunk's length (b; lengths in distinct
+-- lexemes, relative to the average of the matching chunks). ts_rank_cd, which
+-- knows no word rarity, let "table" and "use" outweigh "jitter".
+-- words: the query's words (letters and digits, built by retrieval.text_query),
+-- stemmed and stop words dropped with the 'english' configuration, as the
+-- GIN-indexed column of sql/010; each lexeme's document frequency is one
+-- index lookup. Chunks come from the index too: those with a query lexeme that
+-- is not common (in at most common_ratio of the chunks or common_floor chunks,
+-- whichever is more; the rarest lexeme when every one is common), so a word
+-- such as "use" never drags every chunk of a large corpus in: it still scores
+-- in the chunks the other words select.
+-- n: the chunk count, the planner's estimate when there is one (a count(*)
+-- would read the whole table on every search), else counted. Needs no vector:
+-- works for any model, or none.
+WITH n AS (
+    SELECT CASE WHEN t.reltuples > 0 THEN t.reltuples::float8
+                ELSE (SELECT count(*) FROM app.chunks)::float8 END AS n
+    FROM pg_class t WHERE t.oid = 'app.chunks'::regclass),
+terms AS MATERIALIZED (  -- each lexeme's frequency counted once, not once per use
+    SELECT w.lexeme, (SELECT count(*) FROM app.chunks c
+                      WHERE c.text_search @@ quote_literal(w.lexeme)::tsquery)::float8 AS df
+    FROM (SELECT DISTINCT lexeme FROM unnest(to_tsvector('english'::regconfig, %(words)s))) w),
+weighted AS (
+    SELECT t.lexeme, t.df, ln(1 + (greatest(n.n, t.df) - t.df + 0.5) / (t.df + 0.5)) AS idf,
+           t.df <= greatest(%(common_ratio)s * n.n, %(common_floor)s) AS selective
+    FROM terms t CROSS JOIN n WHERE t.df > 0),
+selector AS (
+    SELECT string_agg(quote_literal(w.lexeme), ' | ')::tsquery AS tsq
+    FROM weighted w
+    WHERE w.selective OR w.df = (SELECT min(r.df) FROM weighted r WHERE NOT EXISTS (
+        SELECT 1 FROM weighted s WHERE s.selective))),
+candidates AS (
+    SELECT c.doc_pk, c.chunk_index, length(c.text_search)::float8 AS len,
+           avg(length(c.text_search)) OVER ()::float8 AS avg_len,
+           -- the chunk's tsvector cut down to the query's lexemes (delete all the others)
+           ts_delete(c.text_search, tsvector_to_array(ts_delete(c.text_search, l.lexemes))) AS matched
+    FROM selector s
+    CROSS JOIN (SELECT array_agg(lexeme) AS lexemes FROM weighted) l
+    JOIN app.chunks c ON c.text_search @@ s.tsq),
+scored AS (
+    SELECT c.doc_pk, c.chunk_index,
+           sum(w.idf * u.tf * (%(k1)s + 1)
+               / (u.tf + %(k1)s * (1 - %(b)s + %(b)s * c.len / greatest(c.avg_len, 1)))) AS text_rank
+    FROM candidates c
+    CROSS JOIN LATERAL (SELECT x.lexeme, coalesce(array_length(x.positions, 1), 1)::float8 AS tf
+                        FROM unnest(c.matched) x) u
+    JOIN weighted w ON w.lexeme = u.lexeme
+    GROUP BY c.doc_pk, c.chunk_index)
+SELECT d.document_id, d.source_uri, c.chunk_index, c.text, c.chunk_checksum, s.text_rank
+FROM scored s
+JOIN app.chunks c ON c.doc_pk = s.doc_pk AND c.chunk_index = s.chunk_index
+JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
+ORDER BY s.text_rank DESC, d.document_id, c.chunk_index
+LIMIT %(limit)s
+
+-- name: distances
+-- Cosine distances of the query to some chunks' vectors under a model (hybrid
+-- search reports the distance of a hit found by text too); a chunk without a
+-- vector (a model still embedding) has no row. An exact computation over a
+-- handful of rows found by primary key.
+SELECT e.chunk_checksum, e.embedding <=> %(q)s::vector AS distance
+FROM app.embeddings e
+WHERE e.model_id = %(model)s AND e.chunk_checksum = ANY(%(checksums)s)

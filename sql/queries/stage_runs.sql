@@ -95,18 +95,50 @@ ORDER BY 1 NULLS FIRST, 2
 SELECT now()
 
 -- name: rerun_targets
--- Documents whose stage ran under another code version, or failed with a given
--- error class: the targets of a partial rerun (for embed, one row per model, or
--- only those of one model). Columns are named as the fields of stages.RerunTarget.
+-- The targets of a partial rerun (`pipeline-assets rerun` and the Dagster rerun
+-- sensor: one query), every filter optional and combinable: the stage (for
+-- embed one row per model, or only those of one model), statuses, a failed
+-- stage's error class, document-id LIKE patterns, a code version other than
+-- the current one (not_version; for extract the current version is per format:
+-- ext_keys/ext_versions give each known extension's version, by the same
+-- suffix rule as PurePosixPath.suffix, and not_version is that of any other
+-- extension), and a code version older than before_version (same text before
+-- its trailing number, a smaller number). Columns are named as the fields of
+-- stages.RerunTarget.
 SELECT src.root, d.document_id, s.stage, s.status, s.error_class, s.code_version
 FROM app.stage_runs s
 JOIN app.documents d ON d.doc_pk = s.doc_pk
 JOIN app.sources src ON src.source_id = d.source_id
+LEFT JOIN unnest(%(ext_keys)s::text[], %(ext_versions)s::text[]) AS cur(ext, version)
+       ON cur.ext = lower(substring(d.document_id FROM '[^/](\.[^./]+)$'))
 WHERE d.status <> 'deleted'
   AND s.stage = %(stage)s
   AND (%(model)s::text IS NULL OR s.model_id = %(model)s)
+  AND (%(statuses)s::text[] IS NULL OR s.status = ANY(%(statuses)s::text[]))
   AND (%(error_class)s::text IS NULL OR (s.status = 'failed' AND s.error_class = %(error_class)s))
-  AND (%(not_version)s::text IS NULL OR s.code_version IS DISTINCT FROM %(not_version)s)
+  AND (%(documents)s::text[] IS NULL OR d.document_id LIKE ANY(%(documents)s::text[]))
+  AND (%(not_version)s::text IS NULL OR s.code_version IS DISTINCT FROM coalesce(cur.version, %(not_version)s))
+  AND (%(before_version)s::text IS NULL
+       OR (regexp_replace(s.code_version, '[0-9]+$', '') = regexp_replace(%(before_version)s, '[0-9]+$', '')
+           AND substring(s.code_version FROM '([0-9]+)$')::numeric
+               < substring(%(before_version)s FROM '([0-9]+)$')::numeric))
   AND (%(failed_only)s = false OR s.status = 'failed')
 ORDER BY src.root, d.document_id, s.model_id
 LIMIT %(limit)s
+
+-- name: rerun_failed_jobs
+-- The failed jobs of a model for the current chunks of some documents (an embed rerun requeues them).
+SELECT DISTINCT j.job_id
+FROM app.documents d
+JOIN app.sources src ON src.source_id = d.source_id
+JOIN app.chunks c ON c.doc_pk = d.doc_pk
+JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = %(model)s
+JOIN app.embedding_jobs j ON j.job_id = k.job_id
+WHERE src.root = %(root)s AND d.document_id = ANY(%(ids)s::text[]) AND d.status = 'current'
+  AND j.status = 'failed'
+
+-- name: rerun_document_pks
+-- The current documents of a source among some ids (an embed rerun enqueues their missing jobs).
+SELECT d.doc_pk
+FROM app.documents d JOIN app.sources src ON src.source_id = d.source_id
+WHERE src.root = %(root)s AND d.document_id = ANY(%(ids)s::text[]) AND d.status = 'current'

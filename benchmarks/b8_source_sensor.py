@@ -1,0 +1,181 @@
+"""B8: the source sensor (`source_documents`) over 100,000 small files.
+
+Evaluates the real sensor as the daemon does (``build_sensor_context`` with the
+project's resources, a Dagster instance on local storage, the pipeline database
+a fresh one on the embedded server) and measures:
+
+* ``first_tick_s``: an empty observation table: every file read and stored; the
+  tick requests its bounded first batch (MAX_KEYS_PER_TICK keys) and adds
+  those partitions.
+* ``unchanged_tick_s``: after every document was requested (the 99 ticks that
+  follow are stood in for by marking all observations requested), a tick over
+  the unchanged tree, evaluated with freshly built definitions and resources
+  (as after a code reload: nothing of the sensor kept in the process); median
+  of 3, with the number of files it read (``files_read``, must be 0).
+* ``changed_tick_s``: one file rewritten: one file read, one run requested.
+* cursor sizes: after (the generation) and before (the whole {document: checksum}
+  map the old sensor kept, computed from the same checksums).
+* ``before``: the sensor of commit a050b3a (checksums in the cursor, an
+  in-process cache) evaluated on the same tree: its unchanged tick with a cold
+  cache (after a code reload every file is read again) and with a warm one.
+
+    python benchmarks/b8_source_sensor.py [--documents 100000] [--skip-before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, Timer, emit, fresh_database, peak_rss_mb
+
+import dagster as dg  # noqa: E402
+from dagster._core.definitions.partitions.context import partition_loading_context  # noqa: E402
+
+BEFORE_COMMIT = "a050b3a"   # the last tree with the map cursor
+TICK_LIMIT_S = 60.0         # Dagster's default sensor evaluation timeout
+
+
+def write_corpus(root: Path, n: int) -> None:
+    for i in range(n):
+        folder = root / f"{i // 1000:03d}"
+        if i % 1000 == 0:
+            folder.mkdir(parents=True)
+        (folder / f"doc-{i:06d}.md").write_text(f"# Document {i}\n\nsmall body {i * 7919 % 100003}\n")
+    past = time.time_ns() - 3600 * 10**9   # written an hour ago: outside the racy-mtime window
+    for folder in root.iterdir():
+        for p in folder.iterdir():
+            os.utime(p, ns=(past, past))
+
+
+def evaluate(sensor, instance, cursor):
+    """One tick as the daemon runs it (fresh definitions and resources), partition requests applied."""
+    from pipeline_assets.defs.definitions import build_definitions
+    from pipeline_assets.defs.resources import build_resources
+    from pipeline_assets.settings import Settings
+
+    settings = Settings.from_env()
+    defs = build_definitions(settings)
+    with dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs,
+                                 resources=build_resources(settings)) as context:
+        with partition_loading_context(dynamic_partitions_store=instance):
+            started = time.perf_counter()
+            data = sensor.evaluate_tick(context)
+            seconds = time.perf_counter() - started
+    for request in data.dynamic_partitions_requests or []:
+        if isinstance(request, dg.AddDynamicPartitionsRequest):
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return data, seconds
+
+
+def old_sensor_module():
+    """The source sensor of BEFORE_COMMIT, loaded from git as a module of its own."""
+    text = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:pipeline_assets/defs/sensors.py"], cwd=REPO,
+                          check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "old_sensors.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("old_sensors", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--documents", type=int, default=100_000)
+    parser.add_argument("--skip-before", action="store_true", help="do not measure the old sensor")
+    args = parser.parse_args()
+
+    from pipeline_assets.app import observations
+    from pipeline_assets.defs import sensors
+    from pipeline_assets.defs.run_requests import MAX_KEYS_PER_TICK
+    from pipeline_assets.store import db
+
+    reads: list[str] = []
+    real_checksum = observations.file_checksum
+
+    def counting(item, max_bytes):
+        reads.append(item.document_id)
+        return real_checksum(item, max_bytes)
+
+    observations.file_checksum = counting
+    result: dict = {"benchmark": "b8_source_sensor", "documents": args.documents,
+                    "tick_limit_s": TICK_LIMIT_S, "max_keys_per_tick": MAX_KEYS_PER_TICK}
+    with tempfile.TemporaryDirectory(prefix="b8_") as tmp, fresh_database("b8") as url:
+        root = Path(tmp) / "corpus"
+        with Timer() as t:
+            write_corpus(root, args.documents)
+        result["write_corpus_s"] = round(t.seconds, 1)
+        os.environ.update({"PIPELINE_DATABASE_URL": url, "PIPELINE_SOURCE_DIR": str(root),
+                           "PIPELINE_HOME": str(Path(tmp) / "home")})
+        (Path(tmp) / "dagster").mkdir()
+        with dg.instance_for_test(temp_dir=str(Path(tmp) / "dagster")) as instance:
+            data, first = evaluate(sensors.source_documents_sensor, instance, None)
+            result["first_tick_s"] = round(first, 2)
+            result["first_tick_files_read"] = len(reads)
+            result["first_tick_runs"] = len(data.run_requests)
+            result["first_tick_partitions_added"] = len(instance.get_dynamic_partitions("documents"))
+            cursor = data.cursor
+            # Stand in for the ticks that request the rest: everything requested, every partition added.
+            resolved = root.resolve()
+            with db.session(url) as conn:
+                rows = conn.execute("SELECT document_id, checksum FROM app.source_observations").fetchall()
+                observations.mark_requested(conn, resolved, rows, sensors.decode_cursor(cursor)[0] - 1)
+            checksums = dict(rows)
+            known = set(instance.get_dynamic_partitions("documents"))
+            instance.add_dynamic_partitions("documents", sorted(k for k in checksums if k not in known))
+
+            unchanged, read_counts = [], []
+            for _ in range(3):
+                reads.clear()
+                data, seconds = evaluate(sensors.source_documents_sensor, instance, cursor)
+                assert not data.run_requests, data.run_requests
+                unchanged.append(seconds)
+                read_counts.append(len(reads))
+            result["unchanged_tick_s"] = round(statistics.median(unchanged), 2)
+            result["unchanged_tick_rounds_s"] = [round(s, 2) for s in unchanged]
+            result["unchanged_tick_files_read"] = max(read_counts)
+            result["unchanged_tick_skip_message"] = data.skip_message
+
+            middle = args.documents // 2
+            changed = f"{middle // 1000:03d}/doc-{middle:06d}.md"
+            (root / changed).write_text("a new body\n")
+            reads.clear()
+            data, seconds = evaluate(sensors.source_documents_sensor, instance, cursor)
+            result["changed_tick_s"] = round(seconds, 2)
+            result["changed_tick_files_read"] = len(reads)
+            result["changed_tick_runs"] = [r.run_key for r in data.run_requests]
+            checksums[changed] = data.run_requests[0].run_key.split(":")[1].split("@")[0]
+
+            legacy = json.dumps({"v": 1, "g": 1, "d": checksums}, separators=(",", ":"), sort_keys=True)
+            result["cursor_bytes"] = {"after": len(cursor.encode()), "before_map": len(legacy.encode())}
+
+            if not args.skip_before:
+                try:
+                    old = old_sensor_module()
+                    old_data, cold = evaluate(old.source_documents_sensor, instance, legacy)
+                    _, warm = evaluate(old.source_documents_sensor, instance, legacy)
+                    result["before"] = {"commit": BEFORE_COMMIT, "unchanged_tick_cold_cache_s": round(cold, 2),
+                                        "unchanged_tick_warm_cache_s": round(warm, 2),
+                                        "skip_message": old_data.skip_message}
+                except Exception as exc:   # the old tree no longer loads against this one
+                    result["before"] = {"commit": BEFORE_COMMIT, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["targets"] = {
+        "unchanged_tick_reads_no_file": result["unchanged_tick_files_read"] == 0,
+        "unchanged_tick_within_10pct_of_limit": result["unchanged_tick_s"] <= TICK_LIMIT_S / 10,
+        "cursor_under_100_bytes": result["cursor_bytes"]["after"] < 100,
+    }
+    emit(result)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

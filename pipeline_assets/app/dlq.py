@@ -1,0 +1,213 @@
+"""The dead-letter queue as a work list: failed jobs and quarantined documents.
+
+* ``groups``: per kind and error class, how many items are open (and
+  discarded), when the open ones failed first and last.
+* ``items``: the items, of one error class or all; the discarded ones apart.
+* ``show``: one item. For a job, every recorded attempt (``app.job_attempts``,
+  written by a trigger of ``sql/011`` on the failure transitions only, so the
+  worker's success path pays nothing): time, worker, outcome, error class, the
+  sanitized message. For a document, its stage rows.
+* ``requeue``: failed jobs back to pending (the job transition of
+  ``jobs.transitions``); quarantined documents re-extracted (a forced ingest of
+  just them, as ``rerun`` does). ``--all`` and ``--error-class`` skip the
+  discarded items; named ids do not.
+* ``discard``: a person gives up on items, saying why; they stay failed or
+  quarantined but leave the work list, ``requeue --all`` and the dead-letter
+  growth check. The discard is lifted when the item leaves the dead-letter
+  state (a requeue, a changed document), since a later failure is new.
+
+Ids: a job id is a number, a document id a path; ``doc:PATH`` forces a path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from pipeline_assets.app import rerun as rerun_uc
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.app.stages import RerunTarget
+from pipeline_assets.jobs import transitions
+from pipeline_assets.providers import sanitize
+from pipeline_assets.store import queries
+
+DLQ = queries.load("dlq")
+
+# History rows kept per job, the newest (bounds app.job_attempts at this many
+# rows per job). The trigger of sql/011 reads app.job_attempts_kept(), which
+# must return the same number (a test compares them).
+ATTEMPTS_KEPT_PER_JOB = 20
+
+DOCUMENT_PREFIX = "doc:"
+_LEASE_OWNER = re.compile(r"^(?P<worker>.*)/[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}/\d+$")
+
+
+@dataclass
+class Ids:
+    """Item ids from the command line, split into job ids and document ids."""
+
+    jobs: list[int] = field(default_factory=list)
+    documents: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, raw: Sequence[str]) -> "Ids":
+        ids = cls()
+        for item in raw:
+            if item.startswith(DOCUMENT_PREFIX):
+                ids.documents.append(item[len(DOCUMENT_PREFIX):])
+            elif item.isdigit():
+                ids.jobs.append(int(item))
+            else:
+                ids.documents.append(item)
+        return ids
+
+
+def worker_of(actor: str | None) -> str | None:
+    """The worker id of a lease owner (``worker-id/uuid/seq``); a person's name as is."""
+    if actor is None:
+        return None
+    m = _LEASE_OWNER.match(actor)
+    return m.group("worker") if m else actor
+
+
+def groups(pool: ConnectionPool) -> list[dict]:
+    with pool.connection() as conn:
+        return [{**r, "first_seen": _iso(r["first_seen"]), "last_seen": _iso(r["last_seen"])}
+                for r in _dicts(conn, DLQ.groups)]
+
+
+def items(pool: ConnectionPool, *, error_class: str | None = None, discarded: bool = False) -> list[dict]:
+    """Failed jobs, then quarantined documents: the open ones, or the discarded ones."""
+    with pool.connection() as conn:
+        return dead_letters(conn, error_class=error_class, discarded=discarded)
+
+
+def dead_letters(conn: psycopg.Connection, *, error_class: str | None = None,
+                 discarded: bool = False) -> list[dict]:
+    """``items`` on one connection (also ``reports.dead_letters``)."""
+    params = {"cls": error_class, "discarded": discarded}
+    jobs = _dicts(conn, DLQ.job_items, params)
+    docs = _dicts(conn, DLQ.document_items, params)
+    out = [{"kind": "job", "id": r["job_id"], "model": r["model_id"], "error_class": r["error_class"],
+            "message": r["error_message"], "attempts": r["attempts"], "failed_at": _iso(r["updated_at"]),
+            "documents": r["documents"] or [], **_discard(r)} for r in jobs]
+    out += [{"kind": "document", "id": r["document_id"], "source": r["root"], "error_class": r["error_class"],
+             "message": r["error_message"], "failed_at": _iso(r["updated_at"]), "documents": [r["document_id"]],
+             **_discard(r)} for r in docs]
+    return out
+
+
+def show(pool: ConnectionPool, item: str) -> dict:
+    """One item: a job with its attempts, or the document(s) with that id and their stages.
+    ValueError when there is none."""
+    ids = Ids.parse([item])
+    with pool.connection() as conn:
+        if ids.jobs:
+            rows = _dicts(conn, DLQ.job, {"id": ids.jobs[0]})
+            if rows:
+                r = rows[0]
+                attempts = [{"at": _iso(a["recorded_at"]), "worker": worker_of(a["actor"]), "lease": a["actor"],
+                             "attempt": a["attempt"], "outcome": a["outcome"], "status": a["status"],
+                             "error_class": a["error_class"], "message": a["error_message"]}
+                            for a in _dicts(conn, DLQ.attempts, {"id": r["job_id"]})]
+                return {"kind": "job", "id": r["job_id"], "model": r["model_id"], "status": r["status"],
+                        "attempts": r["attempts"], "max_attempts": r["max_attempts"], "throttles": r["throttles"],
+                        "error_class": r["error_class"], "message": r["error_message"],
+                        "updated_at": _iso(r["updated_at"]), "chunk_checksum": r["chunk_checksum"],
+                        "documents": r["documents"] or [], **_discard(r), "history": attempts,
+                        "history_kept": ATTEMPTS_KEPT_PER_JOB}
+        docs = _dicts(conn, DLQ.documents_named, {"id": ids.documents[0] if ids.documents else item})
+        if not docs:
+            raise ValueError(f"no job or document {item!r}")
+        return {"kind": "document", "id": docs[0]["document_id"], "sources": [
+            {"source": d["root"], "status": d["status"], "error_class": d["error_class"],
+             "message": d["error_message"], "updated_at": _iso(d["updated_at"]), **_discard(d),
+             "stages": [{**s, "started_at": _iso(s["started_at"]), "finished_at": _iso(s["finished_at"])}
+                        for s in _dicts(conn, DLQ.document_stages, {"doc": d["doc_pk"]})]}
+            for d in docs]}
+
+
+def requeue(pool: ConnectionPool, runtime: Callable[[], Runtime], *, ids: Ids | None = None,
+            all_jobs: bool = False, error_class: str | None = None, by: str | None = None) -> dict[str, int]:
+    """Send dead letters back: named ones (even if discarded), every open failed job
+    (``all_jobs``), or every open item of an error class (jobs and documents).
+    Jobs go to pending (superseded when their content is no longer wanted);
+    documents are re-extracted, which needs a runtime (built only then)."""
+    ids = ids or Ids()
+    counts = {"requeued": 0, "superseded": 0}
+    with pool.connection() as conn:
+        with conn.transaction():
+            conn.execute(DLQ.set_actor, {"actor": sanitize(by or "")})
+            job_ids = list(ids.jobs)
+            if all_jobs or error_class is not None:
+                job_ids += [r["job_id"] for r in _dicts(conn, DLQ.requeue_job_ids, {"cls": error_class})]
+            moved = transitions.requeue_failed(conn, sorted(set(job_ids))) if job_ids else {}
+        counts["requeued"] = moved.get("pending", 0)
+        counts["superseded"] = moved.get("superseded", 0)
+        docs = ([r for r in _dicts(conn, DLQ.document_items, {"cls": error_class, "discarded": False})]
+                if error_class is not None else [])
+        named = [r for name in ids.documents for r in _dicts(conn, DLQ.documents_named, {"id": name})
+                 if r["status"] == "quarantined"]
+        conn.execute(DLQ.lift_document_discards, {"docs": [r["doc_pk"] for r in named]})
+        docs += named
+    if ids.documents or error_class is not None:
+        targets = {(d["root"], d["document_id"]): RerunTarget(root=d["root"], document_id=d["document_id"],
+                                                             stage="extract", status="failed",
+                                                             error_class=d["error_class"], code_version=None) for d in docs}
+        counts["documents"] = rerun_uc.rerun(runtime(), pool, list(targets.values())) if targets else 0
+        with pool.connection() as conn:
+            still = _dicts(conn, DLQ.document_items, {"cls": None, "discarded": False})
+        counts["still_quarantined"] = len({(d["root"], d["document_id"]) for d in still} & set(targets))
+    return counts
+
+
+def discard(pool: ConnectionPool, raw_ids: Sequence[str], *, reason: str, by: str) -> dict[str, int]:
+    """Give up on dead letters, all or none: ValueError if any id is not one."""
+    reason, by = sanitize(reason), sanitize(by)
+    if not reason:
+        raise ValueError("a discard needs a --reason")
+    if not by:
+        raise ValueError("a discard needs a name (--by)")
+    ids = Ids.parse(raw_ids)
+    with pool.connection() as conn:
+        with conn.transaction():
+            params = {"by": by, "reason": reason}
+            jobs = [r["job_id"] for r in _dicts(conn, DLQ.discard_jobs, {**params, "ids": ids.jobs})]
+            conn.execute(DLQ.trim_attempts, {"ids": jobs})
+            docs = _dicts(conn, DLQ.discard_documents, {**params, "ids": ids.documents})
+            found = {str(j) for j in jobs}
+            missing = [str(j) for j in ids.jobs if str(j) not in found]
+            named = {n for n in ids.documents
+                     if any(d["status"] == "quarantined" for d in _dicts(conn, DLQ.documents_named, {"id": n}))}
+            missing += [n for n in ids.documents if n not in named]
+            if missing:
+                raise _Rollback(missing)
+    return {"jobs": len(jobs), "documents": len(docs)}
+
+
+class _Rollback(ValueError):
+    """Raised inside the transaction so nothing of a partly wrong discard is kept."""
+
+    def __init__(self, missing: Sequence[str]) -> None:
+        super().__init__(f"not in the dead-letter queue (failed job or quarantined document): {', '.join(missing)}"
+                         "; nothing discarded")
+
+
+def _discard(r: dict) -> dict:
+    if r.get("discarded_by") is None:
+        return {"discarded": None}
+    return {"discarded": {"by": r["discarded_by"], "reason": r["reason"], "at": _iso(r["discarded_at"])}}
+
+
+def _iso(value) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _dicts(conn: psycopg.Connection, query: str, params: dict | None = None) -> list[dict]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query, params).fetchall()

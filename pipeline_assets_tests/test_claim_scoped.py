@@ -1,0 +1,78 @@
+"""The scoped claim (sql/queries/jobs.sql: claim_scoped) a Dagster embeddings run's worker uses:
+only the jobs of some documents' chunks, under the same breaker gate and probe slot as claim."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline_assets.app.ingest import ingest_source
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.jobs.job_store import JobStore
+from pipeline_assets.settings import Settings
+from pipeline_assets.store import db
+from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
+
+LEASE = 30.0
+
+
+@pytest.fixture
+def pool(env, clean_db, database_url):
+    p = db.make_pool(database_url, max_size=4)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def docs(pool, tmp_path) -> tuple[str, dict[str, int]]:
+    """Three ingested documents (jobs pending): the model id and each document's doc_pk."""
+    root = tmp_path / "src"
+    write_corpus(root, 3, words=900)  # a few chunks each
+    rt = Runtime.build(Settings.from_env(), FAKE_MODEL)
+    ingest_source(rt, pool, root)
+    with pool.connection() as conn:
+        pks = dict(conn.execute("SELECT document_id, doc_pk FROM app.documents").fetchall())
+    return rt.model_id, pks
+
+
+def _store(pool, model_id: str, scope: list[int]) -> JobStore:
+    return JobStore(pool, model_id=model_id, worker_id="w", backoff_base=0.05, backoff_cap=0.2, scope=scope)
+
+
+def _doc_of_jobs(conn, job_ids: list[int]) -> set[str]:
+    return {r[0] for r in conn.execute(
+        """SELECT DISTINCT d.document_id FROM app.embedding_jobs j JOIN app.chunks c USING (chunk_checksum)
+           JOIN app.documents d USING (doc_pk) WHERE j.job_id = ANY(%s)""", (job_ids,))}
+
+
+def test_claims_only_the_scopes_jobs(pool, docs, conn):
+    model_id, pks = docs
+    store = _store(pool, model_id, [pks["doc0001.md"]])
+    jobs = store.claim(owner="w/1", limit=100, lease_seconds=LEASE)
+    assert jobs and _doc_of_jobs(conn, [j.job_id for j in jobs]) == {"doc0001.md"}
+    assert all(j.text and j.attempts == 1 and not j.probe for j in jobs)
+    own = conn.execute("SELECT count(*) FROM app.chunks WHERE doc_pk = %s", (pks["doc0001.md"],)).fetchone()[0]
+    assert len(jobs) == own
+    assert store.claim(owner="w/2", limit=100, lease_seconds=LEASE) == []      # nothing left in scope
+    counts = dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall())
+    assert counts["processing"] == own and counts["pending"] > 0              # the others still wait
+    assert _store(pool, model_id, []).claim(owner="w/3", limit=10, lease_seconds=LEASE) == []  # empty scope
+
+
+def test_the_breaker_gates_the_scoped_claim_like_claim(pool, docs, conn):
+    model_id, pks = docs
+    store = _store(pool, model_id, [pks["doc0000.md"]])
+    conn.execute("""INSERT INTO app.provider_state (model_id, consecutive_failures, tripped, paused_until)
+                    VALUES (%s, 5, true, now() + interval '1 hour')""", (model_id,))
+    assert store.claim(owner="w/1", limit=100, lease_seconds=LEASE) == []      # paused: nobody claims
+    conn.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second' WHERE model_id = %s",
+                 (model_id,))
+    probe = store.claim(owner="w/2", limit=100, lease_seconds=LEASE)          # half-open: one probe claim
+    assert probe and all(j.probe for j in probe)
+    assert conn.execute("SELECT probe_owner FROM app.provider_state").fetchone()[0] == "w/2"
+    other = _store(pool, model_id, [pks["doc0002.md"]])
+    assert other.claim(owner="w/3", limit=100, lease_seconds=LEASE) == []     # the slot is taken
+    store.release_probe("w/2")
+    # A scope with nothing waiting does not take the slot, though other documents' jobs wait.
+    assert store.claim(owner="w/4", limit=100, lease_seconds=LEASE) == []
+    assert conn.execute("SELECT probe_owner FROM app.provider_state").fetchone()[0] is None
+    assert other.claim(owner="w/5", limit=100, lease_seconds=LEASE)           # the next probe goes out

@@ -1,0 +1,130 @@
+"""A model change through Dagster (issue 9 section 4, issue 10): the model_switch sensor
+registers the newly configured model, search stays on the old one until the new one
+covers the corpus, then the sensor serves it and retires the old one; every step is an
+observation in the instance's event log. A launchpad override of the model is refused."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+
+from pipeline_assets.app import model_admin, search as search_uc
+from pipeline_assets.defs.model_switch import EMBEDDING_STORE, model_switch_sensor
+from pipeline_assets.jobs import models
+from pipeline_assets.settings import Settings
+from pipeline_assets.store import db
+from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
+from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, range_tags, stale_status
+
+OLD, NEW_NAME = f"openai/{FAKE_MODEL}", "fake-embed-2"
+NEW = f"openai/{NEW_NAME}"
+KEYS = [f"doc{i:04d}.md" for i in range(4)]
+
+
+@pytest.fixture
+def corpus(env, clean_db, tmp_path, monkeypatch):
+    root = tmp_path / "corpus"
+    write_corpus(root, len(KEYS))
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
+    return root
+
+
+def tick(defs, instance, cursor):
+    """One evaluation as the daemon runs it, its asset events written to the event log."""
+    data = evaluate_sensor(model_switch_sensor, defs, instance, cursor=cursor)
+    for event in data.asset_events:
+        instance.report_runless_asset_event(event)
+    return data
+
+
+def served_search() -> str:
+    """What `pipeline-assets search` does: embed the query with the served model, read its vectors."""
+    settings = Settings.from_env()
+    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+        rt = model_admin.served_runtime(settings, pool)
+        hits = search_uc.search(rt, pool, "w1 w8 w15", 3, mode="vector")
+    assert len(hits) == 3
+    return rt.model_id
+
+
+def observed_events(instance) -> list[dict]:
+    records = instance.fetch_observations(EMBEDDING_STORE, limit=20, ascending=True).records
+    return [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in records]
+
+
+def test_a_model_change_is_served_only_once_the_new_model_covers_the_corpus(corpus, conn, fake, monkeypatch):
+    with dg.instance_for_test() as instance:
+        _switch(instance, conn, monkeypatch)
+
+
+def _switch(instance, conn, monkeypatch) -> None:
+    instance.add_dynamic_partitions("documents", KEYS)
+    old_defs = fresh_defs()
+    assert execute(old_defs, instance, tags=range_tags(KEYS)).success
+    first = tick(old_defs, instance, None)
+    assert first.cursor == f"served:{OLD}" and "serving the configured model" not in (first.skip_message or "")
+    assert tick(old_defs, instance, first.cursor).skip_message == f"serving the configured model {OLD}"
+    wanted = models.coverage(conn, OLD).wanted
+
+    # PIPELINE_EMBEDDING_MODEL changes and the code location reloads.
+    monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", NEW_NAME)
+    defs = fresh_defs()
+    assert set(stale_status(defs, instance, "embeddings", KEYS).values()) == {"STALE"}  # a new code version
+    added = tick(defs, instance, first.cursor)
+    assert added.cursor == NEW
+    assert models.coverage(conn, NEW).waiting == wanted     # jobs for every current chunk
+    assert served_search() == OLD
+
+    # A launchpad override of the model would record the old model's vectors under the new code version.
+    override = defs.resolve_job_def("embed_documents").execute_in_process(
+        instance=instance, partition_key=KEYS[0], raise_on_error=False,
+        run_config={"resources": {"embedding_provider": {"config": {"model": FAKE_MODEL}}}})
+    assert not override.success
+    [failure] = [e for e in override.all_events if e.is_step_failure]
+    assert failure.step_key == "embeddings"
+    assert "is not the code version of embeddings" in failure.step_failure_data.user_failure_data.description
+    assert models.coverage(conn, NEW).ready == 0
+
+    # Half the partitions embedded with the new model: search stays on the old one.
+    assert execute(defs, instance, tags=range_tags(KEYS[:2])).success
+    half = models.coverage(conn, NEW)
+    assert 0 < half.ready < half.wanted
+    waiting = tick(defs, instance, added.cursor)
+    assert waiting.skip_message.startswith(f"serving {OLD} until {NEW} covers the corpus: {half.ready}/{wanted}")
+    assert served_search() == OLD
+    assert models.served_model_id(conn) == OLD
+
+    # The rest: the next tick serves the new model and retires the old one.
+    assert execute(defs, instance, tags=range_tags(KEYS[2:])).success
+    assert served_search() == OLD                              # nothing switches between ticks
+    assert waiting.cursor == NEW                               # the switch is still pending
+    switched = tick(defs, instance, waiting.cursor)
+    assert switched.cursor == f"served:{NEW}"
+    assert models.served_model_id(conn) == NEW and served_search() == NEW
+    assert "model_served" in switched.skip_message
+    [(active, retired_at)] = conn.execute("SELECT active, retired_at FROM app.models WHERE model_id = %s",
+                                          (OLD,)).fetchall()
+    assert not active and retired_at is not None
+    # The old model's work is over (nothing waits for a worker that never comes); its vectors stay for the grace.
+    assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE model_id = %s AND status IN "
+                        "('pending', 'retry', 'processing')", (OLD,)).fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (OLD,)).fetchone()[0] == wanted
+    assert set(stale_status(defs, instance, "embeddings", KEYS).values()) == {"FRESH"}
+    assert tick(defs, instance, switched.cursor).skip_message == f"serving the configured model {NEW}"
+
+    # A rollback by hand is not overruled: the configured model was served once already.
+    settings = Settings.from_env()
+    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+        model_admin.activate(pool, FAKE_MODEL, max_attempts=settings.max_attempts)
+        assert model_admin.serve(pool, FAKE_MODEL)["previous"] == NEW
+    left = tick(defs, instance, switched.cursor)
+    assert left.skip_message.startswith(f"serving {OLD}, served by hand after the configured {NEW} was")
+    assert models.served_model_id(conn) == OLD and served_search() == OLD
+
+    events = observed_events(instance)   # three: the hand-made rollback is not the sensor's event
+    assert [(e["event"], e["model"], e["served_model"]) for e in events] == [
+        ("model_configured", OLD, OLD), ("model_configured", NEW, OLD), ("model_served", NEW, NEW)]
+    assert events[1]["newly_registered"] is True and events[1]["enqueued"] == wanted
+    assert events[1]["previous_configured"] == OLD
+    assert events[2]["previous_model"] == OLD and events[2]["retired_model"] == OLD
+    assert events[2]["coverage_ready"] == events[2]["coverage_wanted"] == wanted

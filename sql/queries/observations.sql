@@ -1,0 +1,73 @@
+-- The source sensor's observations, app.source_observations (pipeline_assets/app/observations.py).
+
+-- name: stored
+-- What the sensor last saw of every file of a source: the prefilter's input.
+SELECT document_id, checksum, size, mtime_ns
+FROM app.source_observations
+WHERE root = %(root)s
+
+-- name: stage_create
+-- The observations of one scan that changed, copied in before one upsert.
+CREATE TEMP TABLE observations_in (
+    document_id text NOT NULL,
+    checksum    text NOT NULL,
+    size        bigint NOT NULL,
+    mtime_ns    bigint NOT NULL
+) ON COMMIT DROP
+
+-- name: stage_copy
+COPY observations_in (document_id, checksum, size, mtime_ns) FROM STDIN
+
+-- name: upsert_staged
+-- New files get a row; changed (or re-verified) ones their new checksum, size and mtime.
+-- What was requested is left alone: a changed checksum is what makes a row pending.
+INSERT INTO app.source_observations AS o (root, document_id, checksum, size, mtime_ns)
+SELECT %(root)s, document_id, checksum, size, mtime_ns FROM observations_in
+ON CONFLICT (root, document_id) DO UPDATE
+SET checksum = excluded.checksum, size = excluded.size, mtime_ns = excluded.mtime_ns, observed_at = now()
+
+-- name: adopt
+-- Seed the table from a legacy cursor map (document -> checksum, as already
+-- requested by the generation before): size -1 makes the next scan read each
+-- file once, and unchanged files are then not requested again.
+INSERT INTO app.source_observations (root, document_id, checksum, size, mtime_ns, requested, requested_gen)
+SELECT %(root)s, d, c, -1, 0, c, %(generation)s
+FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS m(d, c)
+ON CONFLICT (root, document_id) DO NOTHING
+
+-- name: mark_gone
+-- Files the scan did not find: pending as tombstones until a tombstone run deletes the rows.
+UPDATE app.source_observations
+SET checksum = NULL, observed_at = now()
+WHERE root = %(root)s AND document_id = ANY(%(ids)s) AND checksum IS NOT NULL
+
+-- name: latest_generation
+-- The generation of the latest request: where a sensor whose cursor was cleared goes on from.
+SELECT max(requested_gen) FROM app.source_observations WHERE root = %(root)s
+
+-- name: pending
+-- What the sensor has to request, tombstones first, then by document id in
+-- byte order (the order of Python's sorted() and of the partitions a tick adds):
+-- a checksum not requested yet, a request of a tick whose cursor was not saved
+-- (requested_gen >= the cursor's generation: asked again under the same run
+-- key), and every gone file (its row is deleted by the tombstone run; with no
+-- run of the sensor in flight, a row still here means that run failed).
+SELECT document_id, checksum, requested_gen IS NULL AS never_requested
+FROM app.source_observations
+WHERE root = %(root)s
+  AND (checksum IS NULL OR checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)
+ORDER BY checksum IS NOT NULL, document_id COLLATE "C"
+LIMIT %(limit)s
+
+-- name: mark_requested
+-- The (document, checksum) pairs a tick put into run requests (checksum NULL: a tombstone).
+UPDATE app.source_observations o
+SET requested = r.checksum, requested_gen = %(generation)s
+FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS r(document_id, checksum)
+WHERE o.root = %(root)s AND o.document_id = r.document_id
+
+-- name: forget_gone
+-- After a tombstone run: the rows of the documents it tombstoned, unless the
+-- sensor has seen the file again meanwhile (then it is pending as changed).
+DELETE FROM app.source_observations
+WHERE root = %(root)s AND document_id = ANY(%(ids)s) AND checksum IS NULL
