@@ -325,7 +325,7 @@ def test_search_nearest_first(env, fake, clean_db, corpus):
     target_doc, target_idx, target_text = conn.execute(
         "SELECT d.document_id, c.chunk_index, c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
         " WHERE d.document_id = 'doc0004.md' ORDER BY c.chunk_index LIMIT 1").fetchone()
-    hits = cli_json("search", target_text, "-k", "3", "--json", env=env)
+    hits = cli_json("search", target_text, "-k", "3", "--mode", "vector", "--json", env=env)
     assert len(hits) == 3
     distances = [h["distance"] for h in hits]
     assert distances == sorted(distances)

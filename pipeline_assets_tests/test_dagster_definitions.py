@@ -116,6 +116,10 @@ def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkey
             assert type(instance.run_storage).__name__ == "PostgresRunStorage"
             assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
             assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
+            # One run at a time embeds in-process: the embedding_worker pool's limit, and the run queue.
+            concurrency = instance.get_concurrency_config()
+            assert concurrency.pool_config.default_pool_limit == 1
+            assert concurrency.run_queue_config.max_concurrent_runs == 4
             instance.add_dynamic_partitions("documents", ["a.md", "b.md"])
             assert instance.get_dynamic_partitions("documents") == ["a.md", "b.md"]
         finally:

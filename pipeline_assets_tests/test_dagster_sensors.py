@@ -327,8 +327,11 @@ def test_legacy_map_cursor_is_adopted(corpus, conn, instance, monkeypatch):
     docs = {i.document_id: file_checksum(i, 1 << 20) for i in scan_directory(corpus)}
     legacy = json.dumps({"v": 1, "g": 7, "d": docs}, separators=(",", ":"), sort_keys=True)
     instance.add_dynamic_partitions("documents", sorted(docs))
-    (corpus / "doc0001.md").write_text("changed since\n")
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, legacy)
+    assert "no change among 3" in tick.skip_message and not tick.run_requests
+    assert tick.cursor == '{"v":2,"g":7}'                     # the map is gone from the cursor
+    (corpus / "doc0001.md").write_text("changed since\n")
+    tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
     assert [(r.partition_key, r.run_key.split("@")[1]) for r in tick.run_requests] == [("doc0001.md", "g7")]
     assert decode_cursor(tick.cursor) == (8, {})
 

@@ -20,7 +20,7 @@ from pipeline_assets.store import db, migrations
 from pipeline_assets.store import embedded_postgres
 from pipeline_assets_tests.conftest import wait_until, cli, kill_group, start_cli, write_corpus
 
-LOCAL_MODEL_ID = "local/hashing-cl100k-v1@256"
+LOCAL_MODEL_ID = "local/hashing-words-v2@512"
 
 
 def embedded_env(home: Path) -> dict:

@@ -145,7 +145,7 @@ def test_embed_with_3072_dimensions_builds_a_halfvec_index_and_searches(env, cle
         assert json.loads(cli("status", "--json", env=env).stdout)["vector_index"] == {MODEL_ID: "hnsw halfvec"}
         text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
                                 " WHERE d.document_id = 'doc0003.md'").fetchone()[0]
-        hits = json.loads(cli("search", text, "-k", "3", "--json", env=env).stdout)
+        hits = json.loads(cli("search", text, "-k", "3", "--mode", "vector", "--json", env=env).stdout)
     assert hits[0]["document_id"] == "doc0003.md" and hits[0]["distance"] == pytest.approx(0, abs=1e-5)
     assert len(hits) == 3 and hits[0]["distance"] < hits[1]["distance"]
 
@@ -167,7 +167,7 @@ def test_embed_with_4100_dimensions_has_no_index_and_searches_exactly(env, clean
             "index exact search (no index over 4000 dimensions)")
         text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
                                 " WHERE d.document_id = 'doc0001.md'").fetchone()[0]
-        hits = json.loads(cli("search", text, "-k", "5", "--json", env=env).stdout)
+        hits = json.loads(cli("search", text, "-k", "5", "--mode", "vector", "--json", env=env).stdout)
     assert [h["document_id"] for h in hits][0] == "doc0001.md" and len(hits) == 5
     assert hits[0]["distance"] == pytest.approx(0, abs=1e-6)
     assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)

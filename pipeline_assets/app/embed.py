@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from psycopg_pool import ConnectionPool
 
@@ -32,7 +32,7 @@ WAIT_POLL_SECONDS = 0.1
 
 def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCURRENCY, until_idle: bool = False,
          lease_seconds: float | None = None, worker_id: str | None = None, poll_seconds: float | None = None,
-         stop: threading.Event | None = None) -> WorkerReport:
+         stop: threading.Event | None = None, observe: Callable[[Worker], None] | None = None) -> WorkerReport:
     """Claim and embed until ``stop`` is set (or, ``until_idle``, until nothing is
     claimable, waiting or leased); then refresh the embed stage rows of the documents it touched.
 
@@ -44,6 +44,8 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     if poll_seconds:
         config.poll_seconds = poll_seconds
     worker = Worker(pool.conninfo, rt.provider, config, settings=rt.settings, stop_event=stop)
+    if observe is not None:  # metrics and progress read its report while it runs
+        observe(worker)
     with pool.connection() as conn:
         since = stages.clock(conn)
     report = worker.run()
@@ -192,11 +194,12 @@ def _build_index(pool: ConnectionPool, model_id: str) -> None:
 
 
 def embed_directory(rt: Runtime, pool: ConnectionPool, root: Path, *,
-                    concurrency: int = DEFAULT_CONCURRENCY, stop: threading.Event | None = None) -> dict:
+                    concurrency: int = DEFAULT_CONCURRENCY, stop: threading.Event | None = None,
+                    observe: Callable[[Worker], None] | None = None) -> dict:
     """`embed DIR`: ingest the directory, work until idle, and summarise."""
     started = time.monotonic()
     ing = ingest_source(rt, pool, root)
-    done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop)
+    done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
     with pool.connection() as conn:
         st = reports.status(conn)
     cov = st["coverage"].get(rt.model_id, {"ready": 0, "wanted": 0})

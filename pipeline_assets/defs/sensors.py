@@ -14,7 +14,7 @@ maximal contiguous ranges of wanted keys only, so a run never touches a
 partition that was not asked for (the rerun sensor relies on that: exactly the
 affected partitions). Bounds per tick: at most MAX_KEYS_PER_TICK keys
 (added + deleted + requested) and MAX_RUNS_PER_TICK runs; what is left over
-stays out of the cursor and is picked up by the next tick.
+stays pending in the observation table and is picked up by the next tick.
 
 Run keys. A one-document run has ``run_key = f"{document_id}:{checksum}@g{n}"``
 and a batch ``"batch@g{n}:{count}:{digest}:{first}..{last}"`` (the digest covers
@@ -103,7 +103,7 @@ def encode_cursor(generation: int) -> str:
                        "ones and a tombstone run for vanished ones; nothing while its earlier runs are in flight.")
 def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
                             embedding_provider: EmbeddingProviderResource,
-                            source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
+                            source: SourceDirectoryResource) -> dg.SensorResult:
     settings = embedding_provider.settings()
     root = source.root_path(settings)
     if not root.is_dir():
@@ -121,14 +121,17 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
                                 f"(they contain '|', '...' or control characters): {found.refused[:5]}")
         context.log.info(f"{found.present} file(s): {found.hashed} read, {found.written} observation(s) written, "
                          f"{found.gone} gone, {found.unreadable} unreadable")
-        if found.empty_refused:
-            return dg.SkipReason(f"source {root} is empty but {found.empty_refused} documents were seen before; "
-                                 "refusing to delete them all")
         if generation is None:
             generation = observations.latest_generation(conn, root) or 0
+        cursor = encode_cursor(generation)   # unchanged (a legacy map cursor shrinks to its generation)
+        if found.empty_refused:
+            return dg.SensorResult(cursor=cursor, skip_reason=(
+                f"source {root} is empty but {found.empty_refused} documents were seen before; "
+                "refusing to delete them all"))
         todo = observations.pending(conn, root, generation, MAX_KEYS_PER_TICK)
         if not todo:
-            return dg.SkipReason(f"no change among {found.present} documents ({found.hashed} file(s) read)")
+            return dg.SensorResult(cursor=cursor, skip_reason=(
+                f"no change among {found.present} documents ({found.hashed} file(s) read)"))
 
         existing = context.instance.get_dynamic_partitions(PARTITIONS_NAME)
         existing_set = set(existing)
@@ -143,7 +146,7 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
             return dg.SensorResult(
                 skip_reason=f"{in_flight} run(s) of this sensor still queued or running; {len(todo)} change(s) "
                             f"wait for the next tick ({len(to_add)} new partition(s) added)",
-                dynamic_partitions_requests=add, cursor=context.cursor)
+                dynamic_partitions_requests=add, cursor=cursor)
 
         tags = {TRIGGER_TAG: SENSOR_NAME}
         requests: list[dg.RunRequest] = []

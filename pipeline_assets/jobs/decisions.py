@@ -80,6 +80,8 @@ def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: in
     refuses, and the rest of its batch goes through.
     """
     wanted = [j for j in jobs if j.text is not None]
+    if all(not j.isolate and j.throttles < THROTTLE_SHRINK_AFTER for j in wanted):
+        return _fill(wanted, max_inputs, max_tokens)  # the usual claim: no isolation, no shrinking
     group: dict[int, int] = {}  # halvings -> inputs of that group in this claim
     for job in wanted:
         level = halvings(job.throttles)
@@ -103,6 +105,23 @@ def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: in
         current.append(job)
         open_[level] = (current, tokens + n)
     requests.extend(current for current, _ in open_.values() if current)
+    return requests
+
+
+def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int) -> list[list[ClaimedJob]]:
+    """Requests filled in order up to ``max_inputs`` inputs and ``max_tokens`` tokens."""
+    requests: list[list[ClaimedJob]] = []
+    current: list[ClaimedJob] = []
+    tokens = 0
+    for job in jobs:
+        n = job.token_count or 0
+        if current and (tokens + n > max_tokens or len(current) >= max_inputs):
+            requests.append(current)
+            current, tokens = [], 0
+        current.append(job)
+        tokens += n
+    if current:
+        requests.append(current)
     return requests
 
 

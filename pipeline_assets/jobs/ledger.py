@@ -1,7 +1,7 @@
 """The spend ledger: every provider call, and how often each input was sent.
 
 Each send is recorded *before* the request goes out, in its own short
-transaction (``record_send``): the call row starts as ``sent`` and possibly
+transaction (``record_send``: one statement, one round trip): the call row starts as ``sent`` and possibly
 billed, with the estimated tokens of its inputs, and every input's send is
 counted at once. The outcome settles it afterwards (``record_outcome``): an
 answer is billed with the provider's usage; an ambiguous failure (timeout,
@@ -28,21 +28,22 @@ BILLED, MAYBE_BILLED, NOT_BILLED = "yes", "maybe", "no"
 
 def record_send(conn: psycopg.Connection, *, model_id: str, worker_id: str, checksums: Sequence[bytes],
                 tokens: int, run: str | None = None) -> int:
-    """Count a send before it goes out, in its own short transaction (one round
-    trip, committed when this returns: see ``send_commit_async``); returns the call id."""
-    with conn.pipeline(), conn.transaction():
-        conn.execute(LEDGER.send_commit_async)
-        cur = conn.execute(LEDGER.record_send, {"model": model_id, "worker": worker_id, "run": run,
-                                                "tokens": tokens, "checksums": list(checksums)})
-    return cur.fetchone()[0]
+    """Count a send before it goes out: one statement in its own transaction,
+    committed (without waiting for its WAL flush) when this returns; returns the
+    call id. (Inside a caller's transaction it commits with that one, which
+    then does not wait for its flush either.)"""
+    return conn.execute(LEDGER.record_send, {"model": model_id, "worker": worker_id, "run": run,
+                                             "tokens": tokens, "checksums": list(checksums)}).fetchone()[0]
 
 
 def record_outcome(conn: psycopg.Connection, *, call_id: int, model_id: str, checksums: Sequence[bytes],
                    outcome: str, status: int | None, latency: float, billed: str,
                    tokens: int | None = None) -> None:
     """Settle a recorded send (once; a second outcome for the same call changes nothing).
-    ``tokens`` None keeps the estimate recorded with the send."""
-    conn.execute(LEDGER.record_outcome, {"call": call_id, "model": model_id, "checksums": list(checksums),
+    ``tokens`` None keeps the estimate recorded with the send. Only a refusal
+    (``NOT_BILLED``) takes sends back, so only it needs the checksums."""
+    conn.execute(LEDGER.record_outcome, {"call": call_id, "model": model_id,
+                                         "checksums": list(checksums) if billed == NOT_BILLED else [],
                                          "outcome": outcome, "status": status, "latency": int(latency * 1000),
                                          "billed": billed, "tokens": tokens})
 

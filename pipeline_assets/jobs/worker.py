@@ -31,7 +31,7 @@ from pipeline_assets.jobs import crashpoints, decisions, leases, ledger, vector_
 from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.decisions import Fail, GiveBack, ProbeConfig, Retry, Split, Stop
 from pipeline_assets.jobs.faults import FaultCounter, WorkerFault
-from pipeline_assets.jobs.job_store import JobStore
+from pipeline_assets.jobs.job_log import LoggedJobStore as JobStore  # + a log line per job event, claims counted
 from pipeline_assets.jobs.leases import HeldLeases
 from pipeline_assets.jobs.transitions import ClaimedJob
 from pipeline_assets.providers import TERMINAL, Provider, ProviderError
@@ -306,8 +306,10 @@ class Worker:
         if self._dimension is None:
             self._dimension = self.store.record_dimension(len(result.vectors[0]))
         vectors = result.vectors
-        bad = decisions.bad_vectors([bool(np.isfinite(v).all()) for v in vectors], jobs,
-                                    base=self.settings.backoff_base, cap=self.settings.backoff_cap)
+        # One check of the whole answer; vector by vector only when it fails.
+        bad = None if np.isfinite(np.concatenate(vectors)).all() else decisions.bad_vectors(
+            [bool(np.isfinite(v).all()) for v in vectors], jobs,
+            base=self.settings.backoff_base, cap=self.settings.backoff_cap)
         if bad is not None:  # NaN/inf: the provider's fault; retry those, complete the rest
             self._retry(owner, bad)
             jobs, vectors = decisions.without(bad.job_ids, jobs, vectors)

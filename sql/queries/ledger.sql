@@ -2,34 +2,35 @@
 -- app.input_sends. app.input_sends.sends counts the sends of an input that were
 -- or may have been billed; more than one is duplicate spend.
 
--- name: send_commit_async
--- The send record's own transaction commits without waiting for its WAL flush:
--- visible to every session at once and kept if the worker dies, lost only if the
--- database server itself crashes within about 3 x wal_writer_delay (0.6 s by
--- default) and no later commit flushed it. It spares every provider request
--- a disk flush.
-SET LOCAL synchronous_commit = off
-
 -- name: record_send
 -- Before the request goes out, committed on its own: the call row (outcome
 -- 'sent', possibly billed, the estimated tokens) and one more send of each input.
-WITH call AS (
+-- One statement, so one implicit transaction (a single round trip, no BEGIN or
+-- COMMIT), which commits without waiting for its WAL flush (synchronous_commit
+-- off for this transaction only, set_config(..., true)): visible to every
+-- session at once and kept if the worker dies, lost only if the database
+-- server itself crashes within about 3 x wal_writer_delay (0.6 s by default)
+-- and no later commit flushed it. It spares every provider request a disk flush.
+WITH async AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+), call AS (
     INSERT INTO app.provider_calls (model_id, worker_id, worker_run, inputs, tokens, outcome, http_status,
                                     latency_ms, billed, called_at)
-    VALUES (%(model)s, %(worker)s, %(run)s, cardinality(%(checksums)s::bytea[]), %(tokens)s, 'sent', NULL, 0,
+    VALUES (%(model)s, %(worker)s, %(run)s, cardinality(%(checksums)b::bytea[]), %(tokens)s, 'sent', NULL, 0,
             'maybe', clock_timestamp())
     RETURNING call_id
 ), sent AS (
     INSERT INTO app.input_sends (chunk_checksum, model_id, sends)
-    SELECT c, %(model)s, 1 FROM unnest(%(checksums)s::bytea[]) AS c
+    SELECT c, %(model)s, 1 FROM unnest(%(checksums)b::bytea[]) AS c
     ON CONFLICT (chunk_checksum, model_id) DO UPDATE SET sends = app.input_sends.sends + 1
 )
-SELECT call_id FROM call
+SELECT call_id FROM call, async
 
 -- name: record_outcome
 -- After the answer (or the error): settle the call once. billed 'no' (the
 -- provider refused the request) takes its sends back; 'yes' and 'maybe' keep
--- them. tokens NULL keeps the estimate recorded with the send.
+-- them (and are given no checksums: ledger.record_outcome). tokens NULL keeps
+-- the estimate recorded with the send.
 WITH settled AS (
     UPDATE app.provider_calls
     SET outcome = %(outcome)s, http_status = %(status)s, latency_ms = %(latency)s, billed = %(billed)s,
@@ -38,7 +39,7 @@ WITH settled AS (
     RETURNING billed
 )
 UPDATE app.input_sends s SET sends = s.sends - 1
-WHERE s.model_id = %(model)s AND s.chunk_checksum = ANY(%(checksums)s::bytea[])
+WHERE s.model_id = %(model)s AND s.chunk_checksum = ANY(%(checksums)b::bytea[])
   AND EXISTS (SELECT 1 FROM settled WHERE settled.billed = 'no')
 
 -- name: record_call
