@@ -9,6 +9,7 @@ import dagster as dg
 import pytest
 
 from pipeline_assets.app import model_admin, search as search_uc
+from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.model_switch import EMBEDDING_STORE, model_switch_sensor
 from pipeline_assets.jobs import models
 from pipeline_assets.settings import Settings
@@ -81,6 +82,12 @@ def _switch(instance, conn, monkeypatch) -> None:
         run_config={"resources": {"embedding_provider": {"config": {"model": FAKE_MODEL}}}})
     assert not override.success
     [failure] = [e for e in override.all_events if e.is_step_failure]
+    assert failure.step_key == "ingest"     # refused by the resource, before anything is registered or embedded
+    assert f"the run's model {OLD} is not the configured model {NEW}" in failure.step_failure_data.error.to_string()
+    # Definitions whose code version is not the run's model (built from other settings): embeddings refuses.
+    other = build_definitions(Settings.from_env().replace(embedding_model="fake-embed-3"))
+    mismatch = execute(other, instance, partition_key=KEYS[0])
+    [failure] = [e for e in mismatch.all_events if e.is_step_failure]
     assert failure.step_key == "embeddings"
     assert "is not the code version of embeddings" in failure.step_failure_data.user_failure_data.description
     assert models.coverage(conn, NEW).ready == 0

@@ -226,6 +226,20 @@ def test_unchanged_tick_reads_no_file(corpus, conn, instance, monkeypatch):
     assert reads == []
 
 
+def test_revert_to_earlier_bytes_runs_again(corpus, conn, instance):
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    a = (corpus / "doc0000.md").read_bytes()
+    (corpus / "doc0000.md").write_bytes(b"version B\n")
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (to_b,) = tick.run_requests
+    (corpus / "doc0000.md").write_bytes(a)                  # A -> B -> A
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (to_a,) = tick.run_requests
+    checksum_a = _observed(conn)["doc0000.md"]
+    assert to_a.run_key == f"doc0000.md:{checksum_a}@g2" and to_a.run_key != to_b.run_key
+
+
 def test_source_sensor_backpressure(corpus, conn, instance):
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)

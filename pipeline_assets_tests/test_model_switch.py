@@ -19,6 +19,7 @@ from pipeline_assets.app import model_admin, search as search_uc
 from pipeline_assets.app.embed import embed_directory, work
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, vector_index
+from pipeline_assets.providers import ConfigError, ModelSpec
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
@@ -114,6 +115,8 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
     assert all(m == NEW for start, end, m, _, _ in answers if start > serve_done)
     during_build = [a for a in answers if a[1] < serve_started]
     assert len(during_build) > 10 and all(a[2] == OLD for a in during_build)
+    print(f"switch: {len(answers)} searches, {len(during_build)} while {NEW} was built "
+          f"({len(refusals)} serve attempts refused, {len(partial)} of them half built), all answered with 3 hits")
 
 
 def test_serve_force_retire_and_purge_after_the_grace_period(env, fake, clean_db, tmp_path):
@@ -167,6 +170,9 @@ def test_serve_force_retire_and_purge_after_the_grace_period(env, fake, clean_db
     assert cli("models", "purge", env={**env, "PIPELINE_MODEL_RETIRE_GRACE": "0"}).stdout.strip() == "nothing to purge"
     old_row = [r for r in json.loads(cli("models", "list", "--json", env=env).stdout) if r["model_id"] == OLD][0]
     assert old_row["purged_at"] and not old_row["active"] and not old_row["served"]
+    listing = dict(line.split(" ", 1) for line in cli("models", "list", env=env).stdout.splitlines())
+    assert "active=False served=False purged_at=" in listing[OLD]
+    assert f"active=True served=True coverage={wanted}/{wanted} " in listing[NEW]
 
     # A rollback after the purge: activate re-embeds what it lost (the superseded jobs are revived).
     billed = fake.stats["billed_inputs"]
@@ -190,3 +196,17 @@ def test_the_served_model_cannot_be_retired_nor_purged(env, clean_db, tmp_path):
 
 def model_admin_served(env: dict) -> str:
     return json.loads(cli("status", "--json", env=env).stdout)["served_model"]
+
+
+def test_a_served_model_this_installation_cannot_build_is_one_line(env, clean_db):
+    """An offline embedder replaced by a new version: its vectors are served, its code is gone."""
+    gone = ModelSpec(provider="local", name="local-hashing", id_name="hashing-gone-v0", dimension=4,
+                     max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000)
+    assert models.ensure_model(clean_db, gone)           # the first model: served at once
+    settings = Settings.from_env()
+    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+        with pytest.raises(ConfigError) as refused:
+            model_admin.served_runtime(settings, pool)
+    assert str(refused.value) == ("this installation cannot embed a query with the served model "
+                                  f"local/hashing-gone-v0@4; `pipeline-assets models serve {OLD}` once it covers "
+                                  "the corpus (`models list`), or `search --model NAME`")

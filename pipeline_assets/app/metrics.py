@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from psycopg_pool import ConnectionPool
 
+from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import EmbedResult, Provider, ProviderError
 from pipeline_assets.store import queries
@@ -178,3 +179,11 @@ class WorkMetrics:
         """Expose /metrics over HTTP in a daemon thread; returns the address bound (port 0: any free one)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_address[:2]
+
+
+def outstanding_jobs(pool: ConnectionPool, model_id: str) -> int:
+    """The model's jobs not yet ready, failed or superseded (pending, retry, processing): a progress bar's total."""
+    with pool.connection() as conn:
+        rows = conn.execute(REPORTS.status_by_model).fetchall()
+    waiting = (JobStatus.PENDING, JobStatus.RETRY, JobStatus.PROCESSING)
+    return sum(n for model, status, n in rows if model == model_id and status in waiting)

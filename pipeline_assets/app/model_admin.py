@@ -175,8 +175,10 @@ def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
         rt = runtime_for_model(settings, row["name"], dims)
         if rt.model_id == row["model_id"]:
             return rt
-    raise ConfigError(f"cannot build the served model {row['model_id']} here; "
-                      f"`pipeline-assets search --model NAME` reads another")
+    # E.g. an offline embedder replaced by a new version: its code is gone, its vectors are not.
+    raise ConfigError(f"this installation cannot embed a query with the served model {row['model_id']}; "
+                      f"`pipeline-assets models serve {model_id_for(settings)}` once it covers the corpus "
+                      "(`models list`), or `search --model NAME`")
 
 
 def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import click
@@ -10,7 +11,9 @@ from pipeline_assets.app import embed as embed_uc
 from pipeline_assets.app import ingest as ingest_uc
 from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app import rerun as rerun_uc
+from pipeline_assets.app.metrics import WorkMetrics
 from pipeline_assets.cli.common import emit, expected_errors, pairs, pool, runtime, settings, stop_on_signals
+from pipeline_assets.cli.progress import work_progress
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
 
@@ -42,16 +45,35 @@ def ingest(directory: str, allow_empty: bool, as_json: bool) -> None:
 @click.option("--until-idle", is_flag=True, help="Exit when no work is claimable, waiting or leased.")
 @click.option("--lease-seconds", type=click.FloatRange(0.5, 3600), default=None)
 @click.option("--worker-id", default=None)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve Prometheus metrics on this port (/metrics) while working.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics server binds.")
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
 def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None, worker_id: str | None,
-         as_json: bool) -> None:
+         metrics_port: int | None, metrics_host: str, as_json: bool) -> None:
     """Claim and process embedding jobs (until SIGTERM, or --until-idle)."""
     rt = runtime()
-    with pool() as p:
+    with pool() as p, work_progress(p, enabled=None if until_idle else False) as bar:
+        metrics = None if metrics_port is None else _serve_metrics(rt, p, metrics_host, metrics_port)
+
+        def observe(worker) -> None:  # the worker, once built: its counters are read, nothing is pushed
+            bar.observe(worker)
+            if metrics is not None:
+                metrics.observe(worker)
         report = embed_uc.work(rt, p, concurrency=concurrency or DEFAULT_CONCURRENCY, until_idle=until_idle,
-                               lease_seconds=lease_seconds, worker_id=worker_id, stop=stop_on_signals())
+                               lease_seconds=lease_seconds, worker_id=worker_id, stop=stop_on_signals(),
+                               observe=observe)
     emit(report.as_dict(), as_json, pairs)
+
+
+def _serve_metrics(rt, p, host: str, port: int) -> WorkMetrics:
+    """Serve /metrics for this process, its provider calls counted from now on."""
+    metrics = WorkMetrics(p)
+    rt.provider = metrics.wrap(rt.provider)
+    bound_host, bound_port = metrics.serve(port, host)
+    logging.getLogger(__name__).info("metrics on http://%s:%d/metrics", bound_host, bound_port)
+    return metrics
 
 
 @click.command()
@@ -63,10 +85,10 @@ def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None,
 def embed(directory: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
     """Ingest DIRECTORY, then work until idle: the one-shot job."""
     rt = runtime(allow_empty=allow_empty)
-    with pool() as p:
+    with pool() as p, work_progress(p) as bar:
         summary = embed_uc.embed_directory(rt, p, Path(directory),
                                            concurrency=concurrency or DEFAULT_CONCURRENCY,
-                                           stop=stop_on_signals())
+                                           stop=stop_on_signals(), observe=bar.observe)
     emit(summary, as_json, pairs)
 
 

@@ -10,6 +10,7 @@ import click
 
 from pipeline_assets.app import model_admin, search as search_uc, status as status_uc
 from pipeline_assets.cli.common import emit, expected_errors, pool, runtime, settings
+from pipeline_assets.cli.progress import WATCH_SECONDS, watch_status
 from pipeline_assets.settings import reference_table
 
 
@@ -39,13 +40,24 @@ def _status_lines(d: dict):
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--watch", type=click.FloatRange(min=0.1), is_flag=False, flag_value=WATCH_SECONDS, default=None,
+              metavar="[SECONDS]", help=f"Refresh every SECONDS ({WATCH_SECONDS:g} if omitted) until Ctrl-C "
+                                        "(--json: one JSON object per line).")
+@click.option("--count", type=click.IntRange(min=1), default=None, help="With --watch: stop after N refreshes.")
 @expected_errors
-def status(as_json: bool) -> None:
+def status(as_json: bool, watch: float | None, count: int | None) -> None:
     """Counts by job status and stage, coverage, dead letters, spend, the provider breaker."""
     with pool() as p:
-        data = status_uc.status(p, settings().model_retire_grace)
-    data["retry_after_cap"] = settings().retry_after_cap
+        if watch is not None:
+            return watch_status(lambda: _status_data(p), _status_lines, as_json, watch, count)
+        data = _status_data(p)
     emit(data, as_json, _status_lines)
+
+
+def _status_data(p) -> dict:
+    data = status_uc.status(p, settings().model_retire_grace)
+    data["retry_after_cap"] = settings().retry_after_cap
+    return data
 
 
 @click.command()

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import click
 
-from pipeline_assets.cli import dlq, models, pipeline, reading, server
+from pipeline_assets.cli import dlq, logs, models, pipeline, reading, server
 from pipeline_assets.settings import Settings, SettingsError
 
 
 @click.group()
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
+@click.option("--log-format", type=click.Choice(logs.FORMATS), default="auto", show_default=True,
+              help="Log lines on stderr: JSON (auto: when stderr is not a terminal) or readable text.")
 @click.pass_context
-def main(ctx: click.Context, verbose: bool) -> None:
+def main(ctx: click.Context, verbose: bool, log_format: str) -> None:
     """Idempotent embedding pipeline: documents -> chunks -> embeddings in PostgreSQL."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(log_format, verbose)
     try:
         ctx.obj = Settings.from_env()
     except SettingsError as exc:

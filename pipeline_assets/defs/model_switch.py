@@ -27,8 +27,10 @@ another model by hand (``models serve``, a rollback) is left alone; the cursor
 (``served:<model>``) remembers that. Changing the configuration starts over.
 
 A launchpad override of the model (``resources.embedding_provider.config.model``)
-would write vectors of one model under the code version of another: the
-``embeddings`` asset refuses it (``refuse_model_override``).
+would write vectors of one model under the code version of another (and
+register a model nobody works): ``EmbeddingProviderResource.runtime`` refuses a
+model that is not the configured one, and the ``embeddings`` asset any model
+that is not its code version (``refuse_model_override``).
 """
 
 import dagster as dg

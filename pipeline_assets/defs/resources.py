@@ -33,6 +33,7 @@ from psycopg_pool import ConnectionPool
 from pydantic import Field, PrivateAttr
 
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.providers import ConfigError, model_id_for
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
@@ -90,7 +91,9 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
     model: Optional[str] = Field(
         default=None,
         description="Model name; unset: PIPELINE_EMBEDDING_MODEL, else text-embedding-3-small with "
-                    "OPENAI_API_KEY, else the local offline model.")
+                    "OPENAI_API_KEY, else the local offline model. Set, it must be that same model: the "
+                    "code versions are built from the configuration, and a model switch is a configuration "
+                    "change the model_switch sensor follows.")
 
     _settings = PrivateAttr(default=None)
 
@@ -101,7 +104,14 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
         return self._settings
 
     def runtime(self, run_id: str | None = None, *, force: bool = False) -> Runtime:
-        return Runtime.build(self.settings(), run_id=run_id, force=force)
+        rt = Runtime.build(self.settings(), run_id=run_id, force=force)
+        if self.model and rt.model_id != (configured := model_id_for(Settings.from_env())):
+            # A launchpad override: it would register a model nobody serves or works, and record
+            # vectors of one model under the code version of another (defs/model_switch.py).
+            raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "
+                              "embeddings code version); set PIPELINE_EMBEDDING_MODEL and reload the code "
+                              "location to switch models")
+        return rt
 
 
 class SourceDirectoryResource(dg.ConfigurableResource):

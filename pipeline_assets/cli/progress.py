@@ -1,0 +1,125 @@
+"""A progress bar for `embed` and `work --until-idle`, on a terminal only; `status --watch`.
+
+When stderr is a terminal: a rich bar on stderr with jobs done of the queue
+the worker started with, jobs per second and the time left. Otherwise (a pipe,
+a file, a service) nothing at all: the output is what it always was. It reads
+the worker's own counters a few times a second (nothing in the worker's loop
+changes); the total is the model's outstanding jobs when the worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Callable, Iterable, Iterator
+
+import click
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TaskProgressColumn, Text,
+                           TextColumn, TimeRemainingColumn)
+
+from pipeline_assets.app.metrics import outstanding_jobs
+from pipeline_assets.jobs.worker import Worker
+
+# How often the bar re-reads the worker's counters (seconds).
+REFRESH_SECONDS = 0.25
+
+# `status --watch` without a value: seconds between two refreshes.
+WATCH_SECONDS = 2.0
+
+
+class _Rate(ProgressColumn):
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("- jobs/s" if speed is None else f"{speed:,.1f} jobs/s")
+
+
+def _done(worker: Worker) -> int:
+    r = worker.report
+    return r.embedded + r.failed + r.superseded + r.refused
+
+
+class WorkProgress:
+    """``observe`` is handed to the worker use case; the bar follows that worker until closed."""
+
+    def __init__(self, pool, enabled: bool) -> None:
+        self._pool = pool
+        self.enabled = enabled
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._progress: Progress | None = None
+
+    def observe(self, worker: Worker) -> None:
+        if not self.enabled:
+            return
+        total = outstanding_jobs(self._pool, worker.model_id)
+        self._progress = Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+                                  _Rate(), TextColumn("eta"), TimeRemainingColumn(),
+                                  console=Console(file=sys.stderr), transient=False)
+        task = self._progress.add_task("embedding", total=total or None)
+        self._progress.start()
+        self._thread = threading.Thread(target=self._follow, args=(worker, task, total), name="progress",
+                                        daemon=True)
+        self._thread.start()
+
+    def _follow(self, worker: Worker, task, total: int) -> None:
+        while True:
+            stopping = self._stop.wait(REFRESH_SECONDS)
+            done = _done(worker)
+            self._progress.update(task, completed=done, total=max(total, done) or None)
+            if stopping:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._progress is not None:
+            self._progress.stop()
+
+
+@contextmanager
+def work_progress(pool, enabled: bool | None = None) -> Iterator[WorkProgress]:
+    """A WorkProgress shown only when stderr is a terminal (``enabled`` overrides)."""
+    bar = WorkProgress(pool, sys.stderr.isatty() if enabled is None else enabled)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]], as_json: bool,
+                 every: float, count: int | None = None) -> None:
+    """`status --watch`: read and print every ``every`` seconds until Ctrl-C (or ``count`` times).
+
+    On a terminal the screen is redrawn; piped, each refresh is appended (a
+    timestamped block, or one JSON object per line with ``--json``).
+    """
+    terminal = sys.stdout.isatty()
+    shown = 0
+    try:
+        while True:
+            started = time.monotonic()
+            data = read()
+            now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            if as_json:
+                click.echo(json.dumps({"at": now, **data}, default=str))
+            else:
+                if terminal:
+                    click.clear()
+                elif shown:
+                    click.echo()
+                click.echo(f"status at {now} (every {every:g} s; Ctrl-C stops)")
+                for line in lines(data):
+                    click.echo(line)
+            shown += 1
+            if count is not None and shown >= count:
+                return
+            time.sleep(max(0.0, every - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        return
