@@ -86,6 +86,7 @@ def test_work_metrics_match_the_provider_and_the_database(env, fake, clean_db, t
     assert total(m, "pipeline_worker_jobs_total", outcome="throttled") >= 3
     assert total(m, "pipeline_jobs_claimed_total") >= wanted + 3
     assert total(m, "pipeline_lease_rescues_total") == 0
+    assert total(m, "pipeline_worker_info", worker_id="metrics-w1", model=MODEL_ID) == 1
     assert total(m, "pipeline_superseded_results_total") == 0
 
     # The jobs gauge is the database's, and the breaker closed again after the 429s.
@@ -115,3 +116,41 @@ def test_metrics_bind_to_localhost_unless_told(env, fake, clean_db):
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=60)
         assert proc.returncode == 0
+
+
+def test_a_scrape_without_the_database_repeats_the_last_values(database_url, clean_db):
+    """The pool's only connection is taken: the scrape waits 2 s at most, repeats what it
+    read last and counts the error, and reads again once the database is there."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pipeline_assets.app.metrics import DatabaseCollector
+    from pipeline_assets.store import db
+
+    clean_db.execute("INSERT INTO app.models (model_id, provider, name) VALUES ('m', 'test', 'm')")
+    clean_db.execute("INSERT INTO app.provider_state (model_id, tripped, paused_until) "
+                     "VALUES ('m', true, now() + interval '1 hour')")
+    pool = db.make_pool(database_url, min_size=1, max_size=1)
+    try:
+        collector = DatabaseCollector(pool, cache_seconds=0.0)
+        registry = CollectorRegistry()
+        registry.register(collector)
+
+        def read() -> dict:
+            text = generate_latest(registry).decode()
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples}
+
+        first = read()
+        assert total(first, "pipeline_breaker_state", model="m", state="open") == 1
+        with pool.connection():  # the pool's only connection: the collector cannot get one
+            started = time.monotonic()
+            stale = read()
+            assert time.monotonic() - started < 10
+        assert total(stale, "pipeline_metrics_database_errors_total") == 1
+        assert total(stale, "pipeline_breaker_state", model="m", state="open") == 1  # the last values
+        clean_db.execute("UPDATE app.provider_state SET tripped = false WHERE model_id = 'm'")
+        fresh = read()
+        assert total(fresh, "pipeline_breaker_state", model="m", state="closed") == 1
+        assert total(fresh, "pipeline_metrics_database_errors_total") == 1
+    finally:
+        pool.close()

@@ -10,6 +10,7 @@ status and the provider's circuit breaker (the same named queries as ``status``)
 Names (all prefixed ``pipeline_``):
 
 * ``jobs{model,status}``: jobs by status, from the database (every worker's)
+* ``worker_info{worker_id,model}``: 1, naming this process's worker
 * ``jobs_claimed_total``: jobs this process claimed
 * ``worker_jobs_total{outcome}``: this process's outcomes (embedded, superseded,
   failed, retried, throttled, refused)
@@ -19,28 +20,36 @@ Names (all prefixed ``pipeline_``):
   ``provider_tokens_total``: this process's provider calls
 * ``breaker_state{model,state}``: 1 for the breaker's state (closed, open,
   half-open), from the database; ``breaker_paused_seconds{model}``
+* ``metrics_database_errors_total``: scrapes that could not read the database
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Sequence
 
+import psycopg
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import EmbedResult, Provider, ProviderError
 from pipeline_assets.store import queries
 
+log = logging.getLogger(__name__)
+
 REPORTS = queries.load("reports")
 
 # How long a scrape reuses the jobs-by-status and breaker rows it read: bounds
 # the queries scrapers add to the database to one pair per this many seconds.
 DB_CACHE_SECONDS = 1.0
+
+# How long a scrape waits for a pooled connection before repeating the last values.
+DB_TIMEOUT_SECONDS = 2.0
 
 # Provider latency buckets (seconds): from a local fake to a call near its deadline.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -120,7 +129,11 @@ class WorkerCollector:
         superseded = CounterMetricFamily("pipeline_superseded_results", "Claimed jobs whose content was no longer "
                                          "wanted (results not stored).")
         superseded.add_metric([], getattr(report, "superseded", 0))
-        yield from (claimed, outcomes, rescues, superseded)
+        info = GaugeMetricFamily("pipeline_worker_info", "This process's worker id and model (always 1).",
+                                 labels=["worker_id", "model"])
+        if worker is not None:
+            info.add_metric([worker.worker_id, worker.model_id], 1.0)
+        yield from (claimed, outcomes, rescues, superseded, info)
 
 
 class DatabaseCollector:
@@ -132,14 +145,21 @@ class DatabaseCollector:
         self._lock = threading.Lock()
         self._read_at = float("-inf")
         self._rows: tuple[list, list] = ([], [])
+        self.errors = 0  # scrapes that found the database unreachable
 
     def _read(self) -> tuple[list, list]:
+        """The cached rows, re-read when older than the cache; the last ones (and an error
+        counted) when the database does not answer: a scrape never fails or hangs on it."""
         with self._lock:
             if time.monotonic() - self._read_at >= self._cache_seconds:
-                with self._pool.connection() as conn:
-                    jobs = conn.execute(REPORTS.status_by_model).fetchall()
-                    breaker = conn.execute(REPORTS.breaker).fetchall()
-                self._rows, self._read_at = (jobs, breaker), time.monotonic()
+                try:
+                    with self._pool.connection(timeout=DB_TIMEOUT_SECONDS) as conn:
+                        jobs = conn.execute(REPORTS.status_by_model).fetchall()
+                        breaker = conn.execute(REPORTS.breaker).fetchall()
+                    self._rows, self._read_at = (jobs, breaker), time.monotonic()
+                except (psycopg.Error, PoolTimeout) as exc:
+                    self.errors += 1
+                    log.warning("metrics: could not read the job counts: %s", type(exc).__name__)
             return self._rows
 
     def collect(self):
@@ -156,7 +176,10 @@ class DatabaseCollector:
             for s in BREAKER_STATES:
                 state.add_metric([model_id, s], 1.0 if s == current else 0.0)
             paused.add_metric([model_id], paused_for)
-        yield from (jobs, state, paused)
+        errors = CounterMetricFamily("pipeline_metrics_database_errors", "Scrapes that could not read the "
+                                     "database (the gauges then repeat the last values read).")
+        errors.add_metric([], self.errors)
+        yield from (jobs, state, paused, errors)
 
 
 class WorkMetrics:

@@ -24,6 +24,10 @@ log = logging.getLogger("pipeline_assets.jobs")
 
 JOB_LOG = queries.load("job_log")
 
+# How long a log line waits for a pooled connection to read its context; past it
+# the line is written without document and attempt rather than holding up the worker.
+CONTEXT_TIMEOUT_SECONDS = 2.0
+
 
 class LoggedJobStore(JobStore):
     """A JobStore whose transitions of held jobs also log a line per job (same behaviour otherwise)."""
@@ -100,6 +104,6 @@ class LoggedJobStore(JobStore):
                 "model_id": self.model_id, "error_class": error_class})
 
     def _context(self, job_ids: Sequence[int]) -> dict[int, tuple[int, str | None]]:
-        with self.pool.connection() as conn:
+        with self.pool.connection(timeout=CONTEXT_TIMEOUT_SECONDS) as conn:
             rows = conn.execute(JOB_LOG.job_context, {"ids": list(job_ids)}).fetchall()
         return {job_id: (attempts, document_id) for job_id, attempts, document_id in rows}

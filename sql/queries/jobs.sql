@@ -16,14 +16,18 @@
 -- breaker. The slot is taken only when a job is waiting, and it is released as
 -- soon as its claim ends or finds nothing (release_probe) or a call fails
 -- while the breaker is tripped (provider_failure): probe_until (a lease) only
--- bounds the slot of a probe whose worker died.
+-- bounds the slot of a probe whose worker died. The waiting-job probe is
+-- correlated with the breaker row, so it runs only for a half-open breaker (an
+-- uncorrelated EXISTS is a one-time filter run on EVERY claim, and its scan
+-- from the start of the heap grows with the jobs already done), and it is a
+-- min() over the claim index (index-only, a few buffers).
 -- Columns are named as the fields of transitions.ClaimedJob.
 WITH gate AS (
     UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s),
                                     probe_owner = %(owner)s
     WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
-      AND EXISTS (SELECT 1 FROM app.embedding_jobs w
-                  WHERE w.model_id = %(model)s AND w.status IN ('pending', 'retry') AND w.available_at <= now())
+      AND (SELECT min(w.available_at) FROM app.embedding_jobs w
+           WHERE w.model_id = p.model_id AND w.status IN ('pending', 'retry')) <= now()
     RETURNING true AS probe
 ), picked AS (
     SELECT job_id, chunk_checksum FROM app.embedding_jobs
