@@ -6,11 +6,15 @@ runs one subprocess per tree (its ``sys.path`` pointing at that tree only, so
 each measures its own worker, migrations and ``benchmarks/b1_core.py``
 ZeroLatencyProvider): it ingests N one-chunk documents into a fresh database of
 its own and times only the worker draining them (concurrency 4, 100 inputs per
-batch, no index build), as B1 does. The order of the two trees alternates
-between rounds. Prints JSON: every round's jobs/s, the medians and B / A.
+batch, no index build), as B1 does; a VACUUM ANALYZE between the two (unless
+--no-vacuum) keeps the maintenance the ingest triggered (autovacuum, the chunks'
+GIN pending list) out of the timed drain. The order of the two trees alternates
+between rounds. Prints JSON: every round's jobs/s, the medians and B / A, and
+the median CPU (worker process + database server) per job of each tree.
 
     python benchmarks/b1_ab.py [--rev 50bb427] [--jobs 20000] [--rounds 3] [--dim 256]
                                [--timing]   # calls and seconds of each JobStore method
+                               [--no-vacuum] [--also TREE ...]
 
 Both trees use the same server: PIPELINE_DATABASE_URL, or the embedded one
 under PIPELINE_HOME (started here, once).
@@ -48,10 +52,10 @@ def extract(rev: str, into: Path) -> Path:
     return into
 
 
-def run_child(tree: Path, *, jobs: int, dim: int, url: str, timing: bool) -> dict:
+def run_child(tree: Path, *, jobs: int, dim: int, url: str, timing: bool, vacuum: bool) -> dict:
     cmd = [sys.executable, str(HERE / "b1_ab.py"), "--child", str(tree), "--jobs", str(jobs), "--dim", str(dim)]
-    if timing:
-        cmd.append("--timing")
+    cmd += ["--timing"] if timing else []
+    cmd += [] if vacuum else ["--no-vacuum"]
     env = dict(os.environ, PIPELINE_DATABASE_URL=url, PYTHONPATH="")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tree),
                           timeout=CHILD_TIMEOUT_SECONDS)
@@ -86,7 +90,7 @@ def server_cpu_seconds(conn) -> float | None:
         return None
 
 
-def child(tree: Path, jobs: int, dim: int, timing: bool) -> None:
+def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
     # Only this tree: its package, its benchmarks (b1_core and its _common).
     sys.path[:] = [str(tree), str(tree / "benchmarks")] + [p for p in sys.path if p and Path(p).resolve() != HERE]
     import logging
@@ -109,6 +113,8 @@ def child(tree: Path, jobs: int, dim: int, timing: bool) -> None:
         with db.connect(url) as conn:
             models.ensure_model(conn, provider.spec)
             ingest = b1_core.bench_ingest(conn, Path(tmp), jobs)
+            if vacuum:  # the maintenance the ingest left (autovacuum, a GIN pending list) is the ingest's
+                conn.execute("VACUUM ANALYZE")
             wal0 = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
             server0 = server_cpu_seconds(conn)
         config = WorkerConfig(concurrency=CONCURRENCY, until_idle=True, batch_inputs=BATCH_INPUTS,
@@ -167,10 +173,12 @@ def main() -> None:
     p.add_argument("--timing", action="store_true", help="time each JobStore method (summed over threads)")
     p.add_argument("--also", type=Path, action="append", default=[],
                    help="another tree to measure in the same rounds (C, D, ...), e.g. a variant under test")
+    p.add_argument("--no-vacuum", action="store_true",
+                   help="time the drain right after the ingest, with whatever autovacuum it triggered")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.jobs, args.dim, args.timing)
+        child(args.child, args.jobs, args.dim, args.timing, not args.no_vacuum)
         return
 
     sys.path.insert(0, str(HERE))
@@ -192,7 +200,7 @@ def main() -> None:
             result = {}
             for side in order:
                 result[side] = run_child(trees[side], jobs=args.jobs, dim=args.dim, url=url,
-                                         timing=args.timing)
+                                         timing=args.timing, vacuum=not args.no_vacuum)
             rounds.append(result)
             print(json.dumps({"round": r + 1, **{s: result[s].get("jobs_per_s", result[s]) for s in trees}}),
                   file=sys.stderr, flush=True)
@@ -201,16 +209,24 @@ def main() -> None:
         rates = [x[side]["jobs_per_s"] for x in rounds if "jobs_per_s" in x[side]]
         return statistics.median(rates) if rates else None
 
+    def cpu_per_job(side: str) -> float | None:
+        """Median client + server CPU microseconds per job: steadier than jobs/s on a shared machine."""
+        used = [(x[side]["client_cpu_s"] + x[side]["server_cpu_s"]) / x[side]["jobs"] * 1e6 for x in rounds
+                if x[side].get("server_cpu_s") is not None]
+        return round(statistics.median(used), 1) if used else None
+
     a, b = median("A"), median("B")
     print(json.dumps({
         "benchmark": "b1_ab", "jobs": args.jobs, "dim": args.dim,
         "worker": f"concurrency={CONCURRENCY} batch_inputs={BATCH_INPUTS} poll_seconds={POLL_SECONDS}",
+        "vacuum_after_ingest": not args.no_vacuum,
         "A": f"{rev} (git archive)", "B": f"{head}{' + uncommitted changes' if dirty else ''} (this checkout)",
         "rounds": rounds,
         "A_jobs_per_s": [x["A"].get("jobs_per_s") for x in rounds],
         "B_jobs_per_s": [x["B"].get("jobs_per_s") for x in rounds],
         "A_median": a, "B_median": b,
         "ratio_B_to_A": round(b / a, 3) if a and b else None,
+        "cpu_us_per_job": {side: cpu_per_job(side) for side in trees},
         **({"also": {side: {"tree": str(trees[side]), "median": median(side),
                             "ratio_to_A": round(median(side) / a, 3) if a and median(side) else None}
                      for side in trees if side not in "AB"}} if args.also else {}),

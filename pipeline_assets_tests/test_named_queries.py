@@ -253,6 +253,7 @@ NOT_STATUS_LITERALS = {
     "worker_dead", "its worker process stopped beating (died) before completion",  # error class / message
     "-infinity",                                                                   # timestamps
     "app.embedding_jobs", "job_id",                                                # pg_get_serial_sequence
+    "synchronous_commit", "off",                                                   # set_config (claim)
 }
 
 

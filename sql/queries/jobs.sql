@@ -21,8 +21,17 @@
 -- uncorrelated EXISTS is a one-time filter run on EVERY claim, and its scan
 -- from the start of the heap grows with the jobs already done), and it is a
 -- min() over the claim index (index-only, a few buffers).
+-- The claim commits without waiting for its WAL flush (synchronous_commit off
+-- for this statement's own transaction; async below): it is visible to every
+-- session at once, and only a crash of the database server itself within
+-- about 3 x wal_writer_delay can lose it, with the send record that follows it
+-- (ledger.sql record_send, committed the same way): the job is then simply
+-- waiting again, and the lease fence refuses the lost claim's completion. The
+-- completion, which stores paid-for vectors, is flushed as before.
 -- Columns are named as the fields of transitions.ClaimedJob.
-WITH gate AS (
+WITH async AS (
+    SELECT set_config('synchronous_commit', 'off', true)
+), gate AS (
     UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s),
                                     probe_owner = %(owner)s
     WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
@@ -50,7 +59,7 @@ SET status = 'processing',
 FROM picked
 LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
                    WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
-WHERE j.job_id = picked.job_id
+WHERE j.job_id = picked.job_id AND EXISTS (SELECT 1 FROM async)
 RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
           EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate
 
@@ -290,10 +299,13 @@ WHERE j.status = 'ready'
                   WHERE e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id)
 
 -- name: outstanding
--- Is there anything left for this model? (until-idle) Two EXISTS probes, each
--- answered by a partial index.
-SELECT EXISTS (SELECT 1 FROM app.embedding_jobs
-               WHERE model_id = %(model)s AND status IN ('pending', 'retry')) AS waiting,
+-- Is there anything left for this model? (until-idle) Two probes, each answered
+-- by a partial index. "Waiting" is a min() over the claim index rather than an
+-- EXISTS: after a bulk enqueue, before autovacuum has set the visibility map, the
+-- planner costs EXISTS as a sequential scan (7,236 pages, 70-89 ms at 300k jobs);
+-- min() always walks the index (a few buffers).
+SELECT (SELECT min(available_at) FROM app.embedding_jobs
+        WHERE model_id = %(model)s AND status IN ('pending', 'retry')) IS NOT NULL AS waiting,
        EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s) AS held
 
 -- name: provider_failure
