@@ -107,6 +107,13 @@ def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str,
     return {k: resolver.get_status(dg.AssetKey(asset), k).value for k in keys}
 
 
+def stale_causes(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, key: str) -> list:
+    """Why Dagster calls a partition stale (the UI's "stale" tooltip)."""
+    resolver = CachingStaleStatusResolver(instance, defs.get_repository_def().asset_graph,
+                                          LoadingContextForTest(instance))
+    return list(resolver.get_stale_causes(dg.AssetKey(asset), key))
+
+
 def range_tags(keys: list[str]) -> dict[str, str]:
     """The tags of a run over a partition range (what sensors and single-run backfills launch)."""
     return {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}

@@ -122,11 +122,12 @@ def test_what_dagster_marks_stale_after_a_parser_or_chunker_change(corpus, conn,
 
 
 def test_a_pdf_only_fix_reruns_pdf_partitions_and_the_ui_shows_their_version(corpus, conn, fake, monkeypatch):
-    """The README's honest reading: a per-format bump is not a Dagster code version (one per asset),
-    so Dagster marks no partition stale; the rerun sensor reruns exactly the PDF partitions, and each
-    partition's latest materialization carries its own extractor version and unchanged data version."""
+    """A per-format bump is not a Dagster code version (one per asset) but a new observation of the
+    ``extractor_version`` source asset for that format's partitions: once the rerun sensor observes it,
+    Dagster marks exactly the PDF partitions stale, the sensor reruns exactly them, and afterwards all
+    are fresh, each latest materialization carrying its own extractor version and data version."""
     from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
-    from pipeline_assets_tests.dagster_helpers import evaluate_sensor, requested_keys
+    from pipeline_assets_tests.dagster_helpers import evaluate_sensor, requested_keys, stale_causes
     from pipeline_assets_tests.test_extract import make_pdf
 
     (corpus / "paper.pdf").write_bytes(make_pdf(["A paper on jittered retries", "and its second page"]))
@@ -140,8 +141,17 @@ def test_a_pdf_only_fix_reruns_pdf_partitions_and_the_ui_shows_their_version(cor
         monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "pdf=extract-2")
         defs = fresh_defs()
         assert defs.get_repository_def().asset_graph.get(dg.AssetKey("documents")).code_version == "extract-1"
-        assert set(stale_status(defs, instance, "documents", keys).values()) == {"FRESH"}
+        for asset in ("documents", "chunks", "embeddings"):
+            assert set(stale_status(defs, instance, asset, keys).values()) == {"FRESH"}
         tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
+        # The tick observed the PDF's new extractor version: only its partition is stale.
+        assert stale_status(defs, instance, "documents", keys) == {
+            "doc0000.md": "FRESH", "doc0001.md": "FRESH", "paper.pdf": "STALE"}
+        (cause,) = stale_causes(defs, instance, "documents", "paper.pdf")
+        assert (cause.reason, cause.dependency.asset_key, cause.dependency.partition_key) == (
+            "has a new dependency data version", dg.AssetKey("extractor_version"), "paper.pdf")
+        for asset in ("chunks", "embeddings"):   # their inputs' data versions have not changed
+            assert set(stale_status(defs, instance, asset, keys).values()) == {"FRESH"}
         (request,) = tick.run_requests
         assert requested_keys(instance, request) == ["paper.pdf"]
         assert execute(defs, instance, request).success

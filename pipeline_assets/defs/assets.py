@@ -20,7 +20,9 @@ the same ones the command line calls.
 Data versions, per partition: the sha256 of the extracted text (``documents``),
 of the chunk checksums in order (``chunks``), of model, chunks and coverage
 (``embeddings``); also in a run over many partitions (``partition_versions``).
-Code versions: the extractor, the chunker, the model id. PostgreSQL stays the
+Code versions: the extractor, the chunker, the model id. The per-format extractor
+version is an upstream of ``documents``: the partitioned source asset
+``extractor_version`` (``extractor_observations``), observed per partition. PostgreSQL stays the
 source of truth; Dagster records what ran, with which code and data version.
 
 Every asset has ``BackfillPolicy.single_run()``: a backfill of N partitions is
@@ -37,7 +39,10 @@ from pipeline_assets.app import reports
 from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import IngestReport, ingest_documents
 from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.content.extract import ExtractorVersions
 from pipeline_assets.content.sources import document_id_problem
+from pipeline_assets.defs import extractor_observations as observe
+from pipeline_assets.defs.extractor_observations import EXTRACTOR_VERSION
 from pipeline_assets.defs.model_switch import refuse_model_override
 from pipeline_assets.defs.partition_versions import PartitionVersion, digest, materialize
 from pipeline_assets.defs.resources import (EmbeddingProviderResource, EmbeddingRunResource, PostgresResource,
@@ -115,12 +120,20 @@ def _document_version(s: reports.DocumentSummary | None) -> PartitionVersion:
 
 
 def ingest_versions(summaries: dict[str, reports.DocumentSummary], keys: Iterable[str],
+                    extractor: ExtractorVersions | None = None,
                     ) -> tuple[dict[str, PartitionVersion], dict[str, PartitionVersion]]:
-    """The documents and chunks versions of some partitions after an ingest (also a reconciliation's)."""
+    """The documents and chunks versions of some partitions after an ingest (also a reconciliation's).
+
+    ``extractor``: the current per-format versions, recorded as each document's
+    ``extractor_version`` input (its format's version; see ``extractor_observations``).
+    """
     docs, chunks = {}, {}
     for key in keys:
         s = summaries.get(key)
         docs[key] = _document_version(s)
+        if extractor is not None:
+            docs[key] = PartitionVersion(docs[key].data_version, docs[key].metadata,
+                                         inputs={EXTRACTOR_VERSION: extractor.of(key)})
         meta = {"chunk_count": s.chunks, "tokens": s.tokens, "chunks_digest": s.chunks_digest} if s else {}
         chunks[key] = PartitionVersion(s.chunks_digest if s else "absent", meta,
                                        inputs={DOCUMENTS: docs[key].data_version})
@@ -137,7 +150,14 @@ def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
         pool = EMBEDDING_POOL if settings.embed_workers == "in-process" else None
-        return [*_build_assets(code_versions(settings), pool), EMBEDDING_STORE_SPEC]
+        return [EXTRACTOR_VERSION_SPEC, *_build_assets(code_versions(settings), pool), EMBEDDING_STORE_SPEC]
+
+
+EXTRACTOR_VERSION_SPEC = dg.AssetSpec(
+    EXTRACTOR_VERSION, group_name=GROUP, partitions_def=DOCUMENT_PARTITIONS,
+    description="Each document's extractor version: its format's (html, pdf, text), observed by the ingest "
+                "step and the rerun sensor. A per-format bump re-observes only that format's partitions, "
+                "so only their documents turn stale.")
 
 
 EMBEDDING_STORE_SPEC = dg.AssetSpec(
@@ -153,7 +173,7 @@ def _build_assets(v: dict[str, str], pool: str | None = None) -> list[dg.AssetsD
 
     @dg.multi_asset(
         name=INGEST_OP, can_subset=False, **common,
-        specs=[dg.AssetSpec(DOCUMENTS, code_version=v["documents"], **spec,
+        specs=[dg.AssetSpec(DOCUMENTS, deps=[EXTRACTOR_VERSION], code_version=v["documents"], **spec,
                             description="Source documents extracted to text. Materialized together with "
                                         "chunks (one ingest transaction). Data version: sha256 of the text."),
                dg.AssetSpec(CHUNKS, deps=[DOCUMENTS], code_version=v["chunks"], **spec,
@@ -170,7 +190,13 @@ def _build_assets(v: dict[str, str], pool: str | None = None) -> list[dg.AssetsD
         report = ingest_documents(rt, postgres.pool(), root, keys) if keys else IngestReport()
         with postgres.connection() as conn:
             summaries = reports.document_summaries(conn, str(root), keys)
-        docs, chunks = ingest_versions(summaries, keys)
+        docs, chunks = ingest_versions(summaries, keys, rt.options.extractor_version)
+        # Observe versions not yet observed (a new partition, a bump) before recording provenance,
+        # and make Dagster re-read the source's latest event for a one-partition run's own provenance.
+        new = observe.changed(context.instance, {k: rt.options.extractor_version.of(k) for k in keys})
+        if new:
+            yield from observe.observation_events(context, new)
+            context.get_step_execution_context().wipe_input_asset_version_info(EXTRACTOR_VERSION)
         run_meta = {"partitions": len(context.partition_keys),
                     "skipped_invalid_keys": len(context.partition_keys) - len(keys)}
         yield from materialize(context, [

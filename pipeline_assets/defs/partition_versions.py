@@ -60,7 +60,9 @@ def range_version(versions: Mapping[str, PartitionVersion]) -> str:
 
 
 def latest_storage_id(instance: dg.DagsterInstance, key: dg.AssetKey) -> int | None:
-    records = instance.fetch_materializations(key, limit=1).records
+    # A source asset (extractor_version) has observations, not materializations.
+    records = (instance.fetch_materializations(key, limit=1).records
+               or instance.fetch_observations(key, limit=1).records)
     return records[0].storage_id if records else None
 
 

@@ -44,6 +44,7 @@ from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.app.touched import touched_since
 from pipeline_assets.defs.assets import (CHUNKS, DOCUMENTS, GROUP, PARTITIONS_NAME, ingest_versions,
                                          partition_key_problem)
+from pipeline_assets.defs import extractor_observations as observe
 from pipeline_assets.defs.checks import HOUR_SECONDS
 from pipeline_assets.defs.partition_versions import PartitionVersion, latest_storage_id
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
@@ -99,7 +100,10 @@ def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
         if report.missing_sources:
             metadata["missing_source_errors"] = "\n".join(report.missing_sources)
         if kept:
-            docs, chunks = ingest_versions(summaries, kept)
+            docs, chunks = ingest_versions(summaries, kept, rt.options.extractor_version)
+            new = observe.changed(instance, {k: rt.options.extractor_version.of(k) for k in kept})
+            if new:
+                yield from observe.observation_events(context, new)
             yield from _partition_events(context, DOCUMENTS, versions["documents"], docs)
             yield from _partition_events(context, CHUNKS, versions["chunks"], chunks)
         metadata["duration_seconds"] = round(time.monotonic() - started, 3)

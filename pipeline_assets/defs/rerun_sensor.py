@@ -27,6 +27,7 @@ import json
 import dagster as dg
 
 from pipeline_assets.app import rerun as rerun_uc
+from pipeline_assets.defs import extractor_observations as observe
 from pipeline_assets.defs.assets import DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG, valid_partition_keys
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import (EMBED_JOB, IN_FLIGHT, MAX_KEYS_PER_TICK, MAX_RUNS_PER_TICK,
@@ -89,6 +90,9 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
     docs = docs[:MAX_KEYS_PER_TICK]
     if not docs:
         return dg.SkipReason(f"nothing stale under extract={ext_version} chunk={chunk_version}")
+    # The UI marks these documents stale now: their format's new extractor version, observed.
+    observe.report(context.instance, observe.changed(
+        context.instance, {k: rt.options.extractor_version.of(k) for k in docs}))
 
     existing = context.instance.get_dynamic_partitions(PARTITIONS_NAME)
     existing_set = set(existing)
