@@ -22,6 +22,7 @@ from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations
+from pipeline_assets_tests.conftest import write_corpus
 
 
 def fresh_defs() -> dg.Definitions:
@@ -143,3 +144,10 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
                 os.environ[devserver.DAGSTER_URL_ENV] = saved
             with psycopg.connect(server_url, autocommit=True) as admin:
                 admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def watched_corpus(root: Path, documents: int, monkeypatch) -> Path:
+    """A corpus of ``documents`` files at ``root``, made the directory the sensors and assets watch."""
+    write_corpus(root, documents)
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
+    return root

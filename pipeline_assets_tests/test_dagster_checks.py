@@ -10,18 +10,15 @@ from pipeline_assets.defs.assets import EMBEDDINGS
 from pipeline_assets.defs.checks import COVERAGE_CHECK
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.conftest import job_counts, write_corpus
-from pipeline_assets_tests.dagster_helpers import check_results, execute, fresh_defs, range_tags
+from pipeline_assets_tests.conftest import job_counts
+from pipeline_assets_tests.dagster_helpers import check_results, execute, fresh_defs, range_tags, watched_corpus
 
 KEYS = [f"doc{i:04d}.md" for i in range(6)]
 
 
 @pytest.fixture
 def corpus(env, clean_db, tmp_path, monkeypatch):
-    root = tmp_path / "corpus"
-    write_corpus(root, len(KEYS))
-    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
-    return root
+    return watched_corpus(tmp_path / "corpus", len(KEYS), monkeypatch)
 
 
 def _coverage_only(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> dg.AssetCheckEvaluation:

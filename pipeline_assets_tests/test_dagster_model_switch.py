@@ -14,8 +14,8 @@ from pipeline_assets.defs.model_switch import EMBEDDING_STORE, model_switch_sens
 from pipeline_assets.jobs import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
-from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, range_tags, stale_status
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, range_tags, stale_status, watched_corpus
 
 OLD, NEW_NAME = f"openai/{FAKE_MODEL}", "fake-embed-2"
 NEW = f"openai/{NEW_NAME}"
@@ -24,10 +24,7 @@ KEYS = [f"doc{i:04d}.md" for i in range(4)]
 
 @pytest.fixture
 def corpus(env, clean_db, tmp_path, monkeypatch):
-    root = tmp_path / "corpus"
-    write_corpus(root, len(KEYS))
-    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
-    return root
+    return watched_corpus(tmp_path / "corpus", len(KEYS), monkeypatch)
 
 
 def tick(defs, instance, cursor):

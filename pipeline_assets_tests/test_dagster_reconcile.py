@@ -8,19 +8,16 @@ import pytest
 
 from pipeline_assets.app import reports
 from pipeline_assets.defs.reconcile import RECONCILE_JOB_NAME, RECONCILIATION
-from pipeline_assets_tests.conftest import job_counts, write_corpus
+from pipeline_assets_tests.conftest import job_counts
 from pipeline_assets_tests.dagster_helpers import (evaluate_sensor, execute, fresh_defs, latest_data_versions,
-                                                   range_tags, stale_status)
+                                                   range_tags, stale_status, watched_corpus)
 
 KEYS = [f"doc{i:04d}.md" for i in range(4)]
 
 
 @pytest.fixture
 def corpus(env, clean_db, tmp_path, monkeypatch):
-    root = tmp_path / "corpus"
-    write_corpus(root, len(KEYS))
-    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
-    return root
+    return watched_corpus(tmp_path / "corpus", len(KEYS), monkeypatch)
 
 
 @pytest.fixture
