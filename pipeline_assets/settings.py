@@ -71,6 +71,14 @@ EMBED_WORKER_MODES = ("in-process", "external")
 # in the UI, and how long it holds the `embedding_worker` pool slot.
 DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
 
+# Document buckets: the Dagster partitions of documents, chunks and embeddings
+# (a stable hash of document_id modulo this count). Fixed by the first Dagster
+# use of a database and stored there (app.partition_scheme), so an edit stays in
+# its bucket. 64 keeps 1M documents at ~16k per bucket and every asset far under
+# Dagster's ~100k partitions; MAX_PARTITION_BUCKETS bounds what may be asked for.
+DEFAULT_PARTITION_BUCKETS = 64
+MAX_PARTITION_BUCKETS = 4096
+
 
 class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
@@ -182,6 +190,9 @@ class Settings:
     embed_run_deadline: float = _setting("PIPELINE_EMBED_RUN_DEADLINE", DEFAULT_EMBED_RUN_DEADLINE_SECONDS,
                                          "an embeddings run fails (with its counts) if its chunks are not ready "
                                          "or failed by then (s)")
+    partition_buckets: int = _setting("PIPELINE_PARTITION_BUCKETS", DEFAULT_PARTITION_BUCKETS,
+                                      "document buckets (Dagster partitions) of a new database; a database keeps "
+                                      "the count it was first used with")
 
     # -- tests ----------------------------------------------------------------------------
     crashpoint: str | None = _setting("PIPELINE_CRASHPOINT", None,
@@ -206,6 +217,8 @@ class Settings:
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
             (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
             (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
+            (1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS, "partition_buckets",
+             f"must be between 1 and {MAX_PARTITION_BUCKETS}"),
             (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",
              "must be positive"),
         ]

@@ -17,7 +17,7 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 from dagster._core.loader import LoadingContextForTest
 
 from pipeline_assets.defs import devserver
-from pipeline_assets.defs.assets import PARTITIONS_NAME
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.settings import Settings
@@ -62,14 +62,21 @@ def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunR
     return result
 
 
-def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest) -> list[str]:
-    """The partition keys a run request covers (one key, or a range in partition order)."""
+def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, buckets: int = 64) -> list[str]:
+    """The bucket keys a run request covers (one key, or a range in partition order)."""
     if request.partition_key:
         return [request.partition_key]
-    order = instance.get_dynamic_partitions(PARTITIONS_NAME)
+    order = [bucket_key(i) for i in range(buckets)]
     start = order.index(request.tags["dagster/asset_partition_range_start"])
     end = order.index(request.tags["dagster/asset_partition_range_end"])
     return order[start:end + 1]
+
+
+def bucket_of(document_id: str, buckets: int = 64) -> str:
+    """The partition key of a document's bucket."""
+    from pipeline_assets.app.buckets import bucket_of as index
+
+    return bucket_key(index(document_id, buckets))
 
 
 def materialization_metadata(result: dg.ExecuteInProcessResult, asset: str) -> dict:
@@ -130,7 +137,7 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
     name = "t_dagster_" + uuid.uuid4().hex[:8]
     url = migrations.ensure_database(server_url, name)
     with tempfile.TemporaryDirectory() as home:
-        (Path(home) / "dagster.yaml").write_text(devserver.DAGSTER_YAML)
+        (Path(home) / "dagster.yaml").write_text(devserver.instance_yaml())
         saved = os.environ.get(devserver.DAGSTER_URL_ENV)
         os.environ[devserver.DAGSTER_URL_ENV] = devserver.sqlalchemy_url(url)
         instance = dg.DagsterInstance.from_config(home)

@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 # How often a run embedding some documents re-reads their coverage (one
 # grouped query over their chunks) while it waits for them.
 WAIT_POLL_SECONDS = 0.1
+# A coverage read over many documents takes longer: the wait between two reads
+# is at least this many times the last read, so the waiting run costs the
+# database a bounded share of its time whatever the run's size.
+WAIT_POLL_COST_FACTOR = 5
+# Past this many documents a run's worker claims the model's whole queue
+# instead of only the run's jobs: a scope that large is most of the queue, and
+# the scoped claim's cost grows with it (a bucket backfill over everything).
+SCOPE_MAX_DOCUMENTS = 2_000
 
 
 def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCURRENCY, until_idle: bool = False,
@@ -119,13 +127,16 @@ def embed_documents(rt: Runtime, pool: ConnectionPool, root: Path, document_ids:
         _, before = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
         since = stages.clock(conn)
     started = time.monotonic()
-    scoped = _ScopedWorker(rt, pool, pks, poll_seconds) if in_process and outstanding(before) else None
+    scope = pks if len(pks) <= SCOPE_MAX_DOCUMENTS else None
+    scoped = _ScopedWorker(rt, pool, scope, poll_seconds) if in_process and outstanding(before) else None
     try:
-        now = before
+        now, pause = before, WAIT_POLL_SECONDS
         while outstanding(now) and (scoped is None or scoped.alive) and time.monotonic() - started < deadline:
-            time.sleep(WAIT_POLL_SECONDS)
+            time.sleep(pause)
+            read_started = time.monotonic()
             with pool.connection() as conn:
                 _, now = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+            pause = max(WAIT_POLL_SECONDS, WAIT_POLL_COST_FACTOR * (time.monotonic() - read_started))
     finally:
         report, error = scoped.finish() if scoped is not None else (WorkerReport(), None)
     with pool.connection() as conn:
@@ -152,8 +163,9 @@ def embed_documents(rt: Runtime, pool: ConnectionPool, root: Path, document_ids:
 class _ScopedWorker:
     """A worker in a thread that claims only some documents' jobs, until told to stop."""
 
-    def __init__(self, rt: Runtime, pool: ConnectionPool, doc_pks: Sequence[int], poll_seconds: float | None):
-        config = WorkerConfig(until_idle=False, scope=list(doc_pks), build_index=False)
+    def __init__(self, rt: Runtime, pool: ConnectionPool, doc_pks: Sequence[int] | None,
+                 poll_seconds: float | None):
+        config = WorkerConfig(until_idle=False, scope=None if doc_pks is None else list(doc_pks), build_index=False)
         if poll_seconds:
             config.poll_seconds = poll_seconds
         self._stop = threading.Event()

@@ -130,17 +130,25 @@ class Pending:
 
 
 def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
-         refuse: Callable[[str], object] = lambda _id: None) -> Scan:
+         refuse: Callable[[str], object] = lambda _id: None,
+         keep: Callable[[str], bool] | None = None) -> Scan:
     """Walk ``root`` and bring its observations up to date. Raises SourceError if it
-    cannot be listed. An empty source does not mark everything gone (``empty_refused``)."""
+    cannot be listed. An empty source does not mark everything gone (``empty_refused``).
+    ``keep``: only the documents it accepts are observed (and only they can be gone):
+    a bucket run scans its own buckets."""
     root_key = str(root)
     stored = {doc: (checksum, size, mtime) for doc, checksum, size, mtime
-              in conn.execute(OBS.stored, {"root": root_key}).fetchall()}
+              in conn.execute(OBS.stored, {"root": root_key}).fetchall()
+              if keep is None or keep(doc)}
     started_ns = time.time_ns()
     result = Scan()
     rows: list[tuple[str, str, int, int]] = []
     seen: set[str] = set()
+    elsewhere = 0   # documents present outside what ``keep`` accepts
     for doc, size, mtime_ns, found in walk(root):
+        if keep is not None and not keep(doc):
+            elsewhere += 1
+            continue
         old = stored.get(doc)
         if old is None and refuse(doc):   # a stored id passed this check when it was stored
             result.refused.append(doc)
@@ -159,7 +167,7 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
             rows.append((doc, value, size, mtime))
     result.present = len(seen)
     gone = [doc for doc, old in stored.items() if old[0] is not None and doc not in seen]
-    if not seen and gone:
+    if not seen and not elsewhere and gone:
         result.empty_refused, gone = len(gone), []
     with conn.transaction():
         if rows:
@@ -198,6 +206,28 @@ def mark_requested(conn: psycopg.Connection, root: Path, pairs: Iterable[tuple[s
     if pairs:
         conn.execute(OBS.mark_requested, {"root": str(root), "generation": generation,
                                           "ids": [d for d, _ in pairs], "checksums": [c for _, c in pairs]})
+
+
+@dataclass(frozen=True)
+class PendingBucket:
+    bucket: int
+    documents: int            # files pending in it (new, changed, gone)
+    gone: int
+    new: int                  # never requested before
+    digest: str               # of its pending (document, checksum) pairs
+
+
+def pending_buckets(conn: psycopg.Connection, root: Path, generation: int, buckets: int) -> list[PendingBucket]:
+    """The buckets (of ``buckets``) holding what a tick starting from ``generation`` has to request."""
+    rows = conn.execute(OBS.pending_buckets, {"root": str(root), "generation": generation, "n": buckets})
+    return [PendingBucket(int(b), int(d), int(g), int(w), h) for b, d, g, w, h in rows.fetchall()]
+
+
+def mark_buckets_requested(conn: psycopg.Connection, root: Path, bucket_ids: Iterable[int], buckets: int,
+                           generation: int) -> None:
+    """Every pending file of some buckets, as requested by ``generation``."""
+    conn.execute(OBS.mark_requested_buckets, {"root": str(root), "generation": generation, "n": buckets,
+                                              "buckets": sorted(set(bucket_ids))})
 
 
 @dataclass(frozen=True)

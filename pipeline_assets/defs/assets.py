@@ -1,57 +1,58 @@
-"""Dagster assets: documents -> chunks -> embeddings, one partition per source document.
+"""Dagster assets: documents -> chunks -> embeddings, partitioned by document bucket.
 
-The partition key is the stable ``document_id`` (the path relative to the source
-root). The assets are thin: each calls a use case of ``pipeline_assets.app``,
+A partition is a bucket of documents (``defs/partitions.py``): a stable hash of
+``document_id`` modulo a count fixed in the database, so Dagster keeps a few
+dozen partitions at any corpus size and an edited document stays in its
+bucket. The assets are thin: each calls a use case of ``pipeline_assets.app``,
 the same ones the command line calls.
 
 * ``documents`` and ``chunks`` are ONE multi-asset (``ingest``) that cannot be
-  subset: ``ingest_documents`` extracts, chunks and enqueues a document in one
-  transaction, so they are always materialized together and neither can look
-  stale against the other while the database is current.
-* ``embeddings`` runs ``embed_documents``: it waits until the chunks of ITS
-  partitions are ready or failed (not the whole queue), embedding them itself
-  with a worker scoped to them (``in_process``) or leaving that to external
-  ``work`` processes (``EmbeddingRunResource``), and fails with the counts at
-  its deadline. In-process, it runs in the ``embedding_worker`` concurrency
-  pool, so concurrent runs do not each start a worker fleet.
+  subset: ``app.buckets.sync_buckets`` brings its buckets current with the
+  source and the code (new and changed files ingested, stale documents
+  re-extracted, gone ones tombstoned; unchanged files are not even read) in
+  the ingest transactions that write both.
+* ``embeddings`` runs ``embed_documents`` over the buckets' current documents:
+  it waits until their chunks are ready or failed (not the whole queue),
+  embedding them itself (``in_process``) or leaving that to external ``work``
+  processes (``EmbeddingRunResource``), and fails with the counts at its
+  deadline. In-process, it runs in the ``embedding_worker`` concurrency pool.
 * ``embedding_store`` is not materialized by Dagster: the job table and the
   vectors search serves. Its health checks run on the schedule (``checks.py``).
 
-Data versions, per partition: the sha256 of the extracted text (``documents``),
-of the chunk checksums in order (``chunks``), of model, chunks and coverage
-(``embeddings``); also in a run over many partitions (``partition_versions``).
-Code versions: the extractor, the chunker, the model id. The per-format extractor
-version is an upstream of ``documents``: the partitioned source asset
-``extractor_version`` (``extractor_observations``), observed per partition. PostgreSQL stays the
-source of truth; Dagster records what ran, with which code and data version.
+Per partition, each materialization carries its bucket's counts and the ids of
+its quarantined or failed documents (bounded: ``app.buckets.SAMPLE_IDS``),
+through Dagster's public per-partition metadata (``add_asset_metadata``).
+Data versions: a one-bucket run records the bucket's own (a digest of its
+documents' text checksums, of their chunk digests, of model and coverage); a
+run over a range of buckets records one version for the range (Dagster 1.13
+has one data version per result, dagster#18649), and each partition's own
+digest is in its metadata. Code versions: the extractor versions of every
+format, the chunker, the model id; a bump marks every bucket stale, and the
+rerun sensor's run re-extracts only the stale documents in them.
 
-Every asset has ``BackfillPolicy.single_run()``: a backfill of N partitions is
-one run over a partition range, and the job table does the per-item work.
+Every asset has ``BackfillPolicy.single_run()``: a backfill of N buckets is one
+run, and the job table does the per-item work.
 """
 
+import hashlib
 import time
 import warnings
-from typing import Iterable, Iterator
+from typing import Iterator, Mapping
 
 import dagster as dg
 
+from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
 from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_documents
-from pipeline_assets.app.ingest import IngestReport, ingest_documents
+from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import code_versions
-from pipeline_assets.content.extract import ExtractorVersions
-from pipeline_assets.content.sources import document_id_problem
-from pipeline_assets.defs import extractor_observations as observe
-from pipeline_assets.defs.extractor_observations import EXTRACTOR_VERSION
 from pipeline_assets.defs.model_switch import refuse_model_override
-from pipeline_assets.defs.partition_versions import PartitionVersion, digest, materialize
+from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.resources import (EmbeddingProviderResource, EmbeddingRunResource, PostgresResource,
                                              SourceDirectoryResource)
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.settings import Settings
 
-PARTITIONS_NAME = "documents"
-DOCUMENT_PARTITIONS = dg.DynamicPartitionsDefinition(name=PARTITIONS_NAME)
 GROUP = "embedding_pipeline"
 
 DOCUMENTS = dg.AssetKey("documents")
@@ -62,86 +63,46 @@ EMBEDDING_STORE = dg.AssetKey("embedding_store")
 INGEST_OP = "ingest"
 
 # The Dagster concurrency pool of the embeddings step when it embeds in-process:
-# its limit (deploy/dagster.yaml, `pipeline-assets dev`: 1) is how many runs may
-# run a worker at once; the others' steps wait for the slot.
+# its limit (dagster.yaml, `pipeline-assets dev`: 1) is how many runs may run a
+# worker at once; the others' steps wait for the slot.
 EMBEDDING_POOL = "embedding_worker"
 
-# The embeddings run's scoped worker polls for claimable jobs of its documents
-# this often (a retry coming due), instead of the CLI's 0.5 s; the run itself
-# re-reads its documents' coverage every app.embed.WAIT_POLL_SECONDS.
+# The embeddings run's worker polls for claimable jobs this often (a retry
+# coming due), instead of the CLI's 0.5 s.
 WORKER_POLL_SECONDS = 0.1
 
-# Run tags set by the sensors. FORCE re-extracts even unchanged bytes (a rerun
-# after a parser fix must also refresh quarantined documents).
-FORCE_TAG = "pipeline/force"
+# Run tags set by the sensors.
 RERUN_TAG = "pipeline/rerun"
 
-# "|" separates the dimensions of multi-partition keys; the rest are refused by
-# Dagster itself ("..." is its partition-range separator).
-INVALID_KEY_PARTS = ("|", "...", "\n", "\r", "\t", "\0", "\a", "\b", "\f", "\v")
+
+def run_version(versions: Mapping[str, str]) -> str:
+    """One partition's version, or the version of a range (never mistaken for one bucket's)."""
+    if len(versions) == 1:
+        return next(iter(versions.values()))
+    h = hashlib.sha256()
+    for key in sorted(versions):
+        h.update(f"{key}={versions[key]}\x1e".encode())
+    return f"range:{len(versions)}:{h.hexdigest()[:16]}"
 
 
-def partition_key_problem(document_id: str) -> str | None:
-    """Why a document id cannot be a partition key, or None if it can."""
-    if not document_id:
-        return "empty document id"
-    for part in INVALID_KEY_PARTS:
-        if part in document_id:
-            return f"contains {part!r}"
-    return document_id_problem(document_id)  # absolute, '..', hidden: could leave the source root
-
-
-def valid_partition_keys(keys: Iterable[str], log) -> list[str]:
-    """The keys usable as document ids; each refused one is logged once, clearly."""
-    good = []
-    for key in keys:
-        problem = partition_key_problem(key)
-        if problem:
-            log.warning(f"skipping document {key!r}: {problem}; it cannot be a Dagster partition key "
-                        "(rename the file, or let `pipeline-assets reconcile` handle it)")
-        else:
-            good.append(key)
-    return good
-
-
-def _report_metadata(report: IngestReport) -> dict[str, int]:
+def _counts(report: IngestReport) -> dict[str, int]:
     return {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
 
 
-def _document_version(s: reports.DocumentSummary | None) -> PartitionVersion:
-    """A document's data version: its text checksum (a quarantined one: why, and which bytes)."""
-    if s is None:
-        return PartitionVersion("absent", {"status": "absent"})
-    meta = {"status": s.status, "text_checksum": s.text_checksum or "", "source_checksum": s.source_checksum or "",
-            "extractor_version": s.extractor_version or ""}
-    if s.error_class:
-        meta["error_class"] = s.error_class
-    return PartitionVersion(s.text_checksum or f"{s.status}:{s.error_class}:{s.source_checksum}", meta)
+def document_metadata(state: bk.BucketState) -> dict:
+    meta: dict = {"documents": state.documents, "current": state.current, "quarantined": state.quarantined,
+                  "text_digest": state.text_digest}
+    if state.quarantined_ids:
+        meta["quarantined_ids"] = ", ".join(state.quarantined_ids)
+    return meta
 
 
-def ingest_versions(summaries: dict[str, reports.DocumentSummary], keys: Iterable[str],
-                    extractor: ExtractorVersions | None = None,
-                    ) -> tuple[dict[str, PartitionVersion], dict[str, PartitionVersion]]:
-    """The documents and chunks versions of some partitions after an ingest (also a reconciliation's).
-
-    ``extractor``: the current per-format versions, recorded as each document's
-    ``extractor_version`` input (its format's version; see ``extractor_observations``).
-    """
-    docs, chunks = {}, {}
-    for key in keys:
-        s = summaries.get(key)
-        docs[key] = _document_version(s)
-        if extractor is not None:
-            docs[key] = PartitionVersion(docs[key].data_version, docs[key].metadata,
-                                         inputs={EXTRACTOR_VERSION: extractor.of(key)})
-        meta = {"chunk_count": s.chunks, "tokens": s.tokens, "chunks_digest": s.chunks_digest} if s else {}
-        chunks[key] = PartitionVersion(s.chunks_digest if s else "absent", meta,
-                                       inputs={DOCUMENTS: docs[key].data_version})
-    return docs, chunks
+def chunk_metadata(state: bk.BucketState) -> dict:
+    return {"chunk_count": state.chunks, "tokens": state.tokens, "chunks_digest": state.chunks_digest}
 
 
 def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:
-    """The assets, with the code versions the settings give (extractor, chunker, model).
+    """The assets, with the code versions and bucket count the settings give.
 
     A factory so that tests (and anything else changing PIPELINE_EXTRACTOR_VERSION
     or the model in-process) can build definitions that see the change.
@@ -150,14 +111,7 @@ def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
         pool = EMBEDDING_POOL if settings.embed_workers == "in-process" else None
-        return [EXTRACTOR_VERSION_SPEC, *_build_assets(code_versions(settings), pool), EMBEDDING_STORE_SPEC]
-
-
-EXTRACTOR_VERSION_SPEC = dg.AssetSpec(
-    EXTRACTOR_VERSION, group_name=GROUP, partitions_def=DOCUMENT_PARTITIONS,
-    description="Each document's extractor version: its format's (html, pdf, text), observed by the ingest "
-                "step and the rerun sensor. A per-format bump re-observes only that format's partitions, "
-                "so only their documents turn stale.")
+        return [*_build_assets(code_versions(settings), settings.partition_buckets, pool), EMBEDDING_STORE_SPEC]
 
 
 EMBEDDING_STORE_SPEC = dg.AssetSpec(
@@ -167,53 +121,61 @@ EMBEDDING_STORE_SPEC = dg.AssetSpec(
                 "pipeline_health_checks schedule, never in the runs that embed.")
 
 
-def _build_assets(v: dict[str, str], pool: str | None = None) -> list[dg.AssetsDefinition]:
-    common = dict(partitions_def=DOCUMENT_PARTITIONS, backfill_policy=dg.BackfillPolicy.single_run())
+def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg.AssetsDefinition]:
+    common = dict(partitions_def=bucket_partitions(n), backfill_policy=dg.BackfillPolicy.single_run())
     spec = dict(group_name=GROUP, kinds={"postgres"})
 
     @dg.multi_asset(
         name=INGEST_OP, can_subset=False, **common,
-        specs=[dg.AssetSpec(DOCUMENTS, deps=[EXTRACTOR_VERSION], code_version=v["documents"], **spec,
-                            description="Source documents extracted to text. Materialized together with "
-                                        "chunks (one ingest transaction). Data version: sha256 of the text."),
+        specs=[dg.AssetSpec(DOCUMENTS, code_version=v["documents"], **spec,
+                            description="Source documents extracted to text, by bucket of document ids. "
+                                        "Materialized together with chunks. Code version: the extractor "
+                                        "version of every format; per partition: its counts, its "
+                                        "quarantined ids and a digest of its documents' text."),
                dg.AssetSpec(CHUNKS, deps=[DOCUMENTS], code_version=v["chunks"], **spec,
-                            description="Current chunks of each document in app.chunks, enqueued for "
-                                        "embedding. Data version: sha256 of the chunk checksums in order.")])
+                            description="Current chunks of each bucket's documents in app.chunks, enqueued "
+                                        "for embedding. Per partition: chunk and token counts, a digest.")])
     def ingest(context: dg.AssetExecutionContext, postgres: PostgresResource,
                embedding_provider: EmbeddingProviderResource,
                source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult]:
-        """Extract, chunk and enqueue the partitions' documents (unchanged ones are skipped)."""
+        """Bring the buckets current: changed and stale documents only; unchanged files are not read."""
         started = time.monotonic()
-        keys = valid_partition_keys(context.partition_keys, context.log)
-        rt = embedding_provider.runtime(run_id=context.run.run_id, force=context.run.tags.get(FORCE_TAG) == "true")
+        keys = list(context.partition_keys)
+        buckets = bucket_indexes(keys)
+        rt = embedding_provider.runtime(run_id=context.run.run_id)
         root = source.root_path(rt.settings)
-        report = ingest_documents(rt, postgres.pool(), root, keys) if keys else IngestReport()
+        try:
+            done = bk.sync_buckets(rt, postgres.pool(), root, buckets, n)
+        except bk.BucketCountMismatch as exc:
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
         with postgres.connection() as conn:
-            summaries = reports.document_summaries(conn, str(root), keys)
-        docs, chunks = ingest_versions(summaries, keys, rt.options.extractor_version)
-        # Observe versions not yet observed (a new partition, a bump) before recording provenance,
-        # and make Dagster re-read the source's latest event for a one-partition run's own provenance.
-        new = observe.changed(context.instance, {k: rt.options.extractor_version.of(k) for k in keys})
-        if new:
-            yield from observe.observation_events(context, new)
-            context.get_step_execution_context().wipe_input_asset_version_info(EXTRACTOR_VERSION)
-        run_meta = {"partitions": len(context.partition_keys),
-                    "skipped_invalid_keys": len(context.partition_keys) - len(keys)}
-        yield from materialize(context, [
-            (DOCUMENTS, docs, {**_report_metadata(report), **run_meta, "source_root": str(root),
-                               "duration_seconds": round(time.monotonic() - started, 3)}),
-            (CHUNKS, chunks, {**run_meta, "chunks": sum(s.chunks for s in summaries.values()),
-                              "tokens": sum(s.tokens for s in summaries.values())})])
+            summaries = reports.document_summaries(conn, str(root), bk.bucket_documents(conn, str(root), buckets, n))
+        states = bk.bucket_states(summaries, buckets, n)
+        for b, state in states.items():
+            context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
+            context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))
+        run_meta = {"partitions": len(keys), "source_root": str(root), "files_read": done.scan.hashed,
+                    "changed_documents": len(done.changed), "stale_documents": len(done.stale),
+                    "gone_documents": len(done.gone)}
+        yield dg.MaterializeResult(
+            asset_key=DOCUMENTS, data_version=dg.DataVersion(run_version(
+                {bucket_key(b): s.text_digest for b, s in states.items()})),
+            metadata={**_counts(done.report), **run_meta, "duration_seconds": round(time.monotonic() - started, 3)})
+        yield dg.MaterializeResult(
+            asset_key=CHUNKS, data_version=dg.DataVersion(run_version(
+                {bucket_key(b): s.chunks_digest for b, s in states.items()})),
+            metadata={"partitions": len(keys), "chunks": sum(s.chunks for s in states.values()),
+                      "tokens": sum(s.tokens for s in states.values())})
 
     @dg.asset(name="embeddings", deps=[CHUNKS], code_version=v["embeddings"], pool=pool, **common, **spec,
-              description="Vectors of the chunks for the configured model (app.embeddings). A run ends when "
-                          "the chunks of its own partitions are ready or failed (a worker scoped to them "
-                          "embeds them in the run, or external `work` processes do), or fails at its "
-                          "deadline with the counts. Code version: the model id.")
+              description="Vectors of the buckets' chunks for the configured model (app.embeddings). A run ends "
+                          "when the chunks of its own buckets are ready or failed (a worker in the run embeds "
+                          "them, or external `work` processes do), or fails at its deadline with the counts. "
+                          "Code version: the model id. Per partition: coverage and failed document ids.")
     def embeddings(context: dg.AssetExecutionContext, postgres: PostgresResource,
                    embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
-                   embedding_run: EmbeddingRunResource) -> Iterator[dg.MaterializeResult]:
-        """Embed the partitions' chunks, first and only (the rest of the queue is others' work).
+                   embedding_run: EmbeddingRunResource) -> dg.MaterializeResult:
+        """Embed the buckets' chunks, first (the rest of the queue is others' work).
 
         The model id is this asset's code version: the vectors are a function of
         (chunk text, model), so changing the model marks every embeddings
@@ -222,15 +184,22 @@ def _build_assets(v: dict[str, str], pool: str | None = None) -> list[dg.AssetsD
         model), so only content without a vector for the model is sent.
         """
         started = time.monotonic()
-        keys = valid_partition_keys(context.partition_keys, context.log)
+        keys = list(context.partition_keys)
+        buckets = bucket_indexes(keys)
         rt = embedding_provider.runtime(run_id=context.run.run_id)
         model_id = rt.model_id
         refuse_model_override(context, model_id)  # vectors and code version name the same model
         in_process = embedding_run.embeds_in_process(rt.settings)
+        root = source.root_path(rt.settings)
+        with postgres.connection() as conn:
+            try:
+                bk.check_buckets(conn, n)
+            except bk.BucketCountMismatch as exc:
+                raise dg.Failure(description=str(exc), allow_retries=False) from None
+            ids = bk.bucket_documents(conn, str(root), buckets, n)
         try:
-            done = embed_documents(rt, postgres.pool(), source.root_path(rt.settings), keys,
-                                   poll_seconds=WORKER_POLL_SECONDS, in_process=in_process,
-                                   deadline_seconds=embedding_run.deadline(rt.settings))
+            done = embed_documents(rt, postgres.pool(), root, ids, poll_seconds=WORKER_POLL_SECONDS,
+                                   in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
         except FatalProviderError as exc:
             raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                              allow_retries=False) from None
@@ -242,15 +211,17 @@ def _build_assets(v: dict[str, str], pool: str | None = None) -> list[dg.AssetsD
                                        "outstanding": exc.outstanding, "partitions": len(keys),
                                        "in_process": in_process}) from None
         work, before, after = done.work, done.before, done.after
+        states = bk.bucket_states(done.summaries, buckets, n)
+        coverage = bk.bucket_coverage(done.per_document, buckets, n)
         versions = {}
-        for key in keys:
-            s, cov = done.summaries.get(key), done.per_document.get(key)
-            chunks_version = s.chunks_digest if s else "absent"
-            coverage = f"{cov.ready}/{cov.wanted}" if cov else "0/0"
-            meta = {"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed} if cov else {"chunks": 0}
-            versions[key] = PartitionVersion(digest(model_id, chunks_version, coverage), meta,
-                                             inputs={CHUNKS: chunks_version})
-        yield from materialize(context, [(EMBEDDINGS, versions, {
+        for b in buckets:
+            cov, key = coverage[b], bucket_key(b)
+            versions[key] = bk.digest([model_id, states[b].chunks_digest, f"{cov.ready}/{cov.chunks}"])
+            meta: dict = {"chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed, "waiting": cov.waiting}
+            if cov.failed_ids:
+                meta["failed_ids"] = ", ".join(cov.failed_ids)
+            context.add_asset_metadata(meta, partition_key=key)
+        return dg.MaterializeResult(data_version=dg.DataVersion(run_version(versions)), metadata={
             "model": model_id,
             "chunks": after.wanted,
             "embedded": work.embedded,
@@ -264,10 +235,11 @@ def _build_assets(v: dict[str, str], pool: str | None = None) -> list[dg.AssetsD
             "provider_calls": work.provider_calls,
             "tokens": work.tokens,
             "coverage_ratio": round(after.ready / after.wanted, 6) if after.wanted else 1.0,
-            "partitions": len(context.partition_keys),
+            "partitions": len(keys),
+            "documents": len(ids),
             "in_process": in_process,
             "waited_seconds": done.waited_seconds,
             "duration_seconds": round(time.monotonic() - started, 3),
-        })])
+        })
 
     return [ingest, embeddings]

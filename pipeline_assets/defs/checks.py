@@ -1,12 +1,12 @@
-"""Asset checks: coverage per partition with every embeddings run; store health on the schedule.
+"""Asset checks: coverage per bucket with every embeddings run; store health on the schedule.
 
 * ``partition_embedded`` (on ``embeddings``, partitioned like it, ERROR): in the
-  run that embeds, one evaluation per partition of the run: every current chunk
-  of that document has a ready vector for the model, none failed, none still
-  waiting. It reads the run's partitions only (one query), so a backfill in
-  progress elsewhere, or a document other runs have not reached yet, never makes
-  it fail. Dagster writes check evaluations one by one (they cannot be batched as
-  materializations are): this costs one event per partition of the run.
+  run that embeds, one evaluation per bucket of the run: every current chunk of
+  the bucket's documents has a ready vector for the model, none failed, none
+  still waiting; a failing evaluation names the first failed documents. It reads
+  the run's buckets only (one query), so a backfill in progress elsewhere never
+  makes it fail. Dagster writes check evaluations one by one (~20 ms each): one
+  per bucket, never one per document.
 * ``no_stale_vector_current`` (ERROR) and ``dead_letter_growth`` (WARN) read the
   whole store, so they target ``embedding_store``, which no run materializes: they
   run only on the ``pipeline_health_checks`` schedule (or from its page in the UI),
@@ -21,41 +21,49 @@ from typing import Iterator
 
 import dagster as dg
 
+from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
-from pipeline_assets.defs.assets import DOCUMENT_PARTITIONS, EMBEDDING_STORE, EMBEDDINGS, valid_partition_keys
+from pipeline_assets.defs.assets import EMBEDDING_STORE, EMBEDDINGS
+from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.settings import Settings
 
 HOUR_SECONDS = 3600.0
 COVERAGE_CHECK = "partition_embedded"
 
-with warnings.catch_warnings():  # partitions_def on an asset check is a "preview" in 1.13
-    warnings.filterwarnings("ignore", message=".*partitions_def.*", category=dg.PreviewWarning)
 
-    @dg.asset_check(asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=DOCUMENT_PARTITIONS,
-                    description="Per partition of the run: every current chunk of the document has a ready "
-                                "vector for the configured model (none failed, none still waiting).")
-    def partition_embedded(context: dg.AssetCheckExecutionContext, postgres: PostgresResource,
-                           embedding_provider: EmbeddingProviderResource,
-                           source: SourceDirectoryResource) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
-        keys = valid_partition_keys(context.op_execution_context.partition_keys, context.log)
-        settings = embedding_provider.settings()
-        model_id = embedding_provider.runtime().model_id
-        with postgres.connection() as conn:
-            per_doc, _ = reports.embedding_coverage(conn, str(source.root_path(settings)), keys, model_id)
-        for key in keys:
-            yield _coverage_evaluation(key, per_doc.get(key), model_id)
-        yield dg.Output(None)  # the check's output: its evaluations are the events above
+def build_coverage_check(settings: Settings) -> dg.AssetChecksDefinition:
+    n = settings.partition_buckets
+    with warnings.catch_warnings():  # partitions_def on an asset check is a "preview" in 1.13
+        warnings.filterwarnings("ignore", message=".*partitions_def.*", category=dg.PreviewWarning)
+
+        @dg.asset_check(asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=bucket_partitions(n),
+                        description="Per bucket of the run: every current chunk of its documents has a ready "
+                                    "vector for the configured model (none failed, none still waiting).")
+        def partition_embedded(context: dg.AssetCheckExecutionContext, postgres: PostgresResource,
+                               embedding_provider: EmbeddingProviderResource,
+                               source: SourceDirectoryResource) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+            buckets = bucket_indexes(context.op_execution_context.partition_keys)
+            root = str(source.root_path(embedding_provider.settings()))
+            model_id = embedding_provider.runtime().model_id
+            with postgres.connection() as conn:
+                ids = [d for d in bk.bucket_documents(conn, root, buckets, n)]
+                per_doc, _ = reports.embedding_coverage(conn, root, ids, model_id)
+            for b, cov in bk.bucket_coverage(per_doc, buckets, n).items():
+                yield _coverage_evaluation(bucket_key(b), cov, model_id)
+            yield dg.Output(None)  # the check's output: its evaluations are the events above
+
+    return partition_embedded
 
 
-def _coverage_evaluation(key: str, cov: reports.Coverage | None, model_id: str) -> dg.AssetCheckEvaluation:
-    if cov is None:  # not a current document (absent, tombstoned, quarantined): nothing to embed
-        passed, metadata, why = True, {"model": model_id, "chunks": 0, "current_document": False}, None
-    else:
-        passed = cov.ready == cov.wanted and cov.failed == 0 and cov.waiting == 0
-        metadata = {"model": model_id, "chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
-                    "waiting": cov.waiting, "current_document": True}
-        why = None if passed else (f"{cov.wanted - cov.ready} of {cov.wanted} chunk(s) lack a ready vector "
-                                   f"({cov.failed} failed, {cov.waiting} waiting); see `pipeline-assets dlq list`")
+def _coverage_evaluation(key: str, cov: bk.BucketCoverage, model_id: str) -> dg.AssetCheckEvaluation:
+    passed = cov.ready == cov.chunks and cov.failed == 0 and cov.waiting == 0
+    metadata: dict = {"model": model_id, "chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed,
+                      "waiting": cov.waiting}
+    if cov.failed_ids:
+        metadata["failed_ids"] = ", ".join(cov.failed_ids)
+    why = None if passed else (f"{cov.chunks - cov.ready} of {cov.chunks} chunk(s) lack a ready vector "
+                               f"({cov.failed} failed, {cov.waiting} waiting); see `pipeline-assets dlq list`")
     return dg.AssetCheckEvaluation(asset_key=EMBEDDINGS, check_name=COVERAGE_CHECK, partition=key, passed=passed,
                                    metadata=metadata, severity=dg.AssetCheckSeverity.ERROR, description=why)
 
@@ -95,5 +103,9 @@ def dead_letter_growth(postgres: PostgresResource,
         f"{recent} jobs failed in the last hour (threshold {threshold}/h); see `pipeline-assets dlq list`")
 
 
-CHECKS = [partition_embedded, no_stale_vector_current, dead_letter_growth]
+STORE_CHECKS = [no_stale_vector_current, dead_letter_growth]
+
+
+def build_checks(settings: Settings) -> list[dg.AssetChecksDefinition]:
+    return [build_coverage_check(settings), *STORE_CHECKS]
 HEALTH_CHECKS = dg.AssetSelection.checks_for_assets(EMBEDDING_STORE)

@@ -15,13 +15,13 @@ start-up per run at best. Measured on this project (one partition, 3 assets +
 import dagster as dg
 
 from pipeline_assets.defs.assets import build_assets
-from pipeline_assets.defs.checks import CHECKS
+from pipeline_assets.defs.checks import build_checks
 from pipeline_assets.defs.model_switch import SENSORS as MODEL_SWITCH_SENSORS
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.reconcile import RECONCILE_JOB, RECONCILE_SENSORS, build_reconciliation
 from pipeline_assets.defs.schedules import HEALTH_JOB, build_schedules
 from pipeline_assets.defs.sensors import EMBED_JOB, SENSORS
-from pipeline_assets.defs.tombstone import tombstone_job
+from pipeline_assets.defs.refresh import refresh_job
 from pipeline_assets.settings import Settings
 
 
@@ -31,8 +31,8 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     settings = settings or Settings.from_env()
     return dg.Definitions(
         assets=[*build_assets(settings), build_reconciliation(settings)],
-        asset_checks=CHECKS,
-        jobs=[EMBED_JOB, RECONCILE_JOB, HEALTH_JOB, tombstone_job],
+        asset_checks=build_checks(settings),
+        jobs=[EMBED_JOB, RECONCILE_JOB, HEALTH_JOB, refresh_job],
         sensors=[*SENSORS, *MODEL_SWITCH_SENSORS, *RECONCILE_SENSORS],
         schedules=build_schedules(settings),
         resources=build_resources(settings),

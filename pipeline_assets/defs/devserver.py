@@ -17,8 +17,8 @@
    webserver, daemon and code server down cleanly; run workers still going
    after that (Dagster leaves them running) get SIGTERM, then SIGKILL.
 
-``pipeline-assets dagster-env`` does steps 1-3 (and registers the source
-directory's documents as partitions) and prints them as ``export`` lines, so
+``pipeline-assets dagster-env`` does steps 1-3 and prints them as ``export`` lines
+(with PIPELINE_PARTITION_BUCKETS, the database's bucket count), so
 Dagster's own commands (``dagster dev``, ``dagster asset materialize``,
 ``dagster job launch``) use the same instance as ``pipeline-assets dev``.
 """
@@ -35,6 +35,7 @@ from typing import Iterator
 
 import psycopg
 
+from pipeline_assets.app.buckets import fixed_buckets
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
 
@@ -42,6 +43,9 @@ DAGSTER_URL_ENV = "DAGSTER_PG_URL"
 REPO = Path(__file__).resolve().parents[2]
 PATH_SETTINGS = ("PIPELINE_SOURCE_DIR",)
 STOP_TIMEOUT_SECONDS = 30
+BUCKETS_ENV = "PIPELINE_PARTITION_BUCKETS"
+# The dynamic partition set of the per-document scheme (before issue 14).
+LEGACY_PARTITIONS_NAME = "documents"
 
 # Dagster settings read from the environment by the processes that create runs
 # (webserver, daemon) and execute them. A single-run backfill of N partitions
@@ -55,7 +59,12 @@ RUN_EVENT_SETTINGS = {
     "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS": "true",
 }
 
-DAGSTER_YAML = f"""\
+# What holds for every instance (run queue, pools, monitoring, retention,
+# telemetry): the repository's top-level dagster.yaml, which `dagster dev` from
+# the root reads too. An installed wheel without the checkout around it uses
+# this copy (test_dagster_definitions keeps the two equal).
+INSTANCE_SETTINGS_FILE = REPO / "dagster.yaml"
+STORAGE_YAML = f"""\
 # Written by `pipeline-assets dev` at every start; edits here are overwritten.
 # Storage (runs, event log, schedules) in PostgreSQL through dagster-postgres;
 # the URL (postgresql+psycopg2://...) comes from ${DAGSTER_URL_ENV}.
@@ -63,21 +72,40 @@ storage:
   postgres:
     postgres_url:
       env: {DAGSTER_URL_ENV}
+"""
+INSTANCE_SETTINGS = """\
 run_coordinator:
   module: dagster.core.run_coordinator
   class: QueuedRunCoordinator
   config:
     dequeue_interval_seconds: 1
-# One run at a time embeds in-process (the embeddings step's pool, embedding_worker).
 concurrency:
   runs:
     max_concurrent_runs: 4
   pools:
     default_limit: 1
     granularity: op
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 180
+  poll_interval_seconds: 60
+retention:
+  schedule:
+    purge_after_days: 30
+  sensor:
+    purge_after_days:
+      skipped: 7
+      failure: 30
+      success: -1
 telemetry:
   enabled: false
 """
+
+
+def instance_yaml() -> str:
+    """The dagster.yaml `pipeline-assets dev` writes: storage, then the shared settings."""
+    shared = INSTANCE_SETTINGS_FILE.read_text() if INSTANCE_SETTINGS_FILE.is_file() else INSTANCE_SETTINGS
+    return STORAGE_YAML + "\n" + shared
 
 
 def sqlalchemy_url(libpq_url: str) -> str:
@@ -102,19 +130,26 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
     """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME)."""
     home = (home or settings.home_path).resolve()
     pipeline_url = settings.database_url or embedded_postgres.ensure_server(home)
-    with db.session(pipeline_url):
-        pass  # migrations applied once, before webserver, daemon and runs start
+    with db.session(pipeline_url) as conn:
+        # Migrations applied once, before webserver, daemon and runs start; the
+        # database's bucket count (fixed by its first use) is what every process uses.
+        buckets = fixed_buckets(conn, settings.partition_buckets)
     dagster_url = sqlalchemy_url(migrations.ensure_database(pipeline_url, settings.dagster_database))
     dagster_home = home / "dagster"
     dagster_home.mkdir(parents=True, exist_ok=True)
-    (dagster_home / "dagster.yaml").write_text(DAGSTER_YAML)
+    (dagster_home / "dagster.yaml").write_text(instance_yaml())
     env = {**RUN_EVENT_SETTINGS, **os.environ}
-    env.update({"DAGSTER_HOME": str(dagster_home), DAGSTER_URL_ENV: dagster_url, "PIPELINE_HOME": str(home)})
+    env.update({"DAGSTER_HOME": str(dagster_home), DAGSTER_URL_ENV: dagster_url, "PIPELINE_HOME": str(home),
+                BUCKETS_ENV: str(buckets)})
     # The services run in DAGSTER_HOME: relative paths keep meaning what they meant here.
     for name in PATH_SETTINGS:
         if env.get(name):
             env[name] = str(Path(env[name]).expanduser().resolve())
     _init_storage(dagster_home, env)
+    retired = retire_document_partitions(dagster_home, env)
+    if retired:
+        print(f"upgraded the Dagster instance to bucket partitions: {retired} per-document partition(s) "
+              "of the old scheme deleted (nothing re-embedded)", file=sys.stderr, flush=True)
     return env, dagster_home
 
 
@@ -141,38 +176,27 @@ def _environ(name: str, value: str) -> Iterator[None]:
 
 
 def dagster_env(settings: Settings) -> tuple[dict[str, str], int]:
-    """``prepare``, then register the source's documents as partitions; return (the
-    variables Dagster's own commands need, partitions added)."""
-    env, dagster_home = prepare(settings)
-    names = ["PIPELINE_HOME", "DAGSTER_HOME", DAGSTER_URL_ENV, *RUN_EVENT_SETTINGS, *PATH_SETTINGS]
+    """``prepare``; return (the variables Dagster's own commands need, the bucket count)."""
+    env, _ = prepare(settings)
+    names = ["PIPELINE_HOME", "DAGSTER_HOME", DAGSTER_URL_ENV, BUCKETS_ENV, *RUN_EVENT_SETTINGS, *PATH_SETTINGS]
     exported = {name: env[name] for name in names if env.get(name)}
-    return exported, _register_partitions(settings, dagster_home, env)
+    return exported, int(env[BUCKETS_ENV])
 
 
-def _register_partitions(settings: Settings, dagster_home: Path, env: dict[str, str]) -> int:
-    """Add a partition for each document of the source directory not registered yet (what
-    the source sensor adds on its first tick), so `dagster asset materialize --partition`
-    works before any sensor ran. Keys that cannot be partition keys are left out."""
+def retire_document_partitions(dagster_home: Path, env: dict[str, str]) -> int:
+    """The per-document scheme's dynamic partition set (``documents``), emptied: its keys
+    are no partitions of anything now. Returns how many were deleted (0 once done)."""
     from dagster import DagsterInstance
 
-    from pipeline_assets.content.sources import scan_directory
-    from pipeline_assets.defs.assets import PARTITIONS_NAME, partition_key_problem
-    from pipeline_assets.defs.resources import SourceDirectoryResource
-
-    root = SourceDirectoryResource(root=env.get("PIPELINE_SOURCE_DIR")).root_path(settings)
-    if not root.is_dir():
-        return 0
-    keys = sorted(i.document_id for i in scan_directory(root) if not partition_key_problem(i.document_id))
     with _environ(DAGSTER_URL_ENV, env[DAGSTER_URL_ENV]):
         instance = DagsterInstance.from_config(str(dagster_home))
         try:
-            known = set(instance.get_dynamic_partitions(PARTITIONS_NAME))
-            new = [k for k in keys if k not in known]
-            if new:
-                instance.add_dynamic_partitions(PARTITIONS_NAME, new)
+            keys = instance.get_dynamic_partitions(LEGACY_PARTITIONS_NAME)
+            for key in keys:
+                instance.delete_dynamic_partition(LEGACY_PARTITIONS_NAME, key)
         finally:
             instance.dispose()
-    return len(new)
+    return len(keys)
 
 
 def export_lines(env: dict[str, str]) -> str:
@@ -189,7 +213,7 @@ def run_dagster_env(settings: Settings | None = None) -> int:
         return 1
     print(export_lines(exported), flush=True)
     print(f"# Dagster instance: DAGSTER_HOME={exported['DAGSTER_HOME']} (storage in PostgreSQL); "
-          f"{added} new partition(s) registered", file=sys.stderr)
+          f"{added} document bucket(s)", file=sys.stderr)
     return 0
 
 

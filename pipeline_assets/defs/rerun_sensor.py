@@ -1,12 +1,15 @@
-"""The rerun sensor: partial reruns of exactly the partitions whose extract or chunk
-stage ran under another code version, with the same selection as `pipeline-assets rerun`
-(``app.rerun.select``; the extractor version is per format, so a PDF-only fix reruns
-PDF documents only).
+"""The rerun sensor: partial reruns after a code-version bump. The documents whose extract
+or chunk stage ran under another code version are selected as `pipeline-assets rerun
+--stale` selects them (``app.rerun.select``; the extractor version is per format, so a
+PDF-only fix selects PDF documents only), and ONE run of ``embed_documents`` over every
+bucket brings them current: each bucket's sync re-extracts only its stale documents
+(unchanged chunks keep their jobs: no provider call for them), and every bucket is
+re-materialized under the new code version, so none stays stale in the UI. Before
+the run, the UI shows every bucket stale with the cause "code version changed";
+the run's per-bucket metadata says how many documents each had to redo.
 
-Run keys. ``rerun@{epoch}.{generation}:{document}:{versions}`` for one document,
-``rerun@{epoch}.{generation}@{versions}:{count}:{digest}:{first}..{last}`` for a
-range. The cursor holds ``epoch`` and ``generation``; a tick that requests runs
-stores ``generation + 1``. So:
+Run key: ``rerun@{epoch}.{generation}@{versions}:{count}:{digest}``. The cursor holds
+``epoch`` and ``generation``; a tick that requests a run stores ``generation + 1``. So:
 
 * a re-evaluation of the same tick (the daemon died before saving the cursor)
   yields the same keys, and Dagster launches nothing twice;
@@ -27,11 +30,10 @@ import json
 import dagster as dg
 
 from pipeline_assets.app import rerun as rerun_uc
-from pipeline_assets.defs import extractor_observations as observe
-from pipeline_assets.defs.assets import DOCUMENT_PARTITIONS, FORCE_TAG, PARTITIONS_NAME, RERUN_TAG, valid_partition_keys
+from pipeline_assets.defs.assets import RERUN_TAG
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import (EMBED_JOB, IN_FLIGHT, MAX_KEYS_PER_TICK, MAX_RUNS_PER_TICK,
-                                               TRIGGER_TAG, batch_digest, contiguous_groups, run_request)
+from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request
 
 RERUN_SCAN_LIMIT = 100_000   # stale documents one tick reads from the database
 RERUN_CURSOR_VERSION = 1
@@ -68,9 +70,10 @@ def encode_rerun_cursor(epoch: int, generation: int) -> str:
 
 @dg.sensor(name=SENSOR_NAME, job=EMBED_JOB, minimum_interval_seconds=60,
            default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Requests reruns of exactly the partitions whose extract or chunk stage ran under "
-                       "another code version (app.rerun.select; the extractor's is per format). A failed "
-                       "rerun is requested again on a later tick (a new generation in the run key).")
+           description="After an extractor or chunker version bump: one run over every bucket that "
+                       "re-extracts exactly the documents whose stage ran under another code version "
+                       "(app.rerun.select; the extractor's is per format). A failed rerun is requested again "
+                       "on a later tick (a new generation in the run key).")
 def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
                                  embedding_provider: EmbeddingProviderResource,
                                  source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
@@ -86,30 +89,14 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
     # The same selection as `pipeline-assets rerun --stale`, for both stages.
     targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True,
                               limit=RERUN_SCAN_LIMIT)
-    docs = valid_partition_keys(sorted({t.document_id for t in targets if t.root == root}), context.log)
-    docs = docs[:MAX_KEYS_PER_TICK]
+    docs = sorted({t.document_id for t in targets if t.root == root})
     if not docs:
         return dg.SkipReason(f"nothing stale under extract={ext_version} chunk={chunk_version}")
-    # The UI marks these documents stale now: their format's new extractor version, observed.
-    observe.report(context.instance, observe.changed(
-        context.instance, {k: rt.options.extractor_version.of(k) for k in docs}))
-
-    existing = context.instance.get_dynamic_partitions(PARTITIONS_NAME)
-    existing_set = set(existing)
-    to_add = [k for k in docs if k not in existing_set]   # ingested by the CLI, never a partition
-    groups = contiguous_groups([*existing, *to_add], set(docs))[:MAX_RUNS_PER_TICK]
     versions = f"{ext_version}:{chunk_version}"
-    tags = {TRIGGER_TAG: SENSOR_NAME, FORCE_TAG: "true",
-            RERUN_TAG: f"extract={ext_version} chunk={chunk_version}", GENERATION_TAG: f"{epoch}.{generation}"}
-    requests = []
-    for group in groups:
-        if len(group) == 1:
-            key = f"rerun@{epoch}.{generation}:{group[0]}:{versions}"
-        else:
-            digest = batch_digest((k, versions) for k in group)
-            key = f"rerun@{epoch}.{generation}@{versions}:{len(group)}:{digest}:{group[0]}..{group[-1]}"
-        requests.append(run_request(group, key, tags))
-    context.log.info(f"{len(docs)} stale document(s) -> {len(requests)} run(s), generation {epoch}.{generation}")
-    return dg.SensorResult(
-        run_requests=requests, cursor=encode_rerun_cursor(epoch, generation + 1),
-        dynamic_partitions_requests=[DOCUMENT_PARTITIONS.build_add_request(to_add)] if to_add else [])
+    key = f"rerun@{epoch}.{generation}@{versions}:{len(docs)}:{batch_digest((d, versions) for d in docs)}"
+    tags = {TRIGGER_TAG: SENSOR_NAME, RERUN_TAG: f"extract={ext_version} chunk={chunk_version}",
+            GENERATION_TAG: f"{epoch}.{generation}"}
+    last = bucket_key(rt.settings.partition_buckets - 1)
+    context.log.info(f"{len(docs)} stale document(s) -> one run over every bucket, generation {epoch}.{generation}")
+    return dg.SensorResult(run_requests=[range_request(bucket_key(0), last, key, tags)],
+                           cursor=encode_rerun_cursor(epoch, generation + 1))

@@ -1,6 +1,6 @@
-"""How the sensors turn partition keys into runs: one run per contiguous partition
-range (see sensors.py for why), bounded per tick, with the tags and run keys
-that let Dagster deduplicate a re-evaluated tick."""
+"""How the sensors turn buckets into runs: one run over a partition range of
+buckets, with the tags and run keys that let Dagster deduplicate a re-evaluated
+tick, and the run statuses that count as in flight (backpressure)."""
 
 import hashlib
 from typing import Iterable
@@ -12,32 +12,16 @@ from pipeline_assets.defs.assets import ASSET_KEYS
 EMBED_JOB_NAME = "embed_documents"
 EMBED_JOB = dg.define_asset_job(
     EMBED_JOB_NAME, selection=dg.AssetSelection.assets(*ASSET_KEYS),
-    description="documents -> chunks -> embeddings for one partition or a partition range.")
+    description="documents -> chunks -> embeddings for one bucket or a range of buckets: each bucket brought "
+                "current with the source and the code (unchanged documents are skipped).")
 
-# Bounds per sensor tick: keys touched (added + deleted + requested), and runs requested.
-# What is left over is picked up by the next tick.
-MAX_KEYS_PER_TICK = 1000
-MAX_RUNS_PER_TICK = 25
 TRIGGER_TAG = "pipeline/trigger"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
+# The run statuses in which a run still holds (or will hold) its buckets: a
+# sensor requests nothing while one of its runs is in one of them.
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
              dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
-
-
-def contiguous_groups(order: Iterable[str], wanted: set[str]) -> list[list[str]]:
-    """Maximal runs of consecutive keys (in partition order) that are all wanted."""
-    groups: list[list[str]] = []
-    current: list[str] = []
-    for key in order:
-        if key in wanted:
-            current.append(key)
-        elif current:
-            groups.append(current)
-            current = []
-    if current:
-        groups.append(current)
-    return groups
 
 
 def batch_digest(pairs: Iterable[tuple[str, str]]) -> str:
@@ -47,8 +31,10 @@ def batch_digest(pairs: Iterable[tuple[str, str]]) -> str:
     return h.hexdigest()[:16]
 
 
-def run_request(group: list[str], run_key: str, tags: dict[str, str]) -> dg.RunRequest:
-    """One run for one partition, or for a contiguous partition range."""
-    if len(group) == 1:
-        return dg.RunRequest(run_key=run_key, partition_key=group[0], tags=tags)
-    return dg.RunRequest(run_key=run_key, tags={**tags, RANGE_START_TAG: group[0], RANGE_END_TAG: group[-1]})
+def range_request(first: str, last: str, run_key: str, tags: dict[str, str], *,
+                  job_name: str = EMBED_JOB_NAME) -> dg.RunRequest:
+    """One run of the buckets ``first``..``last`` (one partition when they are the same)."""
+    if first == last:
+        return dg.RunRequest(run_key=run_key, partition_key=first, tags=tags, job_name=job_name)
+    return dg.RunRequest(run_key=run_key, job_name=job_name,
+                         tags={**tags, RANGE_START_TAG: first, RANGE_END_TAG: last})

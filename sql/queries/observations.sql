@@ -71,3 +71,27 @@ WHERE o.root = %(root)s AND o.document_id = r.document_id
 -- sensor has seen the file again meanwhile (then it is pending as changed).
 DELETE FROM app.source_observations
 WHERE root = %(root)s AND document_id = ANY(%(ids)s) AND checksum IS NULL
+
+-- name: pending_buckets
+-- The buckets (of %(n)s) holding what the sensor has to request (pending as in
+-- `pending`), each with its count of pending files, of gone ones, and a digest
+-- of its pending (document, checksum) pairs: the run key's content.
+SELECT app.document_bucket(document_id, %(n)s) AS bucket,
+       count(*) AS documents,
+       count(*) FILTER (WHERE checksum IS NULL) AS gone,
+       count(*) FILTER (WHERE requested_gen IS NULL AND checksum IS NOT NULL) AS new,
+       md5(string_agg(document_id || '=' || coalesce(checksum, '-'), ',' ORDER BY document_id COLLATE "C")) AS digest
+FROM app.source_observations
+WHERE root = %(root)s
+  AND (checksum IS NULL OR checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)
+GROUP BY 1
+ORDER BY 1
+
+-- name: mark_requested_buckets
+-- Every pending file of some buckets, as put into a run request by generation
+-- %(generation)s (a gone file keeps requested NULL: it stays pending until the
+-- bucket run that tombstones it deletes its row).
+UPDATE app.source_observations
+SET requested = checksum, requested_gen = %(generation)s
+WHERE root = %(root)s AND app.document_bucket(document_id, %(n)s) = ANY(%(buckets)s)
+  AND (checksum IS NULL OR checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)

@@ -1,0 +1,197 @@
+"""Document buckets: the unit the Dagster layer works in (issue 14).
+
+A source document belongs to bucket ``sha256(document_id)[:60 bits] % n``: an
+edit keeps its bucket, and ``n`` is fixed by the first use of a database
+(``app.partition_scheme``), so Dagster's partitions never grow with the corpus
+(64 by default: 1M documents are ~16k per bucket). The same hash is a SQL
+function (``app.document_bucket``, migration 017) for set-based queries.
+
+``sync_buckets`` is the use case of a bucket run (a sensor's run, a backfill,
+the UI's "materialize"): bring the documents of some buckets current with the
+source and the code, doing only what is needed:
+
+1. scan the buckets' files with the source observations' prefilter (a file
+   whose size and mtime are unchanged is not read: a no-op backfill reads
+   nothing);
+2. ingest what a bucket run has not synced yet (new or changed bytes), what is
+   stale (extracted or chunked under another code version than the current
+   one: a parser fix), and tombstone what is gone;
+3. record what it synced, so the next run skips it.
+
+Unchanged content is never re-extracted, and chunks whose text did not change
+keep their jobs: no provider call for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from pipeline_assets.app import observations, reports
+from pipeline_assets.app import rerun as rerun_uc
+from pipeline_assets.app.ingest import IngestReport, ingest_documents
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.store import queries
+
+BUCKETS = queries.load("buckets")
+OBS = queries.load("observations")
+
+# Bits of sha256(document_id) the bucket is taken from (a positive bigint in SQL).
+BUCKET_HASH_HEX = 15
+# Document ids listed per bucket in its metadata (quarantined, failed): bounds the
+# size of one materialization event whatever the bucket holds.
+SAMPLE_IDS = 20
+# Stale documents one bucket run reads from the stage rows (app.rerun.select).
+STALE_SCAN_LIMIT = 10_000_000
+
+
+class BucketCountMismatch(RuntimeError):
+    """The configured bucket count is not the one the database was first used with."""
+
+
+def bucket_of(document_id: str, buckets: int) -> int:
+    """The bucket of a document id (the same as SQL's app.document_bucket)."""
+    digest = hashlib.sha256(document_id.encode("utf-8", "surrogateescape")).hexdigest()
+    return int(digest[:BUCKET_HASH_HEX], 16) % buckets
+
+
+def fixed_buckets(conn: psycopg.Connection, configured: int) -> int:
+    """The database's bucket count; the first call on a database stores ``configured``."""
+    conn.execute(BUCKETS.store_buckets, {"buckets": configured})
+    return int(conn.execute(BUCKETS.stored_buckets).fetchone()[0])
+
+
+def check_buckets(conn: psycopg.Connection, configured: int) -> int:
+    """``configured`` if it is the database's bucket count, else BucketCountMismatch (one line)."""
+    stored = fixed_buckets(conn, configured)
+    if stored != configured:
+        raise BucketCountMismatch(
+            f"this database's documents are in {stored} buckets (fixed when it was first used), but "
+            f"PIPELINE_PARTITION_BUCKETS is {configured}; set PIPELINE_PARTITION_BUCKETS={stored}")
+    return stored
+
+
+def buckets_of(document_ids: Iterable[str], buckets: int) -> dict[int, list[str]]:
+    """The ids grouped by bucket, in their order."""
+    out: dict[int, list[str]] = defaultdict(list)
+    for doc in document_ids:
+        out[bucket_of(doc, buckets)].append(doc)
+    return dict(out)
+
+
+@dataclass
+class BucketSync:
+    """What a bucket run did."""
+
+    scan: observations.Scan
+    changed: list[str] = field(default_factory=list)   # new or changed bytes: ingested
+    stale: list[str] = field(default_factory=list)     # another extractor/chunker version: re-extracted
+    gone: list[str] = field(default_factory=list)      # files gone: tombstoned
+    report: IngestReport = field(default_factory=IngestReport)
+
+
+def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequence[int], n: int) -> BucketSync:
+    """Bring the documents of ``buckets`` (of ``n``) current with the source and the code."""
+    root = Path(root).expanduser().resolve()
+    wanted = set(buckets)
+    params = {"root": str(root), "n": n, "buckets": sorted(wanted)}
+    with pool.connection() as conn:
+        check_buckets(conn, n)
+        found = observations.scan(conn, root, max_bytes=rt.settings.max_input_bytes,
+                                  keep=lambda doc: bucket_of(doc, n) in wanted)
+        rows = conn.execute(BUCKETS.unsynced, params).fetchall()
+        orphans = [] if found.empty_refused else [r[0] for r in conn.execute(BUCKETS.unobserved_current, params)]
+    changed = {doc: checksum for doc, checksum in rows if checksum is not None}
+    gone = sorted({doc for doc, checksum in rows if checksum is None} | set(orphans))
+    stale = sorted({t.document_id for t in rerun_uc.select(rt, pool, stages_=rerun_uc.VERSIONED_STAGES, stale=True,
+                                                           limit=STALE_SCAN_LIMIT)
+                    if t.root == str(root) and bucket_of(t.document_id, n) in wanted} - set(changed) - set(gone))
+    todo = [*changed, *stale, *gone]
+    report = ingest_documents(rt, pool, root, todo) if todo else IngestReport()
+    with pool.connection() as conn:
+        if changed:
+            ids = list(changed)
+            conn.execute(BUCKETS.mark_synced, {"root": str(root), "ids": ids, "checksums": [changed[d] for d in ids]})
+        if gone:
+            conn.execute(OBS.forget_gone, {"root": str(root), "ids": gone})
+    return BucketSync(scan=found, changed=list(changed), stale=stale, gone=gone, report=report)
+
+
+def bucket_documents(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[str]:
+    """The source's documents (current or quarantined) in some buckets."""
+    return [r[0] for r in conn.execute(BUCKETS.bucket_documents,
+                                       {"root": root, "n": n, "buckets": sorted(set(buckets))})]
+
+
+def digest(parts: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\x1e")
+    return h.hexdigest()
+
+
+@dataclass
+class BucketState:
+    """One bucket's documents and chunks, as its Dagster partition's metadata shows them."""
+
+    documents: int = 0
+    current: int = 0
+    quarantined: int = 0
+    chunks: int = 0
+    tokens: int = 0
+    text_digest: str = ""       # the documents' text checksums (quarantines: why), by id
+    chunks_digest: str = ""     # the documents' chunk digests, by id
+    quarantined_ids: list[str] = field(default_factory=list)   # the first SAMPLE_IDS, by id
+
+
+def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int],
+                  n: int) -> dict[int, BucketState]:
+    """Each bucket's state from its documents' summaries (every bucket asked for, empty or not)."""
+    members: dict[int, list[reports.DocumentSummary]] = {b: [] for b in buckets}
+    for doc in sorted(summaries):
+        s = summaries[doc]
+        if s.status != "deleted":
+            members.setdefault(bucket_of(doc, n), []).append(s)
+    states = {}
+    for bucket, docs in members.items():
+        quarantined = [s.document_id for s in docs if s.status == "quarantined"]
+        states[bucket] = BucketState(
+            documents=len(docs), current=sum(s.status == "current" for s in docs), quarantined=len(quarantined),
+            chunks=sum(s.chunks for s in docs), tokens=sum(s.tokens for s in docs),
+            text_digest=digest(f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}" for s in docs),
+            chunks_digest=digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
+            quarantined_ids=quarantined[:SAMPLE_IDS])
+    return states
+
+
+@dataclass
+class BucketCoverage:
+    """One bucket's embedding state for a model (per document, summed)."""
+
+    chunks: int = 0
+    ready: int = 0
+    failed: int = 0
+    waiting: int = 0
+    failed_ids: list[str] = field(default_factory=list)   # documents with a failed chunk, the first SAMPLE_IDS
+
+
+def bucket_coverage(per_document: dict[str, reports.Coverage], buckets: Sequence[int],
+                    n: int) -> dict[int, BucketCoverage]:
+    out = {b: BucketCoverage() for b in buckets}
+    for doc in sorted(per_document):
+        cov = per_document[doc]
+        b = out.setdefault(bucket_of(doc, n), BucketCoverage())
+        b.chunks += cov.wanted
+        b.ready += cov.ready
+        b.failed += cov.failed
+        b.waiting += cov.waiting
+        if cov.failed and len(b.failed_ids) < SAMPLE_IDS:
+            b.failed_ids.append(doc)
+    return out

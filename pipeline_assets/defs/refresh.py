@@ -1,0 +1,113 @@
+"""``refresh_documents``: single documents re-materialized through run config.
+
+Partitions are buckets, so a document is selected by run config instead
+("partitions vs config": config for an unbounded set). Launched from the
+launchpad (or ``dagster job launch``) with::
+
+    ops:
+      refresh_documents_op:
+        config:
+          document_ids: ["ops/retries-with-jitter.html"]   # and/or
+          glob: "ops/*.md"                                  # matched against the source's files
+          force: false                                      # true: re-extract even unchanged bytes
+
+The run ingests exactly those documents (a file gone is tombstoned), embeds
+their chunks (only content without a vector is sent), and records a
+materialization of ``documents``, ``chunks`` and ``embeddings`` for each bucket
+it touched, with the refreshed ids in its metadata.
+"""
+
+
+import fnmatch
+from pathlib import Path
+from typing import Iterator
+
+import dagster as dg
+
+from pipeline_assets.app import buckets as bk
+from pipeline_assets.app import reports
+from pipeline_assets.app.embed import EmbedIncomplete, embed_documents
+from pipeline_assets.app.ingest import ingest_documents
+from pipeline_assets.app.observations import walk
+from pipeline_assets.content.sources import SourceError, document_id_problem
+from pipeline_assets.defs.assets import CHUNKS, DOCUMENTS, EMBEDDINGS, chunk_metadata, document_metadata
+from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.resources import (EmbeddingProviderResource, EmbeddingRunResource, PostgresResource,
+                                             SourceDirectoryResource)
+from pipeline_assets.jobs.worker import FatalProviderError
+
+REFRESH_JOB_NAME = "refresh_documents"
+REFRESH_OP_NAME = "refresh_documents_op"
+# Documents one refresh run may select (a glob that matches the whole corpus is a backfill's job).
+MAX_REFRESH_DOCUMENTS = 10_000
+
+
+class RefreshConfig(dg.Config):
+    document_ids: list[str] = []   # ids as the source names them (paths relative to the root)
+    glob: str = ""                 # fnmatch pattern over the source's document ids ("*" crosses "/")
+    force: bool = False            # re-extract even if bytes and code versions are unchanged
+
+
+def select_documents(root: Path, document_ids: list[str], glob: str) -> list[str]:
+    """The ids asked for, then those of the source's files the glob matches, each once."""
+    for doc in document_ids:
+        if problem := document_id_problem(doc):
+            raise dg.Failure(description=f"document id {doc!r}: {problem}", allow_retries=False)
+    chosen = dict.fromkeys(document_ids)
+    if glob:
+        try:
+            chosen.update(dict.fromkeys(sorted(doc for doc, *_ in walk(root) if fnmatch.fnmatchcase(doc, glob))))
+        except SourceError as exc:
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
+    if not chosen:
+        raise dg.Failure(description=f"nothing to refresh: no document_ids given and glob {glob!r} matches no "
+                                     f"file under {root}", allow_retries=False)
+    if len(chosen) > MAX_REFRESH_DOCUMENTS:
+        raise dg.Failure(description=f"{len(chosen)} documents selected (at most {MAX_REFRESH_DOCUMENTS}); "
+                                     "backfill their buckets instead", allow_retries=False)
+    return list(chosen)
+
+
+@dg.op(name=REFRESH_OP_NAME, description="Ingest and embed the documents the run config names (ids or a glob).")
+def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, postgres: PostgresResource,
+                         embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
+                         embedding_run: EmbeddingRunResource) -> Iterator[dg.AssetMaterialization | dg.Output]:
+    rt = embedding_provider.runtime(run_id=context.run_id, force=config.force)
+    root = source.root_path(rt.settings)
+    ids = select_documents(root, config.document_ids, config.glob)
+    pool = postgres.pool()
+    with postgres.connection() as conn:
+        n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
+    report = ingest_documents(rt, pool, root, ids)
+    try:
+        done = embed_documents(rt, pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
+                               deadline_seconds=embedding_run.deadline(rt.settings))
+    except FatalProviderError as exc:
+        raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
+                         allow_retries=False) from None
+    except EmbedIncomplete as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    touched = bk.buckets_of(ids, n)
+    with postgres.connection() as conn:
+        members = bk.bucket_documents(conn, str(root), list(touched), n)
+        states = bk.bucket_states(reports.document_summaries(conn, str(root), members), list(touched), n)
+    coverage = bk.bucket_coverage(done.per_document, list(touched), n)
+    for b, docs in sorted(touched.items()):
+        refreshed = {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
+        key = bucket_key(b)
+        yield dg.AssetMaterialization(DOCUMENTS, partition=key, metadata={**document_metadata(states[b]), **refreshed})
+        yield dg.AssetMaterialization(CHUNKS, partition=key, metadata={**chunk_metadata(states[b]), **refreshed})
+        cov = coverage[b]
+        yield dg.AssetMaterialization(EMBEDDINGS, partition=key, metadata={
+            "model": rt.model_id, "refreshed_chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed,
+            **refreshed})
+    yield dg.Output(ids, metadata={**{k: v for k, v in report.as_dict().items() if isinstance(v, int)},
+                                   "documents": len(ids), "buckets": len(touched),
+                                   "embedded": done.work.embedded, "provider_calls": done.work.provider_calls})
+
+
+@dg.job(name=REFRESH_JOB_NAME, executor_def=dg.in_process_executor,
+        description="Re-materialize single documents given by run config (document_ids and/or a glob): ingest, "
+                    "embed, and a materialization per bucket touched.")
+def refresh_job():
+    refresh_documents_op()
