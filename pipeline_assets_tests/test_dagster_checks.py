@@ -1,19 +1,27 @@
-"""Asset checks: coverage per partition of the run (ERROR); store health on the schedule only."""
+"""Asset checks: coverage per bucket of the run (ERROR); store health on the schedule only."""
 
 from __future__ import annotations
 
 import dagster as dg
 import pytest
 
+from pipeline_assets.app import reports
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.defs.assets import EMBEDDINGS
 from pipeline_assets.defs.checks import COVERAGE_CHECK
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.conftest import job_counts
-from pipeline_assets_tests.dagster_helpers import check_results, execute, fresh_defs, range_tags, watched_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts
+from pipeline_assets_tests.dagster_helpers import (bucket_of, check_results, execute, fresh_defs, range_tags,
+                                                   watched_corpus)
 
-KEYS = [f"doc{i:04d}.md" for i in range(6)]
+KEYS = [f"doc{i:04d}.md" for i in range(12)]
+MODEL = f"openai/{FAKE_MODEL}"
+# A run over the buckets b033..b041: doc0008 and doc0011 share b033, doc0000 is alone in b041, and every
+# other document of the corpus lies outside the range (asserted below, since the buckets are a hash).
+PAIR, SINGLE = ["doc0008.md", "doc0011.md"], "doc0000.md"
+RUN = [bucket_key(i) for i in range(33, 42)]
 
 
 @pytest.fixture
@@ -22,7 +30,7 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
 
 
 def _coverage_only(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> dg.AssetCheckEvaluation:
-    """The coverage check alone for one partition, as 'Execute check' in the UI runs it."""
+    """The coverage check alone for one bucket, as 'Execute check' in the UI runs it."""
     job = defs.resolve_implicit_global_asset_job_def().get_subset(
         asset_selection=set(), asset_check_selection={dg.AssetCheckKey(EMBEDDINGS, COVERAGE_CHECK)})
     result = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
@@ -38,39 +46,58 @@ def _health(defs, instance) -> dict[str, dg.AssetCheckEvaluation]:
     return check_results(result)
 
 
-def test_coverage_is_per_partition_and_a_backlog_elsewhere_does_not_fail_it(corpus, conn, fake):
+def _chunks(conn, root, docs) -> int:
+    summaries = reports.document_summaries(conn, str(root), docs)
+    return sum(summaries[d].chunks for d in docs)
+
+
+def test_coverage_is_per_bucket_and_a_backlog_elsewhere_does_not_fail_it(corpus, conn, fake):
+    assert {bucket_of(d) for d in PAIR} == {RUN[0]} and bucket_of(SINGLE) == RUN[-1]
+    others = [d for d in KEYS if d not in (*PAIR, SINGLE)]
+    assert not {bucket_of(d) for d in others} & set(RUN)
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", KEYS)
-    result = execute(defs, instance, tags=range_tags(KEYS[:2]))
+    result = execute(defs, instance, tags=range_tags(RUN))
     assert result.success
     evaluations = {e.partition: e for e in result.get_asset_check_evaluations()}
-    # One ERROR-severity evaluation per partition of the run, and only the coverage check runs.
-    assert set(evaluations) == set(KEYS[:2])
+    # One ERROR-severity evaluation per bucket of the run (empty ones included), none per document, and
+    # only the coverage check runs.
+    assert sorted(evaluations) == RUN
     assert all(e.check_name == COVERAGE_CHECK and e.passed for e in evaluations.values())
     assert all(e.severity == dg.AssetCheckSeverity.ERROR for e in evaluations.values())
-    assert evaluations[KEYS[0]].metadata["ready"].value == evaluations[KEYS[0]].metadata["chunks"].value > 0
+    root = corpus.resolve()
+    pair = {k: v.value for k, v in evaluations[RUN[0]].metadata.items()}
+    # The shared bucket's evaluation sums both its documents' chunks.
+    assert pair["chunks"] == pair["ready"] == _chunks(conn, root, PAIR) > _chunks(conn, root, PAIR[:1])
+    assert pair["failed"] == pair["waiting"] == 0 and pair["model"] == MODEL
+    assert evaluations[RUN[-1]].metadata["ready"].value == _chunks(conn, root, [SINGLE]) > 0
+    assert all(evaluations[k].metadata["chunks"].value == 0 for k in RUN[1:-1])
+    # The run ingested its buckets' documents, nothing else.
+    assert sorted(reports.document_summaries(conn, str(root), KEYS)) == sorted([*PAIR, SINGLE])
 
     # A backfill in progress elsewhere: the other documents are ingested, their jobs still pending.
     settings = Settings.from_env()
     with dg.build_resources(build_resources(settings)) as res:
-        ingest_documents(res.embedding_provider.runtime(), res.postgres.pool(), corpus.resolve(), KEYS[2:])
+        ingest_documents(res.embedding_provider.runtime(), res.postgres.pool(), root, others)
     assert job_counts(conn)["pending"] > 0
-    assert _coverage_only(defs, instance, KEYS[0]).passed              # its own chunks are embedded
-    waiting = _coverage_only(defs, instance, KEYS[3])                   # not reached yet: says so
+    assert _coverage_only(defs, instance, RUN[-1]).passed              # its own chunks are embedded
+    waiting = _coverage_only(defs, instance, bucket_of(others[0]))     # not reached yet: says so
     assert not waiting.passed and waiting.metadata["waiting"].value == waiting.metadata["chunks"].value > 0
+    assert waiting.metadata["chunks"].value == _chunks(conn, root, [d for d in others
+                                                                   if bucket_of(d) == bucket_of(others[0])])
     assert all(c.passed for c in _health(defs, instance).values())      # pending work is not unhealthy
 
-    # A dead-lettered job fails exactly the partitions whose chunk it is.
+    # A dead-lettered job fails exactly the bucket whose chunk it is, and names the document.
     conn.execute("""UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input'
                     WHERE job_id = (SELECT j.job_id FROM app.embedding_jobs j
                                     JOIN app.chunks c ON c.chunk_checksum = j.chunk_checksum
                                     JOIN app.documents d ON d.doc_pk = c.doc_pk
-                                    WHERE d.document_id = %s AND j.status = 'ready' LIMIT 1)""", (KEYS[1],))
-    failed = _coverage_only(defs, instance, KEYS[1])
+                                    WHERE d.document_id = %s AND j.status = 'ready' LIMIT 1)""", (PAIR[1],))
+    failed = _coverage_only(defs, instance, RUN[0])
     assert not failed.passed and failed.metadata["failed"].value == 1
+    assert failed.metadata["failed_ids"].value == PAIR[1]
     assert "see `pipeline-assets dlq list`" in failed.description
-    assert _coverage_only(defs, instance, KEYS[0]).passed
+    assert _coverage_only(defs, instance, RUN[-1]).passed
 
 
 def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, conn, fake, monkeypatch):
@@ -83,10 +110,9 @@ def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, c
                      if k.asset_key == dg.AssetKey("embedding_store")}
     assert health_checks == {"no_stale_vector_current", "dead_letter_growth"}
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", KEYS[:2])
-    run = execute(defs, instance, partition_key=KEYS[0])
+    run = execute(defs, instance, partition_key=bucket_of(KEYS[0]))
     assert run.success and {e.check_name for e in run.get_asset_check_evaluations()} == {COVERAGE_CHECK}
-    assert execute(defs, instance, partition_key=KEYS[1]).success
+    assert execute(defs, instance, partition_key=bucket_of(KEYS[1])).success
     checks = _health(defs, instance)
     assert {n: c.passed for n, c in checks.items()} == {"no_stale_vector_current": True, "dead_letter_growth": True}
 
