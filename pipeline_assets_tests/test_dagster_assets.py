@@ -1,7 +1,8 @@
-"""The assets in-process against real PostgreSQL and the fake OpenAI server."""
+"""The assets in-process against real PostgreSQL and the fake OpenAI server: bucket partitions."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -9,86 +10,153 @@ import dagster as dg
 import pytest
 
 from pipeline_assets.app import reports
+from pipeline_assets.app.buckets import bucket_of as bucket_index
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.defs.assets import EMBEDDING_POOL
 from pipeline_assets.defs.checks import COVERAGE_CHECK
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, write_corpus
-from pipeline_assets_tests.dagster_helpers import (check_results, execute, fresh_defs, latest_data_versions,
-                                                   latest_materializations, materialization_metadata,
-                                                   postgres_instance, range_tags, stale_status)
+from pipeline_assets_tests.dagster_helpers import (bucket_of, check_results, execute, fresh_defs,
+                                                   latest_data_versions, latest_materializations,
+                                                   materialization_metadata, postgres_instance, range_tags,
+                                                   stale_status)
+
+DOCS = [f"doc{i:04d}.md" for i in range(4)]
+ALL = [bucket_key(i) for i in range(64)]
 
 
 @pytest.fixture
 def corpus(env, clean_db, tmp_path, monkeypatch):
     root = tmp_path / "corpus"
-    write_corpus(root, 4)
+    for path in write_corpus(root, 4):
+        old = time.time() - 3600   # not "just modified": the scan's prefilter trusts size and mtime
+        os.utime(path, (old, old))
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
+    # The tests below rely on these four documents having a bucket each.
+    assert len({bucket_of(d) for d in DOCS}) == 4
     return root
 
 
-def test_materialize_one_partition_then_again_without_provider_calls(corpus, conn, fake):
+def _meta(event) -> dict:
+    return {k: v.value for k, v in event.metadata.items()}
+
+
+def _partition_events(result: dg.ExecuteInProcessResult, node: str, asset: str) -> dict[str, dict]:
+    return {e.partition: _meta(e) for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
+
+
+def test_bucket_hash_is_stable_and_the_same_in_sql(conn):
+    ids = ["a.md", "dir/b.html", "ünïcode/ß.txt", "x%25y.md", *DOCS]
+    rows = dict(conn.execute("SELECT d, app.document_bucket(d, 64) FROM unnest(%s::text[]) AS d", (ids,)).fetchall())
+    assert rows == {d: bucket_index(d, 64) for d in ids}
+    assert all(0 <= b < 64 for b in rows.values())
+    assert bucket_index("a.md", 64) == bucket_index("a.md", 64)           # deterministic (no salt)
+    assert len({bucket_index(f"doc{i}.md", 64) for i in range(2000)}) == 64   # every bucket gets documents
+
+
+def test_materialize_one_bucket_then_again_without_provider_calls_or_reads(corpus, conn, fake):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", ["doc0000.md", "doc0001.md"])
+    key = bucket_of("doc0000.md")
 
-    result = execute(defs, instance, partition_key="doc0000.md")
+    result = execute(defs, instance, partition_key=key)
     assert result.success
     doc = reports.document_summaries(conn, str(corpus.resolve()), ["doc0000.md"])["doc0000.md"]
     assert doc.status == "current" and doc.chunks >= 1
-    # Only the partition's document was ingested.
+    # Only the bucket's document was ingested.
     assert conn.execute("SELECT count(*) FROM app.documents").fetchone()[0] == 1
     emb = materialization_metadata(result, "embeddings")
     assert emb["embedded"] == doc.chunks and emb["reused"] == 0 and emb["failed"] == 0
     assert emb["provider_calls"] >= 1 and emb["tokens"] > 0 and emb["coverage_ratio"] == 1.0
-    assert emb["model"] == f"openai/{FAKE_MODEL}"
-    # Data versions: the text checksum and the digest of the chunk checksums; one event per asset.
+    assert emb["model"] == f"openai/{FAKE_MODEL}" and emb["documents"] == 1
+    ingest = materialization_metadata(result, "ingest")
+    assert ingest["changed_documents"] == 1 and ingest["files_read"] == 1
+    # One event per asset; a one-bucket run records the bucket's own version.
     (docs_event,) = [e for e in result.asset_materializations_for_node("ingest") if e.asset_key.path == ["documents"]]
-    assert docs_event.tags["dagster/data_version"] == doc.text_checksum
-    assert docs_event.metadata["text_checksum"].value == doc.text_checksum
+    assert docs_event.partition == key
+    assert docs_event.metadata["documents"].value == 1 and docs_event.metadata["current"].value == 1
+    assert docs_event.tags["dagster/data_version"] == docs_event.metadata["text_digest"].value
     (chunks_event,) = [e for e in result.asset_materializations_for_node("ingest") if e.asset_key.path == ["chunks"]]
-    assert chunks_event.tags["dagster/data_version"] == doc.chunks_digest
+    assert chunks_event.tags["dagster/data_version"] == chunks_event.metadata["chunks_digest"].value
+    assert chunks_event.metadata["chunk_count"].value == doc.chunks
     assert chunks_event.tags["dagster/code_version"].startswith("tok-window-1/")
     (coverage,) = check_results(result).values()
-    assert coverage.check_name == COVERAGE_CHECK and coverage.partition == "doc0000.md" and coverage.passed
-    billed = fake.stats["billed_inputs"]
-    requests = fake.stats["requests"]
+    assert coverage.check_name == COVERAGE_CHECK and coverage.partition == key and coverage.passed
+    assert coverage.metadata["chunks"].value == doc.chunks
+    billed, requests = fake.stats["billed_inputs"], fake.stats["requests"]
 
-    again = execute(defs, instance, partition_key="doc0000.md")
+    again = execute(defs, instance, partition_key=key)
     assert again.success
     assert fake.stats["requests"] == requests and fake.stats["billed_inputs"] == billed
     emb = materialization_metadata(again, "embeddings")
     assert emb["embedded"] == 0 and emb["provider_calls"] == 0 and emb["reused"] == doc.chunks
-    assert materialization_metadata(again, "ingest")["unchanged"] == 1
+    ingest = materialization_metadata(again, "ingest")
+    assert ingest["files_read"] == 0 and ingest["changed_documents"] == 0 and ingest["scanned"] == 0
     # Same content, same data versions: nothing downstream looks changed.
-    assert latest_data_versions(instance, "chunks", ["doc0000.md"]) == {"doc0000.md": doc.chunks_digest}
-    assert stale_status(defs, instance, "embeddings", ["doc0000.md"])["doc0000.md"] == "FRESH"
+    assert latest_data_versions(instance, "chunks", [key]) == {key: chunks_event.metadata["chunks_digest"].value}
+    assert stale_status(defs, instance, "embeddings", [key])[key] == "FRESH"
 
 
-def test_range_run_records_each_partitions_own_version_and_metadata(corpus, conn, fake):
-    """A multi-partition run is one run; each partition's latest event carries its own checksum."""
+def test_a_backfill_of_every_bucket_is_one_run_with_per_bucket_metadata(corpus, conn, fake):
+    """A range over all buckets: one run; each bucket's events carry its own counts and digests."""
     instance = dg.DagsterInstance.ephemeral()
-    keys = [f"doc{i:04d}.md" for i in range(4)]
-    instance.add_dynamic_partitions("documents", keys)
-    result = execute(fresh_defs(), instance, tags=range_tags(keys))
+    result = execute(fresh_defs(), instance, tags=range_tags(ALL))
     assert result.success
-    summaries = reports.document_summaries(conn, str(corpus.resolve()), keys)
-    assert len({s.text_checksum for s in summaries.values()}) == 4
-    docs = latest_materializations(instance, "documents", keys)
-    chunks = latest_materializations(instance, "chunks", keys)
-    for key in keys:
-        doc_event, chunk_event = docs[key].asset_materialization, chunks[key].asset_materialization
-        assert doc_event.tags["dagster/data_version"] == summaries[key].text_checksum
-        assert doc_event.metadata["text_checksum"].value == summaries[key].text_checksum
-        assert chunk_event.tags["dagster/data_version"] == summaries[key].chunks_digest
-        assert chunk_event.metadata["chunk_count"].value == summaries[key].chunks
-        # Provenance as Dagster writes it: made from this document's version.
-        assert chunk_event.tags["dagster/input_data_version/documents"] == summaries[key].text_checksum
+    summaries = reports.document_summaries(conn, str(corpus.resolve()), DOCS)
+    docs = _partition_events(result, "ingest", "documents")
+    chunks = _partition_events(result, "ingest", "chunks")
+    embs = _partition_events(result, "embeddings", "embeddings")
+    assert set(docs) == set(chunks) == set(embs) == set(ALL)
+    for d in DOCS:
+        key = bucket_of(d)
+        assert docs[key]["documents"] == 1 and docs[key]["current"] == 1
+        assert chunks[key]["chunk_count"] == summaries[d].chunks
+        assert embs[key]["ready"] == embs[key]["chunks"] == summaries[d].chunks
+    empty = next(k for k in ALL if k not in {bucket_of(d) for d in DOCS})
+    assert docs[empty]["documents"] == 0 and embs[empty]["chunks"] == 0
     emb = materialization_metadata(result, "embeddings")
-    assert emb["partitions"] == 4 and emb["coverage_ratio"] == 1.0
+    assert emb["partitions"] == 64 and emb["coverage_ratio"] == 1.0
     assert emb["embedded"] == sum(s.chunks for s in summaries.values())
-    assert {e.partition for e in result.get_asset_check_evaluations()} == set(keys)
+    assert {e.partition for e in result.get_asset_check_evaluations()} == set(ALL)   # one per bucket
+    # A range run records one version for the range (Dagster 1.13), never a bucket's own.
+    versions = latest_data_versions(instance, "documents", ALL)
+    assert len(set(versions.values())) == 1 and next(iter(versions.values())).startswith("range:64:")
+
+    # Nothing changed: the no-op backfill reads no file and calls no provider.
+    billed = fake.stats["billed_inputs"]
+    again = execute(fresh_defs(), instance, tags=range_tags(ALL))
+    assert again.success and fake.stats["billed_inputs"] == billed
+    ingest = materialization_metadata(again, "ingest")
+    assert ingest["files_read"] == 0 and ingest["scanned"] == 0
+
+
+def test_a_changed_and_a_deleted_document_are_synced_in_their_buckets(corpus, conn, fake):
+    instance = dg.DagsterInstance.ephemeral()
+    defs = fresh_defs()
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    (corpus / "doc0001.md").write_text("# changed\n\nbrand new words entirely\n")
+    (corpus / "doc0002.md").unlink()
+    billed = fake.stats["billed_inputs"]
+    result = execute(defs, instance, tags=range_tags(ALL))
+    assert result.success
+    ingest = materialization_metadata(result, "ingest")
+    assert ingest["changed_documents"] == 1 and ingest["gone_documents"] == 1 and ingest["files_read"] == 1
+    assert fake.stats["billed_inputs"] == billed + 1                 # only the changed chunk was sent
+    s = reports.document_summaries(conn, str(corpus.resolve()), ["doc0001.md", "doc0002.md"])
+    assert s["doc0001.md"].status == "current" and s["doc0002.md"].status == "deleted"
+    docs = _partition_events(result, "ingest", "documents")
+    assert docs[bucket_of("doc0002.md")]["documents"] == 0
+
+
+def test_a_quarantined_document_is_named_in_its_buckets_metadata(corpus, conn, fake):
+    (corpus / "doc0003.md").write_bytes(b"\xff\xfe not utf-8 \x80")
+    key = bucket_of("doc0003.md")
+    result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key=key)
+    assert result.success
+    docs = _partition_events(result, "ingest", "documents")
+    assert docs[key]["quarantined"] == 1 and docs[key]["quarantined_ids"] == "doc0003.md"
 
 
 def test_documents_and_chunks_cannot_be_materialized_apart(corpus, conn, fake):
@@ -98,27 +166,55 @@ def test_documents_and_chunks_cannot_be_materialized_apart(corpus, conn, fake):
     with pytest.raises(dg.DagsterInvalidSubsetError, match="does not support subsetting"):
         job.get_subset(asset_selection={dg.AssetKey("documents")})
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", ["doc0000.md"])
-    assert execute(defs, instance, partition_key="doc0000.md").success
+    key = bucket_of("doc0000.md")
+    assert execute(defs, instance, partition_key=key).success
     # The UI's "materialize documents" materializes the step's required neighbours: both.
     both = dg.AssetSelection.assets("documents").required_multi_asset_neighbors()
     again = job.get_subset(asset_selection=both.resolve(defs.get_repository_def().asset_graph))
-    assert again.execute_in_process(instance=instance, partition_key="doc0000.md").success
-    statuses = {a: stale_status(defs, instance, a, ["doc0000.md"])["doc0000.md"]
-                for a in ("documents", "chunks", "embeddings")}
+    assert again.execute_in_process(instance=instance, partition_key=key).success
+    statuses = {a: stale_status(defs, instance, a, [key])[key] for a in ("documents", "chunks", "embeddings")}
     assert statuses == {"documents": "FRESH", "chunks": "FRESH", "embeddings": "FRESH"}
 
 
-def test_a_pipe_in_a_partition_key_is_skipped_with_a_clear_log(corpus, conn, fake):
-    (corpus / "bad|name.md").write_text("never ingested")
+def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, conn, fake, monkeypatch):
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success   # fixes 64
+    monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
+    result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000")
+    assert not result.success
+    description = result.failure_data_for_node("ingest").user_failure_data.description
+    assert "64 buckets" in description and "PIPELINE_PARTITION_BUCKETS=64" in description
+    assert "\n" not in description
+
+
+def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, conn, fake):
+    defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", ["bad|name.md"])
-    result = execute(fresh_defs(), instance, partition_key="bad|name.md")
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
+    billed = fake.stats["billed_inputs"]
+    job = defs.resolve_job_def("refresh_documents")
+    result = job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "document_ids": ["doc0001.md"]}}}})
     assert result.success
-    assert materialization_metadata(result, "ingest")["skipped_invalid_keys"] == 1
-    assert conn.execute("SELECT count(*) FROM app.documents").fetchone()[0] == 0
-    logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
-    assert any("skipping document 'bad|name.md'" in m and "'|'" in m for m in logs)
+    assert fake.stats["billed_inputs"] == billed + 1
+    text = conn.execute("SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) "
+                        "WHERE d.document_id = 'doc0001.md'").fetchone()[0]
+    assert "fresh text for one document" in text
+    key = bucket_of("doc0001.md")
+    events = {tuple(e.asset_key.path): e for e in result.get_asset_materialization_events()
+              for e in [e.event_specific_data.materialization]}
+    assert set(events) == {("documents",), ("chunks",), ("embeddings",)}
+    assert all(e.partition == key for e in events.values())
+    assert events[("documents",)].metadata["refreshed_documents"].value == "doc0001.md"
+    assert events[("embeddings",)].metadata["ready"].value == events[("embeddings",)].metadata["refreshed_chunks"].value
+    # A glob, and a clear refusal when it matches nothing.
+    result = job.execute_in_process(instance=instance, raise_on_error=False, run_config={"ops": {
+        "refresh_documents_op": {"config": {"glob": "nothing-*.pdf"}}}})
+    assert not result.success
+    assert "matches no file" in result.failure_data_for_node("refresh_documents_op").user_failure_data.description
+    result = job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "glob": "doc000[23].md"}}}})
+    assert result.success and result.output_for_node("refresh_documents_op") == ["doc0002.md", "doc0003.md"]
 
 
 # -- an embeddings run waits for its own partitions only ------------------------------------------
@@ -157,9 +253,8 @@ def test_one_partition_with_a_large_backlog_embeds_only_its_own_chunks(corpus, c
     defs = fresh_defs()
     assert defs.get_assets_def("embeddings").op.pool == EMBEDDING_POOL
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", ["doc0000.md"])
     started = time.monotonic()
-    result = execute(defs, instance, partition_key="doc0000.md")
+    result = execute(defs, instance, partition_key=bucket_of("doc0000.md"))
     elapsed = time.monotonic() - started
     assert result.success
     own = _doc_chunks(conn, "doc0000.md")
@@ -178,10 +273,9 @@ def test_external_workers_mode_waits_for_a_work_process(corpus, conn, fake, env,
     defs = fresh_defs()
     assert defs.get_assets_def("embeddings").op.pool is None     # no fleet in the run: no pool slot to take
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", ["doc0001.md"])
     worker = start_cli("work", env={**env, "PIPELINE_EMBED_WORKERS": "external"})
     try:
-        result = execute(defs, instance, partition_key="doc0001.md")
+        result = execute(defs, instance, partition_key=bucket_of("doc0001.md"))
     finally:
         kill_group(worker)
     assert result.success
@@ -195,10 +289,9 @@ def test_the_deadline_fails_the_run_with_its_counts(corpus, conn, fake):
     """External workers that never come: a short deadline (launchpad config) fails the run, saying how many wait."""
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", ["doc0002.md"])
     job = defs.resolve_job_def("embed_documents")
     started = time.monotonic()
-    result = job.execute_in_process(instance=instance, partition_key="doc0002.md", raise_on_error=False,
+    result = job.execute_in_process(instance=instance, partition_key=bucket_of("doc0002.md"), raise_on_error=False,
                                     run_config=_run_config(in_process=False, deadline_seconds=1.0))
     assert not result.success and time.monotonic() - started < 60
     description, metadata = _failure(result)
@@ -218,8 +311,7 @@ def test_a_spent_token_budget_fails_the_run_with_its_message(corpus, conn, fake,
     monkeypatch.setenv("PIPELINE_BATCH_INPUTS", "1")
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", ["b0000.md"])
-    result = execute(defs, instance, partition_key="b0000.md")
+    result = execute(defs, instance, partition_key=bucket_of("b0000.md"))
     assert not result.success
     description, metadata = _failure(result)
     assert description.startswith("embedding stopped: run token budget of 1 reached")
@@ -235,12 +327,11 @@ def test_runs_take_turns_in_the_embedding_worker_pool(corpus, conn, fake, server
     defs = fresh_defs()
     with postgres_instance(server_url) as instance:
         assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
-        instance.add_dynamic_partitions("documents", ["doc0003.md"])
         storage = instance.event_log_storage
         storage.initialize_concurrency_limit_to_default(EMBEDDING_POOL)
         assert storage.claim_concurrency_slot(EMBEDDING_POOL, "another-run", "embeddings").is_claimed
         results = []
-        run = threading.Thread(target=lambda: results.append(execute(defs, instance, partition_key="doc0003.md")))
+        run = threading.Thread(target=lambda: results.append(execute(defs, instance, partition_key=bucket_of("doc0003.md"))))
         run.start()
         time.sleep(4)
         assert run.is_alive() and fake.stats["requests"] == 0          # blocked on the pool: no worker
