@@ -1,4 +1,5 @@
-"""The source sensor and the rerun-after-fix sensor, evaluated as the daemon would, runs executed in-process."""
+"""The source sensor and the rerun-after-fix sensor on bucket partitions, evaluated as the daemon would,
+runs executed in-process."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import pytest
 from pipeline_assets.app import observations, stages
 from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.settings import Settings
-from pipeline_assets.defs.sensors import (MAX_KEYS_PER_TICK, contiguous_groups, decode_cursor,
-                                             rerun_stale_documents_sensor, source_documents_sensor)
+from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.sensors import decode_cursor, rerun_stale_documents_sensor, source_documents_sensor
 from pipeline_assets_tests.conftest import write_corpus
-from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, requested_keys
+from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs, requested_keys
+
+ALL = [bucket_key(i) for i in range(64)]
 
 HOUR_NS = 3600 * 10**9
 
@@ -52,34 +55,27 @@ def _age(root, seconds: int = 3600) -> None:
             os.utime(p, ns=(past, past))
 
 
-def _execute_tombstone(defs, instance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
-    assert request.job_name == "tombstone_documents"
-    return defs.resolve_job_def("tombstone_documents").execute_in_process(
-        run_config=request.run_config, instance=instance, tags=request.tags, raise_on_error=False)
-
-
-def test_contiguous_groups():
-    order = ["a", "b", "c", "d", "e"]
-    assert contiguous_groups(order, {"a", "b", "d"}) == [["a", "b"], ["d"]]
-    assert contiguous_groups(order, set(order)) == [order]
-    assert contiguous_groups(order, set()) == []
+def _span(*docs: str) -> list[str]:
+    """The bucket keys of the smallest range holding these documents' buckets."""
+    keys = sorted(bucket_of(d) for d in docs)
+    return ALL[ALL.index(keys[0]):ALL.index(keys[-1]) + 1]
 
 
 def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, instance):
     defs = fresh_defs()
-    # New: three documents -> three partitions added, ONE run over the range.
+    # New: three documents -> ONE run over the range of their buckets.
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
-    assert instance.get_dynamic_partitions("documents") == ["doc0000.md", "doc0001.md", "doc0002.md"]
     (request,) = tick.run_requests
-    assert requested_keys(instance, request) == ["doc0000.md", "doc0001.md", "doc0002.md"]
-    assert request.run_key.startswith("batch@g0:3:")
+    docs3 = ["doc0000.md", "doc0001.md", "doc0002.md"]
+    assert requested_keys(instance, request) == _span(*docs3)
+    assert request.run_key.startswith("sync@g0:3:")
     assert execute(defs, instance, request).success
-    assert _docs(conn) == {f"doc000{i}.md": "current" for i in range(3)}
+    assert _docs(conn) == {d: "current" for d in docs3}
     cursor = tick.cursor
     assert decode_cursor(cursor) == (1, {})                  # the generation only...
     assert len(cursor) < 40
     observed = _observed(conn)                               # ...the checksums are in PostgreSQL
-    assert set(observed) == {"doc0000.md", "doc0001.md", "doc0002.md"} and all(observed.values())
+    assert set(observed) == set(docs3) and all(observed.values())
 
     # Duplicate observation: nothing changed -> no run request; touching a file
     # (new mtime, same bytes) is no change either.
@@ -90,66 +86,46 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     replay = evaluate_sensor(source_documents_sensor, defs, instance, None)
     assert [r.run_key for r in replay.run_requests] == [request.run_key]
 
-    # Changed: one document's bytes change -> one run for exactly that partition.
+    # Changed: one document's bytes change -> one run of exactly its bucket.
     billed = fake.stats["billed_inputs"]
     (corpus / "doc0001.md").write_text("# doc 1\n\nentirely new words here\n")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     (request,) = tick.run_requests
-    checksum = _observed(conn)["doc0001.md"]
-    assert checksum != observed["doc0001.md"]
-    assert request.partition_key == "doc0001.md"
-    assert request.run_key == f"doc0001.md:{checksum}@g1"
+    assert _observed(conn)["doc0001.md"] != observed["doc0001.md"]
+    assert request.partition_key == bucket_of("doc0001.md")
+    assert request.run_key.startswith("sync@g1:1:")
     assert execute(defs, instance, request).success
     assert fake.stats["billed_inputs"] == billed + 1   # one new chunk; the other documents untouched
     cursor = tick.cursor
 
-    # Scattered changes -> only the changed partitions, in contiguous groups.
+    # Scattered changes -> still one run, over the span of their buckets.
     (corpus / "doc0000.md").write_text("changed zero\n")
     (corpus / "doc0002.md").write_text("changed two\n")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
-    assert sorted(requested_keys(instance, r)[0] for r in tick.run_requests) == ["doc0000.md", "doc0002.md"]
-    assert all(r.partition_key for r in tick.run_requests)
-    for r in tick.run_requests:
-        assert execute(defs, instance, r).success
+    (request,) = tick.run_requests
+    assert requested_keys(instance, request) == _span("doc0000.md", "doc0002.md")
+    assert execute(defs, instance, request).success
+    assert fake.stats["billed_inputs"] == billed + 3
     cursor = tick.cursor
 
-    # Deleted (and a new file with an id that cannot be a partition key, skipped): the tick
-    # tombstones nothing itself; it requests a tombstone run, which does.
+    # Deleted: the tick tombstones nothing itself; the run over its bucket does.
     (corpus / "doc0002.md").unlink()
-    (corpus / "bad|name.md").write_text("x")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     (request,) = tick.run_requests
-    assert request.job_name == "tombstone_documents" and request.run_key.startswith("tombstone@g3:1:")
-    assert request.run_config["ops"]["tombstone_documents_op"]["config"]["document_ids"] == ["doc0002.md"]
+    assert request.partition_key == bucket_of("doc0002.md") and request.run_key.startswith("sync@g3:1:")
     assert _docs(conn)["doc0002.md"] == "current"            # not inside the evaluation
-    assert _observed(conn)["doc0002.md"] is None and "bad|name.md" not in _observed(conn)
-    # Re-evaluated before its cursor was saved: the same tombstone run key.
+    assert _observed(conn)["doc0002.md"] is None
+    # Re-evaluated before its cursor was saved: the same run key.
     replay = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     assert [r.run_key for r in replay.run_requests] == [request.run_key]
-    result = _execute_tombstone(defs, instance, request)
-    assert result.success
-    assert instance.get_dynamic_partitions("documents") == ["doc0000.md", "doc0001.md"]
+    assert execute(defs, instance, request).success
     assert _docs(conn)["doc0002.md"] == "deleted"
     assert conn.execute("""SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk)
                            WHERE d.document_id = 'doc0002.md'""").fetchone()[0] == 0
     assert "doc0002.md" not in _observed(conn)
     # ...and observing the deletion again does nothing.
     again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert not again.run_requests and not again.dynamic_partitions_requests
-
-
-def test_source_sensor_bounds_a_tick(corpus, instance, monkeypatch):
-    import pipeline_assets.defs.sensors as sensors
-
-    monkeypatch.setattr(sensors, "MAX_KEYS_PER_TICK", 2)
-    defs = fresh_defs()
-    tick = evaluate_sensor(source_documents_sensor, defs, instance)
-    assert len(instance.get_dynamic_partitions("documents")) == 2
-    assert sum(len(requested_keys(instance, r)) for r in tick.run_requests) == 2
-    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert instance.get_dynamic_partitions("documents") == ["doc0000.md", "doc0001.md", "doc0002.md"]
-    assert [requested_keys(instance, r) for r in tick.run_requests] == [["doc0002.md"]]
-    assert MAX_KEYS_PER_TICK == 1000
+    assert not again.run_requests
 
 
 def test_empty_source_deletes_nothing(corpus, instance):
@@ -158,7 +134,7 @@ def test_empty_source_deletes_nothing(corpus, instance):
     for p in corpus.iterdir():
         p.unlink()
     again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert "refusing" in again.skip_message and not again.dynamic_partitions_requests
+    assert "refusing" in again.skip_message and not again.run_requests
 
 
 def _count_reads(monkeypatch) -> list[str]:
@@ -178,16 +154,16 @@ def test_source_sensor_cursor_stays_small_with_many_documents(corpus, conn, inst
     write_corpus(corpus, 1500, words=5)
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
-    assert sum(len(requested_keys(instance, r)) for r in tick.run_requests) == 1000   # MAX_KEYS_PER_TICK
+    (request,) = tick.run_requests                           # 1,500 new documents: one run, every bucket
+    assert requested_keys(instance, request) == ALL
     assert decode_cursor(tick.cursor) == (1, {}) and len(tick.cursor.encode()) < 40
     assert len(_observed(conn)) == 1500
     # The cursor it replaces: the whole map, id -> 16 hex digits (~45 kB here, ~4 MB at 100,000).
     old = json.dumps({"v": 1, "g": 1, "d": _observed(conn)}, separators=(",", ":"), sort_keys=True)
     assert len(old) > 1000 * len(tick.cursor)
-    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert sum(len(requested_keys(instance, r)) for r in tick.run_requests) == 500    # the rest, next tick
-    assert decode_cursor(tick.cursor) == (2, {})
-    assert len(instance.get_dynamic_partitions("documents")) == 1500
+    # Everything was requested in that one tick.
+    again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert not again.run_requests and decode_cursor(again.cursor) == (1, {})   # unchanged: nothing asked
 
 
 def test_unchanged_tick_reads_no_file(corpus, conn, instance, monkeypatch):
@@ -212,7 +188,7 @@ def test_unchanged_tick_reads_no_file(corpus, conn, instance, monkeypatch):
     # Changed: only that file is read; one run for it.
     (corpus / "doc0007.md").write_text("new words\n")
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, cursor)
-    assert reads == ["doc0007.md"] and [r.partition_key for r in tick.run_requests] == ["doc0007.md"]
+    assert reads == ["doc0007.md"] and [r.partition_key for r in tick.run_requests] == [bucket_of("doc0007.md")]
     # Written just now: its mtime granule may still hide a same-size rewrite, so the next
     # tick reads it once more (and nothing else); after that it is trusted.
     reads.clear()
@@ -236,8 +212,8 @@ def test_revert_to_earlier_bytes_runs_again(corpus, conn, instance):
     (corpus / "doc0000.md").write_bytes(a)                  # A -> B -> A
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (to_a,) = tick.run_requests
-    checksum_a = _observed(conn)["doc0000.md"]
-    assert to_a.run_key == f"doc0000.md:{checksum_a}@g2" and to_a.run_key != to_b.run_key
+    assert to_a.run_key.startswith("sync@g2:1:") and to_a.run_key != to_b.run_key
+    assert to_a.partition_key == to_b.partition_key == bucket_of("doc0000.md")
 
 
 def test_source_sensor_backpressure(corpus, conn, instance):
@@ -252,29 +228,15 @@ def test_source_sensor_backpressure(corpus, conn, instance):
     held = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     assert not held.run_requests and "still queued or running" in held.skip_message
     assert held.cursor == cursor
-    assert "doc0003.md" in instance.get_dynamic_partitions("documents")    # partitions still come
-    held = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
-    assert not held.run_requests and not held.dynamic_partitions_requests   # added once
-    # The run ends: the next tick asks for everything that waited.
+    # The run ends: the next tick asks for everything that waited, in one run.
     instance.report_run_canceled(instance.get_run_by_id(run.run_id))
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
-    assert sorted(k for r in tick.run_requests for k in requested_keys(instance, r)) == ["doc0001.md", "doc0003.md"]
+    (request,) = tick.run_requests
+    assert requested_keys(instance, request) == _span("doc0001.md", "doc0003.md")
     assert decode_cursor(tick.cursor) == (2, {})
-    # Its tombstone runs hold it back as well.
-    (corpus / "doc0000.md").unlink()
-    for r in tick.run_requests:
-        instance.report_run_canceled(instance.create_run_for_job(defs.resolve_job_def("embed_documents"),
-                                                                 tags=r.tags))
-    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    (tombstone,) = tick.run_requests
-    run = instance.create_run_for_job(defs.resolve_job_def("tombstone_documents"), tags=tombstone.tags,
-                                      run_config=tombstone.run_config)
-    (corpus / "doc0002.md").write_text("changed two\n")
-    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert not held.run_requests and "still queued or running" in held.skip_message
 
 
-def test_tombstone_run_leaves_a_file_that_came_back(corpus, conn, fake, instance):
+def test_a_file_back_before_its_run_is_left_current(corpus, conn, fake, instance):
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
     assert execute(defs, instance, tick.run_requests[0]).success
@@ -283,16 +245,18 @@ def test_tombstone_run_leaves_a_file_that_came_back(corpus, conn, fake, instance
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
     (corpus / "doc0001.md").write_bytes(body + b"more\n")   # back before the run
-    assert _execute_tombstone(defs, instance, request).success
+    assert execute(defs, instance, request).success
     assert _docs(conn)["doc0001.md"] == "current"
-    assert "doc0001.md" in instance.get_dynamic_partitions("documents")
-    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert [r.partition_key for r in tick.run_requests] == ["doc0001.md"]
+    assert "more" in conn.execute("SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d "
+                                  "USING (doc_pk) WHERE d.document_id = 'doc0001.md'").fetchone()[0]
 
 
-def test_failed_tombstone_run_is_requested_again(corpus, conn, instance, monkeypatch):
+def test_a_failed_run_is_requested_again(corpus, conn, instance, monkeypatch):
+    from pipeline_assets.app import buckets
+
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    assert execute(defs, instance, tick.run_requests[0]).success
     (corpus / "doc0002.md").unlink()
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
@@ -300,16 +264,17 @@ def test_failed_tombstone_run_is_requested_again(corpus, conn, instance, monkeyp
     def broken(*args, **kwargs):
         raise RuntimeError("database went away")
 
-    real = observations.ingest_documents
-    monkeypatch.setattr(observations, "ingest_documents", broken)
-    assert not _execute_tombstone(defs, instance, request).success
+    real = buckets.ingest_documents
+    monkeypatch.setattr(buckets, "ingest_documents", broken)
+    assert not execute(defs, instance, request).success
     assert _observed(conn)["doc0002.md"] is None           # still gone, still pending
-    monkeypatch.setattr(observations, "ingest_documents", real)
+    assert _docs(conn)["doc0002.md"] == "current"
+    monkeypatch.setattr(buckets, "ingest_documents", real)
     again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (retry,) = again.run_requests
-    assert retry.job_name == "tombstone_documents" and retry.run_key != request.run_key
-    assert _execute_tombstone(defs, instance, retry).success
-    assert instance.get_dynamic_partitions("documents") == ["doc0000.md", "doc0001.md"]
+    assert retry.partition_key == request.partition_key and retry.run_key != request.run_key
+    assert execute(defs, instance, retry).success
+    assert _docs(conn)["doc0002.md"] == "deleted" and "doc0002.md" not in _observed(conn)
 
 
 def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
@@ -330,7 +295,6 @@ def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
     with pytest.raises(Exception, match="cannot scan .*Permission denied"):
         evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
     assert len(_observed(conn)) == 3 and all(_observed(conn).values())   # nothing marked gone
-    assert len(instance.get_dynamic_partitions("documents")) == 3
 
 
 def test_legacy_map_cursor_is_adopted(corpus, conn, instance, monkeypatch):
@@ -340,73 +304,73 @@ def test_legacy_map_cursor_is_adopted(corpus, conn, instance, monkeypatch):
 
     docs = {i.document_id: file_checksum(i, 1 << 20) for i in scan_directory(corpus)}
     legacy = json.dumps({"v": 1, "g": 7, "d": docs}, separators=(",", ":"), sort_keys=True)
-    instance.add_dynamic_partitions("documents", sorted(docs))
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, legacy)
     assert "no change among 3" in tick.skip_message and not tick.run_requests
     assert tick.cursor == '{"v":2,"g":7}'                     # the map is gone from the cursor
     (corpus / "doc0001.md").write_text("changed since\n")
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
-    assert [(r.partition_key, r.run_key.split("@")[1]) for r in tick.run_requests] == [("doc0001.md", "g7")]
+    assert [(r.partition_key, r.run_key.split(":")[0]) for r in tick.run_requests] == [(bucket_of("doc0001.md"),
+                                                                                       "sync@g7")]
     assert decode_cursor(tick.cursor) == (8, {})
 
 
-def test_parser_fix_reruns_exactly_the_stale_partitions(corpus, conn, fake, instance, monkeypatch):
+ALL_RANGE = {"dagster/asset_partition_range_start": ALL[0], "dagster/asset_partition_range_end": ALL[-1]}
+
+
+def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, instance, monkeypatch):
     write_corpus(corpus, 5)   # doc0000..doc0004
     keys = [f"doc{i:04d}.md" for i in range(5)]
     defs = fresh_defs()
-    instance.add_dynamic_partitions("documents", keys)
-    assert execute(defs, instance, tags={"dagster/asset_partition_range_start": keys[0],
-                                         "dagster/asset_partition_range_end": keys[-1]}).success
+    assert execute(defs, instance, tags=ALL_RANGE).success
     assert evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message
     billed = fake.stats["billed_inputs"]
     by_text = dict(fake.stats["billed_by_text"])
 
     # The parser fix: a new extractor version. doc0001 happens to be re-ingested
-    # under it right away (by its own run), so it is not stale.
+    # under it right away (by its own bucket's run), so it is not stale.
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
     defs = fresh_defs()
-    assert execute(defs, instance, partition_key="doc0001.md").success
+    assert execute(defs, instance, partition_key=bucket_of("doc0001.md")).success
     tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
-    requested = sorted(k for r in tick.run_requests for k in requested_keys(instance, r))
-    assert requested == ["doc0000.md", "doc0002.md", "doc0003.md", "doc0004.md"]
-    assert len(tick.run_requests) == 2          # [doc0000] and the range doc0002..doc0004
-    for r in tick.run_requests:
-        assert "extract-2" in r.run_key and r.tags["pipeline/force"] == "true"
-    # Evaluated again before the runs: the same run keys (Dagster dedupes them).
+    (request,) = tick.run_requests                 # one run, every bucket (none stays stale in the UI)
+    assert requested_keys(instance, request) == ALL
+    assert "extract-2" in request.run_key and ":4:" in request.run_key   # four stale documents
+    # Evaluated again before the run: the same run key (Dagster dedupes it).
     again = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
-    assert [r.run_key for r in again.run_requests] == [r.run_key for r in tick.run_requests]
+    assert [r.run_key for r in again.run_requests] == [request.run_key]
 
-    for r in tick.run_requests:
-        assert execute(defs, instance, r).success
+    result = execute(defs, instance, request)
+    assert result.success
+    ingest = {k: v.value for k, v in result.asset_materializations_for_node("ingest")[0].metadata.items()}
+    assert ingest["stale_documents"] == 4 and ingest["changed_documents"] == 0
+    attempts = dict(conn.execute("SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
+                                 " USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
+    assert attempts == {k: 2 for k in keys}        # each redone once: doc0001 by its own run, the rest here
     chunk_version = chunker_for(Settings.from_env()).version
     assert stages.rerun_targets(conn, stage="extract", not_version="extract-2") == []
     assert stages.rerun_targets(conn, stage="chunk", not_version=chunk_version) == []
-    assert conn.execute("SELECT count(*) FROM app.stage_runs WHERE stage IN ('extract', 'chunk')"
-                        " AND code_version NOT IN ('extract-2', %s)", (chunk_version,)).fetchone()[0] == 0
     # Same text -> same chunks -> nothing re-embedded, nothing billed again.
     assert fake.stats["billed_inputs"] == billed
     assert fake.stats["billed_by_text"] == by_text
-    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message
+    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
+                                              tick.cursor).skip_message
 
 
 def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):
     defs = fresh_defs()
-    instance.add_dynamic_partitions("documents", ["doc0000.md"])
     run = instance.create_run_for_job(defs.resolve_job_def("embed_documents"),
                                       tags={"pipeline/trigger": "rerun_stale_documents"})
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.NOT_STARTED
     assert "in flight" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message
 
 
-def test_a_pdf_only_fix_reruns_only_pdf_partitions(corpus, conn, fake, instance, monkeypatch):
+def test_a_pdf_only_fix_reruns_only_pdf_documents(corpus, conn, fake, instance, monkeypatch):
     from pipeline_assets_tests.test_extract import make_pdf
     for i in range(2):
         (corpus / f"paper{i}.pdf").write_bytes(make_pdf([f"Paper {i} on backoff", f"its second page {i}"]))
     keys = sorted(p.name for p in corpus.iterdir())      # doc0000..doc0002.md, paper0..1.pdf
     defs = fresh_defs()
-    instance.add_dynamic_partitions("documents", keys)
-    assert execute(defs, instance, tags={"dagster/asset_partition_range_start": keys[0],
-                                         "dagster/asset_partition_range_end": keys[-1]}).success
+    assert execute(defs, instance, tags=ALL_RANGE).success
     billed = fake.stats["billed_inputs"]
     attempts = dict(conn.execute("SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
                                  " USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
@@ -416,7 +380,7 @@ def test_a_pdf_only_fix_reruns_only_pdf_partitions(corpus, conn, fake, instance,
     defs = fresh_defs()
     tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
     (request,) = tick.run_requests
-    assert requested_keys(instance, request) == ["paper0.pdf", "paper1.pdf"]
+    assert ":2:" in request.run_key                      # the two PDFs are what is stale
     assert execute(defs, instance, request).success
     rows = {r[0]: (r[1], r[2]) for r in conn.execute(
         "SELECT d.document_id, s.code_version, s.attempts FROM app.stage_runs s"
@@ -439,10 +403,7 @@ def _run_as_daemon(defs, instance, request):
 
 def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, conn, fake, instance,
                                                                      monkeypatch, tmp_path):
-    keys = [f"doc{i:04d}.md" for i in range(3)]
-    instance.add_dynamic_partitions("documents", keys)
-    assert execute(fresh_defs(), instance, tags={"dagster/asset_partition_range_start": keys[0],
-                                                 "dagster/asset_partition_range_end": keys[-1]}).success
+    assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
     defs = fresh_defs()
     first = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
@@ -463,12 +424,12 @@ def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, con
     # The next tick asks again, under a key no run has used.
     second = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, first.cursor)
     (again,) = second.run_requests
-    assert requested_keys(instance, again) == keys and again.run_key not in used
+    assert requested_keys(instance, again) == ALL and again.run_key not in used
 
     # A cursor reset (the UI's "reset cursor"): a new epoch from the run history, no collision either.
     reset = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, None)
     (after_reset,) = reset.run_requests
-    assert requested_keys(instance, after_reset) == keys and after_reset.run_key not in used
+    assert requested_keys(instance, after_reset) == ALL and after_reset.run_key not in used
     assert _run_as_daemon(defs, instance, after_reset).success
     assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
         == {"extract-2"}
