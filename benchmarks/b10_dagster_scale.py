@@ -77,6 +77,7 @@ from pipeline_assets.content.extract import EXTRACTOR_VERSIONS  # noqa: E402
 from pipeline_assets.store import embedded_postgres  # noqa: E402
 
 QUICK_DOCUMENTS = 300
+REFRESH_OP = "refresh_documents"   # the interface: {"ops": {"refresh_documents": {"config": {...}}}}
 REPO_SELECTOR = {"repositoryLocationName": "pipeline_assets", "repositoryName": "__repository__"}
 EMBED_ASSETS = ("documents", "chunks", "embeddings")
 TERMINAL_RUN = ("SUCCESS", "FAILURE", "CANCELED")
@@ -307,6 +308,15 @@ def role_of(cmdline: list[str]) -> str:
     return "other"
 
 
+def is_postgres(p: psutil.Process) -> bool:
+    """The embedded server (and its start-up helper): a child of `dev` only while it starts, reported apart."""
+    try:
+        return (p.name() in ("postgres", "pg_ctl", "initdb")
+                or "pipeline_assets.store.embedded_postgres" in " ".join(p.cmdline()))
+    except psutil.Error:
+        return True
+
+
 class RssSampler(threading.Thread):
     """Every 0.5 s: RSS of the `dev` tree (summed) and of the embedded PostgreSQL under its home."""
 
@@ -323,6 +333,7 @@ class RssSampler(threading.Thread):
         self.by_role: dict[str, float] = {}
         self.peak_sample: dict[str, float] = {}
         self.samples = 0
+        self.other_cmdlines: set[str] = set()
         self._stop_event = threading.Event()
 
     def watch(self, pid: int | None, pgdata: Path | None) -> None:
@@ -338,7 +349,7 @@ class RssSampler(threading.Thread):
         if root is None:
             return []
         try:
-            procs = [root, *root.children(recursive=True)]
+            procs = [p for p in [root, *root.children(recursive=True)] if not is_postgres(p)]
         except psutil.Error:
             procs = []
         for p in procs:
@@ -366,9 +377,12 @@ class RssSampler(threading.Thread):
             for p in procs:
                 try:
                     rss = p.memory_info().rss
-                    role = role_of(p.cmdline())
+                    cmdline = p.cmdline()
+                    role = role_of(cmdline)
                 except psutil.Error:
                     continue
+                if role == "other" and len(self.other_cmdlines) < 8:
+                    self.other_cmdlines.add(" ".join(cmdline)[:160])
                 total += rss
                 roles[role] = roles.get(role, 0.0) + rss / 2**20
             pg = self._postgres() if self.samples % 4 == 0 else 0.0   # every 2 s: process_iter is not free
@@ -400,6 +414,7 @@ class RssSampler(threading.Thread):
                 "at_peak": self.peak_sample,
                 "dagster_peak_mb_by_phase": {k: round(v, 1) for k, v in self.by_phase.items()},
                 "peak_mb_by_role": {k: round(v, 1) for k, v in sorted(self.by_role.items())},
+                "other_cmdlines": sorted(self.other_cmdlines),
                 "postgres_peak_mb": round(self.peak["postgres_mb"], 1),
                 "postgres_note": "postmaster + backends, RSS summed (shared buffers counted per backend)"}
 
@@ -413,7 +428,7 @@ class Dev:
         self.env, self.log_path, self.sampler = env, log_path, sampler
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
-        self.started = 0.0
+        self.started, self.started_epoch = 0.0, 0.0
 
     @property
     def base(self) -> str:
@@ -421,7 +436,7 @@ class Dev:
 
     def start(self) -> None:
         self._log = open(self.log_path, "w")
-        self.started = time.monotonic()
+        self.started, self.started_epoch = time.monotonic(), time.time()
         self.proc = subprocess.Popen([*cli_bin(), "dev", "--host", "127.0.0.1", "--port", str(self.port)],
                                      env=self.env, cwd=self.log_path.parent, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -451,6 +466,11 @@ class Dev:
         data = self.gql("""query($r: RepositorySelector!) { repositoryOrError(repositorySelector: $r) {
                              ... on Repository { jobs { name } } } }""", {"r": REPO_SELECTOR})
         return {j["name"] for j in data["repositoryOrError"].get("jobs", [])}
+
+    def job_ops(self, job: str) -> list[str]:
+        data = self.gql("""query($s: PipelineSelector!) { pipelineOrError(params: $s) {
+                             ... on Pipeline { solids { name } } } }""", {"s": {**REPO_SELECTOR, "pipelineName": job}})
+        return [s["name"] for s in data["pipelineOrError"].get("solids") or []]
 
     def partition_keys(self, asset: str) -> list[str]:
         data = self.gql("""query($k: AssetKeyInput!) { assetNodeOrError(assetKey: $k) {
@@ -523,7 +543,7 @@ class Dev:
         left = []
         for p in tree:
             try:
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and not is_postgres(p):
                     left.append(p)
                     p.kill()
             except psutil.Error:
@@ -594,10 +614,15 @@ def sensor_phase(dev: Dev, db: PipelineDB, n: int, deadline: float) -> dict:
     cov = wait_for(lambda: db.embedded(n), deadline, f"the source sensor's runs to get all {n} documents "
                    "current and embedded", proc=dev.proc, describe=lambda: safe(db.coverage))
     done = time.monotonic()
+    # Embedded in the database; the run(s) may still be writing their materializations.
+    wait_for(lambda: not dev.active_runs(), deadline, "the source sensor's runs to finish", proc=dev.proc,
+             describe=lambda: safe(lambda: summarize_runs(dev.active_runs())))
+    finished = time.monotonic()
     runs = dev.runs()
     return {"dev_start_to_answering_s": round(ready, 2),
             "sensor_to_embedded_s": round(done - answering, 2),
             "sensor_to_embedded_from_dev_start_s": round(done - dev.started, 2),
+            "sensor_runs_finished_s": round(finished - answering, 2),
             "coverage": cov, "runs": summarize_runs(runs)}
 
 
@@ -665,22 +690,35 @@ def refresh_phase(dev: Dev, db: PipelineDB, corpus: Path, n: int) -> dict:
     doc = document_path(i)
     token = f"refreshed{uuid.uuid4().hex[:10]}"
     (corpus / doc).write_text(f"# Document {i}, edited\n\nA new body with the marker {token}.\n")
-    config = {"ops": {"refresh_documents": {"config": {"document_ids": [doc], "glob": ""}}}}
-    started = time.perf_counter()
-    launched = dev.gql("""mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename
+    out: dict = {"document": doc, "op": REFRESH_OP}
+
+    def launch(op: str) -> dict:
+        config = {"ops": {op: {"config": {"document_ids": [doc], "glob": ""}}}}
+        return dev.gql("""mutation($p: ExecutionParams!) { launchRun(executionParams: $p) { __typename
                             ... on LaunchRunSuccess { run { runId } } ... on PythonError { message }
                             ... on RunConfigValidationInvalid { errors { message } } } }""",
                        {"p": {"selector": {**REPO_SELECTOR, "jobName": "refresh_documents"},
                               "runConfigData": config}})["launchRun"]
+
+    started = time.perf_counter()
+    launched = launch(REFRESH_OP)
+    if launched["__typename"] == "RunConfigValidationInvalid" and (ops := dev.job_ops("refresh_documents")) \
+            and len(ops) == 1 and ops[0] != REFRESH_OP:
+        # Not the interface's config shape: say so, and measure with the job's one op.
+        out["interface_mismatch"] = (f"config for ops.{REFRESH_OP} rejected "
+                                     f"({json.dumps(launched.get('errors'))[:300]}); the job's op is {ops[0]!r}")
+        out["op"] = ops[0]
+        started = time.perf_counter()
+        launched = launch(ops[0])
     if launched["__typename"] != "LaunchRunSuccess":
-        return {"document": doc, "error": f"launchRun: {json.dumps(launched)[:800]}"}
+        return {**out, "error": f"launchRun: {json.dumps(launched)[:800]}"}
     run_id = launched["run"]["runId"]
     run = wait_for(lambda: (r := dev.run(run_id)).get("status") in TERMINAL_RUN and r, 300,
                    f"the refresh_documents run {run_id} to finish", proc=dev.proc, interval=0.25,
                    describe=lambda: safe(lambda: dev.run(run_id).get("status")))
     seconds = time.perf_counter() - started
     text, extract_run = db.document_text(doc)
-    return {"document": doc, "run_id": run_id, "status": run["status"], "launch_to_done_s": round(seconds, 2),
+    return {**out, "run_id": run_id, "status": run["status"], "launch_to_done_s": round(seconds, 2),
             "run_start_to_end_s": round((run["endTime"] or 0) - (run["startTime"] or 0), 2),
             "new_text_in_database": token in text, "extract_stage_run_is_this_run": extract_run == run_id}
 
@@ -756,9 +794,13 @@ def parser_fix_phase(dev: Dev, db: PipelineDB, html_version: str, deadline: floa
              deadline, f"every .html document re-extracted with {html_version} (rerun_stale_documents' runs)",
              proc=dev.proc, describe=lambda: safe(lambda: db.html_versions(html_version)))
     done = time.monotonic()
-    runs = [r for r in dev.runs() if (r.get("creationTime") or 0) >= time.time() - (done - dev.started) - 5]
+    wait_for(lambda: not dev.active_runs(), deadline, "the rerun sensor's runs to finish", proc=dev.proc,
+             describe=lambda: safe(lambda: summarize_runs(dev.active_runs())))
+    finished = time.monotonic()
+    runs = [r for r in dev.runs() if (r.get("creationTime") or 0) >= dev.started_epoch]
     return {"dev_restart_to_answering_s": round(ready, 2),
             "rerun_s": round(done - answering, 2),
+            "rerun_runs_finished_s": round(finished - answering, 2),
             "rerun_from_dev_restart_s": round(done - dev.started, 2),
             "html_versions": db.html_versions(html_version),
             "extracted": db.extracted_since(since),
