@@ -39,12 +39,12 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     versions = code_versions(Settings.from_env())
     for key in ASSET_KEYS:
         node = graph.get(key)
-        assert node.partitions_def.name == "documents"
+        assert node.partitions_def.get_partition_keys() == [f"b{i:03d}" for i in range(64)]   # buckets
         assert node.backfill_policy == dg.BackfillPolicy.single_run()
         assert node.code_version == versions[key.path[-1]]
     assert versions["documents"] == "extract-1"
     assert versions["embeddings"].startswith("local/")   # no OPENAI_API_KEY: the local model
-    for job in ("embed_documents", "reconcile_job", "pipeline_health", "__ASSET_JOB"):
+    for job in ("embed_documents", "reconcile_job", "pipeline_health", "refresh_documents", "__ASSET_JOB"):
         assert repo.get_job(job).executor_def.name == "in_process", job
     assert {s.name for s in repo.sensor_defs} >= {"source_documents", "rerun_stale_documents",
                                                   "reconcile_on_dead_letters", "reconcile_on_run_failure"}
@@ -120,10 +120,42 @@ def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkey
             concurrency = instance.get_concurrency_config()
             assert concurrency.pool_config.default_pool_limit == 1
             assert concurrency.run_queue_config.max_concurrent_runs == 4
-            instance.add_dynamic_partitions("documents", ["a.md", "b.md"])
-            assert instance.get_dynamic_partitions("documents") == ["a.md", "b.md"]
+            assert instance.get_runs_count() == 0
         finally:
             instance.dispose()
     finally:
         with psycopg.connect(server_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_the_bucket_count_follows_the_setting(monkeypatch):
+    monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
+    graph = fresh_defs().get_repository_def().asset_graph
+    for key in ASSET_KEYS:
+        assert graph.get(key).partitions_def.get_partition_keys() == [f"b{i:03d}" for i in range(8)]
+
+
+def test_no_private_dagster_import_in_the_code():
+    """Dagster's public API only (issue 14): no `dagster._...` import anywhere in pipeline_assets/."""
+    offenders = [str(p.relative_to(REPO)) for p in (REPO / "pipeline_assets").rglob("*.py")
+                 if "dagster._" in p.read_text() or "DagsterEvent" in p.read_text()]
+    assert offenders == []
+
+
+def test_the_root_dagster_yaml_is_what_dev_writes_and_loads_without_storage(tmp_path):
+    """The top-level dagster.yaml (what `dagster dev` from the root reads) holds the shared settings;
+    `pipeline-assets dev` writes it after its storage section; an installed wheel's copy is the same."""
+    import yaml
+
+    root = (REPO / "dagster.yaml").read_text()
+    assert "storage" not in yaml.safe_load(root)
+    assert yaml.safe_load(root) == yaml.safe_load(devserver.INSTANCE_SETTINGS)
+    written = yaml.safe_load(devserver.instance_yaml())
+    assert written["storage"]["postgres"]["postgres_url"] == {"env": devserver.DAGSTER_URL_ENV}
+    (tmp_path / "dagster.yaml").write_text(root)
+    instance = dg.DagsterInstance.from_config(str(tmp_path))
+    try:
+        config = instance.get_concurrency_config()
+        assert config.pool_config.default_pool_limit == 1 and config.run_queue_config.max_concurrent_runs == 4
+    finally:
+        instance.dispose()
