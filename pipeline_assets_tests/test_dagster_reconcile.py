@@ -1,18 +1,22 @@
-"""Reconciliation in Dagster's picture: an asset whose changes show up as partitions and
-materializations, and the sensors that request it (dead-letter growth, a failed run)."""
+"""Reconciliation in Dagster's picture: an asset whose changes show up as materializations of the
+buckets they fall in, and the sensors that request it (dead-letter growth, a failed run)."""
 
 from __future__ import annotations
 
 import dagster as dg
 import pytest
 
+from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.reconcile import RECONCILE_JOB_NAME, RECONCILIATION
 from pipeline_assets_tests.conftest import job_counts
-from pipeline_assets_tests.dagster_helpers import (evaluate_sensor, execute, fresh_defs, latest_data_versions,
-                                                   range_tags, stale_status, watched_corpus)
+from pipeline_assets_tests.dagster_helpers import (bucket_of, evaluate_sensor, execute, fresh_defs,
+                                                   latest_materializations, range_tags, stale_status,
+                                                   watched_corpus)
 
 KEYS = [f"doc{i:04d}.md" for i in range(4)]
+NEW_DOC = "doc0009.md"
 
 
 @pytest.fixture
@@ -33,49 +37,100 @@ def _reconciliations(instance: dg.DagsterInstance) -> list[dict]:
     return [{k: v.value for k, v in r.asset_materialization.metadata.items()} for r in records]
 
 
+def _span(docs: list[str]) -> list[str]:
+    """Every bucket key from the lowest to the highest bucket of some documents."""
+    indexes = sorted(bk.bucket_of(d, 64) for d in docs)
+    return [bucket_key(i) for i in range(indexes[0], indexes[-1] + 1)]
+
+
+def _metadata(record: dg.EventLogRecord) -> dict:
+    return {k: v.value for k, v in record.asset_materialization.metadata.items()}
+
+
 def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn, fake):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("documents", KEYS[:3])
-    assert execute(defs, instance, tags=range_tags(KEYS[:3])).success
+    # One run over the buckets of doc0000..doc0002; doc0003's bucket lies outside it (never ingested).
+    run = _span(KEYS[:3])
+    assert bucket_of(KEYS[3]) not in run and bucket_of(NEW_DOC) not in run
+    ingest = execute(defs, instance, tags=range_tags(run))
+    assert ingest.success
+    root = str(corpus.resolve())
+    assert sorted(reports.document_summaries(conn, root, KEYS)) == KEYS[:3]
     # Behind Dagster's back: an edit, a deletion, a new file; doc0003 was never materialized at all.
     (corpus / KEYS[1]).write_text("# changed\n\nentirely new words for this document\n")
     (corpus / KEYS[2]).unlink()
-    (corpus / "doc0009.md").write_text("# new\n\na document nobody told Dagster about\n")
+    (corpus / NEW_DOC).write_text("# new\n\na document nobody told Dagster about\n")
+    changed = {KEYS[1]: "changed", KEYS[2]: "tombstoned", KEYS[3]: "new", NEW_DOC: "new"}
+    touched = {bucket_of(d): d for d in changed}
+    assert len(touched) == len(changed)        # one document per bucket here (asserted: the buckets are a hash)
+    untouched = bucket_of(KEYS[0])
 
     result = execute(defs, instance, job=RECONCILE_JOB_NAME)
     assert result.success
     (meta,) = _reconciliations(instance)
     assert (meta["new"], meta["changed"], meta["deleted"]) == (2, 1, 1)
-    assert (meta["partitions_added"], meta["partitions_deleted"], meta["partitions_reported"]) == (2, 1, 3)
+    assert (meta["buckets_reported"], meta["documents_reported"]) == (4, 4)
     assert meta["enqueued"] > 0 and isinstance(meta["duration_seconds"], float)
-    # The partitions are the source's documents again.
-    assert sorted(instance.get_dynamic_partitions("documents")) == [KEYS[0], KEYS[1], KEYS[3], "doc0009.md"]
-    # Each reported partition's data versions are its own, as an ingest run writes them.
-    touched = [KEYS[1], KEYS[3], "doc0009.md"]
-    summaries = reports.document_summaries(conn, str(corpus.resolve()), touched)
-    assert latest_data_versions(instance, "documents", touched) == {k: summaries[k].text_checksum for k in touched}
-    assert latest_data_versions(instance, "chunks", touched) == {k: summaries[k].chunks_digest for k in touched}
-    # What Dagster now shows is true: the edited document needs embedding, the new ones were never
-    # embedded, the untouched one is fresh; documents and chunks are current everywhere.
-    assert stale_status(defs, instance, "embeddings", [KEYS[0], KEYS[1], KEYS[3]]) == {
-        KEYS[0]: "FRESH", KEYS[1]: "STALE", KEYS[3]: "MISSING"}
-    assert set(stale_status(defs, instance, "chunks", touched).values()) == {"FRESH"}
+    summaries = reports.document_summaries(conn, root, [*KEYS, NEW_DOC])
+    assert summaries[KEYS[2]].status == "deleted"
+    assert all(summaries[d].status == "current" for d in (KEYS[0], KEYS[1], KEYS[3], NEW_DOC))
+
+    # Each bucket it touched has a documents and a chunks materialization of the reconciliation run,
+    # naming the document it changed, with the bucket's counts; nothing else does, and embeddings
+    # gets nothing (its jobs are only enqueued).
+    for asset in ("documents", "chunks"):
+        latest = latest_materializations(instance, asset, [*touched, untouched, *run])
+        by_reconcile = {k for k, r in latest.items() if r.run_id == result.run_id}
+        assert by_reconcile == set(touched), asset
+        for key, doc in touched.items():
+            m = _metadata(latest[key])
+            assert (m["reported_by"], m["changed_documents"], m["changed_count"]) == ("reconciliation", doc, 1)
+    documents = latest_materializations(instance, "documents", list(touched))
+    chunks = latest_materializations(instance, "chunks", list(touched))
+    assert _metadata(documents[bucket_of(KEYS[2])])["documents"] == 0              # its only document is gone
+    for doc in (KEYS[1], KEYS[3], NEW_DOC):
+        key = bucket_of(doc)
+        assert (_metadata(documents[key])["documents"], _metadata(documents[key])["current"]) == (1, 1)
+        assert _metadata(chunks[key])["chunk_count"] == summaries[doc].chunks > 0
+    assert not [e for e in result.get_asset_materialization_events()
+                if e.asset_key == dg.AssetKey("embeddings")]
+    # What Dagster now shows is true: the buckets whose content changed need embedding, the new
+    # documents' buckets were never embedded, the untouched one is fresh; documents and chunks are
+    # current everywhere.
+    assert stale_status(defs, instance, "embeddings", [untouched, *touched]) == {
+        untouched: "FRESH", bucket_of(KEYS[1]): "STALE", bucket_of(KEYS[2]): "STALE",
+        bucket_of(KEYS[3]): "MISSING", bucket_of(NEW_DOC): "MISSING"}
+    assert set(stale_status(defs, instance, "chunks", list(touched)).values()) == {"FRESH"}
+
+    # The digests it reported are the buckets' own: a one-bucket run of the new document's bucket
+    # (nothing changed since) records exactly them as its data versions, and embeds it.
+    key = bucket_of(NEW_DOC)
+    reported = _metadata(documents[key]), _metadata(chunks[key])
+    assert execute(defs, instance, partition_key=key).success
+    after = latest_materializations(instance, "documents", [key])[key], \
+        latest_materializations(instance, "chunks", [key])[key]
+    assert after[0].asset_materialization.tags["dagster/data_version"] == reported[0]["text_digest"]
+    assert after[1].asset_materialization.tags["dagster/data_version"] == reported[1]["chunks_digest"]
+    # The file was never observed by a bucket run, so the run reads it, but the reconciliation had
+    # ingested these bytes already: nothing new or changed to extract.
+    ran = _metadata(after[0])
+    assert (ran["new"], ran["changed"], ran["unchanged"]) == (0, 0, 1)
+    assert stale_status(defs, instance, "embeddings", [key]) == {key: "FRESH"}
 
     # Nothing changed since: a second run reports nothing, and its counts line up run over run.
     assert execute(defs, instance, job=RECONCILE_JOB_NAME).success
     first, second = _reconciliations(instance)
-    assert second["new"] == second["changed"] == second["deleted"] == second["partitions_reported"] == 0
+    assert second["new"] == second["changed"] == second["deleted"] == second["buckets_reported"] == 0
     numeric = {k for k, v in first.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    assert {"new", "changed", "deleted", "enqueued", "superseded", "rescued", "partitions_added"} <= numeric
+    assert {"new", "changed", "deleted", "enqueued", "superseded", "rescued", "buckets_reported"} <= numeric
 
 
 def test_dead_letter_growth_past_the_threshold_requests_a_reconciliation(corpus, conn, fake, instance, monkeypatch):
     monkeypatch.setenv("PIPELINE_DLQ_GROWTH_PER_HOUR", "2")
     defs = fresh_defs()
     sensor = defs.resolve_sensor_def("reconcile_on_dead_letters")
-    instance.add_dynamic_partitions("documents", KEYS)
-    assert execute(defs, instance, tags=range_tags(KEYS)).success
+    assert execute(defs, instance, tags=range_tags(_span(KEYS))).success
     assert job_counts(conn)["ready"] >= 4
 
     def fail(n: int) -> None:
@@ -102,12 +157,11 @@ def test_dead_letter_growth_past_the_threshold_requests_a_reconciliation(corpus,
 def test_a_failed_run_requests_a_reconciliation(corpus, conn, fake, instance):
     defs = fresh_defs()
     sensor = defs.resolve_sensor_def("reconcile_on_run_failure")
-    instance.add_dynamic_partitions("documents", KEYS[:1])
     first = evaluate_sensor(sensor, defs, instance)                 # starts watching from now
     assert not first.run_requests
     # An embeddings run that fails: no external worker comes before its deadline.
     failed = defs.resolve_job_def("embed_documents").execute_in_process(
-        instance=instance, partition_key=KEYS[0], raise_on_error=False,
+        instance=instance, partition_key=bucket_of(KEYS[0]), raise_on_error=False,
         run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
     assert not failed.success
     data = evaluate_sensor(sensor, defs, instance, cursor=first.cursor)
