@@ -61,10 +61,13 @@ def main() -> None:
 
         defs = build_definitions(settings)
         instance = dg.DagsterInstance.ephemeral()
-        instance.add_dynamic_partitions("documents", ["own00000.md"])
+        from pipeline_assets.app.buckets import bucket_of
+        from pipeline_assets.defs.partitions import bucket_key
+
         started = time.perf_counter()
         result = defs.resolve_job_def("embed_documents").execute_in_process(
-            instance=instance, partition_key="own00000.md", raise_on_error=False)
+            instance=instance, partition_key=bucket_key(bucket_of("own00000.md", settings.partition_buckets)),
+            raise_on_error=False)
         run_seconds = time.perf_counter() - started
         with db.connect(url) as conn:
             own = conn.execute("SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) "

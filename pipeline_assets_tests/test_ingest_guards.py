@@ -18,7 +18,7 @@ from pipeline_assets.app.ingest import ingest_directory, ingest_paths
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.chunking import Chunker
-from pipeline_assets.defs.assets import partition_key_problem
+from pipeline_assets.content.sources import document_id_problem
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import cli, write_corpus
 
@@ -77,8 +77,8 @@ def test_ids_that_leave_the_root_are_refused(clean_db, tmp_path, outside):
     assert _docs(clean_db) == {"doc0000.md": "current:", "keys/id_rsa": "quarantined:outside_root"}
     _nothing_holds_the_secret(clean_db)
     for key in bad:
-        assert partition_key_problem(key), key  # the Dagster assets and sensors refuse them too
-    assert partition_key_problem("doc0000.md") is None and partition_key_problem("caf%E9.md") is None
+        assert document_id_problem(key), key  # refresh_documents (Dagster run config) refuses them too
+    assert document_id_problem("doc0000.md") is None and document_id_problem("caf%E9.md") is None
 
 
 # -- item 11: names that are not UTF-8 -------------------------------------------------------

@@ -139,11 +139,9 @@ def test_cli_and_dagster_land_the_same_database_state(env, clean_db, database_ur
 
     monkeypatch.setenv("PIPELINE_DATABASE_URL", second_db)
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
-    keys = sorted(p.name for p in corpus.iterdir())
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("documents", keys)
-        result = execute(fresh_defs(), instance, tags={"dagster/asset_partition_range_start": keys[0],
-                                                       "dagster/asset_partition_range_end": keys[-1]})
+    with dg.instance_for_test() as instance:   # a backfill of every bucket
+        result = execute(fresh_defs(), instance, tags={"dagster/asset_partition_range_start": "b000",
+                                                       "dagster/asset_partition_range_end": "b063"})
         assert result.success
 
     via_cli, via_dagster = _state(database_url), _state(second_db)

@@ -12,9 +12,9 @@ request with the sensor generation that requested it.
   no longer found are marked gone. A file modified within ``RACY_NS`` of the
   scan is stored with mtime 0 and read once more next time (its mtime granule
   may still hide a same-size rewrite).
-* ``pending`` / ``mark_requested``: what a tick has to request and what it did.
-* ``tombstone_gone``: the use case of the tombstone run: tombstone the documents
-  whose files are still gone, then forget their rows.
+* ``pending_buckets`` / ``mark_buckets_requested``: the buckets a tick has to
+  request, and what it did; a bucket run (``app/buckets.py``) tombstones the
+  documents whose files are gone and forgets their rows.
 
 Known limit of the prefilter: a rewrite that keeps both size and mtime (``cp -p``,
 ``tar`` restoring old bytes) is not seen by the sensor; reconciliation checksums
@@ -31,10 +31,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app.ingest import IngestReport, ingest_documents
-from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.sources import SourceError, SourceItem, escape_name, item_for
 from pipeline_assets.store import queries
 
@@ -122,13 +119,6 @@ class Scan:
     empty_refused: int = 0    # the source is empty: this many present documents were NOT marked gone
 
 
-@dataclass(frozen=True)
-class Pending:
-    document_id: str
-    checksum: str | None      # None: the file is gone (a tombstone)
-    never_requested: bool
-
-
 def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
          refuse: Callable[[str], object] = lambda _id: None,
          keep: Callable[[str], bool] | None = None) -> Scan:
@@ -193,21 +183,6 @@ def latest_generation(conn: psycopg.Connection, root: Path) -> int | None:
     return conn.execute(OBS.latest_generation, {"root": str(root)}).fetchone()[0]
 
 
-def pending(conn: psycopg.Connection, root: Path, generation: int, limit: int) -> list[Pending]:
-    """What a tick starting from ``generation`` has to request: tombstones first, then by id."""
-    return [Pending(d, c, bool(n)) for d, c, n in conn.execute(
-        OBS.pending, {"root": str(root), "generation": generation, "limit": limit}).fetchall()]
-
-
-def mark_requested(conn: psycopg.Connection, root: Path, pairs: Iterable[tuple[str, str | None]],
-                   generation: int) -> None:
-    """Record the (document, checksum) pairs put into run requests (None: a tombstone)."""
-    pairs = list(pairs)
-    if pairs:
-        conn.execute(OBS.mark_requested, {"root": str(root), "generation": generation,
-                                          "ids": [d for d, _ in pairs], "checksums": [c for _, c in pairs]})
-
-
 @dataclass(frozen=True)
 class PendingBucket:
     bucket: int
@@ -228,26 +203,3 @@ def mark_buckets_requested(conn: psycopg.Connection, root: Path, bucket_ids: Ite
     """Every pending file of some buckets, as requested by ``generation``."""
     conn.execute(OBS.mark_requested_buckets, {"root": str(root), "generation": generation, "n": buckets,
                                               "buckets": sorted(set(bucket_ids))})
-
-
-@dataclass(frozen=True)
-class Tombstoned:
-    document_ids: list[str]      # still gone, tombstoned (their observations forgotten)
-    back: list[str]              # found again: left to the sensor (pending as changed)
-    report: IngestReport
-
-
-def tombstone_gone(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: Iterable[str]) -> Tombstoned:
-    """The tombstone run: documents whose files are still gone lose their chunks (unwanted
-    vectors superseded) and their observation rows; files back meanwhile are left alone."""
-    gone, back = [], []
-    for doc in document_ids:
-        try:
-            (back if item_for(root, doc) is not None else gone).append(doc)
-        except ValueError:
-            continue   # an id no scan produces: never a partition, nothing to tombstone
-    report = ingest_documents(rt, pool, root, gone) if gone else IngestReport()
-    if gone:
-        with pool.connection() as conn:
-            conn.execute(OBS.forget_gone, {"root": str(root), "ids": gone})
-    return Tombstoned(gone, back, report)

@@ -45,7 +45,3 @@ JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status <> 'deleted'
   AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
 ORDER BY d.document_id COLLATE "C"
-
--- name: bucket_of
--- The buckets of some document ids (tests compare it with the Python hash).
-SELECT d, app.document_bucket(d, %(n)s) FROM unnest(%(ids)s::text[]) AS d

@@ -45,30 +45,9 @@ WHERE root = %(root)s AND document_id = ANY(%(ids)s) AND checksum IS NOT NULL
 -- The generation of the latest request: where a sensor whose cursor was cleared goes on from.
 SELECT max(requested_gen) FROM app.source_observations WHERE root = %(root)s
 
--- name: pending
--- What the sensor has to request, tombstones first, then by document id in
--- byte order (the order of Python's sorted() and of the partitions a tick adds):
--- a checksum not requested yet, a request of a tick whose cursor was not saved
--- (requested_gen >= the cursor's generation: asked again under the same run
--- key), and every gone file (its row is deleted by the tombstone run; with no
--- run of the sensor in flight, a row still here means that run failed).
-SELECT document_id, checksum, requested_gen IS NULL AS never_requested
-FROM app.source_observations
-WHERE root = %(root)s
-  AND (checksum IS NULL OR checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)
-ORDER BY checksum IS NOT NULL, document_id COLLATE "C"
-LIMIT %(limit)s
-
--- name: mark_requested
--- The (document, checksum) pairs a tick put into run requests (checksum NULL: a tombstone).
-UPDATE app.source_observations o
-SET requested = r.checksum, requested_gen = %(generation)s
-FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS r(document_id, checksum)
-WHERE o.root = %(root)s AND o.document_id = r.document_id
-
 -- name: forget_gone
--- After a tombstone run: the rows of the documents it tombstoned, unless the
--- sensor has seen the file again meanwhile (then it is pending as changed).
+-- After a bucket run tombstoned them: the rows of gone files, unless a scan has
+-- seen the file again meanwhile (then it is pending as changed).
 DELETE FROM app.source_observations
 WHERE root = %(root)s AND document_id = ANY(%(ids)s) AND checksum IS NULL
 
