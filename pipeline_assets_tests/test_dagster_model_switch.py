@@ -15,11 +15,17 @@ from pipeline_assets.jobs import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL
-from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, range_tags, stale_status, watched_corpus
+from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets_tests.dagster_helpers import (bucket_of, evaluate_sensor, execute, fresh_defs, range_tags,
+                                                   stale_status, watched_corpus)
 
 OLD, NEW_NAME = f"openai/{FAKE_MODEL}", "fake-embed-2"
 NEW = f"openai/{NEW_NAME}"
 KEYS = [f"doc{i:04d}.md" for i in range(4)]
+# Their buckets: doc0001 b013, doc0002 b018, doc0000 b041, doc0003 b045 (asserted in the test). The old
+# model embeds one range over all four; the new one two halves, one range each.
+ALL = [bucket_key(i) for i in range(13, 46)]
+FIRST, SECOND = [bucket_key(i) for i in range(13, 19)], [bucket_key(i) for i in range(41, 46)]
 
 
 @pytest.fixture
@@ -56,9 +62,10 @@ def test_a_model_change_is_served_only_once_the_new_model_covers_the_corpus(corp
 
 
 def _switch(instance, conn, monkeypatch) -> None:
-    instance.add_dynamic_partitions("documents", KEYS)
+    buckets = [bucket_of(d) for d in KEYS]
+    assert sorted(buckets) == [FIRST[0], FIRST[-1], SECOND[0], SECOND[-1]]
     old_defs = fresh_defs()
-    assert execute(old_defs, instance, tags=range_tags(KEYS)).success
+    assert execute(old_defs, instance, tags=range_tags(ALL)).success
     first = tick(old_defs, instance, None)
     assert first.cursor == f"served:{OLD}" and "serving the configured model" not in (first.skip_message or "")
     assert tick(old_defs, instance, first.cursor).skip_message == f"serving the configured model {OLD}"
@@ -67,7 +74,8 @@ def _switch(instance, conn, monkeypatch) -> None:
     # PIPELINE_EMBEDDING_MODEL changes and the code location reloads.
     monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", NEW_NAME)
     defs = fresh_defs()
-    assert set(stale_status(defs, instance, "embeddings", KEYS).values()) == {"STALE"}  # a new code version
+    assert set(stale_status(defs, instance, "embeddings", ALL).values()) == {"STALE"}   # a new code version
+    assert set(stale_status(defs, instance, "chunks", ALL).values()) == {"FRESH"}       # the model is not theirs
     added = tick(defs, instance, first.cursor)
     assert added.cursor == NEW
     assert models.coverage(conn, NEW).waiting == wanted     # jobs for every current chunk
@@ -75,7 +83,7 @@ def _switch(instance, conn, monkeypatch) -> None:
 
     # A launchpad override of the model would record the old model's vectors under the new code version.
     override = defs.resolve_job_def("embed_documents").execute_in_process(
-        instance=instance, partition_key=KEYS[0], raise_on_error=False,
+        instance=instance, partition_key=buckets[0], raise_on_error=False,
         run_config={"resources": {"embedding_provider": {"config": {"model": FAKE_MODEL}}}})
     assert not override.success
     [failure] = [e for e in override.all_events if e.is_step_failure]
@@ -83,23 +91,28 @@ def _switch(instance, conn, monkeypatch) -> None:
     assert f"the run's model {OLD} is not the configured model {NEW}" in failure.step_failure_data.error.to_string()
     # Definitions whose code version is not the run's model (built from other settings): embeddings refuses.
     other = build_definitions(Settings.from_env().replace(embedding_model="fake-embed-3"))
-    mismatch = execute(other, instance, partition_key=KEYS[0])
+    mismatch = execute(other, instance, partition_key=buckets[0])
     [failure] = [e for e in mismatch.all_events if e.is_step_failure]
     assert failure.step_key == "embeddings"
     assert "is not the code version of embeddings" in failure.step_failure_data.user_failure_data.description
     assert models.coverage(conn, NEW).ready == 0
 
-    # Half the partitions embedded with the new model: search stays on the old one.
-    assert execute(defs, instance, tags=range_tags(KEYS[:2])).success
+    # The buckets of half the documents embedded with the new model: search stays on the old one.
+    assert execute(defs, instance, tags=range_tags(FIRST)).success
     half = models.coverage(conn, NEW)
     assert 0 < half.ready < half.wanted
+    with_new = conn.execute("""SELECT DISTINCT d.document_id FROM app.documents d
+                               JOIN app.chunks c ON c.doc_pk = d.doc_pk
+                               JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s
+                               ORDER BY 1""", (NEW,)).fetchall()
+    assert [r[0] for r in with_new] == sorted(d for d in KEYS if bucket_of(d) in FIRST)
     waiting = tick(defs, instance, added.cursor)
     assert waiting.skip_message.startswith(f"serving {OLD} until {NEW} covers the corpus: {half.ready}/{wanted}")
     assert served_search() == OLD
     assert models.served_model_id(conn) == OLD
 
     # The rest: the next tick serves the new model and retires the old one.
-    assert execute(defs, instance, tags=range_tags(KEYS[2:])).success
+    assert execute(defs, instance, tags=range_tags(SECOND)).success
     assert served_search() == OLD                              # nothing switches between ticks
     assert waiting.cursor == NEW                               # the switch is still pending
     switched = tick(defs, instance, waiting.cursor)
@@ -113,7 +126,10 @@ def _switch(instance, conn, monkeypatch) -> None:
     assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE model_id = %s AND status IN "
                         "('pending', 'retry', 'processing')", (OLD,)).fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (OLD,)).fetchone()[0] == wanted
-    assert set(stale_status(defs, instance, "embeddings", KEYS).values()) == {"FRESH"}
+    assert set(stale_status(defs, instance, "embeddings", [*FIRST, *SECOND]).values()) == {"FRESH"}
+    # The buckets between the two runs were not re-run: the UI still says they need the new model
+    # (they hold no document here; a backfill of the stale partitions would clear them).
+    assert set(stale_status(defs, instance, "embeddings", ALL[len(FIRST):-len(SECOND)]).values()) == {"STALE"}
     assert tick(defs, instance, switched.cursor).skip_message == f"serving the configured model {NEW}"
 
     # A rollback by hand is not overruled: the configured model was served once already.
