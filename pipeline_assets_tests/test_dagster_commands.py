@@ -1,9 +1,11 @@
-"""Dagster's own commands from the project root: `dagster dev`, `dagster asset materialize`, `dagster job launch`.
+"""Dagster's own commands from the project root: `dagster dev`, `dagster asset materialize`,
+`dagster job launch`, `dagster job execute`.
 
 Real subprocesses with the real test database and the fake OpenAI server, as a
 Dagster user types them: first on a fresh checkout (no DAGSTER_HOME: Dagster's
-temporary local storage), then with `pipeline-assets dagster-env` (the instance
-`pipeline-assets dev` uses, in PostgreSQL on the same server).
+temporary local storage, with the root dagster.yaml's shared settings), then with
+`pipeline-assets dagster-env` (the instance `pipeline-assets dev` uses, in
+PostgreSQL on the same server). Partitions are document buckets (b000..b063).
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ import uuid
 import dagster as dg
 import psycopg
 import pytest
+import yaml
 from dagster._core.instance.ref import InstanceRef
 
+from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
+from pipeline_assets.defs import devserver
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV
-from pipeline_assets_tests.conftest import REPO, cli, write_corpus
-from pipeline_assets_tests.dagster_helpers import latest_data_versions
+from pipeline_assets.defs.partitions import bucket_index
+from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, cli, write_corpus
+from pipeline_assets_tests.dagster_helpers import bucket_of, latest_data_versions, latest_materializations
 
 DAGSTER = [sys.executable, "-W", "ignore", "-m", "dagster"]
 
@@ -56,48 +62,111 @@ def _exports(stdout: str) -> dict[str, str]:
     return out
 
 
-def test_no_instance_config_at_the_root_needs_the_environment(monkeypatch):
-    """Without DAGSTER_HOME, Dagster's CLI reads ./dagster.yaml: the root has none that needs PostgreSQL."""
+def test_the_root_dagster_yaml_holds_shared_settings_and_no_storage(monkeypatch):
+    """Without DAGSTER_HOME, Dagster's CLI reads ./dagster.yaml: the root has one (run queue, pools,
+    retention, telemetry) that needs no environment, and PostgreSQL storage stays in deploy/."""
     monkeypatch.delenv(DAGSTER_URL_ENV, raising=False)
-    assert not (REPO / "dagster.yaml").exists() and (REPO / "deploy" / "dagster.yaml").exists()
+    root_yaml = REPO / "dagster.yaml"
+    assert root_yaml.is_file() and (REPO / "deploy" / "dagster.yaml").exists()
+    assert "storage" not in yaml.safe_load(root_yaml.read_text())
     with tempfile.TemporaryDirectory() as home:
         # What `dagster dev` / `dagster asset materialize` build when DAGSTER_HOME is unset.
         with dg.DagsterInstance.from_ref(InstanceRef.from_dir(home, config_dir=str(REPO))) as instance:
             assert type(instance.run_storage).__name__ == "SqliteRunStorage"
+            assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+            concurrency = instance.get_concurrency_config()   # what the run queue daemon reads
+            assert concurrency.run_queue_config.max_concurrent_runs == 4
+            assert concurrency.pool_config.default_pool_limit == 1
+            assert instance.telemetry_enabled is False
+    # `pipeline-assets dev` writes the same shared settings under its PostgreSQL storage.
+    written = devserver.instance_yaml()
+    assert written.endswith(root_yaml.read_text()) and f"env: {DAGSTER_URL_ENV}" in written
 
 
-def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake):
+def _legacy_partitions(exported: dict[str, str], keys: list[str] | None = None) -> list[str]:
+    """The per-document scheme's dynamic partition set in the dagster-env instance (after adding keys)."""
+    os.environ[DAGSTER_URL_ENV] = exported[DAGSTER_URL_ENV]
+    try:
+        with dg.DagsterInstance.from_config(exported["DAGSTER_HOME"]) as instance:
+            if keys:
+                instance.add_dynamic_partitions(devserver.LEGACY_PARTITIONS_NAME, keys)
+            return instance.get_dynamic_partitions(devserver.LEGACY_PARTITIONS_NAME)
+    finally:
+        os.environ.pop(DAGSTER_URL_ENV, None)
+
+
+def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tmp_path):
     run_env, corpus = setup
+    docs = [f"doc{i:04d}.md" for i in range(3)]
+    assert len({bucket_of(d) for d in docs}) == 3        # one document per bucket (the buckets are a hash)
     printed = cli("dagster-env", env=run_env)
     exported = _exports(printed.stdout)
-    assert {"DAGSTER_HOME", DAGSTER_URL_ENV, "PIPELINE_HOME", "DAGSTER_EVENT_BATCH_SIZE"} <= set(exported)
+    assert {"DAGSTER_HOME", DAGSTER_URL_ENV, "PIPELINE_HOME", "DAGSTER_EVENT_BATCH_SIZE",
+            "PIPELINE_PARTITION_BUCKETS"} <= set(exported)
     assert exported[DAGSTER_URL_ENV].startswith("postgresql+psycopg2://")
-    assert "3 new partition(s) registered" in printed.stderr
+    assert exported["PIPELINE_PARTITION_BUCKETS"] == "64" and "64 document bucket(s)" in printed.stderr
+    assert "upgraded" not in printed.stderr
+    # The count is the database's from now on: another configured count is not exported.
+    assert _exports(cli("dagster-env", env={**run_env, "PIPELINE_PARTITION_BUCKETS": "16"}).stdout)[
+        "PIPELINE_PARTITION_BUCKETS"] == "64"
+
+    # The upgrade path: an instance of the per-document scheme (a dynamic partition per document)
+    # loses that partition set at the next dagster-env, once; the database is not touched.
+    assert _legacy_partitions(exported, docs) == docs
+    upgraded = cli("dagster-env", env=run_env)
+    assert "3 per-document partition(s) of the old scheme deleted (nothing re-embedded)" in upgraded.stderr
+    assert _exports(upgraded.stdout) == exported and _legacy_partitions(exported) == []
+    assert "upgraded" not in cli("dagster-env", env=run_env).stderr
     shell_env = {**run_env, **exported}
 
+    key = bucket_of("doc0001.md")
     materialize = subprocess.run(
         [*DAGSTER, "asset", "materialize", "-m", "pipeline_assets.defs.definitions",
-         "--select", "documents*", "--partition", "doc0001.md"],
+         "--select", "documents*", "--partition", key],
         env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert materialize.returncode == 0, materialize.stderr[-3000:]
-    doc = reports.document_summaries(conn, str(corpus.resolve()), ["doc0001.md"])["doc0001.md"]
-    _, cov = reports.embedding_coverage(conn, str(corpus.resolve()), ["doc0001.md"], "openai/fake-embed")
+    root = str(corpus.resolve())
+    doc = reports.document_summaries(conn, root, ["doc0001.md"])["doc0001.md"]
+    _, cov = reports.embedding_coverage(conn, root, ["doc0001.md"], f"openai/{FAKE_MODEL}")
     assert doc.status == "current" and cov.ready == cov.wanted == doc.chunks
-    assert conn.execute("SELECT count(*) FROM app.documents").fetchone()[0] == 1   # that partition only
+    assert conn.execute("SELECT document_id FROM app.documents").fetchall() == [("doc0001.md",)]  # that bucket only
 
     launch = subprocess.run(
         [*DAGSTER, "job", "launch", "-w", "workspace.yaml", "-j", "embed_documents",
-         "--tags", json.dumps({"dagster/partition": "doc0002.md"})],
+         "--tags", json.dumps({"dagster/partition": bucket_of("doc0002.md")})],
         env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert launch.returncode == 0, launch.stderr[-3000:]
+
+    # One document by run config (not by partition): the refresh job, as the launchpad runs it.
+    config = tmp_path / "refresh.yaml"
+    config.write_text(yaml.safe_dump({"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0000.md"]}}}}))
+    refresh = subprocess.run(
+        [*DAGSTER, "job", "execute", "-m", "pipeline_assets.defs.definitions", "-j", "refresh_documents",
+         "-c", str(config)],
+        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert refresh.returncode == 0, refresh.stderr[-3000:]
+    refreshed = reports.document_summaries(conn, root, docs)
+    assert sorted(refreshed) == ["doc0000.md", "doc0001.md"]          # doc0002's run is only queued
+    _, cov0 = reports.embedding_coverage(conn, root, ["doc0000.md"], f"openai/{FAKE_MODEL}")
+    assert refreshed["doc0000.md"].status == "current" and cov0.ready == cov0.wanted > 0
 
     os.environ[DAGSTER_URL_ENV] = exported[DAGSTER_URL_ENV]
     try:
         with dg.DagsterInstance.from_config(exported["DAGSTER_HOME"]) as instance:
-            # The same instance `pipeline-assets dev` shows: the materialization with its data version...
-            assert latest_data_versions(instance, "documents", ["doc0001.md"]) == {"doc0001.md": doc.text_checksum}
+            # The same instance `pipeline-assets dev` shows: the bucket's materialization with its own
+            # data version (a one-bucket run) and its counts...
+            state = bk.bucket_states({"doc0001.md": doc}, [bucket_index(key)], 64)[bucket_index(key)]
+            assert latest_data_versions(instance, "documents", [key]) == {key: state.text_digest}
+            meta = {k: v.value for k, v in
+                    latest_materializations(instance, "documents", [key])[key].asset_materialization.metadata.items()}
+            assert (meta["documents"], meta["current"], meta["text_digest"]) == (1, 1, state.text_digest)
+            # ...the refreshed document's bucket, materialized by the refresh run and naming it...
+            other = bucket_of("doc0000.md")
+            for asset in ("documents", "chunks", "embeddings"):
+                record = latest_materializations(instance, asset, [other])[other]
+                assert record.asset_materialization.metadata["refreshed_documents"].value == "doc0000.md"
             # ...and the launched run, queued for the daemon of `dagster dev` / `pipeline-assets dev`.
-            (queued,) = instance.get_runs(dg.RunsFilter(tags={"dagster/partition": "doc0002.md"}))
+            (queued,) = instance.get_runs(dg.RunsFilter(tags={"dagster/partition": bucket_of("doc0002.md")}))
             assert queued.job_name == "embed_documents" and queued.status == dg.DagsterRunStatus.QUEUED
     finally:
         os.environ.pop(DAGSTER_URL_ENV, None)
@@ -140,29 +209,47 @@ def _poll(fn, timeout: float, proc: subprocess.Popen, what: str):
 
 
 def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake, tmp_path):
-    """`dagster dev` with no DAGSTER_HOME: temporary local storage, the source sensor's batch run,
-    and the UI's GraphQL shows each partition's own data version."""
+    """`dagster dev` with no DAGSTER_HOME: temporary local storage, the source sensor's one run over
+    the span of the corpus's buckets, and the UI's GraphQL shows each bucket's own metadata."""
     run_env, corpus = setup
     port = _free_port()
     before = set(REPO.glob(".tmp_dagster_home_*"))
     log = open(tmp_path / "dagster-dev.log", "w")
     proc = subprocess.Popen([*DAGSTER, "dev", "-w", "workspace.yaml", "-p", str(port)], env=run_env, cwd=REPO,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    keys = [f"doc{i:04d}.md" for i in range(3)]
+    docs = [f"doc{i:04d}.md" for i in range(3)]
+    keys = sorted(bucket_of(d) for d in docs)
     try:
         runs_q = """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]}) {
-                        ... on Runs { results { status } } } }"""
+                        ... on Runs { results { status tags { key value } } } } }"""
         runs = _poll(lambda: [r for r in _gql(port, runs_q)["runsOrError"]["results"]
                               if r["status"] in ("SUCCESS", "FAILURE")], 150, proc, "the source sensor's run")
         assert [r["status"] for r in runs] == ["SUCCESS"], runs
+        tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
+        assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == (
+            keys[0], keys[-1])
+        assert tags["dagster/run_key"].startswith("sync@g0:3:")
         ui = _gql(port, """{ d: assetNodeOrError(assetKey: {path: ["documents"]}) {
-                                   ... on AssetNode { dataVersionByPartition(partitions: %s) } }
+                                   ... on AssetNode { dataVersionByPartition(partitions: %s)
+                                     latestMaterializationByPartition(partitions: %s) {
+                                       partition metadataEntries { label
+                                         ... on TextMetadataEntry { text } ... on IntMetadataEntry { intValue } } } } }
                              e: assetNodeOrError(assetKey: {path: ["embeddings"]}) {
                                    ... on AssetNode { staleStatusByPartition(partitions: %s) } } }"""
-                  % (json.dumps(keys), json.dumps(keys)))
-        summaries = reports.document_summaries(conn, str(corpus.resolve()), keys)
-        # One run over the 3 partitions, and each shows its own checksum; nothing looks stale.
-        assert ui["d"]["dataVersionByPartition"] == [summaries[k].text_checksum for k in keys]
+                  % (json.dumps(keys), json.dumps(keys), json.dumps(keys)))
+        summaries = reports.document_summaries(conn, str(corpus.resolve()), docs)
+        assert sorted(summaries) == docs and all(s.status == "current" for s in summaries.values())
+        # One run over the range: one data version for all its buckets (Dagster records one per
+        # result), and each bucket's own digest and counts in its metadata; nothing looks stale.
+        versions = ui["d"]["dataVersionByPartition"]
+        assert len(set(versions)) == 1 and versions[0].startswith(
+            f"range:{bucket_index(keys[-1]) - bucket_index(keys[0]) + 1}:")
+        for event in ui["d"]["latestMaterializationByPartition"]:
+            meta = {m["label"]: m.get("text", m.get("intValue")) for m in event["metadataEntries"]}
+            (doc,) = [d for d in docs if bucket_of(d) == event["partition"]]
+            b = bucket_index(event["partition"])
+            assert meta["text_digest"] == bk.bucket_states({doc: summaries[doc]}, [b], 64)[b].text_digest
+            assert (meta["documents"], meta["current"]) == (1, 1)
         assert ui["e"]["staleStatusByPartition"] == ["FRESH"] * len(keys)
     finally:
         proc.send_signal(signal.SIGINT)          # dagster dev's own clean shutdown
