@@ -27,11 +27,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline_assets.app.buckets import bucket_of  # noqa: E402
+from pipeline_assets.defs.partitions import bucket_key  # noqa: E402
+from pipeline_assets.settings import DEFAULT_PARTITION_BUCKETS  # noqa: E402
 from pipeline_assets_tests.browser import Browser  # noqa: E402
 
 CORPUS = REPO / "examples" / "corpus"
-PARTITION = "databases/skip-locked-job-queues.md"
+# The bucket partition of one document of the example (partitions are document buckets).
+PARTITION = bucket_key(bucket_of("databases/skip-locked-job-queues.md", DEFAULT_PARTITION_BUCKETS))
+LOADED_TIMEOUT = 60.0   # seconds for every "Loading..." placeholder of a page to go
 START_TIMEOUT = 180.0      # seconds for the webserver, the daemon and the sensor's first run
+
+
+def _wait_loaded(browser: Browser) -> None:
+    """Until no "Loading..." placeholder is left on the page (the asset nodes fill in late)."""
+    deadline = time.monotonic() + LOADED_TIMEOUT
+    while "Loading..." in browser.text():
+        if time.monotonic() > deadline:
+            raise TimeoutError('the page still shows "Loading..."')
+        time.sleep(0.5)
 
 
 def _free_port() -> int:
@@ -77,11 +91,13 @@ def main() -> int:
                 browser.open(f"{base}/asset-groups/embedding_pipeline")
                 browser.wait_for_text("documents", "chunks", "embeddings", "Materialize all")
                 browser.dismiss_community_dialog()
+                _wait_loaded(browser)
                 time.sleep(1.0)   # let the graph settle after the dialog closes
                 graph = browser.screenshot(REPO / "docs" / "asset-graph.png")
                 browser.open(f"{base}/assets/embeddings?view=partitions&partition="
                              f"{urllib.parse.quote(PARTITION, safe='')}")
                 browser.wait_for_text("Latest materialization", "Metadata", "ready")
+                _wait_loaded(browser)
                 time.sleep(0.5)
                 partition = browser.screenshot(REPO / "docs" / "partition.png")
             print(f"wrote {graph.relative_to(REPO)} and {partition.relative_to(REPO)}")
