@@ -848,6 +848,7 @@ def main() -> int:
     def interrupted(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)    # also when started as a background job (SIGINT ignored)
 
     tmp = Path(tempfile.mkdtemp(prefix="b10-"))
     os.chmod(tmp, 0o755)   # the embedded server runs as another user when we are root
