@@ -341,3 +341,19 @@ def test_runs_take_turns_in_the_embedding_worker_pool(corpus, conn, fake, server
         assert results and results[0].success
         assert fake.stats["billed_inputs"] == len(_doc_chunks(conn, "doc0003.md"))
         assert storage.get_concurrency_info(EMBEDDING_POOL).active_slot_count == 0   # freed at the step's end
+
+
+def test_a_corpus_ingested_by_the_cli_is_not_ingested_again_by_the_first_bucket_run(corpus, conn, fake):
+    """Bytes already in the store (the command line's ingest, or the per-document scheme before buckets)
+    are only recorded as synced: no extraction, no provider call."""
+    with dg.build_resources(build_resources(Settings.from_env())) as res:
+        ingest_source(res.embedding_provider.runtime(), res.postgres.pool(), corpus)
+    before = conn.execute("SELECT max(updated_at) FROM app.documents").fetchone()[0]
+    result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL))
+    assert result.success
+    ingest = materialization_metadata(result, "ingest")
+    assert ingest["changed_documents"] == 0 and ingest["scanned"] == 0
+    assert conn.execute("SELECT max(updated_at) FROM app.documents").fetchone()[0] == before
+    assert conn.execute("SELECT count(*) FROM app.source_observations WHERE synced = checksum").fetchone()[0] == 4
+    again = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL))
+    assert materialization_metadata(again, "ingest")["files_read"] == 0

@@ -107,17 +107,21 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
                                   keep=lambda doc: bucket_of(doc, n) in wanted)
         rows = conn.execute(BUCKETS.unsynced, params).fetchall()
         orphans = [] if found.empty_refused else [r[0] for r in conn.execute(BUCKETS.unobserved_current, params)]
-    changed = {doc: checksum for doc, checksum in rows if checksum is not None}
-    gone = sorted({doc for doc, checksum in rows if checksum is None} | set(orphans))
+    changed = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and not in_store}
+    current = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and in_store}
+    gone = sorted({doc for doc, checksum, _ in rows if checksum is None} | set(orphans))
     stale = sorted({t.document_id for t in rerun_uc.select(rt, pool, stages_=rerun_uc.VERSIONED_STAGES, stale=True,
                                                            limit=STALE_SCAN_LIMIT)
                     if t.root == str(root) and bucket_of(t.document_id, n) in wanted} - set(changed) - set(gone))
+    # Files whose bytes are already their document's need no ingest (the command line
+    # ingested them); a stale one among them is re-extracted as stale.
     todo = [*changed, *stale, *gone]
     report = ingest_documents(rt, pool, root, todo) if todo else IngestReport()
     with pool.connection() as conn:
-        if changed:
-            ids = list(changed)
-            conn.execute(BUCKETS.mark_synced, {"root": str(root), "ids": ids, "checksums": [changed[d] for d in ids]})
+        synced = {**changed, **current}
+        if synced:
+            ids = list(synced)
+            conn.execute(BUCKETS.mark_synced, {"root": str(root), "ids": ids, "checksums": [synced[d] for d in ids]})
         if gone:
             conn.execute(OBS.forget_gone, {"root": str(root), "ids": gone})
     return BucketSync(scan=found, changed=list(changed), stale=stale, gone=gone, report=report)

@@ -12,12 +12,18 @@ ON CONFLICT (singleton) DO NOTHING
 -- name: unsynced
 -- Files of some buckets whose observed bytes a bucket run has not brought
 -- current yet (new, changed, or never synced), and gone files (checksum NULL).
-SELECT document_id, checksum
-FROM app.source_observations
-WHERE root = %(root)s
-  AND app.document_bucket(document_id, %(n)s) = ANY(%(buckets)s)
-  AND (checksum IS NULL OR checksum IS DISTINCT FROM synced)
-ORDER BY document_id COLLATE "C"
+-- A file whose bytes are already its document's (ingested by the command
+-- line, or before the bucket scheme) is not: ``in_store`` says so, and the run
+-- only records it as synced.
+SELECT o.document_id, o.checksum,
+       EXISTS (SELECT 1 FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+               WHERE s.root = o.root AND d.document_id = o.document_id AND d.status <> 'deleted'
+                 AND left(encode(d.source_checksum, 'hex'), 16) = o.checksum) AS in_store
+FROM app.source_observations o
+WHERE o.root = %(root)s
+  AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s)
+  AND (o.checksum IS NULL OR o.checksum IS DISTINCT FROM o.synced)
+ORDER BY o.document_id COLLATE "C"
 
 -- name: unobserved_current
 -- Documents of the source in some buckets that are not quarantined or deleted
