@@ -689,6 +689,16 @@ def asset_page_phase(dev: Dev, asset: str, keys: list[str]) -> dict:
             loads.append(round(time.perf_counter() - started, 2))
             out["rendered_excerpt"] = " ".join(text.split())[:400]
         out["first_visit_s"], out["second_visit_s"] = loads
+        # Not a target: the asset graph (issue 14: its nodes used to stay at "Loading...").
+        started = time.perf_counter()
+        browser.open(f"{dev.base}/asset-groups/embedding_pipeline")
+        try:
+            browser.wait_for_text(*EMBED_ASSETS, timeout=120)
+            wait_for(lambda: "Loading" not in browser.text(), 120, "the asset graph's nodes to finish loading",
+                     interval=0.1, describe=lambda: " ".join(browser.text().split())[:600])
+            out["asset_graph_s"] = round(time.perf_counter() - started, 2)
+        except AssertionError as exc:
+            out["asset_graph_error"] = str(exc)[:800]
     return out
 
 
