@@ -1,8 +1,10 @@
 """`pipeline-assets dev` for real: webserver + daemon on PostgreSQL storage, driven through GraphQL.
 
-One server for the module (start-up is the expensive part): a smoke test that
-launches one partition run, and the measurement that a 1,000-partition backfill
-launches one run, not 1,000.
+One server for the module (start-up is the expensive part), over a corpus of 1,000 documents in
+the 64 document buckets: a smoke test that launches one bucket run, the partition's page in a
+browser, a backfill of all 64 buckets that launches one run, not 64, and the source sensor through
+the daemon. The fixture stops the source sensor before the corpus is written, so each test
+decides what runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections import Counter
 
 import dagster as dg
 import psycopg
@@ -26,13 +29,21 @@ import pytest
 
 from pipeline_assets.app import reports
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets_tests.browser import Browser, chromium_path
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, write_corpus
+from pipeline_assets_tests.dagster_helpers import bucket_of
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
-N_BACKFILL = 1000
+N_DOCUMENTS = 1000
+BUCKETS = [bucket_key(i) for i in range(64)]
+DOCS = [f"doc{i:04d}.md" for i in range(N_DOCUMENTS)]
+MODEL = f"openai/{FAKE_MODEL}"
 REPO_SELECTOR = {"repositoryLocationName": "pipeline_assets", "repositoryName": "__repository__"}
+SOURCE_SENSOR = {**REPO_SELECTOR, "sensorName": "source_documents"}
 ASSETS = [{"path": ["documents"]}, {"path": ["chunks"]}, {"path": ["embeddings"]}]
+FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
+RUN_TIMEOUT = 300           # seconds: generous, the machine is shared
 
 
 def _free_port() -> int:
@@ -61,6 +72,24 @@ class DevServer:
         return self.gql("query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }",
                         {"id": run_id})["runOrError"]["status"]
 
+    def sensor(self) -> dict:
+        return self.gql("""query($s: SensorSelector!) { sensorOrError(sensorSelector: $s) {
+                             ... on Sensor { id sensorState { status ticks(limit: 10) { status timestamp } } } } }""",
+                        {"s": SOURCE_SENSOR})["sensorOrError"]
+
+    def sensor_ticks(self) -> list[dict]:
+        return self.sensor()["sensorState"]["ticks"]
+
+    def stop_source_sensor(self) -> None:
+        """Stop the source sensor (RUNNING by default) and wait until no tick of it is in progress."""
+        stopped = self.gql("""mutation($id: String!) { stopSensor(id: $id) { __typename
+                                ... on StopSensorMutationResult { instigationState { status } } } }""",
+                           {"id": self.sensor()["id"]})["stopSensor"]
+        assert stopped["__typename"] == "StopSensorMutationResult", stopped
+        _wait(lambda: self.sensor()["sensorState"]["status"] == "STOPPED"
+              and all(t["status"] != "STARTED" for t in self.sensor_ticks()), 60, "the source sensor to stop",
+              self.proc)
+
 
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, interval: float = 0.5):
     deadline = time.monotonic() + timeout
@@ -81,7 +110,7 @@ def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = 
 def dev_server(database_url, server_url, tmp_path_factory):
     base = tmp_path_factory.mktemp("devserver")
     corpus = base / "corpus"
-    write_corpus(corpus, N_BACKFILL, words=30)
+    corpus.mkdir()              # empty until the source sensor is stopped
     dagster_db = "t_dagster_" + uuid.uuid4().hex[:8]
     port = _free_port()
     with FakeOpenAI(dim=FAKE_DIM) as fake:
@@ -91,7 +120,10 @@ def dev_server(database_url, server_url, tmp_path_factory):
             "PIPELINE_DAGSTER_DATABASE": dagster_db, "PIPELINE_SOURCE_DIR": str(corpus),
             "OPENAI_API_KEY": "test-key", "OPENAI_BASE_URL": fake.base_url,
             "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_CALL_TIMEOUT": "10",
+            # No scheduled reconciliation during the module (it would ingest the whole source).
+            "PIPELINE_RECONCILE_CRON": "0 0 1 1 *",
         })
+        env.pop("PIPELINE_PARTITION_BUCKETS", None)
         log = open(base / "server.log", "w")
         proc = subprocess.Popen(
             [sys.executable, "-c", f"import sys; from pipeline_assets.defs.devserver import run_dev; "
@@ -99,8 +131,10 @@ def dev_server(database_url, server_url, tmp_path_factory):
             env=env, cwd=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = DevServer(port, env, proc, corpus, base / "home" / "dagster")
         try:
-            _wait(lambda: {"documents", "chunks", "embeddings"} <= server.asset_keys(), 90,
+            _wait(lambda: {"documents", "chunks", "embeddings"} <= server.asset_keys(), 120,
                   "the webserver and the code location", proc)
+            server.stop_source_sensor()
+            write_corpus(corpus, N_DOCUMENTS, words=30)
             yield server
         finally:
             if proc.poll() is None:
@@ -118,15 +152,8 @@ def dev_server(database_url, server_url, tmp_path_factory):
     assert "Dagster stopped." in (base / "server.log").read_text()
 
 
-def _materialize_partition(server: DevServer, key: str) -> str:
-    """Add a partition and launch the embed job for it through GraphQL, as the UI does; its run id."""
-    added = server.gql(
-        """mutation($repo: RepositorySelector!, $key: String!) {
-             addDynamicPartition(repositorySelector: $repo, partitionsDefName: "documents", partitionKey: $key) {
-               __typename ... on AddDynamicPartitionSuccess { partitionKey }
-               ... on DuplicateDynamicPartitionError { partitionName } ... on PythonError { message } } }""",
-        {"repo": REPO_SELECTOR, "key": key})["addDynamicPartition"]
-    assert added["__typename"] in ("AddDynamicPartitionSuccess", "DuplicateDynamicPartitionError"), added
+def _materialize_bucket(server: DevServer, key: str) -> str:
+    """Launch the embed job for one bucket through GraphQL, as the UI's "Materialize" does; its run id."""
     launched = server.gql(
         """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) {
              __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }""",
@@ -134,63 +161,83 @@ def _materialize_partition(server: DevServer, key: str) -> str:
                "executionMetadata": {"tags": [{"key": "dagster/partition", "value": key}]}}})["launchRun"]
     assert launched["__typename"] == "LaunchRunSuccess", launched
     run_id = launched["run"]["runId"]
-    status = _wait(lambda: (st := server.run_status(run_id)) in ("SUCCESS", "FAILURE", "CANCELED") and st,
-                   60, "the partition run", server.proc)
+    status = _wait(lambda: (st := server.run_status(run_id)) in FINISHED and st,
+                   RUN_TIMEOUT, "the bucket run", server.proc)
     assert status == "SUCCESS"
     return run_id
 
 
-def test_webserver_smoke_graphql_asset_graph_and_one_partition_run(dev_server, database_url):
-    started = time.monotonic()
-    assert {"documents", "chunks", "embeddings"} <= dev_server.asset_keys()
-    _materialize_partition(dev_server, "doc0000.md")
+def _latest_metadata(server: DevServer, asset: str, keys: list[str]) -> dict[str, tuple[str, dict]]:
+    """Per partition, (run id, metadata) of its latest materialization, as the UI reads them."""
+    data = server.gql(
+        """query($a: AssetKeyInput!, $p: [String!]) { assetNodeOrError(assetKey: $a) { ... on AssetNode {
+             latestMaterializationByPartition(partitions: $p) { partition runId metadataEntries { label
+               ... on IntMetadataEntry { intValue } ... on TextMetadataEntry { text }
+               ... on FloatMetadataEntry { floatValue } } } } } }""",
+        {"a": {"path": [asset]}, "p": keys})["assetNodeOrError"]["latestMaterializationByPartition"]
+    return {e["partition"]: (e["runId"], {m["label"]: m.get("intValue", m.get("text", m.get("floatValue")))
+                                          for m in e["metadataEntries"]})
+            for e in data if e}
+
+
+def _bucket_docs(key: str) -> list[str]:
+    return [d for d in DOCS if bucket_of(d) == key]
+
+
+def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, database_url):
+    assert {"documents", "chunks", "embeddings", "embedding_store", "reconciliation"} <= dev_server.asset_keys()
+    key = bucket_of(DOCS[0])
+    members = _bucket_docs(key)
+    assert 1 < len(members) < 60                   # a bucket is a slice of the corpus (~1/64 of it)
+    run_id = _materialize_bucket(dev_server, key)
+    root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
-        (doc,) = reports.document_summaries(conn, str(dev_server.corpus.resolve()), ["doc0000.md"]).values()
-        _, cov = reports.embedding_coverage(conn, str(dev_server.corpus.resolve()), ["doc0000.md"],
-                                            f"openai/{FAKE_MODEL}")
-    assert doc.status == "current" and cov.wanted == cov.ready == doc.chunks
-    assert time.monotonic() - started < 60
+        # The run brought exactly its bucket's documents current and embedded, nothing else.
+        ingested = sorted(r[0] for r in conn.execute("SELECT document_id FROM app.documents"))
+        summaries = reports.document_summaries(conn, root, members)
+        per_doc, cov = reports.embedding_coverage(conn, root, members, MODEL)
+    assert ingested == members and all(s.status == "current" for s in summaries.values())
+    assert cov.wanted == cov.ready == sum(s.chunks for s in summaries.values()) > 0
+    # What the UI shows for that partition: this run, the bucket's counts.
+    (run, documents), = _latest_metadata(dev_server, "documents", [key]).values()
+    assert run == run_id and (documents["documents"], documents["current"]) == (len(members), len(members))
+    (run, embeddings), = _latest_metadata(dev_server, "embeddings", [key]).values()
+    assert run == run_id
+    assert (embeddings["chunks"], embeddings["ready"], embeddings["failed"]) == (
+        sum(c.wanted for c in per_doc.values()), sum(c.ready for c in per_doc.values()), 0)
 
 
 @pytest.mark.skipif(chromium_path() is None, reason="no Chromium on this machine (.ci/run installs Debian's "
                                                     "chromium; elsewhere: apt-get install chromium)")
 def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_server, database_url):
     """The user's path, in a real browser: the asset graph shows the three assets, and the page of
-    the partition just materialized shows that run and the metadata the asset reported."""
-    key = "doc0001.md"
-    run_id = _materialize_partition(dev_server, key)
+    the bucket just materialized shows that run and the metadata the asset reported for it."""
+    key = bucket_of(DOCS[1])
+    assert key != bucket_of(DOCS[0])
+    members = _bucket_docs(key)
+    run_id = _materialize_bucket(dev_server, key)
     with psycopg.connect(database_url) as conn:
-        _, cov = reports.embedding_coverage(conn, str(dev_server.corpus.resolve()), [key], f"openai/{FAKE_MODEL}")
+        per_doc, _ = reports.embedding_coverage(conn, str(dev_server.corpus.resolve()), members, MODEL)
+    chunks, ready = sum(c.wanted for c in per_doc.values()), sum(c.ready for c in per_doc.values())
+    assert sorted(per_doc) == members and chunks == ready > 0
     base = f"http://127.0.0.1:{dev_server.port}"
     with Browser() as browser:
         browser.open(f"{base}/asset-groups/embedding_pipeline")
         graph = browser.wait_for_text("documents", "chunks", "embeddings", "Materialize all")
         assert "embedding_store" in graph
         browser.open(f"{base}/assets/embeddings?view=partitions&partition={urllib.parse.quote(key, safe='')}")
-        page = browser.wait_for_text("Latest materialization", run_id[:8], "Metadata")
+        page = browser.wait_for_text("Latest materialization", run_id[:8], "Metadata", key)
     metadata = " ".join(page.split("Metadata", 1)[1].split())
-    assert cov.wanted == cov.ready > 0
-    for name, value in (("chunks", cov.wanted), ("ready", cov.ready), ("failed", 0)):
+    for name, value in (("chunks", chunks), ("ready", ready), ("failed", 0), ("documents", len(members))):
         assert re.search(rf"\b{name} {value}\b", metadata), f"{name}={value} not in {metadata[:300]}"
 
 
-def test_backfill_of_1000_partitions_is_one_run(dev_server, database_url, monkeypatch):
-    keys = [f"doc{i:04d}.md" for i in range(N_BACKFILL)]
-    dagster_db = dev_server.env["PIPELINE_DAGSTER_DATABASE"]
-    monkeypatch.setenv(DAGSTER_URL_ENV, sqlalchemy_url(psycopg.conninfo.make_conninfo(database_url,
-                                                                                     dbname=dagster_db)))
-    instance = dg.DagsterInstance.from_config(str(dev_server.dagster_home))   # the real instance
-    try:
-        instance.add_dynamic_partitions("documents", keys)
-        assert len(instance.get_dynamic_partitions("documents")) == N_BACKFILL
-    finally:
-        instance.dispose()
-
+def test_backfill_of_all_64_buckets_is_one_run(dev_server, database_url, monkeypatch):
     started = time.monotonic()
     result = dev_server.gql(
         """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
              __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
-        {"p": {"partitionNames": keys, "assetSelection": ASSETS}})["launchPartitionBackfill"]
+        {"p": {"partitionNames": BUCKETS, "assetSelection": ASSETS}})["launchPartitionBackfill"]
     assert result["__typename"] == "LaunchBackfillSuccess", result
     backfill_id = result["backfillId"]
     runs_query = """query($id: String!) { runsOrError(filter: {tags: [{key: "dagster/backfill", value: $id}]}) {
@@ -198,40 +245,93 @@ def test_backfill_of_1000_partitions_is_one_run(dev_server, database_url, monkey
 
     def finished_runs():
         runs = dev_server.gql(runs_query, {"id": backfill_id})["runsOrError"]["results"]
-        done = runs and all(r["status"] in ("SUCCESS", "FAILURE", "CANCELED") for r in runs)
+        done = runs and all(r["status"] in FINISHED for r in runs)
         return runs if done else None
 
-    runs = _wait(finished_runs, 150, "the backfill's runs", dev_server.proc, interval=1.0)
+    runs = _wait(finished_runs, RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
     wall = time.monotonic() - started
     run_seconds = sum(r["endTime"] - r["startTime"] for r in runs)
-    print(f"\nBACKFILL {N_BACKFILL} partitions: runs launched={len(runs)} wall={wall:.1f}s "
-          f"(run time {run_seconds:.1f}s; the rest is the backfill daemon's 30 s cadence and run start)")
+    print(f"\nBACKFILL {len(BUCKETS)} buckets, {N_DOCUMENTS} documents: runs launched={len(runs)} "
+          f"wall={wall:.1f}s (run time {run_seconds:.1f}s; the rest is the backfill daemon and run start)")
     assert len(runs) == 1 and runs[0]["status"] == "SUCCESS"
+    run_id = runs[0]["runId"]
+    root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
-        root = str(dev_server.corpus.resolve())
-        summaries = reports.document_summaries(conn, root, keys)
-        _, cov = reports.embedding_coverage(conn, root, keys, f"openai/{FAKE_MODEL}")
-    assert len(summaries) == N_BACKFILL and all(s.status == "current" for s in summaries.values())
+        summaries = reports.document_summaries(conn, root, DOCS)
+        per_doc, cov = reports.embedding_coverage(conn, root, DOCS, MODEL)
+    assert len(summaries) == N_DOCUMENTS and all(s.status == "current" for s in summaries.values())
     assert cov.wanted == cov.ready > 0
+    # Every bucket has a materialization of that one run, with its own counts: they add up to the corpus.
+    expected = Counter(bucket_of(d) for d in DOCS)
+    for asset in ("documents", "embeddings"):
+        latest = _latest_metadata(dev_server, asset, BUCKETS)
+        assert sorted(latest) == BUCKETS and {run for run, _ in latest.values()} == {run_id}, asset
+    documents = _latest_metadata(dev_server, "documents", BUCKETS)
+    assert {k: m["documents"] for k, (_, m) in documents.items()} == {k: expected[k] for k in BUCKETS}
+    embeddings = _latest_metadata(dev_server, "embeddings", BUCKETS)
+    chunks_by_bucket = Counter()
+    for doc, c in per_doc.items():
+        chunks_by_bucket[bucket_of(doc)] += c.wanted
+    assert {k: (m["chunks"], m["ready"]) for k, (_, m) in embeddings.items()} == {
+        k: (chunks_by_bucket[k], chunks_by_bucket[k]) for k in BUCKETS}
+    # One coverage evaluation per bucket of the run, all passed: 64, never one per document.
+    dagster_db = dev_server.env["PIPELINE_DAGSTER_DATABASE"]
+    monkeypatch.setenv(DAGSTER_URL_ENV, sqlalchemy_url(psycopg.conninfo.make_conninfo(database_url,
+                                                                                     dbname=dagster_db)))
+    instance = dg.DagsterInstance.from_config(str(dev_server.dagster_home))   # the real instance
+    try:
+        evaluations = [e.dagster_event.event_specific_data for e in
+                       instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
+    finally:
+        instance.dispose()
+    assert sorted(e.partition for e in evaluations) == BUCKETS and all(e.passed for e in evaluations)
 
 
-def test_source_sensor_through_the_daemon_launches_one_batched_run(dev_server):
-    """The sensor daemon accepts the partition-range RunRequest: one run for the whole corpus."""
+def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buckets(dev_server, database_url):
+    """The sensor daemon accepts the partition-range RunRequest: one run over the span of the buckets
+    of the changed, new and deleted documents, bringing exactly those documents current."""
+    edited, deleted, added = DOCS[5], DOCS[6], f"doc{N_DOCUMENTS:04d}.md"
+    corpus = dev_server.corpus
+    (corpus / edited).write_text("# edited\n\nwords this document never had before today\n")
+    (corpus / deleted).unlink()
+    (corpus / added).write_text("# added\n\na document written while the sensor was stopped\n")
+    changed_buckets = sorted({bucket_of(d) for d in (edited, deleted, added)})
     started = dev_server.gql(
         """mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
              __typename ... on Sensor { sensorState { status } } ... on PythonError { message } } }""",
-        {"s": {**REPO_SELECTOR, "sensorName": "source_documents"}})["startSensor"]
+        {"s": SOURCE_SENSOR})["startSensor"]
     assert started["__typename"] == "Sensor", started
     runs_query = """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]}) {
-                       ... on Runs { results { runId status tags { key value } } } } }"""
+                       ... on Runs { results { runId status endTime tags { key value } } } } }"""
 
     def finished_runs():
         runs = dev_server.gql(runs_query)["runsOrError"]["results"]
-        return runs if runs and all(r["status"] in ("SUCCESS", "FAILURE", "CANCELED") for r in runs) else None
+        return runs if runs and all(r["status"] in FINISHED for r in runs) else None
 
-    runs = _wait(finished_runs, 90, "the sensor's run", dev_server.proc, interval=1.0)
+    runs = _wait(finished_runs, RUN_TIMEOUT, "the sensor's run", dev_server.proc, interval=1.0)
+    # A tick after the run ended skips: nothing else pending, so that run was the only one.
+    ended = max(r["endTime"] for r in runs)
+    _wait(lambda: any(t["status"] == "SKIPPED" and t["timestamp"] > ended for t in dev_server.sensor_ticks()),
+          RUN_TIMEOUT, "a sensor tick after the run", dev_server.proc, interval=1.0)
+    runs = dev_server.gql(runs_query)["runsOrError"]["results"]
     assert len(runs) == 1 and runs[0]["status"] == "SUCCESS", runs
     tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
-    assert tags["dagster/asset_partition_range_start"] == "doc0000.md"
-    assert tags["dagster/asset_partition_range_end"] == f"doc{N_BACKFILL - 1:04d}.md"
-    assert tags["dagster/run_key"].startswith(f"batch@g0:{N_BACKFILL}:")
+    first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
+    assert first <= changed_buckets[0] and changed_buckets[-1] <= last
+    assert tags["dagster/run_key"].startswith("sync@g0:")
+    # The run ingested exactly the two changed files and tombstoned the deleted one; the prefilter
+    # kept it from reading any unchanged file (it reads a changed one again only if the sensor's tick
+    # hashed it within the racy-mtime window: 0 or 2, depending on when the tick came).
+    (run, meta), = _latest_metadata(dev_server, "documents", [bucket_of(added)]).values()
+    assert run == runs[0]["runId"]
+    assert (meta["changed_documents"], meta["gone_documents"]) == (2, 1) and meta["files_read"] <= 2
+    root = str(corpus.resolve())
+    with psycopg.connect(database_url) as conn:
+        summaries = reports.document_summaries(conn, root, [edited, deleted, added])
+        _, cov = reports.embedding_coverage(conn, root, [edited, added], MODEL)
+        edited_text = conn.execute("""SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)
+                                      WHERE d.document_id = %s AND d.status = 'current'""", (edited,)).fetchall()
+    assert summaries[deleted].status == "deleted"
+    assert summaries[edited].status == summaries[added].status == "current"
+    assert any("never had before today" in t for (t,) in edited_text)
+    assert cov.wanted == cov.ready > 0
