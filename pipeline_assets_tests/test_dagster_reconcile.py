@@ -112,10 +112,10 @@ def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn,
         latest_materializations(instance, "chunks", [key])[key]
     assert after[0].asset_materialization.tags["dagster/data_version"] == reported[0]["text_digest"]
     assert after[1].asset_materialization.tags["dagster/data_version"] == reported[1]["chunks_digest"]
-    # The file was never observed by a bucket run, so the run reads it, but the reconciliation had
-    # ingested these bytes already: nothing new or changed to extract.
+    # The reconciliation had ingested these bytes already: the run only records the file as synced,
+    # it ingests (extracts) nothing.
     ran = _metadata(after[0])
-    assert (ran["new"], ran["changed"], ran["unchanged"]) == (0, 0, 1)
+    assert (ran["changed_documents"], ran["new"], ran["changed"], ran["unchanged"]) == (0, 0, 0, 0)
     assert stale_status(defs, instance, "embeddings", [key]) == {key: "FRESH"}
 
     # Nothing changed since: a second run reports nothing, and its counts line up run over run.
