@@ -919,6 +919,8 @@ def main() -> int:
         if dev is not None:
             log(f"dev log tail:\n{dev.log_tail()}")
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):   # a second Ctrl-C must not skip the cleanup (it has deadlines)
+            signal.signal(sig, signal.SIG_IGN)
         sampler.set_phase("shutdown")
         if dev is not None:
             try:
@@ -930,13 +932,13 @@ def main() -> int:
         sampler.join(timeout=5)
         stop_db(dev_home)
         stop_db(cli_home)
+        result["rss"] = sampler.report()
+        result["side_by_side"] = side_by_side(result)
+        print(json.dumps(result, default=str), flush=True)
         if args.keep:
             log(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    result["rss"] = sampler.report()
-    result["side_by_side"] = side_by_side(result)
-    print(json.dumps(result, default=str), flush=True)
     if isinstance(failed, KeyboardInterrupt):
         return 130
     return 1 if failed else 0
