@@ -123,7 +123,7 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
     materialize = subprocess.run(
         [*DAGSTER, "asset", "materialize", "-m", "pipeline_assets.defs.definitions",
          "--select", "documents*", "--partition", key],
-        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert materialize.returncode == 0, materialize.stderr[-3000:]
     root = str(corpus.resolve())
     doc = reports.document_summaries(conn, root, ["doc0001.md"])["doc0001.md"]
@@ -134,7 +134,7 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
     launch = subprocess.run(
         [*DAGSTER, "job", "launch", "-w", "workspace.yaml", "-j", "embed_documents",
          "--tags", json.dumps({"dagster/partition": bucket_of("doc0002.md")})],
-        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert launch.returncode == 0, launch.stderr[-3000:]
 
     # One document by run config (not by partition): the refresh job, as the launchpad runs it.
@@ -143,7 +143,7 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
     refresh = subprocess.run(
         [*DAGSTER, "job", "execute", "-m", "pipeline_assets.defs.definitions", "-j", "refresh_documents",
          "-c", str(config)],
-        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert refresh.returncode == 0, refresh.stderr[-3000:]
     refreshed = reports.document_summaries(conn, root, docs)
     assert sorted(refreshed) == ["doc0000.md", "doc0001.md"]          # doc0002's run is only queued
@@ -223,7 +223,7 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
         runs_q = """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]}) {
                         ... on Runs { results { status tags { key value } } } } }"""
         runs = _poll(lambda: [r for r in _gql(port, runs_q)["runsOrError"]["results"]
-                              if r["status"] in ("SUCCESS", "FAILURE")], 150, proc, "the source sensor's run")
+                              if r["status"] in ("SUCCESS", "FAILURE")], 300, proc, "the source sensor's run")
         assert [r["status"] for r in runs] == ["SUCCESS"], runs
         tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
         assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == (

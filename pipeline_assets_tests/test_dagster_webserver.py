@@ -131,7 +131,7 @@ def dev_server(database_url, server_url, tmp_path_factory):
             env=env, cwd=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = DevServer(port, env, proc, corpus, base / "home" / "dagster")
         try:
-            _wait(lambda: {"documents", "chunks", "embeddings"} <= server.asset_keys(), 120,
+            _wait(lambda: {"documents", "chunks", "embeddings"} <= server.asset_keys(), 300,
                   "the webserver and the code location", proc)
             server.stop_source_sensor()
             write_corpus(corpus, N_DOCUMENTS, words=30)
