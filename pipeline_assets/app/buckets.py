@@ -186,6 +186,16 @@ class BucketCoverage:
     failed_ids: list[str] = field(default_factory=list)   # documents with a failed chunk, the first SAMPLE_IDS
 
 
+def coverage_of_buckets(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int,
+                        model_id: str) -> dict[int, BucketCoverage]:
+    """Each bucket's coverage for a model, grouped in the database (one row per bucket)."""
+    out = {b: BucketCoverage() for b in buckets}
+    for b, chunks, ready, failed, waiting, failed_ids in conn.execute(BUCKETS.bucket_coverage, {
+            "root": root, "n": n, "buckets": sorted(set(buckets)), "model": model_id, "sample": SAMPLE_IDS}):
+        out[int(b)] = BucketCoverage(int(chunks), int(ready), int(failed), int(waiting), sorted(failed_ids))
+    return out
+
+
 def bucket_coverage(per_document: dict[str, reports.Coverage], buckets: Sequence[int],
                     n: int) -> dict[int, BucketCoverage]:
     out = {b: BucketCoverage() for b in buckets}

@@ -124,7 +124,7 @@ def embed_documents(rt: Runtime, pool: ConnectionPool, root: Path, document_ids:
         summaries = reports.document_summaries(conn, root_s, document_ids)
         pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
         enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
-        _, before = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+        per_doc_before, before = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
         since = stages.clock(conn)
     started = time.monotonic()
     scope = pks if len(pks) <= SCOPE_MAX_DOCUMENTS else None
@@ -143,7 +143,10 @@ def embed_documents(rt: Runtime, pool: ConnectionPool, root: Path, document_ids:
         if scoped is not None:
             stages.refresh_embed_touched(conn, rt.model_id, since)
         stages.refresh_embed_docs(conn, rt.model_id, pks)
-        per_doc, after = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+        if scoped is None and not outstanding(before):
+            per_doc, after = per_doc_before, before   # nothing to wait for: no need to read it again
+        else:
+            per_doc, after = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
         idle = not any(transitions.outstanding(conn, rt.model_id))
     if isinstance(error, FatalProviderError):
         raise error

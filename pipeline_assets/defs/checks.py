@@ -47,9 +47,8 @@ def build_coverage_check(settings: Settings) -> dg.AssetChecksDefinition:
             root = str(source.root_path(embedding_provider.settings()))
             model_id = embedding_provider.runtime().model_id
             with postgres.connection() as conn:
-                ids = [d for d in bk.bucket_documents(conn, root, buckets, n)]
-                per_doc, _ = reports.embedding_coverage(conn, root, ids, model_id)
-            for b, cov in bk.bucket_coverage(per_doc, buckets, n).items():
+                coverage = bk.coverage_of_buckets(conn, root, buckets, n, model_id)
+            for b, cov in coverage.items():
                 yield _coverage_evaluation(bucket_key(b), cov, model_id)
             yield dg.Output(None)  # the check's output: its evaluations are the events above
 

@@ -125,7 +125,9 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
             return dg.SensorResult(cursor=cursor, skip_reason=(
                 f"{in_flight} run(s) of this sensor still queued or running; {files} change(s) in "
                 f"{len(todo)} bucket(s) wait for the next tick"))
-        first, last = span(p.bucket for p in todo)
+        # The first request covers every bucket, so the empty ones are materialized (empty) too and
+        # the UI shows the corpus complete instead of "missing" buckets no file hashes to.
+        first, last = span([0, n - 1] if generation == 0 else [p.bucket for p in todo])
         digest = batch_digest((str(p.bucket), p.digest) for p in todo)
         key = f"sync@g{generation}:{len(todo)}:{digest}:{first}..{last}"
         observations.mark_buckets_requested(conn, root, [p.bucket for p in todo], n, generation)

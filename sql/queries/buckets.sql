@@ -51,3 +51,34 @@ JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status <> 'deleted'
   AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
 ORDER BY d.document_id COLLATE "C"
+
+-- name: bucket_coverage
+-- Per bucket (of %(n)s) of the source's current documents: their chunks for one
+-- model (distinct per document), how many have a ready vector, failed, or are
+-- still waiting (no job yet, pending, retry, processing), and the first
+-- %(sample)s documents with a failed chunk. One row per bucket that has chunks.
+WITH docs AS (
+    SELECT d.doc_pk, d.document_id, app.document_bucket(d.document_id, %(n)s) AS bucket
+    FROM app.documents d
+    JOIN app.sources s ON s.source_id = d.source_id
+    WHERE s.root = %(root)s AND d.status = 'current'
+      AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+), chunk_state AS (
+    SELECT docs.bucket, docs.document_id, c.chunk_checksum,
+           coalesce(j.status = 'ready' AND e.chunk_checksum IS NOT NULL, false) AS ready,
+           coalesce(j.status = 'failed', false) AS failed,
+           (j.job_id IS NULL OR j.status IN ('pending', 'retry', 'processing')) AS waiting
+    FROM docs
+    JOIN app.chunks c ON c.doc_pk = docs.doc_pk
+    LEFT JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum AND k.model_id = %(model)s
+    LEFT JOIN app.embedding_jobs j ON j.job_id = k.job_id
+    LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %(model)s
+)
+SELECT bucket,
+       count(DISTINCT (document_id, chunk_checksum)) AS chunks,
+       count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE ready) AS ready,
+       count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE failed) AS failed,
+       count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE waiting) AS waiting,
+       coalesce((array_agg(DISTINCT document_id) FILTER (WHERE failed))[1:%(sample)s], ARRAY[]::text[]) AS failed_ids
+FROM chunk_state
+GROUP BY bucket
