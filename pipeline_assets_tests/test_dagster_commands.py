@@ -226,8 +226,8 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
                               if r["status"] in ("SUCCESS", "FAILURE")], 300, proc, "the source sensor's run")
         assert [r["status"] for r in runs] == ["SUCCESS"], runs
         tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
-        assert (tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]) == (
-            keys[0], keys[-1])
+        first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
+        assert first <= keys[0] and keys[-1] <= last          # one range over (at least) the corpus's buckets
         assert tags["dagster/run_key"].startswith("sync@g0:3:")
         ui = _gql(port, """{ d: assetNodeOrError(assetKey: {path: ["documents"]}) {
                                    ... on AssetNode { dataVersionByPartition(partitions: %s)
@@ -243,7 +243,7 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
         # result), and each bucket's own digest and counts in its metadata; nothing looks stale.
         versions = ui["d"]["dataVersionByPartition"]
         assert len(set(versions)) == 1 and versions[0].startswith(
-            f"range:{bucket_index(keys[-1]) - bucket_index(keys[0]) + 1}:")
+            f"range:{bucket_index(last) - bucket_index(first) + 1}:")
         for event in ui["d"]["latestMaterializationByPartition"]:
             meta = {m["label"]: m.get("text", m.get("intValue")) for m in event["metadataEntries"]}
             (doc,) = [d for d in docs if bucket_of(d) == event["partition"]]
