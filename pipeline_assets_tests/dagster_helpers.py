@@ -103,7 +103,7 @@ def latest_materializations(instance: dg.DagsterInstance, asset: str,
 
 def latest_data_versions(instance: dg.DagsterInstance, asset: str, keys: list[str]) -> dict[str, str]:
     """Each partition's data version as the UI shows it: the tag of its latest materialization."""
-    return {k: r.asset_materialization.tags.get(DATA_VERSION_TAG)
+    return {k: (r.asset_materialization.tags or {}).get(DATA_VERSION_TAG)
             for k, r in latest_materializations(instance, asset, keys).items()}
 
 

@@ -69,6 +69,9 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     docs3 = ["doc0000.md", "doc0001.md", "doc0002.md"]
     assert requested_keys(instance, request) == ALL      # the first request: every bucket, empty ones too
     assert request.run_key.startswith("sync@g0:3:")
+    # A replay of the same tick (cursor not saved) asks for the same run key: Dagster launches nothing new.
+    replay = evaluate_sensor(source_documents_sensor, defs, instance, None)
+    assert [r.run_key for r in replay.run_requests] == [request.run_key]
     assert execute(defs, instance, request).success
     assert _docs(conn) == {d: "current" for d in docs3}
     cursor = tick.cursor
@@ -82,9 +85,8 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     (corpus / "doc0001.md").write_bytes((corpus / "doc0001.md").read_bytes())
     again = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     assert not again.run_requests and "no change" in again.skip_message
-    # A replay of the same tick (cursor not saved) asks for the same run key: Dagster launches nothing new.
-    replay = evaluate_sensor(source_documents_sensor, defs, instance, None)
-    assert [r.run_key for r in replay.run_requests] == [request.run_key]
+    # Once its run has synced the files, a replay asks for nothing (the work is done).
+    assert not evaluate_sensor(source_documents_sensor, defs, instance, None).run_requests
 
     # Changed: one document's bytes change -> one run of exactly its bucket.
     billed = fake.stats["billed_inputs"]
@@ -435,3 +437,16 @@ def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, con
         == {"extract-2"}
     assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
                                               reset.cursor).skip_message
+
+
+def test_buckets_a_backfill_already_synced_are_not_requested_again(corpus, conn, fake, instance):
+    """A run the sensor did not request (a backfill from the UI) syncs the files: the next tick asks nothing."""
+    _age(corpus)
+    defs = fresh_defs()
+    assert execute(defs, instance, tags=ALL_RANGE).success
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    assert not tick.run_requests and "no change" in tick.skip_message
+    (corpus / "doc0001.md").write_text("changed after the backfill\n")
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (request,) = tick.run_requests
+    assert request.partition_key == bucket_of("doc0001.md") or requested_keys(instance, request) == ALL

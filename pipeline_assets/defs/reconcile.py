@@ -93,7 +93,7 @@ def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
 
 RECONCILE_JOB = dg.define_asset_job(
     RECONCILE_JOB_NAME, selection=[RECONCILIATION],
-    description="Reconcile sources and the job table; report what changed as partitions and materializations.")
+    description="Reconcile sources and the job table; report the buckets it changed as materializations.")
 
 
 def _reconciliation_active(instance: dg.DagsterInstance) -> bool:

@@ -1,8 +1,8 @@
 """Schedules: reconciliation (hourly by default) and the store's health checks.
 
 Reconciliation is how missed events are repaired: the ``reconciliation`` asset
-(``reconcile.py``) runs the core's ``reconcile()`` and reports what it changed as
-partitions and materializations, its counts as numeric metadata. Sensors request
+(``reconcile.py``) runs the core's ``reconcile()`` and reports the buckets it changed as
+materializations, its counts as numeric metadata. Sensors request
 it too (dead-letter growth, a failed run); this schedule is the steady beat.
 """
 

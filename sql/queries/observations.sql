@@ -52,9 +52,11 @@ DELETE FROM app.source_observations
 WHERE root = %(root)s AND document_id = ANY(%(ids)s) AND checksum IS NULL
 
 -- name: pending_buckets
--- The buckets (of %(n)s) holding what the sensor has to request (pending as in
--- `pending`), each with its count of pending files, of gone ones, and a digest
--- of its pending (document, checksum) pairs: the run key's content.
+-- The buckets (of %(n)s) holding what the sensor has to request, each with its
+-- count of pending files, of gone ones, and a digest of its pending (document,
+-- checksum) pairs: the run key's content. Pending: a gone file; a checksum no
+-- bucket run has synced (a backfill from the UI syncs without a request) that
+-- is not requested yet, or was requested by a tick whose cursor was not saved.
 SELECT app.document_bucket(document_id, %(n)s) AS bucket,
        count(*) AS documents,
        count(*) FILTER (WHERE checksum IS NULL) AS gone,
@@ -62,7 +64,8 @@ SELECT app.document_bucket(document_id, %(n)s) AS bucket,
        md5(string_agg(document_id || '=' || coalesce(checksum, '-'), ',' ORDER BY document_id COLLATE "C")) AS digest
 FROM app.source_observations
 WHERE root = %(root)s
-  AND (checksum IS NULL OR checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)
+  AND (checksum IS NULL OR (checksum IS DISTINCT FROM synced
+                            AND (checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)))
 GROUP BY 1
 ORDER BY 1
 
@@ -73,4 +76,5 @@ ORDER BY 1
 UPDATE app.source_observations
 SET requested = checksum, requested_gen = %(generation)s
 WHERE root = %(root)s AND app.document_bucket(document_id, %(n)s) = ANY(%(buckets)s)
-  AND (checksum IS NULL OR checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)
+  AND (checksum IS NULL OR (checksum IS DISTINCT FROM synced
+                            AND (checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)))
