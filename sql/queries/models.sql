@@ -32,7 +32,10 @@ ORDER BY model_id
 -- its largest chunk (cl100k tokens: they could exceed the window), and the
 -- answered calls whose reported usage shows truncation: a server that cuts
 -- every input at its window reports at most inputs x window tokens, so a call
--- reporting exactly that many (each input at the window) was most likely cut.
+-- reporting that many (every input at the window) was most likely cut, and one
+-- reporting more had inputs past the window (cut, or windowed by the server).
+-- A batch that mixes cut and short inputs does not show: with one input per
+-- request (PIPELINE_BATCH_INPUTS=1) every cut input does.
 -- Dead-lettered inputs the local model refused as too long are counted too.
 WITH longest AS (SELECT max(token_count) AS tokens FROM app.chunks),
 over AS (
@@ -44,10 +47,10 @@ SELECT m.model_id, m.max_input_tokens, coalesce(m.max_chunk_tokens, m.max_input_
        m.tokenizer, (SELECT tokens FROM longest) AS longest_chunk_tokens, o.chunks AS chunks_over_window,
        (SELECT count(*) FROM app.provider_calls p
         WHERE p.model_id = m.model_id AND p.outcome = 'ok' AND p.inputs > 0
-          AND p.tokens = p.inputs * m.max_input_tokens) AS truncated_calls,
+          AND p.tokens >= p.inputs * m.max_input_tokens) AS truncated_calls,
        (SELECT coalesce(sum(p.inputs), 0) FROM app.provider_calls p
         WHERE p.model_id = m.model_id AND p.outcome = 'ok' AND p.inputs > 0
-          AND p.tokens = p.inputs * m.max_input_tokens) AS truncated_inputs,
+          AND p.tokens >= p.inputs * m.max_input_tokens) AS truncated_inputs,
        (SELECT count(*) FROM app.embedding_jobs j
         WHERE j.model_id = m.model_id AND j.status = 'failed' AND j.error_class = 'input_too_long')
            AS refused_too_long
