@@ -175,6 +175,10 @@ class OnnxProvider:
         if self._session is None:
             options = ort.SessionOptions()
             options.log_severity_level = 3  # warnings of the exporter's graph are not ours to show
+            # Every batch has its own shape (padded to its longest input): an arena keeps the largest
+            # allocation for good. Measured with 32 inputs of 243 tokens: 912 MB peak without, 1,166 MB
+            # with, at the same speed.
+            options.enable_cpu_mem_arena = False
             self._session = ort.InferenceSession(str(self.card.model_file), sess_options=options,
                                                  providers=["CPUExecutionProvider"])
             self._inputs = {i.name for i in self._session.get_inputs()}
