@@ -79,6 +79,12 @@ DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
 DEFAULT_PARTITION_BUCKETS = 64
 MAX_PARTITION_BUCKETS = 4096
 
+# Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx):
+# on a CPU a batch of 32 short chunks keeps both cores busy while padding (every
+# input is padded to the batch's longest) stays cheap; larger batches gain
+# nothing on 2 cores and hold more memory (batch x window x hidden floats).
+DEFAULT_LOCAL_BATCH_INPUTS = 32
+
 
 class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
@@ -198,6 +204,21 @@ class Settings:
     crashpoint: str | None = _setting("PIPELINE_CRASHPOINT", None,
                                       "tests only: freeze the worker at a named point to be killed")
 
+    # -- model input limits and the local model (issue 16) ---------------------------------
+    # A server's model window cannot be asked over the OpenAI API; known OpenAI
+    # models carry theirs (8191). Without it a chunk past the window would be
+    # silently truncated by servers such as TEI or infinity.
+    model_max_input_tokens: int | None = _setting(
+        "PIPELINE_MODEL_MAX_INPUT_TOKENS", None,
+        "input window of the OpenAI-compatible server's model, in its own tokens; chunks are checked against it",
+        shown_default="OpenAI's models: 8191; others: 8191, assumed (`settings` warns)")
+    local_model_dir: Path | None = _setting(
+        "PIPELINE_LOCAL_MODEL_DIR", None,
+        "directory of the `local-onnx` model (`model.onnx`, `tokenizer.json`, the model card's configs); "
+        "read offline", shown_default="unset: `local-onnx` is refused")
+    local_batch_inputs: int = _setting("PIPELINE_LOCAL_BATCH_INPUTS", DEFAULT_LOCAL_BATCH_INPUTS,
+                                       "inputs per call of the local ONNX model")
+
     def __post_init__(self) -> None:
         checks = [
             (self.decode_errors in DECODE_POLICIES, "decode_errors", f"must be one of {DECODE_POLICIES}"),
@@ -221,6 +242,9 @@ class Settings:
              f"must be between 1 and {MAX_PARTITION_BUCKETS}"),
             (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",
              "must be positive"),
+            (self.model_max_input_tokens is None or self.model_max_input_tokens > 0, "model_max_input_tokens",
+             "must be positive"),
+            (self.local_batch_inputs >= 1, "local_batch_inputs", "must be at least 1"),
         ]
         for ok, name, problem in checks:
             if not ok:

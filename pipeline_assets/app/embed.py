@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import reports, stages
+from pipeline_assets.app import model_admin, reports, stages
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions, vector_index
@@ -46,6 +46,8 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
 
     Raises the worker's FatalProviderError / BudgetExhausted with their one-line messages.
     """
+    # Worker start: the chunk size must fit this model's and every active model's window.
+    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
     config = WorkerConfig(concurrency=concurrency, until_idle=until_idle, worker_id=worker_id)
     if lease_seconds:
         config.lease_seconds = lease_seconds

@@ -18,7 +18,9 @@ from pipeline_assets.app import documents
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
-from pipeline_assets.providers import ConfigError, model_id_for
+from pipeline_assets.providers import (ChunkTooLarge, ConfigError, ModelLimit, ModelSpec, check_chunk_size,
+                                       model_id_for, provider_for)
+from pipeline_assets.providers.limits import too_small
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
@@ -112,14 +114,66 @@ def runtime_for_model(settings: Settings, name: str, dimensions: int | None = No
     return Runtime.build(dataclasses.replace(settings, embedding_model=name, embedding_dimensions=dimensions))
 
 
+def check_input_limits(settings: Settings, pool: ConnectionPool, spec: ModelSpec | None = None) -> list[ModelLimit]:
+    """Refuse (``ChunkTooLarge``, one line naming both numbers and PIPELINE_CHUNK_TOKENS) a chunk
+    size that could exceed the window of ``spec``'s model or of any active model; before any
+    provider call. Run by `models add`, at worker start and by `settings`. Returns the limits checked."""
+    with pool.connection() as conn:
+        limits = {m.model_id: m for m in models.active_limits(conn)}
+    if spec is not None:
+        limits[spec.model_id] = ModelLimit.of(spec)
+    check_chunk_size(settings.chunk_tokens, limits.values())
+    return sorted(limits.values(), key=lambda m: m.model_id)
+
+
+def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -> dict:
+    """For `settings`: PIPELINE_CHUNK_TOKENS against the configured model's window and (with a
+    pool) every active model's. ``error`` is the one-line refusal, or None when every window fits."""
+    limits: dict[str, ModelLimit] = {}
+    roles: dict[str, str] = {}
+    warnings: list[str] = []
+    try:
+        provider = provider_for(settings)
+    except ConfigError as exc:
+        warnings.append(f"the configured model cannot be checked: {exc}")
+    else:
+        spec = provider.spec
+        limits[spec.model_id] = ModelLimit.of(spec)
+        roles[spec.model_id] = "configured"
+        if not getattr(provider, "window_known", True):
+            warnings.append(f"the input window of {spec.model_id} is unknown ({spec.max_input_tokens} assumed): "
+                            "set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window")
+        provider.close()
+    if pool is not None:
+        with pool.connection() as conn:
+            for limit in models.active_limits(conn):
+                limits.setdefault(limit.model_id, limit)
+                roles[limit.model_id] = "configured, active" if roles.get(limit.model_id) else "active"
+    over = too_small(settings.chunk_tokens, limits.values())
+    rows = [{**dataclasses.asdict(m), "role": roles[m.model_id], "fits": m not in over}
+            for m in sorted(limits.values(), key=lambda m: m.model_id)]
+    return {"chunk_tokens": settings.chunk_tokens, "models": rows, "warnings": warnings,
+            "error": str(ChunkTooLarge(settings.chunk_tokens, over[0])) if over else None}
+
+
+def input_limits(pool: ConnectionPool) -> list[dict]:
+    """For `status`: per active model, its window, current chunks that could exceed it, calls whose
+    usage shows the provider truncating, inputs refused as too long (``jobs.models.input_limits``)."""
+    with pool.connection() as conn:
+        return models.input_limits(conn)
+
+
 def add(settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int | None = None) -> dict:
     """`models add`: register a model and enqueue every current chunk for it.
 
     Search keeps reading the served model; `serve` switches once this one
     covers the corpus. A retired model is refused (``ModelRetired``: activate
-    it instead). Workers configured with the model do its jobs.
+    it instead), and so is one whose input window PIPELINE_CHUNK_TOKENS could
+    exceed, or that of another active model (``ChunkTooLarge``). Workers
+    configured with the model do its jobs.
     """
     rt = runtime_for_model(settings, name, dimensions)
+    check_input_limits(settings, pool, rt.provider.spec)
     with pool.connection() as conn, conn.transaction():
         documents.write_lock(conn)  # as reconcile's repairs: no ingest replaces chunks meanwhile
         new = models.ensure_model(conn, rt.provider.spec)

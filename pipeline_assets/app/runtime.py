@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.content.identity import sha256_hex
 from pipeline_assets.content.extract import EXTRACTOR_VERSION, EXTRACTOR_VERSIONS, FORMATS, ExtractorVersions
-from pipeline_assets.providers import Provider, model_id_for, provider_for
+from pipeline_assets.providers import ModelLimit, Provider, check_chunk_size, model_id_for, provider_for
 from pipeline_assets.settings import Settings
 
 
@@ -94,8 +94,10 @@ class Runtime:
     def build(cls, settings: Settings, model: str | None = None, *, run_id: str | None = None,
               force: bool = False, allow_empty: bool = False) -> "Runtime":
         provider = provider_for(settings, model)
+        # The chunk size must fit the model's window (in its tokens): one line, before any call.
+        check_chunk_size(settings.chunk_tokens, [ModelLimit.of(provider.spec)])
         options = IngestOptions(
-            chunker=chunker_for(settings, hard_limit=provider.spec.max_input_tokens),
+            chunker=chunker_for(settings, hard_limit=provider.spec.max_chunk_tokens),
             max_bytes=settings.max_input_bytes,
             decode_errors=settings.decode_errors,
             max_attempts=settings.max_attempts,

@@ -7,11 +7,15 @@ import os
 import sys
 
 import click
+import psycopg
 
 from pipeline_assets.app import model_admin, search as search_uc, status as status_uc
-from pipeline_assets.cli.common import emit, expected_errors, pool, runtime, settings
+from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings
 from pipeline_assets.cli.progress import WATCH_SECONDS, watch_status
 from pipeline_assets.settings import reference_table
+from pipeline_assets.store import db
+
+EXPECTED_DB = (db.DatabaseUnavailable, psycopg.Error, OSError)
 
 
 def _status_lines(d: dict):
@@ -27,6 +31,16 @@ def _status_lines(d: dict):
             f"vectors deleted {r['purged_at']}" if r["purged_at"] else f"vectors deleted after {r['purge_after']}")
     for model, index in d.get("vector_index", {}).items():
         yield f"vector index {model}: {index}"
+    for m in d.get("input_limits", []):
+        line = (f"input window {m['model_id']}: {m['max_input_tokens']} {m['tokenizer']} tokens, chunks up to "
+                f"{m['max_chunk_tokens']} cl100k tokens (longest current: {m['longest_chunk_tokens'] or 0})")
+        problems = [f"{m['chunks_over_window']} current chunk(s) could exceed it"] if m["chunks_over_window"] else []
+        if m["truncated_calls"]:
+            problems.append(f"usage of {m['truncated_calls']} call(s) ({m['truncated_inputs']} input(s)) shows "
+                            "inputs truncated at the window")
+        if m["refused_too_long"]:
+            problems.append(f"{m['refused_too_long']} input(s) refused as too long (dead letter input_too_long)")
+        yield line + ("; WARNING: " + "; ".join(problems) if problems else "")
     yield f"dead letter: {d['dead_letter']} jobs, {d['quarantined_documents']} quarantined documents"
     yield f"superseded: {d['superseded']}"
     for model, s in d["spend"].items():
@@ -56,6 +70,7 @@ def status(as_json: bool, watch: float | None, count: int | None) -> None:
 
 def _status_data(p) -> dict:
     data = status_uc.status(p, settings().model_retire_grace)
+    data["input_limits"] = model_admin.input_limits(p)  # per active model: window, oversize chunks, truncation
     data["retry_after_cap"] = settings().retry_after_cap
     return data
 
@@ -107,11 +122,40 @@ def search(query: str, k: int, model: str | None, mode: str, as_json: bool) -> N
 @click.option("--reference", is_flag=True, help="Print the reference table of every setting (Markdown).")
 @click.option("--json", "as_json", is_flag=True)
 def settings_cmd(reference: bool, as_json: bool) -> None:
-    """The effective settings (secrets shown only as set/unset)."""
+    """The effective settings (secrets shown only as set/unset), and PIPELINE_CHUNK_TOKENS checked
+    against the input window of the configured model and of every active one (exit 1 if one is too small).
+
+    Active models are read when a database is set (PIPELINE_DATABASE_URL) or the embedded one exists."""
     if reference:
         click.echo(reference_table())
         return
-    emit(settings().describe(), as_json, lambda d: [f"{k}={v}" for k, v in d.items()])
+    s = settings()
+    report = _limit_report(s)
+    if as_json:
+        emit({**s.describe(), "input_limits": report}, True, None)
+    else:
+        emit(s.describe(), False, lambda d: [f"{k}={v}" for k, v in d.items()])
+        for m in report["models"]:
+            click.echo(f"input window {m['model_id']} ({m['role']}): {m['max_input_tokens']} {m['tokenizer']} "
+                       f"tokens, chunks up to {m['max_chunk_tokens']} cl100k tokens: "
+                       + ("fits" if m["fits"] else f"PIPELINE_CHUNK_TOKENS={report['chunk_tokens']} does not fit"))
+        for warning in report["warnings"]:
+            click.echo(f"warning: {warning}")
+    if report["error"]:
+        fail(report["error"])
+
+
+def _limit_report(s) -> dict:
+    """The configured model's window always; the active models' when a database is there to read."""
+    if not (s.database_url or (s.home_path / "pgdata").exists()):
+        return model_admin.input_limit_report(s)
+    try:
+        with pool() as p:
+            return model_admin.input_limit_report(s, p)
+    except EXPECTED_DB as exc:
+        report = model_admin.input_limit_report(s)
+        report["warnings"].append(f"active models not checked: {' '.join(str(exc).split())[:200]}")
+        return report
 
 
 COMMANDS = (status, search, export, settings_cmd)

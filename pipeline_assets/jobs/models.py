@@ -22,7 +22,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from pipeline_assets.jobs import transitions, vector_index
-from pipeline_assets.providers import ConfigError, ModelSpec
+from pipeline_assets.providers import ConfigError, ModelLimit, ModelSpec
 from pipeline_assets.store import queries
 
 MODELS = queries.load("models")
@@ -43,13 +43,15 @@ def _index_name(model_id: str) -> str:
 
 
 def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
-    """Register the model; return True if it was new. Raises ModelRetired for a retired one."""
+    """Register the model with its input window; return True if it was new. Raises ModelRetired for a retired one."""
+    limits = {"model": spec.model_id, "max_input_tokens": spec.max_input_tokens,
+              "max_chunk_tokens": spec.max_chunk_tokens, "tokenizer": spec.tokenizer}
     row = conn.execute(MODELS.insert_model, {
-        "model": spec.model_id, "provider": spec.provider, "name": spec.name, "dimension": spec.dimension,
-        "max_input_tokens": spec.max_input_tokens}).fetchone()
+        "provider": spec.provider, "name": spec.name, "dimension": spec.dimension, **limits}).fetchone()
     conn.execute(MODELS.serve_first, {"model": spec.model_id})  # the first model: nothing to switch from
     if row is not None:
         return True
+    conn.execute(MODELS.update_limits, limits)
     active = conn.execute(MODELS.is_active, {"model": spec.model_id}).fetchone()
     if active is not None and not active[0]:
         raise ModelRetired(spec.model_id)
@@ -94,6 +96,19 @@ def resolve_model_id(conn: psycopg.Connection, name: str) -> str | None:
 
 def active_model_ids(conn: psycopg.Connection) -> list[str]:
     return [r[0] for r in conn.execute(MODELS.active_model_ids)]
+
+
+def active_limits(conn: psycopg.Connection) -> list[ModelLimit]:
+    """Every active model's input window, as registered (the chunk size must fit each)."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return [ModelLimit(**row) for row in cur.execute(MODELS.active_limits)]
+
+
+def input_limits(conn: psycopg.Connection) -> list[dict]:
+    """Per active model (for `status`): its window, current chunks that could exceed it, calls
+    whose usage shows truncation by the provider, inputs the local model refused as too long."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(MODELS.input_limits).fetchall()
 
 
 def index_states(conn: psycopg.Connection) -> dict[str, str]:

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from pipeline_assets.settings import Settings
 
-from .base import (FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, Provider, ProviderError,
+from .base import (FATAL, ONNX_MODEL_NAME, RETRYABLE, TERMINAL, THROTTLED, ConfigError, EmbedResult, ModelSpec, Provider, ProviderError,
                    register_secret, sanitize)
+from .limits import ChunkTooLarge, ModelLimit, check_chunk_size
 from .local import LOCAL_MODEL_NAME, LocalHashingProvider
 from .openai_provider import OpenAIProvider
 
 __all__ = [
     "FATAL", "RETRYABLE", "TERMINAL", "THROTTLED", "EmbedResult", "ModelSpec", "Provider",
-    "ProviderError", "sanitize", "provider_for", "model_id_for", "ConfigError",
+    "ProviderError", "sanitize", "provider_for", "model_id_for", "ConfigError", "ChunkTooLarge", "ModelLimit",
+    "check_chunk_size", "ONNX_MODEL_NAME",
 ]
-
-
-class ConfigError(RuntimeError):
-    """The provider is misconfigured; the message is one line and holds no key."""
 
 
 # The model used with a key when PIPELINE_EMBEDDING_MODEL is unset.
@@ -35,6 +33,13 @@ def provider_for(settings: Settings, model: str | None = None) -> Provider:
     name = model or configured_model_name(settings)
     if name == LOCAL_MODEL_NAME:
         return LocalHashingProvider()
+    if name == ONNX_MODEL_NAME:
+        if settings.local_model_dir is None:
+            raise ConfigError(f"model {ONNX_MODEL_NAME!r} needs PIPELINE_LOCAL_MODEL_DIR (a directory with "
+                              "model.onnx and tokenizer.json; nothing is downloaded)")
+        from .onnx_local import OnnxProvider  # onnxruntime only when asked for
+
+        return OnnxProvider(settings.local_model_dir, batch_inputs=settings.local_batch_inputs)
     if not settings.openai_api_key:
         raise ConfigError(f"model {name!r} needs OPENAI_API_KEY (unset it or use {LOCAL_MODEL_NAME!r} offline)")
     register_secret(settings.openai_api_key)
@@ -46,6 +51,7 @@ def provider_for(settings: Settings, model: str | None = None) -> Provider:
         timeout=settings.call_timeout,
         max_batch_inputs=settings.request_inputs,
         max_batch_tokens=settings.batch_tokens,
+        max_input_tokens=settings.model_max_input_tokens,
     )
 
 

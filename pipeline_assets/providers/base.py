@@ -26,6 +26,9 @@ THROTTLED = "throttled"
 TERMINAL = "terminal"
 FATAL = "fatal"
 
+# PIPELINE_EMBEDDING_MODEL of the local ONNX model (``providers.onnx_local``, an optional extra).
+ONNX_MODEL_NAME = "local-onnx"
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -42,11 +45,28 @@ class ModelSpec:
     # The name inside model_id when it must say more than the configured name
     # (e.g. the local embedder's algorithm version).
     id_name: str | None = None
+    # How ``max_input_tokens`` is counted: the model's own tokenizer. ``cl100k``
+    # (OpenAI's models, the hashing model) is the chunker's, so a chunk's size is
+    # exact; any other tokenizer is bounded by ``tokens_per_chunk_token`` of its
+    # tokens per cl100k token (see ``providers.limits``).
+    tokenizer: str = "cl100k"
+    tokens_per_chunk_token: float = 1.0
+    # Tokens the model adds to every input ([CLS] and [SEP] of a BERT model).
+    special_tokens: int = 0
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The largest chunk, in the chunker's cl100k tokens, that fits the model's window."""
+        return int((self.max_input_tokens - self.special_tokens) / self.tokens_per_chunk_token)
 
     @property
     def model_id(self) -> str:
         suffix = f"@{self.dimension}" if self.dimension else ""
         return f"{self.provider}/{self.id_name or self.name}{suffix}"
+
+
+class ConfigError(RuntimeError):
+    """The provider is misconfigured; the message is one line and holds no key."""
 
 
 @dataclass

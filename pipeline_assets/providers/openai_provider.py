@@ -16,15 +16,19 @@ import openai
 
 from . import deadline
 from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, ProviderError
+from .limits import FOREIGN_SPECIAL_TOKENS, FOREIGN_TOKENS_PER_CHUNK_TOKEN
 
-# Known dimensions and per-input token limits; other models are discovered
-# from the first response (the dimension is then recorded with the model).
+# Known dimensions and per-input token limits (cl100k tokens, the chunker's);
+# other models are discovered from the first response (the dimension is then
+# recorded with the model), their window is PIPELINE_MODEL_MAX_INPUT_TOKENS.
 KNOWN_MODELS = {
     "text-embedding-3-small": (1536, 8191),
     "text-embedding-3-large": (3072, 8191),
     "text-embedding-ada-002": (1536, 8191),
 }
 DEFAULT_MAX_INPUT_TOKENS = 8191
+# What the window of a model is counted in when it is not one of OpenAI's.
+SERVER_TOKENIZER = "model"
 
 
 def parse_retry_after(headers) -> float | None:
@@ -88,8 +92,14 @@ def _error_message(exc: openai.APIStatusError) -> str:
 
 class OpenAIProvider:
     def __init__(self, name: str, *, api_key: str, base_url: str | None, dimensions: int | None,
-                 timeout: float, max_batch_inputs: int, max_batch_tokens: int) -> None:
+                 timeout: float, max_batch_inputs: int, max_batch_tokens: int,
+                 max_input_tokens: int | None = None) -> None:
+        known = name in KNOWN_MODELS
         known_dim, max_tokens = KNOWN_MODELS.get(name, (None, DEFAULT_MAX_INPUT_TOKENS))
+        # Known: OpenAI's own model, counted in cl100k. Otherwise the server's model has
+        # a tokenizer of its own; its window (when given) is bounded in chunk tokens.
+        foreign = not known and max_input_tokens is not None
+        self.window_known = known or max_input_tokens is not None
         options: tuple[tuple[str, str], ...] = ()
         if dimensions:
             options = (("dimensions", str(dimensions)),)
@@ -97,10 +107,13 @@ class OpenAIProvider:
             provider="openai",
             name=name,
             dimension=dimensions or known_dim,
-            max_input_tokens=max_tokens,
+            max_input_tokens=max_input_tokens or max_tokens,
             max_batch_inputs=max_batch_inputs,
             max_batch_tokens=max_batch_tokens,
             options=options,
+            tokenizer=SERVER_TOKENIZER if foreign else "cl100k",
+            tokens_per_chunk_token=FOREIGN_TOKENS_PER_CHUNK_TOKEN if foreign else 1.0,
+            special_tokens=FOREIGN_SPECIAL_TOKENS if foreign else 0,
         )
         self._dimensions = dimensions
         self._timeout = timeout

@@ -3,10 +3,60 @@
 
 -- name: insert_model
 -- Register a model; RETURNING yields a row only when it was new.
-INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)
-VALUES (%(model)s, %(provider)s, %(name)s, %(dimension)s, %(max_input_tokens)s)
+INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens, max_chunk_tokens, tokenizer)
+VALUES (%(model)s, %(provider)s, %(name)s, %(dimension)s, %(max_input_tokens)s, %(max_chunk_tokens)s,
+        %(tokenizer)s)
 ON CONFLICT (model_id) DO NOTHING
 RETURNING model_id
+
+-- name: update_limits
+-- A registered model's input window as its provider now states it (e.g.
+-- PIPELINE_MODEL_MAX_INPUT_TOKENS set after the model was first seen); the
+-- window never changes a vector, so it is not part of the model id.
+UPDATE app.models
+SET max_input_tokens = %(max_input_tokens)s, max_chunk_tokens = %(max_chunk_tokens)s, tokenizer = %(tokenizer)s
+WHERE model_id = %(model)s
+  AND (max_input_tokens, max_chunk_tokens, tokenizer)
+      IS DISTINCT FROM (%(max_input_tokens)s, %(max_chunk_tokens)s, %(tokenizer)s)
+
+-- name: active_limits
+-- Every active model's input window: the chunk size must fit each of them.
+SELECT model_id, coalesce(max_input_tokens, max_chunk_tokens) AS max_input_tokens,
+       coalesce(max_chunk_tokens, max_input_tokens) AS max_chunk_tokens, tokenizer
+FROM app.models
+WHERE active AND coalesce(max_chunk_tokens, max_input_tokens) IS NOT NULL
+ORDER BY model_id
+
+-- name: input_limits
+-- For `status`, per active model: its window, the current chunks longer than
+-- its largest chunk (cl100k tokens: they could exceed the window), and the
+-- answered calls whose reported usage shows truncation: a server that cuts
+-- every input at its window reports at most inputs x window tokens, so a call
+-- reporting that many (every input at the window) was most likely cut, and one
+-- reporting more had inputs past the window (cut, or windowed by the server).
+-- A batch that mixes cut and short inputs does not show: with one input per
+-- request (PIPELINE_BATCH_INPUTS=1) every cut input does.
+-- Dead-lettered inputs the local model refused as too long are counted too.
+WITH longest AS (SELECT max(token_count) AS tokens FROM app.chunks),
+over AS (
+    SELECT m.model_id, count(c.*) AS chunks
+    FROM app.models m LEFT JOIN app.chunks c ON c.token_count > coalesce(m.max_chunk_tokens, m.max_input_tokens)
+    WHERE m.active GROUP BY m.model_id
+)
+SELECT m.model_id, m.max_input_tokens, coalesce(m.max_chunk_tokens, m.max_input_tokens) AS max_chunk_tokens,
+       m.tokenizer, (SELECT tokens FROM longest) AS longest_chunk_tokens, o.chunks AS chunks_over_window,
+       (SELECT count(*) FROM app.provider_calls p
+        WHERE p.model_id = m.model_id AND p.outcome = 'ok' AND p.inputs > 0
+          AND p.tokens >= p.inputs * m.max_input_tokens) AS truncated_calls,
+       (SELECT coalesce(sum(p.inputs), 0) FROM app.provider_calls p
+        WHERE p.model_id = m.model_id AND p.outcome = 'ok' AND p.inputs > 0
+          AND p.tokens >= p.inputs * m.max_input_tokens) AS truncated_inputs,
+       (SELECT count(*) FROM app.embedding_jobs j
+        WHERE j.model_id = m.model_id AND j.status = 'failed' AND j.error_class = 'input_too_long')
+           AS refused_too_long
+FROM app.models m JOIN over o ON o.model_id = m.model_id
+WHERE m.active
+ORDER BY m.model_id
 
 -- name: reactivate
 -- `models activate`: back after `models retire` (only ever by a person's decision).

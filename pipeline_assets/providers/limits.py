@@ -1,0 +1,83 @@
+"""Per-model input windows: a chunk is never longer than a model takes, nothing is truncated.
+
+Every model knows its window in its *own* tokens (``ModelSpec.max_input_tokens``,
+stored with the model in ``app.models``). The chunker counts cl100k tokens, so
+the largest chunk a model can take is
+
+* its window, for a model that tokenizes with cl100k (OpenAI's, the hashing model);
+* otherwise ``(window - special tokens) / FOREIGN_TOKENS_PER_CHUNK_TOKEN``: a
+  bound on the model's tokens per cl100k token (WordPiece, SentencePiece, ...).
+
+``check_chunk_size`` compares PIPELINE_CHUNK_TOKENS with every model given
+(the configured one when a runtime is built; every active one at `models add`,
+at worker start and in `settings`) and refuses with one line naming both
+numbers and the setting. Prose is well inside the bound; a chunk that still
+tokenizes past the window (a run of punctuation, which WordPiece splits into
+one token per character) is refused by the local model before it runs
+(``input_too_long``, a dead letter), and usage that shows a server truncating
+surfaces in `status` (``jobs.models.input_limits``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .base import ConfigError, ModelSpec
+
+# Model tokens per cl100k token assumed for a tokenizer other than cl100k. Measured on
+# the bundled corpus with all-MiniLM-L6-v2's WordPiece over 128-token chunks: mean 0.99,
+# 99th percentile 1.23, largest 1.38. 1.5 keeps every prose chunk inside the window.
+FOREIGN_TOKENS_PER_CHUNK_TOKEN = 1.5
+# Tokens a server's model (not OpenAI's) is assumed to add to each input: BERT's
+# [CLS] and [SEP], XLM-R's <s> and </s>.
+FOREIGN_SPECIAL_TOKENS = 2
+CHUNK_TOKENS_SETTING = "PIPELINE_CHUNK_TOKENS"
+
+
+@dataclass(frozen=True)
+class ModelLimit:
+    """A model's window (its own tokens) and the largest chunk (cl100k tokens) that fits it."""
+
+    model_id: str
+    max_input_tokens: int
+    max_chunk_tokens: int
+    tokenizer: str = "cl100k"
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> "ModelLimit":
+        return cls(spec.model_id, spec.max_input_tokens, spec.max_chunk_tokens, spec.tokenizer)
+
+    def describe(self) -> str:
+        if self.tokenizer == "cl100k":
+            return f"window {self.max_input_tokens} tokens (cl100k)"
+        return (f"window {self.max_input_tokens} {self.tokenizer} tokens, chunks of at most "
+                f"{self.max_chunk_tokens} cl100k tokens")
+
+
+class ChunkTooLarge(ConfigError, ValueError):
+    """PIPELINE_CHUNK_TOKENS could exceed a model's input window."""
+
+    def __init__(self, chunk_tokens: int, limit: ModelLimit) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.limit = limit
+        if limit.tokenizer == "cl100k":
+            why = f"its input window is {limit.max_input_tokens} tokens"
+        else:
+            why = (f"its input window is {limit.max_input_tokens} {limit.tokenizer} tokens, "
+                   f"which fits at most {limit.max_chunk_tokens} cl100k tokens")
+        super().__init__(f"{CHUNK_TOKENS_SETTING}={chunk_tokens} is too large for model {limit.model_id}: "
+                         f"{why}; set {CHUNK_TOKENS_SETTING}={limit.max_chunk_tokens} or less "
+                         "(inputs are never truncated)")
+
+
+def too_small(chunk_tokens: int, limits: Iterable[ModelLimit]) -> list[ModelLimit]:
+    """The models whose window a chunk of ``chunk_tokens`` could exceed, smallest first."""
+    return sorted((m for m in limits if chunk_tokens > m.max_chunk_tokens), key=lambda m: m.max_chunk_tokens)
+
+
+def check_chunk_size(chunk_tokens: int, limits: Iterable[ModelLimit]) -> None:
+    """Raise ``ChunkTooLarge`` (one line) for the smallest window the chunk size does not fit."""
+    over = too_small(chunk_tokens, limits)
+    if over:
+        raise ChunkTooLarge(chunk_tokens, over[0])

