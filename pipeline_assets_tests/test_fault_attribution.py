@@ -68,7 +68,6 @@ def test_dropped_answers_dead_letter_nothing(env, fake, clean_db, tmp_path, seed
     failed = conn.execute("SELECT error_class, attempts, faults FROM app.embedding_jobs WHERE status = 'failed'"
                           ).fetchall()
     assert job_counts(conn) == {"ready": len(texts)}, f"dead-lettered: {failed}"
-    assert stats["dropped"] > 0  # the faults were met
     assert_vectors_match(conn, fake)
     # Extra bills: exactly one per input of each dropped answer (it is sent again), none otherwise.
     billed, by_text = _billed(fake)
