@@ -24,8 +24,10 @@ stats JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes t
  3. auth (missing/wrong Bearer key -> 401 ``invalid_api_key``), model (-> 404 ``model_not_found``),
     validation (-> 400), ``poison_marker`` (-> 400 naming the index; whole request, nothing billed);
  4. rpm/tpm sliding 60 s window -> 429 + Retry-After/retry-after-ms/x-ratelimit-*, not billed;
- 5. vectors computed (NaN for an input containing ``nan_marker``) and BILLED; then ``drop_next``/``drop_marker`` abort the connection without a
-    response (SDK raises ``openai.APIConnectionError``), otherwise the OpenAI-shaped JSON is sent
+ 5. vectors computed (NaN for an input containing ``nan_marker``) and BILLED; then ``drop_next``/``drop_marker``
+    (or ``drop_rate``) abort the connection without a response (SDK raises ``openai.APIConnectionError``);
+    with probability ``short_rate`` the answer loses its last embedding (a broken proxy); otherwise the
+    OpenAI-shaped JSON is sent
     (a piece every ``DRIP_INTERVAL`` over ``drip_seconds`` if an input contains ``drip_marker``).
 
 Vectors: sha256(key) seeds ``numpy.random.default_rng`` -> standard normal of ``dim`` (request
@@ -45,7 +47,7 @@ import numpy as np
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FAULT_FIELDS = ("poison_marker", "drop_marker", "slow_marker", "slow_seconds", "latency", "rpm", "tpm",
                 "random_faults", "fault_seed", "drip_marker", "drip_seconds", "throttle_marker",
-                "nan_marker", "drop_rate", "slow_rate")
+                "nan_marker", "drop_rate", "slow_rate", "short_rate")
 DRIP_INTERVAL = 0.05  # seconds between the bytes of a slow-drip answer (far below any read timeout)
 
 
@@ -179,6 +181,10 @@ class FakeOpenAI:
         # call (slow_seconds more) and a dropped answer (billed, then the connection aborted;
         # stats["dropped_inputs"] counts their inputs).
         self.drop_rate = self.slow_rate = 0.0
+        # A short answer (billed, then sent with one embedding fewer than inputs, as a broken proxy
+        # does) with this probability per request; 1.0: every answer. stats["short"] counts them,
+        # stats["short_inputs"] their inputs (billed, nothing usable came back).
+        self.short_rate = 0.0
         self._fault_rng = random.Random(0)
         self._host, self._port = host, port
         self._lock = threading.Lock()  # guards stats, one-shot counters, rate window, _conns
@@ -244,7 +250,7 @@ class FakeOpenAI:
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = {"requests": 0, "billed_inputs": 0, "billed_tokens": 0, "rate_limited": 0,
-                           "dropped": 0, "dropped_inputs": 0, "slow": 0, "responses_by_status": {},
+                           "dropped": 0, "dropped_inputs": 0, "slow": 0, "short": 0, "short_inputs": 0, "responses_by_status": {},
                            "billed_by_text": {}}
 
     @property
@@ -286,7 +292,7 @@ class FakeOpenAI:
         self.random_faults = []
         self.throttle_marker = None
         self.nan_marker = None
-        self.drop_rate = self.slow_rate = 0.0
+        self.drop_rate = self.slow_rate = self.short_rate = 0.0
         self.poison_marker = self.drop_marker = self.slow_marker = None
         self.slow_seconds = self.latency = 0.0
         self.drip_marker = None
@@ -449,10 +455,15 @@ class FakeOpenAI:
                     or (self.drop_rate > 0 and self._fault_rng.random() < self.drop_rate))
             self._drop_n -= self._drop_n > 0
             s["dropped_inputs"] += len(items) if drop else 0
+            short = not drop and self.short_rate > 0 and self._fault_rng.random() < self.short_rate
+            s["short"] += short
+            s["short_inputs"] += len(items) if short else 0
         if drop:
             return self._drop(h)
         enc = (lambda v: base64.b64encode(v.tobytes()).decode("ascii")) if fmt == "base64" else np.ndarray.tolist
         data = [{"object": "embedding", "index": i, "embedding": enc(v)} for i, v in enumerate(vecs)]
+        if short:  # the last embedding lost on the way (the indexes of the others are intact)
+            data.pop()
         answer = {"object": "list", "data": data, "model": model,
                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         if has(self.drip_marker):

@@ -49,17 +49,19 @@ def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, co
     (corpus / "blob.bin").write_bytes(b"\x00\x01\x02binary\x00" * 20)
     cli("ingest", str(corpus), env=env)
 
-    # 1. The first request (all six inputs) is answered 500: each job retries once;
-    #    then the poison inputs are refused (400) and dead-lettered as bad_input.
+    # 1. The first request (all six inputs) is answered 500: the request's fault, given back
+    #    without an attempt; then the poison inputs are refused (400) and dead-lettered as bad_input.
     fake.poison_marker = POISON
     fake.fail_next(1, 500)
     cli("work", "--until-idle", "--concurrency", "1", "--worker-id", WORKER, env=env)
     assert job_counts(conn) == {"ready": 4, "failed": 2}
-    # 2. Two more documents meet two 503s: attempts (2) used up, dead-lettered as http_503.
+    # 2. Two more documents meet nothing but 503s: split down to themselves, then, alone past
+    #    their free faults, their attempts (2) used up: dead-lettered as http_503.
     write_corpus(corpus, 2, prefix="flaky")
     cli("ingest", str(corpus), env=env)
-    fake.fail_next(2, 503)
+    fake.fail_next(1000, 503)
     cli("work", "--until-idle", "--concurrency", "1", "--worker-id", WORKER, env=env)
+    fake.fail_next(0, 503)
     assert job_counts(conn) == {"ready": 4, "failed": 4}
 
     groups = {(g["kind"], g["error_class"]): g for g in cli_json("dlq", "list", "--groups", env=env)}
@@ -75,12 +77,13 @@ def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, co
     assert sorted(i["documents"][0] for i in items) == ["poison1.md", "poison2.md"]
     assert {i["kind"] for i in items} == {"job"}
 
-    # 2. One job's attempts, in order: the 500 (retry), then the 400 (failed), by our worker.
+    # 2. One job's attempts, in order: the 500 (given back: the request's fault, the attempt
+    #    returned), then the 400 (failed, on that same attempt), by our worker.
     p1, p2 = _job_of(conn, "poison1.md"), _job_of(conn, "poison2.md")
     shown = cli_json("dlq", "show", str(p1), env=env)
     history = shown["history"]
     assert [(a["attempt"], a["outcome"], a["status"], a["error_class"]) for a in history] == [
-        (1, "retry", "retry", "http_500"), (2, "failed", "failed", "bad_input")]
+        (1, "given_back", "pending", "http_500"), (1, "failed", "failed", "bad_input")]
     assert {a["worker"] for a in history} == {WORKER}
     assert all(a["lease"].startswith(f"{WORKER}/") for a in history)
     assert history[0]["at"] <= history[1]["at"]

@@ -3,7 +3,8 @@
 Several real worker processes (``pipeline-assets work --concurrency 2``) run against
 the fake provider while it answers a random share of requests with 429 (with a
 Retry-After), 500 and 503, drops a share of billed answers (connection aborted after
-billing) and makes a share of calls slow (longer than the lease: only the heartbeat
+billing), answers a share one embedding short (billed; an answer that cannot be matched
+to its inputs: nothing stored, nothing charged) and makes a share of calls slow (longer than the lease: only the heartbeat
 keeps them). Meanwhile the test SIGKILLs random workers (and restarts
 them) and edits, deletes and adds random documents, each followed by
 ``pipeline-assets ingest``. After the soak the faults stop, the workers are stopped
@@ -14,8 +15,8 @@ Pass means:
 * every current chunk has exactly one ready vector, equal to the provider's vector
   for its exact text; every other job is ``superseded``: nothing is stuck (no
   pending, retry, processing) and nothing was dead-lettered;
-* billed inputs <= unique inputs + the inputs of dropped answers (billed, then
-  lost: they must be sent again) + revived content (superseded, then wanted again)
+* billed inputs <= unique inputs + the inputs of dropped and short answers (billed,
+  then lost: they must be sent again) + revived content (superseded, then wanted again)
   + (kills + stops) x the in-flight bound (concurrency x batch inputs per worker);
 * the spend ledger agrees with the provider's bill: every billed input is counted
   (per input, and in total), and the ledger counts more than the provider billed
@@ -55,6 +56,7 @@ MODEL_ID = f"openai/{FAKE_MODEL}"
 # The provider's faults, per request, from the fake's seeded generator.
 RANDOM_FAULTS = [[0.08, 429, "0.5"], [0.05, 500, None], [0.03, 503, None]]
 DROP_RATE = 0.04
+SHORT_RATE = 0.03
 SLOW_RATE = 0.05
 SLOW_SECONDS = 4.5  # longer than the lease (only the heartbeat keeps it), shorter than the call timeout
 LATENCY = 0.2
@@ -128,7 +130,8 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
 
     ingest()
     fake.latency = LATENCY
-    fake.configure(random_faults=RANDOM_FAULTS, fault_seed=SEED, drop_rate=DROP_RATE, slow_rate=SLOW_RATE,
+    fake.configure(random_faults=RANDOM_FAULTS, fault_seed=SEED, drop_rate=DROP_RATE, short_rate=SHORT_RATE,
+                   slow_rate=SLOW_RATE,
                    slow_seconds=SLOW_SECONDS)
 
     runs = kills = stops = ingests = edits = deletes = adds = 0
@@ -223,7 +226,7 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
     billed = sum(billed_by_text.values())
     unique = len(billed_by_text)
     by_status = soak_stats["responses_by_status"]
-    bound = unique + stats["dropped_inputs"] + revived + (kills + stops) * IN_FLIGHT
+    bound = unique + stats["dropped_inputs"] + stats["short_inputs"] + revived + (kills + stops) * IN_FLIGHT
     ledger_inputs, ledger_calls, unanswered = conn.execute(
         "SELECT coalesce(sum(inputs), 0), count(*), count(*) FILTER (WHERE answered_at IS NULL)"
         " FROM app.provider_calls WHERE model_id = %s AND billed IN ('yes', 'maybe') AND inputs > 0",
@@ -235,7 +238,8 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
     print(f"\nfault soak: {SOAK_SECONDS:.0f}s seed={SEED} worker runs={runs} kills={kills} stops={stops} "
           f"self-exits={len(exits)} ingests={ingests} (edits={edits} deletes={deletes} adds={adds}) | faults met: "
           f"429={by_status.get(429, 0)} 500={by_status.get(500, 0)} 503={by_status.get(503, 0)} "
-          f"dropped={soak_stats['dropped']} ({soak_stats['dropped_inputs']} inputs) slow={soak_stats['slow']} "
+          f"dropped={soak_stats['dropped']} ({soak_stats['dropped_inputs']} inputs) "
+          f"short={soak_stats['short']} ({soak_stats['short_inputs']} inputs) slow={soak_stats['slow']} "
           f"requests={stats['requests']} | billed={billed} unique={unique} duplicate bills={fake_duplicates} "
           f"bound={bound} (revived={revived}) | ledger calls={ledger_calls} inputs={ledger_inputs} "
           f"duplicates={ledger_duplicates} "

@@ -193,6 +193,7 @@ def test_templates_have_exactly_their_fields():
     assert _fields(models.MODELS.drop_index) == {"name"}
     assert _fields(retrieval.RETRIEVAL.nearest) == {"kind", "dim"}
     assert _fields(transitions.JOBS.enqueue) == {"scope"}
+    assert _fields(transitions.JOBS.claim) == {"scope"}
     assert _fields(stages.STAGE_RUNS.embed_state) == {"models", "scope"}
     assert _fields(stages.STAGE_RUNS.refresh_embed) == _fields(stages.STAGE_RUNS.embed_counts) == {"state"}
     for family in FAMILIES:
@@ -200,7 +201,7 @@ def test_templates_have_exactly_their_fields():
         for name in fam.names():
             if (family, name) not in {("models", "create_hnsw_index"), ("models", "drop_index"),
                                       ("retrieval", "nearest"),
-                                      ("jobs", "enqueue"), ("migrations", "create_database"),
+                                      ("jobs", "enqueue"), ("jobs", "claim"), ("migrations", "create_database"),
                                       ("stage_runs", "embed_state"), ("stage_runs", "refresh_embed"),
                                       ("stage_runs", "embed_counts")}:
                 assert "{" not in getattr(fam, name), (family, name)

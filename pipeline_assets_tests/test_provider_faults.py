@@ -191,7 +191,7 @@ def test_an_always_throttled_input_is_dead_lettered_and_the_rest_completes(env, 
 
 # 5 -- faults that are not an item's ------------------------------------------------------------------
 
-def test_one_5xx_on_a_batch_does_not_isolate_its_inputs(env, fake, clean_db, tmp_path):
+def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt(env, fake, clean_db, tmp_path):
     write_corpus(tmp_path / "c", 23)
     cli("ingest", str(tmp_path / "c"), env=env)
     conn = clean_db
@@ -202,18 +202,22 @@ def test_one_5xx_on_a_batch_does_not_isolate_its_inputs(env, fake, clean_db, tmp
     assert len(texts) == 23 and job_counts(conn) == {"ready": 23}
     # Before: the 23 retried inputs went out as 23 single-input requests.
     assert fake.stats["requests"] == 2 and fake.stats["responses_by_status"] == {500: 1, 200: 1}
-    assert conn.execute("SELECT min(attempts), max(attempts) FROM app.embedding_jobs").fetchone() == (2, 2)
+    # Issue 15: the 500 is the provider's and the request's: no input paid an attempt for it; each
+    # counts the fault (which would shrink its next requests to a quarter: 23 still fit in one).
+    assert conn.execute("SELECT min(attempts), max(attempts), min(faults), max(faults)"
+                        " FROM app.embedding_jobs").fetchone() == (1, 1, 1, 1)
     assert fake.stats["billed_inputs"] == 23
 
 
 def test_only_a_split_for_a_bad_input_isolates(conn, clean_db):
     from pipeline_assets.jobs import decisions, transitions
+    from pipeline_assets.jobs.changes import Isolate
 
     model = _queue(conn, 5)
     held = transitions.claim(conn, model_id=model, owner="a", limit=5, lease_seconds=30)
     ids = [j.job_id for j in held]
-    transitions.mark_isolated(conn, owner="b", job_ids=ids)  # not the lease holder: refused
-    transitions.mark_isolated(conn, owner="a", job_ids=ids[:2])  # a split of a batch refused for a bad input
+    assert transitions.apply(conn, "b", [Isolate(tuple(ids))]) == [(Isolate(tuple(ids)), {})]  # not the holder
+    transitions.apply(conn, "a", [Isolate(tuple(ids[:2]))])  # a split of a batch refused for a bad input
     transitions.give_back(conn, owner="a", job_ids=ids[:3])  # e.g. a throttle cut the split short
     transitions.fail_retryable(conn, owner="a", job_ids=ids[3:], delays=[0.0, 0.0], error_class="http_500",
                                message="boom")

@@ -56,7 +56,7 @@ SET_BASED = {"supersede_unwanted", "revive_wanted", "repair_missing_vectors", "d
 NO_JOB_TABLE = {"release_probe", "provider_failure", "provider_healthy", "enqueue_scope_docs",
                 "enqueue_scope_missing"}
 # The statements the issue names; each must exist (a rename shows here, not as a silent skip).
-REQUIRED = {"claim", "complete", "extend_lease", "rescue_expired", "give_back", "fail_retryable", "outstanding",
+REQUIRED = {"claim_all", "claim_docs", "complete", "extend_lease", "rescue_expired", "give_back", "fail_retryable", "outstanding",
             "supersede_unwanted_among", "revive_wanted_among", "enqueue_docs"}
 
 # The live queue, by share of the 180,000 current chunks (the rest is ready).
@@ -147,7 +147,8 @@ def _params(conn) -> dict:
     rescuer = "w0/00000000-0000-0000-0000-000000000000/"
     return {"model": MODEL, "owner": owner, "limit": BATCH, "lease": 60.0, "ids": held,
             "vecs": [vector] * len(held), "delays": [1.0] * len(held), "delay": 0.0, "cls": "timeout",
-            "msg": "timed out", "throttled": False, "rescuer": rescuer, "base": 1.0, "cap": 60.0,
+            "msg": "timed out", "throttled": False, "job_ids": held, "vectors": [vector] * len(held),
+            "error_class": "timeout", "message": "timed out", "faulted": False, "rescuer": rescuer, "base": 1.0, "cap": 60.0,
             "checksums": checksums, "models": [MODEL] * len(checksums), "all": False,
             "max_attempts": 5, "docs": docs, "trip": True, "floor": 1.0, "threshold": 5,
             "failed_ids": failed}
@@ -159,10 +160,12 @@ def _statements() -> dict[str, sql.Composable]:
     for name in jobs.names():
         if name in NO_JOB_TABLE:
             continue
-        if name == "enqueue":  # a template with two scopes
-            for scope in ("docs", "missing"):
-                out[f"enqueue_{scope}"] = sql.SQL(jobs.enqueue).format(
-                    scope=sql.SQL(getattr(jobs, f"enqueue_scope_{scope}")))
+        if name in ("enqueue", "claim"):  # templates with their scopes
+            for scope in [n for n in jobs.names() if n.startswith(f"{name}_scope_")]:
+                out[scope.replace("_scope", "")] = sql.SQL(getattr(jobs, name)).format(
+                    scope=sql.SQL(getattr(jobs, scope)))
+            continue
+        if "_scope_" in name:
             continue
         out[name] = sql.SQL(getattr(jobs, name))
     return out
@@ -220,14 +223,14 @@ def test_claim_and_complete_cost_follows_the_batch_not_the_table(big_queue):
     params = _params(conn)
     params["owner"] = "w1/00000000-0000-0000-0000-000000000001/999999"
     with conn.transaction(force_rollback=True):
-        claim = conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(jobs.claim),
-                             params).fetchone()[0][0]
+        claim = conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(jobs.claim).format(
+            scope=sql.SQL(jobs.claim_scope_all)), params).fetchone()[0][0]
         claimed = [r[0] for r in conn.execute("SELECT job_id FROM app.embedding_jobs WHERE lease_owner = %s",
                                               (params["owner"],))]
         assert len(claimed) == BATCH
         vector = params["vecs"][0]
         complete = conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(jobs.complete),
-                                dict(params, ids=claimed, vecs=[vector] * len(claimed))).fetchone()[0][0]
+                                dict(params, job_ids=claimed, vectors=[vector] * len(claimed))).fetchone()[0][0]
         assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE job_id = ANY(%s) AND status = 'ready'",
                             (claimed,)).fetchone()[0] == BATCH
 

@@ -47,8 +47,9 @@ from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from pipeline_assets.jobs import models, transitions
-from pipeline_assets.providers import ModelSpec
+from pipeline_assets.jobs import decisions, models, transitions
+from pipeline_assets.jobs.changes import ClaimedJob
+from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
 from pipeline_assets.settings import BREAKER_THRESHOLD
 
 _COMMON = dict(database=None, deadline=None, print_blob=True,
@@ -75,7 +76,7 @@ ALL_TABLES = """app.sources, app.documents, app.chunks, app.embedding_jobs, app.
                 app.models"""
 
 STATE_COLUMNS = ("job_id", "chunk_checksum", "model_id", "status", "attempts", "max_attempts", "lease_owner",
-                 "leased", "expired", "available", "available_far", "throttles")
+                 "leased", "expired", "available", "available_far", "throttles", "faults")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Row:
     available: bool       # available_at <= now()
     available_far: bool   # available_at > now() + FAR/2: a long delay was applied
     throttles: int
+    faults: int           # transient faults charged to its requests instead of to it
 
 
 @dataclass
@@ -142,7 +144,7 @@ class JobStateMachine(RuleBasedStateMachine):
         rows = self.conn.execute(f"""
             SELECT job_id, chunk_checksum, model_id, status, attempts, max_attempts, lease_owner,
                    lease_expires_at IS NOT NULL, lease_expires_at < now(), available_at <= now(),
-                   available_at > now() + make_interval(secs => {FAR / 2}), throttles
+                   available_at > now() + make_interval(secs => {FAR / 2}), throttles, faults
             FROM app.embedding_jobs ORDER BY job_id""").fetchall()
         return {r[0]: Row(*r) for r in rows}
 
@@ -377,6 +379,47 @@ class JobStateMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 10**6), delay=st.sampled_from([0.0, FAR]))
     def throttle(self, pick, delay):
         self._give_back(pick, delay, throttled=True)
+
+    @precondition(lambda self: self._live_claims())
+    @rule(pick=st.integers(0, 10**6), short=st.booleans(), unmatched=st.integers(0, 1))
+    def unusable_answer(self, pick, short, unmatched):
+        """As the worker after a dropped answer (the connection cut after billing) or a short
+        one (an embedding missing): the real decision, applied by the real queue. No vector
+        is stored; a dropped answer costs no attempt unless the job failed alone past its
+        free faults (then it is a retry), and counts a fault; a short one costs nothing."""
+        claim, before, held = self._pick_live(pick)
+        jobs = [ClaimedJob(i, before[i].chunk_checksum, before[i].attempts, before[i].max_attempts, "t",
+                           faults=before[i].faults) for i in held]
+        if not jobs:
+            return
+        error = (ProviderError(RETRYABLE, decisions.UNMATCHED_ANSWER, f"expected {len(jobs)} vectors, got 0")
+                 if short else ProviderError(RETRYABLE, "connection", "connection error", billed_maybe=True))
+        outcome = decisions.decide(error, jobs, config_ok=True, base=0.0, cap=0.0, poll_seconds=0.0,
+                                   unmatched_in_a_row=unmatched)
+        vectors = self._vectors()
+        if isinstance(outcome, decisions.Stop):  # too many unmatchable answers: handed back untouched
+            assert short and unmatched + 1 >= decisions.MAX_UNMATCHED_ANSWERS
+            return
+        applied = transitions.became(transitions.apply(self.conn, claim.owner, outcome.changes))
+        after = self._rows()
+        charged = not short and len(jobs) == 1 and jobs[0].faults >= decisions.FREE_FAULTS
+        for i in held:
+            b, r = before[i], after[i]
+            if not self.active[b.model_id]:
+                assert r.status == "superseded"
+                continue
+            if charged:
+                status = "failed" if b.attempts >= b.max_attempts else "retry"
+                assert (r.status, r.attempts, r.faults) == (status, b.attempts, b.faults)
+            else:
+                assert r.status == ("pending" if b.attempts <= 1 else "retry"), (r, b)
+                assert r.attempts == max(b.attempts - 1, 0), "an unusable answer used an attempt of a batch"
+                assert r.faults == b.faults + (0 if short else 1)
+            assert applied[i] == r.status and r.lease_owner is None
+        assert self._vectors().keys() == vectors.keys(), "an unusable answer stored a vector"
+        self._assert_unchanged(before, after, set(before) - set(held), "unusable_answer")
+        if claim.probe:
+            transitions.release_probe(self.conn, claim.model_id, claim.owner)
 
     # ------------------------------------------------------------------ leases
     @precondition(lambda self: self._live_claims())

@@ -3,30 +3,36 @@
 ``plan_requests`` groups claimed jobs into provider requests; ``decide`` maps a
 provider error and the jobs of its request to an outcome; ``check_vectors`` and
 ``bad_vectors`` judge a successful answer; ``worker_error`` handles a fault of
-our own. The worker (``jobs.worker``) only carries the outcomes out, through
-``JobStore``.
+our own. The transitions they return are the plain values of ``jobs.changes``;
+the worker only carries the outcomes out, through ``JobStore.apply``.
 
 Outcomes:
 
-    Retry        count the attempt, back off (full jitter, at least Retry-After);
-                 jobs whose attempts are used up go to ``failed`` instead
-    GiveBack     hand back without using the attempt, count a throttle, trip the
-                 shared breaker and pause claiming here (throttling is the
-                 provider's state)
-    Fail         dead-letter at once (the input itself is bad, or a single input
-                 was throttled more than the cap allows)
+    Apply        apply these transitions (``changes``): a Retry (the attempt
+                 counts; failed when used up), a GiveBack (the attempt returned:
+                 a throttle, a transient fault charged to the request, an
+                 unmatchable answer, a fault of ours) or a Fail (dead letter);
+                 with it, count a failure on the shared breaker, pause sending
+                 here, or stop the worker after a few faults of our own
     Split        isolate a bad input: send each half on its own (its jobs are
-                 marked ``isolate``: should the split be cut short, each goes
+                 marked ``Isolate``: should the split be cut short, each goes
                  alone next time)
-    Stop         not the items' fault (auth, configuration, wrong dimension):
-                 hand back untouched and stop the worker
+    Stop         not the items' fault (auth, configuration, wrong dimension,
+                 answers that keep failing to match their inputs): hand back
+                 untouched and stop the worker
     ProbeConfig  ask the configuration probe once, then ``decide`` again with
                  its answer as ``config_ok``
-    Release      our own fault (database, infrastructure, a bug): hand back
-                 without using the attempt; ``stop`` after a few in a row
 
-Only input-specific errors (a 400/413/422 on a single input, a request the
-provider throttles past the cap) fail an item; only they isolate inputs.
+Who is charged (the evidence decides): only input-specific errors (a 400/413/422
+on a single input, a request the provider throttles past the cap) fail an
+item; only they isolate inputs. A transient fault (5xx, timeout, dropped
+connection) is the provider's (breaker) and the request's: the jobs are given
+back without an attempt and each counts a fault, which shrinks its next
+requests (``fault_cap``: a quarter per fault), so inputs that keep failing
+together are split up; only a job that has met ``FREE_FAULTS`` faults and fails
+again alone is charged an attempt. An answer that cannot be matched to its
+inputs charges nothing at all, and ``MAX_UNMATCHED_ANSWERS`` in a row stop the
+worker.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 from pipeline_assets.jobs import backoff
-from pipeline_assets.jobs.transitions import ClaimedJob
+from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
 
 
@@ -47,11 +53,34 @@ THROTTLE_SHRINK_AFTER = 3
 # Bounds the halvings (2**62 inputs is beyond any request).
 MAX_HALVINGS = 62
 
+# Transient faults (5xx, timeout, dropped connection) a job may meet without
+# being charged an attempt. Each one divides the job's requests by
+# 2**FAULT_SHRINK_BITS (a quarter: 256 -> 64 -> 16 -> 4 -> 1, the default batch
+# is alone after 4); from the FREE_FAULTS-th on it travels alone and a fault
+# there costs an attempt. So a poison input (one that breaks every request
+# holding it) is sent at most FREE_FAULTS + max_attempts times (11 with the
+# defaults), and an innocent one is dead-lettered only if FREE_FAULTS +
+# max_attempts requests holding it fail in a row (0.3**11 = 2e-6 when 30% of
+# requests fail).
+FREE_FAULTS = 6
+FAULT_SHRINK_BITS = 2
+
+# Answers in a row that cannot be matched to their inputs (a wrong count of
+# vectors) after which the worker stops: nothing is stored or charged for
+# them, so without a stop a broken proxy would be billed for the corpus forever.
+MAX_UNMATCHED_ANSWERS = 3
+# The provider's error class of an answer with the wrong count of vectors.
+UNMATCHED_ANSWER = "bad_response"
+# The error class the worker stops with after MAX_UNMATCHED_ANSWERS of them.
+UNMATCHED_ANSWERS = "unmatched_answers"
+
 # Faults of our own in a row (database, infrastructure, bugs) after which the
 # worker stops: a persistent fault (a missing privilege, a full disk) stops it
 # with a one-line error instead of cycling the corpus through give-backs.
 MAX_CONSECUTIVE_WORKER_FAULTS = 3
 
+# The error class of a give-back for a fault of our own.
+WORKER_ERROR = "worker_error"
 # The error class of a single input throttled more than ``max_throttles`` times.
 THROTTLED_TOO_OFTEN = "throttled_too_often"
 # The error class of an answer carrying a NaN or infinite vector.
@@ -65,59 +94,58 @@ def halvings(throttles: int) -> int:
     return min(MAX_HALVINGS, max(0, throttles - THROTTLE_SHRINK_AFTER + 1))
 
 
+def fault_cap(faults: int, max_inputs: int) -> int:
+    """The most inputs a request holding a job with ``faults`` faults may carry."""
+    if faults >= FREE_FAULTS:
+        return 1
+    return max(1, max_inputs >> (FAULT_SHRINK_BITS * faults))
+
+
 def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: int) -> list[list[ClaimedJob]]:
     """Group jobs into requests bounded by inputs and tokens.
 
     Jobs without text (no current chunk carries their checksum) are left out.
     A job marked ``isolate`` (it was in a batch refused for a bad input whose
     split was cut short) goes alone: if it is the poison, it no longer drags
-    innocent neighbours through its retries. Any other failure (a 5xx, a
-    timeout, a crash) isolates nobody. Jobs throttled repeatedly (from the
-    ``THROTTLE_SHRINK_AFTER``th throttle on) travel only with jobs throttled as
-    often, and their requests shrink: at most half of that group's inputs, and
-    at most the batch (inputs and tokens) halved once per further throttle. So a
-    request the provider never accepts is whittled down to the one input it
-    refuses, and the rest of its batch goes through.
+    innocent neighbours through its retries. A job that met transient faults
+    goes in a request of at most ``fault_cap`` inputs (the jobs with the most
+    faults go first, so a request's cap is its first job's). Jobs throttled
+    repeatedly (from the ``THROTTLE_SHRINK_AFTER``th throttle on) travel only
+    with jobs throttled as often, and their requests shrink: at most half of
+    that group's inputs, and at most the batch (inputs and tokens) halved once
+    per further throttle. So a request the provider never accepts is whittled
+    down to the one input it refuses, and the rest of its batch goes through.
     """
     wanted = [j for j in jobs if j.text is not None]
-    if all(not j.isolate and j.throttles < THROTTLE_SHRINK_AFTER for j in wanted):
+    if all(not j.isolate and not j.faults and j.throttles < THROTTLE_SHRINK_AFTER for j in wanted):
         return _fill(wanted, max_inputs, max_tokens)  # the usual claim: no isolation, no shrinking
-    group: dict[int, int] = {}  # halvings -> inputs of that group in this claim
+    requests = [[j] for j in wanted if j.isolate]
+    groups: dict[int, list[ClaimedJob]] = {}  # halvings -> the jobs of that throttle level, in order
     for job in wanted:
-        level = halvings(job.throttles)
-        group[level] = group.get(level, 0) + 1
-    requests: list[list[ClaimedJob]] = []
-    open_: dict[int, tuple[list[ClaimedJob], int]] = {}  # halvings -> (request being filled, its tokens)
-    for job in wanted:
-        if job.isolate:
-            requests.append([job])
-            continue
-        level = halvings(job.throttles)
+        if not job.isolate:
+            groups.setdefault(halvings(job.throttles), []).append(job)
+    for level, group in groups.items():
         inputs_bound, tokens_bound = max_inputs, max_tokens
         if level:
-            inputs_bound = max(1, min(max_inputs >> level, -(-group[level] // 2)))
+            inputs_bound = max(1, min(max_inputs >> level, -(-len(group) // 2)))
             tokens_bound = max(1, max_tokens >> level)
-        current, tokens = open_.get(level, ([], 0))
-        n = job.token_count or 0
-        if current and (tokens + n > tokens_bound or len(current) >= inputs_bound):
-            requests.append(current)
-            current, tokens = [], 0
-        current.append(job)
-        open_[level] = (current, tokens + n)
-    requests.extend(current for current, _ in open_.values() if current)
+        requests.extend(_fill(sorted(group, key=lambda j: -j.faults), inputs_bound, tokens_bound))
     return requests
 
 
 def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int) -> list[list[ClaimedJob]]:
-    """Requests filled in order up to ``max_inputs`` inputs and ``max_tokens`` tokens."""
+    """Requests filled in order up to ``max_inputs`` inputs (fewer for a request
+    whose first job met faults) and ``max_tokens`` tokens."""
     requests: list[list[ClaimedJob]] = []
     current: list[ClaimedJob] = []
-    tokens = 0
+    tokens, bound = 0, max_inputs
     for job in jobs:
         n = job.token_count or 0
-        if current and (tokens + n > max_tokens or len(current) >= max_inputs):
+        if current and (tokens + n > max_tokens or len(current) >= bound):
             requests.append(current)
             current, tokens = [], 0
+        if not current:
+            bound = fault_cap(job.faults, max_inputs)
         current.append(job)
         tokens += n
     if current:
@@ -140,32 +168,13 @@ class BreakerFailure:
 
 
 @dataclass(frozen=True)
-class Retry:
-    job_ids: tuple[int, ...]
-    delays: tuple[float, ...]           # per job, same order
-    error_class: str
-    message: str
-    breaker: BreakerFailure | None      # None: our own fault, not the provider's
-    exhausted: tuple[int, ...] = ()     # attempts used up: these go to failed (the guarded UPDATE decides)
-
-
-@dataclass(frozen=True)
-class GiveBack:
-    job_ids: tuple[int, ...]
-    delay: float                        # not claimable again before this
-    error_class: str
-    message: str
-    breaker: BreakerFailure
-    pause: float                        # send nothing more from this worker's held claims for this long
-
-
-@dataclass(frozen=True)
-class Fail:
-    job_ids: tuple[int, ...]
-    error_class: str
-    message: str
-    breaker: BreakerFailure | None = None  # a throttle: trip the breaker all the same
-    pause: float = 0.0                     # ... and pause here as after any throttle
+class Apply:
+    """Apply ``changes`` (one batch); with them, the provider's and the worker's share."""
+    changes: tuple[Change, ...]
+    breaker: BreakerFailure | None = None  # count a provider failure (None: not the provider's)
+    pause: float = 0.0                     # send nothing more from this worker's held claims for this long
+    unmatched: bool = False                # an answer that could not be matched: counts towards stopping
+    stop: str | None = None                # too many faults of our own in a row: stop with this one line
 
 
 @dataclass(frozen=True)
@@ -184,17 +193,7 @@ class ProbeConfig:
     """Ask the configuration probe (once per worker), then decide again."""
 
 
-@dataclass(frozen=True)
-class Release:
-    """A fault of our own: hand the jobs back without using their attempt."""
-    job_ids: tuple[int, ...]
-    delay: float                        # not claimable again before this (backoff over the faults in a row)
-    error_class: str
-    message: str
-    stop: str | None = None             # too many in a row: stop the worker with this one-line message
-
-
-Outcome = Union[Retry, GiveBack, Fail, Split, Stop, ProbeConfig]
+Outcome = Union[Apply, Split, Stop, ProbeConfig]
 
 
 # -- deciding --------------------------------------------------------------------------
@@ -208,7 +207,7 @@ def retry_delays(jobs: Sequence[ClaimedJob], *, base: float, cap: float, retry_a
 
 def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool | None, base: float,
            cap: float, poll_seconds: float, retry_after_cap: float | None = None, max_throttles: int | None = None,
-           rng: random.Random | None = None) -> Outcome:
+           unmatched_in_a_row: int = 0, rng: random.Random | None = None) -> Outcome:
     """What to do with the jobs of a request the provider refused.
 
     ``config_ok`` is the configuration probe's answer (None: not asked yet).
@@ -217,8 +216,10 @@ def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool 
     dead-lettering the corpus. ``base``/``cap`` bound the backoff,
     ``poll_seconds`` is the shortest local pause after a throttle,
     ``retry_after_cap`` bounds the provider's Retry-After (a proxy's 86400
-    would hold every worker for a day) and ``max_throttles`` the throttles a
-    single input may take before it is dead-lettered (``throttled_too_often``).
+    would hold every worker for a day), ``max_throttles`` the throttles a
+    single input may take before it is dead-lettered (``throttled_too_often``)
+    and ``unmatched_in_a_row`` counts the unmatchable answers this worker met
+    since its last completion.
     """
     ids = tuple(j.job_id for j in jobs)
     retry_after = error.retry_after
@@ -232,26 +233,48 @@ def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool 
         if len(jobs) > 1:
             mid = len(jobs) // 2
             return Split((tuple(jobs[:mid]), tuple(jobs[mid:])))
-        return Fail(ids, error.error_class, error.message)
+        return Apply((Fail(ids, error.error_class, error.message),))
     floor = retry_after or 0.0
     if error.kind == THROTTLED:
         breaker, pause = BreakerFailure(trip=True, floor=floor), max(floor, poll_seconds)
         if len(jobs) == 1 and max_throttles is not None and jobs[0].throttles + 1 > max_throttles:
-            return Fail(ids, THROTTLED_TOO_OFTEN,
-                        sanitize(f"throttled {jobs[0].throttles + 1} times, alone in its request "
-                                 f"(cap {max_throttles}): {error.message}"), breaker=breaker, pause=pause)
-        return GiveBack(ids, floor, error.error_class, error.message, breaker, pause=pause)
+            return Apply((Fail(ids, THROTTLED_TOO_OFTEN,
+                               sanitize(f"throttled {jobs[0].throttles + 1} times, alone in its request "
+                                        f"(cap {max_throttles}): {error.message}")),), breaker, pause)
+        return Apply((GiveBack(ids, floor, error.error_class, error.message, throttled=True),), breaker, pause)
     if error.kind == RETRYABLE:
-        return Retry(ids, retry_delays(jobs, base=base, cap=cap, retry_after=retry_after, rng=rng),
-                     error.error_class, error.message, BreakerFailure(trip=False, floor=floor),
-                     exhausted=_exhausted(jobs))
+        return _transient(error, jobs, floor=floor, base=base, cap=cap, unmatched_in_a_row=unmatched_in_a_row,
+                          rng=rng)
     if error.kind == FATAL:
         return Stop(ids, error)
     raise ValueError(f"unknown provider error kind {error.kind!r}")
 
 
+def _transient(error: ProviderError, jobs: Sequence[ClaimedJob], *, floor: float, base: float, cap: float,
+               unmatched_in_a_row: int, rng: random.Random | None) -> Outcome:
+    """A transient failure: charged to the provider and the request; to an
+    input only when it keeps failing alone."""
+    ids = tuple(j.job_id for j in jobs)
+    breaker = BreakerFailure(trip=False, floor=floor)
+    if error.error_class == UNMATCHED_ANSWER:  # billed, but nothing in it can be trusted to be whose
+        seen = unmatched_in_a_row + 1
+        if seen >= MAX_UNMATCHED_ANSWERS:
+            return Stop(ids, ProviderError(FATAL, UNMATCHED_ANSWERS, (
+                f"the provider sent {seen} answers in a row that cannot be matched to their inputs "
+                f"(last: {error.message}); nothing was stored and no attempt used: check the endpoint "
+                "(OPENAI_BASE_URL) or the proxy in front of it"), error.status))
+        delay = backoff.retry_delay(seen, base=base, cap=cap, retry_after=floor or None, rng=rng)
+        return Apply((GiveBack(ids, delay, error.error_class, error.message),), breaker, unmatched=True)
+    if len(jobs) == 1 and jobs[0].faults >= FREE_FAULTS:  # failing alone, again: its attempt counts
+        return Apply((Retry(ids, retry_delays(jobs, base=base, cap=cap, retry_after=floor or None, rng=rng),
+                            error.error_class, error.message),), breaker)
+    delay = backoff.retry_delay(max(j.faults for j in jobs) + 1, base=base, cap=cap, retry_after=floor or None,
+                                rng=rng)
+    return Apply((GiveBack(ids, delay, error.error_class, error.message, faulted=True),), breaker)
+
+
 def worker_error(exc: BaseException, jobs: Sequence[ClaimedJob], *, consecutive: int, unavailable: bool,
-                 base: float, cap: float, rng: random.Random | None = None) -> Release:
+                 base: float, cap: float, rng: random.Random | None = None) -> Apply:
     """A fault of our own while a claim was held (a database error after the
     call, a missing privilege, a statement timeout, deadlock retries used up,
     a bug): not the items' fault and not the provider's. The jobs go back
@@ -264,37 +287,39 @@ def worker_error(exc: BaseException, jobs: Sequence[ClaimedJob], *, consecutive:
     if not unavailable and consecutive >= MAX_CONSECUTIVE_WORKER_FAULTS:
         stop = (f"worker stopped after {consecutive} faults of its own in a row (database or infrastructure; "
                 f"the jobs were given back, no attempt used): {message}")
-    return Release(tuple(j.job_id for j in jobs), backoff.full_jitter(consecutive, base=base, cap=cap, rng=rng),
-                   "worker_error", message, stop)
+    delay = backoff.full_jitter(consecutive, base=base, cap=cap, rng=rng)
+    return Apply((GiveBack(tuple(j.job_id for j in jobs), delay, WORKER_ERROR, message),), stop=stop)
 
 
 def bad_vectors(finite: Sequence[bool], jobs: Sequence[ClaimedJob], *, base: float, cap: float,
-                rng: random.Random | None = None) -> Retry | None:
+                rng: random.Random | None = None) -> Apply | None:
     """After a successful call: a NaN or infinite vector is the provider's
-    fault, not a bug of ours and not (known to be) the input's: the jobs it
-    was returned for are retried like after a 5xx (the attempt counts, the
-    breaker counts a failure); the others complete. ``finite`` holds, per
-    vector, whether all its components are finite."""
+    fault, and the answer names the input it was returned for: those jobs are
+    retried (the attempt counts, the breaker counts a failure); the others
+    complete. ``finite`` holds, per vector, whether all its components are
+    finite."""
     bad = [j for j, ok in zip(jobs, finite) if not ok]
     if not bad:
         return None
-    return Retry(tuple(j.job_id for j in bad), retry_delays(bad, base=base, cap=cap, rng=rng), BAD_VECTOR,
-                 f"provider returned a vector with NaN or infinite components for {len(bad)} of "
-                 f"{len(jobs)} inputs", BreakerFailure(trip=False, floor=0.0), exhausted=_exhausted(bad))
+    return Apply((Retry(tuple(j.job_id for j in bad), retry_delays(bad, base=base, cap=cap, rng=rng), BAD_VECTOR,
+                        f"provider returned a vector with NaN or infinite components for {len(bad)} of "
+                        f"{len(jobs)} inputs"),), BreakerFailure(trip=False, floor=0.0))
 
 
 def without(job_ids: Sequence[int], jobs: Sequence[ClaimedJob], vectors: Sequence) -> tuple[list, list]:
     """The jobs of an answer (and their vectors) other than ``job_ids``."""
-    kept = [(j, v) for j, v in zip(jobs, vectors) if j.job_id not in set(job_ids)]
+    drop = set(job_ids)
+    kept = [(j, v) for j, v in zip(jobs, vectors) if j.job_id not in drop]
     return [j for j, _ in kept], [v for _, v in kept]
 
 
 def check_vectors(dimensions: Sequence[int], jobs: Sequence[ClaimedJob], *, expected: int | None,
                   model_id: str) -> Stop | None:
     """After a successful call: vectors of the wrong dimension mean a
-    misconfigured endpoint, not bad items, so stop and touch nothing.
-    ``dimensions`` holds the length of each returned vector; ``expected`` None:
-    the model's dimension is not known yet (the first answer records it)."""
+    misconfigured endpoint, not bad items, so stop and touch nothing (every
+    answer would be as wrong: no point in a few more). ``dimensions`` holds the
+    length of each returned vector; ``expected`` None: the model's dimension is
+    not known yet (the first answer records it)."""
     got = set(dimensions)
     if expected is None or got == {expected}:
         return None
@@ -302,7 +327,3 @@ def check_vectors(dimensions: Sequence[int], jobs: Sequence[ClaimedJob], *, expe
                 ProviderError(FATAL, "dimension_mismatch",
                               f"provider returned {sorted(got)}-dimensional vectors for "
                               f"{model_id}, which has {expected} dimensions"))
-
-
-def _exhausted(jobs: Sequence[ClaimedJob]) -> tuple[int, ...]:
-    return tuple(j.job_id for j in jobs if j.attempts >= j.max_attempts)

@@ -1,6 +1,8 @@
-"""The worker's job store, telling what happens to jobs: one log line per job
+"""Observers of the job queue (``changes.JobObserver``): a log line per job
 when a claim ends otherwise than ready (a retry, a dead letter, a give-back),
-and a line per rescue; claims counted for the metrics.
+a line per rescue (``JobLog``), and the claims counted for the metrics
+(``ClaimCounter``). They watch what ``JobStore.apply`` applied; the store
+knows nothing of them.
 
 Every line about a job carries ``job_id``, ``document_id`` (one document that
 carries its content; None once none does), ``attempt`` and ``worker_id`` as
@@ -16,8 +18,9 @@ import logging
 import threading
 from typing import Sequence
 
-from pipeline_assets.jobs.job_store import JobStore
-from pipeline_assets.jobs.transitions import ClaimedJob
+from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, JobObserver, Retry
+from pipeline_assets.jobs.decisions import WORKER_ERROR
+from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import queries
 
 log = logging.getLogger("pipeline_assets.jobs")
@@ -29,61 +32,62 @@ JOB_LOG = queries.load("job_log")
 CONTEXT_TIMEOUT_SECONDS = 2.0
 
 
-class LoggedJobStore(JobStore):
-    """A JobStore whose transitions of held jobs also log a line per job (same behaviour otherwise)."""
+class ClaimCounter(JobObserver):
+    """Jobs claimed (read at scrape time by the metrics as ``JobStore.claimed``)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._count_lock = threading.Lock()
-        self.claimed = 0  # jobs claimed by this store (read at scrape time by the metrics)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.claimed_jobs = 0
 
-    def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
-        jobs = super().claim(owner=owner, limit=limit, lease_seconds=lease_seconds)
-        if jobs:
-            with self._count_lock:
-                self.claimed += len(jobs)
-        return jobs
+    def claimed(self, jobs: Sequence[ClaimedJob]) -> None:
+        with self._lock:
+            self.claimed_jobs += len(jobs)
 
-    def rescue(self, rescuer: str | None = None) -> int:
-        n = super().rescue(rescuer)
-        if n:
-            log.warning("rescued %d job(s) whose lease expired or whose worker stopped beating", n,
-                        extra={"worker_id": self.worker_id, "rescued": n})
-        return n
 
-    def give_back(self, *, owner: str, job_ids: Sequence[int], delay: float = 0.0,
-                  error_class: str | None = None, message: str | None = None,
-                  throttled: bool = False) -> list[int]:
-        moved = super().give_back(owner=owner, job_ids=job_ids, delay=delay, error_class=error_class,
-                                  message=message, throttled=throttled)
-        # A fault of our own is worth a warning; throttles and shutdown hand-backs are routine.
-        level = logging.WARNING if error_class and not throttled else logging.INFO
-        why = "throttled" if throttled else (error_class or "not sent")
+class JobLog(JobObserver):
+    """A log line per job whose claim ended otherwise than ready, and per rescue."""
+
+    def __init__(self, pool, *, worker_id: str, model_id: str) -> None:
+        self.pool = pool
+        self.worker_id = worker_id
+        self.model_id = model_id
+
+    def rescued(self, count: int) -> None:
+        log.warning("rescued %d job(s) whose lease expired or whose worker stopped beating", count,
+                    extra={"worker_id": self.worker_id, "rescued": count})
+
+    def applied(self, change: Change, became: dict[int, str]) -> None:
+        moved = list(became)
+        if isinstance(change, GiveBack):
+            self._given_back(change, moved)
+        elif isinstance(change, Retry):
+            retried = [i for i, s in became.items() if s == JobStatus.RETRY]
+            dead = [i for i, s in became.items() if s == JobStatus.FAILED]
+            self._log_jobs(logging.INFO, retried, "job failed (%s), will retry", (change.error_class,),
+                           error_class=change.error_class)
+            self._log_jobs(logging.WARNING, dead, "job dead-lettered (%s): attempts used up", (change.error_class,),
+                           error_class=change.error_class)
+        elif isinstance(change, Fail):
+            self._log_jobs(logging.WARNING, moved, "job dead-lettered (%s)", (change.error_class,),
+                           error_class=change.error_class)
+
+    def _given_back(self, change: GiveBack, moved: list[int]) -> None:
         # The give-back returned the attempt: the one it ended is the next one again.
+        if change.faulted:
+            self._log_jobs(logging.INFO, moved, "job's request failed (%s: charged to the provider and the "
+                           "request, no attempt used), will retry in %.2f s", (change.error_class, change.delay),
+                           error_class=change.error_class, attempt_offset=1)
+            return
+        if change.error_class is None:
+            self._log_jobs(logging.INFO, moved, "job handed back without using an attempt (not sent)", (),
+                           attempt_offset=1)
+            return
+        # A fault of our own is worth a warning; throttles and the provider's unusable answers are
+        # routine (the breaker counts them; a few unmatchable ones in a row stop the worker with a line).
+        level = logging.WARNING if change.error_class == WORKER_ERROR else logging.INFO
+        why = "throttled" if change.throttled else change.error_class
         self._log_jobs(level, moved, "job given back without using an attempt (%s); available again in %.2f s",
-                       (why, delay), error_class=error_class, attempt_offset=1)
-        return moved
-
-    def give_back_all(self, held: Sequence[tuple[str, list[int]]]) -> None:
-        super().give_back_all(held)
-        self._log_jobs(logging.INFO, [i for _, ids in held for i in ids],
-                       "job handed back at shutdown without using an attempt", (), attempt_offset=1)
-
-    def fail_retryable(self, *, owner: str, job_ids: Sequence[int], delays: Sequence[float], error_class: str,
-                       message: str) -> dict[int, str]:
-        moved = super().fail_retryable(owner=owner, job_ids=job_ids, delays=delays, error_class=error_class,
-                                       message=message)
-        retried = [i for i, s in moved.items() if s == "retry"]
-        dead = [i for i, s in moved.items() if s == "failed"]
-        self._log_jobs(logging.INFO, retried, "job failed (%s), will retry", (error_class,), error_class=error_class)
-        self._log_jobs(logging.WARNING, dead, "job dead-lettered (%s): attempts used up", (error_class,),
-                       error_class=error_class)
-        return moved
-
-    def fail_terminal(self, *, owner: str, job_ids: Sequence[int], error_class: str, message: str) -> list[int]:
-        failed = super().fail_terminal(owner=owner, job_ids=job_ids, error_class=error_class, message=message)
-        self._log_jobs(logging.WARNING, failed, "job dead-lettered (%s)", (error_class,), error_class=error_class)
-        return failed
+                       (why, change.delay), error_class=change.error_class, attempt_offset=1)
 
     # -- the lines -----------------------------------------------------------------------
     def _log_jobs(self, level: int, job_ids: Sequence[int], msg: str, args: tuple, *,
@@ -107,3 +111,11 @@ class LoggedJobStore(JobStore):
         with self.pool.connection(timeout=CONTEXT_TIMEOUT_SECONDS) as conn:
             rows = conn.execute(JOB_LOG.job_context, {"ids": list(job_ids)}).fetchall()
         return {job_id: (attempts, document_id) for job_id, attempts, document_id in rows}
+
+
+def observers(pool, *, worker_id: str, model_id: str, extra: Sequence[JobObserver] = ()) -> list[JobObserver]:
+    """The observers a worker's store is built with."""
+    return [JobLog(pool, worker_id=worker_id, model_id=model_id), ClaimCounter(), *extra]
+
+
+__all__: list[str] = ["ClaimCounter", "JobLog", "observers"]

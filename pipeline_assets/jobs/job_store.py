@@ -1,44 +1,63 @@
-"""The worker's view of the database: one short step per method.
+"""The worker's view of the database, and the one queue interface of its jobs.
 
 Each method takes a pooled connection only for its own statement (or short
 transaction), so a slow provider call holds no connection, no transaction and
-no row lock. Underneath: ``jobs.transitions`` (the guarded state machine),
-``jobs.ledger`` (spend) and ``jobs.models`` (the model registry).
+no row lock. ``claim`` takes a batch (of the whole queue or of a scope of
+documents); ``apply`` applies a batch of transitions (``jobs.changes``) of a
+claim, one statement per kind, and returns what each job became; observers
+(``jobs.job_log``, the worker's report) are told what was claimed and applied.
+Underneath: ``jobs.transitions`` (the guarded state machine), ``jobs.ledger``
+(spend) and ``jobs.models`` (the model registry).
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import psycopg
-from psycopg.rows import class_row
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.jobs import ledger, models, transitions
-from pipeline_assets.jobs.decisions import BreakerFailure
-from pipeline_assets.jobs.transitions import ClaimedJob
+from pipeline_assets.jobs.changes import Change, ClaimedJob, GiveBack, JobObserver
+from pipeline_assets.jobs.decisions import UNMATCHED_ANSWER, BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.settings import BREAKER_THRESHOLD
-from pipeline_assets.store import queries
 
-JOBS = queries.load("jobs")  # claim_scoped; the rest through jobs.transitions
+log = logging.getLogger(__name__)
 
 # Completion transactions retried on a deadlock with a concurrent ingest.
 COMPLETE_RETRIES = 3
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A provider answer to settle in the ledger together with the transitions it led to."""
+    call_id: int
+    jobs: Sequence[ClaimedJob]
+    tokens: int
+    latency: float
+
+
 class JobStore:
     def __init__(self, pool: ConnectionPool, *, model_id: str, worker_id: str, backoff_base: float,
-                 backoff_cap: float, run: str | None = None, scope: Sequence[int] | None = None) -> None:
+                 backoff_cap: float, run: str | None = None, scope: Sequence[int] | None = None,
+                 observers: Sequence[JobObserver] = ()) -> None:
         self.pool = pool
         # Claim only the jobs of these documents' chunks (doc_pk), when set: a Dagster run's own partitions.
         self.scope = list(scope) if scope is not None else None
         self.model_id = model_id
         self.worker_id = worker_id
         self.run = run  # this worker run (its lease-owner prefix), recorded with its sends
+        self.observers = list(observers)
         self._base = backoff_base  # the breaker's pause without a Retry-After
         self._cap = backoff_cap
+
+    @property
+    def claimed(self) -> int:
+        """Jobs claimed through this store, as counted by an observer that counts them (metrics)."""
+        return sum(getattr(o, "claimed_jobs", 0) for o in self.observers)
 
     # -- the model ------------------------------------------------------------------
     def register_model(self, spec: ModelSpec) -> int | None:
@@ -55,26 +74,51 @@ class JobStore:
 
     # -- the queue --------------------------------------------------------------------
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
-        """Claim a batch. A claim that took the half-open probe slot but found
-        nothing (a job taken meanwhile) frees the slot at once."""
-        if self.scope is not None:
-            return self._claim_scoped(owner=owner, limit=limit, lease_seconds=lease_seconds)
+        """Claim a batch (of the scope, if any). A claim that took the half-open
+        probe slot but found nothing (a job taken meanwhile) frees the slot at once."""
         with self.pool.connection() as conn:
             jobs = transitions.claim(conn, model_id=self.model_id, owner=owner, limit=limit,
-                                     lease_seconds=lease_seconds)
+                                     lease_seconds=lease_seconds, docs=self.scope)
             if not jobs:
                 transitions.release_probe(conn, self.model_id, owner)
-            return jobs
+        if jobs:
+            self._tell("claimed", jobs)
+        return jobs
 
-    def _claim_scoped(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
-        """``claim`` limited to the scope's jobs (sql/queries/jobs.sql: claim_scoped), same probe rules."""
+    def apply(self, owner: str, changes: Sequence[Change], *, answer: Answer | None = None) -> dict[int, str]:
+        """Apply the transitions of jobs held under ``owner`` in one transaction,
+        one statement per kind; returns what each job became (a refused job is missing).
+
+        With ``answer`` (a successful call), the call's outcome is settled in the
+        ledger in the same transaction, pipelined: its send was recorded before
+        the call, so if they never commit, the send stays counted as possibly
+        billed. A deadlock with a concurrent ingest is retried: the vectors are
+        already paid for.
+        """
+        if not any(c.job_ids for c in changes) and answer is None:
+            return {}
         with self.pool.connection() as conn:
-            with conn.cursor(row_factory=class_row(ClaimedJob)) as cur:
-                jobs = cur.execute(JOBS.claim_scoped, {"model": self.model_id, "owner": owner, "limit": limit,
-                                                       "lease": lease_seconds, "docs": self.scope}).fetchall()
-            if not jobs:
-                transitions.release_probe(conn, self.model_id, owner)
-            return jobs
+            for attempt in range(COMPLETE_RETRIES):
+                try:
+                    with conn.pipeline(), conn.transaction():
+                        if answer is not None:
+                            ledger.record_outcome(conn, call_id=answer.call_id, model_id=self.model_id,
+                                                  checksums=[j.chunk_checksum for j in answer.jobs], outcome="ok",
+                                                  status=200, latency=answer.latency, billed=ledger.BILLED,
+                                                  tokens=answer.tokens)
+                        applied = transitions.apply(conn, owner, changes)
+                    break
+                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                    if attempt == COMPLETE_RETRIES - 1:
+                        raise
+        for change, became in applied:
+            self._tell("applied", change, became)
+        return transitions.became(applied)
+
+    def give_back_all(self, held: Sequence[tuple[str, list[int]]]) -> None:
+        """At shutdown: every claim still held goes back without using an attempt."""
+        for owner, ids in held:
+            self.apply(owner, [GiveBack(tuple(ids))])
 
     def release_probe(self, owner: str) -> None:
         """A probe claim ended without closing the breaker (a 400, nothing sent,
@@ -93,71 +137,22 @@ class JobStore:
         worker's owner prefix, a live worker that may judge others dead); a
         rescued job waits out the backoff of its attempt."""
         with self.pool.connection() as conn:
-            return sum(transitions.rescue_expired(conn, rescuer=rescuer, base=self._base, cap=self._cap).values())
+            n = sum(transitions.rescue_expired(conn, rescuer=rescuer, base=self._base, cap=self._cap).values())
+        if n:
+            self._tell("rescued", n)
+        return n
 
     def extend_leases(self, held: Sequence[tuple[str, list[int]]], lease_seconds: float) -> None:
         with self.pool.connection() as conn:
             for owner, ids in held:
                 transitions.extend_lease(conn, owner=owner, job_ids=ids, lease_seconds=lease_seconds)
 
-    # -- transitions of held jobs ---------------------------------------------------------
-    def supersede(self, *, owner: str, job_ids: Sequence[int]) -> list[int]:
-        with self.pool.connection() as conn:
-            return transitions.supersede_held(conn, owner=owner, job_ids=job_ids)
-
-    def give_back(self, *, owner: str, job_ids: Sequence[int], delay: float = 0.0,
-                  error_class: str | None = None, message: str | None = None,
-                  throttled: bool = False) -> list[int]:
-        if not job_ids:
-            return []
-        with self.pool.connection() as conn:
-            return transitions.give_back(conn, owner=owner, job_ids=job_ids, delay=delay,
-                                         error_class=error_class, message=message, throttled=throttled)
-
-    def mark_isolated(self, *, owner: str, job_ids: Sequence[int]) -> None:
-        with self.pool.connection() as conn:
-            transitions.mark_isolated(conn, owner=owner, job_ids=job_ids)
-
-    def give_back_all(self, held: Sequence[tuple[str, list[int]]]) -> None:
-        with self.pool.connection() as conn:
-            for owner, ids in held:
-                transitions.give_back(conn, owner=owner, job_ids=ids)
-
-    def fail_retryable(self, *, owner: str, job_ids: Sequence[int], delays: Sequence[float], error_class: str,
-                       message: str) -> dict[int, str]:
-        with self.pool.connection() as conn:
-            return transitions.fail_retryable(conn, owner=owner, job_ids=job_ids, delays=delays,
-                                              error_class=error_class, message=message)
-
-    def fail_terminal(self, *, owner: str, job_ids: Sequence[int], error_class: str, message: str) -> list[int]:
-        with self.pool.connection() as conn:
-            return transitions.fail_terminal(conn, owner=owner, job_ids=job_ids, error_class=error_class,
-                                             message=message)
-
-    def complete(self, *, owner: str, jobs: Sequence[ClaimedJob], vectors: Sequence[np.ndarray], tokens: int,
-                 latency: float, call_id: int) -> tuple[list[int], list[int]]:
-        """Store the vectors of jobs still held and wanted; returns (ready, superseded).
-
-        One transaction, pipelined: the call's outcome (its send was recorded
-        before the call) and the completion travel together and commit
-        together; if they never commit, the send stays counted as possibly
-        billed. A deadlock with a concurrent ingest is retried: the vectors
-        are already paid for.
-        """
-        with self.pool.connection() as conn:
-            for attempt in range(COMPLETE_RETRIES):
-                try:
-                    with conn.pipeline(), conn.transaction():
-                        ledger.record_outcome(conn, call_id=call_id, model_id=self.model_id,
-                                              checksums=[j.chunk_checksum for j in jobs], outcome="ok", status=200,
-                                              latency=latency, billed=ledger.BILLED, tokens=tokens)
-                        ready, superseded = transitions.complete(conn, owner=owner,
-                                                                 job_ids=[j.job_id for j in jobs], vectors=vectors)
-                    break
-                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
-                    if attempt == COMPLETE_RETRIES - 1:
-                        raise
-        return ready, superseded
+    def _tell(self, event: str, *args) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, event)(*args)
+            except Exception:  # an observer must never fail a transition that already committed
+                log.exception("job observer %s failed", type(observer).__name__)
 
     # -- spend and the provider's state --------------------------------------------------------
     def record_send(self, jobs: Sequence[ClaimedJob], tokens: int) -> int:
@@ -177,7 +172,8 @@ class JobStore:
                        prefix: str = "") -> None:
         """Settle a failed send: an ambiguous failure (timeout, dropped answer) may
         have been billed and keeps its estimated tokens; a refusal was not billed."""
-        maybe = err.billed_maybe
+        # An answer that could not be matched to its inputs was answered, so billed.
+        maybe = err.billed_maybe or err.error_class == UNMATCHED_ANSWER
         self.record_outcome(call_id, jobs, outcome=prefix + err.error_class, status=err.status, latency=latency,
                             billed=ledger.MAYBE_BILLED if maybe else ledger.NOT_BILLED, tokens=None if maybe else 0)
 

@@ -2,21 +2,21 @@
 
 Knows nothing of providers, workers or Dagster. Each function is one short
 statement (or one short transaction) and returns which jobs it moved. The SQL
-is in sql/queries/jobs.sql (``JOBS.<name>``); the states are ``JobStatus``.
+is in sql/queries/jobs.sql (``JOBS.<name>``); the states are ``JobStatus``; the
+transitions of held jobs are the plain values of ``jobs.changes``, applied by
+``apply`` (one statement per kind).
 
     pending ──claim──► processing ──complete──► ready
        ▲                 │  │  │                  │
        │ requeue/revive  │  │  └─lost content──► superseded ◄── (content gone)
-       │                 │  └─retryable/expired─► retry ──claim──► processing
+       │                 │  └─retry/give back/expired─► retry ──claim──► processing
      failed ◄─terminal / attempts exhausted─┘
 """
 
 from __future__ import annotations
 
-import functools
-
 import contextlib
-from dataclasses import dataclass
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -24,48 +24,68 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
+from pipeline_assets.jobs.changes import (ClaimedJob, Change, Complete, Fail, GiveBack, Isolate, Retry, Supersede,
+                                          merged, params)
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import queries
 
+__all__ = ["ClaimedJob", "apply", "claim"]
+
 JOBS = queries.load("jobs")
 
-
-@dataclass(frozen=True)
-class ClaimedJob:
-    job_id: int
-    chunk_checksum: bytes
-    attempts: int
-    max_attempts: int
-    text: str | None  # None: no current chunk carries the checksum any more
-    token_count: int | None = None
-    probe: bool = False  # this claim is the half-open breaker's probe
-    throttles: int = 0  # 429s this job met (they use no attempt; past a cap a lone input fails)
-    isolate: bool = False  # it was in a batch refused for a bad input: send it alone
+# The guarded statement of each kind of transition of a held job.
+_QUERY = {Complete: JOBS.complete, Retry: JOBS.fail_retryable, GiveBack: JOBS.give_back, Fail: JOBS.fail_terminal,
+          Supersede: JOBS.supersede_held, Isolate: JOBS.mark_isolated}
 
 
-def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int,
-          lease_seconds: float) -> list[ClaimedJob]:
+@functools.cache
+def _claim(scoped: bool) -> sql.Composed:
+    """The claim statement for one scope, composed once per process."""
+    scope = JOBS.claim_scope_docs if scoped else JOBS.claim_scope_all
+    return sql.SQL(JOBS.claim).format(scope=sql.SQL(scope))
+
+
+def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int, lease_seconds: float,
+          docs: Sequence[int] | None = None) -> list[ClaimedJob]:
+    """Claim up to ``limit`` claimable jobs of the model; with ``docs`` (doc_pks)
+    only the jobs of those documents' chunks."""
     with conn.cursor(row_factory=class_row(ClaimedJob)) as cur:
-        return cur.execute(JOBS.claim, {"model": model_id, "owner": owner, "limit": limit,
-                                        "lease": lease_seconds}).fetchall()
+        return cur.execute(_claim(docs is not None), {
+            "model": model_id, "owner": owner, "limit": limit, "lease": lease_seconds,
+            "docs": list(docs) if docs is not None else None}).fetchall()
 
 
-def complete(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
-             vectors: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
-    """Store vectors for jobs still held and wanted; supersede held-but-unwanted ones.
+def apply(conn: psycopg.Connection, owner: str, changes: Sequence[Change]) -> list[tuple[Change, dict[int, str]]]:
+    """Apply a batch of transitions of jobs held under ``owner``, one statement
+    per kind, in one transaction (unless the caller already opened one).
 
-    Returns (ready_ids, superseded_ids); any other id was refused (lease lost).
+    Returns each applied change with what its jobs became (job id -> status);
+    a job missing from it was refused (its lease was lost, or it was not in the
+    state the transition leaves). A ``Complete`` whose content is no longer
+    wanted supersedes the held jobs it could not store, in the same transaction.
     """
-    ids = list(job_ids)
+    out: list[tuple[Change, dict[int, str]]] = []
     with _atomic(conn):
-        ready = [r[0] for r in conn.execute(
-            JOBS.complete, {"ids": ids, "vecs": [np.asarray(v, dtype=np.float32) for v in vectors],
-                            "owner": owner})]
-        if len(ready) == len(ids):
-            return ready, []
-        won = set(ready)
-        superseded = supersede_held(conn, owner=owner, job_ids=[i for i in ids if i not in won])
-    return ready, superseded
+        for change in merged(changes):
+            became = _run(conn, change, owner)
+            out.append((change, became))
+            if isinstance(change, Complete) and len(became) < len(change.job_ids):
+                rest = Supersede(tuple(i for i in change.job_ids if i not in became))
+                out.append((rest, _run(conn, rest, owner)))
+    return out
+
+
+def _run(conn: psycopg.Connection, change: Change, owner: str) -> dict[int, str]:
+    rows = conn.execute(_QUERY[type(change)], params(change) | {"owner": owner}).fetchall()
+    return {job_id: status for job_id, status in rows}
+
+
+def became(applied: Sequence[tuple[Change, dict[int, str]]]) -> dict[int, str]:
+    """What each job of an ``apply`` ended as (its last transition wins)."""
+    out: dict[int, str] = {}
+    for _, moved in applied:
+        out.update(moved)
+    return out
 
 
 def _atomic(conn: psycopg.Connection):
@@ -75,33 +95,34 @@ def _atomic(conn: psycopg.Connection):
     return contextlib.nullcontext()
 
 
-def supersede_held(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]) -> list[int]:
-    if not job_ids:
-        return []
-    return [r[0] for r in conn.execute(JOBS.supersede_held, {"ids": list(job_ids), "owner": owner})]
+# -- one transition at a time (tests, benchmarks, scripts): each is one ``apply`` --------
+
+def complete(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
+             vectors: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
+    """Returns (ready_ids, superseded_ids); any other id was refused (lease lost)."""
+    now = became(apply(conn, owner, [Complete(tuple(job_ids),
+                                              tuple(np.asarray(v, dtype=np.float32) for v in vectors))]))
+    return ([i for i in job_ids if now.get(i) == JobStatus.READY],
+            [i for i in job_ids if now.get(i) == JobStatus.SUPERSEDED])
 
 
 def fail_retryable(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
                    delays: Sequence[float], error_class: str, message: str) -> dict[int, str]:
-    rows = _dicts(conn, JOBS.fail_retryable, {"ids": list(job_ids), "delays": list(delays),
-                                              "owner": owner, "cls": error_class, "msg": message})
-    return {r["job_id"]: r["status"] for r in rows}
+    return became(apply(conn, owner, [Retry(tuple(job_ids), tuple(delays), error_class, message)]))
 
 
 def give_back(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], delay: float = 0.0,
-              error_class: str | None = None, message: str | None = None, throttled: bool = False) -> list[int]:
-    """Return held jobs without consuming their attempt (throttle, a fault of our
-    own, shutdown, fatal config); ``throttled`` counts a throttle on each."""
-    if not job_ids:
-        return []
-    return [r[0] for r in conn.execute(JOBS.give_back, {
-        "ids": list(job_ids), "owner": owner, "delay": delay, "cls": error_class, "msg": message,
-        "throttled": throttled})]
+              error_class: str | None = None, message: str | None = None, throttled: bool = False,
+              faulted: bool = False) -> list[int]:
+    """Return held jobs without consuming their attempt; ``throttled``/``faulted``
+    count a throttle / a transient fault charged to the request on each."""
+    return list(became(apply(conn, owner, [GiveBack(tuple(job_ids), delay, error_class, message,
+                                                    throttled, faulted)])))
 
 
-def mark_isolated(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]) -> int:
-    """Held jobs of a batch refused for a bad input: each goes alone next time."""
-    return conn.execute(JOBS.mark_isolated, {"ids": list(job_ids), "owner": owner}).rowcount
+def fail_terminal(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], error_class: str,
+                  message: str) -> list[int]:
+    return list(became(apply(conn, owner, [Fail(tuple(job_ids), error_class, message)])))
 
 
 def release_probe(conn: psycopg.Connection, model_id: str, owner: str) -> int:
@@ -109,14 +130,8 @@ def release_probe(conn: psycopg.Connection, model_id: str, owner: str) -> int:
     return conn.execute(JOBS.release_probe, {"model": model_id, "owner": owner}).rowcount
 
 
-def fail_terminal(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], error_class: str,
-                  message: str) -> list[int]:
-    return [r[0] for r in conn.execute(JOBS.fail_terminal, {
-        "ids": list(job_ids), "owner": owner, "cls": error_class, "msg": message})]
-
-
 def extend_lease(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], lease_seconds: float) -> int:
-    cur = conn.execute(JOBS.extend_lease, {"ids": list(job_ids), "owner": owner, "lease": lease_seconds})
+    cur = conn.execute(JOBS.extend_lease, {"job_ids": list(job_ids), "owner": owner, "lease": lease_seconds})
     return cur.rowcount
 
 

@@ -9,18 +9,21 @@
 -- (checked by pipeline_assets_tests/test_named_queries.py).
 
 -- name: claim
--- pending|retry -> processing. Batch claim; the lease comes from the database
--- clock, never the worker's. The shared circuit breaker gates it: while tripped
--- and paused nobody claims; once the pause is over (half-open) one claim at a
--- time wins the probe slot (probe_owner), and the first success closes the
--- breaker. The slot is taken only when a job is waiting, and it is released as
--- soon as its claim ends or finds nothing (release_probe) or a call fails
--- while the breaker is tripped (provider_failure): probe_until (a lease) only
--- bounds the slot of a probe whose worker died. The waiting-job probe is
--- correlated with the breaker row, so it runs only for a half-open breaker (an
--- uncorrelated EXISTS is a one-time filter run on EVERY claim, and its scan
--- from the start of the heap grows with the jobs already done), and it is a
--- min() over the claim index (index-only, a few buffers).
+-- pending|retry -> processing. Batch claim of the jobs in a scope (one of the
+-- claim_scope_* conditions below, filled in as the psycopg.sql field "scope":
+-- the whole queue, or the jobs of some documents' current chunks for a Dagster
+-- embeddings run's own partitions); the lease comes from the database clock,
+-- never the worker's. The shared circuit breaker gates it: while tripped and
+-- paused nobody claims; once the pause is over (half-open) one claim at a time
+-- wins the probe slot (probe_owner), and the first success closes the
+-- breaker. The slot is taken only when a job of the scope is waiting, and it
+-- is released as soon as its claim ends or finds nothing (release_probe) or a
+-- call fails while the breaker is tripped (provider_failure): probe_until (a
+-- lease) only bounds the slot of a probe whose worker died. The waiting-job
+-- probe is correlated with the breaker row, so it runs only for a half-open
+-- breaker (an uncorrelated EXISTS is a one-time filter run on EVERY claim, and
+-- its scan from the start of the heap grows with the jobs already done), and
+-- it is a min() over the claim index (index-only, a few buffers).
 -- The claim commits without waiting for its WAL flush (synchronous_commit off
 -- for this statement's own transaction; async below): it is visible to every
 -- session at once, and only a crash of the database server itself within
@@ -28,7 +31,7 @@
 -- (ledger.sql record_send, committed the same way): the job is then simply
 -- waiting again, and the lease fence refuses the lost claim's completion. The
 -- completion, which stores paid-for vectors, is flushed as before.
--- Columns are named as the fields of transitions.ClaimedJob.
+-- Columns are named as the fields of changes.ClaimedJob.
 WITH async AS (
     SELECT set_config('synchronous_commit', 'off', true)
 ), gate AS (
@@ -36,17 +39,18 @@ WITH async AS (
                                     probe_owner = %(owner)s
     WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
       AND (SELECT min(w.available_at) FROM app.embedding_jobs w
-           WHERE w.model_id = p.model_id AND w.status IN ('pending', 'retry')) <= now()
+           WHERE w.model_id = p.model_id AND w.status IN ('pending', 'retry') AND {scope}) <= now()
     RETURNING true AS probe
 ), picked AS (
-    SELECT job_id, chunk_checksum FROM app.embedding_jobs
-    WHERE model_id = %(model)s
-      AND status IN ('pending', 'retry')
-      AND available_at <= now()
+    SELECT w.job_id, w.chunk_checksum FROM app.embedding_jobs w
+    WHERE w.model_id = %(model)s
+      AND w.status IN ('pending', 'retry')
+      AND w.available_at <= now()
+      AND {scope}
       AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = %(model)s AND m.active)
       AND (NOT EXISTS (SELECT 1 FROM app.provider_state p WHERE p.model_id = %(model)s AND p.tripped)
            OR EXISTS (SELECT 1 FROM gate))
-    ORDER BY available_at, job_id
+    ORDER BY w.available_at, w.job_id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
@@ -61,7 +65,18 @@ LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
                    WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
 WHERE j.job_id = picked.job_id AND EXISTS (SELECT 1 FROM async)
 RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
-          EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate
+          EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate, j.faults
+
+-- name: claim_scope_all
+-- The whole queue of the model.
+true
+
+-- name: claim_scope_docs
+-- The jobs of some documents' current chunks (%(docs)s: their doc_pk), found
+-- through the identity (chunks by document, then job_keys), not the queue.
+w.job_id IN (SELECT k.job_id FROM app.job_keys k
+             WHERE k.model_id = %(model)s
+               AND k.chunk_checksum IN (SELECT c.chunk_checksum FROM app.chunks c WHERE c.doc_pk = ANY(%(docs)s)))
 
 -- name: release_probe
 -- The probe slot goes free at once when the claim holding it found nothing,
@@ -70,17 +85,21 @@ UPDATE app.provider_state SET probe_until = '-infinity', probe_owner = NULL, upd
 WHERE model_id = %(model)s AND probe_owner = %(owner)s
 
 -- name: mark_isolated
--- A batch was refused for a bad input and is being split: should the split be
--- cut short (a throttle, a crash), each of these jobs goes alone next time.
+-- changes.Isolate. A batch was refused for a bad input and is being split:
+-- should the split be cut short (a throttle, a crash), each of these jobs goes
+-- alone next time. The job stays processing.
 UPDATE app.embedding_jobs SET isolate = true
-WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s AND NOT isolate
+WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(owner)s AND NOT isolate
+RETURNING job_id, status
 
 -- name: complete
--- processing -> ready, only under this lease and only while the content is still
--- wanted (a current chunk carries the checksum) by an active model. The vector
--- is stored in the same statement.
+-- changes.Complete. processing -> ready, only under this lease and only while
+-- the content is still wanted (a current chunk carries the checksum) by an
+-- active model. The vector is stored in the same statement. (A held job it
+-- refuses for unwanted content is then superseded by supersede_held, in the
+-- same transaction.)
 WITH input AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(vecs)b::vector[]) AS t(job_id, embedding)
+    SELECT * FROM unnest(%(job_ids)s::bigint[], %(vectors)b::vector[]) AS t(job_id, embedding)
 ), won AS (
     UPDATE app.embedding_jobs j
     SET status = 'ready', lease_owner = NULL, lease_expires_at = NULL,
@@ -91,66 +110,72 @@ WITH input AS (
       AND j.lease_owner = %(owner)s
       AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
       AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
-    RETURNING j.job_id, j.chunk_checksum, j.model_id
+    RETURNING j.job_id, j.chunk_checksum, j.model_id, j.status
 ), stored AS (
     INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)
     SELECT w.chunk_checksum, w.model_id, i.embedding FROM won w JOIN input i USING (job_id)
     ON CONFLICT (chunk_checksum, model_id)
     DO UPDATE SET embedding = EXCLUDED.embedding, created_at = now()
 )
-SELECT job_id FROM won
+SELECT job_id, status FROM won
 
 -- name: supersede_held
--- processing -> superseded for a lease holder whose content is no longer wanted.
+-- changes.Supersede. processing -> superseded for a lease holder whose
+-- content is no longer wanted.
 UPDATE app.embedding_jobs
 SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
-WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
-RETURNING job_id
+WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(owner)s
+RETURNING job_id, status
 
 -- name: fail_retryable
--- processing -> retry (or failed when attempts are used up), with a per-job delay;
--- superseded when its model was retired meanwhile (nobody would claim it again).
+-- changes.Retry. processing -> retry (or failed when attempts are used up),
+-- with a per-job delay; superseded when its model was retired meanwhile
+-- (nobody would claim it again). The attempt the claim counted stays used.
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) THEN 'superseded'
                   WHEN j.attempts >= j.max_attempts THEN 'failed' ELSE 'retry' END,
     available_at = now() + make_interval(secs => d.delay),
     lease_owner = NULL, lease_expires_at = NULL,
-    error_class = %(cls)s, error_message = %(msg)s, updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(delays)s::float8[]) AS d(job_id, delay)
+    error_class = %(error_class)s, error_message = %(message)s, updated_at = now()
+FROM unnest(%(job_ids)s::bigint[], %(delays)s::float8[]) AS d(job_id, delay)
 WHERE j.job_id = d.job_id AND j.status = 'processing' AND j.lease_owner = %(owner)s
 RETURNING j.job_id, j.status
 
 -- name: give_back
--- processing -> retry without consuming the attempt: throttling (the provider's
--- state, not the item's; counted in throttles), a fault of our own (database,
--- infrastructure), a fatal configuration error, or release at shutdown.
--- Superseded instead when its model was retired meanwhile.
+-- changes.GiveBack. processing -> retry (pending if it had no attempt before)
+-- without consuming the attempt: throttling (the provider's state, not the
+-- item's; counted in throttles), a transient fault charged to the request
+-- (counted in faults), an answer that could not be matched to its inputs, a
+-- fault of our own (database, infrastructure), a fatal configuration error,
+-- or release at shutdown. Superseded instead when its model was retired
+-- meanwhile.
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) THEN 'superseded'
                   WHEN j.attempts <= 1 THEN 'pending' ELSE 'retry' END,
     attempts = greatest(j.attempts - 1, 0),
     throttles = j.throttles + CASE WHEN %(throttled)s THEN 1 ELSE 0 END,
+    faults = j.faults + CASE WHEN %(faulted)s THEN 1 ELSE 0 END,
     available_at = now() + make_interval(secs => %(delay)s),
     lease_owner = NULL, lease_expires_at = NULL,
-    error_class = coalesce(%(cls)s, j.error_class),
-    error_message = coalesce(%(msg)s, j.error_message),
+    error_class = coalesce(%(error_class)s, j.error_class),
+    error_message = coalesce(%(message)s, j.error_message),
     updated_at = now()
-WHERE j.job_id = ANY(%(ids)s) AND j.status = 'processing' AND j.lease_owner = %(owner)s
-RETURNING j.job_id
+WHERE j.job_id = ANY(%(job_ids)s) AND j.status = 'processing' AND j.lease_owner = %(owner)s
+RETURNING j.job_id, j.status
 
 -- name: fail_terminal
--- processing -> failed at once: the input itself is bad.
+-- changes.Fail. processing -> failed at once: the input itself is bad.
 UPDATE app.embedding_jobs
 SET status = 'failed', lease_owner = NULL, lease_expires_at = NULL,
-    error_class = %(cls)s, error_message = %(msg)s, updated_at = now()
-WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
-RETURNING job_id
+    error_class = %(error_class)s, error_message = %(message)s, updated_at = now()
+WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(owner)s
+RETURNING job_id, status
 
 -- name: extend_lease
 -- Heartbeat: a healthy lease holder pushes its expiry forward.
 UPDATE app.embedding_jobs
 SET lease_expires_at = now() + make_interval(secs => %(lease)s)
-WHERE job_id = ANY(%(ids)s) AND status = 'processing' AND lease_owner = %(owner)s
+WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(owner)s
 
 -- name: rescue_expired
 -- Lease rescue: processing -> retry (or failed when attempts are used up;
@@ -194,7 +219,7 @@ UPDATE app.embedding_jobs j
 SET status = CASE WHEN EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
                        AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
                   THEN 'pending' ELSE 'superseded' END,
-    attempts = 0, throttles = 0, available_at = now(), updated_at = now()
+    attempts = 0, throttles = 0, faults = 0, available_at = now(), updated_at = now()
 WHERE j.status = 'failed' AND (%(all)s OR j.job_id = ANY(%(ids)s))
 RETURNING j.job_id, j.status
 
@@ -259,7 +284,7 @@ NOT EXISTS (SELECT 1 FROM app.job_keys k WHERE k.chunk_checksum = c.chunk_checks
 -- name: revive_wanted
 -- superseded -> pending: content came back (a revert, a re-added file).
 UPDATE app.embedding_jobs j
-SET status = 'pending', attempts = 0, throttles = 0, available_at = now(),
+SET status = 'pending', attempts = 0, throttles = 0, faults = 0, available_at = now(),
     error_class = NULL, error_message = NULL, updated_at = now()
 WHERE j.status = 'superseded'
   AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
@@ -268,7 +293,7 @@ WHERE j.status = 'superseded'
 -- name: revive_wanted_among
 -- revive_wanted limited to some checksums.
 UPDATE app.embedding_jobs j
-SET status = 'pending', attempts = 0, throttles = 0, available_at = now(),
+SET status = 'pending', attempts = 0, throttles = 0, faults = 0, available_at = now(),
     error_class = NULL, error_message = NULL, updated_at = now()
 FROM app.job_keys k
 WHERE k.chunk_checksum = ANY(%(checksums)s::bytea[]) AND j.job_id = k.job_id
@@ -345,47 +370,3 @@ UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_u
        probe_owner = NULL, updated_at = now()
 WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
   AND (NOT tripped OR paused_until <= now())  -- a call that was already in flight cannot cut a pause short
-
--- name: claim_scoped
--- claim limited to the jobs of some documents' current chunks (%(docs)s: their
--- doc_pk): a Dagster embeddings run embeds its own partitions first instead of
--- the oldest work of the whole queue. Everything else mirrors claim: the
--- breaker gate (the probe slot is taken only when a job of the scope is
--- waiting), the lease from the database clock, the order, the columns.
-WITH scope AS (
-    SELECT j.job_id FROM app.job_keys k
-    JOIN app.embedding_jobs j ON j.job_id = k.job_id
-    WHERE k.model_id = %(model)s
-      AND k.chunk_checksum IN (SELECT c.chunk_checksum FROM app.chunks c WHERE c.doc_pk = ANY(%(docs)s))
-      AND j.status IN ('pending', 'retry') AND j.available_at <= now()
-), gate AS (
-    UPDATE app.provider_state p SET probe_until = now() + make_interval(secs => %(lease)s),
-                                    probe_owner = %(owner)s
-    WHERE p.model_id = %(model)s AND p.tripped AND p.paused_until <= now() AND p.probe_until <= now()
-      AND EXISTS (SELECT 1 FROM scope)
-    RETURNING true AS probe
-), picked AS (
-    SELECT job_id, chunk_checksum FROM app.embedding_jobs
-    WHERE job_id IN (SELECT job_id FROM scope)
-      AND model_id = %(model)s
-      AND status IN ('pending', 'retry')
-      AND available_at <= now()
-      AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = %(model)s AND m.active)
-      AND (NOT EXISTS (SELECT 1 FROM app.provider_state p WHERE p.model_id = %(model)s AND p.tripped)
-           OR EXISTS (SELECT 1 FROM gate))
-    ORDER BY available_at, job_id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE app.embedding_jobs j
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_expires_at = now() + make_interval(secs => %(lease)s),
-    attempts = j.attempts + 1,
-    updated_at = now()
-FROM picked
-LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
-                   WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
-WHERE j.job_id = picked.job_id
-RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
-          EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate

@@ -1,0 +1,135 @@
+"""The transitions of held jobs, as plain values (no database here).
+
+After River's executor/completer split: the worker's pure decisions
+(``jobs.decisions``) return these values; one queue interface
+(``transitions.apply``, through ``JobStore.apply``) applies a batch of them
+under a lease owner, one guarded statement per kind (its named query in
+sql/queries/jobs.sql, named in the comment of each class), and returns what each job became; logging and metrics observe what
+was applied (``JobObserver``).
+
+    Complete   processing -> ready (vector stored), or superseded when the
+               content is no longer wanted
+    Retry      processing -> retry, the attempt used (failed when used up)
+    GiveBack   processing -> pending|retry, the attempt returned (a throttle,
+               a transient fault charged to the request, an unmatchable
+               answer, a fault of ours, shutdown)
+    Fail       processing -> failed (dead letter) at once
+    Supersede  processing -> superseded (nobody wants the content)
+    Isolate    processing, marked to go alone in its next request
+
+Each field is the named parameter of the same name in sql/queries/jobs.sql:
+adding a field to a transition is one edit here and one in its query. A field
+whose value is a tuple holds one value per job (``job_ids`` order); any other
+field is the same for every job of the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence, Union
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    job_id: int
+    chunk_checksum: bytes
+    attempts: int
+    max_attempts: int
+    text: str | None  # None: no current chunk carries the checksum any more
+    token_count: int | None = None
+    probe: bool = False  # this claim is the half-open breaker's probe
+    throttles: int = 0  # 429s this job met (they use no attempt; past a cap a lone input fails)
+    isolate: bool = False  # it was in a batch refused for a bad input: send it alone
+    faults: int = 0  # transient faults charged to its requests, not to it (its requests shrink with them)
+
+
+@dataclass(frozen=True)
+class Complete:  # jobs.sql: complete
+    job_ids: tuple[int, ...]
+    vectors: tuple[Any, ...]            # per job: its vector (float32)
+
+
+@dataclass(frozen=True)
+class Retry:  # jobs.sql: fail_retryable
+    job_ids: tuple[int, ...]
+    delays: tuple[float, ...]           # per job: seconds before it is claimable again
+    error_class: str
+    message: str
+
+
+@dataclass(frozen=True)
+class GiveBack:  # jobs.sql: give_back
+    job_ids: tuple[int, ...]
+    delay: float = 0.0                  # not claimable again before this
+    error_class: str | None = None      # None: keep the job's last error
+    message: str | None = None
+    throttled: bool = False             # count a throttle on each job
+    faulted: bool = False               # count a transient fault charged to the request on each job
+
+
+@dataclass(frozen=True)
+class Fail:  # jobs.sql: fail_terminal
+    job_ids: tuple[int, ...]
+    error_class: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Supersede:  # jobs.sql: supersede_held
+    job_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Isolate:  # jobs.sql: mark_isolated
+    job_ids: tuple[int, ...]
+
+
+Change = Union[Complete, Retry, GiveBack, Fail, Supersede, Isolate]
+KINDS = (Complete, Retry, GiveBack, Fail, Supersede, Isolate)
+
+
+def merged(changes: Sequence[Change]) -> list[Change]:
+    """The changes of a batch with the same kind and the same shared fields
+    joined into one (per-job fields concatenated): one statement each. Empty
+    changes are left out; order of first appearance is kept."""
+    groups: dict[tuple, list[Change]] = {}
+    for change in changes:
+        if change.job_ids:
+            groups.setdefault(_shared(change), []).append(change)
+    out: list[Change] = []
+    for members in groups.values():
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        first = members[0]
+        per_job = {f.name: tuple(v for m in members for v in getattr(m, f.name))
+                   for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), tuple)}
+        out.append(dataclasses.replace(first, **per_job))
+    return out
+
+
+def params(change: Change) -> dict[str, Any]:
+    """The named parameters of a change's query (lists for the per-job fields)."""
+    return {f.name: list(v) if isinstance(v := getattr(change, f.name), tuple) else v
+            for f in dataclasses.fields(change)}
+
+
+def _shared(change: Change) -> tuple:
+    return (type(change),) + tuple(getattr(change, f.name) for f in dataclasses.fields(change)
+                                   if not isinstance(getattr(change, f.name), tuple))
+
+
+class JobObserver:
+    """Something that watches what the queue did (a log, metrics, a report):
+    called after the statement committed; it must not raise into the worker.
+    Every method does nothing unless overridden."""
+
+    def claimed(self, jobs: Sequence[ClaimedJob]) -> None:
+        """A claim took ``jobs``."""
+
+    def applied(self, change: Change, became: dict[int, str]) -> None:
+        """``change`` was applied; ``became``: what its jobs became (refused ones are missing)."""
+
+    def rescued(self, count: int) -> None:
+        """``count`` expired or orphaned leases were rescued."""

@@ -1,0 +1,227 @@
+"""One claim, executed: plan its requests, call the provider outside any
+transaction, decide (``jobs.decisions``) and apply the transitions it decided
+(``JobStore.apply``), after River's executor/completer split: this module
+decides what each job becomes; the store applies it.
+
+``ProviderView`` is what the worker has learnt of the provider (its dimension,
+the configuration probe's answer, a local pause after a throttle, whether a
+failure was seen, the unmatchable answers in a row), shared by the worker's
+threads. ``Stopping`` holds why the worker stops (the first reason wins).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import psycopg
+
+from pipeline_assets.jobs import crashpoints, decisions, ledger
+from pipeline_assets.jobs.changes import ClaimedJob, Complete, GiveBack, Isolate, Supersede
+from pipeline_assets.jobs.decisions import Apply, ProbeConfig, Split, Stop
+from pipeline_assets.jobs.faults import FaultCounter
+from pipeline_assets.jobs.job_store import Answer, JobStore
+from pipeline_assets.jobs.leases import HeldLeases
+from pipeline_assets.jobs.report import WorkerReport
+from pipeline_assets.providers import RETRYABLE, TERMINAL, Provider, ProviderError
+from pipeline_assets.settings import Settings
+
+log = logging.getLogger("pipeline_assets.jobs.worker")
+
+# The trivial input that tells a bad configuration from a bad input after a 400.
+CONFIG_PROBE_TEXT = "ping"
+
+
+@dataclass
+class Stopping:
+    """Why the worker stops: a fatal provider error, faults of our own, a budget."""
+    event: threading.Event
+    fatal: ProviderError | None = None
+    fault: str | None = None
+    budget: str | None = None
+
+    def stop(self, *, fatal: ProviderError | None = None, fault: str | None = None,
+             budget: str | None = None) -> None:
+        if self.fatal is None and self.fault is None and self.budget is None:
+            self.fatal, self.fault, self.budget = fatal, fault, budget
+        self.event.set()
+
+
+@dataclass
+class ProviderView:
+    dimension: int | None                  # the model's, once known (the recorded one wins)
+    config_ok: bool | None = None          # the configuration probe's answer (None: not asked)
+    paused_until: float = 0.0              # monotonic; a 429 seen here: send nothing more of held claims
+    had_failure: bool = False              # reset the shared failure count only after failures
+    unmatched: int = 0                     # unmatchable answers since the last completion
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self.paused_until
+
+
+@dataclass
+class Executor:
+    provider: Provider
+    store: JobStore
+    settings: Settings
+    poll_seconds: float
+    lease_seconds: float
+    report: WorkerReport
+    stopping: Stopping
+    view: ProviderView
+    leases: HeldLeases = field(default_factory=HeldLeases)
+    faults: FaultCounter = field(default_factory=FaultCounter)  # faults of our own since the last completion
+
+    # -- a claim -------------------------------------------------------------------
+    def run_claim(self, owner: str, jobs: Sequence[ClaimedJob], batch: int) -> None:
+        requests = decisions.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens)
+        budget = self.settings.call_timeout * (len(requests) + 1) + self.lease_seconds
+        self.leases.hold(owner, [j.job_id for j in jobs], time.monotonic() + budget)
+        try:
+            crashpoints.reach(crashpoints.AFTER_CLAIM, self.settings.crashpoint)
+            gone = decisions.unwanted(jobs)
+            if gone:
+                self.store.apply(owner, [Supersede(tuple(gone))])
+            for n, request in enumerate(requests):
+                if self.stopping.event.is_set() or self.view.paused:
+                    # Stopping, or the provider just throttled us: hand back
+                    # what was not sent instead of hammering it.
+                    self.store.apply(owner, [GiveBack(tuple(j.job_id for r in requests[n:] for j in r))])
+                    break
+                self.call(owner, request)
+            if jobs[0].probe:  # the probe ended without closing the breaker: the next claim may probe
+                self.store.release_probe(owner)
+        except Exception as exc:  # a fault of our own (the database, a bug): not the items'
+            if isinstance(exc, psycopg.Error):
+                log.warning("database fault; claim given back: %s", " ".join(str(exc).split()))
+            else:
+                log.exception("batch failed in the worker")
+            self.release(owner, jobs, exc)
+        finally:
+            self.leases.drop(owner)
+
+    def release(self, owner: str, jobs: Sequence[ClaimedJob], exc: Exception) -> None:
+        """Give the jobs back without using an attempt; stop after a few faults in a row."""
+        consecutive, unavailable = self.faults.count(exc)
+        outcome = decisions.worker_error(exc, jobs, consecutive=consecutive, unavailable=unavailable,
+                                         base=self.settings.backoff_base, cap=self.settings.backoff_cap)
+        try:
+            self.store.apply(owner, outcome.changes)
+            if jobs and jobs[0].probe:
+                self.store.release_probe(owner)
+        except Exception:
+            log.exception("could not hand back jobs; they return when their lease expires")
+        if outcome.stop is not None:
+            self.stopping.stop(fault=outcome.stop)
+
+    # -- a request -----------------------------------------------------------------
+    def call(self, owner: str, jobs: Sequence[ClaimedJob]) -> None:
+        started = time.monotonic()
+        # A healthy call keeps its lease for as long as it may take.
+        self.leases.extend_deadline(owner, started + self.settings.call_timeout + self.lease_seconds)
+        # The send is in the ledger before the request goes out: if no answer
+        # ever comes (a kill, a failure), it still counts as possibly billed.
+        call_id = self.store.record_send(jobs, sum(j.token_count or 0 for j in jobs))
+        try:
+            result = _embed(self.provider, [j.text for j in jobs])
+        except ProviderError as err:
+            self.store.record_failure(call_id, jobs, err, time.monotonic() - started)
+            self.report.add(provider_calls=1)
+            self.view.had_failure = True
+            self.carry_out(owner, jobs, self._decide(err, jobs))
+            return
+        latency = time.monotonic() - started
+        self.report.add(provider_calls=1, tokens=result.tokens)
+        crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint)
+        answer = Answer(call_id, jobs, result.tokens, latency)
+        stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
+                                       model_id=self.provider.spec.model_id)
+        if stop is not None:
+            self.store.apply(owner, [], answer=answer)
+            self.carry_out(owner, jobs, stop)
+            return
+        if self.view.dimension is None:
+            self.view.dimension = self.store.record_dimension(len(result.vectors[0]))
+        vectors = result.vectors
+        changes = []
+        # One check of the whole answer; vector by vector only when it fails.
+        bad = None if np.isfinite(np.concatenate(vectors)).all() else decisions.bad_vectors(
+            [bool(np.isfinite(v).all()) for v in vectors], jobs,
+            base=self.settings.backoff_base, cap=self.settings.backoff_cap)
+        if bad is not None:  # NaN/inf: the provider's fault, for those inputs; the rest complete
+            self.store.provider_failure(bad.breaker)
+            changes.extend(bad.changes)
+            jobs, vectors = decisions.without(bad.changes[0].job_ids, jobs, vectors)
+        changes.append(Complete(tuple(j.job_id for j in jobs), tuple(vectors)))
+        self.store.apply(owner, changes, answer=answer)
+        self.faults.reset()
+        self.view.unmatched = 0
+        if jobs and (self.view.had_failure or any(j.probe for j in jobs)):
+            self.store.provider_healthy()
+            self.view.had_failure = False
+
+    def carry_out(self, owner: str, jobs: Sequence[ClaimedJob], outcome: decisions.Outcome) -> None:
+        """Apply a decision about a request (``_decide`` has already asked the configuration probe)."""
+        if isinstance(outcome, Split):
+            # Input-specific: should the split be cut short, each goes alone next time.
+            self.store.apply(owner, [Isolate(tuple(j.job_id for j in jobs))])
+            first, second = outcome.halves
+            self.call(owner, first)
+            if self.stopping.event.is_set() or self.view.paused:
+                self.store.apply(owner, [GiveBack(tuple(j.job_id for j in second))])
+                return
+            self.call(owner, second)
+        elif isinstance(outcome, Stop):
+            # Not the items' fault: hand them back untouched and stop the worker.
+            self.store.apply(owner, [GiveBack(outcome.job_ids)])
+            self.stopping.stop(fatal=outcome.error)
+        elif isinstance(outcome, Apply):
+            if outcome.breaker is not None:
+                self.store.provider_failure(outcome.breaker)
+            if outcome.pause:
+                self.view.paused_until = time.monotonic() + outcome.pause
+            if outcome.unmatched:
+                self.view.unmatched += 1
+            self.store.apply(owner, outcome.changes)
+
+    def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob]) -> decisions.Outcome:
+        outcome = decisions.decide(err, jobs, config_ok=self.view.config_ok, base=self.settings.backoff_base,
+                                   cap=self.settings.backoff_cap, poll_seconds=self.poll_seconds,
+                                   retry_after_cap=self.settings.retry_after_cap,
+                                   max_throttles=self.settings.max_throttles, unmatched_in_a_row=self.view.unmatched)
+        if isinstance(outcome, ProbeConfig):
+            self._probe_config()
+            return self._decide(err, jobs)
+        return outcome
+
+    def _probe_config(self) -> None:
+        """One trivial request (a single token) tells a bad input from a bad
+        configuration; asked once per worker, after the first 400."""
+        started = time.monotonic()
+        call_id = self.store.record_send([], 1)
+        try:
+            result = self.provider.embed([CONFIG_PROBE_TEXT])
+            ok = True
+            self.store.record_outcome(call_id, [], outcome="config_probe", status=200,
+                                      latency=time.monotonic() - started, billed=ledger.BILLED, tokens=result.tokens)
+        except ProviderError as err:
+            ok = err.kind != TERMINAL
+            self.store.record_failure(call_id, [], err, time.monotonic() - started, prefix="config_probe_")
+        self.view.config_ok = ok
+        self.report.add(provider_calls=1)
+
+
+def _embed(provider: Provider, texts: list[str]):
+    """The provider's answer; an answer its SDK could not parse at all (the openai SDK raises a
+    bare ValueError for an answer with no embedding, e.g. a proxy that dropped the only one) is
+    an unusable answer of the provider, as a wrong count of vectors is, not a fault of ours."""
+    try:
+        return provider.embed(texts)
+    except ValueError as exc:
+        raise ProviderError(RETRYABLE, decisions.UNMATCHED_ANSWER,
+                            f"unusable answer for {len(texts)} inputs: {exc}") from None

@@ -1,0 +1,129 @@
+"""Provider faults charged where the evidence says (issue 15), black-box: the real
+``pipeline-assets work`` process, the real openai SDK, the fake provider as a real
+HTTP server on 127.0.0.1 and the real PostgreSQL; every assertion is on rows,
+stored vectors and the provider's bill.
+
+* Dropped answers (billed, then the connection cut) on batched requests are the
+  provider's and the request's: they dead-letter nobody; each costs one more bill
+  per input it carried, no more.
+* A poison input (every request holding it is dropped) is dead-lettered alone,
+  after at most ``FREE_FAULTS + max_attempts`` sends.
+* A proxy that drops an embedding from every answer stops the worker with one line
+  after a few answers: nothing stored, nothing dead-lettered, no attempt used; once
+  the proxy is fixed a rerun completes.
+
+``PIPELINE_DROP_RUNS`` sets how many seeds the dropped-answer check runs (default 3;
+the issue's check is 20).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from pipeline_assets.jobs.decisions import FREE_FAULTS, MAX_UNMATCHED_ANSWERS
+from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
+
+DOCUMENTS = 60
+DROP_RATE = 0.3
+DROP_RUNS = int(os.environ.get("PIPELINE_DROP_RUNS", "3"))
+BATCH_INPUTS = 8  # many requests per run (the default 256 would send the 60 inputs as one)
+MAX_ATTEMPTS = 5  # the default: the bound on a poison input's sends below is FREE_FAULTS + this
+POISON_SENDS_BOUND = 12
+PROXY_STOP_SECONDS = 60.0
+
+
+def _texts(conn) -> list[str]:
+    return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
+
+
+def assert_vectors_match_except(conn, fake, text: str) -> None:
+    """Every current chunk but ``text`` has exactly the provider's vector for its own text."""
+    import numpy as np
+
+    rows = conn.execute("""SELECT DISTINCT c.text, e.embedding FROM app.chunks c
+                           JOIN app.embeddings e USING (chunk_checksum) WHERE c.text <> %s""", (text,)).fetchall()
+    assert rows and all(np.allclose(np.asarray(v.to_numpy()), fake.vector_for(t), atol=1e-6) for t, v in rows)
+
+
+def _billed(fake) -> tuple[int, dict[str, int]]:
+    by_text = {t: n for t, n in fake.stats["billed_by_text"].items() if t != "ping"}  # the config probe
+    return sum(by_text.values()), by_text
+
+
+@pytest.mark.parametrize("seed", range(DROP_RUNS))
+def test_dropped_answers_dead_letter_nothing(env, fake, clean_db, tmp_path, seed):
+    write_corpus(tmp_path / "c", DOCUMENTS)
+    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "PIPELINE_BATCH_INPUTS": str(BATCH_INPUTS)}
+    cli("ingest", str(tmp_path / "c"), env=run_env)
+    conn = clean_db
+    texts = _texts(conn)
+    fake.configure(drop_rate=DROP_RATE, fault_seed=1000 + seed)
+    out = cli("work", "--until-idle", "--json", env=run_env, timeout=300)
+    stats = fake.stats
+    print(f"\nseed {seed}: requests={stats['requests']} dropped={stats['dropped']} "
+          f"({stats['dropped_inputs']} inputs) billed={stats['billed_inputs']} unique={len(texts)} {out.stdout.strip()}")
+    failed = conn.execute("SELECT error_class, attempts, faults FROM app.embedding_jobs WHERE status = 'failed'"
+                          ).fetchall()
+    assert job_counts(conn) == {"ready": len(texts)}, f"dead-lettered: {failed}"
+    assert_vectors_match(conn, fake)
+    # Extra bills: exactly one per input of each dropped answer (it is sent again), none otherwise.
+    billed, by_text = _billed(fake)
+    assert billed == len(texts) + stats["dropped_inputs"]
+    assert set(by_text) == set(texts)
+
+
+def test_a_poison_input_is_dead_lettered_alone_with_bounded_sends(env, fake, clean_db, tmp_path):
+    write_corpus(tmp_path / "c", DOCUMENTS)
+    (tmp_path / "c" / "poison.md").write_text("# poison\n\nDROPME every request holding this is cut off\n")
+    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS)}
+    cli("ingest", str(tmp_path / "c"), env=run_env)
+    conn = clean_db
+    texts = _texts(conn)
+    (poison,) = [t for t in texts if "DROPME" in t]
+    fake.configure(drop_marker="DROPME", drop_rate=DROP_RATE, fault_seed=7)
+    cli("work", "--until-idle", env=run_env, timeout=300)
+    assert job_counts(conn) == {"ready": len(texts) - 1, "failed": 1}
+    row = conn.execute("""SELECT j.error_class, j.attempts, j.faults, c.text FROM app.embedding_jobs j
+                          JOIN app.chunks c USING (chunk_checksum) WHERE j.status = 'failed'""").fetchone()
+    assert row == ("connection", MAX_ATTEMPTS, FREE_FAULTS, poison)
+    sends = fake.billed_count(poison)  # a dropped request is billed: every send of it is on the bill
+    print(f"\npoison: {sends} sends (bound {FREE_FAULTS} + {MAX_ATTEMPTS}); requests={fake.stats['requests']}")
+    assert sends <= FREE_FAULTS + MAX_ATTEMPTS <= POISON_SENDS_BOUND
+    ledger = conn.execute("SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum)"
+                          " WHERE c.text = %s", (poison,)).fetchone()[0]
+    assert ledger == sends  # the spend ledger counted each of them
+    assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == len(texts) - 1
+    assert_vectors_match_except(conn, fake, poison)
+
+
+def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes(env, fake, clean_db, tmp_path):
+    write_corpus(tmp_path / "c", 20)
+    cli("ingest", str(tmp_path / "c"), env=env)
+    conn = clean_db
+    texts = _texts(conn)
+    fake.short_rate = 1.0  # every answer one embedding short, its other indexes intact
+    started = time.monotonic()
+    proc = cli("work", "--until-idle", env=env, check=False, timeout=PROXY_STOP_SECONDS + 30)
+    wall = time.monotonic() - started
+    print(f"\nbroken proxy: stopped after {wall:.1f}s, {fake.stats['requests']} requests: {proc.stderr.strip()}")
+    assert proc.returncode != 0 and wall < PROXY_STOP_SECONDS
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unmatched_answers: "), proc.stderr
+    assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in lines[0] and "got " in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert fake.stats["short"] == MAX_UNMATCHED_ANSWERS
+    # Nothing stored (no vector on the wrong text), nothing dead-lettered, no attempt or fault charged.
+    assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
+    assert set(job_counts(conn)) <= {"pending", "retry"}
+    assert conn.execute("SELECT max(attempts), max(faults) FROM app.embedding_jobs").fetchone() == (0, 0)
+    # The answers were billed: the ledger counts them as (possibly) billed.
+    assert conn.execute("SELECT count(*) FROM app.provider_calls WHERE billed IN ('yes', 'maybe')"
+                        " AND inputs > 0").fetchone()[0] == MAX_UNMATCHED_ANSWERS
+    fake.short_rate = 0.0  # the proxy is fixed
+    cli("work", "--until-idle", env=env, timeout=120)
+    assert job_counts(conn) == {"ready": len(texts)}
+    assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs").fetchone()[0] == 1
+    assert_vectors_match(conn, fake)
