@@ -175,6 +175,11 @@ def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequen
     return states
 
 
+def states_of(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> dict[int, BucketState]:
+    """Each bucket's state, read from the database (its documents' summaries)."""
+    return bucket_states(reports.document_summaries(conn, root, bucket_documents(conn, root, buckets, n)), buckets, n)
+
+
 @dataclass
 class BucketCoverage:
     """One bucket's embedding state for a model (per document, summed)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -110,17 +110,15 @@ def source_item(root: Path, document_id: str, path: str, size: int, mtime_ns: in
 
 @dataclass
 class Scan:
-    present: int = 0          # documents found (ids the caller refused not counted)
+    present: int = 0          # documents found
     hashed: int = 0           # files read (checksummed) by this scan
     written: int = 0          # observations written: new, changed, or re-verified (touched, racy)
     gone: int = 0             # documents marked gone by this scan
     unreadable: int = 0       # files that could not be read now (neither changed nor gone)
-    refused: list[str] = field(default_factory=list)   # ids the caller's predicate refused
     empty_refused: int = 0    # the source is empty: this many present documents were NOT marked gone
 
 
 def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
-         refuse: Callable[[str], object] = lambda _id: None,
          keep: Callable[[str], bool] | None = None) -> Scan:
     """Walk ``root`` and bring its observations up to date. Raises SourceError if it
     cannot be listed. An empty source does not mark everything gone (``empty_refused``).
@@ -140,9 +138,6 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
             elsewhere += 1
             continue
         old = stored.get(doc)
-        if old is None and refuse(doc):   # a stored id passed this check when it was stored
-            result.refused.append(doc)
-            continue
         seen.add(doc)
         if old is not None and old[0] is not None and old[1] == size and old[2] == mtime_ns:
             continue   # the prefilter: same size and mtime, not read

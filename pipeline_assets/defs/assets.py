@@ -42,7 +42,6 @@ from typing import Iterator, Mapping
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import reports
 from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import code_versions
@@ -101,6 +100,15 @@ def chunk_metadata(state: bk.BucketState) -> dict:
     return {"chunk_count": state.chunks, "tokens": state.tokens, "chunks_digest": state.chunks_digest}
 
 
+def ingest_materializations(states: Mapping[int, bk.BucketState], extra: Mapping[int, dict],
+                            ) -> Iterator[dg.AssetMaterialization]:
+    """A ``documents`` and a ``chunks`` materialization for each bucket of ``extra`` (its own
+    metadata added), from a step that does not own them (reconciliation, refresh_documents)."""
+    for b, more in sorted(extra.items()):
+        yield dg.AssetMaterialization(DOCUMENTS, partition=bucket_key(b), metadata={**document_metadata(states[b]), **more})
+        yield dg.AssetMaterialization(CHUNKS, partition=bucket_key(b), metadata={**chunk_metadata(states[b]), **more})
+
+
 def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:
     """The assets, with the code versions and bucket count the settings give.
 
@@ -149,8 +157,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         except bk.BucketCountMismatch as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         with postgres.connection() as conn:
-            summaries = reports.document_summaries(conn, str(root), bk.bucket_documents(conn, str(root), buckets, n))
-        states = bk.bucket_states(summaries, buckets, n)
+            states = bk.states_of(conn, str(root), buckets, n)
         for b, state in states.items():
             context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
             context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))

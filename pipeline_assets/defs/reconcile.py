@@ -34,9 +34,8 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports, stages
 from pipeline_assets.app.reconcile import reconcile_all
 from pipeline_assets.app.touched import touched_since
-from pipeline_assets.defs.assets import CHUNKS, DOCUMENTS, GROUP, chunk_metadata, document_metadata
+from pipeline_assets.defs.assets import GROUP, ingest_materializations
 from pipeline_assets.defs.checks import HOUR_SECONDS
-from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import IN_FLIGHT
 from pipeline_assets.settings import Settings
@@ -68,17 +67,12 @@ def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
         report = reconcile_all(rt, postgres.pool(), rescan=True)
         with postgres.connection() as conn:
             touched = bk.buckets_of([t.document_id for t in touched_since(conn, root, since)], n)
-            members = bk.bucket_documents(conn, root, list(touched), n)
-            states = bk.bucket_states(reports.document_summaries(conn, root, members), list(touched), n)
+            states = bk.states_of(conn, root, list(touched), n)
         for problem in report.missing_sources:
             context.log.warning(problem)
-        for b, docs in sorted(touched.items()):
-            changed = {"reported_by": "reconciliation", "changed_documents": ", ".join(docs[:bk.SAMPLE_IDS]),
-                       "changed_count": len(docs)}
-            yield dg.AssetMaterialization(DOCUMENTS, partition=bucket_key(b),
-                                          metadata={**document_metadata(states[b]), **changed})
-            yield dg.AssetMaterialization(CHUNKS, partition=bucket_key(b),
-                                          metadata={**chunk_metadata(states[b]), **changed})
+        yield from ingest_materializations(states, {b: {
+            "reported_by": "reconciliation", "changed_documents": ", ".join(docs[:bk.SAMPLE_IDS]),
+            "changed_count": len(docs)} for b, docs in touched.items()})
         counts = {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
         metadata: dict = {**counts, "missing_sources": len(report.missing_sources),
                           "buckets_reported": len(touched),

@@ -25,12 +25,11 @@ from typing import Iterator
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import reports
 from pipeline_assets.app.embed import EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.observations import walk
 from pipeline_assets.content.sources import SourceError, document_id_problem
-from pipeline_assets.defs.assets import CHUNKS, DOCUMENTS, EMBEDDINGS, chunk_metadata, document_metadata
+from pipeline_assets.defs.assets import EMBEDDINGS, ingest_materializations
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import (EmbeddingProviderResource, EmbeddingRunResource, PostgresResource,
                                              SourceDirectoryResource)
@@ -89,18 +88,15 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     touched = bk.buckets_of(ids, n)
     with postgres.connection() as conn:
-        members = bk.bucket_documents(conn, str(root), list(touched), n)
-        states = bk.bucket_states(reports.document_summaries(conn, str(root), members), list(touched), n)
+        states = bk.states_of(conn, str(root), list(touched), n)
     coverage = bk.bucket_coverage(done.per_document, list(touched), n)
-    for b, docs in sorted(touched.items()):
-        refreshed = {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
-        key = bucket_key(b)
-        yield dg.AssetMaterialization(DOCUMENTS, partition=key, metadata={**document_metadata(states[b]), **refreshed})
-        yield dg.AssetMaterialization(CHUNKS, partition=key, metadata={**chunk_metadata(states[b]), **refreshed})
+    refreshed = {b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
+                 for b, docs in touched.items()}
+    yield from ingest_materializations(states, refreshed)
+    for b, more in sorted(refreshed.items()):
         cov = coverage[b]
-        yield dg.AssetMaterialization(EMBEDDINGS, partition=key, metadata={
-            "model": rt.model_id, "refreshed_chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed,
-            **refreshed})
+        yield dg.AssetMaterialization(EMBEDDINGS, partition=bucket_key(b), metadata={
+            "model": rt.model_id, "refreshed_chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed, **more})
     yield dg.Output(ids, metadata={**{k: v for k, v in report.as_dict().items() if isinstance(v, int)},
                                    "documents": len(ids), "buckets": len(touched),
                                    "embedded": done.work.embedded, "provider_calls": done.work.provider_calls})
