@@ -68,10 +68,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from _common import REPO
-
 import psutil  # noqa: E402  (the bench extra)
 import psycopg  # noqa: E402
+from _common import REPO
 
 from pipeline_assets.content.extract import EXTRACTOR_VERSIONS  # noqa: E402
 from pipeline_assets.store import embedded_postgres  # noqa: E402
@@ -680,7 +679,8 @@ def asset_page_phase(dev: Dev, asset: str, keys: list[str]) -> dict:
                 text = browser.text()
                 flat = " ".join(text.split())
                 if ("Loading" not in flat and asset in flat and "Partitions" in flat
-                        and (not keys or any(k in flat for k in keys[:5] + keys[-5:]) or "materialized" in flat.lower())):
+                        and (not keys or any(k in flat for k in keys[:5] + keys[-5:])
+                             or "materialized" in flat.lower())):
                     break
                 if time.monotonic() > deadline:
                     out["error"] = f"page never finished loading in 120s; it showed: {flat[:800]}"
@@ -743,7 +743,8 @@ def refresh_phase(dev: Dev, db: PipelineDB, corpus: Path, n: int) -> dict:
 
 
 def settle(dev: Dev, sensor_after: float, timeout: float) -> dict:
-    """No run in progress, and the source sensor ticked after ``sensor_after`` (epoch seconds) with none launched since."""
+    """No run in progress, and the source sensor ticked after ``sensor_after`` (epoch seconds)
+    with none launched since."""
     def quiet():
         if dev.active_runs():
             return None

@@ -97,6 +97,7 @@ def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
 
     import b1_core  # this tree's
     from _common import fresh_database
+
     from pipeline_assets.jobs import models
     from pipeline_assets.jobs.worker import Worker, WorkerConfig
     from pipeline_assets.settings import Settings
@@ -129,7 +130,8 @@ def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
     assert report.embedded == jobs and ready == jobs, (report.as_dict(), ready)
     out = {"jobs": jobs, "seconds": round(seconds, 3), "jobs_per_s": round(jobs / seconds, 1),
            "client_cpu_s": round(cpu, 3),
-           "server_cpu_s": round(server1 - server0, 3) if server0 is not None and server1 is not None else None, "provider_calls": report.provider_calls, "wal_bytes_per_job": round(float(wal) / jobs),
+           "server_cpu_s": round(server1 - server0, 3) if server0 is not None and server1 is not None else None,
+           "provider_calls": report.provider_calls, "wal_bytes_per_job": round(float(wal) / jobs),
            "ingest_chunks_per_s": ingest["chunks_per_s"]}
     if calls is not None:
         out["store_seconds"] = {k: [n, round(s, 3)] for k, (n, s) in sorted(calls.items())}

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import openai
 import psycopg
-
 from _common import REPO, emit, fresh_database, rate
 
 from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
@@ -118,7 +117,8 @@ def cli_work(url: str, env: dict, n: int, profile: Path | None = None) -> dict:
     # Before the first send: the interpreter, the CLI's imports, the pool, the model; after the last
     # answer: the drain's bulk HNSW index build (work --until-idle waits for it) and the exit.
     return {"wall_s": round(wall, 3), "working_s": round(float(last - first), 3),
-            "before_first_send_s": round(float(first) - epoch0, 3), "after_last_answer_s": round(epoch1 - float(last), 3)}
+            "before_first_send_s": round(float(first) - epoch0, 3),
+            "after_last_answer_s": round(epoch1 - float(last), 3)}
 
 
 def main() -> None:

@@ -17,30 +17,27 @@ HNSW index row by row.
 from __future__ import annotations
 
 import argparse
-import statistics
 import asyncio
 import logging
+import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import psycopg
+from _common import Timer, emit, fresh_database, rate
 from pgvector.psycopg import register_vector
 
-from _common import Timer, emit, fresh_database, rate
-
-from pipeline_assets.store import db
-from pipeline_assets.jobs import models
-from pipeline_assets.jobs import transitions
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
-from pipeline_assets.providers import EmbedResult, ModelSpec
+from pipeline_assets.jobs import models, transitions
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.providers import EmbedResult, ModelSpec
 from pipeline_assets.settings import Settings
-
+from pipeline_assets.store import db
 
 # Rounds of the worker / COPY / pgqueuer measurements; the medians are reported.
 ROUNDS = 3
@@ -73,7 +70,8 @@ def write_corpus(root: Path, n: int, tag: str) -> None:
 
 
 def ingest_options() -> IngestOptions:
-    return IngestOptions(chunker=chunker_for(Settings.from_env(), hard_limit=8191), max_bytes=Settings.from_env().max_input_bytes)
+    settings = Settings.from_env()
+    return IngestOptions(chunker=chunker_for(settings, hard_limit=8191), max_bytes=settings.max_input_bytes)
 
 
 def bench_ingest(conn, root: Path, n: int) -> dict:

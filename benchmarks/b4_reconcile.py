@@ -17,10 +17,10 @@ import argparse
 
 from _common import Timer, emit, fresh_database, peak_rss_mb
 
-from pipeline_assets.store import db
+from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
 from pipeline_assets.settings import Settings
-from pipeline_assets.app.reconcile import reconcile
+from pipeline_assets.store import db
 
 MODEL = "bench/reconcile@8"
 VECTOR = "[1,0,0,0,0,0,0,0]"
@@ -133,7 +133,8 @@ def main() -> None:
                                and not any(out["repair"]["after"][k] for k in
                                            ("chunks_still_without_job", "orphans_not_superseded",
                                             "orphan_vectors_left"))
-                               and out["repair"]["after"]["lost_chunks_now_pending"] == out["damage"]["chunks_without_job"])
+                               and out["repair"]["after"]["lost_chunks_now_pending"]
+                               == out["damage"]["chunks_without_job"])
     out["targets"] = {"consistent_seconds<=20": out["consistent"]["seconds"] <= 20,
                       "repair_seconds<=20": out["repair"]["seconds"] <= 20}
     emit(out)

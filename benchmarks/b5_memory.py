@@ -51,7 +51,8 @@ def main() -> None:
     out = {"benchmark": "b5_memory", "small": small, "large": large,
            "ingest_rss_ratio_10x": round(large["ingest_peak_rss_mb"] / small["ingest_peak_rss_mb"], 2),
            "work_rss_ratio_10x": round(large["work_peak_rss_mb"] / small["work_peak_rss_mb"], 2)}
-    out["targets"] = {"rss_flat_within_1.25x": out["ingest_rss_ratio_10x"] <= 1.25 and out["work_rss_ratio_10x"] <= 1.25}
+    out["targets"] = {"rss_flat_within_1.25x": out["ingest_rss_ratio_10x"] <= 1.25
+                      and out["work_rss_ratio_10x"] <= 1.25}
     emit(out)
 
 

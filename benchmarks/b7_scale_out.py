@@ -41,9 +41,8 @@ import uuid
 from pathlib import Path
 
 import psycopg
-from psycopg import sql
-
 from _common import REPO, emit, fresh_database, server_url, with_dbname
+from psycopg import sql
 
 from pipeline_assets_tests.fake_openai import fetch_stats
 

@@ -33,9 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, Timer, emit, fresh_database, peak_rss_mb
-
 import dagster as dg  # noqa: E402
+from _common import REPO, Timer, emit, fresh_database, peak_rss_mb
 from dagster._core.definitions.partitions.context import partition_loading_context  # noqa: E402
 
 BEFORE_COMMIT = "a050b3a"   # the last tree with the map cursor

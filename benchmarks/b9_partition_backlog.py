@@ -19,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import emit, fresh_database
-
 import dagster as dg  # noqa: E402
+from _common import emit, fresh_database
 
 from pipeline_assets.app.embed import work  # noqa: E402
 from pipeline_assets.app.ingest import ingest_source  # noqa: E402

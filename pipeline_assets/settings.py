@@ -252,7 +252,7 @@ class Settings:
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Read every setting from ``environ`` (default: ``os.environ``), once."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -263,7 +263,7 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         """A copy with some values changed (``None`` keeps the current value)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 

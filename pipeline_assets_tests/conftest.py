@@ -16,8 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pipeline_assets.store import db
-from pipeline_assets.store import embedded_postgres
+from pipeline_assets.store import db, embedded_postgres
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 REPO = Path(__file__).resolve().parent.parent

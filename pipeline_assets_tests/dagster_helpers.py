@@ -5,21 +5,22 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import dagster as dg
 import psycopg
 from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStaleStatusResolver
+
 # What the sensor daemon wraps an evaluation in, so partition keys resolve against the instance.
 from dagster._core.definitions.partitions.context import partition_loading_context
 from dagster._core.loader import LoadingContextForTest
 
 from pipeline_assets.defs import devserver
+from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
-from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations
 from pipeline_assets_tests.conftest import write_corpus

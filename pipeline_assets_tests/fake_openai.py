@@ -37,10 +37,24 @@ token-array input ``"tokens:1,2,3"``.  Tokens (deterministic tiktoken stand-in):
 """
 from __future__ import annotations
 
-import argparse, base64, collections, copy, functools, hashlib, json, random, signal, socket, struct
-import sys, threading, time, urllib.request
+import argparse
+import base64
+import collections
+import copy
+import functools
+import hashlib
+import json
+import random
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -250,7 +264,8 @@ class FakeOpenAI:
     def reset_stats(self) -> None:
         with self._lock:
             self._stats = {"requests": 0, "billed_inputs": 0, "billed_tokens": 0, "rate_limited": 0,
-                           "dropped": 0, "dropped_inputs": 0, "slow": 0, "short": 0, "short_inputs": 0, "responses_by_status": {},
+                           "dropped": 0, "dropped_inputs": 0, "slow": 0, "short": 0, "short_inputs": 0,
+                           "responses_by_status": {},
                            "billed_by_text": {}}
 
     @property

@@ -17,8 +17,18 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets.store import db, migrations
-from pipeline_assets_tests.conftest import assert_vectors_match, wait_until, FAKE_DIM, FAKE_MODEL, _with_dbname, cli, job_counts, start_cli, write_corpus
+from pipeline_assets.store import migrations
+from pipeline_assets_tests.conftest import (
+    FAKE_DIM,
+    FAKE_MODEL,
+    _with_dbname,
+    assert_vectors_match,
+    cli,
+    job_counts,
+    start_cli,
+    wait_until,
+    write_corpus,
+)
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 MODEL_ID = f"openai/{FAKE_MODEL}"          # dimension unknown up front: no "@16" suffix
@@ -35,7 +45,8 @@ def cli_json(*args: str, env: dict):
     try:
         return json.loads(proc.stdout)
     except ValueError:
-        raise AssertionError(f"pipeline-assets {' '.join(args)} printed no JSON:\n{proc.stdout}\n{proc.stderr}")
+        raise AssertionError(
+            f"pipeline-assets {' '.join(args)} printed no JSON:\n{proc.stdout}\n{proc.stderr}") from None
 
 
 def digest(conn, table: str, order: str) -> str:

@@ -15,10 +15,18 @@ import signal
 import pytest
 
 from pipeline_assets.jobs.decisions import FREE_FAULTS
-from pipeline_assets_tests.conftest import (assert_vectors_match, wait_until, cli, job_counts, kill_group, start_cli, wait_for_line,
-                                            write_corpus)
+from pipeline_assets_tests.conftest import (
+    assert_vectors_match,
+    cli,
+    job_counts,
+    kill_group,
+    start_cli,
+    wait_for_line,
+    wait_until,
+    write_corpus,
+)
 
-
+JOBS_SNAPSHOT = "SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs ORDER BY 1"
 
 
 def chunk_texts(conn) -> list[str]:
@@ -147,7 +155,7 @@ def test_duplicate_event_creates_no_work(env, fake, clean_db, corpus):
     write_corpus(corpus, 8)
     first = json.loads(cli("ingest", str(corpus), "--json", env=env).stdout)
     conn = clean_db
-    snapshot = conn.execute("SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs ORDER BY 1").fetchall()
+    snapshot = conn.execute(JOBS_SNAPSHOT).fetchall()
     # The same documents with the same checksums observed again (a redelivered event)...
     again = json.loads(cli("ingest", str(corpus), "--json", env=env).stdout)
     assert again["new"] == again["changed"] == again["enqueued"] == 0 and again["unchanged"] == first["scanned"]
@@ -155,7 +163,7 @@ def test_duplicate_event_creates_no_work(env, fake, clean_db, corpus):
     shutil.copy(corpus / "doc0000.md", corpus / "copy-of-doc0000.md")
     copy_run = json.loads(cli("ingest", str(corpus), "--json", env=env).stdout)
     assert copy_run["new"] == 1 and copy_run["enqueued"] == 0
-    after = conn.execute("SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs ORDER BY 1").fetchall()
+    after = conn.execute(JOBS_SNAPSHOT).fetchall()
     assert after == snapshot
     cli("work", "--until-idle", env=env)
     assert all(fake.billed_count(t) == 1 for t in chunk_texts(conn))

@@ -18,10 +18,17 @@ from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, write_corpus
-from pipeline_assets_tests.dagster_helpers import (bucket_of, check_results, execute, fresh_defs,
-                                                   latest_data_versions, latest_materializations,
-                                                   materialization_metadata, postgres_instance, range_tags,
-                                                   stale_status)
+from pipeline_assets_tests.dagster_helpers import (
+    bucket_of,
+    check_results,
+    execute,
+    fresh_defs,
+    latest_data_versions,
+    materialization_metadata,
+    postgres_instance,
+    range_tags,
+    stale_status,
+)
 
 DOCS = [f"doc{i:04d}.md" for i in range(4)]
 ALL = [bucket_key(i) for i in range(64)]
@@ -331,7 +338,8 @@ def test_runs_take_turns_in_the_embedding_worker_pool(corpus, conn, fake, server
         storage.initialize_concurrency_limit_to_default(EMBEDDING_POOL)
         assert storage.claim_concurrency_slot(EMBEDDING_POOL, "another-run", "embeddings").is_claimed
         results = []
-        run = threading.Thread(target=lambda: results.append(execute(defs, instance, partition_key=bucket_of("doc0003.md"))))
+        key = bucket_of("doc0003.md")
+        run = threading.Thread(target=lambda: results.append(execute(defs, instance, partition_key=key)))
         run.start()
         time.sleep(4)
         assert run.is_alive() and fake.stats["requests"] == 0          # blocked on the pool: no worker

@@ -13,8 +13,14 @@ from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts
-from pipeline_assets_tests.dagster_helpers import (bucket_of, check_results, execute, fresh_defs, range_tags,
-                                                   watched_corpus)
+from pipeline_assets_tests.dagster_helpers import (
+    bucket_of,
+    check_results,
+    execute,
+    fresh_defs,
+    range_tags,
+    watched_corpus,
+)
 
 KEYS = [f"doc{i:04d}.md" for i in range(12)]
 MODEL = f"openai/{FAKE_MODEL}"
@@ -135,7 +141,8 @@ def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, c
                         FROM generate_series(1, 25) AS i""", (model,))
         conn.execute("""INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
                         SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs
-                        WHERE chunk_checksum IN (SELECT sha256(('poison' || i)::bytea) FROM generate_series(1, 25) i)""")
+                        WHERE chunk_checksum IN (SELECT sha256(('poison' || i)::bytea)
+                                                 FROM generate_series(1, 25) i)""")
     growth = _health(defs, instance)["dead_letter_growth"]
     assert not growth.passed and growth.severity == dg.AssetCheckSeverity.WARN
     assert growth.metadata["failed_last_hour"].value == 25 and growth.metadata["threshold_per_hour"].value == 10

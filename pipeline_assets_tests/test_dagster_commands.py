@@ -229,14 +229,15 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
         first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
         assert first <= keys[0] and keys[-1] <= last          # one range over (at least) the corpus's buckets
         assert tags["dagster/run_key"].startswith("sync@g0:3:")
+        parts = json.dumps(keys)
         ui = _gql(port, """{ d: assetNodeOrError(assetKey: {path: ["documents"]}) {
-                                   ... on AssetNode { dataVersionByPartition(partitions: %s)
-                                     latestMaterializationByPartition(partitions: %s) {
+                                   ... on AssetNode { dataVersionByPartition(partitions: PARTS)
+                                     latestMaterializationByPartition(partitions: PARTS) {
                                        partition metadataEntries { label
                                          ... on TextMetadataEntry { text } ... on IntMetadataEntry { intValue } } } } }
                              e: assetNodeOrError(assetKey: {path: ["embeddings"]}) {
-                                   ... on AssetNode { staleStatusByPartition(partitions: %s) } } }"""
-                  % (json.dumps(keys), json.dumps(keys), json.dumps(keys)))
+                                   ... on AssetNode { staleStatusByPartition(partitions: PARTS) } } }"""
+                  .replace("PARTS", parts))
         summaries = reports.document_summaries(conn, str(corpus.resolve()), docs)
         assert sorted(summaries) == docs and all(s.status == "current" for s in summaries.values())
         # One run over the range: one data version for all its buckets (Dagster records one per

@@ -10,12 +10,12 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pipeline_assets.defs import devserver
-from pipeline_assets.store import migrations
 from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.defs import devserver
 from pipeline_assets.defs.assets import ASSET_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
+from pipeline_assets.store import migrations
 from pipeline_assets_tests.conftest import REPO
 from pipeline_assets_tests.dagster_helpers import fresh_defs
 
@@ -75,7 +75,8 @@ def test_model_and_versions_follow_the_environment(monkeypatch):
 
 
 def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
-    assert PostgresResource.from_settings(Settings.from_env()).database_url is None       # embedded server, as db.database_url()
+    # The embedded server, as db.database_url().
+    assert PostgresResource.from_settings(Settings.from_env()).database_url is None
     monkeypatch.setenv("PIPELINE_DATABASE_URL", "postgresql://u@h/db")
     resource = PostgresResource.from_settings(Settings.from_env())
     assert resource.database_url == dg.EnvVar("PIPELINE_DATABASE_URL")   # the UI shows the name, not the URL

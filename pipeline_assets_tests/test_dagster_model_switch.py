@@ -8,16 +8,24 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from pipeline_assets.app import model_admin, search as search_uc
+from pipeline_assets.app import model_admin
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.model_switch import EMBEDDING_STORE, model_switch_sensor
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.jobs import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL
-from pipeline_assets.defs.partitions import bucket_key
-from pipeline_assets_tests.dagster_helpers import (bucket_of, evaluate_sensor, execute, fresh_defs, range_tags,
-                                                   stale_status, watched_corpus)
+from pipeline_assets_tests.dagster_helpers import (
+    bucket_of,
+    evaluate_sensor,
+    execute,
+    fresh_defs,
+    range_tags,
+    stale_status,
+    watched_corpus,
+)
 
 OLD, NEW_NAME = f"openai/{FAKE_MODEL}", "fake-embed-2"
 NEW = f"openai/{NEW_NAME}"

@@ -11,9 +11,16 @@ from pipeline_assets.app import reports
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.reconcile import RECONCILE_JOB_NAME, RECONCILIATION
 from pipeline_assets_tests.conftest import job_counts
-from pipeline_assets_tests.dagster_helpers import (bucket_of, evaluate_sensor, execute, fresh_defs,
-                                                   latest_materializations, range_tags, stale_status,
-                                                   watched_corpus)
+from pipeline_assets_tests.dagster_helpers import (
+    bucket_of,
+    evaluate_sensor,
+    execute,
+    fresh_defs,
+    latest_materializations,
+    range_tags,
+    stale_status,
+    watched_corpus,
+)
 
 KEYS = [f"doc{i:04d}.md" for i in range(4)]
 NEW_DOC = "doc0009.md"

@@ -12,9 +12,9 @@ import pytest
 
 from pipeline_assets.app import observations, stages
 from pipeline_assets.app.runtime import chunker_for
-from pipeline_assets.settings import Settings
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.sensors import decode_cursor, rerun_stale_documents_sensor, source_documents_sensor
+from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import write_corpus
 from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs, requested_keys
 

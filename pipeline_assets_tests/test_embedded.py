@@ -16,9 +16,8 @@ import psutil
 import psycopg
 import pytest
 
-from pipeline_assets.store import db, migrations
-from pipeline_assets.store import embedded_postgres
-from pipeline_assets_tests.conftest import wait_until, cli, kill_group, start_cli, write_corpus
+from pipeline_assets.store import embedded_postgres, migrations
+from pipeline_assets_tests.conftest import cli, kill_group, start_cli, wait_until, write_corpus
 
 LOCAL_MODEL_ID = "local/hashing-words-v2@512"
 

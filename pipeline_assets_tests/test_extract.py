@@ -1,10 +1,8 @@
 import pytest
 
 from pipeline_assets.content.extract import (
-    EXTRACTOR_VERSION,
     ExtractError,
     extract_text,
-    normalise,
 )
 
 

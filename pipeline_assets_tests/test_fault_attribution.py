@@ -64,7 +64,8 @@ def test_dropped_answers_dead_letter_nothing(env, fake, clean_db, tmp_path, seed
     out = cli("work", "--until-idle", "--json", env=run_env, timeout=300)
     stats = fake.stats
     print(f"\nseed {seed}: requests={stats['requests']} dropped={stats['dropped']} "
-          f"({stats['dropped_inputs']} inputs) billed={stats['billed_inputs']} unique={len(texts)} {out.stdout.strip()}")
+          f"({stats['dropped_inputs']} inputs) billed={stats['billed_inputs']} unique={len(texts)} "
+          f"{out.stdout.strip()}")
     failed = conn.execute("SELECT error_class, attempts, faults FROM app.embedding_jobs WHERE status = 'failed'"
                           ).fetchall()
     assert job_counts(conn) == {"ready": len(texts)}, f"dead-lettered: {failed}"

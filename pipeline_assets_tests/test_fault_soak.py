@@ -4,8 +4,8 @@ Several real worker processes (``pipeline-assets work --concurrency 2``) run aga
 the fake provider while it answers a random share of requests with 429 (with a
 Retry-After), 500 and 503, drops a share of billed answers (connection aborted after
 billing), answers a share one embedding short (billed; an answer that cannot be matched
-to its inputs: nothing stored, nothing charged) and makes a share of calls slow (longer than the lease: only the heartbeat
-keeps them). Meanwhile the test SIGKILLs random workers (and restarts
+to its inputs: nothing stored, nothing charged) and makes a share of calls slow (longer
+than the lease: only the heartbeat keeps them). Meanwhile the test SIGKILLs random workers (and restarts
 them) and edits, deletes and adds random documents, each followed by
 ``pipeline-assets ingest``. After the soak the faults stop, the workers are stopped
 (SIGTERM), ``reconcile`` runs and ``work --until-idle`` drains.
@@ -197,7 +197,7 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
             start(i)
     finally:
         mutator.join()
-        for i, (proc, log) in workers.items():  # a graceful stop: held claims are handed back
+        for proc, _log in workers.values():  # a graceful stop: held claims are handed back
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         for i, (proc, log) in workers.items():

@@ -17,8 +17,15 @@ import pytest
 
 from pipeline_assets.jobs import leases, transitions
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import (assert_vectors_match, cli, job_counts, kill_group, start_cli,
-                                            wait_until, write_corpus)
+from pipeline_assets_tests.conftest import (
+    assert_vectors_match,
+    cli,
+    job_counts,
+    kill_group,
+    start_cli,
+    wait_until,
+    write_corpus,
+)
 
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 

@@ -35,7 +35,7 @@ def test_piped_stderr_is_json_lines_with_the_job_context(env, fake, clean_db, tm
         try:
             records.append(json.loads(line))
         except ValueError:
-            raise AssertionError(f"not a JSON line: {line!r}\n{proc.stderr}")
+            raise AssertionError(f"not a JSON line: {line!r}\n{proc.stderr}") from None
     assert all({"ts", "level", "logger", "message"} <= set(r) for r in records)
 
     about_jobs = [r for r in records if "job_id" in r]

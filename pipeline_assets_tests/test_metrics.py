@@ -56,7 +56,7 @@ def test_work_metrics_match_the_provider_and_the_database(env, fake, clean_db, t
     proc = start_cli("work", "--concurrency", "2", "--metrics-port", str(port), "--worker-id", "metrics-w1",
                      env={**env, "PIPELINE_BATCH_INPUTS": "4"})
     try:
-        first = wait_until(lambda: _try_scrape(port), timeout=60, what="the metrics endpoint")
+        first = wait_until(lambda port=port: _try_scrape(port), timeout=60, what="the metrics endpoint")
         # While it runs: the gauges and counters are there (the worker may still be starting).
         assert ("pipeline_jobs_claimed_total", ()) in first
         assert any(n == "pipeline_provider_latency_seconds_bucket" for n, _ in first)
@@ -106,7 +106,7 @@ def test_metrics_bind_to_localhost_unless_told(env, fake, clean_db):
         port = _free_port()
         proc = start_cli("work", "--metrics-port", str(port), *host_args, env=env)
         try:
-            wait_until(lambda: _try_scrape(port), timeout=60, what="the metrics endpoint")
+            wait_until(lambda port=port: _try_scrape(port), timeout=60, what="the metrics endpoint")
             with socket.socket() as s:
                 s.settimeout(2)
                 assert (s.connect_ex(("127.0.0.2", port)) == 0) is reachable_elsewhere, host_args

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from pipeline_assets.app import model_admin, search as search_uc
+from pipeline_assets.app import model_admin
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.embed import embed_directory, work
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, vector_index

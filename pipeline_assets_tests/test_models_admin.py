@@ -12,7 +12,8 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets.app import retrieval, search as search_uc
+from pipeline_assets.app import retrieval
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.ingest import register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions
@@ -37,7 +38,8 @@ def add_document(conn, texts: list[str], name: str = "d") -> int:
                           (source_id, name, f"file:///{name}", b"\x01")).fetchone()[0]
     for i, t in enumerate(texts):
         conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)", (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
+                     (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
     return doc_pk
 
 

@@ -97,7 +97,8 @@ def test_every_family_file_loads(path):
 
 
 def test_the_families_of_this_module_exist():
-    assert {"jobs", "models", "ledger", "reports", "retrieval", "stage_runs", "documents", "migrations"} <= set(FAMILIES)
+    assert {"jobs", "models", "ledger", "reports", "retrieval", "stage_runs", "documents",
+            "migrations"} <= set(FAMILIES)
 
 
 def _package_sources() -> dict[str, str]:

@@ -56,8 +56,8 @@ SET_BASED = {"supersede_unwanted", "revive_wanted", "repair_missing_vectors", "d
 NO_JOB_TABLE = {"release_probe", "provider_failure", "provider_healthy", "enqueue_scope_docs",
                 "enqueue_scope_missing"}
 # The statements the issue names; each must exist (a rename shows here, not as a silent skip).
-REQUIRED = {"claim_all", "claim_docs", "complete", "extend_lease", "rescue_expired", "give_back", "fail_retryable", "outstanding",
-            "supersede_unwanted_among", "revive_wanted_among", "enqueue_docs"}
+REQUIRED = {"claim_all", "claim_docs", "complete", "extend_lease", "rescue_expired", "give_back", "fail_retryable",
+            "outstanding", "supersede_unwanted_among", "revive_wanted_among", "enqueue_docs"}
 
 # The live queue, by share of the 180,000 current chunks (the rest is ready).
 LIVE = [("failed", 2), ("retry", 2), ("processing", 1), ("pending", 5)]
@@ -148,7 +148,8 @@ def _params(conn) -> dict:
     return {"model": MODEL, "owner": owner, "limit": BATCH, "lease": 60.0, "ids": held,
             "vecs": [vector] * len(held), "delays": [1.0] * len(held), "delay": 0.0, "cls": "timeout",
             "msg": "timed out", "throttled": False, "job_ids": held, "vectors": [vector] * len(held),
-            "error_class": "timeout", "message": "timed out", "faulted": False, "rescuer": rescuer, "base": 1.0, "cap": 60.0,
+            "error_class": "timeout", "message": "timed out", "faulted": False, "rescuer": rescuer,
+            "base": 1.0, "cap": 60.0,
             "checksums": checksums, "models": [MODEL] * len(checksums), "all": False,
             "max_attempts": 5, "docs": docs, "trip": True, "floor": 1.0, "threshold": 5,
             "failed_ids": failed}

@@ -23,8 +23,15 @@ import subprocess
 import sys
 import time
 
-from pipeline_assets_tests.conftest import (FAKE_MODEL, REPO, assert_vectors_match, cli, job_counts, wait_until,
-                                            write_corpus)
+from pipeline_assets_tests.conftest import (
+    FAKE_MODEL,
+    REPO,
+    assert_vectors_match,
+    cli,
+    job_counts,
+    wait_until,
+    write_corpus,
+)
 
 WORKERS = 4
 DOCUMENTS = 300          # one chunk each

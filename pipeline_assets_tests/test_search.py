@@ -15,7 +15,8 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets.app import retrieval, search as search_uc
+from pipeline_assets.app import retrieval
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import vector_index
 from pipeline_assets.providers import provider_for

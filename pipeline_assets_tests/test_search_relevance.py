@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from pipeline_assets.app import model_admin, search as search_uc
+from pipeline_assets.app import model_admin
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import REPO, cli

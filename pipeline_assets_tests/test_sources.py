@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from pipeline_assets.content.extract import ExtractError
-from pipeline_assets.settings import Settings
 from pipeline_assets.content.sources import (
     NOT_REGULAR,
     OUTSIDE_ROOT,
@@ -20,6 +19,7 @@ from pipeline_assets.content.sources import (
     scan_directory,
     unescape_id,
 )
+from pipeline_assets.settings import Settings
 
 
 def _write(root: Path, rel: str, data: bytes = b"x") -> Path:

@@ -10,10 +10,10 @@ import signal
 import threading
 import time
 
-from pipeline_assets.content import process
-from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions
+from pipeline_assets.content import process
+from pipeline_assets.content.chunking import Chunker
 
 
 def _corpus(tmp_path):

@@ -21,10 +21,9 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from pipeline_assets.store import db
-from pipeline_assets.jobs import models
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobs import models, transitions
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.store import db
 
 SPEC = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10,
                  max_batch_tokens=1000)
@@ -856,7 +855,8 @@ def apply(conn, op: str, jid: int) -> int:
         ready, superseded = transitions.complete(conn, owner=OWNER, job_ids=[jid], vectors=[vec(5)])
         return len(ready) + len(superseded)
     if name == "fail_retryable":
-        return len(transitions.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m"))
+        return len(transitions.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0],
+                                              error_class="e", message="m"))
     if name == "give_back":
         return len(transitions.give_back(conn, owner=OWNER, job_ids=[jid]))
     if name == "fail_terminal":

@@ -56,7 +56,8 @@ def seed_ready(conn, s: ModelSpec, vectors: list[np.ndarray], *, prefix: str = "
     texts = [f"{doc} chunk {i}" for i in range(len(vectors))]
     for i, t in enumerate(texts):
         conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)", (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
+                     (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
     transitions.enqueue_for_docs(conn, [doc_pk], 3)
     claimed = transitions.claim(conn, model_id=s.model_id, owner="seed", limit=len(texts), lease_seconds=60)
     by_text = {c.text: c.job_id for c in claimed}
@@ -246,7 +247,8 @@ def seed_pending(conn, s: ModelSpec, n: int) -> str:
     for i in range(n):
         t = f"{doc} pending {i}"
         conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)", (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
+                     (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
     transitions.enqueue_for_docs(conn, [doc_pk], 3)
     return doc
 

@@ -8,11 +8,31 @@ import pytest
 
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import ClaimedJob, Fail, GiveBack, Retry
-from pipeline_assets.jobs.decisions import (BAD_VECTOR, FREE_FAULTS, MAX_CONSECUTIVE_WORKER_FAULTS,
-                                            MAX_UNMATCHED_ANSWERS, THROTTLE_SHRINK_AFTER, THROTTLED_TOO_OFTEN,
-                                            UNMATCHED_ANSWER, UNMATCHED_ANSWERS, Apply, BreakerFailure, ProbeConfig,
-                                            Split, Stop, bad_vectors, check_vectors, decide, fault_cap, halvings,
-                                            plan_requests, retry_delays, unwanted, without, worker_error)
+from pipeline_assets.jobs.decisions import (
+    BAD_VECTOR,
+    FREE_FAULTS,
+    MAX_CONSECUTIVE_WORKER_FAULTS,
+    MAX_UNMATCHED_ANSWERS,
+    THROTTLE_SHRINK_AFTER,
+    THROTTLED_TOO_OFTEN,
+    UNMATCHED_ANSWER,
+    UNMATCHED_ANSWERS,
+    Apply,
+    BreakerFailure,
+    ProbeConfig,
+    Split,
+    Stop,
+    bad_vectors,
+    check_vectors,
+    decide,
+    fault_cap,
+    halvings,
+    plan_requests,
+    retry_delays,
+    unwanted,
+    without,
+    worker_error,
+)
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError
 
 BASE, CAP, POLL = 1.0, 60.0, 0.5
@@ -135,8 +155,8 @@ def faulted(ids, delay, cls, floor=0.0) -> Apply:
 
 
 def throttled(ids, delay, floor, pause) -> Apply:
-    return Apply((GiveBack(ids, delay, "rate_limited", "boom", throttled=True),), BreakerFailure(trip=True, floor=floor),
-                 pause)
+    return Apply((GiveBack(ids, delay, "rate_limited", "boom", throttled=True),),
+                 BreakerFailure(trip=True, floor=floor), pause)
 
 
 def fail(ids, cls, message="boom", **kw) -> Apply:
@@ -160,7 +180,8 @@ DECISIONS = [
                  faulted((1, 2), fault_delay(3), "server_error"),
                  id="retryable batch: even a last attempt is not used; backoff over the most faults"),
     pytest.param(err(RETRYABLE, "connection"), ALONE, True,
-                 charged((1,), expected_delays(ALONE), "connection"), id="retryable alone past its free faults: charged"),
+                 charged((1,), expected_delays(ALONE), "connection"),
+                 id="retryable alone past its free faults: charged"),
     pytest.param(err(RETRYABLE, "connection"), [job(1, faults=FREE_FAULTS), job(2)], True,
                  faulted((1, 2), fault_delay(FREE_FAULTS + 1), "connection"),
                  id="retryable: not alone, not charged"),
@@ -179,7 +200,8 @@ DECISIONS = [
                  throttled((1,), 0.0, 0.0, POLL), id="throttled costs no attempt, even the last"),
     # Issue 8, item 2: Retry-After is capped (a proxy's 86400 must not hold every worker for a day).
     pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=86400.0), ONE, True,
-                 throttled((1,), RETRY_AFTER_CAP, RETRY_AFTER_CAP, RETRY_AFTER_CAP), id="throttled: Retry-After capped"),
+                 throttled((1,), RETRY_AFTER_CAP, RETRY_AFTER_CAP, RETRY_AFTER_CAP),
+                 id="throttled: Retry-After capped"),
     pytest.param(err(RETRYABLE, "http_503", status=503, retry_after=86400.0), ALONE, True,
                  charged((1,), (RETRY_AFTER_CAP,), "http_503", floor=RETRY_AFTER_CAP),
                  id="retryable: Retry-After capped"),

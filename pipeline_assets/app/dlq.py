@@ -22,8 +22,8 @@ Ids: a job id is a number, a document id a path; ``doc:PATH`` forces a path.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import psycopg
 from psycopg.rows import dict_row
@@ -55,7 +55,7 @@ class Ids:
     documents: list[str] = field(default_factory=list)
 
     @classmethod
-    def parse(cls, raw: Sequence[str]) -> "Ids":
+    def parse(cls, raw: Sequence[str]) -> Ids:
         ids = cls()
         for item in raw:
             if item.startswith(DOCUMENT_PREFIX):
@@ -156,9 +156,9 @@ def requeue(pool: ConnectionPool, runtime: Callable[[], Runtime], *, ids: Ids | 
         conn.execute(DLQ.lift_document_discards, {"docs": [r["doc_pk"] for r in named]})
         docs += named
     if ids.documents or error_class is not None:
-        targets = {(d["root"], d["document_id"]): RerunTarget(root=d["root"], document_id=d["document_id"],
-                                                             stage="extract", status="failed",
-                                                             error_class=d["error_class"], code_version=None) for d in docs}
+        targets = {(d["root"], d["document_id"]): RerunTarget(
+            root=d["root"], document_id=d["document_id"], stage="extract", status="failed",
+            error_class=d["error_class"], code_version=None) for d in docs}
         counts["documents"] = rerun_uc.rerun(runtime(), pool, list(targets.values())) if targets else 0
         with pool.connection() as conn:
             still = _dicts(conn, DLQ.document_items, {"cls": None, "discarded": False})

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents
 from pipeline_assets.app.runtime import IngestOptions, Runtime
-from pipeline_assets.content.process import ExtractSpec, Extractor, Processed, process_items
+from pipeline_assets.content.process import Extractor, ExtractSpec, Processed, process_items
 from pipeline_assets.content.sources import SourceError, SourceItem, document_id_problem, item_for, scan_directory
 from pipeline_assets.jobs import models, transitions
 from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS

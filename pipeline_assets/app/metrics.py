@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server

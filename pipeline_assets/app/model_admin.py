@@ -18,8 +18,15 @@ from pipeline_assets.app import documents
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
-from pipeline_assets.providers import (ChunkTooLarge, ConfigError, ModelLimit, ModelSpec, check_chunk_size,
-                                       model_id_for, provider_for)
+from pipeline_assets.providers import (
+    ChunkTooLarge,
+    ConfigError,
+    ModelLimit,
+    ModelSpec,
+    check_chunk_size,
+    model_id_for,
+    provider_for,
+)
 from pipeline_assets.providers.limits import too_small
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db

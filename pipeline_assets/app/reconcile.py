@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psycopg
-
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents, model_admin, stages

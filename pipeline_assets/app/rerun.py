@@ -25,9 +25,9 @@ What a rerun does per stage:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from psycopg_pool import ConnectionPool
 

@@ -23,7 +23,7 @@ by its text.
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import psycopg

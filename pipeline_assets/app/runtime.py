@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline_assets.content.chunking import Chunker
-from pipeline_assets.content.identity import sha256_hex
 from pipeline_assets.content.extract import EXTRACTOR_VERSION, EXTRACTOR_VERSIONS, FORMATS, ExtractorVersions
+from pipeline_assets.content.identity import sha256_hex
 from pipeline_assets.providers import ModelLimit, Provider, check_chunk_size, model_id_for, provider_for
 from pipeline_assets.settings import Settings
 
@@ -92,7 +92,7 @@ class Runtime:
 
     @classmethod
     def build(cls, settings: Settings, model: str | None = None, *, run_id: str | None = None,
-              force: bool = False, allow_empty: bool = False) -> "Runtime":
+              force: bool = False, allow_empty: bool = False) -> Runtime:
         provider = provider_for(settings, model)
         # The chunk size must fit the model's window (in its tokens): one line, before any call.
         check_chunk_size(settings.chunk_tokens, [ModelLimit.of(provider.spec)])

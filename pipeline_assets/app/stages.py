@@ -11,9 +11,9 @@ the same derivation in its read query.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Mapping, Sequence
 
 import psycopg
 from psycopg import sql

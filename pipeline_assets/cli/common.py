@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import click
 import psycopg

@@ -11,7 +11,6 @@ from pipeline_assets.app import dlq as dlq_uc
 from pipeline_assets.cli.common import emit, expected_errors, pool, runtime, settings
 from pipeline_assets.providers import register_secret
 
-
 # History outcomes caused by a person (requeue, discard), not by a worker.
 PERSON_OUTCOMES = ("requeued", "discarded")
 _FRACTION = re.compile(r"\.\d+")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from pipeline_assets.providers import sanitize
 from pipeline_assets.settings import redact_text
@@ -41,7 +41,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, message, the job context, exc."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+        out = {"ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
                "level": record.levelname.lower(), "logger": record.name, "message": _clean(record.getMessage())}
         out.update(_context(record))
         if record.exc_info:

@@ -13,15 +13,22 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
-from typing import Callable, Iterable, Iterator
+from datetime import UTC, datetime
 
 import click
-
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TaskProgressColumn, Text,
-                           TextColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TaskProgressColumn,
+    Text,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from pipeline_assets.app.metrics import outstanding_jobs
 from pipeline_assets.jobs.worker import Worker
@@ -106,7 +113,7 @@ def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]
         while True:
             started = time.monotonic()
             data = read()
-            now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            now = datetime.now(UTC).isoformat(timespec="seconds")
             if as_json:
                 click.echo(json.dumps({"at": now, **data}, default=str))
             else:

@@ -9,7 +9,9 @@ import sys
 import click
 import psycopg
 
-from pipeline_assets.app import model_admin, search as search_uc, status as status_uc
+from pipeline_assets.app import model_admin
+from pipeline_assets.app import search as search_uc
+from pipeline_assets.app import status as status_uc
 from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings
 from pipeline_assets.cli.progress import WATCH_SECONDS, watch_status
 from pipeline_assets.settings import reference_table

@@ -109,7 +109,7 @@ class ExtractorVersions:
     by_format: tuple[tuple[str, str], ...]
 
     @classmethod
-    def of_formats(cls, versions: Mapping[str, str]) -> "ExtractorVersions":
+    def of_formats(cls, versions: Mapping[str, str]) -> ExtractorVersions:
         unknown = set(versions) - set(FORMATS)
         if unknown:
             raise ValueError(f"unknown extractor format(s) {sorted(unknown)}; formats: {', '.join(FORMATS)}")

@@ -102,7 +102,7 @@ class Extractor:
     def _run(self, document_id: str, raw: bytes) -> tuple[bytes, list[Chunk]]:
         return extract_and_chunk(self.spec, document_id, raw)
 
-    def __enter__(self) -> "Extractor":
+    def __enter__(self) -> Extractor:
         return self
 
     def __exit__(self, *exc) -> None:

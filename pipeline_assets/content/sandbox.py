@@ -32,8 +32,9 @@ import resource
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 from pipeline_assets.content.extract import ExtractError
 
@@ -124,7 +125,7 @@ class Sandbox:
         self._queued_bytes = 0
         self._head_started = 0.0
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc) -> None:

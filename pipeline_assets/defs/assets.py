@@ -37,7 +37,7 @@ run, and the job table does the per-item work.
 import hashlib
 import time
 import warnings
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import dagster as dg
 
@@ -47,8 +47,12 @@ from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs.model_switch import refuse_model_override
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
-from pipeline_assets.defs.resources import (EmbeddingProviderResource, EmbeddingRunResource, PostgresResource,
-                                             SourceDirectoryResource)
+from pipeline_assets.defs.resources import (
+    EmbeddingProviderResource,
+    EmbeddingRunResource,
+    PostgresResource,
+    SourceDirectoryResource,
+)
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.settings import Settings
 
@@ -105,8 +109,9 @@ def ingest_materializations(states: Mapping[int, bk.BucketState], extra: Mapping
     """A ``documents`` and a ``chunks`` materialization for each bucket of ``extra`` (its own
     metadata added), from a step that does not own them (reconciliation, refresh_documents)."""
     for b, more in sorted(extra.items()):
-        yield dg.AssetMaterialization(DOCUMENTS, partition=bucket_key(b), metadata={**document_metadata(states[b]), **more})
-        yield dg.AssetMaterialization(CHUNKS, partition=bucket_key(b), metadata={**chunk_metadata(states[b]), **more})
+        key = bucket_key(b)
+        yield dg.AssetMaterialization(DOCUMENTS, partition=key, metadata={**document_metadata(states[b]), **more})
+        yield dg.AssetMaterialization(CHUNKS, partition=key, metadata={**chunk_metadata(states[b]), **more})
 
 
 def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:

@@ -17,7 +17,7 @@ go into the check's metadata so the UI shows why it passed or failed.
 """
 
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import dagster as dg
 

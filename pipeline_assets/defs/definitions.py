@@ -17,11 +17,11 @@ import dagster as dg
 from pipeline_assets.defs.assets import build_assets
 from pipeline_assets.defs.checks import build_checks
 from pipeline_assets.defs.model_switch import SENSORS as MODEL_SWITCH_SENSORS
-from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.reconcile import RECONCILE_JOB, RECONCILE_SENSORS, build_reconciliation
+from pipeline_assets.defs.refresh import refresh_job
+from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.schedules import HEALTH_JOB, build_schedules
 from pipeline_assets.defs.sensors import EMBED_JOB, SENSORS
-from pipeline_assets.defs.refresh import refresh_job
 from pipeline_assets.settings import Settings
 
 

@@ -12,7 +12,7 @@ one document: Dagster keeps the same few dozen partitions at 100 documents or
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import dagster as dg
 

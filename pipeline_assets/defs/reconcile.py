@@ -26,7 +26,7 @@ Neither requests a run while a reconciliation is queued or running.
 
 import json
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import dagster as dg
 

@@ -19,8 +19,8 @@ it touched, with the refreshed ids in its metadata.
 
 
 import fnmatch
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import dagster as dg
 
@@ -31,8 +31,12 @@ from pipeline_assets.app.observations import walk
 from pipeline_assets.content.sources import SourceError, document_id_problem
 from pipeline_assets.defs.assets import EMBEDDINGS, ingest_materializations
 from pipeline_assets.defs.partitions import bucket_key
-from pipeline_assets.defs.resources import (EmbeddingProviderResource, EmbeddingRunResource, PostgresResource,
-                                             SourceDirectoryResource)
+from pipeline_assets.defs.resources import (
+    EmbeddingProviderResource,
+    EmbeddingRunResource,
+    PostgresResource,
+    SourceDirectoryResource,
+)
 from pipeline_assets.jobs.worker import FatalProviderError
 
 REFRESH_JOB_NAME = "refresh_documents"

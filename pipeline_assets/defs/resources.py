@@ -23,9 +23,9 @@ agree on the database, the model and every default:
   Both can be overridden per run in the launchpad (``resources.embedding_run.config``).
 """
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
 
 import dagster as dg
 import psycopg
@@ -44,7 +44,7 @@ _REPO = Path(__file__).resolve().parents[2]
 class PostgresResource(dg.ConfigurableResource):
     """The pipeline's PostgreSQL database (psycopg 3 pool, migrated on first use)."""
 
-    database_url: Optional[str] = Field(
+    database_url: str | None = Field(
         default=None,
         description="libpq URL of the pipeline database. Unset: PIPELINE_DATABASE_URL, else the embedded "
                     "PostgreSQL under PIPELINE_HOME.")
@@ -88,7 +88,7 @@ class PostgresResource(dg.ConfigurableResource):
 class EmbeddingProviderResource(dg.ConfigurableResource):
     """The embedding provider and ingest options, built exactly as the CLI builds them."""
 
-    model: Optional[str] = Field(
+    model: str | None = Field(
         default=None,
         description="Model name; unset: PIPELINE_EMBEDDING_MODEL, else text-embedding-3-small with "
                     "OPENAI_API_KEY, else the local offline model. Set, it must be that same model: the "
@@ -117,7 +117,7 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
 class SourceDirectoryResource(dg.ConfigurableResource):
     """The source directory: one file = one document = one partition."""
 
-    root: Optional[str] = Field(
+    root: str | None = Field(
         default=None, description="Source directory; unset: PIPELINE_SOURCE_DIR, else examples/corpus.")
 
     def root_path(self, settings: Settings | None = None) -> Path:
@@ -131,12 +131,12 @@ class SourceDirectoryResource(dg.ConfigurableResource):
 class EmbeddingRunResource(dg.ConfigurableResource):
     """How an embeddings run gets its partitions' chunks embedded, and how long it waits."""
 
-    in_process: Optional[bool] = Field(
+    in_process: bool | None = Field(
         default=None,
         description="Embed in the run (a worker claiming only the run's chunks) or only wait for "
                     "`pipeline-assets work` processes elsewhere. Unset: PIPELINE_EMBED_WORKERS "
                     "(`in-process` by default, `external` for the scale-out path).")
-    deadline_seconds: Optional[float] = Field(
+    deadline_seconds: float | None = Field(
         default=None,
         description="The run fails, with ready/failed/outstanding counts, if its chunks are not all ready or "
                     "failed by then. Unset: PIPELINE_EMBED_RUN_DEADLINE (3600 s by default).")

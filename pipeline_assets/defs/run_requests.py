@@ -3,7 +3,7 @@ buckets, with the tags and run keys that let Dagster deduplicate a re-evaluated
 tick, and the run statuses that count as in flight (backpressure)."""
 
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import dagster as dg
 

@@ -18,7 +18,7 @@ class TokenBudget:
         self._others_today: int | None = None  # tokens billed today, not by this process
 
     @classmethod
-    def from_settings(cls, model_id: str, settings: Settings) -> "TokenBudget":
+    def from_settings(cls, model_id: str, settings: Settings) -> TokenBudget:
         return cls(model_id, per_run=settings.run_token_budget, daily=settings.daily_token_budget)
 
     def refresh(self, tokens_today: int, run_tokens: int) -> None:

@@ -4,8 +4,8 @@ After River's executor/completer split: the worker's pure decisions
 (``jobs.decisions``) return these values; one queue interface
 (``transitions.apply``, through ``JobStore.apply``) applies a batch of them
 under a lease owner, one guarded statement per kind (its named query in
-sql/queries/jobs.sql, named in the comment of each class), and returns what each job became; logging and metrics observe what
-was applied (``JobObserver``).
+sql/queries/jobs.sql, named in the comment of each class), and returns what
+each job became; logging and metrics observe what was applied (``JobObserver``).
 
     Complete   processing -> ready (vector stored), or superseded when the
                content is no longer wanted
@@ -26,8 +26,9 @@ field is the same for every job of the value.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Isolate:  # jobs.sql: mark_isolated
     job_ids: tuple[int, ...]
 
 
-Change = Union[Complete, Retry, GiveBack, Fail, Supersede, Isolate]
+Change = Complete | Retry | GiveBack | Fail | Supersede | Isolate
 KINDS = (Complete, Retry, GiveBack, Fail, Supersede, Isolate)
 
 

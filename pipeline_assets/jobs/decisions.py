@@ -38,13 +38,12 @@ worker.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Union
 
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
-
 
 # A job's request is halved once for every throttle from this one on: one 429
 # is the provider's weather; repeated ones on the same inputs suggest a request
@@ -193,7 +192,7 @@ class ProbeConfig:
     """Ask the configuration probe (once per worker), then decide again."""
 
 
-Outcome = Union[Apply, Split, Stop, ProbeConfig]
+Outcome = Apply | Split | Stop | ProbeConfig
 
 
 # -- deciding --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, JobObserver, Retry
 from pipeline_assets.jobs.decisions import WORKER_ERROR

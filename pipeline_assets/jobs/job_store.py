@@ -13,8 +13,8 @@ Underneath: ``jobs.transitions`` (the guarded state machine), ``jobs.ledger``
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import psycopg
 from psycopg_pool import ConnectionPool

@@ -21,7 +21,8 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import psycopg
 
@@ -101,7 +102,7 @@ class Liveness:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "Liveness":
+    def start(self) -> Liveness:
         """Register (a failure here is the caller's: no claim before the first beat), then beat."""
         self._beat()
         try:

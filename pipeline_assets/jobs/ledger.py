@@ -14,7 +14,7 @@ the duplicate spend that ``status`` reports.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import psycopg
 

@@ -17,15 +17,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import psycopg
 from psycopg import sql
 from psycopg.rows import class_row, dict_row
 
-from pipeline_assets.jobs.changes import (ClaimedJob, Change, Complete, Fail, GiveBack, Isolate, Retry, Supersede,
-                                          merged, params)
+from pipeline_assets.jobs.changes import (
+    Change,
+    ClaimedJob,
+    Complete,
+    Fail,
+    GiveBack,
+    Isolate,
+    Retry,
+    Supersede,
+    merged,
+    params,
+)
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import queries
 

@@ -23,7 +23,7 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import psycopg
 from psycopg import sql
@@ -182,7 +182,7 @@ class BackgroundBuild:
         self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="index-build", daemon=True)
 
-    def start(self) -> "BackgroundBuild":
+    def start(self) -> BackgroundBuild:
         self._thread.start()
         return self
 

@@ -21,8 +21,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import psycopg
 from psycopg_pool import PoolTimeout
@@ -34,8 +34,13 @@ from pipeline_assets.jobs.faults import WorkerFault
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.providers import Provider
-from pipeline_assets.settings import (DEFAULT_CONCURRENCY, DEFAULT_LEASE_SECONDS, IDLE_POLL_SECONDS,
-                                      RESCUE_INTERVAL_SECONDS, Settings)
+from pipeline_assets.settings import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_LEASE_SECONDS,
+    IDLE_POLL_SECONDS,
+    RESCUE_INTERVAL_SECONDS,
+    Settings,
+)
 from pipeline_assets.store import db
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from pipeline_assets.settings import Settings
 
-from .base import (FATAL, ONNX_MODEL_NAME, RETRYABLE, TERMINAL, THROTTLED, ConfigError, EmbedResult, ModelSpec, Provider, ProviderError,
-                   register_secret, sanitize)
+from .base import (
+    FATAL,
+    ONNX_MODEL_NAME,
+    RETRYABLE,
+    TERMINAL,
+    THROTTLED,
+    ConfigError,
+    EmbedResult,
+    ModelSpec,
+    Provider,
+    ProviderError,
+    register_secret,
+    sanitize,
+)
 from .limits import ChunkTooLarge, ModelLimit, check_chunk_size
 from .local import LOCAL_MODEL_NAME, LocalHashingProvider
 from .openai_provider import OpenAIProvider

@@ -14,8 +14,9 @@ policy, the job table's, owns retries. Every failure is a ProviderError whose
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

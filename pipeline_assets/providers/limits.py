@@ -20,8 +20,8 @@ surfaces in `status` (``jobs.models.input_limits``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from .base import ConfigError, ModelSpec
 
@@ -45,7 +45,7 @@ class ModelLimit:
     tokenizer: str = "cl100k"
 
     @classmethod
-    def of(cls, spec: ModelSpec) -> "ModelLimit":
+    def of(cls, spec: ModelSpec) -> ModelLimit:
         return cls(spec.model_id, spec.max_input_tokens, spec.max_chunk_tokens, spec.tokenizer)
 
     def describe(self) -> str:

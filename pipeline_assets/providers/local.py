@@ -33,13 +33,14 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from functools import lru_cache
 from hashlib import blake2b
-from typing import Sequence
 
 import numpy as np
 
 from pipeline_assets.content.chunking import get_encoding
+
 from .base import EmbedResult, ModelSpec
 
 LOCAL_MODEL_NAME = "local-hashing"

@@ -9,7 +9,7 @@ base URL come from ``Settings`` (OPENAI_API_KEY, OPENAI_BASE_URL).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import openai

@@ -17,9 +17,8 @@ import psycopg
 from pgvector.psycopg import register_vector
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.store import embedded_postgres
 from pipeline_assets.settings import Settings, redact_text
-from pipeline_assets.store import migrations
+from pipeline_assets.store import embedded_postgres, migrations
 
 # How long a new connection may take before the database counts as unreachable.
 CONNECT_TIMEOUT_SECONDS = 10
