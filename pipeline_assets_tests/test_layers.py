@@ -88,11 +88,11 @@ def test_documented_layout_matches_the_tree():
         if rel.name == "__init__.py":
             continue
         folder = f"{rel.parts[0]}/" if len(rel.parts) > 1 else None
-        assert (folder or rel.name) in block, f"docs/architecture.md layout does not mention {rel}"
+        assert (folder or rel.name) in block, f"the layout does not mention {rel}"
         if folder:
-            assert re.search(rf"\b{re.escape(rel.stem)}\b", block), f"docs/architecture.md layout does not mention {rel}"
+            assert re.search(rf"\b{re.escape(rel.stem)}\b", block), f"the layout does not mention {rel}"
     for folder in re.findall(r"^\s+(\w+)/\s", block, flags=re.M):
-        assert (PACKAGE / folder).is_dir() or (REPO / folder).is_dir(), f"docs/architecture.md names a missing folder {folder}/"
+        assert (PACKAGE / folder).is_dir() or (REPO / folder).is_dir(), f"the layout names a missing folder {folder}/"
 
 
 # -- one code path: the CLI and the Dagster assets land the same state ---------------------
