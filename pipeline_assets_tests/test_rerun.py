@@ -176,7 +176,7 @@ def test_the_query_finds_each_documents_format_as_extract_text_does(clean_db):
 
 
 def test_the_walk_through_on_the_bundled_corpus_selects_its_one_pdf(env, fake, clean_db):
-    """README, "Walk-through: a parser fix", step 3 and 6 on examples/corpus (ingest only: no provider)."""
+    """docs/dagster.md, "Walk-through: a parser fix", step 3 and 6 on examples/corpus (ingest only: no provider)."""
     conn = clean_db
     bundled = Path(__file__).resolve().parents[1] / "examples" / "corpus"
     cli("ingest", str(bundled), env=env)

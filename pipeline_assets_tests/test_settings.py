@@ -1,5 +1,5 @@
 """One typed Settings: every variable parsed in one place, errors that name the
-variable, the README's table generated from the same fields, and no
+variable, the table in docs/configuration.md generated from the same fields, and no
 environment read anywhere else in the package."""
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ def test_overrides_and_replace_keep_unset_values():
     assert s.replace(embedding_model="b").embedding_model == "b"
 
 
-def test_readme_lists_every_setting_from_the_one_place():
-    readme = (REPO / "README.md").read_text()
-    assert reference_table() in readme, "README's configuration table is stale: " \
-                                        "paste `python -m pipeline_assets.settings`"
+def test_docs_list_every_setting_from_the_one_place():
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert reference_table() in page, "docs/configuration.md's settings table is stale: " \
+                                      "paste `pipeline-assets settings --reference`"
 
 
 def test_no_environment_read_outside_settings():
