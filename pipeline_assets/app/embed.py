@@ -53,7 +53,7 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
         config.lease_seconds = lease_seconds
     if poll_seconds:
         config.poll_seconds = poll_seconds
-    worker = Worker(pool.conninfo, rt.provider, config, settings=rt.settings, stop_event=stop)
+    worker = Worker(db.pool_url(pool), rt.provider, config, settings=rt.settings, stop_event=stop)
     if observe is not None:  # metrics and progress read its report while it runs
         observe(worker)
     with pool.connection() as conn:
@@ -174,7 +174,7 @@ class _ScopedWorker:
         if poll_seconds:
             config.poll_seconds = poll_seconds
         self._stop = threading.Event()
-        self._worker = Worker(pool.conninfo, rt.provider, config, settings=rt.settings, stop_event=self._stop)
+        self._worker = Worker(db.pool_url(pool), rt.provider, config, settings=rt.settings, stop_event=self._stop)
         self._report: WorkerReport | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="scoped-worker", daemon=True)
@@ -204,7 +204,7 @@ def _build_index(pool: ConnectionPool, model_id: str) -> None:
     if not dimension:
         return
     try:
-        with db.connect(pool.conninfo) as conn:
+        with db.connect(db.pool_url(pool)) as conn:
             vector_index.build(conn, model_id, int(dimension))
     except vector_index.IndexBuildError as exc:
         log.warning("%s", exc)

@@ -108,7 +108,7 @@ def build_index(pool: ConnectionPool, name: str) -> dict:
     if not dimension:
         return {"model_id": model_id, "index": vector_index.NO_VECTORS,
                 "detail": vector_index.describe(vector_index.NO_VECTORS, None)}
-    with db.connect(pool.conninfo) as conn:
+    with db.connect(db.pool_url(pool)) as conn:
         outcome = vector_index.build(conn, model_id, int(dimension))
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
 
@@ -246,7 +246,7 @@ def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:
     """Delete the vectors and the index of every model retired longer than the grace
     period (what reconcile runs). Returns the vectors deleted per model."""
     purged: dict[str, int] = {}
-    with db.connect(pool.conninfo) as conn:  # autocommit: the index is dropped concurrently
+    with db.connect(db.pool_url(pool)) as conn:  # autocommit: the index is dropped concurrently
         for model_id in models.purge_due(conn, grace_seconds):
             deleted = models.purge(conn, model_id)
             if deleted is not None:
@@ -293,7 +293,7 @@ def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True)
         pending = switch and served != model_id
         # Coverage reads every current chunk: only while a switch is pending (or the model is new).
         cov = models.coverage(conn, model_id) if pending or added else None
-        if pending and cov.complete:
+        if pending and cov is not None and cov.complete:
             with conn.transaction():
                 documents.write_lock(conn)  # no chunk arrives between the check and the switch
                 cov = models.coverage(conn, model_id)

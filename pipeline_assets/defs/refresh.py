@@ -21,6 +21,7 @@ it touched, with the refreshed ids in its metadata.
 import fnmatch
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -94,8 +95,9 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     with postgres.connection() as conn:
         states = bk.states_of(conn, str(root), list(touched), n)
     coverage = bk.bucket_coverage(done.per_document, list(touched), n)
-    refreshed = {b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
-                 for b, docs in touched.items()}
+    refreshed: dict[int, dict[str, Any]] = {
+        b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
+        for b, docs in touched.items()}
     yield from ingest_materializations(states, refreshed)
     for b, more in sorted(refreshed.items()):
         cov = coverage[b]
