@@ -46,6 +46,7 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDING_STORE
 from pipeline_assets.defs.model_switch import refuse_model_override
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.resources import (
@@ -59,11 +60,6 @@ from pipeline_assets.settings import Settings
 
 GROUP = "embedding_pipeline"
 
-DOCUMENTS = dg.AssetKey("documents")
-CHUNKS = dg.AssetKey("chunks")
-EMBEDDINGS = dg.AssetKey("embeddings")
-ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
-EMBEDDING_STORE = dg.AssetKey("embedding_store")
 INGEST_OP = "ingest"
 
 # The Dagster concurrency pool of the embeddings step when it embeds in-process:

@@ -23,7 +23,7 @@ import dagster as dg
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
-from pipeline_assets.defs.assets import EMBEDDING_STORE, EMBEDDINGS
+from pipeline_assets.defs.keys import EMBEDDING_STORE, EMBEDDINGS
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings

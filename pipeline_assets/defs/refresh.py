@@ -30,7 +30,8 @@ from pipeline_assets.app.embed import EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.observations import walk
 from pipeline_assets.content.sources import SourceError, document_id_problem
-from pipeline_assets.defs.assets import EMBEDDINGS, ingest_materializations
+from pipeline_assets.defs.assets import ingest_materializations
+from pipeline_assets.defs.keys import EMBEDDINGS
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import (
     EmbeddingProviderResource,
