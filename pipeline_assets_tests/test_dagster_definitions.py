@@ -12,7 +12,7 @@ import pytest
 
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs import devserver
-from pipeline_assets.defs.assets import ASSET_KEYS
+from pipeline_assets.defs.keys import ASSET_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations

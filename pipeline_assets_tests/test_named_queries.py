@@ -337,9 +337,9 @@ def test_read_paths_run_against_a_real_database(clean_db):
     assert exported[0]["embedding"] == [1.0, 0.0, 0.0, 0.0]
 
     st = reports.status(conn)
-    assert st["jobs"] == {"ready": 2, "failed": 1} and st["dead_letter"] == 1 and st["superseded"] == 0
-    assert st["coverage"][MODEL] == {"ready": 2, "wanted": 3, "ratio": 2 / 3}
-    assert st["documents"] == {"current": 1} and st["quarantined_documents"] == 0
+    assert st.jobs == {"ready": 2, "failed": 1} and st.dead_letter == 1 and st.superseded == 0
+    assert st.coverage[MODEL] == {"ready": 2, "wanted": 3, "ratio": 2 / 3}
+    assert st.documents == {"current": 1} and st.quarantined_documents == 0
     [dead] = reports.dead_letters(conn)
     assert dead["kind"] == "job" and dead["documents"] == ["doc-a"] and dead["error_class"] == "bad"
 
@@ -364,7 +364,7 @@ def test_read_paths_run_against_a_real_database(clean_db):
     ledger.record_call(conn, model_id=MODEL, worker_id="w", jobs=claimed[:2], tokens=7, outcome="ok",
                        status=200, latency=0.01, billed=True)
     assert ledger.tokens_today(conn, MODEL) == 7
-    assert reports.status(conn)["spend"][MODEL] == {"calls": 1, "tokens": 7, "inputs_ok": 2, "failed_calls": 0,
+    assert reports.status(conn).spend[MODEL] == {"calls": 1, "tokens": 7, "inputs_ok": 2, "failed_calls": 0,
                                                     "duplicate_inputs": 0, "extra_sends": 0}
 
     assert models.list_models(conn) == [{"model_id": MODEL, "name": "o'named", "provider": "test", "dimension": 4,

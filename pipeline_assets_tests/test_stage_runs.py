@@ -60,14 +60,14 @@ def test_two_models_keep_one_embed_row_each(pool, clean_db, tmp_path):
 
     embed.work(a, pool, until_idle=True, poll_seconds=0.05)
     assert embed_rows(conn) == {(d, model_a): ("succeeded", None, 1) for d in docs}
-    st = status_uc.status(pool)
-    assert st["embed_by_model"] == {model_a: {"succeeded": 3}, model_b: {"pending": 3}}
-    assert st["stages"]["embed"] == {"pending": 3}  # a document is embedded once every active model is
+    st = status_uc.status(pool, Settings.from_env())
+    assert st.embed_by_model == {model_a: {"succeeded": 3}, model_b: {"pending": 3}}
+    assert st.stages["embed"] == {"pending": 3}  # a document is embedded once every active model is
 
     embed.work(b, pool, until_idle=True, poll_seconds=0.05)
     # Each model has its own row: the second run did not take over the first model's rows.
     assert embed_rows(conn) == {(d, m): ("succeeded", None, 1) for d in docs for m in (model_a, model_b)}
-    assert status_uc.status(pool)["stages"]["embed"] == {"succeeded": 3}
+    assert status_uc.status(pool, Settings.from_env()).stages["embed"] == {"succeeded": 3}
 
     # One document fails for the second model only.
     since = stages.clock(conn)
@@ -80,11 +80,11 @@ def test_two_models_keep_one_embed_row_each(pool, clean_db, tmp_path):
     assert (target.document_id, target.code_version, target.error_class) == ("doc0001.md", model_b, "bad_input")
     assert stages.rerun_targets(conn, stage="embed", failed_only=True, model_id=model_a) == []
     assert len(stages.rerun_targets(conn, stage="embed")) == 6
-    st = status_uc.status(pool)
-    assert st["embed_by_model"] == {model_a: {"succeeded": 3}, model_b: {"failed": 1, "succeeded": 2}}
-    assert st["stages"]["embed"] == {"failed": 1, "succeeded": 2}
+    st = status_uc.status(pool, Settings.from_env())
+    assert st.embed_by_model == {model_a: {"succeeded": 3}, model_b: {"failed": 1, "succeeded": 2}}
+    assert st.stages["embed"] == {"failed": 1, "succeeded": 2}
     # extract and chunk rows are untouched by the key change (model_id '').
-    assert st["stages"]["extract"] == {"succeeded": 3} and st["stages"]["chunk"] == {"succeeded": 3}
+    assert st.stages["extract"] == {"succeeded": 3} and st.stages["chunk"] == {"succeeded": 3}
     assert {r[0] for r in conn.execute("SELECT DISTINCT model_id FROM app.stage_runs WHERE stage <> 'embed'")} \
         == {""}
 
@@ -174,12 +174,12 @@ def test_status_is_read_only_and_runs_for_a_select_only_role(pool, clean_db, tmp
 
     ro_pool = db.make_pool(readonly_url, max_size=2)
     try:
-        st = status_uc.status(ro_pool)
+        st = status_uc.status(ro_pool, Settings.from_env())
     finally:
         ro_pool.close()
-    assert st["stages"]["embed"] == {"failed": 1, "succeeded": 2}
-    assert st["embed_by_model"] == {a.model_id: {"failed": 1, "succeeded": 2}}
-    assert st["dead_letter"] == 1
+    assert st.stages["embed"] == {"failed": 1, "succeeded": 2}
+    assert st.embed_by_model == {a.model_id: {"failed": 1, "succeeded": 2}}
+    assert st.dead_letter == 1
 
     # The command line, as that role (it opens a pool on a migrated database: reads only).
     proc = cli("status", "--json", env={**env, "PIPELINE_DATABASE_URL": readonly_url})

@@ -274,6 +274,24 @@ def test_an_invalid_index_left_by_a_failed_build_is_dropped_and_rebuilt(clean_db
     assert vector_index.build(conn, s.model_id, 2100) == vector_index.READY  # idempotent
 
 
+def test_a_build_uses_its_own_memory_and_leaves_the_session_as_it_was(clean_db, monkeypatch):
+    conn = clean_db
+    rng = np.random.default_rng(3)
+    s = spec(8)
+    seed_ready(conn, s, [unit(rng, 8) for _ in range(5)])
+    server_default = conn.execute("SHOW maintenance_work_mem").fetchone()[0]
+    # The build sets its memory: a value the server refuses fails the build (one line)...
+    monkeypatch.setattr(vector_index, "INDEX_BUILD_MEMORY", "a lot")
+    with pytest.raises(vector_index.IndexBuildError, match="maintenance_work_mem"):
+        vector_index.build(conn, s.model_id, 8)
+    assert index_row(conn, s.model_id) is None
+    # ...unless the refusal is one the build falls back from: then it builds with the server's setting.
+    monkeypatch.setattr(vector_index, "OUT_OF_BUILD_MEMORY", ("22023",))   # invalid_parameter_value
+    assert vector_index.build(conn, s.model_id, 8) == vector_index.READY
+    assert index_row(conn, s.model_id)[0] is True
+    assert conn.execute("SHOW maintenance_work_mem").fetchone()[0] == server_default
+
+
 def test_a_build_refuses_to_run_inside_a_transaction(clean_db):
     with clean_db.transaction():
         with pytest.raises(ValueError, match="outside any transaction"):

@@ -64,7 +64,7 @@ def bucket_of(document_id: str, buckets: int) -> int:
 def fixed_buckets(conn: psycopg.Connection, configured: int) -> int:
     """The database's bucket count; the first call on a database stores ``configured``."""
     conn.execute(BUCKETS.store_buckets, {"buckets": configured})
-    return int(conn.execute(BUCKETS.stored_buckets).fetchone()[0])
+    return int(queries.scalar(conn, BUCKETS.stored_buckets))
 
 
 def check_buckets(conn: psycopg.Connection, configured: int) -> int:

@@ -31,7 +31,7 @@ def write_lock(conn: psycopg.Connection) -> None:
 
 
 def register_source(conn: psycopg.Connection, root: Path) -> int:
-    return conn.execute(DOCS.register_source, {"root": str(root)}).fetchone()[0]
+    return queries.scalar(conn, DOCS.register_source, {"root": str(root)})
 
 
 def source_roots(conn: psycopg.Connection) -> list[str]:
@@ -64,7 +64,7 @@ def tombstone_ids(conn: psycopg.Connection, source_id: int, ids: Sequence[str]) 
 
 def start_scan(conn: psycopg.Connection):
     """Prepare the list of seen ids for a complete scan; return the database clock."""
-    started = conn.execute(DOCS.db_now).fetchone()[0]
+    started = queries.scalar(conn, DOCS.db_now)
     conn.execute(DOCS.create_seen)
     conn.execute(DOCS.truncate_seen)
     return started
@@ -77,7 +77,7 @@ def record_seen(conn: psycopg.Connection, ids: Iterable[str]) -> None:
 
 
 def current_count(conn: psycopg.Connection, source_id: int) -> int:
-    return conn.execute(DOCS.current_count, {"source": source_id}).fetchone()[0]
+    return queries.scalar(conn, DOCS.current_count, {"source": source_id})
 
 
 def mark_scanned(conn: psycopg.Connection, source_id: int) -> None:
@@ -97,7 +97,7 @@ def write_documents(conn: psycopg.Connection, source_id: int, todo: list[Process
         "checksums": [p.checksum for p in todo], "sizes": [p.item.size for p in todo],
         "text_checksums": [p.text_checksum for p in todo], "counts": [len(p.chunks) for p in todo],
         "classes": [p.error_class for p in todo], "messages": [p.error_message for p in todo]}).fetchall()
-    pk_of = dict(rows)
+    pk_of: dict[str, int] = dict(rows)
     pks = list(pk_of.values())
     old_checksums = {r[0] for r in conn.execute(DOCS.delete_chunks, {"pks": pks})}
     new_checksums: set[bytes] = set()

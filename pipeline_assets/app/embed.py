@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from psycopg_pool import ConnectionPool
@@ -53,7 +53,7 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
         config.lease_seconds = lease_seconds
     if poll_seconds:
         config.poll_seconds = poll_seconds
-    worker = Worker(pool.conninfo, rt.provider, config, settings=rt.settings, stop_event=stop)
+    worker = Worker(db.pool_url(pool), rt.provider, config, settings=rt.settings, stop_event=stop)
     if observe is not None:  # metrics and progress read its report while it runs
         observe(worker)
     with pool.connection() as conn:
@@ -174,7 +174,7 @@ class _ScopedWorker:
         if poll_seconds:
             config.poll_seconds = poll_seconds
         self._stop = threading.Event()
-        self._worker = Worker(pool.conninfo, rt.provider, config, settings=rt.settings, stop_event=self._stop)
+        self._worker = Worker(db.pool_url(pool), rt.provider, config, settings=rt.settings, stop_event=self._stop)
         self._report: WorkerReport | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="scoped-worker", daemon=True)
@@ -204,33 +204,54 @@ def _build_index(pool: ConnectionPool, model_id: str) -> None:
     if not dimension:
         return
     try:
-        with db.connect(pool.conninfo) as conn:
+        with db.connect(db.pool_url(pool)) as conn:
             vector_index.build(conn, model_id, int(dimension))
     except vector_index.IndexBuildError as exc:
         log.warning("%s", exc)
 
 
+@dataclass
+class DirectoryEmbedded:
+    """What `embed DIR` did (its summary line and JSON)."""
+
+    model: str
+    documents: int            # scanned
+    documents_changed: int    # new or changed
+    quarantined: int
+    deleted: int
+    chunks: int
+    embedded: int             # vectors stored by this run
+    reused: int               # ready vectors it did not have to make
+    failed: int               # the model's dead-lettered jobs
+    provider_calls: int
+    coverage: str             # "ready/wanted" for the model
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
 def embed_directory(rt: Runtime, pool: ConnectionPool, root: Path, *,
                     concurrency: int = DEFAULT_CONCURRENCY, stop: threading.Event | None = None,
-                    observe: Callable[[Worker], None] | None = None) -> dict:
+                    observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
     """`embed DIR`: ingest the directory, work until idle, and summarise."""
     started = time.monotonic()
     ing = ingest_source(rt, pool, root)
     done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
     with pool.connection() as conn:
         st = reports.status(conn)
-    cov = st["coverage"].get(rt.model_id, {"ready": 0, "wanted": 0})
-    return {
-        "model": rt.model_id,
-        "documents": ing.scanned,
-        "documents_changed": ing.new + ing.changed,
-        "quarantined": ing.quarantined,
-        "deleted": ing.deleted,
-        "chunks": ing.chunks,
-        "embedded": done.embedded,
-        "reused": max(cov["ready"] - done.embedded, 0),
-        "failed": st["jobs_by_model"].get(rt.model_id, {}).get("failed", 0),
-        "provider_calls": done.provider_calls,
-        "coverage": f"{cov['ready']}/{cov['wanted']}",
-        "seconds": round(time.monotonic() - started, 2),
-    }
+    cov = st.coverage.get(rt.model_id, {"ready": 0, "wanted": 0})
+    return DirectoryEmbedded(
+        model=rt.model_id,
+        documents=ing.scanned,
+        documents_changed=ing.new + ing.changed,
+        quarantined=ing.quarantined,
+        deleted=ing.deleted,
+        chunks=ing.chunks,
+        embedded=done.embedded,
+        reused=max(int(cov["ready"]) - done.embedded, 0),
+        failed=st.jobs_by_model.get(rt.model_id, {}).get("failed", 0),
+        provider_calls=done.provider_calls,
+        coverage=f"{int(cov['ready'])}/{int(cov['wanted'])}",
+        seconds=round(time.monotonic() - started, 2),
+    )

@@ -201,7 +201,8 @@ class WorkMetrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> tuple[str, int]:
         """Expose /metrics over HTTP in a daemon thread; returns the address bound (port 0: any free one)."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_address[:2]
+        bound_host, bound_port = server.server_address[:2]
+        return str(bound_host), int(bound_port)
 
 
 def outstanding_jobs(pool: ConnectionPool, model_id: str) -> int:

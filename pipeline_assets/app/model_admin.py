@@ -108,7 +108,7 @@ def build_index(pool: ConnectionPool, name: str) -> dict:
     if not dimension:
         return {"model_id": model_id, "index": vector_index.NO_VECTORS,
                 "detail": vector_index.describe(vector_index.NO_VECTORS, None)}
-    with db.connect(pool.conninfo) as conn:
+    with db.connect(db.pool_url(pool)) as conn:
         outcome = vector_index.build(conn, model_id, int(dimension))
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
 
@@ -246,7 +246,7 @@ def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:
     """Delete the vectors and the index of every model retired longer than the grace
     period (what reconcile runs). Returns the vectors deleted per model."""
     purged: dict[str, int] = {}
-    with db.connect(pool.conninfo) as conn:  # autocommit: the index is dropped concurrently
+    with db.connect(db.pool_url(pool)) as conn:  # autocommit: the index is dropped concurrently
         for model_id in models.purge_due(conn, grace_seconds):
             deleted = models.purge(conn, model_id)
             if deleted is not None:
@@ -263,7 +263,21 @@ def model_states(pool: ConnectionPool, grace_seconds: float) -> list[dict]:
     return states
 
 
-def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True) -> dict:
+@dataclasses.dataclass
+class ModelFollowed:
+    """What one ``follow_configured`` call did."""
+
+    model_id: str                     # the configured model
+    added: bool                       # registered by this call (jobs for every current chunk)
+    enqueued: int
+    served: str | None                # the model search reads after this call
+    switched: bool                    # this call served the configured model
+    switched_from: str | None         # the model it replaced, when it switched
+    retired: str | None               # the same model, retired (reconcile deletes its vectors later)
+    coverage: models.Coverage | None  # the configured model's; None when no switch is pending
+
+
+def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True) -> ModelFollowed:
     """A model change without downtime, done by the Dagster layer (``defs/model_switch.py``) each tick.
 
     1. ``add`` the configured model (a new one gets jobs for every current chunk);
@@ -275,10 +289,8 @@ def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True)
     ``switch=False`` does step 1 only (the caller already switched to this model
     once: a person who served another one since is not overruled).
 
-    Returns what happened: ``added`` (and ``enqueued``), ``served`` (the model
-    search reads after this call), ``switched``, ``switched_from`` and ``retired`` (the
-    replaced model, when this call switched), and the configured model's ``coverage``
-    (None when no switch is pending: it reads every current chunk).
+    Returns what happened (``ModelFollowed``); the configured model's coverage is
+    None when no switch is pending (it reads every current chunk).
     """
     model_id = rt.model_id
     with pool.connection() as conn, conn.transaction():
@@ -293,7 +305,7 @@ def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True)
         pending = switch and served != model_id
         # Coverage reads every current chunk: only while a switch is pending (or the model is new).
         cov = models.coverage(conn, model_id) if pending or added else None
-        if pending and cov.complete:
+        if pending and cov is not None and cov.complete:
             with conn.transaction():
                 documents.write_lock(conn)  # no chunk arrives between the check and the switch
                 cov = models.coverage(conn, model_id)
@@ -304,5 +316,5 @@ def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True)
                         if previous:
                             models.retire(conn, previous)
                             retired = previous
-    return {"model_id": model_id, "added": added, "enqueued": enqueued, "served": served,
-            "switched": switched, "switched_from": switched_from, "retired": retired, "coverage": cov}
+    return ModelFollowed(model_id=model_id, added=added, enqueued=enqueued, served=served, switched=switched,
+                         switched_from=switched_from, retired=retired, coverage=cov)

@@ -175,7 +175,7 @@ def adopt(conn: psycopg.Connection, root: Path, docs: dict[str, str], generation
 
 
 def latest_generation(conn: psycopg.Connection, root: Path) -> int | None:
-    return conn.execute(OBS.latest_generation, {"root": str(root)}).fetchone()[0]
+    return queries.scalar(conn, OBS.latest_generation, {"root": str(root)})
 
 
 @dataclass(frozen=True)

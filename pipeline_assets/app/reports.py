@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import psycopg
 from psycopg.rows import class_row, dict_row
@@ -15,7 +16,34 @@ from pipeline_assets.store import queries
 REPORTS = queries.load("reports")
 
 
-def status(conn: psycopg.Connection) -> dict:
+@dataclass
+class StatusReport:
+    """What `status` shows. The per-model and per-status maps are keyed by model id
+    and status name; the last fields are filled by ``app.status.status``."""
+
+    documents: dict[str, int]                    # by document status
+    jobs: dict[str, int]                         # by job status, every model
+    jobs_by_model: dict[str, dict[str, int]]
+    stages: dict[str, dict[str, int]]            # stage -> status -> documents
+    embed_by_model: dict[str, dict[str, int]]
+    coverage: dict[str, dict[str, float]]        # model -> ready, wanted, ratio
+    dead_letter: int
+    dead_letter_discarded: int                   # of those, given up on (`dlq discard`)
+    superseded: int
+    quarantined_documents: int
+    spend: dict[str, dict[str, int]]             # model -> calls, tokens, inputs, duplicate sends
+    breaker: dict[str, dict[str, Any]]           # model -> the provider breaker's state
+    vector_index: dict[str, Any] = field(default_factory=dict)     # per active model: hnsw, building...
+    served_model: str | None = None                                # what search and export read
+    retired_models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    input_limits: list[dict[str, Any]] = field(default_factory=list)
+    retry_after_cap: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def status(conn: psycopg.Connection) -> StatusReport:
     jobs: dict[str, dict[str, int]] = {}
     for r in _dicts(conn, REPORTS.status_by_model):
         jobs.setdefault(r["model_id"], {})[r["status"]] = r["n"]
@@ -38,20 +66,20 @@ def status(conn: psycopg.Connection) -> dict:
     for per_model in jobs.values():
         for st, n in per_model.items():
             totals[st] = totals.get(st, 0) + n
-    return {
-        "documents": {r["status"]: r["n"] for r in _dicts(conn, REPORTS.documents)},
-        "jobs": totals,
-        "jobs_by_model": jobs,
-        "stages": stages_,
-        "embed_by_model": embed_by_model,
-        "coverage": coverage,
-        "dead_letter": totals.get(JobStatus.FAILED, 0),
-        "dead_letter_discarded": dead_letter_discarded(conn),  # of those, given up on (`dlq discard`)
-        "superseded": totals.get(JobStatus.SUPERSEDED, 0),
-        "quarantined_documents": _dicts(conn, REPORTS.quarantined_count)[0]["n"],
-        "spend": spend,
-        "breaker": {r.pop("model_id"): r for r in _dicts(conn, REPORTS.breaker)},
-    }
+    return StatusReport(
+        documents={r["status"]: r["n"] for r in _dicts(conn, REPORTS.documents)},
+        jobs=totals,
+        jobs_by_model=jobs,
+        stages=stages_,
+        embed_by_model=embed_by_model,
+        coverage=coverage,
+        dead_letter=totals.get(JobStatus.FAILED, 0),
+        dead_letter_discarded=dead_letter_discarded(conn),
+        superseded=totals.get(JobStatus.SUPERSEDED, 0),
+        quarantined_documents=_dicts(conn, REPORTS.quarantined_count)[0]["n"],
+        spend=spend,
+        breaker={r.pop("model_id"): r for r in _dicts(conn, REPORTS.breaker)},
+    )
 
 
 def dead_letters(conn: psycopg.Connection) -> list[dict]:

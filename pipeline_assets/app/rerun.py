@@ -28,6 +28,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from psycopg_pool import ConnectionPool
 
@@ -76,7 +77,7 @@ def select(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extr
     targets: list[RerunTarget] = []
     with pool.connection() as conn:
         for stage in stages_:
-            filters = dict(stage=stage, error_class=error_class, statuses=statuses, documents=documents,
+            filters: dict[str, Any] = dict(stage=stage, error_class=error_class, statuses=statuses, documents=documents,
                            before_version=before_version, limit=limit)
             if stage == "embed":
                 if stale or before_version:

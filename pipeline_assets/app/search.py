@@ -28,14 +28,16 @@ def search(rt: Runtime, pool: ConnectionPool, query: str, k: int, mode: str = HY
         raise ValueError(f"unknown search mode {mode!r} (one of {', '.join(MODES)})")
     # The model whose vectors answer the query.
     model_id = rt.model_id
-    vector = None if mode == TEXT else rt.provider.embed([query]).vectors[0]
-    with pool.connection() as conn:
-        if mode == TEXT:
+    if mode == TEXT:
+        with pool.connection() as conn:
             hits = retrieval.text_search(conn, query, k)
-            for hit in hits:
-                hit.pop("chunk_checksum", None)
-                hit.update(distance=None, score=hit["text_rank"])
-        elif mode == VECTOR:
+        for hit in hits:
+            hit.pop("chunk_checksum", None)
+            hit.update(distance=None, score=hit["text_rank"])
+        return hits
+    vector = rt.provider.embed([query]).vectors[0]
+    with pool.connection() as conn:
+        if mode == VECTOR:
             hits = retrieval.search(conn, model_id, vector, k)
             for hit in hits:
                 hit.update(text_rank=None, score=1.0 - hit["distance"])  # cosine similarity

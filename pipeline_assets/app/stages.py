@@ -44,7 +44,7 @@ def _refresh(scope: str) -> sql.Composed:
 
 def clock(conn: psycopg.Connection) -> datetime:
     """The database's now(): take it before a work run and pass it to ``refresh_embed_touched``."""
-    return conn.execute(STAGE_RUNS.clock).fetchone()[0]
+    return queries.scalar(conn, STAGE_RUNS.clock)
 
 
 def refresh_embed(conn: psycopg.Connection, model_id: str) -> int:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import reports
+from pipeline_assets.app import model_admin, reports
 from pipeline_assets.jobs import models
 from pipeline_assets.settings import Settings
 
 
-def status(pool: ConnectionPool, model_retire_grace: float = Settings.model_retire_grace) -> dict:
-    """Jobs by status and model, stages, coverage, dead letters, spend. Read-only: it
-    writes nothing (the embed stage is computed from the jobs in the read query), so
-    a role with only SELECT can run it."""
+def status(pool: ConnectionPool, settings: Settings) -> reports.StatusReport:
+    """Jobs by status and model, stages, coverage, dead letters, spend, indexes, input
+    limits. Read-only: it writes nothing (the embed stage is computed from the jobs in
+    the read query), so a role with only SELECT can run it."""
     with pool.connection() as conn:
-        data = reports.status(conn)
-        data["vector_index"] = models.index_states(conn)  # per active model: hnsw, building, exact search...
-        data["served_model"] = models.served_model_id(conn)  # what search and export read
-        data["retired_models"] = {r.pop("model_id"): {k: r[k] for k in ("retired_at", "purge_after", "purged_at")}
-                                  for r in models.model_states(conn, model_retire_grace) if not r["active"]}
-        return data
-
+        report = reports.status(conn)
+        report.vector_index = models.index_states(conn)
+        report.served_model = models.served_model_id(conn)
+        report.retired_models = {r.pop("model_id"): {k: r[k] for k in ("retired_at", "purge_after", "purged_at")}
+                                 for r in models.model_states(conn, settings.model_retire_grace)
+                                 if not r["active"]}
+    report.input_limits = model_admin.input_limits(pool)  # per active model: window, oversize chunks, truncation
+    report.retry_after_cap = settings.retry_after_cap
+    return report

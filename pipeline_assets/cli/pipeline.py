@@ -89,7 +89,7 @@ def embed(directory: str, concurrency: int | None, allow_empty: bool, as_json: b
         summary = embed_uc.embed_directory(rt, p, Path(directory),
                                            concurrency=concurrency or DEFAULT_CONCURRENCY,
                                            stop=stop_on_signals(), observe=bar.observe)
-    emit(summary, as_json, pairs)
+    emit(summary.as_dict(), as_json, pairs)
 
 
 @click.command()

@@ -65,20 +65,20 @@ class WorkProgress:
         if not self.enabled:
             return
         total = outstanding_jobs(self._pool, worker.model_id)
-        self._progress = Progress(TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-                                  _Rate(), TextColumn("eta"), TimeRemainingColumn(),
-                                  console=Console(file=sys.stderr), transient=False)
-        task = self._progress.add_task("embedding", total=total or None)
-        self._progress.start()
-        self._thread = threading.Thread(target=self._follow, args=(worker, task, total), name="progress",
+        self._progress = progress = Progress(
+            TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
+            _Rate(), TextColumn("eta"), TimeRemainingColumn(), console=Console(file=sys.stderr), transient=False)
+        task = progress.add_task("embedding", total=total or None)
+        progress.start()
+        self._thread = threading.Thread(target=self._follow, args=(progress, worker, task, total), name="progress",
                                         daemon=True)
         self._thread.start()
 
-    def _follow(self, worker: Worker, task, total: int) -> None:
+    def _follow(self, progress: Progress, worker: Worker, task, total: int) -> None:
         while True:
             stopping = self._stop.wait(REFRESH_SECONDS)
             done = _done(worker)
-            self._progress.update(task, completed=done, total=max(total, done) or None)
+            progress.update(task, completed=done, total=max(total, done) or None)
             if stopping:
                 return
 

@@ -71,10 +71,7 @@ def status(as_json: bool, watch: float | None, count: int | None) -> None:
 
 
 def _status_data(p) -> dict:
-    data = status_uc.status(p, settings().model_retire_grace)
-    data["input_limits"] = model_admin.input_limits(p)  # per active model: window, oversize chunks, truncation
-    data["retry_after_cap"] = settings().retry_after_cap
-    return data
+    return status_uc.status(p, settings()).as_dict()
 
 
 @click.command()

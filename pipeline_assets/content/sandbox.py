@@ -166,12 +166,19 @@ class Sandbox:
         self._proc = self._calls = self._answers = None
         return code
 
+    @staticmethod
+    def _pipe(conn: Connection | None) -> Connection:
+        """A pipe of the running child (the callers started it)."""
+        if conn is None:
+            raise RuntimeError("the extraction child is not running")
+        return conn
+
     def _send(self, data: bytes) -> None:
         if self._proc is None:
             self._start()
         if not self._pending:
             self._head_started = time.monotonic()
-        self._calls.send_bytes(data)
+        self._pipe(self._calls).send_bytes(data)
 
     def _replace_child(self) -> int | None:
         """Kill the child; send the calls still queued to a new one. Returns the old exit code."""
@@ -206,8 +213,9 @@ class Sandbox:
         tag, data = self._pending[0]
         wait = None if self.timeout is None else max(0.0, self._head_started + self.timeout - time.monotonic())
         try:
-            answered = self._answers.poll(wait)
-            answer = self._answers.recv() if answered else None
+            answers = self._pipe(self._answers)
+            answered = answers.poll(wait)
+            answer = answers.recv() if answered else None
         except (EOFError, OSError):
             answered, answer = True, None
         self._pending.popleft()
@@ -240,7 +248,7 @@ class Sandbox:
         if self._proc is None:
             return
         try:
-            self._calls.send_bytes(pickle.dumps(None))
+            self._pipe(self._calls).send_bytes(pickle.dumps(None))
             self._proc.join(CHILD_EXIT_TIMEOUT_SECONDS)
         except OSError:
             pass

@@ -191,12 +191,12 @@ def item_for(root: Path, document_id: str) -> SourceItem | None:
     problem = document_id_problem(document_id)
     if problem:
         raise ValueError(f"document id {document_id!r} refused: {problem}")
-    root = str(Path(root).absolute())
-    path = _locate(root, document_id)
+    base = str(Path(root).absolute())
+    path = _locate(base, document_id)
     if path is None:
         return None
     try:
-        return _classify(path, document_id, os.path.realpath(root), listed=False)
+        return _classify(path, document_id, os.path.realpath(base), listed=False)
     except OSError:
         return None
 

@@ -38,6 +38,7 @@ import hashlib
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import dagster as dg
 
@@ -45,6 +46,7 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDING_STORE
 from pipeline_assets.defs.model_switch import refuse_model_override
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.resources import (
@@ -58,11 +60,6 @@ from pipeline_assets.settings import Settings
 
 GROUP = "embedding_pipeline"
 
-DOCUMENTS = dg.AssetKey("documents")
-CHUNKS = dg.AssetKey("chunks")
-EMBEDDINGS = dg.AssetKey("embeddings")
-ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
-EMBEDDING_STORE = dg.AssetKey("embedding_store")
 INGEST_OP = "ingest"
 
 # The Dagster concurrency pool of the embeddings step when it embeds in-process:
@@ -92,15 +89,15 @@ def _counts(report: IngestReport) -> dict[str, int]:
     return {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
 
 
-def document_metadata(state: bk.BucketState) -> dict:
-    meta: dict = {"documents": state.documents, "current": state.current, "quarantined": state.quarantined,
+def document_metadata(state: bk.BucketState) -> dict[str, Any]:
+    meta: dict[str, Any] = {"documents": state.documents, "current": state.current, "quarantined": state.quarantined,
                   "text_digest": state.text_digest}
     if state.quarantined_ids:
         meta["quarantined_ids"] = ", ".join(state.quarantined_ids)
     return meta
 
 
-def chunk_metadata(state: bk.BucketState) -> dict:
+def chunk_metadata(state: bk.BucketState) -> dict[str, Any]:
     return {"chunk_count": state.chunks, "tokens": state.tokens, "chunks_digest": state.chunks_digest}
 
 
@@ -135,8 +132,8 @@ EMBEDDING_STORE_SPEC = dg.AssetSpec(
 
 
 def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg.AssetsDefinition]:
-    common = dict(partitions_def=bucket_partitions(n), backfill_policy=dg.BackfillPolicy.single_run())
-    spec = dict(group_name=GROUP, kinds={"postgres"})
+    common: dict[str, Any] = dict(partitions_def=bucket_partitions(n), backfill_policy=dg.BackfillPolicy.single_run())
+    spec: dict[str, Any] = dict(group_name=GROUP, kinds={"postgres"})
 
     @dg.multi_asset(
         name=INGEST_OP, can_subset=False, **common,
@@ -166,7 +163,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         for b, state in states.items():
             context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
             context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))
-        run_meta = {"partitions": len(keys), "source_root": str(root), "files_read": done.scan.hashed,
+        run_meta: dict[str, Any] = {"partitions": len(keys), "source_root": str(root), "files_read": done.scan.hashed,
                     "changed_documents": len(done.changed), "stale_documents": len(done.stale),
                     "gone_documents": len(done.gone)}
         yield dg.MaterializeResult(
@@ -227,11 +224,12 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         coverage = bk.bucket_coverage(done.per_document, buckets, n)
         versions = {}
         for b in buckets:
-            cov, key = coverage[b], bucket_key(b)
-            versions[key] = bk.digest([model_id, states[b].chunks_digest, f"{cov.ready}/{cov.chunks}"])
-            meta: dict = {"chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed, "waiting": cov.waiting}
-            if cov.failed_ids:
-                meta["failed_ids"] = ", ".join(cov.failed_ids)
+            bucket_cov, key = coverage[b], bucket_key(b)
+            versions[key] = bk.digest([model_id, states[b].chunks_digest, f"{bucket_cov.ready}/{bucket_cov.chunks}"])
+            meta: dict[str, Any] = {"chunks": bucket_cov.chunks, "ready": bucket_cov.ready,
+                                    "failed": bucket_cov.failed, "waiting": bucket_cov.waiting}
+            if bucket_cov.failed_ids:
+                meta["failed_ids"] = ", ".join(bucket_cov.failed_ids)
             context.add_asset_metadata(meta, partition_key=key)
         return dg.MaterializeResult(data_version=dg.DataVersion(run_version(versions)), metadata={
             "model": model_id,

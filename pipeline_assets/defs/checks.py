@@ -23,7 +23,7 @@ import dagster as dg
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
-from pipeline_assets.defs.assets import EMBEDDING_STORE, EMBEDDINGS
+from pipeline_assets.defs.keys import EMBEDDING_STORE, EMBEDDINGS
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
@@ -37,7 +37,10 @@ def build_coverage_check(settings: Settings) -> dg.AssetChecksDefinition:
     with warnings.catch_warnings():  # partitions_def on an asset check is a "preview" in 1.13
         warnings.filterwarnings("ignore", message=".*partitions_def.*", category=dg.PreviewWarning)
 
-        @dg.asset_check(asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=bucket_partitions(n),
+        # Dagster types the decorated function as returning one AssetCheckResult; a partitioned
+        # check yields one evaluation per partition and then its Output (Dagster's documented shape).
+        @dg.asset_check(  # type: ignore[arg-type]
+                        asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=bucket_partitions(n),
                         description="Per bucket of the run: every current chunk of its documents has a ready "
                                     "vector for the configured model (none failed, none still waiting).")
         def partition_embedded(context: dg.AssetCheckExecutionContext, postgres: PostgresResource,

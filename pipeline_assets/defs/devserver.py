@@ -112,9 +112,9 @@ def sqlalchemy_url(libpq_url: str) -> str:
     """A libpq URL/DSN as a SQLAlchemy psycopg2 URL (a unix-socket host goes into ``?host=``)."""
     from sqlalchemy.engine import URL
 
-    params = psycopg.conninfo.conninfo_to_dict(libpq_url)
+    params = {k: str(v) for k, v in psycopg.conninfo.conninfo_to_dict(libpq_url).items()}
     host = params.pop("host", None)
-    query = {k: str(v) for k, v in params.items() if k not in ("user", "password", "port", "dbname")}
+    query = {k: v for k, v in params.items() if k not in ("user", "password", "port", "dbname")}
     tcp_host = host
     if host and (host.startswith("/") or "," in host):
         query["host"] = host

@@ -36,9 +36,9 @@ that is not its code version (``refuse_model_override``).
 import dagster as dg
 
 from pipeline_assets.app import model_admin
+from pipeline_assets.defs.keys import EMBEDDING_STORE
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
 
-EMBEDDING_STORE = dg.AssetKey("embedding_store")
 SENSOR_NAME = "model_switch"
 
 # How often the sensor compares the configured model with the served one; bounds
@@ -63,20 +63,20 @@ def parse_cursor(cursor: str | None) -> tuple[str | None, bool]:
     return (cursor[len(DONE):], True) if cursor.startswith(DONE) else (cursor, False)
 
 
-def switch_events(outcome: dict, last_seen: str | None) -> list[dg.AssetObservation]:
+def switch_events(outcome: model_admin.ModelFollowed, last_seen: str | None) -> list[dg.AssetObservation]:
     """The observations one evaluation records: the configured model changed (since the
     model ``last_seen`` by this sensor, its cursor), and a model served (one retired)."""
     events = []
-    cov = outcome["coverage"]
-    if outcome["model_id"] != last_seen:
+    cov = outcome.coverage
+    if outcome.model_id != last_seen:
         events.append(dg.AssetObservation(EMBEDDING_STORE, metadata={
-            "event": "model_configured", "model": outcome["model_id"], "previous_configured": last_seen or "",
-            "served_model": outcome["served"] or "", "newly_registered": outcome["added"],
-            "enqueued": outcome["enqueued"], **_coverage_metadata(cov)}))
-    if outcome["switched"]:
+            "event": "model_configured", "model": outcome.model_id, "previous_configured": last_seen or "",
+            "served_model": outcome.served or "", "newly_registered": outcome.added,
+            "enqueued": outcome.enqueued, **_coverage_metadata(cov)}))
+    if outcome.switched:
         events.append(dg.AssetObservation(EMBEDDING_STORE, metadata={
-            "event": "model_served", "model": outcome["model_id"], "served_model": outcome["served"],
-            "previous_model": outcome["switched_from"] or "", "retired_model": outcome["retired"] or "",
+            "event": "model_served", "model": outcome.model_id, "served_model": outcome.served,
+            "previous_model": outcome.switched_from or "", "retired_model": outcome.retired or "",
             **_coverage_metadata(cov)}))
     return events
 
@@ -93,7 +93,7 @@ def model_switch_sensor(context: dg.SensorEvaluationContext, postgres: PostgresR
     last_seen, done = parse_cursor(context.cursor)
     done = done and last_seen == rt.model_id
     outcome = model_admin.follow_configured(rt, postgres.pool(), switch=not done)
-    model_id, served = outcome["model_id"], outcome["served"]
+    model_id, served = outcome.model_id, outcome.served
     cursor = f"{DONE if done or served == model_id else ''}{model_id}"
     events = switch_events(outcome, last_seen)
     if events:
@@ -104,14 +104,14 @@ def model_switch_sensor(context: dg.SensorEvaluationContext, postgres: PostgresR
                                skip_reason=dg.SkipReason(f"{said} (served: {served})"))
     if cursor != context.cursor:
         context.update_cursor(cursor)
-    cov = outcome["coverage"]
+    cov = outcome.coverage
     if served == model_id:
         return dg.SkipReason(f"serving the configured model {model_id}")
     if done:
         return dg.SkipReason(f"serving {served}, served by hand after the configured {model_id} was; "
                              "left as it is (`pipeline-assets models serve` changes it)")
-    return dg.SkipReason(f"serving {outcome['served']} until {outcome['model_id']} covers the corpus: "
-                         f"{cov.ready}/{cov.wanted} ({cov.describe_missing()})")
+    progress = f"{cov.ready}/{cov.wanted} ({cov.describe_missing()})" if cov is not None else "coverage not read"
+    return dg.SkipReason(f"serving {served} until {model_id} covers the corpus: {progress}")
 
 
 def refuse_model_override(context: dg.AssetExecutionContext, model_id: str) -> None:

@@ -21,6 +21,7 @@ it touched, with the refreshed ids in its metadata.
 import fnmatch
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -29,7 +30,8 @@ from pipeline_assets.app.embed import EmbedIncomplete, embed_documents
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.observations import walk
 from pipeline_assets.content.sources import SourceError, document_id_problem
-from pipeline_assets.defs.assets import EMBEDDINGS, ingest_materializations
+from pipeline_assets.defs.assets import ingest_materializations
+from pipeline_assets.defs.keys import EMBEDDINGS
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import (
     EmbeddingProviderResource,
@@ -94,8 +96,9 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     with postgres.connection() as conn:
         states = bk.states_of(conn, str(root), list(touched), n)
     coverage = bk.bucket_coverage(done.per_document, list(touched), n)
-    refreshed = {b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
-                 for b, docs in touched.items()}
+    refreshed: dict[int, dict[str, Any]] = {
+        b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
+        for b, docs in touched.items()}
     yield from ingest_materializations(states, refreshed)
     for b, more in sorted(refreshed.items()):
         cov = coverage[b]

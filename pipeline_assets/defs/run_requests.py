@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import dagster as dg
 
-from pipeline_assets.defs.assets import ASSET_KEYS
+from pipeline_assets.defs.keys import ASSET_KEYS
 
 EMBED_JOB_NAME = "embed_documents"
 EMBED_JOB = dg.define_asset_job(

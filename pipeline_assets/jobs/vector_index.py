@@ -43,6 +43,13 @@ INDEX_LOCK_NAMESPACE = 0x766E6478
 # A long-running worker whose build failed (or was left to another builder) looks again after this long.
 INDEX_RETRY_SECONDS = 600.0
 
+# maintenance_work_mem of a build's session: an HNSW graph builds many times faster while it fits
+# (~2.3 kB per 512-dimension vector: ~200k of them). Only while building, on the builder's connection.
+INDEX_BUILD_MEMORY = "512MB"
+# SQLSTATEs of a build that could not get that memory (shared memory of a parallel build: a small
+# /dev/shm in a container): built again once with the server's own setting.
+OUT_OF_BUILD_MEMORY = ("53100", "53200")   # disk_full (a DSM segment), out_of_memory
+
 # Index states, as `models list` and `status` show them.
 READY = "ready"          # a valid HNSW index: approximate nearest neighbours
 BUILDING = "building"    # a builder holds the lock (searches scan exactly meanwhile)
@@ -123,10 +130,23 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
             log.warning("dropping the invalid index %s of model %s and building it again", name, model_id)
             conn.execute(_drop(name))
         started = time.monotonic()
+        create = sql.SQL(MODELS.create_hnsw_index).format(
+            name=sql.Identifier(name), kind=sql.Identifier(kind), opclass=sql.Identifier(f"{kind}_cosine_ops"),
+            dim=sql.Literal(int(dimension)), model=sql.Literal(model_id))
         try:
-            conn.execute(sql.SQL(MODELS.create_hnsw_index).format(
-                name=sql.Identifier(name), kind=sql.Identifier(kind), opclass=sql.Identifier(f"{kind}_cosine_ops"),
-                dim=sql.Literal(int(dimension)), model=sql.Literal(model_id)))
+            try:
+                conn.execute(MODELS.set_index_build_memory, {"memory": INDEX_BUILD_MEMORY})
+                conn.execute(create)
+            except psycopg.Error as exc:
+                if exc.sqlstate not in OUT_OF_BUILD_MEMORY:
+                    raise
+                log.warning("building the index %s with %s failed (%s); building it with the server's "
+                            "maintenance_work_mem", name, INDEX_BUILD_MEMORY, _one_line(exc))
+                _drop_quietly(conn, name)
+                conn.execute(MODELS.reset_index_build_memory)
+                conn.execute(create)
+            finally:
+                _reset_build_memory(conn)
         except psycopg.Error as exc:
             if not isinstance(exc, psycopg.errors.QueryCanceled):  # cancelled: stopping; the next build drops it
                 _drop_quietly(conn, name)  # an invalid index is still maintained on every insert
@@ -141,6 +161,15 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
                 conn.execute(MODELS.unlock_index_build, params)
             except psycopg.Error:
                 pass  # the lock dies with the connection
+
+
+def _reset_build_memory(conn: psycopg.Connection) -> None:
+    if conn.closed or conn.broken:
+        return
+    try:
+        conn.execute(MODELS.reset_index_build_memory)
+    except psycopg.Error:
+        pass   # the setting is the session's: it goes with the connection
 
 
 def _lock_params(model_id: str) -> dict:

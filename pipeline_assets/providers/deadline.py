@@ -106,7 +106,7 @@ def install(client: httpx2.Client) -> httpx2.Client:
             continue
         pool = getattr(transport, "_pool", None)
         backend = getattr(pool, "_network_backend", None)
-        if backend is None:
+        if pool is None or backend is None:
             raise RuntimeError(f"cannot enforce call deadlines on {type(transport).__name__}")
         if not isinstance(backend, DeadlineBackend):
             pool._network_backend = DeadlineBackend(backend)

@@ -156,12 +156,12 @@ class LocalHashingProvider:
         buckets = np.fromiter((b for b, _ in hashed), dtype=np.int64, count=len(hashed))
         signed = np.fromiter((s * w for (_, s), w in zip(hashed, weighted.values())), dtype=np.float64,
                              count=len(hashed))
-        vec = np.bincount(buckets, weights=signed, minlength=self._dim)
+        vec: np.ndarray = np.bincount(buckets, weights=signed, minlength=self._dim)
         norm = float(np.linalg.norm(vec))
         if norm == 0.0:
             vec[0] = 1.0  # nothing but stop words: a fixed unit vector, never a zero one
         else:
-            vec /= norm
+            vec = vec / norm
         return vec.astype(np.float32), len(get_encoding().encode_ordinary(text))
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:

@@ -57,6 +57,12 @@ def _configure(conn: psycopg.Connection) -> None:
         pass
 
 
+def pool_url(pool: ConnectionPool) -> str:
+    """The connection string a pool was opened with (for a connection of its own: autocommit DDL, a worker)."""
+    info = pool.conninfo
+    return info() if callable(info) else info
+
+
 def make_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPool:
     def configure(conn: psycopg.Connection) -> None:
         conn.autocommit = True

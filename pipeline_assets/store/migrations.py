@@ -50,13 +50,13 @@ def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str
 def _up_to_date(conn: psycopg.Connection, directory: Path | None) -> bool:
     """Every migration file already applied (checked with reads only, before any lock or DDL)."""
     with conn.transaction():
-        if not conn.execute(MIGRATIONS.ledger_exists).fetchone()[0]:
+        if not queries.scalar(conn, MIGRATIONS.ledger_exists):
             return False
         done = {r[0] for r in conn.execute(MIGRATIONS.applied)}
     return all(path.name in done for path in migration_files(directory))
 
 
-def ensure_database(server_url: str, name: str, *, connect_timeout: float = 10) -> str:
+def ensure_database(server_url: str, name: str, *, connect_timeout: int = 10) -> str:
     """CREATE DATABASE name on the server of ``server_url`` if missing; return its libpq URL."""
     with psycopg.connect(server_url, autocommit=True, connect_timeout=connect_timeout) as conn:
         if conn.execute(MIGRATIONS.database_exists, {"name": name}).fetchone() is None:

@@ -17,6 +17,10 @@ from __future__ import annotations
 import re
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psycopg
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
@@ -81,3 +85,11 @@ def load(family: str) -> NamedQueries:
     if family not in _loaded:
         _loaded[family] = NamedQueries(family)
     return _loaded[family]
+
+
+def scalar(conn: psycopg.Connection, query: str, params: Any = None) -> Any:
+    """The first column of the row a query always returns (a count, a flag, ``now()``)."""
+    row = conn.execute(query, params).fetchone()
+    if row is None:
+        raise LookupError("a query that always returns a row returned none")
+    return row[0]

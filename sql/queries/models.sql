@@ -81,6 +81,17 @@ SELECT pg_try_advisory_lock(%(namespace)s, hashtext(%(name)s))
 -- name: unlock_index_build
 SELECT pg_advisory_unlock(%(namespace)s, hashtext(%(name)s))
 
+-- name: set_index_build_memory
+-- For this session only (the builder's own connection): the memory one build may
+-- use. pgvector builds an HNSW graph far faster while it fits in
+-- maintenance_work_mem (the server default, 64MB, holds ~25k vectors of 512
+-- dimensions); a parallel build keeps it in shared memory.
+SELECT set_config('maintenance_work_mem', %(memory)s, false)
+
+-- name: reset_index_build_memory
+-- Back to the server's setting, before a retry with it (or the connection's next use).
+RESET maintenance_work_mem
+
 -- name: index_state
 -- valid: NULL when the index does not exist, false while it is being built
 -- or after a build failed (an INVALID index), true when usable. building:
