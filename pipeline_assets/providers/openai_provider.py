@@ -9,13 +9,13 @@ base URL come from ``Settings`` (OPENAI_API_KEY, OPENAI_BASE_URL).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import openai
 
 from . import deadline
-from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, ProviderError
+from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, UNMATCHED_ANSWER, EmbedResult, ModelSpec, ProviderError
 from .limits import FOREIGN_SPECIAL_TOKENS, FOREIGN_TOKENS_PER_CHUNK_TOKEN
 
 # Known dimensions and per-input token limits (cl100k tokens, the chunker's);
@@ -75,6 +75,12 @@ def classify(exc: Exception) -> ProviderError:
     return ProviderError(RETRYABLE, "provider_error", f"{type(exc).__name__}: {exc}")
 
 
+def _indexes(indexes: Iterable[int], shown: int = 8) -> str:
+    """The answer's indexes (sorted) for the error message, the first ``shown`` of them."""
+    got = list(indexes)
+    return ",".join(map(str, got[:shown])) + (f",... ({len(got)})" if len(got) > shown else "")
+
+
 def _error_code(exc: openai.APIStatusError) -> str | None:
     body = exc.body
     inner = body.get("error", body) if isinstance(body, dict) else None
@@ -131,7 +137,13 @@ class OpenAIProvider:
             raise classify(exc) from None
         data = sorted(resp.data, key=lambda d: d.index)
         if len(data) != len(texts):
-            raise ProviderError(RETRYABLE, "bad_response", f"expected {len(texts)} vectors, got {len(data)}")
+            raise ProviderError(RETRYABLE, UNMATCHED_ANSWER, f"expected {len(texts)} vectors, got {len(data)}")
+        # The right count is not enough: each input's vector is the one carrying its index, so
+        # the indexes must be exactly 0..n-1 (a duplicate or a missing one: whose is which?).
+        if any(d.index != i for i, d in enumerate(data)):
+            raise ProviderError(RETRYABLE, UNMATCHED_ANSWER,
+                                f"expected {len(texts)} vectors indexed 0..{len(texts) - 1}, got indexes "
+                                f"{_indexes(d.index for d in data)}")
         vectors = [np.asarray(d.embedding, dtype=np.float32) for d in data]
         tokens = resp.usage.total_tokens if resp.usage else 0
         return EmbedResult(vectors=vectors, tokens=tokens)
