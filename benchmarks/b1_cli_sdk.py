@@ -98,7 +98,8 @@ def cli_env(url: str, base_url: str, dim: int) -> dict:
 def cli_work(url: str, env: dict, n: int, profile: Path | None = None) -> dict:
     cmd = [sys.executable, "-m", "pipeline_assets.cli", "work", "--until-idle", "--json"]
     if profile is not None:
-        cmd = [shutil.which("py-spy") or "py-spy", "record", "--format", "raw", "--rate", "200", "--subprocesses",
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        cmd = [spy, "record", "--format", "raw", "--rate", "200", "--subprocesses",
                "-o", str(profile), "--"] + cmd
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("UPDATE app.embedding_jobs SET status = 'pending', attempts = 0, faults = 0, available_at = now()")
