@@ -192,6 +192,12 @@ class Worker:
 
     # -- one thread --------------------------------------------------------
     def _loop(self, index: int, executor: Executor, store: JobStore) -> None:
+        try:
+            self._claim_loop(index, executor, store)
+        finally:
+            self._wake.set()  # stopping (a signal, a fatal error, a budget): the main loop sees it at once
+
+    def _claim_loop(self, index: int, executor: Executor, store: JobStore) -> None:
         while not self.stop.is_set():
             reason = self._token_budget.exceeded(self.report.tokens)
             if reason is not None:
