@@ -26,7 +26,9 @@ stats JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes t
  4. rpm/tpm sliding 60 s window -> 429 + Retry-After/retry-after-ms/x-ratelimit-*, not billed;
  5. vectors computed (NaN for an input containing ``nan_marker``) and BILLED; then ``drop_next``/``drop_marker``
     (or ``drop_rate``) abort the connection without a response (SDK raises ``openai.APIConnectionError``);
-    with probability ``short_rate`` the answer loses its last embedding (a broken proxy); otherwise the
+    with probability ``short_rate`` the answer loses its last embedding (a broken proxy), with
+    probability ``bad_index_rate`` its last embedding carries a wrong ``index`` (the right count, one
+    index twice and one missing; one input: an index out of range); otherwise the
     OpenAI-shaped JSON is sent
     (a piece every ``DRIP_INTERVAL`` over ``drip_seconds`` if an input contains ``drip_marker``).
 
@@ -61,7 +63,8 @@ import numpy as np
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FAULT_FIELDS = ("poison_marker", "drop_marker", "slow_marker", "slow_seconds", "latency", "rpm", "tpm",
                 "random_faults", "fault_seed", "drip_marker", "drip_seconds", "throttle_marker",
-                "nan_marker", "drop_rate", "slow_rate", "short_rate")
+                "nan_marker", "drop_rate", "slow_rate", "short_rate",
+                "bad_index_rate")
 DRIP_INTERVAL = 0.05  # seconds between the bytes of a slow-drip answer (far below any read timeout)
 
 
@@ -199,6 +202,10 @@ class FakeOpenAI:
         # does) with this probability per request; 1.0: every answer. stats["short"] counts them,
         # stats["short_inputs"] their inputs (billed, nothing usable came back).
         self.short_rate = 0.0
+        # The right count of embeddings, but the last one's ``index`` wrong (a duplicate of the one
+        # before it; with one input, out of range), with this probability per request (billed).
+        # stats["bad_index"] counts them.
+        self.bad_index_rate = 0.0
         self._fault_rng = random.Random(0)
         self._host, self._port = host, port
         self._lock = threading.Lock()  # guards stats, one-shot counters, rate window, _conns
@@ -265,6 +272,7 @@ class FakeOpenAI:
         with self._lock:
             self._stats = {"requests": 0, "billed_inputs": 0, "billed_tokens": 0, "rate_limited": 0,
                            "dropped": 0, "dropped_inputs": 0, "slow": 0, "short": 0, "short_inputs": 0,
+                           "bad_index": 0,
                            "responses_by_status": {},
                            "billed_by_text": {}}
 
@@ -307,7 +315,7 @@ class FakeOpenAI:
         self.random_faults = []
         self.throttle_marker = None
         self.nan_marker = None
-        self.drop_rate = self.slow_rate = self.short_rate = 0.0
+        self.drop_rate = self.slow_rate = self.short_rate = self.bad_index_rate = 0.0
         self.poison_marker = self.drop_marker = self.slow_marker = None
         self.slow_seconds = self.latency = 0.0
         self.drip_marker = None
@@ -473,12 +481,17 @@ class FakeOpenAI:
             short = not drop and self.short_rate > 0 and self._fault_rng.random() < self.short_rate
             s["short"] += short
             s["short_inputs"] += len(items) if short else 0
+            bad_index = (not drop and not short and self.bad_index_rate > 0
+                         and self._fault_rng.random() < self.bad_index_rate)
+            s["bad_index"] += bad_index
         if drop:
             return self._drop(h)
         enc = (lambda v: base64.b64encode(v.tobytes()).decode("ascii")) if fmt == "base64" else np.ndarray.tolist
         data = [{"object": "embedding", "index": i, "embedding": enc(v)} for i, v in enumerate(vecs)]
         if short:  # the last embedding lost on the way (the indexes of the others are intact)
             data.pop()
+        if bad_index:  # the right count, but one index twice and one missing (one input: out of range)
+            data[-1]["index"] = len(data) - 2 if len(data) > 1 else 1
         answer = {"object": "list", "data": data, "model": model,
                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
         if has(self.drip_marker):

@@ -100,12 +100,20 @@ def test_a_poison_input_is_dead_lettered_alone_with_bounded_sends(env, fake, cle
     assert_vectors_match_except(conn, fake, poison)
 
 
-def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes(env, fake, clean_db, tmp_path):
+@pytest.mark.parametrize("fault", [
+    # every answer one embedding short, its other indexes intact
+    pytest.param(("short_rate", "short", "got "), id="one-embedding-short"),
+    # the right count, but one index twice and one missing: which vector is whose?
+    pytest.param(("bad_index_rate", "bad_index", "got indexes "), id="duplicate-index"),
+])
+def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes(env, fake, clean_db, tmp_path,
+                                                                                 fault):
+    rate, counted, says = fault
     write_corpus(tmp_path / "c", 20)
     cli("ingest", str(tmp_path / "c"), env=env)
     conn = clean_db
     texts = _texts(conn)
-    fake.short_rate = 1.0  # every answer one embedding short, its other indexes intact
+    setattr(fake, rate, 1.0)
     started = time.monotonic()
     proc = cli("work", "--until-idle", env=env, check=False, timeout=PROXY_STOP_SECONDS + 30)
     wall = time.monotonic() - started
@@ -113,9 +121,9 @@ def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes
     assert proc.returncode != 0 and wall < PROXY_STOP_SECONDS
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unmatched_answers: "), proc.stderr
-    assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in lines[0] and "got " in lines[0]
+    assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in lines[0] and says in lines[0]
     assert "Traceback" not in proc.stderr
-    assert fake.stats["short"] == MAX_UNMATCHED_ANSWERS
+    assert fake.stats[counted] == MAX_UNMATCHED_ANSWERS
     # Nothing stored (no vector on the wrong text), nothing dead-lettered, no attempt or fault charged.
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
     assert set(job_counts(conn)) <= {"pending", "retry"}
@@ -123,7 +131,7 @@ def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes
     # The answers were billed: the ledger counts them as (possibly) billed.
     assert conn.execute("SELECT count(*) FROM app.provider_calls WHERE billed IN ('yes', 'maybe')"
                         " AND inputs > 0").fetchone()[0] == MAX_UNMATCHED_ANSWERS
-    fake.short_rate = 0.0  # the proxy is fixed
+    setattr(fake, rate, 0.0)  # the proxy is fixed
     cli("work", "--until-idle", env=env, timeout=120)
     assert job_counts(conn) == {"ready": len(texts)}
     assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs").fetchone()[0] == 1

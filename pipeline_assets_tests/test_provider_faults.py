@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 import time
 
-from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
+import pytest
+
+from pipeline_assets.providers import RETRYABLE, ProviderError
+from pipeline_assets.providers.base import UNMATCHED_ANSWER
+from pipeline_assets.providers.openai_provider import OpenAIProvider
+from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
 
 # The measured scenario of item 1: 30 documents of two chunks each.
 SOAK_DOCUMENTS = 30
@@ -291,3 +296,22 @@ def test_an_unreachable_database_is_waited_for_a_refusing_one_is_counted():
     assert faults.count(psycopg.errors.DeadlockDetected("deadlock detected")) == (3, False)
     faults.reset()  # a completion
     assert faults.count(RuntimeError("a bug")) == (1, False)
+
+
+@pytest.mark.parametrize("texts", [["a", "b", "c"], ["alone"]], ids=["duplicate-index", "index-out-of-range"])
+def test_an_answer_with_the_right_count_but_a_wrong_index_is_unmatched(fake, texts):
+    """Each input's vector is the one carrying its index: a duplicate or missing index is an
+    unusable answer of the provider (as a wrong count is), never vectors stored by position."""
+    provider = OpenAIProvider(FAKE_MODEL, api_key="test-key", base_url=fake.base_url, dimensions=None,
+                              timeout=10, max_batch_inputs=16, max_batch_tokens=10_000)
+    try:
+        assert len(provider.embed(texts).vectors) == len(texts)  # a sound answer passes
+        fake.bad_index_rate = 1.0
+        with pytest.raises(ProviderError) as caught:
+            provider.embed(texts)
+    finally:
+        provider.close()
+    assert fake.stats["bad_index"] == 1
+    err = caught.value
+    assert (err.kind, err.error_class) == (RETRYABLE, UNMATCHED_ANSWER)
+    assert f"expected {len(texts)} vectors indexed 0..{len(texts) - 1}, got indexes " in err.message

@@ -106,7 +106,8 @@ def merged(changes: Sequence[Change]) -> list[Change]:
         first = members[0]
         per_job = {f.name: tuple(v for m in members for v in getattr(m, f.name))
                    for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), tuple)}
-        out.append(dataclasses.replace(first, **per_job))
+        # (mypy cannot type replace() over a union of dataclasses with computed field names)
+        out.append(dataclasses.replace(first, **per_job))  # type: ignore[arg-type]
     return out
 
 

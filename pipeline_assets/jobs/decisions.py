@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
+from pipeline_assets.providers.base import UNMATCHED_ANSWER
 
 # A job's request is halved once for every throttle from this one on: one 429
 # is the provider's weather; repeated ones on the same inputs suggest a request
@@ -65,11 +66,11 @@ FREE_FAULTS = 6
 FAULT_SHRINK_BITS = 2
 
 # Answers in a row that cannot be matched to their inputs (a wrong count of
-# vectors) after which the worker stops: nothing is stored or charged for
+# vectors, a duplicate or missing index) after which the worker stops: nothing is stored or charged for
 # them, so without a stop a broken proxy would be billed for the corpus forever.
 MAX_UNMATCHED_ANSWERS = 3
-# The provider's error class of an answer with the wrong count of vectors.
-UNMATCHED_ANSWER = "bad_response"
+# The provider's error class of an answer with the wrong count of vectors or a
+# duplicate or missing index (``providers.base.UNMATCHED_ANSWER``, re-exported).
 # The error class the worker stops with after MAX_UNMATCHED_ANSWERS of them.
 UNMATCHED_ANSWERS = "unmatched_answers"
 

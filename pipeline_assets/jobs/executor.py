@@ -21,7 +21,7 @@ import numpy as np
 import psycopg
 
 from pipeline_assets.jobs import crashpoints, decisions, ledger
-from pipeline_assets.jobs.changes import ClaimedJob, Complete, GiveBack, Isolate, Supersede
+from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
 from pipeline_assets.jobs.decisions import Apply, ProbeConfig, Split, Stop
 from pipeline_assets.jobs.faults import FaultCounter
 from pipeline_assets.jobs.job_store import Answer, JobStore
@@ -128,7 +128,8 @@ class Executor:
         # ever comes (a kill, a failure), it still counts as possibly billed.
         call_id = self.store.record_send(jobs, sum(j.token_count or 0 for j in jobs))
         try:
-            result = _embed(self.provider, [j.text for j in jobs])
+            # Requests carry only jobs with text (plan_requests leaves the unwanted out).
+            result = _embed(self.provider, [j.text for j in jobs if j.text is not None])
         except ProviderError as err:
             self.store.record_failure(call_id, jobs, err, time.monotonic() - started)
             self.report.add(provider_calls=1)
@@ -148,13 +149,14 @@ class Executor:
         if self.view.dimension is None:
             self.view.dimension = self.store.record_dimension(len(result.vectors[0]))
         vectors = result.vectors
-        changes = []
+        changes: list[Change] = []
         # One check of the whole answer; vector by vector only when it fails.
         bad = None if np.isfinite(np.concatenate(vectors)).all() else decisions.bad_vectors(
             [bool(np.isfinite(v).all()) for v in vectors], jobs,
             base=self.settings.backoff_base, cap=self.settings.backoff_cap)
         if bad is not None:  # NaN/inf: the provider's fault, for those inputs; the rest complete
-            self.store.provider_failure(bad.breaker)
+            if bad.breaker is not None:
+                self.store.provider_failure(bad.breaker)
             changes.extend(bad.changes)
             jobs, vectors = decisions.without(bad.changes[0].job_ids, jobs, vectors)
         changes.append(Complete(tuple(j.job_id for j in jobs), tuple(vectors)))

@@ -104,23 +104,26 @@ class Liveness:
 
     def start(self) -> Liveness:
         """Register (a failure here is the caller's: no claim before the first beat), then beat."""
-        self._beat()
+        conn = self._beat()
         try:
-            forget_dead_workers(self._conn)
+            forget_dead_workers(conn)
         except psycopg.Error as exc:  # housekeeping only
             log.warning("could not forget dead workers: %s", exc)
         self._thread = threading.Thread(target=self._run, name="liveness", daemon=True)
         self._thread.start()
         return self
 
-    def _beat(self) -> None:
+    def _beat(self) -> psycopg.Connection:
+        """One beat; returns the liveness connection it went through."""
         if self._conn is None or self._conn.closed:
             self._conn = self._connect()
+        conn = self._conn
         try:
-            self._conn.execute(WORKERS.beat, self._params)
+            conn.execute(WORKERS.beat, self._params)
         except psycopg.Error:
-            self._conn.close()  # reconnect on the next beat
+            conn.close()  # reconnect on the next beat
             raise
+        return conn
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

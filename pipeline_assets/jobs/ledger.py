@@ -32,8 +32,8 @@ def record_send(conn: psycopg.Connection, *, model_id: str, worker_id: str, chec
     committed (without waiting for its WAL flush) when this returns; returns the
     call id. (Inside a caller's transaction it commits with that one, which
     then does not wait for its flush either.)"""
-    return conn.execute(LEDGER.record_send, {"model": model_id, "worker": worker_id, "run": run,
-                                             "tokens": tokens, "checksums": list(checksums)}).fetchone()[0]
+    return queries.scalar(conn, LEDGER.record_send, {"model": model_id, "worker": worker_id, "run": run,
+                                                     "tokens": tokens, "checksums": list(checksums)})
 
 
 def record_outcome(conn: psycopg.Connection, *, call_id: int, model_id: str, checksums: Sequence[bytes],
@@ -60,4 +60,6 @@ def record_call(conn: psycopg.Connection, *, model_id: str, worker_id: str, jobs
 def tokens_today(conn: psycopg.Connection, model_id: str, *, excluding_run: str | None = None) -> int:
     """Tokens billed (or possibly billed) for the model since midnight UTC, except
     those sent by the worker run ``excluding_run`` (``run`` of ``record_send``)."""
-    return conn.execute(LEDGER.tokens_today, {"model": model_id, "run": excluding_run}).fetchone()[0]
+    return queries.scalar(conn, LEDGER.tokens_today, {"model": model_id, "run": excluding_run})
+
+

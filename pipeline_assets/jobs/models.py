@@ -172,6 +172,7 @@ class Coverage:
 def coverage(conn: psycopg.Connection, model_id: str) -> Coverage:
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(MODELS.coverage, {"model": model_id}).fetchone()
+    assert row is not None, "the coverage aggregate returned no row"
     return Coverage(model_id=model_id, **{k: int(v) for k, v in row.items()})
 
 

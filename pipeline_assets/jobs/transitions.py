@@ -154,7 +154,7 @@ def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base
     for their leases. ``base``/``cap``: the full-jitter backoff a rescued job
     waits out (0: available at once).
     """
-    counts = {JobStatus.RETRY: 0, JobStatus.FAILED: 0, JobStatus.SUPERSEDED: 0}
+    counts: dict[str, int] = {JobStatus.RETRY: 0, JobStatus.FAILED: 0, JobStatus.SUPERSEDED: 0}
     for row in _dicts(conn, JOBS.rescue_expired, {"rescuer": rescuer, "base": base, "cap": cap}):
         counts[row["status"]] += 1
     return counts
@@ -162,7 +162,7 @@ def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base
 
 def requeue_failed(conn: psycopg.Connection, job_ids: Sequence[int] = (), *, all_failed: bool = False
                    ) -> dict[str, int]:
-    counts = {JobStatus.PENDING: 0, JobStatus.SUPERSEDED: 0}
+    counts: dict[str, int] = {JobStatus.PENDING: 0, JobStatus.SUPERSEDED: 0}
     for row in _dicts(conn, JOBS.requeue_failed, {"ids": list(job_ids), "all": all_failed}):
         counts[row["status"]] += 1
     return counts

@@ -99,7 +99,7 @@ def state(conn: psycopg.Connection, model_id: str, dimension: int | None) -> str
         return NO_VECTORS
     if index_kind(int(dimension)) is None:
         return EXACT
-    valid, building = conn.execute(MODELS.index_state, _lock_params(model_id)).fetchone()
+    valid, building = queries.one_row(conn, MODELS.index_state, _lock_params(model_id))
     if building:
         return BUILDING
     return MISSING if valid is None else READY if valid else INVALID
@@ -120,10 +120,10 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
         raise ValueError("an index is built concurrently, outside any transaction (use an autocommit connection)")
     name = index_name(model_id)
     params = _lock_params(model_id)
-    if not conn.execute(MODELS.try_lock_index_build, params).fetchone()[0]:
+    if not queries.one_row(conn, MODELS.try_lock_index_build, params)[0]:
         return BUILDING
     try:
-        valid, _ = conn.execute(MODELS.index_state, params).fetchone()
+        valid, _ = queries.one_row(conn, MODELS.index_state, params)
         if valid:
             return READY
         if valid is not None:  # INVALID: left by a failed or cancelled build
@@ -199,8 +199,10 @@ class BackgroundBuild:
     while the index builds; completions go on committing (CONCURRENTLY).
     """
 
-    def __init__(self, connect: Callable[[], psycopg.Connection], model_id: str, dimension: int) -> None:
+    def __init__(self, connect: Callable[[], psycopg.Connection], model_id: str, dimension: int, *,
+                 on_done: Callable[[], object] | None = None) -> None:
         self._connect = connect
+        self._on_done = on_done  # told when the build is over (whatever its outcome)
         self.model_id = model_id
         self.dimension = dimension
         self.outcome: str | None = None   # a state, once the build is over
@@ -221,7 +223,7 @@ class BackgroundBuild:
 
     def retry_due(self, now: float) -> bool:
         """Whether a long-running worker should try again (the last build did not leave a usable index)."""
-        return (self.done and self.outcome not in (READY, EXACT)
+        return (self.finished_at is not None and self.outcome not in (READY, EXACT)
                 and now - self.finished_at >= INDEX_RETRY_SECONDS)
 
     def cancel(self, timeout: float = 5.0) -> None:
@@ -253,3 +255,5 @@ class BackgroundBuild:
             if self.error and not self._cancelled:
                 log.warning("%s (search scans exactly until it is built)", self.error)
             self.finished_at = time.monotonic()
+            if self._on_done is not None:
+                self._on_done()

@@ -90,6 +90,9 @@ class Worker:
         self.store: JobStore | None = None  # opened (with its pool) by run()
         self._stopping = Stopping(self.stop)
         self._idle = [False] * config.concurrency
+        # Wakes the main loop before its poll when a thread finds the queue empty or the index
+        # build ends, so `--until-idle` exits when the work is done, not up to a poll later.
+        self._wake = threading.Event()
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
         self._index_build: vector_index.BackgroundBuild | None = None  # started when the queue drains
         self._token_budget = TokenBudget.from_settings(self.model_id, settings)
@@ -98,12 +101,13 @@ class Worker:
     def run(self) -> WorkerReport:
         pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2)
         try:
-            self.store = JobStore(pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
-                                  backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap,
-                                  scope=self.config.scope,
-                                  observers=job_log.observers(pool, worker_id=self.worker_id, model_id=self.model_id,
-                                                              extra=[ReportCounts(self.report)]))
-            self._run()
+            self.store = store = JobStore(
+                pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
+                backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap,
+                scope=self.config.scope, observers=job_log.observers(pool, worker_id=self.worker_id,
+                                                                     model_id=self.model_id,
+                                                                     extra=[ReportCounts(self.report)]))
+            self._run(store)
         finally:
             pool.close()
         stopping = self._stopping
@@ -116,40 +120,41 @@ class Worker:
             raise BudgetExhausted(stopping.budget)
         return self.report
 
-    def _run(self) -> None:
-        executor = Executor(self.provider, self.store, self.settings, poll_seconds=self.config.poll_seconds,
+    def _run(self, store: JobStore) -> None:
+        executor = Executor(self.provider, store, self.settings, poll_seconds=self.config.poll_seconds,
                             lease_seconds=self.config.lease_seconds, report=self.report, stopping=self._stopping,
-                            view=ProviderView(self.store.register_model(self.provider.spec)))
-        self._refresh_spend()  # before any claim: today's spend by other workers
+                            view=ProviderView(store.register_model(self.provider.spec)))
+        self._refresh_spend(store)  # before any claim: today's spend by other workers
         liveness = leases.Liveness(lambda: db.connect(self.url), owner_prefix=self._owner_prefix,
                                    worker_id=self.worker_id, model_id=self.model_id,
                                    dead_after=self.settings.worker_dead_after).start()
-        threads = [threading.Thread(target=self._loop, args=(i, executor), name=f"embed-{i}", daemon=True)
+        threads = [threading.Thread(target=self._loop, args=(i, executor, store), name=f"embed-{i}", daemon=True)
                    for i in range(self.config.concurrency)]
         heartbeat = threading.Thread(target=leases.heartbeat, name="heartbeat", daemon=True,
-                                     args=(executor.leases, self.store, self.config.lease_seconds, self.stop))
+                                     args=(executor.leases, store, self.config.lease_seconds, self.stop))
         for t in threads:
             t.start()
         heartbeat.start()
         next_rescue = 0.0
         try:
             while not self.stop.is_set():
+                self._wake.clear()  # a wake-up during this beat's checks is kept for the wait below
                 try:
                     now = time.monotonic()
                     if now >= next_rescue:
-                        self.store.rescue(self._owner_prefix)
+                        store.rescue(self._owner_prefix)
                         next_rescue = now + self.config.rescue_interval
-                    self._refresh_spend()
+                    self._refresh_spend(store)
                     if self._stopping.budget is not None:
                         break
-                    if all(self._idle) and not self.store.outstanding():
+                    if all(self._idle) and not store.outstanding():
                         if self._on_drained(executor.view.dimension) and self.config.until_idle:
                             break
                 except (psycopg.OperationalError, PoolTimeout) as exc:
                     # The database restarted or is unreachable for a moment:
                     # keep the worker, try again on the next beat.
                     log.warning("database unavailable in the worker's main loop: %s", exc)
-                self.stop.wait(self.config.poll_seconds)
+                self._wake.wait(self.config.poll_seconds)  # a stop is seen within a poll
         finally:
             self.stop.set()
             if self._index_build is not None:
@@ -161,17 +166,17 @@ class Worker:
             handed_back = False
             try:
                 if held:
-                    self.store.give_back_all(held)
+                    store.give_back_all(held)
                 handed_back = True
             finally:
                 # Claims not handed back keep the row, which goes stale: they are rescued in seconds.
                 liveness.stop(leave=handed_back)
 
-    def _refresh_spend(self) -> None:
+    def _refresh_spend(self, store: JobStore) -> None:
         if self._token_budget.daily:
             run_tokens = self.report.tokens
             # Others' tokens from the ledger (their unanswered sends at their estimate), ours as answered.
-            self._token_budget.refresh(self.store.tokens_today_of_others() + run_tokens, run_tokens)
+            self._token_budget.refresh(store.tokens_today_of_others() + run_tokens, run_tokens)
 
     def _on_drained(self, dimension: int | None) -> bool:
         """The queue is empty: build the model's missing vector index (in bulk: far cheaper than
@@ -182,11 +187,17 @@ class Worker:
         build = self._index_build
         if build is None or build.retry_due(time.monotonic()):
             self._index_build = build = vector_index.BackgroundBuild(
-                lambda: db.connect(self.url), self.model_id, dimension).start()
+                lambda: db.connect(self.url), self.model_id, dimension, on_done=self._wake.set).start()
         return build.done
 
     # -- one thread --------------------------------------------------------
-    def _loop(self, index: int, executor: Executor) -> None:
+    def _loop(self, index: int, executor: Executor, store: JobStore) -> None:
+        try:
+            self._claim_loop(index, executor, store)
+        finally:
+            self._wake.set()  # stopping (a signal, a fatal error, a budget): the main loop sees it at once
+
+    def _claim_loop(self, index: int, executor: Executor, store: JobStore) -> None:
         while not self.stop.is_set():
             reason = self._token_budget.exceeded(self.report.tokens)
             if reason is not None:
@@ -194,7 +205,7 @@ class Worker:
                 break
             owner = f"{self._owner_prefix}{next(self._claim_seq)}"
             try:
-                jobs = self.store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
+                jobs = store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
             except Exception as exc:
                 log.warning("claim failed: %s", exc)
                 executor.release(owner, [], exc)  # nothing held; counts towards stopping
@@ -202,6 +213,7 @@ class Worker:
                 continue
             self._idle[index] = not jobs
             if not jobs:
+                self._wake.set()  # the main loop looks whether the whole queue drained
                 self.stop.wait(self.config.poll_seconds)
                 continue
             executor.run_claim(owner, jobs, self._batch)

@@ -9,13 +9,16 @@ base URL come from ``Settings`` (OPENAI_API_KEY, OPENAI_BASE_URL).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import base64
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import openai
 
 from . import deadline
-from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, ProviderError
+from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, UNMATCHED_ANSWER, EmbedResult, ModelSpec, ProviderError
 from .limits import FOREIGN_SPECIAL_TOKENS, FOREIGN_TOKENS_PER_CHUNK_TOKEN
 
 # Known dimensions and per-input token limits (cl100k tokens, the chunker's);
@@ -75,6 +78,47 @@ def classify(exc: Exception) -> ProviderError:
     return ProviderError(RETRYABLE, "provider_error", f"{type(exc).__name__}: {exc}")
 
 
+def parse_answer(body: bytes, inputs: int) -> EmbedResult:
+    """The vectors of an embeddings answer, in input order (each is the one carrying its
+    ``index``: base64 float32 or a list of floats, as OpenAI-compatible servers send).
+
+    An answer that cannot be matched to its ``inputs`` (not JSON, no data, a wrong count,
+    a duplicate or missing index, an undecodable vector) is a RETRYABLE UNMATCHED_ANSWER:
+    the provider's fault; the worker stores nothing and charges nothing for it."""
+    try:
+        answer = json.loads(body)
+        data = sorted(((d["index"], d["embedding"]) for d in answer["data"]), key=lambda d: d[0])
+        if len(data) != inputs:
+            raise ProviderError(RETRYABLE, UNMATCHED_ANSWER, f"expected {inputs} vectors, got {len(data)}")
+        # The right count is not enough: each input's vector is the one carrying its index, so
+        # the indexes must be exactly 0..n-1 (a duplicate or a missing one: whose is which?).
+        if any(index != i for i, (index, _) in enumerate(data)):
+            raise ProviderError(RETRYABLE, UNMATCHED_ANSWER,
+                                f"expected {inputs} vectors indexed 0..{inputs - 1}, got indexes "
+                                f"{_indexes(index for index, _ in data)}")
+        vectors = [_vector(embedding) for _, embedding in data]
+        usage = answer.get("usage") or {}
+        tokens = int(usage.get("total_tokens") or 0)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # binascii.Error is a ValueError
+        raise ProviderError(RETRYABLE, UNMATCHED_ANSWER,
+                            f"unusable answer for {inputs} inputs: {type(exc).__name__}: {exc}") from None
+    return EmbedResult(vectors=vectors, tokens=tokens)
+
+
+def _vector(embedding: str | list[float]) -> np.ndarray:
+    if isinstance(embedding, str):  # base64 of little-endian float32
+        return np.frombuffer(base64.b64decode(embedding, validate=True), dtype="<f4")
+    if not isinstance(embedding, list):
+        raise TypeError(f"an embedding is base64 or a list of floats, not {type(embedding).__name__}")
+    return np.asarray(embedding, dtype=np.float32)
+
+
+def _indexes(indexes: Iterable[int], shown: int = 8) -> str:
+    """The answer's indexes (sorted) for the error message, the first ``shown`` of them."""
+    got = list(indexes)
+    return ",".join(map(str, got[:shown])) + (f",... ({len(got)})" if len(got) > shown else "")
+
+
 def _error_code(exc: openai.APIStatusError) -> str | None:
     body = exc.body
     inner = body.get("error", body) if isinstance(body, dict) else None
@@ -123,18 +167,19 @@ class OpenAIProvider:
                                      http_client=http_client)
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
-        kwargs = {"dimensions": self._dimensions} if self._dimensions else {}
+        # Only when set (typed Any: the SDK's "not given" sentinel differs between its versions).
+        options: dict[str, Any] = {"dimensions": self._dimensions} if self._dimensions else {}
         try:
             with deadline.within(self._timeout):  # the whole call, however the answer trickles in
-                resp = self._client.embeddings.create(model=self.spec.name, input=list(texts), **kwargs)
+                # The raw answer (the SDK's public with_raw_response), base64 as the SDK itself asks
+                # for: parsed here straight into float32 arrays, not into one pydantic object and one
+                # Python float per dimension that would be turned back into an array.
+                raw = self._client.embeddings.with_raw_response.create(
+                    model=self.spec.name, input=list(texts), encoding_format="base64", **options)
+                body = raw.content
         except openai.OpenAIError as exc:
             raise classify(exc) from None
-        data = sorted(resp.data, key=lambda d: d.index)
-        if len(data) != len(texts):
-            raise ProviderError(RETRYABLE, "bad_response", f"expected {len(texts)} vectors, got {len(data)}")
-        vectors = [np.asarray(d.embedding, dtype=np.float32) for d in data]
-        tokens = resp.usage.total_tokens if resp.usage else 0
-        return EmbedResult(vectors=vectors, tokens=tokens)
+        return parse_answer(body, len(texts))
 
     def close(self) -> None:
         self._client.close()

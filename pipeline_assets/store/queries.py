@@ -87,9 +87,14 @@ def load(family: str) -> NamedQueries:
     return _loaded[family]
 
 
-def scalar(conn: psycopg.Connection, query: str, params: Any = None) -> Any:
-    """The first column of the row a query always returns (a count, a flag, ``now()``)."""
+def one_row(conn: psycopg.Connection, query: str, params: Any = None) -> tuple[Any, ...]:
+    """The row of a query that always returns exactly one (an aggregate, INSERT ... RETURNING, a lock call)."""
     row = conn.execute(query, params).fetchone()
     if row is None:
         raise LookupError("a query that always returns a row returned none")
-    return row[0]
+    return row
+
+
+def scalar(conn: psycopg.Connection, query: str, params: Any = None) -> Any:
+    """The first column of the row a query always returns (a count, a flag, ``now()``)."""
+    return one_row(conn, query, params)[0]
