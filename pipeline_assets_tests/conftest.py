@@ -4,6 +4,7 @@ and helpers that run the real CLI in real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import psycopg
 import pytest
 
@@ -22,6 +24,37 @@ from pipeline_assets_tests.fake_openai import FakeOpenAI
 REPO = Path(__file__).resolve().parent.parent
 FAKE_MODEL = "fake-embed"   # unknown to the provider table: dimension discovered from the first response
 FAKE_DIM = 16
+
+# Every process this test process starts inherits this marker (one value per xdist worker), so what
+# the suite started can be found at the end even after it was re-parented or left its session.
+SESSION_MARKER = "PIPELINE_TESTS_SESSION"
+os.environ[SESSION_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def marked_processes(needle: str = "") -> list[psutil.Process]:
+    """Live processes started (directly or not) by this test process whose command line contains needle."""
+    me, found = os.environ[SESSION_MARKER], []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if (p.pid != os.getpid() and needle in " ".join(p.info["cmdline"] or [])
+                    and p.status() != psutil.STATUS_ZOMBIE and p.environ().get(SESSION_MARKER) == me):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_dagster_process_survives():
+    """Session end: no `dagster` process started by this session is left (a `dagster dev` whose
+    code server or gRPC child outlived it). Requested first, so checked after every other teardown."""
+    yield
+    left = marked_processes("dagster")
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()        # do not leak them past the failure either
+    assert not left, "dagster processes outlived the tests: " + "; ".join(
+        " ".join(p.info["cmdline"] or [])[:160] for p in left)
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +172,49 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 30) -> s
 def kill_group(proc: subprocess.Popen) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return any(p.status() != psutil.STATUS_ZOMBIE for p in _group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid:
+                members.append(p)
+    return members
+
+
+def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 60) -> int:
+    """Stop a process started with ``start_new_session=True`` and its whole process group.
+
+    ``first`` goes to the process (SIGINT: a clean shutdown it handles); once it exited (or after
+    ``grace`` seconds), whatever is left of its group gets SIGTERM, then SIGKILL: a child that
+    ignores SIGTERM (dagster's code server) or outlives its parent must not survive the test.
+    Returns the process's exit code.
+    """
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(first)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.returncode is not None and not _group_alive(proc.pid):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: proc.poll() is not None and not _group_alive(proc.pid), timeout=20,
+                       interval=0.1, what="the process group to exit")
+    proc.wait(timeout=30)
+    assert not _group_alive(proc.pid), f"process group {proc.pid} survived SIGKILL"
+    return proc.returncode
 
 
 def job_counts(conn) -> dict[str, int]:

@@ -31,7 +31,7 @@ from pipeline_assets.app import reports
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets_tests.browser import Browser, chromium_path
-from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, write_corpus
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, stop_group, write_corpus
 from pipeline_assets_tests.dagster_helpers import bucket_of
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -137,13 +137,7 @@ def dev_server(database_url, server_url, tmp_path_factory):
             write_corpus(corpus, N_DOCUMENTS, words=30)
             yield server
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)      # Ctrl-C: run_dev forwards it once
-                try:
-                    proc.wait(timeout=45)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop_group(proc, signal.SIGINT, grace=45)     # Ctrl-C: run_dev forwards it once
             log.close()
             print((base / "server.log").read_text()[-3000:])
             with psycopg.connect(server_url, autocommit=True) as admin:
