@@ -24,6 +24,9 @@ from pipeline_assets_tests.fake_openai import FakeOpenAI
 REPO = Path(__file__).resolve().parent.parent
 FAKE_MODEL = "fake-embed"   # unknown to the provider table: dimension discovered from the first response
 FAKE_DIM = 16
+# PIPELINE_TEST_PROFILE=long: the long profiles of the slow tests (a longer fault soak, more
+# hypothesis examples, the 1,000-document dev-server corpus). Unset: the short ones `pytest -q` runs.
+LONG_PROFILE = os.environ.get("PIPELINE_TEST_PROFILE") == "long"
 
 # Every process this test process starts inherits this marker (one value per xdist worker), so what
 # the suite started can be found at the end even after it was re-parented or left its session.
@@ -55,6 +58,19 @@ def no_dagster_process_survives():
             p.kill()        # do not leak them past the failure either
     assert not left, "dagster processes outlived the tests: " + "; ".join(
         " ".join(p.info["cmdline"] or [])[:160] for p in left)
+
+
+# The slowest modules, slowest first (from `pytest --durations`). `--dist loadfile` hands modules to
+# the two workers in collection order, so these start first and the short ones fill in around them
+# (longest first): a long module collected last would otherwise run alone at the end.
+SLOW_MODULES = ["test_dagster_webserver", "test_state_machine_property", "test_fault_soak", "test_dagster_commands",
+                "test_query_plans", "test_embedded", "test_dagster_sensors", "test_cli", "test_packaging",
+                "test_dagster_assets"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable
 
 
 @pytest.fixture(scope="session")
