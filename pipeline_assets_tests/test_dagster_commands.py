@@ -39,6 +39,10 @@ from pipeline_assets_tests.dagster_helpers import bucket_of, latest_data_version
 
 DAGSTER = [sys.executable, "-W", "ignore", "-m", "dagster"]
 
+# Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
+# machine): a generous deadline against a hang.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture
 def setup(env, clean_db, tmp_path):

@@ -49,6 +49,11 @@ FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
 RUN_TIMEOUT = 300           # seconds: generous, the machine is shared
 
 
+# Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
+# machine): a generous deadline against a hang.
+pytestmark = pytest.mark.timeout(900)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
