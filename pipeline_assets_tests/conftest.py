@@ -173,7 +173,7 @@ def start_cli(*args: str, env: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 30) -> str:
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) -> str:
     """Read the process's stderr until a line containing needle (e.g. a CRASHPOINT)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -237,8 +237,9 @@ def job_counts(conn) -> dict[str, int]:
     return dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY status").fetchall())
 
 
-def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
-    """Poll until predicate() is truthy; return its value."""
+def wait_until(predicate, timeout: float = 120, interval: float = 0.05, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value. The default deadline is generous (a
+    CLI process imports for many seconds on a loaded machine): it only bounds a failure."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -300,7 +300,7 @@ def test_concurrent_claims_never_share_a_job(q, database_url):
         mine: list[int] = []
         try:
             with db.connect(database_url) as c:
-                barrier.wait(timeout=10)
+                barrier.wait(timeout=60)
                 while True:
                     batch = claim_ids(c, owner=owner, limit=7)
                     assert len(batch) <= 7

@@ -217,7 +217,7 @@ def test_a_completion_commits_while_the_index_builds(clean_db, database_url, blo
     t.start()
     try:
         pid: dict = {}
-        wait_until(lambda: builder_waiting(conn, pid), timeout=10, what="the build to wait for the writer")
+        wait_until(lambda: builder_waiting(conn, pid), timeout=60, what="the build to wait for the writer")
         assert vector_index.state(conn, s.model_id, 8) == vector_index.BUILDING
         with db.connect(database_url) as worker:
             # The build waits behind the blocker until the test ends it: a completion that waited
@@ -288,7 +288,7 @@ def test_a_cancelled_background_build_leaves_an_index_the_next_build_replaces(cl
     hold_write_lock(blocker)
     try:
         build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
-        wait_until(lambda: builder_waiting(conn, {}), timeout=10, what="the build to wait")
+        wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait")
         build.cancel()
         assert build.done and build.outcome is None
     finally:
@@ -342,7 +342,7 @@ def test_reconcile_neither_builds_nor_waits_for_a_build(clean_db, database_url, 
     hold_write_lock(blocker)
     build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
     try:
-        wait_until(lambda: builder_waiting(conn, {}), timeout=10, what="the build to wait")
+        wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait")
         with db.connect(database_url) as rc:
             rc.execute("SET lock_timeout = '20s'")   # waiting for the (blocked) build would fail here
             reconcile(rc, options, model_id=s.model_id, rescan=False)
