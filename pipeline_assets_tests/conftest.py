@@ -4,6 +4,7 @@ and helpers that run the real CLI in real processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import psycopg
 import pytest
 
@@ -22,6 +24,53 @@ from pipeline_assets_tests.fake_openai import FakeOpenAI
 REPO = Path(__file__).resolve().parent.parent
 FAKE_MODEL = "fake-embed"   # unknown to the provider table: dimension discovered from the first response
 FAKE_DIM = 16
+# PIPELINE_TEST_PROFILE=long: the long profiles of the slow tests (a longer fault soak, more
+# hypothesis examples, the 1,000-document dev-server corpus). Unset: the short ones `pytest -q` runs.
+LONG_PROFILE = os.environ.get("PIPELINE_TEST_PROFILE") == "long"
+
+# Every process this test process starts inherits this marker (one value per xdist worker), so what
+# the suite started can be found at the end even after it was re-parented or left its session.
+SESSION_MARKER = "PIPELINE_TESTS_SESSION"
+os.environ[SESSION_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def marked_processes(needle: str = "") -> list[psutil.Process]:
+    """Live processes started (directly or not) by this test process whose command line contains needle."""
+    me, found = os.environ[SESSION_MARKER], []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if (p.pid != os.getpid() and needle in " ".join(p.info["cmdline"] or [])
+                    and p.status() != psutil.STATUS_ZOMBIE and p.environ().get(SESSION_MARKER) == me):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_dagster_process_survives():
+    """Session end: no `dagster` process started by this session is left (a `dagster dev` whose
+    code server or gRPC child outlived it). Requested first, so checked after every other teardown."""
+    yield
+    left = marked_processes("dagster")
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()        # do not leak them past the failure either
+    assert not left, "dagster processes outlived the tests: " + "; ".join(
+        " ".join(p.info["cmdline"] or [])[:160] for p in left)
+
+
+# The slowest modules, slowest first (from `pytest --durations`). `--dist loadfile` hands modules to
+# the two workers in collection order, so these start first and the short ones fill in around them
+# (longest first): a long module collected last would otherwise run alone at the end.
+SLOW_MODULES = ["test_dagster_webserver", "test_state_machine_property", "test_fault_soak", "test_dagster_commands",
+                "test_query_plans", "test_embedded", "test_dagster_sensors", "test_cli", "test_packaging",
+                "test_dagster_assets"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +173,7 @@ def start_cli(*args: str, env: dict) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 30) -> str:
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) -> str:
     """Read the process's stderr until a line containing needle (e.g. a CRASHPOINT)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -141,12 +190,56 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return any(p.status() != psutil.STATUS_ZOMBIE for p in _group_members(pgid))
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid:
+                members.append(p)
+    return members
+
+
+def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 60) -> int:
+    """Stop a process started with ``start_new_session=True`` and its whole process group.
+
+    ``first`` goes to the process (SIGINT: a clean shutdown it handles); once it exited (or after
+    ``grace`` seconds), whatever is left of its group gets SIGTERM, then SIGKILL: a child that
+    ignores SIGTERM (dagster's code server) or outlives its parent must not survive the test.
+    Returns the process's exit code.
+    """
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(first)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.returncode is not None and not _group_alive(proc.pid):
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: proc.poll() is not None and not _group_alive(proc.pid), timeout=20,
+                       interval=0.1, what="the process group to exit")
+    proc.wait(timeout=30)
+    assert not _group_alive(proc.pid), f"process group {proc.pid} survived SIGKILL"
+    return proc.returncode
+
+
 def job_counts(conn) -> dict[str, int]:
     return dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY status").fetchall())
 
 
-def wait_until(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
-    """Poll until predicate() is truthy; return its value."""
+def wait_until(predicate, timeout: float = 120, interval: float = 0.05, what: str = "condition"):
+    """Poll until predicate() is truthy; return its value. The default deadline is generous (a
+    CLI process imports for many seconds on a loaded machine): it only bounds a failure."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

@@ -36,7 +36,8 @@ def test_a_dripping_answer_ends_at_the_deadline_as_a_retryable_timeout(fake):
     with pytest.raises(ProviderError) as caught:
         p.embed([DRIP_TEXT])
     elapsed = time.monotonic() - started
-    assert 0.9 <= elapsed < 2.0, elapsed  # the deadline, not the 30 s drip
+    # The deadline, not the 30 s drip (the upper bound is a generous margin under it, for a loaded machine).
+    assert 0.9 <= elapsed < 15.0, elapsed
     err = caught.value
     assert (err.kind, err.error_class, err.billed_maybe) == (RETRYABLE, "timeout", True)
     assert fake.billed_count(DRIP_TEXT) == 1  # the provider computed (and billed) it
@@ -50,12 +51,11 @@ def test_the_deadline_covers_the_whole_call_not_each_read(fake):
     """Each read gets data in time (every 50 ms); the whole answer takes 3 s."""
     fake.drip_marker, fake.drip_seconds = "DRIP", 3.0
     p = provider(fake, timeout=1.5)
-    started = time.monotonic()
+    # A per-read timeout never fires here (a byte every 50 ms): that it times out at all is the proof.
     with pytest.raises(ProviderError, match="timeout"):
         p.embed([DRIP_TEXT])
-    assert time.monotonic() - started < 2.5
-    # With a deadline beyond the drip, the same answer is taken.
-    slow_but_in_time = provider(fake, timeout=10.0)
+    # With a deadline well beyond the drip, the same answer is taken.
+    slow_but_in_time = provider(fake, timeout=60.0)
     result = slow_but_in_time.embed([DRIP_TEXT])
     assert np.allclose(result.vectors[0], fake.vector_for(DRIP_TEXT), atol=1e-6)
 
@@ -78,7 +78,7 @@ def test_deadlines_are_per_thread(fake):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(60)
     assert isinstance(outcomes["drip"], ProviderError) and outcomes["drip"].error_class == "timeout"
     assert not isinstance(outcomes["fast"], ProviderError)
 
@@ -92,13 +92,13 @@ def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_pat
     cli("ingest", str(corpus), env=env)
     fake.drip_marker, fake.drip_seconds = "DRIP", 120.0
     started = time.monotonic()
-    out = json.loads(cli("work", "--until-idle", "--json", env=env, timeout=60).stdout)
+    out = json.loads(cli("work", "--until-idle", "--json", env=env, timeout=240).stdout)
     elapsed = time.monotonic() - started
     print(f"\nwork --until-idle with a dripping answer exited after {elapsed:.1f} s")
     # Alone, the drip's timeouts are free until it has met FREE_FAULTS of them, then charged:
-    # FREE_FAULTS + max_attempts 1 s deadlines and backoff, not as many 120 s drips.
+    # FREE_FAULTS + max_attempts 1 s deadlines and backoff, not as many 120 s drips (not even one).
     sends = FREE_FAULTS + 2
-    assert elapsed < 5 * sends, elapsed
+    assert elapsed < 120, elapsed
     conn = clean_db
     assert job_counts(conn) == {"ready": 1, "failed": 1}
     assert conn.execute("""SELECT j.error_class, j.attempts FROM app.embedding_jobs j

@@ -163,5 +163,7 @@ def test_one_megabyte_speed():
     t = time.monotonic()
     chunks = chunker.chunk(text)
     elapsed = time.monotonic() - t
-    assert elapsed < 5.0, elapsed
+    # A guard against quadratic behaviour (minutes on 1 MB), not a benchmark: ~0.5 s on a quiet
+    # machine, so the bound holds on a loaded one too.
+    assert elapsed < 30.0, elapsed
     check_invariants(text, chunks, chunker)

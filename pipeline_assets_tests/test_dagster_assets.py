@@ -17,7 +17,7 @@ from pipeline_assets.defs.checks import COVERAGE_CHECK
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     check_results,
@@ -341,7 +341,9 @@ def test_runs_take_turns_in_the_embedding_worker_pool(corpus, conn, fake, server
         key = bucket_of("doc0003.md")
         run = threading.Thread(target=lambda: results.append(execute(defs, instance, partition_key=key)))
         run.start()
-        time.sleep(4)
+        # The run's embeddings step asks for the slot and waits (observed in the pool's pending steps).
+        wait_until(lambda: storage.get_concurrency_info(EMBEDDING_POOL).pending_step_count >= 1, timeout=120,
+                   what="the embeddings step to wait for the pool slot")
         assert run.is_alive() and fake.stats["requests"] == 0          # blocked on the pool: no worker
         assert job_counts(conn).get("pending", 0) > 0                     # (ingest ran: its step is not pooled)
         storage.free_concurrency_slot_for_step("another-run", "embeddings")

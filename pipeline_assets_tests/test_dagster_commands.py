@@ -34,10 +34,14 @@ from pipeline_assets.app import reports
 from pipeline_assets.defs import devserver
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV
 from pipeline_assets.defs.partitions import bucket_index
-from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, cli, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, cli, stop_group, write_corpus
 from pipeline_assets_tests.dagster_helpers import bucket_of, latest_data_versions, latest_materializations
 
 DAGSTER = [sys.executable, "-W", "ignore", "-m", "dagster"]
+
+# Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
+# machine): a generous deadline against a hang.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture
@@ -253,12 +257,9 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
             assert (meta["documents"], meta["current"]) == (1, 1)
         assert ui["e"]["staleStatusByPartition"] == ["FRESH"] * len(keys)
     finally:
-        proc.send_signal(signal.SIGINT)          # dagster dev's own clean shutdown
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        # dagster dev's own clean shutdown (SIGINT), then its whole process group: its code server
+        # (and that one's gRPC child) outlive it, re-parented, and ignore SIGTERM.
+        stop_group(proc, signal.SIGINT, grace=60)
         log.close()
         # Its temporary storage: dagster dev removes it on exit, unless a child still writes
         # to it then ("Directory not empty"); what this run created goes.

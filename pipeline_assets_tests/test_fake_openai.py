@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 
+from pipeline_assets_tests.conftest import wait_until
 from pipeline_assets_tests.fake_openai import FakeOpenAI, count_tokens, fetch_stats, post_faults
 
 MODEL = "text-embedding-3-small"
@@ -155,7 +156,7 @@ def test_drop_next_bills_but_connection_errors(server, client):
     t0 = time.monotonic()
     with pytest.raises(openai.APIConnectionError):
         client.embeddings.create(model=MODEL, input="dropped")
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 4.5   # an abort, not the client's 5 s timeout
     assert server.billed_count("dropped") == 1 and server.stats["dropped"] == 1
     client.embeddings.create(model=MODEL, input="dropped")  # next one succeeds
     assert server.billed_count("dropped") == 2
@@ -186,15 +187,15 @@ def test_unknown_model_is_404():
 
 def test_slow_marker_times_out_and_stop_is_prompt():
     srv = FakeOpenAI().start()
-    srv.slow_marker, srv.slow_seconds = "SLOW", 5.0
+    srv.slow_marker, srv.slow_seconds = "SLOW", 60.0
     with make_client(srv, timeout=0.3) as c:
         t0 = time.monotonic()
         with pytest.raises(openai.APITimeoutError):
             c.embeddings.create(model=MODEL, input="very SLOW text")
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 30   # the client's timeout, not the 60 s answer
         c.embeddings.create(model=MODEL, input="fast text")  # other requests unaffected
     # stop() while a slow request is in flight
-    slow_client = make_client(srv, timeout=10)
+    slow_client = make_client(srv, timeout=120)
     outcome: list[BaseException] = []
 
     def slow_call() -> None:
@@ -205,11 +206,11 @@ def test_slow_marker_times_out_and_stop_is_prompt():
 
     th = threading.Thread(target=slow_call)
     th.start()
-    time.sleep(0.2)
+    wait_until(lambda: srv.stats["slow"] >= 2, what="the slow request to be in its sleep")
     t0 = time.monotonic()
     srv.stop()
-    assert time.monotonic() - t0 < 1.0
-    th.join(2)
+    assert time.monotonic() - t0 < 30   # it interrupted the 60 s sleep
+    th.join(60)
     assert not th.is_alive() and isinstance(outcome[0], openai.APIConnectionError)
     slow_client.close()
 
@@ -218,7 +219,7 @@ def test_global_latency(server, client):
     server.latency = 0.2
     t0 = time.monotonic()
     client.embeddings.create(model=MODEL, input="a")
-    assert 0.19 <= time.monotonic() - t0 < 1.0
+    assert 0.19 <= time.monotonic() - t0 < 10   # the latency is applied (the upper bound: a loaded machine)
 
 
 def test_rpm_limit():

@@ -154,7 +154,7 @@ def test_an_export_stopped_early_leaves_the_connection_clean(database_url, expor
         rows = search_uc.export(pool, SPEC.model_id)
         assert next(rows)["model"] == "adm"
         rows.close()
-        with pool.connection(timeout=5) as conn:
+        with pool.connection(timeout=60) as conn:   # a connection left checked out never comes
             assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             assert conn.execute("SELECT count(*) FROM pg_cursors").fetchone()[0] == 0
         assert sum(1 for _ in search_uc.export(pool, SPEC.model_id)) == exported_model

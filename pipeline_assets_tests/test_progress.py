@@ -15,9 +15,10 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 
-from pipeline_assets_tests.conftest import REPO, cli, start_cli, write_corpus
+from pipeline_assets_tests.conftest import REPO, cli, kill_group, start_cli, wait_until, write_corpus
 
 SUMMARY_KEYS = ["model", "documents", "documents_changed", "quarantined", "deleted", "chunks", "embedded",
                 "reused", "failed", "provider_calls", "coverage", "seconds"]
@@ -97,10 +98,23 @@ def test_status_watch_refreshes_count_times(env, clean_db):
 
 def test_status_watch_runs_until_ctrl_c(env, clean_db):
     proc = start_cli("status", "--watch", "0.2", env=env)
-    time.sleep(4)
-    assert proc.poll() is None, "it stopped by itself"
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    seen = []
+
+    def refreshes() -> int:        # what it printed so far (read in its own thread: a pipe blocks)
+        return "".join(seen).count("status at ")
+
+    reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: refreshes() >= 3 or proc.poll() is not None, timeout=120, what="three refreshes")
+        assert proc.poll() is None, "it stopped by itself"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        reader.join(30)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
     assert proc.returncode == 0, err
-    assert out.count("status at ") >= 3  # refreshed while it ran
+    assert refreshes() >= 3  # refreshed while it ran
     assert "Traceback" not in err

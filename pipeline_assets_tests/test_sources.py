@@ -1,7 +1,6 @@
 import os
 import stat
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -227,10 +226,8 @@ def test_too_large_without_reading(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", no_open)
     monkeypatch.setattr(os, "open", no_open)
-    t = time.monotonic()
-    with pytest.raises(ExtractError) as e:
+    with pytest.raises(ExtractError) as e:   # refused before any open (both are patched to fail)
         read_guarded(item, Settings().max_input_bytes)
-    assert time.monotonic() - t < 1.0
     assert e.value.error_class == "too_large"
     assert "exceeds limit 20971520" in str(e.value)
     assert str(e.value).startswith("too_large: ")

@@ -53,26 +53,26 @@ def _assert_only_poison_quarantined(conn, report, error_class):
 
 
 def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, monkeypatch):
-    _poison(monkeypatch, lambda: time.sleep(30))  # a parser stuck on a pathological input
+    _poison(monkeypatch, lambda: time.sleep(300))  # a parser stuck on a pathological input
     started = time.monotonic()
     report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 60           # cut at its deadline, not the 300 s stall
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
 
 def test_a_stall_in_c_code_is_killed_at_its_deadline(clean_db, tmp_path, monkeypatch):
     # One C call that never returns to the interpreter: a signal handler cannot run
-    # inside it (SIGALRM fired only after it ended, ~20 s later).
-    _poison(monkeypatch, lambda: sum(range(10 ** 9)))
+    # inside it (SIGALRM fired only after it ended, ~20 s later; this one takes minutes).
+    _poison(monkeypatch, lambda: sum(range(10 ** 11)))
     started = time.monotonic()
     report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 60           # killed at its deadline, not minutes later
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
 
 def test_a_parser_that_swallows_exceptions_is_still_stopped(clean_db, tmp_path, monkeypatch):
     def swallowing():
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
                 time.sleep(0.05)
@@ -82,20 +82,20 @@ def test_a_parser_that_swallows_exceptions_is_still_stopped(clean_db, tmp_path, 
     _poison(monkeypatch, swallowing)
     started = time.monotonic()
     report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
-    assert time.monotonic() - started < 8
+    assert time.monotonic() - started < 60           # stopped at its deadline, not after 300 s
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
 
 def test_the_limit_holds_off_the_main_thread(clean_db, tmp_path, monkeypatch):
     """A Dagster run or a sensor ingests off the main thread, where SIGALRM cannot be used."""
-    _poison(monkeypatch, lambda: time.sleep(20))
+    _poison(monkeypatch, lambda: time.sleep(300))
     corpus = _corpus(tmp_path)
     result = {}
     started = time.monotonic()
     t = threading.Thread(target=lambda: result.update(report=_ingest(clean_db, corpus, stage_timeout=0.5)))
     t.start()
-    t.join(60)
-    assert time.monotonic() - started < 8
+    t.join(120)
+    assert not t.is_alive() and time.monotonic() - started < 60   # not the 300 s stall
     _assert_only_poison_quarantined(clean_db, result["report"], "timeout")
 
 

@@ -300,7 +300,7 @@ def test_concurrent_claims_never_share_a_job(q, database_url):
         mine: list[int] = []
         try:
             with db.connect(database_url) as c:
-                barrier.wait(timeout=10)
+                barrier.wait(timeout=60)
                 while True:
                     batch = claim_ids(c, owner=owner, limit=7)
                     assert len(batch) <= 7
@@ -922,7 +922,7 @@ def test_transition_table(q, op):
 # --------------------------------------------------------------------------- concurrent supersede
 
 
-def wait_until_blocked(conn, pid: int, thread: threading.Thread, timeout: float = 10.0) -> None:
+def wait_until_blocked(conn, pid: int, thread: threading.Thread, timeout: float = 60.0) -> None:
     """Wait until backend ``pid`` waits for a lock (or its thread already finished without waiting)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and thread.is_alive():
@@ -960,7 +960,7 @@ def test_supersede_unwanted_racing_a_completion_deletes_its_vector(q, database_u
             t = threading.Thread(target=run_ingest)
             t.start()
             wait_until_blocked(q, ingest.info.backend_pid, t)
-        t.join(timeout=10)
+        t.join(timeout=60)
     assert "error" not in result, result
     assert result["superseded"] == 1
     j = job(q, jid)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import sys
 from dataclasses import dataclass
 
@@ -51,6 +50,7 @@ from pipeline_assets.jobs import decisions, models, transitions
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
 from pipeline_assets.settings import BREAKER_THRESHOLD
+from pipeline_assets_tests.conftest import LONG_PROFILE
 
 _COMMON = dict(database=None, deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -58,7 +58,7 @@ settings.register_profile("pipeline-jobs-default", max_examples=80, stateful_ste
                           **_COMMON)
 settings.register_profile("pipeline-jobs-long", max_examples=600, stateful_step_count=120, derandomize=False,
                           **_COMMON)
-PROFILE = "pipeline-jobs-long" if os.environ.get("PIPELINE_TEST_PROFILE") == "long" else "pipeline-jobs-default"
+PROFILE = "pipeline-jobs-long" if LONG_PROFILE else "pipeline-jobs-default"
 
 SPECS = [ModelSpec(provider="prop", name=name, dimension=4, max_input_tokens=100, max_batch_inputs=10,
                    max_batch_tokens=1000) for name in ("m1", "m2")]
