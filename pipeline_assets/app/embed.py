@@ -106,7 +106,7 @@ def outstanding(cov: reports.Coverage) -> int:
     return max(cov.wanted - cov.ready - cov.failed, 0)
 
 
-def embed_documents(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: Sequence[str], *,
+def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: Sequence[str], *,
                     poll_seconds: float | None = None, in_process: bool = True,
                     deadline_seconds: float | None = None) -> DocumentsEmbedded:
     """Make sure the current chunks of some documents have jobs, then wait until

@@ -4,7 +4,7 @@ extract and chunk rows are written by ingest as it runs (model_id ''). The embed
 row of a document is per model, derived from its jobs for that model
 (``embed_state`` in sql/queries/stage_runs.sql) and stored set-based (one
 statement, no loop over rows): at the end of a work run for the documents the
-run touched, after ``embed_documents`` for its documents, and by reconcile for
+run touched, after ``embed_and_wait`` for its documents, and by reconcile for
 every current document. ``status`` never stores it: ``embed_counts`` computes
 the same derivation in its read query.
 """

@@ -11,7 +11,7 @@ the same ones the command line calls.
   source and the code (new and changed files ingested, stale documents
   re-extracted, gone ones tombstoned; unchanged files are not even read) in
   the ingest transactions that write both.
-* ``embeddings`` runs ``embed_documents`` over the buckets' current documents:
+* ``embeddings`` runs the use case ``app.embed.embed_and_wait`` over the buckets' current documents:
   it waits until their chunks are ready or failed (not the whole queue),
   embedding them itself (``in_process``) or leaving that to external ``work``
   processes (``EmbeddingRunResource``), and fails with the counts at its
@@ -43,7 +43,7 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_documents
+from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDING_STORE
@@ -207,7 +207,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
             ids = bk.bucket_documents(conn, str(root), buckets, n)
         try:
-            done = embed_documents(rt, postgres.pool(), root, ids, poll_seconds=WORKER_POLL_SECONDS,
+            done = embed_and_wait(rt, postgres.pool(), root, ids, poll_seconds=WORKER_POLL_SECONDS,
                                    in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
         except FatalProviderError as exc:
             raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",

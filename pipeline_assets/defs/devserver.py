@@ -85,6 +85,9 @@ concurrency:
   pools:
     default_limit: 1
     granularity: op
+sensors:
+  use_threads: true
+  num_workers: 4
 run_monitoring:
   enabled: true
   start_timeout_seconds: 180

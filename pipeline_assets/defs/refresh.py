@@ -26,7 +26,7 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app.embed import EmbedIncomplete, embed_documents
+from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.observations import walk
 from pipeline_assets.content.sources import SourceError, document_id_problem
@@ -85,7 +85,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
     report = ingest_documents(rt, pool, root, ids)
     try:
-        done = embed_documents(rt, pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
+        done = embed_and_wait(rt, pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
                                deadline_seconds=embedding_run.deadline(rt.settings))
     except FatalProviderError as exc:
         raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
