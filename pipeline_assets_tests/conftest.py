@@ -52,7 +52,15 @@ def no_dagster_process_survives():
     """Session end: no `dagster` process started by this session is left (a `dagster dev` whose
     code server or gRPC child outlived it). Requested first, so checked after every other teardown."""
     yield
-    left = marked_processes("dagster")
+
+    def leftovers() -> list[psutil.Process]:
+        # Not leaks: Dagster's compute-log watchers (watch_orphans.py) of this very process, which
+        # in-process runs start and which exit with it.
+        return [p for p in marked_processes("dagster")
+                if "watch_orphans.py" not in " ".join(p.info["cmdline"] or [])]
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not leftovers(), timeout=30, what="dagster processes of the tests to exit")
+    left = leftovers()
     for p in left:
         with contextlib.suppress(psutil.Error):
             p.kill()        # do not leak them past the failure either
