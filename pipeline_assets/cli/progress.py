@@ -101,7 +101,7 @@ def work_progress(pool, enabled: bool | None = None) -> Iterator[WorkProgress]:
 
 
 def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]], as_json: bool,
-                 every: float, count: int | None = None) -> None:
+                 every: float, count: int | None = None, stop: threading.Event | None = None) -> None:
     """`status --watch`: read and print every ``every`` seconds until Ctrl-C (or ``count`` times).
 
     On a terminal the screen is redrawn; piped, each refresh is appended (a
@@ -127,6 +127,10 @@ def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]
             shown += 1
             if count is not None and shown >= count:
                 return
-            time.sleep(max(0.0, every - (time.monotonic() - started)))
+            # Ctrl-C sets ``stop`` (a signal handler, never an exception in the middle of a read).
+            if stop is not None and stop.wait(max(0.0, every - (time.monotonic() - started))):
+                return
+            if stop is None:
+                time.sleep(max(0.0, every - (time.monotonic() - started)))
     except KeyboardInterrupt:
         return

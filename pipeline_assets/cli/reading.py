@@ -12,7 +12,7 @@ import psycopg
 from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app import status as status_uc
-from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings
+from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import WATCH_SECONDS, watch_status
 from pipeline_assets.settings import reference_table
 from pipeline_assets.store import db
@@ -65,7 +65,8 @@ def status(as_json: bool, watch: float | None, count: int | None) -> None:
     """Counts by job status and stage, coverage, dead letters, spend, the provider breaker."""
     with pool() as p:
         if watch is not None:
-            return watch_status(lambda: _status_data(p), _status_lines, as_json, watch, count)
+            return watch_status(lambda: _status_data(p), _status_lines, as_json, watch, count,
+                                stop=stop_on_signals())
         data = _status_data(p)
     emit(data, as_json, _status_lines)
 
