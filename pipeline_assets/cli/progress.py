@@ -127,10 +127,10 @@ def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]
             shown += 1
             if count is not None and shown >= count:
                 return
-            # Ctrl-C sets ``stop`` (a signal handler, never an exception in the middle of a read).
-            if stop is not None and stop.wait(max(0.0, every - (time.monotonic() - started))):
-                return
+            remaining = max(0.0, every - (time.monotonic() - started))
             if stop is None:
-                time.sleep(max(0.0, every - (time.monotonic() - started)))
+                time.sleep(remaining)
+            elif stop.wait(remaining):   # Ctrl-C sets it (a signal handler, not an exception mid-read)
+                return
     except KeyboardInterrupt:
         return
