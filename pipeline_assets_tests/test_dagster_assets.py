@@ -79,7 +79,8 @@ def test_materialize_one_bucket_then_again_without_provider_calls_or_reads(corpu
     assert emb["provider_calls"] >= 1 and emb["tokens"] > 0 and emb["coverage_ratio"] == 1.0
     assert emb["model"] == f"openai/{FAKE_MODEL}" and emb["documents"] == 1
     ingest = materialization_metadata(result, "ingest")
-    assert ingest["changed_documents"] == 1 and ingest["files_read"] == 1
+    # A new file is read once, by its ingest: the scan lists it without reading it.
+    assert ingest["changed_documents"] == 1 and ingest["files_read"] == 0
     # One event per asset; a one-bucket run records the bucket's own version.
     (docs_event,) = [e for e in result.asset_materializations_for_node("ingest") if e.asset_key.path == ["documents"]]
     assert docs_event.partition == key
@@ -362,7 +363,9 @@ def test_a_corpus_ingested_by_the_cli_is_not_ingested_again_by_the_first_bucket_
     result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL))
     assert result.success
     ingest = materialization_metadata(result, "ingest")
-    assert ingest["changed_documents"] == 0 and ingest["scanned"] == 0
+    # New to the scan, so not read by it: the ingest reads each file once and finds its bytes stored.
+    assert ingest["files_read"] == 0 and ingest["scanned"] == 4 and ingest["unchanged"] == 4
+    assert ingest["new"] == ingest["changed"] == ingest["chunks"] == 0
     assert conn.execute("SELECT max(updated_at) FROM app.documents").fetchone()[0] == before
     assert conn.execute("SELECT count(*) FROM app.source_observations WHERE synced = checksum").fetchone()[0] == 4
     again = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL))

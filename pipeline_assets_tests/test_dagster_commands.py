@@ -31,7 +31,7 @@ from dagster._core.instance.ref import InstanceRef
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
-from pipeline_assets.defs import devserver
+from pipeline_assets.defs import devserver, instance_setup
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV
 from pipeline_assets.defs.partitions import bucket_index
 from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, cli, stop_group, write_corpus
@@ -93,8 +93,8 @@ def _legacy_partitions(exported: dict[str, str], keys: list[str] | None = None) 
     try:
         with dg.DagsterInstance.from_config(exported["DAGSTER_HOME"]) as instance:
             if keys:
-                instance.add_dynamic_partitions(devserver.LEGACY_PARTITIONS_NAME, keys)
-            return instance.get_dynamic_partitions(devserver.LEGACY_PARTITIONS_NAME)
+                instance.add_dynamic_partitions(instance_setup.LEGACY_PARTITIONS_NAME, keys)
+            return instance.get_dynamic_partitions(instance_setup.LEGACY_PARTITIONS_NAME)
     finally:
         os.environ.pop(DAGSTER_URL_ENV, None)
 

@@ -3,6 +3,7 @@ runs executed in-process."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -45,6 +46,12 @@ def _docs(conn) -> dict[str, str]:
 def _observed(conn) -> dict[str, str | None]:
     """The source sensor's observations: {document_id: checksum (None: gone)}."""
     return dict(conn.execute("SELECT document_id, checksum FROM app.source_observations ORDER BY 1").fetchall())
+
+
+def _text(conn, document_id: str) -> str:
+    return conn.execute("SELECT coalesce(string_agg(c.text, ''), '') FROM app.chunks c JOIN app.documents d "
+                        "USING (doc_pk) WHERE d.document_id = %s AND d.status = 'current'",
+                        (document_id,)).fetchone()[0]
 
 
 def _age(root, seconds: int = 3600) -> None:
@@ -168,12 +175,19 @@ def test_source_sensor_cursor_stays_small_with_many_documents(corpus, conn, inst
     assert not again.run_requests and decode_cursor(again.cursor) == (1, {})   # unchanged: nothing asked
 
 
-def test_unchanged_tick_reads_no_file(corpus, conn, instance, monkeypatch):
+def test_unchanged_tick_reads_no_file(corpus, conn, fake, instance, monkeypatch):
     write_corpus(corpus, 20, words=5)
     _age(corpus)
     reads = _count_reads(monkeypatch)
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance)
-    assert len(reads) == 20 and len(tick.run_requests) == 1
+    # New files are not read by the sensor: the run that ingests them reads each once.
+    assert reads == [] and len(tick.run_requests) == 1
+    assert all(observations.is_unread(c) for c in _observed(conn).values())
+    assert execute(fresh_defs(), instance, tick.run_requests[0]).success
+    assert _docs(conn) == {f"doc{i:04d}.md": "current" for i in range(20)}
+    # The run recorded the checksum of the bytes it ingested.
+    assert _observed(conn) == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:observations.CHECKSUM_HEX]
+                               for p in corpus.iterdir()}
     cursor = tick.cursor
     # A code reload (fresh definitions, a fresh module state): the observations are in
     # PostgreSQL, so an unchanged tick reads nothing.
@@ -341,10 +355,14 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
     again = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
     assert [r.run_key for r in again.run_requests] == [request.run_key]
 
+    # A source change meanwhile is not the rerun's: it re-extracts the stale documents only
+    # (doc0001 is not stale: its own run re-extracted it).
+    (corpus / "doc0001.md").write_text("# doc 1\n\nedited after the fix\n")
     result = execute(defs, instance, request)
     assert result.success
     ingest = {k: v.value for k, v in result.asset_materializations_for_node("ingest")[0].metadata.items()}
-    assert ingest["stale_documents"] == 4 and ingest["changed_documents"] == 0
+    assert ingest["stale_documents"] == 4 and ingest["changed_documents"] == 0 and ingest["files_read"] == 0
+    assert "edited" not in _text(conn, "doc0001.md")
     attempts = dict(conn.execute("SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
                                  " USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
     assert attempts == {k: 2 for k in keys}        # each redone once: doc0001 by its own run, the rest here
@@ -356,6 +374,9 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
     assert fake.stats["billed_by_text"] == by_text
     assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
                                               tick.cursor).skip_message
+    # ...the source sensor's next run is.
+    (sync,) = evaluate_sensor(source_documents_sensor, defs, instance).run_requests
+    assert execute(defs, instance, sync).success and "edited" in _text(conn, "doc0001.md")
 
 
 def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):

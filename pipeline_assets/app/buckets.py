@@ -12,11 +12,12 @@ source and the code, doing only what is needed:
 
 1. scan the buckets' files with the source observations' prefilter (a file
    whose size and mtime are unchanged is not read: a no-op backfill reads
-   nothing);
+   nothing; nor is a new file: step 2 reads it);
 2. ingest what a bucket run has not synced yet (new or changed bytes), what is
    stale (extracted or chunked under another code version than the current
    one: a parser fix), and tombstone what is gone;
-3. record what it synced, so the next run skips it.
+3. record what it synced, so the next run skips it (for a new file, the
+   checksum of the bytes it ingested).
 
 Unchanged content is never re-extracted, and chunks whose text did not change
 keep their jobs: no provider call for them.
@@ -37,6 +38,7 @@ from pipeline_assets.app import observations, reports
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.ingest import IngestReport, ingest_documents
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.content.sources import SourceError
 from pipeline_assets.store import queries
 
 BUCKETS = queries.load("buckets")
@@ -96,17 +98,28 @@ class BucketSync:
     report: IngestReport = field(default_factory=IngestReport)
 
 
-def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequence[int], n: int) -> BucketSync:
-    """Bring the documents of ``buckets`` (of ``n``) current with the source and the code."""
+def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequence[int], n: int, *,
+                 source_changes: bool = True) -> BucketSync:
+    """Bring the documents of ``buckets`` (of ``n``) current with the source and the code.
+
+    ``source_changes=False`` (the rerun sensor's run after a code fix): only the stale
+    documents are re-extracted; the source is not scanned, and what changed in it is
+    the source sensor's next run."""
     root = Path(root).expanduser().resolve()
     wanted = set(buckets)
     params = {"root": str(root), "n": n, "buckets": sorted(wanted)}
     with pool.connection() as conn:
         check_buckets(conn, n)
-        found = observations.scan(conn, root, max_bytes=rt.settings.max_input_bytes,
-                                  keep=lambda doc: bucket_of(doc, n) in wanted)
-        rows = conn.execute(BUCKETS.unsynced, params).fetchall()
-        orphans = [] if found.empty_refused else [r[0] for r in conn.execute(BUCKETS.unobserved_current, params)]
+        if source_changes:
+            found = observations.scan(conn, root, max_bytes=rt.settings.max_input_bytes,
+                                      keep=lambda doc: bucket_of(doc, n) in wanted)
+            rows = conn.execute(BUCKETS.unsynced, params).fetchall()
+            orphans = [] if found.empty_refused else [r[0] for r in conn.execute(BUCKETS.unobserved_current,
+                                                                                   params)]
+        elif not root.is_dir():
+            raise SourceError(f"source directory not found: {root}")
+        else:
+            found, rows, orphans = observations.Scan(), [], []
     changed = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and not in_store}
     current = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and in_store}
     gone = sorted({doc for doc, checksum, _ in rows if checksum is None} | set(orphans))
@@ -122,6 +135,10 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
         if synced:
             ids = list(synced)
             conn.execute(BUCKETS.mark_synced, {"root": str(root), "ids": ids, "checksums": [synced[d] for d in ids]})
+        unread = [d for d in changed if observations.is_unread(changed[d])]
+        if unread:
+            conn.execute(BUCKETS.resolve_unread, {"root": str(root), "ids": unread,
+                                                  "checksums": [changed[d] for d in unread]})
         if gone:
             conn.execute(OBS.forget_gone, {"root": str(root), "ids": gone})
     return BucketSync(scan=found, changed=list(changed), stale=stale, gone=gone, report=report)

@@ -25,13 +25,16 @@ from pipeline_assets.store import db
 
 log = logging.getLogger(__name__)
 
-# How often a run embedding some documents re-reads their coverage (one
-# grouped query over their chunks) while it waits for them.
+# How often a run embedding some documents probes the model's queue (two index
+# probes: is anything waiting or leased?) while it waits for them. An idle
+# queue means their chunks are ready or failed: the run reads their coverage
+# at once instead of at the next full read.
 WAIT_POLL_SECONDS = 0.1
-# A coverage read over many documents takes longer: the wait between two reads
-# is at least this many times the last read, so the waiting run costs the
-# database a bounded share of its time whatever the run's size.
-WAIT_POLL_COST_FACTOR = 5
+# The full read of the documents' coverage (one grouped query over their
+# chunks, seconds at 100,000 documents) comes at least this many times its
+# last duration after the previous one: it decides when the queue is busy with
+# other documents too, and costs the database a bounded share of its time.
+WAIT_POLL_COST_FACTOR = 20
 # Past this many documents a run's worker claims the model's whole queue
 # instead of only the run's jobs: a scope that large is most of the queue, and
 # the scoped claim's cost grows with it (a bucket backfill over everything).
@@ -71,7 +74,7 @@ class DocumentsEmbedded:
     work: WorkerReport
     enqueued: int
     summaries: dict[str, reports.DocumentSummary]
-    before: reports.Coverage
+    before: reports.Coverage     # the first read (the run's worker, if any, already started)
     after: reports.Coverage
     per_document: dict[str, reports.Coverage] = field(default_factory=dict)
     in_process: bool = True
@@ -126,29 +129,36 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: 
         summaries = reports.document_summaries(conn, root_s, document_ids)
         pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
         enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
-        per_doc_before, before = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+        busy = any(transitions.outstanding(conn, rt.model_id))
         since = stages.clock(conn)
     started = time.monotonic()
     scope = pks if len(pks) <= SCOPE_MAX_DOCUMENTS else None
-    scoped = _ScopedWorker(rt, pool, scope, poll_seconds) if in_process and outstanding(before) else None
+    # The worker starts before the first coverage read (seconds at 100k documents): nothing to
+    # claim for the model means nothing of these documents waits either.
+    scoped = _ScopedWorker(rt, pool, scope, poll_seconds) if in_process and busy else None
     try:
-        now, pause = before, WAIT_POLL_SECONDS
+        per_doc, before = _coverage(pool, root_s, document_ids, rt.model_id)
+        now = before
+        read_at, read_cost, idle_read = time.monotonic(), 0.0, False
         while outstanding(now) and (scoped is None or scoped.alive) and time.monotonic() - started < deadline:
-            time.sleep(pause)
-            read_started = time.monotonic()
+            time.sleep(WAIT_POLL_SECONDS)
             with pool.connection() as conn:
-                _, now = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
-            pause = max(WAIT_POLL_SECONDS, WAIT_POLL_COST_FACTOR * (time.monotonic() - read_started))
+                idle = not any(transitions.outstanding(conn, rt.model_id))
+            due = time.monotonic() - read_at >= max(WAIT_POLL_SECONDS, WAIT_POLL_COST_FACTOR * read_cost)
+            if due or (idle and not idle_read):
+                read_at = time.monotonic()
+                per_doc, now = _coverage(pool, root_s, document_ids, rt.model_id)
+                read_cost = time.monotonic() - read_at
+            idle_read = idle   # an idle queue triggers one read until it is busy again
     finally:
         report, error = scoped.finish() if scoped is not None else (WorkerReport(), None)
     with pool.connection() as conn:
         if scoped is not None:
             stages.refresh_embed_touched(conn, rt.model_id, since)
         stages.refresh_embed_docs(conn, rt.model_id, pks)
-        if scoped is None and not outstanding(before):
-            per_doc, after = per_doc_before, before   # nothing to wait for: no need to read it again
-        else:
-            per_doc, after = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+        if outstanding(now):   # the worker stopped, or the deadline: the last word on them
+            per_doc, now = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+        after = now            # else the last read stands: nothing of theirs was left to change
         idle = not any(transitions.outstanding(conn, rt.model_id))
     if isinstance(error, FatalProviderError):
         raise error
@@ -195,6 +205,12 @@ class _ScopedWorker:
         self._stop.set()
         self._thread.join()
         return self._report or self._worker.report, self._error
+
+
+def _coverage(pool: ConnectionPool, root: str, document_ids: Sequence[str],
+              model_id: str) -> tuple[dict[str, reports.Coverage], reports.Coverage]:
+    with pool.connection() as conn:
+        return reports.embedding_coverage(conn, root, document_ids, model_id)
 
 
 def _build_index(pool: ConnectionPool, model_id: str) -> None:

@@ -9,7 +9,12 @@ request with the sensor generation that requested it.
 * ``scan``: walk the source; a file whose (size, mtime_ns) equal the stored
   ones is not read (the prefilter, so a tick after a code reload hashes only
   what changed); changed files are hashed and upserted in one statement; files
-  no longer found are marked gone. A file modified within ``RACY_NS`` of the
+  no longer found are marked gone. A new file is not read either: there is
+  nothing to compare its bytes with, and the bucket run that ingests it reads
+  it anyway. Its row holds a placeholder (``unread_checksum``: size and mtime,
+  never a hex digest) until that run records the checksum of the bytes it
+  ingested (``buckets.sync_buckets``), so a corpus is read once on its way in,
+  not twice. A file modified within ``RACY_NS`` of the
   scan is stored with mtime 0 and read once more next time (its mtime granule
   may still hide a same-size rewrite).
 * ``pending_buckets`` / ``mark_buckets_requested``: the buckets a tick has to
@@ -39,6 +44,7 @@ OBS = queries.load("observations")
 
 CHECKSUM_HEX = 16                # 64-bit prefix of sha256: enough to tell versions of one document apart
 RACY_NS = 2_000_000_000          # a file modified this close (ns) to its scan is read again on the next one
+UNREAD = "~"                     # starts the placeholder checksum of a new file no scan has read (never hex)
 READ_BLOCK = 1 << 20             # bytes per read while hashing a file
 
 
@@ -59,6 +65,15 @@ def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
         except OSError:
             return None
     return h.hexdigest()[:CHECKSUM_HEX]
+
+
+def unread_checksum(size: int, mtime_ns: int) -> str:
+    """The placeholder observation of a new file that was listed but not read."""
+    return f"{UNREAD}{size}.{mtime_ns}"
+
+
+def is_unread(checksum: str | None) -> bool:
+    return checksum is not None and checksum.startswith(UNREAD)
 
 
 def walk(root: Path) -> Iterator[tuple[str, int, int, str | SourceItem]]:
@@ -112,6 +127,7 @@ def source_item(root: Path, document_id: str, path: str, size: int, mtime_ns: in
 class Scan:
     present: int = 0          # documents found
     hashed: int = 0           # files read (checksummed) by this scan
+    unread: int = 0           # new files recorded without reading them (the bucket run reads them)
     written: int = 0          # observations written: new, changed, or re-verified (touched, racy)
     gone: int = 0             # documents marked gone by this scan
     unreadable: int = 0       # files that could not be read now (neither changed nor gone)
@@ -141,6 +157,11 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
         seen.add(doc)
         if old is not None and old[0] is not None and old[1] == size and old[2] == mtime_ns:
             continue   # the prefilter: same size and mtime, not read
+        if old is None and started_ns - mtime_ns > RACY_NS:
+            # New (and settled): nothing to compare its bytes with; the run that ingests it reads it.
+            rows.append((doc, unread_checksum(size, mtime_ns), size, mtime_ns))
+            result.unread += 1
+            continue
         item = found if isinstance(found, SourceItem) else source_item(root, doc, found, size, mtime_ns)
         value = file_checksum(item, max_bytes)
         result.hashed += 1

@@ -10,7 +10,9 @@ the same ones the command line calls.
   subset: ``app.buckets.sync_buckets`` brings its buckets current with the
   source and the code (new and changed files ingested, stale documents
   re-extracted, gone ones tombstoned; unchanged files are not even read) in
-  the ingest transactions that write both.
+  the ingest transactions that write both. A run of the rerun sensor (tag
+  ``pipeline/rerun``) re-extracts the stale documents only: it does not scan
+  the source, whose changes are the source sensor's run.
 * ``embeddings`` runs the use case ``app.embed.embed_and_wait`` over the buckets' current documents:
   it waits until their chunks are ready or failed (not the whole queue),
   embedding them itself (``in_process``) or leaving that to external ``work``
@@ -155,7 +157,10 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         rt = embedding_provider.runtime(run_id=context.run.run_id)
         root = source.root_path(rt.settings)
         try:
-            done = bk.sync_buckets(rt, postgres.pool(), root, buckets, n)
+            # A rerun after a code fix re-extracts the stale documents only; source changes are the source
+            # sensor's run (a backfill or a "materialize" from the UI does both).
+            done = bk.sync_buckets(rt, postgres.pool(), root, buckets, n,
+                                   source_changes=RERUN_TAG not in context.run.tags)
         except bk.BucketCountMismatch as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         with postgres.connection() as conn:
@@ -219,7 +224,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
                              metadata={"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
                                        "outstanding": exc.outstanding, "partitions": len(keys),
                                        "in_process": in_process}) from None
-        work, before, after = done.work, done.before, done.after
+        work, after = done.work, done.after
         states = bk.bucket_states(done.summaries, buckets, n)
         coverage = bk.bucket_coverage(done.per_document, buckets, n)
         versions = {}
@@ -235,7 +240,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
             "model": model_id,
             "chunks": after.wanted,
             "embedded": work.embedded,
-            "reused": before.ready,
+            "reused": max(after.ready - work.embedded, 0),   # ready vectors this run did not make
             "superseded": work.superseded,
             "failed": after.failed,
             "waiting": after.waiting,

@@ -29,8 +29,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -44,8 +42,6 @@ REPO = Path(__file__).resolve().parents[2]
 PATH_SETTINGS = ("PIPELINE_SOURCE_DIR",)
 STOP_TIMEOUT_SECONDS = 30
 BUCKETS_ENV = "PIPELINE_PARTITION_BUCKETS"
-# The dynamic partition set of the per-document scheme (before issue 14).
-LEGACY_PARTITIONS_NAME = "documents"
 
 # Dagster settings read from the environment by the processes that create runs
 # (webserver, daemon) and execute them. A single-run backfill of N partitions
@@ -148,34 +144,26 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
     for name in PATH_SETTINGS:
         if env.get(name):
             env[name] = str(Path(env[name]).expanduser().resolve())
-    _init_storage(dagster_home, env)
-    retired = retire_document_partitions(dagster_home, env)
+    retired = setup_instance(env)
     if retired:
         print(f"upgraded the Dagster instance to bucket partitions: {retired} per-document partition(s) "
               "of the old scheme deleted (nothing re-embedded)", file=sys.stderr, flush=True)
     return env, dagster_home
 
 
-def _init_storage(dagster_home: Path, env: dict[str, str]) -> None:
-    """Create Dagster's tables once, before the webserver and the daemon race to do it."""
-    with _environ(DAGSTER_URL_ENV, env[DAGSTER_URL_ENV]):
-        from dagster import DagsterInstance
-
-        DagsterInstance.from_config(str(dagster_home)).dispose()
+class InstanceSetupError(RuntimeError):
+    """Dagster's instance could not be prepared (its storage unreachable, a broken dagster.yaml)."""
 
 
-@contextmanager
-def _environ(name: str, value: str) -> Iterator[None]:
-    """One environment variable set for the duration (the instance reads its URL from it)."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
+def setup_instance(env: dict[str, str]) -> int:
+    """``instance_setup`` in a child process (this one never imports Dagster); the legacy
+    partitions it deleted. InstanceSetupError with the child's last line if it failed."""
+    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.instance_setup"], env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise InstanceSetupError(f"cannot prepare the Dagster instance in {env['DAGSTER_HOME']}: {last}")
+    return int(done.stdout.split()[-1])
 
 
 def dagster_env(settings: Settings) -> tuple[dict[str, str], int]:
@@ -184,22 +172,6 @@ def dagster_env(settings: Settings) -> tuple[dict[str, str], int]:
     names = ["PIPELINE_HOME", "DAGSTER_HOME", DAGSTER_URL_ENV, BUCKETS_ENV, *RUN_EVENT_SETTINGS, *PATH_SETTINGS]
     exported = {name: env[name] for name in names if env.get(name)}
     return exported, int(env[BUCKETS_ENV])
-
-
-def retire_document_partitions(dagster_home: Path, env: dict[str, str]) -> int:
-    """The per-document scheme's dynamic partition set (``documents``), emptied: its keys
-    are no partitions of anything now. Returns how many were deleted (0 once done)."""
-    from dagster import DagsterInstance
-
-    with _environ(DAGSTER_URL_ENV, env[DAGSTER_URL_ENV]):
-        instance = DagsterInstance.from_config(str(dagster_home))
-        try:
-            keys = instance.get_dynamic_partitions(LEGACY_PARTITIONS_NAME)
-            for key in keys:
-                instance.delete_dynamic_partition(LEGACY_PARTITIONS_NAME, key)
-        finally:
-            instance.dispose()
-    return len(keys)
 
 
 def export_lines(env: dict[str, str]) -> str:
@@ -211,7 +183,8 @@ def run_dagster_env(settings: Settings | None = None) -> int:
     """`pipeline-assets dagster-env`: print the environment, or one `error:` line and 1."""
     try:
         exported, added = dagster_env(settings or Settings.from_env())
-    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, psycopg.Error, OSError) as exc:
+    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, InstanceSetupError, psycopg.Error,
+            OSError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(export_lines(exported), flush=True)
@@ -255,7 +228,8 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
     """Run the Dagster UI + daemon until Ctrl-C; return the exit status."""
     try:
         env, dagster_home = prepare(settings or Settings.from_env())
-    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, psycopg.Error, OSError) as exc:
+    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, InstanceSetupError, psycopg.Error,
+            OSError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(f"Dagster UI: http://{host}:{port}  (DAGSTER_HOME={dagster_home}; Ctrl-C stops it)", flush=True)

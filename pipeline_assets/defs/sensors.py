@@ -104,7 +104,8 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
             found = observations.scan(conn, root, max_bytes=settings.max_input_bytes)
         except SourceError as exc:
             raise SourceScanError(f"cannot scan {root}: {exc}; nothing is deleted on that account") from exc
-        context.log.info(f"{found.present} file(s): {found.hashed} read, {found.written} observation(s) written, "
+        context.log.info(f"{found.present} file(s): {found.hashed} read, {found.unread} new (read by the run), "
+                         f"{found.written} observation(s) written, "
                          f"{found.gone} gone, {found.unreadable} unreadable")
         if generation is None:
             generation = observations.latest_generation(conn, root) or 0

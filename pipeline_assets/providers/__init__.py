@@ -20,7 +20,6 @@ from .base import (
 )
 from .limits import ChunkTooLarge, ModelLimit, check_chunk_size
 from .local import LOCAL_MODEL_NAME, LocalHashingProvider
-from .openai_provider import OpenAIProvider
 
 __all__ = [
     "FATAL", "RETRYABLE", "TERMINAL", "THROTTLED", "EmbedResult", "ModelSpec", "Provider",
@@ -55,6 +54,8 @@ def provider_for(settings: Settings, model: str | None = None) -> Provider:
     if not settings.openai_api_key:
         raise ConfigError(f"model {name!r} needs OPENAI_API_KEY (unset it or use {LOCAL_MODEL_NAME!r} offline)")
     register_secret(settings.openai_api_key)
+    from .openai_provider import OpenAIProvider  # the openai SDK (a second to import) only when asked for
+
     return OpenAIProvider(
         name,
         api_key=settings.openai_api_key,

@@ -43,6 +43,19 @@ SET synced = r.checksum
 FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS r(document_id, checksum)
 WHERE o.root = %(root)s AND o.document_id = r.document_id
 
+-- name: resolve_unread
+-- Files a scan listed without reading them (new: a placeholder checksum), now
+-- ingested by a bucket run: their checksum becomes that of the bytes the ingest
+-- read, synced. A row a scan changed meanwhile (another checksum), or whose
+-- document has no checksum (quarantined unread), keeps what it has.
+UPDATE app.source_observations o
+SET checksum = left(encode(d.source_checksum, 'hex'), 16), synced = left(encode(d.source_checksum, 'hex'), 16)
+FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS r(document_id, checksum),
+     app.documents d JOIN app.sources s ON s.source_id = d.source_id
+WHERE o.root = %(root)s AND o.document_id = r.document_id AND o.checksum = r.checksum
+  AND s.root = o.root AND d.document_id = o.document_id AND d.status <> 'deleted'
+  AND d.source_checksum IS NOT NULL
+
 -- name: bucket_documents
 -- The documents of the source in some buckets that are not deleted, by id.
 SELECT d.document_id
