@@ -9,6 +9,7 @@ import time
 import dagster as dg
 import pytest
 
+from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
 from pipeline_assets.app.buckets import bucket_of as bucket_index
 from pipeline_assets.app.ingest import ingest_source
@@ -352,6 +353,26 @@ def test_runs_take_turns_in_the_embedding_worker_pool(corpus, conn, fake, server
         assert results and results[0].success
         assert fake.stats["billed_inputs"] == len(_doc_chunks(conn, "doc0003.md"))
         assert storage.get_concurrency_info(EMBEDDING_POOL).active_slot_count == 0   # freed at the step's end
+
+
+def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
+    """states_of (one grouped query) gives each bucket the counts and digests bucket_states computes
+    from the documents' summaries: current, quarantined (with and without text), deleted, non-ASCII."""
+    (corpus / "binary.md").write_bytes(b"\x00\x01\x02 not text")
+    (corpus / "ünïcode ß.md").write_text("# ü\n\nsome words here\n")
+    (corpus / "empty.md").write_text("")
+    with dg.build_resources(build_resources(Settings.from_env())) as res:
+        rt, pool = res.embedding_provider.runtime(), res.postgres.pool()
+        ingest_source(rt, pool, corpus)
+        (corpus / "doc0002.md").unlink()
+        ingest_source(rt, pool, corpus)
+    root, n = str(corpus.resolve()), 64
+    buckets = list(range(n))
+    from_sql = bk.states_of(conn, root, buckets, n)
+    summaries = reports.document_summaries(conn, root, bk.bucket_documents(conn, root, buckets, n))
+    assert from_sql == bk.bucket_states(summaries, buckets, n)
+    assert sum(s.documents for s in from_sql.values()) == 6 and sum(s.quarantined for s in from_sql.values()) >= 1
+    assert [s.quarantined_ids for s in from_sql.values() if s.quarantined_ids] == [["binary.md"]]
 
 
 def test_a_corpus_ingested_by_the_cli_is_not_ingested_again_by_the_first_bucket_run(corpus, conn, fake):

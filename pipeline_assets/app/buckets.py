@@ -193,8 +193,15 @@ def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequen
 
 
 def states_of(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> dict[int, BucketState]:
-    """Each bucket's state, read from the database (its documents' summaries)."""
-    return bucket_states(reports.document_summaries(conn, root, bucket_documents(conn, root, buckets, n)), buckets, n)
+    """Each bucket's state (every bucket asked for, empty or not), grouped in the database:
+    the same values ``bucket_states`` computes from the documents' summaries."""
+    empty = digest([])
+    out = {b: BucketState(text_digest=empty, chunks_digest=empty) for b in buckets}
+    for b, docs, current, quarantined, chunks, tokens, text_digest, chunks_digest, sample in conn.execute(
+            BUCKETS.bucket_states, {"root": root, "n": n, "buckets": sorted(set(buckets)), "sample": SAMPLE_IDS}):
+        out[int(b)] = BucketState(int(docs), int(current), int(quarantined), int(chunks), int(tokens),
+                                  text_digest, chunks_digest, list(sample))
+    return out
 
 
 @dataclass

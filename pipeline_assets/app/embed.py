@@ -126,17 +126,24 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: 
     deadline = deadline_seconds or rt.settings.embed_run_deadline
     with pool.connection() as conn:
         register_model(conn, rt)
-        summaries = reports.document_summaries(conn, root_s, document_ids)
-        pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
-        enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
-        busy = any(transitions.outstanding(conn, rt.model_id))
         since = stages.clock(conn)
+        busy = any(transitions.outstanding(conn, rt.model_id))
     started = time.monotonic()
-    scope = pks if len(pks) <= SCOPE_MAX_DOCUMENTS else None
-    # The worker starts before the first coverage read (seconds at 100k documents): nothing to
-    # claim for the model means nothing of these documents waits either.
-    scoped = _ScopedWorker(rt, pool, scope, poll_seconds) if in_process and busy else None
+    scoped = None
+    if in_process and busy and len(document_ids) > SCOPE_MAX_DOCUMENTS:
+        # It claims the model's whole queue: it starts at once, while the documents are read
+        # (tens of seconds at 100,000 of them); a scoped worker needs their keys first.
+        scoped = _ScopedWorker(rt, pool, None, poll_seconds)
     try:
+        with pool.connection() as conn:
+            summaries = reports.document_summaries(conn, root_s, document_ids)
+            pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
+            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
+        if scoped is None and in_process and (busy or enqueued):
+            # Before the first coverage read (seconds at 100k documents): with nothing to claim
+            # for the model, nothing of these documents waits either.
+            scope = pks if len(pks) <= SCOPE_MAX_DOCUMENTS else None
+            scoped = _ScopedWorker(rt, pool, scope, poll_seconds)
         per_doc, before = _coverage(pool, root_s, document_ids, rt.model_id)
         now = before
         read_at, read_cost, idle_read = time.monotonic(), 0.0, False

@@ -2,10 +2,11 @@
 
 Thin wrappers that turn resource config into what the use cases in
 ``pipeline_assets.app`` take: a pool, a ``Runtime`` (provider and ingest
-options built from ``Settings``), a source root. Each resource reads the
-environment once (``Settings.from_env()``, cached on the instance) and lets
-its own config fields override it, so a run in the UI and the command line
-agree on the database, the model and every default:
+options built from ``Settings``), a source root. The settings are the ones
+the definitions were built from (``build_resources(settings)``: the
+environment read once per process, as the command line reads it once per
+command); each resource's config fields override them, so a run in the UI and
+the command line agree on the database, the model and every default:
 
 * ``PostgresResource``: ``database_url`` comes from ``EnvVar("PIPELINE_DATABASE_URL")``
   when that variable is set (the UI then shows the variable's name, never the
@@ -40,6 +41,23 @@ from pipeline_assets.store import db
 DATABASE_URL_ENV = "PIPELINE_DATABASE_URL"
 _REPO = Path(__file__).resolve().parents[2]
 
+# The settings the latest definitions of this process were built from. Dagster
+# builds resource instances anew from their config (a launchpad override, a
+# run's resource init), so the settings are kept here, not on the instance.
+_location: list[Settings] = []
+
+
+def location_settings() -> Settings:
+    """The settings of this code location (the environment, read once if no definitions set them)."""
+    if not _location:
+        _location.append(Settings.from_env())
+    return _location[-1]
+
+
+def use_settings(settings: Settings) -> None:
+    """The settings every resource of this process reads (``build_resources`` sets them)."""
+    _location[:] = [settings]
+
 
 class PostgresResource(dg.ConfigurableResource):
     """The pipeline's PostgreSQL database (psycopg 3 pool, migrated on first use)."""
@@ -62,7 +80,7 @@ class PostgresResource(dg.ConfigurableResource):
         value = self.database_url
         if isinstance(value, dg.EnvVar):  # used directly, outside a run or sensor
             value = value.get_value()
-        return value or db.database_url(Settings.from_env())
+        return value or db.database_url(location_settings())
 
     def pool(self) -> ConnectionPool:
         """The pool, opened (and the database migrated) on first use."""
@@ -95,17 +113,13 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
                     "code versions are built from the configuration, and a model switch is a configuration "
                     "change the model_switch sensor follows.")
 
-    _settings = PrivateAttr(default=None)
-
     def settings(self) -> Settings:
-        """The environment's settings (read once per resource instance) with this resource's model."""
-        if self._settings is None:
-            self._settings = Settings.from_env().replace(embedding_model=self.model)
-        return self._settings
+        """The code location's settings with this resource's model."""
+        return location_settings().replace(embedding_model=self.model)
 
     def runtime(self, run_id: str | None = None, *, force: bool = False) -> Runtime:
         rt = Runtime.build(self.settings(), run_id=run_id, force=force)
-        if self.model and rt.model_id != (configured := model_id_for(Settings.from_env())):
+        if self.model and rt.model_id != (configured := model_id_for(location_settings())):
             # A launchpad override: it would register a model nobody serves or works, and record
             # vectors of one model under the code version of another (defs/model_switch.py).
             raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "
@@ -121,7 +135,7 @@ class SourceDirectoryResource(dg.ConfigurableResource):
         default=None, description="Source directory; unset: PIPELINE_SOURCE_DIR, else examples/corpus.")
 
     def root_path(self, settings: Settings | None = None) -> Path:
-        raw = self.root or (settings or Settings.from_env()).source_dir
+        raw = self.root or (settings or location_settings()).source_dir
         path = Path(raw).expanduser()
         if not path.is_absolute() and not path.exists() and (_REPO / path).exists():
             path = _REPO / path  # the bundled example corpus, whatever the working directory
@@ -149,6 +163,8 @@ class EmbeddingRunResource(dg.ConfigurableResource):
 
 
 def build_resources(settings: Settings) -> dict[str, dg.ConfigurableResource]:
+    """The resources, reading ``settings`` (this process's from now on: ``use_settings``)."""
+    use_settings(settings)
     return {
         "postgres": PostgresResource.from_settings(settings),
         "embedding_provider": EmbeddingProviderResource(),

@@ -28,8 +28,7 @@ class DatabaseUnavailable(RuntimeError):
     """The database cannot be reached; the message is one line and holds no password."""
 
 
-def database_url(settings: Settings | None = None) -> str:
-    settings = settings or Settings.from_env()
+def database_url(settings: Settings) -> str:
     if settings.database_url:
         return settings.database_url
     try:
@@ -38,8 +37,7 @@ def database_url(settings: Settings | None = None) -> str:
         raise DatabaseUnavailable(str(exc)) from None
 
 
-def connect(url: str | None = None, *, autocommit: bool = True) -> psycopg.Connection:
-    url = url or database_url()
+def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
     try:
         conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     except psycopg.OperationalError as exc:
@@ -82,7 +80,7 @@ def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str
 
 
 @contextmanager
-def session(url: str | None = None) -> Iterator[psycopg.Connection]:
+def session(url: str) -> Iterator[psycopg.Connection]:
     """A migrated connection, closed on exit."""
     conn = connect(url)
     try:

@@ -65,6 +65,48 @@ WHERE s.root = %(root)s AND d.status <> 'deleted'
   AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
 ORDER BY d.document_id COLLATE "C"
 
+-- name: bucket_states
+-- Per bucket (of %(n)s) of the source's documents that are not deleted: counts,
+-- the first %(sample)s quarantined ids, and two digests, each sha256 over
+-- "document_id=value" + a record separator, by id in byte order: value is the
+-- text checksum (hex; status:error_class without text), or the document's chunk
+-- digest (sha256 of its chunk checksums in chunk order). The same bytes as
+-- app.buckets.bucket_states computes from document summaries (a test pins it).
+-- One row per bucket that has documents.
+WITH docs AS (
+    SELECT d.doc_pk, d.document_id, d.status, d.text_checksum, d.error_class,
+           app.document_bucket(d.document_id, %(n)s) AS bucket
+    FROM app.documents d
+    JOIN app.sources s ON s.source_id = d.source_id
+    WHERE s.root = %(root)s AND d.status <> 'deleted'
+      AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+), per_doc AS (
+    SELECT docs.bucket, docs.document_id, docs.status,
+           coalesce(encode(docs.text_checksum, 'hex'), docs.status || ':' || coalesce(docs.error_class, 'None'))
+               AS text_value,
+           count(c.chunk_index) AS chunks,
+           coalesce(sum(c.token_count), 0) AS tokens,
+           encode(sha256(coalesce(string_agg(c.chunk_checksum, ''::bytea ORDER BY c.chunk_index), ''::bytea)),
+                  'hex') AS chunks_digest
+    FROM docs
+    LEFT JOIN app.chunks c ON c.doc_pk = docs.doc_pk
+    GROUP BY docs.doc_pk, docs.bucket, docs.document_id, docs.status, docs.text_checksum, docs.error_class
+)
+SELECT bucket,
+       count(*) AS documents,
+       count(*) FILTER (WHERE status = 'current') AS current,
+       count(*) FILTER (WHERE status = 'quarantined') AS quarantined,
+       sum(chunks) AS chunks,
+       sum(tokens) AS tokens,
+       encode(sha256(string_agg(convert_to(document_id || '=' || text_value, 'UTF8') || '\x1e'::bytea, ''::bytea
+                                ORDER BY document_id COLLATE "C")), 'hex') AS text_digest,
+       encode(sha256(string_agg(convert_to(document_id || '=' || chunks_digest, 'UTF8') || '\x1e'::bytea, ''::bytea
+                                ORDER BY document_id COLLATE "C")), 'hex') AS chunks_digest,
+       coalesce((array_agg(document_id ORDER BY document_id COLLATE "C")
+                 FILTER (WHERE status = 'quarantined'))[1:%(sample)s], ARRAY[]::text[]) AS quarantined_ids
+FROM per_doc
+GROUP BY bucket
+
 -- name: bucket_coverage
 -- Per bucket (of %(n)s) of the source's current documents: their chunks for one
 -- model (distinct per document), how many have a ready vector, failed, or are
