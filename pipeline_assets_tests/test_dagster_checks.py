@@ -146,9 +146,10 @@ def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, c
     growth = _health(defs, instance)["dead_letter_growth"]
     assert not growth.passed and growth.severity == dg.AssetCheckSeverity.WARN
     assert growth.metadata["failed_last_hour"].value == 25 and growth.metadata["threshold_per_hour"].value == 10
-    # A higher threshold from the environment passes the same burst.
+    # A higher threshold from the environment (read when the code location loads) passes the same burst.
     monkeypatch.setenv("PIPELINE_DLQ_GROWTH_PER_HOUR", "30")
-    assert _health(defs, instance)["dead_letter_growth"].passed
+    assert not _health(defs, instance)["dead_letter_growth"].passed   # not read again by loaded definitions
+    assert _health(fresh_defs(), instance)["dead_letter_growth"].passed
     monkeypatch.delenv("PIPELINE_DLQ_GROWTH_PER_HOUR")
     # Large but not growing (failed hours ago): passes. Depth is not the signal.
     conn.execute("UPDATE app.embedding_jobs SET updated_at = now() - interval '3 hours' WHERE status = 'failed'")

@@ -13,7 +13,7 @@ import pytest
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs import devserver
 from pipeline_assets.defs.keys import ASSET_KEYS
-from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations
 from pipeline_assets_tests.conftest import REPO
@@ -83,17 +83,22 @@ def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
     assert resource.url() == "postgresql://u@h/db"
     with dg.build_resources({"postgres": resource}) as built:
         assert built.postgres.url() == "postgresql://u@h/db"
-    fresh_defs()
     assert SourceDirectoryResource().root_path() == (REPO / "examples" / "corpus").resolve()
-    model = EmbeddingProviderResource().settings().embedding_model
-    # The settings are read once, when the definitions are built: not again by each resource.
+    defs = fresh_defs()
+    source, provider = defs.resources["source"], defs.resources["embedding_provider"]
+    assert source.root_path() == (REPO / "examples" / "corpus").resolve()
+    model = provider.settings().embedding_model
+    # The definitions' resources read the settings the definitions were built from, once: not the
+    # environment again (a run's resources are built anew from config: they keep the settings' id).
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path))
     monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "text-embedding-3-large")
-    assert SourceDirectoryResource().root_path() == (REPO / "examples" / "corpus").resolve()
-    assert EmbeddingProviderResource().settings().embedding_model == model
-    fresh_defs()   # a code reload reads the environment again
-    assert SourceDirectoryResource().root_path() == tmp_path.resolve()
-    assert EmbeddingProviderResource().settings().embedding_model == "text-embedding-3-large"
+    assert source.root_path() == (REPO / "examples" / "corpus").resolve()
+    assert provider.settings().embedding_model == model
+    assert type(source)(**source.model_dump()).root_path() == (REPO / "examples" / "corpus").resolve()
+    reloaded = fresh_defs()   # a code reload reads the environment again
+    assert reloaded.resources["source"].root_path() == tmp_path.resolve()
+    assert reloaded.resources["embedding_provider"].settings().embedding_model == "text-embedding-3-large"
+    assert source.root_path() == (REPO / "examples" / "corpus").resolve()   # the old definitions' own
     assert SourceDirectoryResource(root="/x/y").root_path() == Path("/x/y")
 
 

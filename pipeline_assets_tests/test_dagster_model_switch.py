@@ -13,6 +13,7 @@ from pipeline_assets.app import search as search_uc
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.model_switch import EMBEDDING_STORE, model_switch_sensor
 from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.jobs import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
@@ -97,8 +98,11 @@ def _switch(instance, conn, monkeypatch) -> None:
     [failure] = [e for e in override.all_events if e.is_step_failure]
     assert failure.step_key == "ingest"     # refused by the resource, before anything is registered or embedded
     assert f"the run's model {OLD} is not the configured model {NEW}" in failure.step_failure_data.error.to_string()
-    # Definitions whose code version is not the run's model (built from other settings): embeddings refuses.
-    other = build_definitions(Settings.from_env().replace(embedding_model="fake-embed-3"))
+    # Definitions whose code version is not the run's model (assets and resources built from other
+    # settings): embeddings refuses.
+    assets_of = build_definitions(Settings.from_env().replace(embedding_model="fake-embed-3"))
+    other = dg.Definitions(assets=assets_of.assets, jobs=assets_of.jobs, executor=assets_of.executor,
+                           resources=build_resources(Settings.from_env()))
     mismatch = execute(other, instance, partition_key=buckets[0])
     [failure] = [e for e in mismatch.all_events if e.is_step_failure]
     assert failure.step_key == "embeddings"

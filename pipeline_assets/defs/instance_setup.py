@@ -1,7 +1,8 @@
 """Dagster's instance made ready for `pipeline-assets dev` and `dagster-env`, in a child process.
 
-``devserver.prepare`` runs this module as ``python -m`` with DAGSTER_HOME and
-the storage URL in the environment, so the long-lived `pipeline-assets dev`
+``devserver.prepare`` runs this module as ``python -m`` with DAGSTER_HOME as
+its argument and the storage URL in the environment (Dagster's instance
+config reads it), so the long-lived `pipeline-assets dev`
 process never imports Dagster (about 70 MB it would hold for the whole
 session, beside the webserver, daemon and code server that need it):
 
@@ -13,7 +14,6 @@ session, beside the webserver, daemon and code server that need it):
 Prints the number of legacy partitions deleted (0 once done) on stdout.
 """
 
-import os
 import sys
 
 LEGACY_PARTITIONS_NAME = "documents"
@@ -33,5 +33,5 @@ def setup(dagster_home: str) -> int:
 
 
 if __name__ == "__main__":
-    print(setup(os.environ["DAGSTER_HOME"]), flush=True)
+    print(setup(sys.argv[1]), flush=True)
     sys.exit(0)

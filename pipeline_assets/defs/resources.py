@@ -4,9 +4,10 @@ Thin wrappers that turn resource config into what the use cases in
 ``pipeline_assets.app`` take: a pool, a ``Runtime`` (provider and ingest
 options built from ``Settings``), a source root. The settings are the ones
 the definitions were built from (``build_resources(settings)``: the
-environment read once per process, as the command line reads it once per
-command); each resource's config fields override them, so a run in the UI and
-the command line agree on the database, the model and every default:
+environment read once when the code location loads, as the command line reads
+it once per command; each resource names them by ``settings_id``); each
+resource's config fields override them, so a run in the UI and the command
+line agree on the database, the model and every default:
 
 * ``PostgresResource``: ``database_url`` comes from ``EnvVar("PIPELINE_DATABASE_URL")``
   when that variable is set (the UI then shows the variable's name, never the
@@ -41,22 +42,30 @@ from pipeline_assets.store import db
 DATABASE_URL_ENV = "PIPELINE_DATABASE_URL"
 _REPO = Path(__file__).resolve().parents[2]
 
-# The settings the latest definitions of this process were built from. Dagster
-# builds resource instances anew from their config (a launchpad override, a
-# run's resource init), so the settings are kept here, not on the instance.
-_location: list[Settings] = []
+# The settings each Definitions of this process was built from, by id. Dagster
+# builds resource instances anew from their config (a launchpad override, every
+# run's resource init) and drops anything else they hold, so a resource carries
+# only the id (``settings_id``) and reads its settings here.
+_SETTINGS: dict[str, Settings] = {}
+SETTINGS_ID_HELP = ("Which settings of this code location the resource reads (set when the definitions are "
+                    "built from the environment; not a launchpad option).")
 
 
-def location_settings() -> Settings:
-    """The settings of this code location (the environment, read once if no definitions set them)."""
-    if not _location:
-        _location.append(Settings.from_env())
-    return _location[-1]
+def register_settings(settings: Settings) -> str:
+    """The id ``settings`` are kept under in this process (equal settings, the same id)."""
+    for key, known in _SETTINGS.items():
+        if known == settings:
+            return key
+    key = f"settings-{len(_SETTINGS) + 1}"
+    _SETTINGS[key] = settings
+    return key
 
 
-def use_settings(settings: Settings) -> None:
-    """The settings every resource of this process reads (``build_resources`` sets them)."""
-    _location[:] = [settings]
+def settings_of(settings_id: str | None) -> Settings:
+    """The settings registered under an id; a resource built by hand (no id) reads the environment."""
+    if settings_id is not None and settings_id in _SETTINGS:
+        return _SETTINGS[settings_id]
+    return Settings.from_env()
 
 
 class PostgresResource(dg.ConfigurableResource):
@@ -67,20 +76,22 @@ class PostgresResource(dg.ConfigurableResource):
         description="libpq URL of the pipeline database. Unset: PIPELINE_DATABASE_URL, else the embedded "
                     "PostgreSQL under PIPELINE_HOME.")
     pool_max_size: int = Field(default=4, description="Connections kept by this resource's pool.")
+    settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
 
     _pool = PrivateAttr(default=None)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "PostgresResource":
+        key = register_settings(settings)
         if settings.database_url:
-            return cls(database_url=dg.EnvVar(DATABASE_URL_ENV))
-        return cls()
+            return cls(database_url=dg.EnvVar(DATABASE_URL_ENV), settings_id=key)
+        return cls(settings_id=key)
 
     def url(self) -> str:
         value = self.database_url
         if isinstance(value, dg.EnvVar):  # used directly, outside a run or sensor
             value = value.get_value()
-        return value or db.database_url(location_settings())
+        return value or db.database_url(settings_of(self.settings_id))
 
     def pool(self) -> ConnectionPool:
         """The pool, opened (and the database migrated) on first use."""
@@ -112,14 +123,15 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
                     "OPENAI_API_KEY, else the local offline model. Set, it must be that same model: the "
                     "code versions are built from the configuration, and a model switch is a configuration "
                     "change the model_switch sensor follows.")
+    settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
 
     def settings(self) -> Settings:
         """The code location's settings with this resource's model."""
-        return location_settings().replace(embedding_model=self.model)
+        return settings_of(self.settings_id).replace(embedding_model=self.model)
 
     def runtime(self, run_id: str | None = None, *, force: bool = False) -> Runtime:
         rt = Runtime.build(self.settings(), run_id=run_id, force=force)
-        if self.model and rt.model_id != (configured := model_id_for(location_settings())):
+        if self.model and rt.model_id != (configured := model_id_for(settings_of(self.settings_id))):
             # A launchpad override: it would register a model nobody serves or works, and record
             # vectors of one model under the code version of another (defs/model_switch.py).
             raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "
@@ -133,9 +145,10 @@ class SourceDirectoryResource(dg.ConfigurableResource):
 
     root: str | None = Field(
         default=None, description="Source directory; unset: PIPELINE_SOURCE_DIR, else examples/corpus.")
+    settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
 
     def root_path(self, settings: Settings | None = None) -> Path:
-        raw = self.root or (settings or location_settings()).source_dir
+        raw = self.root or (settings or settings_of(self.settings_id)).source_dir
         path = Path(raw).expanduser()
         if not path.is_absolute() and not path.exists() and (_REPO / path).exists():
             path = _REPO / path  # the bundled example corpus, whatever the working directory
@@ -163,11 +176,11 @@ class EmbeddingRunResource(dg.ConfigurableResource):
 
 
 def build_resources(settings: Settings) -> dict[str, dg.ConfigurableResource]:
-    """The resources, reading ``settings`` (this process's from now on: ``use_settings``)."""
-    use_settings(settings)
+    """The resources, reading ``settings`` (kept in this process under their id)."""
+    key = register_settings(settings)
     return {
         "postgres": PostgresResource.from_settings(settings),
-        "embedding_provider": EmbeddingProviderResource(),
-        "source": SourceDirectoryResource(),
+        "embedding_provider": EmbeddingProviderResource(settings_id=key),
+        "source": SourceDirectoryResource(settings_id=key),
         "embedding_run": EmbeddingRunResource(),
     }
