@@ -23,6 +23,7 @@ from pipeline_assets_tests.dagster_helpers import (
     evaluate_sensor,
     execute,
     fresh_defs,
+    postgres_instance,
     range_tags,
     stale_status,
     watched_corpus,
@@ -65,8 +66,9 @@ def observed_events(instance) -> list[dict]:
     return [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in records]
 
 
-def test_a_model_change_is_served_only_once_the_new_model_covers_the_corpus(corpus, conn, fake, monkeypatch):
-    with dg.instance_for_test() as instance:
+def test_a_model_change_is_served_only_once_the_new_model_covers_the_corpus(corpus, conn, fake, monkeypatch,
+                                                                          server_url):
+    with postgres_instance(server_url) as instance:
         _switch(instance, conn, monkeypatch)
 
 

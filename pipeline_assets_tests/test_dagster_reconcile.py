@@ -17,6 +17,7 @@ from pipeline_assets_tests.dagster_helpers import (
     execute,
     fresh_defs,
     latest_materializations,
+    postgres_instance,
     range_tags,
     stale_status,
     watched_corpus,
@@ -32,9 +33,10 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def instance():
-    """A real (temporary, SQLite) instance: sensors need one they can hand to other processes."""
-    with dg.instance_for_test() as inst:
+def instance(server_url):
+    """A real instance on PostgreSQL, as `pipeline-assets dev` runs one: sensors need one they can hand to
+    other processes (and SQLite writes each of a range run's events in its own transaction)."""
+    with postgres_instance(server_url) as inst:
         yield inst
 
 

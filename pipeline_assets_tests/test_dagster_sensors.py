@@ -17,7 +17,14 @@ from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.sensors import decode_cursor, rerun_stale_documents_sensor, source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import write_corpus
-from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs, requested_keys
+from pipeline_assets_tests.dagster_helpers import (
+    bucket_of,
+    evaluate_sensor,
+    execute,
+    fresh_defs,
+    postgres_instance,
+    requested_keys,
+)
 
 ALL = [bucket_key(i) for i in range(64)]
 
@@ -34,8 +41,8 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def instance():
-    with dg.instance_for_test() as inst:
+def instance(server_url):
+    with postgres_instance(server_url) as inst:
         yield inst
 
 

@@ -10,12 +10,11 @@ import re
 import uuid
 from pathlib import Path
 
-import dagster as dg
 import psycopg
 import pytest
 
 from pipeline_assets_tests.conftest import _with_dbname, cli, write_corpus
-from pipeline_assets_tests.dagster_helpers import execute, fresh_defs
+from pipeline_assets_tests.dagster_helpers import execute, fresh_defs, postgres_instance
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "pipeline_assets"
@@ -129,7 +128,7 @@ def second_db(server_url):
 
 
 def test_cli_and_dagster_land_the_same_database_state(env, clean_db, database_url, second_db, fake, tmp_path,
-                                                      monkeypatch):
+                                                      monkeypatch, server_url):
     corpus = tmp_path / "corpus"
     write_corpus(corpus, 5)
     (corpus / "copy.md").write_text((corpus / "doc0001.md").read_text())   # shared content: one job
@@ -140,7 +139,7 @@ def test_cli_and_dagster_land_the_same_database_state(env, clean_db, database_ur
 
     monkeypatch.setenv("PIPELINE_DATABASE_URL", second_db)
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
-    with dg.instance_for_test() as instance:   # a backfill of every bucket
+    with postgres_instance(server_url) as instance:   # a backfill of every bucket
         result = execute(fresh_defs(), instance, tags={"dagster/asset_partition_range_start": "b000",
                                                        "dagster/asset_partition_range_end": "b063"})
         assert result.success
