@@ -552,3 +552,16 @@ def test_model_change_then_retire_old_model(env, fake, clean_db, tmp_path):
     assert outstanding == 0  # nothing waits for a worker that will never come
     exported = [json.loads(line) for line in cli("export", "--model", FAKE_MODEL, env=new_env).stdout.splitlines()]
     assert exported and all(r["model"] == FAKE_MODEL for r in exported)  # the old index stays readable
+
+
+def test_the_lazy_command_table_names_every_command_of_every_module():
+    """`pipeline-assets` imports a command's module only when it runs: its table of names must
+    hold exactly the commands the modules define (a new command is added to both)."""
+    from pipeline_assets.cli import root
+
+    defined = {name: module for module in set(root.COMMAND_MODULES.values())
+               for name in root.module_commands(module)}
+    assert defined == root.COMMAND_MODULES
+    modules = {p.stem for p in (Path(root.__file__).parent).glob("*.py")
+               if "COMMANDS = " in p.read_text()}
+    assert modules == set(root.COMMAND_MODULES.values())

@@ -112,7 +112,10 @@ def test_the_readme_is_short_and_keeps_the_two_commands():
 
 def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:
     out = []
-    for name, command in sorted(group.commands.items()):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        assert command is not None, name
         path = f"{prefix}{name}"
         out.append((path, command))
         if isinstance(command, click.Group):
