@@ -24,6 +24,7 @@ import time
 import pytest
 
 from pipeline_assets.jobs.decisions import FREE_FAULTS, MAX_UNMATCHED_ANSWERS
+from pipeline_assets.settings import DEFAULT_CONCURRENCY
 from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
 
 DOCUMENTS = 60
@@ -123,14 +124,17 @@ def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes
     assert len(lines) == 1 and lines[0].startswith("error: unmatched_answers: "), proc.stderr
     assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in lines[0] and says in lines[0]
     assert "Traceback" not in proc.stderr
-    assert fake.stats[counted] == MAX_UNMATCHED_ANSWERS
+    # It stops after MAX_UNMATCHED_ANSWERS in a row; requests the other claim threads had in flight
+    # then may still come back (at most concurrency - 1 more), never another round of them.
+    broken = fake.stats[counted]
+    assert MAX_UNMATCHED_ANSWERS <= broken <= MAX_UNMATCHED_ANSWERS + DEFAULT_CONCURRENCY - 1
     # Nothing stored (no vector on the wrong text), nothing dead-lettered, no attempt or fault charged.
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
     assert set(job_counts(conn)) <= {"pending", "retry"}
     assert conn.execute("SELECT max(attempts), max(faults) FROM app.embedding_jobs").fetchone() == (0, 0)
     # The answers were billed: the ledger counts them as (possibly) billed.
     assert conn.execute("SELECT count(*) FROM app.provider_calls WHERE billed IN ('yes', 'maybe')"
-                        " AND inputs > 0").fetchone()[0] == MAX_UNMATCHED_ANSWERS
+                        " AND inputs > 0").fetchone()[0] == broken
     setattr(fake, rate, 0.0)  # the proxy is fixed
     cli("work", "--until-idle", env=env, timeout=120)
     assert job_counts(conn) == {"ready": len(texts)}
