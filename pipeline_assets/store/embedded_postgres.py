@@ -10,6 +10,7 @@ running postmaster.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -24,8 +25,47 @@ START_ATTEMPTS = 2
 SLOW_START_GRACE_SECONDS = 20
 
 
+# A standalone backend (`postgres --single`, or one step of initdb's bootstrap)
+# holds PGDATA: a start waits this long for that same process to exit before
+# it is an error. initdb's steps are each a new, short-lived process.
+STANDALONE_WAIT_SECONDS = 10
+
+
 class EmbeddedServerError(RuntimeError):
     pass
+
+
+def _standalone_holder(pgdata: Path) -> int | None:
+    """The pid of a live standalone backend holding ``pgdata`` (its postmaster.pid starts
+    with the negated pid), else None."""
+    try:
+        first = (pgdata / "postmaster.pid").read_text().split("\n", 1)[0].strip()
+        pid = -int(first)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass   # alive, another user's
+    return pid
+
+
+def _wait_for_standalone(pgdata: Path) -> None:
+    """EmbeddedServerError (one line) if one standalone backend keeps ``pgdata`` past the wait."""
+    holder = _standalone_holder(pgdata)
+    deadline = time.monotonic() + STANDALONE_WAIT_SECONDS
+    while holder is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = _standalone_holder(pgdata)
+        if now != holder:   # gone, or the next step of an initdb: wait for that one afresh
+            holder, deadline = now, time.monotonic() + STANDALONE_WAIT_SECONDS
+    if holder is not None:
+        raise EmbeddedServerError(f"embedded PostgreSQL data directory {pgdata} is in use by a standalone "
+                                  f"backend (pid {holder}, e.g. `postgres --single`); stop it and retry")
 
 
 def _uri_if_running(pgdata: Path) -> str | None:
@@ -53,6 +93,7 @@ def ensure_server(home: Path) -> str:
     home.mkdir(parents=True, exist_ok=True)
     last = "unknown error"
     for _ in range(START_ATTEMPTS):
+        _wait_for_standalone(pgdata)
         proc = subprocess.run(
             [sys.executable, "-m", "pipeline_assets.store.embedded_postgres", str(pgdata)],
             capture_output=True,
