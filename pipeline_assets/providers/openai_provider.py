@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import openai
+
+if TYPE_CHECKING:  # the SDK (a second to import) is imported when the first request is sent
+    import openai
 
 from . import deadline
 from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, UNMATCHED_ANSWER, EmbedResult, ModelSpec, ProviderError
@@ -50,6 +53,8 @@ def parse_retry_after(headers) -> float | None:
 
 def classify(exc: Exception) -> ProviderError:
     """Map an SDK exception to our four kinds."""
+    import openai
+
     if isinstance(exc, openai.APITimeoutError):
         return ProviderError(RETRYABLE, "timeout", "provider call timed out (wall-clock deadline)",
                              billed_maybe=True)
@@ -161,12 +166,27 @@ class OpenAIProvider:
         )
         self._dimensions = dimensions
         self._timeout = timeout
-        # Explicit key and base URL (from Settings); the SDK reads no environment of its own here.
-        http_client = deadline.install(openai.DefaultHttpxClient(timeout=timeout))
-        self._client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0, timeout=timeout,
-                                     http_client=http_client)
+        self._connection = (api_key, base_url)
+        self._client: openai.OpenAI | None = None
+        self._client_lock = threading.Lock()
+
+    def _sdk(self) -> openai.OpenAI:
+        """The SDK client, made on the first request (a command that sends none never imports it)."""
+        with self._client_lock:
+            if self._client is None:
+                import openai
+
+                api_key, base_url = self._connection
+                # Explicit key and base URL (from Settings); the SDK reads no environment of its own here.
+                http_client = deadline.install(openai.DefaultHttpxClient(timeout=self._timeout))
+                self._client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0,
+                                             timeout=self._timeout, http_client=http_client)
+            return self._client
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
+        import openai
+
+        client = self._sdk()
         # Only when set (typed Any: the SDK's "not given" sentinel differs between its versions).
         options: dict[str, Any] = {"dimensions": self._dimensions} if self._dimensions else {}
         try:
@@ -174,7 +194,7 @@ class OpenAIProvider:
                 # The raw answer (the SDK's public with_raw_response), base64 as the SDK itself asks
                 # for: parsed here straight into float32 arrays, not into one pydantic object and one
                 # Python float per dimension that would be turned back into an array.
-                raw = self._client.embeddings.with_raw_response.create(
+                raw = client.embeddings.with_raw_response.create(
                     model=self.spec.name, input=list(texts), encoding_format="base64", **options)
                 body = raw.content
         except openai.OpenAIError as exc:
@@ -182,4 +202,5 @@ class OpenAIProvider:
         return parse_answer(body, len(texts))
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
