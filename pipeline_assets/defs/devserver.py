@@ -155,6 +155,11 @@ class InstanceSetupError(RuntimeError):
     """Dagster's instance could not be prepared (its storage unreachable, a broken dagster.yaml)."""
 
 
+# What `prepare` raises for an expected failure: one `error:` line, exit status 1.
+PREPARE_ERRORS = (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, InstanceSetupError, psycopg.Error,
+                  OSError)
+
+
 def setup_instance(env: dict[str, str]) -> int:
     """``instance_setup`` in a child process (this one never imports Dagster); the legacy
     partitions it deleted. InstanceSetupError with the child's last line if it failed."""
@@ -183,8 +188,7 @@ def run_dagster_env(settings: Settings | None = None) -> int:
     """`pipeline-assets dagster-env`: print the environment, or one `error:` line and 1."""
     try:
         exported, added = dagster_env(settings or Settings.from_env())
-    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, InstanceSetupError, psycopg.Error,
-            OSError) as exc:
+    except PREPARE_ERRORS as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(export_lines(exported), flush=True)
@@ -228,8 +232,7 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
     """Run the Dagster UI + daemon until Ctrl-C; return the exit status."""
     try:
         env, dagster_home = prepare(settings or Settings.from_env())
-    except (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, InstanceSetupError, psycopg.Error,
-            OSError) as exc:
+    except PREPARE_ERRORS as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(f"Dagster UI: http://{host}:{port}  (DAGSTER_HOME={dagster_home}; Ctrl-C stops it)", flush=True)

@@ -172,6 +172,8 @@ class OpenAIProvider:
 
     def _sdk(self) -> openai.OpenAI:
         """The SDK client, made on the first request (a command that sends none never imports it)."""
+        if self._client is not None:   # every later request: no lock
+            return self._client
         with self._client_lock:
             if self._client is None:
                 import openai

@@ -130,8 +130,6 @@ def stop_server(home: Path) -> bool:
 
 
 def _is_root() -> bool:
-    import os
-
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
