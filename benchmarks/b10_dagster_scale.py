@@ -16,10 +16,11 @@ Dagster (``pipeline-assets dev`` on a free port, a fresh PIPELINE_HOME, PIPELINE
 no OPENAI_API_KEY: the offline model; sensors on as shipped)
   1. ``sensor_to_embedded_s``: from the webserver answering (code location loaded) until every
      document is current and every chunk of a current document has a ready job for every active
-     model (SQL on the pipeline database, polled each second). ``..._from_dev_start_s`` counts
+     model (SQL on the pipeline database: the full coverage query only once the queues are idle,
+     and never more than 1/POLL_COST_FACTOR of the time). ``..._from_dev_start_s`` counts
      from the `dev` process start. ``sensor_to_last_vector_s``: the same start until the last
      answer in the spend ledger, the CLI figure's end point; the target ratio uses it (the poll
-     sees the end later, by up to one coverage query competing with the run's index build).
+     sees the end later, by up to one poll interval).
   2. ``asset_page``: headless Chromium (pipeline_assets_tests/browser.py) opens
      /assets/embeddings?view=partitions after Dagster's first-visit dialog was dismissed on another
      page; seconds from navigation until the page shows the asset and no "Loading" is left
@@ -33,7 +34,8 @@ no OPENAI_API_KEY: the offline model; sensors on as shipped)
      re-extractions during it (both should be 0).
   5. ``parser_fix_rerun``: `dev` stopped, restarted with PIPELINE_EXTRACTOR_VERSION=html=<bumped>;
      seconds from the webserver answering (and from the restart) until every .html document
-     carries the new extractor version in app.documents; how many non-HTML documents were
+     carries the new extractor version in app.documents (the figure: the last extract or chunk
+     stage row to finish; the poll's own sighting is reported too); how many non-HTML documents were
      re-extracted and how many provider calls were made meanwhile (both should be 0).
   6. ``rss``: every 0.5 s over the whole run, the RSS of the `dev` process and all its descendants
      (pipeline-assets dev, dagster dev, webserver, daemon, code server, run workers) summed; the
@@ -75,6 +77,7 @@ import psycopg  # noqa: E402
 from _common import REPO
 
 from pipeline_assets.content.extract import EXTRACTOR_VERSIONS  # noqa: E402
+from pipeline_assets.jobs import transitions  # noqa: E402
 from pipeline_assets.store import embedded_postgres  # noqa: E402
 
 QUICK_DOCUMENTS = 300
@@ -98,15 +101,27 @@ class WaitExpired(AssertionError):
     pass
 
 
+# A poll of the pipeline database costs the machine both sides share (the full coverage query
+# is about 1 s of the server's CPU at 100k documents, polled every second it took half a core
+# from the Dagster side only: the CLI side is timed by its process). So the next poll waits at
+# least this many times the last one's duration: the harness's share of the machine stays
+# under 1/POLL_COST_FACTOR. The figures that matter are taken from the database's own
+# timestamps (the spend ledger's last answer, the stage rows' last finish), not from when a
+# poll saw them.
+POLL_COST_FACTOR = 10
+
+
 def wait_for(predicate, timeout: float, what: str, *, interval: float = 1.0, proc=None, describe=None):
     """Poll ``predicate`` until it returns something truthy; on expiry raise with ``what`` and the last state."""
     deadline = time.monotonic() + timeout
-    last, error = None, None
+    last, error, cost = None, None, 0.0
     while True:
         if proc is not None and proc.poll() is not None:
             raise WaitExpired(f"`dev` exited ({proc.returncode}) while waiting for {what}")
         try:
+            polled = time.monotonic()
             value = predicate()
+            cost = time.monotonic() - polled
             error = None
         except (urllib.error.URLError, ConnectionError, OSError, psycopg.OperationalError) as exc:
             value, error = None, f"{type(exc).__name__}: {exc}"
@@ -117,7 +132,7 @@ def wait_for(predicate, timeout: float, what: str, *, interval: float = 1.0, pro
             state = describe() if describe else last
             raise WaitExpired(f"timed out after {timeout:.0f}s waiting for {what}; last state: {state}"
                               + (f"; last error: {error}" if error else ""))
-        time.sleep(interval)
+        time.sleep(max(interval, POLL_COST_FACTOR * cost))
 
 
 def free_port() -> int:
@@ -253,7 +268,16 @@ class PipelineDB:
         return {"current": docs, "quarantined": quarantined, "chunks": chunks, "not_ready": missing,
                 "active_models": models}
 
+    def queue_idle(self) -> bool:
+        """No job waiting or leased for any active model (two index probes per model, as the
+        worker's own until-idle check): the gate before the full coverage query."""
+        with psycopg.connect(self.url, connect_timeout=10) as conn:
+            models = [r[0] for r in conn.execute("SELECT model_id FROM app.models WHERE active")]
+            return bool(models) and not any(any(transitions.outstanding(conn, m)) for m in models)
+
     def embedded(self, n: int) -> dict | None:
+        if not self.queue_idle():
+            return None
         cov = self.coverage()
         done = cov["current"] == n and cov["chunks"] >= n and cov["not_ready"] == 0 and cov["active_models"] > 0
         return cov if done else None
@@ -264,6 +288,14 @@ class PipelineDB:
             WHERE source_id IN {self._SOURCE} AND status = 'current' AND lower(document_id) LIKE '%%.html'""",
                                    {"root": self.root, "v": version})
         return {"html_with_new_version": new, "html": total}
+
+    def last_extract_finished(self, since) -> float | None:
+        """Epoch seconds of the last extract or chunk stage to finish since ``since``."""
+        (last,), = self.query(f"""
+            SELECT extract(epoch FROM max(s.finished_at)) FROM app.stage_runs s JOIN app.documents d USING (doc_pk)
+            WHERE s.stage IN ('extract', 'chunk') AND s.started_at >= %(t)s AND d.source_id IN {self._SOURCE}""",
+                              {"root": self.root, "t": since})
+        return float(last) if last is not None else None
 
     def now(self):
         return self.query("SELECT now()")[0][0]
@@ -822,7 +854,7 @@ def parser_fix_phase(dev: Dev, db: PipelineDB, html_version: str, deadline: floa
     since = db.now()
     dev.start()
     ready = dev.wait_ready(timeout=300)
-    answering = time.monotonic()
+    answering, answering_epoch = time.monotonic(), time.time()
     log(f"dev (html={html_version}) answering after {ready:.1f}s; waiting for the rerun sensor")
     wait_for(lambda: (v := db.html_versions(html_version))["html"] and v["html"] == v["html_with_new_version"],
              deadline, f"every .html document re-extracted with {html_version} (rerun_stale_documents' runs)",
@@ -832,7 +864,10 @@ def parser_fix_phase(dev: Dev, db: PipelineDB, html_version: str, deadline: floa
              describe=lambda: safe(lambda: summarize_runs(dev.active_runs())))
     finished = time.monotonic()
     runs = [r for r in dev.runs() if (r.get("creationTime") or 0) >= dev.started_epoch]
+    last = db.last_extract_finished(since)
     return {"dev_restart_to_answering_s": round(ready, 2),
+            # To the last re-extraction in the stage rows (the poll sees it later, by up to its interval).
+            "rerun_to_last_extract_s": round(last - answering_epoch, 2) if last is not None else None,
             "rerun_s": round(done - answering, 2),
             "rerun_runs_finished_s": round(finished - answering, 2),
             "rerun_from_dev_restart_s": round(done - dev.started, 2),
@@ -923,7 +958,9 @@ def main() -> int:
                   tmp / "dev-2.log", sampler)
         sampler.set_phase("parser_fix_rerun")
         result["parser_fix_rerun"] = parser_fix_phase(dev, db, html_version, deadline)
-        log(f"parser fix: {result['parser_fix_rerun']['rerun_s']}s")
+        fix = result["parser_fix_rerun"]
+        log(f"parser fix: {fix['rerun_to_last_extract_s']}s to the last re-extraction "
+            f"({fix['rerun_s']}s seen by the poll)")
     except BaseException as exc:  # noqa: BLE001 — report what was measured, then clean up
         failed = exc
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
@@ -988,8 +1025,12 @@ def side_by_side(r: dict) -> dict:
                           "cli_ingest_plus_reconcile_s": cli.get("noop_ingest_plus_reconcile_s"),
                           "ratio": ratio(bf.get("launch_to_done_s"), cli.get("noop_ingest_plus_reconcile_s")),
                           "cli_noop_embed_s": cli.get("noop_embed_s")},
-        "parser_fix_rerun": {"dagster_s": fix.get("rerun_s"), "cli_rerun_stale_s": cli.get("parser_fix_rerun_s"),
-                             "ratio": ratio(fix.get("rerun_s"), cli.get("parser_fix_rerun_s")),
+        "parser_fix_rerun": {"dagster_s": fix.get("rerun_to_last_extract_s") or fix.get("rerun_s"),
+                             "dagster_seen_by_poll_s": fix.get("rerun_s"),
+                             "cli_rerun_stale_s": cli.get("parser_fix_rerun_s"),
+                             "ratio": ratio(fix.get("rerun_to_last_extract_s") or fix.get("rerun_s"),
+                                            cli.get("parser_fix_rerun_s")),
+                             "ratio_seen_by_poll": ratio(fix.get("rerun_s"), cli.get("parser_fix_rerun_s")),
                              "ratio_from_dev_restart": ratio(fix.get("rerun_from_dev_restart_s"),
                                                              cli.get("parser_fix_rerun_s"))},
         "asset_page_s": page.get("first_visit_s"),

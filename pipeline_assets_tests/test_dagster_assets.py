@@ -17,11 +17,13 @@ from pipeline_assets.defs.assets import EMBEDDING_POOL
 from pipeline_assets.defs.checks import COVERAGE_CHECK
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import build_resources
+from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     check_results,
+    evaluate_sensor,
     execute,
     fresh_defs,
     latest_data_versions,
@@ -195,7 +197,7 @@ def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, con
     assert "\n" not in description
 
 
-def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, conn, fake):
+def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, conn, fake, server_url):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
     assert execute(defs, instance, tags=range_tags(ALL)).success
@@ -216,6 +218,10 @@ def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, con
     assert all(e.partition == key for e in events.values())
     assert events[("documents",)].metadata["refreshed_documents"].value == "doc0001.md"
     assert events[("embeddings",)].metadata["ready"].value == events[("embeddings",)].metadata["refreshed_chunks"].value
+    # The source sensor's next tick reads the edited file and finds it synced: no bucket run for it.
+    with postgres_instance(server_url) as ticks:   # a sensor tick needs an instance it can share
+        tick = evaluate_sensor(source_documents_sensor, defs, ticks)
+    assert not tick.run_requests and "no change" in tick.skip_message
     # A glob, and a clear refusal when it matches nothing.
     result = job.execute_in_process(instance=instance, raise_on_error=False, run_config={"ops": {
         "refresh_documents_op": {"config": {"glob": "nothing-*.pdf"}}}})

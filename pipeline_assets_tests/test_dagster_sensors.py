@@ -251,6 +251,7 @@ def test_source_sensor_backpressure(corpus, conn, instance):
     held = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     assert not held.run_requests and "still queued or running" in held.skip_message
     assert held.cursor == cursor
+    assert "doc0003.md" not in _observed(conn)   # not even scanned: the walk waits for the run too
     # The run ends: the next tick asks for everything that waited, in one run.
     instance.report_run_canceled(instance.get_run_by_id(run.run_id))
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
@@ -392,6 +393,35 @@ def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):
                                       tags={"pipeline/trigger": "rerun_stale_documents"})
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.NOT_STARTED
     assert "in flight" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message
+
+
+def test_a_clean_check_stands_until_a_version_changes_or_it_is_old(corpus, conn, fake, instance, monkeypatch):
+    """The rerun sensor ticks every few seconds; after a check that found nothing stale it reads
+    nothing under the same code versions until RERUN_RECHECK_SECONDS have passed."""
+    from pipeline_assets.defs import rerun_sensor
+
+    assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
+    defs = fresh_defs()
+    clean = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
+    assert "nothing stale" in clean.skip_message
+    state = rerun_sensor.decode_rerun_cursor(clean.cursor)
+    assert state is not None and state.clean_versions and abs(state.clean_at - time.time()) < 600
+    # A stale row another writer left (a process still on older code) ...
+    conn.execute("UPDATE app.stage_runs SET code_version = 'extract-0' WHERE stage = 'extract' AND doc_pk = "
+                 "(SELECT doc_pk FROM app.documents WHERE document_id = 'doc0000.md')")
+    held = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, clean.cursor)
+    assert not held.run_requests and "checked" in held.skip_message    # ... is not read under a fresh check
+    # ... until that check is older than RERUN_RECHECK_SECONDS:
+    monkeypatch.setattr(rerun_sensor, "RERUN_RECHECK_SECONDS", 0)
+    (late,) = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, clean.cursor).run_requests
+    assert ":1:" in late.run_key
+    # A version bump is checked at the first tick, whatever the last check's age.
+    monkeypatch.setattr(rerun_sensor, "RERUN_RECHECK_SECONDS", 300)
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    (bump,) = evaluate_sensor(rerun_stale_documents_sensor, fresh_defs(), instance, clean.cursor).run_requests
+    assert "extract-2" in bump.run_key and ":3:" in bump.run_key
+    assert rerun_sensor.decode_rerun_cursor(evaluate_sensor(
+        rerun_stale_documents_sensor, fresh_defs(), instance, clean.cursor).cursor).clean_versions is None
 
 
 def test_a_pdf_only_fix_reruns_only_pdf_documents(corpus, conn, fake, instance, monkeypatch):

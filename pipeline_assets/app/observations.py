@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,6 +193,11 @@ def adopt(conn: psycopg.Connection, root: Path, docs: dict[str, str], generation
     ids = sorted(docs)
     conn.execute(OBS.adopt, {"root": str(root), "ids": ids, "checksums": [docs[d] for d in ids],
                              "generation": generation})
+
+
+def mark_synced_as_stored(conn: psycopg.Connection, root: Path, document_ids: Sequence[str]) -> None:
+    """Documents ingested by id (not by a bucket run): their observations synced at the stored bytes."""
+    conn.execute(OBS.mark_synced_as_stored, {"root": str(root), "ids": list(document_ids)})
 
 
 def latest_generation(conn: psycopg.Connection, root: Path) -> int | None:

@@ -11,8 +11,9 @@ launchpad (or ``dagster job launch``) with::
           glob: "ops/*.md"                                  # matched against the source's files
           force: false                                      # true: re-extract even unchanged bytes
 
-The run ingests exactly those documents (a file gone is tombstoned), embeds
-their chunks (only content without a vector is sent), and records a
+The run ingests exactly those documents (a file gone is tombstoned), records
+them as synced in the source sensor's observations (its next tick requests no
+bucket run for them), embeds their chunks (only content without a vector is sent), and records a
 materialization of ``documents``, ``chunks`` and ``embeddings`` for each bucket
 it touched, with the refreshed ids in its metadata.
 """
@@ -26,6 +27,7 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
+from pipeline_assets.app import observations
 from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.observations import walk
@@ -84,6 +86,8 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     with postgres.connection() as conn:
         n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
     report = ingest_documents(rt, pool, root, ids)
+    with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
+        observations.mark_synced_as_stored(conn, Path(root).resolve(), ids)
     try:
         done = embed_and_wait(rt, pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
                                deadline_seconds=embedding_run.deadline(rt.settings))

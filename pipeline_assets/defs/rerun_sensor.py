@@ -8,6 +8,16 @@ re-materialized under the new code version, so none stays stale in the UI. Befor
 the run, the UI shows every bucket stale with the cause "code version changed";
 the run's per-bucket metadata says how many documents each had to redo.
 
+Cost. The check for stale documents reads every document's stage rows (seconds
+at 100k documents), so a tick repeats it only when it can find something new:
+after a check that found nothing stale, the cursor keeps the code versions it
+ran under and when; a tick under the same versions within
+``RERUN_RECHECK_SECONDS`` reads nothing. A version bump (a restart with the
+fix) is a new check at the first tick, and ticks come every
+``RERUN_INTERVAL_SECONDS``, so a parser fix starts its rerun seconds after the
+daemon is up. The periodic full check catches stale rows another writer left
+(a process still running the old code).
+
 Run key: ``rerun@{epoch}.{generation}@{versions}:{count}:{digest}``. The cursor holds
 ``epoch`` and ``generation``; a tick that requests a run stores ``generation + 1``. So:
 
@@ -26,6 +36,8 @@ Run key: ``rerun@{epoch}.{generation}@{versions}:{count}:{digest}``. The cursor 
 """
 
 import json
+import time
+from dataclasses import dataclass
 
 import dagster as dg
 
@@ -37,19 +49,41 @@ from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG,
 
 RERUN_SCAN_LIMIT = 100_000   # stale documents one tick reads from the database
 RERUN_CURSOR_VERSION = 1
+# Seconds between ticks: how long a restart with a code fix waits for its rerun, at most.
+RERUN_INTERVAL_SECONDS = 10
+# How long a check that found nothing stale stands while the code versions stay the same:
+# the ticks in between read nothing from the database.
+RERUN_RECHECK_SECONDS = 300
 GENERATION_TAG = "pipeline/rerun_generation"   # "{epoch}.{generation}" of the tick that requested the run
 SENSOR_NAME = "rerun_stale_documents"
 
 
-def decode_rerun_cursor(raw: str | None) -> tuple[int, int] | None:
-    """(epoch, generation), or None for an empty or unreadable cursor."""
+@dataclass(frozen=True)
+class RerunCursor:
+    """The rerun sensor's cursor: its epoch and generation, and its last clean check, if any
+    (the code versions it ran under, and when: ``time.time()``)."""
+
+    epoch: int
+    generation: int
+    clean_versions: str | None = None
+    clean_at: float = 0.0
+
+    def clean_under(self, versions: str, now: float) -> bool:
+        """A check under these versions found nothing stale less than RERUN_RECHECK_SECONDS ago."""
+        return self.clean_versions == versions and 0 <= now - self.clean_at < RERUN_RECHECK_SECONDS
+
+
+def decode_rerun_cursor(raw: str | None) -> RerunCursor | None:
+    """The cursor, or None for an empty or unreadable one."""
     if not raw:
         return None
     try:
         data = json.loads(raw)
         if data.get("v") == RERUN_CURSOR_VERSION:
-            return int(data["e"]), int(data["g"])
-    except (ValueError, KeyError, TypeError, AttributeError):
+            clean = data.get("c")
+            return RerunCursor(int(data["e"]), int(data["g"]), str(clean[0]) if clean else None,
+                               float(clean[1]) if clean else 0.0)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         pass
     return None
 
@@ -64,11 +98,14 @@ def next_epoch(instance: dg.DagsterInstance) -> int:
         return 1
 
 
-def encode_rerun_cursor(epoch: int, generation: int) -> str:
-    return json.dumps({"v": RERUN_CURSOR_VERSION, "e": epoch, "g": generation}, separators=(",", ":"))
+def encode_rerun_cursor(epoch: int, generation: int, clean: tuple[str, float] | None = None) -> str:
+    data: dict[str, object] = {"v": RERUN_CURSOR_VERSION, "e": epoch, "g": generation}
+    if clean is not None:
+        data["c"] = [clean[0], round(clean[1], 3)]
+    return json.dumps(data, separators=(",", ":"))
 
 
-@dg.sensor(name=SENSOR_NAME, job=EMBED_JOB, minimum_interval_seconds=60,
+@dg.sensor(name=SENSOR_NAME, job=EMBED_JOB, minimum_interval_seconds=RERUN_INTERVAL_SECONDS,
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="After an extractor or chunker version bump: one run over every bucket that "
                        "re-extracts exactly the documents whose stage ran under another code version "
@@ -82,17 +119,24 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
     if in_flight:
         # The targets of a running rerun are still stale in the database; wait for it.
         return dg.SkipReason(f"{in_flight} rerun run(s) still in flight")
-    epoch, generation = decode_rerun_cursor(context.cursor) or (next_epoch(context.instance), 0)
+    state = decode_rerun_cursor(context.cursor) or RerunCursor(next_epoch(context.instance), 0)
     rt = embedding_provider.runtime()
     ext_version, chunk_version = str(rt.options.extractor_version), rt.options.chunker.version
+    versions = f"{ext_version}:{chunk_version}"
+    now = time.time()
+    if state.clean_under(versions, now):
+        return dg.SkipReason(f"nothing stale under extract={ext_version} chunk={chunk_version} (checked "
+                             f"{now - state.clean_at:.0f} s ago; checked again after {RERUN_RECHECK_SECONDS} s "
+                             "or when a code version changes)")
     root = str(source.root_path(rt.settings))
     # The same selection as `pipeline-assets rerun --stale`, for both stages.
     targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True,
                               limit=RERUN_SCAN_LIMIT)
     docs = sorted({t.document_id for t in targets if t.root == root})
+    epoch, generation = state.epoch, state.generation
     if not docs:
-        return dg.SkipReason(f"nothing stale under extract={ext_version} chunk={chunk_version}")
-    versions = f"{ext_version}:{chunk_version}"
+        return dg.SensorResult(cursor=encode_rerun_cursor(epoch, generation, (versions, now)),
+                               skip_reason=f"nothing stale under extract={ext_version} chunk={chunk_version}")
     key = f"rerun@{epoch}.{generation}@{versions}:{len(docs)}:{batch_digest((d, versions) for d in docs)}"
     tags = {TRIGGER_TAG: SENSOR_NAME, RERUN_TAG: f"extract={ext_version} chunk={chunk_version}",
             GENERATION_TAG: f"{epoch}.{generation}"}

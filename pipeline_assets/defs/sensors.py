@@ -29,8 +29,8 @@ the same run key. A cleared cursor goes on from the latest generation in the
 table. A legacy cursor holding the whole map seeds the table.
 
 Backpressure. While a run this sensor requested is queued or running, a tick
-requests nothing; what it observed stays pending and the next free tick
-requests it.
+requests nothing and does not scan (a walk of 100k files is seconds of the
+machine the run is using); the next free tick scans and requests what changed.
 
 Deletions. A vanished file is pending until the bucket run tombstones its
 document and forgets its row. A source that cannot be scanned (missing or
@@ -96,6 +96,14 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
     if not root.is_dir():
         raise SourceScanError(f"source directory {root} not found; nothing is deleted on that account")
     generation, legacy = decode_cursor(context.cursor)
+    in_flight = context.instance.get_runs_count(
+        dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
+    if in_flight and generation is not None and not legacy:
+        # Backpressure, before the scan: a walk of a large source costs seconds of the
+        # machine the run is using, and what changed is found by the next free tick's scan.
+        return dg.SensorResult(cursor=encode_cursor(generation), skip_reason=(
+            f"{in_flight} run(s) of this sensor still queued or running; the source is scanned "
+            "again on the next tick after they end"))
     with postgres.connection() as conn:
         n = bk.check_buckets(conn, settings.partition_buckets)
         if legacy and generation is not None:
@@ -119,9 +127,7 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
             return dg.SensorResult(cursor=cursor, skip_reason=(
                 f"no change among {found.present} documents ({found.hashed} file(s) read)"))
         files = sum(p.documents for p in todo)
-        in_flight = context.instance.get_runs_count(
-            dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
-        if in_flight:
+        if in_flight:   # a cursor that was empty or legacy: the tick above seeded the table first
             # Backpressure: nothing is marked requested, so the next free tick asks for all of it.
             return dg.SensorResult(cursor=cursor, skip_reason=(
                 f"{in_flight} run(s) of this sensor still queued or running; {files} change(s) in "

@@ -51,6 +51,16 @@ SELECT max(requested_gen) FROM app.source_observations WHERE root = %(root)s
 DELETE FROM app.source_observations
 WHERE root = %(root)s AND document_id = ANY(%(ids)s) AND checksum IS NULL
 
+-- name: mark_synced_as_stored
+-- Files a run ingested by id (refresh_documents), not through a bucket run:
+-- synced at the checksum of the bytes the ingest stored, so the sensor's next
+-- scan, which reads the edited file, finds nothing pending for them.
+UPDATE app.source_observations o
+SET synced = left(encode(d.source_checksum, 'hex'), 16)
+FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+WHERE o.root = %(root)s AND s.root = o.root AND d.document_id = o.document_id
+  AND o.document_id = ANY(%(ids)s::text[]) AND d.status <> 'deleted' AND d.source_checksum IS NOT NULL
+
 -- name: pending_buckets
 -- The buckets (of %(n)s) holding what the sensor has to request, each with its
 -- count of pending files, of gone ones, and a digest of its pending (document,
