@@ -233,6 +233,30 @@ def test_too_large_without_reading(tmp_path, monkeypatch):
     assert str(e.value).startswith("too_large: ")
 
 
+@pytest.mark.parametrize("limit", [10, 4])
+def test_a_file_that_grows_after_fstat_is_read_whole_or_refused(tmp_path, monkeypatch, limit):
+    """read_guarded reads what fstat promised plus one byte: more means it grew, and it reads on
+    (never a silently truncated text), up to the limit."""
+    p = _write(tmp_path, "a.txt", b"hello")
+    (item,) = list(scan_directory(tmp_path))
+    real_fstat, real_stat = os.fstat, os.stat
+
+    def shrunk(st):   # the file "grows" from 2 bytes to 5 between the size checks and the read
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid, 2,
+                               st.st_atime, st.st_mtime, st.st_ctime))
+
+    monkeypatch.setattr(os, "fstat", lambda fd: shrunk(real_fstat(fd)))
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: shrunk(real_stat(path)) if Path(path) == p
+                        else real_stat(path, *a, **k))
+    if limit >= 5:
+        assert read_guarded(item, limit) == b"hello"
+    else:
+        with pytest.raises(ExtractError, match="grew") as e:
+            read_guarded(item, limit)
+        assert e.value.error_class == "too_large"
+    assert p.read_bytes() == b"hello"
+
+
 def test_grown_file_detected(tmp_path, monkeypatch):
     p = _write(tmp_path, "a.txt", b"small")
     (item,) = list(scan_directory(tmp_path))
