@@ -12,6 +12,7 @@ import pytest
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
 from pipeline_assets.app.buckets import bucket_of as bucket_index
+from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.defs.assets import EMBEDDING_POOL
 from pipeline_assets.defs.checks import COVERAGE_CHECK
@@ -379,6 +380,31 @@ def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
     assert from_sql == bk.bucket_states(summaries, buckets, n)
     assert sum(s.documents for s in from_sql.values()) == 6 and sum(s.quarantined for s in from_sql.values()) >= 1
     assert [s.quarantined_ids for s in from_sql.values() if s.quarantined_ids] == [["binary.md"]]
+
+
+def test_bucket_coverage_grouped_in_sql_is_the_documents_own(corpus, conn, fake):
+    """coverage_and_total (what an embeddings run reads) gives each bucket the sums of its documents'
+    coverage, and the total over distinct chunks: a text two documents share counts once there."""
+    (corpus / "twin.md").write_text((corpus / "doc0001.md").read_text())   # the same chunk as doc0001
+    (corpus / "binary.md").write_bytes(b"\x00\x01\x02 not text")           # quarantined: no chunk
+    with dg.build_resources(build_resources(Settings.from_env())) as res:
+        rt, pool = res.embedding_provider.runtime(), res.postgres.pool()
+        ingest_source(rt, pool, corpus)
+        root, n, model = str(corpus.resolve()), 64, rt.model_id
+        buckets = list(range(n))
+        ids = bk.bucket_documents(conn, root, buckets, n)
+        for step in ("waiting", "embedded"):
+            per_doc, total = reports.embedding_coverage(conn, root, ids, model)
+            per_bucket, sql_total = bk.coverage_and_total(conn, root, buckets, n, model)
+            assert per_bucket == bk.bucket_coverage(per_doc, buckets, n), step
+            assert sql_total == total, step
+            assert sum(c.chunks for c in per_bucket.values()) == total.wanted + 1, step   # the twin
+            if step == "waiting":
+                assert total.ready == 0 and total.waiting == total.wanted
+                embed_buckets(rt, pool, corpus.resolve(), buckets, n, poll_seconds=0.05)
+        assert total.ready == total.wanted > 0 and not total.failed
+        assert sorted(bk.current_pks(conn, root, buckets, n)) == sorted(
+            r[0] for r in conn.execute("SELECT doc_pk FROM app.documents WHERE status = 'current'"))
 
 
 def test_a_corpus_ingested_by_the_cli_is_not_ingested_again_by_the_first_bucket_run(corpus, conn, fake):

@@ -218,11 +218,27 @@ class BucketCoverage:
 def coverage_of_buckets(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int,
                         model_id: str) -> dict[int, BucketCoverage]:
     """Each bucket's coverage for a model, grouped in the database (one row per bucket)."""
+    return coverage_and_total(conn, root, buckets, n, model_id)[0]
+
+
+def coverage_and_total(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int,
+                       model_id: str) -> tuple[dict[int, BucketCoverage], reports.Coverage]:
+    """Each bucket's coverage for a model, and the total over their distinct chunks (one query)."""
     out = {b: BucketCoverage() for b in buckets}
+    total = reports.Coverage(0, 0, 0, 0)
     for b, chunks, ready, failed, waiting, failed_ids in conn.execute(BUCKETS.bucket_coverage, {
             "root": root, "n": n, "buckets": sorted(set(buckets)), "model": model_id, "sample": SAMPLE_IDS}):
-        out[int(b)] = BucketCoverage(int(chunks), int(ready), int(failed), int(waiting), sorted(failed_ids))
-    return out
+        if b is None:
+            total = reports.Coverage(int(chunks), int(ready), int(failed), int(waiting))
+        else:
+            out[int(b)] = BucketCoverage(int(chunks), int(ready), int(failed), int(waiting), sorted(failed_ids))
+    return out, total
+
+
+def current_pks(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[int]:
+    """The keys of the source's current documents in some buckets."""
+    return [r[0] for r in conn.execute(BUCKETS.bucket_current_pks,
+                                       {"root": root, "n": n, "buckets": sorted(set(buckets))})]
 
 
 def bucket_coverage(per_document: dict[str, reports.Coverage], buckets: Sequence[int],

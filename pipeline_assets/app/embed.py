@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import model_admin, reports, stages
+from pipeline_assets.app import buckets, model_admin, reports, stages
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions, vector_index
@@ -123,6 +124,83 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: 
     and the counts; FatalProviderError is raised as it is.
     """
     root_s = str(root)
+    summaries: dict[str, reports.DocumentSummary] = {}
+
+    def current_pks() -> list[int]:
+        with pool.connection() as conn:
+            summaries.update(reports.document_summaries(conn, root_s, document_ids))
+        return [s.doc_pk for s in summaries.values() if s.status == "current"]
+
+    def read() -> tuple[dict[str, reports.Coverage], reports.Coverage]:
+        with pool.connection() as conn:
+            return reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
+
+    waited = _wait_for_vectors(rt, pool, current_pks, read, many=len(document_ids) > SCOPE_MAX_DOCUMENTS,
+                               poll_seconds=poll_seconds, in_process=in_process, deadline_seconds=deadline_seconds)
+    return DocumentsEmbedded(work=waited.work, enqueued=waited.enqueued, summaries=summaries, before=waited.before,
+                             after=waited.after, per_document=waited.detail, in_process=in_process,
+                             waited_seconds=waited.seconds)
+
+
+@dataclass
+class BucketsEmbedded:
+    """What embedding some buckets' documents did: per bucket and in total (distinct chunks)."""
+
+    work: WorkerReport
+    enqueued: int
+    documents: int                 # current documents in the buckets
+    before: reports.Coverage
+    after: reports.Coverage
+    per_bucket: dict[int, buckets.BucketCoverage]
+    in_process: bool = True
+    waited_seconds: float = 0.0
+
+
+def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path, bucket_ids: Sequence[int], n: int, *,
+                  poll_seconds: float | None = None, in_process: bool = True,
+                  deadline_seconds: float | None = None) -> BucketsEmbedded:
+    """``embed_and_wait`` for the current documents of some buckets (of ``n``), read and
+    counted per bucket in the database: no per-document object at any corpus size (an
+    embeddings run over 100k documents holds their keys, not their summaries)."""
+    root_s = str(root)
+    pks: list[int] = []
+
+    def current_pks() -> list[int]:
+        with pool.connection() as conn:
+            pks.extend(buckets.current_pks(conn, root_s, bucket_ids, n))
+        return pks
+
+    def read() -> tuple[dict[int, buckets.BucketCoverage], reports.Coverage]:
+        with pool.connection() as conn:
+            return buckets.coverage_and_total(conn, root_s, bucket_ids, n, rt.model_id)
+
+    waited = _wait_for_vectors(rt, pool, current_pks, read, many=False, poll_seconds=poll_seconds,
+                               in_process=in_process, deadline_seconds=deadline_seconds)
+    return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=len(pks), before=waited.before,
+                           after=waited.after, per_bucket=waited.detail, in_process=in_process,
+                           waited_seconds=waited.seconds)
+
+
+D = TypeVar("D")
+
+
+@dataclass
+class _Waited(Generic[D]):
+    work: WorkerReport
+    enqueued: int
+    before: reports.Coverage
+    after: reports.Coverage
+    detail: D
+    seconds: float
+
+
+def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[], list[int]],
+                      read: Callable[[], tuple[D, reports.Coverage]], *, many: bool, poll_seconds: float | None,
+                      in_process: bool, deadline_seconds: float | None) -> _Waited[D]:
+    """The wait both front ends share: enqueue what is missing for ``current_pks()``, run a
+    worker here if ``in_process`` (scoped to them unless they are many), and ``read()`` their
+    coverage until nothing of theirs is outstanding, the worker stops, or the deadline.
+    ``many``: known to be more than SCOPE_MAX_DOCUMENTS before reading them."""
     deadline = deadline_seconds or rt.settings.embed_run_deadline
     with pool.connection() as conn:
         register_model(conn, rt)
@@ -130,21 +208,21 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: 
         busy = any(transitions.outstanding(conn, rt.model_id))
     started = time.monotonic()
     scoped = None
-    if in_process and busy and len(document_ids) > SCOPE_MAX_DOCUMENTS:
+    if in_process and busy and many:
         # It claims the model's whole queue: it starts at once, while the documents are read
         # (tens of seconds at 100,000 of them); a scoped worker needs their keys first.
         scoped = _ScopedWorker(rt, pool, None, poll_seconds)
+    pks: list[int] = []
     try:
+        pks = current_pks()
         with pool.connection() as conn:
-            summaries = reports.document_summaries(conn, root_s, document_ids)
-            pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
             enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
         if scoped is None and in_process and (busy or enqueued):
             # Before the first coverage read (seconds at 100k documents): with nothing to claim
             # for the model, nothing of these documents waits either.
             scope = pks if len(pks) <= SCOPE_MAX_DOCUMENTS else None
             scoped = _ScopedWorker(rt, pool, scope, poll_seconds)
-        per_doc, before = _coverage(pool, root_s, document_ids, rt.model_id)
+        detail, before = read()
         now = before
         read_at, read_cost, idle_read = time.monotonic(), 0.0, False
         while outstanding(now) and (scoped is None or scoped.alive) and time.monotonic() - started < deadline:
@@ -154,7 +232,7 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: 
             due = time.monotonic() - read_at >= max(WAIT_POLL_SECONDS, WAIT_POLL_COST_FACTOR * read_cost)
             if due or (idle and not idle_read):
                 read_at = time.monotonic()
-                per_doc, now = _coverage(pool, root_s, document_ids, rt.model_id)
+                detail, now = read()
                 read_cost = time.monotonic() - read_at
             idle_read = idle   # an idle queue triggers one read until it is busy again
     finally:
@@ -163,10 +241,10 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: 
         if scoped is not None:
             stages.refresh_embed_touched(conn, rt.model_id, since)
         stages.refresh_embed_docs(conn, rt.model_id, pks)
-        if outstanding(now):   # the worker stopped, or the deadline: the last word on them
-            per_doc, now = reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
-        after = now            # else the last read stands: nothing of theirs was left to change
         idle = not any(transitions.outstanding(conn, rt.model_id))
+    if outstanding(now):   # the worker stopped, or the deadline: the last word on them
+        detail, now = read()
+    after = now            # else the last read stands: nothing of theirs was left to change
     if isinstance(error, FatalProviderError):
         raise error
     if error is not None and outstanding(after):
@@ -177,9 +255,8 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: 
         raise EmbedDeadlineExceeded(after, deadline, in_process)
     if scoped is not None and idle:
         _build_index(pool, rt.model_id)  # the whole queue drained: as a worker does when it drains
-    return DocumentsEmbedded(work=report, enqueued=enqueued, summaries=summaries, before=before, after=after,
-                             per_document=per_doc, in_process=in_process,
-                             waited_seconds=round(time.monotonic() - started, 3))
+    return _Waited(work=report, enqueued=enqueued, before=before, after=after, detail=detail,
+                   seconds=round(time.monotonic() - started, 3))
 
 
 class _ScopedWorker:
@@ -212,12 +289,6 @@ class _ScopedWorker:
         self._stop.set()
         self._thread.join()
         return self._report or self._worker.report, self._error
-
-
-def _coverage(pool: ConnectionPool, root: str, document_ids: Sequence[str],
-              model_id: str) -> tuple[dict[str, reports.Coverage], reports.Coverage]:
-    with pool.connection() as conn:
-        return reports.embedding_coverage(conn, root, document_ids, model_id)
 
 
 def _build_index(pool: ConnectionPool, model_id: str) -> None:

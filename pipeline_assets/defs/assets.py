@@ -13,7 +13,7 @@ the same ones the command line calls.
   the ingest transactions that write both. A run of the rerun sensor (tag
   ``pipeline/rerun``) re-extracts the stale documents only: it does not scan
   the source, whose changes are the source sensor's run.
-* ``embeddings`` runs the use case ``app.embed.embed_and_wait`` over the buckets' current documents:
+* ``embeddings`` runs the use case ``app.embed.embed_buckets`` over the buckets' current documents:
   it waits until their chunks are ready or failed (not the whole queue),
   embedding them itself (``in_process``) or leaving that to external ``work``
   processes (``EmbeddingRunResource``), and fails with the counts at its
@@ -45,7 +45,7 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_and_wait
+from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDING_STORE
@@ -210,10 +210,9 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
                 bk.check_buckets(conn, n)
             except bk.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
-            ids = bk.bucket_documents(conn, str(root), buckets, n)
         try:
-            done = embed_and_wait(rt, postgres.pool(), root, ids, poll_seconds=WORKER_POLL_SECONDS,
-                                   in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
+            done = embed_buckets(rt, postgres.pool(), root, buckets, n, poll_seconds=WORKER_POLL_SECONDS,
+                                 in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
         except FatalProviderError as exc:
             raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                              allow_retries=False) from None
@@ -225,8 +224,9 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
                                        "outstanding": exc.outstanding, "partitions": len(keys),
                                        "in_process": in_process}) from None
         work, after = done.work, done.after
-        states = bk.bucket_states(done.summaries, buckets, n)
-        coverage = bk.bucket_coverage(done.per_document, buckets, n)
+        with postgres.connection() as conn:
+            states = bk.states_of(conn, str(root), buckets, n)
+        coverage = done.per_bucket
         versions = {}
         for b in buckets:
             bucket_cov, key = coverage[b], bucket_key(b)
@@ -251,7 +251,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
             "tokens": work.tokens,
             "coverage_ratio": round(after.ready / after.wanted, 6) if after.wanted else 1.0,
             "partitions": len(keys),
-            "documents": len(ids),
+            "documents": sum(state.documents for state in states.values()),
             "in_process": in_process,
             "waited_seconds": done.waited_seconds,
             "duration_seconds": round(time.monotonic() - started, 3),

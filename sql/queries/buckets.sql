@@ -107,11 +107,21 @@ SELECT bucket,
 FROM per_doc
 GROUP BY bucket
 
+-- name: bucket_current_pks
+-- The source's current documents in some buckets (of %(n)s): their keys.
+SELECT d.doc_pk
+FROM app.documents d
+JOIN app.sources s ON s.source_id = d.source_id
+WHERE s.root = %(root)s AND d.status = 'current'
+  AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+
 -- name: bucket_coverage
 -- Per bucket (of %(n)s) of the source's current documents: their chunks for one
 -- model (distinct per document), how many have a ready vector, failed, or are
 -- still waiting (no job yet, pending, retry, processing), and the first
--- %(sample)s documents with a failed chunk. One row per bucket that has chunks.
+-- %(sample)s documents with a failed chunk. One row per bucket that has chunks,
+-- and the total row (bucket NULL, always there) counting distinct chunk
+-- checksums, as app.reports.embedding_coverage's total does.
 WITH docs AS (
     SELECT d.doc_pk, d.document_id, app.document_bucket(d.document_id, %(n)s) AS bucket
     FROM app.documents d
@@ -130,10 +140,14 @@ WITH docs AS (
     LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %(model)s
 )
 SELECT bucket,
-       count(DISTINCT (document_id, chunk_checksum)) AS chunks,
-       count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE ready) AS ready,
-       count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE failed) AS failed,
-       count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE waiting) AS waiting,
+       CASE WHEN GROUPING(bucket) = 0 THEN count(DISTINCT (document_id, chunk_checksum))
+            ELSE count(DISTINCT chunk_checksum) END AS chunks,
+       CASE WHEN GROUPING(bucket) = 0 THEN count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE ready)
+            ELSE count(DISTINCT chunk_checksum) FILTER (WHERE ready) END AS ready,
+       CASE WHEN GROUPING(bucket) = 0 THEN count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE failed)
+            ELSE count(DISTINCT chunk_checksum) FILTER (WHERE failed) END AS failed,
+       CASE WHEN GROUPING(bucket) = 0 THEN count(DISTINCT (document_id, chunk_checksum)) FILTER (WHERE waiting)
+            ELSE count(DISTINCT chunk_checksum) FILTER (WHERE waiting) END AS waiting,
        coalesce((array_agg(DISTINCT document_id) FILTER (WHERE failed))[1:%(sample)s], ARRAY[]::text[]) AS failed_ids
 FROM chunk_state
-GROUP BY bucket
+GROUP BY GROUPING SETS ((bucket), ())
