@@ -24,12 +24,15 @@ def test_429_pauses_every_worker_and_keeps_attempts(env, fake, clean_db, tmp_pat
     assert out["throttled"] == 2
     history = calls(conn)
     throttled_at = next(at for outcome, at in history if outcome == "rate_limited")
-    # Every call that STARTED after the 429 waited for the Retry-After, from every
-    # thread: the pause is shared, not local to the thread that saw it.
+    # Calls that start after the 429 wait for the Retry-After, in every thread: the pause
+    # is shared, not local to the thread that saw it. Only a thread already past the
+    # breaker when the 429 was recorded may still start its call (one each, at most
+    # concurrency - 1 of them, however late a busy machine schedules it); an unshared
+    # pause lets the other threads send the rest of the 6 calls inside the window.
     # (called_at is when a call started; calls already in flight may finish.)
     started_during_pause = [at for outcome, at in history
-                            if 0.1 < (at - throttled_at).total_seconds() < 0.9]
-    assert started_during_pause == [], history
+                            if 0 < (at - throttled_at).total_seconds() < 0.9]
+    assert len(started_during_pause) <= 4 - 1, history
     assert any((at - throttled_at).total_seconds() >= 0.9 for outcome, at in history if outcome == "ok")
     state = conn.execute("SELECT tripped, consecutive_failures FROM app.provider_state").fetchone()
     assert state == (False, 0)  # the half-open probe succeeded and closed the breaker
