@@ -141,8 +141,8 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
     ``keep``: only the documents it accepts are observed (and only they can be gone):
     a bucket run scans its own buckets."""
     root_key = str(root)
-    stored = {doc: (checksum, size, mtime) for doc, checksum, size, mtime
-              in conn.execute(OBS.stored, {"root": root_key}).fetchall()
+    stored = {doc: (checksum, size, mtime) for doc, checksum, size, mtime   # rows made one at a time
+              in conn.execute(OBS.stored, {"root": root_key})
               if keep is None or keep(doc)}
     started_ns = time.time_ns()
     result = Scan()
