@@ -235,6 +235,13 @@ def coverage_and_total(conn: psycopg.Connection, root: str, buckets: Sequence[in
     return out, total
 
 
+def estimated_documents(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> int:
+    """About how many documents some buckets hold: the source's count times their share (the
+    hash spreads ids evenly); one count, no hash per row."""
+    total = int(queries.scalar(conn, BUCKETS.source_documents, {"root": root}) or 0)
+    return total * len(set(buckets)) // n
+
+
 def current_pks(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[int]:
     """The keys of the source's current documents in some buckets."""
     return [r[0] for r in conn.execute(BUCKETS.bucket_current_pks,

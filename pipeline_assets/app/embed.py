@@ -174,7 +174,9 @@ def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path, bucket_ids: Seq
         with pool.connection() as conn:
             return buckets.coverage_and_total(conn, root_s, bucket_ids, n, rt.model_id)
 
-    waited = _wait_for_vectors(rt, pool, current_pks, read, many=False, poll_seconds=poll_seconds,
+    with pool.connection() as conn:   # a large run's worker starts before the keys are read
+        many = buckets.estimated_documents(conn, root_s, bucket_ids, n) > SCOPE_MAX_DOCUMENTS
+    waited = _wait_for_vectors(rt, pool, current_pks, read, many=many, poll_seconds=poll_seconds,
                                in_process=in_process, deadline_seconds=deadline_seconds)
     return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=len(pks), before=waited.before,
                            after=waited.after, per_bucket=waited.detail, in_process=in_process,

@@ -107,6 +107,11 @@ SELECT bucket,
 FROM per_doc
 GROUP BY bucket
 
+-- name: source_documents
+-- The source's documents that are not deleted (all buckets).
+SELECT count(*) FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+WHERE s.root = %(root)s AND d.status <> 'deleted'
+
 -- name: bucket_current_pks
 -- The source's current documents in some buckets (of %(n)s): their keys.
 SELECT d.doc_pk
