@@ -105,13 +105,14 @@ def with_wal(url: str, n: int, fn, *args) -> dict:
     return result
 
 
-def job_update_stats(url: str) -> dict:
-    """How many updates of app.embedding_jobs were HOT (no index entries written)."""
+def job_update_stats(url: str, jobs: int) -> dict:
+    """How many updates of app.embedding_jobs were HOT (no index entries written),
+    in total and per job over the ``jobs`` every round drained together."""
     time.sleep(1.0)  # let exited worker backends flush their statistics
     with psycopg.connect(url, autocommit=True) as conn:
         upd, hot = conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
                                 " WHERE relid = 'app.embedding_jobs'::regclass").fetchone()
-    return {"updates": upd, "hot_updates": hot}
+    return {"updates": upd, "hot_updates": hot, "jobs": jobs, "updates_per_job": round(upd / jobs, 2)}
 
 
 def bench_copy(url: str, n: int, dim: int, hnsw: bool = False) -> dict:
@@ -266,7 +267,7 @@ def main() -> None:
         with db.connect(url) as conn:  # the first model again, for the diagnostics below
             conn.execute("UPDATE app.models SET active = (model_id = %s)", (provider.spec.model_id,))
         out["worker"] = median_run(worker_runs)
-        out["worker"]["embedding_jobs"] = job_update_stats(url)
+        out["worker"]["embedding_jobs"] = job_update_stats(url, ROUNDS * n)
         out["copy"] = median_run(copy_runs)
         out["diagnostics"] = {"hnsw_bulk_build_after_drain": bench_index_build(url, provider, n),
                               "copy_into_hnsw_table": bench_copy(url, n, dim, hnsw=True)}

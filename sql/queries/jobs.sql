@@ -97,15 +97,14 @@ RETURNING job_id, status
 -- the content is still wanted (a current chunk carries the checksum) by an
 -- active model. The vector is stored in the same statement. (A held job it
 -- refuses for unwanted content is then superseded by supersede_held, in the
--- same transaction.)
-WITH input AS (
-    SELECT * FROM unnest(%(job_ids)s::bigint[], %(vectors)b::vector[]) AS t(job_id, embedding)
-), won AS (
+-- same transaction.) The vectors go straight from the parameter into the
+-- INSERT: the UPDATE reads only the job ids, so no vector is copied into a
+-- materialized CTE or into the UPDATE's whole-row copy of its FROM item.
+WITH won AS (
     UPDATE app.embedding_jobs j
     SET status = 'ready', lease_owner = NULL, lease_expires_at = NULL,
         error_class = NULL, error_message = NULL, updated_at = now()
-    FROM input i
-    WHERE j.job_id = i.job_id
+    WHERE j.job_id = ANY(%(job_ids)s::bigint[])
       AND j.status = 'processing'
       AND j.lease_owner = %(owner)s
       AND EXISTS (SELECT 1 FROM app.chunks c WHERE c.chunk_checksum = j.chunk_checksum)
@@ -113,7 +112,8 @@ WITH input AS (
     RETURNING j.job_id, j.chunk_checksum, j.model_id, j.status
 ), stored AS (
     INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)
-    SELECT w.chunk_checksum, w.model_id, i.embedding FROM won w JOIN input i USING (job_id)
+    SELECT w.chunk_checksum, w.model_id, i.embedding
+    FROM won w JOIN unnest(%(job_ids)s::bigint[], %(vectors)b::vector[]) AS i(job_id, embedding) USING (job_id)
     ON CONFLICT (chunk_checksum, model_id)
     DO UPDATE SET embedding = EXCLUDED.embedding, created_at = now()
 )

@@ -1,0 +1,17 @@
+-- app.embeddings.model_id no longer references app.models directly (issue 15, B1).
+--
+-- The foreign key ran a referential-integrity trigger for every stored vector:
+-- one SPI query per row taking a KEY SHARE lock on the model's row, which every
+-- worker's completion locks at once (a MultiXact per overlapping pair of
+-- transactions), about a tenth of a completion's database time. What it
+-- guarded holds without it:
+--   * a vector is written only by the completion (sql/queries/jobs.sql
+--     complete), in the statement that moves its job to ready, and only for a
+--     job whose model row exists and is active; the job's own model_id still
+--     references app.models (embedding_jobs_model_id_fkey, checked once per
+--     job, at enqueue);
+--   * a vector exists only while its job is ready (superseding deletes it);
+--   * no code deletes a model row: retire and purge keep it (retired_at,
+--     purged_at), and a manual DELETE of a model is still refused while any job
+--     references it.
+ALTER TABLE app.embeddings DROP CONSTRAINT embeddings_model_id_fkey;
