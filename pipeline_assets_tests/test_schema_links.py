@@ -160,3 +160,17 @@ def test_migration_009_repairs_what_the_old_schema_allowed(scratch_url, tmp_path
                             VALUES (%s, 'chunk', 'other/model@4', 'succeeded')""", (pk,))
         with pytest.raises(psycopg.errors.CheckViolation):
             conn.execute("INSERT INTO app.stage_runs (doc_pk, stage, status) VALUES (%s, 'embed', 'pending')", (pk,))
+
+
+def test_no_code_deletes_a_model_row():
+    """A vector's model is guaranteed through its job (app.embeddings.model_id has no foreign key of
+    its own since migration 031): that holds only while nothing deletes from app.models. Retire and
+    purge keep the row; this pins it for every statement the package can run."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"DELETE\s+FROM\s+(ONLY\s+)?app\.models\b|TRUNCATE\b[^;]*\bapp\.models\b", re.I)
+    sources = [*root.joinpath("sql").rglob("*.sql"), *root.joinpath("pipeline_assets").rglob("*.py")]
+    offenders = [str(p.relative_to(root)) for p in sources if pattern.search(p.read_text(errors="replace"))]
+    assert offenders == []
