@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -182,9 +183,12 @@ def cli(*args: str, env: dict, timeout: float = 120, check: bool = True,
     each). ``process=True`` runs it as a real process, for what is about the process itself (its
     exit status as the shell sees it, what a fresh interpreter imports or leaves running), and so
     does anything that starts servers or freezes (the embedded PostgreSQL of a missing database
-    URL, a crashpoint). ``timeout`` bounds a real process; a hang in-process meets pytest-timeout.
+    URL, a crashpoint), and a call from another thread than the main one (in-process, a command
+    swaps process-wide state: the environment, the working directory, signal handlers).
+    ``timeout`` bounds a real process; a hang in-process meets pytest-timeout.
     """
-    if process or not env.get("PIPELINE_DATABASE_URL") or env.get("PIPELINE_CRASHPOINT"):
+    if (process or not env.get("PIPELINE_DATABASE_URL") or env.get("PIPELINE_CRASHPOINT")
+            or threading.current_thread() is not threading.main_thread()):
         proc = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=env, cwd=REPO,
                               capture_output=True, text=True, timeout=timeout)
     else:
