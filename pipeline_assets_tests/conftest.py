@@ -105,14 +105,27 @@ def _with_dbname(url: str, name: str) -> str:
     return psycopg.conninfo.make_conninfo(url, dbname=name)
 
 
-@pytest.fixture(scope="module")
-def database_url(server_url, request) -> str:
-    """A fresh, migrated database for this test module."""
-    name = "t_" + re.sub(r"\W", "_", request.module.__name__.split(".")[-1])[:40] + "_" + uuid.uuid4().hex[:6]
+@pytest.fixture(scope="session")
+def migrated_template(server_url) -> str:
+    """A database with every migration applied and nothing else, which module databases copy."""
+    name = "t_template_" + uuid.uuid4().hex[:8]
     with psycopg.connect(server_url, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
+    with db.session(_with_dbname(server_url, name)):
+        pass
+    yield name
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="module")
+def database_url(server_url, migrated_template, request) -> str:
+    """A fresh, migrated database for this test module (a copy of the migrated template)."""
+    name = "t_" + re.sub(r"\W", "_", request.module.__name__.split(".")[-1])[:40] + "_" + uuid.uuid4().hex[:6]
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"')
     url = _with_dbname(server_url, name)
-    with db.session(url):
+    with db.session(url):       # up to date: applies nothing
         pass
     yield url
     with psycopg.connect(server_url, autocommit=True) as admin:
