@@ -411,7 +411,7 @@ def test_rerun_stale_extract_reextracts_without_new_work(env, fake, clean_db, co
 
 def test_missing_directory_is_one_line_error(env, fake, clean_db, tmp_path):
     for cmd in ("ingest", "embed"):
-        proc = cli(cmd, str(tmp_path / "does-not-exist"), env=env, check=False)
+        proc = cli(cmd, str(tmp_path / "does-not-exist"), env=env, check=False, process=True)  # exit status 1
         line = assert_one_line_error(proc)
         assert "does-not-exist" in line
     assert fake.stats["requests"] == 0
@@ -421,7 +421,7 @@ def test_unreachable_database_is_one_line_error(env, corpus):
     write_corpus(corpus, 2)
     env = {**env, "PIPELINE_DATABASE_URL": UNREACHABLE_DB}
     for args in (("status", "--json"), ("ingest", str(corpus))):
-        proc = cli(*args, env=env, check=False, timeout=60)
+        proc = cli(*args, env=env, check=False, timeout=60, process=True)
         line = assert_one_line_error(proc)
         assert "127.0.0.1" in line, line
 
@@ -438,7 +438,8 @@ def test_wrong_api_key_is_fatal_and_touches_nothing(env, fake, clean_db, corpus)
     proc = cli("work", "--until-idle", env=bad, check=False, timeout=60)
     line = assert_one_line_error(proc, secret=key)
     assert "auth" in line or "401" in line, line
-    verbose = cli("-v", "work", "--until-idle", env=bad, check=False, timeout=60)
+    # A real process: whatever reaches its stderr (file descriptor 2, not only sys.stderr) is read.
+    verbose = cli("-v", "work", "--until-idle", env=bad, check=False, timeout=60, process=True)
     assert verbose.returncode == 1
     assert key not in verbose.stdout + verbose.stderr and "Traceback" not in verbose.stderr
     assert fake.stats["responses_by_status"].get(401, 0) >= 2
