@@ -163,12 +163,10 @@ def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path, bucket_ids: Seq
     counted per bucket in the database: no per-document object at any corpus size (an
     embeddings run over 100k documents holds their keys, not their summaries)."""
     root_s = str(root)
-    pks: list[int] = []
 
     def current_pks() -> list[int]:
         with pool.connection() as conn:
-            pks.extend(buckets.current_pks(conn, root_s, bucket_ids, n))
-        return pks
+            return buckets.current_pks(conn, root_s, bucket_ids, n)
 
     def read() -> tuple[dict[int, buckets.BucketCoverage], reports.Coverage]:
         with pool.connection() as conn:
@@ -178,7 +176,7 @@ def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path, bucket_ids: Seq
         many = buckets.estimated_documents(conn, root_s, bucket_ids, n) > SCOPE_MAX_DOCUMENTS
     waited = _wait_for_vectors(rt, pool, current_pks, read, many=many, poll_seconds=poll_seconds,
                                in_process=in_process, deadline_seconds=deadline_seconds)
-    return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=len(pks), before=waited.before,
+    return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=waited.documents, before=waited.before,
                            after=waited.after, per_bucket=waited.detail, in_process=in_process,
                            waited_seconds=waited.seconds)
 
@@ -190,6 +188,7 @@ D = TypeVar("D")
 class _Waited(Generic[D]):
     work: WorkerReport
     enqueued: int
+    documents: int          # current documents waited for (len of current_pks())
     before: reports.Coverage
     after: reports.Coverage
     detail: D
@@ -257,7 +256,7 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
         raise EmbedDeadlineExceeded(after, deadline, in_process)
     if scoped is not None and idle:
         _build_index(pool, rt.model_id)  # the whole queue drained: as a worker does when it drains
-    return _Waited(work=report, enqueued=enqueued, before=before, after=after, detail=detail,
+    return _Waited(work=report, enqueued=enqueued, documents=len(pks), before=before, after=after, detail=detail,
                    seconds=round(time.monotonic() - started, 3))
 
 

@@ -30,7 +30,6 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
-from pipeline_assets.app.observations import walk
 from pipeline_assets.content.sources import SourceError, document_id_problem
 from pipeline_assets.defs.assets import ingest_materializations
 from pipeline_assets.defs.keys import EMBEDDINGS
@@ -63,7 +62,8 @@ def select_documents(root: Path, document_ids: list[str], glob: str) -> list[str
     chosen = dict.fromkeys(document_ids)
     if glob:
         try:
-            chosen.update(dict.fromkeys(sorted(doc for doc, *_ in walk(root) if fnmatch.fnmatchcase(doc, glob))))
+            matched = sorted(doc for doc, *_ in observations.walk(root) if fnmatch.fnmatchcase(doc, glob))
+            chosen.update(dict.fromkeys(matched))
         except SourceError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
     if not chosen:
@@ -87,7 +87,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
     report = ingest_documents(rt, pool, root, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
-        observations.mark_synced_as_stored(conn, Path(root).resolve(), ids)
+        observations.mark_synced_as_stored(conn, root, ids)
     try:
         done = embed_and_wait(rt, pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
                                deadline_seconds=embedding_run.deadline(rt.settings))
