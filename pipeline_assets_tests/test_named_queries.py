@@ -194,7 +194,7 @@ def test_templates_have_exactly_their_fields():
     assert _fields(models.MODELS.drop_index) == {"name"}
     assert _fields(retrieval.RETRIEVAL.nearest) == {"kind", "dim"}
     assert _fields(transitions.JOBS.enqueue) == {"scope"}
-    assert _fields(transitions.JOBS.claim) == {"scope"}
+    assert _fields(transitions.JOBS.claim) == {"scope", "limit"}
     assert _fields(stages.STAGE_RUNS.embed_state) == {"models", "scope"}
     assert _fields(stages.STAGE_RUNS.refresh_embed) == _fields(stages.STAGE_RUNS.embed_counts) == {"state"}
     for family in FAMILIES:

@@ -49,10 +49,12 @@ _QUERY = {Complete: JOBS.complete, Retry: JOBS.fail_retryable, GiveBack: JOBS.gi
 
 
 @functools.cache
-def _claim(scoped: bool) -> sql.Composed:
-    """The claim statement for one scope, composed once per process."""
+def claim_statement(scoped: bool, limit: int) -> sql.Composed:
+    """The claim statement for one scope and batch size, composed once per process.
+    The batch size is a literal so that the plan the server caches for the
+    prepared statement is costed for it (see jobs.sql: claim)."""
     scope = JOBS.claim_scope_docs if scoped else JOBS.claim_scope_all
-    return sql.SQL(JOBS.claim).format(scope=sql.SQL(scope))
+    return sql.SQL(JOBS.claim).format(scope=sql.SQL(scope), limit=sql.Literal(int(limit)))
 
 
 def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int, lease_seconds: float,
@@ -60,8 +62,8 @@ def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int, le
     """Claim up to ``limit`` claimable jobs of the model; with ``docs`` (doc_pks)
     only the jobs of those documents' chunks."""
     with conn.cursor(row_factory=class_row(ClaimedJob)) as cur:
-        return cur.execute(_claim(docs is not None), {
-            "model": model_id, "owner": owner, "limit": limit, "lease": lease_seconds,
+        return cur.execute(claim_statement(docs is not None, limit), {
+            "model": model_id, "owner": owner, "lease": lease_seconds,
             "docs": list(docs) if docs is not None else None}).fetchall()
 
 

@@ -31,6 +31,13 @@
 -- (ledger.sql record_send, committed the same way): the job is then simply
 -- waiting again, and the lease fence refuses the lost claim's completion. The
 -- completion, which stores paid-for vectors, is flushed as before.
+-- Its shape keeps the plan that psycopg's prepared statement caches good for
+-- every parameter value: the picked ids reach the UPDATE as an array (an
+-- index probe per id on the primary key, whatever the LIMIT's value), and
+-- each text is looked up by the claimed row's own checksum in the final
+-- SELECT. (Joined to the picked CTE, the UPDATE's generic plan costs the LIMIT
+-- as a tenth of the queue and hashes a sequential scan of the whole job table; so
+-- each claim was planned afresh, ~1 ms per claim.) test_query_plans pins it.
 -- Columns are named as the fields of changes.ClaimedJob.
 WITH async AS (
     SELECT set_config('synchronous_commit', 'off', true)
@@ -42,7 +49,7 @@ WITH async AS (
            WHERE w.model_id = p.model_id AND w.status IN ('pending', 'retry') AND {scope}) <= now()
     RETURNING true AS probe
 ), picked AS (
-    SELECT w.job_id, w.chunk_checksum FROM app.embedding_jobs w
+    SELECT w.job_id FROM app.embedding_jobs w
     WHERE w.model_id = %(model)s
       AND w.status IN ('pending', 'retry')
       AND w.available_at <= now()
@@ -51,21 +58,23 @@ WITH async AS (
       AND (NOT EXISTS (SELECT 1 FROM app.provider_state p WHERE p.model_id = %(model)s AND p.tripped)
            OR EXISTS (SELECT 1 FROM gate))
     ORDER BY w.available_at, w.job_id
-    LIMIT %(limit)s
+    LIMIT {limit}
     FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE app.embedding_jobs j
+    SET status = 'processing',
+        lease_owner = %(owner)s,
+        lease_expires_at = now() + make_interval(secs => %(lease)s),
+        attempts = j.attempts + 1,
+        updated_at = now()
+    WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM picked)) AND EXISTS (SELECT 1 FROM async)
+    RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, j.throttles, j.isolate, j.faults
 )
-UPDATE app.embedding_jobs j
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_expires_at = now() + make_interval(secs => %(lease)s),
-    attempts = j.attempts + 1,
-    updated_at = now()
-FROM picked
+SELECT j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
+       EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate, j.faults
+FROM claimed j
 LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
-                   WHERE c.chunk_checksum = picked.chunk_checksum LIMIT 1) AS c ON true
-WHERE j.job_id = picked.job_id AND EXISTS (SELECT 1 FROM async)
-RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
-          EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate, j.faults
+                   WHERE c.chunk_checksum = j.chunk_checksum LIMIT 1) AS c ON true
 
 -- name: claim_scope_all
 -- The whole queue of the model.
