@@ -38,6 +38,7 @@ from pipeline_assets.jobs.changes import (
 )
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import queries
+from pipeline_assets.store.vectors import param as vectors_param
 
 __all__ = ["ClaimedJob", "apply", "claim"]
 
@@ -88,7 +89,10 @@ def apply(conn: psycopg.Connection, owner: str, changes: Sequence[Change]) -> li
 
 
 def _run(conn: psycopg.Connection, change: Change, owner: str) -> dict[int, str]:
-    rows = conn.execute(_QUERY[type(change)], params(change) | {"owner": owner}).fetchall()
+    values = params(change) | {"owner": owner}
+    if isinstance(change, Complete):  # one binary vector[] encoded in one numpy pass
+        values["vectors"] = vectors_param(conn, change.vectors)
+    rows = conn.execute(_QUERY[type(change)], values).fetchall()
     return {job_id: status for job_id, status in rows}
 
 

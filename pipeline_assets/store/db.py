@@ -18,7 +18,7 @@ from pgvector.psycopg import register_vector
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.settings import Settings, redact_text
-from pipeline_assets.store import embedded_postgres, migrations
+from pipeline_assets.store import embedded_postgres, migrations, vectors
 
 # How long a new connection may take before the database counts as unreachable.
 CONNECT_TIMEOUT_SECONDS = 10
@@ -52,7 +52,8 @@ def _configure(conn: psycopg.Connection) -> None:
         register_vector(conn)
     except psycopg.ProgrammingError:
         # The vector extension does not exist yet (before the first migration).
-        pass
+        return
+    vectors.register(conn)  # a completion's vectors in one numpy pass
 
 
 def pool_url(pool: ConnectionPool) -> str:
