@@ -305,7 +305,7 @@ def _simulate(fails, *, jobs: int, batch: int, max_attempts: int = 5, rng: rando
     sends = {i: 0 for i in queue}
     dead: dict[int, int] = {}
     while queue:
-        claimed = [ClaimedJob(**{**j.__dict__, "attempts": j.attempts + 1}) for j in queue.values()]
+        claimed = [j._replace(attempts=j.attempts + 1) for j in queue.values()]
         for request in plan_requests(claimed, max_inputs=batch, max_tokens=10**9):
             for j in request:
                 sends[j.job_id] += 1
@@ -317,7 +317,7 @@ def _simulate(fails, *, jobs: int, batch: int, max_attempts: int = 5, rng: rando
             (change,) = out.changes
             for j in request:
                 if isinstance(change, GiveBack):  # no attempt used; a fault counted
-                    queue[j.job_id] = ClaimedJob(**{**j.__dict__, "attempts": j.attempts - 1, "faults": j.faults + 1})
+                    queue[j.job_id] = j._replace(attempts=j.attempts - 1, faults=j.faults + 1)
                 elif j.attempts >= j.max_attempts:  # a Retry, attempts used up: failed
                     dead[j.job_id] = j.attempts
                     del queue[j.job_id]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import psycopg
 from psycopg import sql
-from psycopg.rows import class_row, dict_row
+from psycopg.rows import RowMaker, dict_row
 
 from pipeline_assets.jobs.changes import (
     Change,
@@ -62,10 +62,19 @@ def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int, le
           docs: Sequence[int] | None = None) -> list[ClaimedJob]:
     """Claim up to ``limit`` claimable jobs of the model; with ``docs`` (doc_pks)
     only the jobs of those documents' chunks."""
-    with conn.cursor(row_factory=class_row(ClaimedJob)) as cur:
+    with conn.cursor(row_factory=_claimed_jobs) as cur:
         return cur.execute(claim_statement(docs is not None, limit), {
             "model": model_id, "owner": owner, "lease": lease_seconds,
             "docs": list(docs) if docs is not None else None}).fetchall()
+
+
+def _claimed_jobs(cursor: psycopg.Cursor) -> RowMaker[ClaimedJob]:
+    """Rows of the claim as ``ClaimedJob`` values, built positionally (the claim's
+    columns are its fields, in order; checked once per statement)."""
+    names = tuple(column.name for column in cursor.description or ())
+    if names != ClaimedJob._fields:
+        raise psycopg.ProgrammingError(f"the claim returns {names}, not the fields of ClaimedJob")
+    return ClaimedJob._make
 
 
 def apply(conn: psycopg.Connection, owner: str, changes: Sequence[Change]) -> list[tuple[Change, dict[int, str]]]:
