@@ -56,7 +56,7 @@ def param(conn: psycopg.Connection, vectors: Sequence[Any]) -> VectorBatch | lis
     if not vectors or not _registered(conn):
         return list(vectors)
     try:
-        rows = np.stack([np.asarray(v) for v in vectors])
+        rows = np.stack(vectors)
     except ValueError:  # not all of one dimension: let pgvector dump (and the server judge) each
         return list(vectors)
     if rows.ndim != 2 or not 0 < rows.shape[1] <= MAX_DIMENSION or rows.dtype.kind not in "fiu":
