@@ -130,6 +130,9 @@ def dev_server(database_url, server_url, tmp_path_factory):
             "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_CALL_TIMEOUT": "10",
             # No scheduled reconciliation during the module (it would ingest the whole source).
             "PIPELINE_RECONCILE_CRON": "0 0 1 1 *",
+            # The source sensor ticks every 5 s (the daemon's own loop), not 30: the sensor test
+            # waits for a tick that requests the run and for one after it ends.
+            "PIPELINE_SOURCE_SENSOR_INTERVAL": "5",
         })
         env.pop("PIPELINE_PARTITION_BUCKETS", None)
         log = open(base / "server.log", "w")
