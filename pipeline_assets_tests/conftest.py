@@ -79,6 +79,7 @@ def no_dagster_process_survives():
 # the two workers in collection order, so these start first and the short ones fill in around them
 # (longest first): a long module collected last would otherwise run alone at the end.
 SLOW_MODULES = ["test_dagster_webserver", "test_state_machine_property", "test_fault_soak", "test_dagster_commands",
+                "test_dagster_dev_command",
                 "test_query_plans", "test_embedded", "test_dagster_sensors", "test_cli", "test_packaging",
                 "test_dagster_assets"]
 

@@ -30,14 +30,14 @@ def provider(fake: FakeOpenAI, timeout: float) -> OpenAIProvider:
 
 
 def test_a_dripping_answer_ends_at_the_deadline_as_a_retryable_timeout(fake):
-    fake.drip_marker, fake.drip_seconds = "DRIP", 30.0
+    fake.drip_marker, fake.drip_seconds = "DRIP", 600.0
     p = provider(fake, timeout=1.0)
     started = time.monotonic()
     with pytest.raises(ProviderError) as caught:
         p.embed([DRIP_TEXT])
     elapsed = time.monotonic() - started
-    # The deadline, not the 30 s drip (the upper bound is a generous margin under it, for a loaded machine).
-    assert 0.9 <= elapsed < 15.0, elapsed
+    # The deadline, not the 600 s drip (the upper bound is against a hang only: a loaded machine is slow).
+    assert 0.9 <= elapsed < 300.0, elapsed
     err = caught.value
     assert (err.kind, err.error_class, err.billed_maybe) == (RETRYABLE, "timeout", True)
     assert fake.billed_count(DRIP_TEXT) == 1  # the provider computed (and billed) it
@@ -103,7 +103,7 @@ def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_pat
     (corpus / "fine.md").write_text("an ordinary document")
     env = {**env, "PIPELINE_CALL_TIMEOUT": "1", "PIPELINE_MAX_ATTEMPTS": "2", "PIPELINE_BATCH_INPUTS": "1"}
     cli("ingest", str(corpus), env=env)
-    fake.drip_marker, fake.drip_seconds = "DRIP", 120.0
+    fake.drip_marker, fake.drip_seconds = "DRIP", 3600.0
     started = time.monotonic()
     out = json.loads(cli("work", "--until-idle", "--json", env=env, timeout=240).stdout)
     elapsed = time.monotonic() - started
@@ -111,7 +111,7 @@ def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_pat
     # Alone, the drip's timeouts are free until it has met FREE_FAULTS of them, then charged:
     # FREE_FAULTS + max_attempts 1 s deadlines and backoff, not as many 120 s drips (not even one).
     sends = FREE_FAULTS + 2
-    assert elapsed < 120, elapsed
+    assert elapsed < 300, elapsed   # against a hang only: one drip alone would be an hour
     conn = clean_db
     assert job_counts(conn) == {"ready": 1, "failed": 1}
     assert conn.execute("""SELECT j.error_class, j.attempts FROM app.embedding_jobs j
