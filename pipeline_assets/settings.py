@@ -85,6 +85,11 @@ MAX_PARTITION_BUCKETS = 4096
 # nothing on 2 cores and hold more memory (batch x window x hidden floats).
 DEFAULT_LOCAL_BATCH_INPUTS = 32
 
+# How often the Dagster source sensor scans the source directory: how long an
+# edit waits for its run at most, against a walk of the source (an observation
+# per file, read only when its size or mtime changed) per tick.
+DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS = 30
+
 
 class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
@@ -187,6 +192,8 @@ class Settings:
                                              shown_default="`EXTRACTOR_VERSION` in `content/extract.py`")
 
     # -- Dagster ------------------------------------------------------------------------
+    source_sensor_interval: int = _setting("PIPELINE_SOURCE_SENSOR_INTERVAL", DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
+                                           "seconds between two scans of the source by the source sensor")
     reconcile_cron: str = _setting("PIPELINE_RECONCILE_CRON", "0 * * * *", "the reconciliation schedule")
     health_cron: str = _setting("PIPELINE_HEALTH_CRON", "*/15 * * * *", "the asset-check schedule")
     dlq_growth_per_hour: int = _setting("PIPELINE_DLQ_GROWTH_PER_HOUR", 10,
@@ -238,6 +245,7 @@ class Settings:
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
             (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
             (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
+            (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
             (1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS, "partition_buckets",
              f"must be between 1 and {MAX_PARTITION_BUCKETS}"),
             (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",

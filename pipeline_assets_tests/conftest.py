@@ -75,12 +75,13 @@ def no_dagster_process_survives():
         " ".join(p.info["cmdline"] or [])[:160] for p in left)
 
 
-# The slowest modules, slowest first (from `pytest --durations`). `--dist loadfile` hands modules to
-# the two workers in collection order, so these start first and the short ones fill in around them
-# (longest first): a long module collected last would otherwise run alone at the end.
-SLOW_MODULES = ["test_dagster_webserver", "test_state_machine_property", "test_fault_soak", "test_dagster_commands",
-                "test_query_plans", "test_embedded", "test_dagster_sensors", "test_cli", "test_packaging",
-                "test_dagster_assets"]
+# The slowest modules, slowest first (from `pytest --durations`, summed per module). `--dist loadfile`
+# hands modules to the workers in collection order, so these start first and the short ones fill in
+# around them (longest first): a long module collected last would otherwise run alone at the end.
+# The three modules that start `dagster dev` are spread out (each starts several Dagster processes).
+SLOW_MODULES = ["test_dagster_webserver", "test_dagster_sensors", "test_dagster_dev_command", "test_cli",
+                "test_dagster_commands", "test_embedded", "test_dagster_assets", "test_state_machine_property",
+                "test_contract", "test_local_model", "test_fault_soak", "test_query_plans", "test_packaging"]
 
 
 def pytest_collection_modifyitems(items):

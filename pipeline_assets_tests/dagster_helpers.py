@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -168,6 +169,15 @@ def _instance_env(url: str) -> Iterator[None]:
             os.environ[devserver.DAGSTER_URL_ENV] = saved
 
 
+def copy_of_dagster_template(server_url: str) -> str:
+    """A new database (its name) that holds Dagster's schema and nothing else; the caller drops it."""
+    name = "t_dagster_" + uuid.uuid4().hex[:8]
+    template = _dagster_template(server_url)
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    return name
+
+
 @contextmanager
 def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
     """A Dagster instance on PostgreSQL storage (a fresh database), configured as `pipeline-assets dev` does.
@@ -176,10 +186,7 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
     hundred partitions takes minutes there against seconds on PostgreSQL. The fresh
     database is a copy of a template that holds Dagster's schema and nothing else.
     """
-    name = "t_dagster_" + uuid.uuid4().hex[:8]
-    template = _dagster_template(server_url)
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    name = copy_of_dagster_template(server_url)
     url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
     with tempfile.TemporaryDirectory() as home:
         (Path(home) / "dagster.yaml").write_text(devserver.instance_yaml())
@@ -191,6 +198,26 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
                 instance.dispose()
                 with psycopg.connect(server_url, autocommit=True) as admin:
                     admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# Dagster's own command line, as a user runs it from the project root.
+DAGSTER = [sys.executable, "-W", "ignore", "-m", "dagster"]
+
+
+@contextmanager
+def command_env(env: dict, tmp_path: Path) -> Iterator[tuple[dict, Path]]:
+    """(environment, corpus) for Dagster's own commands: the test's settings without any DAGSTER_
+    variable, a corpus of 3 documents watched by the sensors, and a Dagster storage database name
+    (created by `dagster-env`/`dev` when used; dropped afterwards)."""
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 3)
+    dagster_db = "t_dagster_" + uuid.uuid4().hex[:8]
+    run_env = {k: v for k, v in env.items() if not k.startswith("DAGSTER_")}
+    run_env.update({"PIPELINE_SOURCE_DIR": str(corpus), "PIPELINE_DAGSTER_DATABASE": dagster_db})
+    try:
+        yield run_env, corpus
+    finally:
+        _drop_database(env["PIPELINE_DATABASE_URL"], dagster_db)
 
 
 def watched_corpus(root: Path, documents: int, monkeypatch) -> Path:

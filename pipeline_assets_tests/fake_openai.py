@@ -16,7 +16,9 @@ stats JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes t
 
 ``POST /v1/embeddings`` is processed in this order:
  1. sleep ``latency`` (+ ``slow_seconds`` if an input contains ``slow_marker``, or with probability
-    ``slow_rate``, drawn from the ``fault_seed`` generator); stop() aborts it;
+    ``slow_rate``, drawn from the ``fault_seed`` generator); stop() aborts it; then, if an input
+    contains ``hold_marker`` (thread mode), wait until :meth:`FakeOpenAI.release` (``held`` counts
+    the requests that arrived there: a test waits for that, not for a duration);
  2. ``fail_next`` -> canned status (optional Retry-After header), not billed; then ``random_faults``
     (``[[probability, status, retry_after or null], ...]``, drawn once per request from a generator
     seeded by ``fault_seed``) -> that status, not billed; then ``throttle_marker`` (an input containing
@@ -206,6 +208,11 @@ class FakeOpenAI:
         # before it; with one input, out of range), with this probability per request (billed).
         # stats["bad_index"] counts them.
         self.bad_index_rate = 0.0
+        # A request with an input containing hold_marker waits for release() (or stop()) before
+        # it is answered: a test forces an interleaving with it instead of sleeping.
+        self.hold_marker: str | None = None
+        self._released = threading.Event()
+        self._held = 0
         self._fault_rng = random.Random(0)
         self._host, self._port = host, port
         self._lock = threading.Lock()  # guards stats, one-shot counters, rate window, _conns
@@ -287,6 +294,23 @@ class FakeOpenAI:
         with self._lock:
             return self._stats["billed_by_text"].get(_key(text), 0)
 
+    @property
+    def held(self) -> int:
+        """Requests that have reached the hold (answered or still waiting)."""
+        with self._lock:
+            return self._held
+
+    def hold(self, marker: str) -> None:
+        """Hold every request with an input containing ``marker`` until :meth:`release`."""
+        self._released.clear()
+        with self._lock:
+            self._held = 0
+        self.hold_marker = marker
+
+    def release(self) -> None:
+        """Let the held requests (and any later one) go on."""
+        self._released.set()
+
     # ---- fault injection -------------------------------------------------------------------
     def fail_next(self, n: int, status: int, retry_after: float | str | None = None,
                   body: dict | str | None = None) -> None:
@@ -319,6 +343,8 @@ class FakeOpenAI:
         self.poison_marker = self.drop_marker = self.slow_marker = None
         self.slow_seconds = self.latency = 0.0
         self.drip_marker = None
+        self.hold_marker = None
+        self._released.set()
 
     def configure(self, *, fail_next: dict | None = None, drop_next: int | None = None,
                   clear: bool = False, reset_stats: bool = False, **attrs: Any) -> dict:
@@ -414,6 +440,12 @@ class FakeOpenAI:
         delay = (self.latency or 0.0) + (self.slow_seconds if slow else 0.0)
         if delay > 0 and self._stopping.wait(delay):
             return self._drop(h, count=False)
+        if has(self.hold_marker):
+            with self._lock:
+                self._held += 1
+            while not self._released.wait(0.05):
+                if self._stopping.is_set():
+                    return self._drop(h, count=False)
         # 2. one-shot canned failures
         with self._lock:
             fail = self._fail_spec if self._fail_n > 0 else None

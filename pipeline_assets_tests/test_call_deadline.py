@@ -18,7 +18,7 @@ import pytest
 from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets.providers import RETRYABLE, ProviderError, deadline
 from pipeline_assets.providers.openai_provider import OpenAIProvider
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts
+from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, wait_until
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 DRIP_TEXT = "DRIP an answer that trickles in forever"
@@ -30,14 +30,14 @@ def provider(fake: FakeOpenAI, timeout: float) -> OpenAIProvider:
 
 
 def test_a_dripping_answer_ends_at_the_deadline_as_a_retryable_timeout(fake):
-    fake.drip_marker, fake.drip_seconds = "DRIP", 30.0
+    fake.drip_marker, fake.drip_seconds = "DRIP", 600.0
     p = provider(fake, timeout=1.0)
     started = time.monotonic()
     with pytest.raises(ProviderError) as caught:
         p.embed([DRIP_TEXT])
     elapsed = time.monotonic() - started
-    # The deadline, not the 30 s drip (the upper bound is a generous margin under it, for a loaded machine).
-    assert 0.9 <= elapsed < 15.0, elapsed
+    # The deadline, not the 600 s drip (the upper bound is against a hang only: a loaded machine is slow).
+    assert 0.9 <= elapsed < 300.0, elapsed
     err = caught.value
     assert (err.kind, err.error_class, err.billed_maybe) == (RETRYABLE, "timeout", True)
     assert fake.billed_count(DRIP_TEXT) == 1  # the provider computed (and billed) it
@@ -61,10 +61,18 @@ def test_the_deadline_covers_the_whole_call_not_each_read(fake):
 
 
 def test_deadlines_are_per_thread(fake):
-    """Concurrent calls on one client: a dripping call times out, a fast one on another thread does not."""
-    fake.drip_marker, fake.drip_seconds = "DRIP", 30.0
-    fake.latency = 0.3
-    p = provider(fake, timeout=1.0)
+    """Concurrent calls on one client: a dripping call times out, a fast one on another thread does not.
+
+    The interleaving is forced, not hoped for: the fast call starts first and the fake holds it
+    until the dripping call is on the wire (billed); released, it ends while the drip still runs.
+    A deadline shared by the threads (one slot, or one per client) would be lost or overwritten
+    when the fast call ends, and the drip would run for its 120 s instead of ending at its deadline.
+    The deadline is generous: the fast call (held, then answered at once) must end within it on a
+    loaded machine.
+    """
+    fake.drip_marker, fake.drip_seconds = "DRIP", 120.0
+    fake.hold("FAST")
+    p = provider(fake, timeout=5.0)
     outcomes: dict[str, object] = {}
 
     def run(name: str, text: str) -> None:
@@ -73,14 +81,19 @@ def test_deadlines_are_per_thread(fake):
         except ProviderError as exc:
             outcomes[name] = exc
 
-    threads = [threading.Thread(target=run, args=("drip", DRIP_TEXT)),
-               threading.Thread(target=run, args=("fast", "a fast input"))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    fast = threading.Thread(target=run, args=("fast", "FAST a fast input"))
+    drip = threading.Thread(target=run, args=("drip", DRIP_TEXT))
+    fast.start()
+    wait_until(lambda: fake.held == 1, timeout=60, what="the fast call to reach the fake")
+    drip.start()
+    wait_until(lambda: fake.billed_count(DRIP_TEXT) == 1, timeout=60, what="the dripping call to be answered")
+    fake.release()
+    fast.join(60)
+    assert not fast.is_alive() and not isinstance(outcomes["fast"], ProviderError), outcomes
+    assert "drip" not in outcomes, "the drip ended before the fast call: the interleaving was not forced"
+    drip.join(60)          # its deadline (5 s), not the 120 s drip
+    assert not drip.is_alive(), "the dripping call outlived its deadline"
     assert isinstance(outcomes["drip"], ProviderError) and outcomes["drip"].error_class == "timeout"
-    assert not isinstance(outcomes["fast"], ProviderError)
 
 
 def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_path):
@@ -90,7 +103,7 @@ def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_pat
     (corpus / "fine.md").write_text("an ordinary document")
     env = {**env, "PIPELINE_CALL_TIMEOUT": "1", "PIPELINE_MAX_ATTEMPTS": "2", "PIPELINE_BATCH_INPUTS": "1"}
     cli("ingest", str(corpus), env=env)
-    fake.drip_marker, fake.drip_seconds = "DRIP", 120.0
+    fake.drip_marker, fake.drip_seconds = "DRIP", 3600.0
     started = time.monotonic()
     out = json.loads(cli("work", "--until-idle", "--json", env=env, timeout=240).stdout)
     elapsed = time.monotonic() - started
@@ -98,7 +111,7 @@ def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_pat
     # Alone, the drip's timeouts are free until it has met FREE_FAULTS of them, then charged:
     # FREE_FAULTS + max_attempts 1 s deadlines and backoff, not as many 120 s drips (not even one).
     sends = FREE_FAULTS + 2
-    assert elapsed < 120, elapsed
+    assert elapsed < 300, elapsed   # against a hang only: one drip alone would be an hour
     conn = clean_db
     assert job_counts(conn) == {"ready": 1, "failed": 1}
     assert conn.execute("""SELECT j.error_class, j.attempts FROM app.embedding_jobs j

@@ -503,18 +503,18 @@ def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
     try:
         wait_until(lambda: job_counts(conn).get("ready", 0) >= 4, timeout=30, what="some jobs ready")
         # Stall the provider so calls are in flight (and would not return soon) when the signal lands.
-        fake.latency = 60
+        fake.latency = 600
         wait_until(lambda: (lambda st: st["requests"] > sum(st["responses_by_status"].values()))(fake.stats),
                    timeout=60, what="a provider call in flight")
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        out, err = proc.communicate(timeout=45)
+        out, err = proc.communicate(timeout=300)
         elapsed = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert elapsed < 45  # not the 60 s the stalled calls would take (a generous margin for a loaded machine)
+    assert elapsed < 300  # not the 600 s the stalled calls would take (a bound against a hang only)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     counts = job_counts(conn)

@@ -149,6 +149,16 @@ def test_the_bucket_count_follows_the_setting(monkeypatch):
         assert graph.get(key).partitions_def.get_partition_keys() == [f"b{i:03d}" for i in range(8)]
 
 
+def test_the_source_sensor_interval_follows_the_setting(monkeypatch):
+    def interval() -> int:
+        sensors = {s.name: s for s in fresh_defs().get_repository_def().sensor_defs}
+        return sensors["source_documents"].minimum_interval_seconds
+    monkeypatch.delenv("PIPELINE_SOURCE_SENSOR_INTERVAL", raising=False)
+    assert interval() == 30
+    monkeypatch.setenv("PIPELINE_SOURCE_SENSOR_INTERVAL", "5")
+    assert interval() == 5
+
+
 def test_no_private_dagster_import_in_the_code():
     """Dagster's public API only (issue 14): no `dagster._...` import anywhere in pipeline_assets/."""
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "pipeline_assets").rglob("*.py")

@@ -20,7 +20,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 from collections import Counter
 
 import dagster as dg
@@ -32,7 +31,7 @@ from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets_tests.browser import Browser, chromium_path
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, LONG_PROFILE, stop_group, write_corpus
-from pipeline_assets_tests.dagster_helpers import bucket_of
+from pipeline_assets_tests.dagster_helpers import bucket_of, copy_of_dagster_template
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 # What is tested does not depend on the corpus's size as long as every one of the 64 buckets holds
@@ -119,7 +118,10 @@ def dev_server(database_url, server_url, tmp_path_factory):
     base = tmp_path_factory.mktemp("devserver")
     corpus = base / "corpus"
     corpus.mkdir()              # empty until the source sensor is stopped
-    dagster_db = "t_dagster_" + uuid.uuid4().hex[:8]
+    # Dagster's storage database is a copy of one that already holds Dagster's schema (creating its
+    # tables is seconds of the server's CPU); `dev` on a fresh database is what test_dagster_commands'
+    # dagster-env test covers (the same `prepare`).
+    dagster_db = copy_of_dagster_template(server_url)
     port = _free_port()
     with FakeOpenAI(dim=FAKE_DIM) as fake:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_")}
@@ -130,6 +132,9 @@ def dev_server(database_url, server_url, tmp_path_factory):
             "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_CALL_TIMEOUT": "10",
             # No scheduled reconciliation during the module (it would ingest the whole source).
             "PIPELINE_RECONCILE_CRON": "0 0 1 1 *",
+            # The source sensor ticks every 5 s (the daemon's own loop), not 30: the sensor test
+            # waits for a tick that requests the run and for one after it ends.
+            "PIPELINE_SOURCE_SENSOR_INTERVAL": "5",
         })
         env.pop("PIPELINE_PARTITION_BUCKETS", None)
         log = open(base / "server.log", "w")
@@ -186,12 +191,19 @@ def _bucket_docs(key: str) -> list[str]:
     return [d for d in DOCS if bucket_of(d) == key]
 
 
-def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, database_url):
-    assert {"documents", "chunks", "embeddings", "embedding_store", "reconciliation"} <= dev_server.asset_keys()
+@pytest.fixture(scope="module")
+def bucket_run(dev_server) -> tuple[str, str]:
+    """(bucket key, run id) of one bucket materialized through GraphQL: the smoke test checks the
+    run, the browser test the page that shows it (one run for both; each run starts a process)."""
     key = bucket_of(DOCS[0])
+    return key, _materialize_bucket(dev_server, key)
+
+
+def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, database_url, bucket_run):
+    assert {"documents", "chunks", "embeddings", "embedding_store", "reconciliation"} <= dev_server.asset_keys()
+    key, run_id = bucket_run
     members = _bucket_docs(key)
     assert 1 < len(members) < 60                   # a bucket is a slice of the corpus (~1/64 of it)
-    run_id = _materialize_bucket(dev_server, key)
     root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
         # The run brought exactly its bucket's documents current and embedded, nothing else.
@@ -211,13 +223,11 @@ def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, data
 
 @pytest.mark.skipif(chromium_path() is None, reason="no Chromium on this machine (.ci/run installs Debian's "
                                                     "chromium; elsewhere: apt-get install chromium)")
-def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_server, database_url):
+def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_server, database_url, bucket_run):
     """The user's path, in a real browser: the asset graph shows the three assets, and the page of
-    the bucket just materialized shows that run and the metadata the asset reported for it."""
-    key = bucket_of(DOCS[1])
-    assert key != bucket_of(DOCS[0])
+    the bucket materialized through GraphQL shows that run and the metadata the asset reported for it."""
+    key, run_id = bucket_run
     members = _bucket_docs(key)
-    run_id = _materialize_bucket(dev_server, key)
     with psycopg.connect(database_url) as conn:
         per_doc, _ = reports.embedding_coverage(conn, str(dev_server.corpus.resolve()), members, MODEL)
     chunks, ready = sum(c.wanted for c in per_doc.values()), sum(c.ready for c in per_doc.values())

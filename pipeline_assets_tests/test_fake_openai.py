@@ -185,6 +185,20 @@ def test_unknown_model_is_404():
         assert ei.value.code == "model_not_found"
 
 
+def test_hold_marker_waits_for_release(server, client):
+    """A held request is answered only after release(); others pass; held counts arrivals."""
+    server.hold("HOLD")
+    answers: list = []
+    t = threading.Thread(target=lambda: answers.append(client.embeddings.create(model=MODEL, input="HOLD me")))
+    t.start()
+    wait_until(lambda: server.held == 1, timeout=60, what="the request to reach the hold")
+    client.embeddings.create(model=MODEL, input="not held")   # answered while the other waits
+    assert t.is_alive() and not answers
+    server.release()
+    t.join(60)
+    assert not t.is_alive() and len(answers) == 1 and server.billed_count("HOLD me") == 1
+
+
 def test_slow_marker_times_out_and_stop_is_prompt():
     srv = FakeOpenAI().start()
     srv.slow_marker, srv.slow_seconds = "SLOW", 60.0

@@ -9,22 +9,50 @@ from pipeline_assets_tests.conftest import cli, job_counts, start_cli, wait_unti
 
 
 def test_heartbeat_keeps_a_slow_healthy_call_from_being_stolen(env, fake, clean_db, tmp_path):
+    """A call held by the fake for longer than the lease it was claimed with: the heartbeat
+    (every lease/3) extends the lease, so another worker, rescuing every second while the call
+    is in flight, finds nothing to take.
+
+    No duration decides the outcome: the fake holds the call until the database clock is past
+    the claim's own lease and the other worker has been at it for a few seconds; only then is it
+    answered. The lease (6 s, a beat every 2 s) leaves a beat 4 s of slack on a loaded machine,
+    the call timeout is far above the hold, and a worker counts as dead only after a silent
+    minute, so what keeps the job is the lease heartbeat alone."""
+    text = "SLOWDOC a slow but healthy provider call"
     corpus = tmp_path / "c"
     corpus.mkdir()
-    (corpus / "slow.md").write_text("SLOWDOC a slow but healthy provider call")
+    (corpus / "slow.md").write_text(text)
     cli("ingest", str(corpus), env=env)
-    fake.slow_marker, fake.slow_seconds = "SLOWDOC", 4.0
-    # The call takes 4 s; the lease is 1 s; heartbeats every lease/3 extend it.
-    holder = start_cli("work", "--until-idle", "--json", "--lease-seconds", "1", "--worker-id", "holder", env=env)
-    wait_until(lambda: fake.stats["requests"] >= 1, what="the slow call to start")
-    other = json.loads(cli("work", "--until-idle", "--json", "--worker-id", "other", env=env).stdout)
-    out, err = holder.communicate(timeout=60)
-    assert holder.returncode == 0, err
-    mine = json.loads(out)
     conn = clean_db
-    assert mine["embedded"] == 1 and other["embedded"] == 0 and other["rescued"] == 0
+    run_env = {**env, "PIPELINE_CALL_TIMEOUT": "600", "PIPELINE_WORKER_DEAD_AFTER": "60"}
+    fake.hold("SLOWDOC")
+    holder = start_cli("work", "--until-idle", "--json", "--lease-seconds", "6", "--worker-id", "holder",
+                       env=run_env)
+    other = None
+    try:
+        wait_until(lambda: fake.held == 1, what="the slow call to reach the fake")
+        (claimed_until,) = conn.execute("SELECT lease_expires_at FROM app.embedding_jobs").fetchone()
+        # Past the lease the job was claimed with (a beat may already have moved it: later still).
+        wait_until(lambda: conn.execute("SELECT now() > %s", (claimed_until,)).fetchone()[0],
+                   what="the claim's own lease to pass")
+        row = conn.execute("SELECT status, lease_owner LIKE '%%holder%%', lease_expires_at > now(), attempts "
+                           "FROM app.embedding_jobs").fetchone()
+        assert row == ("processing", True, True, 1), f"the lease was not extended: {row}"
+        # The other worker rescues expired leases every second and stays until the job is done.
+        other = start_cli("work", "--until-idle", "--json", "--worker-id", "other", env=run_env)
+        wait_until(lambda: conn.execute("SELECT now() > started_at + interval '3 seconds' FROM app.workers "
+                                        "WHERE worker_id = 'other'").fetchone() == (True,),
+                   what="the other worker to have run for a few seconds")
+    finally:
+        fake.release()
+    out, err = holder.communicate(timeout=120)
+    assert holder.returncode == 0, err
+    other_out, other_err = other.communicate(timeout=120)
+    assert other.returncode == 0, other_err
+    mine, theirs = json.loads(out), json.loads(other_out)
+    assert mine["embedded"] == 1 and theirs["embedded"] == 0 and theirs["rescued"] == 0
     assert conn.execute("SELECT status, attempts FROM app.embedding_jobs").fetchone() == ("ready", 1)
-    assert fake.billed_count("SLOWDOC a slow but healthy provider call") == 1  # never sent twice
+    assert fake.billed_count(text) == 1  # never sent twice
 
 
 def test_per_call_timeout_turns_a_stall_into_a_retryable_failure(env, fake, clean_db, tmp_path):

@@ -38,7 +38,9 @@ def test_killed_worker_claims_are_rescued_in_seconds_not_a_lease(env, fake, clea
     conn = clean_db
     texts = [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks")]
     fake.latency = 3.0  # the victim's call is in flight when it dies; the provider still bills it
-    victim = start_cli("work", "--concurrency", "1", "--worker-id", "victim", env=env)  # default lease: 60 s
+    # An hour's lease (the default is a minute): finishing before it ends proves the claims were rescued
+    # for the worker's death, on a machine however loaded.
+    victim = start_cli("work", "--concurrency", "1", "--worker-id", "victim", "--lease-seconds", "3600", env=env)
     wait_until(lambda: fake.stats["requests"] >= 1, what="the victim's call")
     kill_group(victim)
     killed_at = time.monotonic()
@@ -49,7 +51,7 @@ def test_killed_worker_claims_are_rescued_in_seconds_not_a_lease(env, fake, clea
                               " WHERE status = 'processing'").fetchone()[0]
     in_flight = len(held)
     assert in_flight == 20  # one full claim, sent as one request
-    assert all(lease > 50 for _, lease in held)  # its lease alone would hold them for a minute
+    assert all(lease > 3000 for _, lease in held)  # its lease alone would hold them for an hour
     # Lease owners are the worker's UUID prefix and a claim sequence; the prefix is its liveness row.
     assert all(re.fullmatch(rf"victim/{UUID}/\d+", owner) for owner, _ in held)
     prefix = held[0][0].rsplit("/", 1)[0] + "/"
@@ -62,7 +64,7 @@ def test_killed_worker_claims_are_rescued_in_seconds_not_a_lease(env, fake, clea
     duplicates = sum(1 for t in texts if fake.billed_count(t) == 2)
     print(f"\nrecovery after SIGKILL with {in_flight} inputs in flight: the restarted worker finished the "
           f"corpus {recovery:.1f} s after the kill; {duplicates} inputs billed twice")
-    # Not the 60 s lease: the corpus was finished (on the database's clock) before the dead worker's
+    # Not the lease: the corpus was finished (on the database's clock) before the dead worker's
     # leases would have expired, so they were rescued for its death, not for their expiry.
     assert conn.execute("SELECT now() < %s", (leases_end,)).fetchone()[0], recovery
     assert restarted["rescued"] == in_flight

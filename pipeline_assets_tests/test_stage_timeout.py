@@ -15,6 +15,11 @@ from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content import process
 from pipeline_assets.content.chunking import Chunker
 
+# The per-document deadline of these tests: far below the poison's stall (300 s, or minutes of C
+# code), and far above what a fine document needs (milliseconds), so a loaded machine does not
+# quarantine the fine ones.
+STAGE_TIMEOUT = 2.0
+
 
 def _corpus(tmp_path):
     corpus = tmp_path / "c"
@@ -55,7 +60,7 @@ def _assert_only_poison_quarantined(conn, report, error_class):
 def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, monkeypatch):
     _poison(monkeypatch, lambda: time.sleep(300))  # a parser stuck on a pathological input
     started = time.monotonic()
-    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT)
     assert time.monotonic() - started < 60           # cut at its deadline, not the 300 s stall
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
@@ -65,7 +70,7 @@ def test_a_stall_in_c_code_is_killed_at_its_deadline(clean_db, tmp_path, monkeyp
     # inside it (SIGALRM fired only after it ended, ~20 s later; this one takes minutes).
     _poison(monkeypatch, lambda: sum(range(10 ** 11)))
     started = time.monotonic()
-    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT)
     assert time.monotonic() - started < 60           # killed at its deadline, not minutes later
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
@@ -81,7 +86,7 @@ def test_a_parser_that_swallows_exceptions_is_still_stopped(clean_db, tmp_path, 
 
     _poison(monkeypatch, swallowing)
     started = time.monotonic()
-    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=0.5)
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT)
     assert time.monotonic() - started < 60           # stopped at its deadline, not after 300 s
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
@@ -92,7 +97,7 @@ def test_the_limit_holds_off_the_main_thread(clean_db, tmp_path, monkeypatch):
     corpus = _corpus(tmp_path)
     result = {}
     started = time.monotonic()
-    t = threading.Thread(target=lambda: result.update(report=_ingest(clean_db, corpus, stage_timeout=0.5)))
+    t = threading.Thread(target=lambda: result.update(report=_ingest(clean_db, corpus, stage_timeout=STAGE_TIMEOUT)))
     t.start()
     t.join(120)
     assert not t.is_alive() and time.monotonic() - started < 60   # not the 300 s stall
@@ -134,8 +139,9 @@ def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued()
     from pipeline_assets.content.extract import ExtractError
     from pipeline_assets.content.sandbox import Sandbox
 
-    with Sandbox(_nap, timeout=1.0, memory_limit=0) as box:
-        calls = [(0.3, "a"), (0.3, "b"), (30, "stuck"), (0.3, "c"), (0.3, "d"), (0, b"x" * (3 << 20))]
+    # Each nap is well inside its own 2 s deadline (slack for a loaded machine); together they are not.
+    with Sandbox(_nap, timeout=2.0, memory_limit=0) as box:
+        calls = [(0.6, "a"), (0.6, "b"), (3600, "stuck"), (0.6, "c"), (0.6, "d"), (0, b"x" * (3 << 20))]
         outcomes = []
         for i, args in enumerate(calls):
             while not box.submit(i, *args):
@@ -145,7 +151,7 @@ def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued()
         assert box.starts == 2  # one kill, at the stuck call
     assert [tag for tag, _ in outcomes] == list(range(len(calls)))
     values = [o if not isinstance(o, ExtractError) else o.error_class for _, o in outcomes]
-    # 0.3 s each, queued together: none charged for the time spent waiting behind the others.
+    # 0.6 s each, queued together (2.4 s): none charged for the time spent waiting behind the others.
     assert values == ["a", "b", "timeout", "c", "d", b"x" * (3 << 20)]
 
 

@@ -21,7 +21,7 @@ from pipeline_assets.defs.reconcile import RECONCILE_JOB, RECONCILE_SENSORS, bui
 from pipeline_assets.defs.refresh import refresh_job
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.schedules import HEALTH_JOB, build_schedules
-from pipeline_assets.defs.sensors import EMBED_JOB, SENSORS
+from pipeline_assets.defs.sensors import EMBED_JOB, build_sensors
 from pipeline_assets.settings import Settings
 
 
@@ -33,7 +33,7 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
         assets=[*build_assets(settings), build_reconciliation(settings)],
         asset_checks=build_checks(settings),
         jobs=[EMBED_JOB, RECONCILE_JOB, HEALTH_JOB, refresh_job],
-        sensors=[*SENSORS, *MODEL_SWITCH_SENSORS, *RECONCILE_SENSORS],
+        sensors=[*build_sensors(settings), *MODEL_SWITCH_SENSORS, *RECONCILE_SENSORS],
         schedules=build_schedules(settings),
         resources=build_resources(settings),
         executor=dg.in_process_executor,

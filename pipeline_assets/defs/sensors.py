@@ -49,8 +49,10 @@ from pipeline_assets.defs.partitions import span
 from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request
+from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS, Settings
 
-__all__ = ["EMBED_JOB", "SENSORS", "SourceScanError", "decode_cursor", "encode_cursor", "source_documents_sensor"]
+__all__ = ["EMBED_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
+           "source_documents_sensor"]
 
 SENSOR_NAME = "source_documents"
 CURSOR_VERSION = 2          # {"v": 2, "g": generation}
@@ -83,14 +85,9 @@ def encode_cursor(generation: int) -> str:
 
 
 # -- source changes -------------------------------------------------------------------
-@dg.sensor(name=SENSOR_NAME, jobs=[EMBED_JOB], minimum_interval_seconds=30,
-           default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
-                       "read) and requests one run over the buckets of new, changed and vanished documents; "
-                       "nothing while its earlier runs are in flight.")
-def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                            embedding_provider: EmbeddingProviderResource,
-                            source: SourceDirectoryResource) -> dg.SensorResult:
+def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource,
+                 embedding_provider: EmbeddingProviderResource,
+                 source: SourceDirectoryResource) -> dg.SensorResult:
     settings = embedding_provider.settings()
     root = source.root_path(settings)
     if not root.is_dir():
@@ -145,4 +142,19 @@ def source_documents_sensor(context: dg.SensorEvaluationContext, postgres: Postg
     return dg.SensorResult(run_requests=[request], cursor=encode_cursor(generation + 1))
 
 
-SENSORS = [source_documents_sensor, rerun_stale_documents_sensor]
+def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS) -> dg.SensorDefinition:
+    """The source sensor, ticking every ``interval_seconds`` (``Settings.source_sensor_interval``)."""
+    return dg.sensor(
+        name=SENSOR_NAME, jobs=[EMBED_JOB], minimum_interval_seconds=interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
+                    "read) and requests one run over the buckets of new, changed and vanished documents; "
+                    "nothing while its earlier runs are in flight.")(_scan_source)
+
+
+source_documents_sensor = build_source_sensor()
+
+
+def build_sensors(settings: Settings) -> list[dg.SensorDefinition]:
+    """The source sensor at the configured interval, and the rerun sensor."""
+    return [build_source_sensor(settings.source_sensor_interval), rerun_stale_documents_sensor]

@@ -1,0 +1,114 @@
+"""`dagster dev` from the project root on a fresh checkout (no DAGSTER_HOME: Dagster's temporary
+local storage, with the root dagster.yaml's shared settings), with the real test database and the
+fake OpenAI server, as a Dagster user types it. The other Dagster commands: test_dagster_commands.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from pipeline_assets.app import buckets as bk
+from pipeline_assets.app import reports
+from pipeline_assets.defs.partitions import bucket_index
+from pipeline_assets_tests.conftest import REPO, stop_group
+from pipeline_assets_tests.dagster_helpers import DAGSTER, bucket_of, command_env
+
+# dagster dev starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
+# machine): a generous deadline against a hang.
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture
+def setup(env, clean_db, tmp_path):
+    with command_env(env, tmp_path) as prepared:
+        yield prepared
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gql(port: int, query: str) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": query}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())["data"]
+
+
+def _poll(fn, timeout: float, proc: subprocess.Popen, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"dagster dev exited ({proc.returncode}) while waiting for {what}"
+        try:
+            value = fn()
+        except OSError:
+            value = None
+        if value:
+            return value
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake, tmp_path):
+    """`dagster dev` with no DAGSTER_HOME: temporary local storage, the source sensor's one run over
+    the span of the corpus's buckets, and the UI's GraphQL shows each bucket's own metadata."""
+    run_env, corpus = setup
+    port = _free_port()
+    before = set(REPO.glob(".tmp_dagster_home_*"))
+    log = open(tmp_path / "dagster-dev.log", "w")
+    proc = subprocess.Popen([*DAGSTER, "dev", "-w", "workspace.yaml", "-p", str(port)], env=run_env, cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    docs = [f"doc{i:04d}.md" for i in range(3)]
+    keys = sorted(bucket_of(d) for d in docs)
+    try:
+        runs_q = """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]}) {
+                        ... on Runs { results { status tags { key value } } } } }"""
+        runs = _poll(lambda: [r for r in _gql(port, runs_q)["runsOrError"]["results"]
+                              if r["status"] in ("SUCCESS", "FAILURE")], 300, proc, "the source sensor's run")
+        assert [r["status"] for r in runs] == ["SUCCESS"], runs
+        tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
+        first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
+        assert first <= keys[0] and keys[-1] <= last          # one range over (at least) the corpus's buckets
+        assert tags["dagster/run_key"].startswith("sync@g0:3:")
+        parts = json.dumps(keys)
+        ui = _gql(port, """{ d: assetNodeOrError(assetKey: {path: ["documents"]}) {
+                                   ... on AssetNode { dataVersionByPartition(partitions: PARTS)
+                                     latestMaterializationByPartition(partitions: PARTS) {
+                                       partition metadataEntries { label
+                                         ... on TextMetadataEntry { text } ... on IntMetadataEntry { intValue } } } } }
+                             e: assetNodeOrError(assetKey: {path: ["embeddings"]}) {
+                                   ... on AssetNode { staleStatusByPartition(partitions: PARTS) } } }"""
+                  .replace("PARTS", parts))
+        summaries = reports.document_summaries(conn, str(corpus.resolve()), docs)
+        assert sorted(summaries) == docs and all(s.status == "current" for s in summaries.values())
+        # One run over the range: one data version for all its buckets (Dagster records one per
+        # result), and each bucket's own digest and counts in its metadata; nothing looks stale.
+        versions = ui["d"]["dataVersionByPartition"]
+        assert len(set(versions)) == 1 and versions[0].startswith(
+            f"range:{bucket_index(last) - bucket_index(first) + 1}:")
+        for event in ui["d"]["latestMaterializationByPartition"]:
+            meta = {m["label"]: m.get("text", m.get("intValue")) for m in event["metadataEntries"]}
+            (doc,) = [d for d in docs if bucket_of(d) == event["partition"]]
+            b = bucket_index(event["partition"])
+            assert meta["text_digest"] == bk.bucket_states({doc: summaries[doc]}, [b], 64)[b].text_digest
+            assert (meta["documents"], meta["current"]) == (1, 1)
+        assert ui["e"]["staleStatusByPartition"] == ["FRESH"] * len(keys)
+    finally:
+        # dagster dev's own clean shutdown (SIGINT), then its whole process group: its code server
+        # (and that one's gRPC child) outlive it, re-parented, and ignore SIGTERM.
+        stop_group(proc, signal.SIGINT, grace=60)
+        log.close()
+        # Its temporary storage: dagster dev removes it on exit, unless a child still writes
+        # to it then ("Directory not empty"); what this run created goes.
+        for leftover in set(REPO.glob(".tmp_dagster_home_*")) - before:
+            shutil.rmtree(leftover, ignore_errors=True)
