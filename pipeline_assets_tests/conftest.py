@@ -227,6 +227,16 @@ def _cli_in_process(args: list[str], env: dict) -> subprocess.CompletedProcess:
     saved_handlers, saved_level = list(root.handlers), root.level
     saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     warnings_captured = logging._warnings_showwarning is not None  # type: ignore[attr-defined]
+    # Earlier tests' Dagster instances leave SQLite connections (SQLAlchemy's NullPool) for the
+    # garbage collector, which may finalize them during this command, in another thread, and
+    # log the failed reset through the root logger into this command's stderr. A real CLI
+    # process holds no such connection (nothing in it uses SQLAlchemy), so those records stay
+    # out of the command's output here.
+    pool_logger = logging.getLogger("sqlalchemy.pool")
+    saved_pool_propagate = pool_logger.propagate
+    pool_logger.propagate = False
+    pool_sink = logging.NullHandler()  # else logging's last resort prints them to stderr anyway
+    pool_logger.addHandler(pool_sink)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
@@ -242,6 +252,8 @@ def _cli_in_process(args: list[str], env: dict) -> subprocess.CompletedProcess:
             root.addHandler(handler)
         root.setLevel(saved_level)
         logging.captureWarnings(warnings_captured)
+        pool_logger.propagate = saved_pool_propagate
+        pool_logger.removeHandler(pool_sink)
         for sig, handler in saved_signals.items():
             signal.signal(sig, handler)
     stderr = result.stderr
