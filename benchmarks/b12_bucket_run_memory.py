@@ -1,0 +1,101 @@
+"""B12: the memory of a bucket run as the corpus grows.
+
+A Dagster run over every bucket (a sensor's first run, a backfill) executes two
+use cases in its run worker: ``sync_buckets`` (the documents and chunks assets)
+and ``embed_buckets`` (the embeddings asset). This runs exactly those, in a
+process of their own, over N and FACTOR*N documents (each in a fresh database,
+offline model, all buckets in one call as a run over every partition does) and
+reports what each adds to the process's peak RSS. Dagster's own machinery is
+left out (it does not grow with the corpus: B10 shows the other processes flat);
+what this measures is the part that does.
+
+    python benchmarks/b12_bucket_run_memory.py [--documents 10000] [--factor 4]
+
+The target: the run's memory does not grow with the corpus (the large corpus's
+peak within 1.25x the small one's, as B5 asks of the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, emit, fresh_database
+from b10_dagster_scale import write_corpus
+
+
+def rss_mb() -> float:
+    """This process's peak RSS so far (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(root: str) -> None:
+    """In the measured process: the two use cases of a run over every bucket."""
+    from pipeline_assets.app import buckets
+    from pipeline_assets.app.embed import embed_buckets
+    from pipeline_assets.app.runtime import Runtime
+    from pipeline_assets.settings import Settings
+    from pipeline_assets.store import db
+
+    settings = Settings.from_env()
+    rt = Runtime.build(settings)
+    path = Path(root)
+    with db.open_pool(settings) as pool:
+        with pool.connection() as conn:
+            n = buckets.fixed_buckets(conn, settings.partition_buckets)
+        base = rss_mb()
+        started = time.perf_counter()
+        synced = buckets.sync_buckets(rt, pool, path, range(n), n)
+        sync_s, after_sync = time.perf_counter() - started, rss_mb()
+        started = time.perf_counter()
+        done = embed_buckets(rt, pool, path, range(n), n)
+        embed_s, after_embed = time.perf_counter() - started, rss_mb()
+    print(json.dumps({"base_mb": round(base, 1), "after_sync_mb": round(after_sync, 1),
+                      "after_embed_mb": round(after_embed, 1), "sync_seconds": round(sync_s, 1),
+                      "embed_seconds": round(embed_s, 1), "ingested": len(synced.changed),
+                      "ready": done.after.ready, "chunks": done.after.wanted}))
+
+
+def measure(n: int, env: dict) -> dict:
+    with fresh_database(f"b12_{n}") as url, tempfile.TemporaryDirectory(prefix="b12-") as tmp:
+        write_corpus(Path(tmp), n)
+        proc = subprocess.run([sys.executable, __file__, "--child", tmp], cwd=REPO, check=True,
+                              capture_output=True, text=True, env={**env, "PIPELINE_DATABASE_URL": url})
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["ingested"] != n or out["ready"] != out["chunks"]:
+        raise SystemExit(f"b12: the run did not bring {n} documents current and embedded: {out}")
+    out["documents"] = n
+    out["sync_added_mb"] = round(out["after_sync_mb"] - out["base_mb"], 1)
+    out["run_added_mb"] = round(out["after_embed_mb"] - out["base_mb"], 1)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--documents", type=int, default=10_000)
+    p.add_argument("--factor", type=int, default=4)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
+    small, large = measure(args.documents, env), measure(args.documents * args.factor, env)
+    ratio = round(large["after_embed_mb"] / small["after_embed_mb"], 2)
+    emit({"benchmark": "b12_bucket_run_memory", "small": small, "large": large,
+          f"peak_rss_ratio_{args.factor}x": ratio,
+          "added_kb_per_document": round((large["run_added_mb"] - small["run_added_mb"]) * 1024
+                                         / (large["documents"] - small["documents"]), 2),
+          "targets": {"peak_flat_within_1.25x": ratio <= 1.25}})
+
+
+if __name__ == "__main__":
+    main()
