@@ -59,7 +59,7 @@ def child(root: str) -> None:
         embed_s, after_embed = time.perf_counter() - started, rss_mb()
     print(json.dumps({"base_mb": round(base, 1), "after_sync_mb": round(after_sync, 1),
                       "after_embed_mb": round(after_embed, 1), "sync_seconds": round(sync_s, 1),
-                      "embed_seconds": round(embed_s, 1), "ingested": len(synced.changed),
+                      "embed_seconds": round(embed_s, 1), "ingested": synced.changed,
                       "ready": done.after.ready, "chunks": done.after.wanted}))
 
 

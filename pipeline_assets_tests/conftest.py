@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -96,10 +98,20 @@ def server_url(tmp_path_factory) -> str:
     if url:
         yield url  # a server the suite does not own: nothing to stop
         return
-    home = Path(os.environ.get("PIPELINE_TEST_HOME") or tmp_path_factory.mktemp("pg"))
+    if os.environ.get("PIPELINE_TEST_HOME"):
+        yield embedded_postgres.ensure_server(Path(os.environ["PIPELINE_TEST_HOME"]))
+        return
+    home = server_home("pipeline-tests-pg-")
     yield embedded_postgres.ensure_server(home)
-    if not os.environ.get("PIPELINE_TEST_HOME"):
-        embedded_postgres.stop_server(home)  # a server this session started does not outlive it
+    embedded_postgres.stop_server(home)  # a server this session started does not outlive it
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def server_home(prefix: str) -> Path:
+    """A fresh directory for an embedded server's data, outside pytest's temporary root: as root the
+    server runs as another user, and each new pytest session takes that user's access to pytest's
+    root away again (mode 0o700), which stopped the servers of a session already running beside it."""
+    return Path(tempfile.mkdtemp(prefix=prefix)).resolve()
 
 
 def _with_dbname(url: str, name: str) -> str:

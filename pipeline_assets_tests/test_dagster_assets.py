@@ -423,3 +423,36 @@ def test_a_corpus_ingested_by_the_cli_is_not_ingested_again_by_the_first_bucket_
     assert conn.execute("SELECT count(*) FROM app.source_observations WHERE synced = checksum").fetchone()[0] == 4
     again = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL))
     assert materialization_metadata(again, "ingest")["files_read"] == 0
+
+
+def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeypatch):
+    """sync_buckets reads, ingests and records its unsynced documents a page at a time (here pages
+    of 2 documents): no ingest call gets more, and the pages together do what one would."""
+    monkeypatch.setattr(bk, "SYNC_PAGE_DOCUMENTS", 2)
+    calls: list[int] = []
+    real = bk.ingest_documents
+    monkeypatch.setattr(bk, "ingest_documents", lambda rt, pool, root, ids: calls.append(len(ids)) or real(
+        rt, pool, root, ids))
+    for i in range(4, 9):
+        (corpus / f"doc{i:04d}.md").write_text(f"# extra {i}\n\nwords of page {i}\n")
+        os.utime(corpus / f"doc{i:04d}.md", (time.time() - 3600,) * 2)
+    with dg.build_resources(build_resources(Settings.from_env())) as res:
+        rt, pool = res.embedding_provider.runtime(), res.postgres.pool()
+        first = bk.sync_buckets(rt, pool, corpus, range(64), 64)
+        assert (first.changed, first.gone, first.report.new) == (9, 0, 9) and calls and max(calls) <= 2
+        assert sum(calls) == 9
+        assert conn.execute("SELECT count(*) FROM app.source_observations WHERE synced = checksum "
+                            "AND checksum NOT LIKE '~%%'").fetchone()[0] == 9
+        (corpus / "doc0001.md").write_text("# changed\n\nother words\n")
+        for gone in ("doc0002.md", "doc0005.md", "doc0007.md"):
+            (corpus / gone).unlink()
+        calls.clear()
+        second = bk.sync_buckets(rt, pool, corpus, range(64), 64)
+        assert (second.changed, second.gone, second.report.changed, second.report.deleted) == (1, 3, 1, 3)
+        assert max(calls) <= 2 and sum(calls) == 4
+        calls.clear()
+        third = bk.sync_buckets(rt, pool, corpus, range(64), 64)
+        assert (third.changed, third.gone, third.stale, calls) == (0, 0, 0, [])
+    statuses = dict(conn.execute("SELECT document_id, status FROM app.documents").fetchall())
+    assert sorted(d for d, s in statuses.items() if s == "deleted") == ["doc0002.md", "doc0005.md", "doc0007.md"]
+    assert sum(s == "current" for s in statuses.values()) == 6

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import psycopg
 import pytest
 
 from pipeline_assets.store import embedded_postgres, migrations
-from pipeline_assets_tests.conftest import cli, kill_group, start_cli, wait_until, write_corpus
+from pipeline_assets_tests.conftest import cli, kill_group, server_home, start_cli, wait_until, write_corpus
 
 LOCAL_MODEL_ID = "local/hashing-words-v2@512"
 
@@ -57,18 +58,19 @@ def _stop(home: Path) -> None:
 
 
 @pytest.fixture
-def new_home(tmp_path):
+def new_home():
     """Factory of fresh PIPELINE_HOME directories; every server started under one is stopped."""
     made: list[Path] = []
 
     def make(name: str = "home") -> Path:
-        h = (tmp_path / name).resolve()
+        h = server_home(f"pipeline-tests-{name}-") / name   # outside pytest's root (see server_home)
         made.append(h)
         return h
 
     yield make
     for h in made:
         _stop(h)
+        shutil.rmtree(h.parent, ignore_errors=True)
 
 
 @pytest.fixture

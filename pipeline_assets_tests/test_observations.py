@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
+from pipeline_assets.app import observations
 from pipeline_assets.app.observations import SourceItem, walk
 from pipeline_assets.content.sources import SourceError, scan_directory
 
@@ -53,3 +55,81 @@ def test_walk_lists_exactly_what_the_scan_lists(tmp_path):
 def test_walk_fails_like_the_scan(tmp_path):
     with pytest.raises(SourceError, match="source directory not found"):
         list(walk(tmp_path / "missing"))
+
+
+def _observed(conn, root: Path) -> dict[str, tuple]:
+    return {d: (c, s, m) for d, c, s, m in conn.execute(
+        "SELECT document_id, checksum, size, mtime_ns FROM app.source_observations WHERE root = %s", [str(root)])}
+
+
+def _age(path: Path, seconds: float = 3600) -> None:
+    old = time.time() - seconds
+    os.utime(path, (old, old))
+
+
+def test_scan_compares_in_the_database_and_reads_only_what_it_must(clean_db, tmp_path, monkeypatch):
+    """The walk goes into a temporary table; the prefilter, the new files' placeholders and the gone
+    files are decided in SQL. Read: racy new files, changed sizes or mtimes, files back after being
+    gone; in batches (here of 2) with the staged rows flushed between two fetches."""
+    conn = clean_db
+    monkeypatch.setattr(observations, "READ_BATCH", 2)
+    reads: list[str] = []
+    real = observations.file_checksum
+    monkeypatch.setattr(observations, "file_checksum",
+                        lambda item, mb: reads.append(item.document_id) or real(item, mb))
+    root = tmp_path / "src"
+    (root / "d").mkdir(parents=True)
+    for i in range(6):
+        (root / "d" / f"old{i}.md").write_text(f"settled {i}")
+        _age(root / "d" / f"old{i}.md")
+    (root / "fresh.md").write_text("just written")                 # racy: read now
+    (root / "link.md").symlink_to(root / "d" / "old0.md")           # its item, not root/link.md, is read
+    _age(root / "link.md")
+    first = observations.scan(conn, root, max_bytes=1 << 20)
+    assert (first.present, first.unread, first.hashed, first.gone) == (8, 7, 1, 0)
+    assert reads == ["fresh.md"]
+    seen = _observed(conn, root)
+    assert all(observations.is_unread(seen[f"d/old{i}.md"][0]) for i in range(6))
+    assert seen["fresh.md"][0] == real(observations.source_item(root, "fresh.md", str(root / "fresh.md"), 12, 0),
+                                       1 << 20) and seen["fresh.md"][2] == 0   # racy: mtime 0, read again
+
+    reads.clear()
+    for i in range(3):   # changed: read in batches of two
+        (root / "d" / f"old{i}.md").write_text(f"changed {i}!")
+        _age(root / "d" / f"old{i}.md")
+    (root / "d" / "old5.md").unlink()
+    _age(root / "fresh.md")   # settled now: read once more (its observation has mtime 0), then trusted
+    os.utime(root / "link.md", (time.time() - 7200, time.time() - 7200), follow_symlinks=False)
+    (root / "d" / "old0.md").touch()
+    _age(root / "d" / "old0.md", 7200)
+    second = observations.scan(conn, root, max_bytes=1 << 20)
+    assert sorted(reads) == ["d/old0.md", "d/old1.md", "d/old2.md", "fresh.md", "link.md"]
+    assert (second.hashed, second.gone, second.present) == (5, 1, 7)
+    seen = _observed(conn, root)
+    assert seen["d/old5.md"][0] is None
+    assert not any(observations.is_unread(seen[f"d/old{i}.md"][0]) for i in range(3))
+    assert seen["link.md"][0] == seen["d/old0.md"][0]       # the symlink was read through its item
+
+    reads.clear()
+    third = observations.scan(conn, root, max_bytes=1 << 20)
+    assert reads == [] and (third.hashed, third.written, third.gone) == (0, 0, 0)   # the prefilter vouches
+
+
+def test_a_scan_of_some_buckets_sees_only_theirs_gone_and_never_an_empty_source_as_gone(clean_db, tmp_path):
+    conn = clean_db
+    root = tmp_path / "src"
+    root.mkdir()
+    for name in ("a.md", "b.md", "c.md"):
+        (root / name).write_text(name)
+        _age(root / name)
+    observations.scan(conn, root, max_bytes=1 << 20)
+    (root / "a.md").unlink()
+    (root / "b.md").unlink()
+    mine = observations.scan(conn, root, max_bytes=1 << 20, keep=lambda doc: doc in ("a.md", "c.md"))
+    assert (mine.present, mine.gone) == (1, 1)
+    seen = _observed(conn, root)
+    assert seen["a.md"][0] is None and seen["b.md"][0] is not None   # b.md is another bucket's to mark
+    (root / "c.md").unlink()
+    empty = observations.scan(conn, root, max_bytes=1 << 20)
+    assert (empty.empty_refused, empty.gone) == (2, 0)
+    assert _observed(conn, root)["c.md"][0] is not None

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +51,9 @@ BUCKET_HASH_HEX = 15
 SAMPLE_IDS = 20
 # Stale documents one bucket run reads from the stage rows (app.rerun.select).
 STALE_SCAN_LIMIT = 10_000_000
+# Documents one step of a bucket run reads, ingests and records before the next: bounds
+# the run's memory (about 1 kB per document in flight) whatever its buckets hold.
+SYNC_PAGE_DOCUMENTS = 10_000
 
 
 class BucketCountMismatch(RuntimeError):
@@ -89,12 +92,12 @@ def buckets_of(document_ids: Iterable[str], buckets: int) -> dict[int, list[str]
 
 @dataclass
 class BucketSync:
-    """What a bucket run did."""
+    """What a bucket run did (counts: a run over a million documents holds no list of them)."""
 
     scan: observations.Scan
-    changed: list[str] = field(default_factory=list)   # new or changed bytes: ingested
-    stale: list[str] = field(default_factory=list)     # another extractor/chunker version: re-extracted
-    gone: list[str] = field(default_factory=list)      # files gone: tombstoned
+    changed: int = 0    # new or changed bytes: ingested
+    stale: int = 0      # another extractor/chunker version: re-extracted
+    gone: int = 0       # files gone: tombstoned
     report: IngestReport = field(default_factory=IngestReport)
 
 
@@ -104,32 +107,58 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
 
     ``source_changes=False`` (the rerun sensor's run after a code fix): only the stale
     documents are re-extracted; the source is not scanned, and what changed in it is
-    the source sensor's next run."""
+    the source sensor's next run. The work goes in pages of SYNC_PAGE_DOCUMENTS documents,
+    each read, ingested and recorded before the next: a run's memory is bounded by a page,
+    not by what its buckets hold."""
     root = Path(root).expanduser().resolve()
     wanted = set(buckets)
     params = {"root": str(root), "n": n, "buckets": sorted(wanted)}
+    done = BucketSync(scan=observations.Scan())
     with pool.connection() as conn:
         check_buckets(conn, n)
         if source_changes:
-            found = observations.scan(conn, root, max_bytes=rt.settings.max_input_bytes,
-                                      keep=lambda doc: bucket_of(doc, n) in wanted)
-            rows = conn.execute(BUCKETS.unsynced, params).fetchall()
-            orphans = [] if found.empty_refused else [r[0] for r in conn.execute(BUCKETS.unobserved_current,
-                                                                                   params)]
+            done.scan = observations.scan(conn, root, max_bytes=rt.settings.max_input_bytes,
+                                          keep=lambda doc: bucket_of(doc, n) in wanted)
         elif not root.is_dir():
             raise SourceError(f"source directory not found: {root}")
-        else:
-            found, rows, orphans = observations.Scan(), [], []
-    changed = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and not in_store}
-    current = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and in_store}
-    gone = sorted({doc for doc, checksum, _ in rows if checksum is None} | set(orphans))
+    if source_changes:
+        after = ""
+        while True:
+            with pool.connection() as conn:
+                rows = conn.execute(BUCKETS.unsynced, {**params, "after": after,
+                                                       "limit": SYNC_PAGE_DOCUMENTS}).fetchall()
+            if not rows:
+                break
+            after = rows[-1][0]
+            _sync_page(rt, pool, root, rows, done)
+        if not done.scan.empty_refused:
+            with pool.connection() as conn:
+                orphans = [r[0] for r in conn.execute(BUCKETS.unobserved_current, params)]
+            for page in _pages(orphans):
+                done.report.add(ingest_documents(rt, pool, root, page))
+            done.gone += len(orphans)
+    # After the changed documents: those are current now, and only the rest is stale.
     stale = sorted({t.document_id for t in rerun_uc.select(rt, pool, stages_=rerun_uc.VERSIONED_STAGES, stale=True,
                                                            limit=STALE_SCAN_LIMIT)
-                    if t.root == str(root) and bucket_of(t.document_id, n) in wanted} - set(changed) - set(gone))
+                    if t.root == str(root) and bucket_of(t.document_id, n) in wanted})
+    for page in _pages(stale):
+        done.report.add(ingest_documents(rt, pool, root, page))
+    done.stale = len(stale)
+    return done
+
+
+def _sync_page(rt: Runtime, pool: ConnectionPool, root: Path, rows: list[tuple[str, str | None, bool]],
+               done: BucketSync) -> None:
+    """One page of unsynced observations: ingest the new or changed files and tombstone the gone
+    ones, then record the page as synced (a new file at the checksum of the bytes ingested)."""
+    changed = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and not in_store}
+    current = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and in_store}
+    gone = [doc for doc, checksum, _ in rows if checksum is None]
     # Files whose bytes are already their document's need no ingest (the command line
     # ingested them); a stale one among them is re-extracted as stale.
-    todo = [*changed, *stale, *gone]
-    report = ingest_documents(rt, pool, root, todo) if todo else IngestReport()
+    todo = [*changed, *gone]
+    if todo:
+        done.report.add(ingest_documents(rt, pool, root, todo))
     with pool.connection() as conn:
         synced = {**changed, **current}
         if synced:
@@ -141,7 +170,13 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
                                                   "checksums": [changed[d] for d in unread]})
         if gone:
             conn.execute(OBS.forget_gone, {"root": str(root), "ids": gone})
-    return BucketSync(scan=found, changed=list(changed), stale=stale, gone=gone, report=report)
+    done.changed += len(changed)
+    done.gone += len(gone)
+
+
+def _pages(ids: list[str]) -> Iterator[list[str]]:
+    for i in range(0, len(ids), SYNC_PAGE_DOCUMENTS):
+        yield ids[i:i + SYNC_PAGE_DOCUMENTS]
 
 
 def bucket_documents(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -66,6 +66,15 @@ class IngestReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def add(self, other: IngestReport) -> None:
+        """Count ``other`` in (one report over the pages of a run)."""
+        for f in fields(self):
+            if f.name == "errors":
+                for key, count in other.errors.items():
+                    self.errors[key] = self.errors.get(key, 0) + count
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 # -- use cases ---------------------------------------------------------------------------

@@ -46,6 +46,7 @@ CHECKSUM_HEX = 16                # 64-bit prefix of sha256: enough to tell versi
 RACY_NS = 2_000_000_000          # a file modified this close (ns) to its scan is read again on the next one
 UNREAD = "~"                     # starts the placeholder checksum of a new file no scan has read (never hex)
 READ_BLOCK = 1 << 20             # bytes per read while hashing a file
+READ_BATCH = 2_000               # rows of files to read fetched at a time from the scan's comparison
 
 
 def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
@@ -139,53 +140,70 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
     """Walk ``root`` and bring its observations up to date. Raises SourceError if it
     cannot be listed. An empty source does not mark everything gone (``empty_refused``).
     ``keep``: only the documents it accepts are observed (and only they can be gone):
-    a bucket run scans its own buckets."""
+    a bucket run scans its own buckets.
+
+    The walk is streamed into a temporary table and compared with the stored observations
+    there: the scan holds no row per file, only the files it has to read (changed, racy)
+    one batch at a time, and those few whose path is not ``root/document_id`` (symlinks,
+    escaped names)."""
     root_key = str(root)
-    stored = {doc: (checksum, size, mtime) for doc, checksum, size, mtime   # rows made one at a time
-              in conn.execute(OBS.stored, {"root": root_key})
-              if keep is None or keep(doc)}
     started_ns = time.time_ns()
+    base = os.path.join(str(Path(root).absolute()), "")   # walk's own prefix of a plain file's path
     result = Scan()
-    rows: list[tuple[str, str, int, int]] = []
-    seen: set[str] = set()
-    elsewhere = 0   # documents present outside what ``keep`` accepts
-    for doc, size, mtime_ns, found in walk(root):
-        if keep is not None and not keep(doc):
-            elsewhere += 1
-            continue
-        old = stored.get(doc)
-        seen.add(doc)
-        if old is not None and old[0] is not None and old[1] == size and old[2] == mtime_ns:
-            continue   # the prefilter: same size and mtime, not read
-        if old is None and started_ns - mtime_ns > RACY_NS:
-            # New (and settled): nothing to compare its bytes with; the run that ingests it reads it.
-            rows.append((doc, unread_checksum(size, mtime_ns), size, mtime_ns))
-            result.unread += 1
-            continue
-        item = found if isinstance(found, SourceItem) else source_item(root, doc, found, size, mtime_ns)
-        value = file_checksum(item, max_bytes)
-        result.hashed += 1
-        if value is None:
-            result.unreadable += 1   # look again next tick; the old observation stands
-            continue
-        mtime = mtime_ns if started_ns - mtime_ns > RACY_NS else 0
-        if old != (value, size, mtime):
-            rows.append((doc, value, size, mtime))
-    result.present = len(seen)
-    gone = [doc for doc, old in stored.items() if old[0] is not None and doc not in seen]
-    if not seen and not elsewhere and gone:
-        result.empty_refused, gone = len(gone), []
+    odd: dict[str, str | SourceItem] = {}    # kept documents whose file is not at base + id
+    walked = 0
+    params = {"root": root_key, "settled_before": started_ns - RACY_NS, "unread": UNREAD}
     with conn.transaction():
-        if rows:
-            conn.execute(OBS.stage_create)
-            with conn.cursor().copy(OBS.stage_copy) as copy:
-                for row in rows:
-                    copy.write_row(row)
-            conn.execute(OBS.upsert_staged, {"root": root_key})
+        conn.execute(OBS.walk_create)
+        with conn.cursor().copy(OBS.walk_copy) as copy:
+            for doc, size, mtime_ns, found in walk(root):
+                kept = keep is None or keep(doc)
+                walked += 1
+                if kept:
+                    result.present += 1
+                    if isinstance(found, SourceItem) or found != base + doc:
+                        odd[doc] = found
+                copy.write_row((doc, size, mtime_ns, kept))
+        conn.execute(OBS.walk_analyze)
+        conn.execute(OBS.stage_create)
+        # New and settled: nothing to compare their bytes with; the run that ingests them reads them.
+        result.unread = conn.execute(OBS.stage_unread, params).rowcount
+        rows: list[tuple[str, str, int, int]] = []
+        with conn.cursor(name="observations_to_read") as cur:
+            cur.itersize = READ_BATCH
+            for doc, size, mtime_ns, *old in cur.execute(OBS.walked_to_read, params):
+                found = odd.get(doc, base + doc)
+                item = found if isinstance(found, SourceItem) else source_item(root, doc, found, size, mtime_ns)
+                value = file_checksum(item, max_bytes)
+                result.hashed += 1
+                if value is None:
+                    result.unreadable += 1   # look again next tick; the old observation stands
+                    continue
+                mtime = mtime_ns if started_ns - mtime_ns > RACY_NS else 0
+                if tuple(old) != (value, size, mtime):
+                    rows.append((doc, value, size, mtime))
+                    result.written += 1
+                if len(rows) >= READ_BATCH:   # between two fetches of the cursor
+                    _stage(conn, rows)
+                    rows = []
+        _stage(conn, rows)
+        missing = [r[0] for r in conn.execute(OBS.walked_missing, params)]
+        gone = missing if keep is None else [doc for doc in missing if keep(doc)]
+        if not walked and gone:
+            result.empty_refused, gone = len(gone), []
+        conn.execute(OBS.upsert_staged, {"root": root_key})
         if gone:
             conn.execute(OBS.mark_gone, {"root": root_key, "ids": gone})
-    result.written, result.gone = len(rows), len(gone)
+    result.written += result.unread
+    result.gone = len(gone)
     return result
+
+
+def _stage(conn: psycopg.Connection, rows: list[tuple[str, str, int, int]]) -> None:
+    if rows:
+        with conn.cursor().copy(OBS.stage_copy) as copy:
+            for row in rows:
+                copy.write_row(row)
 
 
 def adopt(conn: psycopg.Connection, root: Path, docs: dict[str, str], generation: int) -> None:

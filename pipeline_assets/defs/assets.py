@@ -169,8 +169,8 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
             context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
             context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))
         run_meta: dict[str, Any] = {"partitions": len(keys), "source_root": str(root), "files_read": done.scan.hashed,
-                    "changed_documents": len(done.changed), "stale_documents": len(done.stale),
-                    "gone_documents": len(done.gone)}
+                    "changed_documents": done.changed, "stale_documents": done.stale,
+                    "gone_documents": done.gone}
         yield dg.MaterializeResult(
             asset_key=DOCUMENTS, data_version=dg.DataVersion(run_version(
                 {bucket_key(b): s.text_digest for b, s in states.items()})),

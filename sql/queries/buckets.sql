@@ -14,7 +14,9 @@ ON CONFLICT (singleton) DO NOTHING
 -- current yet (new, changed, or never synced), and gone files (checksum NULL).
 -- A file whose bytes are already its document's (ingested by the command
 -- line, or before the bucket scheme) is not: ``in_store`` says so, and the run
--- only records it as synced.
+-- only records it as synced. One page: the first %(limit)s after %(after)s in
+-- the primary key's order (a bucket run works through them page by page, so its
+-- memory does not grow with the corpus; the pages together are one index pass).
 SELECT o.document_id, o.checksum,
        EXISTS (SELECT 1 FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
                WHERE s.root = o.root AND d.document_id = o.document_id AND d.status <> 'deleted'
@@ -23,7 +25,9 @@ FROM app.source_observations o
 WHERE o.root = %(root)s
   AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s)
   AND (o.checksum IS NULL OR o.checksum IS DISTINCT FROM o.synced)
-ORDER BY o.document_id COLLATE "C"
+  AND o.document_id > %(after)s
+ORDER BY o.document_id
+LIMIT %(limit)s
 
 -- name: unobserved_current
 -- Documents of the source in some buckets that are not quarantined or deleted

@@ -1,10 +1,51 @@
 -- The source sensor's observations, app.source_observations (pipeline_assets/app/observations.py).
 
--- name: stored
--- What the sensor last saw of every file of a source: the prefilter's input.
-SELECT document_id, checksum, size, mtime_ns
-FROM app.source_observations
-WHERE root = %(root)s
+-- name: walk_create
+-- One scan's walk of the source, copied in as it goes: the comparison with the
+-- stored observations happens here, so a scan holds no row per file in Python.
+-- ``kept``: the document is one the scan observes (a bucket run's buckets).
+CREATE TEMP TABLE observations_walked (
+    document_id text NOT NULL,
+    size        bigint NOT NULL,
+    mtime_ns    bigint NOT NULL,
+    kept        boolean NOT NULL
+) ON COMMIT DROP
+
+-- name: walk_copy
+COPY observations_walked (document_id, size, mtime_ns, kept) FROM STDIN
+
+-- name: walk_analyze
+ANALYZE observations_walked
+
+-- name: stage_unread
+-- New files (no observation) modified before %(settled_before)s: staged with the
+-- placeholder checksum ``observations.unread_checksum`` makes (%(unread)s, size,
+-- '.', mtime), without reading them: the bucket run that ingests them reads them.
+INSERT INTO observations_in (document_id, checksum, size, mtime_ns)
+SELECT w.document_id, %(unread)s || w.size || '.' || w.mtime_ns, w.size, w.mtime_ns
+FROM observations_walked w
+WHERE w.kept AND w.mtime_ns < %(settled_before)s
+  AND NOT EXISTS (SELECT 1 FROM app.source_observations o
+                  WHERE o.root = %(root)s AND o.document_id = w.document_id)
+
+-- name: walked_to_read
+-- The walked files the prefilter cannot vouch for: new ones modified since
+-- %(settled_before)s (racy), gone ones back, and those whose size or mtime
+-- differ from the observation's; with that observation (NULLs: none).
+SELECT w.document_id, w.size, w.mtime_ns, o.checksum, o.size, o.mtime_ns
+FROM observations_walked w
+LEFT JOIN app.source_observations o ON o.root = %(root)s AND o.document_id = w.document_id
+WHERE w.kept
+  AND (CASE WHEN o.document_id IS NULL THEN w.mtime_ns >= %(settled_before)s
+            ELSE o.checksum IS NULL OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns END)
+
+-- name: walked_missing
+-- Observed files (with a checksum) the walk did not find, in any bucket: the
+-- scan keeps those of its own buckets as gone.
+SELECT o.document_id
+FROM app.source_observations o
+WHERE o.root = %(root)s AND o.checksum IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
 
 -- name: stage_create
 -- The observations of one scan that changed, copied in before one upsert.
