@@ -16,7 +16,7 @@ fi
 
 status=0
 for bench in b1_core b1_cli_sdk b2_provider b3_rerun b4_reconcile b5_memory b6_export b7_scale_out b8_source_sensor \
-             b9_partition_backlog b10_dagster_scale; do
+             b9_partition_backlog b10_dagster_scale b12_bucket_run_memory; do
     echo "== $bench" >&2
     "$PYTHON" "benchmarks/$bench.py" | "$PYTHON" -c 'import json, sys; print(json.dumps(json.load(sys.stdin)))' \
         || { echo "$bench failed" >&2; status=1; }
