@@ -33,6 +33,10 @@ DROP_RUNS = int(os.environ.get("PIPELINE_DROP_RUNS", "3"))
 BATCH_INPUTS = 8  # many requests per run (the default 256 would send the 60 inputs as one)
 MAX_ATTEMPTS = 5  # the default: the bound on a poison input's sends below is FREE_FAULTS + this
 POISON_SENDS_BOUND = 12
+# The per-call deadline in these runs: the faults here are dropped connections (cut at once), and a
+# timeout is a fault too, so the tests' 5 s deadline would add faults of the machine's load to the
+# fake's on a busy machine (an innocent input dead-lettered under load 10, session 10).
+CALL_TIMEOUT = "60"
 # Against a hang only: that the worker stops after a few broken answers is asserted by counting
 # them (below), not by the clock, which a loaded machine stretches.
 PROXY_STOP_SECONDS = 300.0
@@ -59,7 +63,8 @@ def _billed(fake) -> tuple[int, dict[str, int]]:
 @pytest.mark.parametrize("seed", range(DROP_RUNS))
 def test_dropped_answers_dead_letter_nothing(env, fake, clean_db, tmp_path, seed):
     write_corpus(tmp_path / "c", DOCUMENTS)
-    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "PIPELINE_BATCH_INPUTS": str(BATCH_INPUTS)}
+    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "PIPELINE_BATCH_INPUTS": str(BATCH_INPUTS),
+               "PIPELINE_CALL_TIMEOUT": CALL_TIMEOUT}
     cli("ingest", str(tmp_path / "c"), env=run_env)
     conn = clean_db
     texts = _texts(conn)
@@ -82,7 +87,7 @@ def test_dropped_answers_dead_letter_nothing(env, fake, clean_db, tmp_path, seed
 def test_a_poison_input_is_dead_lettered_alone_with_bounded_sends(env, fake, clean_db, tmp_path):
     write_corpus(tmp_path / "c", DOCUMENTS)
     (tmp_path / "c" / "poison.md").write_text("# poison\n\nDROPME every request holding this is cut off\n")
-    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS)}
+    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "PIPELINE_CALL_TIMEOUT": CALL_TIMEOUT}
     cli("ingest", str(tmp_path / "c"), env=run_env)
     conn = clean_db
     texts = _texts(conn)
