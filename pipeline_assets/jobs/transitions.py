@@ -38,7 +38,7 @@ from pipeline_assets.jobs.changes import (
     params,
 )
 from pipeline_assets.jobs.status import JobStatus
-from pipeline_assets.store import queries
+from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.vectors import param as vectors_param
 
 __all__ = ["ClaimedJob", "apply", "claim"]
@@ -110,7 +110,7 @@ _ANSWERED = {"outcome": "ok", "http_status": 200, "billed": ledger.BILLED}
 
 
 def _run(conn: psycopg.Connection, change: Change, owner: str) -> dict[int, str]:
-    values = params(change) | {"owner": owner}
+    values = params(change) | {"owner": owner, "job_ids": arrays.int8(conn, change.job_ids)}
     if isinstance(change, Complete):  # one binary vector[] encoded in one numpy pass
         values["vectors"] = vectors_param(conn, change.vectors)
         values.update(_ANSWERED)
