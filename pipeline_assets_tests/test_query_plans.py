@@ -42,7 +42,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobs import ledger, transitions
 from pipeline_assets.store import db, queries
 
 MODEL = "test/plans@8"
@@ -154,7 +154,8 @@ def _params(conn) -> dict:
             "base": 1.0, "cap": 60.0,
             "checksums": checksums, "models": [MODEL] * len(checksums), "all": False,
             "max_attempts": 5, "docs": docs, "trip": True, "floor": 1.0, "threshold": 5,
-            "failed_ids": failed}
+            "failed_ids": failed, "call": 1, "tokens": len(held), "latency_ms": 5, "outcome": "ok",
+            "http_status": 200, "billed": "yes"}
 
 
 def _statements() -> dict[str, sql.Composable]:
@@ -232,10 +233,21 @@ def test_claim_and_complete_cost_follows_the_batch_not_the_table(big_queue):
                                               (params["owner"],))]
         assert len(claimed) == BATCH
         vector = params["vecs"][0]
+        checksums = [bytes(r[0]) for r in conn.execute(
+            "SELECT chunk_checksum FROM app.embedding_jobs WHERE job_id = ANY(%s)", (claimed,))]
+        call = ledger.record_send(conn, model_id=MODEL, worker_id="w1", checksums=checksums, tokens=BATCH)
+        # The successful answer's one statement: the call settled, the jobs completed, their vectors stored.
         complete = conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(jobs.complete),
-                                dict(params, job_ids=claimed, vectors=[vector] * len(claimed))).fetchone()[0][0]
+                                dict(params, job_ids=claimed, vectors=[vector] * len(claimed), call=call, tokens=BATCH)
+                                ).fetchone()[0][0]
         assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE job_id = ANY(%s) AND status = 'ready'",
                             (claimed,)).fetchone()[0] == BATCH
+        assert conn.execute("SELECT outcome, billed, tokens, answered_at IS NOT NULL FROM app.provider_calls"
+                            " WHERE call_id = %s", (call,)).fetchone() == ("ok", "yes", BATCH, True)
+        # Every job won: the supersede of the refused ones (lost) probed no row of the job table.
+        lost = [n for n, _ in _nodes(complete["Plan"]) if n.get("Relation Name") == "embedding_jobs"
+                and n["Node Type"] == "ModifyTable" and n.get("Operation") == "Update" and n.get("Actual Rows") == 0]
+        assert lost and all(_probed(n) == 0 for n in lost), lost
 
     def buffers(p: dict) -> int:
         top = p["Plan"]
@@ -272,6 +284,12 @@ def test_the_claim_is_planned_once_per_connection_and_its_plan_follows_the_batch
         generic, custom = conn.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements"
                                        " WHERE statement LIKE '%%SKIP LOCKED%%'").fetchone()
     assert (generic, custom) == (3, 5)
+
+
+def _probed(plan: dict) -> int:
+    """Rows the scans under a plan node read (actual rows times loops)."""
+    return sum(int(n.get("Actual Rows", 0) * n.get("Actual Loops", 1)) for n, _ in _nodes(plan)
+               if "Scan" in n["Node Type"] and n.get("Relation Name") == "embedding_jobs")
 
 
 def _numbered(text: str) -> str:

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
+from pipeline_assets.jobs import ledger, models
+from pipeline_assets.jobs.changes import Complete
+from pipeline_assets.jobs.job_store import Answer, JobStore
+from pipeline_assets.providers import ModelSpec
+from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
+from pipeline_assets_tests.test_state_machine import claim_ids, drop_chunks, seed
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 
@@ -73,8 +81,6 @@ def test_a_send_whose_completion_never_commits_is_still_counted(env, fake, clean
 def test_send_then_outcome_row_by_row(conn):
     """record_send counts before the call; record_outcome settles once; a refusal takes the sends back;
     a run's budget counts the other runs' unanswered sends at their estimate."""
-    from pipeline_assets.jobs import ledger
-
     conn.execute("TRUNCATE app.provider_calls, app.input_sends")
     model, a, b = "test/ledger@2", b"\x01" * 32, b"\x02" * 32
 
@@ -101,3 +107,57 @@ def test_send_then_outcome_row_by_row(conn):
     assert rows == [(lost, "sent", "maybe", 50, True), (refused, "http_429", "no", 0, False),
                     (answered, "ok", "yes", 48, False)]
     assert ledger.tokens_today(conn, model) == 98
+
+
+def test_an_answer_settles_completes_and_supersedes_in_one_statement(clean_db, database_url):
+    """A successful answer is one statement in autocommit (jobs.sql complete): the
+    call settled (answered, billed, the provider's tokens), the held jobs whose
+    content is wanted ready with their vectors, the one whose content went away
+    superseded, the one whose lease was lost untouched; the sends counted before
+    the call stay counted once. The same answer again (a retry of the statement
+    after an ambiguous commit) changes nothing and settles nothing twice."""
+    conn = clean_db
+    spec = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10,
+                     max_batch_tokens=1000)
+    models.ensure_model(conn, spec)
+    ids = seed(conn, 4)
+    owner = "run/1"
+    assert sorted(claim_ids(conn, owner=owner)) == sorted(ids)
+    keep, also, gone, stolen = ids
+    drop_chunks(conn, gone)
+    conn.execute("UPDATE app.embedding_jobs SET lease_owner = 'run/2' WHERE job_id = %s", (stolen,))
+    checksums = dict(conn.execute("SELECT job_id, chunk_checksum FROM app.embedding_jobs WHERE job_id = ANY(%s)",
+                                  (ids,)).fetchall())
+    call = ledger.record_send(conn, model_id=spec.model_id, worker_id="w", checksums=[checksums[i] for i in ids],
+                              tokens=40)
+    vectors = tuple(np.full(4, i, dtype=np.float32) for i in range(4))
+    seen: list[tuple] = []
+
+    class Seen:
+        def applied(self, change, became):
+            seen.append((type(change).__name__, change.job_ids, became))
+
+    pool = db.make_pool(database_url, min_size=1, max_size=1)
+    try:
+        store = JobStore(pool, model_id=spec.model_id, worker_id="w", backoff_base=1, backoff_cap=1,
+                         observers=[Seen()])
+        answer = Answer(call, [], tokens=37, latency=0.25)
+        first = store.apply(owner, [Complete(tuple(ids), vectors)], answer=answer)
+        settled = conn.execute("SELECT outcome, http_status, billed, tokens, latency_ms, answered_at"
+                               " FROM app.provider_calls WHERE call_id = %s", (call,)).fetchone()
+        again = store.apply(owner, [Complete(tuple(ids), vectors)], answer=answer)
+    finally:
+        pool.close()
+    assert first == {keep: "ready", also: "ready", gone: "superseded"}
+    assert again == {}
+    assert settled[:5] == ("ok", 200, "yes", 37, 250)
+    assert conn.execute("SELECT answered_at FROM app.provider_calls WHERE call_id = %s", (call,)).fetchone()[0] \
+        == settled[5]  # settled once
+    assert seen[:2] == [("Complete", tuple(ids), {keep: "ready", also: "ready"}),
+                        ("Supersede", (gone, stolen), {gone: "superseded"})]
+    rows = dict(conn.execute("SELECT job_id, status FROM app.embedding_jobs WHERE job_id = ANY(%s)", (ids,)))
+    assert rows == {keep: "ready", also: "ready", gone: "superseded", stolen: "processing"}
+    stored = {bytes(c): list(e.to_numpy()) for c, e in conn.execute("SELECT chunk_checksum, embedding"
+                                                                    " FROM app.embeddings")}
+    assert stored == {bytes(checksums[keep]): [0.0] * 4, bytes(checksums[also]): [1.0] * 4}
+    assert [r[0] for r in conn.execute("SELECT sends FROM app.input_sends")] == [1] * 4

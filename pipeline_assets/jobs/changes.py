@@ -8,7 +8,8 @@ sql/queries/jobs.sql, named in the comment of each class), and returns what
 each job became; logging and metrics observe what was applied (``JobObserver``).
 
     Complete   processing -> ready (vector stored), or superseded when the
-               content is no longer wanted
+               content is no longer wanted; with ``call``, the answer that
+               brought the vectors is settled in the same statement
     Retry      processing -> retry, the attempt used (failed when used up)
     GiveBack   processing -> pending|retry, the attempt returned (a throttle,
                a transient fault charged to the request, an unmatchable
@@ -52,6 +53,11 @@ class ClaimedJob(NamedTuple):
 class Complete:  # jobs.sql: complete
     job_ids: tuple[int, ...]
     vectors: tuple[Any, ...]            # per job: its vector (float32)
+    # The provider call whose answer these vectors are, settled (answered, billed)
+    # by the same statement; None: settle nothing (the caller settles it, or no call).
+    call: int | None = None
+    tokens: int | None = None           # the call's tokens (the provider's usage); None keeps the estimate
+    latency_ms: int = 0                 # the call's latency
 
 
 @dataclass(frozen=True)

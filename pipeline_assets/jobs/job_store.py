@@ -12,6 +12,7 @@ Underneath: ``jobs.transitions`` (the guarded state machine), ``jobs.ledger``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.jobs import ledger, models, transitions
-from pipeline_assets.jobs.changes import Change, ClaimedJob, GiveBack, JobObserver
+from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
 from pipeline_assets.jobs.decisions import UNMATCHED_ANSWER, BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.settings import BREAKER_THRESHOLD
@@ -90,22 +91,33 @@ class JobStore:
         one statement per kind; returns what each job became (a refused job is missing).
 
         With ``answer`` (a successful call), the call's outcome is settled in the
-        ledger in the same transaction, pipelined: its send was recorded before
-        the call, so if they never commit, the send stays counted as possibly
-        billed. A deadlock with a concurrent ingest is retried: the vectors are
-        already paid for.
+        ledger in the same transaction: by the completion's own statement when
+        the answer stored vectors (``Complete.call``; a usual answer is then one
+        statement in autocommit, one round trip), otherwise by its own statement,
+        pipelined. Its send was recorded before the call, so if they never commit,
+        the send stays counted as possibly billed. A deadlock with a concurrent
+        ingest is retried: the vectors are already paid for.
         """
         if not any(c.job_ids for c in changes) and answer is None:
             return {}
+        settle = answer
+        if answer is not None and any(isinstance(c, Complete) and c.job_ids for c in changes):
+            changes = [dataclasses.replace(c, call=answer.call_id, tokens=answer.tokens,
+                                           latency_ms=int(answer.latency * 1000))
+                       if isinstance(c, Complete) and c.job_ids else c for c in changes]
+            settle = None
         with self.pool.connection() as conn:
             for attempt in range(COMPLETE_RETRIES):
                 try:
+                    if settle is None and len(merged(changes)) == 1:  # one statement: no BEGIN, no COMMIT
+                        applied = transitions.apply(conn, owner, changes)
+                        break
                     with conn.pipeline(), conn.transaction():
-                        if answer is not None:
-                            ledger.record_outcome(conn, call_id=answer.call_id, model_id=self.model_id,
-                                                  checksums=[j.chunk_checksum for j in answer.jobs], outcome="ok",
-                                                  status=200, latency=answer.latency, billed=ledger.BILLED,
-                                                  tokens=answer.tokens)
+                        if settle is not None:
+                            ledger.record_outcome(conn, call_id=settle.call_id, model_id=self.model_id,
+                                                  checksums=[j.chunk_checksum for j in settle.jobs], outcome="ok",
+                                                  status=200, latency=settle.latency, billed=ledger.BILLED,
+                                                  tokens=settle.tokens)
                         applied = transitions.apply(conn, owner, changes)
                     break
                 except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import psycopg
 
-from pipeline_assets.store import queries
+from pipeline_assets.store import arrays, queries
 
 LEDGER = queries.load("ledger")
 
@@ -33,7 +33,7 @@ def record_send(conn: psycopg.Connection, *, model_id: str, worker_id: str, chec
     call id. (Inside a caller's transaction it commits with that one, which
     then does not wait for its flush either.)"""
     return queries.scalar(conn, LEDGER.record_send, {"model": model_id, "worker": worker_id, "run": run,
-                                                     "tokens": tokens, "checksums": list(checksums)})
+                                                     "tokens": tokens, "checksums": arrays.bytea(conn, checksums)})
 
 
 def record_outcome(conn: psycopg.Connection, *, call_id: int, model_id: str, checksums: Sequence[bytes],
@@ -43,7 +43,7 @@ def record_outcome(conn: psycopg.Connection, *, call_id: int, model_id: str, che
     ``tokens`` None keeps the estimate recorded with the send. Only a refusal
     (``NOT_BILLED``) takes sends back, so only it needs the checksums."""
     conn.execute(LEDGER.record_outcome, {"call": call_id, "model": model_id,
-                                         "checksums": list(checksums) if billed == NOT_BILLED else [],
+                                         "checksums": arrays.bytea(conn, checksums if billed == NOT_BILLED else ()),
                                          "outcome": outcome, "status": status, "latency": int(latency * 1000),
                                          "billed": billed, "tokens": tokens})
 

@@ -24,6 +24,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowMaker, dict_row
 
+from pipeline_assets.jobs import ledger
 from pipeline_assets.jobs.changes import (
     Change,
     ClaimedJob,
@@ -37,7 +38,7 @@ from pipeline_assets.jobs.changes import (
     params,
 )
 from pipeline_assets.jobs.status import JobStatus
-from pipeline_assets.store import queries
+from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.vectors import param as vectors_param
 
 __all__ = ["ClaimedJob", "apply", "claim"]
@@ -79,28 +80,40 @@ def _claimed_jobs(cursor: psycopg.Cursor) -> RowMaker[ClaimedJob]:
 
 def apply(conn: psycopg.Connection, owner: str, changes: Sequence[Change]) -> list[tuple[Change, dict[int, str]]]:
     """Apply a batch of transitions of jobs held under ``owner``, one statement
-    per kind, in one transaction (unless the caller already opened one).
+    per kind, in one transaction (unless the caller already opened one; a
+    single statement on an autocommit connection is its own transaction).
 
     Returns each applied change with what its jobs became (job id -> status);
     a job missing from it was refused (its lease was lost, or it was not in the
-    state the transition leaves). A ``Complete`` whose content is no longer
-    wanted supersedes the held jobs it could not store, in the same transaction.
+    state the transition leaves). A ``Complete`` supersedes, in its own
+    statement, the held jobs whose content is no longer wanted: they are
+    returned as a ``Supersede`` of the jobs it did not store.
     """
     out: list[tuple[Change, dict[int, str]]] = []
-    with _atomic(conn):
-        for change in merged(changes):
-            became = _run(conn, change, owner)
-            out.append((change, became))
-            if isinstance(change, Complete) and len(became) < len(change.job_ids):
-                rest = Supersede(tuple(i for i in change.job_ids if i not in became))
-                out.append((rest, _run(conn, rest, owner)))
+    batch = merged(changes)
+    with _atomic(conn, len(batch)):
+        for change in batch:
+            moved = _run(conn, change, owner)
+            if not isinstance(change, Complete):
+                out.append((change, moved))
+                continue
+            ready = {i: s for i, s in moved.items() if s == JobStatus.READY}
+            out.append((change, ready))
+            if len(ready) < len(change.job_ids):
+                rest = Supersede(tuple(i for i in change.job_ids if i not in ready))
+                out.append((rest, {i: s for i, s in moved.items() if s != JobStatus.READY}))
     return out
 
 
+# The settlement of the call a Complete names: answered and billed (ledger.sql record_outcome).
+_ANSWERED = {"outcome": "ok", "http_status": 200, "billed": ledger.BILLED}
+
+
 def _run(conn: psycopg.Connection, change: Change, owner: str) -> dict[int, str]:
-    values = params(change) | {"owner": owner}
+    values = params(change) | {"owner": owner, "job_ids": arrays.int8(conn, change.job_ids)}
     if isinstance(change, Complete):  # one binary vector[] encoded in one numpy pass
         values["vectors"] = vectors_param(conn, change.vectors)
+        values.update(_ANSWERED)
     rows = conn.execute(_QUERY[type(change)], values).fetchall()
     return {job_id: status for job_id, status in rows}
 
@@ -113,11 +126,13 @@ def became(applied: Sequence[tuple[Change, dict[int, str]]]) -> dict[int, str]:
     return out
 
 
-def _atomic(conn: psycopg.Connection):
-    """A transaction, unless the caller already opened one (no savepoint round trips)."""
-    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
-        return conn.transaction()
-    return contextlib.nullcontext()
+def _atomic(conn: psycopg.Connection, statements: int):
+    """A transaction, unless the caller already opened one (no savepoint round
+    trips) or it is one statement on an autocommit connection (its own implicit
+    transaction: no BEGIN and COMMIT round trips)."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE or (statements <= 1 and conn.autocommit):
+        return contextlib.nullcontext()
+    return conn.transaction()
 
 
 # -- one transition at a time (tests, benchmarks, scripts): each is one ``apply`` --------

@@ -18,7 +18,7 @@ from pgvector.psycopg import register_vector
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.settings import Settings, redact_text
-from pipeline_assets.store import embedded_postgres, migrations, vectors
+from pipeline_assets.store import arrays, embedded_postgres, migrations, vectors
 
 # How long a new connection may take before the database counts as unreachable.
 CONNECT_TIMEOUT_SECONDS = 10
@@ -48,6 +48,7 @@ def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
 
 
 def _configure(conn: psycopg.Connection) -> None:
+    arrays.register(conn)  # job ids and checksums in one pass
     try:
         register_vector(conn)
     except psycopg.ProgrammingError:

@@ -104,12 +104,28 @@ RETURNING job_id, status
 -- name: complete
 -- changes.Complete. processing -> ready, only under this lease and only while
 -- the content is still wanted (a current chunk carries the checksum) by an
--- active model. The vector is stored in the same statement. (A held job it
--- refuses for unwanted content is then superseded by supersede_held, in the
--- same transaction.) The vectors go straight from the parameter into the
--- INSERT: the UPDATE reads only the job ids, so no vector is copied into a
--- materialized CTE or into the UPDATE's whole-row copy of its FROM item.
-WITH won AS (
+-- active model, the vector stored in the same statement; a held job it refuses
+-- for unwanted content (or a retired model) becomes superseded in the same
+-- statement (lost), so a stale result never becomes current. With a call
+-- (%(call)s not NULL) the same statement settles the provider call that
+-- answered (ledger.sql record_outcome's 'answered, billed' case; a settled
+-- call is left alone): a successful answer is one statement, one implicit
+-- transaction in autocommit, flushed before it returns (synchronous_commit is
+-- NOT lowered here: the vectors are paid for). A crash before its commit
+-- leaves the send counted as possibly billed and the jobs processing under
+-- their lease (rescued), as the transaction it replaces did.
+-- The vectors go straight from the parameter into the INSERT: the UPDATE reads
+-- only the job ids, so no vector is copied into a materialized CTE or into the
+-- UPDATE's whole-row copy of its FROM item. lost touches only the ids won did
+-- not return (usually none: no index probe at all), so no row is updated twice
+-- by the statement; under the same snapshot and lease guard it refuses what
+-- won refused for a lost lease, as supersede_held would.
+WITH settled AS (
+    UPDATE app.provider_calls
+    SET outcome = %(outcome)s, http_status = %(http_status)s, latency_ms = %(latency_ms)s, billed = %(billed)s,
+        tokens = coalesce(%(tokens)s, tokens), answered_at = clock_timestamp()
+    WHERE call_id = %(call)s AND answered_at IS NULL
+), won AS (
     UPDATE app.embedding_jobs j
     SET status = 'ready', lease_owner = NULL, lease_expires_at = NULL,
         error_class = NULL, error_message = NULL, updated_at = now()
@@ -125,12 +141,21 @@ WITH won AS (
     FROM won w JOIN unnest(%(job_ids)s::bigint[], %(vectors)b::vector[]) AS i(job_id, embedding) USING (job_id)
     ON CONFLICT (chunk_checksum, model_id)
     DO UPDATE SET embedding = EXCLUDED.embedding, created_at = now()
+), lost AS (
+    UPDATE app.embedding_jobs j
+    SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
+    WHERE j.job_id = ANY (ARRAY(SELECT unnest(%(job_ids)s::bigint[]) EXCEPT SELECT job_id FROM won))
+      AND j.status = 'processing' AND j.lease_owner = %(owner)s
+    RETURNING j.job_id, j.status
 )
 SELECT job_id, status FROM won
+UNION ALL
+SELECT job_id, status FROM lost
 
 -- name: supersede_held
 -- changes.Supersede. processing -> superseded for a lease holder whose
--- content is no longer wanted.
+-- content is no longer wanted (claimed jobs without text; complete supersedes
+-- the held jobs it refuses for unwanted content itself).
 UPDATE app.embedding_jobs
 SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
 WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(owner)s
