@@ -41,6 +41,13 @@ os.environ[SESSION_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 # took about a third of each Dagster test.
 for _name, _value in RUN_EVENT_SETTINGS.items():
     os.environ.setdefault(_name, _value)
+# The suite keeps bytecode caches even where PYTHONDONTWRITEBYTECODE is set (it is on this project's
+# machines): otherwise each xdist process rewrites the assertions of every test module again at
+# collection (~6 CPU-s each) and each interpreter the suite starts compiles again what the last one
+# compiled. Measured quiet, the whole suite: 6:07 without the caches, 5:31 with them. The caches go
+# where Python puts them (__pycache__, ignored by git); this process and every one it starts keep them.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def marked_processes(needle: str = "") -> list[psutil.Process]:
