@@ -96,7 +96,7 @@ def cli_work(url: str, env: dict, n: int, profile: Path | None = None) -> dict:
                "-o", str(profile), "--"] + cmd
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("UPDATE app.embedding_jobs SET status = 'pending', attempts = 0, faults = 0, available_at = now()")
-        conn.execute("TRUNCATE app.embeddings, app.provider_calls, app.input_sends")
+        conn.execute("TRUNCATE app.embeddings, app.provider_calls, app.input_sends_until_032")
         drop_vector_indexes(conn)
         conn.execute("VACUUM ANALYZE app.embedding_jobs")
     started, epoch0 = time.perf_counter(), time.time()

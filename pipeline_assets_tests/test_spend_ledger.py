@@ -81,7 +81,7 @@ def test_a_send_whose_completion_never_commits_is_still_counted(env, fake, clean
 def test_send_then_outcome_row_by_row(conn):
     """record_send counts before the call; record_outcome settles once; a refusal takes the sends back;
     a run's budget counts the other runs' unanswered sends at their estimate."""
-    conn.execute("TRUNCATE app.provider_calls, app.input_sends")
+    conn.execute("TRUNCATE app.provider_calls, app.input_sends_until_032")
     model, a, b = "test/ledger@2", b"\x01" * 32, b"\x02" * 32
 
     def sends() -> dict:
@@ -95,12 +95,12 @@ def test_send_then_outcome_row_by_row(conn):
     refused = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a], tokens=25, run="run-2/")
     assert sends() == {a: 2, b: 1}
     for _ in range(2):  # settled once: a second outcome changes nothing
-        ledger.record_outcome(conn, call_id=refused, model_id=model, checksums=[a], outcome="http_429", status=429,
-                              latency=0.1, billed=ledger.NOT_BILLED, tokens=0)
+        ledger.record_outcome(conn, call_id=refused, outcome="http_429", status=429, latency=0.1,
+                              billed=ledger.NOT_BILLED, tokens=0)
     assert sends() == {a: 1, b: 1}
     answered = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a, b], tokens=50, run="run-2/")
-    ledger.record_outcome(conn, call_id=answered, model_id=model, checksums=[a, b], outcome="ok", status=200,
-                          latency=0.2, billed=ledger.BILLED, tokens=48)
+    ledger.record_outcome(conn, call_id=answered, outcome="ok", status=200, latency=0.2, billed=ledger.BILLED,
+                          tokens=48)
     assert sends() == {a: 2, b: 2}  # the lost send and the answered one: duplicate spend
     rows = conn.execute("SELECT call_id, outcome, billed, tokens, answered_at IS NULL FROM app.provider_calls "
                         "ORDER BY call_id").fetchall()
@@ -141,7 +141,7 @@ def test_an_answer_settles_completes_and_supersedes_in_one_statement(clean_db, d
     try:
         store = JobStore(pool, model_id=spec.model_id, worker_id="w", backoff_base=1, backoff_cap=1,
                          observers=[Seen()])
-        answer = Answer(call, [], tokens=37, latency=0.25)
+        answer = Answer(call, tokens=37, latency=0.25)
         first = store.apply(owner, [Complete(tuple(ids), vectors)], answer=answer)
         settled = conn.execute("SELECT outcome, http_status, billed, tokens, latency_ms, answered_at"
                                " FROM app.provider_calls WHERE call_id = %s", (call,)).fetchone()

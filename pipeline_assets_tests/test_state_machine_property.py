@@ -73,7 +73,7 @@ MAX_ATTEMPTS = 3
 LEASE = 3600.0      # a lease never expires by itself during an example: expire_lease does it
 FAR = 3600.0        # a delay that is "later" until the clock is moved forward
 ALL_TABLES = """app.sources, app.documents, app.chunks, app.embedding_jobs, app.job_keys, app.embeddings,
-                app.stage_runs, app.provider_state, app.provider_calls, app.input_sends, app.workers,
+                app.stage_runs, app.provider_state, app.provider_calls, app.input_sends_until_032, app.workers,
                 app.models"""
 
 STATE_COLUMNS = ("job_id", "chunk_checksum", "model_id", "status", "attempts", "max_attempts", "lease_owner",

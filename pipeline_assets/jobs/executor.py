@@ -131,7 +131,7 @@ class Executor:
             # Requests carry only jobs with text (plan_requests leaves the unwanted out).
             result = _embed(self.provider, [j.text for j in jobs if j.text is not None])
         except ProviderError as err:
-            self.store.record_failure(call_id, jobs, err, time.monotonic() - started)
+            self.store.record_failure(call_id, err, time.monotonic() - started)
             self.report.add(provider_calls=1)
             self.view.had_failure = True
             self.carry_out(owner, jobs, self._decide(err, jobs))
@@ -139,7 +139,7 @@ class Executor:
         latency = time.monotonic() - started
         self.report.add(provider_calls=1, tokens=result.tokens)
         crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint)
-        answer = Answer(call_id, jobs, result.tokens, latency)
+        answer = Answer(call_id, result.tokens, latency)
         stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
                                        model_id=self.provider.spec.model_id)
         if stop is not None:
@@ -209,11 +209,11 @@ class Executor:
         try:
             result = self.provider.embed([CONFIG_PROBE_TEXT])
             ok = True
-            self.store.record_outcome(call_id, [], outcome="config_probe", status=200,
+            self.store.record_outcome(call_id, outcome="config_probe", status=200,
                                       latency=time.monotonic() - started, billed=ledger.BILLED, tokens=result.tokens)
         except ProviderError as err:
             ok = err.kind != TERMINAL
-            self.store.record_failure(call_id, [], err, time.monotonic() - started, prefix="config_probe_")
+            self.store.record_failure(call_id, err, time.monotonic() - started, prefix="config_probe_")
         self.view.config_ok = ok
         self.report.add(provider_calls=1)
 

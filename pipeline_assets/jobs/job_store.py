@@ -36,7 +36,6 @@ COMPLETE_RETRIES = 3
 class Answer:
     """A provider answer to settle in the ledger together with the transitions it led to."""
     call_id: int
-    jobs: Sequence[ClaimedJob]
     tokens: int
     latency: float
 
@@ -114,10 +113,8 @@ class JobStore:
                         break
                     with conn.pipeline(), conn.transaction():
                         if settle is not None:
-                            ledger.record_outcome(conn, call_id=settle.call_id, model_id=self.model_id,
-                                                  checksums=[j.chunk_checksum for j in settle.jobs], outcome="ok",
-                                                  status=200, latency=settle.latency, billed=ledger.BILLED,
-                                                  tokens=settle.tokens)
+                            ledger.record_outcome(conn, call_id=settle.call_id, outcome="ok", status=200,
+                                                  latency=settle.latency, billed=ledger.BILLED, tokens=settle.tokens)
                         applied = transitions.apply(conn, owner, changes)
                     break
                 except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
@@ -173,20 +170,18 @@ class JobStore:
             return ledger.record_send(conn, model_id=self.model_id, worker_id=self.worker_id, run=self.run,
                                       checksums=[j.chunk_checksum for j in jobs], tokens=tokens)
 
-    def record_outcome(self, call_id: int, jobs: Sequence[ClaimedJob], *, outcome: str, status: int | None,
-                       latency: float, billed: str, tokens: int | None = None) -> None:
+    def record_outcome(self, call_id: int, *, outcome: str, status: int | None, latency: float, billed: str,
+                       tokens: int | None = None) -> None:
         with self.pool.connection() as conn:
-            ledger.record_outcome(conn, call_id=call_id, model_id=self.model_id,
-                                  checksums=[j.chunk_checksum for j in jobs], outcome=outcome, status=status,
-                                  latency=latency, billed=billed, tokens=tokens)
+            ledger.record_outcome(conn, call_id=call_id, outcome=outcome, status=status, latency=latency,
+                                  billed=billed, tokens=tokens)
 
-    def record_failure(self, call_id: int, jobs: Sequence[ClaimedJob], err: ProviderError, latency: float,
-                       prefix: str = "") -> None:
+    def record_failure(self, call_id: int, err: ProviderError, latency: float, prefix: str = "") -> None:
         """Settle a failed send: an ambiguous failure (timeout, dropped answer) may
         have been billed and keeps its estimated tokens; a refusal was not billed."""
         # An answer that could not be matched to its inputs was answered, so billed.
         maybe = err.billed_maybe or err.error_class == UNMATCHED_ANSWER
-        self.record_outcome(call_id, jobs, outcome=prefix + err.error_class, status=err.status, latency=latency,
+        self.record_outcome(call_id, outcome=prefix + err.error_class, status=err.status, latency=latency,
                             billed=ledger.MAYBE_BILLED if maybe else ledger.NOT_BILLED, tokens=None if maybe else 0)
 
     def tokens_today_of_others(self) -> int:

@@ -2,14 +2,15 @@
 
 Each send is recorded *before* the request goes out, in its own short
 transaction (``record_send``: one statement, one round trip): the call row starts as ``sent`` and possibly
-billed, with the estimated tokens of its inputs, and every input's send is
-counted at once. The outcome settles it afterwards (``record_outcome``): an
-answer is billed with the provider's usage; an ambiguous failure (timeout,
-dropped connection) stays possibly billed with the estimate; a refusal (429,
-5xx, 4xx) was not billed and takes the sends back. So a send whose answer never
-came (the worker was killed mid-call, the completion failed) is still counted,
-and the inputs sent more than once for the same content and model are exactly
-the duplicate spend that ``status`` reports.
+billed, with the estimated tokens of its inputs and their checksums, so every
+input's send is counted at once (the view ``app.input_sends`` counts them). The
+outcome settles it afterwards (``record_outcome``): an answer is billed with
+the provider's usage; an ambiguous failure (timeout, dropped connection) stays
+possibly billed with the estimate; a refusal (429, 5xx, 4xx) was not billed and
+its sends no longer count. So a send whose answer never came (the worker was
+killed mid-call, the completion failed) is still counted, and the inputs sent
+more than once for the same content and model are exactly the duplicate spend
+that ``status`` reports.
 """
 
 from __future__ import annotations
@@ -36,16 +37,13 @@ def record_send(conn: psycopg.Connection, *, model_id: str, worker_id: str, chec
                                                      "tokens": tokens, "checksums": arrays.bytea(conn, checksums)})
 
 
-def record_outcome(conn: psycopg.Connection, *, call_id: int, model_id: str, checksums: Sequence[bytes],
-                   outcome: str, status: int | None, latency: float, billed: str,
-                   tokens: int | None = None) -> None:
+def record_outcome(conn: psycopg.Connection, *, call_id: int, outcome: str, status: int | None, latency: float,
+                   billed: str, tokens: int | None = None) -> None:
     """Settle a recorded send (once; a second outcome for the same call changes nothing).
-    ``tokens`` None keeps the estimate recorded with the send. Only a refusal
-    (``NOT_BILLED``) takes sends back, so only it needs the checksums."""
-    conn.execute(LEDGER.record_outcome, {"call": call_id, "model": model_id,
-                                         "checksums": arrays.bytea(conn, checksums if billed == NOT_BILLED else ()),
-                                         "outcome": outcome, "status": status, "latency": int(latency * 1000),
-                                         "billed": billed, "tokens": tokens})
+    ``tokens`` None keeps the estimate recorded with the send. A refusal
+    (``NOT_BILLED``) takes the call's sends back: only billed or possibly billed calls count."""
+    conn.execute(LEDGER.record_outcome, {"call": call_id, "outcome": outcome, "status": status,
+                                         "latency": int(latency * 1000), "billed": billed, "tokens": tokens})
 
 
 def record_call(conn: psycopg.Connection, *, model_id: str, worker_id: str, jobs: Sequence, tokens: int,
