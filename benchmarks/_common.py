@@ -56,6 +56,26 @@ def fresh_database(tag: str) -> Iterator[str]:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+# How long settle() waits for the server's background work (autovacuum) to end.
+SETTLE_TIMEOUT_SECONDS = 60.0
+
+
+def settle(url: str) -> float:
+    """Start a measurement from a quiet server: no autovacuum worker running (one
+    triggered by the last measurement's writes would take CPU from this one on a
+    2-core machine). No CHECKPOINT: it would make the next measurement write a
+    full page image of every page it touches first. Returns the seconds waited."""
+    started = time.monotonic()
+    with psycopg.connect(url, autocommit=True) as conn:
+        while time.monotonic() - started < SETTLE_TIMEOUT_SECONDS:
+            busy = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+                                ).fetchone()[0]
+            if not busy:
+                break
+            time.sleep(0.2)
+    return time.monotonic() - started
+
+
 class Timer:
     def __enter__(self) -> Timer:
         self.start = time.perf_counter()

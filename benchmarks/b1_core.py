@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import psycopg
-from _common import Timer, emit, fresh_database, rate
+from _common import Timer, emit, fresh_database, rate, settle
 from pgvector.psycopg import register_vector
 
 from pipeline_assets.app.ingest import ingest_directory
@@ -40,7 +40,7 @@ from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
 # Rounds of the worker / COPY / pgqueuer measurements; the medians are reported.
-ROUNDS = 3
+ROUNDS = 5
 
 
 class ZeroLatencyProvider:
@@ -252,7 +252,9 @@ def main() -> None:
             models.ensure_model(conn, provider.spec)  # jobs are enqueued for active models
             out["ingest"] = bench_ingest(conn, main_dir, n)
         # Interleaved rounds (worker, COPY, pgqueuer) and medians: one round of
-        # each takes seconds, and this shared 2-core machine is noisy.
+        # each takes seconds, and this shared 2-core machine is noisy. Each
+        # measurement starts from a settled server (settle: no autovacuum
+        # running), so none pays for the background work of the one before.
         worker_runs, copy_runs, pgq_runs = [], [], []
         for r in range(ROUNDS):
             p_r = provider if r == 0 else ZeroLatencyProvider(dim, name=f"zero-latency-r{r}")
@@ -261,8 +263,11 @@ def main() -> None:
                     models.ensure_model(conn, p_r.spec)
                     transitions.enqueue_missing(conn, max_attempts=5)
                     conn.execute("UPDATE app.models SET active = false WHERE model_id <> %s", (p_r.spec.model_id,))
+            settle(url)
             worker_runs.append(with_wal(url, n, bench_worker, url, p_r, n))
+            settle(url)
             copy_runs.append(with_wal(url, n, bench_copy, url, n, dim))
+            settle(url)
             pgq_runs.append(bench_pgqueuer(url, n, install=(r == 0), with_batch100=(r == 0)))
         with db.connect(url) as conn:  # the first model again, for the diagnostics below
             conn.execute("UPDATE app.models SET active = (model_id = %s)", (provider.spec.model_id,))

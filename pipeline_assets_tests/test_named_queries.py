@@ -48,7 +48,7 @@ SELECT %(x)s
 """
     parsed = queries.parse(text)
     assert list(parsed) == ["one", "two"]
-    assert parsed["one"] == "-- What one does.\nSELECT 1"
+    assert parsed["one"] == "SELECT 1"  # the documenting comment stays in the file, not in the text sent
     assert parsed["two"] == "SELECT %(x)s"
 
 
@@ -62,6 +62,8 @@ def test_parse_rejects_empty_blocks():
         queries.parse("-- name: a\n\n-- name: b\nSELECT 2\n")
     with pytest.raises(ValueError, match="'b' is empty"):
         queries.parse("-- name: a\nSELECT 1\n-- name: b\n   \n")
+    with pytest.raises(ValueError, match="'b' is empty"):
+        queries.parse("-- name: a\nSELECT 1\n-- name: b\n-- only a comment\n")
 
 
 def test_parse_rejects_a_file_without_names():

@@ -271,7 +271,7 @@ def test_the_claim_is_planned_once_per_connection_and_its_plan_follows_the_batch
     claim as a tenth of the queue and joined it to a sequential scan.)"""
     conn = big_queue
     for scoped in (False, True):
-        numbered = _numbered(transitions.claim_statement(scoped, BATCH).as_string(conn))
+        numbered = _numbered(transitions.claim_statement(scoped, BATCH).decode())
         plan = conn.execute(sql.SQL("EXPLAIN (GENERIC_PLAN, FORMAT JSON) ") + sql.SQL(numbered)).fetchone()[0][0]
         seq = [n["Relation Name"] for n, _ in _nodes(plan["Plan"])
                if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in JOB_TABLES]

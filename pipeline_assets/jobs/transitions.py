@@ -51,12 +51,13 @@ _QUERY = {Complete: JOBS.complete, Retry: JOBS.fail_retryable, GiveBack: JOBS.gi
 
 
 @functools.cache
-def claim_statement(scoped: bool, limit: int) -> sql.Composed:
-    """The claim statement for one scope and batch size, composed once per process.
-    The batch size is a literal so that the plan the server caches for the
-    prepared statement is costed for it (see jobs.sql: claim)."""
+def claim_statement(scoped: bool, limit: int) -> bytes:
+    """The claim statement for one scope and batch size, composed (and encoded)
+    once per process: psycopg would compose a ``sql.Composed`` again at every
+    execute. The batch size is a literal so that the plan the server caches for
+    the prepared statement is costed for it (see jobs.sql: claim)."""
     scope = JOBS.claim_scope_docs if scoped else JOBS.claim_scope_all
-    return sql.SQL(JOBS.claim).format(scope=sql.SQL(scope), limit=sql.Literal(int(limit)))
+    return sql.SQL(JOBS.claim).format(scope=sql.SQL(scope), limit=sql.Literal(int(limit))).as_bytes(None)
 
 
 def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int, lease_seconds: float,

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
-from pgvector.psycopg import register_vector
+from pgvector.psycopg.vector import register_vector_info
+from psycopg.types import TypeInfo
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.settings import Settings, redact_text
@@ -49,11 +50,12 @@ def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
 
 def _configure(conn: psycopg.Connection) -> None:
     arrays.register(conn)  # job ids and checksums in one pass
-    try:
-        register_vector(conn)
-    except psycopg.ProgrammingError:
-        # The vector extension does not exist yet (before the first migration).
-        return
+    # Only the vector type: pgvector's register_vector looks up four types (vector, bit, halfvec,
+    # sparsevec), a catalog query each, on every new connection; halfvec is only cast to in SQL.
+    info = TypeInfo.fetch(conn, "vector")
+    if info is None:
+        return  # the vector extension does not exist yet (before the first migration)
+    register_vector_info(conn, info)
     vectors.register(conn)  # a completion's vectors in one numpy pass
 
 

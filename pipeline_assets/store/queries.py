@@ -2,9 +2,13 @@
 
 Each table family keeps its SQL in one plain-SQL file, in blocks introduced by
 a ``-- name: <query_name>`` line (the comment lines right after it document
-the query). Python code refers to a query by name and passes parameters by
-name; no SQL is assembled from strings. Dynamic identifiers (an index name, a
-vector dimension) go through ``psycopg.sql`` at the call site.
+the query; they stay in the file: the text sent is the SQL from its first
+line that is not a comment, so the server's pg_stat_activity, which keeps a
+query's first 1 kB, shows the statement, and the client encodes, hashes and
+(up to 4 kB) caches the conversion of a short text at every execute).
+Python code refers to a query by name and passes parameters by name; no SQL
+is assembled from strings. Dynamic identifiers (an index name, a vector
+dimension) go through ``psycopg.sql`` at the call site.
 
     JOBS = queries.load("jobs")
     conn.execute(JOBS.claim, {...})
@@ -44,7 +48,7 @@ def parse(text: str, *, source: str = "<sql>") -> dict[str, str]:
     out: dict[str, str] = {}
     for i, mark in enumerate(marks):
         end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
-        body = text[mark.end():end].strip()
+        body = _without_leading_comments(text[mark.end():end])
         name = mark.group(1)
         if name in out:
             raise ValueError(f"{source}: query {name!r} defined twice")
@@ -52,6 +56,15 @@ def parse(text: str, *, source: str = "<sql>") -> dict[str, str]:
             raise ValueError(f"{source}: query {name!r} is empty")
         out[name] = body
     return out
+
+
+def _without_leading_comments(block: str) -> str:
+    """The SQL of a block: its documenting comment lines (and blank lines) before
+    the first line of SQL dropped; comments inside the statement are kept."""
+    lines = block.strip().splitlines()
+    while lines and (not lines[0].strip() or lines[0].lstrip().startswith("--")):
+        lines.pop(0)
+    return "\n".join(lines).strip()
 
 
 class NamedQueries:
