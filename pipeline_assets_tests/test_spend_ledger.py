@@ -161,3 +161,21 @@ def test_an_answer_settles_completes_and_supersedes_in_one_statement(clean_db, d
                                                                     " FROM app.embeddings")}
     assert stored == {bytes(checksums[keep]): [0.0] * 4, bytes(checksums[also]): [1.0] * 4}
     assert [r[0] for r in conn.execute("SELECT sends FROM app.input_sends")] == [1] * 4
+
+
+def test_sends_counted_before_032_are_added_to_the_calls(conn):
+    """Migration 032 moved the count into the call rows; the counts written before it
+    (app.input_sends_until_032) still count, added to the calls' own."""
+    conn.execute("TRUNCATE app.provider_calls, app.input_sends_until_032")
+    model, a, b = "test/ledger@032", b"\x03" * 32, b"\x04" * 32
+    conn.execute("INSERT INTO app.input_sends_until_032 (chunk_checksum, model_id, sends) VALUES (%s, %s, 2)",
+                 (a, model))
+    ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a, b], tokens=2)
+    refused = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[b], tokens=1)
+    ledger.record_outcome(conn, call_id=refused, outcome="http_500", status=500, latency=0.1,
+                          billed=ledger.NOT_BILLED, tokens=0)
+    sends = {bytes(k): n for k, n in conn.execute("SELECT chunk_checksum, sends FROM app.input_sends"
+                                                  " WHERE model_id = %s", (model,))}
+    assert sends == {a: 3, b: 1}
+    inputs = conn.execute("SELECT inputs, cardinality(checksums) FROM app.provider_calls ORDER BY call_id").fetchall()
+    assert inputs == [(2, 2), (1, 1)]
