@@ -17,12 +17,12 @@ ALTER TABLE app.provider_calls ALTER COLUMN checksums SET STORAGE EXTERNAL;
 ALTER TABLE app.input_sends RENAME TO input_sends_until_032;
 ALTER TABLE app.input_sends_until_032 RENAME CONSTRAINT input_sends_pkey TO input_sends_until_032_pkey;
 
+-- One aggregation over the calls' inputs (and the counts from before 032).
 CREATE VIEW app.input_sends AS
 SELECT chunk_checksum, model_id, sum(sends)::int AS sends
-FROM (SELECT s.chunk_checksum, c.model_id, count(*) AS sends
+FROM (SELECT s.chunk_checksum, c.model_id, 1 AS sends
       FROM app.provider_calls c CROSS JOIN LATERAL unnest(c.checksums) AS s(chunk_checksum)
       WHERE c.billed <> 'no'
-      GROUP BY s.chunk_checksum, c.model_id
       UNION ALL
-      SELECT chunk_checksum, model_id, sends FROM app.input_sends_until_032) AS counted
+      SELECT chunk_checksum, model_id, sends FROM app.input_sends_until_032) AS sent
 GROUP BY chunk_checksum, model_id;

@@ -57,8 +57,8 @@ def status(conn: psycopg.Connection) -> StatusReport:
     coverage = {r["model_id"]: {"ready": r["ready"], "wanted": r["wanted"],
                                 "ratio": (r["ready"] / r["wanted"] if r["wanted"] else 1.0)}
                 for r in _dicts(conn, REPORTS.coverage)}
-    spend = {r.pop("model_id"): r for r in _dicts(conn, REPORTS.spend)}
-    for r in _dicts(conn, REPORTS.duplicate_sends):
+    spend = {r.pop("model_id"): r | {"duplicate_inputs": 0, "extra_sends": 0} for r in _dicts(conn, REPORTS.spend)}
+    for r in _dicts(conn, REPORTS.duplicate_sends):  # only the models with duplicate sends
         per_model = spend.setdefault(r["model_id"], {"calls": 0, "tokens": 0, "inputs_ok": 0, "failed_calls": 0})
         per_model["duplicate_inputs"] = r["inputs_sent_more_than_once"]
         per_model["extra_sends"] = r["extra_sends"]

@@ -36,11 +36,21 @@ FROM app.provider_calls GROUP BY model_id ORDER BY model_id
 
 -- name: duplicate_sends
 -- The duplicate spend: inputs sent (billed or possibly billed: an unanswered
--- send counts) more than once for the same content and model. A send the
--- provider refused is taken back, so sends may be 0.
-SELECT model_id, count(*) FILTER (WHERE sends > 1) AS inputs_sent_more_than_once,
-       coalesce(sum(sends - 1) FILTER (WHERE sends > 1), 0) AS extra_sends
-FROM app.input_sends GROUP BY model_id ORDER BY model_id
+-- send counts) more than once for the same content and model; a model without
+-- any has no row. A send the provider refused does not count. Read straight
+-- from the calls' inputs (what the view app.input_sends counts), keeping only
+-- the inputs sent more than once: one aggregation of every input sent (at
+-- 1,000,000 inputs about 3 s on the loaded 2-core machine, where the view's
+-- nested grouping took 7 s).
+SELECT model_id, count(*) AS inputs_sent_more_than_once, sum(sends - 1)::bigint AS extra_sends
+FROM (SELECT chunk_checksum, model_id, sum(sends)::bigint AS sends
+      FROM (SELECT s.chunk_checksum, c.model_id, 1 AS sends
+            FROM app.provider_calls c CROSS JOIN LATERAL unnest(c.checksums) AS s(chunk_checksum)
+            WHERE c.billed <> 'no'
+            UNION ALL
+            SELECT chunk_checksum, model_id, sends FROM app.input_sends_until_032) AS sent
+      GROUP BY chunk_checksum, model_id HAVING sum(sends) > 1) AS twice
+GROUP BY model_id ORDER BY model_id
 
 -- name: breaker
 -- The shared circuit breaker of each model that has met a provider failure:
