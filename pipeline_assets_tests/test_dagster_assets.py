@@ -198,6 +198,28 @@ def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, con
     assert "\n" not in description
 
 
+def test_refresh_and_reconciliation_runs_check_the_bucket_count_too(corpus, conn, fake, monkeypatch):
+    """Every run that reports buckets checks the count: with 8 configured on a 64-bucket database,
+    refresh_documents and the reconciliation fail with one line before changing anything."""
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success   # fixes 64
+    billed = fake.stats["billed_inputs"]
+    monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
+    (corpus / "doc0001.md").write_text("# edited\n\nwords nobody ingested yet\n")
+    before = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    defs = fresh_defs()
+    refresh = defs.resolve_job_def("refresh_documents").execute_in_process(
+        instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
+        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}})
+    reconcile = execute(defs, dg.DagsterInstance.ephemeral(), job="reconcile_job")
+    for result, node in ((refresh, "refresh_documents_op"), (reconcile, "reconciliation")):
+        assert not result.success
+        description = result.failure_data_for_node(node).user_failure_data.description
+        assert "64 buckets" in description and "PIPELINE_PARTITION_BUCKETS=64" in description
+        assert "\n" not in description
+    after = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    assert after == before and fake.stats["billed_inputs"] == billed
+
+
 def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, conn, fake, server_url):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()

@@ -61,8 +61,8 @@ def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
         started = time.monotonic()
         rt = embedding_provider.runtime(run_id=context.run.run_id)
         root = str(source.root_path(rt.settings))
+        n = postgres.bucket_count(rt.settings.partition_buckets)
         with postgres.connection() as conn:
-            n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
             since = stages.clock(conn)
         report = reconcile_all(rt, postgres.pool(), rescan=True)
         with postgres.connection() as conn:

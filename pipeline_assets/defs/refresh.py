@@ -83,8 +83,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     root = source.root_path(rt.settings)
     ids = select_documents(root, config.document_ids, config.glob)
     pool = postgres.pool()
-    with postgres.connection() as conn:
-        n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
+    n = postgres.bucket_count(rt.settings.partition_buckets)
     report = ingest_documents(rt, pool, root, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
         observations.mark_synced_as_stored(conn, root, ids)
