@@ -32,6 +32,14 @@ Backpressure. While a run this sensor requested is queued or running, a tick
 requests nothing and does not scan (a walk of 100k files is seconds of the
 machine the run is using); the next free tick scans and requests what changed.
 
+Failed runs. A run that fails or is cancelled before it syncs its files leaves
+them requested but unsynced; the next free tick (every earlier request has
+ended then) gives them a time to be requested again
+(``observations.schedule_retries``: 60 s after the first failed request,
+doubling per request of the same bytes, at most an hour), and a tick after it
+requests them under a new key. The document keeps its stored chunks and
+vectors meanwhile: the run-failure reconciliation does not re-read the source.
+
 Deletions. A vanished file is pending until the bucket run tombstones its
 document and forgets its row. A source that cannot be scanned (missing or
 unreadable directory) is a failed tick, shown in the UI, and deletes nothing;
@@ -119,10 +127,14 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
             return dg.SensorResult(cursor=cursor, skip_reason=(
                 f"source {root} is empty but {found.empty_refused} documents were seen before; "
                 "refusing to delete them all"))
+        # None of the sensor's runs in flight: the requests of earlier generations have ended.
+        retries = None if in_flight else observations.schedule_retries(conn, root, generation)
         todo = observations.pending_buckets(conn, root, generation, n)
         if not todo:
+            waiting = (f"; {retries.waiting} file(s) of failed or cancelled runs requested again in "
+                       f"{retries.next_in:.0f} s" if retries and retries.waiting else "")
             return dg.SensorResult(cursor=cursor, skip_reason=(
-                f"no change among {found.present} documents ({found.hashed} file(s) read)"))
+                f"no change among {found.present} documents ({found.hashed} file(s) read){waiting}"))
         files = sum(p.documents for p in todo)
         if in_flight:   # a cursor that was empty or legacy: the tick above seeded the table first
             # Backpressure: nothing is marked requested, so the next free tick asks for all of it.
