@@ -269,7 +269,8 @@ def schedule_retries(conn: psycopg.Connection, root: Path, generation: int) -> R
     say how many still wait."""
     params = {"root": str(root), "generation": generation, "base": RETRY_BASE_SECONDS, "cap": RETRY_CAP_SECONDS}
     conn.execute(OBS.schedule_retries, params)
-    waiting, next_in = conn.execute(OBS.waiting_retries, params).fetchone()
+    row = conn.execute(OBS.waiting_retries, params).fetchone()
+    waiting, next_in = row if row is not None else (0, None)
     return Retries(int(waiting), None if next_in is None else max(float(next_in), 0.0))
 
 
