@@ -478,3 +478,39 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
     statuses = dict(conn.execute("SELECT document_id, status FROM app.documents").fetchall())
     assert sorted(d for d, s in statuses.items() if s == "deleted") == ["doc0002.md", "doc0005.md", "doc0007.md"]
     assert sum(s == "current" for s in statuses.values()) == 6
+
+
+def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_documents_in_pages(corpus, conn, fake,
+                                                                                            monkeypatch):
+    """After a parser fix a run over some buckets selects their stale documents in the database, a
+    page at a time (pages of 2 here): it never reads another bucket's, nor more than a page at once."""
+    from pipeline_assets.app import stages
+
+    for i in range(4, 12):
+        (corpus / f"doc{i:04d}.md").write_text(f"# extra {i}\n\nwords of document {i}\n")
+        os.utime(corpus / f"doc{i:04d}.md", (time.time() - 3600,) * 2)
+    docs = sorted(p.name for p in corpus.iterdir())
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL)).success
+    wanted = sorted({bucket_index(d, 64) for d in docs[:6]})
+    inside = [d for d in docs if bucket_index(d, 64) in wanted]
+    assert 3 <= len(inside) < len(docs)
+
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    monkeypatch.setattr(bk, "SYNC_PAGE_DOCUMENTS", 2)
+    reads: list[list[str]] = []
+    real = stages.rerun_targets
+
+    def recorded(conn, **filters):
+        rows = real(conn, **filters)
+        reads.append([t.document_id for t in rows])
+        return rows
+
+    monkeypatch.setattr(stages, "rerun_targets", recorded)
+    with dg.build_resources(build_resources(Settings.from_env())) as res:
+        done = bk.sync_buckets(res.embedding_provider.runtime(), res.postgres.pool(), corpus, wanted, 64)
+    assert done.stale == len(inside) and done.changed == 0
+    assert reads and max(len(r) for r in reads) <= 2
+    assert sorted(d for r in reads for d in r) == inside            # only its buckets' documents, each once
+    versions = dict(conn.execute("SELECT d.document_id, s.code_version FROM app.stage_runs s "
+                                 "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
+    assert versions == {d: "extract-2" if d in inside else "extract-1" for d in docs}

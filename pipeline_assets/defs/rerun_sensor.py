@@ -50,7 +50,7 @@ from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request
 
-RERUN_SCAN_LIMIT = 100_000   # stale documents one tick reads from the database
+RERUN_SCAN_LIMIT = 100_000   # stale targets of the source one tick reads (the run redoes every one)
 RERUN_CURSOR_VERSION = 1
 # Seconds between ticks: how long a restart with a code fix waits for its rerun, at most.
 RERUN_INTERVAL_SECONDS = 10
@@ -166,9 +166,9 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
                              f"at most {RERUN_RETRY_CAP_SECONDS:.0f} s)")
     root = str(source.root_path(rt.settings))
     # The same selection as `pipeline-assets rerun --stale`, for both stages.
-    targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True,
+    targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True, root=root,
                               limit=RERUN_SCAN_LIMIT)
-    docs = sorted({t.document_id for t in targets if t.root == root})
+    docs = sorted({t.document_id for t in targets})
     epoch, generation = state.epoch, state.generation
     if not docs:
         return dg.SensorResult(cursor=encode_rerun_cursor(epoch, generation, (versions, now)),
