@@ -41,6 +41,7 @@ from pipeline_assets.defs.resources import (
     SourceDirectoryResource,
 )
 from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.providers import ConfigError
 
 REFRESH_JOB_NAME = "refresh_documents"
 REFRESH_OP_NAME = "refresh_documents_op"
@@ -93,6 +94,8 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     except FatalProviderError as exc:
         raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                          allow_retries=False) from None
+    except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     except EmbedIncomplete as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     touched = bk.buckets_of(ids, n)
