@@ -67,9 +67,10 @@ def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
     """The reconciliation asset."""
 
     @dg.asset(name="reconciliation", group_name=GROUP, kinds={"postgres"},
-              description="Re-scan every ingested source and repair the job table (core reconcile()). "
-                          "Buckets of the watched source in which it added, changed or tombstoned documents "
-                          "get documents/chunks materializations. Its counts are numeric metadata.")
+              description="Re-scan every ingested source and repair the job table (core reconcile(); "
+                          "config rescan: false repairs the job table only). Buckets of the watched source in "
+                          "which it added, changed or tombstoned documents get documents/chunks "
+                          "materializations. Its counts are numeric metadata.")
     def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, postgres: PostgresResource,
                        embedding_provider: EmbeddingProviderResource,
                        source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
