@@ -16,7 +16,7 @@ from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.sensors import decode_cursor, rerun_stale_documents_sensor, source_documents_sensor
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     evaluate_sensor,
@@ -327,7 +327,7 @@ def _served(conn, document_id: str) -> tuple[str, int, int]:
 
 
 def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable(corpus, conn, fake, instance,
-                                                                                monkeypatch):
+                                                                                monkeypatch, env):
     """A changed file whose run failed (or was cancelled) before syncing it is requested again, after a
     backoff that grows per failed request; meanwhile its stored chunks and vectors stay served (the
     run-failure repair reads no source file), and at the end it is served with the new text's vectors."""
@@ -404,6 +404,8 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
     text, chunks, vectors = _served(conn, "doc0001.md")
     assert "the edit that has to reach search" in text and chunks == vectors > 0
     assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message
+    hits = json.loads(cli("search", "the edit that has to reach search", "--json", env=env).stdout)
+    assert hits[0]["document_id"] == "doc0001.md" and hits[0]["distance"] is not None
 
 
 def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
