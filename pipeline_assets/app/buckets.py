@@ -15,7 +15,8 @@ source and the code, doing only what is needed:
    nothing; nor is a new file: step 2 reads it);
 2. ingest what a bucket run has not synced yet (new or changed bytes), what is
    stale (extracted or chunked under another code version than the current
-   one: a parser fix), and tombstone what is gone;
+   one: a parser fix; selected in the database for the source and the buckets,
+   a page at a time), and tombstone what is gone;
 3. record what it synced, so the next run skips it (for a new file, the
    checksum of the bytes it ingested).
 
