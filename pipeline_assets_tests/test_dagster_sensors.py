@@ -666,3 +666,38 @@ def test_buckets_a_backfill_already_synced_are_not_requested_again(corpus, conn,
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
     assert request.partition_key == bucket_of("doc0001.md") or requested_keys(instance, request) == ALL
+
+
+def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(corpus, conn, fake, instance):
+    """The run ingests the edit (the file is synced), then its embeddings step fails: the document's
+    new chunks have no vector. The next free tick hands the file to the same backoff as an unsynced
+    one, and the run requested after it embeds them."""
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    assert execute(defs, instance, tick.run_requests[0]).success
+    (corpus / "doc0001.md").write_text("# doc 1\n\ningested but never embedded by its run\n")
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (request,) = tick.run_requests
+    failed = defs.resolve_job_def("embed_documents").execute_in_process(   # no worker comes before its deadline
+        instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False,
+        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
+    assert not failed.success
+    text, chunks, vectors = _served(conn, "doc0001.md")
+    assert "never embedded" in text and vectors < chunks                 # synced, not searchable
+    assert conn.execute("SELECT synced = checksum FROM app.source_observations "
+                        "WHERE document_id = 'doc0001.md'").fetchone()[0]
+
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert not held.run_requests and "1 file(s) of failed or cancelled runs requested again in" in held.skip_message
+    attempts, wait = _retry_state(conn, "doc0001.md")
+    assert attempts == 1 and 50 < wait <= 60
+    again = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)   # handled once, not again
+    assert not again.run_requests and again.cursor == held.cursor
+    _retries_due(conn)
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
+    (retry,) = tick.run_requests
+    assert retry.partition_key == bucket_of("doc0001.md") and retry.run_key != request.run_key
+    assert execute(defs, instance, retry).success
+    text, chunks, vectors = _served(conn, "doc0001.md")
+    assert "never embedded" in text and chunks == vectors > 0
+    assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message

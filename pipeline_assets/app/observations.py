@@ -24,7 +24,9 @@ request with the sensor generation that requested it.
   (failed, cancelled, never launched) is not lost: at a tick with none of the
   sensor's runs in flight, its files get a time to be requested again,
   RETRY_BASE_SECONDS after the first failed request, doubling with each
-  request of the same bytes, at most RETRY_CAP_SECONDS.
+  request of the same bytes, at most RETRY_CAP_SECONDS. A failed run that
+  synced files but did not embed them (``unsync_unembedded``) has those files
+  requested again the same way.
 
 Known limit of the prefilter: a rewrite that keeps both size and mtime (``cp -p``,
 ``tar`` restoring old bytes) is not seen by the sensor; reconciliation checksums
@@ -278,3 +280,12 @@ def retry_now(conn: psycopg.Connection, root: Path, document_ids: Sequence[str])
     """Documents re-ingested behind the sensor's back (a reconciliation): those waiting out a
     failed request's backoff are due now, so their bucket run, which embeds them, comes next."""
     return conn.execute(OBS.retry_now, {"root": str(root), "ids": list(document_ids)}).rowcount
+
+
+def unsync_unembedded(conn: psycopg.Connection, root: Path, first: int, last: int, buckets: int,
+                      model_id: str) -> int:
+    """After a failed or cancelled bucket run over ``first``..``last``: the files it synced whose
+    document still lacks a vector of ``model_id`` are requested again like the files it did not
+    sync (after the backoff). Returns how many."""
+    return conn.execute(OBS.unsync_unembedded, {"root": str(root), "first": first, "last": last, "n": buckets,
+                                                "model": model_id}).rowcount

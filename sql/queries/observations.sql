@@ -170,3 +170,20 @@ WHERE root = %(root)s AND app.document_bucket(document_id, %(n)s) = ANY(%(bucket
 UPDATE app.source_observations
 SET retry_at = now()
 WHERE root = %(root)s AND document_id = ANY(%(ids)s::text[]) AND retry_at > now()
+
+-- name: unsync_unembedded
+-- After a run of the sensor over buckets %(first)s..%(last)s (of %(n)s) failed
+-- or was cancelled: the files it synced whose current document still has a
+-- chunk without a vector of %(model)s (the run ingested them, its embeddings
+-- step did not finish) count as requested and not synced, so they wait out the
+-- backoff of an ended request and their next bucket run embeds them.
+UPDATE app.source_observations o
+SET synced = NULL, requested = o.checksum, retry_at = NULL
+FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+WHERE o.root = %(root)s AND s.root = o.root AND d.document_id = o.document_id AND d.status = 'current'
+  AND o.synced IS NOT NULL AND o.checksum = o.synced
+  AND app.document_bucket(o.document_id, %(n)s) BETWEEN %(first)s AND %(last)s
+  AND EXISTS (SELECT 1 FROM app.chunks c
+              WHERE c.doc_pk = d.doc_pk
+                AND NOT EXISTS (SELECT 1 FROM app.embeddings e
+                                WHERE e.chunk_checksum = c.chunk_checksum AND e.model_id = %(model)s))
