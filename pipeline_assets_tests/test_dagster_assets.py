@@ -198,6 +198,28 @@ def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, con
     assert "\n" not in description
 
 
+def test_refresh_and_reconciliation_runs_check_the_bucket_count_too(corpus, conn, fake, monkeypatch):
+    """Every run that reports buckets checks the count: with 8 configured on a 64-bucket database,
+    refresh_documents and the reconciliation fail with one line before changing anything."""
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success   # fixes 64
+    billed = fake.stats["billed_inputs"]
+    monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
+    (corpus / "doc0001.md").write_text("# edited\n\nwords nobody ingested yet\n")
+    before = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    defs = fresh_defs()
+    refresh = defs.resolve_job_def("refresh_documents").execute_in_process(
+        instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
+        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}})
+    reconcile = execute(defs, dg.DagsterInstance.ephemeral(), job="reconcile_job")
+    for result, node in ((refresh, "refresh_documents_op"), (reconcile, "reconciliation")):
+        assert not result.success
+        description = result.failure_data_for_node(node).user_failure_data.description
+        assert "64 buckets" in description and "PIPELINE_PARTITION_BUCKETS=64" in description
+        assert "\n" not in description
+    after = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    assert after == before and fake.stats["billed_inputs"] == billed
+
+
 def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, conn, fake, server_url):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
@@ -456,3 +478,39 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
     statuses = dict(conn.execute("SELECT document_id, status FROM app.documents").fetchall())
     assert sorted(d for d, s in statuses.items() if s == "deleted") == ["doc0002.md", "doc0005.md", "doc0007.md"]
     assert sum(s == "current" for s in statuses.values()) == 6
+
+
+def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_documents_in_pages(corpus, conn, fake,
+                                                                                            monkeypatch):
+    """After a parser fix a run over some buckets selects their stale documents in the database, a
+    page at a time (pages of 2 here): it never reads another bucket's, nor more than a page at once."""
+    from pipeline_assets.app import stages
+
+    for i in range(4, 12):
+        (corpus / f"doc{i:04d}.md").write_text(f"# extra {i}\n\nwords of document {i}\n")
+        os.utime(corpus / f"doc{i:04d}.md", (time.time() - 3600,) * 2)
+    docs = sorted(p.name for p in corpus.iterdir())
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL)).success
+    wanted = sorted({bucket_index(d, 64) for d in docs[:6]})
+    inside = [d for d in docs if bucket_index(d, 64) in wanted]
+    assert 3 <= len(inside) < len(docs)
+
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    monkeypatch.setattr(bk, "SYNC_PAGE_DOCUMENTS", 2)
+    reads: list[list[str]] = []
+    real = stages.rerun_targets
+
+    def recorded(conn, **filters):
+        rows = real(conn, **filters)
+        reads.append([t.document_id for t in rows])
+        return rows
+
+    monkeypatch.setattr(stages, "rerun_targets", recorded)
+    with dg.build_resources(build_resources(Settings.from_env())) as res:
+        done = bk.sync_buckets(res.embedding_provider.runtime(), res.postgres.pool(), corpus, wanted, 64)
+    assert done.stale == len(inside) and done.changed == 0
+    assert reads and max(len(r) for r in reads) <= 2
+    assert sorted(d for r in reads for d in r) == inside            # only its buckets' documents, each once
+    versions = dict(conn.execute("SELECT d.document_id, s.code_version FROM app.stage_runs s "
+                                 "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
+    assert versions == {d: "extract-2" if d in inside else "extract-1" for d in docs}

@@ -182,8 +182,21 @@ def test_a_failed_run_requests_a_reconciliation(corpus, conn, fake, instance):
     data = evaluate_sensor(sensor, defs, instance, cursor=first.cursor)
     (request,) = data.run_requests
     assert request.job_name in (None, RECONCILE_JOB_NAME) and request.tags["pipeline/failed_run"] == failed.run_id
-    assert execute(defs, instance, request, job=RECONCILE_JOB_NAME).success
+    # A repair of the job table: no source file is read (a failed run's files are the source sensor's retry).
+    assert request.run_config == {"ops": {"reconciliation": {"config": {"rescan": False}}}}
+    (corpus / KEYS[1]).write_text("# changed\n\nan edit the repair must not re-ingest\n")
+    before = conn.execute("SELECT document_id, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    repaired = defs.resolve_job_def(RECONCILE_JOB_NAME).execute_in_process(
+        instance=instance, run_config=request.run_config, tags=request.tags, raise_on_error=False)
+    assert repaired.success
+    assert _reconciliations(instance)[-1]["sources"] == 0
+    assert conn.execute("SELECT document_id, source_checksum FROM app.documents ORDER BY 1").fetchall() == before
     # A failed reconciliation does not request another one.
     instance.report_run_failed(instance.create_run_for_job(defs.resolve_job_def(RECONCILE_JOB_NAME)))
     later = evaluate_sensor(sensor, defs, instance, cursor=data.cursor)
     assert not later.run_requests
+    # Runs failing again and again: at most one repair per RUN_FAILURE_RECONCILE_INTERVAL_SECONDS.
+    for _ in range(3):
+        instance.report_run_failed(instance.create_run_for_job(defs.resolve_job_def("embed_documents")))
+        later = evaluate_sensor(sensor, defs, instance, cursor=later.cursor)
+        assert not later.run_requests and "at most one per 600 s" in later.skip_message

@@ -30,7 +30,7 @@ from pipeline_assets.app import reports
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets_tests.browser import Browser, chromium_path
-from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, LONG_PROFILE, stop_group, write_corpus
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE, stop_group, write_corpus
 from pipeline_assets_tests.dagster_helpers import bucket_of, copy_of_dagster_template
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -129,7 +129,8 @@ def dev_server(database_url, server_url, tmp_path_factory):
             "PIPELINE_DATABASE_URL": database_url, "PIPELINE_HOME": str(base / "home"),
             "PIPELINE_DAGSTER_DATABASE": dagster_db, "PIPELINE_SOURCE_DIR": str(corpus),
             "OPENAI_API_KEY": "test-key", "OPENAI_BASE_URL": fake.base_url,
-            "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_CALL_TIMEOUT": "10",
+            "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
+            "PIPELINE_CALL_TIMEOUT": "10",
             # No scheduled reconciliation during the module (it would ingest the whole source).
             "PIPELINE_RECONCILE_CRON": "0 0 1 1 *",
             # The source sensor ticks every 5 s (the daemon's own loop), not 30: the sensor test

@@ -203,6 +203,8 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     coverage until nothing of theirs is outstanding, the worker stops, or the deadline.
     ``many``: known to be more than SCOPE_MAX_DOCUMENTS before reading them."""
     deadline = deadline_seconds or rt.settings.embed_run_deadline
+    # Before anything is enqueued or sent: the model's window is known and every chunk fits it.
+    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
     with pool.connection() as conn:
         register_model(conn, rt)
         since = stages.clock(conn)
@@ -331,6 +333,7 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Path, *,
                     observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
     """`embed DIR`: ingest the directory, work until idle, and summarise."""
     started = time.monotonic()
+    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
     ing = ingest_source(rt, pool, root)
     done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
     with pool.connection() as conn:

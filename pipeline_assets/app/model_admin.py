@@ -26,6 +26,7 @@ from pipeline_assets.providers import (
     check_chunk_size,
     model_id_for,
     provider_for,
+    require_known_window,
 )
 from pipeline_assets.providers.limits import too_small
 from pipeline_assets.settings import Settings
@@ -123,8 +124,12 @@ def runtime_for_model(settings: Settings, name: str, dimensions: int | None = No
 
 def check_input_limits(settings: Settings, pool: ConnectionPool, spec: ModelSpec | None = None) -> list[ModelLimit]:
     """Refuse (``ChunkTooLarge``, one line naming both numbers and PIPELINE_CHUNK_TOKENS) a chunk
-    size that could exceed the window of ``spec``'s model or of any active model; before any
-    provider call. Run by `models add`, at worker start and by `settings`. Returns the limits checked."""
+    size that could exceed the window of ``spec``'s model or of any active model, and
+    (``UnknownInputWindow``, one line naming PIPELINE_MODEL_MAX_INPUT_TOKENS) a ``spec`` whose
+    window is not known; before any provider call. Run by `models add` and at worker start
+    (`work`, `embed`, the Dagster steps that embed). Returns the limits checked."""
+    if spec is not None:
+        require_known_window(spec)
     with pool.connection() as conn:
         limits = {m.model_id: m for m in models.active_limits(conn)}
     if spec is not None:
@@ -147,9 +152,9 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
         spec = provider.spec
         limits[spec.model_id] = ModelLimit.of(spec)
         roles[spec.model_id] = "configured"
-        if not getattr(provider, "window_known", True):
-            warnings.append(f"the input window of {spec.model_id} is unknown ({spec.max_input_tokens} assumed): "
-                            "set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window")
+        if not spec.window_known:
+            warnings.append(f"the input window of {spec.model_id} is unknown: `models add`, `work`, `embed` and "
+                            "Dagster refuse it; set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window")
         provider.close()
     if pool is not None:
         with pool.connection() as conn:

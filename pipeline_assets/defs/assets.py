@@ -58,6 +58,7 @@ from pipeline_assets.defs.resources import (
     SourceDirectoryResource,
 )
 from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.providers import ConfigError
 from pipeline_assets.settings import Settings
 
 GROUP = "embedding_pipeline"
@@ -216,6 +217,8 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         except FatalProviderError as exc:
             raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                              allow_retries=False) from None
+        except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
         except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
             cov = exc.coverage
             why = "deadline passed" if isinstance(exc, EmbedDeadlineExceeded) else "embedding stopped"

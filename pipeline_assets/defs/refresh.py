@@ -41,6 +41,7 @@ from pipeline_assets.defs.resources import (
     SourceDirectoryResource,
 )
 from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.providers import ConfigError
 
 REFRESH_JOB_NAME = "refresh_documents"
 REFRESH_OP_NAME = "refresh_documents_op"
@@ -83,8 +84,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     root = source.root_path(rt.settings)
     ids = select_documents(root, config.document_ids, config.glob)
     pool = postgres.pool()
-    with postgres.connection() as conn:
-        n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
+    n = postgres.bucket_count(rt.settings.partition_buckets)
     report = ingest_documents(rt, pool, root, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
         observations.mark_synced_as_stored(conn, root, ids)
@@ -94,6 +94,8 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     except FatalProviderError as exc:
         raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                          allow_retries=False) from None
+    except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     except EmbedIncomplete as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     touched = bk.buckets_of(ids, n)

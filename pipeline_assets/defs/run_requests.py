@@ -18,6 +18,7 @@ EMBED_JOB = dg.define_asset_job(
 TRIGGER_TAG = "pipeline/trigger"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
+PARTITION_TAG = "dagster/partition"
 # The run statuses in which a run still holds (or will hold) its buckets: a
 # sensor requests nothing while one of its runs is in one of them.
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
