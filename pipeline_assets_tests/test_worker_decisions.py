@@ -437,3 +437,18 @@ def test_check_vectors(dimensions, expected, message):
         assert isinstance(out, Stop) and out.job_ids == (1, 2)
         assert out.error.kind == FATAL and out.error.error_class == "dimension_mismatch"
         assert message in out.error.message
+
+
+# -- a crash suspect is claimed alone ----------------------------------------------------------------
+
+def test_a_claim_holding_a_crash_suspect_keeps_it_alone():
+    """A job with FREE_FAULTS faults travels alone in its claim: should it crash the worker,
+    the rescue finds it alone and charges it, not its neighbours."""
+    from pipeline_assets.jobs.decisions import FREE_FAULTS, alone_if_suspect
+
+    plain = [job(1), job(2, faults=FREE_FAULTS - 1)]
+    assert alone_if_suspect(plain) == (plain, [])
+    suspect = job(3, faults=FREE_FAULTS)
+    assert alone_if_suspect([suspect]) == ([suspect], [])
+    kept, back = alone_if_suspect([job(1), suspect, job(4, faults=FREE_FAULTS + 2)])
+    assert [j.job_id for j in kept] == [3] and [j.job_id for j in back] == [1, 4]

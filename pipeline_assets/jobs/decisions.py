@@ -153,6 +153,17 @@ def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int) -> list[
     return requests
 
 
+def alone_if_suspect(jobs: Sequence[ClaimedJob]) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+    """A claim holding a job that met ``FREE_FAULTS`` faults keeps that job alone (the
+    first such) and hands the others back: should it crash its worker, the rescue finds
+    it alone in the dead claim and charges it (``rescue_expired``), not its neighbours.
+    Returns (the jobs kept, the jobs to hand back)."""
+    suspect = next((j for j in jobs if j.faults >= FREE_FAULTS), None)
+    if suspect is None or len(jobs) == 1:
+        return list(jobs), []
+    return [suspect], [j for j in jobs if j is not suspect]
+
+
 def unwanted(jobs: Sequence[ClaimedJob]) -> list[int]:
     """Ids of claimed jobs whose content no current chunk carries any more."""
     return [j.job_id for j in jobs if j.text is None]

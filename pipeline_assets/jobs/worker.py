@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from pipeline_assets.jobs import job_log, leases, vector_index
+from pipeline_assets.jobs import decisions, job_log, leases, vector_index
 from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault
@@ -226,4 +226,7 @@ class Worker:
                 self._wake.set()  # the main loop looks whether the whole queue drained
                 self.stop.wait(self.config.poll_seconds)
                 continue
+            jobs, others = decisions.alone_if_suspect(jobs)
+            if others:
+                executor.release_now(owner, others)
             executor.run_claim(owner, jobs, self._batch)
