@@ -13,6 +13,9 @@ replaces them, as a client connected to a standby must.
 
 PIPELINE_TEST_READ_ONLY_HOLD sets how long the database stays read-only once the
 worker said it waits (default 2 s; the 20 s of a failover by hand).
+PIPELINE_TEST_READ_ONLY_SYSTEM=1 flips the whole server instead (``ALTER SYSTEM`` and a
+reload: the worker's existing sessions turn read-only without ending, a storage
+guard's way), only for a run of this module alone on a server of its own session.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pipeline_assets_tests.conftest import (
 )
 
 HOLD_SECONDS = float(os.environ.get("PIPELINE_TEST_READ_ONLY_HOLD", "2"))
+WHOLE_SERVER = os.environ.get("PIPELINE_TEST_READ_ONLY_SYSTEM") == "1"
 
 
 class Lines:
@@ -66,6 +70,11 @@ class Lines:
 def _set_read_only(conn: psycopg.Connection, on: bool, *, spare: tuple[int, ...] = ()) -> None:
     """Flip this module's database read-only (ending every session but ``conn``'s and ``spare``) or back."""
     name = conn.info.dbname
+    if WHOLE_SERVER:
+        conn.execute("ALTER SYSTEM SET default_transaction_read_only = on" if on
+                     else "ALTER SYSTEM RESET default_transaction_read_only")
+        conn.execute("SELECT pg_reload_conf()")
+        return
     if on:
         conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
         # What a promotion does to the old primary's clients: their sessions end (admin_shutdown).

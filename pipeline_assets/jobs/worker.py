@@ -29,7 +29,7 @@ import psycopg
 from pipeline_assets.jobs import decisions, job_log, leases, vector_index
 from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
-from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault
+from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.providers import Provider
@@ -174,6 +174,11 @@ class Worker:
                 if held:
                     store.give_back_all(held)
                 handed_back = True
+            except Exception as exc:
+                if not database_unavailable(exc):
+                    raise
+                log.warning("stopping while the database is unavailable: the claims held are rescued once it is "
+                            "back, without using an attempt (%s)", exc)
             finally:
                 # Claims not handed back keep the row, which goes stale: they are rescued in seconds.
                 liveness.stop(leave=handed_back)
