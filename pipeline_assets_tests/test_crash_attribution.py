@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets_tests.conftest import (
@@ -32,9 +33,9 @@ from pipeline_assets_tests.test_contract import assert_ledger_matches_bill
 MAX_ATTEMPTS = 3
 
 
-def crash_once(env: dict, crashpoint: str) -> bool:
+def crash_once(env: dict, crashpoint: str, concurrency: int = 1) -> bool:
     """Run a worker until it reaches ``crashpoint`` and SIGKILL it (True), or until it finishes (False)."""
-    worker = start_cli("work", "--until-idle", "--concurrency", "1", "--lease-seconds", "1",
+    worker = start_cli("work", "--until-idle", "--concurrency", str(concurrency), "--lease-seconds", "1",
                        env={**env, "PIPELINE_CRASHPOINT": crashpoint})
     try:
         wait_for_line(worker, "CRASHPOINT after_call")
@@ -70,18 +71,23 @@ def test_repeated_crashes_do_not_dead_letter_innocent_jobs(env, fake, clean_db, 
     assert_ledger_matches_bill(conn, fake, env)
 
 
-def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_bound(env, fake, clean_db, tmp_path):
+@pytest.mark.parametrize("concurrency, documents", [(1, 6), (4, 6), (4, 30)])
+def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_bound(env, fake, clean_db, tmp_path,
+                                                                                  concurrency, documents):
+    """Alone in its worker process too: with several threads, the claims of the others are over before
+    a suspect's runs, so no neighbour is charged for its crash."""
     corpus = tmp_path / "c"
-    write_corpus(corpus, 6)
+    write_corpus(corpus, documents)
     (corpus / "poison.md").write_text("OOMPOISON this input kills any worker that sends it")
-    env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS)}
+    env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "PIPELINE_BATCH_INPUTS": "4"}
+    fake.latency = 0.2  # the other threads' calls are in flight when the poison's worker dies
     cli("ingest", str(corpus), env=env)
     conn = clean_db
     texts = [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks")]
     [poison] = [t for t in texts if "OOMPOISON" in t]
     bound = FREE_FAULTS + MAX_ATTEMPTS
     crashes = 0
-    while crash_once(env, "after_call:OOMPOISON"):
+    while crash_once(env, "after_call:OOMPOISON", concurrency):
         crashes += 1
         assert crashes <= bound, f"{crashes} crashes and the poison is not dead-lettered: {job_counts(conn)}"
     print(f"\npoison dead-lettered after {crashes} crashes, sent {fake.billed_count(poison)} times "
@@ -97,7 +103,14 @@ def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_boun
                           ).fetchall()
     assert sorted(t for t, _ in stored) == sorted(t for t in texts if t != poison)
     assert all(np.allclose(v.to_numpy(), fake.vector_for(t), atol=1e-6) for t, v in stored)
-    assert_ledger_matches_bill(conn, fake, env)
+    if concurrency == 1:
+        assert_ledger_matches_bill(conn, fake, env)
+    else:  # a killed worker's other threads may have recorded sends that never reached the provider
+        ledger = conn.execute("SELECT coalesce(sum(sends - 1), 0) FROM app.input_sends").fetchone()[0]
+        unknown = conn.execute("SELECT coalesce(sum(inputs), 0) FROM app.provider_calls WHERE answered_at IS NULL"
+                               ).fetchone()[0]
+        billed = sum(n - 1 for n in fake.stats["billed_by_text"].values())
+        assert billed <= ledger <= billed + unknown
     # Its history tells the story: a rescue per crash, the last ones charged.
     outcomes = [r[0] for r in conn.execute("""SELECT a.outcome FROM app.job_attempts a
                                               JOIN app.embedding_jobs j USING (job_id)

@@ -611,19 +611,23 @@ def test_rescue_expired(q):
     assert sorted(claim_ids(q, owner=OTHER)) == sorted([expired, exhausted])
 
 
-@pytest.mark.parametrize("faults, alone, max_attempts, became, attempts", [
-    (FREE_FAULTS - 1, True, 1, "pending", 0),    # alone but not yet a suspect: a fault
-    (FREE_FAULTS, False, 1, "pending", 0),       # a suspect, but with others in its claim: a fault
-    (FREE_FAULTS, True, 2, "retry", 1),          # a suspect alone: its attempt stays used
-    (FREE_FAULTS, True, 1, "failed", 1),         # ... and failed when they are used up
+@pytest.mark.parametrize("faults, held_with, max_attempts, became, attempts", [
+    (FREE_FAULTS - 1, None, 1, "pending", 0),      # alone but not yet a suspect: a fault
+    (FREE_FAULTS, "claim", 1, "pending", 0),       # a suspect, but with another job in its claim: a fault
+    (FREE_FAULTS, "process", 1, "pending", 0),     # ... or in another claim of its process: a fault
+    (FREE_FAULTS, "other process", 2, "retry", 1),  # a suspect alone in its process: its attempt stays used
+    (FREE_FAULTS, None, 1, "failed", 1),           # ... and failed when they are used up
 ])
-def test_rescue_charges_only_a_suspect_alone_in_its_claim(q, faults, alone, max_attempts, became, attempts):
+def test_rescue_charges_only_a_suspect_alone_in_its_process(q, faults, held_with, max_attempts, became, attempts):
+    """Lease owners are `worker/run/claim`: the rescue judges a job by all its process held."""
     jid, other = seed(q, 2, max_attempts=max_attempts)
     q.execute("UPDATE app.embedding_jobs SET faults = %s WHERE job_id = %s", (faults, jid))
-    if alone:
-        hold(q, jid)
+    if held_with == "claim":
+        assert sorted(claim_ids(q, owner="w/run/1")) == sorted([jid, other])
     else:
-        assert sorted(claim_ids(q)) == sorted([jid, other])
+        hold(q, jid, owner="w/run/1")
+        if held_with is not None:
+            hold(q, other, owner="w/run/2" if held_with == "process" else "w/other-run/1")
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
               " WHERE status = 'processing'")
     transitions.rescue_expired(q)

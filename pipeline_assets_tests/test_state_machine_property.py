@@ -194,7 +194,8 @@ class JobStateMachine(RuleBasedStateMachine):
         return np.array([n, n / 2, -n, 1.0], dtype=np.float32)
 
     def _owner(self) -> str:
-        return f"prop-worker/{next(self._seq)}"
+        n = next(self._seq)
+        return f"prop-worker-{n % 2}/{n}"  # claims of two worker processes
 
     def _assert_unchanged(self, before: dict[int, Row], after: dict[int, Row], ids, what: str) -> None:
         for i in ids:
@@ -442,12 +443,16 @@ class JobStateMachine(RuleBasedStateMachine):
         after = self._rows()
         expired = [i for i, r in before.items() if r.status == "processing" and r.expired]
         # A crash is the claim's fault: the attempt given back and a fault counted, unless the
-        # job was alone in its dead claim after FREE_FAULTS faults (then charged).
-        owners = [before[i].lease_owner for i in expired]
+        # job was the only one rescued from its worker process (the owner up to its last '/')
+        # after FREE_FAULTS faults (then charged).
+        def process(owner: str) -> str:
+            return owner[:owner.rindex("/") + 1] if "/" in owner else owner
+
+        processes = [process(before[i].lease_owner) for i in expired]
         expected, attempts, faults = {}, {}, {}
         for i in expired:
             b = before[i]
-            charged = owners.count(b.lease_owner) == 1 and b.faults >= decisions.FREE_FAULTS
+            charged = processes.count(process(b.lease_owner)) == 1 and b.faults >= decisions.FREE_FAULTS
             if not self.active[b.model_id]:
                 expected[i], attempts[i], faults[i] = "superseded", b.attempts, b.faults
             elif charged:

@@ -180,8 +180,9 @@ def extend_lease(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]
 def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base: float = 0.0,
                    cap: float = 0.0, free_faults: int = FREE_FAULTS) -> dict[str, int]:
     """Expired leases (dead or stalled workers) go back to be claimed again, their
-    attempt given back and a fault counted; a job alone in its dead claim after
-    ``free_faults`` faults keeps its attempt used (retry, or failed when exhausted).
+    attempt given back and a fault counted; the only job rescued from its worker
+    process, after ``free_faults`` faults, keeps its attempt used (retry, or failed
+    when exhausted).
     Returns the jobs rescued by the status they got (pending and retry counted as retry).
 
     ``rescuer``: the owner prefix of a live worker (``app.workers``); with it,

@@ -32,6 +32,7 @@ from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
+from pipeline_assets.jobs.suspects import SuspectGate
 from pipeline_assets.providers import Provider
 from pipeline_assets.settings import (
     DEFAULT_CONCURRENCY,
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 
 # How long a stopping worker waits for in-flight calls before releasing their jobs.
 SHUTDOWN_GRACE_SECONDS = 3.0
+
+# How a claim thread waits before its next claim.
+WAIT_FOR_DATABASE = "database"   # the database is unavailable: its backoff
+WAIT_A_POLL = "poll"             # nothing to claim, or a fault: a poll
 
 
 @dataclass
@@ -96,6 +101,7 @@ class Worker:
         self._index_build: vector_index.BackgroundBuild | None = None  # started when the queue drains
         self._token_budget = TokenBudget.from_settings(self.model_id, settings)
         self._db_wait = DatabaseWait()  # replaced by run(), with its pool
+        self._suspects = SuspectGate()  # a job that may crash the worker runs alone in it
 
     # -- lifecycle -------------------------------------------------------
     def run(self) -> WorkerReport:
@@ -214,24 +220,41 @@ class Worker:
             if reason is not None:
                 self._stopping.stop(budget=reason)
                 break
-            owner = f"{self._owner_prefix}{next(self._claim_seq)}"
+            self._suspects.enter(self.stop)
             try:
-                jobs = store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
-            except Exception as exc:
-                if self._db_wait.failed(exc):  # nothing held, nothing counted: wait and claim again
-                    self._db_wait.pause(self.stop)
-                    continue
-                log.warning("claim failed: %s", exc)
-                executor.release(owner, [], exc)  # nothing held; counts towards stopping
+                wait = self._claim_once(index, executor, store)
+            finally:
+                self._suspects.leave()
+            if wait == WAIT_FOR_DATABASE:
+                self._db_wait.pause(self.stop)
+            elif wait == WAIT_A_POLL:
                 self.stop.wait(self.config.poll_seconds)
-                continue
-            self._db_wait.ok()
-            self._idle[index] = not jobs
-            if not jobs:
-                self._wake.set()  # the main loop looks whether the whole queue drained
-                self.stop.wait(self.config.poll_seconds)
-                continue
-            jobs, others = decisions.alone_if_suspect(jobs)
-            if others:
-                executor.release_now(owner, others)
+
+    def _claim_once(self, index: int, executor: Executor, store: JobStore) -> str | None:
+        """Claim a batch and run it; returns how to wait before the next claim (None: not at all)."""
+        owner = f"{self._owner_prefix}{next(self._claim_seq)}"
+        try:
+            jobs = store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
+        except Exception as exc:
+            if self._db_wait.failed(exc):  # nothing held, nothing counted: wait and claim again
+                return WAIT_FOR_DATABASE
+            log.warning("claim failed: %s", exc)
+            executor.release(owner, [], exc)  # nothing held; counts towards stopping
+            return WAIT_A_POLL
+        self._db_wait.ok()
+        self._idle[index] = not jobs
+        if not jobs:
+            self._wake.set()  # the main loop looks whether the whole queue drained
+            return WAIT_A_POLL
+        jobs, others = decisions.alone_if_suspect(jobs)
+        if others:
+            executor.release_now(owner, others)
+        if not decisions.suspect(jobs[0]):
             executor.run_claim(owner, jobs, self._batch)
+            return None
+        # Its lease is kept while the other claims of this process end.
+        executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + self.settings.call_timeout
+                             + self.config.lease_seconds)
+        with self._suspects.alone(self.stop):
+            executor.run_claim(owner, jobs, self._batch)
+        return None

@@ -222,12 +222,13 @@ WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(ow
 -- A crash (or a stall) is attributed like a transient fault of the claim, not
 -- to its jobs: each rescued job gets its attempt back (attempts - 1) and counts
 -- a fault (faults + 1: its next requests are smaller, decisions.fault_cap), and
--- waits out the full-jitter backoff over its faults. Only a job that was alone
--- in the dead claim and has met %(free_faults)s faults already
--- (decisions.FREE_FAULTS; such a job is claimed alone) is charged: its attempt
--- stays used, failed when they are used up, backoff over its attempts: the
--- input that keeps crashing its worker alone. Superseded when its model was
--- retired meanwhile.
+-- waits out the full-jitter backoff over its faults. Only a job that was the
+-- only one rescued from its worker process (the lease owner up to its last
+-- '/', the worker's prefix) and has met %(free_faults)s faults already
+-- (decisions.FREE_FAULTS; such a job is worked alone in its process,
+-- jobs/suspects.py) is charged: its attempt stays used, failed when they are
+-- used up, backoff over its attempts: the input that keeps crashing its worker
+-- alone. Superseded when its model was retired meanwhile.
 WITH rescuer AS (
     SELECT r.alive_since, now() - (r.alive_until - r.beat_at) AS window_start FROM app.workers r
     WHERE r.owner_prefix = %(rescuer)s AND r.alive_until >= now()
@@ -236,7 +237,8 @@ WITH rescuer AS (
     WHERE w.alive_until < now() AND (r.alive_since <= w.alive_until OR r.alive_since <= r.window_start)
 ), rescued AS (
     SELECT j.job_id, j.lease_owner, j.lease_expires_at < now() AS expired,
-           count(*) OVER (PARTITION BY j.lease_owner) = 1 AS alone
+           count(*) OVER (PARTITION BY left(j.lease_owner, length(j.lease_owner)
+                                                        - strpos(reverse(j.lease_owner), '/') + 1)) = 1 AS alone
     FROM app.embedding_jobs j
     WHERE j.status = 'processing'
       AND (j.lease_expires_at < now()
