@@ -129,10 +129,6 @@ class DatabaseWait:
         self._reasons: set[str] = set()    # the kinds of unavailability this outage logged
         self._lock = threading.Lock()
 
-    @property
-    def waiting(self) -> bool:
-        return self._since is not None
-
     def failed(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the database's unavailability (then noted, not charged)."""
         if not database_unavailable(exc):
