@@ -456,3 +456,38 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
     statuses = dict(conn.execute("SELECT document_id, status FROM app.documents").fetchall())
     assert sorted(d for d, s in statuses.items() if s == "deleted") == ["doc0002.md", "doc0005.md", "doc0007.md"]
     assert sum(s == "current" for s in statuses.values()) == 6
+
+
+# -- runtime materializations carry data and code versions -----------------------------------------
+
+
+def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fake, monkeypatch):
+    """refresh_documents records its buckets with their data and code versions: a code version bump
+    afterwards makes the refreshed bucket stale like every other, and an unchanged bucket run after
+    the refresh leaves every bucket fresh (Dagster's own verdict, what the UI shows)."""
+    defs = fresh_defs()
+    instance = dg.DagsterInstance.ephemeral()
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
+    refreshed = bucket_of("doc0001.md")
+    job = defs.resolve_job_def("refresh_documents")
+    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "document_ids": ["doc0001.md"]}}}}).success
+    for asset in ("documents", "chunks", "embeddings"):
+        assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
+    # An unchanged bucket run of the refreshed bucket and of another: nothing looks changed.
+    other = bucket_of("doc0002.md")
+    for key in (refreshed, other):
+        assert execute(defs, instance, partition_key=key).success
+    for asset in ("documents", "chunks", "embeddings"):
+        assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
+    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "document_ids": ["doc0001.md"], "force": True}}}}).success
+    # A parser fix (the documents code version): every bucket is stale, the refreshed one too.
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    bumped = fresh_defs()
+    assert set(stale_status(bumped, instance, "documents", ALL).values()) == {"STALE"}
+    # A new model: every embeddings bucket is stale, the refreshed one too.
+    monkeypatch.delenv("PIPELINE_EXTRACTOR_VERSION")
+    monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "fake-embed-2")
+    assert set(stale_status(fresh_defs(), instance, "embeddings", ALL).values()) == {"STALE"}

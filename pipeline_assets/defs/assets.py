@@ -39,7 +39,7 @@ run, and the job table does the per-item work.
 import hashlib
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
@@ -51,6 +51,7 @@ from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDING_STORE
 from pipeline_assets.defs.model_switch import refuse_model_override
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
+from pipeline_assets.defs.provenance import versioned_events
 from pipeline_assets.defs.resources import (
     EmbeddingProviderResource,
     EmbeddingRunResource,
@@ -103,14 +104,25 @@ def chunk_metadata(state: bk.BucketState) -> dict[str, Any]:
     return {"chunk_count": state.chunks, "tokens": state.tokens, "chunks_digest": state.chunks_digest}
 
 
-def ingest_materializations(states: Mapping[int, bk.BucketState], extra: Mapping[int, dict],
-                            ) -> Iterator[dg.AssetMaterialization]:
+def embedding_version(model_id: str, state: bk.BucketState, cov: bk.BucketCoverage) -> str:
+    """One ``embeddings`` partition's data version: the model, the bucket's chunks, its coverage."""
+    return bk.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
+
+
+def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, bk.BucketState],
+                            extra: Mapping[int, dict], versions: Mapping[str, str],
+                            ) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
     """A ``documents`` and a ``chunks`` materialization for each bucket of ``extra`` (its own
-    metadata added), from a step that does not own them (reconciliation, refresh_documents)."""
-    for b, more in sorted(extra.items()):
-        key = bucket_key(b)
-        yield dg.AssetMaterialization(DOCUMENTS, partition=key, metadata={**document_metadata(states[b]), **more})
-        yield dg.AssetMaterialization(CHUNKS, partition=key, metadata={**chunk_metadata(states[b]), **more})
+    metadata added), from a step that does not own them (reconciliation, refresh_documents),
+    with the data and code versions an asset run records (``provenance``). Returns each
+    bucket's chunks (data version, storage id): the input of its ``embeddings``."""
+    docs = yield from versioned_events(instance, DOCUMENTS, versions["documents"], {
+        bucket_key(b): ({**document_metadata(states[b]), **more}, states[b].text_digest)
+        for b, more in sorted(extra.items())})
+    return (yield from versioned_events(instance, CHUNKS, versions["chunks"], {
+        bucket_key(b): ({**chunk_metadata(states[b]), **more}, states[b].chunks_digest)
+        for b, more in sorted(extra.items())},
+        {key: {DOCUMENTS: docs[key]} for key in docs}))
 
 
 def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:
@@ -230,7 +242,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         versions = {}
         for b in buckets:
             bucket_cov, key = coverage[b], bucket_key(b)
-            versions[key] = bk.digest([model_id, states[b].chunks_digest, f"{bucket_cov.ready}/{bucket_cov.chunks}"])
+            versions[key] = embedding_version(model_id, states[b], bucket_cov)
             meta: dict[str, Any] = {"chunks": bucket_cov.chunks, "ready": bucket_cov.ready,
                                     "failed": bucket_cov.failed, "waiting": bucket_cov.waiting}
             if bucket_cov.failed_ids:
