@@ -16,7 +16,7 @@ from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.defs.assets import EMBEDDING_POOL
 from pipeline_assets.defs.checks import COVERAGE_CHECK
-from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.partitions import bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
@@ -54,8 +54,10 @@ def _meta(event) -> dict:
     return {k: v.value for k, v in event.metadata.items()}
 
 
-def _partition_events(result: dg.ExecuteInProcessResult, node: str, asset: str) -> dict[str, dict]:
-    return {e.partition: _meta(e) for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
+def _partition_events(result, node: str, asset: str) -> dict[str, dict]:
+    """Each partition's metadata, keyed by bucket (an embeddings partition: its bucket of the one model)."""
+    return {bucket_key(split_key(e.partition)[0]) if "|" in e.partition else e.partition: _meta(e)
+            for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
 
 
 def test_bucket_hash_is_stable_and_the_same_in_sql(conn):
@@ -95,7 +97,8 @@ def test_materialize_one_bucket_then_again_without_provider_calls_or_reads(corpu
     assert chunks_event.metadata["chunk_count"].value == doc.chunks
     assert chunks_event.tags["dagster/code_version"].startswith("tok-window-1/")
     (coverage,) = check_results(result).values()
-    assert coverage.check_name == COVERAGE_CHECK and coverage.partition == key and coverage.passed
+    assert coverage.check_name == COVERAGE_CHECK and coverage.passed
+    assert coverage.partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))     # bucket x model
     assert coverage.metadata["chunks"].value == doc.chunks
     billed, requests = fake.stats["billed_inputs"], fake.stats["requests"]
 
@@ -131,7 +134,8 @@ def test_a_backfill_of_every_bucket_is_one_run_with_per_bucket_metadata(corpus, 
     emb = materialization_metadata(result, "embeddings")
     assert emb["partitions"] == 64 and emb["coverage_ratio"] == 1.0
     assert emb["embedded"] == sum(s.chunks for s in summaries.values())
-    assert {e.partition for e in result.get_asset_check_evaluations()} == set(ALL)   # one per bucket
+    assert {e.partition for e in result.get_asset_check_evaluations()} == {   # one per bucket (and model)
+        str(embedding_key(k, f"openai/{FAKE_MODEL}")) for k in ALL}
     # A range run records one version for the range (Dagster 1.13), never a bucket's own.
     versions = latest_data_versions(instance, "documents", ALL)
     assert len(set(versions.values())) == 1 and next(iter(versions.values())).startswith("range:64:")
@@ -216,7 +220,8 @@ def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, con
     events = {tuple(e.asset_key.path): e for e in result.get_asset_materialization_events()
               for e in [e.event_specific_data.materialization]}
     assert set(events) == {("documents",), ("chunks",), ("embeddings",)}
-    assert all(e.partition == key for e in events.values())
+    assert events[("documents",)].partition == events[("chunks",)].partition == key
+    assert events[("embeddings",)].partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))   # x the model
     assert events[("documents",)].metadata["refreshed_documents"].value == "doc0001.md"
     assert events[("embeddings",)].metadata["ready"].value == events[("embeddings",)].metadata["refreshed_chunks"].value
     # The source sensor's next tick reads the edited file and finds it synced: no bucket run for it.
@@ -305,16 +310,15 @@ def test_the_deadline_fails_the_run_with_its_counts(corpus, conn, fake):
     """External workers that never come: a short deadline (launchpad config) fails the run, saying how many wait."""
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    job = defs.resolve_job_def("embed_documents")
     started = time.monotonic()
-    result = job.execute_in_process(instance=instance, partition_key=bucket_of("doc0002.md"), raise_on_error=False,
-                                    run_config=_run_config(in_process=False, deadline_seconds=1.0))
+    result = execute(defs, instance, partition_key=bucket_of("doc0002.md"),
+                     run_config=_run_config(in_process=False, deadline_seconds=1.0))
     assert not result.success and time.monotonic() - started < 300   # its 1 s deadline, not the default hour
     description, metadata = _failure(result)
     own = len(_doc_chunks(conn, "doc0002.md"))
     assert description.startswith("deadline passed: ") and "after 1 s" in description
     assert metadata == {"chunks": own, "ready": 0, "failed": 0, "outstanding": own, "partitions": 1,
-                        "in_process": False}
+                        "in_process": False, "model": f"openai/{FAKE_MODEL}"}
     assert fake.stats["requests"] == 0
     assert not result.asset_materializations_for_node("embeddings")   # no materialization claims coverage
 
@@ -464,7 +468,8 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
 def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fake, monkeypatch):
     """refresh_documents records its buckets with their data and code versions: a code version bump
     afterwards makes the refreshed bucket stale like every other, and an unchanged bucket run after
-    the refresh leaves every bucket fresh (Dagster's own verdict, what the UI shows)."""
+    the refresh leaves every bucket fresh (Dagster's own verdict, what the UI shows). A model change
+    is a new column of embeddings, not a code change."""
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
     assert execute(defs, instance, tags=range_tags(ALL)).success
@@ -487,7 +492,9 @@ def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fak
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
     bumped = fresh_defs()
     assert set(stale_status(bumped, instance, "documents", ALL).values()) == {"STALE"}
-    # A new model: every embeddings bucket is stale, the refreshed one too.
+    # A new model is a new column: missing in every bucket, while the old model's vectors stay fresh.
     monkeypatch.delenv("PIPELINE_EXTRACTOR_VERSION")
     monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "fake-embed-2")
-    assert set(stale_status(fresh_defs(), instance, "embeddings", ALL).values()) == {"STALE"}
+    switched = fresh_defs()
+    assert set(stale_status(switched, instance, "embeddings", ALL).values()) == {"MISSING"}
+    assert set(stale_status(switched, instance, "embeddings", ALL, f"openai/{FAKE_MODEL}").values()) == {"FRESH"}

@@ -180,10 +180,10 @@ def test_a_failed_run_requests_a_reconciliation(corpus, conn, fake, instance):
     first = evaluate_sensor(sensor, defs, instance)                 # starts watching from now
     assert not first.run_requests
     # An embeddings run that fails: no external worker comes before its deadline.
-    failed = defs.resolve_job_def("embed_documents").execute_in_process(
-        instance=instance, partition_key=bucket_of(KEYS[0]), raise_on_error=False,
-        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
-    assert not failed.success
+    chain = execute(defs, instance, partition_key=bucket_of(KEYS[0]), run_config={
+        "resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
+    synced, failed = chain.results
+    assert synced.success and not failed.success
     data = evaluate_sensor(sensor, defs, instance, cursor=first.cursor)
     (request,) = data.run_requests
     assert request.job_name in (None, RECONCILE_JOB_NAME) and request.tags["pipeline/failed_run"] == failed.run_id

@@ -3,7 +3,7 @@
 
 A tick scans the source (observations in PostgreSQL, ``app/observations.py``:
 an unchanged file is not read), groups what is pending by document bucket and
-requests one run of ``embed_documents`` over the partition range that spans
+requests one run of ``sync_documents`` over the partition range that spans
 those buckets (``BackfillPolicy.single_run``: the assets see every bucket of
 the range in ``context.partition_keys``). The run brings each bucket current
 (``app.buckets.sync_buckets``): changed files ingested, gone ones tombstoned,
@@ -48,10 +48,10 @@ from pipeline_assets.content.sources import SourceError
 from pipeline_assets.defs.partitions import span
 from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request
+from pipeline_assets.defs.run_requests import IN_FLIGHT, SYNC_JOB, TRIGGER_TAG, batch_digest, range_request
 from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS, Settings
 
-__all__ = ["EMBED_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
+__all__ = ["SYNC_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
            "source_documents_sensor"]
 
 SENSOR_NAME = "source_documents"
@@ -145,7 +145,7 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
 def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS) -> dg.SensorDefinition:
     """The source sensor, ticking every ``interval_seconds`` (``Settings.source_sensor_interval``)."""
     return dg.sensor(
-        name=SENSOR_NAME, jobs=[EMBED_JOB], minimum_interval_seconds=interval_seconds,
+        name=SENSOR_NAME, jobs=[SYNC_JOB], minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
                     "read) and requests one run over the buckets of new, changed and vanished documents; "
