@@ -10,8 +10,10 @@ sensor) knows nothing of Dagster; the Dagster side reads it each tick:
   ``models activate``). The ``model_switch`` sensor applies them every tick, and
   ``embed_after_sync`` before it requests a run for them.
 * ``embed_after_sync`` (every ``EMBED_SENSOR_INTERVAL_SECONDS``): each successful
-  ``sync_documents`` run (a source change, a rerun after a code bump, a backfill of
-  documents) gets ONE ``embed_documents`` run over its buckets x every active model:
+  bucket run (``sync_documents``: a source change, a rerun after a code bump; or the
+  UI's "Materialize" of documents and chunks) gets ONE ``embed_documents`` run over
+  its buckets x every active model (a backfill's runs are left to the backfill, which
+  runs the embeddings it was asked for):
   changed content needs a vector for each model workers embed for, the served one
   and one being backfilled alike (otherwise a switch in progress would never reach
   coverage while content changes). The run key is the sync run's id, so a re-evaluated
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from pipeline_assets.app import model_admin
+from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
 from pipeline_assets.defs.partitions import (
     MODEL_PARTITIONS,
     MODEL_PARTITIONS_NAME,
@@ -52,6 +55,9 @@ EMBED_SENSOR_INTERVAL_SECONDS = 5
 # Successful sync runs one tick reads (the source and rerun sensors launch one at a time).
 SYNC_RUNS_PER_TICK = 20
 AFTER_RUN_TAG = "pipeline/after_run"
+BACKFILL_TAG = "dagster/backfill"
+# The jobs whose bucket runs are followed: ours, and the asset job the UI's "Materialize" launches.
+CHAINED_JOBS = (SYNC_JOB_NAME, "__ASSET_JOB")
 # Tags of the sync run its embeddings run keeps (whose run it is, for the sensors' backpressure).
 KEPT_TAGS = (TRIGGER_TAG, "pipeline/rerun", "pipeline/rerun_generation")
 
@@ -69,6 +75,18 @@ def model_keys(instance: dg.DagsterInstance, active: Sequence[str],
     if gone:
         requests.append(MODEL_PARTITIONS.build_delete_request(gone))
     return requests, [m for m in current if m in wanted] + add
+
+
+def chains(run: dg.DagsterRun) -> bool:
+    """Whether a successful run is a bucket run whose embeddings run this sensor requests: a
+    ``sync_documents`` run, or a materialization of documents and chunks from the UI (the asset
+    job) without embeddings; never a backfill's run (the backfill runs its embeddings itself)."""
+    if BACKFILL_TAG in run.tags:
+        return False
+    if run.job_name == SYNC_JOB_NAME:
+        return True
+    selected = run.asset_selection or frozenset()
+    return CHUNKS in selected and EMBEDDINGS not in selected
 
 
 def sync_run_buckets(run: dg.DagsterRun) -> tuple[str, str] | None:
@@ -104,12 +122,13 @@ def embed_request(run: dg.DagsterRun, models: Sequence[str]) -> dg.RunRequest | 
                        "model partitions the registry's active models.")
 def embed_after_sync(context: dg.SensorEvaluationContext, postgres: PostgresResource) -> dg.SensorResult:
     after = float(context.cursor) if context.cursor else None
-    runs = context.instance.get_run_records(
-        dg.RunsFilter(job_name=SYNC_JOB_NAME, statuses=[dg.DagsterRunStatus.SUCCESS],
+    runs = [record for job in CHAINED_JOBS for record in context.instance.get_run_records(
+        dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.SUCCESS],
                       updated_after=datetime.datetime.fromtimestamp(after, datetime.UTC) if after else None),
-        limit=SYNC_RUNS_PER_TICK if after else 1, order_by="update_timestamp", ascending=after is not None)
+        limit=SYNC_RUNS_PER_TICK if after else 1, order_by="update_timestamp", ascending=after is not None)]
     requests, models = model_keys(context.instance, model_admin.active_model_ids(postgres.pool()))
-    run_requests = [r for record in runs if (r := embed_request(record.dagster_run, models)) is not None]
+    run_requests = [r for record in sorted(runs, key=lambda rec: rec.update_timestamp)
+                    if chains(record.dagster_run) and (r := embed_request(record.dagster_run, models)) is not None]
     newest = max((record.update_timestamp.timestamp() for record in runs), default=after)
     if not run_requests:
         return dg.SensorResult(dynamic_partitions_requests=requests,
