@@ -8,11 +8,13 @@ an observation in the instance's event log. A launchpad override of the model is
 
 from __future__ import annotations
 
+import dagster as dg
 import pytest
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
-from pipeline_assets.defs.model_partitions import AFTER_RUN_TAG, embed_after_sync
+from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDINGS
+from pipeline_assets.defs.model_partitions import AFTER_RUN_TAG, chains, embed_after_sync, embed_request
 from pipeline_assets.defs.model_switch import EMBEDDING_STORE, model_switch_sensor
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.jobs import models
@@ -35,6 +37,7 @@ from pipeline_assets_tests.dagster_helpers import (
 OLD, NEW_NAME = f"openai/{FAKE_MODEL}", "fake-embed-2"
 NEW = f"openai/{NEW_NAME}"
 STRAY = "openai/fake-embed-3"
+RANGE_START, RANGE_END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
 KEYS = [f"doc{i:04d}.md" for i in range(4)]
 # Their buckets: doc0001 b013, doc0002 b018, doc0000 b041, doc0003 b045 (asserted in the test). The old
 # model embeds one range over all four; the new one two halves, one range each.
@@ -210,3 +213,48 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     assert events[1]["previous_configured"] == OLD
     assert events[2]["previous_model"] == OLD and events[2]["retired_model"] == OLD
     assert events[2]["coverage_ready"] == events[2]["coverage_wanted"] == wanted
+
+
+def test_an_instance_of_bucket_only_embeddings_upgrades_without_re_embedding(corpus, conn, fake, server_url):
+    """The upgrade: an instance whose embeddings materializations carry bucket keys (the scheme before
+    bucket x model), no model key. The sensors' first ticks add the key and embed after the latest
+    bucket run only; that run sends nothing (every vector is there) and fills the model's column."""
+    defs = fresh_defs()
+    with postgres_instance(server_url) as instance:
+        assert execute(defs, instance, tags=range_tags(ALL)).success      # the store is embedded
+        # What the old scheme left: embeddings by bucket, no model partitions.
+        instance.wipe_assets([EMBEDDINGS])
+        for key in ALL:
+            instance.report_runless_asset_event(dg.AssetMaterialization(EMBEDDINGS, partition=key))
+        for model in _model_keys(instance):
+            instance.delete_dynamic_partition(MODEL_PARTITIONS_NAME, model)
+        billed, requests = fake.stats["billed_inputs"], fake.stats["requests"]
+        ticked = tick(defs, instance, None)
+        assert _model_keys(instance) == [OLD]
+        # The cells exist and say what is true: not recorded yet (never a false FRESH).
+        assert set(stale_status(defs, instance, "embeddings", ALL).values()) == {"MISSING"}
+        (request,) = evaluate_sensor(embed_after_sync, defs, instance).run_requests
+        assert request.tags["dagster/asset_partition_range_start"] == str(embedding_key(ALL[0], OLD))
+        run = execute(defs, instance, request)
+        assert run.success and fake.stats["billed_inputs"] == billed and fake.stats["requests"] == requests
+        meta = {k: v.value for k, v in run.asset_materializations_for_node("embeddings")[0].metadata.items()}
+        assert meta["embedded"] == meta["provider_calls"] == 0
+        assert set(stale_status(defs, instance, "embeddings", ALL).values()) == {"FRESH"}
+        assert models.served_model_id(conn) == OLD and "model_configured" in ticked.skip_message
+
+
+def test_which_runs_are_followed_by_an_embeddings_run():
+    """A bucket run of ours or the UI's materialization of documents and chunks, never a backfill's run
+    (the backfill runs its own embeddings) nor a run that embedded already."""
+    sync = dg.DagsterRun(job_name="sync_documents", run_id="r1", tags={"dagster/partition": "b003"})
+    ui = dg.DagsterRun(job_name="__ASSET_JOB", run_id="r2", asset_selection=frozenset({DOCUMENTS, CHUNKS}),
+                       tags={RANGE_START: "b001", RANGE_END: "b009"})
+    backfill = dg.DagsterRun(job_name="__ASSET_JOB", run_id="r3", asset_selection=frozenset({DOCUMENTS, CHUNKS}),
+                             tags={"dagster/backfill": "x"})
+    embedded = dg.DagsterRun(job_name="__ASSET_JOB", run_id="r4", asset_selection=frozenset({CHUNKS, EMBEDDINGS}))
+    assert [chains(r) for r in (sync, ui, backfill, embedded)] == [True, True, False, False]
+    one = embed_request(sync, [OLD])
+    assert one.partition_key == f"b003|{OLD}" and one.run_key == "embed-after:r1"
+    both = embed_request(ui, [OLD, NEW])
+    assert (both.tags[RANGE_START], both.tags[RANGE_END]) == (f"b001|{OLD}", f"b009|{NEW}")
+    assert embed_request(sync, []) is None          # no active model: nothing to embed
