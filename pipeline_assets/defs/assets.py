@@ -1,4 +1,4 @@
-"""Dagster assets: documents -> chunks -> embeddings, partitioned by document bucket.
+"""Dagster assets: documents -> chunks by document bucket, embeddings by bucket x model.
 
 A partition is a bucket of documents (``defs/partitions.py``): a stable hash of
 ``document_id`` modulo a count fixed in the database, so Dagster keeps a few
@@ -13,8 +13,10 @@ the same ones the command line calls.
   the ingest transactions that write both. A run of the rerun sensor (tag
   ``pipeline/rerun``) re-extracts the stale documents only: it does not scan
   the source, whose changes are the source sensor's run.
-* ``embeddings`` runs the use case ``app.embed.embed_buckets`` over the buckets' current documents:
-  it waits until their chunks are ready or failed (not the whole queue),
+* ``embeddings`` is partitioned by bucket x model (one column per active model of the
+  registry) and mapped to ``chunks`` by its bucket. Per model of its partition keys, it
+  runs the use case ``app.embed.embed_buckets`` over the buckets' current documents:
+  it waits until their chunks are ready or failed for that model (not the whole queue),
   embedding them itself (``in_process``) or leaving that to external ``work``
   processes (``EmbeddingRunResource``), and fails with the counts at its
   deadline. In-process, it runs in the ``embedding_worker`` concurrency pool.
@@ -29,11 +31,13 @@ documents' text checksums, of their chunk digests, of model and coverage); a
 run over a range of buckets records one version for the range (Dagster 1.13
 has one data version per result, dagster#18649), and each partition's own
 digest is in its metadata. Code versions: the extractor versions of every
-format, the chunker, the model id; a bump marks every bucket stale, and the
-rerun sensor's run re-extracts only the stale documents in them.
+format, the chunker, ``vectors-1`` (the model is a partition, not code); a bump
+marks every bucket stale, and the rerun sensor's run re-extracts only the stale
+documents in them.
 
 Every asset has ``BackfillPolicy.single_run()``: a backfill of N buckets is one
-run, and the job table does the per-item work.
+run per partitions definition (and per model for embeddings: Dagster groups a
+multi-partition subset by model), and the job table does the per-item work.
 """
 
 import hashlib
