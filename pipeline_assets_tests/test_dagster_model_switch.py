@@ -205,6 +205,11 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     assert left.skip_message.startswith(f"serving {OLD}, served by hand after the configured {NEW} was")
     assert models.served_model_id(conn) == OLD and served_search() == OLD
     assert _model_keys(instance) == [NEW, OLD]               # active again: its column is back
+    # `pipeline-assets models add` (the registry, no Dagster): the next tick of either sensor adds its column.
+    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+        model_admin.add(settings, pool, STRAY.split("/", 1)[1])
+    assert not evaluate_sensor(embed_after_sync, defs, instance, after.cursor).run_requests
+    assert _model_keys(instance) == [NEW, OLD, STRAY]
 
     events = observed_events(instance)   # three: the hand-made rollback is not the sensor's event
     assert [(e["event"], e["model"], e["served_model"]) for e in events] == [

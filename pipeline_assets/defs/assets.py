@@ -44,15 +44,17 @@ import hashlib
 import time
 import warnings
 from collections.abc import Generator, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
+from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import model_admin
-from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
+from pipeline_assets.app.embed import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
 from pipeline_assets.app.ingest import IngestReport
-from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.app.runtime import Runtime, code_versions
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDING_STORE
 from pipeline_assets.defs.partitions import (
     BUCKET_DIMENSION,
@@ -138,8 +140,8 @@ def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, b
         {key: {DOCUMENTS: docs[key]} for key in docs}))
 
 
-def _embed(rt: Any, pool: Any, root: Any, buckets: list[int], n: int, in_process: bool,
-           embedding_run: EmbeddingRunResource, partitions: int) -> Any:
+def _embed(rt: Runtime, pool: ConnectionPool, root: Path, buckets: list[int], n: int, in_process: bool,
+           embedding_run: EmbeddingRunResource, partitions: int) -> BucketsEmbedded:
     """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
     try:
         return embed_buckets(rt, pool, root, buckets, n, poll_seconds=WORKER_POLL_SECONDS,
