@@ -383,3 +383,52 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     assert summaries[edited].status == summaries[added].status == "current"
     assert any("never had before today" in t for (t,) in edited_text)
     assert cov.wanted == cov.ready > 0
+
+
+def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, database_url):
+    """A second model (`models add`: the registry only) gets its column from the daemon's sensors; a
+    backfill of every bucket x both models launches one run per model (Dagster's single-run policy
+    groups a multi-partition subset by its smaller dimension), and only the new model's vectors are
+    sent."""
+    from pipeline_assets.app import model_admin
+    from pipeline_assets.settings import Settings
+    from pipeline_assets.store import db
+
+    settings = Settings.from_env().replace(database_url=database_url, openai_api_key="test-key",
+                                           openai_base_url=dev_server.env["OPENAI_BASE_URL"])
+    with db.make_pool(database_url, max_size=2) as pool:
+        added = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
+    keys_q = """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
+                  partitionKeysByDimension { name partitionKeys } } } }"""
+
+    def model_keys():
+        dims = dev_server.gql(keys_q)["assetNodeOrError"]["partitionKeysByDimension"]
+        keys = next(d["partitionKeys"] for d in dims if d["name"] == "model")
+        return keys if added in keys else None
+
+    models = _wait(model_keys, RUN_TIMEOUT, "the new model's column", dev_server.proc, interval=1.0)
+    assert models == [MODEL, added]
+    started = time.monotonic()
+    result = dev_server.gql(
+        """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
+             __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
+        {"p": {"partitionsByAssets": [{"assetKey": {"path": ["embeddings"]}, "partitions": {"range": {
+            "start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{added}"}}}]}})["launchPartitionBackfill"]
+    assert result["__typename"] == "LaunchBackfillSuccess", result
+
+    def finished_runs():
+        runs = _runs_tagged(dev_server, "dagster/backfill", result["backfillId"])
+        return runs if len(runs) == 2 and all(r["status"] in FINISHED for r in runs) else None
+
+    runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
+    print(f"\nBACKFILL 64 buckets x 2 models: runs launched={len(runs)} wall={time.monotonic() - started:.1f}s "
+          f"(run time {sum(r['endTime'] - r['startTime'] for r in runs):.1f}s)")
+    assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"]
+    ranges = sorted((t["dagster/asset_partition_range_start"], t["dagster/asset_partition_range_end"])
+                    for r in runs for t in [{x["key"]: x["value"] for x in r["tags"]}])
+    assert ranges == sorted([(f"{BUCKETS[0]}|{m}", f"{BUCKETS[-1]}|{m}") for m in (MODEL, added)])
+    root = str(dev_server.corpus.resolve())
+    with psycopg.connect(database_url) as conn:
+        current = [r[0] for r in conn.execute("SELECT document_id FROM app.documents WHERE status = 'current'")]
+        _, cov = reports.embedding_coverage(conn, root, current, added)
+    assert cov.wanted == cov.ready > 0
