@@ -16,7 +16,7 @@ from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.defs.assets import EMBEDDING_POOL
 from pipeline_assets.defs.checks import COVERAGE_CHECK
-from pipeline_assets.defs.partitions import bucket_key, embedding_key, split_key
+from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
@@ -24,6 +24,7 @@ from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, s
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     check_results,
+    embed_range_tags,
     evaluate_sensor,
     execute,
     fresh_defs,
@@ -498,3 +499,32 @@ def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fak
     switched = fresh_defs()
     assert set(stale_status(switched, instance, "embeddings", ALL).values()) == {"MISSING"}
     assert set(stale_status(switched, instance, "embeddings", ALL, f"openai/{FAKE_MODEL}").values()) == {"FRESH"}
+
+
+def test_a_refresh_leaves_another_models_cell_of_its_bucket_stale(corpus, conn, fake):
+    """refresh_documents embeds with the configured model only: that model's cell of the bucket is
+    fresh, another active model's cell of it is stale (its vectors of the new text are not made yet)
+    until its run, and every other cell stays fresh."""
+    from pipeline_assets.app import model_admin
+    from pipeline_assets.store import db
+
+    settings = Settings.from_env()
+    defs = fresh_defs()
+    instance = dg.DagsterInstance.ephemeral()
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+        other = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
+    instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [other])      # what the sensors' next tick does
+    assert execute(defs, instance, job="embed_documents",
+                   tags=embed_range_tags(ALL, [other])).success
+    (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
+    refreshed = bucket_of("doc0001.md")
+    assert defs.resolve_job_def("refresh_documents").execute_in_process(instance=instance, run_config={
+        "ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}}).success
+    configured = f"openai/{FAKE_MODEL}"
+    assert set(stale_status(defs, instance, "embeddings", ALL, configured).values()) == {"FRESH"}
+    assert stale_status(defs, instance, "embeddings", ALL, other) == {
+        k: "STALE" if k == refreshed else "FRESH" for k in ALL}
+    # Its run makes the new text's vectors: the cell is fresh again.
+    assert execute(defs, instance, job="embed_documents", partition_key=str(embedding_key(refreshed, other))).success
+    assert set(stale_status(defs, instance, "embeddings", ALL, other).values()) == {"FRESH"}
