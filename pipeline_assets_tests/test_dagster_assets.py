@@ -16,7 +16,7 @@ from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.defs.assets import EMBEDDING_POOL
 from pipeline_assets.defs.checks import COVERAGE_CHECK
-from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
@@ -24,6 +24,7 @@ from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, s
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     check_results,
+    embed_range_tags,
     evaluate_sensor,
     execute,
     fresh_defs,
@@ -54,8 +55,10 @@ def _meta(event) -> dict:
     return {k: v.value for k, v in event.metadata.items()}
 
 
-def _partition_events(result: dg.ExecuteInProcessResult, node: str, asset: str) -> dict[str, dict]:
-    return {e.partition: _meta(e) for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
+def _partition_events(result, node: str, asset: str) -> dict[str, dict]:
+    """Each partition's metadata, keyed by bucket (an embeddings partition: its bucket of the one model)."""
+    return {bucket_key(split_key(e.partition)[0]) if "|" in e.partition else e.partition: _meta(e)
+            for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
 
 
 def test_bucket_hash_is_stable_and_the_same_in_sql(conn):
@@ -95,7 +98,8 @@ def test_materialize_one_bucket_then_again_without_provider_calls_or_reads(corpu
     assert chunks_event.metadata["chunk_count"].value == doc.chunks
     assert chunks_event.tags["dagster/code_version"].startswith("tok-window-1/")
     (coverage,) = check_results(result).values()
-    assert coverage.check_name == COVERAGE_CHECK and coverage.partition == key and coverage.passed
+    assert coverage.check_name == COVERAGE_CHECK and coverage.passed
+    assert coverage.partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))     # bucket x model
     assert coverage.metadata["chunks"].value == doc.chunks
     billed, requests = fake.stats["billed_inputs"], fake.stats["requests"]
 
@@ -131,7 +135,8 @@ def test_a_backfill_of_every_bucket_is_one_run_with_per_bucket_metadata(corpus, 
     emb = materialization_metadata(result, "embeddings")
     assert emb["partitions"] == 64 and emb["coverage_ratio"] == 1.0
     assert emb["embedded"] == sum(s.chunks for s in summaries.values())
-    assert {e.partition for e in result.get_asset_check_evaluations()} == set(ALL)   # one per bucket
+    assert {e.partition for e in result.get_asset_check_evaluations()} == {   # one per bucket (and model)
+        str(embedding_key(k, f"openai/{FAKE_MODEL}")) for k in ALL}
     # A range run records one version for the range (Dagster 1.13), never a bucket's own.
     versions = latest_data_versions(instance, "documents", ALL)
     assert len(set(versions.values())) == 1 and next(iter(versions.values())).startswith("range:64:")
@@ -238,7 +243,8 @@ def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, con
     events = {tuple(e.asset_key.path): e for e in result.get_asset_materialization_events()
               for e in [e.event_specific_data.materialization]}
     assert set(events) == {("documents",), ("chunks",), ("embeddings",)}
-    assert all(e.partition == key for e in events.values())
+    assert events[("documents",)].partition == events[("chunks",)].partition == key
+    assert events[("embeddings",)].partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))   # x the model
     assert events[("documents",)].metadata["refreshed_documents"].value == "doc0001.md"
     assert events[("embeddings",)].metadata["ready"].value == events[("embeddings",)].metadata["refreshed_chunks"].value
     # The source sensor's next tick reads the edited file and finds it synced: no bucket run for it.
@@ -327,16 +333,15 @@ def test_the_deadline_fails_the_run_with_its_counts(corpus, conn, fake):
     """External workers that never come: a short deadline (launchpad config) fails the run, saying how many wait."""
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    job = defs.resolve_job_def("embed_documents")
     started = time.monotonic()
-    result = job.execute_in_process(instance=instance, partition_key=bucket_of("doc0002.md"), raise_on_error=False,
-                                    run_config=_run_config(in_process=False, deadline_seconds=1.0))
+    result = execute(defs, instance, partition_key=bucket_of("doc0002.md"),
+                     run_config=_run_config(in_process=False, deadline_seconds=1.0))
     assert not result.success and time.monotonic() - started < 300   # its 1 s deadline, not the default hour
     description, metadata = _failure(result)
     own = len(_doc_chunks(conn, "doc0002.md"))
     assert description.startswith("deadline passed: ") and "after 1 s" in description
     assert metadata == {"chunks": own, "ready": 0, "failed": 0, "outstanding": own, "partitions": 1,
-                        "in_process": False}
+                        "in_process": False, "model": f"openai/{FAKE_MODEL}"}
     assert fake.stats["requests"] == 0
     assert not result.asset_materializations_for_node("embeddings")   # no materialization claims coverage
 
@@ -514,3 +519,70 @@ def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_document
     versions = dict(conn.execute("SELECT d.document_id, s.code_version FROM app.stage_runs s "
                                  "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
     assert versions == {d: "extract-2" if d in inside else "extract-1" for d in docs}
+
+
+# -- runtime materializations carry data and code versions -----------------------------------------
+
+
+def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fake, monkeypatch):
+    """refresh_documents records its buckets with their data and code versions: a code version bump
+    afterwards makes the refreshed bucket stale like every other, and an unchanged bucket run after
+    the refresh leaves every bucket fresh (Dagster's own verdict, what the UI shows). A model change
+    is a new column of embeddings, not a code change."""
+    defs = fresh_defs()
+    instance = dg.DagsterInstance.ephemeral()
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
+    refreshed = bucket_of("doc0001.md")
+    job = defs.resolve_job_def("refresh_documents")
+    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "document_ids": ["doc0001.md"]}}}}).success
+    for asset in ("documents", "chunks", "embeddings"):
+        assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
+    # An unchanged bucket run of the refreshed bucket and of another: nothing looks changed.
+    other = bucket_of("doc0002.md")
+    for key in (refreshed, other):
+        assert execute(defs, instance, partition_key=key).success
+    for asset in ("documents", "chunks", "embeddings"):
+        assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
+    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "document_ids": ["doc0001.md"], "force": True}}}}).success
+    # A parser fix (the documents code version): every bucket is stale, the refreshed one too.
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    bumped = fresh_defs()
+    assert set(stale_status(bumped, instance, "documents", ALL).values()) == {"STALE"}
+    # A new model is a new column: missing in every bucket, while the old model's vectors stay fresh.
+    monkeypatch.delenv("PIPELINE_EXTRACTOR_VERSION")
+    monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "fake-embed-2")
+    switched = fresh_defs()
+    assert set(stale_status(switched, instance, "embeddings", ALL).values()) == {"MISSING"}
+    assert set(stale_status(switched, instance, "embeddings", ALL, f"openai/{FAKE_MODEL}").values()) == {"FRESH"}
+
+
+def test_a_refresh_leaves_another_models_cell_of_its_bucket_stale(corpus, conn, fake):
+    """refresh_documents embeds with the configured model only: that model's cell of the bucket is
+    fresh, another active model's cell of it is stale (its vectors of the new text are not made yet)
+    until its run, and every other cell stays fresh."""
+    from pipeline_assets.app import model_admin
+    from pipeline_assets.store import db
+
+    settings = Settings.from_env()
+    defs = fresh_defs()
+    instance = dg.DagsterInstance.ephemeral()
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+        other = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
+    instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [other])      # what the sensors' next tick does
+    assert execute(defs, instance, job="embed_documents",
+                   tags=embed_range_tags(ALL, [other])).success
+    (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
+    refreshed = bucket_of("doc0001.md")
+    assert defs.resolve_job_def("refresh_documents").execute_in_process(instance=instance, run_config={
+        "ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}}).success
+    configured = f"openai/{FAKE_MODEL}"
+    assert set(stale_status(defs, instance, "embeddings", ALL, configured).values()) == {"FRESH"}
+    assert stale_status(defs, instance, "embeddings", ALL, other) == {
+        k: "STALE" if k == refreshed else "FRESH" for k in ALL}
+    # Its run makes the new text's vectors: the cell is fresh again.
+    assert execute(defs, instance, job="embed_documents", partition_key=str(embedding_key(refreshed, other))).success
+    assert set(stale_status(defs, instance, "embeddings", ALL, other).values()) == {"FRESH"}

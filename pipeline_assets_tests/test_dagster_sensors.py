@@ -245,7 +245,7 @@ def test_source_sensor_backpressure(corpus, conn, instance):
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
     (request,) = tick.run_requests
     # The daemon launched the run; it is still queued.
-    run = instance.create_run_for_job(defs.resolve_job_def("embed_documents"), tags=request.tags)
+    run = instance.create_run_for_job(defs.resolve_job_def("sync_documents"), tags=request.tags)
     cursor = tick.cursor
     (corpus / "doc0001.md").write_text("changed one\n")
     (corpus / "doc0003.md").write_text("a new one\n")
@@ -496,7 +496,7 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
 
 def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):
     defs = fresh_defs()
-    run = instance.create_run_for_job(defs.resolve_job_def("embed_documents"),
+    run = instance.create_run_for_job(defs.resolve_job_def("sync_documents"),
                                       tags={"pipeline/trigger": "rerun_stale_documents"})
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.NOT_STARTED
     assert "in flight" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message

@@ -224,6 +224,38 @@ def served_model_id(pool: ConnectionPool) -> str | None:
         return models.served_model_id(conn)
 
 
+def active_model_ids(pool: ConnectionPool) -> list[str]:
+    """The models workers and ingests embed for (registered, not retired)."""
+    with pool.connection() as conn:
+        return models.active_model_ids(conn)
+
+
+def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *, run_id: str | None = None) -> Runtime:
+    """The runtime that embeds with a registered, active model (or the configured one, which the
+    first ingest registers), the rest as configured.
+
+    ConfigError (one line) for a model that is unknown, retired (``models activate`` it
+    first), or whose provider this installation cannot build again."""
+    with pool.connection() as conn:
+        row = models.model_row(conn, model_id)
+    if row is not None and not row["active"]:
+        raise ConfigError(f"model {model_id} is retired; `pipeline-assets models activate {model_id}` to embed "
+                          "with it again")
+    if model_id == model_id_for(settings):
+        return Runtime.build(settings, run_id=run_id)
+    if row is None:
+        raise ConfigError(f"unknown model {model_id!r}: `pipeline-assets models add` registers it")
+    # The model id says provider, name and dimension; the `dimensions` option was
+    # either sent (the id's dimension) or not (the model's default).
+    for dims in (None, row["dimension"]):
+        rt = runtime_for_model(settings, row["name"], dims)
+        if rt.model_id == model_id:
+            rt.options.run_id = run_id
+            return rt
+    raise ConfigError(f"this installation cannot embed with {model_id} (its provider or code is gone); "
+                      f"`pipeline-assets models retire {model_id}`")
+
+
 def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
     """The runtime search embeds its query with: the served model's, whatever is configured.
 

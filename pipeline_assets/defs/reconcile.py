@@ -5,7 +5,8 @@ source, repair the job table set-based) and then tells Dagster what it changed
 in the watched source, so the UI does not drift from the database: each bucket
 holding a document it ingested, re-ingested or tombstoned gets a ``documents``
 and a ``chunks`` materialization (public runtime ``AssetMaterialization``
-events, with the bucket's counts and the ids it changed). ``embeddings`` gets
+events, with the bucket's counts and the ids it changed, and its data and code
+versions as an asset run records them: ``provenance``). ``embeddings`` gets
 nothing: its jobs are only enqueued, so the next embeddings run (or a ``work``
 process) embeds them. A re-ingested file of the watched source is one the
 source sensor requests a bucket run for (its bytes differ from the last synced
@@ -40,6 +41,7 @@ import dagster as dg
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations, reports, stages
 from pipeline_assets.app.reconcile import reconcile_all
+from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.app.touched import touched_since
 from pipeline_assets.defs.assets import GROUP, ingest_materializations
 from pipeline_assets.defs.checks import HOUR_SECONDS
@@ -87,9 +89,9 @@ def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
             states = bk.states_of(conn, root, list(touched), n)
         for problem in report.missing_sources:
             context.log.warning(problem)
-        yield from ingest_materializations(states, {b: {
+        yield from ingest_materializations(context.instance, states, {b: {
             "reported_by": "reconciliation", "changed_documents": ", ".join(docs[:bk.SAMPLE_IDS]),
-            "changed_count": len(docs)} for b, docs in touched.items()})
+            "changed_count": len(docs)} for b, docs in touched.items()}, code_versions(rt.settings))
         counts = {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
         metadata: dict = {**counts, "missing_sources": len(report.missing_sources),
                           "buckets_reported": len(touched),

@@ -1,7 +1,7 @@
 """The rerun sensor: partial reruns after a code-version bump. The documents whose extract
 or chunk stage ran under another code version are selected as `pipeline-assets rerun
 --stale` selects them (``app.rerun.select``; the extractor version is per format, so a
-PDF-only fix selects PDF documents only), and ONE run of ``embed_documents`` over every
+PDF-only fix selects PDF documents only), and ONE run of ``sync_documents`` over every
 bucket brings them current: each bucket's sync re-extracts only its stale documents
 (unchanged chunks keep their jobs: no provider call for them), and every bucket is
 re-materialized under the new code version, so none stays stale in the UI. Before
@@ -48,7 +48,7 @@ from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.defs.assets import RERUN_TAG
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request
+from pipeline_assets.defs.run_requests import IN_FLIGHT, SYNC_JOB, TRIGGER_TAG, batch_digest, range_request
 
 RERUN_SCAN_LIMIT = 100_000   # stale targets of the source one tick reads (the run redoes every one)
 RERUN_CURSOR_VERSION = 1
@@ -135,7 +135,7 @@ def retry_wait(instance: dg.DagsterInstance, rerun_tag: str, now: float) -> tupl
     return failures, max(0.0, ended_at + backoff - now)
 
 
-@dg.sensor(name=SENSOR_NAME, job=EMBED_JOB, minimum_interval_seconds=RERUN_INTERVAL_SECONDS,
+@dg.sensor(name=SENSOR_NAME, job=SYNC_JOB, minimum_interval_seconds=RERUN_INTERVAL_SECONDS,
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="After an extractor or chunker version bump: one run over every bucket that "
                        "re-extracts exactly the documents whose stage ran under another code version "

@@ -3,7 +3,7 @@
 
 A tick scans the source (observations in PostgreSQL, ``app/observations.py``:
 an unchanged file is not read), groups what is pending by document bucket and
-requests one run of ``embed_documents`` over the partition range that spans
+requests one run of ``sync_documents`` over the partition range that spans
 those buckets (``BackfillPolicy.single_run``: the assets see every bucket of
 the range in ``context.partition_keys``). The run brings each bucket current
 (``app.buckets.sync_buckets``): changed files ingested, gone ones tombstoned,
@@ -39,10 +39,11 @@ ended then) gives them a time to be requested again
 doubling per request of the same bytes, at most an hour), and a tick after it
 requests them under a new key. The document keeps its stored chunks and
 vectors meanwhile: the run-failure reconciliation does not re-read the source.
-A run that synced files but failed before embedding them (its embeddings step)
-has those files requested again the same way: that tick marks the files of its
-buckets whose document lacks a vector as unsynced (once per failed run: the
-cursor keeps the id of the last one handled).
+A run that synced files but whose embeddings run after it (``embed_after_sync``,
+tagged as this sensor's) failed or was cancelled has those files requested again
+the same way: that tick marks the files of its buckets whose document lacks a
+vector as unsynced (once per failed run: the cursor keeps the id of the last one
+handled).
 
 Deletions. A vanished file is pending until the bucket run tombstones its
 document and forgets its row. A source that cannot be scanned (missing or
@@ -57,15 +58,15 @@ import dagster as dg
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.content.sources import SourceError
-from pipeline_assets.defs.partitions import bucket_index, span
+from pipeline_assets.defs.partitions import bucket_index, span, split_key
 from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import (
-    EMBED_JOB,
     IN_FLIGHT,
     PARTITION_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
+    SYNC_JOB,
     TRIGGER_TAG,
     batch_digest,
     range_request,
@@ -73,7 +74,7 @@ from pipeline_assets.defs.run_requests import (
 from pipeline_assets.providers import model_id_for
 from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS, Settings
 
-__all__ = ["EMBED_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
+__all__ = ["SYNC_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
            "source_documents_sensor"]
 
 SENSOR_NAME = "source_documents"
@@ -129,13 +130,18 @@ def _unhandled_failure(instance: dg.DagsterInstance, handled: str | None) -> dg.
 
 
 def _run_buckets(run: dg.DagsterRun) -> tuple[int, int] | None:
-    """The first and last bucket a run covered (None: a run without partition tags)."""
+    """The first and last bucket a run covered: a bucket run's (``b003``) or the embeddings run
+    after it (``b003|model``); None: a run without partition tags."""
     first = run.tags.get(RANGE_START_TAG) or run.tags.get(PARTITION_TAG)
     last = run.tags.get(RANGE_END_TAG) or run.tags.get(PARTITION_TAG)
     try:
-        return (bucket_index(first), bucket_index(last)) if first and last else None
+        return (_bucket_of(first), _bucket_of(last)) if first and last else None
     except ValueError:
         return None
+
+
+def _bucket_of(key: str) -> int:
+    return split_key(key)[0] if "|" in key else bucket_index(key)
 
 
 # -- source changes -------------------------------------------------------------------
@@ -216,7 +222,7 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
 def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS) -> dg.SensorDefinition:
     """The source sensor, ticking every ``interval_seconds`` (``Settings.source_sensor_interval``)."""
     return dg.sensor(
-        name=SENSOR_NAME, jobs=[EMBED_JOB], minimum_interval_seconds=interval_seconds,
+        name=SENSOR_NAME, jobs=[SYNC_JOB], minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
                     "read) and requests one run over the buckets of new, changed and vanished documents; "
