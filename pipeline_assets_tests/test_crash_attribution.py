@@ -89,14 +89,19 @@ def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_boun
     crashes = 0
     while crash_once(env, "after_call:OOMPOISON", concurrency):
         crashes += 1
-        assert crashes <= bound, f"{crashes} crashes and the poison is not dead-lettered: {job_counts(conn)}"
+        held = conn.execute("""SELECT j.attempts, j.faults FROM app.embedding_jobs j
+                               JOIN app.chunks c USING (chunk_checksum) WHERE c.text = %s""", (poison,)).fetchone()
+        assert crashes <= bound, (f"{crashes} crashes and the poison is not dead-lettered: {job_counts(conn)}, "
+                                  f"its (attempts, faults): {held}")
     print(f"\npoison dead-lettered after {crashes} crashes, sent {fake.billed_count(poison)} times "
           f"(bound {bound})")
     # The poison alone is dead-lettered, within the bound; its neighbours are ready.
     assert job_counts(conn) == {"ready": len(texts) - 1, "failed": 1}
     failed = conn.execute("""SELECT c.text, j.attempts, j.faults, j.error_class FROM app.embedding_jobs j
                              JOIN app.chunks c USING (chunk_checksum) WHERE j.status = 'failed'""").fetchone()
-    assert failed[0] == poison and failed[1] == MAX_ATTEMPTS and failed[3] == "lease_expired", failed
+    # A fault per crash until it is a suspect, then a charge per crash (none a fault: it was alone).
+    assert failed[0] == poison and failed[1] == MAX_ATTEMPTS and failed[2] == FREE_FAULTS, failed
+    assert failed[3] == "lease_expired", failed
     assert crashes == fake.billed_count(poison) <= bound
     assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 1
     stored = conn.execute("SELECT c.text, e.embedding FROM app.embeddings e JOIN app.chunks c USING (chunk_checksum)"

@@ -34,6 +34,7 @@ from pipeline_assets.jobs.decisions import (
     worker_error,
 )
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError
+from pipeline_assets_tests.conftest import wait_until
 
 BASE, CAP, POLL = 1.0, 60.0, 0.5
 RETRY_AFTER_CAP, MAX_THROTTLES = 300.0, 10
@@ -498,3 +499,53 @@ def test_a_suspects_claim_runs_alone_in_its_process():
     with gate.alone(stop):
         events.append("stopping")
     assert events[-1] == "stopping"
+
+
+def test_a_process_holds_one_suspect_at_a_time():
+    """SuspectGate: while one suspect's claim waits for its turn (or runs alone), another
+    thread's suspect claim is turned away at once, not held waiting under its lease: held, it
+    would be rescued beside the first should that one crash the process, and the first would
+    not be the only job of its dead process (it would get a fault, not be charged)."""
+    import threading
+
+    from pipeline_assets.jobs.suspects import SuspectGate
+
+    gate, stop = SuspectGate(), threading.Event()
+    gate.enter(stop)                       # a third thread's claim is running
+    gate.enter(stop)                       # the thread that claims the second suspect entered meanwhile
+    first_waits, first_done = threading.Event(), threading.Event()
+    turns: list[object] = []
+
+    def first_suspect() -> None:
+        gate.enter(stop)
+        first_waits.set()
+        with gate.alone(stop) as turn:
+            turns.append(("first", turn))
+        gate.leave()
+        first_done.set()
+
+    t = threading.Thread(target=first_suspect, daemon=True)
+    t.start()
+    assert first_waits.wait(10)
+    wait_until(lambda: gate._waiting == 1, timeout=10, what="the first suspect waiting for its turn")
+    def second_suspect() -> None:
+        with gate.alone(stop) as turn:
+            turns.append(("second", turn))
+
+    second = threading.Thread(target=second_suspect, daemon=True)
+    second.start()
+    second.join(10)
+    alive = second.is_alive()
+    if alive:
+        stop.set()                         # it waits (the defect): let it through, then fail
+    assert not alive and turns == [("second", False)]  # turned away, not waiting
+    gate.leave()                           # the turned-away thread leaves (it handed its job back)
+    gate.leave()                           # the third thread's claim ends: the first runs alone
+    assert first_done.wait(10)
+    t.join(10)
+    assert turns == [("second", False), ("first", True)]
+    # Once no suspect waits or runs, the next one gets its turn.
+    gate.enter(stop)
+    with gate.alone(stop) as turn:
+        assert turn is True
+    gate.leave()

@@ -7,7 +7,11 @@ is held in may be its own doing. Its claim holds it alone
 while no other claim of this process is held: should the process die then, the
 rescue finds the suspect the only job of a dead process and charges it
 (``rescue_expired`` in sql/queries/jobs.sql), and no innocent neighbour on
-another thread pays for its crash.
+another thread pays for its crash. A process holds one suspect at a time: a
+second suspect's claim, made by a thread that entered before the first began
+to wait, is turned away (its job is handed back untouched) instead of waiting
+under its lease, where it would be rescued beside the first and keep the
+first from being the only job of its dead process.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ STOP_CHECK_SECONDS = 0.5
 class SuspectGate:
     """Claims of a worker's threads run side by side (``enter``/``leave``); a suspect's
     claim runs alone (``alone``, by a thread that entered): new claims wait while one waits
-    or runs, and it starts once the claims already held are over. A stop lets everyone through
-    (what runs then hands its jobs back)."""
+    or runs, it starts once the claims already held are over, and another suspect's claim
+    meanwhile is turned away. A stop lets everyone through (what runs then hands its jobs back)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -44,17 +48,26 @@ class SuspectGate:
             self._cond.notify_all()
 
     @contextmanager
-    def alone(self, stop: threading.Event) -> Iterator[None]:
-        """Run the body as the only claim of this process (the caller entered)."""
+    def alone(self, stop: threading.Event) -> Iterator[bool]:
+        """Run the body as the only claim of this process (the caller entered): yields True
+        once it is, or False at once while another suspect's claim waits or runs alone (the
+        caller hands its suspect back: the process holds one suspect at a time)."""
         with self._cond:
-            self._held -= 1
-            self._waiting += 1
-            while (self._held or self._alone) and not stop.is_set():
-                self._cond.wait(STOP_CHECK_SECONDS)
-            self._waiting -= 1
-            self._alone = True
+            if self._waiting or self._alone:
+                turned_away = True
+            else:
+                turned_away = False
+                self._held -= 1
+                self._waiting += 1
+                while (self._held or self._alone) and not stop.is_set():
+                    self._cond.wait(STOP_CHECK_SECONDS)
+                self._waiting -= 1
+                self._alone = True
+        if turned_away:
+            yield False
+            return
         try:
-            yield
+            yield True
         finally:
             with self._cond:
                 self._alone = False

@@ -255,6 +255,12 @@ class Worker:
         # Its lease is kept while the other claims of this process end.
         executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + self.settings.call_timeout
                              + self.config.lease_seconds)
-        with self._suspects.alone(self.stop):
-            executor.run_claim(owner, jobs, self._batch)
-        return None
+        with self._suspects.alone(self.stop) as turn:
+            if turn:
+                executor.run_claim(owner, jobs, self._batch)
+                return None
+        # Another suspect of this process waits or runs alone: this one goes back untouched
+        # (were it held, a crash of the other's run would find two jobs of the dead process).
+        executor.leases.drop(owner)
+        executor.release_now(owner, jobs)
+        return WAIT_A_POLL
