@@ -33,6 +33,7 @@ from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import WorkerFault
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
+from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.providers import Provider
 from pipeline_assets.settings import (
     DEFAULT_CONCURRENCY,
@@ -123,7 +124,9 @@ class Worker:
     def _run(self, store: JobStore) -> None:
         executor = Executor(self.provider, store, self.settings, poll_seconds=self.config.poll_seconds,
                             lease_seconds=self.config.lease_seconds, report=self.report, stopping=self._stopping,
-                            view=ProviderView(store.register_model(self.provider.spec)))
+                            view=ProviderView(store.register_model(self.provider.spec),
+                                              limit=SendLimit(self.config.concurrency)))
+        executor.check_at_start()  # a provider stopped for unusable answers: one trivial input first
         self._refresh_spend(store)  # before any claim: today's spend by other workers
         liveness = leases.Liveness(lambda: db.connect(self.url), owner_prefix=self._owner_prefix,
                                    worker_id=self.worker_id, model_id=self.model_id,
@@ -203,17 +206,26 @@ class Worker:
             if reason is not None:
                 self._stopping.stop(budget=reason)
                 break
-            owner = f"{self._owner_prefix}{next(self._claim_seq)}"
+            # A slot of the worker's send limit (fewer requests in flight while the provider fails).
+            if not executor.view.limit.acquire(self.stop, self.config.poll_seconds):
+                break
             try:
-                jobs = store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
-            except Exception as exc:
-                log.warning("claim failed: %s", exc)
-                executor.release(owner, [], exc)  # nothing held; counts towards stopping
-                self.stop.wait(self.config.poll_seconds)
-                continue
-            self._idle[index] = not jobs
-            if not jobs:
-                self._wake.set()  # the main loop looks whether the whole queue drained
-                self.stop.wait(self.config.poll_seconds)
-                continue
-            executor.run_claim(owner, jobs, self._batch)
+                self._claim_once(index, executor, store)
+            finally:
+                executor.view.limit.release()
+
+    def _claim_once(self, index: int, executor: Executor, store: JobStore) -> None:
+        owner = f"{self._owner_prefix}{next(self._claim_seq)}"
+        try:
+            jobs = store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
+        except Exception as exc:
+            log.warning("claim failed: %s", exc)
+            executor.release(owner, [], exc)  # nothing held; counts towards stopping
+            self.stop.wait(self.config.poll_seconds)
+            return
+        self._idle[index] = not jobs
+        if not jobs:
+            self._wake.set()  # the main loop looks whether the whole queue drained
+            self.stop.wait(self.config.poll_seconds)
+            return
+        executor.run_claim(owner, jobs, self._batch)

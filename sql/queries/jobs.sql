@@ -378,14 +378,16 @@ SELECT (SELECT min(available_at) FROM app.embedding_jobs
 -- pause is the provider's Retry-After when it gave one (authoritative, already
 -- capped by the worker; the half-open probe, not a random spread, keeps
 -- workers from returning as a herd), otherwise a full-jitter backoff over the
--- consecutive failures. Any failure while the breaker is tripped (a failed
+-- consecutive failures, never longer than probe_cap (settings.BREAKER_PROBE_INTERVAL:
+-- after an outage of any length the next probe goes out within it). Any
+-- failure while the breaker is tripped (a failed
 -- probe) frees the probe slot: the next probe goes out when the pause (if
 -- any) ends, not when the failed probe's lease would have.
 INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
 VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
         CASE WHEN %(trip)s OR 1 >= %(threshold)s
              THEN now() + make_interval(secs => CASE WHEN %(floor)s > 0 THEN %(floor)s
-                                                     ELSE random() * least(%(cap)s, %(base)s * 2) END)
+                                                     ELSE random() * least(%(probe_cap)s, %(cap)s, %(base)s * 2) END)
              ELSE '-infinity' END)
 ON CONFLICT (model_id) DO UPDATE
 SET consecutive_failures = p.consecutive_failures + 1,
@@ -393,7 +395,8 @@ SET consecutive_failures = p.consecutive_failures + 1,
     paused_until = CASE WHEN %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
                         THEN greatest(p.paused_until, now() + make_interval(secs => CASE
                              WHEN %(floor)s > 0 THEN %(floor)s
-                             ELSE random() * least(%(cap)s, %(base)s * 2 ^ least(p.consecutive_failures + 1, 30))
+                             ELSE random() * least(%(probe_cap)s, %(cap)s,
+                                                   %(base)s * 2 ^ least(p.consecutive_failures + 1, 30))
                              END))
                         ELSE p.paused_until END,
     probe_until = CASE WHEN p.tripped OR %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
@@ -409,3 +412,19 @@ UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_u
        probe_owner = NULL, updated_at = now()
 WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
   AND (NOT tripped OR paused_until <= now())  -- a call that was already in flight cannot cut a pause short
+
+-- name: provider_unusable
+-- An answer with nothing usable even to a single trivial input: counted for
+-- every worker and kept across restarts; returns how many came in a row.
+INSERT INTO app.provider_state AS p (model_id, unusable_answers) VALUES (%(model)s, 1)
+ON CONFLICT (model_id) DO UPDATE SET unusable_answers = p.unusable_answers + 1, updated_at = now()
+RETURNING unusable_answers
+
+-- name: provider_unusable_count
+-- How many answers in a row held nothing usable, even to a single trivial input.
+SELECT unusable_answers FROM app.provider_state WHERE model_id = %(model)s
+
+-- name: provider_usable
+-- A usable answer resets the unusable answers in a row.
+UPDATE app.provider_state SET unusable_answers = 0, updated_at = now()
+WHERE model_id = %(model)s AND unusable_answers <> 0
