@@ -9,7 +9,9 @@ import pytest
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.jobs.decisions import (
+    ANSWERS,
     BAD_VECTOR,
+    DOWN,
     FREE_FAULTS,
     MAX_CONSECUTIVE_WORKER_FAULTS,
     MAX_UNMATCHED_ANSWERS,
@@ -17,10 +19,8 @@ from pipeline_assets.jobs.decisions import (
     THROTTLED_TOO_OFTEN,
     UNMATCHED_ANSWER,
     UNMATCHED_ANSWERS,
-    Apply,
-    ANSWERS,
-    DOWN,
     UNUSABLE,
+    Apply,
     BreakerFailure,
     CheckProvider,
     ProbeConfig,

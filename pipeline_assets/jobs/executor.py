@@ -214,7 +214,7 @@ class Executor:
             if outcome.pause:
                 self.view.paused_until = time.monotonic() + outcome.pause
             if outcome.unusable:
-                log.warning("the provider answered nothing usable even to a single trivial input "
+                log.info("the provider answered nothing usable even to a single trivial input "
                             "(%d in a row); the request was given back, nothing charged", self.view.unusable)
             self.store.apply(owner, outcome.changes)
 

@@ -206,7 +206,9 @@ class Worker:
             if reason is not None:
                 self._stopping.stop(budget=reason)
                 break
-            # A slot of the worker's send limit (fewer requests in flight while the provider fails).
+            # A slot of the worker's send limit (fewer requests in flight while the provider fails);
+            # waiting for one, the thread holds nothing: idle for `--until-idle`.
+            self._idle[index] = True
             if not executor.view.limit.acquire(self.stop, self.config.poll_seconds):
                 break
             try:
