@@ -193,9 +193,12 @@ def unwanted(jobs: Sequence[ClaimedJob]) -> list[int]:
 
 @dataclass(frozen=True)
 class BreakerFailure:
-    """A provider failure counted by the breaker shared by every worker."""
-    trip: bool     # trip at once (429); otherwise count towards the threshold
+    """A provider failure, shared by every worker: a throttle pauses them all
+    (``pause_only``); a failure while the provider answers nobody counts
+    towards tripping the breaker."""
+    trip: bool     # trip at once; otherwise count towards the threshold
     floor: float   # the pause lasts at least this long (the provider's Retry-After)
+    pause_only: bool = False  # a 429: every worker pauses for the floor, then claims again; nothing counted
 
 
 @dataclass(frozen=True)
@@ -278,7 +281,7 @@ def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool 
         return Apply((Fail(ids, error.error_class, error.message),))
     floor = retry_after or 0.0
     if error.kind == THROTTLED:
-        breaker, pause = BreakerFailure(trip=True, floor=floor), max(floor, poll_seconds)
+        breaker, pause = BreakerFailure(trip=False, floor=floor, pause_only=True), max(floor, poll_seconds)
         cap_throttles = None if max_throttles is None else max_throttles + throttle_threshold - THROTTLE_SHRINK_AFTER
         if len(jobs) == 1 and cap_throttles is not None and jobs[0].throttles + 1 > cap_throttles:
             return Apply((Fail(ids, THROTTLED_TOO_OFTEN,
@@ -320,7 +323,7 @@ def _transient(error: ProviderError, jobs: Sequence[ClaimedJob], *, floor: float
     if len(jobs) == 1 and level >= FREE_FAULTS:  # failing alone, again: its attempt counts
         return Apply((Retry(ids, retry_delays(jobs, base=base, cap=cap, retry_after=floor or None, rng=rng),
                             error.error_class, error.message),), charged=True)
-    delay = backoff.retry_delay(level + 1, base=base, cap=cap, retry_after=floor or None, rng=rng)
+    delay = backoff.retry_delay(level, base=base, cap=cap, retry_after=floor or None, rng=rng)
     return Apply((GiveBack(ids, delay, error.error_class, error.message, faulted=True),), charged=True)
 
 

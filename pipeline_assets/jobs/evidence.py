@@ -2,19 +2,21 @@
 a job may meet before they are evidence against its inputs rather than bad luck.
 
 ``ProviderRates`` keeps the outcomes of a worker's last ``WINDOW`` requests
-(shared by its threads; no clock, no I/O) that held no suspect job (none whose
-failures already count as evidence: a poison input must not make the provider
-look worse than it is). From them it estimates the provider's rate of transient
-faults ``p`` (among answers the provider made while answering others) and of
-throttles, each with ``PRIOR_SUCCESSES`` pseudo-successes so that the first
-failure of a new worker is not read as a provider failing everything.
+(shared by its threads; no clock, no I/O). From them it estimates the
+provider's rate of transient faults ``p`` (throttles left out) and of
+throttles, each with ``PRIOR_SUCCESSES`` pseudo-successes and ``PRIOR_FAULTS``
+pseudo-failures: a new worker starts from p = 1/3 (k = 5), not splitting on the
+bad luck of its first requests before it has seen enough of the provider. A poison input's
+own failures raise ``p`` (they are in the window too): that only delays its
+isolation, up to the upper bound below.
 
 A job's failures point at its inputs only when that many in a row would happen
 by chance with probability at most ``CHANCE``: ``k = ceil(log CHANCE / log p)``,
 bounded to [``MIN_EVIDENCE_FAULTS``, ``MAX_EVIDENCE_FAULTS``] (throttles:
 [``decisions.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
-provider (p near 0) gives 1: the first failure already shrinks the request;
-30% of answers failing gives 4; 60% gives the upper bound, 8. The upper bound is
+provider (p near 0 over a full window) gives 1: the first failure already
+shrinks the request; 30% of answers failing gives 4; 60% gives the upper
+bound, 8. The upper bound is
 what bounds a poison input's sends whatever the provider does.
 """
 
@@ -26,8 +28,9 @@ from collections import deque
 
 # Outcomes of recent requests kept to estimate the provider's failure rates.
 WINDOW = 50
-# Pseudo-successes added to the window: one failure of a fresh worker is not a failing provider.
+# Pseudo-outcomes added to the window (p = 1/3 before any request).
 PRIOR_SUCCESSES = 4
+PRIOR_FAULTS = 2
 # Failures in a row that would happen by chance at most this often count as evidence against inputs.
 CHANCE = 0.01
 # Bounds on the faults (5xx, timeouts, dropped or unusable answers) that must be met before a
@@ -63,16 +66,20 @@ class ProviderRates:
     def _counts(self) -> tuple[int, int, int]:
         with self._lock:
             outcomes = list(self._outcomes)
-        return outcomes.count(SUCCESS) + PRIOR_SUCCESSES, outcomes.count(FAULT), outcomes.count(THROTTLE)
+        return (outcomes.count(SUCCESS) + PRIOR_SUCCESSES, outcomes.count(FAULT) + PRIOR_FAULTS,
+                outcomes.count(THROTTLE) + PRIOR_FAULTS)
 
     def fault_rate(self) -> float:
-        """Transient faults among the provider's answers and faults (throttles left out)."""
+        """Transient faults per fault or answer (throttles left out): the chance that a job
+        meets one more fault before its answer."""
         ok, faults, _ = self._counts()
         return faults / (ok + faults)
 
     def throttle_rate(self) -> float:
-        ok, faults, throttles = self._counts()
-        return throttles / (ok + faults + throttles)
+        """Throttles per throttle or answer (faults left out): the chance of one more throttle
+        before the answer."""
+        ok, _, throttles = self._counts()
+        return throttles / (ok + throttles)
 
     def fault_threshold(self) -> int:
         return evidence_threshold(self.fault_rate(), MIN_EVIDENCE_FAULTS, MAX_EVIDENCE_FAULTS)

@@ -32,7 +32,7 @@ from pipeline_assets.jobs.leases import HeldLeases
 from pipeline_assets.jobs.report import WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError
-from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
+from pipeline_assets.settings import BREAKER_PROBE_INTERVAL, DEFAULT_CONCURRENCY, Settings
 
 log = logging.getLogger("pipeline_assets.jobs.worker")
 
@@ -41,7 +41,7 @@ log = logging.getLogger("pipeline_assets.jobs.worker")
 CONFIG_PROBE_TEXT = "ping"
 # A usable answer this recent (before a failed request was sent, or any time
 # after) shows the provider answers others: no trivial request is needed to know it.
-RECENT_ANSWER_SECONDS = 2.0
+RECENT_ANSWER_SECONDS = 5.0
 
 
 @dataclass
@@ -142,9 +142,6 @@ class Executor:
         # The send is in the ledger before the request goes out: if no answer
         # ever comes (a kill, a failure), it still counts as possibly billed.
         call_id = self.store.record_send(jobs, sum(j.token_count or 0 for j in jobs))
-        fault_threshold, throttle_threshold = self._thresholds()
-        # A request holding a suspect (a job whose failures are already evidence) says nothing of the provider.
-        suspect = any(j.faults >= fault_threshold or j.throttles >= throttle_threshold or j.isolate for j in jobs)
         try:
             # Requests carry only jobs with text (plan_requests leaves the unwanted out).
             result = _embed(self.provider, [j.text for j in jobs if j.text is not None])
@@ -153,7 +150,7 @@ class Executor:
             self.report.add(provider_calls=1)
             self.view.had_failure = True
             outcome = self._decide(err, jobs, started)
-            if err.kind in (THROTTLED, RETRYABLE) and not suspect:
+            if err.kind in (THROTTLED, RETRYABLE):
                 self.view.rates.record(THROTTLE if err.kind == THROTTLED else FAULT)
             if err.kind == THROTTLED or (err.kind == RETRYABLE and not (isinstance(outcome, Apply)
                                                                       and outcome.charged)):
@@ -164,8 +161,7 @@ class Executor:
         self.report.add(provider_calls=1, tokens=result.tokens)
         self.view.last_usable = time.monotonic()
         self.view.limit.answered()
-        if not suspect:
-            self.view.rates.record(SUCCESS)
+        self.view.rates.record(SUCCESS)
         crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint)
         answer = Answer(call_id, result.tokens, latency)
         stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
@@ -243,14 +239,15 @@ class Executor:
         """Does the provider answer others? ``ANSWERS`` if a usable answer came
         shortly before ``sent_at`` or since; otherwise one trivial request tells
         (asked once by the worker's threads together: a check started after
-        ``sent_at`` answers for every request sent before it). An unusable answer
-        to it is counted in the database (every worker, across restarts)."""
+        ``sent_at`` answers for every request sent before it, and a ``DOWN``
+        verdict stands for a probe interval). An unusable answer to it is
+        counted in the database (every worker, across restarts)."""
         with self.view.check_lock:
             if self.view.last_usable >= sent_at - RECENT_ANSWER_SECONDS:
                 return ANSWERS
             checked_at, verdict = self.view.checked
-            if checked_at >= sent_at:
-                return verdict
+            if checked_at >= sent_at or (verdict == DOWN and time.monotonic() - checked_at < BREAKER_PROBE_INTERVAL):
+                return verdict  # no usable answer since: one check per probe interval while it is down
             checked_at = time.monotonic()
             result, err = self._trivial_call("health_probe")
             if err is None and result is not None and len(result.vectors) == 1:

@@ -191,6 +191,10 @@ class JobStore:
 
     def provider_failure(self, breaker: BreakerFailure) -> None:
         with self.pool.connection() as conn:
+            if breaker.pause_only:
+                transitions.provider_pause(conn, self.model_id, floor=breaker.floor, base=self._base, cap=self._cap,
+                                           probe_cap=BREAKER_PROBE_INTERVAL)
+                return
             transitions.provider_failure(conn, self.model_id, trip=breaker.trip, floor=breaker.floor,
                                          base=self._base, cap=self._cap, threshold=BREAKER_THRESHOLD,
                                          probe_cap=BREAKER_PROBE_INTERVAL)

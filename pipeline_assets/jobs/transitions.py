@@ -261,6 +261,14 @@ def provider_failure(conn: psycopg.Connection, model_id: str, *, trip: bool, flo
     return row["paused"], row["tripped"]
 
 
+def provider_pause(conn: psycopg.Connection, model_id: str, *, floor: float, base: float, cap: float,
+                   probe_cap: float = BREAKER_PROBE_INTERVAL) -> None:
+    """A throttle: every worker pauses claiming for ``floor`` (the Retry-After), or a short
+    jittered pause without one; the breaker does not trip: claims resume when it ends."""
+    conn.execute(JOBS.provider_pause, {"model": model_id, "floor": floor, "base": base, "cap": cap,
+                                       "probe_cap": probe_cap})
+
+
 def pause_provider(conn: psycopg.Connection, model_id: str, seconds: float) -> int:
     """Trip the breaker for exactly ``seconds`` (never shortening a longer pause);
     returns the consecutive failure count."""
