@@ -162,7 +162,7 @@ def faulted(ids, delay, cls, floor=0.0) -> Apply:
 
 def throttled(ids, delay, floor, pause) -> Apply:
     return Apply((GiveBack(ids, delay, "rate_limited", "boom", throttled=True),),
-                 BreakerFailure(trip=True, floor=floor), pause)
+                 BreakerFailure(trip=False, floor=floor, pause_only=True), pause)
 
 
 def fail(ids, cls, message="boom", **kw) -> Apply:
@@ -177,22 +177,22 @@ DECISIONS = [
     # an attempt, a fault counted on each (their next requests shrink); charged only to a job failing alone
     # after its free faults.
     pytest.param(err(RETRYABLE, "server_error", status=503), FIVE, True,
-                 faulted((1, 2, 3, 4, 5), fault_delay(1), "server_error"), id="retryable batch: the request's"),
-    pytest.param(err(RETRYABLE, "timeout"), ONE, None, faulted((1,), fault_delay(1), "timeout"),
+                 faulted((1, 2, 3, 4, 5), fault_delay(0), "server_error"), id="retryable batch: the request's"),
+    pytest.param(err(RETRYABLE, "timeout"), ONE, None, faulted((1,), fault_delay(0), "timeout"),
                  id="retryable needs no config probe; a first fault alone is free too"),
     pytest.param(err(RETRYABLE, "server_error", status=503, retry_after=30.0), TWO, True,
                  faulted((1, 2), 30.0, "server_error", floor=30.0), id="retryable: Retry-After is the floor"),
     pytest.param(err(RETRYABLE, "server_error"), [job(1, attempts=5, max_attempts=5), job(2, faults=2)], True,
-                 faulted((1, 2), fault_delay(3), "server_error"),
+                 faulted((1, 2), fault_delay(2), "server_error"),
                  id="retryable batch: even a last attempt is not used; backoff over the most faults"),
     pytest.param(err(RETRYABLE, "connection"), ALONE, True,
                  charged((1,), expected_delays(ALONE), "connection"),
                  id="retryable alone past its free faults: charged"),
     pytest.param(err(RETRYABLE, "connection"), [job(1, faults=FREE_FAULTS), job(2)], True,
-                 faulted((1, 2), fault_delay(FREE_FAULTS + 1), "connection"),
+                 faulted((1, 2), fault_delay(FREE_FAULTS), "connection"),
                  id="retryable: not alone, not charged"),
     pytest.param(err(RETRYABLE, UNMATCHED_ANSWER, message="expected 5 vectors, got 4"), FIVE, True,
-                 Apply((GiveBack((1, 2, 3, 4, 5), fault_delay(1), UNMATCHED_ANSWER, "expected 5 vectors, got 4",
+                 Apply((GiveBack((1, 2, 3, 4, 5), fault_delay(0), UNMATCHED_ANSWER, "expected 5 vectors, got 4",
                                  faulted=True),), charged=True),
                  id="an unmatchable answer while the provider answers others: the request's, a fault counted"),
     # THROTTLED: the provider's state: give back, trip the breaker, pause here.
@@ -217,8 +217,8 @@ DECISIONS = [
     pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES)],
                  True, fail((1,), THROTTLED_TOO_OFTEN,
                             f"throttled {MAX_THROTTLES + 1} times, alone in its request (cap {MAX_THROTTLES}): boom",
-                            breaker=BreakerFailure(trip=True, floor=2.0), pause=2.0),
-                 id="throttled past the cap alone: dead-lettered, the breaker still trips"),
+                            breaker=BreakerFailure(trip=False, floor=2.0, pause_only=True), pause=2.0),
+                 id="throttled past the cap alone: dead-lettered, every worker still pauses"),
     pytest.param(err(THROTTLED, "rate_limited", status=429), [job(1, throttles=50), job(2, throttles=50)], True,
                  throttled((1, 2), 0.0, 0.0, POLL),
                  id="throttled past the cap in a batch: given back (the next request is smaller)"),

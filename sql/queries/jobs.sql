@@ -375,16 +375,17 @@ SELECT (SELECT min(available_at) FROM app.embedding_jobs
        EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s) AS held
 
 -- name: provider_failure
--- A provider failure, shared by every worker. A throttle (429) trips the
--- breaker at once; other failures trip it after `threshold` in a row. The
--- pause is the provider's Retry-After when it gave one (authoritative, already
--- capped by the worker; the half-open probe, not a random spread, keeps
--- workers from returning as a herd), otherwise an equal-jitter backoff (half
--- fixed, half random) over the consecutive failures, never longer than probe_cap (settings.BREAKER_PROBE_INTERVAL:
--- after an outage of any length the next probe goes out within it). Any
--- failure while the breaker is tripped (a failed
--- probe) frees the probe slot: the next probe goes out when the pause (if
--- any) ends, not when the failed probe's lease would have.
+-- A provider failure, shared by every worker: `trip` trips the breaker at
+-- once (an operator's pause, pause_provider); the worker's failures (the
+-- provider answering nobody) trip it after `threshold` in a row. The pause is
+-- the provider's Retry-After when it gave one (authoritative, already capped
+-- by the worker; the half-open probe, not a random spread, keeps workers from
+-- returning as a herd), otherwise an equal-jitter backoff (half fixed, half
+-- random) over the consecutive failures, never longer than probe_cap
+-- (settings.BREAKER_PROBE_INTERVAL: after an outage of any length the next
+-- probe goes out within it). Any failure while the breaker is tripped (a
+-- failed probe) frees the probe slot: the next probe goes out when the pause
+-- (if any) ends, not when the failed probe's lease would have.
 INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
 VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
         CASE WHEN %(trip)s OR 1 >= %(threshold)s
