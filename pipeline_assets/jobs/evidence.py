@@ -7,9 +7,11 @@ provider's rate of transient faults ``p`` (throttles left out) and of
 throttles, each with ``PRIOR_SUCCESSES`` pseudo-successes and ``PRIOR_FAULTS``
 pseudo-failures: a new worker starts from p = 1/3 (k = 5), not splitting on the
 bad luck of its first requests before it has seen enough of the provider. The
-jobs being judged have their own failures left out of the window (``own``):
-a poison input's failures say nothing about the provider. The trivial
-requests that check whether the provider answers count as outcomes.
+trivial requests that check whether the provider answers count as outcomes.
+Every request counts, a poison input's too: when little else is left to send,
+its failures raise ``p`` and so delay its own isolation, never beyond the upper
+bound below; left out, they would leave a provider failing at random judged on
+a handful of samples, and its innocent requests split.
 
 A job's failures point at its inputs only when that many in a row would happen
 by chance with probability at most ``CHANCE``: ``k = ceil(log CHANCE / log p)``,
@@ -69,23 +71,20 @@ class ProviderRates:
             outcomes = list(self._outcomes)
         return outcomes.count(SUCCESS), outcomes.count(FAULT), outcomes.count(THROTTLE)
 
-    def fault_rate(self, own: int = 0) -> float:
+    def fault_rate(self) -> float:
         """Transient faults per fault or answer (throttles left out): the chance that a job
-        meets one more fault before its answer. ``own``: the faults of the jobs being judged,
-        left out of the window (their own failures are not evidence about the provider)."""
+        meets one more fault before its answer."""
         ok, faults, _ = self._counts()
-        faults = faults - min(own, faults) + PRIOR_FAULTS
-        return faults / (ok + PRIOR_SUCCESSES + faults)
+        return (faults + PRIOR_FAULTS) / (ok + PRIOR_SUCCESSES + faults + PRIOR_FAULTS)
 
-    def throttle_rate(self, own: int = 0) -> float:
+    def throttle_rate(self) -> float:
         """Throttles per throttle or answer (faults left out): the chance of one more throttle
-        before the answer; ``own`` as for ``fault_rate``."""
+        before the answer."""
         ok, _, throttles = self._counts()
-        throttles = throttles - min(own, throttles) + PRIOR_FAULTS
-        return throttles / (ok + PRIOR_SUCCESSES + throttles)
+        return (throttles + PRIOR_FAULTS) / (ok + PRIOR_SUCCESSES + throttles + PRIOR_FAULTS)
 
-    def fault_threshold(self, own: int = 0) -> int:
-        return evidence_threshold(self.fault_rate(own), MIN_EVIDENCE_FAULTS, MAX_EVIDENCE_FAULTS)
+    def fault_threshold(self) -> int:
+        return evidence_threshold(self.fault_rate(), MIN_EVIDENCE_FAULTS, MAX_EVIDENCE_FAULTS)
 
-    def throttle_threshold(self, low: int, own: int = 0) -> int:
-        return evidence_threshold(self.throttle_rate(own), low, MAX_EVIDENCE_THROTTLES)
+    def throttle_threshold(self, low: int) -> int:
+        return evidence_threshold(self.throttle_rate(), low, MAX_EVIDENCE_THROTTLES)

@@ -92,7 +92,7 @@ class Executor:
 
     # -- a claim -------------------------------------------------------------------
     def run_claim(self, owner: str, jobs: Sequence[ClaimedJob], batch: int) -> None:
-        fault_threshold, throttle_threshold = self._thresholds(jobs)
+        fault_threshold, throttle_threshold = self._thresholds()
         requests = decisions.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens,
                                            fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
         budget = self.settings.call_timeout * (len(requests) + 1) + self.lease_seconds
@@ -211,19 +211,17 @@ class Executor:
                 self.view.paused_until = time.monotonic() + outcome.pause
             if outcome.unusable:
                 log.info("the provider answered nothing usable even to a single trivial input "
-                            "(%d in a row); the request was given back, nothing charged", self.view.unusable)
+                         "(%d in a row); the request was given back, nothing charged", self.view.unusable)
             self.store.apply(owner, outcome.changes)
 
-    def _thresholds(self, jobs: Sequence[ClaimedJob]) -> tuple[int, int]:
-        """The fault and throttle counts from which they are evidence against these jobs' inputs."""
+    def _thresholds(self) -> tuple[int, int]:
+        """The fault and throttle counts from which they are evidence against a job's inputs."""
         rates = self.view.rates
-        return (rates.fault_threshold(own=max((j.faults for j in jobs), default=0)),
-                rates.throttle_threshold(decisions.THROTTLE_SHRINK_AFTER,
-                                         own=max((j.throttles for j in jobs), default=0)))
+        return rates.fault_threshold(), rates.throttle_threshold(decisions.THROTTLE_SHRINK_AFTER)
 
     def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob], started: float,
                 health: str | None = None) -> decisions.Outcome:
-        fault_threshold, throttle_threshold = self._thresholds(jobs)
+        fault_threshold, throttle_threshold = self._thresholds()
         outcome = decisions.decide(err, jobs, config_ok=self.view.config_ok, base=self.settings.backoff_base,
                                    cap=self.settings.backoff_cap, poll_seconds=self.poll_seconds,
                                    retry_after_cap=self.settings.retry_after_cap,
