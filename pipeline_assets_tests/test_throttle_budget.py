@@ -47,7 +47,9 @@ def test_repeated_5xx_trips_the_breaker_then_half_open_probe_closes_it(env, fake
     conn = clean_db
     assert job_counts(conn) == {"ready": 10}
     outcomes = [o for o, _ in calls(conn)]
-    assert outcomes.count("http_503") == 5 and outcomes.count("ok") == 10
+    # One of the 503s may answer the worker's trivial check (does the provider answer anyone?).
+    assert outcomes.count("http_503") + outcomes.count("health_probe_http_503") == 5
+    assert outcomes.count("ok") == 10
     tripped, failures = conn.execute("SELECT tripped, consecutive_failures FROM app.provider_state").fetchone()
     # The probe closed the breaker. A 503 of a call that started before the trip may be recorded
     # after the last success on a loaded machine (each thread records its own outcome): at most
