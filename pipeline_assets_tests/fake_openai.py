@@ -23,6 +23,8 @@ stats JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes t
     (``[[probability, status, retry_after or null], ...]``, drawn once per request from a generator
     seeded by ``fault_seed``) -> that status, not billed; then ``throttle_marker`` (an input containing
     it) -> 429 with ``Retry-After: 1`` on every request, not billed (a request the provider never accepts);
+    then ``error_marker`` (an input containing it) -> 503 on every request, not billed (a request the
+    provider always fails while it answers others);
  3. auth (missing/wrong Bearer key -> 401 ``invalid_api_key``), model (-> 404 ``model_not_found``),
     validation (-> 400), ``poison_marker`` (-> 400 naming the index; whole request, nothing billed);
  4. rpm/tpm sliding 60 s window -> 429 + Retry-After/retry-after-ms/x-ratelimit-*, not billed;
@@ -68,7 +70,7 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FAULT_FIELDS = ("poison_marker", "drop_marker", "slow_marker", "slow_seconds", "latency", "rpm", "tpm",
                 "random_faults", "fault_seed", "drip_marker", "drip_seconds", "throttle_marker",
                 "nan_marker", "drop_rate", "slow_rate", "short_rate",
-                "bad_index_rate", "omit_marker")
+                "bad_index_rate", "omit_marker", "error_marker")
 ARRIVALS_KEPT = 10_000  # arrival times of embedding requests kept in stats["arrivals"]
 DRIP_INTERVAL = 0.05  # seconds between the bytes of a slow-drip answer (far below any read timeout)
 
@@ -198,6 +200,7 @@ class FakeOpenAI:
         self.drip_marker, self.drip_seconds = None, 60.0  # type: str | None, float
         self.random_faults: list = []  # [[probability, status, retry_after or None], ...]
         self.throttle_marker: str | None = None
+        self.error_marker: str | None = None
         self.nan_marker: str | None = None
         # Random faults by probability per request (drawn from the fault_seed generator): a slow
         # call (slow_seconds more) and a dropped answer (billed, then the connection aborted;
@@ -343,7 +346,7 @@ class FakeOpenAI:
         self.fail_next(0, 500)
         self.drop_next(0)
         self.random_faults = []
-        self.throttle_marker = None
+        self.throttle_marker = self.error_marker = None
         self.nan_marker = None
         self.drop_rate = self.slow_rate = self.short_rate = self.bad_index_rate = 0.0
         self.omit_marker = None
@@ -469,6 +472,8 @@ class FakeOpenAI:
                     draw -= probability
         if fail is None and has(self.throttle_marker):
             fail = (429, "1", None)
+        if fail is None and has(self.error_marker):
+            fail = (503, None, None)
         if fail:
             status, retry_after, body = fail
             return self._respond(h, status, body if body is not None else _err(
