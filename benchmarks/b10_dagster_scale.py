@@ -29,7 +29,7 @@ no OPENAI_API_KEY: the offline model; sensors on as shipped)
      GraphQL ``launchRun`` with ``runConfigData`` for that document only; seconds from the launch
      to the run's SUCCESS, and whether the new text is in app.chunks right then.
   4. ``noop_backfill``: after the runs settle, ``launchPartitionBackfill`` of every partition of
-     the embed_documents assets (documents, chunks, embeddings); seconds from the launch until
+     documents, chunks and embeddings (bucket x model); seconds from the launch until
      the backfill is done (its status final and all its runs finished); provider calls and
      re-extractions during it (both should be 0).
   5. ``parser_fix_rerun``: `dev` stopped, restarted with PIPELINE_EXTRACTOR_VERSION=html=<bumped>;
@@ -817,8 +817,10 @@ def backfill_phase(dev: Dev, db: PipelineDB, deadline: float) -> dict:
     launched = dev.gql("""mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
                             __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message }
                             ... on InvalidSubsetError { message } ... on UnauthorizedError { message } } }""",
-                       {"p": {"partitionNames": keys,
-                              "assetSelection": [{"path": [a]} for a in EMBED_ASSETS]}})["launchPartitionBackfill"]
+                       {"p": {"partitionsByAssets": [
+                           {"assetKey": {"path": [a]}, "partitions": {"range": {"start": k[0], "end": k[-1]}}}
+                           # documents and chunks by bucket; embeddings by bucket x model (every cell)
+                           for a in EMBED_ASSETS for k in [dev.partition_keys(a)]]}})["launchPartitionBackfill"]
     if launched["__typename"] != "LaunchBackfillSuccess":
         out["error"] = f"launchPartitionBackfill: {json.dumps(launched)[:800]}"
         return out

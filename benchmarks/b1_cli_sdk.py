@@ -85,7 +85,8 @@ def drop_vector_indexes(conn: psycopg.Connection) -> None:
 
 def cli_env(url: str, base_url: str, dim: int) -> dict:
     return {**os.environ, "PIPELINE_DATABASE_URL": url, "OPENAI_API_KEY": KEY, "OPENAI_BASE_URL": base_url,
-            "PIPELINE_EMBEDDING_MODEL": MODEL, "PIPELINE_EMBEDDING_DIMENSIONS": str(dim)}
+            "PIPELINE_EMBEDDING_MODEL": MODEL, "PIPELINE_EMBEDDING_DIMENSIONS": str(dim),
+            "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191"}   # the fake server's model: no window of its own
 
 
 def cli_work(url: str, env: dict, n: int, profile: Path | None = None) -> dict:

@@ -78,7 +78,8 @@ def main() -> None:
                              "seconds_at_tpm_limit": round(corpus_tokens / TPM * 60, 1)}
             env = os.environ | {
                 "PIPELINE_DATABASE_URL": url, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "test-key",
-                "PIPELINE_EMBEDDING_MODEL": "fake-embed", "PIPELINE_BATCH_INPUTS": str(args.batch_inputs),
+                "PIPELINE_EMBEDDING_MODEL": "fake-embed", "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
+                "PIPELINE_BATCH_INPUTS": str(args.batch_inputs),
                 "PIPELINE_BATCH_TOKENS": str(args.batch_tokens)}
             subprocess.run(CLI + ["ingest", tmp], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
             started = time.monotonic()

@@ -162,6 +162,7 @@ def main() -> None:
             write_corpus(Path(tmp), args.documents)
             env = os.environ | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "test-key",
                                 "PIPELINE_EMBEDDING_MODEL": "fake-embed",
+                                "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
                                 "PIPELINE_BATCH_INPUTS": str(args.batch_inputs)}
             t = time.monotonic()
             subprocess.run(CLI + ["ingest", tmp], env=env | {"PIPELINE_DATABASE_URL": template}, cwd=REPO,

@@ -2,7 +2,7 @@
 
 A backlog of other documents is ingested (jobs pending, never embedded), then
 one partition of a separate source is materialized through Dagster
-(`embed_documents` job, in-process executor, ephemeral instance, the offline
+(`sync_documents` then `embed_documents`, in-process executor, ephemeral instance, the offline
 local provider). Reported: the run's wall time, the inputs it sent (from the
 spend ledger) against its own chunk count, the backlog left pending; and, as
 the "before" baseline, the time a worker takes to drain the whole queue
@@ -61,12 +61,19 @@ def main() -> None:
         defs = build_definitions(settings)
         instance = dg.DagsterInstance.ephemeral()
         from pipeline_assets.app.buckets import bucket_of
-        from pipeline_assets.defs.partitions import bucket_key
+        from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
+        from pipeline_assets.providers import model_id_for
 
+        bucket = bucket_key(bucket_of("own00000.md", settings.partition_buckets))
+        model = model_id_for(settings)
+        instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [model])
         started = time.perf_counter()
-        result = defs.resolve_job_def("embed_documents").execute_in_process(
-            instance=instance, partition_key=bucket_key(bucket_of("own00000.md", settings.partition_buckets)),
-            raise_on_error=False)
+        # The bucket run, then the embeddings run of that bucket x the model (what embed_after_sync launches).
+        result = defs.resolve_job_def("sync_documents").execute_in_process(
+            instance=instance, partition_key=bucket, raise_on_error=False)
+        if result.success:
+            result = defs.resolve_job_def("embed_documents").execute_in_process(
+                instance=instance, partition_key=str(embedding_key(bucket, model)), raise_on_error=False)
         run_seconds = time.perf_counter() - started
         with db.connect(url) as conn:
             own = conn.execute("SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) "

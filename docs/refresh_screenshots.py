@@ -3,11 +3,17 @@
     python docs/refresh_screenshots.py
 
 Starts `pipeline-assets dev` on the bundled example (a fresh PIPELINE_HOME in a
-temporary directory, the offline model: no key, no database server), waits for
-the source sensor's run to embed the corpus, then opens the asset graph and one
-partition's page in headless Chromium (pipeline_assets_tests/browser.py, the
-same driver as test_dagster_webserver.py) and saves docs/asset-graph.png and
-docs/partition.png.
+temporary directory, the offline model configured: no database server), waits
+for the source sensor's bucket run and the embeddings run after it, then opens
+the asset graph and one partition's page in headless Chromium
+(pipeline_assets_tests/browser.py, the same driver as test_dagster_webserver.py)
+and saves docs/asset-graph.png and docs/partition.png.
+
+Then the model-switch walk-through: `pipeline-assets models add` a second model
+(text-embedding-3-small, answered by the test suite's stand-in OpenAI server,
+pipeline_assets_tests/fake_openai.py: no key, no network), a backfill of half of
+its column through GraphQL, and docs/model-columns.png: embeddings' partitions,
+the offline model's column full, the new one half filled in.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ from pipeline_assets.app.buckets import bucket_of  # noqa: E402
 from pipeline_assets.defs.partitions import bucket_key  # noqa: E402
 from pipeline_assets.settings import DEFAULT_PARTITION_BUCKETS  # noqa: E402
 from pipeline_assets_tests.browser import Browser  # noqa: E402
+from pipeline_assets_tests.fake_openai import FakeOpenAI  # noqa: E402
 
 CORPUS = REPO / "examples" / "corpus"
 # The bucket partition of one document of the example (partitions are document buckets).
 PARTITION = bucket_key(bucket_of("databases/skip-locked-job-queues.md", DEFAULT_PARTITION_BUCKETS))
 LOADED_TIMEOUT = 60.0   # seconds for every "Loading..." placeholder of a page to go
 START_TIMEOUT = 180.0      # seconds for the webserver, the daemon and the sensor's first run
+NEW_MODEL = "text-embedding-3-small"
+NEW_MODEL_DIM = 1536
 
 
 def _wait_loaded(browser: Browser) -> None:
@@ -61,31 +70,73 @@ def _gql(port: int, query: str) -> dict:
         return json.loads(resp.read())["data"]
 
 
-def _sensor_run_done(port: int) -> bool:
+def _sensor_runs_done(port: int) -> bool:
+    """The source sensor's bucket run and the embeddings run after it (same trigger tag) succeeded."""
     try:
         runs = _gql(port, """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]})
-                              { ... on Runs { results { status } } } }""")["runsOrError"]["results"]
+                              { ... on Runs { results { status jobName } } } }""")["runsOrError"]["results"]
     except (OSError, KeyError, TypeError):
         return False
-    return bool(runs) and all(r["status"] == "SUCCESS" for r in runs)
+    return ({r["jobName"] for r in runs} == {"sync_documents", "embed_documents"}
+            and all(r["status"] == "SUCCESS" for r in runs))
+
+
+def _model_keys(port: int) -> list[str]:
+    try:
+        dims = _gql(port, """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
+                               partitionKeysByDimension { name partitionKeys } } } }""")
+    except (OSError, KeyError, TypeError):
+        return []
+    return next((d["partitionKeys"] for d in dims["assetNodeOrError"]["partitionKeysByDimension"]
+                 if d["name"] == "model"), [])
+
+
+def _wait(predicate, proc: subprocess.Popen, what: str, timeout: float = START_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not in {timeout:.0f} s")
+        time.sleep(2)
+    return value
+
+
+def _backfill_half_column(port: int, proc: subprocess.Popen, model: str) -> None:
+    """A backfill of buckets b000..b031 of one model's column; waits until its runs succeeded."""
+    half = bucket_key(DEFAULT_PARTITION_BUCKETS // 2 - 1)
+    launched = _gql(port, """mutation { launchPartitionBackfill(backfillParams: {partitionsByAssets: [
+                               {assetKey: {path: ["embeddings"]}, partitions: {range: {start: "START", end: "END"}}}]})
+                               { __typename ... on LaunchBackfillSuccess { backfillId } } }"""
+                    .replace("START", f"{bucket_key(0)}|{model}").replace("END", f"{half}|{model}"))
+    backfill = launched["launchPartitionBackfill"]["backfillId"]
+
+    def done() -> bool:
+        runs = _gql(port, """{ runsOrError(filter: {tags: [{key: "dagster/backfill", value: "ID"}]})
+                              { ... on Runs { results { status } } } }""".replace("ID", backfill)
+                    )["runsOrError"]["results"]
+        if any(r["status"] in ("FAILURE", "CANCELED") for r in runs):
+            raise RuntimeError(f"the backfill of {model}'s column failed")
+        return bool(runs) and all(r["status"] == "SUCCESS" for r in runs)
+    _wait(done, proc, "the backfill of the new column")
 
 
 def main() -> int:
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="screenshots-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="screenshots-") as tmp, FakeOpenAI(dim=NEW_MODEL_DIM) as fake:
         env = {k: v for k, v in os.environ.items() if not (k.startswith("PIPELINE_") or k.startswith("DAGSTER_"))}
-        env.update(PIPELINE_HOME=str(Path(tmp) / "home"), PIPELINE_SOURCE_DIR=str(CORPUS))
+        env.update(PIPELINE_HOME=str(Path(tmp) / "home"), PIPELINE_SOURCE_DIR=str(CORPUS),
+                   PIPELINE_EMBEDDING_MODEL="local-hashing",      # the offline model is the configured one
+                   OPENAI_API_KEY="test-key", OPENAI_BASE_URL=fake.base_url)   # the second model's stand-in
         log = open(Path(tmp) / "dev.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", "dev", "--port", str(port)],
                                 env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + START_TIMEOUT
-            while not _sensor_run_done(port):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    print((Path(tmp) / "dev.log").read_text()[-3000:], file=sys.stderr)
-                    print("error: the dev server did not embed the example in time", file=sys.stderr)
-                    return 1
-                time.sleep(2)
+            try:
+                _wait(lambda: _sensor_runs_done(port), proc, "the example embedded by the sensors' runs")
+                (model,) = _wait(lambda: _model_keys(port), proc, "the model column")
+            except TimeoutError as exc:
+                print((Path(tmp) / "dev.log").read_text()[-3000:], file=sys.stderr)
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
             base = f"http://127.0.0.1:{port}"
             with Browser() as browser:
                 browser.open(f"{base}/asset-groups/embedding_pipeline")
@@ -95,12 +146,23 @@ def main() -> int:
                 time.sleep(1.0)   # let the graph settle after the dialog closes
                 graph = browser.screenshot(REPO / "docs" / "asset-graph.png")
                 browser.open(f"{base}/assets/embeddings?view=partitions&partition="
-                             f"{urllib.parse.quote(PARTITION, safe='')}")
+                             f"{urllib.parse.quote(f'{PARTITION}|{model}', safe='')}")
                 browser.wait_for_text("Latest materialization", "Metadata", "ready")
                 _wait_loaded(browser)
                 time.sleep(0.5)
                 partition = browser.screenshot(REPO / "docs" / "partition.png")
-            print(f"wrote {graph.relative_to(REPO)} and {partition.relative_to(REPO)}")
+                # The model-switch walk-through: a second model, half of its column backfilled.
+                subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "models", "add", NEW_MODEL],
+                               env=env, cwd=tmp, check=True, capture_output=True)
+                keys = _wait(lambda: len(k := _model_keys(port)) == 2 and k, proc, "the new model's column")
+                new = next(k for k in keys if k != model)
+                _backfill_half_column(port, proc, new)
+                browser.open(f"{base}/assets/embeddings?view=partitions")
+                browser.wait_for_text("Materialized (", "Missing (", new)
+                _wait_loaded(browser)
+                time.sleep(1.0)
+                columns = browser.screenshot(REPO / "docs" / "model-columns.png")
+            print(f"wrote {graph.relative_to(REPO)}, {partition.relative_to(REPO)} and {columns.relative_to(REPO)}")
             return 0
         finally:
             if proc.poll() is None:

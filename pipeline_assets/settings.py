@@ -218,11 +218,13 @@ class Settings:
     # -- model input limits and the local model (issue 16) ---------------------------------
     # A server's model window cannot be asked over the OpenAI API; known OpenAI
     # models carry theirs (8191). Without it a chunk past the window would be
-    # silently truncated by servers such as TEI or infinity.
+    # silently truncated by servers such as TEI or infinity, so a model outside
+    # the provider's table is refused until it is set.
     model_max_input_tokens: int | None = _setting(
         "PIPELINE_MODEL_MAX_INPUT_TOKENS", None,
         "input window of the OpenAI-compatible server's model, in its own tokens; chunks are checked against it",
-        shown_default="OpenAI's models: 8191; others: 8191, assumed (`settings` warns)")
+        shown_default="OpenAI's models: 8191; others: none, and `models add`, `work`, `embed` and Dagster "
+                      "refuse the model until it is set")
     local_model_dir: Path | None = _setting(
         "PIPELINE_LOCAL_MODEL_DIR", None,
         "directory of the `local-onnx` model (`model.onnx`, `tokenizer.json`, the model card's configs); "

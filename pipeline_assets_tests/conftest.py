@@ -27,6 +27,9 @@ from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_MODEL = "fake-embed"   # unknown to the provider table: dimension discovered from the first response
+# ...and window not known either: a server's model is refused without PIPELINE_MODEL_MAX_INPUT_TOKENS.
+# The fake server cuts nothing; this is the window every environment the suite builds gives it.
+FAKE_WINDOW = 8191
 FAKE_DIM = 16
 # PIPELINE_TEST_PROFILE=long: the long profiles of the slow tests (a longer fault soak, more
 # hypothesis examples, the 1,000-document dev-server corpus). Unset: the short ones `pytest -q` runs.
@@ -183,6 +186,7 @@ def env(database_url, fake, tmp_path, monkeypatch):
         "OPENAI_API_KEY": "test-key",
         "OPENAI_BASE_URL": fake.base_url,
         "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL,
+        "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
         "PIPELINE_BACKOFF_BASE": "0.05",
         "PIPELINE_BACKOFF_CAP": "0.2",
         "PIPELINE_CALL_TIMEOUT": "5",

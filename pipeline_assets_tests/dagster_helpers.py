@@ -22,7 +22,7 @@ from dagster._core.loader import LoadingContextForTest
 
 from pipeline_assets.defs import devserver
 from pipeline_assets.defs.definitions import build_definitions
-from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations
@@ -53,17 +53,99 @@ def evaluate_sensor(sensor: dg.SensorDefinition, defs: dg.Definitions, instance:
     return data
 
 
+SYNC_JOB, EMBED_JOB = "sync_documents", "embed_documents"
+
+
+class PipelineResult:
+    """A bucket run as the sensors chain it: ``sync_documents``, then (if it succeeded)
+    ``embed_documents`` over the same buckets x the configured model. Reads like one
+    ExecuteInProcessResult: success of both, events of both, a node's data from its run."""
+
+    def __init__(self, results: list[dg.ExecuteInProcessResult]) -> None:
+        self.results = results
+
+    @property
+    def success(self) -> bool:
+        return all(r.success for r in self.results)
+
+    @property
+    def all_events(self) -> list:
+        return [e for r in self.results for e in r.all_events]
+
+    def _owner(self, node: str) -> dg.ExecuteInProcessResult:
+        for r in self.results:
+            if r.job_def.graph.has_node_named(node):
+                return r
+        raise KeyError(f"no run of this result has the node {node!r}")
+
+    def asset_materializations_for_node(self, node: str) -> list:
+        return self._owner(node).asset_materializations_for_node(node)
+
+    def failure_data_for_node(self, node: str):
+        return self._owner(node).failure_data_for_node(node)
+
+    def get_asset_check_evaluations(self) -> list:
+        return [e for r in self.results for e in r.get_asset_check_evaluations()]
+
+    def get_asset_materialization_events(self) -> list:
+        return [e for r in self.results for e in r.get_asset_materialization_events()]
+
+    @property
+    def run_id(self) -> str:
+        return self.results[0].run_id
+
+
+def configured_model() -> str:
+    from pipeline_assets.providers import model_id_for
+
+    return model_id_for(Settings.from_env())
+
+
+def embed_keys(tags: dict, partition_key: str | None, model: str) -> tuple[str | None, dict]:
+    """The embeddings partition (or range tags) of a bucket partition (or range) x one model."""
+    if partition_key is not None:
+        return str(embedding_key(partition_key, model)), {}
+    start, end = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
+    return None, {**tags, "dagster/asset_partition_range_start": str(embedding_key(start, model)),
+                  "dagster/asset_partition_range_end": str(embedding_key(end, model))}
+
+
+def embed_range_tags(keys: list[str], models: list[str]) -> dict[str, str]:
+    """The tags of an embeddings run over buckets ``keys[0]..keys[-1]`` x models ``models[0]..models[-1]``."""
+    return {"dagster/asset_partition_range_start": str(embedding_key(keys[0], models[0])),
+            "dagster/asset_partition_range_end": str(embedding_key(keys[-1], models[-1]))}
+
+
 def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest | None = None, *,
-            job: str = "embed_documents", partition_key: str | None = None,
-            tags: dict | None = None) -> dg.ExecuteInProcessResult:
-    """Run a job in-process as the run a RunRequest (or a partition key) describes."""
-    job_def = defs.resolve_job_def(job)
+            job: str | None = None, partition_key: str | None = None,
+            tags: dict | None = None, model: str | None = None, run_config: dict | None = None):
+    """Run a job in-process as the run a RunRequest (or a partition key) describes.
+
+    Without a job (or with a request of ``sync_documents``): the bucket run and the embeddings
+    run the ``embed_after_sync`` sensor chains to it, for ``model`` (default: the configured
+    one). With a job: that job's run alone."""
+    chain = job is None
     if request is not None:
+        job = job or request.job_name
+        chain = job in (None, SYNC_JOB)
         partition_key = request.partition_key
         tags = {k: v for k, v in request.tags.items() if k != "dagster/partition"}
-    result = job_def.execute_in_process(instance=instance, partition_key=partition_key, tags=tags or {},
-                                        raise_on_error=False)
-    return result
+    tags = tags or {}
+
+    def run(name: str, key: str | None, run_tags: dict) -> dg.ExecuteInProcessResult:
+        return defs.resolve_job_def(name).execute_in_process(
+            instance=instance, partition_key=key, tags=run_tags, raise_on_error=False, run_config=run_config)
+
+    if not chain:
+        return run(job or SYNC_JOB, partition_key, tags)
+    synced = run(SYNC_JOB, partition_key, tags)
+    if not synced.success:
+        return PipelineResult([synced])
+    model = model or configured_model()
+    if model not in instance.get_dynamic_partitions(MODEL_PARTITIONS_NAME):
+        instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [model])
+    key, embed_tags = embed_keys(tags, partition_key, model)
+    return PipelineResult([synced, run(EMBED_JOB, key, embed_tags)])
 
 
 def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, buckets: int = 64) -> list[str]:
@@ -93,37 +175,51 @@ def check_results(result: dg.ExecuteInProcessResult) -> dict[str, dg.AssetCheckE
     return {e.check_name: e for e in result.get_asset_check_evaluations()}
 
 
-def latest_materializations(instance: dg.DagsterInstance, asset: str,
-                            keys: list[str]) -> dict[str, dg.EventLogRecord]:
-    """The latest materialization record of each partition, read from the instance's event log."""
+def asset_keys_of(asset: str, keys: list[str], model: str | None = None) -> dict[str, str]:
+    """{key as given: the asset's partition key}: a bucket key of ``embeddings`` means that
+    bucket x ``model`` (default: the configured model); any other key is itself."""
+    if asset != "embeddings":
+        return {k: k for k in keys}
+    return {k: k if "|" in k else str(embedding_key(k, model or configured_model())) for k in keys}
+
+
+def latest_materializations(instance: dg.DagsterInstance, asset: str, keys: list[str],
+                            model: str | None = None) -> dict[str, dg.EventLogRecord]:
+    """The latest materialization record of each partition (keyed as given: ``asset_keys_of``),
+    read from the instance's event log."""
+    mapped = asset_keys_of(asset, keys, model)
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=list(keys)),
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=list(mapped.values())),
         limit=10 * len(keys) + 10, ascending=False).records
+    back = {v: k for k, v in mapped.items()}
     latest: dict[str, dg.EventLogRecord] = {}
     for record in records:
-        latest.setdefault(record.partition_key, record)
+        latest.setdefault(back[record.partition_key], record)
     return latest
 
 
-def latest_data_versions(instance: dg.DagsterInstance, asset: str, keys: list[str]) -> dict[str, str]:
+def latest_data_versions(instance: dg.DagsterInstance, asset: str, keys: list[str],
+                         model: str | None = None) -> dict[str, str]:
     """Each partition's data version as the UI shows it: the tag of its latest materialization."""
     return {k: (r.asset_materialization.tags or {}).get(DATA_VERSION_TAG)
-            for k, r in latest_materializations(instance, asset, keys).items()}
+            for k, r in latest_materializations(instance, asset, keys, model).items()}
 
 
 def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str,
-                 keys: list[str]) -> dict[str, str]:
-    """Dagster's own staleness verdict (what the UI shows: FRESH, STALE, MISSING) for some partitions."""
+                 keys: list[str], model: str | None = None) -> dict[str, str]:
+    """Dagster's own staleness verdict (what the UI shows: FRESH, STALE, MISSING) for some partitions
+    (keyed as given: a bucket key of ``embeddings`` is that bucket x ``model``, ``asset_keys_of``)."""
     resolver = CachingStaleStatusResolver(instance, defs.get_repository_def().asset_graph,
                                           LoadingContextForTest(instance))
-    return {k: resolver.get_status(dg.AssetKey(asset), k).value for k in keys}
+    return {k: resolver.get_status(dg.AssetKey(asset), v).value for k, v in asset_keys_of(asset, keys, model).items()}
 
 
-def stale_causes(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, key: str) -> list:
+def stale_causes(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, key: str,
+                 model: str | None = None) -> list:
     """Why Dagster calls a partition stale (the UI's "stale" tooltip)."""
     resolver = CachingStaleStatusResolver(instance, defs.get_repository_def().asset_graph,
                                           LoadingContextForTest(instance))
-    return list(resolver.get_stale_causes(dg.AssetKey(asset), key))
+    return list(resolver.get_stale_causes(dg.AssetKey(asset), asset_keys_of(asset, [key], model)[key]))
 
 
 def range_tags(keys: list[str]) -> dict[str, str]:

@@ -97,7 +97,9 @@ def test_crash_before_provider_call(env, fake, clean_db, corpus):
     texts = chunk_texts(conn)
     assert job_counts(conn) == {"ready": len(texts)}
     assert all(fake.billed_count(t) == 1 for t in texts)  # no duplicate bill
-    assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE attempts = 2").fetchone()[0] == held
+    # The crash cost the claim's jobs a fault each, not an attempt.
+    assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE faults = 1").fetchone()[0] == held
+    assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs").fetchone()[0] == 1
     assert_vectors_match(conn, fake)
     assert assert_ledger_matches_bill(conn, fake, env) == 0
 
@@ -214,7 +216,8 @@ def test_expired_lease_late_completion_refused(env, fake, clean_db, corpus):
             "SELECT lease_expires_at < now() FROM app.embedding_jobs").fetchone()[0], what="lease expiry")
         taken = json.loads(cli("work", "--until-idle", "--json", "--worker-id", "rescuer", env=env).stdout)
         assert taken["embedded"] == 1 and taken["rescued"] >= 1
-        assert conn.execute("SELECT status, attempts FROM app.embedding_jobs").fetchone() == ("ready", 2)
+        # The stall cost a fault, not an attempt: one attempt for the rescuer's claim.
+        assert conn.execute("SELECT status, attempts, faults FROM app.embedding_jobs").fetchone() == ("ready", 1, 1)
         stored_at = conn.execute("SELECT created_at FROM app.embeddings").fetchone()[0]
     finally:
         os.killpg(stalled.pid, signal.SIGCONT)

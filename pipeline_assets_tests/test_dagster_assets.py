@@ -16,7 +16,7 @@ from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.defs.assets import EMBEDDING_POOL
 from pipeline_assets.defs.checks import COVERAGE_CHECK
-from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
@@ -24,6 +24,7 @@ from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, s
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     check_results,
+    embed_range_tags,
     evaluate_sensor,
     execute,
     fresh_defs,
@@ -54,8 +55,10 @@ def _meta(event) -> dict:
     return {k: v.value for k, v in event.metadata.items()}
 
 
-def _partition_events(result: dg.ExecuteInProcessResult, node: str, asset: str) -> dict[str, dict]:
-    return {e.partition: _meta(e) for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
+def _partition_events(result, node: str, asset: str) -> dict[str, dict]:
+    """Each partition's metadata, keyed by bucket (an embeddings partition: its bucket of the one model)."""
+    return {bucket_key(split_key(e.partition)[0]) if "|" in e.partition else e.partition: _meta(e)
+            for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
 
 
 def test_bucket_hash_is_stable_and_the_same_in_sql(conn):
@@ -95,7 +98,8 @@ def test_materialize_one_bucket_then_again_without_provider_calls_or_reads(corpu
     assert chunks_event.metadata["chunk_count"].value == doc.chunks
     assert chunks_event.tags["dagster/code_version"].startswith("tok-window-1/")
     (coverage,) = check_results(result).values()
-    assert coverage.check_name == COVERAGE_CHECK and coverage.partition == key and coverage.passed
+    assert coverage.check_name == COVERAGE_CHECK and coverage.passed
+    assert coverage.partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))     # bucket x model
     assert coverage.metadata["chunks"].value == doc.chunks
     billed, requests = fake.stats["billed_inputs"], fake.stats["requests"]
 
@@ -131,7 +135,8 @@ def test_a_backfill_of_every_bucket_is_one_run_with_per_bucket_metadata(corpus, 
     emb = materialization_metadata(result, "embeddings")
     assert emb["partitions"] == 64 and emb["coverage_ratio"] == 1.0
     assert emb["embedded"] == sum(s.chunks for s in summaries.values())
-    assert {e.partition for e in result.get_asset_check_evaluations()} == set(ALL)   # one per bucket
+    assert {e.partition for e in result.get_asset_check_evaluations()} == {   # one per bucket (and model)
+        str(embedding_key(k, f"openai/{FAKE_MODEL}")) for k in ALL}
     # A range run records one version for the range (Dagster 1.13), never a bucket's own.
     versions = latest_data_versions(instance, "documents", ALL)
     assert len(set(versions.values())) == 1 and next(iter(versions.values())).startswith("range:64:")
@@ -198,6 +203,28 @@ def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, con
     assert "\n" not in description
 
 
+def test_refresh_and_reconciliation_runs_check_the_bucket_count_too(corpus, conn, fake, monkeypatch):
+    """Every run that reports buckets checks the count: with 8 configured on a 64-bucket database,
+    refresh_documents and the reconciliation fail with one line before changing anything."""
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success   # fixes 64
+    billed = fake.stats["billed_inputs"]
+    monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
+    (corpus / "doc0001.md").write_text("# edited\n\nwords nobody ingested yet\n")
+    before = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    defs = fresh_defs()
+    refresh = defs.resolve_job_def("refresh_documents").execute_in_process(
+        instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
+        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}})
+    reconcile = execute(defs, dg.DagsterInstance.ephemeral(), job="reconcile_job")
+    for result, node in ((refresh, "refresh_documents_op"), (reconcile, "reconciliation")):
+        assert not result.success
+        description = result.failure_data_for_node(node).user_failure_data.description
+        assert "64 buckets" in description and "PIPELINE_PARTITION_BUCKETS=64" in description
+        assert "\n" not in description
+    after = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    assert after == before and fake.stats["billed_inputs"] == billed
+
+
 def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, conn, fake, server_url):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
@@ -216,7 +243,8 @@ def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, con
     events = {tuple(e.asset_key.path): e for e in result.get_asset_materialization_events()
               for e in [e.event_specific_data.materialization]}
     assert set(events) == {("documents",), ("chunks",), ("embeddings",)}
-    assert all(e.partition == key for e in events.values())
+    assert events[("documents",)].partition == events[("chunks",)].partition == key
+    assert events[("embeddings",)].partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))   # x the model
     assert events[("documents",)].metadata["refreshed_documents"].value == "doc0001.md"
     assert events[("embeddings",)].metadata["ready"].value == events[("embeddings",)].metadata["refreshed_chunks"].value
     # The source sensor's next tick reads the edited file and finds it synced: no bucket run for it.
@@ -305,16 +333,15 @@ def test_the_deadline_fails_the_run_with_its_counts(corpus, conn, fake):
     """External workers that never come: a short deadline (launchpad config) fails the run, saying how many wait."""
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
-    job = defs.resolve_job_def("embed_documents")
     started = time.monotonic()
-    result = job.execute_in_process(instance=instance, partition_key=bucket_of("doc0002.md"), raise_on_error=False,
-                                    run_config=_run_config(in_process=False, deadline_seconds=1.0))
+    result = execute(defs, instance, partition_key=bucket_of("doc0002.md"),
+                     run_config=_run_config(in_process=False, deadline_seconds=1.0))
     assert not result.success and time.monotonic() - started < 300   # its 1 s deadline, not the default hour
     description, metadata = _failure(result)
     own = len(_doc_chunks(conn, "doc0002.md"))
     assert description.startswith("deadline passed: ") and "after 1 s" in description
     assert metadata == {"chunks": own, "ready": 0, "failed": 0, "outstanding": own, "partitions": 1,
-                        "in_process": False}
+                        "in_process": False, "model": f"openai/{FAKE_MODEL}"}
     assert fake.stats["requests"] == 0
     assert not result.asset_materializations_for_node("embeddings")   # no materialization claims coverage
 
@@ -456,3 +483,106 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
     statuses = dict(conn.execute("SELECT document_id, status FROM app.documents").fetchall())
     assert sorted(d for d, s in statuses.items() if s == "deleted") == ["doc0002.md", "doc0005.md", "doc0007.md"]
     assert sum(s == "current" for s in statuses.values()) == 6
+
+
+def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_documents_in_pages(corpus, conn, fake,
+                                                                                            monkeypatch):
+    """After a parser fix a run over some buckets selects their stale documents in the database, a
+    page at a time (pages of 2 here): it never reads another bucket's, nor more than a page at once."""
+    from pipeline_assets.app import stages
+
+    for i in range(4, 12):
+        (corpus / f"doc{i:04d}.md").write_text(f"# extra {i}\n\nwords of document {i}\n")
+        os.utime(corpus / f"doc{i:04d}.md", (time.time() - 3600,) * 2)
+    docs = sorted(p.name for p in corpus.iterdir())
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL)).success
+    wanted = sorted({bucket_index(d, 64) for d in docs[:6]})
+    inside = [d for d in docs if bucket_index(d, 64) in wanted]
+    assert 3 <= len(inside) < len(docs)
+
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    monkeypatch.setattr(bk, "SYNC_PAGE_DOCUMENTS", 2)
+    reads: list[list[str]] = []
+    real = stages.rerun_targets
+
+    def recorded(conn, **filters):
+        rows = real(conn, **filters)
+        reads.append([t.document_id for t in rows])
+        return rows
+
+    monkeypatch.setattr(stages, "rerun_targets", recorded)
+    with dg.build_resources(build_resources(Settings.from_env())) as res:
+        done = bk.sync_buckets(res.embedding_provider.runtime(), res.postgres.pool(), corpus, wanted, 64)
+    assert done.stale == len(inside) and done.changed == 0
+    assert reads and max(len(r) for r in reads) <= 2
+    assert sorted(d for r in reads for d in r) == inside            # only its buckets' documents, each once
+    versions = dict(conn.execute("SELECT d.document_id, s.code_version FROM app.stage_runs s "
+                                 "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
+    assert versions == {d: "extract-2" if d in inside else "extract-1" for d in docs}
+
+
+# -- runtime materializations carry data and code versions -----------------------------------------
+
+
+def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fake, monkeypatch):
+    """refresh_documents records its buckets with their data and code versions: a code version bump
+    afterwards makes the refreshed bucket stale like every other, and an unchanged bucket run after
+    the refresh leaves every bucket fresh (Dagster's own verdict, what the UI shows). A model change
+    is a new column of embeddings, not a code change."""
+    defs = fresh_defs()
+    instance = dg.DagsterInstance.ephemeral()
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
+    refreshed = bucket_of("doc0001.md")
+    job = defs.resolve_job_def("refresh_documents")
+    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "document_ids": ["doc0001.md"]}}}}).success
+    for asset in ("documents", "chunks", "embeddings"):
+        assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
+    # An unchanged bucket run of the refreshed bucket and of another: nothing looks changed.
+    other = bucket_of("doc0002.md")
+    for key in (refreshed, other):
+        assert execute(defs, instance, partition_key=key).success
+    for asset in ("documents", "chunks", "embeddings"):
+        assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
+    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
+        "document_ids": ["doc0001.md"], "force": True}}}}).success
+    # A parser fix (the documents code version): every bucket is stale, the refreshed one too.
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    bumped = fresh_defs()
+    assert set(stale_status(bumped, instance, "documents", ALL).values()) == {"STALE"}
+    # A new model is a new column: missing in every bucket, while the old model's vectors stay fresh.
+    monkeypatch.delenv("PIPELINE_EXTRACTOR_VERSION")
+    monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "fake-embed-2")
+    switched = fresh_defs()
+    assert set(stale_status(switched, instance, "embeddings", ALL).values()) == {"MISSING"}
+    assert set(stale_status(switched, instance, "embeddings", ALL, f"openai/{FAKE_MODEL}").values()) == {"FRESH"}
+
+
+def test_a_refresh_leaves_another_models_cell_of_its_bucket_stale(corpus, conn, fake):
+    """refresh_documents embeds with the configured model only: that model's cell of the bucket is
+    fresh, another active model's cell of it is stale (its vectors of the new text are not made yet)
+    until its run, and every other cell stays fresh."""
+    from pipeline_assets.app import model_admin
+    from pipeline_assets.store import db
+
+    settings = Settings.from_env()
+    defs = fresh_defs()
+    instance = dg.DagsterInstance.ephemeral()
+    assert execute(defs, instance, tags=range_tags(ALL)).success
+    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+        other = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
+    instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [other])      # what the sensors' next tick does
+    assert execute(defs, instance, job="embed_documents",
+                   tags=embed_range_tags(ALL, [other])).success
+    (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
+    refreshed = bucket_of("doc0001.md")
+    assert defs.resolve_job_def("refresh_documents").execute_in_process(instance=instance, run_config={
+        "ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}}).success
+    configured = f"openai/{FAKE_MODEL}"
+    assert set(stale_status(defs, instance, "embeddings", ALL, configured).values()) == {"FRESH"}
+    assert stale_status(defs, instance, "embeddings", ALL, other) == {
+        k: "STALE" if k == refreshed else "FRESH" for k in ALL}
+    # Its run makes the new text's vectors: the cell is fresh again.
+    assert execute(defs, instance, job="embed_documents", partition_key=str(embedding_key(refreshed, other))).success
+    assert set(stale_status(defs, instance, "embeddings", ALL, other).values()) == {"FRESH"}

@@ -9,7 +9,7 @@ from pipeline_assets.app import reports
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.defs.checks import COVERAGE_CHECK
 from pipeline_assets.defs.keys import EMBEDDINGS
-from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.partitions import bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts
@@ -36,13 +36,14 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
 
 
 def _coverage_only(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> dg.AssetCheckEvaluation:
-    """The coverage check alone for one bucket, as 'Execute check' in the UI runs it."""
-    job = defs.resolve_implicit_global_asset_job_def().get_subset(
+    """The coverage check alone for one bucket (x the model), as 'Execute check' in the UI runs it."""
+    job = defs.resolve_job_def("embed_documents").get_subset(
         asset_selection=set(), asset_check_selection={dg.AssetCheckKey(EMBEDDINGS, COVERAGE_CHECK)})
-    result = job.execute_in_process(instance=instance, partition_key=key, raise_on_error=False)
+    partition = str(embedding_key(key, MODEL))
+    result = job.execute_in_process(instance=instance, partition_key=partition, raise_on_error=False)
     assert result.success
     (evaluation,) = result.get_asset_check_evaluations()
-    assert evaluation.partition == key and evaluation.severity == dg.AssetCheckSeverity.ERROR
+    assert evaluation.partition == partition and evaluation.severity == dg.AssetCheckSeverity.ERROR
     return evaluation
 
 
@@ -65,7 +66,8 @@ def test_coverage_is_per_bucket_and_a_backlog_elsewhere_does_not_fail_it(corpus,
     instance = dg.DagsterInstance.ephemeral()
     result = execute(defs, instance, tags=range_tags(RUN))
     assert result.success
-    evaluations = {e.partition: e for e in result.get_asset_check_evaluations()}
+    evaluations = {bucket_key(split_key(e.partition)[0]): e for e in result.get_asset_check_evaluations()}
+    assert {split_key(e.partition)[1] for e in evaluations.values()} == {MODEL}
     # One ERROR-severity evaluation per bucket of the run (empty ones included), none per document, and
     # only the coverage check runs.
     assert sorted(evaluations) == RUN

@@ -118,14 +118,21 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
     # `dagster job launch` only queues a run (no daemon here): it runs beside the materialization,
     # two Dagster processes at once, as two users of one instance would.
     launch = subprocess.Popen(
-        [*DAGSTER, "job", "launch", "-w", "workspace.yaml", "-j", "embed_documents",
+        [*DAGSTER, "job", "launch", "-w", "workspace.yaml", "-j", "sync_documents",
          "--tags", json.dumps({"dagster/partition": bucket_of("doc0002.md")})],
         env=shell_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     key = bucket_of("doc0001.md")
     try:
         materialize = subprocess.run(
             [*DAGSTER, "asset", "materialize", "-m", "pipeline_assets.defs.definitions",
-             "--select", "documents*", "--partition", key],
+             "--select", "documents,chunks", "--partition", key],
+            env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert materialize.returncode == 0, materialize.stderr[-3000:]
+        # embeddings are partitioned by bucket x model: the bucket's cell of the configured model's column
+        # (dagster-env gave the configured model its column before anything was registered).
+        materialize = subprocess.run(
+            [*DAGSTER, "asset", "materialize", "-m", "pipeline_assets.defs.definitions",
+             "--select", "embeddings", "--partition", f"{key}|openai/{FAKE_MODEL}"],
             env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
         _, launch_err = launch.communicate(timeout=300)
     finally:
@@ -166,11 +173,11 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
             # ...the refreshed document's bucket, materialized by the refresh run and naming it...
             other = bucket_of("doc0000.md")
             for asset in ("documents", "chunks", "embeddings"):
-                record = latest_materializations(instance, asset, [other])[other]
+                record = latest_materializations(instance, asset, [other], f"openai/{FAKE_MODEL}")[other]
                 assert record.asset_materialization.metadata["refreshed_documents"].value == "doc0000.md"
             # ...and the launched run, queued for the daemon of `dagster dev` / `pipeline-assets dev`.
             (queued,) = instance.get_runs(dg.RunsFilter(tags={"dagster/partition": bucket_of("doc0002.md")}))
-            assert queued.job_name == "embed_documents" and queued.status == dg.DagsterRunStatus.QUEUED
+            assert queued.job_name == "sync_documents" and queued.status == dg.DagsterRunStatus.QUEUED
     finally:
         os.environ.pop(DAGSTER_URL_ENV, None)
 

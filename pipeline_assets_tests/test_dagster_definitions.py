@@ -12,7 +12,7 @@ import pytest
 
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs import devserver
-from pipeline_assets.defs.keys import ASSET_KEYS
+from pipeline_assets.defs.keys import ASSET_KEYS, INGEST_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations
@@ -37,17 +37,32 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     assert graph.get(dg.AssetKey("chunks")).parent_keys == {dg.AssetKey("documents")}
     assert graph.get(dg.AssetKey("embeddings")).parent_keys == {dg.AssetKey("chunks")}
     versions = code_versions(Settings.from_env())
+    buckets = [f"b{i:03d}" for i in range(64)]
     for key in ASSET_KEYS:
         node = graph.get(key)
-        assert node.partitions_def.get_partition_keys() == [f"b{i:03d}" for i in range(64)]   # buckets
         assert node.backfill_policy == dg.BackfillPolicy.single_run()
         assert node.code_version == versions[key.path[-1]]
+    for key in INGEST_KEYS:
+        assert graph.get(key).partitions_def.get_partition_keys() == buckets
+    # embeddings: bucket x model, the model a dynamic dimension (its keys: the registry's active models).
+    embeddings = graph.get(dg.AssetKey("embeddings")).partitions_def
+    assert isinstance(embeddings, dg.MultiPartitionsDefinition)
+    dims = {d.name: d.partitions_def for d in embeddings.partitions_defs}
+    assert dims["bucket"].get_partition_keys() == buckets
+    assert isinstance(dims["model"], dg.DynamicPartitionsDefinition) and dims["model"].name == "model"
+    mapping = graph.get_partition_mapping(dg.AssetKey("embeddings"), dg.AssetKey("chunks"))
+    assert isinstance(mapping, dg.MultiToSingleDimensionPartitionMapping)
+    assert mapping.partition_dimension_name == "bucket"
     assert versions["documents"] == "extract-1"
-    assert versions["embeddings"].startswith("local/")   # no OPENAI_API_KEY: the local model
-    for job in ("embed_documents", "reconcile_job", "pipeline_health", "refresh_documents", "__ASSET_JOB"):
+    assert versions["embeddings"] == "vectors-1"      # not the model: the model is a partition
+    assert repo.get_job("sync_documents").asset_layer.executable_asset_keys == set(INGEST_KEYS)
+    assert repo.get_job("embed_documents").asset_layer.executable_asset_keys == {dg.AssetKey("embeddings")}
+    for job in ("sync_documents", "embed_documents", "reconcile_job", "pipeline_health", "refresh_documents",
+                "__ASSET_JOB"):
         assert repo.get_job(job).executor_def.name == "in_process", job
-    assert {s.name for s in repo.sensor_defs} >= {"source_documents", "rerun_stale_documents",
-                                                  "reconcile_on_dead_letters", "reconcile_on_run_failure"}
+    assert {s.name for s in repo.sensor_defs} >= {"source_documents", "rerun_stale_documents", "embed_after_sync",
+                                                  "model_switch", "reconcile_on_dead_letters",
+                                                  "reconcile_on_run_failure"}
     schedules = {s.name: s for s in repo.schedule_defs}
     assert schedules["reconcile_hourly"].cron_schedule == "*/5 * * * *"
     # Reconciliation is an asset (not partitioned: it spans every source), run by reconcile_job.
@@ -71,7 +86,7 @@ def test_model_and_versions_follow_the_environment(monkeypatch):
     monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "text-embedding-3-large")
     graph = fresh_defs().get_repository_def().asset_graph
     assert graph.get(dg.AssetKey("documents")).code_version == "extract-9"
-    assert graph.get(dg.AssetKey("embeddings")).code_version == "openai/text-embedding-3-large@3072"
+    assert graph.get(dg.AssetKey("embeddings")).code_version == "vectors-1"   # the same for every model
 
 
 def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
@@ -145,8 +160,10 @@ def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkey
 def test_the_bucket_count_follows_the_setting(monkeypatch):
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
     graph = fresh_defs().get_repository_def().asset_graph
-    for key in ASSET_KEYS:
+    for key in INGEST_KEYS:
         assert graph.get(key).partitions_def.get_partition_keys() == [f"b{i:03d}" for i in range(8)]
+    dims = {d.name: d.partitions_def for d in graph.get(dg.AssetKey("embeddings")).partitions_def.partitions_defs}
+    assert dims["bucket"].get_partition_keys() == [f"b{i:03d}" for i in range(8)]
 
 
 def test_the_source_sensor_interval_follows_the_setting(monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
 from pipeline_assets.defs.partitions import bucket_index
-from pipeline_assets_tests.conftest import REPO, stop_group
+from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, stop_group
 from pipeline_assets_tests.dagster_helpers import DAGSTER, bucket_of, command_env
 
 # dagster dev starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
@@ -72,11 +72,16 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
     keys = sorted(bucket_of(d) for d in docs)
     try:
         runs_q = """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]}) {
-                        ... on Runs { results { status tags { key value } } } } }"""
-        runs = _poll(lambda: [r for r in _gql(port, runs_q)["runsOrError"]["results"]
-                              if r["status"] in ("SUCCESS", "FAILURE")], 300, proc, "the source sensor's run")
-        assert [r["status"] for r in runs] == ["SUCCESS"], runs
-        tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
+                        ... on Runs { results { status jobName tags { key value } } } } }"""
+        # The source sensor's bucket run, then the embeddings run embed_after_sync launches after it
+        # (the model's key added by that sensor: nothing prepared this instance).
+        runs = _poll(lambda: (done := [r for r in _gql(port, runs_q)["runsOrError"]["results"]
+                                       if r["status"] in ("SUCCESS", "FAILURE")]) and len(done) >= 2 and done,
+                     300, proc, "the source sensor's run and the embeddings run after it")
+        assert sorted((r["jobName"], r["status"]) for r in runs) == [
+            ("embed_documents", "SUCCESS"), ("sync_documents", "SUCCESS")], runs
+        (sync,) = [r for r in runs if r["jobName"] == "sync_documents"]
+        tags = {t["key"]: t["value"] for t in sync["tags"]}
         first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
         assert first <= keys[0] and keys[-1] <= last          # one range over (at least) the corpus's buckets
         assert tags["dagster/run_key"].startswith("sync@g0:3:")
@@ -87,8 +92,8 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
                                        partition metadataEntries { label
                                          ... on TextMetadataEntry { text } ... on IntMetadataEntry { intValue } } } } }
                              e: assetNodeOrError(assetKey: {path: ["embeddings"]}) {
-                                   ... on AssetNode { staleStatusByPartition(partitions: PARTS) } } }"""
-                  .replace("PARTS", parts))
+                                   ... on AssetNode { staleStatusByPartition(partitions: CELLS) } } }"""
+                  .replace("PARTS", parts).replace("CELLS", json.dumps([f"{k}|openai/{FAKE_MODEL}" for k in keys])))
         summaries = reports.document_summaries(conn, str(corpus.resolve()), docs)
         assert sorted(summaries) == docs and all(s.status == "current" for s in summaries.values())
         # One run over the range: one data version for all its buckets (Dagster records one per

@@ -59,7 +59,7 @@ def _metadata(record: dg.EventLogRecord) -> dict:
     return {k: v.value for k, v in record.asset_materialization.metadata.items()}
 
 
-def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn, fake):
+def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn, fake, monkeypatch):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
     # One run over the buckets of doc0000..doc0002; doc0003's bucket lies outside it (never ingested).
@@ -114,6 +114,11 @@ def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn,
         untouched: "FRESH", bucket_of(KEYS[1]): "STALE", bucket_of(KEYS[2]): "STALE",
         bucket_of(KEYS[3]): "MISSING", bucket_of(NEW_DOC): "MISSING"}
     assert set(stale_status(defs, instance, "chunks", list(touched)).values()) == {"FRESH"}
+    # Its events carry the buckets' code versions: after a parser fix, the buckets it reported are
+    # stale like the others (Dagster compares code versions, not timestamps).
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    assert set(stale_status(fresh_defs(), instance, "documents", [untouched, *touched]).values()) == {"STALE"}
+    monkeypatch.delenv("PIPELINE_EXTRACTOR_VERSION")
 
     # The digests it reported are the buckets' own: a one-bucket run of the new document's bucket
     # (nothing changed since) records exactly them as its data versions, and embeds it.
@@ -175,15 +180,28 @@ def test_a_failed_run_requests_a_reconciliation(corpus, conn, fake, instance):
     first = evaluate_sensor(sensor, defs, instance)                 # starts watching from now
     assert not first.run_requests
     # An embeddings run that fails: no external worker comes before its deadline.
-    failed = defs.resolve_job_def("embed_documents").execute_in_process(
-        instance=instance, partition_key=bucket_of(KEYS[0]), raise_on_error=False,
-        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
-    assert not failed.success
+    chain = execute(defs, instance, partition_key=bucket_of(KEYS[0]), run_config={
+        "resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
+    synced, failed = chain.results
+    assert synced.success and not failed.success
     data = evaluate_sensor(sensor, defs, instance, cursor=first.cursor)
     (request,) = data.run_requests
     assert request.job_name in (None, RECONCILE_JOB_NAME) and request.tags["pipeline/failed_run"] == failed.run_id
-    assert execute(defs, instance, request, job=RECONCILE_JOB_NAME).success
+    # A repair of the job table: no source file is read (a failed run's files are the source sensor's retry).
+    assert request.run_config == {"ops": {"reconciliation": {"config": {"rescan": False}}}}
+    (corpus / KEYS[1]).write_text("# changed\n\nan edit the repair must not re-ingest\n")
+    before = conn.execute("SELECT document_id, source_checksum FROM app.documents ORDER BY 1").fetchall()
+    repaired = defs.resolve_job_def(RECONCILE_JOB_NAME).execute_in_process(
+        instance=instance, run_config=request.run_config, tags=request.tags, raise_on_error=False)
+    assert repaired.success
+    assert _reconciliations(instance)[-1]["sources"] == 0
+    assert conn.execute("SELECT document_id, source_checksum FROM app.documents ORDER BY 1").fetchall() == before
     # A failed reconciliation does not request another one.
     instance.report_run_failed(instance.create_run_for_job(defs.resolve_job_def(RECONCILE_JOB_NAME)))
     later = evaluate_sensor(sensor, defs, instance, cursor=data.cursor)
     assert not later.run_requests
+    # Runs failing again and again: at most one repair per RUN_FAILURE_RECONCILE_INTERVAL_SECONDS.
+    for _ in range(3):
+        instance.report_run_failed(instance.create_run_for_job(defs.resolve_job_def("embed_documents")))
+        later = evaluate_sensor(sensor, defs, instance, cursor=later.cursor)
+        assert not later.run_requests and "at most one per 600 s" in later.skip_message

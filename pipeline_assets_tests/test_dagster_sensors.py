@@ -13,11 +13,13 @@ import pytest
 
 from pipeline_assets.app import observations, stages
 from pipeline_assets.app.runtime import chunker_for
-from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.partitions import bucket_key, embedding_key
 from pipeline_assets.defs.sensors import decode_cursor, rerun_stale_documents_sensor, source_documents_sensor
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.conftest import write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
+    EMBED_JOB,
+    SYNC_JOB,
     bucket_of,
     evaluate_sensor,
     execute,
@@ -29,6 +31,7 @@ from pipeline_assets_tests.dagster_helpers import (
 ALL = [bucket_key(i) for i in range(64)]
 
 HOUR_NS = 3600 * 10**9
+MODEL_ID = f"openai/{FAKE_MODEL}"
 
 
 @pytest.fixture
@@ -244,7 +247,7 @@ def test_source_sensor_backpressure(corpus, conn, instance):
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
     (request,) = tick.run_requests
     # The daemon launched the run; it is still queued.
-    run = instance.create_run_for_job(defs.resolve_job_def("embed_documents"), tags=request.tags)
+    run = instance.create_run_for_job(defs.resolve_job_def("sync_documents"), tags=request.tags)
     cursor = tick.cursor
     (corpus / "doc0001.md").write_text("changed one\n")
     (corpus / "doc0003.md").write_text("a new one\n")
@@ -294,11 +297,117 @@ def test_a_failed_run_is_requested_again(corpus, conn, instance, monkeypatch):
     assert _observed(conn)["doc0002.md"] is None           # still gone, still pending
     assert _docs(conn)["doc0002.md"] == "current"
     monkeypatch.setattr(buckets, "ingest_documents", real)
-    again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)   # backing off
+    assert not held.run_requests and "1 file(s) of failed or cancelled runs requested again in" in held.skip_message
+    _retries_due(conn)
+    again = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
     (retry,) = again.run_requests
     assert retry.partition_key == request.partition_key and retry.run_key != request.run_key
     assert execute(defs, instance, retry).success
     assert _docs(conn)["doc0002.md"] == "deleted" and "doc0002.md" not in _observed(conn)
+
+
+def _retries_due(conn) -> None:
+    """The backoff of every file waiting to be requested again has passed (as if time went by)."""
+    conn.execute("UPDATE app.source_observations SET retry_at = now() - interval '1 second' "
+                 "WHERE retry_at IS NOT NULL")
+
+
+def _retry_state(conn, document_id: str) -> tuple[int, float | None]:
+    """(requests of its current bytes, seconds until it may be requested again)."""
+    return conn.execute("SELECT request_attempts, extract(epoch FROM retry_at - now())::float8 "
+                        "FROM app.source_observations WHERE document_id = %s", (document_id,)).fetchone()
+
+
+def _served(conn, document_id: str) -> tuple[str, int, int]:
+    """(text of its current chunks, chunks, chunks with a vector of the model): what search can find."""
+    return conn.execute(
+        "SELECT coalesce(string_agg(c.text, '' ORDER BY c.chunk_index), ''), count(c.chunk_index), "
+        "count(e.chunk_checksum) FROM app.documents d JOIN app.chunks c USING (doc_pk) "
+        "LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s "
+        "WHERE d.document_id = %s AND d.status = 'current'", (MODEL_ID, document_id)).fetchone()
+
+
+def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable(corpus, conn, fake, instance,
+                                                                                monkeypatch, env):
+    """A changed file whose run failed (or was cancelled) before syncing it is requested again, after a
+    backoff that grows per failed request; meanwhile its stored chunks and vectors stay served (the
+    run-failure repair reads no source file), and at the end it is served with the new text's vectors."""
+    from pipeline_assets.app import buckets
+
+    defs = fresh_defs()
+    repair = defs.resolve_sensor_def("reconcile_on_run_failure")
+    watching = evaluate_sensor(repair, defs, instance)
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    assert execute(defs, instance, tick.run_requests[0]).success
+    old_text, chunks, vectors = _served(conn, "doc0001.md")
+    assert chunks == vectors > 0
+
+    (corpus / "doc0001.md").write_text("# doc 1\n\nthe edit that has to reach search\n")
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (request,) = tick.run_requests
+    real = buckets.ingest_documents
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(buckets, "ingest_documents", broken)
+    failed = execute(defs, instance, request)
+    assert not failed.success
+    monkeypatch.setattr(buckets, "ingest_documents", real)
+
+    # The failure asks for a repair of the job table; it reads no file, so nothing is re-ingested.
+    (fix,) = evaluate_sensor(repair, defs, instance, watching.cursor).run_requests
+    assert fix.run_config == {"ops": {"reconciliation": {"config": {"rescan": False}}}}
+    repaired = defs.resolve_job_def("reconcile_job").execute_in_process(
+        instance=instance, run_config=fix.run_config, tags=fix.tags, raise_on_error=False)
+    assert repaired.success
+    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)   # still found, on its old vectors
+
+    # The next tick does not drop the edit: it waits out the backoff, then asks again.
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert not held.run_requests and "1 file(s) of failed or cancelled runs requested again in" in held.skip_message
+    attempts, wait = _retry_state(conn, "doc0001.md")
+    assert attempts == 1 and 50 < wait <= 60
+    assert not evaluate_sensor(source_documents_sensor, defs, instance, held.cursor).run_requests
+    _retries_due(conn)
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
+    (retry,) = tick.run_requests
+    assert retry.partition_key == bucket_of("doc0001.md") and retry.run_key != request.run_key
+
+    # Failing again doubles the wait; a cancelled run counts as one that failed.
+    monkeypatch.setattr(buckets, "ingest_documents", broken)
+    assert not execute(defs, instance, retry).success
+    monkeypatch.setattr(buckets, "ingest_documents", real)
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert not held.run_requests
+    attempts, wait = _retry_state(conn, "doc0001.md")
+    assert attempts == 2 and 110 < wait <= 120
+    _retries_due(conn)
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
+    (third,) = tick.run_requests
+    run = instance.create_run_for_job(defs.resolve_job_def("embed_documents"), tags=third.tags)
+    instance.report_run_canceled(instance.get_run_by_id(run.run_id))
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert not held.run_requests
+    attempts, wait = _retry_state(conn, "doc0001.md")
+    assert attempts == 3 and 230 < wait <= 240
+    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)
+
+    # The hourly (full) reconciliation re-ingests the file meanwhile: its new chunks have no vector
+    # yet, so the bucket run that embeds them is due at once, not after the backoff.
+    full = defs.resolve_job_def("reconcile_job").execute_in_process(instance=instance, raise_on_error=False)
+    assert full.success
+    text, chunks, vectors = _served(conn, "doc0001.md")
+    assert "the edit that has to reach search" in text and vectors < chunks
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
+    (last,) = tick.run_requests
+    assert execute(defs, instance, last).success
+    text, chunks, vectors = _served(conn, "doc0001.md")
+    assert "the edit that has to reach search" in text and chunks == vectors > 0
+    assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message
+    hits = json.loads(cli("search", "the edit that has to reach search", "--json", env=env).stdout)
+    assert hits[0]["document_id"] == "doc0001.md" and hits[0]["distance"] is not None
 
 
 def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
@@ -389,7 +498,7 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
 
 def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):
     defs = fresh_defs()
-    run = instance.create_run_for_job(defs.resolve_job_def("embed_documents"),
+    run = instance.create_run_for_job(defs.resolve_job_def("sync_documents"),
                                       tags={"pipeline/trigger": "rerun_stale_documents"})
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.NOT_STARTED
     assert "in flight" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message
@@ -461,8 +570,56 @@ def _run_as_daemon(defs, instance, request):
     return execute(defs, instance, partition_key=request.partition_key, tags=tags)
 
 
+def _clock_ahead(monkeypatch, seconds: float) -> None:
+    """The rerun sensor's clock, ``seconds`` ahead of the real one (nothing else's)."""
+    from pipeline_assets.defs import rerun_sensor
+
+    ahead = time.time() + seconds - time.monotonic()
+    monkeypatch.setattr(rerun_sensor, "time", type("Clock", (), {"time": staticmethod(
+        lambda: time.monotonic() + ahead)}))
+
+
+def test_a_failing_rerun_backs_off_and_a_new_version_is_not_held_back(corpus, conn, fake, instance, monkeypatch,
+                                                                      tmp_path):
+    from pipeline_assets.defs import rerun_sensor
+
+    assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
+    defs = fresh_defs()
+    cursor = None
+    for failures in (1, 2, 3):
+        tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, cursor)
+        (request,) = tick.run_requests
+        monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path / "missing"))   # the rerun fails
+        assert not _run_as_daemon(fresh_defs(), instance, request).success
+        monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
+        cursor = tick.cursor
+        wait = rerun_sensor.RERUN_RETRY_BASE_SECONDS * 2 ** (failures - 1)   # 60, 120, 240 s
+        _clock_ahead(monkeypatch, wait - 5)            # not yet: no relaunch every tick
+        held = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, cursor)
+        assert not held.run_requests and f"failed {failures} time(s) in a row" in held.skip_message
+        _clock_ahead(monkeypatch, wait + 1)
+    failures, wait = rerun_sensor.retry_wait(instance, "extract=extract-2 chunk=" + chunker_for(
+        Settings.from_env()).version, time.time() + 10**6)
+    assert failures == 3 and wait == 0
+    # The cap: failures in a row past it wait RERUN_RETRY_CAP_SECONDS, no longer.
+    monkeypatch.setattr(rerun_sensor, "RERUN_RETRY_BASE_SECONDS", rerun_sensor.RERUN_RETRY_CAP_SECONDS)
+    assert rerun_sensor.retry_wait(instance, "extract=extract-2 chunk=" + chunker_for(Settings.from_env()).version,
+                                   time.time())[1] <= rerun_sensor.RERUN_RETRY_CAP_SECONDS
+    # A new version (the fix) is requested at the next tick, whatever the failures under the old one.
+    monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-3")
+    _clock_ahead(monkeypatch, 0)
+    (fixed,) = evaluate_sensor(rerun_stale_documents_sensor, fresh_defs(), instance, cursor).run_requests
+    assert "extract-3" in fixed.run_key
+    assert _run_as_daemon(fresh_defs(), instance, fixed).success
+    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
+        == {"extract-3"}
+
+
 def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, conn, fake, instance,
                                                                      monkeypatch, tmp_path):
+    from pipeline_assets.defs import rerun_sensor
+
     assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
     defs = fresh_defs()
@@ -481,7 +638,10 @@ def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, con
     used = _used_run_keys(instance)
     assert request.run_key in used
 
-    # The next tick asks again, under a key no run has used.
+    # The next tick waits out the backoff, then asks again, under a key no run has used.
+    held = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, first.cursor)
+    assert not held.run_requests and "failed 1 time(s) in a row" in held.skip_message
+    _clock_ahead(monkeypatch, rerun_sensor.RERUN_RETRY_BASE_SECONDS + 1)
     second = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, first.cursor)
     (again,) = second.run_requests
     assert requested_keys(instance, again) == ALL and again.run_key not in used
@@ -508,3 +668,42 @@ def test_buckets_a_backfill_already_synced_are_not_requested_again(corpus, conn,
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
     assert request.partition_key == bucket_of("doc0001.md") or requested_keys(instance, request) == ALL
+
+
+def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(corpus, conn, fake, instance):
+    """The bucket run ingests the edit (the file is synced), then the embeddings run after it fails:
+    the document's new chunks have no vector. The next free tick hands the file to the same backoff
+    as an unsynced one, and the run requested after it embeds them."""
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)
+    assert execute(defs, instance, tick.run_requests[0]).success
+    (corpus / "doc0001.md").write_text("# doc 1\n\ningested but never embedded by its run\n")
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    (request,) = tick.run_requests
+    tags = {k: v for k, v in request.tags.items() if k != "dagster/partition"}
+    assert defs.resolve_job_def(SYNC_JOB).execute_in_process(   # the bucket run alone: the file is synced
+        instance=instance, partition_key=request.partition_key, tags=tags).success
+    failed = defs.resolve_job_def(EMBED_JOB).execute_in_process(   # no worker comes before its deadline
+        instance=instance, partition_key=str(embedding_key(request.partition_key, MODEL_ID)), tags=tags,
+        raise_on_error=False,
+        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
+    assert not failed.success
+    text, chunks, vectors = _served(conn, "doc0001.md")
+    assert "never embedded" in text and vectors < chunks                 # synced, not searchable
+    assert conn.execute("SELECT synced = checksum FROM app.source_observations "
+                        "WHERE document_id = 'doc0001.md'").fetchone()[0]
+
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert not held.run_requests and "1 file(s) of failed or cancelled runs requested again in" in held.skip_message
+    attempts, wait = _retry_state(conn, "doc0001.md")
+    assert attempts == 1 and 50 < wait <= 60
+    again = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)   # handled once, not again
+    assert not again.run_requests and again.cursor == held.cursor
+    _retries_due(conn)
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
+    (retry,) = tick.run_requests
+    assert retry.partition_key == bucket_of("doc0001.md") and retry.run_key != request.run_key
+    assert execute(defs, instance, retry).success
+    text, chunks, vectors = _served(conn, "doc0001.md")
+    assert "never embedded" in text and chunks == vectors > 0
+    assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message

@@ -2,8 +2,9 @@
 
 One server for the module (start-up is the expensive part), over a corpus of 400 documents in
 the 64 document buckets (1,000 with PIPELINE_TEST_PROFILE=long): a smoke test that launches one
-bucket run, the partition's page in a browser, a backfill of all 64 buckets that launches one run,
-not 64, and the source sensor through the daemon. The fixture stops the source sensor before the
+bucket run (and the daemon's embeddings run after it), the partition's page in a browser, a
+backfill of all 64 buckets that launches two runs (documents and chunks by bucket; embeddings by
+bucket x model), not 64 or 128, and the source sensor through the daemon. The fixture stops the source sensor before the
 corpus is written, so each test decides what runs.
 """
 
@@ -30,7 +31,7 @@ from pipeline_assets.app import reports
 from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets_tests.browser import Browser, chromium_path
-from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, LONG_PROFILE, stop_group, write_corpus
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE, stop_group, write_corpus
 from pipeline_assets_tests.dagster_helpers import bucket_of, copy_of_dagster_template
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -129,7 +130,8 @@ def dev_server(database_url, server_url, tmp_path_factory):
             "PIPELINE_DATABASE_URL": database_url, "PIPELINE_HOME": str(base / "home"),
             "PIPELINE_DAGSTER_DATABASE": dagster_db, "PIPELINE_SOURCE_DIR": str(corpus),
             "OPENAI_API_KEY": "test-key", "OPENAI_BASE_URL": fake.base_url,
-            "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_CALL_TIMEOUT": "10",
+            "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
+            "PIPELINE_CALL_TIMEOUT": "10",
             # No scheduled reconciliation during the module (it would ingest the whole source).
             "PIPELINE_RECONCILE_CRON": "0 0 1 1 *",
             # The source sensor ticks every 5 s (the daemon's own loop), not 30: the sensor test
@@ -159,23 +161,42 @@ def dev_server(database_url, server_url, tmp_path_factory):
     assert "Dagster stopped." in (base / "server.log").read_text()
 
 
-def _materialize_bucket(server: DevServer, key: str) -> str:
-    """Launch the embed job for one bucket through GraphQL, as the UI's "Materialize" does; its run id."""
+def _wait_run(server: DevServer, run_id: str, what: str) -> None:
+    status = _wait(lambda: (st := server.run_status(run_id)) in FINISHED and st, RUN_TIMEOUT, what, server.proc)
+    assert status == "SUCCESS", (what, status)
+
+
+def _runs_tagged(server: DevServer, key: str, value: str) -> list[dict]:
+    return server.gql("""query($k: String!, $v: String!) { runsOrError(filter: {tags: [{key: $k, value: $v}]}) {
+                           ... on Runs { results { runId status jobName startTime endTime tags { key value } } } } }""",
+                      {"k": key, "v": value})["runsOrError"]["results"]
+
+
+def _materialize_bucket(server: DevServer, key: str) -> tuple[str, str]:
+    """Launch the bucket run of one bucket through GraphQL, as the UI's launchpad does, and wait for
+    the embeddings run the daemon's embed_after_sync sensor launches after it; their run ids."""
     launched = server.gql(
         """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) {
              __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }""",
-        {"p": {"selector": {**REPO_SELECTOR, "jobName": "embed_documents"},
+        {"p": {"selector": {**REPO_SELECTOR, "jobName": "sync_documents"},
                "executionMetadata": {"tags": [{"key": "dagster/partition", "value": key}]}}})["launchRun"]
     assert launched["__typename"] == "LaunchRunSuccess", launched
     run_id = launched["run"]["runId"]
-    status = _wait(lambda: (st := server.run_status(run_id)) in FINISHED and st,
-                   RUN_TIMEOUT, "the bucket run", server.proc)
-    assert status == "SUCCESS"
-    return run_id
+    _wait_run(server, run_id, "the bucket run")
+    (embed,) = _wait(lambda: _runs_tagged(server, "pipeline/after_run", run_id), RUN_TIMEOUT,
+                     "the embeddings run after the bucket run", server.proc, interval=1.0)
+    assert embed["jobName"] == "embed_documents"
+    _wait_run(server, embed["runId"], "the embeddings run")
+    return run_id, embed["runId"]
 
 
 def _latest_metadata(server: DevServer, asset: str, keys: list[str]) -> dict[str, tuple[str, dict]]:
-    """Per partition, (run id, metadata) of its latest materialization, as the UI reads them."""
+    """Per partition, (run id, metadata) of its latest materialization, as the UI reads them (a bucket
+    key of embeddings: that bucket x the model)."""
+    if asset == "embeddings":
+        return {k.split("|")[0]: v for k, v in _latest_metadata(
+            server, "embeddings_", [f"{k}|{MODEL}" for k in keys]).items()}
+    asset = asset.rstrip("_")
     data = server.gql(
         """query($a: AssetKeyInput!, $p: [String!]) { assetNodeOrError(assetKey: $a) { ... on AssetNode {
              latestMaterializationByPartition(partitions: $p) { partition runId metadataEntries { label
@@ -192,16 +213,17 @@ def _bucket_docs(key: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def bucket_run(dev_server) -> tuple[str, str]:
-    """(bucket key, run id) of one bucket materialized through GraphQL: the smoke test checks the
-    run, the browser test the page that shows it (one run for both; each run starts a process)."""
+def bucket_run(dev_server) -> tuple[str, str, str]:
+    """(bucket key, bucket run id, embeddings run id) of one bucket materialized through GraphQL: the
+    smoke test checks the runs, the browser test the page that shows them (one pair for both; each
+    run starts a process)."""
     key = bucket_of(DOCS[0])
-    return key, _materialize_bucket(dev_server, key)
+    return key, *_materialize_bucket(dev_server, key)
 
 
 def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, database_url, bucket_run):
     assert {"documents", "chunks", "embeddings", "embedding_store", "reconciliation"} <= dev_server.asset_keys()
-    key, run_id = bucket_run
+    key, run_id, embed_run_id = bucket_run
     members = _bucket_docs(key)
     assert 1 < len(members) < 60                   # a bucket is a slice of the corpus (~1/64 of it)
     root = str(dev_server.corpus.resolve())
@@ -216,7 +238,7 @@ def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, data
     (run, documents), = _latest_metadata(dev_server, "documents", [key]).values()
     assert run == run_id and (documents["documents"], documents["current"]) == (len(members), len(members))
     (run, embeddings), = _latest_metadata(dev_server, "embeddings", [key]).values()
-    assert run == run_id
+    assert run == embed_run_id
     assert (embeddings["chunks"], embeddings["ready"], embeddings["failed"]) == (
         sum(c.wanted for c in per_doc.values()), sum(c.ready for c in per_doc.values()), 0)
 
@@ -226,7 +248,7 @@ def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, data
 def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_server, database_url, bucket_run):
     """The user's path, in a real browser: the asset graph shows the three assets, and the page of
     the bucket materialized through GraphQL shows that run and the metadata the asset reported for it."""
-    key, run_id = bucket_run
+    key, _, run_id = bucket_run
     members = _bucket_docs(key)
     with psycopg.connect(database_url) as conn:
         per_doc, _ = reports.embedding_coverage(conn, str(dev_server.corpus.resolve()), members, MODEL)
@@ -237,36 +259,46 @@ def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_serve
         browser.open(f"{base}/asset-groups/embedding_pipeline")
         graph = browser.wait_for_text("documents", "chunks", "embeddings", "Materialize all")
         assert "embedding_store" in graph
-        browser.open(f"{base}/assets/embeddings?view=partitions&partition={urllib.parse.quote(key, safe='')}")
+        partition = f"{key}|{MODEL}"     # bucket x model
+        browser.open(f"{base}/assets/embeddings?view=partitions&partition={urllib.parse.quote(partition, safe='')}")
         page = browser.wait_for_text("Latest materialization", run_id[:8], "Metadata", key)
     metadata = " ".join(page.split("Metadata", 1)[1].split())
     for name, value in (("chunks", chunks), ("ready", ready), ("failed", 0), ("documents", len(members))):
         assert re.search(rf"\b{name} {value}\b", metadata), f"{name}={value} not in {metadata[:300]}"
 
 
-def test_backfill_of_all_64_buckets_is_one_run(dev_server, database_url, monkeypatch):
+def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkeypatch):
+    """The UI's backfill of the three assets over every bucket (and the model): one run of documents
+    and chunks over the 64 buckets, then one of embeddings over the 64 buckets x the model
+    (BackfillPolicy.single_run on a multi-partitioned asset: one range per model)."""
     started = time.monotonic()
+    every = {"range": {"start": BUCKETS[0], "end": BUCKETS[-1]}}
     result = dev_server.gql(
         """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
              __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
-        {"p": {"partitionNames": BUCKETS, "assetSelection": ASSETS}})["launchPartitionBackfill"]
+        {"p": {"partitionsByAssets": [
+            {"assetKey": {"path": ["documents"]}, "partitions": every},
+            {"assetKey": {"path": ["chunks"]}, "partitions": every},
+            {"assetKey": {"path": ["embeddings"]}, "partitions": {"range": {
+                "start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{MODEL}"}}}]}})["launchPartitionBackfill"]
     assert result["__typename"] == "LaunchBackfillSuccess", result
     backfill_id = result["backfillId"]
-    runs_query = """query($id: String!) { runsOrError(filter: {tags: [{key: "dagster/backfill", value: $id}]}) {
-                      ... on Runs { results { runId status startTime endTime } } } }"""
 
     def finished_runs():
-        runs = dev_server.gql(runs_query, {"id": backfill_id})["runsOrError"]["results"]
-        done = runs and all(r["status"] in FINISHED for r in runs)
+        runs = _runs_tagged(dev_server, "dagster/backfill", backfill_id)
+        done = len(runs) == 2 and all(r["status"] in FINISHED for r in runs)
         return runs if done else None
 
-    runs = _wait(finished_runs, RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
+    runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
     wall = time.monotonic() - started
     run_seconds = sum(r["endTime"] - r["startTime"] for r in runs)
+    gap = max(r["startTime"] for r in runs) - min(r["endTime"] for r in runs)
     print(f"\nBACKFILL {len(BUCKETS)} buckets, {N_DOCUMENTS} documents: runs launched={len(runs)} "
-          f"wall={wall:.1f}s (run time {run_seconds:.1f}s; the rest is the backfill daemon and run start)")
-    assert len(runs) == 1 and runs[0]["status"] == "SUCCESS"
-    run_id = runs[0]["runId"]
+          f"wall={wall:.1f}s (run time {run_seconds:.1f}s; between the runs {gap:.1f}s; the rest is the "
+          "backfill daemon and run start)")
+    assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"]
+    sync_id = _latest_metadata(dev_server, "documents", BUCKETS[:1])[BUCKETS[0]][0]
+    (run_id,) = [r["runId"] for r in runs if r["runId"] != sync_id]
     root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
         summaries = reports.document_summaries(conn, root, DOCS)
@@ -275,9 +307,9 @@ def test_backfill_of_all_64_buckets_is_one_run(dev_server, database_url, monkeyp
     assert cov.wanted == cov.ready > 0
     # Every bucket has a materialization of that one run, with its own counts: they add up to the corpus.
     expected = Counter(bucket_of(d) for d in DOCS)
-    for asset in ("documents", "embeddings"):
+    for asset, run in (("documents", sync_id), ("embeddings", run_id)):
         latest = _latest_metadata(dev_server, asset, BUCKETS)
-        assert sorted(latest) == BUCKETS and {run for run, _ in latest.values()} == {run_id}, asset
+        assert sorted(latest) == BUCKETS and {r for r, _ in latest.values()} == {run}, asset
     documents = _latest_metadata(dev_server, "documents", BUCKETS)
     assert {k: m["documents"] for k, (_, m) in documents.items()} == {k: expected[k] for k in BUCKETS}
     embeddings = _latest_metadata(dev_server, "embeddings", BUCKETS)
@@ -296,7 +328,8 @@ def test_backfill_of_all_64_buckets_is_one_run(dev_server, database_url, monkeyp
                        instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
     finally:
         instance.dispose()
-    assert sorted(e.partition for e in evaluations) == BUCKETS and all(e.passed for e in evaluations)
+    assert sorted(e.partition for e in evaluations) == [f"{k}|{MODEL}" for k in BUCKETS]
+    assert all(e.passed for e in evaluations)
 
 
 def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buckets(dev_server, database_url):
@@ -313,20 +346,24 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
              __typename ... on Sensor { sensorState { status } } ... on PythonError { message } } }""",
         {"s": SOURCE_SENSOR})["startSensor"]
     assert started["__typename"] == "Sensor", started
-    runs_query = """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]}) {
-                       ... on Runs { results { runId status endTime tags { key value } } } } }"""
+    def finished_runs():   # the bucket run and the embeddings run after it (which keeps its trigger tag)
+        runs = _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
+        return runs if len(runs) >= 2 and all(r["status"] in FINISHED for r in runs) else None
 
-    def finished_runs():
-        runs = dev_server.gql(runs_query)["runsOrError"]["results"]
-        return runs if runs and all(r["status"] in FINISHED for r in runs) else None
-
-    runs = _wait(finished_runs, RUN_TIMEOUT, "the sensor's run", dev_server.proc, interval=1.0)
-    # A tick after the run ended skips: nothing else pending, so that run was the only one.
+    runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the sensor's runs", dev_server.proc, interval=1.0)
+    # A tick after the runs ended skips: nothing else pending, so that bucket run was the only one.
     ended = max(r["endTime"] for r in runs)
     _wait(lambda: any(t["status"] == "SKIPPED" and t["timestamp"] > ended for t in dev_server.sensor_ticks()),
-          RUN_TIMEOUT, "a sensor tick after the run", dev_server.proc, interval=1.0)
-    runs = dev_server.gql(runs_query)["runsOrError"]["results"]
-    assert len(runs) == 1 and runs[0]["status"] == "SUCCESS", runs
+          RUN_TIMEOUT, "a sensor tick after the runs", dev_server.proc, interval=1.0)
+    runs = _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
+    assert sorted(r["jobName"] for r in runs) == ["embed_documents", "sync_documents"], runs
+    assert all(r["status"] == "SUCCESS" for r in runs), runs
+    by_job = {r["jobName"]: r for r in runs}
+    sync, embed = by_job["sync_documents"], by_job["embed_documents"]
+    print(f"\nSOURCE CHANGE: bucket run {sync['endTime'] - sync['startTime']:.1f}s, the embeddings run started "
+          f"{embed['startTime'] - sync['endTime']:.1f}s after it ended and took "
+          f"{embed['endTime'] - embed['startTime']:.1f}s")
+    runs = [sync]
     tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
     first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
     assert first <= changed_buckets[0] and changed_buckets[-1] <= last
@@ -346,4 +383,53 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     assert summaries[deleted].status == "deleted"
     assert summaries[edited].status == summaries[added].status == "current"
     assert any("never had before today" in t for (t,) in edited_text)
+    assert cov.wanted == cov.ready > 0
+
+
+def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, database_url):
+    """A second model (`models add`: the registry only) gets its column from the daemon's sensors; a
+    backfill of every bucket x both models launches one run per model (Dagster's single-run policy
+    groups a multi-partition subset by its smaller dimension), and only the new model's vectors are
+    sent."""
+    from pipeline_assets.app import model_admin
+    from pipeline_assets.settings import Settings
+    from pipeline_assets.store import db
+
+    settings = Settings.from_env().replace(database_url=database_url, openai_api_key="test-key",
+                                           openai_base_url=dev_server.env["OPENAI_BASE_URL"])
+    with db.make_pool(database_url, max_size=2) as pool:
+        added = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
+    keys_q = """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
+                  partitionKeysByDimension { name partitionKeys } } } }"""
+
+    def model_keys():
+        dims = dev_server.gql(keys_q)["assetNodeOrError"]["partitionKeysByDimension"]
+        keys = next(d["partitionKeys"] for d in dims if d["name"] == "model")
+        return keys if added in keys else None
+
+    models = _wait(model_keys, RUN_TIMEOUT, "the new model's column", dev_server.proc, interval=1.0)
+    assert models == [MODEL, added]
+    started = time.monotonic()
+    result = dev_server.gql(
+        """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
+             __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
+        {"p": {"partitionsByAssets": [{"assetKey": {"path": ["embeddings"]}, "partitions": {"range": {
+            "start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{added}"}}}]}})["launchPartitionBackfill"]
+    assert result["__typename"] == "LaunchBackfillSuccess", result
+
+    def finished_runs():
+        runs = _runs_tagged(dev_server, "dagster/backfill", result["backfillId"])
+        return runs if len(runs) == 2 and all(r["status"] in FINISHED for r in runs) else None
+
+    runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
+    print(f"\nBACKFILL 64 buckets x 2 models: runs launched={len(runs)} wall={time.monotonic() - started:.1f}s "
+          f"(run time {sum(r['endTime'] - r['startTime'] for r in runs):.1f}s)")
+    assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"]
+    ranges = sorted((t["dagster/asset_partition_range_start"], t["dagster/asset_partition_range_end"])
+                    for r in runs for t in [{x["key"]: x["value"] for x in r["tags"]}])
+    assert ranges == sorted([(f"{BUCKETS[0]}|{m}", f"{BUCKETS[-1]}|{m}") for m in (MODEL, added)])
+    root = str(dev_server.corpus.resolve())
+    with psycopg.connect(database_url) as conn:
+        current = [r[0] for r in conn.execute("SELECT document_id FROM app.documents WHERE status = 'current'")]
+        _, cov = reports.embedding_coverage(conn, root, current, added)
     assert cov.wanted == cov.ready > 0

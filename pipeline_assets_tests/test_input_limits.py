@@ -197,3 +197,65 @@ def test_status_shows_usage_that_reveals_truncation(env, clean_db, conn, truncat
     text = cli("status", env=server_env).stdout
     assert "input window openai/cutting-model: 64 model tokens" in text
     assert "shows inputs truncated at the window" in text
+
+
+# -- a server's model with no known window: refused until it is given -----------------------------
+
+WINDOW_LINE = ("the input window of model {model} is unknown (not one of the provider's models); set "
+               "PIPELINE_MODEL_MAX_INPUT_TOKENS to it, in the model's own tokens (512 for e5-small or bge-small), "
+               "so that no chunk is truncated by the server")
+
+
+@pytest.fixture
+def no_window(env, clean_db):
+    """The fake server's model with no PIPELINE_MODEL_MAX_INPUT_TOKENS: its window is nobody's knowledge."""
+    return {k: v for k, v in env.items() if k != "PIPELINE_MODEL_MAX_INPUT_TOKENS"}
+
+
+def test_a_model_without_a_known_window_is_refused_at_models_add_and_worker_start(no_window, conn, fake, tmp_path,
+                                                                                 monkeypatch):
+    import dagster as dg
+
+    from pipeline_assets_tests.dagster_helpers import bucket_of, execute, fresh_defs
+
+    write_corpus(tmp_path / "c", 2)
+    line = one_line_error(cli("models", "add", "bge-small", env=no_window, check=False))
+    assert line == "error: " + WINDOW_LINE.format(model="openai/bge-small")
+    assert conn.execute("SELECT count(*) FROM app.models").fetchone()[0] == 0
+    # `embed` refuses before it ingests; `work` before it claims.
+    line = one_line_error(cli("embed", str(tmp_path / "c"), env=no_window, check=False))
+    assert line == "error: " + WINDOW_LINE.format(model=MODEL_ID)
+    assert conn.execute("SELECT count(*) FROM app.documents").fetchone()[0] == 0
+    cli("ingest", str(tmp_path / "c"), env=no_window)     # no provider call: not refused
+    jobs = conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall()
+    assert jobs == [("pending", 2)]
+    line = one_line_error(cli("work", "--until-idle", env=no_window, check=False))
+    assert line == "error: " + WINDOW_LINE.format(model=MODEL_ID)
+    # The Dagster embeddings step, in its run: one line, nothing sent.
+    for key in list(no_window):
+        if key.startswith(("PIPELINE_", "OPENAI_")):
+            monkeypatch.setenv(key, no_window[key])
+    monkeypatch.delenv("PIPELINE_MODEL_MAX_INPUT_TOKENS", raising=False)
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path / "c"))
+    result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key=bucket_of("doc0000.md"))
+    assert not result.success
+    assert result.failure_data_for_node("embeddings").user_failure_data.description == \
+        WINDOW_LINE.format(model=MODEL_ID)
+    assert fake.stats["requests"] == 0
+    assert conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall() == jobs
+    # Given the window, the same model works; `settings` names the setting while it is missing.
+    assert "PIPELINE_MODEL_MAX_INPUT_TOKENS" in cli("settings", env=no_window).stdout
+    cli("work", "--until-idle", env={**no_window, "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191"})
+    assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 2
+
+
+def test_the_offline_model_needs_no_window_setting(env, clean_db, conn, tmp_path):
+    """The quick start (no key: the offline model, whose window is known) works with nothing set."""
+    offline = {k: v for k, v in env.items()
+               if not k.startswith("OPENAI_") and k not in ("PIPELINE_EMBEDDING_MODEL",
+                                                            "PIPELINE_MODEL_MAX_INPUT_TOKENS")}
+    write_corpus(tmp_path / "c", 2)
+    cli("embed", str(tmp_path / "c"), env=offline)
+    (model,) = [r[0] for r in conn.execute("SELECT model_id FROM app.models")]
+    assert model.startswith("local/") and conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 2
+    cli("models", "add", "local-hashing", env=offline)

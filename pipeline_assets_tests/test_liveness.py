@@ -154,7 +154,8 @@ def test_dead_owner_is_rescued_by_a_rescuer_that_was_beating_meanwhile(q, rescue
     [dead_job] = claim(q, "dead/1")
     [alive_job] = claim(q, "alive/1")
     assert transitions.rescue_expired(q, rescuer=rescuer) == {"retry": int(rescues), "failed": 0, "superseded": 0}
-    assert status_of(q, dead_job) == (("retry", "worker_dead", None) if rescues else ("processing", None, "dead/1"))
+    # Rescued: its attempt given back (a crash is the claim's fault), so pending again.
+    assert status_of(q, dead_job) == (("pending", "worker_dead", None) if rescues else ("processing", None, "dead/1"))
     assert status_of(q, alive_job) == ("processing", None, "alive/1")  # a live owner keeps its 60 s lease
 
 
@@ -173,13 +174,13 @@ def test_an_outage_that_silenced_everyone_condemns_nobody(q):
     assert transitions.rescue_expired(q, rescuer="a/") == {"retry": 1, "failed": 0, "superseded": 0}
 
 
-def test_a_rescued_job_waits_out_the_backoff_of_its_attempt(q):
+def test_a_rescued_job_waits_out_the_backoff_of_its_faults(q):
     ids = claim(q, "gone/1", limit=3)
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'")
     assert transitions.rescue_expired(q, base=100.0, cap=30.0) == {"retry": 3, "failed": 0, "superseded": 0}
     waits = [r[0] for r in q.execute("""SELECT extract(epoch FROM available_at - now()) FROM app.embedding_jobs
                                         WHERE job_id = ANY(%s)""", (ids,))]
-    assert all(0 <= w <= 30.0 for w in waits), waits  # uniform(0, min(cap, base * 2^attempts))
+    assert all(0 <= w <= 30.0 for w in waits), waits  # uniform(0, min(cap, base * 2^faults))
     assert len(set(waits)) == 3  # full jitter: not one herd
     assert claim(q, "next/1", limit=3) == []  # not available at once
 

@@ -258,6 +258,7 @@ NOT_STATUS_LITERALS = {
     "-infinity",                                                                   # timestamps
     "app.embedding_jobs", "job_id",                                                # pg_get_serial_sequence
     "synchronous_commit", "off",                                                   # set_config (claim)
+    "/",                                                   # a lease owner's worker prefix (rescue_expired)
 }
 
 

@@ -15,6 +15,7 @@ import pytest
 from pipeline_assets.providers import RETRYABLE, ProviderError
 from pipeline_assets.providers.base import UNMATCHED_ANSWER
 from pipeline_assets.providers.openai_provider import OpenAIProvider
+from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
 
 # The measured scenario of item 1: 30 documents of two chunks each.
@@ -302,6 +303,11 @@ def test_an_unreachable_database_is_waited_for_a_refusing_one_is_counted():
     assert faults.count(psycopg.OperationalError("server closed the connection unexpectedly")) == (1, True)
     assert faults.count(PoolTimeout("no connection")) == (1, True)
     assert faults.count(psycopg.errors.AdminShutdown("terminating connection")) == (1, True)
+    # A failover: the standby being promoted refuses connections, then writes, for a while.
+    assert faults.count(psycopg.errors.CannotConnectNow("the database system is starting up")) == (1, True)
+    assert faults.count(psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only "
+                                                              "transaction")) == (1, True)
+    assert faults.count(db.DatabaseUnavailable("cannot connect to database")) == (1, True)
     assert faults.count(psycopg.errors.InsufficientPrivilege("permission denied")) == (1, False)
     assert faults.count(psycopg.errors.QueryCanceled("statement timeout")) == (2, False)
     assert faults.count(psycopg.errors.DeadlockDetected("deadlock detected")) == (3, False)

@@ -152,7 +152,7 @@ def _params(conn) -> dict:
             "vecs": [vector] * len(held), "delays": [1.0] * len(held), "delay": 0.0, "cls": "timeout",
             "msg": "timed out", "throttled": False, "job_ids": held, "vectors": [vector] * len(held),
             "error_class": "timeout", "message": "timed out", "faulted": False, "rescuer": rescuer,
-            "base": 1.0, "cap": 60.0,
+            "base": 1.0, "cap": 60.0, "free_faults": 6,
             "checksums": checksums, "models": [MODEL] * len(checksums), "all": False,
             "max_attempts": 5, "docs": docs, "trip": True, "floor": 1.0, "threshold": 5, "probe_cap": 5.0,
             "failed_ids": failed, "call": 1, "tokens": len(held), "latency_ms": 5, "outcome": "ok",

@@ -188,3 +188,33 @@ def test_the_walk_through_on_the_bundled_corpus_selects_its_one_pdf(env, fake, c
     assert extract_rows(conn)["ops/capacity-planning.pdf"] == ("succeeded", "extract-2", 2)
     assert {v[1:] for k, v in extract_rows(conn).items() if not k.endswith(".pdf")} == {("extract-1", 1)}
     assert fake.stats["requests"] == 0
+
+
+def test_rerun_stale_pages_through_every_target(env, fake, clean_db, corpus, monkeypatch):
+    """`rerun --stale` redoes every stale document however many there are: with the query answering
+    at most 2 rows (pages of 2), all 7 documents of two sources are listed and re-extracted."""
+    from pipeline_assets.app import rerun as rerun_uc
+    from pipeline_assets.app import stages
+
+    conn = clean_db
+    write_corpus(corpus, 5)
+    write_corpus(corpus.parent / "second", 2, prefix="other")
+    cli("ingest", str(corpus), env=env)
+    cli("ingest", str(corpus.parent / "second"), env=env)
+    monkeypatch.setattr(rerun_uc, "TARGET_PAGE", 2, raising=False)
+    reads: list[int] = []
+    real = stages.rerun_targets
+
+    def two_at_most(conn, **filters):   # a page of the query is never more than 2 rows
+        rows = real(conn, **{**filters, "limit": min(filters.get("limit", 2), 2)})
+        reads.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(stages, "rerun_targets", two_at_most)
+    bumped = {**env, "PIPELINE_EXTRACTOR_VERSION": "extract-2"}
+    everything = sorted([f"doc{i:04d}.md" for i in range(5)] + ["other0000.md", "other0001.md"])
+    assert listed(cli("rerun", "--stale", "--dry-run", env=bumped).stdout) == everything
+    assert cli("rerun", "--stale", env=bumped).stdout.strip() == "reran extract for 7 document(s)"
+    assert {d: v[1:] for d, v in extract_rows(conn).items()} == {d: ("extract-2", 2) for d in everything}
+    assert max(reads) == 2 and len(reads) > 4
+    assert listed(cli("rerun", "--stale", "--dry-run", env=bumped).stdout) == []

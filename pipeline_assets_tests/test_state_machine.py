@@ -22,6 +22,7 @@ import psycopg.errors
 import pytest
 
 from pipeline_assets.jobs import models, transitions
+from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import db
 
@@ -377,7 +378,7 @@ def test_complete_refused_after_lease_rescued(q):
 
     assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     j = job(q, jid)
-    assert (j.status, j.error_class) == ("retry", "lease_expired")
+    assert (j.status, j.error_class) == ("pending", "lease_expired")  # its attempt given back
     assert_no_lease(j)
     assert j.vector is None
 
@@ -586,27 +587,55 @@ def test_jobs_of_a_retired_model_never_wait_for_a_worker(q):
 
 
 def test_rescue_expired(q):
+    """A crash is the claim's transient fault: every job of a dead claim gets its attempt
+    back and counts a fault, even with its attempts used up."""
     expired, exhausted, alive = seed(q, 3, max_attempts=1)
     q.execute("UPDATE app.embedding_jobs SET max_attempts = 5 WHERE job_id = %s", (expired,))
     assert sorted(claim_ids(q)) == sorted([expired, exhausted, alive])
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = ANY(%s)",
               ([expired, exhausted],))
 
-    assert transitions.rescue_expired(q) == {"retry": 1, "failed": 1, "superseded": 0}
+    assert transitions.rescue_expired(q) == {"retry": 2, "failed": 0, "superseded": 0}
 
-    e = job(q, expired)
-    assert (e.status, e.attempts, e.error_class) == ("retry", 1, "lease_expired")
-    assert_no_lease(e)
-    assert_about(e.available_in, 0.0)
-    x = job(q, exhausted)
-    assert (x.status, x.attempts, x.error_class) == ("failed", 1, "lease_expired")
-    assert_no_lease(x)
+    for jid in (expired, exhausted):
+        e = job(q, jid)
+        assert (e.status, e.attempts, e.error_class) == ("pending", 0, "lease_expired")
+        assert q.execute("SELECT faults FROM app.embedding_jobs WHERE job_id = %s", (jid,)).fetchone()[0] == 1
+        assert_no_lease(e)
+        assert_about(e.available_in, 0.0)
     a = job(q, alive)
     assert (a.status, a.lease_owner, a.error_class) == ("processing", OWNER, None)
     assert_about(a.lease_in, LEASE)
 
     assert transitions.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 0}
-    assert claim_ids(q, owner=OTHER) == [expired]
+    assert sorted(claim_ids(q, owner=OTHER)) == sorted([expired, exhausted])
+
+
+@pytest.mark.parametrize("faults, held_with, max_attempts, became, attempts", [
+    (FREE_FAULTS - 1, None, 1, "pending", 0),      # alone but not yet a suspect: a fault
+    (FREE_FAULTS, "claim", 1, "pending", 0),       # a suspect, but with another job in its claim: a fault
+    (FREE_FAULTS, "process", 1, "pending", 0),     # ... or in another claim of its process: a fault
+    (FREE_FAULTS, "other process", 2, "retry", 1),  # a suspect alone in its process: its attempt stays used
+    (FREE_FAULTS, None, 1, "failed", 1),           # ... and failed when they are used up
+])
+def test_rescue_charges_only_a_suspect_alone_in_its_process(q, faults, held_with, max_attempts, became, attempts):
+    """Lease owners are `worker/run/claim`: the rescue judges a job by all its process held."""
+    jid, other = seed(q, 2, max_attempts=max_attempts)
+    q.execute("UPDATE app.embedding_jobs SET faults = %s WHERE job_id = %s", (faults, jid))
+    if held_with == "claim":
+        assert sorted(claim_ids(q, owner="w/run/1")) == sorted([jid, other])
+    else:
+        hold(q, jid, owner="w/run/1")
+        if held_with is not None:
+            hold(q, other, owner="w/run/2" if held_with == "process" else "w/other-run/1")
+    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
+              " WHERE status = 'processing'")
+    transitions.rescue_expired(q)
+    j = job(q, jid)
+    charged = became != "pending"
+    assert (j.status, j.attempts) == (became, attempts)
+    assert q.execute("SELECT faults FROM app.embedding_jobs WHERE job_id = %s", (jid,)).fetchone()[0] \
+        == faults + (0 if charged else 1)
 
 
 # --------------------------------------------------------------------------- requeue_failed
@@ -822,6 +851,7 @@ EDGES: dict[str, dict[str, str]] = {
     "give_back/first_attempt": {"processing": "pending"},
     "give_back/later_attempt": {"processing": "retry"},
     "fail_terminal": {"processing": "failed"},
+    "rescue_expired/first_attempt": {"processing": "pending"},
     "rescue_expired": {"processing": "retry"},
     "rescue_expired/exhausted": {"processing": "failed"},
     "requeue_failed": {"failed": "pending"},
@@ -838,8 +868,9 @@ CONTEXT: dict[str, dict] = {
     "fail_retryable/exhausted": {"attempts": "max"},
     "give_back/first_attempt": {"attempts": 1},
     "give_back/later_attempt": {"attempts": 2},
-    "rescue_expired": {"expired": True},
-    "rescue_expired/exhausted": {"expired": True, "attempts": "max"},
+    "rescue_expired/first_attempt": {"expired": True},
+    "rescue_expired": {"expired": True, "attempts": 2},
+    "rescue_expired/exhausted": {"expired": True, "attempts": "max", "faults": FREE_FAULTS},
     "requeue_failed/content_gone": {"wanted": False},
     "supersede_unwanted": {"wanted": False},
     "repair_missing_vectors": {"drop_vectors": True},
@@ -896,6 +927,8 @@ def test_transition_table(q, op):
         if "attempts" in ctx:
             q.execute("UPDATE app.embedding_jobs SET attempts = %s WHERE job_id = %s",
                       (3 if ctx["attempts"] == "max" else ctx["attempts"], jid))
+        if "faults" in ctx:
+            q.execute("UPDATE app.embedding_jobs SET faults = %s WHERE job_id = %s", (ctx["faults"], jid))
         if ctx.get("expired"):
             q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'")
         if ctx.get("drop_vectors"):

@@ -194,7 +194,8 @@ class JobStateMachine(RuleBasedStateMachine):
         return np.array([n, n / 2, -n, 1.0], dtype=np.float32)
 
     def _owner(self) -> str:
-        return f"prop-worker/{next(self._seq)}"
+        n = next(self._seq)
+        return f"prop-worker-{n % 2}/{n}"  # claims of two worker processes
 
     def _assert_unchanged(self, before: dict[int, Row], after: dict[int, Row], ids, what: str) -> None:
         for i in ids:
@@ -444,18 +445,33 @@ class JobStateMachine(RuleBasedStateMachine):
             counts = transitions.rescue_expired(self.conn, base=base, cap=cap)
         after = self._rows()
         expired = [i for i, r in before.items() if r.status == "processing" and r.expired]
-        expected = {}
+        # A crash is the claim's fault: the attempt given back and a fault counted, unless the
+        # job was the only one rescued from its worker process (the owner up to its last '/')
+        # after FREE_FAULTS faults (then charged).
+        def process(owner: str) -> str:
+            return owner[:owner.rindex("/") + 1] if "/" in owner else owner
+
+        processes = [process(before[i].lease_owner) for i in expired]
+        expected, attempts, faults = {}, {}, {}
         for i in expired:
             b = before[i]
-            expected[i] = ("superseded" if not self.active[b.model_id]
-                           else "failed" if b.attempts >= b.max_attempts else "retry")
+            charged = processes.count(process(b.lease_owner)) == 1 and b.faults >= decisions.FREE_FAULTS
+            if not self.active[b.model_id]:
+                expected[i], attempts[i], faults[i] = "superseded", b.attempts, b.faults
+            elif charged:
+                expected[i] = "failed" if b.attempts >= b.max_attempts else "retry"
+                attempts[i], faults[i] = b.attempts, b.faults
+            else:
+                expected[i] = "retry" if b.attempts > 1 else "pending"
+                attempts[i], faults[i] = max(b.attempts - 1, 0), b.faults + 1
         for i in expired:
             r = after[i]
-            assert (r.status, r.lease_owner, r.leased, r.attempts) == (expected[i], None, False, before[i].attempts), \
-                f"rescue of job {i}: {r}"
+            assert (r.status, r.lease_owner, r.leased, r.attempts, r.faults) == (
+                expected[i], None, False, attempts[i], faults[i]), f"rescue of job {i}: {r}"
             if not backoff:
                 assert r.available
-        want = {s: sum(1 for v in expected.values() if v == s) for s in ("retry", "failed", "superseded")}
+        counted = {i: "retry" if v == "pending" else v for i, v in expected.items()}
+        want = {s: sum(1 for v in counted.values() if v == s) for s in ("retry", "failed", "superseded")}
         assert dict(counts) == want, f"rescue counted {counts}, expected {want}"
         self._assert_unchanged(before, after, set(before) - set(expired), "rescue")
 

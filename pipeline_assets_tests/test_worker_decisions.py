@@ -487,3 +487,64 @@ def test_check_vectors(dimensions, expected, message):
         assert isinstance(out, Stop) and out.job_ids == (1, 2)
         assert out.error.kind == FATAL and out.error.error_class == "dimension_mismatch"
         assert message in out.error.message
+
+
+# -- a crash suspect is claimed alone ----------------------------------------------------------------
+
+def test_a_claim_holding_a_crash_suspect_keeps_it_alone():
+    """A job with FREE_FAULTS faults travels alone in its claim: should it crash the worker,
+    the rescue finds it alone and charges it, not its neighbours."""
+    from pipeline_assets.jobs.decisions import FREE_FAULTS, alone_if_suspect
+
+    plain = [job(1), job(2, faults=FREE_FAULTS - 1)]
+    assert alone_if_suspect(plain) == (plain, [])
+    suspect = job(3, faults=FREE_FAULTS)
+    assert alone_if_suspect([suspect]) == ([suspect], [])
+    kept, back = alone_if_suspect([job(1), suspect, job(4, faults=FREE_FAULTS + 2)])
+    assert [j.job_id for j in kept] == [3] and [j.job_id for j in back] == [1, 4]
+
+
+def test_a_suspects_claim_runs_alone_in_its_process():
+    """SuspectGate: the suspect's claim starts once the claims already held end; new claims
+    wait until it is over; a stop lets everyone through."""
+    import threading
+
+    from pipeline_assets.jobs.suspects import SuspectGate
+
+    gate, stop = SuspectGate(), threading.Event()
+    events: list[str] = []
+    gate.enter(stop)                       # another thread's claim is running
+    suspect_entered = threading.Event()
+
+    def suspect() -> None:
+        gate.enter(stop)
+        suspect_entered.set()
+        with gate.alone(stop):
+            events.append("suspect runs")
+            newcomer = threading.Thread(target=late_claim)
+            newcomer.start()
+            newcomer.join(0.3)             # it cannot start while the suspect runs
+            events.append("suspect ends")
+        gate.leave()
+        newcomer.join(10)
+
+    def late_claim() -> None:
+        gate.enter(stop)
+        events.append("late claim runs")
+        gate.leave()
+
+    t = threading.Thread(target=suspect)
+    t.start()
+    assert suspect_entered.wait(10)
+    t.join(0.3)
+    assert events == []                    # waiting for the claim already held
+    gate.leave()                           # ... which ends
+    t.join(10)
+    assert events == ["suspect runs", "suspect ends", "late claim runs"]
+    # A stop lets a waiting suspect through (what runs then hands its jobs back).
+    gate.enter(stop)                       # another thread's claim, never ending
+    gate.enter(stop)
+    stop.set()
+    with gate.alone(stop):
+        events.append("stopping")
+    assert events[-1] == "stopping"

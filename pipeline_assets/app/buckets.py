@@ -15,7 +15,8 @@ source and the code, doing only what is needed:
    nothing; nor is a new file: step 2 reads it);
 2. ingest what a bucket run has not synced yet (new or changed bytes), what is
    stale (extracted or chunked under another code version than the current
-   one: a parser fix), and tombstone what is gone;
+   one: a parser fix; selected in the database for the source and the buckets,
+   a page at a time), and tombstone what is gone;
 3. record what it synced, so the next run skips it (for a new file, the
    checksum of the bytes it ingested).
 
@@ -49,10 +50,9 @@ BUCKET_HASH_HEX = 15
 # Document ids listed per bucket in its metadata (quarantined, failed): bounds the
 # size of one materialization event whatever the bucket holds.
 SAMPLE_IDS = 20
-# Stale documents one bucket run reads from the stage rows (app.rerun.select).
-STALE_SCAN_LIMIT = 10_000_000
-# Documents one step of a bucket run reads, ingests and records before the next: bounds
-# the run's memory (about 1 kB per document in flight) whatever its buckets hold.
+# Documents one step of a bucket run reads, ingests and records before the next (unsynced
+# files, stale documents): bounds the run's memory (about 1 kB per document in flight)
+# whatever its buckets hold.
 SYNC_PAGE_DOCUMENTS = 10_000
 
 
@@ -137,13 +137,14 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
             for page in _pages(orphans):
                 done.report.add(ingest_documents(rt, pool, root, page))
             done.gone += len(orphans)
-    # After the changed documents: those are current now, and only the rest is stale.
-    stale = sorted({t.document_id for t in rerun_uc.select(rt, pool, stages_=rerun_uc.VERSIONED_STAGES, stale=True,
-                                                           limit=STALE_SCAN_LIMIT)
-                    if t.root == str(root) and bucket_of(t.document_id, n) in wanted})
-    for page in _pages(stale):
-        done.report.add(ingest_documents(rt, pool, root, page))
-    done.stale = len(stale)
+    # After the changed documents: those are current now, and only the rest is stale. Selected in
+    # the database for this source and these buckets, a page at a time (the extract pass brings a
+    # document's chunk stage current too, so the chunk pass finds only what is stale there alone).
+    for stage in rerun_uc.VERSIONED_STAGES:
+        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=str(root), buckets=sorted(wanted),
+                                      n=n, page_size=SYNC_PAGE_DOCUMENTS):
+            done.report.add(ingest_documents(rt, pool, root, [t.document_id for t in targets]))
+            done.stale += len(targets)
     return done
 
 

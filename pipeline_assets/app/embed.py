@@ -20,6 +20,7 @@ from pipeline_assets.app import buckets, model_admin, reports, stages
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions, vector_index
+from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
@@ -40,6 +41,9 @@ WAIT_POLL_COST_FACTOR = 20
 # instead of only the run's jobs: a scope that large is most of the queue, and
 # the scoped claim's cost grows with it (a bucket backfill over everything).
 SCOPE_MAX_DOCUMENTS = 2_000
+# How long a finished work run waits for an unavailable database to record the
+# embed stage of the documents it touched (reconcile records them otherwise).
+STAGE_RECORD_WAIT_SECONDS = 60.0
 
 
 def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCURRENCY, until_idle: bool = False,
@@ -63,9 +67,25 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     with pool.connection() as conn:
         since = stages.clock(conn)
     report = worker.run()
-    with pool.connection() as conn:
-        stages.refresh_embed_touched(conn, rt.model_id, since)
+    _record_touched(pool, rt.model_id, since)
     return report
+
+
+def _record_touched(pool: ConnectionPool, model_id: str, since) -> None:
+    """Store the embed stage rows of the documents a run touched; an unavailable database
+    (unreachable, read-only) is waited for a while, then left to reconcile."""
+    def record() -> None:
+        with pool.connection() as conn:
+            stages.refresh_embed_touched(conn, model_id, since)
+    try:
+        pool.check()  # connections the database ended while the run went on are replaced first
+        DatabaseWait(on_unavailable=pool.drain).ride_out(record, threading.Event(),
+                                                       give_up_after=STAGE_RECORD_WAIT_SECONDS)
+    except Exception as exc:
+        if not database_unavailable(exc):
+            raise
+        log.warning("could not record the embed stage of the documents this run touched (the database is "
+                    "unavailable: %s); `reconcile` records them", one_line(exc))
 
 
 @dataclass
@@ -203,6 +223,8 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     coverage until nothing of theirs is outstanding, the worker stops, or the deadline.
     ``many``: known to be more than SCOPE_MAX_DOCUMENTS before reading them."""
     deadline = deadline_seconds or rt.settings.embed_run_deadline
+    # Before anything is enqueued or sent: the model's window is known and every chunk fits it.
+    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
     with pool.connection() as conn:
         register_model(conn, rt)
         since = stages.clock(conn)
@@ -331,6 +353,7 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Path, *,
                     observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
     """`embed DIR`: ingest the directory, work until idle, and summarise."""
     started = time.monotonic()
+    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
     ing = ingest_source(rt, pool, root)
     done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
     with pool.connection() as conn:

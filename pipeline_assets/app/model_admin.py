@@ -26,6 +26,7 @@ from pipeline_assets.providers import (
     check_chunk_size,
     model_id_for,
     provider_for,
+    require_known_window,
 )
 from pipeline_assets.providers.limits import too_small
 from pipeline_assets.settings import Settings
@@ -123,8 +124,12 @@ def runtime_for_model(settings: Settings, name: str, dimensions: int | None = No
 
 def check_input_limits(settings: Settings, pool: ConnectionPool, spec: ModelSpec | None = None) -> list[ModelLimit]:
     """Refuse (``ChunkTooLarge``, one line naming both numbers and PIPELINE_CHUNK_TOKENS) a chunk
-    size that could exceed the window of ``spec``'s model or of any active model; before any
-    provider call. Run by `models add`, at worker start and by `settings`. Returns the limits checked."""
+    size that could exceed the window of ``spec``'s model or of any active model, and
+    (``UnknownInputWindow``, one line naming PIPELINE_MODEL_MAX_INPUT_TOKENS) a ``spec`` whose
+    window is not known; before any provider call. Run by `models add` and at worker start
+    (`work`, `embed`, the Dagster steps that embed). Returns the limits checked."""
+    if spec is not None:
+        require_known_window(spec)
     with pool.connection() as conn:
         limits = {m.model_id: m for m in models.active_limits(conn)}
     if spec is not None:
@@ -147,9 +152,9 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
         spec = provider.spec
         limits[spec.model_id] = ModelLimit.of(spec)
         roles[spec.model_id] = "configured"
-        if not getattr(provider, "window_known", True):
-            warnings.append(f"the input window of {spec.model_id} is unknown ({spec.max_input_tokens} assumed): "
-                            "set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window")
+        if not spec.window_known:
+            warnings.append(f"the input window of {spec.model_id} is unknown: `models add`, `work`, `embed` and "
+                            "Dagster refuse it; set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window")
         provider.close()
     if pool is not None:
         with pool.connection() as conn:
@@ -217,6 +222,38 @@ def served_model_id(pool: ConnectionPool) -> str | None:
     """The model search and export read (None before any model was registered)."""
     with pool.connection() as conn:
         return models.served_model_id(conn)
+
+
+def active_model_ids(pool: ConnectionPool) -> list[str]:
+    """The models workers and ingests embed for (registered, not retired)."""
+    with pool.connection() as conn:
+        return models.active_model_ids(conn)
+
+
+def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *, run_id: str | None = None) -> Runtime:
+    """The runtime that embeds with a registered, active model (or the configured one, which the
+    first ingest registers), the rest as configured.
+
+    ConfigError (one line) for a model that is unknown, retired (``models activate`` it
+    first), or whose provider this installation cannot build again."""
+    with pool.connection() as conn:
+        row = models.model_row(conn, model_id)
+    if row is not None and not row["active"]:
+        raise ConfigError(f"model {model_id} is retired; `pipeline-assets models activate {model_id}` to embed "
+                          "with it again")
+    if model_id == model_id_for(settings):
+        return Runtime.build(settings, run_id=run_id)
+    if row is None:
+        raise ConfigError(f"unknown model {model_id!r}: `pipeline-assets models add` registers it")
+    # The model id says provider, name and dimension; the `dimensions` option was
+    # either sent (the id's dimension) or not (the model's default).
+    for dims in (None, row["dimension"]):
+        rt = runtime_for_model(settings, row["name"], dims)
+        if rt.model_id == model_id:
+            rt.options.run_id = run_id
+            return rt
+    raise ConfigError(f"this installation cannot embed with {model_id} (its provider or code is gone); "
+                      f"`pipeline-assets models retire {model_id}`")
 
 
 def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:

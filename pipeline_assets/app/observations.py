@@ -20,6 +20,13 @@ request with the sensor generation that requested it.
 * ``pending_buckets`` / ``mark_buckets_requested``: the buckets a tick has to
   request, and what it did; a bucket run (``app/buckets.py``) tombstones the
   documents whose files are gone and forgets their rows.
+* ``schedule_retries``: a request whose run ended without syncing its files
+  (failed, cancelled, never launched) is not lost: at a tick with none of the
+  sensor's runs in flight, its files get a time to be requested again,
+  RETRY_BASE_SECONDS after the first failed request, doubling with each
+  request of the same bytes, at most RETRY_CAP_SECONDS. A failed run that
+  synced files but did not embed them (``unsync_unembedded``) has those files
+  requested again the same way.
 
 Known limit of the prefilter: a rewrite that keeps both size and mtime (``cp -p``,
 ``tar`` restoring old bytes) is not seen by the sensor; reconciliation checksums
@@ -47,6 +54,12 @@ RACY_NS = 2_000_000_000          # a file modified this close (ns) to its scan i
 UNREAD = "~"                     # starts the placeholder checksum of a new file no scan has read (never hex)
 READ_BLOCK = 1 << 20             # bytes per read while hashing a file
 READ_BATCH = 2_000               # rows of files to read fetched at a time from the scan's comparison
+# A file whose requested run ended without syncing it is requested again after
+# RETRY_BASE_SECONDS, then twice as long after each further failed request of the
+# same bytes, at most RETRY_CAP_SECONDS: a persistently failing run is retried
+# about once an hour, not at every tick.
+RETRY_BASE_SECONDS = 60.0
+RETRY_CAP_SECONDS = 3600.0
 
 
 def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
@@ -242,3 +255,37 @@ def mark_buckets_requested(conn: psycopg.Connection, root: Path, bucket_ids: Ite
     """Every pending file of some buckets, as requested by ``generation``."""
     conn.execute(OBS.mark_requested_buckets, {"root": str(root), "generation": generation, "n": buckets,
                                               "buckets": sorted(set(bucket_ids))})
+
+
+@dataclass(frozen=True)
+class Retries:
+    """Files of ended, unsynced requests still waiting out their backoff."""
+
+    waiting: int
+    next_in: float | None     # seconds until the first is due (None: none waiting)
+
+
+def schedule_retries(conn: psycopg.Connection, root: Path, generation: int) -> Retries:
+    """At a tick with none of the sensor's runs in flight (so every request of an earlier generation
+    has ended): give the files those requests left unsynced their time to be requested again, and
+    say how many still wait."""
+    params = {"root": str(root), "generation": generation, "base": RETRY_BASE_SECONDS, "cap": RETRY_CAP_SECONDS}
+    conn.execute(OBS.schedule_retries, params)
+    row = conn.execute(OBS.waiting_retries, params).fetchone()
+    waiting, next_in = row if row is not None else (0, None)
+    return Retries(int(waiting), None if next_in is None else max(float(next_in), 0.0))
+
+
+def retry_now(conn: psycopg.Connection, root: Path, document_ids: Sequence[str]) -> int:
+    """Documents re-ingested behind the sensor's back (a reconciliation): those waiting out a
+    failed request's backoff are due now, so their bucket run, which embeds them, comes next."""
+    return conn.execute(OBS.retry_now, {"root": str(root), "ids": list(document_ids)}).rowcount
+
+
+def unsync_unembedded(conn: psycopg.Connection, root: Path, first: int, last: int, buckets: int,
+                      model_id: str) -> int:
+    """After a failed or cancelled bucket run over ``first``..``last``: the files it synced whose
+    document still lacks a vector of ``model_id`` are requested again like the files it did not
+    sync (after the backoff). Returns how many."""
+    return conn.execute(OBS.unsync_unembedded, {"root": str(root), "first": first, "last": last, "n": buckets,
+                                                "model": model_id}).rowcount

@@ -38,6 +38,7 @@ class StatusReport:
     retired_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     input_limits: list[dict[str, Any]] = field(default_factory=list)
     retry_after_cap: float | None = None
+    database: dict[str, Any] = field(default_factory=dict)         # read_only, in_recovery, workers beating/silent
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +80,7 @@ def status(conn: psycopg.Connection) -> StatusReport:
         quarantined_documents=_dicts(conn, REPORTS.quarantined_count)[0]["n"],
         spend=spend,
         breaker={r.pop("model_id"): r for r in _dicts(conn, REPORTS.breaker)},
+        database=_dicts(conn, REPORTS.database_state)[0],
     )
 
 

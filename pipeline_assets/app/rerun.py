@@ -3,8 +3,10 @@
 The selection is ``stages.rerun_targets`` (one query over app.stage_runs):
 every filter optional and combinable (status, a failed stage's error class,
 document-id globs, a code version other than the current one, one older than
-a given version). The command line and the Dagster rerun sensor select
-through ``select`` here, so they cannot disagree on what is stale.
+a given version, a source and some of its buckets). The command line, the
+Dagster rerun sensor and a bucket run select through ``pages`` here, so they
+cannot disagree on what is stale; ``pages`` reads every target, a page at a
+time (keyset), with no limit on how many.
 
 The current extractor version is per format (``content.extract``): after a
 PDF-only fix, only PDF documents are stale.
@@ -25,13 +27,14 @@ What a rerun does per stage:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from psycopg_pool import ConnectionPool
 
+from pipeline_assets.app import documents as documents_
 from pipeline_assets.app import stages
 from pipeline_assets.app.ingest import ingest_documents, register_model
 from pipeline_assets.app.runtime import Runtime
@@ -42,6 +45,8 @@ from pipeline_assets.jobs import transitions
 RERUN_STAGES = ("extract", "chunk", "embed")
 VERSIONED_STAGES = ("extract", "chunk")
 STATUSES = ("succeeded", "failed", "skipped", "pending")
+# Targets read per query: a rerun's memory is bounded by a page, not by what it selects.
+TARGET_PAGE = 10_000
 # --before-version compares the number a version ends with (extract-1 < extract-2).
 _NUMBERED = re.compile(r"[0-9]+$")
 
@@ -52,6 +57,10 @@ class EmbedRerun:
     requeued: int
     enqueued: int
 
+    def __add__(self, other: EmbedRerun) -> EmbedRerun:
+        return EmbedRerun(self.documents + other.documents, self.requeued + other.requeued,
+                          self.enqueued + other.enqueued)
+
 
 def current_version(rt: Runtime, stage: str) -> str:
     """The current code version of a stage, as one label (per-format extractor versions joined)."""
@@ -60,37 +69,64 @@ def current_version(rt: Runtime, stage: str) -> str:
     return rt.options.chunker.version if stage == "chunk" else rt.model_id
 
 
-def select(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extract",),
-           error_class: str | None = None, stale: bool = False, statuses: Sequence[str] = (),
-           before_version: str | None = None, documents: Sequence[str] = (),
-           limit: int = 1_000_000) -> list[RerunTarget]:
+def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extract",),
+          error_class: str | None = None, stale: bool = False, statuses: Sequence[str] = (),
+          before_version: str | None = None, documents: Sequence[str] = (), root: str | None = None,
+          buckets: Sequence[int] | None = None, n: int = 0,
+          page_size: int | None = None) -> Iterator[list[RerunTarget]]:
     """Targets of a rerun, per stage: every given filter holds. ``stale``: produced by another
     code version than the current one (for extract, the current version of the document's
-    format); ``before_version``: by an older one; ``documents``: id globs. For embed the
-    targets are the current model's rows, refreshed from the jobs first; ``stale`` and
-    ``before_version`` do not apply to it (its version is the model). ValueError if misused."""
+    format); ``before_version``: by an older one; ``documents``: id globs; ``root``: one
+    source (default: every one); ``buckets``: only documents in these buckets (of ``n``).
+    For embed the targets are the current model's rows, refreshed from the jobs first;
+    ``stale`` and ``before_version`` do not apply to it (its version is the model).
+    ValueError if misused.
+
+    Every target, however many, a page of at most ``page_size`` (default TARGET_PAGE) at a
+    time, per stage and source in document order (keyset: each page starts past the last
+    document of the one before, so a caller may rerun a page before reading the next)."""
     if before_version is not None and not _NUMBERED.search(before_version):
         raise ValueError(f"--before-version {before_version!r} must end with a number (e.g. extract-2)")
     unknown = set(statuses) - set(STATUSES)
     if unknown:
         raise ValueError(f"unknown status {sorted(unknown)}; statuses: {', '.join(STATUSES)}")
-    targets: list[RerunTarget] = []
-    with pool.connection() as conn:
-        for stage in stages_:
-            filters: dict[str, Any] = dict(stage=stage, error_class=error_class, statuses=statuses, documents=documents,
-                           before_version=before_version, limit=limit)
+    size = page_size or TARGET_PAGE
+    for stage in stages_:
+        filters: dict[str, Any] = dict(stage=stage, error_class=error_class, statuses=statuses, documents=documents,
+                                       before_version=before_version, buckets=buckets, n=n, limit=size)
+        with pool.connection() as conn:
             if stage == "embed":
                 if stale or before_version:
                     raise ValueError("--stale and --before-version compare extractor and chunker versions; the "
                                      "embed stage's version is its model (select with --status / --error-class)")
                 stages.refresh_embed(conn, rt.model_id)
-                filters["model_id"] = rt.model_id
+                filters["model_id"] = rt.model_id   # one row per document: the keyset holds
             elif stale and stage == "extract":
                 versions = rt.options.extractor_version
                 filters.update(not_version=versions.default, versions_by_extension=versions.by_extension())
             elif stale:
                 filters["not_version"] = rt.options.chunker.version
-            targets += stages.rerun_targets(conn, **filters)
+            roots = [root] if root is not None else documents_.source_roots(conn)
+        for source in roots:
+            after = ""
+            while True:
+                with pool.connection() as conn:
+                    page = stages.rerun_targets(conn, **filters, root=source, after=after)
+                if not page:
+                    break
+                yield page
+                if len(page) < size:
+                    break
+                after = page[-1].document_id
+
+
+def select(rt: Runtime, pool: ConnectionPool, *, limit: int | None = None, **filters: Any) -> list[RerunTarget]:
+    """Every target ``pages`` yields (the same filters), or the first ``limit`` of them."""
+    targets: list[RerunTarget] = []
+    for page in pages(rt, pool, **filters):
+        targets += page
+        if limit is not None and len(targets) >= limit:
+            return targets[:limit]
     return targets
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.content.extract import EXTRACTOR_VERSION, EXTRACTOR_VERSIONS, FORMATS, ExtractorVersions
 from pipeline_assets.content.identity import sha256_hex
-from pipeline_assets.providers import ModelLimit, Provider, check_chunk_size, model_id_for, provider_for
+from pipeline_assets.providers import ModelLimit, Provider, check_chunk_size, provider_for
 from pipeline_assets.settings import Settings
 
 
@@ -47,12 +47,18 @@ def chunker_for(settings: Settings, hard_limit: int | None = None) -> Chunker:
     return Chunker(max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap, hard_limit=hard_limit)
 
 
-def code_versions(settings: Settings, model: str | None = None) -> dict[str, str]:
-    """The code version of each stage: extractor, chunker, model id. Never raises for a missing key."""
+# The code version of the embeddings stage: what makes a vector besides its chunk and its model.
+# The model is not part of it: every vector is keyed by (chunk checksum, model id), and Dagster's
+# embeddings are partitioned by model, so a model change is a new column, not new code.
+EMBEDDINGS_CODE_VERSION = "vectors-1"
+
+
+def code_versions(settings: Settings) -> dict[str, str]:
+    """The code version of each stage: extractor, chunker, embedding. Never raises for a missing key."""
     return {
         "documents": extractor_version(settings),
         "chunks": chunker_for(settings).version,
-        "embeddings": model_id_for(settings, model),
+        "embeddings": EMBEDDINGS_CODE_VERSION,
     }
 
 

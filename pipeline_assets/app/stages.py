@@ -91,12 +91,15 @@ def rerun_targets(conn: psycopg.Connection, *, stage: str, error_class: str | No
                   not_version: str | None = None, versions_by_extension: Mapping[str, str] | None = None,
                   statuses: Sequence[str] | None = None, before_version: str | None = None,
                   documents: Sequence[str] | None = None, failed_only: bool = False,
-                  model_id: str | None = None, limit: int = 1_000_000) -> list[RerunTarget]:
+                  model_id: str | None = None, root: str | None = None, buckets: Sequence[int] | None = None,
+                  n: int = 0, after: str = "", limit: int = 1_000_000) -> list[RerunTarget]:
     """The rows ``rerun_targets`` selects (see sql/queries/stage_runs.sql); every filter is optional.
 
     ``not_version``: produced by another version than this one, or, for a document whose
     extension is in ``versions_by_extension``, than that extension's. ``documents``: globs.
-    For embed, one target per (document, model) unless ``model_id`` picks one model."""
+    For embed, one target per (document, model) unless ``model_id`` picks one model.
+    ``root``: one source; ``buckets``: only its documents in these buckets (of ``n``);
+    ``after``/``limit``: one page, the first ``limit`` rows past that document id."""
     exts = dict(versions_by_extension or {})
     with conn.cursor(row_factory=class_row(RerunTarget)) as cur:
         return cur.execute(STAGE_RUNS.rerun_targets, {
@@ -104,7 +107,8 @@ def rerun_targets(conn: psycopg.Connection, *, stage: str, error_class: str | No
             "ext_keys": list(exts), "ext_versions": list(exts.values()),
             "statuses": list(statuses) if statuses else None, "before_version": before_version,
             "documents": [glob_to_like(g) for g in documents] if documents else None,
-            "failed_only": failed_only, "model": model_id, "limit": limit}).fetchall()
+            "failed_only": failed_only, "model": model_id, "root": root, "after": after, "n": n,
+            "buckets": sorted(set(buckets)) if buckets is not None else None, "limit": limit}).fetchall()
 
 
 def failed_jobs_of(conn: psycopg.Connection, root: str, document_ids: Sequence[str], model_id: str) -> list[int]:

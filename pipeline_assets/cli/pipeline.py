@@ -125,19 +125,25 @@ def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale:
     """Re-run a stage for the documents a query selects (a partial rerun); the filters combine."""
     rt = runtime()
     with pool() as p:
-        targets = rerun_uc.select(rt, p, stages_=(stage,), error_class=error_class, stale=stale,
-                                  statuses=statuses, before_version=before_version, documents=documents)
+        # Every target, a page at a time: each page is rerun before the next is read.
+        pages = rerun_uc.pages(rt, p, stages_=(stage,), error_class=error_class, stale=stale,
+                               statuses=statuses, before_version=before_version, documents=documents)
         if dry_run:
-            for t in targets:
-                click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
-            click.echo(f"{len(targets)} document(s) would be rerun")
+            listed = 0
+            for page in pages:
+                for t in page:
+                    click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
+                listed += len(page)
+            click.echo(f"{listed} document(s) would be rerun")
             return
         if stage == "embed":
-            done = rerun_uc.rerun_embed(rt, p, targets)
+            done = rerun_uc.EmbedRerun(0, 0, 0)
+            for page in pages:
+                done = done + rerun_uc.rerun_embed(rt, p, page)
             click.echo(f"reran embed for {done.documents} document(s): requeued={done.requeued} "
                        f"enqueued={done.enqueued} (`pipeline-assets work --until-idle` embeds them)")
             return
-        total = rerun_uc.rerun(rt, p, targets)
+        total = sum(rerun_uc.rerun(rt, p, page) for page in pages)
     click.echo(f"reran {stage} for {total} document(s)")
 
 

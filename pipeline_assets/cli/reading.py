@@ -52,6 +52,20 @@ def _status_lines(d: dict):
         yield (f"breaker {model}: {b['state']} paused_for={b['paused_for']:.1f}s "
                f"failures_in_row={b['consecutive_failures']} probe_out={b['probe_out']}")
     yield f"retry-after cap: {d['retry_after_cap']:g}s (PIPELINE_RETRY_AFTER_CAP)"
+    yield from _database_lines(d.get("database") or {})
+
+
+def _database_lines(db_state: dict):
+    """Whether workers can write; read-only: they wait (and say so in their log), charging nothing."""
+    if db_state.get("read_only"):
+        why = "a standby in recovery" if db_state.get("in_recovery") else "transaction_read_only = on"
+        yield (f"database: READ-ONLY ({why}): workers cannot record progress; they wait and retry, "
+               "charging no job, and resume when it is writable")
+    else:
+        yield "database: writable"
+    age = db_state.get("last_beat_seconds")
+    yield (f"workers: {db_state.get('workers_beating', 0)} beating, {db_state.get('workers_silent', 0)} silent"
+           + ("" if age is None else f" (newest beat {age:.0f}s ago)"))
 
 
 @click.command()

@@ -1,4 +1,4 @@
-"""Dagster assets: documents -> chunks -> embeddings, partitioned by document bucket.
+"""Dagster assets: documents -> chunks by document bucket, embeddings by bucket x model.
 
 A partition is a bucket of documents (``defs/partitions.py``): a stable hash of
 ``document_id`` modulo a count fixed in the database, so Dagster keeps a few
@@ -13,8 +13,10 @@ the same ones the command line calls.
   the ingest transactions that write both. A run of the rerun sensor (tag
   ``pipeline/rerun``) re-extracts the stale documents only: it does not scan
   the source, whose changes are the source sensor's run.
-* ``embeddings`` runs the use case ``app.embed.embed_buckets`` over the buckets' current documents:
-  it waits until their chunks are ready or failed (not the whole queue),
+* ``embeddings`` is partitioned by bucket x model (one column per active model of the
+  registry) and mapped to ``chunks`` by its bucket. Per model of its partition keys, it
+  runs the use case ``app.embed.embed_buckets`` over the buckets' current documents:
+  it waits until their chunks are ready or failed for that model (not the whole queue),
   embedding them itself (``in_process``) or leaving that to external ``work``
   processes (``EmbeddingRunResource``), and fails with the counts at its
   deadline. In-process, it runs in the ``embedding_worker`` concurrency pool.
@@ -29,28 +31,41 @@ documents' text checksums, of their chunk digests, of model and coverage); a
 run over a range of buckets records one version for the range (Dagster 1.13
 has one data version per result, dagster#18649), and each partition's own
 digest is in its metadata. Code versions: the extractor versions of every
-format, the chunker, the model id; a bump marks every bucket stale, and the
-rerun sensor's run re-extracts only the stale documents in them.
+format, the chunker, ``vectors-1`` (the model is a partition, not code); a bump
+marks every bucket stale, and the rerun sensor's run re-extracts only the stale
+documents in them.
 
 Every asset has ``BackfillPolicy.single_run()``: a backfill of N buckets is one
-run, and the job table does the per-item work.
+run per partitions definition (and per model for embeddings: Dagster groups a
+multi-partition subset by model), and the job table does the per-item work.
 """
 
 import hashlib
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
+from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app.embed import EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
+from pipeline_assets.app import model_admin
+from pipeline_assets.app.embed import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
 from pipeline_assets.app.ingest import IngestReport
-from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.app.runtime import Runtime, code_versions
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDING_STORE
-from pipeline_assets.defs.model_switch import refuse_model_override
-from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
+from pipeline_assets.defs.partitions import (
+    BUCKET_DIMENSION,
+    bucket_indexes,
+    bucket_key,
+    bucket_partitions,
+    embedding_key,
+    embedding_partitions,
+    keys_by_model,
+)
+from pipeline_assets.defs.provenance import versioned_events
 from pipeline_assets.defs.resources import (
     EmbeddingProviderResource,
     EmbeddingRunResource,
@@ -58,6 +73,7 @@ from pipeline_assets.defs.resources import (
     SourceDirectoryResource,
 )
 from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.providers import ConfigError
 from pipeline_assets.settings import Settings
 
 GROUP = "embedding_pipeline"
@@ -103,14 +119,45 @@ def chunk_metadata(state: bk.BucketState) -> dict[str, Any]:
     return {"chunk_count": state.chunks, "tokens": state.tokens, "chunks_digest": state.chunks_digest}
 
 
-def ingest_materializations(states: Mapping[int, bk.BucketState], extra: Mapping[int, dict],
-                            ) -> Iterator[dg.AssetMaterialization]:
+def embedding_version(model_id: str, state: bk.BucketState, cov: bk.BucketCoverage) -> str:
+    """One ``embeddings`` partition's data version: the model, the bucket's chunks, its coverage."""
+    return bk.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
+
+
+def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, bk.BucketState],
+                            extra: Mapping[int, dict], versions: Mapping[str, str],
+                            ) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
     """A ``documents`` and a ``chunks`` materialization for each bucket of ``extra`` (its own
-    metadata added), from a step that does not own them (reconciliation, refresh_documents)."""
-    for b, more in sorted(extra.items()):
-        key = bucket_key(b)
-        yield dg.AssetMaterialization(DOCUMENTS, partition=key, metadata={**document_metadata(states[b]), **more})
-        yield dg.AssetMaterialization(CHUNKS, partition=key, metadata={**chunk_metadata(states[b]), **more})
+    metadata added), from a step that does not own them (reconciliation, refresh_documents),
+    with the data and code versions an asset run records (``provenance``). Returns each
+    bucket's chunks (data version, storage id): the input of its ``embeddings``."""
+    docs = yield from versioned_events(instance, DOCUMENTS, versions["documents"], {
+        bucket_key(b): ({**document_metadata(states[b]), **more}, states[b].text_digest)
+        for b, more in sorted(extra.items())})
+    return (yield from versioned_events(instance, CHUNKS, versions["chunks"], {
+        bucket_key(b): ({**chunk_metadata(states[b]), **more}, states[b].chunks_digest)
+        for b, more in sorted(extra.items())},
+        {key: {DOCUMENTS: docs[key]} for key in docs}))
+
+
+def _embed(rt: Runtime, pool: ConnectionPool, root: Path, buckets: list[int], n: int, in_process: bool,
+           embedding_run: EmbeddingRunResource, partitions: int) -> BucketsEmbedded:
+    """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
+    try:
+        return embed_buckets(rt, pool, root, buckets, n, poll_seconds=WORKER_POLL_SECONDS,
+                             in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
+    except FatalProviderError as exc:
+        raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
+                         allow_retries=False) from None
+    except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
+        cov = exc.coverage
+        why = "deadline passed" if isinstance(exc, EmbedDeadlineExceeded) else "embedding stopped"
+        raise dg.Failure(description=f"{why}: {exc}", allow_retries=isinstance(exc, EmbedDeadlineExceeded),
+                         metadata={"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
+                                   "outstanding": exc.outstanding, "partitions": partitions,
+                                   "in_process": in_process, "model": rt.model_id}) from None
 
 
 def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:
@@ -119,9 +166,12 @@ def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]
     A factory so that tests (and anything else changing PIPELINE_EXTRACTOR_VERSION
     or the model in-process) can build definitions that see the change.
     """
-    # backfill_policy is "beta" in 1.13; it is the point of this layout, so no warning per asset.
+    # backfill_policy and the multi-to-single mapping are "beta" in 1.13; they are the point of this
+    # layout, so no warning per asset.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
+        warnings.filterwarnings("ignore", message=".*MultiToSingleDimensionPartitionMapping.*",
+                                category=dg.BetaWarning)
         pool = EMBEDDING_POOL if settings.embed_workers == "in-process" else None
         return [*_build_assets(code_versions(settings), settings.partition_buckets, pool), EMBEDDING_STORE_SPEC]
 
@@ -181,79 +231,76 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
             metadata={"partitions": len(keys), "chunks": sum(s.chunks for s in states.values()),
                       "tokens": sum(s.tokens for s in states.values())})
 
-    @dg.asset(name="embeddings", deps=[CHUNKS], code_version=v["embeddings"], pool=pool, **common, **spec,
-              description="Vectors of the buckets' chunks for the configured model (app.embeddings). A run ends "
-                          "when the chunks of its own buckets are ready or failed (a worker in the run embeds "
-                          "them, or external `work` processes do), or fails at its deadline with the counts. "
-                          "Code version: the model id. Per partition: coverage and failed document ids.")
+    @dg.asset(name="embeddings", code_version=v["embeddings"], pool=pool,
+              partitions_def=embedding_partitions(n), backfill_policy=dg.BackfillPolicy.single_run(),
+              deps=[dg.AssetDep(CHUNKS, partition_mapping=dg.MultiToSingleDimensionPartitionMapping(
+                  partition_dimension_name=BUCKET_DIMENSION))], **spec,
+              description="Vectors of the buckets' chunks, per bucket x model (app.embeddings): one column per "
+                          "active model of the registry. A run ends when the chunks of its own buckets are ready "
+                          "or failed for its models (a worker in the run embeds them, or external `work` "
+                          "processes do), or fails at its deadline with the counts. Per partition: coverage "
+                          "and failed document ids.")
     def embeddings(context: dg.AssetExecutionContext, postgres: PostgresResource,
                    embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
                    embedding_run: EmbeddingRunResource) -> dg.MaterializeResult:
-        """Embed the buckets' chunks, first (the rest of the queue is others' work).
+        """Embed the buckets' chunks with each model of the run's partitions, first (the rest of
+        the queue is others' work).
 
-        The model id is this asset's code version: the vectors are a function of
-        (chunk text, model), so changing the model marks every embeddings
-        partition stale while documents and chunks stay fresh. Re-materializing
-        is cheap where nothing changed: jobs are keyed by (chunk checksum,
-        model), so only content without a vector for the model is sent.
+        Jobs are keyed by (chunk checksum, model): only content without a vector for a model is
+        sent, so a model's column is backfilled by sending what it lacks, and re-materializing a
+        partition where nothing changed calls no provider.
         """
         started = time.monotonic()
         keys = list(context.partition_keys)
-        buckets = bucket_indexes(keys)
-        rt = embedding_provider.runtime(run_id=context.run.run_id)
-        model_id = rt.model_id
-        refuse_model_override(context, model_id)  # vectors and code version name the same model
-        in_process = embedding_run.embeds_in_process(rt.settings)
-        root = source.root_path(rt.settings)
+        per_model = keys_by_model(keys)
+        settings = embedding_provider.settings()
+        in_process = embedding_run.embeds_in_process(settings)
+        root = source.root_path(settings)
+        pool = postgres.pool()
         with postgres.connection() as conn:
             try:
                 bk.check_buckets(conn, n)
             except bk.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
-        try:
-            done = embed_buckets(rt, postgres.pool(), root, buckets, n, poll_seconds=WORKER_POLL_SECONDS,
-                                 in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
-        except FatalProviderError as exc:
-            raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
-                             allow_retries=False) from None
-        except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
-            cov = exc.coverage
-            why = "deadline passed" if isinstance(exc, EmbedDeadlineExceeded) else "embedding stopped"
-            raise dg.Failure(description=f"{why}: {exc}", allow_retries=isinstance(exc, EmbedDeadlineExceeded),
-                             metadata={"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
-                                       "outstanding": exc.outstanding, "partitions": len(keys),
-                                       "in_process": in_process}) from None
-        work, after = done.work, done.after
-        with postgres.connection() as conn:
-            states = bk.states_of(conn, str(root), buckets, n)
-        coverage = done.per_bucket
-        versions = {}
-        for b in buckets:
-            bucket_cov, key = coverage[b], bucket_key(b)
-            versions[key] = bk.digest([model_id, states[b].chunks_digest, f"{bucket_cov.ready}/{bucket_cov.chunks}"])
-            meta: dict[str, Any] = {"chunks": bucket_cov.chunks, "ready": bucket_cov.ready,
-                                    "failed": bucket_cov.failed, "waiting": bucket_cov.waiting}
-            if bucket_cov.failed_ids:
-                meta["failed_ids"] = ", ".join(bucket_cov.failed_ids)
-            context.add_asset_metadata(meta, partition_key=key)
+        versions: dict[str, str] = {}
+        totals: dict[str, int] = {}
+        documents = 0
+        waited = 0.0
+        for model_id, buckets in per_model.items():
+            try:
+                rt = model_admin.runtime_of(settings, pool, model_id, run_id=context.run.run_id)
+            except ConfigError as exc:
+                raise dg.Failure(description=str(exc), allow_retries=False) from None
+            done = _embed(rt, pool, root, buckets, n, in_process, embedding_run, len(keys))
+            with postgres.connection() as conn:
+                states = bk.states_of(conn, str(root), buckets, n)
+            for b in buckets:
+                bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
+                versions[key] = embedding_version(model_id, states[b], bucket_cov)
+                meta: dict[str, Any] = {"chunks": bucket_cov.chunks, "ready": bucket_cov.ready,
+                                        "failed": bucket_cov.failed, "waiting": bucket_cov.waiting}
+                if bucket_cov.failed_ids:
+                    meta["failed_ids"] = ", ".join(bucket_cov.failed_ids)
+                context.add_asset_metadata(meta, partition_key=key)
+            work, after = done.work, done.after
+            for name, value in (("chunks", after.wanted), ("embedded", work.embedded),
+                                ("reused", max(after.ready - work.embedded, 0)),   # ready vectors this run did not make
+                                ("superseded", work.superseded), ("failed", after.failed),
+                                ("waiting", after.waiting), ("enqueued", done.enqueued), ("retried", work.retried),
+                                ("throttled", work.throttled), ("provider_calls", work.provider_calls),
+                                ("tokens", work.tokens), ("ready", after.ready)):
+                totals[name] = totals.get(name, 0) + int(value)
+            documents = max(documents, sum(state.documents for state in states.values()))
+            waited += done.waited_seconds
+        ready = totals.pop("ready", 0)
         return dg.MaterializeResult(data_version=dg.DataVersion(run_version(versions)), metadata={
-            "model": model_id,
-            "chunks": after.wanted,
-            "embedded": work.embedded,
-            "reused": max(after.ready - work.embedded, 0),   # ready vectors this run did not make
-            "superseded": work.superseded,
-            "failed": after.failed,
-            "waiting": after.waiting,
-            "enqueued": done.enqueued,
-            "retried": work.retried,
-            "throttled": work.throttled,
-            "provider_calls": work.provider_calls,
-            "tokens": work.tokens,
-            "coverage_ratio": round(after.ready / after.wanted, 6) if after.wanted else 1.0,
+            "model": ", ".join(per_model),
+            **totals,
+            "coverage_ratio": round(ready / totals["chunks"], 6) if totals.get("chunks") else 1.0,
             "partitions": len(keys),
-            "documents": sum(state.documents for state in states.values()),
+            "documents": documents,
             "in_process": in_process,
-            "waited_seconds": done.waited_seconds,
+            "waited_seconds": round(waited, 3),
             "duration_seconds": round(time.monotonic() - started, 3),
         })
 

@@ -1,12 +1,13 @@
 """Asset checks: coverage per bucket with every embeddings run; store health on the schedule.
 
-* ``partition_embedded`` (on ``embeddings``, partitioned like it, ERROR): in the
-  run that embeds, one evaluation per bucket of the run: every current chunk of
-  the bucket's documents has a ready vector for the model, none failed, none
+* ``partition_embedded`` (on ``embeddings``, partitioned like it: bucket x model,
+  ERROR): in the run that embeds, one evaluation per partition of the run: every
+  current chunk of the bucket's documents has a ready vector for the partition's
+  model, none failed, none
   still waiting; a failing evaluation names the first failed documents. It reads
   the run's buckets only (one query), so a backfill in progress elsewhere never
   makes it fail. Dagster writes check evaluations one by one (~20 ms each): one
-  per bucket, never one per document.
+  per bucket and model, never one per document.
 * ``no_stale_vector_current`` (ERROR) and ``dead_letter_growth`` (WARN) read the
   whole store, so they target ``embedding_store``, which no run materializes: they
   run only on the ``pipeline_health_checks`` schedule (or from its page in the UI),
@@ -24,7 +25,7 @@ import dagster as dg
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
 from pipeline_assets.defs.keys import EMBEDDING_STORE, EMBEDDINGS
-from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
+from pipeline_assets.defs.partitions import embedding_key, embedding_partitions, keys_by_model
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
 
@@ -40,19 +41,20 @@ def build_coverage_check(settings: Settings) -> dg.AssetChecksDefinition:
         # Dagster types the decorated function as returning one AssetCheckResult; a partitioned
         # check yields one evaluation per partition and then its Output (Dagster's documented shape).
         @dg.asset_check(  # type: ignore[arg-type]
-                        asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=bucket_partitions(n),
-                        description="Per bucket of the run: every current chunk of its documents has a ready "
-                                    "vector for the configured model (none failed, none still waiting).")
+                        asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=embedding_partitions(n),
+                        description="Per bucket x model of the run: every current chunk of the bucket's "
+                                    "documents has a ready vector for the model (none failed, none still "
+                                    "waiting).")
         def partition_embedded(context: dg.AssetCheckExecutionContext, postgres: PostgresResource,
                                embedding_provider: EmbeddingProviderResource,
                                source: SourceDirectoryResource) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
-            buckets = bucket_indexes(context.op_execution_context.partition_keys)
+            per_model = keys_by_model(context.op_execution_context.partition_keys)
             root = str(source.root_path(embedding_provider.settings()))
-            model_id = embedding_provider.runtime().model_id
-            with postgres.connection() as conn:
-                coverage = bk.coverage_of_buckets(conn, root, buckets, n, model_id)
-            for b, cov in coverage.items():
-                yield _coverage_evaluation(bucket_key(b), cov, model_id)
+            for model_id, buckets in per_model.items():
+                with postgres.connection() as conn:
+                    coverage = bk.coverage_of_buckets(conn, root, buckets, n, model_id)
+                for b, cov in coverage.items():
+                    yield _coverage_evaluation(embedding_key(b, model_id), cov, model_id)
             yield dg.Output(None)  # the check's output: its evaluations are the events above
 
     return partition_embedded

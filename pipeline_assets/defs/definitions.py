@@ -16,12 +16,14 @@ import dagster as dg
 
 from pipeline_assets.defs.assets import build_assets
 from pipeline_assets.defs.checks import build_checks
+from pipeline_assets.defs.model_partitions import embed_after_sync
 from pipeline_assets.defs.model_switch import SENSORS as MODEL_SWITCH_SENSORS
 from pipeline_assets.defs.reconcile import RECONCILE_JOB, RECONCILE_SENSORS, build_reconciliation
 from pipeline_assets.defs.refresh import refresh_job
 from pipeline_assets.defs.resources import build_resources
+from pipeline_assets.defs.run_requests import EMBED_JOB, SYNC_JOB
 from pipeline_assets.defs.schedules import HEALTH_JOB, build_schedules
-from pipeline_assets.defs.sensors import EMBED_JOB, build_sensors
+from pipeline_assets.defs.sensors import build_sensors
 from pipeline_assets.settings import Settings
 
 
@@ -32,8 +34,8 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     return dg.Definitions(
         assets=[*build_assets(settings), build_reconciliation(settings)],
         asset_checks=build_checks(settings),
-        jobs=[EMBED_JOB, RECONCILE_JOB, HEALTH_JOB, refresh_job],
-        sensors=[*build_sensors(settings), *MODEL_SWITCH_SENSORS, *RECONCILE_SENSORS],
+        jobs=[SYNC_JOB, EMBED_JOB, RECONCILE_JOB, HEALTH_JOB, refresh_job],
+        sensors=[*build_sensors(settings), embed_after_sync, *MODEL_SWITCH_SENSORS, *RECONCILE_SENSORS],
         schedules=build_schedules(settings),
         resources=build_resources(settings),
         executor=dg.in_process_executor,

@@ -34,6 +34,8 @@ from pathlib import Path
 import psycopg
 
 from pipeline_assets.app.buckets import fixed_buckets
+from pipeline_assets.jobs import models
+from pipeline_assets.providers import model_id_for
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
 
@@ -133,6 +135,9 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
         # Migrations applied once, before webserver, daemon and runs start; the
         # database's bucket count (fixed by its first use) is what every process uses.
         buckets = fixed_buckets(conn, settings.partition_buckets)
+        # The model columns of embeddings: the registry's active models and the configured one (which
+        # the first run registers), so they exist before any sensor ticks (and after an upgrade).
+        model_keys = list(dict.fromkeys([*models.active_model_ids(conn), model_id_for(settings)]))
     dagster_url = sqlalchemy_url(migrations.ensure_database(pipeline_url, settings.dagster_database))
     dagster_home = home / "dagster"
     dagster_home.mkdir(parents=True, exist_ok=True)
@@ -144,7 +149,7 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
     for name in PATH_SETTINGS:
         if env.get(name):
             env[name] = str(Path(env[name]).expanduser().resolve())
-    retired = setup_instance(env)
+    retired = setup_instance(env, model_keys)
     if retired:
         print(f"upgraded the Dagster instance to bucket partitions: {retired} per-document partition(s) "
               "of the old scheme deleted (nothing re-embedded)", file=sys.stderr, flush=True)
@@ -160,11 +165,11 @@ PREPARE_ERRORS = (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError,
                   OSError)
 
 
-def setup_instance(env: dict[str, str]) -> int:
+def setup_instance(env: dict[str, str], model_keys: list[str] | None = None) -> int:
     """``instance_setup`` in a child process (this one never imports Dagster); the legacy
     partitions it deleted. InstanceSetupError with the child's last line if it failed."""
-    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.instance_setup", env["DAGSTER_HOME"]], env=env,
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.instance_setup", env["DAGSTER_HOME"],
+                           *(model_keys or [])], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         raise InstanceSetupError(f"cannot prepare the Dagster instance in {env['DAGSTER_HOME']}: {last}")

@@ -5,7 +5,9 @@ import dagster as dg
 DOCUMENTS = dg.AssetKey("documents")
 CHUNKS = dg.AssetKey("chunks")
 EMBEDDINGS = dg.AssetKey("embeddings")
-# What the embed_documents job materializes, in order.
+# The pipeline's assets, in order: documents and chunks by bucket (the sync_documents job),
+# embeddings by bucket x model (the embed_documents job).
 ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
+INGEST_KEYS = (DOCUMENTS, CHUNKS)
 # The job table and the vectors search serves: observed and checked, never materialized.
 EMBEDDING_STORE = dg.AssetKey("embedding_store")

@@ -1,24 +1,25 @@
 """A model change as a Dagster-visible event: the ``model_switch`` sensor.
 
-Why not one ``embeddings`` asset per configured model (a factory): search reads
-one *served* model, and what a Dagster user changes is ``PIPELINE_EMBEDDING_MODEL``.
-A second asset per model would leave the old one in the graph, stale and
-unmaterializable once retired, and a factory keyed by the configuration can
-only show the models this code location is configured with anyway. So the
-``embeddings`` asset stays one asset whose code version is the configured
-model id (a change marks every partition stale: the backfill that re-embeds),
-and this sensor does the rest (``app.model_admin.follow_configured``):
+The model is a partition of ``embeddings`` (bucket x model, ``partitions.py``): each
+active model of the registry is a column, and a switch is: add the model, backfill
+its column (only content without a vector for it is sent), serve it once it covers
+the corpus, retire the old one. This sensor does the registry's part
+(``app.model_admin.follow_configured``) and keeps the model keys the registry's
+active models (``model_partitions.model_keys``; a model added by
+``pipeline-assets models add`` gets its column at the next tick):
 
 1. it registers the configured model (``models add``: jobs for every current
    chunk, unless an ingest or run registered it first) and, when the configured
    model differs from the one its cursor saw last, records an
    ``AssetObservation`` on ``embedding_store`` (``model_configured``);
 2. while the new model is incomplete, search keeps reading the served (old)
-   model; the embeddings runs (a backfill of the stale partitions, or
-   ``work`` processes) fill the new one;
+   model; the embeddings runs (a backfill of the new model's column, the runs
+   after each bucket run, which cover every active model, or ``work``
+   processes) fill the new one;
 3. once it covers every current chunk, it serves it, retires the old one
    (its vectors and index are deleted by reconcile after
-   PIPELINE_MODEL_RETIRE_GRACE) and records the switch (``model_served``).
+   PIPELINE_MODEL_RETIRE_GRACE; its column leaves the partition set, its
+   history stays in the event log) and records the switch (``model_served``).
 
 The observations carry the served model, the previous one, the coverage, and
 show in the UI on ``embedding_store`` (its events and plots). The configured
@@ -27,16 +28,16 @@ another model by hand (``models serve``, a rollback) is left alone; the cursor
 (``served:<model>``) remembers that. Changing the configuration starts over.
 
 A launchpad override of the model (``resources.embedding_provider.config.model``)
-would write vectors of one model under the code version of another (and
-register a model nobody works): ``EmbeddingProviderResource.runtime`` refuses a
-model that is not the configured one, and the ``embeddings`` asset any model
-that is not its code version (``refuse_model_override``).
+would register a model nobody works: ``EmbeddingProviderResource.runtime`` refuses a
+model that is not the configured one. An embeddings run embeds with the models of
+its partition keys, never with the resource's.
 """
 
 import dagster as dg
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.defs.keys import EMBEDDING_STORE
+from pipeline_assets.defs.model_partitions import model_keys
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
 
 SENSOR_NAME = "model_switch"
@@ -85,50 +86,35 @@ def switch_events(outcome: model_admin.ModelFollowed, last_seen: str | None) -> 
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="Follows PIPELINE_EMBEDDING_MODEL without downtime: registers a new model (jobs for every "
                        "current chunk), keeps search on the served model until the new one covers the corpus, "
-                       "then serves it and retires the old one. Each step is an observation on embedding_store.")
+                       "then serves it and retires the old one. Each step is an observation on embedding_store. "
+                       "Keeps the model partitions of embeddings the registry's active models.")
 def model_switch_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                        embedding_provider: EmbeddingProviderResource) -> dg.SensorResult | dg.SkipReason:
+                        embedding_provider: EmbeddingProviderResource) -> dg.SensorResult:
     # A retired configured model raises ModelRetired: a failed tick, its one line in the UI.
     rt = embedding_provider.runtime()
     last_seen, done = parse_cursor(context.cursor)
     done = done and last_seen == rt.model_id
     outcome = model_admin.follow_configured(rt, postgres.pool(), switch=not done)
     model_id, served = outcome.model_id, outcome.served
+    keys, _ = model_keys(context.instance, model_admin.active_model_ids(postgres.pool()))
     cursor = f"{DONE if done or served == model_id else ''}{model_id}"
     events = switch_events(outcome, last_seen)
     if events:
         for event in events:
             context.log.info(f"{event.metadata['event'].value}: {model_id} (served: {served})")
         said = "; ".join(f"{e.metadata['event'].value} {model_id}" for e in events)
-        return dg.SensorResult(asset_events=events, cursor=cursor,
+        return dg.SensorResult(asset_events=events, cursor=cursor, dynamic_partitions_requests=keys,
                                skip_reason=dg.SkipReason(f"{said} (served: {served})"))
-    if cursor != context.cursor:
-        context.update_cursor(cursor)
     cov = outcome.coverage
     if served == model_id:
-        return dg.SkipReason(f"serving the configured model {model_id}")
-    if done:
-        return dg.SkipReason(f"serving {served}, served by hand after the configured {model_id} was; "
-                             "left as it is (`pipeline-assets models serve` changes it)")
-    progress = f"{cov.ready}/{cov.wanted} ({cov.describe_missing()})" if cov is not None else "coverage not read"
-    return dg.SkipReason(f"serving {served} until {model_id} covers the corpus: {progress}")
-
-
-def refuse_model_override(context: dg.AssetExecutionContext, model_id: str) -> None:
-    """Fail a run whose model is not the asset's code version (a launchpad override of the model).
-
-    The code version says which model the vectors are of; a run embedding with
-    another would record them under the wrong one, and a switch is this
-    sensor's job (change PIPELINE_EMBEDDING_MODEL and reload the code location).
-    """
-    code_version = context.assets_def.code_versions_by_key.get(context.asset_key)
-    if code_version and code_version != model_id:
-        raise dg.Failure(
-            description=f"this run's model {model_id} is not the code version of {context.asset_key.to_user_string()}"
-                        f" ({code_version}): a launchpad override of the model would record vectors under the wrong"
-                        " model; set PIPELINE_EMBEDDING_MODEL and reload the code location to switch models "
-                        "(the model_switch sensor serves the new one once it covers the corpus)",
-            allow_retries=False)
+        why = f"serving the configured model {model_id}"
+    elif done:
+        why = (f"serving {served}, served by hand after the configured {model_id} was; "
+               "left as it is (`pipeline-assets models serve` changes it)")
+    else:
+        progress = f"{cov.ready}/{cov.wanted} ({cov.describe_missing()})" if cov is not None else "coverage not read"
+        why = f"serving {served} until {model_id} covers the corpus: {progress}"
+    return dg.SensorResult(cursor=cursor, dynamic_partitions_requests=keys, skip_reason=dg.SkipReason(why))
 
 
 SENSORS = [model_switch_sensor]

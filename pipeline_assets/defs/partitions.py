@@ -1,6 +1,7 @@
-"""The Dagster partitions: a fixed set of document buckets (``app/buckets.py``).
+"""The Dagster partitions: a fixed set of document buckets (``app/buckets.py``), and for
+``embeddings`` the bucket crossed with the embedding model.
 
-Documents, chunks and embeddings are partitioned by bucket, ``b000`` ..
+Documents and chunks are partitioned by bucket, ``b000`` ..
 ``b063`` by default (PIPELINE_PARTITION_BUCKETS; the count is fixed by the
 first use of the database, and a run whose configured count differs fails with
 one line saying which to set). A partition is a stable slice of the corpus, not
@@ -8,6 +9,14 @@ one document: Dagster keeps the same few dozen partitions at 100 documents or
 1M, so its status cache, its backfills and its UI cost what they cost for
 64 partitions whatever the corpus. Single documents are selected by run config
 (the ``refresh_documents`` job), not by partition.
+
+``embeddings`` is partitioned by bucket x model (``embedding_partitions``): a
+``MultiPartitionsDefinition`` of the buckets and a dynamic dimension whose keys
+are the model ids of the registry's active models (``model_partitions.py`` keeps
+them in step). Its key is ``b013|openai/text-embedding-3-small@1536`` (Dagster
+orders dimensions by name: bucket, then model). A run over a range is a
+rectangle: buckets ``first..last`` times models ``first..last`` in the dynamic
+keys' order.
 """
 
 from __future__ import annotations
@@ -42,3 +51,47 @@ def span(buckets: Iterable[int]) -> tuple[str, str]:
     """The first and last partition key of the smallest range holding ``buckets``."""
     ordered = sorted(set(buckets))
     return bucket_key(ordered[0]), bucket_key(ordered[-1])
+
+
+BUCKET_DIMENSION = "bucket"
+MODEL_DIMENSION = "model"
+# The dynamic partition set of model ids (one per Dagster instance; shared by every bucket).
+MODEL_PARTITIONS_NAME = "model"
+MODEL_PARTITIONS = dg.DynamicPartitionsDefinition(name=MODEL_PARTITIONS_NAME)
+# What a model id must not hold to be a key of a multi-partition (Dagster's delimiters).
+KEY_DELIMITERS = frozenset("|,[]")
+
+
+def embedding_partitions(buckets: int) -> dg.MultiPartitionsDefinition:
+    return dg.MultiPartitionsDefinition({BUCKET_DIMENSION: bucket_partitions(buckets),
+                                         MODEL_DIMENSION: MODEL_PARTITIONS})
+
+
+def embedding_key(bucket: int | str, model_id: str) -> dg.MultiPartitionKey:
+    key = bucket if isinstance(bucket, str) else bucket_key(bucket)
+    return dg.MultiPartitionKey({BUCKET_DIMENSION: key, MODEL_DIMENSION: model_id})
+
+
+def split_key(key: str) -> tuple[int, str]:
+    """(bucket, model id) of an ``embeddings`` partition key."""
+    if isinstance(key, dg.MultiPartitionKey):
+        dims = key.keys_by_dimension
+        return bucket_index(dims[BUCKET_DIMENSION]), dims[MODEL_DIMENSION]
+    bucket, sep, model = key.partition("|")
+    if not sep:
+        raise ValueError(f"{key!r} is not an embeddings partition key (bucket|model)")
+    return bucket_index(bucket), model
+
+
+def keys_by_model(keys: Iterable[str]) -> dict[str, list[int]]:
+    """The buckets of some ``embeddings`` partition keys, per model (models in first-seen order)."""
+    out: dict[str, list[int]] = {}
+    for key in keys:
+        bucket, model = split_key(key)
+        out.setdefault(model, []).append(bucket)
+    return {m: sorted(set(b)) for m, b in out.items()}
+
+
+def is_model_key(model_id: str) -> bool:
+    """Whether a model id can be a key of the model dimension."""
+    return bool(model_id) and not (KEY_DELIMITERS & set(model_id))

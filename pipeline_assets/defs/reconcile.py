@@ -5,9 +5,14 @@ source, repair the job table set-based) and then tells Dagster what it changed
 in the watched source, so the UI does not drift from the database: each bucket
 holding a document it ingested, re-ingested or tombstoned gets a ``documents``
 and a ``chunks`` materialization (public runtime ``AssetMaterialization``
-events, with the bucket's counts and the ids it changed). ``embeddings`` gets
+events, with the bucket's counts and the ids it changed, and its data and code
+versions as an asset run records them: ``provenance``). ``embeddings`` gets
 nothing: its jobs are only enqueued, so the next embeddings run (or a ``work``
-process) embeds them.
+process) embeds them. A re-ingested file of the watched source is one the
+source sensor requests a bucket run for (its bytes differ from the last synced
+ones), at once also when it was waiting out the backoff of a failed request
+(``observations.retry_now``): that run finds the bytes stored and embeds the
+new chunks.
 
 Those events belong to the reconciliation run (lineage: "materialized by
 reconcile_job"). Its own counts (new, changed, deleted, enqueued, superseded,
@@ -20,19 +25,23 @@ Sensors, besides the ``reconcile_hourly`` schedule:
   ``PIPELINE_DLQ_GROWTH_PER_HOUR`` within the last hour (the threshold of the
   ``dead_letter_growth`` check) and has grown since the sensor last asked;
 * ``reconcile_on_run_failure``: a run of this code location failed (other than
-  a reconciliation itself).
+  a reconciliation itself): a repair of the job table only (``rescan: false``:
+  no source file is read; the source sensor requests the failed run's files
+  again), at most one per RUN_FAILURE_RECONCILE_INTERVAL_SECONDS.
 Neither requests a run while a reconciliation is queued or running.
 """
 
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import reports, stages
+from pipeline_assets.app import observations, reports, stages
 from pipeline_assets.app.reconcile import reconcile_all
+from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.app.touched import touched_since
 from pipeline_assets.defs.assets import GROUP, ingest_materializations
 from pipeline_assets.defs.checks import HOUR_SECONDS
@@ -46,33 +55,43 @@ RECONCILE_JOB_NAME = "reconcile_job"
 # The dead-letter sensor reads two counts; once a minute is plenty for an
 # hourly growth rate, and bounds how often it can request a reconciliation.
 DLQ_SENSOR_INTERVAL_SECONDS = 60
+# At most one reconciliation per this many seconds for failed runs, however many fail:
+# a run that fails again and again costs one job-table repair per interval.
+RUN_FAILURE_RECONCILE_INTERVAL_SECONDS = 600
+RUN_FAILURE_TRIGGER = "run_failure"
+
+
+class ReconcileConfig(dg.Config):
+    rescan: bool = True   # false: repair the job table only; no source file is read
 
 
 def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
     """The reconciliation asset."""
 
     @dg.asset(name="reconciliation", group_name=GROUP, kinds={"postgres"},
-              description="Re-scan every ingested source and repair the job table (core reconcile()). "
-                          "Buckets of the watched source in which it added, changed or tombstoned documents "
-                          "get documents/chunks materializations. Its counts are numeric metadata.")
-    def reconciliation(context: dg.AssetExecutionContext, postgres: PostgresResource,
+              description="Re-scan every ingested source and repair the job table (core reconcile(); "
+                          "config rescan: false repairs the job table only). Buckets of the watched source in "
+                          "which it added, changed or tombstoned documents get documents/chunks "
+                          "materializations. Its counts are numeric metadata.")
+    def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, postgres: PostgresResource,
                        embedding_provider: EmbeddingProviderResource,
                        source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
         started = time.monotonic()
         rt = embedding_provider.runtime(run_id=context.run.run_id)
         root = str(source.root_path(rt.settings))
+        n = postgres.bucket_count(rt.settings.partition_buckets)
         with postgres.connection() as conn:
-            n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
             since = stages.clock(conn)
-        report = reconcile_all(rt, postgres.pool(), rescan=True)
+        report = reconcile_all(rt, postgres.pool(), rescan=config.rescan)
         with postgres.connection() as conn:
             touched = bk.buckets_of([t.document_id for t in touched_since(conn, root, since)], n)
+            observations.retry_now(conn, Path(root), [d for docs in touched.values() for d in docs])
             states = bk.states_of(conn, root, list(touched), n)
         for problem in report.missing_sources:
             context.log.warning(problem)
-        yield from ingest_materializations(states, {b: {
+        yield from ingest_materializations(context.instance, states, {b: {
             "reported_by": "reconciliation", "changed_documents": ", ".join(docs[:bk.SAMPLE_IDS]),
-            "changed_count": len(docs)} for b, docs in touched.items()})
+            "changed_count": len(docs)} for b, docs in touched.items()}, code_versions(rt.settings))
         counts = {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
         metadata: dict = {**counts, "missing_sources": len(report.missing_sources),
                           "buckets_reported": len(touched),
@@ -117,18 +136,35 @@ def reconcile_on_dead_letters(context: dg.SensorEvaluationContext, postgres: Pos
     return dg.RunRequest(tags={"pipeline/trigger": "dead_letters", "pipeline/failed_last_hour": str(recent)})
 
 
+def _repaired_since(instance: dg.DagsterInstance, seconds: float) -> float | None:
+    """Seconds since the latest reconciliation this sensor requested, if within ``seconds``."""
+    records = instance.get_run_records(dg.RunsFilter(job_name=RECONCILE_JOB_NAME,
+                                                     tags={"pipeline/trigger": RUN_FAILURE_TRIGGER}), limit=1)
+    if not records:
+        return None
+    age = time.time() - records[0].create_timestamp.timestamp()
+    return age if age < seconds else None
+
+
 @dg.run_failure_sensor(name="reconcile_on_run_failure", request_job=RECONCILE_JOB,
                        default_status=dg.DefaultSensorStatus.RUNNING,
-                       description="Requests a reconciliation when a run of this code location fails "
-                                   "(lost leases rescued, missing jobs enqueued), not for a failed reconciliation.")
+                       description="Requests a repair of the job table (lost leases rescued, missing jobs "
+                                   "enqueued; no source file read) when a run of this code location fails, at most "
+                                   "one per 10 minutes; not for a failed reconciliation. The failed run's source "
+                                   "changes are requested again by the source sensor.")
 def reconcile_on_run_failure(context: dg.RunFailureSensorContext):
     run = context.dagster_run
     if run.job_name == RECONCILE_JOB_NAME:
         return dg.SkipReason("a reconciliation failed: not retried by this sensor")
     if _reconciliation_active(context.instance):
         return dg.SkipReason("a reconciliation is already queued or running")
+    age = _repaired_since(context.instance, RUN_FAILURE_RECONCILE_INTERVAL_SECONDS)
+    if age is not None:
+        return dg.SkipReason(f"a repair after a failed run was requested {age:.0f} s ago (at most one per "
+                             f"{RUN_FAILURE_RECONCILE_INTERVAL_SECONDS} s)")
     return dg.RunRequest(run_key=f"after-failed-run:{run.run_id}",
-                         tags={"pipeline/trigger": "run_failure", "pipeline/failed_run": run.run_id})
+                         run_config={"ops": {"reconciliation": {"config": {"rescan": False}}}},
+                         tags={"pipeline/trigger": RUN_FAILURE_TRIGGER, "pipeline/failed_run": run.run_id})
 
 
 RECONCILE_SENSORS = [reconcile_on_dead_letters, reconcile_on_run_failure]

@@ -14,8 +14,11 @@ launchpad (or ``dagster job launch``) with::
 The run ingests exactly those documents (a file gone is tombstoned), records
 them as synced in the source sensor's observations (its next tick requests no
 bucket run for them), embeds their chunks (only content without a vector is sent), and records a
-materialization of ``documents``, ``chunks`` and ``embeddings`` for each bucket
-it touched, with the refreshed ids in its metadata.
+materialization of ``documents``, ``chunks`` and ``embeddings`` (the bucket x the
+configured model; the other active models' partitions of those buckets show stale
+until their runs) for each bucket it touched, with the refreshed ids in its metadata and the bucket's data and code
+versions (``provenance``: what an asset run of the bucket would record), so
+Dagster's staleness of those buckets stays true.
 """
 
 
@@ -30,10 +33,12 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
+from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.content.sources import SourceError, document_id_problem
-from pipeline_assets.defs.assets import ingest_materializations
-from pipeline_assets.defs.keys import EMBEDDINGS
-from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.defs.assets import embedding_version, ingest_materializations
+from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
+from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, embedding_key, is_model_key
+from pipeline_assets.defs.provenance import versioned_events
 from pipeline_assets.defs.resources import (
     EmbeddingProviderResource,
     EmbeddingRunResource,
@@ -41,6 +46,7 @@ from pipeline_assets.defs.resources import (
     SourceDirectoryResource,
 )
 from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.providers import ConfigError
 
 REFRESH_JOB_NAME = "refresh_documents"
 REFRESH_OP_NAME = "refresh_documents_op"
@@ -83,8 +89,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     root = source.root_path(rt.settings)
     ids = select_documents(root, config.document_ids, config.glob)
     pool = postgres.pool()
-    with postgres.connection() as conn:
-        n = bk.fixed_buckets(conn, rt.settings.partition_buckets)
+    n = postgres.bucket_count(rt.settings.partition_buckets)
     report = ingest_documents(rt, pool, root, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
         observations.mark_synced_as_stored(conn, root, ids)
@@ -94,20 +99,28 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     except FatalProviderError as exc:
         raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
                          allow_retries=False) from None
+    except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
     except EmbedIncomplete as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     touched = bk.buckets_of(ids, n)
     with postgres.connection() as conn:
         states = bk.states_of(conn, str(root), list(touched), n)
+        bucket_cov = bk.coverage_of_buckets(conn, str(root), list(touched), n, rt.model_id)
     coverage = bk.bucket_coverage(done.per_document, list(touched), n)
     refreshed: dict[int, dict[str, Any]] = {
         b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
         for b, docs in touched.items()}
-    yield from ingest_materializations(states, refreshed)
-    for b, more in sorted(refreshed.items()):
-        cov = coverage[b]
-        yield dg.AssetMaterialization(EMBEDDINGS, partition=bucket_key(b), metadata={
-            "model": rt.model_id, "refreshed_chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed, **more})
+    versions = code_versions(rt.settings)
+    chunks = yield from ingest_materializations(context.instance, states, refreshed, versions)
+    if rt.model_id not in context.instance.get_dynamic_partitions(MODEL_PARTITIONS_NAME) and is_model_key(rt.model_id):
+        context.instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [rt.model_id])   # its column, at once
+    yield from versioned_events(context.instance, EMBEDDINGS, versions["embeddings"], {
+        embedding_key(b, rt.model_id): ({"model": rt.model_id, "refreshed_chunks": coverage[b].chunks,
+                                         "ready": coverage[b].ready, "failed": coverage[b].failed, **more},
+                        embedding_version(rt.model_id, states[b], bucket_cov[b]))
+        for b, more in sorted(refreshed.items())},
+        {embedding_key(key, rt.model_id): {CHUNKS: chunks[key]} for key in chunks})
     yield dg.Output(ids, metadata={**{k: v for k, v in report.as_dict().items() if isinstance(v, int)},
                                    "documents": len(ids), "buckets": len(touched),
                                    "embedded": done.work.embedded, "provider_calls": done.work.provider_calls})

@@ -1,7 +1,7 @@
 """The rerun sensor: partial reruns after a code-version bump. The documents whose extract
 or chunk stage ran under another code version are selected as `pipeline-assets rerun
 --stale` selects them (``app.rerun.select``; the extractor version is per format, so a
-PDF-only fix selects PDF documents only), and ONE run of ``embed_documents`` over every
+PDF-only fix selects PDF documents only), and ONE run of ``sync_documents`` over every
 bucket brings them current: each bucket's sync re-extracts only its stale documents
 (unchanged chunks keep their jobs: no provider call for them), and every bucket is
 re-materialized under the new code version, so none stays stale in the UI. Before
@@ -23,10 +23,13 @@ Run key: ``rerun@{epoch}.{generation}@{versions}:{count}:{digest}``. The cursor 
 
 * a re-evaluation of the same tick (the daemon died before saving the cursor)
   yields the same keys, and Dagster launches nothing twice;
-* a rerun that failed before committing leaves its documents stale, and the
-  next tick after it ended (the sensor waits while its runs are in flight)
-  requests them again under a new generation, instead of their key being
-  skipped as used forever;
+* a rerun that failed before committing leaves its documents stale, and a
+  tick after it ended (the sensor waits while its runs are in flight) requests
+  them again under a new generation, instead of their key being skipped as
+  used forever: after a backoff that grows with the failures in a row under
+  the same code versions (``retry_wait``: RERUN_RETRY_BASE_SECONDS doubling,
+  at most RERUN_RETRY_CAP_SECONDS), so a rerun that keeps failing is not
+  relaunched at every tick; a version change (the fix) is not held back;
 * the epoch is derived from the instance's run history when the cursor is
   empty (the first tick, or after a cursor reset in the UI): one more than the
   epoch of this sensor's latest run (tag ``pipeline/rerun_generation``), then
@@ -45,9 +48,9 @@ from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.defs.assets import RERUN_TAG
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request
+from pipeline_assets.defs.run_requests import IN_FLIGHT, SYNC_JOB, TRIGGER_TAG, batch_digest, range_request
 
-RERUN_SCAN_LIMIT = 100_000   # stale documents one tick reads from the database
+RERUN_SCAN_LIMIT = 100_000   # stale targets of the source one tick reads (the run redoes every one)
 RERUN_CURSOR_VERSION = 1
 # Seconds between ticks: how long a restart with a code fix waits for its rerun, at most.
 RERUN_INTERVAL_SECONDS = 10
@@ -56,6 +59,14 @@ RERUN_INTERVAL_SECONDS = 10
 RERUN_RECHECK_SECONDS = 300
 GENERATION_TAG = "pipeline/rerun_generation"   # "{epoch}.{generation}" of the tick that requested the run
 SENSOR_NAME = "rerun_stale_documents"
+# A rerun that failed (or was cancelled) is requested again RERUN_RETRY_BASE_SECONDS after it
+# ended, twice as long after each further failure in a row under the same code versions, at
+# most RERUN_RETRY_CAP_SECONDS; a version change (a fix) is requested at the next tick.
+RERUN_RETRY_BASE_SECONDS = 60.0
+RERUN_RETRY_CAP_SECONDS = 3600.0
+# The latest runs read to count the failures in a row (the cap is reached well before).
+RERUN_FAILURES_READ = 16
+_ENDED_BADLY = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
 
 
 @dataclass(frozen=True)
@@ -105,12 +116,31 @@ def encode_rerun_cursor(epoch: int, generation: int, clean: tuple[str, float] | 
     return json.dumps(data, separators=(",", ":"))
 
 
-@dg.sensor(name=SENSOR_NAME, job=EMBED_JOB, minimum_interval_seconds=RERUN_INTERVAL_SECONDS,
+def retry_wait(instance: dg.DagsterInstance, rerun_tag: str, now: float) -> tuple[int, float]:
+    """(failures in a row, seconds still to wait) for this sensor's reruns under ``rerun_tag`` (the
+    code versions): the latest runs that failed or were cancelled, newest first, until one that
+    did not; the wait runs from the end of the latest."""
+    records = instance.get_run_records(dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}), limit=RERUN_FAILURES_READ)
+    failures, ended_at = 0, None
+    for record in records:
+        run = record.dagster_run
+        if run.status not in _ENDED_BADLY or run.tags.get(RERUN_TAG) != rerun_tag:
+            break
+        failures += 1
+        if ended_at is None:
+            ended_at = record.end_time or record.update_timestamp.timestamp()
+    if not failures or ended_at is None:
+        return 0, 0.0
+    backoff = min(RERUN_RETRY_CAP_SECONDS, RERUN_RETRY_BASE_SECONDS * 2 ** (failures - 1))
+    return failures, max(0.0, ended_at + backoff - now)
+
+
+@dg.sensor(name=SENSOR_NAME, job=SYNC_JOB, minimum_interval_seconds=RERUN_INTERVAL_SECONDS,
            default_status=dg.DefaultSensorStatus.RUNNING,
            description="After an extractor or chunker version bump: one run over every bucket that "
                        "re-extracts exactly the documents whose stage ran under another code version "
                        "(app.rerun.select; the extractor's is per format). A failed rerun is requested again "
-                       "on a later tick (a new generation in the run key).")
+                       "after a backoff (60 s doubling per failure in a row, at most an hour).")
 def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
                                  embedding_provider: EmbeddingProviderResource,
                                  source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
@@ -128,17 +158,23 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
         return dg.SkipReason(f"nothing stale under extract={ext_version} chunk={chunk_version} (checked "
                              f"{now - state.clean_at:.0f} s ago; checked again after {RERUN_RECHECK_SECONDS} s "
                              "or when a code version changes)")
+    rerun_tag = f"extract={ext_version} chunk={chunk_version}"
+    failures, wait = retry_wait(context.instance, rerun_tag, now)
+    if wait > 0:
+        return dg.SkipReason(f"the rerun under {rerun_tag} failed {failures} time(s) in a row; requested again "
+                             f"in {wait:.0f} s (backoff {RERUN_RETRY_BASE_SECONDS:.0f} s doubling per failure, "
+                             f"at most {RERUN_RETRY_CAP_SECONDS:.0f} s)")
     root = str(source.root_path(rt.settings))
     # The same selection as `pipeline-assets rerun --stale`, for both stages.
-    targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True,
+    targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True, root=root,
                               limit=RERUN_SCAN_LIMIT)
-    docs = sorted({t.document_id for t in targets if t.root == root})
+    docs = sorted({t.document_id for t in targets})
     epoch, generation = state.epoch, state.generation
     if not docs:
         return dg.SensorResult(cursor=encode_rerun_cursor(epoch, generation, (versions, now)),
                                skip_reason=f"nothing stale under extract={ext_version} chunk={chunk_version}")
     key = f"rerun@{epoch}.{generation}@{versions}:{len(docs)}:{batch_digest((d, versions) for d in docs)}"
-    tags = {TRIGGER_TAG: SENSOR_NAME, RERUN_TAG: f"extract={ext_version} chunk={chunk_version}",
+    tags = {TRIGGER_TAG: SENSOR_NAME, RERUN_TAG: rerun_tag,
             GENERATION_TAG: f"{epoch}.{generation}"}
     last = bucket_key(rt.settings.partition_buckets - 1)
     context.log.info(f"{len(docs)} stale document(s) -> one run over every bucket, generation {epoch}.{generation}")

@@ -34,6 +34,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 from pydantic import Field, PrivateAttr
 
+from pipeline_assets.app import buckets
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.providers import ConfigError, model_id_for
 from pipeline_assets.settings import Settings
@@ -107,6 +108,15 @@ class PostgresResource(dg.ConfigurableResource):
         """A pooled autocommit connection to the migrated database."""
         with self.pool().connection() as conn:
             yield conn
+
+    def bucket_count(self, configured: int) -> int:
+        """The database's bucket count when ``configured`` is it; otherwise the run fails with
+        one line naming the count to set (``dg.Failure``, not retried)."""
+        with self.connection() as conn:
+            try:
+                return buckets.check_buckets(conn, configured)
+            except buckets.BucketCountMismatch as exc:
+                raise dg.Failure(description=str(exc), allow_retries=False) from None
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if self._pool is not None:

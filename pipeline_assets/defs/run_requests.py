@@ -1,23 +1,31 @@
 """How the sensors turn buckets into runs: one run over a partition range of
-buckets, with the tags and run keys that let Dagster deduplicate a re-evaluated
-tick, and the run statuses that count as in flight (backpressure)."""
+buckets (``sync_documents``; then ``embed_documents`` over the same buckets x
+the active models), with the tags and run keys that let Dagster deduplicate a
+re-evaluated tick, and the run statuses that count as in flight (backpressure)."""
 
 import hashlib
 from collections.abc import Iterable
 
 import dagster as dg
 
-from pipeline_assets.defs.keys import ASSET_KEYS
+from pipeline_assets.defs.keys import EMBEDDINGS, INGEST_KEYS
 
+SYNC_JOB_NAME = "sync_documents"
+SYNC_JOB = dg.define_asset_job(
+    SYNC_JOB_NAME, selection=dg.AssetSelection.assets(*INGEST_KEYS),
+    description="documents -> chunks for one bucket or a range of buckets: each bucket brought current with "
+                "the source and the code (unchanged documents are skipped). Its success requests the "
+                "embeddings run of the same buckets (sensor embed_after_sync).")
 EMBED_JOB_NAME = "embed_documents"
 EMBED_JOB = dg.define_asset_job(
-    EMBED_JOB_NAME, selection=dg.AssetSelection.assets(*ASSET_KEYS),
-    description="documents -> chunks -> embeddings for one bucket or a range of buckets: each bucket brought "
-                "current with the source and the code (unchanged documents are skipped).")
+    EMBED_JOB_NAME, selection=dg.AssetSelection.assets(EMBEDDINGS),
+    description="embeddings (and the partition_embedded check) for a rectangle of buckets x models: only "
+                "content without a vector for a model is sent.")
 
 TRIGGER_TAG = "pipeline/trigger"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
+PARTITION_TAG = "dagster/partition"
 # The run statuses in which a run still holds (or will hold) its buckets: a
 # sensor requests nothing while one of its runs is in one of them.
 IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -32,7 +40,7 @@ def batch_digest(pairs: Iterable[tuple[str, str]]) -> str:
 
 
 def range_request(first: str, last: str, run_key: str, tags: dict[str, str], *,
-                  job_name: str = EMBED_JOB_NAME) -> dg.RunRequest:
+                  job_name: str = SYNC_JOB_NAME) -> dg.RunRequest:
     """One run of the buckets ``first``..``last`` (one partition when they are the same)."""
     if first == last:
         return dg.RunRequest(run_key=run_key, partition_key=first, tags=tags, job_name=job_name)

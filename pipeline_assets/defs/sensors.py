@@ -3,7 +3,7 @@
 
 A tick scans the source (observations in PostgreSQL, ``app/observations.py``:
 an unchanged file is not read), groups what is pending by document bucket and
-requests one run of ``embed_documents`` over the partition range that spans
+requests one run of ``sync_documents`` over the partition range that spans
 those buckets (``BackfillPolicy.single_run``: the assets see every bucket of
 the range in ``context.partition_keys``). The run brings each bucket current
 (``app.buckets.sync_buckets``): changed files ingested, gone ones tombstoned,
@@ -32,6 +32,19 @@ Backpressure. While a run this sensor requested is queued or running, a tick
 requests nothing and does not scan (a walk of 100k files is seconds of the
 machine the run is using); the next free tick scans and requests what changed.
 
+Failed runs. A run that fails or is cancelled before it syncs its files leaves
+them requested but unsynced; the next free tick (every earlier request has
+ended then) gives them a time to be requested again
+(``observations.schedule_retries``: 60 s after the first failed request,
+doubling per request of the same bytes, at most an hour), and a tick after it
+requests them under a new key. The document keeps its stored chunks and
+vectors meanwhile: the run-failure reconciliation does not re-read the source.
+A run that synced files but whose embeddings run after it (``embed_after_sync``,
+tagged as this sensor's) failed or was cancelled has those files requested again
+the same way: that tick marks the files of its buckets whose document lacks a
+vector as unsynced (once per failed run: the cursor keeps the id of the last one
+handled).
+
 Deletions. A vanished file is pending until the bucket run tombstones its
 document and forgets its row. A source that cannot be scanned (missing or
 unreadable directory) is a failed tick, shown in the UI, and deletes nothing;
@@ -45,17 +58,27 @@ import dagster as dg
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.content.sources import SourceError
-from pipeline_assets.defs.partitions import span
+from pipeline_assets.defs.partitions import bucket_index, span, split_key
 from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import EMBED_JOB, IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request
+from pipeline_assets.defs.run_requests import (
+    IN_FLIGHT,
+    PARTITION_TAG,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    SYNC_JOB,
+    TRIGGER_TAG,
+    batch_digest,
+    range_request,
+)
+from pipeline_assets.providers import model_id_for
 from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS, Settings
 
-__all__ = ["EMBED_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
+__all__ = ["SYNC_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
            "source_documents_sensor"]
 
 SENSOR_NAME = "source_documents"
-CURSOR_VERSION = 2          # {"v": 2, "g": generation}
+CURSOR_VERSION = 2          # {"v": 2, "g": generation[, "f": the last failed run handled]}
 LEGACY_CURSOR_VERSION = 1   # {"v": 1, "g": generation, "d": {document: checksum}}: seeds the table once
 
 
@@ -80,8 +103,45 @@ def decode_cursor(raw: str | None) -> tuple[int | None, dict[str, str]]:
     return None, {}
 
 
-def encode_cursor(generation: int) -> str:
-    return json.dumps({"v": CURSOR_VERSION, "g": generation}, separators=(",", ":"))
+def encode_cursor(generation: int, handled_failure: str | None = None) -> str:
+    data: dict[str, object] = {"v": CURSOR_VERSION, "g": generation}
+    if handled_failure:
+        data["f"] = handled_failure
+    return json.dumps(data, separators=(",", ":"))
+
+
+def decode_handled_failure(raw: str | None) -> str | None:
+    """The id of the last failed or cancelled run of this sensor a tick has handled, if any."""
+    try:
+        value = json.loads(raw).get("f") if raw else None
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _unhandled_failure(instance: dg.DagsterInstance, handled: str | None) -> dg.DagsterRun | None:
+    """This sensor's latest run, if it failed or was cancelled and no tick has handled it yet."""
+    records = instance.get_run_records(dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}), limit=1)
+    if not records:
+        return None
+    run = records[0].dagster_run
+    ended_badly = run.status in (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+    return run if ended_badly and run.run_id != handled else None
+
+
+def _run_buckets(run: dg.DagsterRun) -> tuple[int, int] | None:
+    """The first and last bucket a run covered: a bucket run's (``b003``) or the embeddings run
+    after it (``b003|model``); None: a run without partition tags."""
+    first = run.tags.get(RANGE_START_TAG) or run.tags.get(PARTITION_TAG)
+    last = run.tags.get(RANGE_END_TAG) or run.tags.get(PARTITION_TAG)
+    try:
+        return (_bucket_of(first), _bucket_of(last)) if first and last else None
+    except ValueError:
+        return None
+
+
+def _bucket_of(key: str) -> int:
+    return split_key(key)[0] if "|" in key else bucket_index(key)
 
 
 # -- source changes -------------------------------------------------------------------
@@ -93,12 +153,13 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
     if not root.is_dir():
         raise SourceScanError(f"source directory {root} not found; nothing is deleted on that account")
     generation, legacy = decode_cursor(context.cursor)
+    handled = decode_handled_failure(context.cursor)
     in_flight = context.instance.get_runs_count(
         dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
     if in_flight and generation is not None and not legacy:
         # Backpressure, before the scan: a walk of a large source costs seconds of the
         # machine the run is using, and what changed is found by the next free tick's scan.
-        return dg.SensorResult(cursor=encode_cursor(generation), skip_reason=(
+        return dg.SensorResult(cursor=encode_cursor(generation, handled), skip_reason=(
             f"{in_flight} run(s) of this sensor still queued or running; the source is scanned "
             "again on the next tick after they end"))
     with postgres.connection() as conn:
@@ -114,15 +175,31 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
                          f"{found.gone} gone, {found.unreadable} unreadable")
         if generation is None:
             generation = observations.latest_generation(conn, root) or 0
-        cursor = encode_cursor(generation)   # unchanged (a legacy map cursor shrinks to its generation)
+        failed = None if in_flight else _unhandled_failure(context.instance, handled)
+        if failed is not None:
+            # Its files are requested again after the backoff: those it did not sync (below), and
+            # those it synced but did not embed (its embeddings step failed or was cancelled).
+            span_of = _run_buckets(failed)
+            if span_of is not None:
+                unembedded = observations.unsync_unembedded(conn, root, span_of[0], span_of[1], n,
+                                                            model_id_for(settings))
+                context.log.info(f"run {failed.run_id} ended {failed.status.value}: {unembedded} file(s) it "
+                                 "synced but did not embed are requested again after the backoff")
+            handled = failed.run_id
+        # Unchanged (a legacy map cursor shrinks to its generation).
+        cursor = encode_cursor(generation, handled)
         if found.empty_refused:
             return dg.SensorResult(cursor=cursor, skip_reason=(
                 f"source {root} is empty but {found.empty_refused} documents were seen before; "
                 "refusing to delete them all"))
+        # None of the sensor's runs in flight: the requests of earlier generations have ended.
+        retries = None if in_flight else observations.schedule_retries(conn, root, generation)
         todo = observations.pending_buckets(conn, root, generation, n)
         if not todo:
+            waiting = (f"; {retries.waiting} file(s) of failed or cancelled runs requested again in "
+                       f"{retries.next_in:.0f} s" if retries and retries.waiting else "")
             return dg.SensorResult(cursor=cursor, skip_reason=(
-                f"no change among {found.present} documents ({found.hashed} file(s) read)"))
+                f"no change among {found.present} documents ({found.hashed} file(s) read){waiting}"))
         files = sum(p.documents for p in todo)
         if in_flight:   # a cursor that was empty or legacy: the tick above seeded the table first
             # Backpressure: nothing is marked requested, so the next free tick asks for all of it.
@@ -139,13 +216,13 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
     context.log.info(f"new={new} changed={files - new - gone} gone={gone} in {len(todo)} bucket(s): "
                      f"one run over {first}..{last}")
     request = range_request(first, last, key, {TRIGGER_TAG: SENSOR_NAME})
-    return dg.SensorResult(run_requests=[request], cursor=encode_cursor(generation + 1))
+    return dg.SensorResult(run_requests=[request], cursor=encode_cursor(generation + 1, handled))
 
 
 def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS) -> dg.SensorDefinition:
     """The source sensor, ticking every ``interval_seconds`` (``Settings.source_sensor_interval``)."""
     return dg.sensor(
-        name=SENSOR_NAME, jobs=[EMBED_JOB], minimum_interval_seconds=interval_seconds,
+        name=SENSOR_NAME, jobs=[SYNC_JOB], minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
                     "read) and requests one run over the buckets of new, changed and vanished documents; "

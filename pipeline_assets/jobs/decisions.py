@@ -184,6 +184,25 @@ def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int,
     return requests
 
 
+def suspect(job: ClaimedJob, threshold: int = 1) -> bool:
+    """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobs.evidence``;
+    1: every fault is evidence): the next crash it is held in may be its own doing, so it is
+    worked alone in its worker process (``jobs.suspects``)."""
+    return fault_level(job.faults, threshold) >= FREE_FAULTS
+
+
+def alone_if_suspect(jobs: Sequence[ClaimedJob],
+                     threshold: int = 1) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+    """A claim holding a suspect keeps that job alone (the first such) and hands the others
+    back: should it crash its worker, the rescue finds it the only job of the dead process
+    and charges it (``rescue_expired``), not its neighbours. Returns (the jobs kept, the jobs
+    to hand back)."""
+    first = next((j for j in jobs if suspect(j, threshold)), None)
+    if first is None or len(jobs) == 1:
+        return list(jobs), []
+    return [first], [j for j in jobs if j is not first]
+
+
 def unwanted(jobs: Sequence[ClaimedJob]) -> list[int]:
     """Ids of claimed jobs whose content no current chunk carries any more."""
     return [j.job_id for j in jobs if j.text is None]

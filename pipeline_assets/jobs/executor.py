@@ -26,7 +26,7 @@ from pipeline_assets.jobs import crashpoints, decisions, ledger
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
 from pipeline_assets.jobs.decisions import ANSWERS, DOWN, UNUSABLE, Apply, CheckProvider, ProbeConfig, Split, Stop
 from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE, ProviderRates
-from pipeline_assets.jobs.faults import FaultCounter
+from pipeline_assets.jobs.faults import DatabaseWait, FaultCounter, one_line
 from pipeline_assets.jobs.job_store import Answer, JobStore
 from pipeline_assets.jobs.leases import HeldLeases
 from pipeline_assets.jobs.report import WorkerReport
@@ -89,6 +89,7 @@ class Executor:
     view: ProviderView
     leases: HeldLeases = field(default_factory=HeldLeases)
     faults: FaultCounter = field(default_factory=FaultCounter)  # faults of our own since the last completion
+    db_wait: DatabaseWait = field(default_factory=DatabaseWait)  # the database's unavailability, waited out
 
     # -- a claim -------------------------------------------------------------------
     def run_claim(self, owner: str, jobs: Sequence[ClaimedJob], batch: int) -> None:
@@ -112,7 +113,9 @@ class Executor:
             if jobs[0].probe:  # the probe ended without closing the breaker: the next claim may probe
                 self.store.release_probe(owner)
         except Exception as exc:  # a fault of our own (the database, a bug): not the items'
-            if isinstance(exc, psycopg.Error):
+            if self.db_wait.failed(exc):
+                pass  # logged once per outage; the give-back below waits for the database
+            elif isinstance(exc, psycopg.Error):
                 log.warning("database fault; claim given back: %s", " ".join(str(exc).split()))
             else:
                 log.exception("batch failed in the worker")
@@ -126,13 +129,31 @@ class Executor:
         outcome = decisions.worker_error(exc, jobs, consecutive=consecutive, unavailable=unavailable,
                                          base=self.settings.backoff_base, cap=self.settings.backoff_cap)
         try:
-            self.store.apply(owner, outcome.changes)
+            self._ride_out(owner, lambda: self.store.apply(owner, outcome.changes))
             if jobs and jobs[0].probe:
                 self.store.release_probe(owner)
-        except Exception:
-            log.exception("could not hand back jobs; they return when their lease expires")
+        except Exception as err:
+            if self.db_wait.failed(err):  # stopping while the database is away
+                log.warning("could not hand back jobs (the database is unavailable); they return when "
+                            "their lease expires, without using an attempt: %s", one_line(err))
+            else:
+                log.exception("could not hand back jobs; they return when their lease expires")
         if outcome.stop is not None:
             self.stopping.stop(fault=outcome.stop)
+
+    def release_now(self, owner: str, jobs: Sequence[ClaimedJob]) -> None:
+        """Hand claimed jobs back at once, untouched (no attempt used, nothing counted)."""
+        try:
+            self._ride_out(owner, lambda: self.store.apply(owner, [GiveBack(tuple(j.job_id for j in jobs))]))
+        except Exception as exc:  # their lease expires and they are rescued
+            log.warning("could not hand back jobs; they return when their lease expires: %s", one_line(exc))
+
+    def _ride_out(self, owner: str, step):
+        """``step`` (a database step of the claim ``owner``), waiting while the database is
+        unavailable; the wait does not count against the claim's deadline, so the heartbeat
+        keeps its lease once the database is back."""
+        return self.db_wait.ride_out(step, self.stopping.event, on_wait=lambda: self.leases.extend_deadline(
+            owner, time.monotonic() + self.settings.call_timeout + self.lease_seconds))
 
     # -- a request -----------------------------------------------------------------
     def call(self, owner: str, jobs: Sequence[ClaimedJob]) -> None:
@@ -162,7 +183,7 @@ class Executor:
         self.view.last_usable = time.monotonic()
         self.view.limit.answered()
         self.view.rates.record(SUCCESS)
-        crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint)
+        crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint, [j.text for j in jobs])
         answer = Answer(call_id, result.tokens, latency)
         stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
                                        model_id=self.provider.spec.model_id)
@@ -184,7 +205,8 @@ class Executor:
             changes.extend(bad.changes)
             jobs, vectors = decisions.without(bad.changes[0].job_ids, jobs, vectors)
         changes.append(Complete(tuple(j.job_id for j in jobs), tuple(vectors)))
-        self.store.apply(owner, changes, answer=answer)
+        # Paid-for vectors: while the database is unavailable the completion waits and is tried again.
+        self._ride_out(owner, lambda: self.store.apply(owner, changes, answer=answer))
         self.faults.reset()
         if jobs and (self.view.had_failure or any(j.probe for j in jobs)):
             self._usable()

@@ -143,8 +143,9 @@ class JobStore:
 
     def rescue(self, rescuer: str | None = None) -> int:
         """Rescue expired leases and the claims of dead workers (``rescuer``: this
-        worker's owner prefix, a live worker that may judge others dead); a
-        rescued job waits out the backoff of its attempt."""
+        worker's owner prefix, a live worker that may judge others dead): a crash
+        is a fault of the claim (``transitions.rescue_expired``); a rescued job
+        waits out the backoff of its faults (of its attempts when charged)."""
         with self.pool.connection() as conn:
             n = sum(transitions.rescue_expired(conn, rescuer=rescuer, base=self._base, cap=self._cap).values())
         if n:

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import psycopg
 
+from pipeline_assets.jobs.faults import database_unavailable
 from pipeline_assets.store import queries
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ def heartbeat(leases: HeldLeases, store: LeaseStore, lease_seconds: float, stop:
             continue
         try:
             store.extend_leases(live, lease_seconds)
-        except Exception:  # a missed beat is harmless; the next one retries
-            log.exception("heartbeat failed")
+        except Exception as exc:  # a missed beat is harmless; the next one retries
+            if database_unavailable(exc):  # the worker's wait line says so once
+                log.debug("heartbeat missed, the database is unavailable: %s", exc)
+            else:
+                log.exception("heartbeat failed")
 
 
 class Liveness:
@@ -130,7 +134,8 @@ class Liveness:
             try:
                 self._beat()
             except Exception as exc:  # a missed beat is harmless unless the window passes
-                log.warning("liveness beat failed: %s", exc)
+                log.log(logging.DEBUG if database_unavailable(exc) else logging.WARNING,
+                        "liveness beat failed: %s", exc)
 
     def stop(self, *, leave: bool = True) -> None:
         """Stop beating; ``leave``: delete the row (the claims were handed back)."""

@@ -117,6 +117,12 @@ def index_states(conn: psycopg.Connection) -> dict[str, str]:
             for model_id, dim in conn.execute(MODELS.active_dimensions).fetchall()}
 
 
+def model_row(conn: psycopg.Connection, model_id: str) -> dict | None:
+    """A registered model's row (model_id, name, provider, dimension, active), or None."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(MODELS.model_row, {"model": model_id}).fetchone()
+
+
 def list_models(conn: psycopg.Connection) -> list[dict]:
     """Every model with its job counts and its index state (see ``vector_index``)."""
     with conn.cursor(row_factory=dict_row) as cur:

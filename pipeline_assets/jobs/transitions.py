@@ -37,6 +37,7 @@ from pipeline_assets.jobs.changes import (
     merged,
     params,
 )
+from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.settings import BREAKER_PROBE_INTERVAL
 from pipeline_assets.store import arrays, queries
@@ -178,8 +179,12 @@ def extend_lease(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int]
 
 
 def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base: float = 0.0,
-                   cap: float = 0.0) -> dict[str, int]:
-    """Expired leases (dead or stalled workers) go back to retry, or to failed when exhausted.
+                   cap: float = 0.0, free_faults: int = FREE_FAULTS) -> dict[str, int]:
+    """Expired leases (dead or stalled workers) go back to be claimed again, their
+    attempt given back and a fault counted; the only job rescued from its worker
+    process, after ``free_faults`` faults, keeps its attempt used (retry, or failed
+    when exhausted).
+    Returns the jobs rescued by the status they got (pending and retry counted as retry).
 
     ``rescuer``: the owner prefix of a live worker (``app.workers``); with it,
     the claims of workers that stopped beating are rescued too, without waiting
@@ -187,8 +192,10 @@ def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base
     waits out (0: available at once).
     """
     counts: dict[str, int] = {JobStatus.RETRY: 0, JobStatus.FAILED: 0, JobStatus.SUPERSEDED: 0}
-    for row in _dicts(conn, JOBS.rescue_expired, {"rescuer": rescuer, "base": base, "cap": cap}):
-        counts[row["status"]] += 1
+    for row in _dicts(conn, JOBS.rescue_expired, {"rescuer": rescuer, "base": base, "cap": cap,
+                                                   "free_faults": free_faults}):
+        status = JobStatus.RETRY if row["status"] == JobStatus.PENDING else row["status"]
+        counts[status] += 1
     return counts
 
 

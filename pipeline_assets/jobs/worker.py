@@ -25,15 +25,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
-from psycopg_pool import PoolTimeout
 
-from pipeline_assets.jobs import job_log, leases, vector_index
+from pipeline_assets.jobs import decisions, job_log, leases, vector_index
 from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
-from pipeline_assets.jobs.faults import WorkerFault
+from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
+from pipeline_assets.jobs.suspects import SuspectGate
 from pipeline_assets.providers import Provider
 from pipeline_assets.settings import (
     DEFAULT_CONCURRENCY,
@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 
 # How long a stopping worker waits for in-flight calls before releasing their jobs.
 SHUTDOWN_GRACE_SECONDS = 3.0
+
+# How a claim thread waits before its next claim.
+WAIT_FOR_DATABASE = "database"   # the database is unavailable: its backoff
+WAIT_A_POLL = "poll"             # nothing to claim, or a fault: a poll
 
 
 @dataclass
@@ -97,10 +101,14 @@ class Worker:
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
         self._index_build: vector_index.BackgroundBuild | None = None  # started when the queue drains
         self._token_budget = TokenBudget.from_settings(self.model_id, settings)
+        self._db_wait = DatabaseWait()  # replaced by run(), with its pool
+        self._suspects = SuspectGate()  # a job that may crash the worker runs alone in it
 
     # -- lifecycle -------------------------------------------------------
     def run(self) -> WorkerReport:
         pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2)
+        # Connections that met an unavailable or read-only server are replaced (``DatabaseWait``).
+        self._db_wait = DatabaseWait(on_unavailable=pool.drain)
         try:
             self.store = store = JobStore(
                 pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
@@ -125,7 +133,7 @@ class Worker:
         executor = Executor(self.provider, store, self.settings, poll_seconds=self.config.poll_seconds,
                             lease_seconds=self.config.lease_seconds, report=self.report, stopping=self._stopping,
                             view=ProviderView(store.register_model(self.provider.spec),
-                                              limit=SendLimit(self.config.concurrency)))
+                                              limit=SendLimit(self.config.concurrency)), db_wait=self._db_wait)
         executor.check_at_start()  # a provider stopped for unusable answers: one trivial input first
         self._refresh_spend(store)  # before any claim: today's spend by other workers
         liveness = leases.Liveness(lambda: db.connect(self.url), owner_prefix=self._owner_prefix,
@@ -146,6 +154,7 @@ class Worker:
                     now = time.monotonic()
                     if now >= next_rescue:
                         store.rescue(self._owner_prefix)
+                        self._db_wait.ok()
                         next_rescue = now + self.config.rescue_interval
                     self._refresh_spend(store)
                     if self._stopping.budget is not None:
@@ -153,10 +162,13 @@ class Worker:
                     if all(self._idle) and not store.outstanding():
                         if self._on_drained(executor.view.dimension) and self.config.until_idle:
                             break
-                except (psycopg.OperationalError, PoolTimeout) as exc:
-                    # The database restarted or is unreachable for a moment:
-                    # keep the worker, try again on the next beat.
-                    log.warning("database unavailable in the worker's main loop: %s", exc)
+                except Exception as exc:
+                    # The database restarted, is unreachable or read-only for a
+                    # while: keep the worker, try again on the next beat.
+                    if not self._db_wait.failed(exc):
+                        if not isinstance(exc, psycopg.OperationalError):
+                            raise
+                        log.warning("database fault in the worker's main loop: %s", exc)
                 self._wake.wait(self.config.poll_seconds)  # a stop is seen within a poll
         finally:
             self.stop.set()
@@ -171,6 +183,11 @@ class Worker:
                 if held:
                     store.give_back_all(held)
                 handed_back = True
+            except Exception as exc:
+                if not database_unavailable(exc):
+                    raise
+                log.warning("stopping while the database is unavailable: the claims held are rescued once it is "
+                            "back, without using an attempt (%s)", exc)
             finally:
                 # Claims not handed back keep the row, which goes stale: they are rescued in seconds.
                 liveness.stop(leave=handed_back)
@@ -211,23 +228,43 @@ class Worker:
             self._idle[index] = True
             if not executor.view.limit.acquire(self.stop, self.config.poll_seconds):
                 break
+            self._suspects.enter(self.stop)
             try:
-                self._claim_once(index, executor, store)
+                wait = self._claim_once(index, executor, store)
             finally:
+                self._suspects.leave()
                 executor.view.limit.release()
+            if wait == WAIT_FOR_DATABASE:
+                self._db_wait.pause(self.stop)
+            elif wait == WAIT_A_POLL:
+                self.stop.wait(self.config.poll_seconds)
 
-    def _claim_once(self, index: int, executor: Executor, store: JobStore) -> None:
+    def _claim_once(self, index: int, executor: Executor, store: JobStore) -> str | None:
+        """Claim a batch and run it; returns how to wait before the next claim (None: not at all)."""
         owner = f"{self._owner_prefix}{next(self._claim_seq)}"
         try:
             jobs = store.claim(owner=owner, limit=self._batch, lease_seconds=self.config.lease_seconds)
         except Exception as exc:
+            if self._db_wait.failed(exc):  # nothing held, nothing counted: wait and claim again
+                return WAIT_FOR_DATABASE
             log.warning("claim failed: %s", exc)
             executor.release(owner, [], exc)  # nothing held; counts towards stopping
-            self.stop.wait(self.config.poll_seconds)
-            return
+            return WAIT_A_POLL
+        self._db_wait.ok()
         self._idle[index] = not jobs
         if not jobs:
             self._wake.set()  # the main loop looks whether the whole queue drained
-            self.stop.wait(self.config.poll_seconds)
-            return
-        executor.run_claim(owner, jobs, self._batch)
+            return WAIT_A_POLL
+        threshold = executor.view.rates.fault_threshold()  # random provider faults make no suspect
+        jobs, others = decisions.alone_if_suspect(jobs, threshold)
+        if others:
+            executor.release_now(owner, others)
+        if not decisions.suspect(jobs[0], threshold):
+            executor.run_claim(owner, jobs, self._batch)
+            return None
+        # Its lease is kept while the other claims of this process end.
+        executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + self.settings.call_timeout
+                             + self.config.lease_seconds)
+        with self._suspects.alone(self.stop):
+            executor.run_claim(owner, jobs, self._batch)
+        return None

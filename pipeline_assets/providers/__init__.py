@@ -18,13 +18,13 @@ from .base import (
     register_secret,
     sanitize,
 )
-from .limits import ChunkTooLarge, ModelLimit, check_chunk_size
+from .limits import ChunkTooLarge, ModelLimit, UnknownInputWindow, check_chunk_size, require_known_window
 from .local import LOCAL_MODEL_NAME, LocalHashingProvider
 
 __all__ = [
     "FATAL", "RETRYABLE", "TERMINAL", "THROTTLED", "EmbedResult", "ModelSpec", "Provider",
     "ProviderError", "sanitize", "provider_for", "model_id_for", "ConfigError", "ChunkTooLarge", "ModelLimit",
-    "check_chunk_size", "ONNX_MODEL_NAME",
+    "check_chunk_size", "ONNX_MODEL_NAME", "UnknownInputWindow", "require_known_window",
 ]
 
 

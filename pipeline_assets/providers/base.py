@@ -58,6 +58,9 @@ class ModelSpec:
     tokens_per_chunk_token: float = 1.0
     # Tokens the model adds to every input ([CLS] and [SEP] of a BERT model).
     special_tokens: int = 0
+    # False: ``max_input_tokens`` is a guess (a server's model that is not in the provider's
+    # table, with no PIPELINE_MODEL_MAX_INPUT_TOKENS); nothing is sent to such a model.
+    window_known: bool = True
 
     @property
     def max_chunk_tokens(self) -> int:

@@ -8,6 +8,12 @@ the largest chunk a model can take is
 * otherwise ``(window - special tokens) / FOREIGN_TOKENS_PER_CHUNK_TOKEN``: a
   bound on the model's tokens per cl100k token (WordPiece, SentencePiece, ...).
 
+A server's model that is not in the provider's table has no known window
+unless PIPELINE_MODEL_MAX_INPUT_TOKENS gives it (e5-small and bge-small take
+512 word pieces, far less than OpenAI's 8191): ``require_known_window``
+refuses it, with one line naming that setting, at `models add` and at worker
+start (`work`, `embed`, the Dagster steps that embed), before anything is sent.
+
 ``check_chunk_size`` compares PIPELINE_CHUNK_TOKENS with every model given
 (the configured one when a runtime is built; every active one at `models add`,
 at worker start and in `settings`) and refuses with one line naming both
@@ -33,6 +39,7 @@ FOREIGN_TOKENS_PER_CHUNK_TOKEN = 1.5
 # [CLS] and [SEP], XLM-R's <s> and </s>.
 FOREIGN_SPECIAL_TOKENS = 2
 CHUNK_TOKENS_SETTING = "PIPELINE_CHUNK_TOKENS"
+WINDOW_SETTING = "PIPELINE_MODEL_MAX_INPUT_TOKENS"
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,22 @@ class ChunkTooLarge(ConfigError, ValueError):
         super().__init__(f"{CHUNK_TOKENS_SETTING}={chunk_tokens} is too large for model {limit.model_id}: "
                          f"{why}; set {CHUNK_TOKENS_SETTING}={limit.max_chunk_tokens} or less "
                          "(inputs are never truncated)")
+
+
+class UnknownInputWindow(ConfigError, ValueError):
+    """A server's model whose input window nobody gave: refused before anything is sent to it."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.model_id = spec.model_id
+        super().__init__(f"the input window of model {spec.model_id} is unknown (not one of the provider's "
+                         f"models); set {WINDOW_SETTING} to it, in the model's own tokens (512 for e5-small "
+                         "or bge-small), so that no chunk is truncated by the server")
+
+
+def require_known_window(spec: ModelSpec) -> None:
+    """Raise ``UnknownInputWindow`` (one line naming the setting) for a model whose window is a guess."""
+    if not spec.window_known:
+        raise UnknownInputWindow(spec)
 
 
 def too_small(chunk_tokens: int, limits: Iterable[ModelLimit]) -> list[ModelLimit]:

@@ -26,7 +26,8 @@ from .limits import FOREIGN_SPECIAL_TOKENS, FOREIGN_TOKENS_PER_CHUNK_TOKEN
 
 # Known dimensions and per-input token limits (cl100k tokens, the chunker's);
 # other models are discovered from the first response (the dimension is then
-# recorded with the model), their window is PIPELINE_MODEL_MAX_INPUT_TOKENS.
+# recorded with the model), their window is PIPELINE_MODEL_MAX_INPUT_TOKENS:
+# without it, nothing is sent to them (``limits.require_known_window``).
 KNOWN_MODELS = {
     "text-embedding-3-small": (1536, 8191),
     "text-embedding-3-large": (3072, 8191),
@@ -163,6 +164,7 @@ class OpenAIProvider:
             tokenizer=SERVER_TOKENIZER if foreign else "cl100k",
             tokens_per_chunk_token=FOREIGN_TOKENS_PER_CHUNK_TOKEN if foreign else 1.0,
             special_tokens=FOREIGN_SPECIAL_TOKENS if foreign else 0,
+            window_known=self.window_known,
         )
         self._dimensions = dimensions
         self._timeout = timeout

@@ -214,38 +214,58 @@ SET lease_expires_at = now() + make_interval(secs => %(lease)s)
 WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(owner)s
 
 -- name: rescue_expired
--- Lease rescue: processing -> retry (or failed when attempts are used up;
--- superseded when its model was retired meanwhile) when the lease expired, or
--- when its owner's worker process is dead: past its liveness deadline
+-- Lease rescue: processing -> pending|retry when the lease expired, or when its
+-- owner's worker process is dead: past its liveness deadline
 -- (app.workers.alive_until) while the rescuer, a live worker, could beat: it
 -- was already beating without a gap when that deadline passed, or it has been
 -- for a whole liveness window of its own since. So the database was reachable
 -- and the silent one missed its beats; a database outage that silenced every
--- worker at once condemns nobody (a beat after a gap restarts alive_since). A
--- rescued job waits out the full-jitter backoff of its attempt,
--- uniform(0, min(cap, base * 2^attempts)), like any other retry.
+-- worker at once condemns nobody (a beat after a gap restarts alive_since).
+-- A crash (or a stall) is attributed like a transient fault of the claim, not
+-- to its jobs: each rescued job gets its attempt back (attempts - 1) and counts
+-- a fault (faults + 1: its next requests are smaller, decisions.fault_cap), and
+-- waits out the full-jitter backoff over its faults. Only a job that was the
+-- only one rescued from its worker process (the lease owner up to its last
+-- '/', the worker's prefix) and has met %(free_faults)s faults already
+-- (decisions.FREE_FAULTS; such a job is worked alone in its process,
+-- jobs/suspects.py) is charged: its attempt stays used, failed when they are
+-- used up, backoff over its attempts: the input that keeps crashing its worker
+-- alone. Superseded when its model was retired meanwhile.
 WITH rescuer AS (
     SELECT r.alive_since, now() - (r.alive_until - r.beat_at) AS window_start FROM app.workers r
     WHERE r.owner_prefix = %(rescuer)s AND r.alive_until >= now()
 ), dead AS (
     SELECT w.owner_prefix FROM app.workers w, rescuer r
     WHERE w.alive_until < now() AND (r.alive_since <= w.alive_until OR r.alive_since <= r.window_start)
+), rescued AS (
+    SELECT j.job_id, j.lease_owner, j.lease_expires_at < now() AS expired,
+           count(*) OVER (PARTITION BY left(j.lease_owner, length(j.lease_owner)
+                                                        - strpos(reverse(j.lease_owner), '/') + 1)) = 1 AS alone
+    FROM app.embedding_jobs j
+    WHERE j.status = 'processing'
+      AND (j.lease_expires_at < now()
+           OR EXISTS (SELECT 1 FROM dead d WHERE starts_with(j.lease_owner, d.owner_prefix)))
+), judged AS (
+    SELECT r.job_id, r.lease_owner, r.expired, r.alone AND j.faults >= %(free_faults)s AS charged,
+           NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) AS retired
+    FROM rescued r JOIN app.embedding_jobs j ON j.job_id = r.job_id
 )
 UPDATE app.embedding_jobs j
-SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
-                  THEN 'superseded'  -- its model was retired: nobody will claim it again
-                  WHEN attempts >= max_attempts THEN 'failed' ELSE 'retry' END,
+SET status = CASE WHEN g.retired THEN 'superseded'  -- its model was retired: nobody will claim it again
+                  WHEN g.charged AND j.attempts >= j.max_attempts THEN 'failed'
+                  WHEN g.charged OR j.attempts > 1 THEN 'retry' ELSE 'pending' END,
+    attempts = CASE WHEN g.charged OR g.retired THEN j.attempts ELSE greatest(j.attempts - 1, 0) END,
+    faults = CASE WHEN g.charged OR g.retired THEN j.faults ELSE j.faults + 1 END,
     lease_owner = NULL, lease_expires_at = NULL,
-    available_at = now() + make_interval(secs => random() * least(%(cap)s, %(base)s * 2 ^ least(j.attempts, 30))),
+    available_at = now() + make_interval(secs => random() * least(%(cap)s, %(base)s * 2 ^ least(
+        CASE WHEN g.charged THEN j.attempts ELSE j.faults + 1 END, 30))),
     error_class = why.error_class, error_message = why.error_message,
     updated_at = now()
-FROM (VALUES (true, 'lease_expired', 'lease expired before completion (worker died or stalled)'),
+FROM judged g
+JOIN (VALUES (true, 'lease_expired', 'lease expired before completion (worker died or stalled)'),
              (false, 'worker_dead', 'its worker process stopped beating (died) before completion'))
-     AS why(expired, error_class, error_message)
-WHERE j.status = 'processing'
-  AND why.expired = (j.lease_expires_at < now())
-  AND (j.lease_expires_at < now()
-       OR EXISTS (SELECT 1 FROM dead d WHERE starts_with(j.lease_owner, d.owner_prefix)))
+     AS why(expired, error_class, error_message) ON why.expired = g.expired
+WHERE j.job_id = g.job_id AND j.status = 'processing' AND j.lease_owner = g.lease_owner
 RETURNING j.job_id, j.status
 
 -- name: requeue_failed

@@ -137,6 +137,10 @@ SELECT model_id, dimension FROM app.models WHERE active ORDER BY model_id
 -- name: active_model_ids
 SELECT model_id FROM app.models WHERE active ORDER BY model_id
 
+-- name: model_row
+-- One registered model: what builds its provider again (name, dimension) and whether it is active.
+SELECT model_id, name, provider, dimension, active FROM app.models WHERE model_id = %(model)s
+
 -- name: list_models
 SELECT m.model_id, m.name, m.provider, m.dimension, m.active,
        count(j.job_id) FILTER (WHERE j.status = 'ready') AS ready,

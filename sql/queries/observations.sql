@@ -70,9 +70,13 @@ SET checksum = excluded.checksum, size = excluded.size, mtime_ns = excluded.mtim
 -- name: adopt
 -- Seed the table from a legacy cursor map (document -> checksum, as already
 -- requested by the generation before): size -1 makes the next scan read each
--- file once, and unchanged files are then not requested again.
-INSERT INTO app.source_observations (root, document_id, checksum, size, mtime_ns, requested, requested_gen)
-SELECT %(root)s, d, c, -1, 0, c, %(generation)s
+-- file once, and unchanged files are then not requested again for a change. No
+-- bucket run has synced them: like the files of a run that ended unsynced, they
+-- are requested once more after the backoff, and that run finds their bytes
+-- stored (or ingests those that are not).
+INSERT INTO app.source_observations (root, document_id, checksum, size, mtime_ns, requested, requested_gen,
+                                     request_attempts)
+SELECT %(root)s, d, c, -1, 0, c, %(generation)s, 1
 FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS m(d, c)
 ON CONFLICT (root, document_id) DO NOTHING
 
@@ -102,12 +106,35 @@ FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
 WHERE o.root = %(root)s AND s.root = o.root AND d.document_id = o.document_id
   AND o.document_id = ANY(%(ids)s::text[]) AND d.status <> 'deleted' AND d.source_checksum IS NOT NULL
 
+-- name: schedule_retries
+-- At a tick with none of the sensor's runs in flight: the files an earlier
+-- generation requested whose run ended without syncing them (it failed, was
+-- cancelled, or was never launched) wait %(base)s * 2^(attempts - 1) seconds,
+-- at most %(cap)s, from now before they are pending again.
+UPDATE app.source_observations
+SET retry_at = now() + make_interval(secs => least(%(cap)s::float8,
+                                                  %(base)s::float8 * power(2, least(greatest(request_attempts, 1), 32) - 1)))
+WHERE root = %(root)s AND retry_at IS NULL
+  AND requested_gen < %(generation)s
+  AND checksum IS NOT DISTINCT FROM requested
+  AND (checksum IS NULL OR checksum IS DISTINCT FROM synced)
+
+-- name: waiting_retries
+-- Files of ended requests still backing off: how many, and seconds until the first is due.
+SELECT count(*), extract(epoch FROM min(retry_at) - now())
+FROM app.source_observations
+WHERE root = %(root)s AND retry_at > now()
+  AND checksum IS NOT DISTINCT FROM requested
+  AND (checksum IS NULL OR checksum IS DISTINCT FROM synced)
+
 -- name: pending_buckets
 -- The buckets (of %(n)s) holding what the sensor has to request, each with its
 -- count of pending files, of gone ones, and a digest of its pending (document,
--- checksum) pairs: the run key's content. Pending: a gone file; a checksum no
--- bucket run has synced (a backfill from the UI syncs without a request) that
--- is not requested yet, or was requested by a tick whose cursor was not saved.
+-- checksum) pairs: the run key's content. Pending: a file (or the absence of
+-- one: checksum NULL) no bucket run has synced (a backfill from the UI syncs
+-- without a request) that is not requested yet, was requested by a tick whose
+-- cursor was not saved (requested_gen >= %(generation)s), or was requested by a
+-- run that ended without syncing it and has waited out its backoff (retry_at).
 SELECT app.document_bucket(document_id, %(n)s) AS bucket,
        count(*) AS documents,
        count(*) FILTER (WHERE checksum IS NULL) AS gone,
@@ -115,17 +142,48 @@ SELECT app.document_bucket(document_id, %(n)s) AS bucket,
        md5(string_agg(document_id || '=' || coalesce(checksum, '-'), ',' ORDER BY document_id COLLATE "C")) AS digest
 FROM app.source_observations
 WHERE root = %(root)s
-  AND (checksum IS NULL OR (checksum IS DISTINCT FROM synced
-                            AND (checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)))
+  AND (checksum IS NULL OR checksum IS DISTINCT FROM synced)
+  AND (checksum IS DISTINCT FROM requested OR requested_gen IS NULL OR requested_gen >= %(generation)s
+       OR retry_at <= now())
 GROUP BY 1
 ORDER BY 1
 
 -- name: mark_requested_buckets
 -- Every pending file of some buckets, as put into a run request by generation
--- %(generation)s (a gone file keeps requested NULL: it stays pending until the
--- bucket run that tombstones it deletes its row).
+-- %(generation)s: its attempts count the requests of the same checksum (a
+-- replay of the same generation is not one more).
 UPDATE app.source_observations
-SET requested = checksum, requested_gen = %(generation)s
+SET requested = checksum, requested_gen = %(generation)s, retry_at = NULL,
+    request_attempts = CASE WHEN requested_gen >= %(generation)s THEN request_attempts
+                            WHEN requested_gen IS NOT NULL AND checksum IS NOT DISTINCT FROM requested
+                                THEN request_attempts + 1
+                            ELSE 1 END
 WHERE root = %(root)s AND app.document_bucket(document_id, %(n)s) = ANY(%(buckets)s)
-  AND (checksum IS NULL OR (checksum IS DISTINCT FROM synced
-                            AND (checksum IS DISTINCT FROM requested OR requested_gen >= %(generation)s)))
+  AND (checksum IS NULL OR checksum IS DISTINCT FROM synced)
+  AND (checksum IS DISTINCT FROM requested OR requested_gen IS NULL OR requested_gen >= %(generation)s
+       OR retry_at <= now())
+
+-- name: retry_now
+-- Files of some documents waiting out the backoff of a failed request, which a
+-- reconciliation has just re-ingested: due now, so the next free tick requests
+-- the bucket run that embeds their new chunks.
+UPDATE app.source_observations
+SET retry_at = now()
+WHERE root = %(root)s AND document_id = ANY(%(ids)s::text[]) AND retry_at > now()
+
+-- name: unsync_unembedded
+-- After a run of the sensor over buckets %(first)s..%(last)s (of %(n)s) failed
+-- or was cancelled: the files it synced whose current document still has a
+-- chunk without a vector of %(model)s (the run ingested them, its embeddings
+-- step did not finish) count as requested and not synced, so they wait out the
+-- backoff of an ended request and their next bucket run embeds them.
+UPDATE app.source_observations o
+SET synced = NULL, requested = o.checksum, retry_at = NULL
+FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+WHERE o.root = %(root)s AND s.root = o.root AND d.document_id = o.document_id AND d.status = 'current'
+  AND o.synced IS NOT NULL AND o.checksum = o.synced
+  AND app.document_bucket(o.document_id, %(n)s) BETWEEN %(first)s AND %(last)s
+  AND EXISTS (SELECT 1 FROM app.chunks c
+              WHERE c.doc_pk = d.doc_pk
+                AND NOT EXISTS (SELECT 1 FROM app.embeddings e
+                                WHERE e.chunk_checksum = c.chunk_checksum AND e.model_id = %(model)s))

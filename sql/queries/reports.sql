@@ -57,6 +57,17 @@ SELECT model_id,
        tripped AND probe_owner IS NOT NULL AND probe_until > now() AS probe_out
 FROM app.provider_state ORDER BY model_id
 
+-- name: database_state
+-- Whether this session may write (a server or database set to
+-- default_transaction_read_only, or a standby in recovery, refuses writes:
+-- workers wait and retry), and the liveness of the workers (app.workers):
+-- beating, or silent (a dead worker, or every worker while the database
+-- refuses their beats), with the age of the newest beat.
+SELECT current_setting('transaction_read_only')::bool AS read_only, pg_is_in_recovery() AS in_recovery,
+       (SELECT count(*) FROM app.workers WHERE alive_until >= now()) AS workers_beating,
+       (SELECT count(*) FROM app.workers WHERE alive_until < now()) AS workers_silent,
+       (SELECT extract(epoch FROM now() - max(beat_at))::float8 FROM app.workers) AS last_beat_seconds
+
 -- name: document_summaries
 -- One row per requested document of a source: its state, versions and a digest
 -- of its current chunk checksums in chunk order (the chunks' data version).

@@ -103,8 +103,11 @@ SELECT now()
 -- ext_keys/ext_versions give each known extension's version, by the same
 -- suffix rule as PurePosixPath.suffix, and not_version is that of any other
 -- extension), and a code version older than before_version (same text before
--- its trailing number, a smaller number). Columns are named as the fields of
--- stages.RerunTarget.
+-- its trailing number, a smaller number). One source (root) and some of its
+-- buckets (of %(n)s) narrow it further. A page: the first %(limit)s after the
+-- document id %(after)s in (root, document, model) order; a caller pages with
+-- one root and one row per document (extract, chunk, or one model's embed).
+-- Columns are named as the fields of stages.RerunTarget.
 SELECT src.root, d.document_id, s.stage, s.status, s.error_class, s.code_version
 FROM app.stage_runs s
 JOIN app.documents d ON d.doc_pk = s.doc_pk
@@ -123,6 +126,9 @@ WHERE d.status <> 'deleted'
            AND substring(s.code_version FROM '([0-9]+)$')::numeric
                < substring(%(before_version)s FROM '([0-9]+)$')::numeric))
   AND (%(failed_only)s = false OR s.status = 'failed')
+  AND (%(root)s::text IS NULL OR src.root = %(root)s)
+  AND d.document_id > %(after)s
+  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
 ORDER BY src.root, d.document_id, s.model_id
 LIMIT %(limit)s
 

@@ -1,0 +1,83 @@
+"""Data and code versions on the materializations a step records for assets it does not own
+(``refresh_documents``, the reconciliation).
+
+Dagster decides whether a partition is stale from its latest materialization's
+provenance: the code version it was made under and, per upstream asset, the
+event it was made from. A materialization without them is compared by
+timestamps only, so a code version bump would leave it FRESH. These events
+therefore carry what an asset's own run records: the partition's data version
+(the same per-bucket digest the asset records for a one-bucket run), the
+asset's code version, and per upstream asset its data version and the storage
+id of its latest event (``input_event_pointer``): a newer upstream event with
+another data version makes the partition stale, as after an asset run.
+
+The tag names are Dagster's own (``dagster/data_version`` ...); public
+``AssetMaterialization`` tags are how a runtime event states them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Mapping
+from typing import Any
+
+import dagster as dg
+
+DATA_VERSION_TAG = "dagster/data_version"
+CODE_VERSION_TAG = "dagster/code_version"
+INPUT_DATA_VERSION_PREFIX = "dagster/input_data_version/"
+INPUT_EVENT_POINTER_PREFIX = "dagster/input_event_pointer/"
+
+
+def version_tags(data_version: str, code_version: str,
+                 inputs: Mapping[dg.AssetKey, tuple[str, int]] | None = None) -> dict[str, str]:
+    """The tags of a materialization made under ``code_version`` from ``inputs``
+    (upstream asset -> (its data version, the storage id of its event))."""
+    tags = {DATA_VERSION_TAG: data_version, CODE_VERSION_TAG: code_version}
+    for key, (version, storage_id) in (inputs or {}).items():
+        tags[INPUT_DATA_VERSION_PREFIX + key.to_user_string()] = version
+        tags[INPUT_EVENT_POINTER_PREFIX + key.to_user_string()] = str(storage_id)
+    return tags
+
+
+def high_water(instance: dg.DagsterInstance, key: dg.AssetKey) -> int:
+    """The storage id of the asset's latest materialization (0 before any)."""
+    records = instance.fetch_materializations(key, limit=1, ascending=False).records
+    return records[0].storage_id if records else 0
+
+
+def latest_since(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Iterable[str],
+                 after: int) -> dict[str, int]:
+    """The storage id of each partition's latest materialization recorded after ``after``
+    (what this step just recorded: a bounded read, a few events per partition)."""
+    keys = list(partitions)
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=keys, after_storage_id=after),
+        limit=4 * len(keys) + 4, ascending=False).records
+    out: dict[str, int] = {}
+    for record in records:
+        if record.partition_key is not None:
+            out.setdefault(record.partition_key, record.storage_id)
+    return out
+
+
+# partition -> (metadata, data version)
+Events = Mapping[str, tuple[Mapping[str, Any], str]]
+# partition -> upstream asset -> (its data version, the storage id of its event)
+Inputs = Mapping[str, Mapping[dg.AssetKey, tuple[str, int]]]
+
+
+def versioned_events(instance: dg.DagsterInstance, asset: dg.AssetKey, code_version: str, events: Events,
+                     inputs: Inputs | None = None,
+                     ) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
+    """Yield one materialization per partition of ``events`` with its versions; return each
+    partition's (data version, storage id), the inputs of what is downstream of it.
+
+    Each event is stored when the step yields it, so the storage ids are read after the last
+    one. A partition whose event cannot be found back is left out of the result: downstream
+    of it, Dagster then reports a new dependency (stale), never a false FRESH."""
+    after = high_water(instance, asset)
+    for partition, (metadata, version) in events.items():
+        yield dg.AssetMaterialization(asset, partition=partition, metadata=dict(metadata),
+                                      tags=version_tags(version, code_version, (inputs or {}).get(partition)))
+    ids = latest_since(instance, asset, events, after)
+    return {p: (events[p][1], ids[p]) for p in events if p in ids}

@@ -1,0 +1,62 @@
+"""A job that may crash its worker is worked alone in its worker process.
+
+A job that has met ``decisions.FREE_FAULTS`` faults (crashes of the workers
+holding it, transient faults of its requests) is a suspect: the next crash it
+is held in may be its own doing. Its claim holds it alone
+(``decisions.alone_if_suspect``), and ``SuspectGate`` lets that claim run only
+while no other claim of this process is held: should the process die then, the
+rescue finds the suspect the only job of a dead process and charges it
+(``rescue_expired`` in sql/queries/jobs.sql), and no innocent neighbour on
+another thread pays for its crash.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# How often a waiting thread looks at its stop event.
+STOP_CHECK_SECONDS = 0.5
+
+
+class SuspectGate:
+    """Claims of a worker's threads run side by side (``enter``/``leave``); a suspect's
+    claim runs alone (``alone``, by a thread that entered): new claims wait while one waits
+    or runs, and it starts once the claims already held are over. A stop lets everyone through
+    (what runs then hands its jobs back)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held = 0          # claims running side by side
+        self._alone = False     # a suspect's claim is running
+        self._waiting = 0       # suspects' claims waiting to run alone
+
+    def enter(self, stop: threading.Event) -> None:
+        with self._cond:
+            while (self._alone or self._waiting) and not stop.is_set():
+                self._cond.wait(STOP_CHECK_SECONDS)
+            self._held += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._held -= 1
+            self._cond.notify_all()
+
+    @contextmanager
+    def alone(self, stop: threading.Event) -> Iterator[None]:
+        """Run the body as the only claim of this process (the caller entered)."""
+        with self._cond:
+            self._held -= 1
+            self._waiting += 1
+            while (self._held or self._alone) and not stop.is_set():
+                self._cond.wait(STOP_CHECK_SECONDS)
+            self._waiting -= 1
+            self._alone = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._alone = False
+                self._held += 1
+                self._cond.notify_all()
