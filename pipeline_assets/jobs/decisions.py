@@ -76,12 +76,10 @@ MAX_HALVINGS = 62
 FREE_FAULTS = 6
 FAULT_SHRINK_BITS = 2
 
-# Answers in a row that the provider made but nothing usable came back from,
-# even to a single trivial input (a wrong count of vectors, a duplicate or
-# missing index), after which the worker stops: counted in the database
-# (app.provider_state.unusable_answers) across workers and restarts, reset by
-# any usable answer, so a restarted worker checks with one trivial input before
-# it claims anything.
+# Answers in a row with nothing usable in them, even to one trivial input (a
+# wrong count of vectors, a duplicate or missing index), after which the worker
+# stops: counted in app.provider_state.unusable_answers (every worker, across
+# restarts; any usable answer resets it), so a restarted worker checks first.
 MAX_UNMATCHED_ANSWERS = 3
 
 # The provider's health, as the worker judges it after a transient failure.
