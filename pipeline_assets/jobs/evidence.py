@@ -71,6 +71,11 @@ class ProviderRates:
             outcomes = list(self._outcomes)
         return outcomes.count(SUCCESS), outcomes.count(FAULT), outcomes.count(THROTTLE)
 
+    def observed(self) -> bool:
+        """Whether any request's outcome has been seen (else the thresholds are the prior's)."""
+        with self._lock:
+            return bool(self._outcomes)
+
     def fault_rate(self) -> float:
         """Transient faults per fault or answer (throttles left out): the chance that a job
         meets one more fault before its answer."""

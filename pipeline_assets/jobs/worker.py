@@ -255,7 +255,10 @@ class Worker:
         if not jobs:
             self._wake.set()  # the main loop looks whether the whole queue drained
             return WAIT_A_POLL
-        threshold = executor.view.rates.fault_threshold()  # random provider faults make no suspect
+        # Random provider faults make no suspect; before any answer (a worker restarted after
+        # crashes) every fault counts, as the rescue counts them.
+        rates = executor.view.rates
+        threshold = rates.fault_threshold() if rates.observed() else 1
         jobs, others = decisions.alone_if_suspect(jobs, threshold)
         if others:
             executor.release_now(owner, others)
