@@ -70,7 +70,8 @@ def start_fake() -> tuple[subprocess.Popen, str]:
 
 def worker_env(url: str, base_url: str) -> dict:
     return os.environ | {"PIPELINE_DATABASE_URL": url, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "test-key",
-                         "PIPELINE_EMBEDDING_MODEL": MODEL}
+                         "PIPELINE_EMBEDDING_MODEL": MODEL,
+                         "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191"}  # the fake's model has no known window
 
 
 def ready(url: str) -> dict:
