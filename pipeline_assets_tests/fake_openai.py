@@ -23,12 +23,16 @@ stats JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes t
     (``[[probability, status, retry_after or null], ...]``, drawn once per request from a generator
     seeded by ``fault_seed``) -> that status, not billed; then ``throttle_marker`` (an input containing
     it) -> 429 with ``Retry-After: 1`` on every request, not billed (a request the provider never accepts);
+    then ``error_marker`` (an input containing it) -> 503 on every request, not billed (a request the
+    provider always fails while it answers others);
  3. auth (missing/wrong Bearer key -> 401 ``invalid_api_key``), model (-> 404 ``model_not_found``),
     validation (-> 400), ``poison_marker`` (-> 400 naming the index; whole request, nothing billed);
  4. rpm/tpm sliding 60 s window -> 429 + Retry-After/retry-after-ms/x-ratelimit-*, not billed;
  5. vectors computed (NaN for an input containing ``nan_marker``) and BILLED; then ``drop_next``/``drop_marker``
     (or ``drop_rate``) abort the connection without a response (SDK raises ``openai.APIConnectionError``);
-    with probability ``short_rate`` the answer loses its last embedding (a broken proxy), with
+    with probability ``short_rate`` the answer loses its last embedding (a broken proxy), an
+    answer leaves out the embedding of every input containing ``omit_marker`` (a proxy that
+    filters one input: billed, the others' indexes intact; stats["omitted"] counts them), with
     probability ``bad_index_rate`` its last embedding carries a wrong ``index`` (the right count, one
     index twice and one missing; one input: an index out of range); otherwise the
     OpenAI-shaped JSON is sent
@@ -66,7 +70,8 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FAULT_FIELDS = ("poison_marker", "drop_marker", "slow_marker", "slow_seconds", "latency", "rpm", "tpm",
                 "random_faults", "fault_seed", "drip_marker", "drip_seconds", "throttle_marker",
                 "nan_marker", "drop_rate", "slow_rate", "short_rate",
-                "bad_index_rate")
+                "bad_index_rate", "omit_marker", "error_marker")
+ARRIVALS_KEPT = 10_000  # arrival times of embedding requests kept in stats["arrivals"]
 DRIP_INTERVAL = 0.05  # seconds between the bytes of a slow-drip answer (far below any read timeout)
 
 
@@ -195,6 +200,7 @@ class FakeOpenAI:
         self.drip_marker, self.drip_seconds = None, 60.0  # type: str | None, float
         self.random_faults: list = []  # [[probability, status, retry_after or None], ...]
         self.throttle_marker: str | None = None
+        self.error_marker: str | None = None
         self.nan_marker: str | None = None
         # Random faults by probability per request (drawn from the fault_seed generator): a slow
         # call (slow_seconds more) and a dropped answer (billed, then the connection aborted;
@@ -208,6 +214,8 @@ class FakeOpenAI:
         # before it; with one input, out of range), with this probability per request (billed).
         # stats["bad_index"] counts them.
         self.bad_index_rate = 0.0
+        # The embeddings of inputs containing omit_marker are left out of every answer (billed).
+        self.omit_marker: str | None = None
         # A request with an input containing hold_marker waits for release() (or stop()) before
         # it is answered: a test forces an interleaving with it instead of sleeping.
         self.hold_marker: str | None = None
@@ -279,7 +287,8 @@ class FakeOpenAI:
         with self._lock:
             self._stats = {"requests": 0, "billed_inputs": 0, "billed_tokens": 0, "rate_limited": 0,
                            "dropped": 0, "dropped_inputs": 0, "slow": 0, "short": 0, "short_inputs": 0,
-                           "bad_index": 0,
+                           "bad_index": 0, "omitted": 0,
+                           "arrivals": [],  # time.time() of each embedding request's arrival (the last ARRIVALS_KEPT)
                            "responses_by_status": {},
                            "billed_by_text": {}}
 
@@ -337,9 +346,10 @@ class FakeOpenAI:
         self.fail_next(0, 500)
         self.drop_next(0)
         self.random_faults = []
-        self.throttle_marker = None
+        self.throttle_marker = self.error_marker = None
         self.nan_marker = None
         self.drop_rate = self.slow_rate = self.short_rate = self.bad_index_rate = 0.0
+        self.omit_marker = None
         self.poison_marker = self.drop_marker = self.slow_marker = None
         self.slow_seconds = self.latency = 0.0
         self.drip_marker = None
@@ -423,6 +433,9 @@ class FakeOpenAI:
 
         with self._lock:
             self._stats["requests"] += 1
+            arrivals = self._stats["arrivals"]
+            arrivals.append(time.time())
+            del arrivals[:-ARRIVALS_KEPT]
         try:
             req = json.loads(raw or b"null")
         except ValueError:
@@ -459,6 +472,8 @@ class FakeOpenAI:
                     draw -= probability
         if fail is None and has(self.throttle_marker):
             fail = (429, "1", None)
+        if fail is None and has(self.error_marker):
+            fail = (503, None, None)
         if fail:
             status, retry_after, body = fail
             return self._respond(h, status, body if body is not None else _err(
@@ -522,6 +537,11 @@ class FakeOpenAI:
         data = [{"object": "embedding", "index": i, "embedding": enc(v)} for i, v in enumerate(vecs)]
         if short:  # the last embedding lost on the way (the indexes of the others are intact)
             data.pop()
+        if self.omit_marker:  # a proxy that filters out one input's embedding
+            kept = [d for d, (_, t, _) in zip(data, items) if t is None or self.omit_marker not in t]
+            with self._lock:
+                self._stats["omitted"] += len(data) - len(kept)
+            data = kept
         if bad_index:  # the right count, but one index twice and one missing (one input: out of range)
             data[-1]["index"] = len(data) - 2 if len(data) > 1 else 1
         answer = {"object": "list", "data": data, "model": model,

@@ -55,13 +55,15 @@ def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, co
     fake.fail_next(1, 500)
     cli("work", "--until-idle", "--concurrency", "1", "--worker-id", WORKER, env=env)
     assert job_counts(conn) == {"ready": 4, "failed": 2}
-    # 2. Two more documents meet nothing but 503s: split down to themselves, then, alone past
-    #    their free faults, their attempts (2) used up: dead-lettered as http_503.
-    write_corpus(corpus, 2, prefix="flaky")
+    # 2. Two more documents meet nothing but 503s while the provider answers others: split down
+    #    to themselves, then, alone past their free faults, their attempts (2) used up:
+    #    dead-lettered as http_503.
+    for i in range(2):
+        (corpus / f"flaky{i}.md").write_text(f"# flaky {i}\n\nFLAKY503 the provider always fails this one {i}\n")
     cli("ingest", str(corpus), env=env)
-    fake.fail_next(1000, 503)
+    fake.error_marker = "FLAKY503"
     cli("work", "--until-idle", "--concurrency", "1", "--worker-id", WORKER, env=env)
-    fake.fail_next(0, 503)
+    fake.error_marker = None
     assert job_counts(conn) == {"ready": 4, "failed": 4}
 
     groups = {(g["kind"], g["error_class"]): g for g in cli_json("dlq", "list", "--groups", env=env)}

@@ -153,7 +153,8 @@ def test_a_scrape_without_the_database_repeats_the_last_values(database_url, cle
             assert time.monotonic() - started < 30   # the collector gave up waiting for a connection
         assert total(stale, "pipeline_metrics_database_errors_total") == 1
         assert total(stale, "pipeline_breaker_state", model="m", state="open") == 1  # the last values
-        clean_db.execute("UPDATE app.provider_state SET tripped = false WHERE model_id = 'm'")
+        clean_db.execute("UPDATE app.provider_state SET tripped = false, paused_until = '-infinity'"
+                         " WHERE model_id = 'm'")
         fresh = read()
         assert total(fresh, "pipeline_breaker_state", model="m", state="closed") == 1
         assert total(fresh, "pipeline_metrics_database_errors_total") == 1

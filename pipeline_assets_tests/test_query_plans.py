@@ -56,7 +56,8 @@ SET_BASED = {"supersede_unwanted", "revive_wanted", "repair_missing_vectors", "d
              "enqueue_missing"}
 # Statements that never touch a job table.
 NO_JOB_TABLE = {"release_probe", "provider_failure", "provider_healthy", "enqueue_scope_docs",
-                "enqueue_scope_missing"}
+                "enqueue_scope_missing", "provider_pause", "provider_unusable", "provider_unusable_count",
+                "provider_usable"}
 # The statements the issue names; each must exist (a rename shows here, not as a silent skip).
 REQUIRED = {"claim_all", "claim_docs", "complete", "extend_lease", "rescue_expired", "give_back", "fail_retryable",
             "outstanding", "supersede_unwanted_among", "revive_wanted_among", "enqueue_docs"}
@@ -153,7 +154,7 @@ def _params(conn) -> dict:
             "error_class": "timeout", "message": "timed out", "faulted": False, "rescuer": rescuer,
             "base": 1.0, "cap": 60.0, "free_faults": 6,
             "checksums": checksums, "models": [MODEL] * len(checksums), "all": False,
-            "max_attempts": 5, "docs": docs, "trip": True, "floor": 1.0, "threshold": 5,
+            "max_attempts": 5, "docs": docs, "trip": True, "floor": 1.0, "threshold": 5, "probe_cap": 5.0,
             "failed_ids": failed, "call": 1, "tokens": len(held), "latency_ms": 5, "outcome": "ok",
             "http_status": 200, "billed": "yes"}
 

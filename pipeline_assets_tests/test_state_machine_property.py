@@ -383,12 +383,14 @@ class JobStateMachine(RuleBasedStateMachine):
         self._give_back(pick, delay, throttled=True)
 
     @precondition(lambda self: self._live_claims())
-    @rule(pick=st.integers(0, 10**6), short=st.booleans(), unmatched=st.integers(0, 1))
-    def unusable_answer(self, pick, short, unmatched):
+    @rule(pick=st.integers(0, 10**6), short=st.booleans(), unmatched=st.integers(0, 1),
+          health=st.sampled_from([decisions.ANSWERS, decisions.DOWN, decisions.UNUSABLE]))
+    def unusable_answer(self, pick, short, unmatched, health):
         """As the worker after a dropped answer (the connection cut after billing) or a short
-        one (an embedding missing): the real decision, applied by the real queue. No vector
-        is stored; a dropped answer costs no attempt unless the job failed alone past its
-        free faults (then it is a retry), and counts a fault; a short one costs nothing."""
+        one (an embedding missing), with the provider answering others or not: the real
+        decision, applied by the real queue. No vector is stored; while the provider answers
+        others the failure costs no attempt unless the job failed alone past its free faults
+        (then it is a retry), and counts a fault; otherwise it costs nothing."""
         claim, before, held = self._pick_live(pick)
         jobs = [ClaimedJob(i, before[i].chunk_checksum, before[i].attempts, before[i].max_attempts, "t",
                            faults=before[i].faults) for i in held]
@@ -397,14 +399,15 @@ class JobStateMachine(RuleBasedStateMachine):
         error = (ProviderError(RETRYABLE, decisions.UNMATCHED_ANSWER, f"expected {len(jobs)} vectors, got 0")
                  if short else ProviderError(RETRYABLE, "connection", "connection error", billed_maybe=True))
         outcome = decisions.decide(error, jobs, config_ok=True, base=0.0, cap=0.0, poll_seconds=0.0,
-                                   unmatched_in_a_row=unmatched)
+                                   health=health, unusable_in_a_row=unmatched)
         vectors = self._vectors()
-        if isinstance(outcome, decisions.Stop):  # too many unmatchable answers: handed back untouched
-            assert short and unmatched + 1 >= decisions.MAX_UNMATCHED_ANSWERS
+        if isinstance(outcome, decisions.Stop):  # too many unusable answers: handed back untouched
+            assert health == decisions.UNUSABLE and unmatched + 1 >= decisions.MAX_UNMATCHED_ANSWERS
             return
         applied = transitions.became(transitions.apply(self.conn, claim.owner, outcome.changes))
         after = self._rows()
-        charged = not short and len(jobs) == 1 and jobs[0].faults >= decisions.FREE_FAULTS
+        counted = health == decisions.ANSWERS
+        charged = counted and len(jobs) == 1 and jobs[0].faults >= decisions.FREE_FAULTS
         for i in held:
             b, r = before[i], after[i]
             if not self.active[b.model_id]:
@@ -416,7 +419,7 @@ class JobStateMachine(RuleBasedStateMachine):
             else:
                 assert r.status == ("pending" if b.attempts <= 1 else "retry"), (r, b)
                 assert r.attempts == max(b.attempts - 1, 0), "an unusable answer used an attempt of a batch"
-                assert r.faults == b.faults + (0 if short else 1)
+                assert r.faults == b.faults + (1 if counted else 0)
             assert applied[i] == r.status and r.lease_owner is None
         assert self._vectors().keys() == vectors.keys(), "an unusable answer stored a vector"
         self._assert_unchanged(before, after, set(before) - set(held), "unusable_answer")

@@ -9,7 +9,9 @@ import pytest
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.jobs.decisions import (
+    ANSWERS,
     BAD_VECTOR,
+    DOWN,
     FREE_FAULTS,
     MAX_CONSECUTIVE_WORKER_FAULTS,
     MAX_UNMATCHED_ANSWERS,
@@ -17,8 +19,10 @@ from pipeline_assets.jobs.decisions import (
     THROTTLED_TOO_OFTEN,
     UNMATCHED_ANSWER,
     UNMATCHED_ANSWERS,
+    UNUSABLE,
     Apply,
     BreakerFailure,
+    CheckProvider,
     ProbeConfig,
     Split,
     Stop,
@@ -129,9 +133,11 @@ def err(kind: str, error_class: str = "e", *, status: int | None = None, retry_a
     return ProviderError(kind, error_class, message, status, retry_after)
 
 
-def run(error: ProviderError, jobs, *, config_ok: bool | None = True, seed: int = SEED, unmatched: int = 0):
+def run(error: ProviderError, jobs, *, config_ok: bool | None = True, seed: int = SEED, unusable: int = 0,
+        health: str | None = ANSWERS, fault_threshold: int = 1, throttle_threshold: int = THROTTLE_SHRINK_AFTER):
     return decide(error, jobs, config_ok=config_ok, base=BASE, cap=CAP, poll_seconds=POLL,
-                  retry_after_cap=RETRY_AFTER_CAP, max_throttles=MAX_THROTTLES, unmatched_in_a_row=unmatched,
+                  retry_after_cap=RETRY_AFTER_CAP, max_throttles=MAX_THROTTLES, unusable_in_a_row=unusable,
+                  health=health, fault_threshold=fault_threshold, throttle_threshold=throttle_threshold,
                   rng=random.Random(seed))
 
 
@@ -146,18 +152,18 @@ def fault_delay(level: int, retry_after=None, seed=SEED) -> float:
 
 
 def charged(ids, delays, cls, floor=0.0) -> Apply:
-    """A transient fault charged to the input (alone, past its free faults)."""
-    return Apply((Retry(ids, delays, cls, "boom"),), BreakerFailure(trip=False, floor=floor))
+    """A transient fault charged to the input (alone, past its free faults, while the provider answers others)."""
+    return Apply((Retry(ids, delays, cls, "boom"),), charged=True)
 
 
 def faulted(ids, delay, cls, floor=0.0) -> Apply:
-    """A transient fault charged to the provider and the request: given back, a fault counted."""
-    return Apply((GiveBack(ids, delay, cls, "boom", faulted=True),), BreakerFailure(trip=False, floor=floor))
+    """A transient fault charged to the request while the provider answers others: given back, a fault counted."""
+    return Apply((GiveBack(ids, delay, cls, "boom", faulted=True),), charged=True)
 
 
 def throttled(ids, delay, floor, pause) -> Apply:
     return Apply((GiveBack(ids, delay, "rate_limited", "boom", throttled=True),),
-                 BreakerFailure(trip=True, floor=floor), pause)
+                 BreakerFailure(trip=False, floor=floor, pause_only=True), pause)
 
 
 def fail(ids, cls, message="boom", **kw) -> Apply:
@@ -172,24 +178,24 @@ DECISIONS = [
     # an attempt, a fault counted on each (their next requests shrink); charged only to a job failing alone
     # after its free faults.
     pytest.param(err(RETRYABLE, "server_error", status=503), FIVE, True,
-                 faulted((1, 2, 3, 4, 5), fault_delay(1), "server_error"), id="retryable batch: the request's"),
-    pytest.param(err(RETRYABLE, "timeout"), ONE, None, faulted((1,), fault_delay(1), "timeout"),
+                 faulted((1, 2, 3, 4, 5), fault_delay(0), "server_error"), id="retryable batch: the request's"),
+    pytest.param(err(RETRYABLE, "timeout"), ONE, None, faulted((1,), fault_delay(0), "timeout"),
                  id="retryable needs no config probe; a first fault alone is free too"),
     pytest.param(err(RETRYABLE, "server_error", status=503, retry_after=30.0), TWO, True,
                  faulted((1, 2), 30.0, "server_error", floor=30.0), id="retryable: Retry-After is the floor"),
     pytest.param(err(RETRYABLE, "server_error"), [job(1, attempts=5, max_attempts=5), job(2, faults=2)], True,
-                 faulted((1, 2), fault_delay(3), "server_error"),
+                 faulted((1, 2), fault_delay(2), "server_error"),
                  id="retryable batch: even a last attempt is not used; backoff over the most faults"),
     pytest.param(err(RETRYABLE, "connection"), ALONE, True,
                  charged((1,), expected_delays(ALONE), "connection"),
                  id="retryable alone past its free faults: charged"),
     pytest.param(err(RETRYABLE, "connection"), [job(1, faults=FREE_FAULTS), job(2)], True,
-                 faulted((1, 2), fault_delay(FREE_FAULTS + 1), "connection"),
+                 faulted((1, 2), fault_delay(FREE_FAULTS), "connection"),
                  id="retryable: not alone, not charged"),
     pytest.param(err(RETRYABLE, UNMATCHED_ANSWER, message="expected 5 vectors, got 4"), FIVE, True,
-                 Apply((GiveBack((1, 2, 3, 4, 5), fault_delay(1), UNMATCHED_ANSWER, "expected 5 vectors, got 4"),),
-                       BreakerFailure(trip=False, floor=0.0), unmatched=True),
-                 id="an unmatchable answer: nothing charged, no fault counted"),
+                 Apply((GiveBack((1, 2, 3, 4, 5), fault_delay(0), UNMATCHED_ANSWER, "expected 5 vectors, got 4",
+                                 faulted=True),), charged=True),
+                 id="an unmatchable answer while the provider answers others: the request's, a fault counted"),
     # THROTTLED: the provider's state: give back, trip the breaker, pause here.
     pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=7.0), TWO, True,
                  throttled((1, 2), 7.0, 7.0, 7.0), id="throttled with Retry-After"),
@@ -212,8 +218,8 @@ DECISIONS = [
     pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES)],
                  True, fail((1,), THROTTLED_TOO_OFTEN,
                             f"throttled {MAX_THROTTLES + 1} times, alone in its request (cap {MAX_THROTTLES}): boom",
-                            breaker=BreakerFailure(trip=True, floor=2.0), pause=2.0),
-                 id="throttled past the cap alone: dead-lettered, the breaker still trips"),
+                            breaker=BreakerFailure(trip=False, floor=2.0, pause_only=True), pause=2.0),
+                 id="throttled past the cap alone: dead-lettered, every worker still pauses"),
     pytest.param(err(THROTTLED, "rate_limited", status=429), [job(1, throttles=50), job(2, throttles=50)], True,
                  throttled((1, 2), 0.0, 0.0, POLL),
                  id="throttled past the cap in a batch: given back (the next request is smaller)"),
@@ -287,16 +293,60 @@ def test_retry_after_above_the_backoff_cap_still_wins_up_to_its_own_cap():
     assert out.changes[0].delay == RETRY_AFTER_CAP
 
 
-def test_a_few_unmatchable_answers_in_a_row_stop_the_worker():
+def test_a_few_unusable_answers_in_a_row_even_to_a_trivial_input_stop_the_worker():
     error = err(RETRYABLE, UNMATCHED_ANSWER, message="expected 8 vectors, got 7")
     for seen in range(MAX_UNMATCHED_ANSWERS - 1):
-        out = run(error, FIVE, unmatched=seen)
-        assert isinstance(out, Apply) and out.unmatched and out.changes[0].faulted is False
-    out = run(error, [job(1, attempts=5, max_attempts=5), job(2)], unmatched=MAX_UNMATCHED_ANSWERS - 1)
+        out = run(error, FIVE, unusable=seen, health=UNUSABLE)
+        assert isinstance(out, Apply) and out.unusable and out.changes[0].faulted is False and not out.charged
+    out = run(error, [job(1, attempts=5, max_attempts=5), job(2)], unusable=MAX_UNMATCHED_ANSWERS - 1,
+              health=UNUSABLE)
     assert isinstance(out, Stop) and out.job_ids == (1, 2)  # handed back untouched
     assert out.error.kind == FATAL and out.error.error_class == UNMATCHED_ANSWERS
     assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in out.error.message
     assert "expected 8 vectors, got 7" in out.error.message and "\n" not in out.error.message
+
+
+def test_a_transient_failure_asks_whether_the_provider_answers_others_first():
+    assert run(err(RETRYABLE, "server_error", status=500), FIVE, health=None) == CheckProvider()
+    assert isinstance(run(err(THROTTLED, "rate_limited", status=429), FIVE, health=None), Apply)
+
+
+@pytest.mark.parametrize("error", [err(RETRYABLE, "server_error", status=503), err(RETRYABLE, "timeout"),
+                                   err(RETRYABLE, UNMATCHED_ANSWER)])
+def test_while_the_provider_answers_nobody_a_failure_is_its_alone(error):
+    """An outage of any length counts nothing on the jobs (no request shrinks, no attempt is
+    used, however many faults they met) and comes back after a short spread-out delay."""
+    for jobs in (FIVE, [job(1, attempts=5, max_attempts=5, faults=40)]):
+        out = run(error, jobs, health=DOWN)
+        assert isinstance(out, Apply) and not out.charged and not out.unusable
+        (change,) = out.changes
+        assert isinstance(change, GiveBack) and not change.faulted and 0.0 <= change.delay <= BASE
+        assert out.breaker == BreakerFailure(trip=False, floor=0.0)
+
+
+def test_faults_below_the_evidence_threshold_keep_the_batch_and_are_not_charged():
+    """Random provider-wide faults: below the threshold (jobs.evidence) nothing shrinks;
+    from it on a quarter per fault; alone, FREE_FAULTS past it, an attempt is charged."""
+    k = 8
+    assert fault_cap(k - 1, 256, k) == 256 and fault_cap(k, 256, k) == 64 and fault_cap(k + 3, 256, k) == 1
+    assert ids(plan_requests([job(i, faults=k - 1) for i in range(1, 11)], max_inputs=256, max_tokens=10**6,
+                             fault_threshold=k)) == [list(range(1, 11))]
+    alone = [job(1, faults=k - 2 + FREE_FAULTS)]
+    out = run(err(RETRYABLE, "timeout"), alone, fault_threshold=k)
+    assert isinstance(out.changes[0], GiveBack) and out.changes[0].faulted
+    out = run(err(RETRYABLE, "timeout"), [job(1, faults=k - 1 + FREE_FAULTS)], fault_threshold=k)
+    assert isinstance(out.changes[0], Retry)
+
+
+def test_throttles_below_the_evidence_threshold_keep_the_batch():
+    k = 7
+    assert halvings(k - 1, k) == 0 and halvings(k, k) == 1
+    assert ids(plan_requests([job(i, throttles=k - 1) for i in range(1, 11)], max_inputs=256, max_tokens=10**6,
+                             throttle_threshold=k)) == [list(range(1, 11))]
+    # The cap on a lone input's throttles moves up with the threshold.
+    lone = [job(1, throttles=MAX_THROTTLES + k - THROTTLE_SHRINK_AFTER - 1)]
+    assert isinstance(run(err(THROTTLED, "rate_limited", status=429), lone, throttle_threshold=k).changes[0],
+                      GiveBack)
 
 
 def _simulate(fails, *, jobs: int, batch: int, max_attempts: int = 5, rng: random.Random) -> tuple[dict, dict]:

@@ -22,17 +22,25 @@ Outcomes:
                  untouched and stop the worker
     ProbeConfig  ask the configuration probe once, then ``decide`` again with
                  its answer as ``config_ok``
+    CheckProvider  ask whether the provider answers others (a usable answer
+                 since shortly before the request was sent, or else one trivial
+                 request, ``"ping"``), then ``decide`` again with ``health``
 
 Who is charged (the evidence decides): only input-specific errors (a 400/413/422
 on a single input, a request the provider throttles past the cap) fail an
 item; only they isolate inputs. A transient fault (5xx, timeout, dropped
-connection) is the provider's (breaker) and the request's: the jobs are given
-back without an attempt and each counts a fault, which shrinks its next
-requests (``fault_cap``: a quarter per fault), so inputs that keep failing
-together are split up; only a job that has met ``FREE_FAULTS`` faults and fails
-again alone is charged an attempt. An answer that cannot be matched to its
-inputs charges nothing at all, and ``MAX_UNMATCHED_ANSWERS`` in a row stop the
-worker.
+connection, an answer that cannot be matched to its inputs) is judged by the
+provider's ``health``: while the provider answers other requests (``ANSWERS``)
+it is the request's: the jobs are given back without an attempt and each counts
+a fault; once a job's faults reach the evidence threshold (``jobs.evidence``:
+more than the provider's own failure rate explains) its requests shrink
+(``fault_cap``: a quarter per further fault), and only a job that fails alone
+``FREE_FAULTS`` faults past the threshold is charged an attempt. While the
+provider answers nobody (``DOWN``) the fault is the provider's alone (the
+breaker counts it; nothing is counted on the jobs, no request shrinks). When it
+answers nothing usable even to a single trivial input (``UNUSABLE``), that
+counts towards ``MAX_UNMATCHED_ANSWERS`` in a row (persisted, shared by every
+worker), which stop the worker.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from dataclasses import dataclass
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
-from pipeline_assets.providers.base import UNMATCHED_ANSWER
+from pipeline_assets.providers.base import UNMATCHED_ANSWER as UNMATCHED_ANSWER  # re-exported
 
 # A job's request is halved once for every throttle from this one on: one 429
 # is the provider's weather; repeated ones on the same inputs suggest a request
@@ -53,22 +61,31 @@ THROTTLE_SHRINK_AFTER = 3
 # Bounds the halvings (2**62 inputs is beyond any request).
 MAX_HALVINGS = 62
 
-# Transient faults (5xx, timeout, dropped connection) a job may meet without
-# being charged an attempt. Each one divides the job's requests by
+# Transient faults (5xx, timeout, dropped connection, unusable answer) a job
+# may meet, counted from the evidence threshold ``k`` (``jobs.evidence``: 1 for a
+# healthy provider, at most MAX_EVIDENCE_FAULTS = 8), without being charged an
+# attempt. From the k-th fault on, each one divides the job's requests by
 # 2**FAULT_SHRINK_BITS (a quarter: 256 -> 64 -> 16 -> 4 -> 1, the default batch
-# is alone after 4); from the FREE_FAULTS-th on it travels alone and a fault
-# there costs an attempt. So a poison input (one that breaks every request
-# holding it) is sent at most FREE_FAULTS + max_attempts times (11 with the
-# defaults), and an innocent one is dead-lettered only if FREE_FAULTS +
-# max_attempts requests holding it fail in a row (0.3**11 = 2e-6 when 30% of
-# requests fail).
+# is alone after k + 3); from fault k - 1 + FREE_FAULTS on it travels alone and
+# a fault there costs an attempt. So a poison input (one that breaks every
+# request holding it) is sent at most MAX_EVIDENCE_FAULTS - 1 + FREE_FAULTS +
+# max_attempts times (18 with the defaults; k - 1 + 11 on a provider answering
+# everything else: 11 when healthy), and an innocent one is dead-lettered only
+# if k - 1 + FREE_FAULTS + max_attempts requests holding it fail in a row while
+# the provider answers others.
 FREE_FAULTS = 6
 FAULT_SHRINK_BITS = 2
 
-# Answers in a row that cannot be matched to their inputs (a wrong count of
-# vectors, a duplicate or missing index) after which the worker stops: nothing is stored or charged for
-# them, so without a stop a broken proxy would be billed for the corpus forever.
+# Answers in a row with nothing usable in them, even to one trivial input (a
+# wrong count of vectors, a duplicate or missing index), after which the worker
+# stops: counted in app.provider_state.unusable_answers (every worker, across
+# restarts; any usable answer resets it), so a restarted worker checks first.
 MAX_UNMATCHED_ANSWERS = 3
+
+# The provider's health, as the worker judges it after a transient failure.
+ANSWERS = "answers"    # it answered other requests usably: the failure points at the request's inputs
+DOWN = "down"          # it answers nobody: the failure is the provider's alone
+UNUSABLE = "unusable"  # it answers, but nothing usable even to one trivial input
 # The provider's error class of an answer with the wrong count of vectors or a
 # duplicate or missing index (``providers.base.UNMATCHED_ANSWER``, re-exported).
 # The error class the worker stops with after MAX_UNMATCHED_ANSWERS of them.
@@ -89,19 +106,27 @@ BAD_VECTOR = "bad_vector"
 
 # -- planning --------------------------------------------------------------------------
 
-def halvings(throttles: int) -> int:
-    """How many times a job's requests are halved after ``throttles`` throttles."""
-    return min(MAX_HALVINGS, max(0, throttles - THROTTLE_SHRINK_AFTER + 1))
+def halvings(throttles: int, threshold: int = THROTTLE_SHRINK_AFTER) -> int:
+    """How many times a job's requests are halved after ``throttles`` throttles
+    (``threshold``: the throttles that are evidence, ``jobs.evidence``)."""
+    return min(MAX_HALVINGS, max(0, throttles - threshold + 1))
 
 
-def fault_cap(faults: int, max_inputs: int) -> int:
+def fault_level(faults: int, threshold: int = 1) -> int:
+    """How many of a job's ``faults`` are evidence against it (0: none yet)."""
+    return max(0, faults - threshold + 1)
+
+
+def fault_cap(faults: int, max_inputs: int, threshold: int = 1) -> int:
     """The most inputs a request holding a job with ``faults`` faults may carry."""
-    if faults >= FREE_FAULTS:
+    level = fault_level(faults, threshold)
+    if level >= FREE_FAULTS:
         return 1
-    return max(1, max_inputs >> (FAULT_SHRINK_BITS * faults))
+    return max(1, max_inputs >> (FAULT_SHRINK_BITS * level))
 
 
-def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: int) -> list[list[ClaimedJob]]:
+def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: int, fault_threshold: int = 1,
+                  throttle_threshold: int = THROTTLE_SHRINK_AFTER) -> list[list[ClaimedJob]]:
     """Group jobs into requests bounded by inputs and tokens.
 
     Jobs without text (no current chunk carries their checksum) are left out.
@@ -115,25 +140,29 @@ def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: in
     that group's inputs, and at most the batch (inputs and tokens) halved once
     per further throttle. So a request the provider never accepts is whittled
     down to the one input it refuses, and the rest of its batch goes through.
+    ``fault_threshold`` and ``throttle_threshold`` are the counts from which
+    faults and throttles are evidence against a job (``jobs.evidence``): below
+    them a job's requests keep the batch size.
     """
     wanted = [j for j in jobs if j.text is not None]
-    if all(not j.isolate and not j.faults and j.throttles < THROTTLE_SHRINK_AFTER for j in wanted):
-        return _fill(wanted, max_inputs, max_tokens)  # the usual claim: no isolation, no shrinking
+    if all(not j.isolate and j.faults < fault_threshold and j.throttles < throttle_threshold for j in wanted):
+        return _fill(wanted, max_inputs, max_tokens, fault_threshold)  # the usual claim: no isolation, no shrinking
     requests = [[j] for j in wanted if j.isolate]
     groups: dict[int, list[ClaimedJob]] = {}  # halvings -> the jobs of that throttle level, in order
     for job in wanted:
         if not job.isolate:
-            groups.setdefault(halvings(job.throttles), []).append(job)
+            groups.setdefault(halvings(job.throttles, throttle_threshold), []).append(job)
     for level, group in groups.items():
         inputs_bound, tokens_bound = max_inputs, max_tokens
         if level:
             inputs_bound = max(1, min(max_inputs >> level, -(-len(group) // 2)))
             tokens_bound = max(1, max_tokens >> level)
-        requests.extend(_fill(sorted(group, key=lambda j: -j.faults), inputs_bound, tokens_bound))
+        requests.extend(_fill(sorted(group, key=lambda j: -j.faults), inputs_bound, tokens_bound, fault_threshold))
     return requests
 
 
-def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int) -> list[list[ClaimedJob]]:
+def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int,
+          fault_threshold: int = 1) -> list[list[ClaimedJob]]:
     """Requests filled in order up to ``max_inputs`` inputs (fewer for a request
     whose first job met faults) and ``max_tokens`` tokens."""
     requests: list[list[ClaimedJob]] = []
@@ -145,7 +174,7 @@ def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int) -> list[
             requests.append(current)
             current, tokens = [], 0
         if not current:
-            bound = fault_cap(job.faults, max_inputs)
+            bound = fault_cap(job.faults, max_inputs, fault_threshold)
         current.append(job)
         tokens += n
     if current:
@@ -153,18 +182,20 @@ def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int) -> list[
     return requests
 
 
-def suspect(job: ClaimedJob) -> bool:
-    """A job that met ``FREE_FAULTS`` faults: the next crash it is held in may be its own
-    doing, so it is worked alone in its worker process (``jobs.suspects``)."""
-    return job.faults >= FREE_FAULTS
+def suspect(job: ClaimedJob, threshold: int = 1) -> bool:
+    """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobs.evidence``;
+    1: every fault is evidence): the next crash it is held in may be its own doing, so it is
+    worked alone in its worker process (``jobs.suspects``)."""
+    return fault_level(job.faults, threshold) >= FREE_FAULTS
 
 
-def alone_if_suspect(jobs: Sequence[ClaimedJob]) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+def alone_if_suspect(jobs: Sequence[ClaimedJob],
+                     threshold: int = 1) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
     """A claim holding a suspect keeps that job alone (the first such) and hands the others
     back: should it crash its worker, the rescue finds it the only job of the dead process
     and charges it (``rescue_expired``), not its neighbours. Returns (the jobs kept, the jobs
     to hand back)."""
-    first = next((j for j in jobs if suspect(j)), None)
+    first = next((j for j in jobs if suspect(j, threshold)), None)
     if first is None or len(jobs) == 1:
         return list(jobs), []
     return [first], [j for j in jobs if j is not first]
@@ -179,9 +210,12 @@ def unwanted(jobs: Sequence[ClaimedJob]) -> list[int]:
 
 @dataclass(frozen=True)
 class BreakerFailure:
-    """A provider failure counted by the breaker shared by every worker."""
-    trip: bool     # trip at once (429); otherwise count towards the threshold
+    """A provider failure, shared by every worker: a throttle pauses them all
+    (``pause_only``); a failure while the provider answers nobody counts
+    towards tripping the breaker."""
+    trip: bool     # trip at once; otherwise count towards the threshold
     floor: float   # the pause lasts at least this long (the provider's Retry-After)
+    pause_only: bool = False  # a 429: every worker pauses for the floor, then claims again; nothing counted
 
 
 @dataclass(frozen=True)
@@ -190,8 +224,9 @@ class Apply:
     changes: tuple[Change, ...]
     breaker: BreakerFailure | None = None  # count a provider failure (None: not the provider's)
     pause: float = 0.0                     # send nothing more from this worker's held claims for this long
-    unmatched: bool = False                # an answer that could not be matched: counts towards stopping
+    unusable: bool = False                 # nothing usable even to a trivial input: counts towards stopping
     stop: str | None = None                # too many faults of our own in a row: stop with this one line
+    charged: bool = False                  # the failure points at the request's inputs, not at the provider
 
 
 @dataclass(frozen=True)
@@ -210,7 +245,12 @@ class ProbeConfig:
     """Ask the configuration probe (once per worker), then decide again."""
 
 
-Outcome = Apply | Split | Stop | ProbeConfig
+@dataclass(frozen=True)
+class CheckProvider:
+    """Ask whether the provider answers others (``ANSWERS``, ``DOWN``, ``UNUSABLE``), then decide again."""
+
+
+Outcome = Apply | Split | Stop | ProbeConfig | CheckProvider
 
 
 # -- deciding --------------------------------------------------------------------------
@@ -224,7 +264,8 @@ def retry_delays(jobs: Sequence[ClaimedJob], *, base: float, cap: float, retry_a
 
 def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool | None, base: float,
            cap: float, poll_seconds: float, retry_after_cap: float | None = None, max_throttles: int | None = None,
-           unmatched_in_a_row: int = 0, rng: random.Random | None = None) -> Outcome:
+           health: str | None = ANSWERS, unusable_in_a_row: int = 0, fault_threshold: int = 1,
+           throttle_threshold: int = THROTTLE_SHRINK_AFTER, rng: random.Random | None = None) -> Outcome:
     """What to do with the jobs of a request the provider refused.
 
     ``config_ok`` is the configuration probe's answer (None: not asked yet).
@@ -234,9 +275,13 @@ def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool 
     ``poll_seconds`` is the shortest local pause after a throttle,
     ``retry_after_cap`` bounds the provider's Retry-After (a proxy's 86400
     would hold every worker for a day), ``max_throttles`` the throttles a
-    single input may take before it is dead-lettered (``throttled_too_often``)
-    and ``unmatched_in_a_row`` counts the unmatchable answers this worker met
-    since its last completion.
+    single input may take before it is dead-lettered (``throttled_too_often``;
+    moved up by as many as the throttle evidence threshold is above its
+    lowest), ``health`` what the provider does for others (None: not asked
+    yet; asked only after a transient failure), ``unusable_in_a_row`` the
+    unusable answers to single trivial inputs recorded in a row (every worker),
+    ``fault_threshold``/``throttle_threshold`` the evidence thresholds
+    (``jobs.evidence``).
     """
     ids = tuple(j.job_id for j in jobs)
     retry_after = error.retry_after
@@ -253,41 +298,50 @@ def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool 
         return Apply((Fail(ids, error.error_class, error.message),))
     floor = retry_after or 0.0
     if error.kind == THROTTLED:
-        breaker, pause = BreakerFailure(trip=True, floor=floor), max(floor, poll_seconds)
-        if len(jobs) == 1 and max_throttles is not None and jobs[0].throttles + 1 > max_throttles:
+        breaker, pause = BreakerFailure(trip=False, floor=floor, pause_only=True), max(floor, poll_seconds)
+        cap_throttles = None if max_throttles is None else max_throttles + throttle_threshold - THROTTLE_SHRINK_AFTER
+        if len(jobs) == 1 and cap_throttles is not None and jobs[0].throttles + 1 > cap_throttles:
             return Apply((Fail(ids, THROTTLED_TOO_OFTEN,
                                sanitize(f"throttled {jobs[0].throttles + 1} times, alone in its request "
-                                        f"(cap {max_throttles}): {error.message}")),), breaker, pause)
+                                        f"(cap {cap_throttles}): {error.message}")),), breaker, pause)
         return Apply((GiveBack(ids, floor, error.error_class, error.message, throttled=True),), breaker, pause)
     if error.kind == RETRYABLE:
-        return _transient(error, jobs, floor=floor, base=base, cap=cap, unmatched_in_a_row=unmatched_in_a_row,
-                          rng=rng)
+        if health is None:
+            return CheckProvider()
+        return _transient(error, jobs, floor=floor, base=base, cap=cap, health=health,
+                          unusable_in_a_row=unusable_in_a_row, threshold=fault_threshold, rng=rng)
     if error.kind == FATAL:
         return Stop(ids, error)
     raise ValueError(f"unknown provider error kind {error.kind!r}")
 
 
 def _transient(error: ProviderError, jobs: Sequence[ClaimedJob], *, floor: float, base: float, cap: float,
-               unmatched_in_a_row: int, rng: random.Random | None) -> Outcome:
-    """A transient failure: charged to the provider and the request; to an
-    input only when it keeps failing alone."""
+               health: str, unusable_in_a_row: int, threshold: int, rng: random.Random | None) -> Outcome:
+    """A transient failure (an unusable answer included): the request's while
+    the provider answers others; the provider's alone while it answers nobody
+    (nothing is counted on the jobs: an outage of any length shrinks and
+    charges nothing); to an input only when it keeps failing alone."""
     ids = tuple(j.job_id for j in jobs)
     breaker = BreakerFailure(trip=False, floor=floor)
-    if error.error_class == UNMATCHED_ANSWER:  # billed, but nothing in it can be trusted to be whose
-        seen = unmatched_in_a_row + 1
-        if seen >= MAX_UNMATCHED_ANSWERS:
-            return Stop(ids, ProviderError(FATAL, UNMATCHED_ANSWERS, (
-                f"the provider sent {seen} answers in a row that cannot be matched to their inputs "
-                f"(last: {error.message}); nothing was stored and no attempt used: check the endpoint "
-                "(OPENAI_BASE_URL) or the proxy in front of it"), error.status))
-        delay = backoff.retry_delay(seen, base=base, cap=cap, retry_after=floor or None, rng=rng)
-        return Apply((GiveBack(ids, delay, error.error_class, error.message),), breaker, unmatched=True)
-    if len(jobs) == 1 and jobs[0].faults >= FREE_FAULTS:  # failing alone, again: its attempt counts
+    if health != ANSWERS:
+        # The provider's: a short spread-out retry; its pace is the breaker's and the send limit's.
+        delay = backoff.retry_delay(0, base=base, cap=cap, retry_after=floor or None, rng=rng)
+        if health == UNUSABLE:
+            seen = unusable_in_a_row + 1
+            if seen >= MAX_UNMATCHED_ANSWERS:
+                return Stop(ids, ProviderError(FATAL, UNMATCHED_ANSWERS, (
+                    f"the provider sent {seen} answers in a row that cannot be matched to their inputs, "
+                    f"the last to a single trivial input (last: {error.message}); nothing unusable was stored "
+                    "and no attempt used: check the endpoint (OPENAI_BASE_URL) or the proxy in front of it"),
+                    error.status))
+            return Apply((GiveBack(ids, delay, error.error_class, error.message),), breaker, unusable=True)
+        return Apply((GiveBack(ids, delay, error.error_class, error.message),), breaker)
+    level = max(fault_level(j.faults, threshold) for j in jobs)
+    if len(jobs) == 1 and level >= FREE_FAULTS:  # failing alone, again: its attempt counts
         return Apply((Retry(ids, retry_delays(jobs, base=base, cap=cap, retry_after=floor or None, rng=rng),
-                            error.error_class, error.message),), breaker)
-    delay = backoff.retry_delay(max(j.faults for j in jobs) + 1, base=base, cap=cap, retry_after=floor or None,
-                                rng=rng)
-    return Apply((GiveBack(ids, delay, error.error_class, error.message, faulted=True),), breaker)
+                            error.error_class, error.message),), charged=True)
+    delay = backoff.retry_delay(level, base=base, cap=cap, retry_after=floor or None, rng=rng)
+    return Apply((GiveBack(ids, delay, error.error_class, error.message, faulted=True),), charged=True)
 
 
 def worker_error(exc: BaseException, jobs: Sequence[ClaimedJob], *, consecutive: int, unavailable: bool,

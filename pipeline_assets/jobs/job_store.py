@@ -24,7 +24,7 @@ from pipeline_assets.jobs import ledger, models, transitions
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
 from pipeline_assets.jobs.decisions import UNMATCHED_ANSWER, BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
-from pipeline_assets.settings import BREAKER_THRESHOLD
+from pipeline_assets.settings import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +192,22 @@ class JobStore:
 
     def provider_failure(self, breaker: BreakerFailure) -> None:
         with self.pool.connection() as conn:
+            if breaker.pause_only:
+                transitions.provider_pause(conn, self.model_id, floor=breaker.floor, base=self._base, cap=self._cap,
+                                           probe_cap=BREAKER_PROBE_INTERVAL)
+                return
             transitions.provider_failure(conn, self.model_id, trip=breaker.trip, floor=breaker.floor,
-                                         base=self._base, cap=self._cap, threshold=BREAKER_THRESHOLD)
+                                         base=self._base, cap=self._cap, threshold=BREAKER_THRESHOLD,
+                                         probe_cap=BREAKER_PROBE_INTERVAL)
 
     def provider_healthy(self) -> None:
+        """A usable answer after failures: close the breaker, reset the unusable answers in a row."""
         with self.pool.connection() as conn:
             transitions.provider_healthy(conn, self.model_id)
+            transitions.provider_usable(conn, self.model_id)
+
+    def provider_unusable(self, *, count: bool = True) -> int:
+        """Count an answer with nothing usable to a single trivial input (``count``; every
+        worker's, kept across restarts); returns how many came in a row."""
+        with self.pool.connection() as conn:
+            return transitions.provider_unusable(conn, self.model_id, count=count)

@@ -39,6 +39,7 @@ from pipeline_assets.jobs.changes import (
 )
 from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.settings import BREAKER_PROBE_INTERVAL
 from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.vectors import param as vectors_param
 
@@ -257,23 +258,45 @@ def outstanding(conn: psycopg.Connection, model_id: str) -> tuple[bool, bool]:
 
 
 def provider_failure(conn: psycopg.Connection, model_id: str, *, trip: bool, floor: float, base: float,
-                     cap: float, threshold: int) -> tuple[bool, bool]:
-    """Count a provider failure for every worker; returns (paused now, tripped)."""
+                     cap: float, threshold: int, probe_cap: float = BREAKER_PROBE_INTERVAL) -> tuple[bool, bool]:
+    """Count a provider failure for every worker; returns (paused now, tripped). A pause
+    without a Retry-After (``floor``) lasts at most ``probe_cap``: the next probe goes out
+    within it, however long the provider has been failing."""
     row = _dicts(conn, JOBS.provider_failure, {"model": model_id, "trip": trip, "floor": floor,
-                                               "base": base, "cap": cap, "threshold": threshold})[0]
+                                               "base": base, "cap": cap, "threshold": threshold,
+                                               "probe_cap": probe_cap})[0]
     return row["paused"], row["tripped"]
+
+
+def provider_pause(conn: psycopg.Connection, model_id: str, *, floor: float, base: float, cap: float,
+                   probe_cap: float = BREAKER_PROBE_INTERVAL) -> None:
+    """A throttle: every worker pauses claiming for ``floor`` (the Retry-After), or a short
+    jittered pause without one; the breaker does not trip: claims resume when it ends."""
+    conn.execute(JOBS.provider_pause, {"model": model_id, "floor": floor, "base": base, "cap": cap,
+                                       "probe_cap": probe_cap})
 
 
 def pause_provider(conn: psycopg.Connection, model_id: str, seconds: float) -> int:
     """Trip the breaker for exactly ``seconds`` (never shortening a longer pause);
     returns the consecutive failure count."""
     row = _dicts(conn, JOBS.provider_failure, {"model": model_id, "trip": True, "floor": seconds,
-                                               "base": 0.0, "cap": 0.0, "threshold": 1})[0]
+                                               "base": 0.0, "cap": 0.0, "threshold": 1, "probe_cap": 0.0})[0]
     return row["consecutive_failures"]
 
 
 def provider_healthy(conn: psycopg.Connection, model_id: str) -> None:
     conn.execute(JOBS.provider_healthy, {"model": model_id})
+
+
+def provider_unusable(conn: psycopg.Connection, model_id: str, *, count: bool = True) -> int:
+    """Count (``count``) an unusable answer to a single trivial input; returns how many came in a row."""
+    row = conn.execute(JOBS.provider_unusable if count else JOBS.provider_unusable_count,
+                       {"model": model_id}).fetchone()
+    return int(row[0]) if row else 0
+
+
+def provider_usable(conn: psycopg.Connection, model_id: str) -> None:
+    conn.execute(JOBS.provider_usable, {"model": model_id})
 
 
 def _dicts(conn: psycopg.Connection, query: str, params: dict | None = None) -> list[dict]:

@@ -32,6 +32,7 @@ from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
+from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.suspects import SuspectGate
 from pipeline_assets.providers import Provider
 from pipeline_assets.settings import (
@@ -131,7 +132,9 @@ class Worker:
     def _run(self, store: JobStore) -> None:
         executor = Executor(self.provider, store, self.settings, poll_seconds=self.config.poll_seconds,
                             lease_seconds=self.config.lease_seconds, report=self.report, stopping=self._stopping,
-                            view=ProviderView(store.register_model(self.provider.spec)), db_wait=self._db_wait)
+                            view=ProviderView(store.register_model(self.provider.spec),
+                                              limit=SendLimit(self.config.concurrency)), db_wait=self._db_wait)
+        executor.check_at_start()  # a provider stopped for unusable answers: one trivial input first
         self._refresh_spend(store)  # before any claim: today's spend by other workers
         liveness = leases.Liveness(lambda: db.connect(self.url), owner_prefix=self._owner_prefix,
                                    worker_id=self.worker_id, model_id=self.model_id,
@@ -220,11 +223,17 @@ class Worker:
             if reason is not None:
                 self._stopping.stop(budget=reason)
                 break
+            # A slot of the worker's send limit (fewer requests in flight while the provider fails);
+            # waiting for one, the thread holds nothing: idle for `--until-idle`.
+            self._idle[index] = True
+            if not executor.view.limit.acquire(self.stop, self.config.poll_seconds):
+                break
             self._suspects.enter(self.stop)
             try:
                 wait = self._claim_once(index, executor, store)
             finally:
                 self._suspects.leave()
+                executor.view.limit.release()
             if wait == WAIT_FOR_DATABASE:
                 self._db_wait.pause(self.stop)
             elif wait == WAIT_A_POLL:
@@ -246,10 +255,14 @@ class Worker:
         if not jobs:
             self._wake.set()  # the main loop looks whether the whole queue drained
             return WAIT_A_POLL
-        jobs, others = decisions.alone_if_suspect(jobs)
+        # Random provider faults make no suspect; before any answer (a worker restarted after
+        # crashes) every fault counts, as the rescue counts them.
+        rates = executor.view.rates
+        threshold = rates.fault_threshold() if rates.observed() else 1
+        jobs, others = decisions.alone_if_suspect(jobs, threshold)
         if others:
             executor.release_now(owner, others)
-        if not decisions.suspect(jobs[0]):
+        if not decisions.suspect(jobs[0], threshold):
             executor.run_claim(owner, jobs, self._batch)
             return None
         # Its lease is kept while the other claims of this process end.

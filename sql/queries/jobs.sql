@@ -13,7 +13,8 @@
 -- claim_scope_* conditions below, filled in as the psycopg.sql field "scope":
 -- the whole queue, or the jobs of some documents' current chunks for a Dagster
 -- embeddings run's own partitions); the lease comes from the database clock,
--- never the worker's. The shared circuit breaker gates it: while tripped and
+-- never the worker's. A throttle's pause (provider_pause: paused_until, not
+-- tripped) holds every claim until it ends. The shared circuit breaker gates it: while tripped and
 -- paused nobody claims; once the pause is over (half-open) one claim at a time
 -- wins the probe slot (probe_owner), and the first success closes the
 -- breaker. The slot is taken only when a job of the scope is waiting, and it
@@ -55,7 +56,8 @@ WITH async AS (
       AND w.available_at <= now()
       AND {scope}
       AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = %(model)s AND m.active)
-      AND (NOT EXISTS (SELECT 1 FROM app.provider_state p WHERE p.model_id = %(model)s AND p.tripped)
+      AND (NOT EXISTS (SELECT 1 FROM app.provider_state p
+                       WHERE p.model_id = %(model)s AND (p.tripped OR p.paused_until > now()))
            OR EXISTS (SELECT 1 FROM gate))
     ORDER BY w.available_at, w.job_id
     LIMIT {limit}
@@ -393,19 +395,22 @@ SELECT (SELECT min(available_at) FROM app.embedding_jobs
        EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s) AS held
 
 -- name: provider_failure
--- A provider failure, shared by every worker. A throttle (429) trips the
--- breaker at once; other failures trip it after `threshold` in a row. The
--- pause is the provider's Retry-After when it gave one (authoritative, already
--- capped by the worker; the half-open probe, not a random spread, keeps
--- workers from returning as a herd), otherwise a full-jitter backoff over the
--- consecutive failures. Any failure while the breaker is tripped (a failed
--- probe) frees the probe slot: the next probe goes out when the pause (if
--- any) ends, not when the failed probe's lease would have.
+-- A provider failure, shared by every worker: `trip` trips the breaker at
+-- once (an operator's pause, pause_provider); the worker's failures (the
+-- provider answering nobody) trip it after `threshold` in a row. The pause is
+-- the provider's Retry-After when it gave one (authoritative, already capped
+-- by the worker; the half-open probe, not a random spread, keeps workers from
+-- returning as a herd), otherwise an equal-jitter backoff (half fixed, half
+-- random) over the consecutive failures, never longer than probe_cap
+-- (settings.BREAKER_PROBE_INTERVAL: after an outage of any length the next
+-- probe goes out within it). Any failure while the breaker is tripped (a
+-- failed probe) frees the probe slot: the next probe goes out when the pause
+-- (if any) ends, not when the failed probe's lease would have.
 INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
 VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
         CASE WHEN %(trip)s OR 1 >= %(threshold)s
              THEN now() + make_interval(secs => CASE WHEN %(floor)s > 0 THEN %(floor)s
-                                                     ELSE random() * least(%(cap)s, %(base)s * 2) END)
+                                                     ELSE (0.5 + random() / 2) * least(%(probe_cap)s, %(cap)s, %(base)s * 2) END)
              ELSE '-infinity' END)
 ON CONFLICT (model_id) DO UPDATE
 SET consecutive_failures = p.consecutive_failures + 1,
@@ -413,7 +418,8 @@ SET consecutive_failures = p.consecutive_failures + 1,
     paused_until = CASE WHEN %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
                         THEN greatest(p.paused_until, now() + make_interval(secs => CASE
                              WHEN %(floor)s > 0 THEN %(floor)s
-                             ELSE random() * least(%(cap)s, %(base)s * 2 ^ least(p.consecutive_failures + 1, 30))
+                             ELSE (0.5 + random() / 2) * least(%(probe_cap)s, %(cap)s,
+                                                              %(base)s * 2 ^ least(p.consecutive_failures + 1, 30))
                              END))
                         ELSE p.paused_until END,
     probe_until = CASE WHEN p.tripped OR %(trip)s OR p.consecutive_failures + 1 >= %(threshold)s
@@ -423,9 +429,36 @@ SET consecutive_failures = p.consecutive_failures + 1,
     updated_at = now()
 RETURNING paused_until > now() AS paused, tripped, consecutive_failures
 
+-- name: provider_pause
+-- A throttle (429), shared by every worker: nobody claims until the provider's
+-- Retry-After (already capped by the worker) or, without one, a short
+-- full-jitter pause (at most probe_cap); the breaker does not trip and no
+-- failure is counted: once the pause is over every worker claims again.
+INSERT INTO app.provider_state AS p (model_id, paused_until)
+VALUES (%(model)s, now() + make_interval(secs => CASE WHEN %(floor)s > 0 THEN %(floor)s
+                                                     ELSE random() * least(%(probe_cap)s, %(cap)s, %(base)s * 2) END))
+ON CONFLICT (model_id) DO UPDATE SET paused_until = greatest(p.paused_until, excluded.paused_until),
+                                     updated_at = now()
+
 -- name: provider_healthy
 -- A success closes the breaker and resets the failure count.
 UPDATE app.provider_state SET consecutive_failures = 0, tripped = false, probe_until = '-infinity',
        probe_owner = NULL, updated_at = now()
 WHERE model_id = %(model)s AND (consecutive_failures <> 0 OR tripped)
   AND (NOT tripped OR paused_until <= now())  -- a call that was already in flight cannot cut a pause short
+
+-- name: provider_unusable
+-- An answer with nothing usable even to a single trivial input: counted for
+-- every worker and kept across restarts; returns how many came in a row.
+INSERT INTO app.provider_state AS p (model_id, unusable_answers) VALUES (%(model)s, 1)
+ON CONFLICT (model_id) DO UPDATE SET unusable_answers = p.unusable_answers + 1, updated_at = now()
+RETURNING unusable_answers
+
+-- name: provider_unusable_count
+-- How many answers in a row held nothing usable, even to a single trivial input.
+SELECT unusable_answers FROM app.provider_state WHERE model_id = %(model)s
+
+-- name: provider_usable
+-- A usable answer resets the unusable answers in a row.
+UPDATE app.provider_state SET unusable_answers = 0, updated_at = now()
+WHERE model_id = %(model)s AND unusable_answers <> 0

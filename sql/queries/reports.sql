@@ -46,10 +46,11 @@ GROUP BY model_id ORDER BY model_id
 
 -- name: breaker
 -- The shared circuit breaker of each model that has met a provider failure:
--- closed, open (paused for paused_for more seconds) or half-open (the pause is
+-- closed, open (paused for paused_for more seconds: a throttle's Retry-After
+-- or a tripped breaker's pause) or half-open (a tripped breaker's pause is
 -- over; one probe claim at a time, probe_out while one is in flight).
 SELECT model_id,
-       CASE WHEN NOT tripped THEN 'closed' WHEN paused_until > now() THEN 'open' ELSE 'half-open' END AS state,
+       CASE WHEN paused_until > now() THEN 'open' WHEN tripped THEN 'half-open' ELSE 'closed' END AS state,
        CASE WHEN paused_until > now() THEN extract(epoch FROM paused_until - now())::float8 ELSE 0.0 END
            AS paused_for,
        consecutive_failures,
