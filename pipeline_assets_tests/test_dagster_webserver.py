@@ -396,7 +396,8 @@ def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, databa
     from pipeline_assets.store import db
 
     settings = Settings.from_env().replace(database_url=database_url, openai_api_key="test-key",
-                                           openai_base_url=dev_server.env["OPENAI_BASE_URL"])
+                                           openai_base_url=dev_server.env["OPENAI_BASE_URL"],
+                                           model_max_input_tokens=FAKE_WINDOW)
     with db.make_pool(database_url, max_size=2) as pool:
         added = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
     keys_q = """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
