@@ -638,6 +638,44 @@ def test_rescue_charges_only_a_suspect_alone_in_its_process(q, faults, held_with
         == faults + (0 if charged else 1)
 
 
+def test_a_job_the_rescue_would_charge_is_a_suspect_whatever_the_fault_evidence(q):
+    """The worker's suspect and the rescue's charge agree: a job that met FREE_FAULTS faults,
+    the last a crash, is a suspect even while the provider's failure rate raises the evidence
+    threshold (a fresh process that has seen a few answers: 3-5), so its claim holds it alone
+    and its next crash is charged. The same faults from the provider make no suspect there."""
+    from pipeline_assets.jobs.decisions import alone_if_suspect, suspect
+    from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
+
+    poison, neighbour, flaky = seed(q, 3, max_attempts=3)
+    q.execute("UPDATE app.embedding_jobs SET faults = %s WHERE job_id = %s", (FREE_FAULTS - 1, poison))
+    q.execute("UPDATE app.embedding_jobs SET faults = %s, error_class = 'timeout' WHERE job_id = %s",
+              (FREE_FAULTS, flaky))
+    hide = "UPDATE app.embedding_jobs SET available_at = available_at {} interval '100 years' WHERE job_id = %s"
+    q.execute(hide.format("+"), (flaky,))
+    assert sorted(claim_ids(q, owner="w/run/1")) == sorted([poison, neighbour])
+    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
+              " WHERE status = 'processing'")
+    transitions.rescue_expired(q)  # held with a neighbour: a fault each, nobody charged
+    q.execute(hide.format("-"), (flaky,))
+    q.execute("UPDATE app.embedding_jobs SET available_at = now() - interval '1 second'")
+
+    claimed = transitions.claim(q, model_id=MODEL, owner="w2/run/1", limit=10, lease_seconds=LEASE)
+    by_id = {j.job_id: j for j in claimed}
+    assert by_id[poison].faults == FREE_FAULTS and by_id[flaky].faults == FREE_FAULTS
+    for threshold in range(1, MAX_EVIDENCE_FAULTS + 1):
+        assert suspect(by_id[poison], threshold), threshold
+        assert suspect(by_id[flaky], threshold) == (threshold == 1), threshold
+    kept, back = alone_if_suspect(sorted(claimed, key=lambda j: j.job_id != poison), MAX_EVIDENCE_FAULTS)
+    assert [j.job_id for j in kept] == [poison]
+    q.execute("UPDATE app.embedding_jobs SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL"
+              " WHERE job_id = ANY(%s)", ([j.job_id for j in back],))
+    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
+              " WHERE status = 'processing'")
+    transitions.rescue_expired(q)  # alone in its process: charged
+    assert q.execute("SELECT attempts, faults FROM app.embedding_jobs WHERE job_id = %s",
+                     (poison,)).fetchone() == (1, FREE_FAULTS)
+
+
 # --------------------------------------------------------------------------- requeue_failed
 
 

@@ -47,6 +47,7 @@ class ClaimedJob(NamedTuple):
     throttles: int = 0  # 429s this job met (they use no attempt; past a cap a lone input fails)
     isolate: bool = False  # it was in a batch refused for a bad input: send it alone
     faults: int = 0  # transient faults charged to its requests, not to it (its requests shrink with them)
+    crashed: bool = False  # its last failure was a crash of the worker holding it (jobs.sql rescue_expired)
 
 
 @dataclass(frozen=True)

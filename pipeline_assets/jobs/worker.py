@@ -256,7 +256,8 @@ class Worker:
             self._wake.set()  # the main loop looks whether the whole queue drained
             return WAIT_A_POLL
         # Random provider faults make no suspect; before any answer (a worker restarted after
-        # crashes) every fault counts, as the rescue counts them.
+        # crashes) every fault counts, and so does every fault of a job a crash failed last
+        # (decisions.suspect), as the rescue counts them.
         rates = executor.view.rates
         threshold = rates.fault_threshold() if rates.observed() else 1
         jobs, others = decisions.alone_if_suspect(jobs, threshold)

@@ -70,10 +70,11 @@ WITH async AS (
         attempts = j.attempts + 1,
         updated_at = now()
     WHERE j.job_id = ANY (ARRAY(SELECT job_id FROM picked)) AND EXISTS (SELECT 1 FROM async)
-    RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, j.throttles, j.isolate, j.faults
+    RETURNING j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, j.throttles, j.isolate, j.faults,
+              coalesce(j.error_class IN ('lease_expired', 'worker_dead'), false) AS crashed
 )
 SELECT j.job_id, j.chunk_checksum, j.attempts, j.max_attempts, c.text, c.token_count,
-       EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate, j.faults
+       EXISTS (SELECT 1 FROM gate) AS probe, j.throttles, j.isolate, j.faults, j.crashed
 FROM claimed j
 LEFT JOIN LATERAL (SELECT c.text, c.token_count FROM app.chunks c
                    WHERE c.chunk_checksum = j.chunk_checksum LIMIT 1) AS c ON true
