@@ -183,12 +183,9 @@ def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int,
 
 
 def suspect(job: ClaimedJob, threshold: int = 1) -> bool:
-    """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobs.evidence``;
-    1: every fault is evidence): the next crash it is held in may be its own doing, so it is
-    worked alone in its worker process (``jobs.suspects``). A job whose last failure was a
-    crash of its worker (``ClaimedJob.crashed``) is judged with every fault as evidence, as
-    the rescue (``rescue_expired``) judges it: the provider's failure rate does not explain
-    crashes, so a job the rescue would charge never travels with neighbours."""
+    """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobs.evidence``),
+    worked alone in its process (``jobs.suspects``): its next crash may be its own doing. After
+    a crash (``crashed``) every fault counts, as ``rescue_expired`` counts them."""
     return fault_level(job.faults, 1 if job.crashed else threshold) >= FREE_FAULTS
 
 

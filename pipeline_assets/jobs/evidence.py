@@ -17,8 +17,8 @@ A job's failures point at its inputs only when that many in a row would happen
 by chance with probability at most ``CHANCE``: ``k = ceil(log CHANCE / log p)``,
 bounded to [``MIN_EVIDENCE_FAULTS``, ``MAX_EVIDENCE_FAULTS``] (throttles:
 [``decisions.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
-provider (p near 0 over a full window) gives 1: the first failure already
-shrinks the request; 30% of answers failing gives 4; 60% gives the upper
+provider (a full window of answers: p = 2/56, the pseudo-failures' floor) gives 2:
+a second failure in a row shrinks the request; 30% of answers failing gives 4; 60% gives the upper
 bound, 8. The upper bound is
 what bounds a poison input's sends whatever the provider does.
 """
