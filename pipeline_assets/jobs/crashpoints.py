@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 AFTER_CLAIM = "after_claim"    # jobs leased, provider not yet called
 AFTER_CALL = "after_call"      # provider answered (and billed), nothing committed
 
 
-def reach(name: str, configured: str | None, texts: Sequence[str | None] = ()) -> None:
+def reach(name: str, configured: str | None, texts: Iterable[str | None] = ()) -> None:
     """Freeze here if ``configured`` (the worker's crashpoint setting) names this point
-    (and, with a marker, one of the request's ``texts`` contains it)."""
+    (and, with a marker, one of the request's ``texts`` contains it; read only then)."""
     if configured is None:
         return
     point, _, marker = configured.partition(":")

@@ -62,7 +62,7 @@ THROTTLE_SHRINK_AFTER = 3
 MAX_HALVINGS = 62
 
 # Transient faults (5xx, timeout, dropped connection, unusable answer) a job
-# may meet, counted from the evidence threshold ``k`` (``jobs.evidence``: 1 for a
+# may meet, counted from the evidence threshold ``k`` (``jobs.evidence``: 2 for a
 # healthy provider, at most MAX_EVIDENCE_FAULTS = 8), without being charged an
 # attempt. From the k-th fault on, each one divides the job's requests by
 # 2**FAULT_SHRINK_BITS (a quarter: 256 -> 64 -> 16 -> 4 -> 1, the default batch
@@ -70,7 +70,7 @@ MAX_HALVINGS = 62
 # a fault there costs an attempt. So a poison input (one that breaks every
 # request holding it) is sent at most MAX_EVIDENCE_FAULTS - 1 + FREE_FAULTS +
 # max_attempts times (18 with the defaults; k - 1 + 11 on a provider answering
-# everything else: 11 when healthy), and an innocent one is dead-lettered only
+# everything else: 12 when healthy), and an innocent one is dead-lettered only
 # if k - 1 + FREE_FAULTS + max_attempts requests holding it fail in a row while
 # the provider answers others.
 FREE_FAULTS = 6

@@ -186,7 +186,7 @@ class Executor:
         self.view.last_usable = time.monotonic()
         self.view.limit.answered()
         self.view.rates.record(SUCCESS)
-        crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint, [j.text for j in jobs])
+        crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint, (j.text for j in jobs))
         answer = Answer(call_id, result.tokens, latency)
         stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
                                        model_id=self.provider.spec.model_id)

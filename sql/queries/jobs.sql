@@ -238,18 +238,16 @@ WITH rescuer AS (
 ), dead AS (
     SELECT w.owner_prefix FROM app.workers w, rescuer r
     WHERE w.alive_until < now() AND (r.alive_since <= w.alive_until OR r.alive_since <= r.window_start)
-), rescued AS (
+), judged AS (
     SELECT j.job_id, j.lease_owner, j.lease_expires_at < now() AS expired,
-           count(*) OVER (PARTITION BY left(j.lease_owner, length(j.lease_owner)
-                                                        - strpos(reverse(j.lease_owner), '/') + 1)) = 1 AS alone
+           j.faults >= %(free_faults)s
+           AND count(*) OVER (PARTITION BY left(j.lease_owner, length(j.lease_owner)
+                                                        - strpos(reverse(j.lease_owner), '/') + 1)) = 1 AS charged,
+           NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) AS retired
     FROM app.embedding_jobs j
     WHERE j.status = 'processing'
       AND (j.lease_expires_at < now()
            OR EXISTS (SELECT 1 FROM dead d WHERE starts_with(j.lease_owner, d.owner_prefix)))
-), judged AS (
-    SELECT r.job_id, r.lease_owner, r.expired, r.alone AND j.faults >= %(free_faults)s AS charged,
-           NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) AS retired
-    FROM rescued r JOIN app.embedding_jobs j ON j.job_id = r.job_id
 )
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN g.retired THEN 'superseded'  -- its model was retired: nobody will claim it again
