@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import dagster as dg
 
 from pipeline_assets.app import model_admin
+from pipeline_assets.defs.assets import RERUN_TAG
 from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
 from pipeline_assets.defs.partitions import (
     MODEL_PARTITIONS,
@@ -39,6 +40,7 @@ from pipeline_assets.defs.partitions import (
     embedding_key,
     is_model_key,
 )
+from pipeline_assets.defs.rerun_sensor import GENERATION_TAG
 from pipeline_assets.defs.resources import PostgresResource
 from pipeline_assets.defs.run_requests import (
     EMBED_JOB,
@@ -47,6 +49,7 @@ from pipeline_assets.defs.run_requests import (
     RANGE_START_TAG,
     SYNC_JOB_NAME,
     TRIGGER_TAG,
+    run_span,
 )
 
 SENSOR_NAME = "embed_after_sync"
@@ -59,7 +62,7 @@ BACKFILL_TAG = "dagster/backfill"
 # The jobs whose bucket runs are followed: ours, and the asset job the UI's "Materialize" launches.
 CHAINED_JOBS = (SYNC_JOB_NAME, "__ASSET_JOB")
 # Tags of the sync run its embeddings run keeps (whose run it is, for the sensors' backpressure).
-KEPT_TAGS = (TRIGGER_TAG, "pipeline/rerun", "pipeline/rerun_generation")
+KEPT_TAGS = (TRIGGER_TAG, RERUN_TAG, GENERATION_TAG)
 
 
 def model_keys(instance: dg.DagsterInstance, active: Sequence[str],
@@ -89,18 +92,9 @@ def chains(run: dg.DagsterRun) -> bool:
     return CHUNKS in selected and EMBEDDINGS not in selected
 
 
-def sync_run_buckets(run: dg.DagsterRun) -> tuple[str, str] | None:
-    """The first and last bucket key of a sync run (one partition or a range), None if neither."""
-    tags = run.tags
-    if RANGE_START_TAG in tags and RANGE_END_TAG in tags:
-        return tags[RANGE_START_TAG], tags[RANGE_END_TAG]
-    key = tags.get("dagster/partition")
-    return (key, key) if key else None
-
-
 def embed_request(run: dg.DagsterRun, models: Sequence[str]) -> dg.RunRequest | None:
     """The embeddings run after a sync run: its buckets x ``models`` (in partition order)."""
-    span = sync_run_buckets(run)
+    span = run_span(run)  # its bucket keys
     if span is None or not models:
         return None
     first, last = span

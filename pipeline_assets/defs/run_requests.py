@@ -46,3 +46,12 @@ def range_request(first: str, last: str, run_key: str, tags: dict[str, str], *,
         return dg.RunRequest(run_key=run_key, partition_key=first, tags=tags, job_name=job_name)
     return dg.RunRequest(run_key=run_key, job_name=job_name,
                          tags={**tags, RANGE_START_TAG: first, RANGE_END_TAG: last})
+
+
+def run_span(run: dg.DagsterRun) -> tuple[str, str] | None:
+    """The first and last partition key a run covered (one partition, or a range), None if neither."""
+    tags = run.tags
+    if RANGE_START_TAG in tags and RANGE_END_TAG in tags:
+        return tags[RANGE_START_TAG], tags[RANGE_END_TAG]
+    key = tags.get(PARTITION_TAG)
+    return (key, key) if key else None

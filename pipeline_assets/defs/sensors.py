@@ -63,13 +63,11 @@ from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import (
     IN_FLIGHT,
-    PARTITION_TAG,
-    RANGE_END_TAG,
-    RANGE_START_TAG,
     SYNC_JOB,
     TRIGGER_TAG,
     batch_digest,
     range_request,
+    run_span,
 )
 from pipeline_assets.providers import model_id_for
 from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS, Settings
@@ -132,10 +130,9 @@ def _unhandled_failure(instance: dg.DagsterInstance, handled: str | None) -> dg.
 def _run_buckets(run: dg.DagsterRun) -> tuple[int, int] | None:
     """The first and last bucket a run covered: a bucket run's (``b003``) or the embeddings run
     after it (``b003|model``); None: a run without partition tags."""
-    first = run.tags.get(RANGE_START_TAG) or run.tags.get(PARTITION_TAG)
-    last = run.tags.get(RANGE_END_TAG) or run.tags.get(PARTITION_TAG)
+    span = run_span(run)
     try:
-        return (_bucket_of(first), _bucket_of(last)) if first and last else None
+        return (_bucket_of(span[0]), _bucket_of(span[1])) if span else None
     except ValueError:
         return None
 
