@@ -114,6 +114,8 @@ class Settings:
     home: Path = _setting("PIPELINE_HOME", Path("./.pipeline"), "embedded server data (and `dev`'s DAGSTER_HOME)",
                           shown_default="`./.pipeline`")
     source_dir: str = _setting("PIPELINE_SOURCE_DIR", "examples/corpus", "the directory the Dagster sensors watch")
+    source_database_url: str | None = _setting("PIPELINE_SOURCE_DATABASE_URL", None, "the database of `table:` "
+                                               "sources", secret=True, shown_default="unset: the project's database")
     dagster_database: str = _setting("PIPELINE_DAGSTER_DATABASE", "dagster",
                                      "database for Dagster's own storage, created by `dev` on the same server")
 
@@ -298,7 +300,7 @@ class Settings:
             value = getattr(self, f.name)
             if f.name == "openai_api_key":
                 value = "set" if value else "unset"
-            elif f.name == "database_url" and value:
+            elif f.name in ("database_url", "source_database_url") and value:
                 value = redact_text(value)
             out[f.metadata["env"]] = str(value) if isinstance(value, Path) else value
         return out

@@ -1,0 +1,65 @@
+-- What the pipeline last read of a table source's rows, app.table_rows and
+-- app.table_marks (pipeline_assets/store/table_rows.py).
+
+-- name: stored_digest
+-- The stored rows' digest per bucket, as the source's digest_full computes it.
+SELECT (id_hash & %(mask)s)::int AS bucket, count(*) AS n, bit_xor(version) AS x
+FROM app.table_rows WHERE source = %(source)s GROUP BY 1
+
+-- name: stored_id_digest
+-- The stored rows' id digest per bucket, as the source's digest_ids computes it.
+SELECT (id_hash & %(mask)s)::int AS bucket, count(*) AS n, bit_xor(id_hash) AS x
+FROM app.table_rows WHERE source = %(source)s GROUP BY 1
+
+-- name: listed_create
+-- One scan's listing of the source (row id and change token), copied in as it is
+-- streamed: compared here, so a scan holds no row per table row in Python.
+CREATE TEMP TABLE IF NOT EXISTS table_listed (
+    row_id  text PRIMARY KEY,
+    id_hash bigint NOT NULL,
+    version bigint NOT NULL
+)
+
+-- name: listed_truncate
+TRUNCATE table_listed
+
+-- name: listed_copy
+COPY table_listed (row_id, id_hash, version) FROM STDIN
+
+-- name: listed_analyze
+ANALYZE table_listed
+
+-- name: listed_changed
+-- Listed rows whose version is not the stored one (new or changed): to read.
+SELECT l.row_id FROM table_listed l
+LEFT JOIN app.table_rows r ON r.source = %(source)s AND r.row_id = l.row_id
+WHERE r.version IS DISTINCT FROM l.version
+ORDER BY l.row_id
+
+-- name: listed_gone
+-- Stored rows of the listed buckets that the listing did not find: deleted.
+SELECT r.row_id FROM app.table_rows r
+WHERE r.source = %(source)s AND (r.id_hash & %(mask)s)::int = ANY(%(buckets)s)
+  AND NOT EXISTS (SELECT 1 FROM table_listed l WHERE l.row_id = r.row_id)
+ORDER BY r.row_id
+
+-- name: record_rows
+-- The change tokens of rows just ingested (after their documents were committed).
+INSERT INTO app.table_rows AS r (source, row_id, id_hash, version)
+SELECT %(source)s, t.row_id, t.h, t.v
+FROM unnest(%(ids)s::text[], %(hashes)s::bigint[], %(versions)s::bigint[]) AS t(row_id, h, v)
+ON CONFLICT (source, row_id) DO UPDATE SET id_hash = EXCLUDED.id_hash, version = EXCLUDED.version
+
+-- name: forget_rows
+-- Rows gone from the source whose documents were tombstoned.
+DELETE FROM app.table_rows WHERE source = %(source)s AND row_id = ANY(%(ids)s)
+
+-- name: stored_count
+SELECT count(*) FROM app.table_rows WHERE source = %(source)s
+
+-- name: watermark
+SELECT watermark FROM app.table_marks WHERE source = %(source)s
+
+-- name: set_watermark
+INSERT INTO app.table_marks (source, watermark) VALUES (%(source)s, %(mark)s)
+ON CONFLICT (source) DO UPDATE SET watermark = EXCLUDED.watermark, marked_at = now()

@@ -1,0 +1,64 @@
+-- A table source's own database (pipeline_assets/store/table_source.py). Every
+-- identifier ({table}, {id}, {text}, {updated}) is composed with
+-- psycopg.sql.Identifier from a parsed, validated source string; {id_type} is
+-- the id column's type as the catalog names it (regtype output). No SQL is ever
+-- taken from the source string.
+
+-- name: relation
+-- The relation a source names (a table or a view), NULL when there is none.
+SELECT c.oid, has_table_privilege(c.oid, 'SELECT') AS readable
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s AND c.relname = %(table)s
+
+-- name: columns
+-- The named columns of a relation that exist, with their types.
+SELECT a.attname, a.atttypid::regtype::text
+FROM pg_attribute a
+WHERE a.attrelid = %(oid)s AND a.attnum > 0 AND NOT a.attisdropped AND a.attname = ANY(%(names)s)
+
+-- name: set_timeouts
+-- A locked table or a stuck server is an error of this scan, not a hang.
+SELECT set_config('lock_timeout', %(lock)s, false), set_config('statement_timeout', %(statement)s, false)
+
+-- name: digest_full
+-- The table's digest per bucket: rows and bit_xor of their versions. Compared with
+-- the stored digest, an equal bucket needs no row of it read.
+SELECT (h & %(mask)s)::int AS bucket, count(*) AS n,
+       bit_xor(hashtextextended(coalesce({text}::text, ''), h)) AS x
+FROM (SELECT hashtextextended({id}::text, 0) AS h, {text} FROM {table}) s
+GROUP BY 1
+
+-- name: digest_ids
+-- The ids' digest per bucket (no text read): with an updated column, what finds
+-- deleted rows and rows inserted with an old updated value.
+SELECT (h & %(mask)s)::int AS bucket, count(*) AS n, bit_xor(h) AS x
+FROM (SELECT hashtextextended({id}::text, 0) AS h FROM {table}) s
+GROUP BY 1
+
+-- name: list_buckets
+-- Every row of some buckets with its change token (no text leaves the server).
+SELECT row_id, h, hashtextextended(coalesce(t, ''), h)
+FROM (SELECT {id}::text AS row_id, hashtextextended({id}::text, 0) AS h, {text}::text AS t FROM {table}) s
+WHERE (h & %(mask)s)::int = ANY(%(buckets)s)
+
+-- name: list_updated
+-- Rows whose updated column is at or past the watermark (every row when it is NULL),
+-- with their change token and updated value.
+SELECT {id}::text, hashtextextended({id}::text, 0) AS h,
+       hashtextextended(coalesce({text}::text, ''), hashtextextended({id}::text, 0)), {updated}::text
+FROM {table}
+WHERE %(mark)s::text IS NULL OR {updated} >= %(mark)s::text::{updated_type}
+
+-- name: read_rows
+-- Some rows by id: their change token, text size, and text unless it is over the
+-- size guard (%(max_bytes)s): an oversize row is quarantined without its text leaving
+-- the server.
+SELECT {id}::text, h, hashtextextended(coalesce(t, ''), h), octet_length(t),
+       CASE WHEN octet_length(t) <= %(max_bytes)s THEN t END
+FROM (SELECT {id}, hashtextextended({id}::text, 0) AS h, {text}::text AS t FROM {table}
+      WHERE {id} = ANY(%(ids)s::text[]::{id_type}[])) s
+
+-- name: newest_updated
+-- The watermark a watermark scan stores: read before its listing, so a row updated
+-- during the listing is listed again by the next scan.
+SELECT max({updated})::text FROM {table}
