@@ -147,6 +147,10 @@ class _Ingest:
 
     # -- finding changes ---------------------------------------------------------------
     def _differing(self, *, ids_only: bool) -> list[int]:
+        """The buckets whose digest differs from the stored one (none: the totals are equal)."""
+        total = ROWS.stored_id_total if ids_only else ROWS.stored_total
+        if self.table.total(ids_only=ids_only) == tuple(queries.one_row(self.conn, total, {"source": self.source})):
+            return []
         theirs = self.table.digest(ids_only=ids_only)
         query = ROWS.stored_id_digest if ids_only else ROWS.stored_digest
         ours = {b: (n, x) for b, n, x in self.conn.execute(query, {"source": self.source, "mask": BUCKET_MASK})}

@@ -163,6 +163,13 @@ class OpenTable:
             cur.execute(self.statement(name), params)
             yield from cur
 
+    def total(self, *, ids_only: bool) -> tuple[int, int]:
+        """``(rows, bit_xor)`` of the whole table: of versions, or of id hashes only."""
+        with _errors(self.spec):
+            row = self.conn.execute(self.statement("total_ids" if ids_only else "total_full")).fetchone()
+        assert row is not None
+        return row[0], row[1]
+
     def digest(self, *, ids_only: bool) -> dict[int, tuple[int, int]]:
         """``{bucket: (rows, bit_xor)}`` of the table: of versions, or of id hashes only."""
         with _errors(self.spec):

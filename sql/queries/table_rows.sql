@@ -6,6 +6,14 @@
 SELECT (id_hash & %(mask)s)::int AS bucket, count(*) AS n, bit_xor(version) AS x
 FROM app.table_rows WHERE source = %(source)s GROUP BY 1
 
+-- name: stored_total
+-- The stored rows' whole digest, as the source's total_full computes it.
+SELECT count(*), coalesce(bit_xor(version), 0) FROM app.table_rows WHERE source = %(source)s
+
+-- name: stored_id_total
+-- The stored rows' whole digest of ids, as the source's total_ids computes it.
+SELECT count(*), coalesce(bit_xor(id_hash), 0) FROM app.table_rows WHERE source = %(source)s
+
 -- name: stored_id_digest
 -- The stored rows' id digest per bucket, as the source's digest_ids computes it.
 SELECT (id_hash & %(mask)s)::int AS bucket, count(*) AS n, bit_xor(id_hash) AS x
