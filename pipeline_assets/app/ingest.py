@@ -62,7 +62,6 @@ class IngestReport:
     enqueued: int = 0
     superseded: int = 0
     revived: int = 0
-    skipped: int = 0  # rows of a table source whose text is NULL or empty: not documents
     errors: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:

@@ -23,6 +23,7 @@ COMMAND_MODULES = {
     "status": "reading", "search": "reading", "export": "reading", "settings": "reading",
     "dlq": "dlq", "models": "models",
     "stop-db": "server", "dev": "server", "dagster-env": "server",
+    "source": "source",
 }
 
 

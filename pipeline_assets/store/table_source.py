@@ -181,6 +181,10 @@ class OpenTable:
         """``(row_id, id_hash, version)`` of every row of ``buckets``, streamed."""
         yield from self._stream("list_buckets", {"mask": BUCKET_MASK, "buckets": list(buckets)})
 
+    def list_all(self) -> Iterator[tuple[str, int, int, int | None]]:
+        """``(row_id, id_hash, version, text bytes or None)`` of every row, streamed."""
+        yield from self._stream("list_all", {})
+
     def list_updated(self, mark: str | None) -> Iterator[tuple[str, int, int, str | None]]:
         """``(row_id, id_hash, version, updated)`` of the rows updated at or after ``mark``, streamed."""
         yield from self._stream("list_updated", {"mark": mark})

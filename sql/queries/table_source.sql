@@ -74,3 +74,9 @@ FROM (SELECT {id}, hashtextextended({id}::text, 0) AS h, {text}::text AS t FROM 
 -- The watermark a watermark scan stores: read before its listing, so a row updated
 -- during the listing is listed again by the next scan.
 SELECT max({updated})::text FROM {table}
+
+-- name: list_all
+-- Every row with its change token and text size (no text leaves the server): the
+-- complete listing of the generic source interface (items, the sensor's observe).
+SELECT row_id, h, hashtextextended(coalesce(t, ''), h), octet_length(t)
+FROM (SELECT {id}::text AS row_id, hashtextextended({id}::text, 0) AS h, {text}::text AS t FROM {table}) s
