@@ -113,7 +113,7 @@ def test_a_table_in_another_database_followed_through_the_change_log(env, clean_
             assert (report["changed"], report["deleted"], report["scanned"]) == (1, 1, 1)
             src.execute("TRUNCATE src.notes")
             report = json.loads(cli("ingest", SOURCE, "--json", env=env2).stdout)
-            assert report["deleted"] == 11
+            assert report["deleted"] == 12
             assert clean_db.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 0
             assert "change log removed" in cli("source", "uninstall-triggers", SOURCE, env=env2).stdout
             assert src.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'pipeline_changes%%'"

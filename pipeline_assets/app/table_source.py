@@ -139,12 +139,13 @@ class TableSource:
             return f"not a row of {self.spec.prefix}<id>"
         return None
 
-    def rows(self, row_ids: Sequence[str]) -> list[TableItem]:
-        """The rows of ``row_ids`` that exist now, read (text over the size guard left behind)."""
+    def rows(self, row_ids: Sequence[str], max_bytes: int | None = None) -> list[TableItem]:
+        """The rows of ``row_ids`` that exist now, read (text over ``max_bytes`` left on the server)."""
         found: list[TableItem] = []
+        limit = self.settings.max_input_bytes if max_bytes is None else max_bytes
         try:
             for start in range(0, len(row_ids), READ_PAGE_ROWS):
-                for row in self.table.read(row_ids[start:start + READ_PAGE_ROWS], self.settings.max_input_bytes):
+                for row in self.table.read(row_ids[start:start + READ_PAGE_ROWS], limit):
                     found.append(self._item(row.row_id, row.version, row.size, row))
         except TableSourceError as exc:
             raise self._failed(exc) from None
@@ -167,7 +168,7 @@ class TableSource:
         for start in range(0, len(listed), READ_PAGE_ROWS):
             page = listed[start:start + READ_PAGE_ROWS]
             missing = [i.row_id for i in page if isinstance(i, TableItem) and i.row is None and i.size <= max_bytes]
-            fetched = {r.row_id: r.row for r in self.rows(missing)} if missing else {}
+            fetched = {r.row_id: r.row for r in self.rows(missing, max_bytes)} if missing else {}
             for item in page:
                 assert isinstance(item, TableItem), item
                 yield item, self._outcome(item, item.row or fetched.get(item.row_id), max_bytes)
