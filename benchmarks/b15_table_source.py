@@ -27,11 +27,12 @@ from _common import Timer, emit, fresh_database, settle
 
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.app.table_ingest import CHANGE_LOG, FULL, WATERMARK, scan_table
+from pipeline_assets.app.table_source import TableSource
 from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.jobs import models
 from pipeline_assets.providers.local import LocalHashingProvider
+from pipeline_assets.settings import Settings
 from pipeline_assets.store import change_log, db
-from pipeline_assets.store.table_source import open_table, parse_table_source
 
 SOURCE = "table:src.docs?id=id&text=body&updated=updated_at"
 REPEATS = 3
@@ -76,12 +77,12 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=1_000)
     args = ap.parse_args()
     options = IngestOptions(chunker=Chunker(max_tokens=256, overlap=16), max_bytes=1 << 20)
-    spec = parse_table_source(SOURCE)
     out: dict = {"rows": args.rows, "updates": args.updates, "load": os.getloadavg()[0]}
-    with fresh_database("table") as url, db.session(url) as conn, db.connect(url) as src:
+    with fresh_database("table") as url, db.session(url) as conn:
+        table = TableSource(SOURCE, Settings.from_env({"PIPELINE_DATABASE_URL": url}))
+        spec = table.spec
         load(conn, args.rows)
         seed_tokens(conn, spec.uri)
-        table = open_table(src, spec)
         models.ensure_model(conn, LocalHashingProvider().spec)
 
         baseline, check, mark_check = [], [], []
@@ -110,7 +111,7 @@ def main() -> None:
                      (spec.uri, targets))
         scan_table(conn, table, options, way=FULL)
         updated = {}
-        change_log.install(table)
+        change_log.install(table.table)
         for way, tag in ((CHANGE_LOG, "c"), (WATERMARK, "w"), (FULL, "f")):
             update(conn, 1, args.updates, args.rows, tag)
             before = enqueued(conn)
@@ -118,11 +119,12 @@ def main() -> None:
             with Timer() as t:
                 report, scan = scan_table(conn, table, options, way=way)
             if way == CHANGE_LOG:
-                change_log.uninstall(table)
+                change_log.uninstall(table.table)
             updated[way] = {"seconds": round(t.seconds, 3), "changed": report.changed,
                             "jobs_enqueued": enqueued(conn) - before, "rows_listed": scan.rows_listed,
                             "rows_read": scan.rows_read}
         out["updated"] = updated
+        table.close()
     out["targets"] = {"unchanged_ratio_ge_0.3": out["unchanged"]["ratio"] >= 0.3}
     out["load_after"] = os.getloadavg()[0]
     emit(out)
