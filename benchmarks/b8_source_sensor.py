@@ -91,18 +91,18 @@ def main() -> None:
     parser.add_argument("--skip-before", action="store_true", help="do not measure the old sensor")
     args = parser.parse_args()
 
-    from pipeline_assets.app import observations
+    from pipeline_assets.content import folder_source
     from pipeline_assets.defs import sensors
     from pipeline_assets.store import db
 
     reads: list[str] = []
-    real_checksum = observations.file_checksum
+    real_checksum = folder_source.file_checksum
 
     def counting(item, max_bytes):
         reads.append(item.document_id)
         return real_checksum(item, max_bytes)
 
-    observations.file_checksum = counting
+    folder_source.file_checksum = counting
     result: dict = {"benchmark": "b8_source_sensor", "documents": args.documents,
                     "tick_limit_s": TICK_LIMIT_S}
     with tempfile.TemporaryDirectory(prefix="b8_") as tmp, fresh_database("b8") as url:

@@ -13,6 +13,7 @@ import pytest
 
 from pipeline_assets.app import observations, stages
 from pipeline_assets.app.runtime import chunker_for
+from pipeline_assets.content import folder_source
 from pipeline_assets.defs.partitions import bucket_key, embedding_key
 from pipeline_assets.defs.sensors import decode_cursor, rerun_stale_documents_sensor, source_documents_sensor
 from pipeline_assets.settings import Settings
@@ -159,13 +160,13 @@ def test_empty_source_deletes_nothing(corpus, instance):
 def _count_reads(monkeypatch) -> list[str]:
     """Every file the source sensor reads to checksum it, by document id."""
     reads: list[str] = []
-    real = observations.file_checksum
+    real = folder_source.file_checksum
 
     def counting(item, max_bytes):
         reads.append(item.document_id)
         return real(item, max_bytes)
 
-    monkeypatch.setattr(observations, "file_checksum", counting)
+    monkeypatch.setattr(folder_source, "file_checksum", counting)
     return reads
 
 
@@ -432,7 +433,7 @@ def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
 
 def test_legacy_map_cursor_is_adopted(corpus, conn, instance, monkeypatch):
     _age(corpus)
-    from pipeline_assets.app.observations import file_checksum
+    from pipeline_assets.content.folder_source import file_checksum
     from pipeline_assets.content.sources import scan_directory
 
     docs = {i.document_id: file_checksum(i, 1 << 20) for i in scan_directory(corpus)}

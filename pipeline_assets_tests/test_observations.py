@@ -1,4 +1,5 @@
-"""app/observations.py: the source sensor's fast walk lists exactly what the scan lists."""
+"""app/observations.py and the folder's fast walk (content/folder_source.py): the walk lists
+exactly what the scan lists."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipeline_assets.app import observations
-from pipeline_assets.app.observations import SourceItem, walk
-from pipeline_assets.content.sources import SourceError, scan_directory
+from pipeline_assets.content import folder_source
+from pipeline_assets.content.folder_source import walk
+from pipeline_assets.content.sources import SourceError, SourceItem, scan_directory
 
 
 def _tricky_tree(tmp_path: Path) -> Path:
@@ -74,8 +76,8 @@ def test_scan_compares_in_the_database_and_reads_only_what_it_must(clean_db, tmp
     conn = clean_db
     monkeypatch.setattr(observations, "READ_BATCH", 2)
     reads: list[str] = []
-    real = observations.file_checksum
-    monkeypatch.setattr(observations, "file_checksum",
+    real = folder_source.file_checksum
+    monkeypatch.setattr(folder_source, "file_checksum",
                         lambda item, mb: reads.append(item.document_id) or real(item, mb))
     root = tmp_path / "src"
     (root / "d").mkdir(parents=True)
@@ -90,7 +92,7 @@ def test_scan_compares_in_the_database_and_reads_only_what_it_must(clean_db, tmp
     assert reads == ["fresh.md"]
     seen = _observed(conn, root)
     assert all(observations.is_unread(seen[f"d/old{i}.md"][0]) for i in range(6))
-    assert seen["fresh.md"][0] == real(observations.source_item(root, "fresh.md", str(root / "fresh.md"), 12, 0),
+    assert seen["fresh.md"][0] == real(folder_source.source_item(root, "fresh.md", str(root / "fresh.md"), 12, 0),
                                        1 << 20) and seen["fresh.md"][2] == 0   # racy: mtime 0, read again
 
     reads.clear()

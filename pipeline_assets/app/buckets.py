@@ -39,7 +39,8 @@ from pipeline_assets.app import observations, reports
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.ingest import IngestReport, ingest_documents
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.content.sources import SourceError
+from pipeline_assets.content.folder_source import as_source
+from pipeline_assets.content.source import Source
 from pipeline_assets.store import queries
 
 BUCKETS = queries.load("buckets")
@@ -101,7 +102,7 @@ class BucketSync:
     report: IngestReport = field(default_factory=IngestReport)
 
 
-def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequence[int], n: int, *,
+def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, buckets: Sequence[int], n: int, *,
                  source_changes: bool = True) -> BucketSync:
     """Bring the documents of ``buckets`` (of ``n``) current with the source and the code.
 
@@ -110,17 +111,18 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
     the source sensor's next run. The work goes in pages of SYNC_PAGE_DOCUMENTS documents,
     each read, ingested and recorded before the next: a run's memory is bounded by a page,
     not by what its buckets hold."""
-    root = Path(root).expanduser().resolve()
+    source = as_source(source)
+    root = source.key
     wanted = set(buckets)
-    params = {"root": str(root), "n": n, "buckets": sorted(wanted)}
+    params = {"root": root, "n": n, "buckets": sorted(wanted)}
     done = BucketSync(scan=observations.Scan())
     with pool.connection() as conn:
         check_buckets(conn, n)
         if source_changes:
-            done.scan = observations.scan(conn, root, max_bytes=rt.settings.max_input_bytes,
+            done.scan = observations.scan(conn, source, max_bytes=rt.settings.max_input_bytes,
                                           keep=lambda doc: bucket_of(doc, n) in wanted)
-        elif not root.is_dir():
-            raise SourceError(f"source directory not found: {root}")
+        else:
+            source.check()
     if source_changes:
         after = ""
         while True:
@@ -130,25 +132,25 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
             if not rows:
                 break
             after = rows[-1][0]
-            _sync_page(rt, pool, root, rows, done)
+            _sync_page(rt, pool, source, rows, done)
         if not done.scan.empty_refused:
             with pool.connection() as conn:
                 orphans = [r[0] for r in conn.execute(BUCKETS.unobserved_current, params)]
             for page in _pages(orphans):
-                done.report.add(ingest_documents(rt, pool, root, page))
+                done.report.add(ingest_documents(rt, pool, source, page))
             done.gone += len(orphans)
     # After the changed documents: those are current now, and only the rest is stale. Selected in
     # the database for this source and these buckets, a page at a time (the extract pass brings a
     # document's chunk stage current too, so the chunk pass finds only what is stale there alone).
     for stage in rerun_uc.VERSIONED_STAGES:
-        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=str(root), buckets=sorted(wanted),
+        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=root, buckets=sorted(wanted),
                                       n=n, page_size=SYNC_PAGE_DOCUMENTS):
-            done.report.add(ingest_documents(rt, pool, root, [t.document_id for t in targets]))
+            done.report.add(ingest_documents(rt, pool, source, [t.document_id for t in targets]))
             done.stale += len(targets)
     return done
 
 
-def _sync_page(rt: Runtime, pool: ConnectionPool, root: Path, rows: list[tuple[str, str | None, bool]],
+def _sync_page(rt: Runtime, pool: ConnectionPool, source: Source, rows: list[tuple[str, str | None, bool]],
                done: BucketSync) -> None:
     """One page of unsynced observations: ingest the new or changed files and tombstone the gone
     ones, then record the page as synced (a new file at the checksum of the bytes ingested)."""
@@ -159,18 +161,19 @@ def _sync_page(rt: Runtime, pool: ConnectionPool, root: Path, rows: list[tuple[s
     # ingested them); a stale one among them is re-extracted as stale.
     todo = [*changed, *gone]
     if todo:
-        done.report.add(ingest_documents(rt, pool, root, todo))
+        done.report.add(ingest_documents(rt, pool, source, todo))
+    root = source.key
     with pool.connection() as conn:
         synced = {**changed, **current}
         if synced:
             ids = list(synced)
-            conn.execute(BUCKETS.mark_synced, {"root": str(root), "ids": ids, "checksums": [synced[d] for d in ids]})
+            conn.execute(BUCKETS.mark_synced, {"root": root, "ids": ids, "checksums": [synced[d] for d in ids]})
         unread = [d for d in changed if observations.is_unread(changed[d])]
         if unread:
-            conn.execute(BUCKETS.resolve_unread, {"root": str(root), "ids": unread,
+            conn.execute(BUCKETS.resolve_unread, {"root": root, "ids": unread,
                                                   "checksums": [changed[d] for d in unread]})
         if gone:
-            conn.execute(OBS.forget_gone, {"root": str(root), "ids": gone})
+            conn.execute(OBS.forget_gone, {"root": root, "ids": gone})
     done.changed += len(changed)
     done.gone += len(gone)
 

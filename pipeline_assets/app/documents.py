@@ -6,13 +6,13 @@ extract/chunk stage rows), in the transactions ingest opens. SQL:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import psycopg
 from psycopg.rows import class_row
 
 from pipeline_assets.content.extract import ExtractorVersions
 from pipeline_assets.content.process import KnownDocument, Processed
+from pipeline_assets.content.source import Source
 from pipeline_assets.jobs import transitions
 from pipeline_assets.store import queries
 
@@ -30,8 +30,9 @@ def write_lock(conn: psycopg.Connection) -> None:
     conn.execute(DOCS.write_lock, {"key": INGEST_WRITE_LOCK_KEY})
 
 
-def register_source(conn: psycopg.Connection, root: Path) -> int:
-    return queries.scalar(conn, DOCS.register_source, {"root": str(root)})
+def register_source(conn: psycopg.Connection, source: Source) -> int:
+    """The source's row (its key and kind), created on first use."""
+    return queries.scalar(conn, DOCS.register_source, {"root": source.key, "kind": source.kind})
 
 
 def source_roots(conn: psycopg.Connection) -> list[str]:
@@ -95,6 +96,7 @@ def write_documents(conn: psycopg.Connection, source_id: int, todo: list[Process
         "exts": [extractor_version.of(p.item.document_id) for p in todo],
         "ids": [p.item.document_id for p in todo], "uris": [p.item.source_uri for p in todo],
         "checksums": [p.checksum for p in todo], "sizes": [p.item.size for p in todo],
+        "tokens": [p.item.token for p in todo],
         "text_checksums": [p.text_checksum for p in todo], "counts": [len(p.chunks) for p in todo],
         "classes": [p.error_class for p in todo], "messages": [p.error_message for p in todo]}).fetchall()
     pk_of: dict[str, int] = dict(rows)

@@ -19,6 +19,7 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app import buckets, model_admin, reports, stages
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.content.source import Source
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
@@ -130,7 +131,7 @@ def outstanding(cov: reports.Coverage) -> int:
     return max(cov.wanted - cov.ready - cov.failed, 0)
 
 
-def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path, document_ids: Sequence[str], *,
+def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path | str, document_ids: Sequence[str], *,
                     poll_seconds: float | None = None, in_process: bool = True,
                     deadline_seconds: float | None = None) -> DocumentsEmbedded:
     """Make sure the current chunks of some documents have jobs, then wait until
@@ -176,7 +177,7 @@ class BucketsEmbedded:
     waited_seconds: float = 0.0
 
 
-def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path, bucket_ids: Sequence[int], n: int, *,
+def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_ids: Sequence[int], n: int, *,
                   poll_seconds: float | None = None, in_process: bool = True,
                   deadline_seconds: float | None = None) -> BucketsEmbedded:
     """``embed_and_wait`` for the current documents of some buckets (of ``n``), read and
@@ -348,10 +349,10 @@ class DirectoryEmbedded:
         return asdict(self)
 
 
-def embed_directory(rt: Runtime, pool: ConnectionPool, root: Path, *,
+def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
                     concurrency: int = DEFAULT_CONCURRENCY, stop: threading.Event | None = None,
                     observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
-    """`embed DIR`: ingest the directory, work until idle, and summarise."""
+    """`embed SOURCE`: ingest the source, work until idle, and summarise."""
     started = time.monotonic()
     model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
     ing = ingest_source(rt, pool, root)

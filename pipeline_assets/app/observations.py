@@ -35,24 +35,22 @@ every file and repairs the store.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 
-from pipeline_assets.content.sources import SourceError, SourceItem, escape_name, item_for
+from pipeline_assets.content.folder_source import as_source
+from pipeline_assets.content.source import CHECKSUM_HEX as CHECKSUM_HEX
+from pipeline_assets.content.source import Observed, Source
 from pipeline_assets.store import queries
 
 OBS = queries.load("observations")
 
-CHECKSUM_HEX = 16                # 64-bit prefix of sha256: enough to tell versions of one document apart
 RACY_NS = 2_000_000_000          # a file modified this close (ns) to its scan is read again on the next one
 UNREAD = "~"                     # starts the placeholder checksum of a new file no scan has read (never hex)
-READ_BLOCK = 1 << 20             # bytes per read while hashing a file
 READ_BATCH = 2_000               # rows of files to read fetched at a time from the scan's comparison
 # A file whose requested run ended without syncing it is requested again after
 # RETRY_BASE_SECONDS, then twice as long after each further failed request of the
@@ -62,25 +60,6 @@ RETRY_BASE_SECONDS = 60.0
 RETRY_CAP_SECONDS = 3600.0
 
 
-def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
-    """sha256 prefix of the bytes, or of size+mtime for files the core will not read; None if unreadable."""
-    h = hashlib.sha256()
-    if item.problem:
-        # Out of the source root: quarantined without being read; never read here either.
-        h.update(f"{item.problem}:{item.size}:{item.mtime_ns}".encode())
-    elif item.size > max_bytes:
-        # Quarantined as too large without being read; do not read it here either.
-        h.update(f"oversize:{item.size}:{item.mtime_ns}".encode())
-    else:
-        try:
-            with open(item.path, "rb") as f:
-                for block in iter(lambda: f.read(READ_BLOCK), b""):
-                    h.update(block)
-        except OSError:
-            return None
-    return h.hexdigest()[:CHECKSUM_HEX]
-
-
 def unread_checksum(size: int, mtime_ns: int) -> str:
     """The placeholder observation of a new file that was listed but not read."""
     return f"{UNREAD}{size}.{mtime_ns}"
@@ -88,53 +67,6 @@ def unread_checksum(size: int, mtime_ns: int) -> str:
 
 def is_unread(checksum: str | None) -> bool:
     return checksum is not None and checksum.startswith(UNREAD)
-
-
-def walk(root: Path) -> Iterator[tuple[str, int, int, str | SourceItem]]:
-    """(document_id, size, mtime_ns, path or item) of exactly the items ``scan_directory``
-    yields, in no particular order, at a fraction of its cost: a plain file costs one
-    ``lstat`` and no ``SourceItem`` (its path is given: ``source_item`` builds the item if it
-    has to be read); a symlink is classified by ``item_for`` as the scan classifies it.
-    Raises SourceError as the scan does (a missing root, a directory that cannot be listed)."""
-    root = Path(root).absolute()
-    if not root.is_dir():
-        raise SourceError(f"source directory not found: {root}")
-    stack = [("", str(root))]
-    while stack:
-        prefix, directory = stack.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = [e for e in it if not e.name.startswith(".")]
-        except OSError as e:
-            raise SourceError(f"cannot read directory {directory}: {e}") from e
-        names = [e.name if e.name.isascii() else escape_name(e.name) for e in entries]
-        if len(set(names)) < len(names):
-            # As the scan does: a real name keeps its id; an undecodable one escaping to it is skipped.
-            real = {e.name for e in entries}
-            kept = [(e, n) for e, n in zip(entries, names) if n == e.name or n not in real]
-        else:
-            kept = list(zip(entries, names))
-        for entry, name in kept:
-            doc = prefix + name
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append((doc + "/", entry.path))
-                elif entry.is_file(follow_symlinks=False):
-                    st = entry.stat(follow_symlinks=False)
-                    yield doc, st.st_size, st.st_mtime_ns, entry.path
-                elif entry.is_symlink():
-                    item = item_for(root, doc)
-                    if item is not None:
-                        yield doc, item.size, item.mtime_ns, item
-            except (OSError, ValueError):
-                continue   # vanished during the walk, a broken link or a loop (the scan skips those too)
-
-
-def source_item(root: Path, document_id: str, path: str, size: int, mtime_ns: int) -> SourceItem:
-    """The item of a plain file ``walk`` listed (under the root: reached through real directories)."""
-    p = Path(path)
-    return SourceItem(document_id=document_id, path=p, size=size, mtime_ns=mtime_ns, source_uri=p.as_uri(),
-                      root=os.path.realpath(root))
 
 
 @dataclass
@@ -148,46 +80,47 @@ class Scan:
     empty_refused: int = 0    # the source is empty: this many present documents were NOT marked gone
 
 
-def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
+def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
          keep: Callable[[str], bool] | None = None) -> Scan:
-    """Walk ``root`` and bring its observations up to date. Raises SourceError if it
+    """List ``source`` and bring its observations up to date. Raises SourceError if it
     cannot be listed. An empty source does not mark everything gone (``empty_refused``).
     ``keep``: only the documents it accepts are observed (and only they can be gone):
     a bucket run scans its own buckets.
 
-    The walk is streamed into a temporary table and compared with the stored observations
-    there: the scan holds no row per file, only the files it has to read (changed, racy)
-    one batch at a time, and those few whose path is not ``root/document_id`` (symlinks,
-    escaped names)."""
-    root_key = str(root)
+    The listing is streamed into a temporary table and compared with the stored observations
+    there: the scan holds no row per item, only the items it has to fingerprint (changed,
+    racy) one batch at a time, and the handles of those few the source cannot find by id
+    (a folder's symlinks and escaped names). An item whose listing carries its fingerprint
+    (a content token) is compared in the database and never read."""
+    source = as_source(source)
+    root_key = source.key
     started_ns = time.time_ns()
-    base = os.path.join(str(Path(root).absolute()), "")   # walk's own prefix of a plain file's path
     result = Scan()
-    odd: dict[str, str | SourceItem] = {}    # kept documents whose file is not at base + id
+    refs: dict[str, object] = {}    # kept documents the source needs a handle to find again
     walked = 0
     params = {"root": root_key, "settled_before": started_ns - RACY_NS, "unread": UNREAD}
     with conn.transaction():
         conn.execute(OBS.walk_create)
         with conn.cursor().copy(OBS.walk_copy) as copy:
-            for doc, size, mtime_ns, found in walk(root):
+            for doc, size, mtime_ns, ref, checksum in source.observe():
                 kept = keep is None or keep(doc)
                 walked += 1
                 if kept:
                     result.present += 1
-                    if isinstance(found, SourceItem) or found != base + doc:
-                        odd[doc] = found
-                copy.write_row((doc, size, mtime_ns, kept))
+                    if ref is not None:
+                        refs[doc] = ref
+                copy.write_row((doc, size, mtime_ns, kept, checksum))
         conn.execute(OBS.walk_analyze)
         conn.execute(OBS.stage_create)
+        # Listed with their fingerprint: compared here, nothing read.
+        result.written += conn.execute(OBS.stage_listed, params).rowcount
         # New and settled: nothing to compare their bytes with; the run that ingests them reads them.
         result.unread = conn.execute(OBS.stage_unread, params).rowcount
         rows: list[tuple[str, str, int, int]] = []
         with conn.cursor(name="observations_to_read") as cur:
             cur.itersize = READ_BATCH
             for doc, size, mtime_ns, *old in cur.execute(OBS.walked_to_read, params):
-                found = odd.get(doc, base + doc)
-                item = found if isinstance(found, SourceItem) else source_item(root, doc, found, size, mtime_ns)
-                value = file_checksum(item, max_bytes)
+                value = source.fingerprint(Observed(doc, size, mtime_ns, refs.get(doc)), max_bytes)
                 result.hashed += 1
                 if value is None:
                     result.unreadable += 1   # look again next tick; the old observation stands
@@ -219,19 +152,19 @@ def _stage(conn: psycopg.Connection, rows: list[tuple[str, str, int, int]]) -> N
                 copy.write_row(row)
 
 
-def adopt(conn: psycopg.Connection, root: Path, docs: dict[str, str], generation: int) -> None:
+def adopt(conn: psycopg.Connection, root: Path | str, docs: dict[str, str], generation: int) -> None:
     """Seed the observations from a legacy cursor map, as requested by ``generation``."""
     ids = sorted(docs)
     conn.execute(OBS.adopt, {"root": str(root), "ids": ids, "checksums": [docs[d] for d in ids],
                              "generation": generation})
 
 
-def mark_synced_as_stored(conn: psycopg.Connection, root: Path, document_ids: Sequence[str]) -> None:
+def mark_synced_as_stored(conn: psycopg.Connection, root: Path | str, document_ids: Sequence[str]) -> None:
     """Documents ingested by id (not by a bucket run): their observations synced at the stored bytes."""
     conn.execute(OBS.mark_synced_as_stored, {"root": str(root), "ids": list(document_ids)})
 
 
-def latest_generation(conn: psycopg.Connection, root: Path) -> int | None:
+def latest_generation(conn: psycopg.Connection, root: Path | str) -> int | None:
     return queries.scalar(conn, OBS.latest_generation, {"root": str(root)})
 
 
@@ -244,13 +177,13 @@ class PendingBucket:
     digest: str               # of its pending (document, checksum) pairs
 
 
-def pending_buckets(conn: psycopg.Connection, root: Path, generation: int, buckets: int) -> list[PendingBucket]:
+def pending_buckets(conn: psycopg.Connection, root: Path | str, generation: int, buckets: int) -> list[PendingBucket]:
     """The buckets (of ``buckets``) holding what a tick starting from ``generation`` has to request."""
     rows = conn.execute(OBS.pending_buckets, {"root": str(root), "generation": generation, "n": buckets})
     return [PendingBucket(int(b), int(d), int(g), int(w), h) for b, d, g, w, h in rows.fetchall()]
 
 
-def mark_buckets_requested(conn: psycopg.Connection, root: Path, bucket_ids: Iterable[int], buckets: int,
+def mark_buckets_requested(conn: psycopg.Connection, root: Path | str, bucket_ids: Iterable[int], buckets: int,
                            generation: int) -> None:
     """Every pending file of some buckets, as requested by ``generation``."""
     conn.execute(OBS.mark_requested_buckets, {"root": str(root), "generation": generation, "n": buckets,
@@ -265,7 +198,7 @@ class Retries:
     next_in: float | None     # seconds until the first is due (None: none waiting)
 
 
-def schedule_retries(conn: psycopg.Connection, root: Path, generation: int) -> Retries:
+def schedule_retries(conn: psycopg.Connection, root: Path | str, generation: int) -> Retries:
     """At a tick with none of the sensor's runs in flight (so every request of an earlier generation
     has ended): give the files those requests left unsynced their time to be requested again, and
     say how many still wait."""
@@ -276,13 +209,13 @@ def schedule_retries(conn: psycopg.Connection, root: Path, generation: int) -> R
     return Retries(int(waiting), None if next_in is None else max(float(next_in), 0.0))
 
 
-def retry_now(conn: psycopg.Connection, root: Path, document_ids: Sequence[str]) -> int:
+def retry_now(conn: psycopg.Connection, root: Path | str, document_ids: Sequence[str]) -> int:
     """Documents re-ingested behind the sensor's back (a reconciliation): those waiting out a
     failed request's backoff are due now, so their bucket run, which embeds them, comes next."""
     return conn.execute(OBS.retry_now, {"root": str(root), "ids": list(document_ids)}).rowcount
 
 
-def unsync_unembedded(conn: psycopg.Connection, root: Path, first: int, last: int, buckets: int,
+def unsync_unembedded(conn: psycopg.Connection, root: Path | str, first: int, last: int, buckets: int,
                       model_id: str) -> int:
     """After a failed or cancelled bucket run over ``first``..``last``: the files it synced whose
     document still lacks a vector of ``model_id`` are requested again like the files it did not

@@ -10,16 +10,18 @@ deletes the vectors and index of models retired longer than the grace period.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents, model_admin, stages
-from pipeline_assets.app.ingest import ingest_directory, register_model
+from pipeline_assets.app.ingest import ingest_all, register_model
 from pipeline_assets.app.runtime import IngestOptions, Runtime
-from pipeline_assets.content.sources import SourceError
+from pipeline_assets.app.source_registry import open_source
+from pipeline_assets.content.folder_source import FolderSource
+from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.jobs import transitions
 
 
@@ -47,7 +49,8 @@ def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> 
     with pool.connection() as conn:
         enqueued = register_model(conn, rt)
         report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan,
-                           backoff=(rt.settings.backoff_base, rt.settings.backoff_cap))
+                           backoff=(rt.settings.backoff_base, rt.settings.backoff_cap),
+                           opener=lambda key: open_source(key, rt.settings))
     report.enqueued += enqueued
     purged = model_admin.purge_expired(pool, rt.settings.model_retire_grace)
     report.purged_models, report.purged_vectors = len(purged), sum(purged.values())
@@ -55,15 +58,17 @@ def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> 
 
 
 def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str | None = None,
-              rescan: bool = True, backoff: tuple[float, float] = (0.0, 0.0)) -> ReconcileReport:
-    """``backoff``: (base, cap) of the full-jitter delay a rescued job waits out."""
+              rescan: bool = True, backoff: tuple[float, float] = (0.0, 0.0),
+              opener: Callable[[str], Source] = FolderSource) -> ReconcileReport:
+    """``backoff``: (base, cap) of the full-jitter delay a rescued job waits out; ``opener``:
+    the source a stored key names (``source_registry.open_source``)."""
     report = ReconcileReport()
     if rescan:
         for root in documents.source_roots(conn):
             try:
-                scan = ingest_directory(conn, Path(root), options)
+                scan = ingest_all(conn, opener(root), options)
             except SourceError as exc:
-                # A source that vanished entirely is reported, never mass-tombstoned.
+                # A source that vanished entirely or cannot be listed now is reported, never tombstoned.
                 report.missing_sources.append(str(exc))
                 continue
             report.sources += 1

@@ -29,7 +29,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from psycopg_pool import ConnectionPool
@@ -38,6 +37,7 @@ from pipeline_assets.app import documents as documents_
 from pipeline_assets.app import stages
 from pipeline_assets.app.ingest import ingest_documents, register_model
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.app.stages import RerunTarget
 from pipeline_assets.jobs import transitions
 
@@ -136,7 +136,7 @@ def rerun(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget]) -> 
     rt.options.force = True
     total = 0
     for root, ids in _by_root(targets).items():
-        total += ingest_documents(rt, pool, Path(root), ids).scanned
+        total += ingest_documents(rt, pool, open_source(root, rt.settings), ids).scanned
     return total
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import click
 
@@ -12,6 +11,7 @@ from pipeline_assets.app import ingest as ingest_uc
 from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.metrics import WorkMetrics
+from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.cli.common import emit, expected_errors, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
@@ -28,15 +28,16 @@ def migrate() -> None:
 
 
 @click.command()
-@click.argument("directory")
+@click.argument("source")
 @click.option("--allow-empty", is_flag=True, help="Allow an empty source to tombstone all its documents.")
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
-def ingest(directory: str, allow_empty: bool, as_json: bool) -> None:
-    """Scan, checksum, extract, chunk and enqueue DIRECTORY. No provider calls."""
+def ingest(source: str, allow_empty: bool, as_json: bool) -> None:
+    """Scan, checksum, extract, chunk and enqueue SOURCE (a directory, s3://BUCKET/PREFIX). No provider calls."""
     rt = runtime(allow_empty=allow_empty)
+    src = open_source(source, settings())
     with pool() as p:
-        report = ingest_uc.ingest_source(rt, p, Path(directory))
+        report = ingest_uc.ingest_source(rt, p, src)
     emit(report.as_dict(), as_json, pairs)
 
 
@@ -77,16 +78,17 @@ def _serve_metrics(rt, p, host: str, port: int) -> WorkMetrics:
 
 
 @click.command()
-@click.argument("directory")
+@click.argument("source")
 @click.option("--concurrency", default=None, type=click.IntRange(1, 256))
 @click.option("--allow-empty", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
-def embed(directory: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
-    """Ingest DIRECTORY, then work until idle: the one-shot job."""
+def embed(source: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
+    """Ingest SOURCE (a directory, s3://BUCKET/PREFIX), then work until idle: the one-shot job."""
     rt = runtime(allow_empty=allow_empty)
+    src = open_source(source, settings())
     with pool() as p, work_progress(p) as bar:
-        summary = embed_uc.embed_directory(rt, p, Path(directory),
+        summary = embed_uc.embed_directory(rt, p, src,
                                            concurrency=concurrency or DEFAULT_CONCURRENCY,
                                            stop=stop_on_signals(), observe=bar.observe)
     emit(summary.as_dict(), as_json, pairs)

@@ -1,4 +1,4 @@
-"""One source item to chunks: read under the size guard, checksum, then extract
+"""One source item to chunks: read under the size guard (the source's read), checksum, then extract
 and chunk in a child process killed at the wall-clock limit, under a memory
 limit and the caps on text and chunks per document. No database: the caller
 says what it already knows of the document and writes the result.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pipeline_assets.content.chunking import Chunk, Chunker, get_encoding
 from pipeline_assets.content.extract import ExtractError, ExtractorVersions, extract_text
 from pipeline_assets.content.sandbox import Sandbox
-from pipeline_assets.content.sources import SourceItem, read_guarded
+from pipeline_assets.content.source import Item, ReadOutcome, Source
 from pipeline_assets.settings import ERROR_MESSAGE_MAX_CHARS
 
 # Error class of a file that exists but cannot be read (permissions, I/O error).
@@ -38,11 +38,12 @@ class KnownDocument:
     status: str
     error_class: str | None
     size_bytes: int | None
+    source_token: str | None
 
 
 @dataclass
 class Processed:
-    item: SourceItem
+    item: Item
     checksum: bytes | None
     text_checksum: bytes | None
     chunks: list[Chunk]
@@ -112,7 +113,7 @@ class Extractor:
     def pending(self) -> int:
         return self.sandbox.pending
 
-    def submit(self, item: SourceItem, checksum: bytes, raw: bytes) -> bool:
+    def submit(self, item: Item, checksum: bytes, raw: bytes) -> bool:
         """Queue one document; False when the queue is full (``take`` first)."""
         if not self._warm:
             # Load the tokenizer and the parsers here, once: every child inherits them, and
@@ -135,24 +136,33 @@ class Extractor:
         return Processed(item, checksum, text_checksum, chunks)
 
 
-def read_item(item: SourceItem, known: KnownDocument | None, *, chunker_version: str, max_bytes: int,
-              extractor_version: ExtractorVersions, force: bool = False) -> Processed | tuple[bytes, bytes] | None:
-    """Read and checksum one item: None when nothing changed, a quarantine when it cannot be
+def unchanged_by_token(source: Source, item: Item, known: KnownDocument | None, *, chunker_version: str,
+                       extractor_version: ExtractorVersions) -> bool:
+    """True when the source's token vouches for the bytes (``content_tokens``) and it is the
+    token of the stored version, under the same code versions: the item is not read."""
+    return (source.content_tokens and known is not None and known.status != "deleted"
+            and known.source_token == item.token
+            and known.extractor_version == extractor_version.of(item.document_id)
+            and known.chunker_version == chunker_version)
+
+
+def check_read(item: Item, outcome: ReadOutcome, known: KnownDocument | None, *, chunker_version: str,
+               extractor_version: ExtractorVersions, force: bool = False) -> Processed | tuple[bytes, bytes] | None:
+    """Judge one item's read: None when nothing changed, a quarantine when it could not be
     read, else ``(checksum, raw)`` to extract.
 
     Unchanged means: same raw bytes under the same extractor and chunker
     versions, or the same quarantine (same error class and size) again.
     ``force`` (a rerun) processes it anyway.
     """
-    try:
-        raw = read_guarded(item, max_bytes)
-    except ExtractError as exc:
+    if isinstance(outcome, ExtractError):
         if (not force and known is not None and known.status == "quarantined"
-                and known.error_class == exc.error_class and known.size_bytes == item.size):
+                and known.error_class == outcome.error_class and known.size_bytes == item.size):
             return None
-        return Processed(item, None, None, [], exc.error_class, exc.message)
-    except OSError as exc:
-        return Processed(item, None, None, [], UNREADABLE, f"{type(exc).__name__}: {exc}")
+        return Processed(item, None, None, [], outcome.error_class, outcome.message)
+    if isinstance(outcome, OSError):
+        return Processed(item, None, None, [], UNREADABLE, f"{type(outcome).__name__}: {outcome}")
+    raw = outcome
     checksum = hashlib.sha256(raw).digest()
     if (not force and known is not None and known.extractor_version == extractor_version.of(item.document_id)
             and known.chunker_version == chunker_version and known.source_checksum == checksum
@@ -161,14 +171,23 @@ def read_item(item: SourceItem, known: KnownDocument | None, *, chunker_version:
     return checksum, raw
 
 
-def process_items(items: Iterable[SourceItem], known: Mapping[str, KnownDocument], *, extractor: Extractor,
-                  max_bytes: int, extractor_version: ExtractorVersions,
-                  force: bool = False) -> Iterator[tuple[SourceItem, Processed | None]]:
-    """Every item with its result (None: unchanged), in no particular order. Reading the
-    next files overlaps the extraction of earlier ones in the child."""
+def process_items(source: Source, items: Iterable[Item], known: Mapping[str, KnownDocument], *,
+                  extractor: Extractor, max_bytes: int, extractor_version: ExtractorVersions,
+                  force: bool = False) -> Iterator[tuple[Item, Processed | None]]:
+    """Every item with its result (None: unchanged), in no particular order. The source reads
+    the items its token cannot vouch for (``Source.read_all``: in parallel where it pays);
+    reading the next ones overlaps the extraction of earlier ones in the child."""
+    chunker_version = extractor.spec.chunker.version
+    to_read: list[Item] = []
     for item in items:
-        step = read_item(item, known.get(item.document_id), chunker_version=extractor.spec.chunker.version,
-                         max_bytes=max_bytes, extractor_version=extractor_version, force=force)
+        if not force and unchanged_by_token(source, item, known.get(item.document_id),
+                                            chunker_version=chunker_version, extractor_version=extractor_version):
+            yield item, None
+        else:
+            to_read.append(item)
+    for item, outcome in source.read_all(to_read, max_bytes):
+        step = check_read(item, outcome, known.get(item.document_id), chunker_version=chunker_version,
+                          extractor_version=extractor_version, force=force)
         if not isinstance(step, tuple):
             yield item, step
             continue

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError
+from pipeline_assets.content.source import SourceError
+
+__all__ = ["NOT_REGULAR", "OUTSIDE_ROOT", "SourceError", "SourceItem", "document_id_problem", "escape_name",
+           "item_for", "read_guarded", "scan_directory", "unescape_id"]
 
 # Error classes of items that are listed but never read.
 OUTSIDE_ROOT = "outside_root"        # its real path is not under the source root (a symlink out of it)
@@ -41,10 +45,6 @@ _ESCAPE = re.compile("%(25|[89A-F][0-9A-F])")
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-class SourceError(Exception):
-    """The source as a whole cannot be scanned (missing root, unreadable dir)."""
-
-
 @dataclass(frozen=True)
 class SourceItem:
     document_id: str  # path relative to the root, "/"-separated, escaped if not UTF-8
@@ -54,6 +54,11 @@ class SourceItem:
     source_uri: str  # file:// URI of the absolute path
     root: str  # real path of the source root: reads are confined under it
     problem: str | None = None  # error class found by the scan (outside_root): quarantined, never read
+
+    @property
+    def token(self) -> str:
+        """The change token: size and mtime (a prefilter: a rewrite may keep both)."""
+        return f"{self.size}.{self.mtime_ns}"
 
 
 # -- ids ------------------------------------------------------------------------------------

@@ -44,7 +44,6 @@ import hashlib
 import time
 import warnings
 from collections.abc import Generator, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -140,7 +139,7 @@ def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, b
         {key: {DOCUMENTS: docs[key]} for key in docs}))
 
 
-def _embed(rt: Runtime, pool: ConnectionPool, root: Path, buckets: list[int], n: int, in_process: bool,
+def _embed(rt: Runtime, pool: ConnectionPool, root: str, buckets: list[int], n: int, in_process: bool,
            embedding_run: EmbeddingRunResource, partitions: int) -> BucketsEmbedded:
     """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
     try:
@@ -205,20 +204,22 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         keys = list(context.partition_keys)
         buckets = bucket_indexes(keys)
         rt = embedding_provider.runtime(run_id=context.run.run_id)
-        root = source.root_path(rt.settings)
+        src = source.source(rt.settings)
+        root = src.key
         try:
             # A rerun after a code fix re-extracts the stale documents only; source changes are the source
             # sensor's run (a backfill or a "materialize" from the UI does both).
-            done = bk.sync_buckets(rt, postgres.pool(), root, buckets, n,
+            done = bk.sync_buckets(rt, postgres.pool(), src, buckets, n,
                                    source_changes=RERUN_TAG not in context.run.tags)
         except bk.BucketCountMismatch as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         with postgres.connection() as conn:
-            states = bk.states_of(conn, str(root), buckets, n)
+            states = bk.states_of(conn, root, buckets, n)
         for b, state in states.items():
             context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
             context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))
-        run_meta: dict[str, Any] = {"partitions": len(keys), "source_root": str(root), "files_read": done.scan.hashed,
+        run_meta: dict[str, Any] = {"partitions": len(keys), "source": src.describe(), "source_root": root,
+                    "source_kind": src.kind, "files_read": done.scan.hashed,
                     "changed_documents": done.changed, "stale_documents": done.stale,
                     "gone_documents": done.gone}
         yield dg.MaterializeResult(
@@ -255,7 +256,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
         per_model = keys_by_model(keys)
         settings = embedding_provider.settings()
         in_process = embedding_run.embeds_in_process(settings)
-        root = source.root_path(settings)
+        root = source.source(settings).key
         pool = postgres.pool()
         with postgres.connection() as conn:
             try:
@@ -273,7 +274,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
             done = _embed(rt, pool, root, buckets, n, in_process, embedding_run, len(keys))
             with postgres.connection() as conn:
-                states = bk.states_of(conn, str(root), buckets, n)
+                states = bk.states_of(conn, root, buckets, n)
             for b in buckets:
                 bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
                 versions[key] = embedding_version(model_id, states[b], bucket_cov)

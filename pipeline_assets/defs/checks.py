@@ -49,7 +49,7 @@ def build_coverage_check(settings: Settings) -> dg.AssetChecksDefinition:
                                embedding_provider: EmbeddingProviderResource,
                                source: SourceDirectoryResource) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
             per_model = keys_by_model(context.op_execution_context.partition_keys)
-            root = str(source.root_path(embedding_provider.settings()))
+            root = source.source(embedding_provider.settings()).key
             for model_id, buckets in per_model.items():
                 with postgres.connection() as conn:
                     coverage = bk.coverage_of_buckets(conn, root, buckets, n, model_id)

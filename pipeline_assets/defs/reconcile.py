@@ -34,7 +34,6 @@ Neither requests a run while a reconciliation is queued or running.
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import dagster as dg
 
@@ -78,14 +77,14 @@ def build_reconciliation(settings: Settings) -> dg.AssetsDefinition:
                        source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
         started = time.monotonic()
         rt = embedding_provider.runtime(run_id=context.run.run_id)
-        root = str(source.root_path(rt.settings))
+        root = source.source(rt.settings).key
         n = postgres.bucket_count(rt.settings.partition_buckets)
         with postgres.connection() as conn:
             since = stages.clock(conn)
         report = reconcile_all(rt, postgres.pool(), rescan=config.rescan)
         with postgres.connection() as conn:
             touched = bk.buckets_of([t.document_id for t in touched_since(conn, root, since)], n)
-            observations.retry_now(conn, Path(root), [d for docs in touched.values() for d in docs])
+            observations.retry_now(conn, root, [d for docs in touched.values() for d in docs])
             states = bk.states_of(conn, root, list(touched), n)
         for problem in report.missing_sources:
             context.log.warning(problem)

@@ -24,7 +24,6 @@ Dagster's staleness of those buckets stays true.
 
 import fnmatch
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -34,7 +33,7 @@ from pipeline_assets.app import observations
 from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
-from pipeline_assets.content.sources import SourceError, document_id_problem
+from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.defs.assets import embedding_version, ingest_materializations
 from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, embedding_key, is_model_key
@@ -55,26 +54,26 @@ MAX_REFRESH_DOCUMENTS = 10_000
 
 
 class RefreshConfig(dg.Config):
-    document_ids: list[str] = []   # ids as the source names them (paths relative to the root)
+    document_ids: list[str] = []   # ids as the source names them (a folder's: paths relative to its root)
     glob: str = ""                 # fnmatch pattern over the source's document ids ("*" crosses "/")
     force: bool = False            # re-extract even if bytes and code versions are unchanged
 
 
-def select_documents(root: Path, document_ids: list[str], glob: str) -> list[str]:
-    """The ids asked for, then those of the source's files the glob matches, each once."""
+def select_documents(source: Source, document_ids: list[str], glob: str) -> list[str]:
+    """The ids asked for, then those of the source's items the glob matches, each once."""
     for doc in document_ids:
-        if problem := document_id_problem(doc):
+        if problem := source.id_problem(doc):
             raise dg.Failure(description=f"document id {doc!r}: {problem}", allow_retries=False)
     chosen = dict.fromkeys(document_ids)
     if glob:
         try:
-            matched = sorted(doc for doc, *_ in observations.walk(root) if fnmatch.fnmatchcase(doc, glob))
+            matched = sorted(doc for doc, *_ in source.observe() if fnmatch.fnmatchcase(doc, glob))
             chosen.update(dict.fromkeys(matched))
         except SourceError as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
     if not chosen:
         raise dg.Failure(description=f"nothing to refresh: no document_ids given and glob {glob!r} matches no "
-                                     f"file under {root}", allow_retries=False)
+                                     f"item of {source.describe()}", allow_retries=False)
     if len(chosen) > MAX_REFRESH_DOCUMENTS:
         raise dg.Failure(description=f"{len(chosen)} documents selected (at most {MAX_REFRESH_DOCUMENTS}); "
                                      "backfill their buckets instead", allow_retries=False)
@@ -86,11 +85,15 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
                          embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
                          embedding_run: EmbeddingRunResource) -> Iterator[dg.AssetMaterialization | dg.Output]:
     rt = embedding_provider.runtime(run_id=context.run_id, force=config.force)
-    root = source.root_path(rt.settings)
-    ids = select_documents(root, config.document_ids, config.glob)
+    try:
+        src = source.source(rt.settings)
+    except SourceError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    root = src.key
+    ids = select_documents(src, config.document_ids, config.glob)
     pool = postgres.pool()
     n = postgres.bucket_count(rt.settings.partition_buckets)
-    report = ingest_documents(rt, pool, root, ids)
+    report = ingest_documents(rt, pool, src, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
         observations.mark_synced_as_stored(conn, root, ids)
     try:
@@ -105,8 +108,8 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     touched = bk.buckets_of(ids, n)
     with postgres.connection() as conn:
-        states = bk.states_of(conn, str(root), list(touched), n)
-        bucket_cov = bk.coverage_of_buckets(conn, str(root), list(touched), n, rt.model_id)
+        states = bk.states_of(conn, root, list(touched), n)
+        bucket_cov = bk.coverage_of_buckets(conn, root, list(touched), n, rt.model_id)
     coverage = bk.bucket_coverage(done.per_document, list(touched), n)
     refreshed: dict[int, dict[str, Any]] = {
         b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}

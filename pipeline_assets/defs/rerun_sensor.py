@@ -164,7 +164,7 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
         return dg.SkipReason(f"the rerun under {rerun_tag} failed {failures} time(s) in a row; requested again "
                              f"in {wait:.0f} s (backoff {RERUN_RETRY_BASE_SECONDS:.0f} s doubling per failure, "
                              f"at most {RERUN_RETRY_CAP_SECONDS:.0f} s)")
-    root = str(source.root_path(rt.settings))
+    root = source.source(rt.settings).key
     # The same selection as `pipeline-assets rerun --stale`, for both stages.
     targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True, root=root,
                               limit=RERUN_SCAN_LIMIT)

@@ -36,6 +36,9 @@ from pydantic import Field, PrivateAttr
 
 from pipeline_assets.app import buckets
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.app.source_registry import is_folder, open_source
+from pipeline_assets.content.folder_source import FolderSource
+from pipeline_assets.content.source import Source
 from pipeline_assets.providers import ConfigError, model_id_for
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
@@ -151,18 +154,29 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
 
 
 class SourceDirectoryResource(dg.ConfigurableResource):
-    """The source directory: one file = one document = one partition."""
+    """The source: a folder, an object store prefix or a table (``app/source_registry.py``)."""
 
     root: str | None = Field(
-        default=None, description="Source directory; unset: PIPELINE_SOURCE_DIR, else examples/corpus.")
+        default=None, description="The source (a folder path, s3://bucket/prefix, ...); unset: "
+                                  "PIPELINE_SOURCE_DIR, else examples/corpus.")
     settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
 
+    def spec(self, settings: Settings | None = None) -> str:
+        """The source string configured (this resource's, else the settings')."""
+        return self.root or (settings or settings_of(self.settings_id)).source_dir
+
     def root_path(self, settings: Settings | None = None) -> Path:
-        raw = self.root or (settings or settings_of(self.settings_id)).source_dir
-        path = Path(raw).expanduser()
+        """The folder configured (a relative path that is not here: the bundled example's)."""
+        path = Path(self.spec(settings)).expanduser()
         if not path.is_absolute() and not path.exists() and (_REPO / path).exists():
             path = _REPO / path  # the bundled example corpus, whatever the working directory
         return path.resolve()
+
+    def source(self, settings: Settings | None = None) -> Source:
+        """The configured source, opened (SourceError, one line, for a malformed string)."""
+        settings = settings or settings_of(self.settings_id)
+        spec = self.spec(settings)
+        return FolderSource(self.root_path(settings)) if is_folder(spec) else open_source(spec, settings)
 
 
 class EmbeddingRunResource(dg.ConfigurableResource):

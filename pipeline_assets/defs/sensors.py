@@ -57,7 +57,7 @@ import dagster as dg
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
-from pipeline_assets.content.sources import SourceError
+from pipeline_assets.content.source import SourceError
 from pipeline_assets.defs.partitions import bucket_index, span, split_key
 from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
@@ -146,9 +146,12 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
                  embedding_provider: EmbeddingProviderResource,
                  source: SourceDirectoryResource) -> dg.SensorResult:
     settings = embedding_provider.settings()
-    root = source.root_path(settings)
-    if not root.is_dir():
-        raise SourceScanError(f"source directory {root} not found; nothing is deleted on that account")
+    try:
+        src = source.source(settings)
+        src.check()
+    except SourceError as exc:
+        raise SourceScanError(f"{exc}; nothing is deleted on that account") from None
+    root = src.key
     generation, legacy = decode_cursor(context.cursor)
     handled = decode_handled_failure(context.cursor)
     in_flight = context.instance.get_runs_count(
@@ -164,9 +167,9 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
         if legacy and generation is not None:
             observations.adopt(conn, root, legacy, generation - 1)
         try:
-            found = observations.scan(conn, root, max_bytes=settings.max_input_bytes)
+            found = observations.scan(conn, src, max_bytes=settings.max_input_bytes)
         except SourceError as exc:
-            raise SourceScanError(f"cannot scan {root}: {exc}; nothing is deleted on that account") from exc
+            raise SourceScanError(f"cannot scan {src.describe()}: {exc}; nothing is deleted on that account") from None
         context.log.info(f"{found.present} file(s): {found.hashed} read, {found.unread} new (read by the run), "
                          f"{found.written} observation(s) written, "
                          f"{found.gone} gone, {found.unreadable} unreadable")
@@ -187,7 +190,7 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
         cursor = encode_cursor(generation, handled)
         if found.empty_refused:
             return dg.SensorResult(cursor=cursor, skip_reason=(
-                f"source {root} is empty but {found.empty_refused} documents were seen before; "
+                f"source {src.describe()} is empty but {found.empty_refused} documents were seen before; "
                 "refusing to delete them all"))
         # None of the sensor's runs in flight: the requests of earlier generations have ended.
         retries = None if in_flight else observations.schedule_retries(conn, root, generation)

@@ -7,7 +7,7 @@
 SELECT pg_advisory_xact_lock(%(key)s)
 
 -- name: register_source
-INSERT INTO app.sources (root) VALUES (%(root)s)
+INSERT INTO app.sources (root, kind) VALUES (%(root)s, %(kind)s)
 ON CONFLICT (root) DO UPDATE SET root = EXCLUDED.root
 RETURNING source_id
 
@@ -35,7 +35,8 @@ SELECT count(*) FROM app.documents WHERE source_id = %(source)s AND status <> 'd
 
 -- name: existing
 -- What ingest knows of some documents, to skip the unchanged ones.
-SELECT document_id, source_checksum, extractor_version, chunker_version, status, error_class, size_bytes
+SELECT document_id, source_checksum, extractor_version, chunker_version, status, error_class, size_bytes,
+       source_token
 FROM app.documents WHERE source_id = %(source)s AND document_id = ANY(%(ids)s)
 
 -- name: tombstone_unseen
@@ -61,17 +62,17 @@ DELETE FROM app.chunks WHERE doc_pk = ANY(%(pks)s) RETURNING chunk_checksum
 -- the extractor version of its own format (ext).
 INSERT INTO app.documents AS d (source_id, document_id, source_uri, source_checksum, size_bytes, status,
                                 extractor_version, chunker_version, text_checksum, chunk_count,
-                                error_class, error_message)
+                                error_class, error_message, source_token)
 SELECT %(source)s, t.document_id, t.uri, t.checksum, t.size,
        CASE WHEN t.error_class IS NULL THEN 'current' ELSE 'quarantined' END,
-       t.ext, %(chunker)s, t.text_checksum, t.chunk_count, t.error_class, t.error_message
+       t.ext, %(chunker)s, t.text_checksum, t.chunk_count, t.error_class, t.error_message, t.token
 FROM unnest(%(ids)s::text[], %(uris)s::text[], %(checksums)s::bytea[], %(sizes)s::bigint[],
             %(text_checksums)s::bytea[], %(counts)s::int[], %(classes)s::text[], %(messages)s::text[],
-            %(exts)s::text[])
-     AS t(document_id, uri, checksum, size, text_checksum, chunk_count, error_class, error_message, ext)
+            %(exts)s::text[], %(tokens)s::text[])
+     AS t(document_id, uri, checksum, size, text_checksum, chunk_count, error_class, error_message, ext, token)
 ON CONFLICT (source_id, document_id) DO UPDATE
 SET source_uri = EXCLUDED.source_uri, source_checksum = EXCLUDED.source_checksum,
-    size_bytes = EXCLUDED.size_bytes, status = EXCLUDED.status,
+    size_bytes = EXCLUDED.size_bytes, status = EXCLUDED.status, source_token = EXCLUDED.source_token,
     extractor_version = EXCLUDED.extractor_version, chunker_version = EXCLUDED.chunker_version,
     text_checksum = EXCLUDED.text_checksum, chunk_count = EXCLUDED.chunk_count,
     error_class = EXCLUDED.error_class, error_message = EXCLUDED.error_message, updated_at = now()

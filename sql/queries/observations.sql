@@ -4,15 +4,28 @@
 -- One scan's walk of the source, copied in as it goes: the comparison with the
 -- stored observations happens here, so a scan holds no row per file in Python.
 -- ``kept``: the document is one the scan observes (a bucket run's buckets).
+-- ``checksum``: the fingerprint the listing gave (a content token), else NULL.
 CREATE TEMP TABLE observations_walked (
     document_id text NOT NULL,
     size        bigint NOT NULL,
     mtime_ns    bigint NOT NULL,
-    kept        boolean NOT NULL
+    kept        boolean NOT NULL,
+    checksum    text
 ) ON COMMIT DROP
 
 -- name: walk_copy
-COPY observations_walked (document_id, size, mtime_ns, kept) FROM STDIN
+COPY observations_walked (document_id, size, mtime_ns, kept, checksum) FROM STDIN
+
+-- name: stage_listed
+-- Items listed with their fingerprint (an object's ETag, a row's version): staged
+-- when new or different from the observation, without reading anything.
+INSERT INTO observations_in (document_id, checksum, size, mtime_ns)
+SELECT w.document_id, w.checksum, w.size, w.mtime_ns
+FROM observations_walked w
+LEFT JOIN app.source_observations o ON o.root = %(root)s AND o.document_id = w.document_id
+WHERE w.kept AND w.checksum IS NOT NULL
+  AND (o.document_id IS NULL OR o.checksum IS DISTINCT FROM w.checksum
+       OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns)
 
 -- name: walk_analyze
 ANALYZE observations_walked
@@ -24,7 +37,7 @@ ANALYZE observations_walked
 INSERT INTO observations_in (document_id, checksum, size, mtime_ns)
 SELECT w.document_id, %(unread)s || w.size || '.' || w.mtime_ns, w.size, w.mtime_ns
 FROM observations_walked w
-WHERE w.kept AND w.mtime_ns < %(settled_before)s
+WHERE w.kept AND w.checksum IS NULL AND w.mtime_ns < %(settled_before)s
   AND NOT EXISTS (SELECT 1 FROM app.source_observations o
                   WHERE o.root = %(root)s AND o.document_id = w.document_id)
 
@@ -35,7 +48,7 @@ WHERE w.kept AND w.mtime_ns < %(settled_before)s
 SELECT w.document_id, w.size, w.mtime_ns, o.checksum, o.size, o.mtime_ns
 FROM observations_walked w
 LEFT JOIN app.source_observations o ON o.root = %(root)s AND o.document_id = w.document_id
-WHERE w.kept
+WHERE w.kept AND w.checksum IS NULL
   AND (CASE WHEN o.document_id IS NULL THEN w.mtime_ns >= %(settled_before)s
             ELSE o.checksum IS NULL OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns END)
 

@@ -1,0 +1,54 @@
+"""Sources opened from their string: ``examples/corpus`` (a folder), ``s3://bucket/prefix``,
+``table:schema.name?id=..&text=..``.
+
+The part before the first ``:`` names the kind (``OPENERS``); a string without one (or
+``file:``) is a folder path. Each opener takes the string and the Settings and returns a
+``content.source.Source`` whose ``key`` is the canonical form of that string, so the key
+stored in ``app.sources.root`` opens the same source again (reconciliation re-opens every
+source it finds there). A kind of source plugs in with one implementation and one entry
+here. An unknown kind or a malformed string is a SourceError (one line).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline_assets.content.folder_source import FolderSource
+from pipeline_assets.content.source import Source, SourceError
+from pipeline_assets.settings import Settings
+
+Opener = Callable[[str, Settings], Source]
+
+# A kind is two or more letters (so a Windows drive letter, C:, stays a path).
+_KIND = re.compile(r"^([a-z][a-z0-9+.-]+):")
+
+
+# kind -> opener. One entry per kind of source.
+OPENERS: dict[str, Opener] = {}
+
+
+def kind_of(spec: str) -> str | None:
+    """The kind a source string names, or None for a folder path."""
+    match = _KIND.match(spec)
+    kind = match.group(1) if match else None
+    return None if kind == "file" else kind
+
+
+def open_source(spec: str | Path, settings: Settings) -> Source:
+    """The source ``spec`` names (see the module docstring)."""
+    if isinstance(spec, Path):
+        return FolderSource(spec)
+    kind = kind_of(spec)
+    if kind is None:
+        return FolderSource(spec.removeprefix("file://") if spec.startswith("file://") else spec)
+    opener = OPENERS.get(kind)
+    if opener is None:
+        raise SourceError(f"unknown kind of source {kind!r} in {spec!r}; known: a folder path, "
+                          + ", ".join(f"{k}:..." for k in sorted(OPENERS)))
+    return opener(spec, settings)
+
+
+def is_folder(spec: str) -> bool:
+    return kind_of(spec) is None
