@@ -114,6 +114,9 @@ def ingest_all(conn: psycopg.Connection, source: Source | Path, options: IngestO
     """List everything in ``source``; tombstone what is no longer there. A listing that fails
     (SourceError) tombstones nothing: only a complete listing says what is gone."""
     source = as_source(source)
+    changes = getattr(source, "ingest_changes", None)
+    if changes is not None:  # a source that finds its own changes (a table: digest, watermark, change log)
+        return changes(conn, options)
     items = source.items()
     scan_started = documents.start_scan(conn)
     first = next(items, None)  # raises SourceError for a missing root, before anything is registered

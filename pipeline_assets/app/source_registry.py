@@ -29,6 +29,14 @@ _KIND = re.compile(r"^([a-z][a-z0-9+.-]+):")
 OPENERS: dict[str, Opener] = {}
 
 
+def _open_table(spec: str, settings: Settings) -> Source:
+    from pipeline_assets.app.table_source import TableSource  # the database side only when named
+    return TableSource(spec, settings)
+
+
+OPENERS["table"] = _open_table
+
+
 def kind_of(spec: str) -> str | None:
     """The kind a source string names, or None for a folder path."""
     match = _KIND.match(spec)

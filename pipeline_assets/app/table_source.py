@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from pipeline_assets.app.ingest import IngestReport
+from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError
 from pipeline_assets.content.source import Item, Observed, ReadOutcome, SourceError, token_checksum
 from pipeline_assets.settings import Settings, redact_text
@@ -183,7 +185,7 @@ class TableSource:
             return ExtractError(EMPTY_TEXT, f"{item.document_id}: text is NULL or empty; not a document")
         return row.text.encode("utf-8")
 
-    def ingest_changes(self, conn: psycopg.Connection, options) -> object:
+    def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions) -> IngestReport:
         """Find and ingest the table's changes (``app/table_ingest.py``); the IngestReport."""
         from pipeline_assets.app.table_ingest import scan_table
         try:

@@ -37,11 +37,15 @@ class Entries:
     truncated: bool
 
 
-def _compose(table: OpenTable, name: str) -> sql.Composed:
+def _compose(table: OpenTable, template: str) -> sql.Composed:
     spec = table.spec
-    return sql.SQL(getattr(LOG_SQL, name)).format(table=sql.Identifier(spec.schema, spec.table),
+    return sql.SQL(template).format(table=sql.Identifier(spec.schema, spec.table),
                                                   id=sql.Identifier(spec.id), text=sql.Identifier(spec.text),
                                                   id_name=sql.Literal(spec.id))
+
+
+def _drops() -> tuple[str, ...]:
+    return (LOG_SQL.drop_row_trigger, LOG_SQL.drop_update_trigger, LOG_SQL.drop_truncate_trigger)
 
 
 def _denied(table: OpenTable, exc: psycopg.Error) -> TableSourceError:
@@ -55,11 +59,12 @@ def install(table: OpenTable) -> None:
     conn = table.conn
     try:
         with conn.transaction():
-            for name in ("create_schema", "create_log", "create_log_index", "create_function"):
-                conn.execute(getattr(LOG_SQL, name))
-            for name in ("drop_row_trigger", "drop_update_trigger", "drop_truncate_trigger",
-                         "create_row_trigger", "create_update_trigger", "create_truncate_trigger"):
-                conn.execute(_compose(table, name))
+            for statement in (LOG_SQL.create_schema, LOG_SQL.create_log, LOG_SQL.create_log_index,
+                              LOG_SQL.create_function):
+                conn.execute(statement)
+            for template in (*_drops(), LOG_SQL.create_row_trigger, LOG_SQL.create_update_trigger,
+                             LOG_SQL.create_truncate_trigger):
+                conn.execute(_compose(table, template))
     except (psycopg.errors.InsufficientPrivilege, psycopg.errors.WrongObjectType) as exc:
         raise _denied(table, exc) from None
 
@@ -69,8 +74,8 @@ def uninstall(table: OpenTable) -> None:
     conn = table.conn
     try:
         with conn.transaction():
-            for name in ("drop_row_trigger", "drop_update_trigger", "drop_truncate_trigger"):
-                conn.execute(_compose(table, name))
+            for template in _drops():
+                conn.execute(_compose(table, template))
             if installed_log(conn):
                 conn.execute(LOG_SQL.forget_source, {"source": table.spec.name})
     except psycopg.errors.InsufficientPrivilege as exc:

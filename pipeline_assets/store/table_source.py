@@ -43,6 +43,7 @@ READ_PAGE_ROWS = 500
 LOCK_TIMEOUT = "10s"
 STATEMENT_TIMEOUT = "10min"
 
+NEEDS_SELECT = "(the role needs SELECT on it)"
 # An identifier as the catalog spells it (not folded, not quoted): letters, digits, _ and $.
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_$]{0,62}")
 _KEYS = {"id", "text", "updated"}
@@ -153,52 +154,53 @@ class OpenTable:
                        # types as the catalog prints them (regtype output), never from the source string
                        "id_type": sql.SQL(id_type), "updated_type": sql.SQL(updated_type or id_type)}
 
-    def statement(self, name: str) -> sql.Composed:
-        return sql.SQL(getattr(TABLE_SQL, name)).format(**self._names)
+    def statement(self, template: str) -> sql.Composed:
+        """A template of sql/queries/table_source.sql with this source's identifiers."""
+        return sql.SQL(template).format(**self._names)
 
-    def _stream(self, name: str, params: dict) -> Iterator[tuple]:
-        with _errors(self.spec), self.conn.transaction(), \
-                self.conn.cursor(name=f"table_{name}") as cur:
+    def _stream(self, template: str, params: dict) -> Iterator[tuple]:
+        with _errors(self.spec), self.conn.transaction(), self.conn.cursor(name="table_listing") as cur:
             cur.itersize = STREAM_ROWS
-            cur.execute(self.statement(name), params)
+            cur.execute(self.statement(template), params)
             yield from cur
 
     def total(self, *, ids_only: bool) -> tuple[int, int]:
         """``(rows, bit_xor)`` of the whole table: of versions, or of id hashes only."""
         with _errors(self.spec):
-            row = self.conn.execute(self.statement("total_ids" if ids_only else "total_full")).fetchone()
+            template = TABLE_SQL.total_ids if ids_only else TABLE_SQL.total_full
+            row = self.conn.execute(self.statement(template)).fetchone()
         assert row is not None
         return row[0], row[1]
 
     def digest(self, *, ids_only: bool) -> dict[int, tuple[int, int]]:
         """``{bucket: (rows, bit_xor)}`` of the table: of versions, or of id hashes only."""
         with _errors(self.spec):
-            rows = self.conn.execute(self.statement("digest_ids" if ids_only else "digest_full"),
+            rows = self.conn.execute(self.statement(TABLE_SQL.digest_ids if ids_only else TABLE_SQL.digest_full),
                                      {"mask": BUCKET_MASK}).fetchall()
         return {b: (n, x) for b, n, x in rows}
 
     def list_buckets(self, buckets: Sequence[int]) -> Iterator[tuple[str, int, int]]:
         """``(row_id, id_hash, version)`` of every row of ``buckets``, streamed."""
-        yield from self._stream("list_buckets", {"mask": BUCKET_MASK, "buckets": list(buckets)})
+        yield from self._stream(TABLE_SQL.list_buckets, {"mask": BUCKET_MASK, "buckets": list(buckets)})
 
     def list_all(self) -> Iterator[tuple[str, int, int, int | None]]:
         """``(row_id, id_hash, version, text bytes or None)`` of every row, streamed."""
-        yield from self._stream("list_all", {})
+        yield from self._stream(TABLE_SQL.list_all, {})
 
     def list_updated(self, mark: str | None) -> Iterator[tuple[str, int, int, str | None]]:
         """``(row_id, id_hash, version, updated)`` of the rows updated at or after ``mark``, streamed."""
-        yield from self._stream("list_updated", {"mark": mark})
+        yield from self._stream(TABLE_SQL.list_updated, {"mark": mark})
 
     def newest_updated(self) -> str | None:
         """The greatest value of the updated column now (as text), None for an empty table."""
         with _errors(self.spec):
-            row = self.conn.execute(self.statement("newest_updated")).fetchone()
+            row = self.conn.execute(self.statement(TABLE_SQL.newest_updated)).fetchone()
         return row[0] if row else None
 
     def read(self, row_ids: Sequence[str], max_bytes: int) -> list[Row]:
         """The rows of ``row_ids`` that exist now (a page; ids absent from the answer are gone)."""
         with _errors(self.spec):
-            rows = self.conn.execute(self.statement("read_rows"),
+            rows = self.conn.execute(self.statement(TABLE_SQL.read_rows),
                                      {"ids": list(row_ids), "max_bytes": max_bytes}).fetchall()
         return [Row(*r) for r in rows]
 
@@ -212,7 +214,7 @@ def open_table(conn: psycopg.Connection, spec: TableSpec, *, lock_timeout: str =
             raise TableSourceError(f"table source {spec.name}: no such table or view")
         oid, readable = rel
         if not readable:
-            raise TableSourceError(f"table source {spec.name}: permission denied (the role needs SELECT)")
+            raise TableSourceError(f"table source {spec.name}: permission denied " + NEEDS_SELECT)
         wanted = [c for c in (spec.id, spec.text, spec.updated) if c]
         types: dict[str, str] = dict(conn.execute(TABLE_SQL.columns, {"oid": oid, "names": wanted}).fetchall())
     missing = [c for c in wanted if c not in types]
@@ -239,7 +241,7 @@ class _errors:
         elif isinstance(exc, psycopg.errors.QueryCanceled):
             why = "the statement timed out"
         elif isinstance(exc, psycopg.errors.InsufficientPrivilege):
-            why = "permission denied (the role needs SELECT)"
+            why = "permission denied " + NEEDS_SELECT
         else:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             why = f"{type(exc).__name__}: {first}"
