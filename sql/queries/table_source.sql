@@ -51,7 +51,7 @@ GROUP BY 1
 -- Every row of some buckets with its change token (no text leaves the server).
 SELECT row_id, h, hashtextextended(coalesce(t, ''), h)
 FROM (SELECT {id}::text AS row_id, hashtextextended({id}::text, 0) AS h, {text}::text AS t FROM {table}) s
-WHERE (h & %(mask)s)::int = ANY(%(buckets)s)
+WHERE (h & %(mask)s)::int IN (SELECT unnest(%(buckets)s::int[]))   -- hashed: many buckets cost one probe
 
 -- name: list_updated
 -- Rows whose updated column is at or past the watermark (every row when it is NULL),
