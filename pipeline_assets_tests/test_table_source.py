@@ -142,9 +142,12 @@ def test_an_unchanged_table_lists_and_reads_no_row(source, table):
         assert (report.scanned, scan.rows_read, scan.buckets_listed) == (0, 0, 0), way
         # the watermark lists again only the rows at the mark itself (a later commit of the same value)
         assert scan.rows_listed == (0 if way == FULL else 20), way
-    c.execute("UPDATE src.docs SET body = %s WHERE id = 7", (_text(7, 2),))  # updated_at left alone
-    _, scan = scan_table(c, table, _options(), way=FULL)
-    assert scan.rows_read == 1 and scan.rows_listed < 20  # the one bucket's rows, the one row's text
+    for v, way in ((2, FULL), (3, WATERMARK)):
+        c.execute("UPDATE src.docs SET body = %s WHERE id = 7", (_text(7, v),))  # updated_at left alone
+        report, scan = scan_table(c, table, _options(), way=way)
+        assert report.changed == 1 and scan.rows_read == 1, way   # the one row's text
+        assert f"version {v}" in _current_text(c, "table:src.docs/7")
+    assert scan.rows_listed < 40  # the rows at the mark, then one bucket's rows
 
 
 def test_null_and_empty_text_are_counted_skips_and_oversize_is_quarantined(source, table):

@@ -11,9 +11,9 @@ Three ways (``scan_table``):
   listed (id and version, no text), compared set-based with ``app.table_rows``; the
   changed ones are read, those no longer listed are gone.
 * **watermark** (``&updated=COL``): rows whose updated value is at or past the
-  stored watermark are listed and compared; deletes and rows inserted with an old
-  updated value are found by the digest of the ids alone (no text read). A text
-  changed without its updated value is found by the full way (`reconcile`).
+  stored watermark are listed, compared and read; then the full way's digest, which
+  is now equal unless rows were deleted, or committed with an older updated value,
+  or had their text changed without it: those are found as the full way finds them.
 * **change log** (after ``source install-triggers``): the ids the triggers logged
   are read; a TRUNCATE makes it a full check. The entries are deleted only after
   the documents of their rows are committed.
@@ -98,14 +98,13 @@ class _Scan:
         self.source_id = documents.register_source(conn, source)
 
     # -- finding changes ---------------------------------------------------------------
-    def _differing(self, *, ids_only: bool) -> list[int]:
+    def _differing(self) -> list[int]:
         """The buckets whose digest differs from the stored one (none when the totals are equal)."""
-        total = ROWS.stored_id_total if ids_only else ROWS.stored_total
-        if self.table.total(ids_only=ids_only) == tuple(queries.one_row(self.conn, total, {"source": self.key})):
+        if self.table.total() == tuple(queries.one_row(self.conn, ROWS.stored_total, {"source": self.key})):
             return []
-        theirs = self.table.digest(ids_only=ids_only)
-        query = ROWS.stored_id_digest if ids_only else ROWS.stored_digest
-        ours = {b: (n, x) for b, n, x in self.conn.execute(query, {"source": self.key, "mask": BUCKET_MASK})}
+        theirs = self.table.digest()
+        ours = {b: (n, x) for b, n, x in self.conn.execute(ROWS.stored_digest, {"source": self.key,
+                                                                              "mask": BUCKET_MASK})}
         return sorted(b for b in theirs.keys() | ours.keys() if theirs.get(b) != ours.get(b))
 
     def _listed(self, rows) -> None:
@@ -135,7 +134,7 @@ class _Scan:
 
     def full(self) -> None:
         newest = self.table.newest_updated() if self.source.spec.updated else None
-        self._check_buckets(self._differing(ids_only=False))
+        self._check_buckets(self._differing())
         self._mark(newest)
 
     def watermark(self) -> None:
@@ -144,7 +143,7 @@ class _Scan:
         self._listed(self.table.list_updated(stored[0] if stored else None))
         self.rows(self._changed())
         self._mark(newest)
-        self._check_buckets(self._differing(ids_only=True))
+        self._check_buckets(self._differing())  # deletes, late commits, texts changed alone
 
     def _mark(self, newest: str | None) -> None:
         if newest is not None:

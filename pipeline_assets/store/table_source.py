@@ -121,13 +121,6 @@ def parse_table_source(source: str) -> TableSpec:
     return TableSpec(parts[0], parts[1], options["id"], options["text"], options.get("updated"))
 
 
-def document_source_name(document_id: str) -> str | None:
-    """``schema.table`` of a ``table:`` document id (None for any other id)."""
-    if not is_table_source(document_id) or "/" not in document_id:
-        return None
-    return document_id[len(SCHEME):].split("/", 1)[0]
-
-
 @dataclass(frozen=True)
 class Row:
     """One row read: its change token, its text size in bytes (None: NULL text) and its
@@ -164,18 +157,17 @@ class OpenTable:
             cur.execute(self.statement(template), params)
             yield from cur
 
-    def total(self, *, ids_only: bool) -> tuple[int, int]:
-        """``(rows, bit_xor)`` of the whole table: of versions, or of id hashes only."""
+    def total(self) -> tuple[int, int]:
+        """``(rows, bit_xor of versions)`` of the whole table."""
         with _errors(self.spec):
-            template = TABLE_SQL.total_ids if ids_only else TABLE_SQL.total_full
-            row = self.conn.execute(self.statement(template)).fetchone()
+            row = self.conn.execute(self.statement(TABLE_SQL.total_full)).fetchone()
         assert row is not None
         return row[0], row[1]
 
-    def digest(self, *, ids_only: bool) -> dict[int, tuple[int, int]]:
-        """``{bucket: (rows, bit_xor)}`` of the table: of versions, or of id hashes only."""
+    def digest(self) -> dict[int, tuple[int, int]]:
+        """``{bucket: (rows, bit_xor of versions)}`` of the table."""
         with _errors(self.spec):
-            rows = self.conn.execute(self.statement(TABLE_SQL.digest_ids if ids_only else TABLE_SQL.digest_full),
+            rows = self.conn.execute(self.statement(TABLE_SQL.digest_full),
                                      {"mask": BUCKET_MASK}).fetchall()
         return {b: (n, x) for b, n, x in rows}
 

@@ -10,15 +10,6 @@ FROM app.table_rows WHERE source = %(source)s GROUP BY 1
 -- The stored rows' whole digest, as the source's total_full computes it.
 SELECT count(*), coalesce(bit_xor(version), 0) FROM app.table_rows WHERE source = %(source)s
 
--- name: stored_id_total
--- The stored rows' whole digest of ids, as the source's total_ids computes it.
-SELECT count(*), coalesce(bit_xor(id_hash), 0) FROM app.table_rows WHERE source = %(source)s
-
--- name: stored_id_digest
--- The stored rows' id digest per bucket, as the source's digest_ids computes it.
-SELECT (id_hash & %(mask)s)::int AS bucket, count(*) AS n, bit_xor(id_hash) AS x
-FROM app.table_rows WHERE source = %(source)s GROUP BY 1
-
 -- name: listed_create
 -- One scan's listing of the source (row id and change token), copied in as it is
 -- streamed: compared here, so a scan holds no row per table row in Python.

@@ -26,10 +26,6 @@ SELECT set_config('lock_timeout', %(lock)s, false), set_config('statement_timeou
 SELECT count(*), coalesce(bit_xor(hashtextextended(coalesce({text}::text, ''), hashtextextended({id}::text, 0))), 0)
 FROM {table}
 
--- name: total_ids
--- The whole table's digest of ids alone (no text read).
-SELECT count(*), coalesce(bit_xor(hashtextextended({id}::text, 0)), 0) FROM {table}
-
 -- name: digest_full
 -- The table's digest per bucket: rows and bit_xor of their versions. Compared with
 -- the stored digest, an equal bucket needs no row of it read. (OFFSET 0 keeps the
@@ -37,14 +33,6 @@ SELECT count(*), coalesce(bit_xor(hashtextextended({id}::text, 0)), 0) FROM {tab
 SELECT b, count(*), bit_xor(x)
 FROM (SELECT (h & %(mask)s)::int AS b, hashtextextended(coalesce(t, ''), h) AS x
       FROM (SELECT hashtextextended({id}::text, 0) AS h, {text}::text AS t FROM {table}) s OFFSET 0) s2
-GROUP BY 1
-
--- name: digest_ids
--- The ids' digest per bucket (no text read): with an updated column, what finds
--- deleted rows and rows inserted with an old updated value.
-SELECT b, count(*), bit_xor(h)
-FROM (SELECT (h & %(mask)s)::int AS b, h FROM (SELECT hashtextextended({id}::text, 0) AS h FROM {table}) s
-      OFFSET 0) s2
 GROUP BY 1
 
 -- name: list_buckets
