@@ -114,6 +114,10 @@ class Settings:
     home: Path = _setting("PIPELINE_HOME", Path("./.pipeline"), "embedded server data (and `dev`'s DAGSTER_HOME)",
                           shown_default="`./.pipeline`")
     source_dir: str = _setting("PIPELINE_SOURCE_DIR", "examples/corpus", "the directory the Dagster sensors watch")
+    source: str | None = _setting("PIPELINE_SOURCE", None, "the source the Dagster sensors watch: a folder, "
+                                  "`s3://BUCKET/PREFIX` or `table:...`", shown_default="`PIPELINE_SOURCE_DIR`")
+    aws_endpoint_url: str | None = _setting("AWS_ENDPOINT_URL", None, "S3-compatible endpoint (MinIO, R2, GCS)",
+                                            shown_default="AWS S3")
     source_database_url: str | None = _setting("PIPELINE_SOURCE_DATABASE_URL", None, "the database of `table:` "
                                                "sources", secret=True, shown_default="unset: the project's database")
     dagster_database: str = _setting("PIPELINE_DAGSTER_DATABASE", "dagster",

@@ -39,6 +39,8 @@ class StatusReport:
     input_limits: list[dict[str, Any]] = field(default_factory=list)
     retry_after_cap: float | None = None
     database: dict[str, Any] = field(default_factory=dict)         # read_only, in_recovery, workers beating/silent
+    sources: list[dict[str, Any]] = field(default_factory=list)    # each source: key, kind, documents, last scan
+    watched_source: str | None = None                              # what the Dagster sensor watches
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,6 +168,11 @@ def dead_letter_growth(conn: psycopg.Connection, window_seconds: float = 3600.0)
 def dead_letter_discarded(conn: psycopg.Connection) -> int:
     """Failed jobs a person gave up on (`dlq discard`): not in the growth count."""
     return int(_dicts(conn, REPORTS.dead_letter_discarded)[0]["n"])
+
+
+def sources(conn: psycopg.Connection) -> list[dict]:
+    """Each ingested source: its key, kind, documents by status and last complete scan."""
+    return _dicts(conn, REPORTS.sources)
 
 
 def _dicts(conn: psycopg.Connection, query: str, params: dict | None = None) -> list[dict]:

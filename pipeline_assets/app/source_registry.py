@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source, SourceError
+from pipeline_assets.jobs.backoff import full_jitter
 from pipeline_assets.settings import Settings
 
 Opener = Callable[[str, Settings], Source]
@@ -25,8 +26,19 @@ Opener = Callable[[str, Settings], Source]
 _KIND = re.compile(r"^([a-z][a-z0-9+.-]+):")
 
 
+def _open_s3(spec: str, settings: Settings) -> Source:
+    from pipeline_assets.content.s3_source import S3Source  # the client is imported only when used
+
+    def pause(attempt: int) -> float:   # the provider's retry policy: full jitter, its base and cap
+        return full_jitter(attempt, base=settings.backoff_base, cap=settings.backoff_cap)
+
+    return S3Source.open(spec, endpoint=settings.aws_endpoint_url, pause=pause)
+
+
 # kind -> opener. One entry per kind of source.
-OPENERS: dict[str, Opener] = {}
+OPENERS: dict[str, Opener] = {
+    "s3": _open_s3,
+}
 
 
 def _open_table(spec: str, settings: Settings) -> Source:

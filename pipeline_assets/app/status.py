@@ -17,9 +17,11 @@ def status(pool: ConnectionPool, settings: Settings) -> reports.StatusReport:
         report = reports.status(conn)
         report.vector_index = models.index_states(conn)
         report.served_model = models.served_model_id(conn)
+        report.sources = reports.sources(conn)
         report.retired_models = {r.pop("model_id"): {k: r[k] for k in ("retired_at", "purge_after", "purged_at")}
                                  for r in models.model_states(conn, settings.model_retire_grace)
                                  if not r["active"]}
     report.input_limits = model_admin.input_limits(pool)  # per active model: window, oversize chunks, truncation
     report.retry_after_cap = settings.retry_after_cap
+    report.watched_source = settings.source or settings.source_dir
     return report

@@ -22,6 +22,11 @@ EXPECTED_DB = (db.DatabaseUnavailable, psycopg.Error, OSError)
 
 def _status_lines(d: dict):
     yield "documents: " + (" ".join(f"{k}={v}" for k, v in d["documents"].items()) or "none")
+    for s in d.get("sources", []):
+        yield (f"source {s['kind']} {s['source']}: current={s['current']} quarantined={s['quarantined']} "
+               f"deleted={s['deleted']} last scan {s['last_scan_at'] or 'never'}")
+    if d.get("watched_source"):
+        yield f"watched by the Dagster sensor: {d['watched_source']} (PIPELINE_SOURCE)"
     yield "jobs: " + (" ".join(f"{k}={v}" for k, v in d["jobs"].items()) or "none")
     for stage, counts in d["stages"].items():
         yield f"stage {stage}: " + " ".join(f"{k}={v}" for k, v in counts.items())

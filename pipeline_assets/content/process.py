@@ -147,13 +147,16 @@ def unchanged_by_token(source: Source, item: Item, known: KnownDocument | None, 
 
 
 def check_read(item: Item, outcome: ReadOutcome, known: KnownDocument | None, *, chunker_version: str,
-               extractor_version: ExtractorVersions, force: bool = False) -> Processed | tuple[bytes, bytes] | None:
+               extractor_version: ExtractorVersions, force: bool = False,
+               tokens: bool = False) -> Processed | tuple[bytes, bytes] | None:
     """Judge one item's read: None when nothing changed, a quarantine when it could not be
     read, else ``(checksum, raw)`` to extract.
 
     Unchanged means: same raw bytes under the same extractor and chunker
-    versions, or the same quarantine (same error class and size) again.
-    ``force`` (a rerun) processes it anyway.
+    versions, or the same quarantine (same error class and size) again; with
+    ``tokens`` (the source's tokens vouch for the bytes) also the same token, so
+    the token stored is always that of the bytes stored. ``force`` (a rerun)
+    processes it anyway.
     """
     if isinstance(outcome, ExtractError):
         if (not force and known is not None and known.status == "quarantined"
@@ -166,7 +169,7 @@ def check_read(item: Item, outcome: ReadOutcome, known: KnownDocument | None, *,
     checksum = hashlib.sha256(raw).digest()
     if (not force and known is not None and known.extractor_version == extractor_version.of(item.document_id)
             and known.chunker_version == chunker_version and known.source_checksum == checksum
-            and known.status != "deleted"):
+            and known.status != "deleted" and (not tokens or known.source_token == item.token)):
         return None
     return checksum, raw
 
@@ -175,8 +178,9 @@ def process_items(source: Source, items: Iterable[Item], known: Mapping[str, Kno
                   extractor: Extractor, max_bytes: int, extractor_version: ExtractorVersions,
                   force: bool = False) -> Iterator[tuple[Item, Processed | None]]:
     """Every item with its result (None: unchanged), in no particular order. The source reads
-    the items its token cannot vouch for (``Source.read_all``: in parallel where it pays);
-    reading the next ones overlaps the extraction of earlier ones in the child."""
+    the items its token cannot vouch for (``Source.read_all``: in parallel where it pays; an
+    item comes back as read, with the token of the bytes it got); reading the next ones
+    overlaps the extraction of earlier ones in the child."""
     chunker_version = extractor.spec.chunker.version
     to_read: list[Item] = []
     for item in items:
@@ -187,7 +191,7 @@ def process_items(source: Source, items: Iterable[Item], known: Mapping[str, Kno
             to_read.append(item)
     for item, outcome in source.read_all(to_read, max_bytes):
         step = check_read(item, outcome, known.get(item.document_id), chunker_version=chunker_version,
-                          extractor_version=extractor_version, force=force)
+                          extractor_version=extractor_version, force=force, tokens=source.content_tokens)
         if not isinstance(step, tuple):
             yield item, step
             continue

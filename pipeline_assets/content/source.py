@@ -119,7 +119,8 @@ class Source(Protocol):
 
     def read_all(self, items: Iterable[Item], max_bytes: int) -> Iterator[tuple[Item, ReadOutcome]]:
         """``read`` of each item (some in parallel, a bounded number at a time), in their order.
-        A SourceError is raised, not yielded."""
+        The item yielded with bytes is the version read (same id; its token and size those of
+        the bytes, which may be newer than the listing's). A SourceError is raised, not yielded."""
 
 
 def read_in_order(source: Source, items: Iterable[Item], max_bytes: int) -> Iterator[tuple[Item, ReadOutcome]]:

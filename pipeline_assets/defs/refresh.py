@@ -73,7 +73,7 @@ def select_documents(source: Source, document_ids: list[str], glob: str) -> list
             raise dg.Failure(description=str(exc), allow_retries=False) from None
     if not chosen:
         raise dg.Failure(description=f"nothing to refresh: no document_ids given and glob {glob!r} matches no "
-                                     f"item of {source.describe()}", allow_retries=False)
+                                     f"file (item) of {source.describe()}", allow_retries=False)
     if len(chosen) > MAX_REFRESH_DOCUMENTS:
         raise dg.Failure(description=f"{len(chosen)} documents selected (at most {MAX_REFRESH_DOCUMENTS}); "
                                      "backfill their buckets instead", allow_retries=False)

@@ -158,12 +158,13 @@ class SourceDirectoryResource(dg.ConfigurableResource):
 
     root: str | None = Field(
         default=None, description="The source (a folder path, s3://bucket/prefix, ...); unset: "
-                                  "PIPELINE_SOURCE_DIR, else examples/corpus.")
+                                  "PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR, else examples/corpus.")
     settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
 
     def spec(self, settings: Settings | None = None) -> str:
         """The source string configured (this resource's, else the settings')."""
-        return self.root or (settings or settings_of(self.settings_id)).source_dir
+        settings = settings or settings_of(self.settings_id)
+        return self.root or settings.source or settings.source_dir
 
     def root_path(self, settings: Settings | None = None) -> Path:
         """The folder configured (a relative path that is not here: the bundled example's)."""

@@ -15,6 +15,15 @@ GROUP BY stage, status ORDER BY 1, 2
 -- name: documents
 SELECT status, count(*) AS n FROM app.documents GROUP BY status ORDER BY 1
 
+-- name: sources
+-- Each ingested source (its key and kind) with its documents by status and its last complete scan.
+SELECT s.root AS source, s.kind, s.last_scan_at,
+       count(d.doc_pk) FILTER (WHERE d.status = 'current') AS current,
+       count(d.doc_pk) FILTER (WHERE d.status = 'quarantined') AS quarantined,
+       count(d.doc_pk) FILTER (WHERE d.status = 'deleted') AS deleted
+FROM app.sources s LEFT JOIN app.documents d ON d.source_id = s.source_id
+GROUP BY s.source_id ORDER BY s.source_id
+
 -- name: quarantined_count
 SELECT count(*) AS n FROM app.documents WHERE status = 'quarantined'
 
