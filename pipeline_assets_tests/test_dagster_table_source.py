@@ -26,7 +26,7 @@ def pages(env, clean_db, monkeypatch):
     c.execute("CREATE TABLE src.pages (id int PRIMARY KEY, body text)")
     with c.cursor() as cur:
         cur.executemany("INSERT INTO src.pages VALUES (%s, %s)", [(i, _text(i)) for i in range(1, 4)])
-    monkeypatch.setenv("PIPELINE_SOURCE_DIR", SOURCE)
+    monkeypatch.setenv("PIPELINE_SOURCE", SOURCE)
     return c
 
 
