@@ -4,10 +4,14 @@ that changed (observing tokens only), the runs ingest and embed exactly those ro
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 import pytest
 
+from pipeline_assets.app.table_source import TableSource
 from pipeline_assets.defs.sensors import source_documents_sensor
+from pipeline_assets_tests.conftest import cli
 from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs, postgres_instance
 
 SOURCE = "table:src.pages?id=id&text=body"
@@ -22,6 +26,7 @@ def pages(env, clean_db, monkeypatch):
     c = clean_db
     c.execute("TRUNCATE app.table_rows, app.table_marks, app.source_observations")
     c.execute("DROP SCHEMA IF EXISTS src CASCADE")
+    c.execute("DROP SCHEMA IF EXISTS pipeline_changes CASCADE")
     c.execute("CREATE SCHEMA src")
     c.execute("CREATE TABLE src.pages (id int PRIMARY KEY, body text)")
     with c.cursor() as cur:
@@ -93,3 +98,31 @@ def test_refresh_documents_takes_table_ids(pages, fake):
     result = job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
         "document_ids": ["table:src.pages/1"]}}}})
     assert result.success and _docs(c) == {"table:src.pages/1": "deleted"}
+
+
+def test_with_the_change_log_a_tick_reads_only_the_logged_rows(pages, fake, instance, monkeypatch):
+    c = pages
+    assert "installed" in cli("source", "install-triggers", SOURCE, env=dict(os.environ)).stdout
+    defs = fresh_defs()
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)   # the first tick lists the table
+    (request,) = tick.run_requests
+    assert execute(defs, instance, request).success
+    billed = fake.stats["billed_inputs"]
+
+    def listed(self):
+        raise AssertionError("the table was listed")
+    monkeypatch.setattr(TableSource, "items", listed)   # from here on, a complete listing fails the test
+    c.execute("UPDATE src.pages SET body = %s WHERE id = 1", (_text(1, 7),))
+    c.execute("DELETE FROM src.pages WHERE id = 2")
+    c.execute("INSERT INTO src.pages VALUES (9, %s)", (_text(9),))
+    tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    assert c.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 0   # consumed by the tick
+    for request in tick.run_requests:
+        assert execute(defs, instance, request).success
+    docs = _docs(c)
+    assert (docs["table:src.pages/1"], docs["table:src.pages/2"], docs["table:src.pages/9"]) == \
+        ("current", "deleted", "current")
+    assert "revision 7" in _chunk_text(c, "table:src.pages/1")
+    assert fake.stats["billed_inputs"] == billed + 2
+    assert not evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).run_requests
+    c.execute("DROP SCHEMA pipeline_changes CASCADE")

@@ -112,7 +112,9 @@ def test_a_table_in_another_database_followed_through_the_change_log(env, clean_
             report = json.loads(cli("ingest", SOURCE, "--json", env=env2).stdout)
             assert (report["changed"], report["deleted"], report["scanned"]) == (1, 1, 1)
             src.execute("TRUNCATE src.notes")
-            report = json.loads(cli("ingest", SOURCE, "--json", env=env2).stdout)
+            refused = cli("ingest", SOURCE, env=env2, check=False)
+            assert refused.returncode == 1 and "is empty but 12 of its rows were ingested" in refused.stderr
+            report = json.loads(cli("ingest", SOURCE, "--allow-empty", "--json", env=env2).stdout)
             assert report["deleted"] == 12
             assert clean_db.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 0
             assert "change log removed" in cli("source", "uninstall-triggers", SOURCE, env=env2).stdout

@@ -128,7 +128,10 @@ def test_edits_deletes_inserts_and_truncate_are_followed(source, table, way):
         assert scan.rows_listed == 0 and change_log.pending(table.table) == 0  # no scan; the log consumed
 
     c.execute("TRUNCATE src.docs")
-    report, _ = scan_table(c, table, _options(), way=way)
+    with pytest.raises(TableSourceError, match="is empty but 19 of its rows were ingested"):
+        scan_table(c, table, _options(), way=way)   # as an empty folder: refused unless meant
+    assert set(_docs(c).values()) == {"current", "deleted"}
+    report, _ = scan_table(c, table, _options(allow_empty=True), way=way)
     assert report.deleted == 19
     assert set(_docs(c).values()) == {"deleted"}
     assert c.execute("SELECT count(*) FROM app.chunks").fetchone()[0] == 0

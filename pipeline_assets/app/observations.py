@@ -91,8 +91,34 @@ def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
     there: the scan holds no row per item, only the items it has to fingerprint (changed,
     racy) one batch at a time, and the handles of those few the source cannot find by id
     (a folder's symlinks and escaped names). An item whose listing carries its fingerprint
-    (a content token) is compared in the database and never read."""
+    (a content token) is compared in the database and never read.
+
+    A source with a change feed of its own (``follow_changes``: a table's change log)
+    observes only what the feed names, and calls ``complete`` for a complete listing
+    when the feed cannot vouch (its first scan, a TRUNCATE)."""
     source = as_source(source)
+    follow = getattr(source, "follow_changes", None)
+    if follow is not None:
+        return follow(conn, lambda: _scan_all(conn, source, max_bytes=max_bytes, keep=keep), keep)
+    return _scan_all(conn, source, max_bytes=max_bytes, keep=keep)
+
+
+def record_observed(conn: psycopg.Connection, root: str, present: Sequence[Observed], gone: Sequence[str]) -> Scan:
+    """Observations from a change feed: ``present`` (each with its checksum) upserted, ``gone``
+    marked gone; one transaction."""
+    rows = [(o.document_id, o.checksum, o.size, o.mtime_ns) for o in present if o.checksum is not None]
+    with conn.transaction():
+        conn.execute(OBS.stage_create)
+        _stage(conn, rows)
+        conn.execute(OBS.upsert_staged, {"root": root})
+        if gone:
+            conn.execute(OBS.mark_gone, {"root": root, "ids": list(gone)})
+    return Scan(present=len(rows), written=len(rows), gone=len(gone))
+
+
+def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
+              keep: Callable[[str], bool] | None) -> Scan:
+    """``scan`` by a complete listing."""
     root_key = source.key
     started_ns = time.time_ns()
     result = Scan()

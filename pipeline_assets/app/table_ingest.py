@@ -35,7 +35,7 @@ from pipeline_assets.app import ingest as ingest_mod
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.store import change_log, queries
-from pipeline_assets.store.table_source import BUCKET_MASK, READ_PAGE_ROWS
+from pipeline_assets.store.table_source import BUCKET_MASK, READ_PAGE_ROWS, TableSourceError
 
 if TYPE_CHECKING:
     from pipeline_assets.app.table_source import TableSource
@@ -99,9 +99,17 @@ class _Scan:
 
     # -- finding changes ---------------------------------------------------------------
     def _differing(self) -> list[int]:
-        """The buckets whose digest differs from the stored one (none when the totals are equal)."""
-        if self.table.total() == tuple(queries.one_row(self.conn, ROWS.stored_total, {"source": self.key})):
+        """The buckets whose digest differs from the stored one (none when the totals are equal).
+        An empty table whose rows were ingested is refused unless ``allow_empty`` (a wrong
+        database or a truncated table: tombstoning everything must be meant)."""
+        theirs_total = self.table.total()
+        ours_total = tuple(queries.one_row(self.conn, ROWS.stored_total, {"source": self.key}))
+        if theirs_total == ours_total:
             return []
+        if theirs_total[0] == 0 and not self.options.allow_empty:
+            raise TableSourceError(f"table source {self.source.spec.name} is empty but {ours_total[0]} of its rows "
+                                   "were ingested; refusing to tombstone them all (pass --allow-empty if this "
+                                   "is intended)")
         theirs = self.table.digest()
         ours = {b: (n, x) for b, n, x in self.conn.execute(ROWS.stored_digest, {"source": self.key,
                                                                               "mask": BUCKET_MASK})}

@@ -19,17 +19,18 @@ instead of comparing a complete listing when a source offers it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import psycopg
 
+from pipeline_assets.app import observations
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError
 from pipeline_assets.content.source import Item, Observed, ReadOutcome, SourceError, token_checksum
 from pipeline_assets.settings import Settings, redact_text
-from pipeline_assets.store import db
+from pipeline_assets.store import change_log, db, queries
 from pipeline_assets.store.table_source import (
     LOCK_TIMEOUT,
     READ_PAGE_ROWS,
@@ -39,6 +40,8 @@ from pipeline_assets.store.table_source import (
     open_table,
     parse_table_source,
 )
+
+ROWS = queries.load("table_rows")
 
 # Error class of a row whose text is NULL or empty: not a document; quarantined, never embedded.
 EMPTY_TEXT = "empty_text"
@@ -184,6 +187,39 @@ class TableSource:
         if not row.text:
             return ExtractError(EMPTY_TEXT, f"{item.document_id}: text is NULL or empty; not a document")
         return row.text.encode("utf-8")
+
+    def follow_changes(self, conn: psycopg.Connection, complete: Callable[[], observations.Scan],
+                       keep: Callable[[str], bool] | None) -> observations.Scan:
+        """The source sensor's observation (``observations.scan``) through the change log, when
+        its triggers are installed and a complete listing was observed before: the logged rows'
+        tokens (no text) are recorded as observations, then exactly those entries are deleted
+        (their rows are pending observations, committed, until a bucket run ingests them). A
+        TRUNCATE, the first scan, or no change log: ``complete`` lists everything. A bucket run
+        (``keep``) lists nothing more: it syncs what the ticks observed."""
+        try:
+            table = self.table
+            installed = change_log.is_installed(table)
+        except TableSourceError as exc:
+            raise self._failed(exc) from None
+        if not installed:
+            return complete()
+        observed = queries.scalar(conn, ROWS.observed_any, {"root": self.key})
+        if keep is not None:
+            return observations.Scan() if observed else complete()
+        try:
+            entries = change_log.read(table)
+        except TableSourceError as exc:
+            raise self._failed(exc) from None
+        if entries.truncated or not observed:
+            result = complete()
+        else:
+            present = self.rows(entries.row_ids, max_bytes=-1)   # tokens and sizes; no text sent
+            found = {i.row_id for i in present}
+            result = observations.record_observed(
+                conn, self.key, [Observed(i.document_id, i.size, 0, None, token_checksum(i.token)) for i in present],
+                [self.spec.document_id(r) for r in entries.row_ids if r not in found])
+        change_log.consumed(table, entries.seqs)
+        return result
 
     def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions) -> IngestReport:
         """Find and ingest the table's changes (``app/table_ingest.py``); the IngestReport."""

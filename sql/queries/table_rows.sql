@@ -62,3 +62,7 @@ SELECT watermark FROM app.table_marks WHERE source = %(source)s
 -- name: set_watermark
 INSERT INTO app.table_marks (source, watermark) VALUES (%(source)s, %(mark)s)
 ON CONFLICT (source) DO UPDATE SET watermark = EXCLUDED.watermark, marked_at = now()
+
+-- name: observed_any
+-- Whether the source sensor holds observations of a source (a complete listing was observed).
+SELECT EXISTS (SELECT 1 FROM app.source_observations WHERE root = %(root)s)
