@@ -6,6 +6,7 @@ failure is retried; a listing that changes while it is read converges on the nex
 
 from __future__ import annotations
 
+import dagster as dg
 import psycopg
 import pytest
 
@@ -15,8 +16,10 @@ from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.content.s3_source import S3Source
 from pipeline_assets.content.source import SourceError
+from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import cli
+from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, postgres_instance
 from pipeline_assets_tests.s3_server import S3Server, free_port
 
 BUCKET = "corpus"
@@ -186,3 +189,41 @@ def test_sensor_scan_of_an_unchanged_bucket_reads_nothing(s3, s3_env, clean_db):
     third = observations.scan(clean_db, source, max_bytes=1 << 20)
     assert (third.present, third.written, third.gone) == (4, 1, 1)
     assert s3.downloads(BUCKET) == []                   # the sensor never downloads an object
+
+
+def test_the_dagster_sensor_follows_an_s3_prefix(s3, s3_env, clean_db, monkeypatch, server_url, database_url):
+    """PIPELINE_SOURCE=s3://...: the sensor requests a run of what is new, changed or gone, downloads
+    nothing itself; the run downloads only what changed; the documents asset names the source; an
+    endpoint that is down fails the tick and deletes nothing."""
+    monkeypatch.setenv("PIPELINE_SOURCE", SOURCE)
+    for n in range(3):
+        _put(s3, f"docs/d{n}.md", _text(n))
+    with postgres_instance(server_url) as instance:
+        defs = fresh_defs()
+        tick = evaluate_sensor(source_documents_sensor, defs, instance)
+        (request,) = tick.run_requests
+        assert s3.downloads(BUCKET) == []                 # the sensor lists; it never downloads
+        assert execute(defs, instance, request).success
+        assert _docs(database_url) == {f"s3://{BUCKET}/docs/d{n}.md": "current" for n in range(3)}
+        assert sorted(s3.downloads(BUCKET)) == [f"docs/d{n}.md" for n in range(3)]
+        event = instance.get_latest_materialization_event(dg.AssetKey("documents"))
+        assert event is not None and event.asset_materialization is not None
+        assert event.asset_materialization.metadata["source_kind"].value == "s3"
+
+        again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+        assert not again.run_requests and "no change" in again.skip_message
+
+        _put(s3, "docs/d0.md", _text(50))
+        s3.client().delete_object(Bucket=BUCKET, Key="docs/d2.md")
+        before = len(s3.downloads(BUCKET))
+        changed = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+        for run in changed.run_requests:
+            assert execute(defs, instance, run).success
+        assert _docs(database_url) == {f"s3://{BUCKET}/docs/d0.md": "current", f"s3://{BUCKET}/docs/d1.md": "current",
+                                       f"s3://{BUCKET}/docs/d2.md": "deleted"}
+        assert s3.downloads(BUCKET)[before:] == ["docs/d0.md"]
+
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+        with pytest.raises(Exception, match="nothing is deleted"):
+            evaluate_sensor(source_documents_sensor, fresh_defs(), instance, changed.cursor)
+    assert _docs(database_url)[f"s3://{BUCKET}/docs/d1.md"] == "current"

@@ -52,6 +52,8 @@ S3_REQUEST_TIMEOUT = datetime.timedelta(seconds=120)
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]+)</Code>")
 _TRANSIENT = {408, 429, 500, 502, 503, 504}
+# What obstore raises for a missing object (its own class, or Python's).
+_MISSING = (NotFoundError, FileNotFoundError)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class S3Source:
         for attempt in range(1, S3_ATTEMPTS + 1):
             try:
                 return request()
-            except NotFoundError:
+            except _MISSING:
                 raise
             except BaseError as exc:
                 self._judge(what, exc, attempt)
@@ -224,7 +226,7 @@ class S3Source:
         def head(key: str) -> ObjectItem | None:
             try:
                 return self._item(dict(self._retrying("lookup", lambda: obstore.head(self.store, key))))
-            except NotFoundError:
+            except _MISSING:
                 return None
 
         return {item.document_id: item for item in self._bounded(head, keys) if item is not None}
@@ -243,7 +245,7 @@ class S3Source:
 
         try:
             meta, data = self._retrying("read", get)
-        except NotFoundError:
+        except _MISSING:
             raise FileNotFoundError(f"{item.document_id}: deleted since it was listed") from None
         got = self._item(meta)
         if len(data) > max_bytes:
