@@ -111,6 +111,12 @@ def test_a_table_in_another_database_followed_through_the_change_log(env, clean_
             src.execute("DELETE FROM src.notes WHERE id = 6")
             report = json.loads(cli("ingest", SOURCE, "--json", env=env2).stdout)
             assert (report["changed"], report["deleted"], report["scanned"]) == (1, 1, 1)
+            # reconcile compares the checksums and leaves the change log to `ingest`.
+            src.execute("UPDATE src.notes SET body = %s WHERE id = 7", (_text(7, 1),))
+            assert json.loads(cli("reconcile", "--json", env=env2).stdout)["changed"] == 1
+            assert src.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 1
+            report = json.loads(cli("ingest", SOURCE, "--json", env=env2).stdout)
+            assert (report["scanned"], report["unchanged"], report["changed"]) == (1, 1, 0)
             src.execute("TRUNCATE src.notes")
             refused = cli("ingest", SOURCE, env=env2, check=False)
             assert refused.returncode == 1 and "is empty but 12 of its rows were ingested" in refused.stderr

@@ -110,13 +110,15 @@ def ingest_documents(rt: Runtime, pool: ConnectionPool, source: Source | Path,
 
 
 # -- machinery -------------------------------------------------------------------------------
-def ingest_all(conn: psycopg.Connection, source: Source | Path, options: IngestOptions) -> IngestReport:
+def ingest_all(conn: psycopg.Connection, source: Source | Path, options: IngestOptions, *,
+               whole: bool = False) -> IngestReport:
     """List everything in ``source``; tombstone what is no longer there. A listing that fails
-    (SourceError) tombstones nothing: only a complete listing says what is gone."""
+    (SourceError) tombstones nothing: only a complete listing says what is gone. ``whole``
+    (a reconciliation): a source with its own change feed compares all of itself instead."""
     source = as_source(source)
     changes = getattr(source, "ingest_changes", None)
     if changes is not None:  # a source that finds its own changes (a table: digest, watermark, change log)
-        return changes(conn, options)
+        return changes(conn, options, whole=whole)
     items = source.items()
     scan_started = documents.start_scan(conn)
     first = next(items, None)  # raises SourceError for a missing root, before anything is registered

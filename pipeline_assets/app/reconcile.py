@@ -66,7 +66,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
     if rescan:
         for root in documents.source_roots(conn):
             try:
-                scan = ingest_all(conn, opener(root), options)
+                scan = ingest_all(conn, opener(root), options, whole=True)
             except SourceError as exc:
                 # A source that vanished entirely or cannot be listed now is reported, never tombstoned.
                 report.missing_sources.append(str(exc))

@@ -221,11 +221,14 @@ class TableSource:
         change_log.consumed(table, entries.seqs)
         return result
 
-    def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions) -> IngestReport:
-        """Find and ingest the table's changes (``app/table_ingest.py``); the IngestReport."""
-        from pipeline_assets.app.table_ingest import scan_table
+    def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions, *,
+                       whole: bool = False) -> IngestReport:
+        """Find and ingest the table's changes (``app/table_ingest.py``): by its change log, its
+        watermark or its checksums; ``whole`` (a reconciliation): by the checksums, the change
+        log left to whoever follows it."""
+        from pipeline_assets.app.table_ingest import FULL, scan_table
         try:
-            report, _ = scan_table(conn, self, options)
+            report, _ = scan_table(conn, self, options, way=FULL if whole else None)
         except TableSourceError as exc:
             raise self._failed(exc) from None
         return report
