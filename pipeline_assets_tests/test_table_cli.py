@@ -10,7 +10,7 @@ import uuid
 import psycopg
 import pytest
 
-from pipeline_assets_tests.conftest import _with_dbname, cli
+from pipeline_assets_tests.conftest import _with_dbname, cli, kill_group, start_cli, wait_for_line
 
 SOURCE = "table:src.notes?id=id&text=body&updated=updated_at"
 
@@ -129,3 +129,37 @@ def test_a_table_in_another_database_followed_through_the_change_log(env, clean_
     finally:
         with psycopg.connect(server_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_crash_before_the_log_is_consumed_re_reads_it(env, notes):
+    """SIGKILL after the logged rows' documents were committed, before their entries were
+    deleted: the entries are still there, and the next ingest reads them again (and writes nothing)."""
+    assert "installed" in cli("source", "install-triggers", SOURCE, env=env).stdout
+    assert json.loads(cli("ingest", SOURCE, "--json", env=env).stdout)["new"] == 12
+    notes.execute("UPDATE src.notes SET body = %s WHERE id = 2", (_text(2, 4),))
+    notes.execute("DELETE FROM src.notes WHERE id = 3")
+    proc = start_cli("ingest", SOURCE, env={**env, "PIPELINE_CRASHPOINT": "log_unconsumed"})
+    try:
+        wait_for_line(proc, "CRASHPOINT log_unconsumed")
+    finally:
+        kill_group(proc)
+    docs = dict(notes.execute("SELECT document_id, status FROM app.documents").fetchall())
+    assert (docs["table:src.notes/2"], docs["table:src.notes/3"]) == ("current", "deleted")   # committed
+    assert notes.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 2     # not consumed
+    report = json.loads(cli("ingest", SOURCE, "--json", env=env).stdout)
+    assert (report["scanned"], report["unchanged"], report["changed"], report["deleted"]) == (1, 1, 0, 0)
+    assert notes.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 0
+    notes.execute("DROP SCHEMA pipeline_changes CASCADE")
+
+
+def test_wrong_credentials_or_no_server_is_one_line_and_tombstones_nothing(env, notes, database_url):
+    assert json.loads(cli("ingest", SOURCE, "--json", env=env).stdout)["new"] == 12
+    wrong = psycopg.conninfo.make_conninfo(database_url, user="nobody_here", password="expired-secret-pw")
+    gone = psycopg.conninfo.make_conninfo(database_url, host="127.0.0.1", port="1", password="expired-secret-pw")
+    for url in (wrong, gone):
+        proc = cli("ingest", SOURCE, env={**env, "PIPELINE_SOURCE_DATABASE_URL": url}, check=False)
+        assert proc.returncode == 1 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert "expired-secret-pw" not in proc.stderr + proc.stdout
+    assert notes.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 12
+    notes.execute("DELETE FROM src.notes WHERE id = 0")
+    assert json.loads(cli("ingest", SOURCE, "--json", env=env).stdout)["deleted"] == 1   # converges

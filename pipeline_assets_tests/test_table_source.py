@@ -197,26 +197,6 @@ def test_a_locked_table_fails_the_scan_and_tombstones_nothing(database_url, sour
     assert report.deleted == 1 and _docs(c)["table:src.docs/9"] == "deleted"
 
 
-def test_the_change_log_is_consumed_only_after_its_rows_are_ingested(source, table, monkeypatch):
-    c = source
-    change_log.install(table.table)
-    scan_table(c, table, _options(), way=FULL)
-    c.execute("UPDATE src.docs SET body = %s WHERE id = 6", (_text(6, 3),))
-    before = change_log.pending(table.table)
-    from pipeline_assets.app import table_ingest
-
-    def crash(*a, **k):
-        raise RuntimeError("killed before the entries were deleted")
-    monkeypatch.setattr(table_ingest.change_log, "consumed", crash)
-    with pytest.raises(RuntimeError):
-        scan_table(c, table, _options(), way=CHANGE_LOG)
-    assert "version 3" in _current_text(c, "table:src.docs/6")
-    assert change_log.pending(table.table) == before  # still there: the next tick re-reads them
-    monkeypatch.undo()
-    report, scan = scan_table(c, table, _options(), way=CHANGE_LOG)
-    assert report.unchanged == 1 and report.changed == 0 and change_log.pending(table.table) == 0
-
-
 def test_install_triggers_without_the_trigger_privilege_is_one_line(database_url, source):
     c = source
     role = "table_reader_no_trigger"

@@ -34,6 +34,7 @@ from pipeline_assets.app import documents
 from pipeline_assets.app import ingest as ingest_mod
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
+from pipeline_assets.jobs import crashpoints
 from pipeline_assets.store import change_log, queries
 from pipeline_assets.store.table_source import BUCKET_MASK, READ_PAGE_ROWS, TableSourceError
 
@@ -79,6 +80,7 @@ def scan_table(conn: psycopg.Connection, source: TableSource, options: IngestOpt
             run.full()
         else:
             run.rows(entries.row_ids)
+        crashpoints.reach(crashpoints.LOG_UNCONSUMED, source.settings.crashpoint)
         change_log.consumed(source.table, entries.seqs)  # after the documents of their rows are committed
     elif way == WATERMARK:
         run.watermark()

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 AFTER_CLAIM = "after_claim"    # jobs leased, provider not yet called
 AFTER_CALL = "after_call"      # provider answered (and billed), nothing committed
+LOG_UNCONSUMED = "log_unconsumed"  # a table's logged rows ingested and committed, the entries not yet deleted
 
 
 def reach(name: str, configured: str | None, texts: Iterable[str | None] = ()) -> None:
