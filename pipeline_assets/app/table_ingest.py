@@ -127,20 +127,25 @@ class _Scan:
                 self.scan.rows_listed += 1
         self.conn.execute(ROWS.listed_analyze)
 
-    def _changed(self) -> list[str]:
-        return [r[0] for r in self.conn.execute(ROWS.listed_changed, {"source": self.key})]
+    def _read_changed(self) -> None:
+        """Read and ingest the listed rows that changed, a page at a time (keyset on the id)."""
+        after = ""
+        while page := [r[0] for r in self.conn.execute(ROWS.listed_changed, {
+                "source": self.key, "after": after, "limit": READ_PAGE_ROWS})]:
+            self.rows(page)
+            after = page[-1]
 
     def _check_buckets(self, buckets: list[int]) -> None:
-        """List ``buckets``, read their changed rows, tombstone their gone ones."""
+        """List ``buckets``, read their changed rows, tombstone their gone ones (after the
+        listing completed: a failed listing raised before this)."""
         if not buckets:
             return
         self.scan.buckets_listed += len(buckets)
         self._listed(self.table.list_buckets(buckets))
-        changed = self._changed()
-        gone = [r[0] for r in self.conn.execute(ROWS.listed_gone, {"source": self.key, "mask": BUCKET_MASK,
-                                                                   "buckets": buckets})]
-        self.rows(changed)
-        self._gone(gone)
+        self._read_changed()
+        params = {"source": self.key, "mask": BUCKET_MASK, "buckets": buckets, "limit": READ_PAGE_ROWS}
+        while gone := [r[0] for r in self.conn.execute(ROWS.listed_gone, params)]:
+            self._gone(gone)   # forgets them: the next page is the next ones
 
     def full(self) -> None:
         newest = self.table.newest_updated() if self.source.spec.updated else None
@@ -151,7 +156,7 @@ class _Scan:
         stored = self.conn.execute(ROWS.watermark, {"source": self.key}).fetchone()
         newest = self.table.newest_updated()  # before the listing: a row updated meanwhile is listed next time
         self._listed(self.table.list_updated(stored[0] if stored else None))
-        self.rows(self._changed())
+        self._read_changed()
         self._mark(newest)
         self._check_buckets(self._differing())  # deletes, late commits, texts changed alone
 

@@ -6,7 +6,8 @@ point and then blocks forever; the test kills the process with SIGKILL. Nothing
 is simulated: the crash is a real dead process holding real leases. Unset (the
 default), a crashpoint is a no-op. ``<name>:<marker>`` freezes only a request
 carrying an input that contains ``marker``: an input that crashes its worker
-(the poison that OOMs the process).
+(the poison that OOMs the process). ``log_unconsumed`` freezes a table source's
+ingest between committing the logged rows' documents and deleting their entries.
 """
 
 from __future__ import annotations

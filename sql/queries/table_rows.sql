@@ -29,18 +29,20 @@ COPY table_listed (row_id, id_hash, version) FROM STDIN
 ANALYZE table_listed
 
 -- name: listed_changed
--- Listed rows whose version is not the stored one (new or changed): to read.
+-- Listed rows whose version is not the stored one (new or changed): to read, a page
+-- at a time after %(after)s.
 SELECT l.row_id FROM table_listed l
 LEFT JOIN app.table_rows r ON r.source = %(source)s AND r.row_id = l.row_id
-WHERE r.version IS DISTINCT FROM l.version
-ORDER BY l.row_id
+WHERE r.version IS DISTINCT FROM l.version AND l.row_id > %(after)s
+ORDER BY l.row_id LIMIT %(limit)s
 
 -- name: listed_gone
--- Stored rows of the listed buckets that the listing did not find: deleted.
+-- Stored rows of the listed buckets that the listing did not find: deleted (a page at
+-- a time: each page is tombstoned and forgotten before the next is selected).
 SELECT r.row_id FROM app.table_rows r
 WHERE r.source = %(source)s AND (r.id_hash & %(mask)s)::int = ANY(%(buckets)s)
   AND NOT EXISTS (SELECT 1 FROM table_listed l WHERE l.row_id = r.row_id)
-ORDER BY r.row_id
+LIMIT %(limit)s
 
 -- name: record_rows
 -- The change tokens of rows just ingested (after their documents were committed).
