@@ -24,7 +24,7 @@ def _text(i: int, v: int = 0) -> str:
 @pytest.fixture
 def pages(env, clean_db, monkeypatch):
     c = clean_db
-    c.execute("TRUNCATE app.table_rows, app.table_marks, app.source_observations")
+    c.execute("TRUNCATE app.table_rows, app.table_marks, app.table_observed, app.source_observations")
     c.execute("DROP SCHEMA IF EXISTS src CASCADE")
     c.execute("DROP SCHEMA IF EXISTS pipeline_changes CASCADE")
     c.execute("CREATE SCHEMA src")
@@ -50,7 +50,7 @@ def _chunk_text(conn, doc: str) -> str:
                         " USING (doc_pk) WHERE d.document_id = %s", (doc,)).fetchone()[0]
 
 
-def test_the_source_sensor_and_bucket_runs_follow_a_table(pages, fake, instance):
+def test_the_source_sensor_and_bucket_runs_follow_a_table(pages, fake, instance, monkeypatch):
     c = pages
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
@@ -59,8 +59,12 @@ def test_the_source_sensor_and_bucket_runs_follow_a_table(pages, fake, instance)
     assert _docs(c) == {f"table:src.pages/{i}": "current" for i in range(1, 4)}
     billed = fake.stats["billed_inputs"]
     assert billed == 3
-    # Unchanged: no run.
-    again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
+    # Unchanged: no run, and the table is not listed (its digest is the one observed).
+    def listed(self):
+        raise AssertionError("the table was listed")
+    with monkeypatch.context() as patched:
+        patched.setattr(TableSource, "items", listed)
+        again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     assert not again.run_requests
     # An edited row: one run, of its bucket; only its new text is billed.
     c.execute("UPDATE src.pages SET body = %s WHERE id = 2", (_text(2, 1),))

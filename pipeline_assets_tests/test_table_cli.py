@@ -31,7 +31,7 @@ def _create(conn, rows: int = 12) -> None:
 
 @pytest.fixture
 def notes(clean_db):
-    clean_db.execute("TRUNCATE app.table_rows, app.table_marks")
+    clean_db.execute("TRUNCATE app.table_rows, app.table_marks, app.table_observed")
     _create(clean_db)
     return clean_db
 
@@ -91,7 +91,7 @@ def test_install_triggers_without_the_privilege_is_one_line(env, notes, database
 def test_a_table_in_another_database_followed_through_the_change_log(env, clean_db, server_url, fake):
     """PIPELINE_SOURCE_DATABASE_URL names another database of the same server; the change log is
     installed there; inserts, updates, deletes and a TRUNCATE reach the job table without a scan."""
-    clean_db.execute("TRUNCATE app.table_rows, app.table_marks")
+    clean_db.execute("TRUNCATE app.table_rows, app.table_marks, app.table_observed")
     name = "t_source_" + uuid.uuid4().hex[:8]
     with psycopg.connect(server_url, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')

@@ -37,7 +37,7 @@ def _text(i: int, v: int = 0) -> str:
 def source(clean_db):
     """src.docs with rows 1..20 and a clean change log; the project database is the source's."""
     c = clean_db
-    c.execute("TRUNCATE app.table_rows, app.table_marks")
+    c.execute("TRUNCATE app.table_rows, app.table_marks, app.table_observed")
     c.execute("DROP SCHEMA IF EXISTS src CASCADE")
     c.execute("DROP SCHEMA IF EXISTS pipeline_changes CASCADE")
     c.execute("CREATE SCHEMA src")

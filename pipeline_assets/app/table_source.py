@@ -190,23 +190,23 @@ class TableSource:
 
     def follow_changes(self, conn: psycopg.Connection, complete: Callable[[], observations.Scan],
                        keep: Callable[[str], bool] | None) -> observations.Scan:
-        """The source sensor's observation (``observations.scan``) through the change log, when
-        its triggers are installed and a complete listing was observed before: the logged rows'
-        tokens (no text) are recorded as observations, then exactly those entries are deleted
-        (their rows are pending observations, committed, until a bucket run ingests them). A
-        TRUNCATE, the first scan, or no change log: ``complete`` lists everything. A bucket run
-        (``keep``) lists nothing more: it syncs what the ticks observed."""
+        """The source sensor's observation (``observations.scan``) without a complete listing
+        when the table can vouch for it; ``complete()`` lists everything otherwise.
+
+        With the change log installed and a complete listing observed before: the logged
+        rows' tokens (no text) are recorded as observations, then exactly those entries are
+        deleted (their rows are pending observations, committed, until a bucket run ingests
+        them); a TRUNCATE lists everything. Without it: while the table's digest is the one
+        taken around the last complete listing, nothing changed and nothing is listed. A
+        bucket run (``keep``) lists nothing more while the ticks vouch: it syncs what they observed."""
         try:
             table = self.table
             installed = change_log.is_installed(table)
-        except TableSourceError as exc:
-            raise self._failed(exc) from None
-        if not installed:
-            return complete()
-        observed = queries.scalar(conn, ROWS.observed_any, {"root": self.key})
-        if keep is not None:
-            return observations.Scan() if observed else complete()
-        try:
+            observed = queries.scalar(conn, ROWS.observed_any, {"root": self.key})
+            if not installed:
+                return self._observe_by_digest(conn, table, complete, observed, keep)
+            if keep is not None:
+                return observations.Scan() if observed else complete()
             entries = change_log.read(table)
         except TableSourceError as exc:
             raise self._failed(exc) from None
@@ -219,6 +219,21 @@ class TableSource:
                 conn, self.key, [Observed(i.document_id, i.size, 0, None, token_checksum(i.token)) for i in present],
                 [self.spec.document_id(r) for r in entries.row_ids if r not in found])
         change_log.consumed(table, entries.seqs)
+        return result
+
+    def _observe_by_digest(self, conn: psycopg.Connection, table: OpenTable,
+                           complete: Callable[[], observations.Scan], observed: bool,
+                           keep: Callable[[str], bool] | None) -> observations.Scan:
+        before = table.total()
+        stored = conn.execute(ROWS.observed_digest, {"source": self.key}).fetchone()
+        if observed and stored is not None and tuple(stored) == before:
+            return observations.Scan(present=before[0])
+        if keep is not None:
+            return complete()   # some buckets only: the digest of the whole is not vouched for
+        conn.execute(ROWS.forget_observed_digest, {"source": self.key})
+        result = complete()
+        if table.total() == before:   # the table held still while it was listed
+            conn.execute(ROWS.set_observed_digest, {"source": self.key, "rows": before[0], "digest": before[1]})
         return result
 
     def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions, *,

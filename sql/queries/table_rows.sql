@@ -68,3 +68,14 @@ ON CONFLICT (source) DO UPDATE SET watermark = EXCLUDED.watermark, marked_at = n
 -- name: observed_any
 -- Whether the source sensor holds observations of a source (a complete listing was observed).
 SELECT EXISTS (SELECT 1 FROM app.source_observations WHERE root = %(root)s)
+
+-- name: observed_digest
+-- The table's digest at the sensor's last complete observation (no row: none holds).
+SELECT rows, digest FROM app.table_observed WHERE source = %(source)s
+
+-- name: set_observed_digest
+INSERT INTO app.table_observed (source, rows, digest) VALUES (%(source)s, %(rows)s, %(digest)s)
+ON CONFLICT (source) DO UPDATE SET rows = EXCLUDED.rows, digest = EXCLUDED.digest, observed_at = now()
+
+-- name: forget_observed_digest
+DELETE FROM app.table_observed WHERE source = %(source)s
