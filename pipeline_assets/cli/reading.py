@@ -23,6 +23,7 @@ EXPECTED_DB = (db.DatabaseUnavailable, psycopg.Error, OSError)
 def _status_lines(d: dict):
     yield "documents: " + (" ".join(f"{k}={v}" for k, v in d["documents"].items()) or "none")
     yield "jobs: " + (" ".join(f"{k}={v}" for k, v in d["jobs"].items()) or "none")
+    yield f"backlog: {d.get('backlog', 0)} (pending + retry)"
     for stage, counts in d["stages"].items():
         yield f"stage {stage}: " + " ".join(f"{k}={v}" for k, v in counts.items())
     for model, c in d["coverage"].items():

@@ -1,0 +1,162 @@
+"""Least-privilege roles (`pipeline-assets roles`, sql/queries/roles.sql) on the real server.
+
+A database created empty, the roles applied by an administrator, the schema migrated by the
+owner role; then the worker role cannot change the schema and `ingest`, `work` (the fake
+provider, through the real openai SDK), `status` and `search` all work under it, the reader
+can only read, and a table a later migration creates is the worker's and reader's at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import psycopg
+import pytest
+
+from pipeline_assets.store import db
+from pipeline_assets.store import roles as db_roles
+from pipeline_assets_tests.conftest import FAKE_MODEL, FAKE_WINDOW, assert_vectors_match, cli, write_corpus
+
+PASSWORD = "r0le-s3cret"
+
+
+@pytest.fixture(scope="module")
+def deployment(server_url):
+    """An empty database and three fresh roles (cluster-wide: unique names), dropped at the end."""
+    suffix = uuid.uuid4().hex[:8]
+    name = f"t_roles_{suffix}"
+    names = db_roles.RoleNames(f"own_{suffix}", f"wrk_{suffix}", f"rdr_{suffix}")
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    admin_url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
+    yield admin_url, names
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        for role in names.all():
+            if admin.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+                admin.execute(f'DROP OWNED BY "{role}"')
+                admin.execute(f'DROP ROLE "{role}"')
+
+
+def _as(url: str, role: str) -> str:
+    return psycopg.conninfo.make_conninfo(url, user=role, password=PASSWORD)
+
+
+def _env(url: str, fake, tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
+    env.update({
+        "PIPELINE_DATABASE_URL": url, "OPENAI_API_KEY": "test-key", "OPENAI_BASE_URL": fake.base_url,
+        "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
+        "PIPELINE_BACKOFF_BASE": "0.05", "PIPELINE_BACKOFF_CAP": "0.2", "PIPELINE_CALL_TIMEOUT": "5",
+        "PIPELINE_HOME": str(tmp_path / "home")})
+    return env
+
+
+@pytest.fixture(scope="module")
+def migrated(deployment, tmp_path_factory):
+    """The roles applied by the administrator (twice: idempotent), the schema migrated by the owner."""
+    admin_url, names = deployment
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
+    args = ("roles", "--owner", names.owner, "--worker", names.worker, "--reader", names.reader)
+    first = cli(*args, env={**env, "PIPELINE_DATABASE_URL": admin_url})
+    assert "created " + ", ".join(names.all()) in first.stdout
+    assert "created" not in cli(*args, env={**env, "PIPELINE_DATABASE_URL": admin_url}).stdout
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        for role in names.all():  # the administrator's step, out of band: never the command's
+            admin.execute(f"ALTER ROLE \"{role}\" PASSWORD '{PASSWORD}'")
+    out = cli("migrate", env={**env, "PIPELINE_DATABASE_URL": _as(admin_url, names.owner)}).stdout
+    assert "001_core.sql" in out
+    with psycopg.connect(admin_url) as admin:
+        owners = {r[0] for r in admin.execute(
+            "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'app'")}
+    assert owners == {names.owner}
+    return admin_url, names
+
+
+def test_the_worker_role_cannot_change_the_schema(migrated):
+    admin_url, names = migrated
+    ddl = ["CREATE TABLE app.intruder (x int)",
+           "ALTER TABLE app.embedding_jobs ADD COLUMN intruder int",
+           "DROP TABLE app.embedding_jobs",
+           "CREATE INDEX intruder ON app.embeddings (model_id)",
+           "CREATE FUNCTION app.intruder() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+           "TRUNCATE app.embedding_jobs"]
+    for role in (names.worker, names.reader):
+        with psycopg.connect(_as(admin_url, role), autocommit=True) as conn:
+            conn.execute("SET default_transaction_read_only = off")  # the privileges alone refuse it
+            for statement in ddl:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    conn.execute(statement)
+    with psycopg.connect(_as(admin_url, names.reader), autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            conn.execute("DELETE FROM app.embedding_jobs")
+        conn.execute("SET default_transaction_read_only = off")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("DELETE FROM app.embedding_jobs")
+
+
+def test_everything_works_under_the_worker_role(migrated, fake, tmp_path):
+    admin_url, names = migrated
+    worker_env = _env(_as(admin_url, names.worker), fake, tmp_path)
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 6)
+    ingested = json.loads(cli("ingest", str(corpus), "--json", env=worker_env).stdout)
+    assert ingested["enqueued"] > 0
+    status = json.loads(cli("status", "--json", env=worker_env).stdout)
+    assert status["backlog"] == ingested["enqueued"]
+    worked = cli("work", "--until-idle", "--json", env=worker_env)
+    assert json.loads(worked.stdout)["embedded"] == ingested["enqueued"]
+    assert "could not build" not in worked.stderr and "permission denied" not in worked.stderr
+    with db.connect(admin_url) as conn:
+        assert assert_vectors_match(conn, fake) == ingested["enqueued"]
+    status = json.loads(cli("status", "--json", env=worker_env).stdout)
+    assert status["backlog"] == 0 and status["jobs"] == {"ready": ingested["enqueued"]}
+    hits = json.loads(cli("search", "w7 w14 w21", "--json", env=worker_env).stdout)
+    assert hits and all(h["document_id"].startswith("doc") for h in hits)
+
+    # The reader: status as the worker saw it, no write.
+    reader_env = _env(_as(admin_url, names.reader), fake, tmp_path)
+    assert json.loads(cli("status", "--json", env=reader_env).stdout)["jobs"] == status["jobs"]
+
+    # The vector index is the owner's to build: the worker left it without a warning, and
+    # `models index` under the worker role says whose it is in one line.
+    refused = cli("models", "index", FAKE_MODEL, env=worker_env, check=False)
+    assert refused.returncode == 1 and "as the owner role" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    owner_env = _env(_as(admin_url, names.owner), fake, tmp_path)
+    cli("models", "index", FAKE_MODEL, env=owner_env)
+    with psycopg.connect(admin_url) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_indexes WHERE schemaname = 'app' "
+                            "AND indexname LIKE 'embeddings_hnsw_%'").fetchone()[0] == 1
+
+
+def test_a_later_migrations_table_is_the_workers_at_once(migrated):
+    admin_url, names = migrated
+    with psycopg.connect(_as(admin_url, names.owner), autocommit=True) as owner:
+        owner.execute("CREATE TABLE app.later_046 (id bigint GENERATED ALWAYS AS IDENTITY, note text)")
+        owner.execute("CREATE FUNCTION app.later_fn() RETURNS int LANGUAGE sql AS 'SELECT 46'")
+    try:
+        with psycopg.connect(_as(admin_url, names.worker), autocommit=True) as worker:
+            worker.execute("INSERT INTO app.later_046 (note) VALUES ('x')")
+            assert worker.execute("SELECT app.later_fn()").fetchone()[0] == 46
+        with psycopg.connect(_as(admin_url, names.reader), autocommit=True) as reader:
+            assert reader.execute("SELECT count(*) FROM app.later_046").fetchone()[0] == 1
+    finally:
+        with psycopg.connect(_as(admin_url, names.owner), autocommit=True) as owner:
+            owner.execute("DROP TABLE app.later_046")
+            owner.execute("DROP FUNCTION app.later_fn()")
+
+
+def test_print_shows_the_statements_without_running_them(deployment):
+    admin_url, _ = deployment
+    names = db_roles.RoleNames("p_own", "p_wrk", "p_rdr")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
+    out = cli("roles", "--print", "--owner", names.owner, "--worker", names.worker, "--reader", names.reader,
+              env={**env, "PIPELINE_DATABASE_URL": admin_url}).stdout
+    assert 'CREATE ROLE "p_wrk" LOGIN;' in out
+    assert 'ALTER DEFAULT PRIVILEGES FOR ROLE "p_own" IN SCHEMA app' in out
+    assert "PASSWORD" not in out
+    with psycopg.connect(admin_url) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_roles WHERE rolname LIKE 'p\\_%'").fetchone()[0] == 0
