@@ -15,6 +15,7 @@ import uuid
 import psycopg
 import pytest
 
+from pipeline_assets.jobs import vector_index
 from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
 from pipeline_assets_tests.conftest import FAKE_MODEL, FAKE_WINDOW, assert_vectors_match, cli, write_corpus
@@ -160,3 +161,32 @@ def test_print_shows_the_statements_without_running_them(deployment):
     assert "PASSWORD" not in out
     with psycopg.connect(admin_url) as conn:
         assert conn.execute("SELECT count(*) FROM pg_roles WHERE rolname LIKE 'p\\_%'").fetchone()[0] == 0
+
+
+def test_a_model_switch_and_purge_under_the_worker_role(migrated, fake, tmp_path):
+    """Retire and purge run by the worker role (reconcile in Dagster): the vectors go, the
+    purged model's index is the owner's to drop, which its next `models purge` does."""
+    admin_url, names = migrated
+    worker_env = _env(_as(admin_url, names.worker), fake, tmp_path)
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 4, prefix="switch")
+    cli("embed", str(corpus), env=worker_env)
+    cli("models", "index", FAKE_MODEL, env=_env(_as(admin_url, names.owner), fake, tmp_path))
+    new_name, new_dims = "fake-embed-2", 8
+    new_env = {**worker_env, "PIPELINE_EMBEDDING_MODEL": new_name, "PIPELINE_EMBEDDING_DIMENSIONS": str(new_dims)}
+    cli("models", "add", new_name, "--dimensions", str(new_dims), env=worker_env)
+    cli("work", "--until-idle", env=new_env)
+    new = f"openai/{new_name}@{new_dims}"
+    cli("models", "serve", new, env=worker_env)
+    cli("models", "retire", FAKE_MODEL, env=worker_env)
+    old = f"openai/{FAKE_MODEL}"
+
+    report = json.loads(cli("reconcile", "--json", env={**new_env, "PIPELINE_MODEL_RETIRE_GRACE": "0"}).stdout)
+    assert report["purged_models"] == 1
+    with psycopg.connect(admin_url) as conn:
+        assert conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (old,)).fetchone()[0] == 0
+        assert vector_index.exists(conn, old)      # left for the owner
+    owner_env = _env(_as(admin_url, names.owner), fake, tmp_path)
+    assert cli("models", "purge", env={**owner_env, "PIPELINE_MODEL_RETIRE_GRACE": "0"}).returncode == 0
+    with psycopg.connect(admin_url) as conn:
+        assert not vector_index.exists(conn, old)

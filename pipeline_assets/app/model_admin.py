@@ -288,6 +288,10 @@ def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:
             deleted = models.purge(conn, model_id)
             if deleted is not None:
                 purged[model_id] = deleted
+        # The indexes a role without DDL had to leave behind when it purged.
+        for row in models.model_states(conn, grace_seconds):
+            if row["purged_at"] and row["model_id"] not in purged and vector_index.exists(conn, row["model_id"]):
+                models.drop_purged_index(conn, row["model_id"])
     return purged
 
 

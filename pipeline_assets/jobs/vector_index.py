@@ -110,6 +110,11 @@ def state(conn: psycopg.Connection, model_id: str, dimension: int | None) -> str
     return MISSING if valid is None else READY if valid else INVALID
 
 
+def exists(conn: psycopg.Connection, model_id: str) -> bool:
+    """Whether the model has an index, valid or not (read-only)."""
+    return queries.one_row(conn, MODELS.index_state, _lock_params(model_id))[0] is not None
+
+
 def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
     """Build the model's index concurrently if it is missing or invalid; return the state after.
 
