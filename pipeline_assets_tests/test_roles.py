@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import uuid
 
 import psycopg
@@ -18,7 +19,15 @@ import pytest
 from pipeline_assets.jobs import vector_index
 from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
-from pipeline_assets_tests.conftest import FAKE_MODEL, FAKE_WINDOW, assert_vectors_match, cli, write_corpus
+from pipeline_assets_tests.conftest import (
+    FAKE_MODEL,
+    FAKE_WINDOW,
+    assert_vectors_match,
+    cli,
+    start_cli,
+    wait_until,
+    write_corpus,
+)
 
 PASSWORD = "r0le-s3cret"
 
@@ -161,6 +170,41 @@ def test_print_shows_the_statements_without_running_them(deployment):
     assert "PASSWORD" not in out
     with psycopg.connect(admin_url) as conn:
         assert conn.execute("SELECT count(*) FROM pg_roles WHERE rolname LIKE 'p\\_%'").fetchone()[0] == 0
+
+
+def test_a_workers_connections_are_what_the_sizing_counts(migrated, fake, tmp_path):
+    """docs/operations.md, Sizing: a worker holds its job pool (concurrency + 2), its liveness
+    connection and the command's own pool (one): counted by the worker role on the server while it
+    works (its own role: nothing else connects as it), and none left once SIGTERM stopped it."""
+    admin_url, names = migrated
+    worker_env = _env(_as(admin_url, names.worker), fake, tmp_path)
+    write_corpus(tmp_path / "sizing", 40, prefix="size")
+    cli("ingest", str(tmp_path / "sizing"), env=worker_env)
+    fake.latency = 0.2      # calls in flight while it is counted
+    concurrency = 3
+    proc = start_cli("work", "--concurrency", str(concurrency), env=worker_env)
+    seen: list[int] = []
+    try:
+        with psycopg.connect(admin_url, autocommit=True) as admin:
+            def busy() -> bool:
+                seen.append(admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s",
+                                          (names.worker,)).fetchone()[0])
+                return admin.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'processing'"
+                                     ).fetchone()[0] >= concurrency
+            wait_until(busy, timeout=60, what="the worker's calls in flight")
+            for _ in range(10):      # a few samples while it works
+                busy()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0
+            assert admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s",
+                                 (names.worker,)).fetchone()[0] == 0
+    finally:
+        fake.latency = 0.0
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(f"worker connections (concurrency {concurrency}): max {max(seen)}")
+    assert max(seen) <= concurrency + 2 + 1 + 1 + 1   # job pool, liveness, the command's pool, a build
 
 
 def test_a_model_switch_and_purge_under_the_worker_role(migrated, fake, tmp_path):
