@@ -234,3 +234,24 @@ def test_a_model_switch_and_purge_under_the_worker_role(migrated, fake, tmp_path
     assert cli("models", "purge", env={**owner_env, "PIPELINE_MODEL_RETIRE_GRACE": "0"}).returncode == 0
     with psycopg.connect(admin_url) as conn:
         assert not vector_index.exists(conn, old)
+
+
+def test_a_pending_migration_under_the_worker_role_says_who_migrates(migrated, fake, tmp_path):
+    """A release's workers started before its migrations ran: one line naming the command and the
+    role, not the server's bare `permission denied`; up to date again, they start."""
+    admin_url, names = migrated
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        last = admin.execute("SELECT max(version) FROM app.schema_migrations").fetchone()[0]
+        admin.execute("DELETE FROM app.schema_migrations WHERE version = %s", (last,))
+    worker_env = _env(_as(admin_url, names.worker), fake, tmp_path)
+    for args in (("status",), ("work", "--until-idle")):
+        proc = cli(*args, env=worker_env, check=False)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("error: the database is not migrated to this release and role "
+                                      f"{names.worker} may not migrate it"), proc.stderr
+        assert "`pipeline-assets migrate` as the schema's owner role" in proc.stderr
+        assert PASSWORD not in proc.stderr
+    # The ledger as it was: up to date, the worker role starts again.
+    with psycopg.connect(admin_url, autocommit=True) as admin:
+        admin.execute("INSERT INTO app.schema_migrations (version) VALUES (%s)", (last,))
+    assert cli("status", env=worker_env).returncode == 0
