@@ -27,8 +27,8 @@ from pipeline_assets.providers import ConfigError, ModelLimit, ModelSpec
 from pipeline_assets.store import queries
 
 MODELS = queries.load("models")
-log = logging.getLogger(__name__)
 JOBS = queries.load("jobs")
+log = logging.getLogger(__name__)
 
 
 class ModelRetired(ConfigError):
