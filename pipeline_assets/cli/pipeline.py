@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -118,10 +119,12 @@ def reconcile(as_json: bool, no_rescan: bool) -> None:
                    "extract-1 is before extract-2). extract and chunk only.")
 @click.option("--document", "documents", multiple=True, metavar="GLOB",
               help="Only documents whose id matches (* and ?; * crosses /; repeatable).")
-@click.option("--dry-run", is_flag=True, help="List what would be rerun; change nothing.")
+@click.option("--dry-run", is_flag=True, help="List what would be rerun and, for embed, what it would send "
+                                            "(inputs, tokens, price); change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the documents and the estimate as JSON.")
 @expected_errors
 def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale: bool,
-          before_version: str | None, documents: tuple[str, ...], dry_run: bool) -> None:
+          before_version: str | None, documents: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
     """Re-run a stage for the documents a query selects (a partial rerun); the filters combine."""
     rt = runtime()
     with pool() as p:
@@ -129,12 +132,7 @@ def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale:
         pages = rerun_uc.pages(rt, p, stages_=(stage,), error_class=error_class, stale=stale,
                                statuses=statuses, before_version=before_version, documents=documents)
         if dry_run:
-            listed = 0
-            for page in pages:
-                for t in page:
-                    click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
-                listed += len(page)
-            click.echo(f"{listed} document(s) would be rerun")
+            _rerun_dry_run(rt, p, stage, pages, as_json)
             return
         if stage == "embed":
             done = rerun_uc.EmbedRerun(0, 0, 0)
@@ -145,6 +143,32 @@ def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale:
             return
         total = sum(rerun_uc.rerun(rt, p, page) for page in pages)
     click.echo(f"reran {stage} for {total} document(s)")
+
+
+def _rerun_dry_run(rt, p, stage: str, pages, as_json: bool) -> None:
+    """The targets, and for the embed stage the estimate of what the rerun and the work after it
+    would send (the extract and chunk stages' chunks are known only once re-chunked)."""
+    listed: list[dict] = []
+    count = 0
+    pks: list[int] = []
+    for page in pages:
+        for t in page:
+            if as_json:
+                listed.append({"document_id": t.document_id, "stage": t.stage, "status": t.status,
+                               "error_class": t.error_class, "code_version": t.code_version})
+            else:
+                click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
+        count += len(page)
+        if stage == "embed":
+            pks += rerun_uc.current_pks(p, page)
+    est = rerun_uc.estimate_embed(rt, p, pks) if stage == "embed" else None
+    if as_json:
+        click.echo(json.dumps({"dry_run": True, "documents": listed, "count": count,
+                               "estimate": est.as_dict() if est else None}, indent=2, default=str))
+        return
+    click.echo(f"{count} document(s) would be rerun")
+    if est is not None:
+        click.echo(est.describe())
 
 
 COMMANDS = (migrate, ingest, work, embed, reconcile, rerun)
