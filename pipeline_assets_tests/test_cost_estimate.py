@@ -108,6 +108,7 @@ def test_models_add_dry_run_estimates_what_the_new_model_is_billed(env_small, fa
     assert _state(conn) == before, "a dry run wrote something"
     text = cli("models", "add", LARGE, "--dimensions", str(FAKE_DIM), "--dry-run", env=env_small).stdout
     assert _state(conn) == before
+    print(text)
     chunks, distinct, tokens = conn.execute(
         "SELECT count(*), count(DISTINCT chunk_checksum), "
         "(SELECT sum(t) FROM (SELECT min(token_count) AS t FROM app.chunks GROUP BY chunk_checksum) d) "
@@ -154,6 +155,7 @@ def test_rerun_embed_dry_run_estimates_what_the_requeued_selection_is_billed(env
                  "copy.md")
     dry = json.loads(cli(*selection, "--dry-run", "--json", env=env_small).stdout)
     text = cli(*selection, "--dry-run", env=env_small).stdout
+    print(text)
     assert _state(conn) == before, "a dry run wrote something"
     est = dry["estimate"]
     assert dry["count"] == 12 and {d["document_id"] for d in dry["documents"]} >= {"long.md", "copy.md"}

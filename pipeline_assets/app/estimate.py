@@ -64,10 +64,15 @@ class Estimate:
         elif self.price_per_million == 0:
             price = "free (local model)"
         else:
-            price = f"${self.cost:.4f} at ${self.price_per_million:g}/M tokens"
+            price = f"{usd(self.cost)} at ${self.price_per_million:g}/M tokens"
         return (f"estimate for {self.model_id}: would send {self.send_inputs} input(s), {tokens}, {price}; "
                 f"{self.chunks} chunk(s), {self.inputs} distinct, {self.embedded} already embedded (reused)"
                 + (f", {self.failed} dead-lettered" if self.failed else ""))
+
+
+def usd(amount: float) -> str:
+    """Dollars to the cent, or to six decimals below a cent (a small selection costs fractions of one)."""
+    return f"${amount:,.2f}" if amount >= 0.01 else f"${amount:.6f}"
 
 
 def _estimate(row: dict, spec: ModelSpec, configured_price: float | None, *, requeue_failed: bool) -> Estimate:
