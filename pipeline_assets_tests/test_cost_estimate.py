@@ -166,6 +166,10 @@ def test_rerun_embed_dry_run_estimates_what_the_requeued_selection_is_billed(env
     assert est["price_per_million"] == 0.02
     assert "12 document(s) would be rerun" in text and f"would send 1 input(s), {poisoned[0][1]} token(s)" in text
 
+    refused = cli(*selection, "--json", env=env_small, check=False)
+    assert refused.returncode == 1 and refused.stderr.startswith("error: --json goes with --dry-run")
+    assert _state(conn) == before
+
     last = _last_call(conn)
     cli(*selection, env=env_small)
     cli("work", "--until-idle", env=env_small)
@@ -218,6 +222,25 @@ def test_dagster_preflight_records_the_estimate_before_the_backfill_spends(env_s
     (pre2,) = [e.event_specific_data.asset_observation for e in again.all_events
                if e.event_type_value == "ASSET_OBSERVATION"]
     assert pre2.metadata["send_inputs"].value == 0 and pre2.metadata["embedded"].value == distinct
+
+
+def test_a_price_from_the_setting_unknown_without_it_and_the_local_model_free(env, clean_db, tmp_path):
+    conn = clean_db
+    root = _corpus(tmp_path / "corpus")
+    cli("ingest", str(root), env=env)     # no provider call
+    tokens = conn.execute("SELECT sum(t) FROM (SELECT min(token_count) AS t FROM app.chunks "
+                          "GROUP BY chunk_checksum) d").fetchone()[0]
+    before = _state(conn)
+    unknown = cli("models", "add", "bge-m3", "--dry-run", env=env).stdout
+    assert f"{tokens} token(s) (cl100k; the model counts its own)" in unknown
+    assert "price unknown (set PIPELINE_PRICE_PER_MILLION_TOKENS)" in unknown
+    priced = json.loads(cli("models", "add", "bge-m3", "--dry-run", "--json",
+                            env={**env, "PIPELINE_PRICE_PER_MILLION_TOKENS": "0.5"}).stdout)
+    assert priced["send_tokens"] == tokens and not priced["tokens_exact"]
+    assert priced["cost_usd"] == pytest.approx(tokens * 0.5 / 1e6)
+    free = cli("models", "add", "local-hashing", "--dry-run", env=env).stdout
+    assert f"{tokens} token(s), free (local model)" in free
+    assert _state(conn) == before
 
 
 def test_the_estimate_reads_sums_not_texts(env_small, clean_db):

@@ -13,7 +13,7 @@ from pipeline_assets.app import ingest as ingest_uc
 from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.metrics import WorkMetrics
-from pipeline_assets.cli.common import emit, expected_errors, pairs, pool, runtime, settings, stop_on_signals
+from pipeline_assets.cli.common import emit, expected_errors, fail, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
@@ -126,6 +126,8 @@ def reconcile(as_json: bool, no_rescan: bool) -> None:
 def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale: bool,
           before_version: str | None, documents: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
     """Re-run a stage for the documents a query selects (a partial rerun); the filters combine."""
+    if as_json and not dry_run:
+        fail("--json goes with --dry-run (a rerun prints one summary line)")
     rt = runtime()
     with pool() as p:
         # Every target, a page at a time: each page is rerun before the next is read.
