@@ -19,7 +19,9 @@ the same ones the command line calls.
   it waits until their chunks are ready or failed for that model (not the whole queue),
   embedding them itself (``in_process``) or leaving that to external ``work``
   processes (``EmbeddingRunResource``), and fails with the counts at its
-  deadline. In-process, it runs in the ``embedding_worker`` concurrency pool.
+  deadline. In-process, it runs in the ``embedding_worker`` concurrency pool. Its first
+  action per model, before anything is enqueued or sent, is the preflight: what the run
+  would send (``app.estimate``), logged and recorded as an observation of ``embeddings``.
 * ``embedding_store`` is not materialized by Dagster: the job table and the
   vectors search serves. Its health checks run on the schedule (``checks.py``).
 
