@@ -165,6 +165,7 @@ def test_rerun_embed_dry_run_estimates_what_the_requeued_selection_is_billed(env
     assert est["embedded"] == est["inputs"] - 1 and est["chunks"] == est["inputs"] + 1
     assert est["price_per_million"] == 0.02
     assert "12 document(s) would be rerun" in text and f"would send 1 input(s), {poisoned[0][1]} token(s)" in text
+    assert text.rstrip().endswith("23 already embedded (reused), 1 dead-lettered (requeued)")
 
     refused = cli(*selection, "--json", env=env_small, check=False)
     assert refused.returncode == 1 and refused.stderr.startswith("error: --json goes with --dry-run")

@@ -45,6 +45,7 @@ class Estimate:
     send_tokens: int
     price_per_million: float | None   # USD; None: unknown (PIPELINE_PRICE_PER_MILLION_TOKENS)
     tokens_exact: bool      # the model counts in cl100k (else its own tokenizer: approximate)
+    requeues_failed: bool   # dead-lettered content is in send_* (a rerun of the embed stage requeues it)
 
     @property
     def cost(self) -> float | None:
@@ -67,7 +68,8 @@ class Estimate:
             price = f"{usd(self.cost)} at ${self.price_per_million:g}/M tokens"
         return (f"estimate for {self.model_id}: would send {self.send_inputs} input(s), {tokens}, {price}; "
                 f"{self.chunks} chunk(s), {self.inputs} distinct, {self.embedded} already embedded (reused)"
-                + (f", {self.failed} dead-lettered" if self.failed else ""))
+                + (f", {self.failed} dead-lettered ({'requeued' if self.requeues_failed else 'not sent'})"
+                   if self.failed else ""))
 
 
 def usd(amount: float) -> str:
@@ -80,7 +82,8 @@ def _estimate(row: dict, spec: ModelSpec, configured_price: float | None, *, req
     send_inputs = counts["inputs"] - counts["embedded"] - (0 if requeue_failed else counts["failed"])
     send_tokens = counts["tokens"] - counts["embedded_tokens"] - (0 if requeue_failed else counts["failed_tokens"])
     return Estimate(model_id=spec.model_id, **counts, send_inputs=send_inputs, send_tokens=send_tokens,
-                    price_per_million=price_per_million(spec, configured_price), tokens_exact=tokens_exact(spec))
+                    price_per_million=price_per_million(spec, configured_price), tokens_exact=tokens_exact(spec),
+                    requeues_failed=requeue_failed)
 
 
 def _row(conn: psycopg.Connection, query: str, params: dict) -> dict:
