@@ -167,6 +167,8 @@ def test_rerun_embed_dry_run_estimates_what_the_requeued_selection_is_billed(env
     assert "12 document(s) would be rerun" in text and f"would send 1 input(s), {poisoned[0][1]} token(s)" in text
     assert text.rstrip().endswith("23 already embedded (reused), 1 dead-lettered (requeued)")
 
+    chunk_stage = cli("rerun", "--stage", "chunk", "--document", "long.md", "--dry-run", env=env_small).stdout
+    assert chunk_stage.splitlines()[-1].startswith("estimate: none before re-chunking")
     refused = cli(*selection, "--json", env=env_small, check=False)
     assert refused.returncode == 1 and refused.stderr.startswith("error: --json goes with --dry-run")
     assert _state(conn) == before

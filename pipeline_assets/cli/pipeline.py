@@ -171,6 +171,9 @@ def _rerun_dry_run(rt, p, stage: str, pages, as_json: bool) -> None:
     click.echo(f"{count} document(s) would be rerun")
     if est is not None:
         click.echo(est.describe())
+    else:   # ingest sends nothing: what it enqueues can be estimated before `work` sends it
+        click.echo("estimate: none before re-chunking; this rerun only enqueues, and `rerun --stage embed "
+                   "--dry-run` then says what `work` would send")
 
 
 COMMANDS = (migrate, ingest, work, embed, reconcile, rerun)
