@@ -14,7 +14,7 @@ import dataclasses
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import documents
+from pipeline_assets.app import documents, estimate
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
@@ -195,6 +195,19 @@ def add(settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int 
         served = models.served_model_id(conn)
     return {"model_id": rt.model_id, "new": new, "enqueued": enqueued, "served": served == rt.model_id,
             "coverage": dataclasses.asdict(cov)}
+
+
+def add_estimate(settings: Settings, pool: ConnectionPool, name: str, *,
+                 dimensions: int | None = None) -> estimate.Estimate:
+    """`models add --dry-run`: what adding the model would send (every current chunk's distinct
+    content without a vector for it), refused as `add` would be; writes nothing."""
+    rt = runtime_for_model(settings, name, dimensions)
+    check_input_limits(settings, pool, rt.provider.spec)
+    with pool.connection() as conn:
+        row = models.model_row(conn, rt.model_id)
+    if row is not None and not row["active"]:
+        raise models.ModelRetired(rt.model_id)
+    return estimate.for_corpus(pool, rt.provider.spec, settings.price_per_million_tokens)
 
 
 def serve(pool: ConnectionPool, name: str, *, force: bool = False) -> dict:

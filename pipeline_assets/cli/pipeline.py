@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from pipeline_assets.app import ingest as ingest_uc
 from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.metrics import WorkMetrics
-from pipeline_assets.cli.common import emit, expected_errors, pairs, pool, runtime, settings, stop_on_signals
+from pipeline_assets.cli.common import emit, expected_errors, fail, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
@@ -147,23 +148,22 @@ def reconcile(as_json: bool, no_rescan: bool) -> None:
                    "extract-1 is before extract-2). extract and chunk only.")
 @click.option("--document", "documents", multiple=True, metavar="GLOB",
               help="Only documents whose id matches (* and ?; * crosses /; repeatable).")
-@click.option("--dry-run", is_flag=True, help="List what would be rerun; change nothing.")
+@click.option("--dry-run", is_flag=True, help="List what would be rerun and, for embed, what it would send "
+                                            "(inputs, tokens, price); change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the documents and the estimate as JSON.")
 @expected_errors
 def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale: bool,
-          before_version: str | None, documents: tuple[str, ...], dry_run: bool) -> None:
+          before_version: str | None, documents: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
     """Re-run a stage for the documents a query selects (a partial rerun); the filters combine."""
+    if as_json and not dry_run:
+        fail("--json goes with --dry-run (a rerun prints one summary line)")
     rt = runtime()
     with pool() as p:
         # Every target, a page at a time: each page is rerun before the next is read.
         pages = rerun_uc.pages(rt, p, stages_=(stage,), error_class=error_class, stale=stale,
                                statuses=statuses, before_version=before_version, documents=documents)
         if dry_run:
-            listed = 0
-            for page in pages:
-                for t in page:
-                    click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
-                listed += len(page)
-            click.echo(f"{listed} document(s) would be rerun")
+            _rerun_dry_run(rt, p, stage, pages, as_json)
             return
         if stage == "embed":
             done = rerun_uc.EmbedRerun(0, 0, 0)
@@ -174,6 +174,35 @@ def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale:
             return
         total = sum(rerun_uc.rerun(rt, p, page) for page in pages)
     click.echo(f"reran {stage} for {total} document(s)")
+
+
+def _rerun_dry_run(rt, p, stage: str, pages, as_json: bool) -> None:
+    """The targets, and for the embed stage the estimate of what the rerun and the work after it
+    would send (the extract and chunk stages' chunks are known only once re-chunked)."""
+    listed: list[dict] = []
+    count = 0
+    pks: list[int] = []
+    for page in pages:
+        for t in page:
+            if as_json:
+                listed.append({"document_id": t.document_id, "stage": t.stage, "status": t.status,
+                               "error_class": t.error_class, "code_version": t.code_version})
+            else:
+                click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
+        count += len(page)
+        if stage == "embed":
+            pks += rerun_uc.current_pks(p, page)
+    est = rerun_uc.estimate_embed(rt, p, pks) if stage == "embed" else None
+    if as_json:
+        click.echo(json.dumps({"dry_run": True, "documents": listed, "count": count,
+                               "estimate": est.as_dict() if est else None}, indent=2, default=str))
+        return
+    click.echo(f"{count} document(s) would be rerun")
+    if est is not None:
+        click.echo(est.describe())
+    else:   # ingest sends nothing: what it enqueues can be estimated before `work` sends it
+        click.echo("estimate: none before re-chunking; this rerun only enqueues, and `rerun --stage embed "
+                   "--dry-run` then says what `work` would send")
 
 
 COMMANDS = (migrate, roles, ingest, work, embed, reconcile, rerun)
