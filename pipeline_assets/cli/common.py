@@ -21,12 +21,13 @@ from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError, Wor
 from pipeline_assets.providers import ConfigError, ProviderError
 from pipeline_assets.settings import Settings, SettingsError, redact_text
 from pipeline_assets.store import db
+from pipeline_assets.store.migrations import MigrationRefused
 
 # Expected database errors, besides a lost connection (OperationalError): InternalError
 # covers a read-only server or transaction (ReadOnlySqlTransaction) and an index build
 # pgvector refuses; InsufficientPrivilege a role that lacks a grant.
-EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, SettingsError, FatalProviderError, BudgetExhausted,
-            WorkerFault,
+EXPECTED = (db.DatabaseUnavailable, MigrationRefused, SourceError, ConfigError, SettingsError, FatalProviderError,
+            BudgetExhausted, WorkerFault,
             ProviderError, psycopg.OperationalError, psycopg.InternalError, psycopg.errors.InsufficientPrivilege,
             subprocess.TimeoutExpired, ValueError, OSError)
 
