@@ -81,6 +81,8 @@ def test_embed_follows_edits_deletes_and_renames_and_never_downloads_unchanged(s
     with psycopg.connect(database_url) as conn:
         kind = conn.execute("SELECT kind, root FROM app.sources").fetchall()
     assert kind == [("s3", SOURCE)]
+    status = cli("status", env=s3_env)
+    assert f"source s3 {SOURCE}: current=3 quarantined=0 deleted=2" in status.stdout, status.stdout
 
 
 def test_size_guard_applies_from_the_listing(s3, s3_env, database_url):
