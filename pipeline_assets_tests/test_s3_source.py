@@ -225,6 +225,17 @@ def test_the_dagster_sensor_follows_an_s3_prefix(s3, s3_env, clean_db, monkeypat
                                        f"s3://{BUCKET}/docs/d2.md": "deleted"}
         assert s3.downloads(BUCKET)[before:] == ["docs/d0.md"]
 
+        # refresh_documents by s3 id: only that object read.
+        _put(s3, "docs/d1.md", "refreshed words for one object")
+        refresh = defs.resolve_job_def("refresh_documents").execute_in_process(instance=instance, run_config={
+            "ops": {"refresh_documents_op": {"config": {"document_ids": [f"s3://{BUCKET}/docs/d1.md"]}}}})
+        assert refresh.success
+        assert s3.downloads(BUCKET)[before + 1:] == ["docs/d1.md"]
+        with psycopg.connect(database_url) as conn:
+            text = conn.execute("SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d USING (doc_pk) "
+                                "WHERE d.document_id = %s", (f"s3://{BUCKET}/docs/d1.md",)).fetchone()[0]
+        assert "refreshed words" in text
+
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
         with pytest.raises(Exception, match="nothing is deleted"):
             evaluate_sensor(source_documents_sensor, fresh_defs(), instance, changed.cursor)
