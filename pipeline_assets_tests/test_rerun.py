@@ -20,8 +20,8 @@ def corpus(tmp_path) -> Path:
 
 
 def listed(out: str) -> list[str]:
-    """The document ids a --dry-run lists (its last line is the count)."""
-    lines = out.strip().splitlines()
+    """The document ids a --dry-run lists (then the count; for embed, then the estimate)."""
+    lines = [line for line in out.strip().splitlines() if not line.startswith("estimate")]
     assert lines[-1].endswith("document(s) would be rerun"), out
     assert int(lines[-1].split()[0]) == len(lines) - 1
     return sorted(line.split(" [", 1)[0] for line in lines[:-1])

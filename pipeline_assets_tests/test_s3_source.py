@@ -81,6 +81,8 @@ def test_embed_follows_edits_deletes_and_renames_and_never_downloads_unchanged(s
     with psycopg.connect(database_url) as conn:
         kind = conn.execute("SELECT kind, root FROM app.sources").fetchall()
     assert kind == [("s3", SOURCE)]
+    status = cli("status", env=s3_env)
+    assert f"source s3 {SOURCE}: current=3 quarantined=0 deleted=2" in status.stdout, status.stdout
 
 
 def test_size_guard_applies_from_the_listing(s3, s3_env, database_url):
@@ -223,7 +225,36 @@ def test_the_dagster_sensor_follows_an_s3_prefix(s3, s3_env, clean_db, monkeypat
                                        f"s3://{BUCKET}/docs/d2.md": "deleted"}
         assert s3.downloads(BUCKET)[before:] == ["docs/d0.md"]
 
+        # refresh_documents by s3 id: only that object read.
+        _put(s3, "docs/d1.md", "refreshed words for one object")
+        refresh = defs.resolve_job_def("refresh_documents").execute_in_process(instance=instance, run_config={
+            "ops": {"refresh_documents_op": {"config": {"document_ids": [f"s3://{BUCKET}/docs/d1.md"]}}}})
+        assert refresh.success
+        assert s3.downloads(BUCKET)[before + 1:] == ["docs/d1.md"]
+        with psycopg.connect(database_url) as conn:
+            text = conn.execute("SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d USING (doc_pk) "
+                                "WHERE d.document_id = %s", (f"s3://{BUCKET}/docs/d1.md",)).fetchone()[0]
+        assert "refreshed words" in text
+
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
         with pytest.raises(Exception, match="nothing is deleted"):
             evaluate_sensor(source_documents_sensor, fresh_defs(), instance, changed.cursor)
     assert _docs(database_url)[f"s3://{BUCKET}/docs/d1.md"] == "current"
+
+
+def test_same_bytes_under_a_new_etag_are_read_once(s3, s3_env, database_url):
+    """An object rewritten with the same bytes but another ETag (a multipart upload) is read once,
+    re-recorded under its new token, and not read again by the next ingest."""
+    _put(s3, "docs/a.md", _text(1))
+    assert cli("ingest", SOURCE, env=s3_env).returncode == 0
+    client = s3.client()
+    upload = client.create_multipart_upload(Bucket=BUCKET, Key="docs/a.md")
+    part = client.upload_part(Bucket=BUCKET, Key="docs/a.md", UploadId=upload["UploadId"], PartNumber=1,
+                              Body=_text(1).encode())
+    client.complete_multipart_upload(Bucket=BUCKET, Key="docs/a.md", UploadId=upload["UploadId"],
+                                     MultipartUpload={"Parts": [{"ETag": part["ETag"], "PartNumber": 1}]})
+    before = len(s3.downloads(BUCKET))
+    assert cli("ingest", SOURCE, env=s3_env).returncode == 0
+    assert len(s3.downloads(BUCKET)) == before + 1      # the new ETag: read once
+    assert cli("ingest", SOURCE, env=s3_env).returncode == 0
+    assert len(s3.downloads(BUCKET)) == before + 1      # recorded under it: not read again

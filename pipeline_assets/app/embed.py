@@ -324,6 +324,8 @@ def _build_index(pool: ConnectionPool, model_id: str) -> None:
     try:
         with db.connect(db.pool_url(pool)) as conn:
             vector_index.build(conn, model_id, int(dimension))
+    except vector_index.IndexNotOwned as exc:
+        log.info("%s", exc)  # a role without DDL: the owner builds it
     except vector_index.IndexBuildError as exc:
         log.warning("%s", exc)
 

@@ -14,7 +14,7 @@ import dataclasses
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import documents
+from pipeline_assets.app import documents, estimate
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
@@ -197,6 +197,19 @@ def add(settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int 
             "coverage": dataclasses.asdict(cov)}
 
 
+def add_estimate(settings: Settings, pool: ConnectionPool, name: str, *,
+                 dimensions: int | None = None) -> estimate.Estimate:
+    """`models add --dry-run`: what adding the model would send (every current chunk's distinct
+    content without a vector for it), refused as `add` would be; writes nothing."""
+    rt = runtime_for_model(settings, name, dimensions)
+    check_input_limits(settings, pool, rt.provider.spec)
+    with pool.connection() as conn:
+        row = models.model_row(conn, rt.model_id)
+    if row is not None and not row["active"]:
+        raise models.ModelRetired(rt.model_id)
+    return estimate.for_corpus(pool, rt.provider.spec, settings.price_per_million_tokens)
+
+
 def serve(pool: ConnectionPool, name: str, *, force: bool = False) -> dict:
     """`models serve`: switch search and export to a model once it covers every current chunk.
 
@@ -288,6 +301,10 @@ def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:
             deleted = models.purge(conn, model_id)
             if deleted is not None:
                 purged[model_id] = deleted
+        # The indexes a role without DDL had to leave behind when it purged.
+        for row in models.model_states(conn, grace_seconds):
+            if row["purged_at"] and row["model_id"] not in purged and vector_index.exists(conn, row["model_id"]):
+                models.drop_purged_index(conn, row["model_id"])
     return purged
 
 

@@ -39,6 +39,7 @@ class StatusReport:
     input_limits: list[dict[str, Any]] = field(default_factory=list)
     retry_after_cap: float | None = None
     database: dict[str, Any] = field(default_factory=dict)         # read_only, in_recovery, workers beating/silent
+    backlog: int = 0                             # pending + retry, every model: what the KEDA trigger reads
     sources: list[dict[str, Any]] = field(default_factory=list)    # each source: key, kind, documents, last scan
     watched_source: str | None = None                              # what the Dagster sensor watches
 
@@ -83,6 +84,7 @@ def status(conn: psycopg.Connection) -> StatusReport:
         spend=spend,
         breaker={r.pop("model_id"): r for r in _dicts(conn, REPORTS.breaker)},
         database=_dicts(conn, REPORTS.database_state)[0],
+        backlog=_dicts(conn, REPORTS.backlog)[0]["backlog"],
     )
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents as documents_
-from pipeline_assets.app import stages
+from pipeline_assets.app import estimate, stages
 from pipeline_assets.app.ingest import ingest_documents, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_registry import open_source
@@ -155,6 +155,23 @@ def rerun_embed(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget
                 stages.refresh_embed_docs(conn, rt.model_id, pks)
             documents += len(pks)
     return EmbedRerun(documents=documents, requeued=requeued, enqueued=enqueued)
+
+
+def current_pks(pool: ConnectionPool, targets: Sequence[RerunTarget]) -> list[int]:
+    """The keys of the targets' current documents (what ``rerun_embed`` enqueues for)."""
+    pks: list[int] = []
+    with pool.connection() as conn:
+        for root, ids in _by_root(targets).items():
+            pks += stages.current_document_pks(conn, root, ids)
+    return pks
+
+
+def estimate_embed(rt: Runtime, pool: ConnectionPool, pks: Sequence[int]) -> estimate.Estimate:
+    """What ``rerun_embed`` of these documents (keys) and the work after it would send for the
+    runtime's model: their current content without a vector, dead-lettered content included
+    (it is requeued). Writes nothing."""
+    return estimate.for_documents(pool, rt.provider.spec, rt.settings.price_per_million_tokens, pks,
+                                  requeue_failed=True)
 
 
 def _by_root(targets: Sequence[RerunTarget]) -> dict[str, list[str]]:

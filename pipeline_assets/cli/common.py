@@ -21,13 +21,14 @@ from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError, Wor
 from pipeline_assets.providers import ConfigError, ProviderError
 from pipeline_assets.settings import Settings, SettingsError, redact_text
 from pipeline_assets.store import db
+from pipeline_assets.store.migrations import MigrationRefused
 from pipeline_assets.store.table_source import TableSourceError
 
 # Expected database errors, besides a lost connection (OperationalError): InternalError
 # covers a read-only server or transaction (ReadOnlySqlTransaction) and an index build
 # pgvector refuses; InsufficientPrivilege a role that lacks a grant.
-EXPECTED = (db.DatabaseUnavailable, SourceError, ConfigError, SettingsError, FatalProviderError, BudgetExhausted,
-            WorkerFault, TableSourceError,
+EXPECTED = (db.DatabaseUnavailable, MigrationRefused, SourceError, ConfigError, SettingsError, FatalProviderError,
+            BudgetExhausted, WorkerFault, TableSourceError,
             ProviderError, psycopg.OperationalError, psycopg.InternalError, psycopg.errors.InsufficientPrivilege,
             subprocess.TimeoutExpired, ValueError, OSError)
 

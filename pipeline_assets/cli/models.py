@@ -44,12 +44,19 @@ def _coverage_or_retired(r: dict) -> str:
 @models_group.command("add")
 @click.argument("model")
 @click.option("--dimensions", type=click.IntRange(1), default=None, help="Sent as `dimensions`; part of the id.")
+@click.option("--dry-run", is_flag=True, help="Print what adding MODEL would send (inputs, tokens, price); "
+                                            "change nothing.")
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
-def models_add(model: str, dimensions: int | None, as_json: bool) -> None:
+def models_add(model: str, dimensions: int | None, dry_run: bool, as_json: bool) -> None:
     """Register MODEL and enqueue every current chunk for it; search stays on the served model.
 
     Its jobs are done by workers configured with it: `PIPELINE_EMBEDDING_MODEL=MODEL pipeline-assets work`."""
+    if dry_run:
+        with pool() as p:
+            est = model_admin.add_estimate(settings(), p, model, dimensions=dimensions)
+        emit({**est.as_dict(), "dry_run": True}, as_json, lambda _: [est.describe()])
+        return
     with pool() as p:
         r = model_admin.add(settings(), p, model, dimensions=dimensions)
     cov = r["coverage"]

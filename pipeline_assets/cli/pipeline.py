@@ -1,7 +1,8 @@
-"""The pipeline's own commands: migrate, ingest, work, embed, reconcile, rerun."""
+"""The pipeline's own commands: migrate, roles, ingest, work, embed, reconcile, rerun."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import click
@@ -12,10 +13,11 @@ from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.metrics import WorkMetrics
 from pipeline_assets.app.source_registry import open_source
-from pipeline_assets.cli.common import emit, expected_errors, pairs, pool, runtime, settings, stop_on_signals
+from pipeline_assets.cli.common import emit, expected_errors, fail, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
+from pipeline_assets.store import roles as db_roles
 
 
 @click.command()
@@ -25,6 +27,34 @@ def migrate() -> None:
     conn = db.connect(db.database_url(settings()))
     applied = db.migrate(conn)
     click.echo(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+
+
+@click.command()
+@click.option("--owner", default=db_roles.DEFAULT_OWNER_ROLE, show_default=True,
+              help="The role that owns the schema and runs `migrate` (DDL).")
+@click.option("--worker", default=db_roles.DEFAULT_WORKER_ROLE, show_default=True,
+              help="The role of `work`, `ingest`, Dagster: rows only, no DDL.")
+@click.option("--reader", default=db_roles.DEFAULT_READER_ROLE, show_default=True,
+              help="A read-only role (`status`, dashboards, the KEDA trigger).")
+@click.option("--print", "print_only", is_flag=True, help="Print the statements instead of running them.")
+@expected_errors
+def roles(owner: str, worker: str, reader: str, print_only: bool) -> None:
+    """Create the least-privilege roles and their grants (run as an administrator, before `migrate`)."""
+    names = db_roles.RoleNames(owner, worker, reader)
+    conn = db.connect(db.database_url(settings()))
+    database = conn.info.dbname
+    try:
+        if print_only:
+            for statement in [*map(db_roles.create_statement, names.all()),
+                              *db_roles.grant_statements(names, database)]:
+                click.echo(statement.as_string(conn) + ";")
+            return
+        created = db_roles.apply(conn, names)
+    finally:
+        conn.close()
+    click.echo(f"roles owner={owner} worker={worker} reader={reader} granted on database {database}"
+               + (f"; created {', '.join(created)} (LOGIN, no password: set one with psql's \\password)"
+                  if created else ""))
 
 
 @click.command()
@@ -120,23 +150,22 @@ def reconcile(as_json: bool, no_rescan: bool) -> None:
                    "extract-1 is before extract-2). extract and chunk only.")
 @click.option("--document", "documents", multiple=True, metavar="GLOB",
               help="Only documents whose id matches (* and ?; * crosses /; repeatable).")
-@click.option("--dry-run", is_flag=True, help="List what would be rerun; change nothing.")
+@click.option("--dry-run", is_flag=True, help="List what would be rerun and, for embed, what it would send "
+                                            "(inputs, tokens, price); change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="With --dry-run: the documents and the estimate as JSON.")
 @expected_errors
 def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale: bool,
-          before_version: str | None, documents: tuple[str, ...], dry_run: bool) -> None:
+          before_version: str | None, documents: tuple[str, ...], dry_run: bool, as_json: bool) -> None:
     """Re-run a stage for the documents a query selects (a partial rerun); the filters combine."""
+    if as_json and not dry_run:
+        fail("--json goes with --dry-run (a rerun prints one summary line)")
     rt = runtime()
     with pool() as p:
         # Every target, a page at a time: each page is rerun before the next is read.
         pages = rerun_uc.pages(rt, p, stages_=(stage,), error_class=error_class, stale=stale,
                                statuses=statuses, before_version=before_version, documents=documents)
         if dry_run:
-            listed = 0
-            for page in pages:
-                for t in page:
-                    click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
-                listed += len(page)
-            click.echo(f"{listed} document(s) would be rerun")
+            _rerun_dry_run(rt, p, stage, pages, as_json)
             return
         if stage == "embed":
             done = rerun_uc.EmbedRerun(0, 0, 0)
@@ -149,4 +178,33 @@ def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale:
     click.echo(f"reran {stage} for {total} document(s)")
 
 
-COMMANDS = (migrate, ingest, work, embed, reconcile, rerun)
+def _rerun_dry_run(rt, p, stage: str, pages, as_json: bool) -> None:
+    """The targets, and for the embed stage the estimate of what the rerun and the work after it
+    would send (the extract and chunk stages' chunks are known only once re-chunked)."""
+    listed: list[dict] = []
+    count = 0
+    pks: list[int] = []
+    for page in pages:
+        for t in page:
+            if as_json:
+                listed.append({"document_id": t.document_id, "stage": t.stage, "status": t.status,
+                               "error_class": t.error_class, "code_version": t.code_version})
+            else:
+                click.echo(f"{t.document_id} [{t.stage} {t.status} {t.error_class or '-'} {t.code_version}]")
+        count += len(page)
+        if stage == "embed":
+            pks += rerun_uc.current_pks(p, page)
+    est = rerun_uc.estimate_embed(rt, p, pks) if stage == "embed" else None
+    if as_json:
+        click.echo(json.dumps({"dry_run": True, "documents": listed, "count": count,
+                               "estimate": est.as_dict() if est else None}, indent=2, default=str))
+        return
+    click.echo(f"{count} document(s) would be rerun")
+    if est is not None:
+        click.echo(est.describe())
+    else:   # ingest sends nothing: what it enqueues can be estimated before `work` sends it
+        click.echo("estimate: none before re-chunking; this rerun only enqueues, and `rerun --stage embed "
+                   "--dry-run` then says what `work` would send")
+
+
+COMMANDS = (migrate, roles, ingest, work, embed, reconcile, rerun)

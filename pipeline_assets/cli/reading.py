@@ -28,6 +28,7 @@ def _status_lines(d: dict):
     if d.get("watched_source"):
         yield f"watched by the Dagster sensor: {d['watched_source']} (PIPELINE_SOURCE)"
     yield "jobs: " + (" ".join(f"{k}={v}" for k, v in d["jobs"].items()) or "none")
+    yield f"backlog: {d.get('backlog', 0)} (pending + retry)"
     for stage, counts in d["stages"].items():
         yield f"stage {stage}: " + " ".join(f"{k}={v}" for k, v in counts.items())
     for model, c in d["coverage"].items():

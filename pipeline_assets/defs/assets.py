@@ -19,7 +19,9 @@ the same ones the command line calls.
   it waits until their chunks are ready or failed for that model (not the whole queue),
   embedding them itself (``in_process``) or leaving that to external ``work``
   processes (``EmbeddingRunResource``), and fails with the counts at its
-  deadline. In-process, it runs in the ``embedding_worker`` concurrency pool.
+  deadline. In-process, it runs in the ``embedding_worker`` concurrency pool. Its first
+  action per model, before anything is enqueued or sent, is the preflight: what the run
+  would send (``app.estimate``), logged and recorded as an observation of ``embeddings``.
 * ``embedding_store`` is not materialized by Dagster: the job table and the
   vectors search serves. Its health checks run on the schedule (``checks.py``).
 
@@ -50,7 +52,7 @@ import dagster as dg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import estimate, model_admin
 from pipeline_assets.app.embed import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import Runtime, code_versions
@@ -157,6 +159,20 @@ def _embed(rt: Runtime, pool: ConnectionPool, root: str, buckets: list[int], n: 
                          metadata={"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
                                    "outstanding": exc.outstanding, "partitions": partitions,
                                    "in_process": in_process, "model": rt.model_id}) from None
+
+
+def _preflight(context: dg.AssetExecutionContext, rt: Runtime, pool: ConnectionPool, root: str,
+               buckets: list[int], n: int) -> estimate.Estimate:
+    """Before one model's part of an embeddings run enqueues or sends anything: what it would send
+    (``app.estimate.for_buckets``), logged and recorded as an observation of the asset, so the run's
+    event log and the asset's page show it while the run is still to spend."""
+    est = estimate.for_buckets(pool, rt.provider.spec, rt.settings.price_per_million_tokens, root, buckets, n)
+    context.log.info(f"preflight: {est.describe()}")
+    context.log_event(dg.AssetObservation(
+        asset_key=context.asset_key, description="preflight: what this run would send",
+        metadata={"preflight": True, "buckets": len(buckets), **{k: v for k, v in est.as_dict().items()
+                                                                 if v is not None}}))
+    return est
 
 
 def build_assets(settings: Settings) -> list[dg.AssetsDefinition | dg.AssetSpec]:
@@ -272,6 +288,7 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
                 rt = model_admin.runtime_of(settings, pool, model_id, run_id=context.run.run_id)
             except ConfigError as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
+            est = _preflight(context, rt, pool, root, buckets, n)
             done = _embed(rt, pool, root, buckets, n, in_process, embedding_run, len(keys))
             with postgres.connection() as conn:
                 states = bk.states_of(conn, root, buckets, n)
@@ -284,7 +301,8 @@ def _build_assets(v: dict[str, str], n: int, pool: str | None = None) -> list[dg
                     meta["failed_ids"] = ", ".join(bucket_cov.failed_ids)
                 context.add_asset_metadata(meta, partition_key=key)
             work, after = done.work, done.after
-            for name, value in (("chunks", after.wanted), ("embedded", work.embedded),
+            for name, value in (("estimated_inputs", est.send_inputs), ("estimated_tokens", est.send_tokens),
+                                ("chunks", after.wanted), ("embedded", work.embedded),
                                 ("reused", max(after.ready - work.embedded, 0)),   # ready vectors this run did not make
                                 ("superseded", work.superseded), ("failed", after.failed),
                                 ("waiting", after.waiting), ("enqueued", done.enqueued), ("retried", work.retried),

@@ -15,6 +15,7 @@ sql/queries/models.sql.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import psycopg
@@ -27,6 +28,7 @@ from pipeline_assets.store import queries
 
 MODELS = queries.load("models")
 JOBS = queries.load("jobs")
+log = logging.getLogger(__name__)
 
 
 class ModelRetired(ConfigError):
@@ -232,5 +234,16 @@ def purge(conn: psycopg.Connection, model_id: str) -> int | None:
         deleted = conn.execute(MODELS.purge_vectors, {"model": model_id}).rowcount
         conn.execute(MODELS.supersede_purged_jobs, {"model": model_id})
         conn.execute(MODELS.mark_purged, {"model": model_id})
-    conn.execute(sql.SQL(MODELS.drop_index).format(name=sql.Identifier(_index_name(model_id))))
+    drop_purged_index(conn, model_id)
     return deleted
+
+
+def drop_purged_index(conn: psycopg.Connection, model_id: str) -> bool:
+    """Drop a purged model's (empty) vector index; returns whether this role could. A role
+    without DDL (the worker role) leaves it to the owner's next purge (``models purge``)."""
+    if not queries.scalar(conn, MODELS.may_build_index):
+        log.info("the vector index of purged model %s is dropped by the owner of app.embeddings "
+                 "(`pipeline-assets models purge` as the owner role)", model_id)
+        return False
+    conn.execute(sql.SQL(MODELS.drop_index).format(name=sql.Identifier(_index_name(model_id))))
+    return True

@@ -63,6 +63,11 @@ class IndexBuildError(RuntimeError):
     """The index could not be built; the message is one line. The run goes on without it."""
 
 
+class IndexNotOwned(IndexBuildError):
+    """This role may not create indexes on app.embeddings (a worker role without DDL): the build
+    is the schema owner's (`pipeline-assets models index` as the owner role). Not a fault."""
+
+
 def index_name(model_id: str) -> str:
     return "embeddings_hnsw_" + hashlib.sha1(model_id.encode()).hexdigest()[:12]
 
@@ -105,6 +110,11 @@ def state(conn: psycopg.Connection, model_id: str, dimension: int | None) -> str
     return MISSING if valid is None else READY if valid else INVALID
 
 
+def exists(conn: psycopg.Connection, model_id: str) -> bool:
+    """Whether the model has an index, valid or not (read-only)."""
+    return queries.one_row(conn, MODELS.index_state, _lock_params(model_id))[0] is not None
+
+
 def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
     """Build the model's index concurrently if it is missing or invalid; return the state after.
 
@@ -120,6 +130,11 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
         raise ValueError("an index is built concurrently, outside any transaction (use an autocommit connection)")
     name = index_name(model_id)
     params = _lock_params(model_id)
+    if not queries.scalar(conn, MODELS.may_build_index):
+        if queries.one_row(conn, MODELS.index_state, params)[0]:
+            return READY
+        raise IndexNotOwned(f"the vector index of model {model_id} is built by the owner of app.embeddings, "
+                            f"not by role {conn.info.user}: run `pipeline-assets models index` as the owner role")
     if not queries.one_row(conn, MODELS.try_lock_index_build, params)[0]:
         return BUILDING
     try:
@@ -247,6 +262,9 @@ class BackgroundBuild:
                 self.outcome = build(self._conn, self.model_id, self.dimension)
             finally:
                 self._conn.close()
+        except IndexNotOwned as exc:
+            self.outcome = MISSING
+            log.info("%s", exc)
         except IndexBuildError as exc:
             self.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - the worker goes on without the index

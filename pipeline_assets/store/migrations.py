@@ -28,22 +28,37 @@ def migration_files(directory: Path | None = None) -> list[Path]:
     return files
 
 
+class MigrationRefused(RuntimeError):
+    """Migrations are pending and this role may not apply them (a worker or reader role of
+    ``pipeline-assets roles``); the message is one line naming what to run."""
+
+
 def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str]:
-    """Apply pending migrations; return the names applied by this call."""
+    """Apply pending migrations; return the names applied by this call.
+
+    Raises MigrationRefused when some are pending and the role lacks the privileges (DDL) to
+    apply them: the owner role's `pipeline-assets migrate` has not run for this release yet.
+    """
     applied: list[str] = []
     if _up_to_date(conn, directory):
         return applied  # read-only: a role with only SELECT (``status``) gets this far
-    with conn.transaction():
-        conn.execute(MIGRATIONS.lock, {"key": MIGRATION_LOCK_KEY})
-        conn.execute(MIGRATIONS.create_schema)
-        conn.execute(MIGRATIONS.create_ledger)
-        done = {r[0] for r in conn.execute(MIGRATIONS.applied)}
-        for path in migration_files(directory):
-            if path.name in done:
-                continue
-            conn.execute(path.read_text(encoding="utf-8"))
-            conn.execute(MIGRATIONS.record, {"version": path.name})
-            applied.append(path.name)
+    try:
+        with conn.transaction():
+            conn.execute(MIGRATIONS.lock, {"key": MIGRATION_LOCK_KEY})
+            conn.execute(MIGRATIONS.create_schema)
+            conn.execute(MIGRATIONS.create_ledger)
+            done = {r[0] for r in conn.execute(MIGRATIONS.applied)}
+            for path in migration_files(directory):
+                if path.name in done:
+                    continue
+                conn.execute(path.read_text(encoding="utf-8"))
+                conn.execute(MIGRATIONS.record, {"version": path.name})
+                applied.append(path.name)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MigrationRefused(f"the database is not migrated to this release and role {conn.info.user} may not "
+                               f"migrate it ({first}): run `pipeline-assets migrate` as the schema's owner role "
+                               "first") from None
     return applied
 
 

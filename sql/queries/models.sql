@@ -71,6 +71,11 @@ SELECT dimension FROM app.models WHERE model_id = %(model)s
 -- First response of a model whose dimension was unknown.
 UPDATE app.models SET dimension = %(dimension)s WHERE model_id = %(model)s AND dimension IS NULL
 
+-- name: may_build_index
+-- Whether this session's role may create an index on app.embeddings (it owns it, or is a
+-- member of its owner): a worker role without DDL may not, and leaves the build to the owner.
+SELECT pg_has_role(current_user, c.relowner, 'USAGE') FROM pg_class c WHERE c.oid = 'app.embeddings'::regclass
+
 -- name: try_lock_index_build
 -- One builder per index at a time (per database, across hosts). A session
 -- lock, not a transaction lock: CREATE INDEX CONCURRENTLY runs outside any

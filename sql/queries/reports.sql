@@ -6,6 +6,12 @@
 -- name: status_by_model
 SELECT model_id, status, count(*) AS n FROM app.embedding_jobs GROUP BY model_id, status ORDER BY 1, 2
 
+-- name: backlog
+-- Jobs waiting for a worker, every model: status's `backlog`, and verbatim the query of the
+-- KEDA trigger that scales the workers (deploy/k8s/worker-scaledobject.yaml; test_k8s checks).
+-- Counted from the partial index embedding_jobs_claimable (its predicate is this one).
+SELECT count(*) AS backlog FROM app.embedding_jobs WHERE status IN ('pending', 'retry')
+
 -- name: stages
 -- The stored stages (extract, chunk); status computes the embed stage from
 -- the jobs instead (stages.embed_counts).

@@ -1,4 +1,4 @@
-"""B14: the S3 source's unchanged scan against a plain paged listing, same client, same bucket.
+"""B17: the S3 source's unchanged scan against a plain paged listing, same client, same bucket.
 
 A moto server (``moto[server]``, S3-compatible, on 127.0.0.1) is started as a child
 process holding ``--objects`` small objects (put into its store before it serves, so
@@ -13,7 +13,7 @@ the set-up costs seconds, not a PUT per object). Then, interleaved, ``--rounds``
 Prints JSON: the best time of each and ``ratio = listing / scan`` (target >= 0.7), and
 the objects the server served a GET of during the unchanged scans (must be 0).
 
-    python benchmarks/b14_s3_scan.py [--objects 100000] [--rounds 3]
+    python benchmarks/b17_s3_scan.py [--objects 100000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ TARGET_RATIO = 0.7
 def serve(port: int, objects: int) -> None:
     """The child: fill moto's store, then serve it on 127.0.0.1:port."""
     from moto.core import DEFAULT_ACCOUNT_ID
-    from moto.s3.models import s3_backends
+    from moto.s3.models import FakeKey, s3_backends
     from moto.server import main
 
-    backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
-    backend.create_bucket(BUCKET, "us-east-1")
-    for i in range(objects):
-        backend.put_object(BUCKET, f"{PREFIX}/d{i:07d}.md", f"document {i}: some words of text".encode())
+    bucket = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].create_bucket(BUCKET, "us-east-1")
+    for i in range(objects):   # the store's own objects, without a request (or an event) per object
+        key = FakeKey(f"{PREFIX}/d{i:07d}.md", f"document {i}: some words of text".encode(),
+                      account_id=DEFAULT_ACCOUNT_ID, region_name="us-east-1")
+        bucket.keys[key.name] = key
     main(["-H", "127.0.0.1", "-p", str(port)])
 
 
@@ -91,8 +92,8 @@ def main() -> None:
     port = _free_port()
     os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
                        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
-    result: dict = {"benchmark": "b14_s3_scan", "objects": args.objects, "target_ratio": TARGET_RATIO}
-    with tempfile.TemporaryDirectory(prefix="b14_") as tmp, fresh_database("b14") as url:
+    result: dict = {"benchmark": "b17_s3_scan", "objects": args.objects, "target_ratio": TARGET_RATIO}
+    with tempfile.TemporaryDirectory(prefix="b17_") as tmp, fresh_database("b17") as url:
         log = open(Path(tmp) / "moto.log", "wb")
         proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--objects", str(args.objects)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,0 +1,65 @@
+-- Least-privilege roles (pipeline_assets/store/roles.py, `pipeline-assets roles`): an owner
+-- that runs the migrations (DDL), a worker that reads and writes rows and changes no schema,
+-- a reader that only reads. psycopg.sql templates: {owner}, {worker}, {reader}, {role} and
+-- {database} are Identifiers. Every statement can run again (a second run changes nothing).
+
+-- name: role_exists
+SELECT 1 FROM pg_roles WHERE rolname = %(name)s
+
+-- name: create_role
+-- LOGIN without a password: the administrator sets it out of band (psql's \password), never here.
+CREATE ROLE {role} LOGIN
+
+-- name: current_database
+SELECT current_database()
+
+-- name: grant_database_owner
+-- The owner creates the app schema's objects (CREATE) and, like the others, temporary tables.
+GRANT CONNECT, CREATE, TEMPORARY ON DATABASE {database} TO {owner}
+
+-- name: grant_database_user
+-- ingest stages a walk in temporary tables; nothing else is created by a worker or a reader.
+GRANT CONNECT, TEMPORARY ON DATABASE {database} TO {role}
+
+-- name: create_extension
+-- Needs a role allowed to create it (a superuser, rds_superuser, ...); the owner's migration then finds it.
+CREATE EXTENSION IF NOT EXISTS vector
+
+-- name: create_schema
+CREATE SCHEMA IF NOT EXISTS app AUTHORIZATION {owner}
+
+-- name: grant_schema_usage
+-- USAGE only: no CREATE in the schema for the worker or the reader.
+GRANT USAGE ON SCHEMA app TO {role}
+
+-- name: grant_worker_tables
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA app TO {worker}
+
+-- name: grant_worker_sequences
+-- The identity columns' sequences (an INSERT calls nextval).
+GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA app TO {worker}
+
+-- name: grant_functions
+-- The schema's functions and trigger functions (they run with the caller's rights).
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA app TO {role}
+
+-- name: grant_reader_tables
+GRANT SELECT ON ALL TABLES IN SCHEMA app TO {reader}
+
+-- name: default_worker_tables
+-- The same rights on what the owner's future migrations create.
+ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app
+    GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO {worker}
+
+-- name: default_worker_sequences
+ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app GRANT USAGE, SELECT ON SEQUENCES TO {worker}
+
+-- name: default_functions
+ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app GRANT EXECUTE ON FUNCTIONS TO {role}
+
+-- name: default_reader_tables
+ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app GRANT SELECT ON TABLES TO {reader}
+
+-- name: reader_read_only
+-- Belt and braces: the reader's transactions are read-only even where a grant is too wide.
+ALTER ROLE {reader} SET default_transaction_read_only = on
