@@ -258,3 +258,35 @@ def test_same_bytes_under_a_new_etag_are_read_once(s3, s3_env, database_url):
     assert len(s3.downloads(BUCKET)) == before + 1      # the new ETag: read once
     assert cli("ingest", SOURCE, env=s3_env).returncode == 0
     assert len(s3.downloads(BUCKET)) == before + 1      # recorded under it: not read again
+
+
+def test_reads_go_in_parallel_within_the_bound(s3, s3_env):
+    """Objects are read several at a time, never more than S3_READS_IN_FLIGHT, results in order."""
+    import threading
+    import time
+
+    from pipeline_assets.content import s3_source
+
+    for n in range(20):
+        _put(s3, f"docs/d{n:02d}.md", _text(n))
+    source = open_source(SOURCE, Settings.from_env())
+    items = list(source.items())
+    lock, now, peak = threading.Lock(), [0], [0]
+    real_get = source._get   # type: ignore[attr-defined]
+
+    def counted(item, max_bytes):
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        try:
+            time.sleep(0.05)   # every read in flight at once overlaps the others
+            return real_get(item, max_bytes)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    source._get = counted   # type: ignore[attr-defined]
+    read = list(source.read_all(items, 1 << 20))
+    assert [i.document_id for i, _ in read] == [i.document_id for i in items]
+    assert all(isinstance(data, bytes) for _, data in read)
+    assert 1 < peak[0] <= s3_source.S3_READS_IN_FLIGHT

@@ -26,7 +26,7 @@ def _status_lines(d: dict):
         yield (f"source {s['kind']} {s['source']}: current={s['current']} quarantined={s['quarantined']} "
                f"deleted={s['deleted']} last scan {s['last_scan_at'] or 'never'}")
     if d.get("watched_source"):
-        yield f"watched by the Dagster sensor: {d['watched_source']} (PIPELINE_SOURCE)"
+        yield f"watched by the Dagster sensor: {d['watched_source']} (PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR)"
     yield "jobs: " + (" ".join(f"{k}={v}" for k, v in d["jobs"].items()) or "none")
     yield f"backlog: {d.get('backlog', 0)} (pending + retry)"
     for stage, counts in d["stages"].items():
