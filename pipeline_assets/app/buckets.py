@@ -118,7 +118,7 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, root: Path, buckets: Sequenc
         check_buckets(conn, n)
         if source_changes:
             done.scan = observations.scan(conn, root, max_bytes=rt.settings.max_input_bytes,
-                                          keep=lambda doc: bucket_of(doc, n) in wanted)
+                                          keep=lambda doc: bucket_of(doc, n) in wanted, buckets=(sorted(wanted), n))
         elif not root.is_dir():
             raise SourceError(f"source directory not found: {root}")
     if source_changes:

@@ -90,12 +90,13 @@ def is_unread(checksum: str | None) -> bool:
     return checksum is not None and checksum.startswith(UNREAD)
 
 
-def walk(root: Path) -> Iterator[tuple[str, int, int, str | SourceItem]]:
+def walk(root: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, int, int, str | SourceItem]]:
     """(document_id, size, mtime_ns, path or item) of exactly the items ``scan_directory``
     yields, in no particular order, at a fraction of its cost: a plain file costs one
     ``lstat`` and no ``SourceItem`` (its path is given: ``source_item`` builds the item if it
     has to be read); a symlink is classified by ``item_for`` as the scan classifies it.
-    Raises SourceError as the scan does (a missing root, a directory that cannot be listed)."""
+    Raises SourceError as the scan does (a missing root, a directory that cannot be listed).
+    ``keep``: a file or link it refuses is yielded as (document_id, -1, -1, "") without a stat."""
     root = Path(root).absolute()
     if not root.is_dir():
         raise SourceError(f"source directory not found: {root}")
@@ -119,6 +120,9 @@ def walk(root: Path) -> Iterator[tuple[str, int, int, str | SourceItem]]:
             try:
                 if entry.is_dir(follow_symlinks=False):
                     stack.append((doc + "/", entry.path))
+                elif keep is not None and not keep(doc):
+                    if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+                        yield doc, -1, -1, ""
                 elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     yield doc, st.st_size, st.st_mtime_ns, entry.path
@@ -149,11 +153,14 @@ class Scan:
 
 
 def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
-         keep: Callable[[str], bool] | None = None) -> Scan:
+         keep: Callable[[str], bool] | None = None, buckets: tuple[Sequence[int], int] | None = None) -> Scan:
     """Walk ``root`` and bring its observations up to date. Raises SourceError if it
     cannot be listed. An empty source does not mark everything gone (``empty_refused``).
     ``keep``: only the documents it accepts are observed (and only they can be gone):
-    a bucket run scans its own buckets.
+    a bucket run scans its own buckets. ``buckets`` (ids, count): ``keep`` is exactly
+    membership of those buckets, so only their files are compared in the database and
+    only their observations can be gone (found through the bucket index, not by
+    hashing every observed id): past the walk, the scan costs what the buckets hold.
 
     The walk is streamed into a temporary table and compared with the stored observations
     there: the scan holds no row per file, only the files it has to read (changed, racy)
@@ -169,14 +176,15 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
     with conn.transaction():
         conn.execute(OBS.walk_create)
         with conn.cursor().copy(OBS.walk_copy) as copy:
-            for doc, size, mtime_ns, found in walk(root):
-                kept = keep is None or keep(doc)
+            for doc, size, mtime_ns, found in walk(root, keep):
+                kept = size >= 0
                 walked += 1
                 if kept:
                     result.present += 1
                     if isinstance(found, SourceItem) or found != base + doc:
                         odd[doc] = found
-                copy.write_row((doc, size, mtime_ns, kept))
+                if kept or buckets is None:
+                    copy.write_row((doc, size, mtime_ns, kept))
         conn.execute(OBS.walk_analyze)
         conn.execute(OBS.stage_create)
         # New and settled: nothing to compare their bytes with; the run that ingests them reads them.
@@ -200,8 +208,12 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
                     _stage(conn, rows)
                     rows = []
         _stage(conn, rows)
-        missing = [r[0] for r in conn.execute(OBS.walked_missing, params)]
-        gone = missing if keep is None else [doc for doc in missing if keep(doc)]
+        if buckets is None:
+            missing = [r[0] for r in conn.execute(OBS.walked_missing, params)]
+            gone = missing if keep is None else [doc for doc in missing if keep(doc)]
+        else:
+            gone = [r[0] for r in conn.execute(OBS.walked_missing_in_buckets, {
+                **params, "buckets": sorted(set(buckets[0])), "n": buckets[1]})]
         if not walked and gone:
             result.empty_refused, gone = len(gone), []
         conn.execute(OBS.upsert_staged, {"root": root_key})
