@@ -159,8 +159,8 @@ def scan(conn: psycopg.Connection, root: Path, *, max_bytes: int,
     ``keep``: only the documents it accepts are observed (and only they can be gone):
     a bucket run scans its own buckets. ``buckets`` (ids, count): ``keep`` is exactly
     membership of those buckets, so only their files are compared in the database and
-    only their observations can be gone (found through the bucket index, not by
-    hashing every observed id): past the walk, the scan costs what the buckets hold.
+    only their observations can be gone (selected in the database): past the walk's
+    listing, the scan costs what the buckets hold.
 
     The walk is streamed into a temporary table and compared with the stored observations
     there: the scan holds no row per file, only the files it has to read (changed, racy)

@@ -49,7 +49,7 @@ WHERE o.root = %(root)s AND o.checksum IS NOT NULL
 
 -- name: walked_missing_in_buckets
 -- The same within some buckets (of %(n)s), when the walk copied in only their
--- files: found through the bucket index (migration 044), not by hashing every id.
+-- files: the observations of other buckets are not sent back to be hashed.
 SELECT o.document_id
 FROM app.source_observations o
 WHERE o.root = %(root)s AND o.checksum IS NOT NULL
