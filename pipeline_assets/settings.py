@@ -89,6 +89,10 @@ MAX_PARTITION_BUCKETS = 4096
 # nothing on 2 cores and hold more memory (batch x window x hidden floats).
 DEFAULT_LOCAL_BATCH_INPUTS = 32
 
+# The most maintenance_work_mem one vector index build may take (a build is sized to its HNSW graph:
+# ~1.9 GB for 1M vectors of 256 dimensions; a larger graph builds partly on disk, far slower).
+DEFAULT_INDEX_BUILD_MEMORY = 2 * 1024 ** 3
+
 # How often the Dagster source sensor scans the source directory: how long an
 # edit waits for its run at most, against a walk of the source (an observation
 # per file, read only when its size or mtime changed) per tick.
@@ -138,6 +142,9 @@ class Settings:
     model_retire_grace: float = _setting("PIPELINE_MODEL_RETIRE_GRACE", DEFAULT_MODEL_RETIRE_GRACE_SECONDS,
                                          "a retired model's vectors and index are deleted by reconcile this long "
                                          "after `models retire` (s)", shown_default="7 days")
+    index_build_memory: int = _setting("PIPELINE_INDEX_BUILD_MEMORY", DEFAULT_INDEX_BUILD_MEMORY,
+                                       "most `maintenance_work_mem` of a vector index build, in bytes (sized to "
+                                       "the HNSW graph, never below the server's)", shown_default="2 GiB")
     # Wall-clock limit of one provider request; a stalled call becomes an
     # ordinary retryable failure instead of holding a worker (and its lease).
     call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", 60.0,
@@ -259,6 +266,7 @@ class Settings:
             (self.max_throttles >= 1, "max_throttles", "must be at least 1"),
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
             (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
+            (self.index_build_memory >= 1 << 20, "index_build_memory", "must be at least 1 MiB"),
             (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
             (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
             (1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS, "partition_buckets",

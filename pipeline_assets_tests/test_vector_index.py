@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -281,13 +285,13 @@ def test_a_build_uses_its_own_memory_and_leaves_the_session_as_it_was(clean_db, 
     seed_ready(conn, s, [unit(rng, 8) for _ in range(5)])
     server_default = conn.execute("SHOW maintenance_work_mem").fetchone()[0]
     # The build sets its memory: a value the server refuses fails the build (one line)...
-    monkeypatch.setattr(vector_index, "INDEX_BUILD_MEMORY", "a lot")
+    monkeypatch.setattr(vector_index, "GRAPH_MEMORY_FIXED", 1 << 45)   # 32 TiB: over the server's maximum
     with pytest.raises(vector_index.IndexBuildError, match="maintenance_work_mem"):
-        vector_index.build(conn, s.model_id, 8)
+        vector_index.build(conn, s.model_id, 8, memory_cap=1 << 46)
     assert index_row(conn, s.model_id) is None
     # ...unless the refusal is one the build falls back from: then it builds with the server's setting.
     monkeypatch.setattr(vector_index, "OUT_OF_BUILD_MEMORY", ("22023",))   # invalid_parameter_value
-    assert vector_index.build(conn, s.model_id, 8) == vector_index.READY
+    assert vector_index.build(conn, s.model_id, 8, memory_cap=1 << 46) == vector_index.READY
     assert index_row(conn, s.model_id)[0] is True
     assert conn.execute("SHOW maintenance_work_mem").fetchone()[0] == server_default
 
@@ -391,3 +395,147 @@ def test_search_is_exact_before_the_index_exists_and_uses_it_after(clean_db, dim
     hits = retrieval.search(conn, s.model_id, query, k=3)
     assert hits[0]["text"] == texts[7]
     assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)
+
+
+# --------------------------------------------------------------------------- at scale (issue 29, item 4)
+
+
+def seed_vectors(conn, s: ModelSpec, n: int) -> None:
+    """n random unit vectors of model s straight into app.embeddings (binary COPY: no chunks)."""
+    models.ensure_model(conn, s)
+    block = np.random.default_rng(n).standard_normal((n, s.dimension)).astype(np.float32)
+    block /= np.linalg.norm(block, axis=1, keepdims=True)
+    with conn.cursor().copy("COPY app.embeddings (chunk_checksum, model_id, embedding) FROM STDIN"
+                            " WITH (FORMAT BINARY)") as cp:
+        cp.set_types(["bytea", "text", "vector"])
+        for i, v in enumerate(block):
+            cp.write_row((hashlib.sha256(f"{s.model_id}/{i}".encode()).digest(), s.model_id, v))
+
+
+def index_identity(conn, model_id: str):
+    """(oid, relfilenode) of the model's index: both change when it is rebuilt."""
+    return conn.execute("SELECT c.oid, c.relfilenode FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                        " WHERE n.nspname = 'app' AND c.relname = %s",
+                        (vector_index.index_name(model_id),)).fetchone()
+
+
+def test_build_memory_follows_the_graph_within_the_cap_and_never_below_the_session():
+    mb, gib = 1 << 20, 1 << 30
+    # 1M vectors of 256 dimensions: ~1.9 GB of graph (720 + 4 x 256 bytes each, 10% margin).
+    assert vector_index.graph_bytes(1_000_000, 256) == pytest.approx(1.93e9, rel=0.01)
+    assert vector_index.build_memory(1_000_000, 256, session_memory=64 * mb, cap=2 * gib) == \
+        vector_index.graph_bytes(1_000_000, 256)
+    assert vector_index.build_memory(1_000_000, 256, session_memory=64 * mb, cap=gib) == gib   # capped
+    assert vector_index.build_memory(1_000, 256, session_memory=64 * mb, cap=gib) == 64 * mb   # the server's
+    assert vector_index.build_memory(10**6, 256, session_memory=4 * gib, cap=gib) == 4 * gib   # never lowered
+    # halfvec halves the vector's part.
+    assert vector_index.graph_bytes(10**6, 3072) < vector_index.graph_bytes(10**6, 2000) * 1.3
+
+
+def test_a_build_is_given_the_memory_of_its_graph_up_to_the_cap(clean_db):
+    """With a session holding 1 MB, a build sized from its vectors keeps its ~3 MB graph in memory;
+    capped at 1 MB it spills (pgvector says so), and either way the session keeps its own setting.
+    Before: every build took a fixed 512MB whatever it held (a 1M-vector graph spilled to disk)."""
+    conn = clean_db
+    s = spec(64, "mem")
+    seed_vectors(conn, s, 3000)   # ~3 MB of graph: (720 + 4 x 64) bytes each
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    conn.execute("SET maintenance_work_mem = '1MB'")
+    assert vector_index.build(conn, s.model_id, 64, memory_cap=1 << 20) == vector_index.READY
+    assert any("no longer fits into maintenance_work_mem" in n for n in notices), notices
+    conn.execute(f'DROP INDEX app."{vector_index.index_name(s.model_id)}"')
+    notices.clear()
+    assert vector_index.build(conn, s.model_id, 64, memory_cap=64 << 20) == vector_index.READY
+    assert not any("no longer fits" in n for n in notices), notices
+    assert index_row(conn, s.model_id)[0] is True
+    assert conn.execute("SHOW maintenance_work_mem").fetchone()[0] == "1MB"
+
+
+def test_search_answers_and_status_shows_progress_while_the_index_builds(env, clean_db, database_url, blocker):
+    """A build held by open writers (before its build, then before its validation): search
+    answers exactly meanwhile, and `status` shows the build's phase from pg_stat_progress_create_index."""
+    conn = clean_db
+    rng = np.random.default_rng(5)
+    s = spec(8, "held")
+    vectors = [unit(rng, 8) for _ in range(30)]
+    texts = seed_ready(conn, s, vectors)
+    query = vectors[11] + 0.05 * unit(rng, 8)
+    hold_write_lock(blocker)
+    build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+    late = db.connect(database_url)
+    try:
+        wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait for the writer")
+        hits = retrieval.search(conn, s.model_id, query, k=3)
+        assert hits[0]["text"] == texts[11] and len(hits) == 3
+        report = json.loads(cli("status", "--json", env=env).stdout)
+        assert report["vector_index_builds"][s.model_id]["phase"] == "waiting for writers before build"
+        assert report["vector_index"][s.model_id].startswith("hnsw vector building (exact search meanwhile): "
+                                                             "waiting for writers before build")
+        hold_write_lock(late)   # a writer the build's validation will wait for
+        blocker.execute("COMMIT")
+        wait_until(lambda: (vector_index.progress(conn, s.model_id) or {}).get("phase")
+                   == "waiting for writers before validation", timeout=60, what="the build to reach validation")
+        p = vector_index.progress(conn, s.model_id)
+        assert all(isinstance(p[k], int) for k in ("blocks_done", "blocks_total", "tuples_done", "tuples_total"))
+        assert index_row(conn, s.model_id)[0] is False       # built, not yet valid: search still scans
+        hits = retrieval.search(conn, s.model_id, query, k=3)
+        assert hits[0]["text"] == texts[11] and len(hits) == 3
+        assert "waiting for writers before validation" in cli("status", env=env).stdout
+    finally:
+        for c in (blocker, late):
+            if c.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                c.execute("COMMIT")
+        late.close()
+    wait_until(lambda: build.done, timeout=60, what="the build")
+    assert build.outcome == vector_index.READY
+    assert json.loads(cli("status", "--json", env=env).stdout)["vector_index_builds"] == {}
+    assert retrieval.search(conn, s.model_id, query, k=3)[0]["text"] == texts[11]
+
+
+def test_a_second_run_keeps_the_index_and_inserts_maintain_it(env, clean_db, tmp_path):
+    """The index is built once, when a queue first drains; later runs insert into it."""
+    corpus = tmp_path / "again"
+    write_corpus(corpus, 4)
+    cli("embed", str(corpus), env=env)
+    first = index_identity(clean_db, MODEL_ID)
+    assert first is not None and index_row(clean_db, MODEL_ID)[0] is True
+    write_corpus(corpus, 8, prefix="more")
+    cli("embed", str(corpus), env=env)
+    cli("work", "--until-idle", env=env)
+    assert index_identity(clean_db, MODEL_ID) == first          # neither rebuilt nor replaced
+    assert clean_db.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 12
+    assert uses_index(clean_db, MODEL_ID, 16)
+    text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+                            " WHERE d.document_id = 'more0005.md'").fetchone()[0]
+    hits = json.loads(cli("search", text, "-k", "1", "--mode", "vector", "--json", env=env).stdout)
+    assert hits[0]["document_id"] == "more0005.md"   # a vector inserted after the build, found through it
+
+
+def test_a_build_whose_backend_is_killed_is_rebuilt_by_the_next_run(env, clean_db, database_url, blocker, tmp_path):
+    """`models index` killed mid-build (its process SIGKILLed, its backend terminated) leaves an
+    INVALID index; `status` says so and the next drain drops it and builds a valid one."""
+    corpus = tmp_path / "k"
+    write_corpus(corpus, 4)
+    cli("ingest", str(corpus), env=env)
+    cli("work", "--until-idle", env=env)
+    clean_db.execute(f'DROP INDEX app."{vector_index.index_name(MODEL_ID)}"')
+    hold_write_lock(blocker)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", "models", "index", FAKE_MODEL], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        pid: dict = {}
+        wait_until(lambda: builder_waiting(clean_db, pid), timeout=120, what="the build to wait for the writer")
+        killed = index_identity(clean_db, MODEL_ID)
+        os.killpg(proc.pid, signal.SIGKILL)
+        clean_db.execute("SELECT pg_terminate_backend(%s)", (pid["pid"],))
+        wait_until(lambda: not builder_waiting(clean_db, {}), timeout=60, what="the backend to end")
+    finally:
+        proc.wait(30)
+        blocker.execute("COMMIT")
+    assert vector_index.state(clean_db, MODEL_ID, 16) == vector_index.INVALID
+    assert "invalid" in json.loads(cli("status", "--json", env=env).stdout)["vector_index"][MODEL_ID]
+    cli("work", "--until-idle", env=env)
+    assert index_row(clean_db, MODEL_ID)[0] is True
+    assert index_identity(clean_db, MODEL_ID)[0] != killed[0]
+    assert uses_index(clean_db, MODEL_ID, 16)

@@ -61,6 +61,13 @@ class BucketCountMismatch(RuntimeError):
     """The configured bucket count is not the one the database was first used with."""
 
 
+def selected(buckets: Iterable[int], n: int) -> list[int] | None:
+    """A statement's bucket filter: the buckets, or None (no filter) when they are all ``n``
+    of them: one pass over the source then costs less than reading it through the bucket index."""
+    chosen = sorted(set(buckets))
+    return None if len(chosen) >= n else chosen
+
+
 def bucket_of(document_id: str, buckets: int) -> int:
     """The bucket of a document id (the same as SQL's app.document_bucket)."""
     digest = hashlib.sha256(document_id.encode("utf-8", "surrogateescape")).hexdigest()
@@ -114,13 +121,17 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucke
     source = as_source(source)
     root = source.key
     wanted = set(buckets)
-    params = {"root": root, "n": n, "buckets": sorted(wanted)}
+    chosen = selected(wanted, n)
+    every = chosen is None
+    params = {"root": root, "n": n, "buckets": chosen}
     done = BucketSync(scan=observations.Scan())
     with pool.connection() as conn:
         check_buckets(conn, n)
         if source_changes:
-            done.scan = observations.scan(conn, source, max_bytes=rt.settings.max_input_bytes,
-                                          keep=lambda doc: bucket_of(doc, n) in wanted)
+            done.scan = observations.scan(
+                conn, source, max_bytes=rt.settings.max_input_bytes,
+                keep=None if every else lambda doc: bucket_of(doc, n) in wanted,
+                buckets=None if every else (sorted(wanted), n))
         else:
             source.check()
     if source_changes:
@@ -143,7 +154,7 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucke
     # the database for this source and these buckets, a page at a time (the extract pass brings a
     # document's chunk stage current too, so the chunk pass finds only what is stale there alone).
     for stage in rerun_uc.VERSIONED_STAGES:
-        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=root, buckets=sorted(wanted),
+        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=root, buckets=chosen,
                                       n=n, page_size=SYNC_PAGE_DOCUMENTS):
             done.report.add(ingest_documents(rt, pool, source, [t.document_id for t in targets]))
             done.stale += len(targets)
@@ -186,7 +197,7 @@ def _pages(ids: list[str]) -> Iterator[list[str]]:
 def bucket_documents(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[str]:
     """The source's documents (current or quarantined) in some buckets."""
     return [r[0] for r in conn.execute(BUCKETS.bucket_documents,
-                                       {"root": root, "n": n, "buckets": sorted(set(buckets))})]
+                                       {"root": root, "n": n, "buckets": selected(buckets, n)})]
 
 
 def digest(parts: Iterable[str]) -> str:
@@ -237,7 +248,7 @@ def states_of(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: in
     empty = digest([])
     out = {b: BucketState(text_digest=empty, chunks_digest=empty) for b in buckets}
     for b, docs, current, quarantined, chunks, tokens, text_digest, chunks_digest, sample in conn.execute(
-            BUCKETS.bucket_states, {"root": root, "n": n, "buckets": sorted(set(buckets)), "sample": SAMPLE_IDS}):
+            BUCKETS.bucket_states, {"root": root, "n": n, "buckets": selected(buckets, n), "sample": SAMPLE_IDS}):
         out[int(b)] = BucketState(int(docs), int(current), int(quarantined), int(chunks), int(tokens),
                                   text_digest, chunks_digest, list(sample))
     return out
@@ -266,7 +277,7 @@ def coverage_and_total(conn: psycopg.Connection, root: str, buckets: Sequence[in
     out = {b: BucketCoverage() for b in buckets}
     total = reports.Coverage(0, 0, 0, 0)
     for b, chunks, ready, failed, waiting, failed_ids in conn.execute(BUCKETS.bucket_coverage, {
-            "root": root, "n": n, "buckets": sorted(set(buckets)), "model": model_id, "sample": SAMPLE_IDS}):
+            "root": root, "n": n, "buckets": selected(buckets, n), "model": model_id, "sample": SAMPLE_IDS}):
         if b is None:
             total = reports.Coverage(int(chunks), int(ready), int(failed), int(waiting))
         else:
@@ -284,7 +295,7 @@ def estimated_documents(conn: psycopg.Connection, root: str, buckets: Sequence[i
 def current_pks(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[int]:
     """The keys of the source's current documents in some buckets."""
     return [r[0] for r in conn.execute(BUCKETS.bucket_current_pks,
-                                       {"root": root, "n": n, "buckets": sorted(set(buckets))})]
+                                       {"root": root, "n": n, "buckets": selected(buckets, n)})]
 
 
 def bucket_coverage(per_document: dict[str, reports.Coverage], buckets: Sequence[int],

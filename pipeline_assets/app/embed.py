@@ -278,7 +278,8 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     if outstanding(after):
         raise EmbedDeadlineExceeded(after, deadline, in_process)
     if scoped is not None and idle:
-        _build_index(pool, rt.model_id)  # the whole queue drained: as a worker does when it drains
+        # the whole queue drained: as a worker does when it drains
+        _build_index(pool, rt.model_id, rt.settings.index_build_memory)
     return _Waited(work=report, enqueued=enqueued, documents=len(pks), before=before, after=after, detail=detail,
                    seconds=round(time.monotonic() - started, 3))
 
@@ -315,7 +316,7 @@ class _ScopedWorker:
         return self._report or self._worker.report, self._error
 
 
-def _build_index(pool: ConnectionPool, model_id: str) -> None:
+def _build_index(pool: ConnectionPool, model_id: str, memory_cap: int) -> None:
     """Build the model's vector index if it is missing (concurrently; a failure is only logged)."""
     with pool.connection() as conn:
         dimension = models.model_dimension(conn, model_id)
@@ -323,7 +324,7 @@ def _build_index(pool: ConnectionPool, model_id: str) -> None:
         return
     try:
         with db.connect(db.pool_url(pool)) as conn:
-            vector_index.build(conn, model_id, int(dimension))
+            vector_index.build(conn, model_id, int(dimension), memory_cap=memory_cap)
     except vector_index.IndexNotOwned as exc:
         log.info("%s", exc)  # a role without DDL: the owner builds it
     except vector_index.IndexBuildError as exc:

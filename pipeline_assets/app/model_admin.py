@@ -97,7 +97,7 @@ def activate(pool: ConnectionPool, name: str, *, max_attempts: int) -> dict:
     return {"model_id": model_id, "was_retired": was_retired, "revived": revived, "enqueued": enqueued}
 
 
-def build_index(pool: ConnectionPool, name: str) -> dict:
+def build_index(pool: ConnectionPool, name: str, settings: Settings) -> dict:
     """Build a model's vector index now (concurrently: completions keep committing).
 
     On its own connection, outside any transaction. Raises
@@ -110,7 +110,7 @@ def build_index(pool: ConnectionPool, name: str) -> dict:
         return {"model_id": model_id, "index": vector_index.NO_VECTORS,
                 "detail": vector_index.describe(vector_index.NO_VECTORS, None)}
     with db.connect(db.pool_url(pool)) as conn:
-        outcome = vector_index.build(conn, model_id, int(dimension))
+        outcome = vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory)
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
 
 

@@ -81,11 +81,14 @@ class Scan:
 
 
 def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
-         keep: Callable[[str], bool] | None = None) -> Scan:
+         keep: Callable[[str], bool] | None = None, buckets: tuple[Sequence[int], int] | None = None) -> Scan:
     """List ``source`` and bring its observations up to date. Raises SourceError if it
     cannot be listed. An empty source does not mark everything gone (``empty_refused``).
     ``keep``: only the documents it accepts are observed (and only they can be gone):
-    a bucket run scans its own buckets.
+    a bucket run scans its own buckets. ``buckets`` (ids, count): ``keep`` is exactly
+    membership of those buckets, so only their files are compared in the database and
+    only their observations can be gone (selected in the database): past the walk's
+    listing, the scan costs what the buckets hold.
 
     The listing is streamed into a temporary table and compared with the stored observations
     there: the scan holds no row per item, only the items it has to fingerprint (changed,
@@ -99,8 +102,8 @@ def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
     source = as_source(source)
     follow = getattr(source, "follow_changes", None)
     if follow is not None:
-        return follow(conn, lambda: _scan_all(conn, source, max_bytes=max_bytes, keep=keep), keep)
-    return _scan_all(conn, source, max_bytes=max_bytes, keep=keep)
+        return follow(conn, lambda: _scan_all(conn, source, max_bytes=max_bytes, keep=keep, buckets=buckets), keep)
+    return _scan_all(conn, source, max_bytes=max_bytes, keep=keep, buckets=buckets)
 
 
 def record_observed(conn: psycopg.Connection, root: str, present: Sequence[Observed], gone: Sequence[str]) -> Scan:
@@ -117,7 +120,7 @@ def record_observed(conn: psycopg.Connection, root: str, present: Sequence[Obser
 
 
 def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
-              keep: Callable[[str], bool] | None) -> Scan:
+              keep: Callable[[str], bool] | None, buckets: tuple[Sequence[int], int] | None) -> Scan:
     """``scan`` by a complete listing."""
     root_key = source.key
     started_ns = time.time_ns()
@@ -135,7 +138,8 @@ def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
                     result.present += 1
                     if ref is not None:
                         refs[doc] = ref
-                copy.write_row((doc, size, mtime_ns, kept, checksum))
+                if kept or buckets is None:   # a bucket scan compares only its buckets' items
+                    copy.write_row((doc, size, mtime_ns, kept, checksum))
         conn.execute(OBS.walk_analyze)
         conn.execute(OBS.stage_create)
         # Listed with their fingerprint: compared here, nothing read.
@@ -159,8 +163,12 @@ def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
                     _stage(conn, rows)
                     rows = []
         _stage(conn, rows)
-        missing = [r[0] for r in conn.execute(OBS.walked_missing, params)]
-        gone = missing if keep is None else [doc for doc in missing if keep(doc)]
+        if buckets is None:
+            missing = [r[0] for r in conn.execute(OBS.walked_missing, params)]
+            gone = missing if keep is None else [doc for doc in missing if keep(doc)]
+        else:
+            gone = [r[0] for r in conn.execute(OBS.walked_missing_in_buckets, {
+                **params, "buckets": sorted(set(buckets[0])), "n": buckets[1]})]
         if not walked and gone:
             result.empty_refused, gone = len(gone), []
         conn.execute(OBS.upsert_staged, {"root": root_key})

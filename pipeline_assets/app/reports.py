@@ -34,6 +34,7 @@ class StatusReport:
     spend: dict[str, dict[str, int]]             # model -> calls, tokens, inputs, duplicate sends
     breaker: dict[str, dict[str, Any]]           # model -> the provider breaker's state
     vector_index: dict[str, Any] = field(default_factory=dict)     # per active model: hnsw, building...
+    vector_index_builds: dict[str, Any] = field(default_factory=dict)  # per model building: its progress
     served_model: str | None = None                                # what search and export read
     retired_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     input_limits: list[dict[str, Any]] = field(default_factory=list)

@@ -15,7 +15,7 @@ def status(pool: ConnectionPool, settings: Settings) -> reports.StatusReport:
     the read query), so a role with only SELECT can run it."""
     with pool.connection() as conn:
         report = reports.status(conn)
-        report.vector_index = models.index_states(conn)
+        report.vector_index, report.vector_index_builds = models.index_states(conn)
         report.served_model = models.served_model_id(conn)
         report.sources = reports.sources(conn)
         report.retired_models = {r.pop("model_id"): {k: r[k] for k in ("retired_at", "purge_after", "purged_at")}

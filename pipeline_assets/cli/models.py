@@ -134,7 +134,7 @@ def models_index(model: str) -> None:
     """Build MODEL's vector index now, concurrently (workers otherwise build it when their queue drains)."""
     with pool() as p:
         try:
-            r = model_admin.build_index(p, model)
+            r = model_admin.build_index(p, model, settings())
         except model_admin.IndexBuildError as exc:
             fail(str(exc))
     click.echo(f"{r['model_id']}: index {r['detail']}")

@@ -113,10 +113,19 @@ def input_limits(conn: psycopg.Connection) -> list[dict]:
         return cur.execute(MODELS.input_limits).fetchall()
 
 
-def index_states(conn: psycopg.Connection) -> dict[str, str]:
-    """Each active model's vector index, described in a few words (for `status`)."""
-    return {model_id: vector_index.describe(vector_index.state(conn, model_id, dim), dim)
-            for model_id, dim in conn.execute(MODELS.active_dimensions).fetchall()}
+def index_states(conn: psycopg.Connection) -> tuple[dict[str, str], dict[str, dict]]:
+    """Each active model's vector index, described in a few words (for `status`), and the
+    progress of the builds running (``vector_index.progress``), by model."""
+    states: dict[str, str] = {}
+    builds: dict[str, dict] = {}
+    for model_id, dim in conn.execute(MODELS.active_dimensions).fetchall():
+        state = vector_index.state(conn, model_id, dim)
+        states[model_id] = vector_index.describe(state, dim)
+        build = vector_index.progress(conn, model_id) if state == vector_index.BUILDING else None
+        if build is not None:
+            builds[model_id] = build
+            states[model_id] += f": {vector_index.describe_progress(build)}"
+    return states, builds
 
 
 def model_row(conn: psycopg.Connection, model_id: str) -> dict | None:

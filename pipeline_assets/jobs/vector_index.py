@@ -28,6 +28,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
+from pipeline_assets.settings import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.store import queries
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,15 @@ INDEX_LOCK_NAMESPACE = 0x766E6478
 # A long-running worker whose build failed (or was left to another builder) looks again after this long.
 INDEX_RETRY_SECONDS = 600.0
 
-# maintenance_work_mem of a build's session: an HNSW graph builds many times faster while it fits
-# (~2.3 kB per 512-dimension vector: ~200k of them). Only while building, on the builder's connection.
-INDEX_BUILD_MEMORY = "512MB"
+# maintenance_work_mem of a build's session, sized to the HNSW graph it builds (an HNSW graph builds
+# many times faster while it fits): per vector, the element and its neighbour lists (m = 16) plus the
+# vector itself. Measured on pgvector 0.8 from the tuples a build holds before it reports "graph no
+# longer fits": 713-723 bytes + 4 per dimension (vector) or 2 (halfvec), from 8 to 2,100 dimensions.
+GRAPH_BYTES_PER_VECTOR = 720
+VALUE_BYTES_PER_DIMENSION = {"vector": 4, "halfvec": 2}
+# Headroom over that estimate (allocation slack, a build's fixed structures).
+GRAPH_MEMORY_MARGIN = 1.1
+GRAPH_MEMORY_FIXED = 16 * 1024 * 1024
 # SQLSTATEs of a build that could not get that memory (shared memory of a parallel build: a small
 # /dev/shm in a container): built again once with the server's own setting.
 OUT_OF_BUILD_MEMORY = ("53100", "53200")   # disk_full (a DSM segment), out_of_memory
@@ -115,13 +122,49 @@ def exists(conn: psycopg.Connection, model_id: str) -> bool:
     return queries.one_row(conn, MODELS.index_state, _lock_params(model_id))[0] is not None
 
 
-def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
+def graph_bytes(vectors: int, dimension: int) -> int:
+    """The estimated memory of the HNSW graph of ``vectors`` vectors (with the margin)."""
+    kind = index_kind(dimension) or "vector"
+    per_vector = GRAPH_BYTES_PER_VECTOR + VALUE_BYTES_PER_DIMENSION[kind] * dimension
+    return int(vectors * per_vector * GRAPH_MEMORY_MARGIN) + GRAPH_MEMORY_FIXED
+
+
+def build_memory(vectors: int, dimension: int, *, session_memory: int, cap: int) -> int:
+    """The maintenance_work_mem of a build, in bytes: the graph's estimate, at most ``cap``,
+    never less than the session already has (the server's or the role's setting)."""
+    return max(session_memory, min(cap, graph_bytes(vectors, dimension)))
+
+
+def progress(conn: psycopg.Connection, model_id: str) -> dict | None:
+    """The running build of the model's index (pg_stat_progress_create_index: phase, blocks
+    and tuples done of their totals), or None when none runs."""
+    row = conn.execute(MODELS.index_build_progress, _lock_params(model_id)).fetchone()
+    if row is None:
+        return None
+    return dict(zip(("phase", "blocks_done", "blocks_total", "tuples_done", "tuples_total"), row, strict=True))
+
+
+def describe_progress(p: dict) -> str:
+    """A build's progress in a few words: its phase, then what of the totals is done."""
+    parts = [p["phase"]]
+    for unit in ("tuples", "blocks"):
+        if p[f"{unit}_total"]:
+            parts.append(f"{p[unit + '_done']:,} of {p[unit + '_total']:,} {unit}")
+    return ", ".join(parts)
+
+
+def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
+          memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY) -> str:
     """Build the model's index concurrently if it is missing or invalid; return the state after.
 
     ``conn`` must be in autocommit mode with no transaction open (CREATE INDEX
-    CONCURRENTLY cannot run inside one). Returns BUILDING without waiting when
-    another session is building it, EXACT when the dimension cannot be indexed.
-    Raises IndexBuildError (one line) when the database refuses the build.
+    CONCURRENTLY cannot run inside one), and a session of its own (a direct
+    connection, or a pooler in session mode): the build lock and the build's
+    memory (``build_memory``, at most ``memory_cap`` bytes) are the session's.
+    An existing valid index is left as it is (inserts maintain it). Returns
+    BUILDING without waiting when another session is building it, EXACT when
+    the dimension cannot be indexed. Raises IndexBuildError (one line) when the
+    database refuses the build.
     """
     kind = index_kind(int(dimension))
     if kind is None:
@@ -144,31 +187,40 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
         if valid is not None:  # INVALID: left by a failed or cancelled build
             log.warning("dropping the invalid index %s of model %s and building it again", name, model_id)
             conn.execute(_drop(name))
+        vectors, session_memory = (int(v) for v in queries.one_row(conn, MODELS.index_build_inputs,
+                                                                    {"model": model_id}))
+        graph = graph_bytes(vectors, int(dimension))
+        memory = build_memory(vectors, int(dimension), session_memory=session_memory, cap=memory_cap)
+        if graph > memory:
+            log.warning("the vector index of model %s (%d vectors) needs ~%d MB to build in memory, over "
+                        "PIPELINE_INDEX_BUILD_MEMORY (%d MB): it builds partly on disk, far slower",
+                        model_id, vectors, graph >> 20, memory_cap >> 20)
+        setting, previous = f"{max(memory >> 10, 1024)}kB", f"{session_memory >> 10}kB"
         started = time.monotonic()
         create = sql.SQL(MODELS.create_hnsw_index).format(
             name=sql.Identifier(name), kind=sql.Identifier(kind), opclass=sql.Identifier(f"{kind}_cosine_ops"),
             dim=sql.Literal(int(dimension)), model=sql.Literal(model_id))
         try:
             try:
-                conn.execute(MODELS.set_index_build_memory, {"memory": INDEX_BUILD_MEMORY})
+                conn.execute(MODELS.set_index_build_memory, {"memory": setting})
                 conn.execute(create)
             except psycopg.Error as exc:
                 if exc.sqlstate not in OUT_OF_BUILD_MEMORY:
                     raise
-                log.warning("building the index %s with %s failed (%s); building it with the server's "
-                            "maintenance_work_mem", name, INDEX_BUILD_MEMORY, _one_line(exc))
+                log.warning("building the index %s with %s failed (%s); building it with the session's "
+                            "maintenance_work_mem (%s)", name, setting, _one_line(exc), previous)
                 _drop_quietly(conn, name)
-                conn.execute(MODELS.reset_index_build_memory)
+                conn.execute(MODELS.set_index_build_memory, {"memory": previous})
                 conn.execute(create)
             finally:
-                _reset_build_memory(conn)
+                _reset_build_memory(conn, previous)
         except psycopg.Error as exc:
             if not isinstance(exc, psycopg.errors.QueryCanceled):  # cancelled: stopping; the next build drops it
                 _drop_quietly(conn, name)  # an invalid index is still maintained on every insert
             raise IndexBuildError(f"could not build the vector index of model {model_id} "
                                   f"({dimension} dimensions): {_one_line(exc)}") from None
-        log.info("built the %s HNSW index %s of model %s in %.1f s", kind, name, model_id,
-                 time.monotonic() - started)
+        log.info("built the %s HNSW index %s of model %s (%d vectors, maintenance_work_mem %s) in %.1f s",
+                 kind, name, model_id, vectors, setting, time.monotonic() - started)
         return READY
     finally:
         if not conn.closed and not conn.broken:
@@ -178,11 +230,11 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
                 pass  # the lock dies with the connection
 
 
-def _reset_build_memory(conn: psycopg.Connection) -> None:
+def _reset_build_memory(conn: psycopg.Connection, previous: str) -> None:
     if conn.closed or conn.broken:
         return
     try:
-        conn.execute(MODELS.reset_index_build_memory)
+        conn.execute(MODELS.set_index_build_memory, {"memory": previous})
     except psycopg.Error:
         pass   # the setting is the session's: it goes with the connection
 
@@ -215,8 +267,10 @@ class BackgroundBuild:
     """
 
     def __init__(self, connect: Callable[[], psycopg.Connection], model_id: str, dimension: int, *,
-                 on_done: Callable[[], object] | None = None) -> None:
+                 on_done: Callable[[], object] | None = None,
+                 memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY) -> None:
         self._connect = connect
+        self._memory_cap = memory_cap
         self._on_done = on_done  # told when the build is over (whatever its outcome)
         self.model_id = model_id
         self.dimension = dimension
@@ -259,7 +313,7 @@ class BackgroundBuild:
                     return
                 self._conn = self._connect()
             try:
-                self.outcome = build(self._conn, self.model_id, self.dimension)
+                self.outcome = build(self._conn, self.model_id, self.dimension, memory_cap=self._memory_cap)
             finally:
                 self._conn.close()
         except IndexNotOwned as exc:

@@ -207,7 +207,8 @@ class Worker:
         build = self._index_build
         if build is None or build.retry_due(time.monotonic()):
             self._index_build = build = vector_index.BackgroundBuild(
-                lambda: db.connect(self.url), self.model_id, dimension, on_done=self._wake.set).start()
+                lambda: db.connect(self.url), self.model_id, dimension, on_done=self._wake.set,
+                memory_cap=self.settings.index_build_memory).start()
         return build.done
 
     # -- one thread --------------------------------------------------------

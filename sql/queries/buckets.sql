@@ -23,7 +23,7 @@ SELECT o.document_id, o.checksum,
                  AND left(encode(d.source_checksum, 'hex'), 16) = o.checksum) AS in_store
 FROM app.source_observations o
 WHERE o.root = %(root)s
-  AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s)
+  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s::int[]))
   AND (o.checksum IS NULL OR o.checksum IS DISTINCT FROM o.synced)
   AND o.document_id > %(after)s
 ORDER BY o.document_id
@@ -36,7 +36,7 @@ SELECT d.document_id
 FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status <> 'deleted'
-  AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
   AND NOT EXISTS (SELECT 1 FROM app.source_observations o
                   WHERE o.root = s.root AND o.document_id = d.document_id AND o.checksum IS NOT NULL)
 
@@ -66,7 +66,7 @@ SELECT d.document_id
 FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status <> 'deleted'
-  AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
 ORDER BY d.document_id COLLATE "C"
 
 -- name: bucket_states
@@ -83,7 +83,7 @@ WITH docs AS (
     FROM app.documents d
     JOIN app.sources s ON s.source_id = d.source_id
     WHERE s.root = %(root)s AND d.status <> 'deleted'
-      AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+      AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
 ), per_doc AS (
     SELECT docs.bucket, docs.document_id, docs.status,
            coalesce(encode(docs.text_checksum, 'hex'), docs.status || ':' || coalesce(docs.error_class, 'None'))
@@ -122,7 +122,7 @@ SELECT d.doc_pk
 FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status = 'current'
-  AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
 
 -- name: bucket_coverage
 -- Per bucket (of %(n)s) of the source's current documents: their chunks for one
@@ -136,7 +136,7 @@ WITH docs AS (
     FROM app.documents d
     JOIN app.sources s ON s.source_id = d.source_id
     WHERE s.root = %(root)s AND d.status = 'current'
-      AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+      AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
 ), chunk_state AS (
     SELECT docs.bucket, docs.document_id, c.chunk_checksum,
            coalesce(j.status = 'ready' AND e.chunk_checksum IS NOT NULL, false) AS ready,

@@ -86,16 +86,21 @@ SELECT pg_try_advisory_lock(%(namespace)s, hashtext(%(name)s))
 -- name: unlock_index_build
 SELECT pg_advisory_unlock(%(namespace)s, hashtext(%(name)s))
 
+-- name: index_build_inputs
+-- What a build's memory is sized from: the model's vectors (an index-only count
+-- on embeddings_model_created) and the session's maintenance_work_mem in bytes
+-- (the server's or role's setting: a build never takes less).
+SELECT (SELECT count(*) FROM app.embeddings WHERE model_id = %(model)s) AS vectors,
+       pg_size_bytes(current_setting('maintenance_work_mem')) AS session_memory
+
 -- name: set_index_build_memory
--- For this session only (the builder's own connection): the memory one build may
--- use. pgvector builds an HNSW graph far faster while it fits in
--- maintenance_work_mem (the server default, 64MB, holds ~25k vectors of 512
--- dimensions); a parallel build keeps it in shared memory.
+-- For this session only (the builder's own connection, a session of its own:
+-- CREATE INDEX CONCURRENTLY cannot run in a transaction, so SET LOCAL cannot
+-- scope it): the memory one build may use. pgvector builds an HNSW graph far
+-- faster while it fits in maintenance_work_mem; a parallel build keeps it in
+-- shared memory.
 SELECT set_config('maintenance_work_mem', %(memory)s, false)
 
--- name: reset_index_build_memory
--- Back to the server's setting, before a retry with it (or the connection's next use).
-RESET maintenance_work_mem
 
 -- name: index_state
 -- valid: NULL when the index does not exist, false while it is being built
@@ -109,6 +114,17 @@ SELECT (SELECT i.indisvalid FROM pg_index i
                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
                  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                  AND l.classid = %(namespace)s::int4::oid AND l.objid = hashtext(%(name)s)::oid) AS building
+
+-- name: index_build_progress
+-- The build of this index in this database, as pg_stat_progress_create_index
+-- reports it: the backend holding its build lock (try_lock_index_build). No row
+-- when no build runs.
+SELECT p.phase, p.blocks_done, p.blocks_total, p.tuples_done, p.tuples_total
+FROM pg_stat_progress_create_index p
+JOIN pg_locks l ON l.pid = p.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = %(namespace)s::int4::oid AND l.objid = hashtext(%(name)s)::oid
 
 -- name: create_hnsw_index
 -- A psycopg.sql template, not a parameterised query (DDL takes no parameters):

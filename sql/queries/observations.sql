@@ -60,6 +60,15 @@ FROM app.source_observations o
 WHERE o.root = %(root)s AND o.checksum IS NOT NULL
   AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
 
+-- name: walked_missing_in_buckets
+-- The same within some buckets (of %(n)s), when the walk copied in only their
+-- files: the observations of other buckets are not sent back to be hashed.
+SELECT o.document_id
+FROM app.source_observations o
+WHERE o.root = %(root)s AND o.checksum IS NOT NULL
+  AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s)
+  AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
+
 -- name: stage_create
 -- The observations of one scan that changed, copied in before one upsert.
 CREATE TEMP TABLE observations_in (

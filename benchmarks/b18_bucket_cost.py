@@ -1,0 +1,88 @@
+"""B18: a bucket costs what it holds: one bucket's no-op run against the whole corpus's.
+
+N documents (b10's generator) are embedded with the command line (`embed`, offline
+model; not timed) in a fresh database. Then, in this process, the Dagster runs a
+partition materialization makes (the bucket run ``sync_documents`` and the
+``embeddings`` run chained to it, executed in-process as the definitions tests do,
+on an ephemeral instance): first one run over every bucket (it records what the
+command line ingested as synced), then, timed, with nothing changed:
+
+* ``one_bucket_s``: one bucket's runs (median of ``--repeat``);
+* ``all_buckets_s``: one run over every bucket (a no-op backfill's single run);
+* ``ratio``: one bucket over all of them. A bucket holds 1/64 of the corpus, so
+  a run that costs what its partition holds is near 1/64 plus the runs' fixed
+  cost; one that scans the corpus is near 1.
+
+    python benchmarks/b18_bucket_cost.py [--documents 10000] [--repeat 3]
+
+Target (issue 29): one bucket ≤ 10 s at 100,000 documents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import emit, fresh_database, settle
+from b10_dagster_scale import cli_bin, write_corpus
+
+BUCKET = 5              # the bucket timed (any: the hash spreads documents evenly)
+TARGET_SECONDS = 10.0   # one bucket's no-op run at 100k documents
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--documents", type=int, default=10_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="b15-") as tmp, fresh_database("bucket") as url:
+        corpus = Path(tmp) / "corpus"
+        write_corpus(corpus, args.documents)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "DAGSTER_"))}
+        env.update(PIPELINE_DATABASE_URL=url, PIPELINE_SOURCE_DIR=str(corpus))
+        env.pop("PIPELINE_EMBEDDING_MODEL", None)
+        started = time.perf_counter()
+        subprocess.run([*cli_bin(), "embed", str(corpus)], env=env, check=True, stdout=subprocess.DEVNULL,
+                       timeout=3 * 3600)
+        embed_s = time.perf_counter() - started
+        os.environ.clear()
+        os.environ.update(env)
+        import dagster as dg  # after the environment: the definitions read it
+
+        from pipeline_assets.defs.definitions import build_definitions
+        from pipeline_assets.defs.partitions import bucket_key
+        from pipeline_assets.settings import Settings
+        from pipeline_assets_tests.dagster_helpers import execute
+
+        n = Settings.from_env().partition_buckets
+        defs, instance = build_definitions(), dg.DagsterInstance.ephemeral()
+        every = {"dagster/asset_partition_range_start": bucket_key(0),
+                 "dagster/asset_partition_range_end": bucket_key(n - 1)}
+
+        def timed(**kw) -> float:
+            settle(url)
+            t = time.perf_counter()
+            result = execute(defs, instance, **kw)
+            assert result.success, "a no-op run failed"
+            return time.perf_counter() - t
+
+        first_s = timed(tags=every)
+        one = [timed(partition_key=bucket_key(BUCKET)) for _ in range(args.repeat)]
+        all_s = timed(tags=every)
+        one_s = statistics.median(one)
+        emit({"documents": args.documents, "buckets": n, "setup_embed_s": round(embed_s, 1),
+              "first_all_buckets_s": round(first_s, 2), "one_bucket_s": round(one_s, 2),
+              "one_bucket_runs_s": [round(x, 2) for x in one], "all_buckets_s": round(all_s, 2),
+              "ratio": round(one_s / all_s, 3), "target_one_bucket_s": TARGET_SECONDS,
+              "loadavg": [round(x, 2) for x in os.getloadavg()]})
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
