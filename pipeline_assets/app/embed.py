@@ -321,7 +321,7 @@ def _build_index(pool: ConnectionPool, model_id: str) -> None:
     if not dimension:
         return
     try:
-        with db.connect(db.pool_url(pool)) as conn:
+        with db.pool_connect(pool) as conn:
             vector_index.build(conn, model_id, int(dimension))
     except vector_index.IndexBuildError as exc:
         log.warning("%s", exc)
