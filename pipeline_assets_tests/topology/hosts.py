@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -155,14 +154,18 @@ class Topology:
                        "fsync = off\nfull_page_writes = off\nshared_buffers = 64MB\n")
         with open(self.pgdata / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {self.lab.subnet} scram-sha-256\n")
-        self.pg_ctl("start", "-w", "-t", "120", "-l", str(self.logs / "postgres.log"))
+        self.pg_ctl("start", "-w", "-t", "120")
         with self.admin() as conn:
             conn.execute("CREATE DATABASE pipeline")
 
-    def pg_ctl(self, *args: str) -> None:
+    def pg_ctl(self, action: str, *args: str) -> None:
+        """``pg_ctl ACTION`` on the db host; a server it starts logs to postgres.log (never to a pipe
+        of this process, which it would hold open)."""
+        log = ("-l", str(self.logs / "postgres.log")) if action in ("start", "restart") else ()
         subprocess.run(self.lab.exec_prefix("db") + _as_pg_user() + [str(pg_bin() / "pg_ctl"), "-D",
-                                                                      str(self.pgdata), *args],
-                       check=True, capture_output=True, timeout=START_TIMEOUT)
+                                                                      str(self.pgdata), action, *log, *args],
+                       check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=START_TIMEOUT)
 
     def _start_bouncer(self) -> None:
         conf_dir = self.tmp / "pgbouncer"
@@ -271,12 +274,19 @@ class Topology:
     def start_worker(self, host: str, dbname: str, *args: str, faketime: str | None = None,
                      **extra: str) -> subprocess.Popen:
         env = self.pipeline_env(dbname, bouncer=True, PIPELINE_DATABASE_POOL_MODE="transaction", **extra)
-        prefix = ["faketime", "-f", faketime] if faketime else None
-        proc = self.spawn(host, f"worker-{host}-{dbname}", [sys.executable, "-m", "pipeline_assets.cli", "work",
+        prefix = self.faketime_prefix(faketime) if faketime else None
+        proc = self.spawn(host, f"worker-{host}-{dbname}", [sys.executable, "-m", "pipeline_assets.cli", "-v", "work",
                                                             "--json", "--worker-id", f"{host}-{dbname}", *args],
                           env, prefix=prefix)
         self.workers.append(proc)
         return proc
+
+    @staticmethod
+    def faketime_prefix(offset: str) -> list[str]:
+        """A command prefix whose wall clock is ``offset`` (``+10m``) off. The wall clock only: a host's
+        clock that is off is its real-time clock (the monotonic clock measures intervals; libfaketime's
+        faked one also hangs timed waits)."""
+        return ["env", "DONT_FAKE_MONOTONIC=1", "faketime", "-f", offset]
 
     def stop_workers(self, procs: list[subprocess.Popen] | None = None) -> list[int]:
         procs = list(self.workers if procs is None else procs)
@@ -285,7 +295,8 @@ class Topology:
         return codes
 
     # ---- teardown -----------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, keep_logs: Path | None = None) -> None:
+        """Stop everything and remove the network; the logs are copied to ``keep_logs`` first."""
         with contextlib.suppress(Exception):
             self.stop_workers()
         for name in ("daemon", "webserver", "code", "provider", "pgbouncer"):
@@ -296,5 +307,6 @@ class Topology:
         with contextlib.suppress(Exception):
             self.pg_ctl("stop", "-m", "immediate", "-t", "30")
         self.lab.close()        # whatever is left in the namespaces is killed there
+        if keep_logs is not None:
+            shutil.copytree(self.logs, keep_logs, dirs_exist_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
-        time.sleep(0)

@@ -163,18 +163,35 @@ class Lab:
     def link_up(self, host: str) -> None:
         ip("link", "set", self.port(host), "up", netns=self.lab_ns)
 
-    def netem(self, host: str, spec: str | None) -> None:
+    def netem_supported(self) -> bool:
+        """Whether this kernel has the netem qdisc (tried on the lab's own test port, then removed)."""
+        cmd = ["ip", "netns", "exec", self.lab_ns, "tc", "qdisc"]
+        done = subprocess.run(cmd + ["add", "dev", "p-test", "root", "netem", "delay", "1ms"], capture_output=True,
+                              timeout=COMMAND_TIMEOUT)
+        subprocess.run(cmd + ["del", "dev", "p-test", "root"], capture_output=True, timeout=COMMAND_TIMEOUT)
+        return done.returncode == 0
+
+    def netem(self, host: str, spec: str | None, *, peer: str | None = None) -> None:
         """``tc netem`` with ``spec`` (e.g. ``delay 50ms loss 0.5%``) on both ends of the host's pair,
-        so a round trip crosses it twice; None removes it."""
-        for ns, dev in ((self.ns(host), "eth0"), (self.lab_ns, self.port(host))):
-            cmd = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+        so a round trip crosses it twice; with ``peer`` (an address) only the traffic between the
+        host and that peer (a prio qdisc whose third band has the netem, chosen by a u32 filter).
+        None removes it."""
+        for ns, dev, match in ((self.ns(host), "eth0", "dst"), (self.lab_ns, self.port(host), "src")):
+            def tc(*args: str, check: bool = True, ns: str = ns) -> None:
+                done = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True,
+                                      timeout=COMMAND_TIMEOUT)
+                if check and done.returncode != 0:
+                    raise LabError(f"tc {' '.join(args)} on {host}: {done.stderr.strip()}")
+            tc("qdisc", "del", "dev", dev, "root", check=False)
             if spec is None:
-                subprocess.run(cmd + ["del", "dev", dev, "root"], capture_output=True, timeout=COMMAND_TIMEOUT)
-            else:
-                done = subprocess.run(cmd + ["replace", "dev", dev, "root", "netem", *spec.split()],
-                                      capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-                if done.returncode != 0:
-                    raise LabError(f"tc netem on {host}: {done.stderr.strip()}")
+                continue
+            if peer is None:
+                tc("qdisc", "add", "dev", dev, "root", "netem", *spec.split())
+                continue
+            tc("qdisc", "add", "dev", dev, "root", "handle", "1:", "prio")
+            tc("qdisc", "add", "dev", dev, "parent", "1:3", "handle", "30:", "netem", *spec.split())
+            tc("filter", "add", "dev", dev, "parent", "1:0", "protocol", "ip", "prio", "1", "u32",
+               "match", "ip", match, f"{peer}/32", "flowid", "1:3")
 
     def close(self) -> None:
         """Kill every process in the hosts' namespaces, delete the namespaces and the test link."""
