@@ -26,6 +26,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -41,6 +43,7 @@ PG_PORT, BOUNCER_PORT, PROVIDER_PORT, CODE_PORT, WEB_PORT = 5432, 6432, 8000, 40
 DIM = 16
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 240
+GRAPHQL_TRIES = 5
 
 
 def pg_bin() -> Path:
@@ -265,8 +268,15 @@ class Topology:
         body = json.dumps({"query": query, "variables": variables or {}}).encode()
         req = urllib.request.Request(self.web_url + "/graphql", data=body,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answer = json.load(r)
+        for attempt in range(GRAPHQL_TRIES):   # a loaded webserver answers 500 now and then
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    answer = json.load(r)
+                break
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500 or attempt == GRAPHQL_TRIES - 1:
+                    raise
+                time.sleep(1)
         assert not answer.get("errors"), answer["errors"]
         return answer["data"]
 
