@@ -96,6 +96,11 @@ class Topology:
     def admin(self, dbname: str = "postgres") -> psycopg.Connection:
         return psycopg.connect(self.db_url(dbname), password=DB_PASSWORD, autocommit=True, connect_timeout=10)
 
+    def connect(self, dbname: str) -> psycopg.Connection:
+        """The test's own connection to a pipeline database (direct, vector type registered)."""
+        from pipeline_assets.store import db
+        return db.connect(psycopg.conninfo.make_conninfo(self.db_url(dbname), password=DB_PASSWORD))
+
     @property
     def provider_url(self) -> str:
         return f"http://{self.addr('provider')}:{PROVIDER_PORT}/v1"

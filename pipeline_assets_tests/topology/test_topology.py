@@ -18,9 +18,10 @@ import numpy as np
 import psycopg
 import pytest
 
+from pipeline_assets.store.db import DatabaseUnavailable
 from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, wait_until, write_corpus
 from pipeline_assets_tests.fake_openai import _vector
-from pipeline_assets_tests.topology.hosts import DB_PASSWORD, DIM, Topology, missing_requirements
+from pipeline_assets_tests.topology.hosts import DIM, Topology, missing_requirements
 
 _why_not = missing_requirements()
 pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""),
@@ -86,9 +87,7 @@ def new_database(topo: Topology, name: str, docs: int, *, words: int = 20, hold:
     done = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "ingest", str(src)],
                           env=topo.pipeline_env(name), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    conn = psycopg.connect(topo.db_url(name), password=DB_PASSWORD, autocommit=True)
-    from pipeline_assets.store import db
-    db._configure(conn)
+    conn = topo.connect(name)
     if hold:
         conn.execute("UPDATE app.embedding_jobs SET available_at = 'infinity'")
     return conn
@@ -98,10 +97,7 @@ def copy_database(topo: Topology, template: str, name: str) -> psycopg.Connectio
     with topo.admin() as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-    conn = psycopg.connect(topo.db_url(name), password=DB_PASSWORD, autocommit=True)
-    from pipeline_assets.store import db
-    db._configure(conn)
-    return conn
+    return topo.connect(name)
 
 
 def scalar(conn: psycopg.Connection, query: str, params=None):
@@ -157,9 +153,7 @@ def test_corpus_made_current_by_the_sensor_and_embedded_by_the_worker_hosts(topo
     write_corpus(topo.source, CORPUS_DOCS, prefix="corpus", words=40)
     started = time.monotonic()
     workers = [topo.start_worker(h, "pipeline") for h in topo.worker_hosts]
-    conn = psycopg.connect(topo.db_url(), password=DB_PASSWORD, autocommit=True)
-    from pipeline_assets.store import db
-    db._configure(conn)
+    conn = topo.connect("pipeline")
 
     def done() -> bool:
         for name in ("webserver", "daemon", "code"):
@@ -347,12 +341,9 @@ def test_database_restarted_and_read_only_for_20_seconds(topo):
 def reconnect(topo: Topology, name: str) -> psycopg.Connection:
     def attempt():
         try:
-            conn = psycopg.connect(topo.db_url(name), password=DB_PASSWORD, autocommit=True, connect_timeout=5)
-        except psycopg.OperationalError:
+            return topo.connect(name)
+        except DatabaseUnavailable:
             return None
-        from pipeline_assets.store import db
-        db._configure(conn)
-        return conn
     return wait_until(attempt, timeout=60, interval=0.5, what="the database to accept connections")
 
 
@@ -424,10 +415,7 @@ def test_a_worker_host_clock_ten_minutes_off(topo):
 
 
 def main_conn(topo: Topology) -> psycopg.Connection:
-    conn = psycopg.connect(topo.db_url(), password=DB_PASSWORD, autocommit=True)
-    from pipeline_assets.store import db
-    db._configure(conn)
-    return conn
+    return topo.connect("pipeline")
 
 
 def wait_current_and_ready(topo: Topology, conn: psycopg.Connection, documents: int, workers, timeout: float) -> None:
