@@ -4,7 +4,7 @@
 command line, the Dagster definitions or a resource) and the object is passed
 down; nothing below reads ``os.environ``. Each field names its environment
 variable, its default and what it bounds. The README's configuration table is
-generated from this module (``python -m pipeline_assets.settings``) and a test
+generated from its fields (``python -m pipeline_assets.settings_reference``) and a test
 checks that the two agree, so the documentation cannot drift.
 
 Constants that are not meant to be tuned per deployment (poll intervals, the
@@ -57,6 +57,9 @@ INGEST_BATCH_DOCUMENTS = 200
 ERROR_MESSAGE_MAX_CHARS = 500
 
 DECODE_POLICIES = ("strict", "replace")
+# How the database URL's server treats a session: `transaction` is a pooler in transaction mode (PgBouncer
+# before 1.21), which cannot keep a prepared statement from one transaction to the next.
+POOL_MODES = ("session", "transaction")
 
 # How long a retired model's vectors and vector index are kept after `models
 # retire` (a rollback within it is `models activate` + `models serve`, with no
@@ -124,6 +127,9 @@ class Settings:
                                             shown_default="AWS S3")
     source_database_url: str | None = _setting("PIPELINE_SOURCE_DATABASE_URL", None, "the database of `table:` "
                                                "sources", secret=True, shown_default="unset: the project's database")
+    database_pool_mode: str = _setting("PIPELINE_DATABASE_POOL_MODE", "session",
+                                       "`transaction`: the URL is a transaction-pooling PgBouncer (< 1.21); "
+                                       "nothing is prepared server-side")
     dagster_database: str = _setting("PIPELINE_DAGSTER_DATABASE", "dagster",
                                      "database for Dagster's own storage, created by `dev` on the same server")
 
@@ -251,6 +257,7 @@ class Settings:
     def __post_init__(self) -> None:
         checks = [
             (self.decode_errors in DECODE_POLICIES, "decode_errors", f"must be one of {DECODE_POLICIES}"),
+            (self.database_pool_mode in POOL_MODES, "database_pool_mode", f"must be one of {POOL_MODES}"),
             (self.max_input_bytes > 0, "max_input_bytes", "must be positive"),
             (self.extract_memory >= 0, "extract_memory", "must not be negative"),
             (self.max_text_chars > 0, "max_text_chars", "must be positive"),
@@ -301,6 +308,11 @@ class Settings:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     # -- derived values ----------------------------------------------------------------
+    @property
+    def prepare(self) -> bool:
+        """Whether statements may be prepared server-side (not through a transaction pooler)."""
+        return self.database_pool_mode != "transaction"
+
     @property
     def home_path(self) -> Path:
         return Path(self.home).expanduser().resolve()
@@ -367,24 +379,6 @@ def _parse(f: dataclasses.Field, raw: str) -> Any:
     except ValueError:
         expected = "an integer" if kind.startswith("int") else "a number"
         raise SettingsError(f"{env} must be {expected}, got {raw!r}") from None
-    if f.name == "decode_errors":
+    if f.name in ("decode_errors", "database_pool_mode"):
         return raw.lower()
     return raw
-
-
-def reference_table() -> str:
-    """The README's configuration table, generated from the fields above."""
-    lines = ["| variable | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(Settings):
-        if f.name == "crashpoint":
-            continue
-        shown = f.metadata["shown_default"]
-        if shown is None:
-            default = f.default
-            shown = "unset" if default is None else f"`{default}`"
-        lines.append(f"| `{f.metadata['env']}` | {shown} | {f.metadata['doc']} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(reference_table())

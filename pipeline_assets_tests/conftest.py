@@ -91,7 +91,8 @@ def no_dagster_process_survives():
 # hands modules to the workers in collection order, so these start first and the short ones fill in
 # around them (longest first): a long module collected last would otherwise run alone at the end.
 # The three modules that start `dagster dev` are spread out (each starts several Dagster processes).
-SLOW_MODULES = ["test_dagster_webserver", "test_dagster_sensors", "test_dagster_dev_command", "test_embedded",
+SLOW_MODULES = ["test_topology",
+                "test_dagster_webserver", "test_dagster_sensors", "test_dagster_dev_command", "test_embedded",
                 "test_dagster_commands", "test_state_machine_property", "test_contract", "test_cli",
                 "test_dagster_assets", "test_local_model", "test_packaging", "test_fault_soak", "test_query_plans"]
 

@@ -12,7 +12,8 @@ import pytest
 from pipeline_assets.app.runtime import chunker_for, extractor_version
 from pipeline_assets.content.extract import EXTRACTOR_VERSION
 from pipeline_assets.providers import configured_model_name
-from pipeline_assets.settings import Settings, SettingsError, reference_table
+from pipeline_assets.settings import Settings, SettingsError
+from pipeline_assets.settings_reference import reference_table
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "pipeline_assets"

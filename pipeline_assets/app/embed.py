@@ -323,7 +323,7 @@ def _build_index(pool: ConnectionPool, model_id: str, memory_cap: int) -> None:
     if not dimension:
         return
     try:
-        with db.connect(db.pool_url(pool)) as conn:
+        with db.pool_connect(pool) as conn:
             vector_index.build(conn, model_id, int(dimension), memory_cap=memory_cap)
     except vector_index.IndexNotOwned as exc:
         log.info("%s", exc)  # a role without DDL: the owner builds it

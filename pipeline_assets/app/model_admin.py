@@ -109,7 +109,7 @@ def build_index(pool: ConnectionPool, name: str, settings: Settings) -> dict:
     if not dimension:
         return {"model_id": model_id, "index": vector_index.NO_VECTORS,
                 "detail": vector_index.describe(vector_index.NO_VECTORS, None)}
-    with db.connect(db.pool_url(pool)) as conn:
+    with db.pool_connect(pool) as conn:
         outcome = vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory)
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
 
@@ -296,7 +296,7 @@ def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:
     """Delete the vectors and the index of every model retired longer than the grace
     period (what reconcile runs). Returns the vectors deleted per model."""
     purged: dict[str, int] = {}
-    with db.connect(db.pool_url(pool)) as conn:  # autocommit: the index is dropped concurrently
+    with db.pool_connect(pool) as conn:  # autocommit: the index is dropped concurrently
         for model_id in models.purge_due(conn, grace_seconds):
             deleted = models.purge(conn, model_id)
             if deleted is not None:

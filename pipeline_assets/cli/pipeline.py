@@ -24,7 +24,7 @@ from pipeline_assets.store import roles as db_roles
 @expected_errors
 def migrate() -> None:
     """Apply pending SQL migrations."""
-    conn = db.connect(db.database_url(settings()))
+    conn = db.connect(db.database_url(settings()), prepare=settings().prepare)
     applied = db.migrate(conn)
     click.echo(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
 

@@ -14,7 +14,7 @@ from pipeline_assets.app import search as search_uc
 from pipeline_assets.app import status as status_uc
 from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import WATCH_SECONDS, watch_status
-from pipeline_assets.settings import reference_table
+from pipeline_assets.settings_reference import reference_table
 from pipeline_assets.store import db
 
 EXPECTED_DB = (db.DatabaseUnavailable, psycopg.Error, OSError)

@@ -101,9 +101,10 @@ class PostgresResource(dg.ConfigurableResource):
         """The pool, opened (and the database migrated) on first use."""
         if self._pool is None:
             url = self.url()
-            with db.session(url):
+            prepare = settings_of(self.settings_id).prepare
+            with db.session(url, prepare=prepare):
                 pass  # apply pending migrations once, before the pool hands out connections
-            self._pool = db.make_pool(url, min_size=1, max_size=self.pool_max_size)
+            self._pool = db.make_pool(url, min_size=1, max_size=self.pool_max_size, prepare=prepare)
         return self._pool
 
     @contextmanager

@@ -105,8 +105,13 @@ class Worker:
         self._suspects = SuspectGate()  # a job that may crash the worker runs alone in it
 
     # -- lifecycle -------------------------------------------------------
+    def _connect(self) -> psycopg.Connection:
+        """A connection of its own (liveness, the index build), preparing as the settings allow."""
+        return db.connect(self.url, prepare=self.settings.prepare)
+
     def run(self) -> WorkerReport:
-        pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2)
+        pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2,
+                            prepare=self.settings.prepare)
         # Connections that met an unavailable or read-only server are replaced (``DatabaseWait``).
         self._db_wait = DatabaseWait(on_unavailable=pool.drain)
         try:
@@ -136,7 +141,7 @@ class Worker:
                                               limit=SendLimit(self.config.concurrency)), db_wait=self._db_wait)
         executor.check_at_start()  # a provider stopped for unusable answers: one trivial input first
         self._refresh_spend(store)  # before any claim: today's spend by other workers
-        liveness = leases.Liveness(lambda: db.connect(self.url), owner_prefix=self._owner_prefix,
+        liveness = leases.Liveness(self._connect, owner_prefix=self._owner_prefix,
                                    worker_id=self.worker_id, model_id=self.model_id,
                                    dead_after=self.settings.worker_dead_after).start()
         threads = [threading.Thread(target=self._loop, args=(i, executor, store), name=f"embed-{i}", daemon=True)
@@ -207,7 +212,7 @@ class Worker:
         build = self._index_build
         if build is None or build.retry_due(time.monotonic()):
             self._index_build = build = vector_index.BackgroundBuild(
-                lambda: db.connect(self.url), self.model_id, dimension, on_done=self._wake.set,
+                self._connect, self.model_id, dimension, on_done=self._wake.set,
                 memory_cap=self.settings.index_build_memory).start()
         return build.done
 

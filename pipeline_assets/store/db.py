@@ -23,6 +23,10 @@ from pipeline_assets.store import arrays, embedded_postgres, migrations, vectors
 
 # How long a new connection may take before the database counts as unreachable.
 CONNECT_TIMEOUT_SECONDS = 10
+# psycopg prepares a statement server-side on its 5th execution on a connection (its default). A
+# pooler in transaction mode may run the next transaction on another server connection, which lacks
+# it: ``prepare=False`` (Settings.prepare) sends every statement unprepared.
+PREPARE_THRESHOLD = 5
 
 
 class DatabaseUnavailable(RuntimeError):
@@ -38,9 +42,14 @@ def database_url(settings: Settings) -> str:
         raise DatabaseUnavailable(str(exc)) from None
 
 
-def connect(url: str, *, autocommit: bool = True) -> psycopg.Connection:
+def _threshold(prepare: bool) -> int | None:
+    return PREPARE_THRESHOLD if prepare else None
+
+
+def connect(url: str, *, autocommit: bool = True, prepare: bool = True) -> psycopg.Connection:
     try:
-        conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS)
+        conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                               prepare_threshold=_threshold(prepare))
     except psycopg.OperationalError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatabaseUnavailable(f"cannot connect to database {redact_text(url)}: {first}") from None
@@ -65,13 +74,20 @@ def pool_url(pool: ConnectionPool) -> str:
     return info() if callable(info) else info
 
 
-def make_pool(url: str, *, min_size: int = 1, max_size: int = 8) -> ConnectionPool:
+def pool_connect(pool: ConnectionPool) -> psycopg.Connection:
+    """A connection of its own (autocommit) to the pool's database, preparing as the pool's do."""
+    kwargs = pool.kwargs() if callable(pool.kwargs) else pool.kwargs
+    return connect(pool_url(pool), prepare=(kwargs or {}).get("prepare_threshold") is not None)
+
+
+def make_pool(url: str, *, min_size: int = 1, max_size: int = 8, prepare: bool = True) -> ConnectionPool:
     def configure(conn: psycopg.Connection) -> None:
         conn.autocommit = True
         _configure(conn)
 
     pool = ConnectionPool(url, min_size=min_size, max_size=max_size, configure=configure,
-                          kwargs={"connect_timeout": CONNECT_TIMEOUT_SECONDS}, open=False)
+                          kwargs={"connect_timeout": CONNECT_TIMEOUT_SECONDS,
+                                  "prepare_threshold": _threshold(prepare)}, open=False)
     pool.open(wait=True, timeout=CONNECT_TIMEOUT_SECONDS * 3)
     return pool
 
@@ -84,9 +100,9 @@ def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str
 
 
 @contextmanager
-def session(url: str) -> Iterator[psycopg.Connection]:
+def session(url: str, *, prepare: bool = True) -> Iterator[psycopg.Connection]:
     """A migrated connection, closed on exit."""
-    conn = connect(url)
+    conn = connect(url, prepare=prepare)
     try:
         migrate(conn)
         yield conn
@@ -98,9 +114,9 @@ def session(url: str) -> Iterator[psycopg.Connection]:
 def open_pool(settings: Settings, *, max_size: int = 4, url: str | None = None) -> Iterator[ConnectionPool]:
     """A pool on the migrated pipeline database (``url`` or the settings' one), closed on exit."""
     url = url or database_url(settings)
-    with session(url):
+    with session(url, prepare=settings.prepare):
         pass  # migrations applied once, before any pooled connection is handed out
-    pool = make_pool(url, min_size=1, max_size=max_size)
+    pool = make_pool(url, min_size=1, max_size=max_size, prepare=settings.prepare)
     try:
         yield pool
     finally:
