@@ -52,6 +52,8 @@ BREAKER_PROBE_INTERVAL = 5.0
 # Documents written per ingest transaction: bounds the length of the
 # transactions that hold the ingest write lock.
 INGEST_BATCH_DOCUMENTS = 200
+# Extraction children per ingest (0: one per CPU the process may use).
+DEFAULT_EXTRACT_PROCESSES = 0
 
 # How much of a provider error message is kept in the database.
 ERROR_MESSAGE_MAX_CHARS = 500
@@ -195,6 +197,8 @@ class Settings:
     extract_memory: int = _setting("PIPELINE_EXTRACT_MEMORY", 2 * 1024 ** 3,
                                    "address space one extraction may add, in bytes; over it: `memory_limit`; 0 = none",
                                    shown_default="2 GiB")
+    extract_processes: int = _setting("PIPELINE_EXTRACT_PROCESSES", DEFAULT_EXTRACT_PROCESSES,
+                                      "extraction child processes per ingest at most; 0 = one per usable core")
     # A small PDF can inflate to far more text than its bytes; these cap what one
     # document may cost in memory, chunk rows and provider tokens.
     max_text_chars: int = _setting("PIPELINE_MAX_TEXT_CHARS", 20_000_000,
@@ -260,6 +264,7 @@ class Settings:
             (self.database_pool_mode in POOL_MODES, "database_pool_mode", f"must be one of {POOL_MODES}"),
             (self.max_input_bytes > 0, "max_input_bytes", "must be positive"),
             (self.extract_memory >= 0, "extract_memory", "must not be negative"),
+            (self.extract_processes >= 0, "extract_processes", "must not be negative"),
             (self.max_text_chars > 0, "max_text_chars", "must be positive"),
             (self.max_chunks_per_document > 0, "max_chunks_per_document", "must be positive"),
             (self.ingest_batch_bytes > 0, "ingest_batch_bytes", "must be positive"),

@@ -10,6 +10,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content import process
@@ -42,8 +44,14 @@ def _poison(monkeypatch, behaviour):
     monkeypatch.setattr(process, "extract_text", extract)
 
 
+# Extraction children of these ingests: a pool, whatever the machine's cores.
+POOL = 2
+
+
 def _ingest(conn, corpus, **options):
-    return ingest_directory(conn, corpus, IngestOptions(chunker=Chunker(), max_bytes=1 << 20, **options))
+    options.setdefault("extract_processes", POOL)
+    options.setdefault("chunker", Chunker())
+    return ingest_directory(conn, corpus, IngestOptions(max_bytes=1 << 20, **options))
 
 
 def _assert_only_poison_quarantined(conn, report, error_class):
@@ -135,12 +143,13 @@ def _nap(seconds: float, value):
     return value
 
 
-def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued():
+@pytest.mark.parametrize("processes", [1, POOL])
+def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued(processes):
     from pipeline_assets.content.extract import ExtractError
     from pipeline_assets.content.sandbox import Sandbox
 
     # Each nap is well inside its own 2 s deadline (slack for a loaded machine); together they are not.
-    with Sandbox(_nap, timeout=2.0, memory_limit=0) as box:
+    with Sandbox(_nap, timeout=2.0, memory_limit=0, processes=processes) as box:
         calls = [(0.6, "a"), (0.6, "b"), (3600, "stuck"), (0.6, "c"), (0.6, "d"), (0, b"x" * (3 << 20))]
         outcomes = []
         for i, args in enumerate(calls):
@@ -148,13 +157,59 @@ def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued()
                 outcomes.append(box.take())
         while box.pending:
             outcomes.append(box.take())
-        assert box.starts == 2  # one kill, at the stuck call
-    assert [tag for tag, _ in outcomes] == list(range(len(calls)))
-    values = [o if not isinstance(o, ExtractError) else o.error_class for _, o in outcomes]
+        assert box.starts == processes + 1  # each child started once, and one kill, at the stuck call
+    if processes == 1:
+        assert [tag for tag, _ in outcomes] == list(range(len(calls)))  # one child answers in order
+    values = {tag: o if not isinstance(o, ExtractError) else o.error_class for tag, o in outcomes}
     # 0.6 s each, queued together (2.4 s): none charged for the time spent waiting behind the others.
-    assert values == ["a", "b", "timeout", "c", "d", b"x" * (3 << 20)]
+    assert len(outcomes) == len(calls)
+    assert [values[i] for i in range(len(calls))] == ["a", "b", "timeout", "c", "d", b"x" * (3 << 20)]
 
 
+def test_a_stuck_call_in_one_child_does_not_hold_up_or_lose_the_others():
+    from pipeline_assets.content.extract import ExtractError
+    from pipeline_assets.content.sandbox import MAX_QUEUED_CALLS, Sandbox
+
+    quick = 4 * MAX_QUEUED_CALLS
+    with Sandbox(_nap, timeout=30.0, memory_limit=0, processes=POOL) as box:
+        outcomes = []
+        for i, args in enumerate([(3600, "stuck")] + [(0, f"v{k}") for k in range(quick)]):
+            while not box.submit(i, *args):
+                outcomes.append(box.take())
+        while box.pending:
+            outcomes.append(box.take())
+    values = {tag: o if not isinstance(o, ExtractError) else o.error_class for tag, o in outcomes}
+    assert len(outcomes) == quick + 1 and values == {0: "timeout", **{k + 1: f"v{k}" for k in range(quick)}}
+    # Only the calls queued behind the stuck one on its own child waited for its deadline:
+    # the other child answered the rest first.
+    answered_before_the_kill = [tag for tag, _ in outcomes].index(0)
+    assert answered_before_the_kill >= quick - MAX_QUEUED_CALLS
+
+
+def test_a_pool_of_children_writes_what_one_child_writes(clean_db, tmp_path):
+    """Same documents, chunks, checksums and jobs whether one child or a pool extracts."""
+    corpus = tmp_path / "mixed"
+    for i in range(120):
+        words = " ".join(f"w{(i * 13 + j) % 701}" for j in range(40 + (i % 7) * 220))
+        path = corpus / f"d{i % 5}" / (f"doc{i:03d}.html" if i % 4 == 0 else f"doc{i:03d}.md")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"<html><body><p>{words}</p></body></html>" if i % 4 == 0 else f"# doc {i}\n\n{words}\n")
+
+    def written(processes: int) -> tuple[list, list, dict]:
+        clean_db.execute("TRUNCATE app.sources, app.documents, app.chunks, app.embedding_jobs, app.job_keys,"
+                         " app.stage_runs CASCADE")
+        report = _ingest(clean_db, corpus, extract_processes=processes, chunker=Chunker(max_tokens=64, overlap=8))
+        docs = clean_db.execute("SELECT document_id, status, source_checksum, text_checksum FROM app.documents"
+                                " ORDER BY document_id").fetchall()
+        chunks = clean_db.execute("SELECT d.document_id, c.chunk_index, c.chunk_checksum, c.text, c.token_count,"
+                                  " c.char_start, c.char_end FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+                                  " ORDER BY 1, 2").fetchall()
+        assert report.scanned == 120 and report.new == 120 and report.quarantined == 0, report
+        return docs, chunks, {k: v for k, v in report.as_dict().items() if k != "errors"}
+
+    serial = written(1)
+    assert len(serial[1]) > 200  # several chunks per document
+    assert written(POOL) == serial
 def test_the_child_does_not_outlive_a_killed_parent(tmp_path):
     import subprocess
     import sys
@@ -163,7 +218,7 @@ def test_the_child_does_not_outlive_a_killed_parent(tmp_path):
               "from pipeline_assets.content.sandbox import Sandbox\n"
               "box = Sandbox(lambda x: x, timeout=5, memory_limit=0)\n"
               "assert box.call(1) == 1\n"
-              "print(box._proc.pid, flush=True)\n"
+              "print(box.pids[0], flush=True)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     child = int(proc.stdout.split()[0])

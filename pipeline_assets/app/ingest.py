@@ -10,7 +10,8 @@ source are tombstoned after a complete scan.
 
 Guards: one transaction holds at most INGEST_BATCH_DOCUMENTS documents and,
 past PIPELINE_INGEST_BATCH_BYTES of chunk text, is written at once; extraction
-runs in a child process (``content.process.Extractor``); every failure of one
+runs in a bounded pool of child processes (``content.process.Extractor``,
+PIPELINE_EXTRACT_PROCESSES), which keep extracting while a batch is written; every failure of one
 document is that document's quarantine; a transaction the server aborts for a
 deadlock is retried (TX_ATTEMPTS) instead of aborting the ingest or reconcile.
 
@@ -33,7 +34,7 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app import documents
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.folder_source import as_source
-from pipeline_assets.content.process import Extractor, ExtractSpec, Processed, process_items
+from pipeline_assets.content.process import Extractor, ExtractSpec, KnownDocument, Processed, process_items
 from pipeline_assets.content.source import Item, Source, SourceError
 from pipeline_assets.jobs import models, transitions
 from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS
@@ -204,28 +205,33 @@ def _batches(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
         yield batch
 
 
+def _with_known(conn: psycopg.Connection, source_id: int, items: Iterator[Item],
+                report: IngestReport) -> Iterator[tuple[list[Item], dict[str, KnownDocument]]]:
+    """Batches of INGEST_BATCH_DOCUMENTS items with what the database holds of them, looked
+    up lazily: a batch's lookup runs when the previous batch has been handed out."""
+    for batch in _batches(items, INGEST_BATCH_DOCUMENTS):
+        report.scanned += len(batch)
+        yield batch, documents.known_documents(conn, source_id, [i.document_id for i in batch])
+
+
 def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, items: Iterator[Item],
                   options: IngestOptions, report: IngestReport, *, record_seen: bool) -> None:
-    """Process and write ``items``: one transaction per INGEST_BATCH_DOCUMENTS documents,
-    or sooner once the results hold ``options.batch_bytes`` of chunk text."""
+    """Process and write ``items``: one transaction per INGEST_BATCH_DOCUMENTS documents
+    done, or sooner once the results hold ``options.batch_bytes`` of chunk text. Documents
+    are extracted in ``options.extract_processes`` children, which keep working on the
+    documents queued on them while a transaction is written."""
     spec = ExtractSpec(chunker=options.chunker, decode_errors=options.decode_errors,
                        max_text_chars=options.max_text_chars, max_chunks=options.max_chunks)
-    with Extractor(spec, timeout=options.stage_timeout, memory_limit=options.extract_memory) as extractor:
-        for batch in _batches(items, INGEST_BATCH_DOCUMENTS):
-            report.scanned += len(batch)
-            known = documents.known_documents(conn, source_id, [i.document_id for i in batch])
-            seen: list[str] = []
-            todo: list[Processed] = []
-            held = 0
-            for item, processed in process_items(source, batch, known, extractor=extractor,
-                                                 max_bytes=options.max_bytes,
-                                                 extractor_version=options.extractor_version,
-                                                 force=options.force):
-                seen.append(item.document_id)
-                old = known.get(item.document_id)
-                if processed is None:
-                    report.unchanged += 1
-                    continue
+    with Extractor(spec, timeout=options.stage_timeout, memory_limit=options.extract_memory,
+                   processes=options.extract_processes) as extractor:
+        seen: list[str] = []
+        todo: list[Processed] = []
+        held = 0
+        for item, old, processed in process_items(source, _with_known(conn, source_id, items, report),
+                                                  extractor=extractor, max_bytes=options.max_bytes,
+                                                  extractor_version=options.extractor_version, force=options.force):
+            seen.append(item.document_id)
+            if processed is not None:
                 if old is None or old.status == "deleted":
                     report.new += 1
                 else:
@@ -235,10 +241,12 @@ def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, item
                     report.errors[processed.error_class] = report.errors.get(processed.error_class, 0) + 1
                 todo.append(processed)
                 held += processed.text_bytes
-                if held >= options.batch_bytes:
-                    _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
-                    seen, todo, held = [], [], 0
-            _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
+            else:
+                report.unchanged += 1
+            if held >= options.batch_bytes or len(seen) >= INGEST_BATCH_DOCUMENTS:
+                _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
+                seen, todo, held = [], [], 0
+        _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
 
 
 def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list[Processed],

@@ -77,6 +77,7 @@ class IngestOptions:
     # Each format's extractor version (``extractor_version.of(document_id)``).
     extractor_version: ExtractorVersions = ExtractorVersions.of_formats(EXTRACTOR_VERSIONS)
     extract_memory: int = Settings.extract_memory  # address space one extraction may add (0: none)
+    extract_processes: int = Settings.extract_processes  # extraction children at most (0: one per usable core)
     max_text_chars: int = Settings.max_text_chars  # per document
     max_chunks: int = Settings.max_chunks_per_document
     batch_bytes: int = Settings.ingest_batch_bytes  # chunk text per ingest transaction
@@ -110,6 +111,7 @@ class Runtime:
             stage_timeout=settings.stage_timeout,
             extractor_version=extractor_versions(settings),
             extract_memory=settings.extract_memory,
+            extract_processes=settings.extract_processes,
             max_text_chars=settings.max_text_chars,
             max_chunks=settings.max_chunks_per_document,
             batch_bytes=settings.ingest_batch_bytes,

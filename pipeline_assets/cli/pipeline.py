@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,13 +12,15 @@ from pipeline_assets.app import embed as embed_uc
 from pipeline_assets.app import ingest as ingest_uc
 from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app import rerun as rerun_uc
-from pipeline_assets.app.metrics import WorkMetrics
 from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.cli.common import emit, expected_errors, fail, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
 from pipeline_assets.settings import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
+
+if TYPE_CHECKING:
+    from pipeline_assets.app.metrics import WorkMetrics
 
 
 @click.command()
@@ -100,6 +103,8 @@ def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None,
 
 def _serve_metrics(rt, p, host: str, port: int) -> WorkMetrics:
     """Serve /metrics for this process, its provider calls counted from now on."""
+    from pipeline_assets.app.metrics import WorkMetrics  # prometheus_client: only when metrics are served
+
     metrics = WorkMetrics(p)
     rt.provider = metrics.wrap(rt.provider)
     bound_host, bound_port = metrics.serve(port, host)

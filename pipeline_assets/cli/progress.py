@@ -16,21 +16,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    TaskProgressColumn,
-    Text,
-    TextColumn,
-    TimeRemainingColumn,
-)
 
-from pipeline_assets.app.metrics import outstanding_jobs
+if TYPE_CHECKING:
+    from rich.progress import Progress, Text
+
 from pipeline_assets.jobs.worker import Worker
 
 # How often the bar re-reads the worker's counters (seconds).
@@ -40,10 +32,16 @@ REFRESH_SECONDS = 0.25
 WATCH_SECONDS = 2.0
 
 
-class _Rate(ProgressColumn):
-    def render(self, task) -> Text:
-        speed = task.finished_speed or task.speed
-        return Text("- jobs/s" if speed is None else f"{speed:,.1f} jobs/s")
+def _rate_column():
+    """A column of jobs per second (rich is imported only when a bar is shown)."""
+    from rich.progress import ProgressColumn, Text
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("- jobs/s" if speed is None else f"{speed:,.1f} jobs/s")
+
+    return Rate()
 
 
 def _done(worker: Worker) -> int:
@@ -64,10 +62,22 @@ class WorkProgress:
     def observe(self, worker: Worker) -> None:
         if not self.enabled:
             return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        from pipeline_assets.app.metrics import outstanding_jobs
+
         total = outstanding_jobs(self._pool, worker.model_id)
         self._progress = progress = Progress(
             TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-            _Rate(), TextColumn("eta"), TimeRemainingColumn(), console=Console(file=sys.stderr), transient=False)
+            _rate_column(), TextColumn("eta"), TimeRemainingColumn(), console=Console(file=sys.stderr), transient=False)
         task = progress.add_task("embedding", total=total or None)
         progress.start()
         self._thread = threading.Thread(target=self._follow, args=(progress, worker, task, total), name="progress",

@@ -10,7 +10,8 @@ Every chunk is re-encoded on its own and shrunk if needed, so
 
 Same text + same ``Chunker.version`` -> identical chunks and checksums.
 Cost is about two tokenizer passes over the text (the whole text once, each
-chunk once more to verify its bound); there is no quadratic step.
+chunk once more to verify its bound; a text that is one chunk is encoded once);
+there is no quadratic step.
 (Lone surrogate code points, which cannot be UTF-8 encoded, are replaced 1:1
 by U+FFFD first; extract.normalise already does this for extracted text.)
 """
@@ -163,7 +164,8 @@ class Chunker:
             end = max(end, start + 1)  # progress even if one char spans the window
 
             # Re-check: the slice, encoded on its own, must fit. Shrink until it does.
-            piece = _encode(text[start:end])
+            # (The whole text is the slice already encoded: its tokens are reused.)
+            piece = tokens if start == 0 and end == length else _encode(text[start:end])
             while len(piece) > max_tokens:
                 kept = b"".join(enc.decode_tokens_bytes(piece[:max_tokens]))
                 new_end = start + len(kept.decode("utf-8", errors="ignore"))

@@ -1,5 +1,5 @@
 """One source item to chunks: read under the size guard (the source's read), checksum, then extract
-and chunk in a child process killed at the wall-clock limit, under a memory
+and chunk in a pool of child processes killed at the wall-clock limit, under a memory
 limit and the caps on text and chunks per document. No database: the caller
 says what it already knows of the document and writes the result.
 
@@ -90,14 +90,15 @@ def extract_and_chunk(spec: ExtractSpec, document_id: str, raw: bytes) -> tuple[
 
 
 class Extractor:
-    """``extract_and_chunk`` of one ingest's documents in the extraction child, each under
-    ``timeout`` seconds and ``memory_limit`` bytes (0: none), pipelined (``sandbox.Sandbox``).
-    The child starts at the first document that needs it; use as a context manager so it
-    ends with the ingest."""
+    """``extract_and_chunk`` of one ingest's documents in up to ``processes`` extraction
+    children (0: one per usable core), each document under ``timeout`` seconds and
+    ``memory_limit`` bytes (0: none), pipelined (``sandbox.Sandbox``). A child starts when
+    a document finds every running one busy; use as a context manager so they end with
+    the ingest."""
 
-    def __init__(self, spec: ExtractSpec, *, timeout: float, memory_limit: int) -> None:
+    def __init__(self, spec: ExtractSpec, *, timeout: float, memory_limit: int, processes: int = 1) -> None:
         self.spec = spec
-        self.sandbox = Sandbox(self._run, timeout=timeout, memory_limit=memory_limit)
+        self.sandbox = Sandbox(self._run, timeout=timeout, memory_limit=memory_limit, processes=processes)
         self._warm = False
 
     def _run(self, document_id: str, raw: bytes) -> tuple[bytes, list[Chunk]]:
@@ -113,8 +114,9 @@ class Extractor:
     def pending(self) -> int:
         return self.sandbox.pending
 
-    def submit(self, item: Item, checksum: bytes, raw: bytes) -> bool:
-        """Queue one document; False when the queue is full (``take`` first)."""
+    def submit(self, item: Item, checksum: bytes, raw: bytes, known: KnownDocument | None = None) -> bool:
+        """Queue one document (``known``: what the database held of it, handed back by
+        ``take``); False when the queue is full (``take`` first)."""
         if not self._warm:
             # Load the tokenizer and the parsers here, once: every child inherits them, and
             # no document's deadline pays for an import.
@@ -125,15 +127,15 @@ class Extractor:
                 except ImportError:
                     pass
             self._warm = True
-        return self.sandbox.submit((item, checksum), item.document_id, raw)
+        return self.sandbox.submit((item, checksum, known), item.document_id, raw)
 
-    def take(self) -> Processed:
-        """The oldest queued document, extracted and chunked (or quarantined)."""
-        (item, checksum), outcome = self.sandbox.take()
+    def take(self) -> tuple[KnownDocument | None, Processed]:
+        """The first queued document done: extracted and chunked (or quarantined)."""
+        (item, checksum, known), outcome = self.sandbox.take()
         if isinstance(outcome, ExtractError):
-            return Processed(item, checksum, None, [], outcome.error_class, outcome.message)
+            return known, Processed(item, checksum, None, [], outcome.error_class, outcome.message)
         text_checksum, chunks = outcome
-        return Processed(item, checksum, text_checksum, chunks)
+        return known, Processed(item, checksum, text_checksum, chunks)
 
 
 def unchanged_by_token(source: Source, item: Item, known: KnownDocument | None, *, chunker_version: str,
@@ -174,31 +176,36 @@ def check_read(item: Item, outcome: ReadOutcome, known: KnownDocument | None, *,
     return checksum, raw
 
 
-def process_items(source: Source, items: Iterable[Item], known: Mapping[str, KnownDocument], *,
+def process_items(source: Source, batches: Iterable[tuple[list[Item], Mapping[str, KnownDocument]]], *,
                   extractor: Extractor, max_bytes: int, extractor_version: ExtractorVersions,
-                  force: bool = False) -> Iterator[tuple[Item, Processed | None]]:
-    """Every item with its result (None: unchanged), in no particular order. The source reads
-    the items its token cannot vouch for (``Source.read_all``: in parallel where it pays; an
-    item comes back as read, with the token of the bytes it got); reading the next ones
-    overlaps the extraction of earlier ones in the child."""
+                  force: bool = False) -> Iterator[tuple[Item, KnownDocument | None, Processed | None]]:
+    """Every item of every batch (with what the database knew of it) and its result (None:
+    unchanged), in no particular order. The source reads the items its token cannot vouch
+    for (``Source.read_all``: in parallel where it pays; an item comes back as read, with the
+    token of the bytes it got); reading the next ones overlaps the extraction of earlier ones
+    in the children. ``batches`` is pulled lazily and the children are not drained between
+    batches, so they keep working while the caller handles what was yielded."""
     chunker_version = extractor.spec.chunker.version
-    to_read: list[Item] = []
-    for item in items:
-        if not force and unchanged_by_token(source, item, known.get(item.document_id),
-                                            chunker_version=chunker_version, extractor_version=extractor_version):
-            yield item, None
-        else:
-            to_read.append(item)
-    for item, outcome in source.read_all(to_read, max_bytes):
-        step = check_read(item, outcome, known.get(item.document_id), chunker_version=chunker_version,
-                          extractor_version=extractor_version, force=force, tokens=source.content_tokens)
-        if not isinstance(step, tuple):
-            yield item, step
-            continue
-        checksum, raw = step
-        while not extractor.submit(item, checksum, raw):
-            done = extractor.take()
-            yield done.item, done
+    for items, known in batches:
+        to_read: list[Item] = []
+        for item in items:
+            old = known.get(item.document_id)
+            if not force and unchanged_by_token(source, item, old, chunker_version=chunker_version,
+                                                extractor_version=extractor_version):
+                yield item, old, None
+            else:
+                to_read.append(item)
+        for item, outcome in source.read_all(to_read, max_bytes):
+            old = known.get(item.document_id)
+            step = check_read(item, outcome, old, chunker_version=chunker_version,
+                              extractor_version=extractor_version, force=force, tokens=source.content_tokens)
+            if not isinstance(step, tuple):
+                yield item, old, step
+                continue
+            checksum, raw = step
+            while not extractor.submit(item, checksum, raw, old):
+                was, done = extractor.take()
+                yield done.item, was, done
     while extractor.pending:
-        done = extractor.take()
-        yield done.item, done
+        was, done = extractor.take()
+        yield done.item, was, done

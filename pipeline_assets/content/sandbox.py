@@ -1,23 +1,28 @@
-"""Run a function in a child process that is killed at its deadline, under a memory limit.
+"""Run a function in child processes that are killed at their deadline, under a memory limit.
 
 Parsing and chunking one document run here (``process.Extractor``): a parser
 stuck in C code, one that swallows exceptions, or one whose input inflates to
 gigabytes is stopped by the kernel, not by the parser's cooperation, and from
 any thread (a Dagster run, a sensor), where a SIGALRM could not.
 
-One long-lived child serves the calls of one ingest in order, so the cost is one
-fork per ingest plus a pipe round trip per document. The child is forked
-(copy-on-write: the loaded modules and the tokenizer come for free); it only
-computes and answers on its pipes, and leaves with ``os._exit`` (via
-multiprocessing), so it never touches the parent's connections or threads.
+A bounded pool of long-lived children (``processes``, one per usable core by
+default) serves the calls of one ingest, so the cost is one fork per child plus a
+pipe round trip per document; a child is started only when every running one is
+busy. Each child is forked (copy-on-write: the loaded modules and the tokenizer
+come for free); it only computes and answers on its pipes, and leaves with
+``os._exit`` (via multiprocessing), so it never touches the parent's connections
+or threads, nor the pipes of its siblings.
 
-Calls are pipelined: ``submit`` queues a call while the child works on earlier
-ones (the parent reads and checksums the next files meanwhile), as long as the
-queued calls fit in half the pipe's buffer, so a send never blocks on a busy or
-stuck child. ``take`` returns the oldest call's outcome. Each call's deadline
-starts when the parent has the previous answer (when the child is free for it);
-past it the child is killed (SIGKILL), the call fails with ``timeout``, and the
-calls queued behind it are sent again to a new child.
+Calls are pipelined: ``submit`` queues a call on the least busy child while the
+children work on earlier ones (the parent reads and checksums the next files and
+writes to the database meanwhile), as long as that child's queued calls fit in
+half its pipe's buffer, so a send never blocks on a busy or stuck child. Each
+child answers its own calls in order; ``take`` returns the first answer of any
+child, so a slow or stuck call holds up only the calls queued behind it on its own
+child. Each call's deadline starts when the parent has the previous answer of its
+child (when the child is free for it); past it the child is killed (SIGKILL), the
+call fails with ``timeout``, and the calls queued behind it are sent again to a
+new child. In-flight work is bounded: at most ``MAX_QUEUED_CALLS`` calls per child.
 Memory: the child's address space may grow by ``memory_limit`` bytes past what it
 inherited (RLIMIT_AS); an allocation beyond it raises MemoryError in the child.
 """
@@ -34,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 from pipeline_assets.content.extract import ExtractError
@@ -50,8 +56,9 @@ CHILD_START_TIMEOUT_SECONDS = 60.0
 CHILD_EXIT_TIMEOUT_SECONDS = 2.0
 # How much of an unexpected exception's text is kept.
 MESSAGE_MAX_CHARS = 300
-# Calls queued in the child's pipe at most (bounds the raw bytes held for a resend).
-MAX_QUEUED_CALLS = 16
+# Calls queued in one child's pipe at most (bounds the raw bytes held for a resend),
+# enough to keep a child busy while the parent writes a batch to the database.
+MAX_QUEUED_CALLS = 64
 # Pipe buffer asked for (Linux allows up to /proc/sys/fs/pipe-max-size, 1 MiB by
 # default); half of what is granted may be queued, so a send never blocks.
 PIPE_BUFFER_BYTES = 1 << 20
@@ -76,11 +83,19 @@ def _pipe_capacity(conn: Connection) -> int:
         return 4096  # POSIX guarantees at least this much
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _serve(calls: Connection, answers: Connection, parent_ends: tuple[Connection, ...],
            fn: Callable[..., Any], memory_limit: int) -> None:
     """The child: answer calls in order until told to stop (None) or the pipe closes."""
     for conn in parent_ends:
-        conn.close()  # else the child's own copy would keep its pipe open after the parent died
+        conn.close()  # else a copy here would keep its pipe open after the parent died
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when this process ends
     faulthandler.disable()  # a crash is reported by the parent, in one line
     used = _address_space()
@@ -106,24 +121,51 @@ def _serve(calls: Connection, answers: Connection, parent_ends: tuple[Connection
             answers.send(("error", UNEXPECTED, f"{type(exc).__name__}: {exc}"[:MESSAGE_MAX_CHARS]))
 
 
-class Sandbox:
-    """Calls ``fn(*args)`` in a child process, in order. ``submit`` queues a call (False
-    when the queue is full: ``take`` first); ``take`` returns ``(tag, outcome)`` of the
-    oldest call, the outcome being its value or an ``ExtractError`` (the function's own,
-    or TIMEOUT / MEMORY_LIMIT / CHILD_DIED / UNEXPECTED)."""
+class _Child:
+    """One child process, its pipes and the calls queued on it, oldest first."""
 
-    def __init__(self, fn: Callable[..., Any], *, timeout: float, memory_limit: int) -> None:
+    def __init__(self) -> None:
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.calls: Connection | None = None      # parent -> child
+        self.answers: Connection | None = None    # child -> parent
+        self.window = 4096
+        self.pending: deque[tuple[Any, bytes]] = deque()  # (tag, pickled args), oldest first
+        self.queued_bytes = 0
+        self.head_started = 0.0
+
+    def has_room(self, size: int) -> bool:
+        return not self.pending or (len(self.pending) < MAX_QUEUED_CALLS and self.queued_bytes + size <= self.window)
+
+    def deadline(self, timeout: float | None) -> float | None:
+        return None if timeout is None else self.head_started + timeout
+
+    def kill(self) -> int | None:
+        """Kill the process (if any) and return its exit code."""
+        code = None
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.join()
+            code = self.proc.exitcode
+        for conn in (self.calls, self.answers):
+            if conn is not None:
+                conn.close()
+        self.proc = self.calls = self.answers = None
+        return code
+
+
+class Sandbox:
+    """Calls ``fn(*args)`` in up to ``processes`` child processes (0: one per usable core).
+    ``submit`` queues a call (False when every child's queue is full: ``take`` first);
+    ``take`` returns ``(tag, outcome)`` of the first call answered, the outcome being its
+    value or an ``ExtractError`` (the function's own, or TIMEOUT / MEMORY_LIMIT /
+    CHILD_DIED / UNEXPECTED). With one process, calls are answered in the order submitted."""
+
+    def __init__(self, fn: Callable[..., Any], *, timeout: float, memory_limit: int, processes: int = 1) -> None:
         self.fn = fn
         self.timeout = timeout if timeout > 0 else None
         self.memory_limit = memory_limit
         self.starts = 0  # children started
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._calls: Connection | None = None      # parent -> child
-        self._answers: Connection | None = None    # child -> parent
-        self._window = 4096
-        self._pending: deque[tuple[Any, bytes]] = deque()  # (tag, pickled args), oldest first
-        self._queued_bytes = 0
-        self._head_started = 0.0
+        self._children = [_Child() for _ in range(processes if processes > 0 else usable_cores())]
 
     def __enter__(self) -> Sandbox:
         return self
@@ -133,109 +175,134 @@ class Sandbox:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return sum(len(c.pending) for c in self._children)
 
-    # -- the child ------------------------------------------------------------------------
-    def _start(self) -> None:
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running children."""
+        return [c.proc.pid for c in self._children if c.proc is not None and c.proc.pid is not None]
+
+    # -- the children ---------------------------------------------------------------------
+    def _start(self, child: _Child) -> None:
         ctx = multiprocessing.get_context("fork")
         calls_r, calls_w = ctx.Pipe(duplex=False)
         answers_r, answers_w = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_serve, args=(calls_r, answers_w, (calls_w, answers_r), self.fn, self.memory_limit),
+        siblings = tuple(conn for c in self._children for conn in (c.calls, c.answers) if conn is not None)
+        proc = ctx.Process(target=_serve, args=(calls_r, answers_w, (calls_w, answers_r, *siblings), self.fn,
+                                                self.memory_limit),
                            daemon=True, name="pipeline-extract")
         proc.start()
         calls_r.close()
         answers_w.close()
-        self._proc, self._calls, self._answers = proc, calls_w, answers_r
-        self._window = _pipe_capacity(calls_w) // 2
+        child.proc, child.calls, child.answers = proc, calls_w, answers_r
+        child.window = _pipe_capacity(calls_w) // 2
+        _pipe_capacity(answers_r)  # room for answers while the parent is busy elsewhere
         self.starts += 1
         if not answers_r.poll(CHILD_START_TIMEOUT_SECONDS):
-            self._kill()
+            child.kill()
             raise RuntimeError(f"the extraction process did not start within {CHILD_START_TIMEOUT_SECONDS:g} s")
         answers_r.recv()
 
-    def _kill(self) -> int | None:
-        """Kill the child (if any) and return its exit code."""
-        code = None
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join()
-            code = self._proc.exitcode
-        for conn in (self._calls, self._answers):
-            if conn is not None:
-                conn.close()
-        self._proc = self._calls = self._answers = None
-        return code
-
     @staticmethod
     def _pipe(conn: Connection | None) -> Connection:
-        """A pipe of the running child (the callers started it)."""
+        """A pipe of a running child (the callers started it)."""
         if conn is None:
             raise RuntimeError("the extraction child is not running")
         return conn
 
-    def _send(self, data: bytes) -> None:
-        if self._proc is None:
-            self._start()
-        if not self._pending:
-            self._head_started = time.monotonic()
-        self._pipe(self._calls).send_bytes(data)
+    def _send(self, child: _Child, data: bytes) -> None:
+        if child.proc is None:
+            self._start(child)
+        if not child.pending:
+            child.head_started = time.monotonic()
+        self._pipe(child.calls).send_bytes(data)
 
-    def _replace_child(self) -> int | None:
-        """Kill the child; send the calls still queued to a new one. Returns the old exit code."""
-        code = self._kill()
-        queued = list(self._pending)
-        self._pending.clear()
-        self._queued_bytes = 0
+    def _replace(self, child: _Child) -> int | None:
+        """Kill the child; send the calls still queued on it to a new one. Returns the old exit code."""
+        code = child.kill()
+        queued = list(child.pending)
+        child.pending.clear()
+        child.queued_bytes = 0
         for tag, data in queued:
-            self._send(data)
-            self._pending.append((tag, data))
-            self._queued_bytes += len(data)
+            self._send(child, data)
+            child.pending.append((tag, data))
+            child.queued_bytes += len(data)
         return code
+
+    def _choose(self, size: int) -> _Child | None:
+        """An idle running child, else a child not started yet, else the least busy one with room."""
+        running = [c for c in self._children if c.proc is not None]
+        idle = [c for c in running if not c.pending]
+        if idle:
+            return idle[0]
+        unstarted = [c for c in self._children if c.proc is None and not c.pending]
+        if unstarted:
+            return unstarted[0]
+        roomy = [c for c in self._children if c.has_room(size)]
+        return min(roomy, key=lambda c: len(c.pending)) if roomy else None
 
     # -- calls ----------------------------------------------------------------------------------
     def submit(self, tag: Any, *args: Any) -> bool:
-        """Queue ``fn(*args)``; False (nothing sent) when the queue is full."""
+        """Queue ``fn(*args)``; False (nothing sent) when every child's queue is full."""
         data = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
-        if self._pending and (len(self._pending) >= MAX_QUEUED_CALLS
-                              or self._queued_bytes + len(data) > self._window):
+        child = self._choose(len(data))
+        if child is None:
             return False
         try:
-            self._send(data)
+            self._send(child, data)
         except OSError:  # the child died (the OOM killer): what was queued, and this, to a new one
-            self._replace_child()
-            self._send(data)
-        self._pending.append((tag, data))
-        self._queued_bytes += len(data)
+            self._replace(child)
+            self._send(child, data)
+        child.pending.append((tag, data))
+        child.queued_bytes += len(data)
         return True
 
     def take(self) -> tuple[Any, Any]:
-        """Wait for the oldest call: ``(tag, value)`` or ``(tag, ExtractError)``."""
-        tag, data = self._pending[0]
-        wait = None if self.timeout is None else max(0.0, self._head_started + self.timeout - time.monotonic())
+        """Wait for the first call answered (or past its deadline) on any child:
+        ``(tag, value)`` or ``(tag, ExtractError)``."""
+        busy = [c for c in self._children if c.pending]
+        if not busy:
+            raise RuntimeError("no call is pending")
+        while True:
+            deadlines = [d for d in (c.deadline(self.timeout) for c in busy) if d is not None]
+            wait = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            ready = wait_any([self._pipe(c.answers) for c in busy], wait)
+            if ready:
+                # The child whose head call has waited longest, of those that answered.
+                return self._answer(min((c for c in busy if c.answers in ready), key=lambda c: c.head_started))
+            now = time.monotonic()
+            for child in busy:
+                deadline = child.deadline(self.timeout)
+                if deadline is not None and deadline <= now:
+                    return self._answer(child)
+
+    def _answer(self, child: _Child) -> tuple[Any, Any]:
+        """The outcome of ``child``'s oldest call: its answer, or its timeout if none is there."""
+        tag, data = child.pending[0]
         try:
-            answers = self._pipe(self._answers)
-            answered = answers.poll(wait)
+            answers = self._pipe(child.answers)
+            answered = answers.poll(0)
             answer = answers.recv() if answered else None
         except (EOFError, OSError):
             answered, answer = True, None
-        self._pending.popleft()
-        self._queued_bytes -= len(data)
+        child.pending.popleft()
+        child.queued_bytes -= len(data)
         if answer is None:
-            code = self._replace_child()
+            code = self._replace(child)
             if not answered:
                 return tag, ExtractError(TIMEOUT, f"extract and chunk took longer than {self.timeout:g} s")
             hint = " (SIGKILL: the OOM killer?)" if code == -signal.SIGKILL else ""
             return tag, ExtractError(CHILD_DIED, f"the extraction process died, exit code {code}{hint}")
-        self._head_started = time.monotonic()  # the child is free for the next call now
+        child.head_started = time.monotonic()  # the child is free for its next call now
         if answer[0] == "ok":
             return tag, answer[1]
         if answer[1] == MEMORY_LIMIT:
-            self._replace_child()  # it left; what was queued behind goes to a new child
+            self._replace(child)  # it left; what was queued behind goes to a new child
         return tag, ExtractError(answer[1], answer[2])
 
     def call(self, *args: Any) -> Any:
         """One call, alone: its value, or its ExtractError raised."""
-        while self._pending:
+        while self.pending:
             self.take()
         self.submit(None, *args)
         _, outcome = self.take()
@@ -244,12 +311,15 @@ class Sandbox:
         return outcome
 
     def close(self) -> None:
-        """Ask the child to leave; kill it if it does not."""
-        if self._proc is None:
-            return
-        try:
-            self._pipe(self._calls).send_bytes(pickle.dumps(None))
-            self._proc.join(CHILD_EXIT_TIMEOUT_SECONDS)
-        except OSError:
-            pass
-        self._kill()
+        """Ask every child to leave; kill those that do not."""
+        for child in self._children:
+            if child.proc is None:
+                continue
+            try:
+                self._pipe(child.calls).send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        for child in self._children:
+            if child.proc is not None:
+                child.proc.join(CHILD_EXIT_TIMEOUT_SECONDS)
+                child.kill()

@@ -1,0 +1,207 @@
+"""B19: `pipeline-assets embed DIR` end to end against the composite floor, side by side.
+
+One run, one zero-latency OpenAI-compatible fake (`python -m pipeline_assets_tests.fake_openai`),
+N documents (b3's corpus: ~1-3 kB markdown, one or two chunks each), each round on a fresh database:
+  floor  = (1) cl100k tokenization of the documents' texts alone (tiktoken's batch encoder,
+               one thread per usable core)
+         + (2) the openai SDK alone sending the chunk texts `embed` sends (same threads and
+               batch as the worker: benchmarks/_sdk_alone.py)
+         + (3) binary COPY of the same rows: the chunks (7 columns, as ingest writes them) into a
+               bare table, and one vector per chunk into a bare `vector(DIM)` table
+  embed  = `pipeline-assets embed DIR --json` as a user runs it (a process: interpreter, imports,
+           ingest, work until idle, exit), with the peak RSS of its process tree (sampled)
+  ratio  = floor / embed wall time (target >= 0.6)
+Also `startup`: `pipeline-assets work --until-idle` on an empty queue (interpreter to exit).
+The fake's vectors are warmed by an untimed SDK pass first, so neither side pays for them.
+
+    python benchmarks/b19_end_to_end.py [--docs 10000] [--dim 256] [--rounds 1]
+    python benchmarks/b19_end_to_end.py --docs 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import psycopg
+from _common import REPO, emit, fresh_database, settle
+from _sdk_alone import MODEL, sdk_alone
+from b1_cli_sdk import cli_env, start_fake
+from b3_rerun import write_corpus
+from pgvector.psycopg import register_vector
+
+from pipeline_assets.app.runtime import chunker_for
+from pipeline_assets.content.chunking import get_encoding
+from pipeline_assets.content.extract import extract_text
+from pipeline_assets.content.sandbox import usable_cores
+from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
+
+TARGET_RATIO = 0.6
+CLI = [sys.executable, "-m", "pipeline_assets.cli"]
+RSS_SAMPLE_SECONDS = 0.05
+STARTUP_RUNS = 3
+TIMEOUT_SECONDS = 3600
+
+
+def corpus_texts(root: Path, settings: Settings) -> tuple[list[str], list[tuple[int, int, bytes, str, int, int, int]]]:
+    """The documents' texts and the chunk rows ingest writes for them (same extractor and chunker)."""
+    chunker = chunker_for(settings, hard_limit=8191)
+    texts, rows = [], []
+    for pk, path in enumerate(sorted(root.rglob("*.md"))):
+        text = extract_text(str(path.relative_to(root)), path.read_bytes(), decode_errors=settings.decode_errors)
+        texts.append(text)
+        for c in chunker.chunk(text):
+            rows.append((pk, c.index, bytes.fromhex(c.checksum), c.text, c.token_count, c.char_start, c.char_end))
+    return texts, rows
+
+
+def tokenize_alone(texts: list[str]) -> float:
+    enc = get_encoding()
+    started = time.perf_counter()
+    enc.encode_ordinary_batch(texts, num_threads=usable_cores())
+    return time.perf_counter() - started
+
+
+def copy_alone(url: str, rows: list[tuple], dim: int) -> float:
+    """Binary COPY of the chunk rows and one vector per chunk into bare tables."""
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((len(rows), dim), dtype=np.float32)
+    with psycopg.connect(url, autocommit=True) as conn:
+        register_vector(conn)
+        conn.execute("CREATE TABLE bench_chunks (doc_pk bigint, chunk_index int, chunk_checksum bytea, text text,"
+                     " token_count int, char_start int, char_end int)")
+        conn.execute(f"CREATE TABLE bench_vectors (id bigint, v vector({dim}))")
+        started = time.perf_counter()
+        with conn.cursor().copy("COPY bench_chunks FROM STDIN WITH (FORMAT BINARY)") as copy:
+            copy.set_types(["bigint", "int4", "bytea", "text", "int4", "int4", "int4"])
+            for row in rows:
+                copy.write_row(row)
+        with conn.cursor().copy("COPY bench_vectors (id, v) FROM STDIN WITH (FORMAT BINARY)") as copy:
+            copy.set_types(["bigint", "vector"])
+            for i, v in enumerate(vectors):
+                copy.write_row((i, v))
+        seconds = time.perf_counter() - started
+        conn.execute("DROP TABLE bench_chunks, bench_vectors")
+    return seconds
+
+
+class TreeRss:
+    """Peak of the summed RSS of a process and its descendants, sampled."""
+
+    def __init__(self, pid: int) -> None:
+        self.root, self.peak, self._stop = psutil.Process(pid), 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            try:
+                for p in [self.root, *self.root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+            except psutil.Error:
+                return
+            self.peak = max(self.peak, total)
+            self._stop.wait(RSS_SAMPLE_SECONDS)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(self.peak / 2**20, 1)
+
+
+def run_embed(corpus: Path, env: dict) -> dict:
+    started, epoch0 = time.perf_counter(), time.time()
+    proc = subprocess.Popen(CLI + ["embed", str(corpus), "--json"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    rss = TreeRss(proc.pid)
+    out, err = proc.communicate(timeout=TIMEOUT_SECONDS)
+    wall = time.perf_counter() - started
+    peak = rss.stop()
+    assert proc.returncode == 0, err[-2000:]
+    return {"wall_s": round(wall, 3), "peak_rss_mb": peak, "summary": json.loads(out), "epoch0": epoch0,
+            "epoch1": epoch0 + wall}
+
+
+def startup(env: dict) -> float:
+    """Median seconds of `work --until-idle` on an empty queue: start-up to the first claim, and exit."""
+    runs = []
+    for _ in range(STARTUP_RUNS):
+        started = time.perf_counter()
+        subprocess.run(CLI + ["work", "--until-idle"], env=env, cwd=REPO, check=True, capture_output=True,
+                       timeout=600)
+        runs.append(time.perf_counter() - started)
+    return round(statistics.median(runs), 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--docs", type=int, default=10_000)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=1, help="rounds of floor + embed (fresh database each); medians")
+    a = p.parse_args()
+    settings = Settings.from_env()
+    threads, batch = DEFAULT_CONCURRENCY, settings.request_inputs
+    fake, base_url = start_fake(a.dim)
+    rounds: list[dict] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="b19-") as tmp:
+            corpus = Path(tmp) / "corpus"
+            write_corpus(corpus, a.docs)
+            texts, rows = corpus_texts(corpus, settings)
+            inputs = [r[3] for r in rows]
+            sdk_alone(base_url, inputs, threads=threads, batch=batch, dim=a.dim)  # warm the fake's vectors
+            for _ in range(a.rounds):
+                with fresh_database("e2e") as url:
+                    env = cli_env(url, base_url, a.dim)
+                    settle(url)
+                    r = {"tokenize_s": tokenize_alone(texts),
+                         "sdk_s": sdk_alone(base_url, inputs, threads=threads, batch=batch, dim=a.dim),
+                         "copy_s": copy_alone(url, rows, a.dim)}
+                    r["floor_s"] = r["tokenize_s"] + r["sdk_s"] + r["copy_s"]
+                    settle(url)
+                    embed = run_embed(corpus, env)
+                    with psycopg.connect(url) as conn:
+                        ready, first, last = conn.execute("""
+                            SELECT (SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'),
+                                   extract(epoch FROM min(called_at)), extract(epoch FROM max(answered_at))
+                            FROM app.provider_calls""").fetchone()
+                    assert ready == len(rows), (ready, len(rows))
+                    # Where embed's time went: start-up and ingest (to the first send), sending, then the
+                    # bulk index build, the summary and the exit (after the last answer).
+                    r.update(embed_before_first_send_s=float(first) - embed["epoch0"],
+                             embed_working_s=float(last - first),
+                             embed_after_last_answer_s=embed["epoch1"] - float(last))
+                    r.update(embed_s=embed["wall_s"], peak_rss_mb=embed["peak_rss_mb"],
+                             ratio=r["floor_s"] / embed["wall_s"], load_average=os.getloadavg())
+                    if not rounds:
+                        r["startup_empty_queue_s"] = startup(env)
+                    rounds.append(r)
+    finally:
+        fake.terminate()
+        fake.wait(10)
+    med = {k: round(statistics.median(r[k] for r in rounds), 3)
+           for k in ("tokenize_s", "sdk_s", "copy_s", "floor_s", "embed_s", "embed_before_first_send_s",
+                     "embed_working_s", "embed_after_last_answer_s", "peak_rss_mb", "ratio")}
+    emit({"docs": a.docs, "chunks": len(rows), "dim": a.dim, "threads": threads, "batch": batch, "model": MODEL,
+          "rounds": a.rounds, **med, "startup_empty_queue_s": rounds[0]["startup_empty_queue_s"],
+          "embed_chunks_per_s": round(len(rows) / med["embed_s"], 1),
+          "targets": {f"ratio_ge_{TARGET_RATIO}": med["ratio"] >= TARGET_RATIO},
+          "rounds_raw": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rounds]})
+
+
+if __name__ == "__main__":
+    main()
