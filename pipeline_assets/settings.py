@@ -188,8 +188,13 @@ class Settings:
                                        "chunk text per ingest transaction, in bytes", shown_default="64 MiB")
     decode_errors: str = _setting("PIPELINE_DECODE_ERRORS", "strict",
                                   "`replace` decodes bad UTF-8 with U+FFFD instead of quarantining (`bad_encoding`)")
-    chunk_tokens: int = _setting("PIPELINE_CHUNK_TOKENS", 512, "chunk size in cl100k tokens")
-    chunk_overlap: int = _setting("PIPELINE_CHUNK_OVERLAP", 64, "tokens shared by consecutive chunks")
+    # Unset: content.chunking's defaults fitted to the configured model's window (``app.runtime.chunking``).
+    chunk_tokens: int | None = _setting(
+        "PIPELINE_CHUNK_TOKENS", None, "chunk size in cl100k tokens; a size past a model's window is refused",
+        shown_default="`512`, or the largest the configured model's window takes (169 for `local-onnx`)")
+    chunk_overlap: int | None = _setting(
+        "PIPELINE_CHUNK_OVERLAP", None, "tokens shared by consecutive chunks",
+        shown_default="`64`; an eighth of a default chunk size under 512")
     extractor_version: str | None = _setting("PIPELINE_EXTRACTOR_VERSION", None,
                                              "overrides the extractor versions (a dry run of a parser fix): `V` for "
                                              "every format, `pdf=V[,html=W]` for those formats only (text, html, pdf)",
