@@ -83,10 +83,9 @@ DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
 DEFAULT_PARTITION_BUCKETS = 64
 MAX_PARTITION_BUCKETS = 4096
 
-# Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx):
-# on a CPU a batch of 32 short chunks keeps both cores busy while padding (every
-# input is padded to the batch's longest) stays cheap; larger batches gain
-# nothing on 2 cores and hold more memory (batch x window x hidden floats).
+# Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx),
+# run shortest first in inference batches of 16 (``providers.onnx_local``): 32
+# keeps padding low; larger calls gain little on 2 cores and hold their jobs longer.
 DEFAULT_LOCAL_BATCH_INPUTS = 32
 
 # How often the Dagster source sensor scans the source directory: how long an
