@@ -6,7 +6,9 @@ What is checked: the vectors (dimension, unit length, independent of the batch t
 that nothing is ever truncated (an input past the 256-token window is refused, one within it
 is embedded whole), the model id (model and version), `embed examples/corpus` end to end with
 a rerun that sends nothing again, and the relevance on the README's questions against the
-offline hashing model, on the same chunks (printed with -s)."""
+offline hashing model, on the same chunks (printed with -s); that a call runs shortest first in small
+batches and keeps its order, that onnxruntime gets the cores of the process's CPU affinity, and that
+with no chunk setting the chunks follow the model's window."""
 
 from __future__ import annotations
 
