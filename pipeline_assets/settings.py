@@ -88,10 +88,9 @@ DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
 DEFAULT_PARTITION_BUCKETS = 64
 MAX_PARTITION_BUCKETS = 4096
 
-# Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx):
-# on a CPU a batch of 32 short chunks keeps both cores busy while padding (every
-# input is padded to the batch's longest) stays cheap; larger batches gain
-# nothing on 2 cores and hold more memory (batch x window x hidden floats).
+# Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx),
+# run shortest first in inference batches of 16 (``providers.onnx_local``): 32
+# keeps padding low; larger calls gain little on 2 cores and hold their jobs longer.
 DEFAULT_LOCAL_BATCH_INPUTS = 32
 
 # The most maintenance_work_mem one vector index build may take (a build is sized to its HNSW graph:
@@ -211,8 +210,13 @@ class Settings:
                                        "chunk text per ingest transaction, in bytes", shown_default="64 MiB")
     decode_errors: str = _setting("PIPELINE_DECODE_ERRORS", "strict",
                                   "`replace` decodes bad UTF-8 with U+FFFD instead of quarantining (`bad_encoding`)")
-    chunk_tokens: int = _setting("PIPELINE_CHUNK_TOKENS", 512, "chunk size in cl100k tokens")
-    chunk_overlap: int = _setting("PIPELINE_CHUNK_OVERLAP", 64, "tokens shared by consecutive chunks")
+    # Unset: content.chunking's defaults fitted to the configured model's window (``app.runtime.chunking``).
+    chunk_tokens: int | None = _setting(
+        "PIPELINE_CHUNK_TOKENS", None, "chunk size in cl100k tokens; a size past a model's window is refused",
+        shown_default="`512`, or the largest the configured model's window takes (169 for `local-onnx`)")
+    chunk_overlap: int | None = _setting(
+        "PIPELINE_CHUNK_OVERLAP", None, "tokens shared by consecutive chunks",
+        shown_default="`64`; an eighth of a default chunk size under 512")
     extractor_version: str | None = _setting("PIPELINE_EXTRACTOR_VERSION", None,
                                              "overrides the extractor versions (a dry run of a parser fix): `V` for "
                                              "every format, `pdf=V[,html=W]` for those formats only (text, html, pdf)",

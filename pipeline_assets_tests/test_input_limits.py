@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from pipeline_assets.app.model_admin import runtime_for_model
+from pipeline_assets.app.runtime import Runtime, chunker_for, chunking
 from pipeline_assets.jobs import models
 from pipeline_assets.providers import ChunkTooLarge, ModelLimit, ModelSpec, check_chunk_size, provider_for
 from pipeline_assets.providers.limits import FOREIGN_TOKENS_PER_CHUNK_TOKEN
@@ -66,10 +68,30 @@ def test_a_server_models_window_comes_from_its_setting():
 
 # -- refused before any call, at every entry point ----------------------------------------------
 
+def test_the_default_chunk_size_follows_the_configured_models_window():
+    base = {"OPENAI_API_KEY": "k", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+    assert chunking(Settings.from_env({})) == (512, 64)  # the hashing model: 8191 cl100k tokens
+    small = Settings.from_env({**base, "PIPELINE_EMBEDDING_MODEL": "bge-small",
+                               "PIPELINE_MODEL_MAX_INPUT_TOKENS": "256"})
+    assert chunking(small) == (169, 21)  # (256 - 2) / 1.5, and the same eighth of it overlapping
+    assert chunker_for(small).version == "tok-window-1/cl100k/169/21"
+    assert chunking(small.replace(chunk_overlap=30)) == (169, 30)
+    # Set, the size is kept as it is (an over-large one is refused, never shrunk), the overlap is 64.
+    assert chunking(small.replace(chunk_tokens=300)) == (300, 64)
+    with pytest.raises(ChunkTooLarge, match="PIPELINE_CHUNK_TOKENS=300 is too large"):
+        Runtime.build(small.replace(chunk_tokens=300))
+    rt = Runtime.build(small)
+    assert (rt.settings.chunk_tokens, rt.settings.chunk_overlap, rt.options.chunker.max_tokens) == (169, 21, 169)
+    # Another model's runtime (`models add`) chunks as the configured model does.
+    assert runtime_for_model(small, "text-embedding-3-small").options.chunker.version == rt.options.chunker.version
+    rt.provider.close()
+
+
 @pytest.fixture
 def small_window(env, clean_db):
-    """The fake server's model declared with a 256-token window (as for a MiniLM behind TEI)."""
-    return {**env, "PIPELINE_MODEL_MAX_INPUT_TOKENS": "256"}
+    """The fake server's model declared with a 256-token window (as for a MiniLM behind TEI), and a
+    chunk size set past it (unset, it would follow the window)."""
+    return {**env, "PIPELINE_MODEL_MAX_INPUT_TOKENS": "256", "PIPELINE_CHUNK_TOKENS": "512"}
 
 
 def test_embed_with_512_token_chunks_and_a_256_token_model_is_refused_before_any_call(

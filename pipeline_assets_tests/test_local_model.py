@@ -6,15 +6,21 @@ What is checked: the vectors (dimension, unit length, independent of the batch t
 that nothing is ever truncated (an input past the 256-token window is refused, one within it
 is embedded whole), the model id (model and version), `embed examples/corpus` end to end with
 a rerun that sends nothing again, and the relevance on the README's questions against the
-offline hashing model, on the same chunks (printed with -s)."""
+offline hashing model, on the same chunks (printed with -s); that a call runs shortest first in small
+batches and keeps its order, that onnxruntime gets the cores of the process's CPU affinity, and that
+with no chunk setting the chunks follow the model's window."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
+import uuid
 
 import numpy as np
+import psycopg
 import pytest
 
 pytest.importorskip("onnxruntime", reason="the local extra is not installed: pip install -e '.[local]'")
@@ -27,7 +33,7 @@ from pipeline_assets.providers import ProviderError, provider_for  # noqa: E402
 from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm  # noqa: E402
 from pipeline_assets.settings import Settings  # noqa: E402
 from pipeline_assets.store import db  # noqa: E402
-from pipeline_assets_tests.conftest import REPO, cli  # noqa: E402
+from pipeline_assets_tests.conftest import REPO, _with_dbname, cli  # noqa: E402
 from pipeline_assets_tests.test_search_relevance import QUESTIONS, README_QUERY  # noqa: E402
 
 CORPUS = REPO / "examples" / "corpus"
@@ -60,6 +66,50 @@ def test_vectors_are_unit_length_and_do_not_depend_on_their_batch(provider):
         assert abs(float(np.linalg.norm(vec)) - 1.0) < 1e-5
         alone = provider.embed([text]).vectors[0]
         assert np.allclose(alone, vec, atol=1e-5)  # padding and batch-mates change nothing
+
+
+def test_a_call_runs_shortest_first_in_small_batches_and_keeps_its_order(model_dir):
+    """Inputs of very different lengths, interleaved as a worker may hand them over: each inference
+    is padded to little more than its inputs hold, and the vectors come back in the caller's order,
+    the same as each input embedded alone (no padding, no batch-mates)."""
+    short = ["sourdough starter", "vacuum", "retry budget", "jitter"]
+    long = [f"Autovacuum removes dead tuples from table {i}; without it the table bloats, index scans slow "
+            "down and transaction id wraparound eventually forces an emergency vacuum of the whole cluster."
+            for i in range(4)]
+    texts = [t for pair in zip(short * 4, long * 4) for t in pair]  # short, long, short, long, ...
+    p = OnnxProvider(model_dir, batch_inputs=len(texts))
+    session = p._load()
+    shapes: list[tuple[int, int]] = []
+    run = session.run
+
+    def recording_run(outputs, feed):  # the real session: only the shapes it is fed are kept
+        shapes.append(feed["input_ids"].shape)
+        return run(outputs, feed)
+
+    session.run = recording_run
+    result = p.embed(texts)
+    lengths = p.count_tokens(texts)
+    assert sum(rows for rows, _ in shapes) == len(texts)
+    padded = sum(rows * width for rows, width in shapes)
+    assert padded <= 1.1 * sum(lengths), (shapes, lengths)  # in the given order: one batch padded ~2x
+    alone = [p.embed([t]).vectors[0] for t in texts]
+    for got, want in zip(result.vectors, alone):
+        assert np.allclose(got, want, atol=1e-5)
+    reversed_call = p.embed(texts[::-1]).vectors[::-1]
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(result.vectors, reversed_call))
+    p.close()
+
+
+def test_inference_uses_the_cores_the_process_may_run_on(provider):
+    options = provider._load().get_session_options()
+    assert options.intra_op_num_threads == len(os.sched_getaffinity(0))
+    assert options.inter_op_num_threads == 1
+    # Narrowed to one core (as taskset or a container's cpuset does): one thread, whatever the machine has.
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from pipeline_assets.providers.onnx_local import session_options; "
+            "print(session_options().intra_op_num_threads)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "1"
 
 
 def test_it_is_semantic_where_the_hashing_model_is_lexical(provider):
@@ -163,3 +213,42 @@ def test_relevance_of_the_local_model_beats_the_hashing_model(both_models):
     assert local["vector"] > hashing["vector"]
     assert local["hybrid"] >= hashing["hybrid"]
     assert local["readme_first"] == "ops/retries-with-jitter.html"
+
+
+# -- the chunk size follows the model's window by default ---------------------------------------
+
+@pytest.fixture
+def own_database(server_url, migrated_template):
+    """A fresh database of its own: this corpus is chunked otherwise than ``both_models``'s."""
+    name = "t_local_model_window_" + uuid.uuid4().hex[:6]
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"')
+    yield _with_dbname(server_url, name)
+    with psycopg.connect(server_url, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_without_chunk_settings_the_chunks_fit_the_window(own_database, model_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
+    env.update(PIPELINE_DATABASE_URL=own_database, PIPELINE_HOME=str(tmp_path / "home"),
+               PIPELINE_EMBEDDING_MODEL="local-onnx", PIPELINE_LOCAL_MODEL_DIR=str(model_dir))
+    shown = json.loads(cli("settings", "--json", env=env).stdout)
+    assert (shown["PIPELINE_CHUNK_TOKENS"], shown["PIPELINE_CHUNK_OVERLAP"]) == (169, 21)
+    assert shown["input_limits"]["error"] is None
+    report = json.loads(cli("embed", str(CORPUS), "--json", env=env, timeout=600).stdout)
+    with psycopg.connect(own_database) as conn:
+        texts = [r[0] for r in conn.execute("SELECT DISTINCT ON (chunk_checksum) text FROM app.chunks")]
+        longest = conn.execute("SELECT max(token_count) FROM app.chunks").fetchone()[0]
+        vectors = conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s",
+                               (report["model"],)).fetchone()[0]
+        failed = conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status <> 'ready'").fetchone()[0]
+        version = conn.execute("SELECT DISTINCT chunker_version FROM app.documents WHERE status = 'current'").fetchall()
+    assert len(texts) > 100 and vectors == len(texts) and failed == 0
+    assert longest <= 169 and version == [("tok-window-1/cl100k/169/21",)]
+    p = OnnxProvider(model_dir, batch_inputs=32)
+    assert max(p.count_tokens(texts)) <= p.card.max_seq_length  # every chunk whole in the 256-token window
+    # Set past the window, it is refused with one line, before anything is chunked again.
+    refused = cli("embed", str(CORPUS), env={**env, "PIPELINE_CHUNK_TOKENS": "200"}, check=False)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith(f"error: PIPELINE_CHUNK_TOKENS=200 is too large for model {report['model']}: ")
+    assert "set PIPELINE_CHUNK_TOKENS=169 or less" in refused.stderr and "Traceback" not in refused.stderr

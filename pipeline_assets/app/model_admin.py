@@ -15,7 +15,7 @@ import dataclasses
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents, estimate
-from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.app.runtime import Runtime, chunking, fitted
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
 from pipeline_assets.providers import (
@@ -118,8 +118,9 @@ def build_index(pool: ConnectionPool, name: str, settings: Settings) -> dict:
 
 
 def runtime_for_model(settings: Settings, name: str, dimensions: int | None = None) -> Runtime:
-    """The runtime of a model given by name (and `dimensions` option), the rest as configured."""
-    return Runtime.build(dataclasses.replace(settings, embedding_model=name, embedding_dimensions=dimensions))
+    """The runtime of a model given by name (and `dimensions` option), the rest as configured (the
+    chunking too: fitted to the configured model, not to this one)."""
+    return Runtime.build(dataclasses.replace(fitted(settings), embedding_model=name, embedding_dimensions=dimensions))
 
 
 def check_input_limits(settings: Settings, pool: ConnectionPool, spec: ModelSpec | None = None) -> list[ModelLimit]:
@@ -134,7 +135,7 @@ def check_input_limits(settings: Settings, pool: ConnectionPool, spec: ModelSpec
         limits = {m.model_id: m for m in models.active_limits(conn)}
     if spec is not None:
         limits[spec.model_id] = ModelLimit.of(spec)
-    check_chunk_size(settings.chunk_tokens, limits.values())
+    check_chunk_size(chunking(settings)[0], limits.values())
     return sorted(limits.values(), key=lambda m: m.model_id)
 
 
@@ -144,6 +145,7 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
     limits: dict[str, ModelLimit] = {}
     roles: dict[str, str] = {}
     warnings: list[str] = []
+    spec: ModelSpec | None = None
     try:
         provider = provider_for(settings)
     except ConfigError as exc:
@@ -161,11 +163,12 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
             for limit in models.active_limits(conn):
                 limits.setdefault(limit.model_id, limit)
                 roles[limit.model_id] = "configured, active" if roles.get(limit.model_id) else "active"
-    over = too_small(settings.chunk_tokens, limits.values())
+    tokens, overlap = chunking(settings, spec)
+    over = too_small(tokens, limits.values())
     rows = [{**dataclasses.asdict(m), "role": roles[m.model_id], "fits": m not in over}
             for m in sorted(limits.values(), key=lambda m: m.model_id)]
-    return {"chunk_tokens": settings.chunk_tokens, "models": rows, "warnings": warnings,
-            "error": str(ChunkTooLarge(settings.chunk_tokens, over[0])) if over else None}
+    return {"chunk_tokens": tokens, "chunk_overlap": overlap, "models": rows, "warnings": warnings,
+            "error": str(ChunkTooLarge(tokens, over[0])) if over else None}
 
 
 def input_limits(pool: ConnectionPool) -> list[dict]:

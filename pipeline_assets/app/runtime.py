@@ -7,12 +7,13 @@ on the model, the chunker, the extractor version and every limit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from pipeline_assets.content.chunking import Chunker
+from pipeline_assets.content.chunking import DEFAULT_CHUNK_OVERLAP, DEFAULT_CHUNK_TOKENS, Chunker
 from pipeline_assets.content.extract import EXTRACTOR_VERSION, EXTRACTOR_VERSIONS, FORMATS, ExtractorVersions
 from pipeline_assets.content.identity import sha256_hex
-from pipeline_assets.providers import ModelLimit, Provider, check_chunk_size, provider_for
+from pipeline_assets.providers import ConfigError, ModelLimit, ModelSpec, Provider, check_chunk_size, provider_for
 from pipeline_assets.settings import Settings
 
 
@@ -42,9 +43,42 @@ def extractor_version(settings: Settings) -> str:
     return spec if spec and "=" not in spec else EXTRACTOR_VERSION
 
 
+def chunking(settings: Settings, spec: ModelSpec | None = None) -> tuple[int, int]:
+    """The chunk size and overlap (cl100k tokens). Set, PIPELINE_CHUNK_TOKENS is kept as it is (never
+    shrunk: a size past a window is refused by ``check_chunk_size``) and an unset overlap is
+    DEFAULT_CHUNK_OVERLAP. Unset, the size follows the configured model's window (``spec``, else the
+    model ``settings`` configure): DEFAULT_CHUNK_TOKENS, or the largest chunk the window takes when
+    that is smaller, and an unset overlap is the same eighth of it. A model that cannot be built
+    here gets the defaults: the command that needs it says why."""
+    tokens, overlap = settings.chunk_tokens, settings.chunk_overlap
+    if tokens is not None:
+        return tokens, DEFAULT_CHUNK_OVERLAP if overlap is None else overlap
+    if spec is None:
+        try:
+            provider = provider_for(settings)
+        except (ConfigError, ValueError):
+            provider = None
+        if provider is not None:
+            spec = provider.spec
+            provider.close()
+    tokens = DEFAULT_CHUNK_TOKENS if spec is None else min(DEFAULT_CHUNK_TOKENS, spec.max_chunk_tokens)
+    return tokens, tokens * DEFAULT_CHUNK_OVERLAP // DEFAULT_CHUNK_TOKENS if overlap is None else overlap
+
+
+def fitted(settings: Settings, spec: ModelSpec | None = None) -> Settings:
+    """``settings`` with the chunk size and overlap filled in (``chunking``): what a runtime keeps, so
+    that a model other than the configured one (``models add``) chunks as the configured one does."""
+    if settings.chunk_tokens is not None and settings.chunk_overlap is not None:
+        return settings
+    tokens, overlap = chunking(settings, spec)
+    return dataclasses.replace(settings, chunk_tokens=tokens, chunk_overlap=overlap)
+
+
 def chunker_for(settings: Settings, hard_limit: int | None = None) -> Chunker:
-    """The chunker PIPELINE_CHUNK_TOKENS / PIPELINE_CHUNK_OVERLAP configure (ValueError if invalid)."""
-    return Chunker(max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap, hard_limit=hard_limit)
+    """The chunker of ``chunking(settings)``: PIPELINE_CHUNK_TOKENS / PIPELINE_CHUNK_OVERLAP or their
+    defaults fitted to the configured model (ValueError if invalid)."""
+    tokens, overlap = chunking(settings)
+    return Chunker(max_tokens=tokens, overlap=overlap, hard_limit=hard_limit)
 
 
 # The code version of the embeddings stage: what makes a vector besides its chunk and its model.
@@ -101,8 +135,9 @@ class Runtime:
     def build(cls, settings: Settings, model: str | None = None, *, run_id: str | None = None,
               force: bool = False, allow_empty: bool = False) -> Runtime:
         provider = provider_for(settings, model)
+        settings = fitted(settings, None if model else provider.spec)
         # The chunk size must fit the model's window (in its tokens): one line, before any call.
-        check_chunk_size(settings.chunk_tokens, [ModelLimit.of(provider.spec)])
+        check_chunk_size(chunking(settings)[0], [ModelLimit.of(provider.spec)])
         options = IngestOptions(
             chunker=chunker_for(settings, hard_limit=provider.spec.max_chunk_tokens),
             max_bytes=settings.max_input_bytes,

@@ -151,10 +151,13 @@ def settings_cmd(reference: bool, as_json: bool) -> None:
         return
     s = settings()
     report = _limit_report(s)
+    # The chunk size and overlap in force: when unset, fitted to the configured model's window.
+    shown = {**s.describe(), "PIPELINE_CHUNK_TOKENS": report["chunk_tokens"],
+             "PIPELINE_CHUNK_OVERLAP": report["chunk_overlap"]}
     if as_json:
-        emit({**s.describe(), "input_limits": report}, True, None)
+        emit({**shown, "input_limits": report}, True, None)
     else:
-        emit(s.describe(), False, lambda d: [f"{k}={v}" for k, v in d.items()])
+        emit(shown, False, lambda d: [f"{k}={v}" for k, v in d.items()])
         for m in report["models"]:
             click.echo(f"input window {m['model_id']} ({m['role']}): {m['max_input_tokens']} {m['tokenizer']} "
                        f"tokens, chunks up to {m['max_chunk_tokens']} cl100k tokens: "
