@@ -539,3 +539,28 @@ def test_a_build_whose_backend_is_killed_is_rebuilt_by_the_next_run(env, clean_d
     assert index_row(clean_db, MODEL_ID)[0] is True
     assert index_identity(clean_db, MODEL_ID)[0] != killed[0]
     assert uses_index(clean_db, MODEL_ID, 16)
+
+
+def test_through_a_transaction_pooler_the_build_is_left_to_a_session(env, clean_db, tmp_path):
+    """PIPELINE_DATABASE_POOL_MODE=transaction: the build's advisory lock and memory setting are a
+    session's, and through a transaction pooler each statement may land on another server
+    connection (the lock stays held there, the setting leaks to another client). So `embed` and
+    `work` send no statement of a build; `models index` says in one line to run it on a session;
+    a session's build is then kept by the pooled workers."""
+    clean_db.execute(f'DROP INDEX IF EXISTS app."{vector_index.index_name(MODEL_ID)}"')
+    pooled = {**env, "PIPELINE_DATABASE_POOL_MODE": "transaction"}
+    corpus = tmp_path / "p"
+    write_corpus(corpus, 4)
+    cli("embed", str(corpus), env=pooled)
+    assert index_row(clean_db, MODEL_ID) is None
+    refused = cli("models", "index", FAKE_MODEL, env=pooled, check=False)
+    assert refused.returncode != 0
+    assert refused.stderr.strip().startswith("error:") and len(refused.stderr.strip().splitlines()) == 1
+    assert "session" in refused.stderr
+    assert index_row(clean_db, MODEL_ID) is None
+    cli("models", "index", FAKE_MODEL, env=env)
+    built = index_identity(clean_db, MODEL_ID)
+    assert index_row(clean_db, MODEL_ID)[0] is True
+    write_corpus(tmp_path / "q", 2)
+    cli("embed", str(tmp_path / "q"), env=pooled)
+    assert index_identity(clean_db, MODEL_ID) == built

@@ -23,7 +23,7 @@ from pipeline_assets.content.source import Source
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
-from pipeline_assets.settings import DEFAULT_CONCURRENCY
+from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
 from pipeline_assets.store import db
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
         raise EmbedDeadlineExceeded(after, deadline, in_process)
     if scoped is not None and idle:
         # the whole queue drained: as a worker does when it drains
-        _build_index(pool, rt.model_id, rt.settings.index_build_memory)
+        _build_index(pool, rt.model_id, rt.settings)
     return _Waited(work=report, enqueued=enqueued, documents=len(pks), before=before, after=after, detail=detail,
                    seconds=round(time.monotonic() - started, 3))
 
@@ -316,7 +316,7 @@ class _ScopedWorker:
         return self._report or self._worker.report, self._error
 
 
-def _build_index(pool: ConnectionPool, model_id: str, memory_cap: int) -> None:
+def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> None:
     """Build the model's vector index if it is missing (concurrently; a failure is only logged)."""
     with pool.connection() as conn:
         dimension = models.model_dimension(conn, model_id)
@@ -324,9 +324,10 @@ def _build_index(pool: ConnectionPool, model_id: str, memory_cap: int) -> None:
         return
     try:
         with db.pool_connect(pool) as conn:
-            vector_index.build(conn, model_id, int(dimension), memory_cap=memory_cap)
+            vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory,
+                               session=settings.prepare)
     except vector_index.IndexNotOwned as exc:
-        log.info("%s", exc)  # a role without DDL: the owner builds it
+        log.info("%s", exc)  # a role without DDL, or a transaction pooler: a session of the owner builds it
     except vector_index.IndexBuildError as exc:
         log.warning("%s", exc)
 

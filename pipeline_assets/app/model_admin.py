@@ -110,7 +110,8 @@ def build_index(pool: ConnectionPool, name: str, settings: Settings) -> dict:
         return {"model_id": model_id, "index": vector_index.NO_VECTORS,
                 "detail": vector_index.describe(vector_index.NO_VECTORS, None)}
     with db.pool_connect(pool) as conn:
-        outcome = vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory)
+        outcome = vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory,
+                                     session=settings.prepare)
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
 
 

@@ -75,6 +75,13 @@ class IndexNotOwned(IndexBuildError):
     is the schema owner's (`pipeline-assets models index` as the owner role). Not a fault."""
 
 
+class IndexNeedsSession(IndexNotOwned):
+    """The connection goes through a transaction-pooling PgBouncer: the build's lock and memory
+    setting are a session's, and each statement may land on another server connection (the lock
+    would stay held, the setting leak to another client). The build is left to a session
+    connection (`pipeline-assets models index` with a direct URL). Not a fault."""
+
+
 def index_name(model_id: str) -> str:
     return "embeddings_hnsw_" + hashlib.sha1(model_id.encode()).hexdigest()[:12]
 
@@ -154,7 +161,7 @@ def describe_progress(p: dict) -> str:
 
 
 def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
-          memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY) -> str:
+          memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY, session: bool = True) -> str:
     """Build the model's index concurrently if it is missing or invalid; return the state after.
 
     ``conn`` must be in autocommit mode with no transaction open (CREATE INDEX
@@ -164,7 +171,8 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
     An existing valid index is left as it is (inserts maintain it). Returns
     BUILDING without waiting when another session is building it, EXACT when
     the dimension cannot be indexed. Raises IndexBuildError (one line) when the
-    database refuses the build.
+    database refuses the build, IndexNeedsSession when ``session`` is False (``conn`` is
+    transaction-pooled) and the index is not valid already: no statement of the build is sent.
     """
     kind = index_kind(int(dimension))
     if kind is None:
@@ -173,6 +181,12 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
         raise ValueError("an index is built concurrently, outside any transaction (use an autocommit connection)")
     name = index_name(model_id)
     params = _lock_params(model_id)
+    if not session:
+        if queries.one_row(conn, MODELS.index_state, params)[0]:
+            return READY
+        raise IndexNeedsSession(f"the vector index of model {model_id} is built on a session connection, not "
+                                "through a transaction pooler: run `pipeline-assets models index` with a direct "
+                                "PIPELINE_DATABASE_URL and PIPELINE_DATABASE_POOL_MODE=session")
     if not queries.scalar(conn, MODELS.may_build_index):
         if queries.one_row(conn, MODELS.index_state, params)[0]:
             return READY
@@ -268,9 +282,10 @@ class BackgroundBuild:
 
     def __init__(self, connect: Callable[[], psycopg.Connection], model_id: str, dimension: int, *,
                  on_done: Callable[[], object] | None = None,
-                 memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY) -> None:
+                 memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY, session: bool = True) -> None:
         self._connect = connect
         self._memory_cap = memory_cap
+        self._session = session
         self._on_done = on_done  # told when the build is over (whatever its outcome)
         self.model_id = model_id
         self.dimension = dimension
@@ -313,7 +328,8 @@ class BackgroundBuild:
                     return
                 self._conn = self._connect()
             try:
-                self.outcome = build(self._conn, self.model_id, self.dimension, memory_cap=self._memory_cap)
+                self.outcome = build(self._conn, self.model_id, self.dimension, memory_cap=self._memory_cap,
+                                     session=self._session)
             finally:
                 self._conn.close()
         except IndexNotOwned as exc:

@@ -213,7 +213,7 @@ class Worker:
         if build is None or build.retry_due(time.monotonic()):
             self._index_build = build = vector_index.BackgroundBuild(
                 self._connect, self.model_id, dimension, on_done=self._wake.set,
-                memory_cap=self.settings.index_build_memory).start()
+                memory_cap=self.settings.index_build_memory, session=self.settings.prepare).start()
         return build.done
 
     # -- one thread --------------------------------------------------------
