@@ -10,7 +10,9 @@ segment's successors wait for its retransmission.
 What it models: the latency and TCP's loss-recovery stalls as the application sees them. What it
 does not: the kernel's congestion-window reaction to loss (the relay's own TCP connections are
 clean), per-packet loss (a chunk is what one read returned: a small PostgreSQL message is one
-segment, a large one several), nor drops of SYNs (a connection's set-up costs one delay each way).
+segment, a large one several), nor the TCP handshake (accepted at once;
+the connection's first messages are delayed like any).
+Either side's EOF, once what it sent is delivered, closes both (no half-close).
 
 On SIGTERM it prints one JSON line of counters (connections, chunks, stalls per direction) and exits.
 A queue bounds what it holds per direction (the reader waits when it is full).
