@@ -43,6 +43,12 @@ class Relay:
     async def handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.stats["connections"] += 1
         try:
+            await self.relay(client_r, client_w)
+        except asyncio.CancelledError:      # the relay is stopping: the connection just closes
+            client_w.close()
+
+    async def relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
             server_r, server_w = await asyncio.open_connection(*self.upstream)
         except OSError:
             client_w.close()
