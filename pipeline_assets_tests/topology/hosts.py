@@ -12,6 +12,10 @@
 * **w1..wN**: hosts for ``pipeline-assets work`` processes, which the scenarios start
   (:meth:`Topology.start_worker`), through PgBouncer.
 
+:meth:`Topology.slow_links` adds latency and loss between worker hosts and the db host: ``tc netem``
+where the kernel has it, else a :mod:`linkrelay` process on each worker host that its workers reach
+PgBouncer through.
+
 Passwords reach the processes as ``PGPASSWORD`` only; no URL carries one. ``close()`` stops every
 process and removes the network, whatever state the scenarios left.
 """
@@ -29,6 +33,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -44,6 +49,8 @@ DIM = 16
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT = 240
 GRAPHQL_TRIES = 5
+RELAY_PORT = 6433
+RELAY_STOP_GRACE = 10
 
 
 def pg_bin() -> Path:
@@ -84,6 +91,8 @@ class Topology:
         self.source = self.tmp / "source"
         self.source.mkdir()
         self.dagster_env: dict[str, str] = {}
+        self.relay_runs = 0
+        self.bouncer_via: dict[str, str] = {}    # worker host -> ADDR:PORT its workers reach PgBouncer at
 
     # ---- addresses and URLs -------------------------------------------------------------------
     def addr(self, host: str) -> str:
@@ -289,6 +298,8 @@ class Topology:
     def start_worker(self, host: str, dbname: str, *args: str, faketime: str | None = None,
                      **extra: str) -> subprocess.Popen:
         env = self.pipeline_env(dbname, bouncer=True, PIPELINE_DATABASE_POOL_MODE="transaction", **extra)
+        if host in self.bouncer_via:
+            env["PIPELINE_DATABASE_URL"] = f"postgresql://{DB_ROLE}@{self.bouncer_via[host]}/{dbname}"
         prefix = self.faketime_prefix(faketime) if faketime else None
         proc = self.spawn(host, f"worker-{host}-{dbname}", [sys.executable, "-m", "pipeline_assets.cli", "-v", "work",
                                                             "--json", "--worker-id", f"{host}-{dbname}", *args],
@@ -308,6 +319,50 @@ class Topology:
         codes = [stop_group(p, signal.SIGTERM, grace=30) for p in procs]
         self.workers = [p for p in self.workers if p not in procs]
         return codes
+
+    # ---- link faults --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def slow_links(self, hosts: list[str], *, delay: float, loss: float, rto: float) -> Iterator[dict]:
+        """For the block, each host's traffic to the db host ``delay`` seconds late one way and
+        ``loss`` (a fraction) lost, in each direction. With ``tc netem`` where the kernel has it;
+        otherwise a :mod:`linkrelay` on each host (``rto``: the stall a loss costs), listening on the
+        host's address, which the host's workers started inside the block reach PgBouncer through.
+        Yields ``{"mechanism": "netem" | "relay", "relays": {host: ADDR:PORT}}``; on exit (even on
+        failure) the links are clean again, the relays stopped and their counters under ``"relay_stats"``."""
+        info: dict = {"mechanism": "netem" if self.lab.netem_supported() else "relay", "relays": {}}
+        relays: dict[str, subprocess.Popen] = {}
+        self.relay_runs += 1
+        log = {h: f"relay-{h}-{self.relay_runs}" for h in hosts}     # a log per run: its lines are this run's
+        try:
+            if info["mechanism"] == "netem":
+                for h in hosts:
+                    self.lab.netem(h, f"delay {delay * 1000:g}ms loss {loss * 100:g}%", peer=self.addr("db"))
+            else:
+                for i, h in enumerate(hosts):
+                    listen = f"{self.addr(h)}:{RELAY_PORT}"
+                    relays[h] = self.spawn(h, log[h], [
+                        sys.executable, "-m", "pipeline_assets_tests.topology.linkrelay", "--listen", listen,
+                        "--upstream", f"{self.addr('db')}:{BOUNCER_PORT}", "--delay", str(delay),
+                        "--loss", str(loss), "--rto", str(rto), "--seed", str(i)], dict(os.environ))
+                    info["relays"][h] = listen
+                for h, proc in relays.items():
+                    wait_until(lambda h=h, proc=proc: proc.poll() is not None or '"listening"' in self.log_tail(log[h]),
+                               timeout=60, interval=0.1, what=f"the relay on {h}")
+                    assert proc.poll() is None, self.log_tail(log[h])
+                self.bouncer_via.update(info["relays"])
+            yield info
+        finally:
+            for h in hosts:
+                self.bouncer_via.pop(h, None)
+            if info["mechanism"] == "netem":
+                for h in hosts:
+                    self.lab.netem(h, None)
+            stats = {}
+            for h, proc in relays.items():
+                stop_group(proc, signal.SIGTERM, grace=RELAY_STOP_GRACE)
+                last = self.log_tail(log[h], lines=1)
+                stats[h] = json.loads(last).get("stats") if last.startswith("{") else None
+            info["relay_stats"] = stats
 
     # ---- teardown -----------------------------------------------------------------------------
     def close(self, keep_logs: Path | None = None) -> None:
