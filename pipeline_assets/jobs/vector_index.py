@@ -109,7 +109,8 @@ def describe(state: str, dimension: int | None) -> str:
     kind = index_kind(dimension)
     return {READY: f"hnsw {kind}", BUILDING: f"hnsw {kind} building (exact search meanwhile)",
             INVALID: f"hnsw {kind} invalid (a build failed; rebuilt on the next drain)",
-            MISSING: "not built yet (exact search until a worker drains)"}[state]
+            MISSING: "not built yet (exact search until a worker drains, or `models index` "
+                     "behind a transaction pooler)"}[state]
 
 
 def state(conn: psycopg.Connection, model_id: str, dimension: int | None) -> str:
