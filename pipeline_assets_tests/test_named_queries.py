@@ -199,6 +199,7 @@ def test_templates_have_exactly_their_fields():
     assert _fields(transitions.JOBS.claim) == {"scope", "limit"}
     assert _fields(stages.STAGE_RUNS.embed_state) == {"models", "scope"}
     assert _fields(stages.STAGE_RUNS.refresh_embed) == _fields(stages.STAGE_RUNS.embed_counts) == {"state"}
+    assert _fields(queries.load("estimates").summary) == {"wanted"}
     # A table source's templates: identifiers composed with sql.Identifier, types from the catalog.
     table_fields = {"table_source": {"table", "id", "text", "updated", "id_type", "updated_type"},
                     "change_log": {"table", "id", "text", "id_name"}}
@@ -214,7 +215,8 @@ def test_templates_have_exactly_their_fields():
                                       ("retrieval", "nearest"),
                                       ("jobs", "enqueue"), ("jobs", "claim"), ("migrations", "create_database"),
                                       ("stage_runs", "embed_state"), ("stage_runs", "refresh_embed"),
-                                      ("stage_runs", "embed_counts")} and family != "roles":
+                                      ("stage_runs", "embed_counts"), ("estimates", "summary")} \
+                    and family != "roles":
                 assert "{" not in getattr(fam, name), (family, name)
 
 

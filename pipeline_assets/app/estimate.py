@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
@@ -86,7 +87,9 @@ def _estimate(row: dict, spec: ModelSpec, configured_price: float | None, *, req
                     requeues_failed=requeue_failed)
 
 
-def _row(conn: psycopg.Connection, query: str, params: dict) -> dict:
+def _row(conn: psycopg.Connection, wanted: str, params: dict) -> dict:
+    """The summary (``ESTIMATES.summary``) over the selection ``wanted`` (a named query)."""
+    query = sql.SQL(ESTIMATES.summary).format(wanted=sql.SQL(wanted))
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(query, params).fetchone()
     assert row is not None, "an estimate aggregate returned no row"
