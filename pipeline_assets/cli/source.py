@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import closing
+
 import click
 
 from pipeline_assets.app.table_source import TableSource
@@ -20,11 +22,8 @@ def source() -> None:
 def install_triggers(spec: str) -> None:
     """Create the change log of a `table:` SOURCE (schema pipeline_changes and three triggers on the
     table): inserts, updates, deletes and TRUNCATE then reach the job table without a scan."""
-    source = TableSource(spec, settings())
-    try:
+    with closing(TableSource(spec, settings())) as source:
         change_log.install(source.table)
-    finally:
-        source.close()
     click.echo(f"change log installed on {source.spec.name}: its changes are read from pipeline_changes.log")
 
 
@@ -33,11 +32,8 @@ def install_triggers(spec: str) -> None:
 @expected_errors
 def uninstall_triggers(spec: str) -> None:
     """Drop the change log triggers of a `table:` SOURCE and its pending entries (scans find changes again)."""
-    source = TableSource(spec, settings())
-    try:
+    with closing(TableSource(spec, settings())) as source:
         change_log.uninstall(source.table)
-    finally:
-        source.close()
     click.echo(f"change log removed from {source.spec.name}")
 
 
