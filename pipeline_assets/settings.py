@@ -192,7 +192,8 @@ class Settings:
                                     "larger files are quarantined (`too_large`) without being read",
                                     shown_default="20 MiB")
     stage_timeout: float = _setting("PIPELINE_STAGE_TIMEOUT", 60.0,
-                                    "wall-clock limit of extract + chunk per document (s); over it: `timeout`")
+                                    "wall-clock limit of extract + chunk per document (s); over it twice"
+                                    " (each in a fresh process): `timeout`")
     # Extraction runs in a child process; this bounds what one document's parser
     # may allocate (a PDF that inflates, a pathological HTML tree).
     extract_memory: int = _setting("PIPELINE_EXTRACT_MEMORY", 2 * 1024 ** 3,

@@ -63,7 +63,12 @@ def offline_env(database_url, tmp_path_factory) -> dict:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
     env.update(PIPELINE_DATABASE_URL=database_url, PIPELINE_HOME=str(tmp_path_factory.mktemp("home")))
-    cli("embed", str(CORPUS), env=env, timeout=300)
+    out = cli("embed", str(CORPUS), env=env, timeout=300).stdout
+    summary = dict(field.split("=", 1) for field in out.splitlines()[-1].split())
+    ready, wanted = summary["coverage"].split("/")
+    # Every document made it: a quarantined one would show up below as a relevance miss.
+    assert (summary["quarantined"], summary["failed"], ready) == ("0", "0", wanted), \
+        (out, cli("dlq", "list", env=env).stdout)
     return env
 
 

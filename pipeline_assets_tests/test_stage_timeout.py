@@ -71,6 +71,11 @@ def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, mon
     report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT)
     assert time.monotonic() - started < 60           # cut at its deadline, not the 300 s stall
     _assert_only_poison_quarantined(clean_db, report, "timeout")
+    # What the user reads (status, dlq show): where the parser was stuck, and that it was tried twice.
+    message = clean_db.execute("SELECT error_message FROM app.documents"
+                               " WHERE document_id = 'a-poison.md'").fetchone()[0]
+    assert "(2 times, each in a fresh process); stuck in <lambda> (pipeline_assets_tests/test_stage_timeout.py:" \
+        in message, message
 
 
 def test_a_stall_in_c_code_is_killed_at_its_deadline(clean_db, tmp_path, monkeypatch):
@@ -146,7 +151,7 @@ def _nap(seconds: float, value):
 @pytest.mark.parametrize("processes", [1, POOL])
 def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued(processes):
     from pipeline_assets.content.extract import ExtractError
-    from pipeline_assets.content.sandbox import Sandbox
+    from pipeline_assets.content.sandbox import CALL_ATTEMPTS, Sandbox
 
     # Each nap is well inside its own 2 s deadline (slack for a loaded machine); together they are not.
     with Sandbox(_nap, timeout=2.0, memory_limit=0, processes=processes) as box:
@@ -157,13 +162,37 @@ def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued(p
                 outcomes.append(box.take())
         while box.pending:
             outcomes.append(box.take())
-        assert box.starts == processes + 1  # each child started once, and one kill, at the stuck call
+        # Each child started once; the stuck call killed twice (it is sent once more, to a fresh child).
+        assert box.starts == processes + CALL_ATTEMPTS and box.resent == 1
     if processes == 1:
         assert [tag for tag, _ in outcomes] == list(range(len(calls)))  # one child answers in order
     values = {tag: o if not isinstance(o, ExtractError) else o.error_class for tag, o in outcomes}
     # 0.6 s each, queued together (2.4 s): none charged for the time spent waiting behind the others.
     assert len(outcomes) == len(calls)
     assert [values[i] for i in range(len(calls))] == ["a", "b", "timeout", "c", "d", b"x" * (3 << 20)]
+    # The timeout says where the child was stuck: the napping function, in this file.
+    message = dict(outcomes)[2].message
+    where = "stuck in _nap (pipeline_assets_tests/test_stage_timeout.py:"
+    assert f"({CALL_ATTEMPTS} times, each in a fresh process); {where}" in message, message
+
+
+def _hang_once(marker: str, value):
+    """Hangs the first time (as a child forked at a bad moment might), answers the second."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(3600)
+    return value
+
+
+def test_a_call_that_hangs_once_is_answered_by_a_fresh_child(tmp_path):
+    from pipeline_assets.content.sandbox import Sandbox
+
+    with Sandbox(_hang_once, timeout=2.0, memory_limit=0, processes=1) as box:
+        for i in range(3):
+            assert box.submit(i, str(tmp_path / "hung"), f"v{i}")
+        outcomes = [box.take() for _ in range(3)]
+        assert box.resent == 1 and box.starts == 2
+    assert outcomes == [(0, "v0"), (1, "v1"), (2, "v2")]  # nothing lost, still in order
 
 
 def test_a_stuck_call_in_one_child_does_not_hold_up_or_lose_the_others():

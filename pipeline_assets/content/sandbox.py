@@ -22,7 +22,12 @@ child, so a slow or stuck call holds up only the calls queued behind it on its o
 child. Each call's deadline starts when the parent has the previous answer of its
 child (when the child is free for it); past it the child is killed (SIGKILL), the
 call fails with ``timeout``, and the calls queued behind it are sent again to a
-new child. In-flight work is bounded: at most ``MAX_QUEUED_CALLS`` calls per child.
+new child. A call killed at its deadline, or whose child died, is first sent once more,
+at the head of a fresh child's queue (``CALL_ATTEMPTS``): a stalled machine or a child
+that hung is not the document's fault, a document that fails twice in two processes is.
+The error of a timeout names where the child was stuck (its Python stack, dumped on
+SIGUSR1 by ``faulthandler`` just before the kill).
+In-flight work is bounded: at most ``MAX_QUEUED_CALLS`` calls per child.
 Memory: the child's address space may grow by ``memory_limit`` bytes past what it
 inherited (RLIMIT_AS); an allocation beyond it raises MemoryError in the child.
 """
@@ -33,7 +38,9 @@ import faulthandler
 import multiprocessing
 import os
 import pickle
+import re
 import resource
+import select
 import signal
 import time
 from collections import deque
@@ -59,6 +66,12 @@ MESSAGE_MAX_CHARS = 300
 # Calls queued in one child's pipe at most (bounds the raw bytes held for a resend),
 # enough to keep a child busy while the parent writes a batch to the database.
 MAX_QUEUED_CALLS = 64
+# Attempts of a call killed at its deadline or whose child died, each in a fresh child.
+CALL_ATTEMPTS = 2
+# How long a stuck child may take to dump its stack before it is killed, and how many of
+# its innermost frames the timeout's message names.
+STACK_DUMP_SECONDS = 1.0
+STACK_FRAMES = 3
 # Pipe buffer asked for (Linux allows up to /proc/sys/fs/pipe-max-size, 1 MiB by
 # default); half of what is granted may be queued, so a send never blocks.
 PIPE_BUFFER_BYTES = 1 << 20
@@ -91,13 +104,17 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _serve(calls: Connection, answers: Connection, parent_ends: tuple[Connection, ...],
-           fn: Callable[..., Any], memory_limit: int) -> None:
-    """The child: answer calls in order until told to stop (None) or the pipe closes."""
+def _serve(calls: Connection, answers: Connection, parent_ends: tuple[Connection, ...], stack_fd: int,
+           parent_fds: tuple[int, ...], fn: Callable[..., Any], memory_limit: int) -> None:
+    """The child: answer calls in order until told to stop (None) or the pipe closes;
+    its Python stack goes to ``stack_fd`` on SIGUSR1."""
     for conn in parent_ends:
         conn.close()  # else a copy here would keep its pipe open after the parent died
+    for fd in parent_fds:
+        os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when this process ends
     faulthandler.disable()  # a crash is reported by the parent, in one line
+    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=False)
     used = _address_space()
     if memory_limit > 0 and used is not None:
         limit = used + memory_limit
@@ -128,8 +145,9 @@ class _Child:
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.calls: Connection | None = None      # parent -> child
         self.answers: Connection | None = None    # child -> parent
+        self.stack: int | None = None             # child -> parent: its stack, on SIGUSR1
         self.window = 4096
-        self.pending: deque[tuple[Any, bytes]] = deque()  # (tag, pickled args), oldest first
+        self.pending: deque[tuple[Any, bytes, int]] = deque()  # (tag, pickled args, attempt), oldest first
         self.queued_bytes = 0
         self.head_started = 0.0
 
@@ -149,8 +167,43 @@ class _Child:
         for conn in (self.calls, self.answers):
             if conn is not None:
                 conn.close()
-        self.proc = self.calls = self.answers = None
+        if self.stack is not None:
+            os.close(self.stack)
+        self.proc = self.calls = self.answers = self.stack = None
         return code
+
+    def where(self) -> str:
+        """Where the running child is now: its innermost frames, or "" if it does not say
+        within STACK_DUMP_SECONDS (stuck in C code that blocks signals, or gone)."""
+        if self.proc is None or self.proc.pid is None or self.stack is None:
+            return ""
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        except OSError:
+            return ""
+        dump = b""
+        deadline = time.monotonic() + STACK_DUMP_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            # The whole dump comes in a few writes: wait for the first, then until a pause.
+            readable, _, _ = select.select([self.stack], [], [], left if not dump else min(left, 0.1))
+            if not readable:
+                if dump:
+                    break
+                continue
+            chunk = os.read(self.stack, 1 << 16)
+            if not chunk:
+                break
+            dump += chunk
+        return innermost_frames(dump.decode("utf-8", "replace"))
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def innermost_frames(dump: str, frames: int = STACK_FRAMES) -> str:
+    """``faulthandler``'s dump (most recent call first) as ``fn (dir/file.py:N) < caller (...)``."""
+    found = [f"{name} ({'/'.join(path.split('/')[-2:])}:{line})" for path, line, name in _FRAME.findall(dump)]
+    return " < ".join(found[:frames])
 
 
 class Sandbox:
@@ -165,6 +218,7 @@ class Sandbox:
         self.timeout = timeout if timeout > 0 else None
         self.memory_limit = memory_limit
         self.starts = 0  # children started
+        self.resent = 0  # calls sent again after a timeout or a dead child
         self._children = [_Child() for _ in range(processes if processes > 0 else usable_cores())]
 
     def __enter__(self) -> Sandbox:
@@ -187,14 +241,17 @@ class Sandbox:
         ctx = multiprocessing.get_context("fork")
         calls_r, calls_w = ctx.Pipe(duplex=False)
         answers_r, answers_w = ctx.Pipe(duplex=False)
+        stack_r, stack_w = os.pipe()
         siblings = tuple(conn for c in self._children for conn in (c.calls, c.answers) if conn is not None)
-        proc = ctx.Process(target=_serve, args=(calls_r, answers_w, (calls_w, answers_r, *siblings), self.fn,
-                                                self.memory_limit),
+        sibling_stacks = tuple(c.stack for c in self._children if c.stack is not None)
+        proc = ctx.Process(target=_serve, args=(calls_r, answers_w, (calls_w, answers_r, *siblings), stack_w,
+                                                (stack_r, *sibling_stacks), self.fn, self.memory_limit),
                            daemon=True, name="pipeline-extract")
         proc.start()
         calls_r.close()
         answers_w.close()
-        child.proc, child.calls, child.answers = proc, calls_w, answers_r
+        os.close(stack_w)
+        child.proc, child.calls, child.answers, child.stack = proc, calls_w, answers_r, stack_r
         child.window = _pipe_capacity(calls_w) // 2
         _pipe_capacity(answers_r)  # room for answers while the parent is busy elsewhere
         self.starts += 1
@@ -217,15 +274,16 @@ class Sandbox:
             child.head_started = time.monotonic()
         self._pipe(child.calls).send_bytes(data)
 
-    def _replace(self, child: _Child) -> int | None:
-        """Kill the child; send the calls still queued on it to a new one. Returns the old exit code."""
+    def _replace(self, child: _Child, first: tuple[Any, bytes, int] | None = None) -> int | None:
+        """Kill the child; send ``first`` (a call sent again) and then the calls still queued
+        on it to a new one. Returns the old exit code."""
         code = child.kill()
-        queued = list(child.pending)
+        queued = ([first] if first else []) + list(child.pending)
         child.pending.clear()
         child.queued_bytes = 0
-        for tag, data in queued:
+        for tag, data, attempt in queued:
             self._send(child, data)
-            child.pending.append((tag, data))
+            child.pending.append((tag, data, attempt))
             child.queued_bytes += len(data)
         return code
 
@@ -253,32 +311,34 @@ class Sandbox:
         except OSError:  # the child died (the OOM killer): what was queued, and this, to a new one
             self._replace(child)
             self._send(child, data)
-        child.pending.append((tag, data))
+        child.pending.append((tag, data, 1))
         child.queued_bytes += len(data)
         return True
 
     def take(self) -> tuple[Any, Any]:
         """Wait for the first call answered (or past its deadline) on any child:
         ``(tag, value)`` or ``(tag, ExtractError)``."""
-        busy = [c for c in self._children if c.pending]
-        if not busy:
+        if not self.pending:
             raise RuntimeError("no call is pending")
         while True:
+            busy = [c for c in self._children if c.pending]
             deadlines = [d for d in (c.deadline(self.timeout) for c in busy) if d is not None]
             wait = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
             ready = wait_any([self._pipe(c.answers) for c in busy], wait)
             if ready:
                 # The child whose head call has waited longest, of those that answered.
-                return self._answer(min((c for c in busy if c.answers in ready), key=lambda c: c.head_started))
-            now = time.monotonic()
-            for child in busy:
-                deadline = child.deadline(self.timeout)
-                if deadline is not None and deadline <= now:
-                    return self._answer(child)
+                outcome = self._answer(min((c for c in busy if c.answers in ready), key=lambda c: c.head_started))
+            else:
+                now = time.monotonic()
+                late = [c for c in busy if (d := c.deadline(self.timeout)) is not None and d <= now]
+                outcome = self._answer(late[0]) if late else None
+            if outcome is not None:
+                return outcome
 
-    def _answer(self, child: _Child) -> tuple[Any, Any]:
-        """The outcome of ``child``'s oldest call: its answer, or its timeout if none is there."""
-        tag, data = child.pending[0]
+    def _answer(self, child: _Child) -> tuple[Any, Any] | None:
+        """The outcome of ``child``'s oldest call: its answer, or its timeout if none is there
+        (None: the call was sent again, to a fresh child)."""
+        tag, data, attempt = child.pending[0]
         try:
             answers = self._pipe(child.answers)
             answered = answers.poll(0)
@@ -288,11 +348,19 @@ class Sandbox:
         child.pending.popleft()
         child.queued_bytes -= len(data)
         if answer is None:
-            code = self._replace(child)
+            where = "" if answered else child.where()
+            again = (tag, data, attempt + 1) if attempt < CALL_ATTEMPTS else None
+            code = self._replace(child, first=again)
+            if again:
+                self.resent += 1
+                return None
+            tried = f" ({attempt} times, each in a fresh process)" if attempt > 1 else ""
             if not answered:
-                return tag, ExtractError(TIMEOUT, f"extract and chunk took longer than {self.timeout:g} s")
+                stuck = f"; stuck in {where}" if where else ""
+                return tag, ExtractError(TIMEOUT, f"extract and chunk took longer than {self.timeout:g} s"
+                                                  f"{tried}{stuck}")
             hint = " (SIGKILL: the OOM killer?)" if code == -signal.SIGKILL else ""
-            return tag, ExtractError(CHILD_DIED, f"the extraction process died, exit code {code}{hint}")
+            return tag, ExtractError(CHILD_DIED, f"the extraction process died{tried}, exit code {code}{hint}")
         child.head_started = time.monotonic()  # the child is free for its next call now
         if answer[0] == "ok":
             return tag, answer[1]
