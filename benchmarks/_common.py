@@ -40,8 +40,8 @@ def with_dbname(url: str, name: str) -> str:
 
 
 @contextmanager
-def fresh_database(tag: str) -> Iterator[str]:
-    """CREATE DATABASE bench_<tag>_<rand>, migrate it, yield its URL, drop it."""
+def fresh_database(tag: str, keep: bool = False) -> Iterator[str]:
+    """CREATE DATABASE bench_<tag>_<rand>, migrate it, yield its URL, drop it (unless ``keep``)."""
     server = server_url()
     name = f"bench_{tag}_{uuid.uuid4().hex[:6]}"
     with psycopg.connect(server, autocommit=True) as admin:
@@ -52,8 +52,9 @@ def fresh_database(tag: str) -> Iterator[str]:
             pass
         yield url
     finally:
-        with psycopg.connect(server, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if not keep:
+            with psycopg.connect(server, autocommit=True) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # How long settle() waits for the server's background work (autovacuum) to end.

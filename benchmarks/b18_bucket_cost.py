@@ -15,6 +15,10 @@ command line ingested as synced), then, timed, with nothing changed:
 
     python benchmarks/b18_bucket_cost.py [--documents 10000] [--repeat 3]
 
+``--keep DIR`` writes and embeds the corpus once, keeps it and its database
+(``DIR/corpus``, ``DIR/url``), and times nothing; ``--reuse DIR`` times the runs
+on them (another checkout can then be timed on the same data, interleaved).
+
 Target (issue 29): one bucket ≤ 10 s at 100,000 documents.
 """
 
@@ -40,48 +44,72 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--documents", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--keep", type=Path, help="write, embed and keep the corpus and its database here")
+    parser.add_argument("--reuse", type=Path, help="time the runs on a corpus and database --keep kept")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="b15-") as tmp, fresh_database("bucket") as url:
-        corpus = Path(tmp) / "corpus"
-        write_corpus(corpus, args.documents)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "DAGSTER_"))}
-        env.update(PIPELINE_DATABASE_URL=url, PIPELINE_SOURCE_DIR=str(corpus))
-        env.pop("PIPELINE_EMBEDDING_MODEL", None)
-        started = time.perf_counter()
-        subprocess.run([*cli_bin(), "embed", str(corpus)], env=env, check=True, stdout=subprocess.DEVNULL,
-                       timeout=3 * 3600)
-        embed_s = time.perf_counter() - started
-        os.environ.clear()
-        os.environ.update(env)
-        import dagster as dg  # after the environment: the definitions read it
-
-        from pipeline_assets.defs.definitions import build_definitions
-        from pipeline_assets.defs.partitions import bucket_key
-        from pipeline_assets.settings import Settings
-        from pipeline_assets_tests.dagster_helpers import execute
-
-        n = Settings.from_env().partition_buckets
-        defs, instance = build_definitions(), dg.DagsterInstance.ephemeral()
-        every = {"dagster/asset_partition_range_start": bucket_key(0),
-                 "dagster/asset_partition_range_end": bucket_key(n - 1)}
-
-        def timed(**kw) -> float:
-            settle(url)
-            t = time.perf_counter()
-            result = execute(defs, instance, **kw)
-            assert result.success, "a no-op run failed"
-            return time.perf_counter() - t
-
-        first_s = timed(tags=every)
-        one = [timed(partition_key=bucket_key(BUCKET)) for _ in range(args.repeat)]
-        all_s = timed(tags=every)
-        one_s = statistics.median(one)
-        emit({"documents": args.documents, "buckets": n, "setup_embed_s": round(embed_s, 1),
-              "first_all_buckets_s": round(first_s, 2), "one_bucket_s": round(one_s, 2),
-              "one_bucket_runs_s": [round(x, 2) for x in one], "all_buckets_s": round(all_s, 2),
-              "ratio": round(one_s / all_s, 3), "target_one_bucket_s": TARGET_SECONDS,
-              "loadavg": [round(x, 2) for x in os.getloadavg()]})
+    if args.reuse:
+        corpus, url = args.reuse / "corpus", (args.reuse / "url").read_text().strip()
+        measure(corpus, url, args.repeat, embed_s=None)
+    elif args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        with fresh_database("bucket", keep=True) as url:
+            (args.keep / "url").write_text(url)
+            embed(args.keep / "corpus", url, args.documents)
+    else:
+        with tempfile.TemporaryDirectory(prefix="b18-") as tmp, fresh_database("bucket") as url:
+            corpus = Path(tmp) / "corpus"
+            measure(corpus, url, args.repeat, embed_s=embed(corpus, url, args.documents))
     sys.exit(0)
+
+
+def environment(corpus: Path, url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "DAGSTER_"))}
+    env.update(PIPELINE_DATABASE_URL=url, PIPELINE_SOURCE_DIR=str(corpus))
+    env.pop("PIPELINE_EMBEDDING_MODEL", None)
+    return env
+
+
+def embed(corpus: Path, url: str, documents: int) -> float:
+    """Write the corpus and embed it with the command line; the seconds the embed took."""
+    write_corpus(corpus, documents)
+    started = time.perf_counter()
+    subprocess.run([*cli_bin(), "embed", str(corpus)], env=environment(corpus, url), check=True,
+                   stdout=subprocess.DEVNULL, timeout=3 * 3600)
+    return time.perf_counter() - started
+
+
+def measure(corpus: Path, url: str, repeat: int, embed_s: float | None) -> None:
+    os.environ.clear()
+    os.environ.update(environment(corpus, url))
+    import dagster as dg  # after the environment: the definitions read it
+
+    from pipeline_assets.defs.definitions import build_definitions
+    from pipeline_assets.defs.partitions import bucket_key
+    from pipeline_assets.settings import Settings
+    from pipeline_assets_tests.dagster_helpers import execute
+
+    n = Settings.from_env().partition_buckets
+    defs, instance = build_definitions(), dg.DagsterInstance.ephemeral()
+    every = {"dagster/asset_partition_range_start": bucket_key(0),
+             "dagster/asset_partition_range_end": bucket_key(n - 1)}
+
+    def timed(**kw) -> float:
+        settle(url)
+        t = time.perf_counter()
+        result = execute(defs, instance, **kw)
+        assert result.success, "a no-op run failed"
+        return time.perf_counter() - t
+
+    first_s = timed(tags=every)
+    one = [timed(partition_key=bucket_key(BUCKET)) for _ in range(repeat)]
+    all_s = timed(tags=every)
+    one_s = statistics.median(one)
+    emit({"documents": sum(1 for _ in corpus.rglob("*") if _.is_file()), "buckets": n,
+          "setup_embed_s": None if embed_s is None else round(embed_s, 1),
+          "first_all_buckets_s": round(first_s, 2), "one_bucket_s": round(one_s, 2),
+          "one_bucket_runs_s": [round(x, 2) for x in one], "all_buckets_s": round(all_s, 2),
+          "ratio": round(one_s / all_s, 3), "target_one_bucket_s": TARGET_SECONDS,
+          "loadavg": [round(x, 2) for x in os.getloadavg()]})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,12 @@ from __future__ import annotations
 import os
 import time
 
+from psycopg_pool import ConnectionPool
+
 from pipeline_assets.app import buckets, observations
+from pipeline_assets.store import queries
+
+DOCS = queries.load("documents")
 
 N, BUCKET = 64, 5
 
@@ -53,3 +58,79 @@ def test_the_scan_of_one_bucket_compares_only_its_files(clean_db, tmp_path):
 def test_every_bucket_is_no_filter():
     assert buckets.selected(range(N), N) is None
     assert buckets.selected([3, 1, 3], N) == [1, 3]
+
+
+def test_bucket_of_is_the_sql_function(clean_db):
+    """Python's bucket of an id is SQL's app.document_bucket, for any id and count."""
+    ids = [f"d{i}/{'é' * (i % 3)}naïve-文書-{i}.txt" for i in range(1500)]
+    ids += ["", "a", "𝔘nicode 🙂", "tab\tand\nnewline", "x" * 500, "bad\udcffbyte"[:3]]
+    for n in (1, 7, 64, 4096):
+        rows = dict(clean_db.execute("SELECT d, app.document_bucket(d, %s) FROM unnest(%s::text[]) AS d",
+                                     (n, ids)).fetchall())
+        assert {d: buckets.bucket_of(d, n) for d in ids} == rows
+
+
+def _rows_read(plan: dict, tables: set[str]) -> int:
+    """Rows the plan's scans of ``tables`` produced or filtered out, over all their loops."""
+    read = 0
+    if plan.get("Relation Name") in tables:
+        read += (plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0)
+                 + plan.get("Rows Removed by Index Recheck", 0)) * plan.get("Actual Loops", 1)
+    return read + sum(_rows_read(child, tables) for child in plan.get("Plans", []))
+
+
+def test_one_bucket_statements_read_only_its_rows(clean_db):
+    """A bucket's statements read its documents and observed files through their stored bucket,
+    not every row of the source: what they read is about what the bucket holds, not the corpus."""
+    conn = clean_db
+    docs = 6400
+    conn.execute(buckets.BUCKETS.store_buckets, {"buckets": N})
+    root = "/corpus"
+    ids = [f"doc-{i:05d}.md" for i in range(docs)]
+    _register(conn, root, ids)
+    with conn.transaction():
+        conn.execute(observations.OBS.stage_create)
+        with conn.cursor().copy(observations.OBS.stage_copy) as copy:
+            for d in ids:
+                copy.write_row((d, "0123456789abcdef", 1, 1))
+        conn.execute(observations.OBS.upsert_staged, {"root": root})
+    conn.execute("ANALYZE app.documents")
+    conn.execute("ANALYZE app.source_observations")
+    mine = sum(buckets.bucket_of(d, N) == BUCKET for d in ids)
+    params = {"root": root, "n": N, "buckets": [BUCKET], "sample": 20, "model": "m", "after": "", "limit": docs}
+    for name, tables in (("bucket_documents", {"documents"}), ("bucket_current_pks", {"documents"}),
+                         ("bucket_states", {"documents"}), ("unobserved_current", {"documents"}),
+                         ("unsynced", {"source_observations"})):
+        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + getattr(buckets.BUCKETS, name),
+                            params).fetchone()[0][0]["Plan"]
+        assert _rows_read(plan, tables) <= 2 * mine, (name, mine, plan)
+    assert len(buckets.bucket_documents(conn, root, [BUCKET], N)) == mine
+
+
+def _register(conn, root: str, ids: list[str]) -> None:
+    source = conn.execute(DOCS.register_source, {"root": root, "kind": "folder"}).fetchone()[0]
+    k = len(ids)
+    conn.execute(DOCS.upsert_documents, {
+        "source": source, "chunker": "c1", "ids": ids, "uris": ids, "checksums": [b"x"] * k, "sizes": [1] * k,
+        "text_checksums": [b"t"] * k, "counts": [0] * k, "classes": [None] * k, "messages": [None] * k,
+        "exts": ["md"] * k, "tokens": [None] * k})
+
+
+def test_rows_without_a_stored_bucket_are_found_then_filled(clean_db, database_url):
+    """Documents written before the scheme existed have no stored bucket: a bucket's statements
+    still find them (by the hash), fill_buckets stores theirs, and a scheme change clears them."""
+    conn = clean_db
+    ids = [f"early-{i}.md" for i in range(300)]
+    _register(conn, "/early", ids)        # no scheme yet: written without a bucket
+    assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NULL").fetchone()[0] == 300
+    conn.execute(buckets.BUCKETS.store_buckets, {"buckets": N})
+    mine = sorted((d for d in ids if buckets.bucket_of(d, N) == BUCKET), key=str.encode)
+    assert buckets.bucket_documents(conn, "/early", [BUCKET], N) == mine
+    with ConnectionPool(database_url, min_size=1, max_size=1, open=True) as pool:
+        assert buckets.fill_buckets(pool) == 300
+        assert buckets.fill_buckets(pool) == 0
+    stored = dict(conn.execute("SELECT document_id, bucket FROM app.documents").fetchall())
+    assert stored == {d: buckets.bucket_of(d, N) for d in ids}
+    assert buckets.bucket_documents(conn, "/early", [BUCKET], N) == mine
+    conn.execute("DELETE FROM app.partition_scheme")
+    assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NOT NULL").fetchone()[0] == 0

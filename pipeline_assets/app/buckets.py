@@ -55,6 +55,9 @@ SAMPLE_IDS = 20
 # files, stale documents): bounds the run's memory (about 1 kB per document in flight)
 # whatever its buckets hold.
 SYNC_PAGE_DOCUMENTS = 10_000
+# Rows one transaction of ``fill_buckets`` gives their stored bucket.
+FILL_BATCH_ROWS = 10_000
+_DROPPED_BITS = 64 - 4 * BUCKET_HASH_HEX
 
 
 class BucketCountMismatch(RuntimeError):
@@ -69,9 +72,10 @@ def selected(buckets: Iterable[int], n: int) -> list[int] | None:
 
 
 def bucket_of(document_id: str, buckets: int) -> int:
-    """The bucket of a document id (the same as SQL's app.document_bucket)."""
-    digest = hashlib.sha256(document_id.encode("utf-8", "surrogateescape")).hexdigest()
-    return int(digest[:BUCKET_HASH_HEX], 16) % buckets
+    """The bucket of a document id (the same as SQL's app.document_bucket): the first
+    BUCKET_HASH_HEX hex digits of the sha256 are the first 8 bytes less their last 4 bits."""
+    head = hashlib.sha256(document_id.encode("utf-8", "surrogateescape")).digest()[:8]
+    return (int.from_bytes(head, "big") >> _DROPPED_BITS) % buckets
 
 
 def fixed_buckets(conn: psycopg.Connection, configured: int) -> int:
@@ -88,6 +92,21 @@ def check_buckets(conn: psycopg.Connection, configured: int) -> int:
             f"this database's documents are in {stored} buckets (fixed when it was first used), but "
             f"PIPELINE_PARTITION_BUCKETS is {configured}; set PIPELINE_PARTITION_BUCKETS={stored}")
     return stored
+
+
+def fill_buckets(pool: ConnectionPool) -> int:
+    """Give the rows written without a stored bucket (before the scheme or the column existed)
+    the scheme's, FILL_BATCH_ROWS per transaction (no long lock whatever the tables hold);
+    how many. Statements hash a row without one, so this only makes them cheaper."""
+    filled = 0
+    for statement in (BUCKETS.fill_document_buckets, BUCKETS.fill_observation_buckets):
+        while True:
+            with pool.connection() as conn:
+                done = int(queries.scalar(conn, statement, {"limit": FILL_BATCH_ROWS}) or 0)
+            filled += done
+            if done < FILL_BATCH_ROWS:
+                break
+    return filled
 
 
 def buckets_of(document_ids: Iterable[str], buckets: int) -> dict[int, list[str]]:
@@ -127,6 +146,8 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucke
     done = BucketSync(scan=observations.Scan())
     with pool.connection() as conn:
         check_buckets(conn, n)
+    fill_buckets(pool)
+    with pool.connection() as conn:
         if source_changes:
             done.scan = observations.scan(
                 conn, source, max_bytes=rt.settings.max_input_bytes,

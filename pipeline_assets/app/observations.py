@@ -44,7 +44,7 @@ import psycopg
 
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.source import CHECKSUM_HEX as CHECKSUM_HEX
-from pipeline_assets.content.source import Observed, Source
+from pipeline_assets.content.source import NOT_STATED, Observed, Source
 from pipeline_assets.store import queries
 
 OBS = queries.load("observations")
@@ -131,8 +131,9 @@ def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
     with conn.transaction():
         conn.execute(OBS.walk_create)
         with conn.cursor().copy(OBS.walk_copy) as copy:
-            for doc, size, mtime_ns, ref, checksum in source.observe():
-                kept = keep is None or keep(doc)
+            # A bucket scan lets the source skip examining other buckets' items (NOT_STATED).
+            for doc, size, mtime_ns, ref, checksum in source.observe(None if buckets is None else keep):
+                kept = keep is None or (size != NOT_STATED and keep(doc))
                 walked += 1
                 if kept:
                     result.present += 1

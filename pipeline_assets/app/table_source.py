@@ -132,7 +132,7 @@ class TableSource:
         except (TableSourceError, psycopg.Error) as exc:
             raise self._failed(exc) from None
 
-    def observe(self) -> Iterator[Observed]:
+    def observe(self, keep: Callable[[str], bool] | None = None) -> Iterator[Observed]:
         for item in self.items():
             yield Observed(item.document_id, item.size, 0, None, token_checksum(item.token))
 

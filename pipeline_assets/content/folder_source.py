@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from pipeline_assets.content.source import (
     CHECKSUM_HEX,
+    NOT_STATED,
     Item,
     Observed,
     ReadOutcome,
@@ -58,9 +59,9 @@ class FolderSource:
     def items(self) -> Iterator[SourceItem]:
         return scan_directory(self.root)
 
-    def observe(self) -> Iterator[Observed]:
+    def observe(self, keep: Callable[[str], bool] | None = None) -> Iterator[Observed]:
         base = os.path.join(self.key, "")
-        for doc, size, mtime_ns, found in walk(self.root):
+        for doc, size, mtime_ns, found in walk(self.root, keep):
             # A plain file at root/id needs no handle; a symlink or an escaped name keeps its own.
             yield Observed(doc, size, mtime_ns, None if found == base + doc else found)
 
@@ -116,12 +117,13 @@ def file_checksum(item: SourceItem, max_bytes: int) -> str | None:
     return h.hexdigest()[:CHECKSUM_HEX]
 
 
-def walk(root: Path) -> Iterator[tuple[str, int, int, str | SourceItem]]:
+def walk(root: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, int, int, str | SourceItem]]:
     """(document_id, size, mtime_ns, path or item) of exactly the items ``scan_directory``
     yields, in no particular order, at a fraction of its cost: a plain file costs one
     ``lstat`` and no ``SourceItem`` (its path is given: ``source_item`` builds the item if it
     has to be read); a symlink is classified by ``item_for`` as the scan classifies it.
-    Raises SourceError as the scan does (a missing root, a directory that cannot be listed)."""
+    Raises SourceError as the scan does (a missing root, a directory that cannot be listed).
+    A plain file ``keep`` rejects is listed unexamined: size NOT_STATED, no ``lstat``."""
     root = Path(root).absolute()
     if not root.is_dir():
         raise SourceError(f"source directory not found: {root}")
@@ -146,6 +148,9 @@ def walk(root: Path) -> Iterator[tuple[str, int, int, str | SourceItem]]:
                 if entry.is_dir(follow_symlinks=False):
                     stack.append((doc + "/", entry.path))
                 elif entry.is_file(follow_symlinks=False):
+                    if keep is not None and not keep(doc):
+                        yield doc, NOT_STATED, 0, entry.path
+                        continue
                     st = entry.stat(follow_symlinks=False)
                     yield doc, st.st_size, st.st_mtime_ns, entry.path
                 elif entry.is_symlink():

@@ -199,7 +199,7 @@ class S3Source:
                 if not meta["path"].endswith("/"):
                     yield self._item(meta)
 
-    def observe(self) -> Iterator[Observed]:
+    def observe(self, keep: Callable[[str], bool] | None = None) -> Iterator[Observed]:
         for item in self.items():
             yield Observed(item.document_id, item.size, item.mtime_ns, None, token_checksum(item.token))
 

@@ -34,7 +34,7 @@ Contracts every implementation keeps:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 from pipeline_assets.content.extract import ExtractError
@@ -63,6 +63,10 @@ class Item(Protocol):
     def source_uri(self) -> str: ...           # where it is, stored with the document (no credentials)
     @property
     def problem(self) -> str | None: ...       # an error class the listing found: quarantined, never read
+
+
+# Observed.size of an item listed but not examined (``observe``'s keep rejected it).
+NOT_STATED = -1
 
 
 class Observed(NamedTuple):
@@ -98,9 +102,10 @@ class Source(Protocol):
     def items(self) -> Iterator[Item]:
         """Every item, complete, or SourceError. Streamed (pages), bounded memory."""
 
-    def observe(self) -> Iterator[Observed]:
+    def observe(self, keep: Callable[[str], bool] | None = None) -> Iterator[Observed]:
         """Every item as the sensor's prefilter needs it (may be cheaper than ``items``);
-        complete, or SourceError. In no particular order."""
+        complete, or SourceError. In no particular order. An item ``keep`` rejects may be
+        yielded unexamined, with size NOT_STATED (a folder does not stat it)."""
 
     def fingerprint(self, observed: Observed, max_bytes: int) -> str | None:
         """CHECKSUM_HEX hex digits telling this version of the item from others (a hash of

@@ -23,7 +23,7 @@ SELECT o.document_id, o.checksum,
                  AND left(encode(d.source_checksum, 'hex'), 16) = o.checksum) AS in_store
 FROM app.source_observations o
 WHERE o.root = %(root)s
-  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+  AND (%(buckets)s::int[] IS NULL OR (o.bucket = ANY(%(buckets)s::int[]) OR o.bucket IS NULL AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s::int[])))
   AND (o.checksum IS NULL OR o.checksum IS DISTINCT FROM o.synced)
   AND o.document_id > %(after)s
 ORDER BY o.document_id
@@ -36,7 +36,7 @@ SELECT d.document_id
 FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status <> 'deleted'
-  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+  AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
   AND NOT EXISTS (SELECT 1 FROM app.source_observations o
                   WHERE o.root = s.root AND o.document_id = d.document_id AND o.checksum IS NOT NULL)
 
@@ -66,7 +66,7 @@ SELECT d.document_id
 FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status <> 'deleted'
-  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+  AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
 ORDER BY d.document_id COLLATE "C"
 
 -- name: bucket_states
@@ -79,11 +79,11 @@ ORDER BY d.document_id COLLATE "C"
 -- One row per bucket that has documents.
 WITH docs AS (
     SELECT d.doc_pk, d.document_id, d.status, d.text_checksum, d.error_class,
-           app.document_bucket(d.document_id, %(n)s) AS bucket
+           coalesce(d.bucket, app.document_bucket(d.document_id, %(n)s)) AS bucket
     FROM app.documents d
     JOIN app.sources s ON s.source_id = d.source_id
     WHERE s.root = %(root)s AND d.status <> 'deleted'
-      AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+      AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
 ), per_doc AS (
     SELECT docs.bucket, docs.document_id, docs.status,
            coalesce(encode(docs.text_checksum, 'hex'), docs.status || ':' || coalesce(docs.error_class, 'None'))
@@ -122,7 +122,7 @@ SELECT d.doc_pk
 FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 WHERE s.root = %(root)s AND d.status = 'current'
-  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+  AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
 
 -- name: bucket_coverage
 -- Per bucket (of %(n)s) of the source's current documents: their chunks for one
@@ -132,11 +132,11 @@ WHERE s.root = %(root)s AND d.status = 'current'
 -- and the total row (bucket NULL, always there) counting distinct chunk
 -- checksums, as app.reports.embedding_coverage's total does.
 WITH docs AS (
-    SELECT d.doc_pk, d.document_id, app.document_bucket(d.document_id, %(n)s) AS bucket
+    SELECT d.doc_pk, d.document_id, coalesce(d.bucket, app.document_bucket(d.document_id, %(n)s)) AS bucket
     FROM app.documents d
     JOIN app.sources s ON s.source_id = d.source_id
     WHERE s.root = %(root)s AND d.status = 'current'
-      AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+      AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
 ), chunk_state AS (
     SELECT docs.bucket, docs.document_id, c.chunk_checksum,
            coalesce(j.status = 'ready' AND e.chunk_checksum IS NOT NULL, false) AS ready,
@@ -160,3 +160,29 @@ SELECT bucket,
        coalesce((array_agg(DISTINCT document_id) FILTER (WHERE failed))[1:%(sample)s], ARRAY[]::text[]) AS failed_ids
 FROM chunk_state
 GROUP BY GROUPING SETS ((bucket), ())
+
+-- name: fill_document_buckets
+-- Up to %(limit)s documents without a stored bucket get the scheme's (none: no
+-- scheme yet); rows another transaction holds are left to it. Returns the count.
+WITH batch AS (
+    SELECT doc_pk FROM app.documents WHERE bucket IS NULL LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+), filled AS (
+    UPDATE app.documents d SET bucket = app.document_bucket(d.document_id, p.buckets)
+    FROM batch, app.partition_scheme p
+    WHERE d.doc_pk = batch.doc_pk
+    RETURNING 1
+)
+SELECT count(*) FROM filled
+
+-- name: fill_observation_buckets
+-- The same for observed files.
+WITH batch AS (
+    SELECT root, document_id FROM app.source_observations WHERE bucket IS NULL LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), filled AS (
+    UPDATE app.source_observations o SET bucket = app.document_bucket(o.document_id, p.buckets)
+    FROM batch, app.partition_scheme p
+    WHERE o.root = batch.root AND o.document_id = batch.document_id
+    RETURNING 1
+)
+SELECT count(*) FROM filled

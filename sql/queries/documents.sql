@@ -62,10 +62,11 @@ DELETE FROM app.chunks WHERE doc_pk = ANY(%(pks)s) RETURNING chunk_checksum
 -- the extractor version of its own format (ext).
 INSERT INTO app.documents AS d (source_id, document_id, source_uri, source_checksum, size_bytes, status,
                                 extractor_version, chunker_version, text_checksum, chunk_count,
-                                error_class, error_message, source_token)
+                                error_class, error_message, source_token, bucket)
 SELECT %(source)s, t.document_id, t.uri, t.checksum, t.size,
        CASE WHEN t.error_class IS NULL THEN 'current' ELSE 'quarantined' END,
-       t.ext, %(chunker)s, t.text_checksum, t.chunk_count, t.error_class, t.error_message, t.token
+       t.ext, %(chunker)s, t.text_checksum, t.chunk_count, t.error_class, t.error_message, t.token,
+       app.document_bucket(t.document_id, (SELECT buckets FROM app.partition_scheme))
 FROM unnest(%(ids)s::text[], %(uris)s::text[], %(checksums)s::bytea[], %(sizes)s::bigint[],
             %(text_checksums)s::bytea[], %(counts)s::int[], %(classes)s::text[], %(messages)s::text[],
             %(exts)s::text[], %(tokens)s::text[])

@@ -37,5 +37,5 @@ FROM app.documents d
 JOIN app.sources s ON s.source_id = d.source_id
 JOIN app.chunks c ON c.doc_pk = d.doc_pk
 WHERE s.root = %(root)s AND d.status = 'current'
-  AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s)
+  AND (d.bucket = ANY(%(buckets)s) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s))
 GROUP BY c.chunk_checksum

@@ -66,7 +66,7 @@ WHERE o.root = %(root)s AND o.checksum IS NOT NULL
 SELECT o.document_id
 FROM app.source_observations o
 WHERE o.root = %(root)s AND o.checksum IS NOT NULL
-  AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s)
+  AND (o.bucket = ANY(%(buckets)s) OR o.bucket IS NULL AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s))
   AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
 
 -- name: stage_create
@@ -84,8 +84,10 @@ COPY observations_in (document_id, checksum, size, mtime_ns) FROM STDIN
 -- name: upsert_staged
 -- New files get a row; changed (or re-verified) ones their new checksum, size and mtime.
 -- What was requested is left alone: a changed checksum is what makes a row pending.
-INSERT INTO app.source_observations AS o (root, document_id, checksum, size, mtime_ns)
-SELECT %(root)s, document_id, checksum, size, mtime_ns FROM observations_in
+INSERT INTO app.source_observations AS o (root, document_id, checksum, size, mtime_ns, bucket)
+SELECT %(root)s, document_id, checksum, size, mtime_ns,
+       app.document_bucket(document_id, (SELECT buckets FROM app.partition_scheme))
+FROM observations_in
 ON CONFLICT (root, document_id) DO UPDATE
 SET checksum = excluded.checksum, size = excluded.size, mtime_ns = excluded.mtime_ns, observed_at = now()
 
@@ -97,8 +99,8 @@ SET checksum = excluded.checksum, size = excluded.size, mtime_ns = excluded.mtim
 -- are requested once more after the backoff, and that run finds their bytes
 -- stored (or ingests those that are not).
 INSERT INTO app.source_observations (root, document_id, checksum, size, mtime_ns, requested, requested_gen,
-                                     request_attempts)
-SELECT %(root)s, d, c, -1, 0, c, %(generation)s, 1
+                                     request_attempts, bucket)
+SELECT %(root)s, d, c, -1, 0, c, %(generation)s, 1, app.document_bucket(d, (SELECT buckets FROM app.partition_scheme))
 FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS m(d, c)
 ON CONFLICT (root, document_id) DO NOTHING
 
@@ -157,7 +159,7 @@ WHERE root = %(root)s AND retry_at > now()
 -- without a request) that is not requested yet, was requested by a tick whose
 -- cursor was not saved (requested_gen >= %(generation)s), or was requested by a
 -- run that ended without syncing it and has waited out its backoff (retry_at).
-SELECT app.document_bucket(document_id, %(n)s) AS bucket,
+SELECT coalesce(bucket, app.document_bucket(document_id, %(n)s)) AS bucket,
        count(*) AS documents,
        count(*) FILTER (WHERE checksum IS NULL) AS gone,
        count(*) FILTER (WHERE requested_gen IS NULL AND checksum IS NOT NULL) AS new,
@@ -180,7 +182,7 @@ SET requested = checksum, requested_gen = %(generation)s, retry_at = NULL,
                             WHEN requested_gen IS NOT NULL AND checksum IS NOT DISTINCT FROM requested
                                 THEN request_attempts + 1
                             ELSE 1 END
-WHERE root = %(root)s AND app.document_bucket(document_id, %(n)s) = ANY(%(buckets)s)
+WHERE root = %(root)s AND (bucket = ANY(%(buckets)s) OR bucket IS NULL AND app.document_bucket(document_id, %(n)s) = ANY(%(buckets)s))
   AND (checksum IS NULL OR checksum IS DISTINCT FROM synced)
   AND (checksum IS DISTINCT FROM requested OR requested_gen IS NULL OR requested_gen >= %(generation)s
        OR retry_at <= now())
@@ -204,7 +206,8 @@ SET synced = NULL, requested = o.checksum, retry_at = NULL
 FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
 WHERE o.root = %(root)s AND s.root = o.root AND d.document_id = o.document_id AND d.status = 'current'
   AND o.synced IS NOT NULL AND o.checksum = o.synced
-  AND app.document_bucket(o.document_id, %(n)s) BETWEEN %(first)s AND %(last)s
+  AND (o.bucket BETWEEN %(first)s AND %(last)s
+       OR o.bucket IS NULL AND app.document_bucket(o.document_id, %(n)s) BETWEEN %(first)s AND %(last)s)
   AND EXISTS (SELECT 1 FROM app.chunks c
               WHERE c.doc_pk = d.doc_pk
                 AND NOT EXISTS (SELECT 1 FROM app.embeddings e

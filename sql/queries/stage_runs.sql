@@ -128,7 +128,7 @@ WHERE d.status <> 'deleted'
   AND (%(failed_only)s = false OR s.status = 'failed')
   AND (%(root)s::text IS NULL OR src.root = %(root)s)
   AND d.document_id > %(after)s
-  AND (%(buckets)s::int[] IS NULL OR app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+  AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
 ORDER BY src.root, d.document_id, s.model_id
 LIMIT %(limit)s
 
