@@ -97,7 +97,7 @@ def check_buckets(conn: psycopg.Connection, configured: int) -> int:
 def fill_buckets(pool: ConnectionPool) -> int:
     """Give the rows written without a stored bucket (before the scheme or the column existed)
     the scheme's, FILL_BATCH_ROWS per transaction (no long lock whatever the tables hold);
-    how many. Statements hash a row without one, so this only makes them cheaper."""
+    how many, then their statistics. Statements hash a row without one: this only makes them cheaper."""
     filled = 0
     for statement in (BUCKETS.fill_document_buckets, BUCKETS.fill_observation_buckets):
         while True:
@@ -106,6 +106,9 @@ def fill_buckets(pool: ConnectionPool) -> int:
             filled += done
             if done < FILL_BATCH_ROWS:
                 break
+    if filled:
+        with pool.connection() as conn:
+            conn.execute(BUCKETS.analyze_buckets)
     return filled
 
 

@@ -186,3 +186,8 @@ WITH batch AS (
     RETURNING 1
 )
 SELECT count(*) FROM filled
+
+-- name: analyze_buckets
+-- The stored buckets' statistics after a fill: until then the planner takes the
+-- filled rows for unfilled ones (NULL) and reads every row of the source.
+ANALYZE app.documents (bucket), app.source_observations (bucket)
