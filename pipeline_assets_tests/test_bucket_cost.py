@@ -13,6 +13,8 @@ import time
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import buckets, observations
+from pipeline_assets.content.folder_source import walk
+from pipeline_assets.content.source import NOT_STATED
 from pipeline_assets.store import queries
 
 DOCS = queries.load("documents")
@@ -134,3 +136,16 @@ def test_rows_without_a_stored_bucket_are_found_then_filled(clean_db, database_u
     assert buckets.bucket_documents(conn, "/early", [BUCKET], N) == mine
     conn.execute("DELETE FROM app.partition_scheme")
     assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NOT NULL").fetchone()[0] == 0
+
+
+def test_a_bucket_walk_lists_every_file_but_examines_only_its_own(tmp_path):
+    """The folder walk of a bucket scan lists other buckets' files unexamined (NOT_STATED: no
+    lstat), so the scan can still tell an emptied source from a bucket without files."""
+    names = [f"w{i}.txt" for i in range(100)]
+    for name in names:
+        (tmp_path / name).write_text("abc")
+    mine = {d for d in names if buckets.bucket_of(d, N) == BUCKET}
+    walked = {doc: size for doc, size, _, _ in walk(tmp_path, lambda d: d in mine)}
+    assert set(walked) == set(names)
+    assert {d for d, size in walked.items() if size != NOT_STATED} == mine
+    assert all(walked[d] == 3 for d in mine)
