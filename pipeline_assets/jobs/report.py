@@ -48,8 +48,9 @@ class ReportCounts(JobObserver):
             self.report.add(retried=statuses.count(JobStatus.RETRY), failed=statuses.count(JobStatus.FAILED))
         elif isinstance(change, Fail):
             self.report.add(failed=len(statuses))
-        elif isinstance(change, GiveBack) and change.throttled:
-            self.report.add(throttled=len(statuses))
+        elif isinstance(change, GiveBack):  # a job whose lease another worker holds now stays with it
+            self.report.add(throttled=len(statuses) if change.throttled else 0,
+                            refused=len(change.job_ids) - len(statuses))
 
     def rescued(self, count: int) -> None:
         self.report.add(rescued=count)
