@@ -222,29 +222,9 @@ class BucketState:
     quarantined_ids: list[str] = field(default_factory=list)   # the first SAMPLE_IDS, by id
 
 
-def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int],
-                  n: int) -> dict[int, BucketState]:
-    """Each bucket's state from its documents' summaries (every bucket asked for, empty or not)."""
-    members: dict[int, list[reports.DocumentSummary]] = {b: [] for b in buckets}
-    for doc in sorted(summaries):
-        s = summaries[doc]
-        if s.status != "deleted":
-            members.setdefault(bucket_of(doc, n), []).append(s)
-    states = {}
-    for bucket, docs in members.items():
-        quarantined = [s.document_id for s in docs if s.status == "quarantined"]
-        states[bucket] = BucketState(
-            documents=len(docs), current=sum(s.status == "current" for s in docs), quarantined=len(quarantined),
-            chunks=sum(s.chunks for s in docs), tokens=sum(s.tokens for s in docs),
-            text_digest=digest(f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}" for s in docs),
-            chunks_digest=digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
-            quarantined_ids=quarantined[:SAMPLE_IDS])
-    return states
-
-
 def states_of(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> dict[int, BucketState]:
     """Each bucket's state (every bucket asked for, empty or not), grouped in the database:
-    the same values ``bucket_states`` computes from the documents' summaries."""
+    the same values as computing them from the documents' summaries."""
     empty = digest([])
     out = {b: BucketState(text_digest=empty, chunks_digest=empty) for b in buckets}
     for b, docs, current, quarantined, chunks, tokens, text_digest, chunks_digest, sample in conn.execute(

@@ -62,13 +62,6 @@ class EmbedRerun:
                           self.enqueued + other.enqueued)
 
 
-def current_version(rt: Runtime, stage: str) -> str:
-    """The current code version of a stage, as one label (per-format extractor versions joined)."""
-    if stage == "extract":
-        return str(rt.options.extractor_version)
-    return rt.options.chunker.version if stage == "chunk" else rt.model_id
-
-
 def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extract",),
           error_class: str | None = None, stale: bool = False, statuses: Sequence[str] = (),
           before_version: str | None = None, documents: Sequence[str] = (), root: str | None = None,
