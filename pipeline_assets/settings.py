@@ -52,9 +52,8 @@ BREAKER_PROBE_INTERVAL = 5.0
 # Documents written per ingest transaction: bounds the length of the
 # transactions that hold the ingest write lock.
 INGEST_BATCH_DOCUMENTS = 200
-# Extraction children per ingest (0: one per CPU the process may use). One by default: a
-# second child forked mid-ingest once hung a whole stage timeout under CI load (two documents
-# quarantined as `timeout`), and ingest is bound by its database writes, not extraction.
+# Extraction children per ingest (0: one per CPU the process may use); why one by default:
+# docs/decisions/0001-one-extraction-child.md.
 DEFAULT_EXTRACT_PROCESSES = 1
 
 # How much of a provider error message is kept in the database.
