@@ -1,27 +1,13 @@
-"""Document buckets: the unit the Dagster layer works in (issue 14).
+"""Document buckets: the unit the Dagster layer works in.
 
-A source document belongs to bucket ``sha256(document_id)[:60 bits] % n``: an
-edit keeps its bucket, and ``n`` is fixed by the first use of a database
-(``app.partition_scheme``), so Dagster's partitions never grow with the corpus
-(64 by default: 1M documents are ~16k per bucket). The same hash is a SQL
-function (``app.document_bucket``, migration 017) for set-based queries.
+A document belongs to bucket ``sha256(document_id)[:60 bits] % n`` (also the SQL function
+``app.document_bucket``): an edit keeps its bucket, and ``n`` is fixed by a database's first use
+(``app.partition_scheme``), so partitions never grow with the corpus.
 
-``sync_buckets`` is the use case of a bucket run (a sensor's run, a backfill,
-the UI's "materialize"): bring the documents of some buckets current with the
-source and the code, doing only what is needed:
-
-1. scan the buckets' files with the source observations' prefilter (a file
-   whose size and mtime are unchanged is not read: a no-op backfill reads
-   nothing; nor is a new file: step 2 reads it);
-2. ingest what a bucket run has not synced yet (new or changed bytes), what is
-   stale (extracted or chunked under another code version than the current
-   one: a parser fix; selected in the database for the source and the buckets,
-   a page at a time), and tombstone what is gone;
-3. record what it synced, so the next run skips it (for a new file, the
-   checksum of the bytes it ingested).
-
-Unchanged content is never re-extracted, and chunks whose text did not change
-keep their jobs: no provider call for them.
+``sync_buckets``, the use case of a bucket run, brings some buckets current with the source and the
+code: it scans their files with the observations' prefilter, ingests what is new, changed or stale
+(another code version) and tombstones what is gone, then records what it synced. Unchanged content
+is never re-extracted, and unchanged chunks keep their jobs: no provider call for them.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def dead_letters(conn: psycopg.Connection) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
-# Per-document and health read models (added for the Dagster layer, issue 3).
+# Per-document and health read models (what the Dagster layer reports).
 # Read-only, set-based; the Dagster assets, sensors and checks report from
 # these and hold no SQL of their own.
 # ---------------------------------------------------------------------------

@@ -1,17 +1,15 @@
 """Named SQL queries, loaded by name from ``sql/queries/<family>.sql``.
 
-Each table family keeps its SQL in one plain-SQL file, in blocks introduced by
-a ``-- name: <query_name>`` line; the comment lines right after it document the
-query and are not sent (the text sent starts at the block's first line that is
-not a comment; why: docs/decisions/0005-statements-sent-without-comments.md).
-Python code refers to a query by name and passes parameters by name; no SQL
-is assembled from strings. Dynamic identifiers (an index name, a vector
-dimension) go through ``psycopg.sql`` at the call site.
+Each table family keeps its SQL in one plain-SQL file, in blocks introduced by a
+``-- name: <query_name>`` line; the comment lines right after it document the query and are not
+sent (docs/decisions/0005-statements-sent-without-comments.md). Python refers to a query by name
+and passes parameters by name; no SQL is assembled from strings (dynamic identifiers go through
+``psycopg.sql`` at the call site)::
 
     JOBS = queries.load("jobs")
     conn.execute(JOBS.claim, {...})
 
-Files are read on first use (not at import) and cached for the process.
+Files are read on first use and cached for the process.
 """
 
 from __future__ import annotations
