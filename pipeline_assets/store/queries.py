@@ -4,12 +4,10 @@ Each table family keeps its SQL in one plain-SQL file, in blocks introduced by a
 ``-- name: <query_name>`` line; the comment lines right after it document the query and are not
 sent (docs/decisions/0005-statements-sent-without-comments.md). Python refers to a query by name
 and passes parameters by name; no SQL is assembled from strings (dynamic identifiers go through
-``psycopg.sql`` at the call site)::
+``psycopg.sql`` at the call site). Files are read on first use and cached for the process::
 
     JOBS = queries.load("jobs")
     conn.execute(JOBS.claim, {...})
-
-Files are read on first use and cached for the process.
 """
 
 from __future__ import annotations
