@@ -1,6 +1,6 @@
 """What the source sensor observed, kept in PostgreSQL (app.source_observations).
 
-The Dagster sensor ``source_documents`` (defs/sensors.py) walks the source
+The Dagster sensor ``source_documents`` (defs/ingest/source_sensor.py) walks the source
 every tick. Its memory lives here, not in its cursor: per file the checksum
 (16 hex digits of sha256, enough to tell versions of one document apart) with
 the size and mtime it was computed at, and the checksum last put into a run

@@ -17,6 +17,7 @@ The tag names are Dagster's own (``dagster/data_version`` ...); public
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
@@ -26,6 +27,16 @@ DATA_VERSION_TAG = "dagster/data_version"
 CODE_VERSION_TAG = "dagster/code_version"
 INPUT_DATA_VERSION_PREFIX = "dagster/input_data_version/"
 INPUT_EVENT_POINTER_PREFIX = "dagster/input_event_pointer/"
+
+
+def run_version(versions: Mapping[str, str]) -> str:
+    """One partition's version, or the version of a range (never mistaken for one bucket's)."""
+    if len(versions) == 1:
+        return next(iter(versions.values()))
+    h = hashlib.sha256()
+    for key in sorted(versions):
+        h.update(f"{key}={versions[key]}\x1e".encode())
+    return f"range:{len(versions)}:{h.hexdigest()[:16]}"
 
 
 def version_tags(data_version: str, code_version: str,

@@ -147,7 +147,7 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
         rt = Runtime.build(self.settings(), run_id=run_id, force=force)
         if self.model and rt.model_id != (configured := model_id_for(settings_of(self.settings_id))):
             # A launchpad override: it would register a model nobody serves or works, and record
-            # vectors of one model under the code version of another (defs/model_switch.py).
+            # vectors of one model under the code version of another (defs/models/sensors.py).
             raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "
                               "embeddings code version); set PIPELINE_EMBEDDING_MODEL and reload the code "
                               "location to switch models")

@@ -58,22 +58,12 @@ import dagster as dg
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.content.source import SourceError
+from pipeline_assets.defs.ingest.jobs import SYNC_JOB
 from pipeline_assets.defs.partitions import bucket_index, span, split_key
-from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import (
-    IN_FLIGHT,
-    SYNC_JOB,
-    TRIGGER_TAG,
-    batch_digest,
-    range_request,
-    run_span,
-)
+from pipeline_assets.defs.run_requests import IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request, run_span
 from pipeline_assets.providers import model_id_for
-from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS, Settings
-
-__all__ = ["SYNC_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
-           "source_documents_sensor"]
+from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
 
 SENSOR_NAME = "source_documents"
 CURSOR_VERSION = 2          # {"v": 2, "g": generation[, "f": the last failed run handled]}
@@ -230,8 +220,3 @@ def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_S
 
 
 source_documents_sensor = build_source_sensor()
-
-
-def build_sensors(settings: Settings) -> list[dg.SensorDefinition]:
-    """The source sensor at the configured interval, and the rerun sensor."""
-    return [build_source_sensor(settings.source_sensor_interval), rerun_stale_documents_sensor]

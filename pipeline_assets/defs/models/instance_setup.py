@@ -1,6 +1,6 @@
 """Dagster's instance made ready for `pipeline-assets dev` and `dagster-env`, in a child process.
 
-``devserver.prepare`` runs this module as ``python -m`` with DAGSTER_HOME as
+``cli/devserver.py`` (``prepare``) runs this module as ``python -m`` with DAGSTER_HOME as
 its argument and the storage URL in the environment (Dagster's instance
 config reads it), so the long-lived `pipeline-assets dev`
 process never imports Dagster (about 70 MB it would hold for the whole

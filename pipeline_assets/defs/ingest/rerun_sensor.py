@@ -45,10 +45,17 @@ from dataclasses import dataclass
 import dagster as dg
 
 from pipeline_assets.app import rerun as rerun_uc
-from pipeline_assets.defs.assets import RERUN_TAG
+from pipeline_assets.defs.ingest.jobs import SYNC_JOB
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import IN_FLIGHT, SYNC_JOB, TRIGGER_TAG, batch_digest, range_request
+from pipeline_assets.defs.run_requests import (
+    GENERATION_TAG,
+    IN_FLIGHT,
+    RERUN_TAG,
+    TRIGGER_TAG,
+    batch_digest,
+    range_request,
+)
 
 RERUN_SCAN_LIMIT = 100_000   # stale targets of the source one tick reads (the run redoes every one)
 RERUN_CURSOR_VERSION = 1
@@ -57,7 +64,6 @@ RERUN_INTERVAL_SECONDS = 10
 # How long a check that found nothing stale stands while the code versions stay the same:
 # the ticks in between read nothing from the database.
 RERUN_RECHECK_SECONDS = 300
-GENERATION_TAG = "pipeline/rerun_generation"   # "{epoch}.{generation}" of the tick that requested the run
 SENSOR_NAME = "rerun_stale_documents"
 # A rerun that failed (or was cancelled) is requested again RERUN_RETRY_BASE_SECONDS after it
 # ended, twice as long after each further failure in a row under the same code versions, at

@@ -168,7 +168,7 @@ PREPARE_ERRORS = (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError,
 def setup_instance(env: dict[str, str], model_keys: list[str] | None = None) -> int:
     """``instance_setup`` in a child process (this one never imports Dagster); the legacy
     partitions it deleted. InstanceSetupError with the child's last line if it failed."""
-    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.instance_setup", env["DAGSTER_HOME"],
+    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.models.instance_setup", env["DAGSTER_HOME"],
                            *(model_keys or [])], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]

@@ -34,7 +34,8 @@ from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.content.source import Source, SourceError
-from pipeline_assets.defs.assets import embedding_version, ingest_materializations
+from pipeline_assets.defs.embeddings.assets import embedding_version
+from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, embedding_key, is_model_key
 from pipeline_assets.defs.provenance import versioned_events
@@ -91,13 +92,13 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     root = src.key
     ids = select_documents(src, config.document_ids, config.glob)
-    pool = postgres.pool()
+    db_pool = postgres.pool()
     n = postgres.bucket_count(rt.settings.partition_buckets)
-    report = ingest_documents(rt, pool, src, ids)
+    report = ingest_documents(rt, db_pool, src, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
         observations.mark_synced_as_stored(conn, root, ids)
     try:
-        done = embed_and_wait(rt, pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
+        done = embed_and_wait(rt, db_pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
                                deadline_seconds=embedding_run.deadline(rt.settings))
     except FatalProviderError as exc:
         raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
