@@ -1,18 +1,11 @@
 """Data and code versions on the materializations a step records for assets it does not own
-(``refresh_documents``, the reconciliation).
+(``refresh_documents``, the reconciliation), and the data version of a range run.
 
-Dagster decides whether a partition is stale from its latest materialization's
-provenance: the code version it was made under and, per upstream asset, the
-event it was made from. A materialization without them is compared by
-timestamps only, so a code version bump would leave it FRESH. These events
-therefore carry what an asset's own run records: the partition's data version
-(the same per-bucket digest the asset records for a one-bucket run), the
-asset's code version, and per upstream asset its data version and the storage
-id of its latest event (``input_event_pointer``): a newer upstream event with
-another data version makes the partition stale, as after an asset run.
-
-The tag names are Dagster's own (``dagster/data_version`` ...); public
-``AssetMaterialization`` tags are how a runtime event states them.
+Dagster decides staleness from a materialization's provenance; one without it is compared
+by timestamps only, so a code version bump would leave it FRESH. These events carry what an
+asset run records: the partition's data version, the asset's code version and, per upstream
+asset, its data version and the storage id of its latest event (``input_event_pointer``),
+in Dagster's own tag names (``dagster/data_version`` ...).
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """``refresh_documents``: single documents re-materialized through run config.
 
-Partitions are buckets, so a document is selected by run config instead
-("partitions vs config": config for an unbounded set). Launched from the
-launchpad (or ``dagster job launch``) with::
-
-    ops:
-      refresh_documents_op:
-        config:
-          document_ids: ["ops/retries-with-jitter.html"]   # and/or
-          glob: "ops/*.md"                                  # matched against the source's files
-          force: false                                      # true: re-extract even unchanged bytes
-
-The run ingests exactly those documents (a file gone is tombstoned), records
-them as synced in the source sensor's observations (its next tick requests no
-bucket run for them), embeds their chunks (only content without a vector is sent), and records a
-materialization of ``documents``, ``chunks`` and ``embeddings`` (the bucket x the
-configured model; the other active models' partitions of those buckets show stale
-until their runs) for each bucket it touched, with the refreshed ids in its metadata and the bucket's data and code
-versions (``provenance``: what an asset run of the bucket would record), so
-Dagster's staleness of those buckets stays true.
+Partitions are buckets, so a document is selected by run config (``RefreshConfig``:
+``document_ids`` and/or a ``glob`` over the source's ids, ``force``; docs/dagster.md, "Jobs").
+The run ingests exactly those documents (a file gone is tombstoned), records them as synced
+in the source sensor's observations, embeds their chunks (only content without a vector is
+sent) and records, per bucket touched, a ``documents``, ``chunks`` and ``embeddings``
+(bucket x the configured model) materialization with the refreshed ids and the versions an
+asset run of the bucket would record (``provenance``), so Dagster's staleness stays true.
 """
 
 

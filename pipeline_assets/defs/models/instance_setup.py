@@ -1,22 +1,12 @@
 """Dagster's instance made ready for `pipeline-assets dev` and `dagster-env`, in a child process.
 
-``cli/devserver.py`` (``prepare``) runs this module as ``python -m`` with DAGSTER_HOME as
-its argument and the storage URL in the environment (Dagster's instance
-config reads it), so the long-lived `pipeline-assets dev`
-process never imports Dagster (about 70 MB it would hold for the whole
-session, beside the webserver, daemon and code server that need it):
-
-* Dagster's tables are created once, before the webserver and the daemon race
-  to create them;
-* the per-document scheme's dynamic partition set (``documents``) is emptied:
-  its keys are no partitions of anything now (nothing is re-embedded);
-* the model ids given after DAGSTER_HOME (the registry's active models and the
-  configured one) are added to the ``model`` partition set if missing: the
-  columns of ``embeddings`` exist before any sensor ticks, also on an instance
-  of the bucket-only scheme (whose ``embeddings`` materializations keep their
-  bucket keys: history, not partitions of the new definition).
-
-Prints the number of legacy partitions deleted (0 once done) on stdout.
+``cli/devserver.py`` runs ``python -m`` this module with DAGSTER_HOME (then model ids) as
+arguments and the storage URL in the environment, so the long-lived `dev` process never
+imports Dagster. It creates Dagster's tables once (before the webserver and daemon race to),
+empties the per-document scheme's dynamic partition set ``documents`` (an upgrade of an
+instance of that scheme; docs/dagster.md), and adds the given model ids missing from the
+``model`` partition set, so the columns of ``embeddings`` exist before any sensor ticks.
+Prints the number of legacy partitions deleted (0 once done).
 """
 
 import sys
