@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pipeline_assets.content import folder_source
-    from pipeline_assets.defs import sensors
+    from pipeline_assets.defs.ingest import source_sensor as sensors
     from pipeline_assets.store import db
 
     reads: list[str] = []

@@ -22,7 +22,7 @@ from dagster._core.loader import LoadingContextForTest
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
-from pipeline_assets.defs import devserver
+from pipeline_assets.cli import devserver
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.defs.resources import build_resources

@@ -14,11 +14,11 @@ from pipeline_assets.app import reports
 from pipeline_assets.app.buckets import bucket_of as bucket_index
 from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
-from pipeline_assets.defs.assets import EMBEDDING_POOL
-from pipeline_assets.defs.checks import COVERAGE_CHECK
+from pipeline_assets.defs.embeddings.assets import EMBEDDING_POOL
+from pipeline_assets.defs.embeddings.checks import COVERAGE_CHECK
+from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
-from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
 from pipeline_assets_tests.dagster_helpers import (

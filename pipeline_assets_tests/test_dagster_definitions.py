@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from pipeline_assets.app.runtime import code_versions
-from pipeline_assets.defs import devserver
+from pipeline_assets.cli import devserver
 from pipeline_assets.defs.keys import ASSET_KEYS, INGEST_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings

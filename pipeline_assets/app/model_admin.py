@@ -335,7 +335,7 @@ class ModelFollowed:
 
 
 def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True) -> ModelFollowed:
-    """A model change without downtime, done by the Dagster layer (``defs/model_switch.py``) each tick.
+    """A model change without downtime, done by the Dagster layer (``defs/models/sensors.py``) each tick.
 
     1. ``add`` the configured model (a new one gets jobs for every current chunk);
        a retired one is refused (``ModelRetired``), as everywhere.
