@@ -7,7 +7,7 @@ import pytest
 
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs.job_store import JobStore
+from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
@@ -34,8 +34,8 @@ def docs(pool, tmp_path) -> tuple[str, dict[str, int]]:
     return rt.model_id, pks
 
 
-def _store(pool, model_id: str, scope: list[int]) -> JobStore:
-    return JobStore(pool, model_id=model_id, worker_id="w", backoff_base=0.05, backoff_cap=0.2, scope=scope)
+def _store(pool, model_id: str, scope: list[int]) -> PostgresJobStore:
+    return PostgresJobStore(pool, model_id=model_id, worker_id="w", backoff_base=0.05, backoff_cap=0.2, scope=scope)
 
 
 def _doc_of_jobs(conn, job_ids: list[int]) -> set[str]:

@@ -31,6 +31,7 @@ from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
+from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.suspects import SuspectGate
@@ -115,7 +116,7 @@ class Worker:
         # Connections that met an unavailable or read-only server are replaced (``DatabaseWait``).
         self._db_wait = DatabaseWait(on_unavailable=pool.drain)
         try:
-            self.store = store = JobStore(
+            self.store = store = PostgresJobStore(
                 pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
                 backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap,
                 scope=self.config.scope, observers=job_log.observers(pool, worker_id=self.worker_id,
