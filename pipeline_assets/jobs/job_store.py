@@ -49,8 +49,8 @@ class JobStore(Protocol):
 
     def claim(self, *, owner: str, limit: int, lease_seconds: float) -> list[ClaimedJob]:
         """Up to ``limit`` waiting jobs whose time has come, oldest ``available_at``
-        first (then job id), moved to processing under ``owner`` for
-        ``lease_seconds``, an attempt counted. Nothing while the breaker is tripped and
+        first (then job id; returned in no particular order), moved to processing
+        under ``owner`` for ``lease_seconds``, an attempt counted. Nothing while the breaker is tripped and
         paused or a throttle's pause lasts; once half-open, one claim takes the probe slot."""
         ...
 
