@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from pipeline_assets.jobs import ledger
+from pipeline_assets.jobs import leases, ledger
 from pipeline_assets.jobs.changes import Complete
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.memory_job_store import MemoryJobStore
@@ -24,6 +25,7 @@ from pipeline_assets_tests.conftest import FAKE_MODEL, wait_until
 from pipeline_assets_tests.job_store_harness import ManualClock
 
 LEASE = 30.0
+HEARTBEAT_LEASE = 0.6  # a third of it is the heartbeat's interval, in real seconds
 BATCH = 16
 OWNER, OTHER = "w/x/1", "w/y/1"
 WAIT = 30.0  # bound of a wait on a condition
@@ -66,8 +68,8 @@ def rig(fake):
     queue = MemoryQueue(clock=clock)
     report = WorkerReport()
     settings = Settings.from_env({})
-    store = MemoryJobStore(queue, model_id=provider.spec.model_id, run="w/x/", backoff_base=BACKOFF_BASE, backoff_cap=BACKOFF_CAP,
-                           observers=[ReportCounts(report)])
+    store = MemoryJobStore(queue, model_id=provider.spec.model_id, run="w/x/", backoff_base=BACKOFF_BASE,
+                           backoff_cap=BACKOFF_CAP, observers=[ReportCounts(report)])
     executor = Executor(provider, store, settings, poll_seconds=0.05, lease_seconds=LEASE, report=report,
                         stopping=Stopping(threading.Event()), view=ProviderView(store.register_model(provider.spec)))
     try:
@@ -156,3 +158,26 @@ def test_a_completion_after_the_lease_was_lost_is_refused(rig):
     assert rig.vector("slow HOLD") is None and rig.report.embedded == 0
     assert rig.queue.calls[0].billed == ledger.BILLED  # the refused answer was paid for all the same
     assert rig.store.apply(OTHER, [Complete((again.job_id,), (np.ones(16, dtype=np.float32),))]) == {job: "ready"}
+
+
+def test_the_heartbeat_extends_healthy_leases_only(rig):
+    """A held claim whose deadline has not passed is extended; a stalled one (its
+    deadline passed) is not, so it expires and is rescued."""
+    healthy, stalled = rig.add("healthy"), rig.add("stalled")
+    rig.store.claim(owner=OWNER, limit=1, lease_seconds=HEARTBEAT_LEASE)
+    rig.store.claim(owner=OTHER, limit=1, lease_seconds=HEARTBEAT_LEASE)
+    rig.executor.leases.hold(OWNER, healthy, time.monotonic() + WAIT)
+    rig.executor.leases.hold(OTHER, stalled, time.monotonic() - 1)
+    rig.clock.now += HEARTBEAT_LEASE / 2
+    stop = threading.Event()
+    beat = threading.Thread(target=leases.heartbeat, args=(rig.executor.leases, rig.store, HEARTBEAT_LEASE, stop))
+    beat.start()
+    try:
+        wait_until(lambda: rig.queue.jobs[healthy[0]].lease_expires_at == rig.clock.now + HEARTBEAT_LEASE,
+                   timeout=WAIT, what="the healthy lease extended")
+    finally:
+        stop.set()
+        beat.join(WAIT)
+    rig.clock.now += HEARTBEAT_LEASE * 0.75
+    assert rig.store.rescue() == 1
+    assert rig.status(*healthy, *stalled) == ["processing", "pending"]

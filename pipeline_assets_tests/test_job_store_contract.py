@@ -1,8 +1,6 @@
-"""The contract of ``JobStore``, one suite run against every implementation
-(the in-memory store and PostgreSQL): claim order and batching, lease expiry
-and reclaim, each transition, fencing, supersede, faults, the breaker and
-splitting. Time moves only when a test advances it.
-"""
+"""The contract of ``JobStore``, one suite for every implementation (in memory, PostgreSQL):
+claim order and batching, lease expiry and reclaim, each transition, fencing, supersede,
+the breaker, the ledger and splitting. Time moves only when a test advances it."""
 
 from __future__ import annotations
 
@@ -86,19 +84,18 @@ def test_a_scoped_store_claims_only_its_documents(world):
 
 def test_observers_are_told_what_was_claimed_applied_and_rescued(world):
     class Seen(JobObserver):
-        def __init__(self) -> None:
-            self.events: list[tuple] = []
-            self.claimed_jobs = 0
+        claimed_jobs = 0
 
         def claimed(self, jobs) -> None:
             self.claimed_jobs += len(jobs)
 
         def applied(self, change, became) -> None:
-            self.events.append((type(change).__name__, became))
+            events.append((type(change).__name__, became))
 
         def rescued(self, count) -> None:
-            self.events.append(("rescued", count))
+            events.append(("rescued", count))
 
+    events: list[tuple] = []
     seen = Seen()
     store = world.store(observers=[seen])
     _, jobs = world.enqueue(2)
@@ -108,7 +105,7 @@ def test_observers_are_told_what_was_claimed_applied_and_rescued(world):
     world.advance(2)
     store.rescue()
     assert store.claimed == 2
-    assert seen.events == [("Fail", {jobs[0]: "failed"}), ("rescued", 1)]
+    assert events == [("Fail", {jobs[0]: "failed"}), ("rescued", 1)]
 
 
 # -- leases -----------------------------------------------------------------------------------
