@@ -181,3 +181,24 @@ def test_the_heartbeat_extends_healthy_leases_only(rig):
     rig.clock.now += HEARTBEAT_LEASE * 0.75
     assert rig.store.rescue() == 1
     assert rig.status(*healthy, *stalled) == ["processing", "pending"]
+
+
+def test_one_5xx_on_a_batch_costs_no_attempt_and_isolates_nothing(rig):
+    """A transient fault of a provider that answers others is the request's, not its inputs'."""
+    jobs = rig.add("a", "b", "c")
+    rig.fake.fail_next(1, 500)
+    rig.run()
+    assert rig.status(*jobs) == ["pending"] * 3
+    assert [(rig.queue.jobs[j].attempts, rig.queue.jobs[j].faults, rig.queue.jobs[j].isolate) for j in jobs] == [
+        (0, 1, False)] * 3
+
+
+def test_an_unmatchable_answer_is_given_back_and_billed_as_maybe(rig):
+    """An answer one vector short cannot be matched to its inputs: nothing is stored,
+    no attempt is used, and the send stays counted as possibly billed."""
+    jobs = rig.add("a", "b")
+    rig.fake.short_rate = 1.0
+    rig.run()
+    assert all(rig.vector(t) is None for t in ("a", "b"))
+    assert [rig.queue.jobs[j].attempts for j in jobs] == [0, 0]
+    assert rig.queue.calls[0].billed == ledger.MAYBE_BILLED
