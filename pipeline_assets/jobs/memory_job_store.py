@@ -76,9 +76,9 @@ class MemoryJobStore:
         q = self.queue
         with q.lock:
             now = q.now()
-            waiting = sorted((j for j in q.jobs.values() if j.model_id == self.model_id and j.status in WAITING
-                              and q.in_scope(j, self.scope)), key=lambda j: (j.available_at, j.job_id))
-            due = [j for j in waiting if j.available_at <= now]
+            due = sorted((j for j in q.jobs.values() if j.model_id == self.model_id and j.status in WAITING
+                          and j.available_at <= now and q.in_scope(j, self.scope)),
+                         key=lambda j: (j.available_at, j.job_id))
             breaker = q.breaker(self.model_id)
             probe = False
             if breaker.tripped and breaker.paused_until <= now and breaker.probe_until <= now and due:
