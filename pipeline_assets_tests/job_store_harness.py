@@ -12,7 +12,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline_assets.jobs import models, transitions
+import numpy as np
+
+from pipeline_assets.jobs import leases, models, transitions
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
@@ -23,6 +25,8 @@ SPEC = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, m
                  max_batch_tokens=1000)
 MODEL = SPEC.model_id
 CHUNK_TOKENS = 3
+LEASE = 30.0
+A, B = "w/a/1", "w/b/1"  # two lease owners (claims) of two workers
 
 _labels = itertools.count()
 
@@ -83,6 +87,9 @@ class MemoryHarness:
     def drop_content(self, job_id: int) -> None:
         self.queue.drop_content(self.queue.jobs[job_id].chunk_checksum)
 
+    def beat(self, prefix: str, dead_after: float) -> None:
+        self.queue.beat(prefix, dead_after)
+
     def call(self, call_id: int) -> tuple[str, str, int]:
         c = self.queue.calls[call_id - 1]
         return c.outcome, c.billed, c.tokens
@@ -130,6 +137,13 @@ class PostgresHarness:
                           " lease_expires_at = lease_expires_at - make_interval(secs => %(s)s)", shift)
         self.conn.execute("UPDATE app.provider_state SET paused_until = paused_until - make_interval(secs => %(s)s),"
                           " probe_until = probe_until - make_interval(secs => %(s)s)", shift)
+        self.conn.execute("UPDATE app.workers SET alive_since = alive_since - make_interval(secs => %(s)s),"
+                          " beat_at = beat_at - make_interval(secs => %(s)s),"
+                          " alive_until = alive_until - make_interval(secs => %(s)s)", shift)
+
+    def beat(self, prefix: str, dead_after: float) -> None:
+        self.conn.execute(leases.WORKERS.beat, {"prefix": prefix, "worker": prefix, "model": MODEL, "host": "h",
+                                                "pid": 1, "dead_after": dead_after})
 
     def drop_content(self, job_id: int) -> None:
         self.conn.execute("DELETE FROM app.chunks WHERE chunk_checksum ="
@@ -138,3 +152,20 @@ class PostgresHarness:
     def call(self, call_id: int) -> tuple[str, str, int]:
         return self.conn.execute("SELECT outcome, billed, tokens FROM app.provider_calls WHERE call_id = %s",
                                  (call_id,)).fetchone()
+
+
+def vec(x: float = 1.0) -> np.ndarray:
+    return np.array([x, 1.0, 2.0, 3.0], dtype=np.float32)
+
+
+def ids(jobs) -> list[int]:
+    """The job ids of a claim, sorted (a claim returns its jobs in no particular order)."""
+    return sorted(j.job_id for j in jobs)
+
+
+def claim_expired(world, store: JobStore, ids_: list[int]) -> None:
+    """A claims, its lease expires, the rescue returns the jobs and B claims them."""
+    assert ids(store.claim(owner=A, limit=10, lease_seconds=LEASE)) == sorted(ids_)
+    world.advance(LEASE + 1)
+    assert store.rescue() == len(ids_)
+    assert ids(store.claim(owner=B, limit=10, lease_seconds=LEASE)) == sorted(ids_)

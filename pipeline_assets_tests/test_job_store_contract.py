@@ -4,7 +4,6 @@ the breaker, the ledger and splitting. Time moves only when a test advances it."
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from pipeline_assets.jobs import ledger
@@ -13,40 +12,23 @@ from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer
 from pipeline_assets.providers import RETRYABLE, ProviderError
 from pipeline_assets.store import db
-from pipeline_assets_tests.job_store_harness import SPEC, MemoryHarness, PostgresHarness
+from pipeline_assets_tests import job_store_harness as harness
+from pipeline_assets_tests.job_store_harness import LEASE, A, B, claim_expired, ids, vec
 
-LEASE = 30.0
-A, B = "w/a/1", "w/b/1"
+DEAD_AFTER = 10.0  # a worker's liveness window
 
 
 @pytest.fixture(params=["memory", "postgres"])
 def world(request):
     if request.param == "memory":
-        yield MemoryHarness()
+        yield harness.MemoryHarness()
         return
     conn = request.getfixturevalue("clean_db")
     pool = db.make_pool(request.getfixturevalue("database_url"), min_size=1, max_size=2)
     try:
-        yield PostgresHarness(conn, pool)
+        yield harness.PostgresHarness(conn, pool)
     finally:
         pool.close()
-
-
-def vec(x: float = 1.0) -> np.ndarray:
-    return np.array([x, 1.0, 2.0, 3.0], dtype=np.float32)
-
-
-def ids(jobs) -> list[int]:
-    """The job ids of a claim, sorted (a claim returns its jobs in no particular order)."""
-    return sorted(j.job_id for j in jobs)
-
-
-def claim_expired(world, store, ids_: list[int]) -> None:
-    """A claims, its lease expires, the rescue returns the jobs and B claims them."""
-    assert ids(store.claim(owner=A, limit=10, lease_seconds=LEASE)) == sorted(ids_)
-    world.advance(LEASE + 1)
-    assert store.rescue() == len(ids_)
-    assert ids(store.claim(owner=B, limit=10, lease_seconds=LEASE)) == sorted(ids_)
 
 
 # -- claim ------------------------------------------------------------------------------------
@@ -122,6 +104,21 @@ def test_an_expired_lease_is_rescued_as_a_fault_and_claimed_again(world):
         "pending", 0, 1, None, "lease_expired")
     [again] = store.claim(owner=B, limit=1, lease_seconds=LEASE)
     assert (again.job_id, again.attempts, again.faults, again.crashed) == (job, 1, 1, True)
+
+
+@pytest.mark.parametrize("rescuer_silent", [False, True], ids=["rescuer-beating", "rescuer-silent-too"])
+def test_a_dead_workers_claims_are_rescued_before_their_lease_ends(world, rescuer_silent):
+    """Only a rescuer that kept beating may judge a silent worker dead (an outage silences all)."""
+    store = world.store()
+    _, [job] = world.enqueue(1)
+    world.beat("w/a/", DEAD_AFTER)
+    world.beat("w/r/", DEAD_AFTER)
+    store.claim(owner=A, limit=1, lease_seconds=LEASE)
+    for _ in range(2):
+        world.advance(DEAD_AFTER * 0.6 if not rescuer_silent else DEAD_AFTER * 1.2)
+        world.beat("w/r/", DEAD_AFTER)
+    assert store.rescue("w/r/") == (0 if rescuer_silent else 1)
+    assert world.job(job).error_class == (None if rescuer_silent else "worker_dead")
 
 
 def test_the_heartbeat_keeps_a_lease_only_for_its_holder(world):
@@ -296,5 +293,5 @@ def test_unusable_answers_are_counted_until_a_usable_one(world):
 
 def test_the_first_recorded_dimension_wins(world):
     store = world.store()
-    assert store.register_model(SPEC) == 4
+    assert store.register_model(harness.SPEC) == 4
     assert store.record_dimension(8) == 4

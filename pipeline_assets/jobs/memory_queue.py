@@ -80,6 +80,14 @@ class Call:
 
 
 @dataclass
+class Beats:
+    """One worker's liveness (app.workers): beating since, last beat, alive until."""
+    alive_since: float
+    beat_at: float
+    alive_until: float
+
+
+@dataclass
 class MemoryQueue:
     clock: Callable[[], float] = time.monotonic
     rng: random.Random = field(default_factory=random.Random)
@@ -91,7 +99,7 @@ class MemoryQueue:
     breakers: dict[str, Breaker] = field(default_factory=dict)
     vectors: dict[tuple[bytes, str], Any] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
-    alive_until: dict[str, float] = field(default_factory=dict)  # worker owner prefix -> liveness deadline
+    workers: dict[str, Beats] = field(default_factory=dict)  # by owner prefix
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def now(self) -> float:
@@ -141,9 +149,11 @@ class MemoryQueue:
                     job.status = JobStatus.SUPERSEDED
 
     def beat(self, owner_prefix: str, dead_after: float) -> None:
-        """A worker's liveness beat (app.workers)."""
+        """A worker's liveness beat (workers.sql beat): a beat after a gap restarts alive_since."""
         with self.lock:
-            self.alive_until[owner_prefix] = self.now() + dead_after
+            now, w = self.now(), self.workers.get(owner_prefix)
+            since = now if w is None or w.alive_until < now else w.alive_since
+            self.workers[owner_prefix] = Beats(since, now, now + dead_after)
 
     # -- reads shared by the stores ----------------------------------------------------
     def wanted(self, job: MemoryJob) -> bool:
@@ -160,7 +170,12 @@ class MemoryQueue:
         return docs is None or any(job.chunk_checksum in self.docs.get(d, ()) for d in docs)
 
     def dead(self, owner: str, rescuer: str | None) -> bool:
-        """Whether the worker of lease ``owner`` stopped beating while ``rescuer`` is alive."""
-        if rescuer is None or self.alive_until.get(rescuer, NEVER) < self.now():
+        """Whether the worker of lease ``owner`` stopped beating while ``rescuer``, alive, could
+        beat (jobs.sql rescue_expired: a silence of every worker condemns nobody)."""
+        now, r = self.now(), self.workers.get(rescuer or "")
+        if r is None or r.alive_until < now:
             return False
-        return any(owner.startswith(prefix) and until < self.now() for prefix, until in self.alive_until.items())
+        window_start = now - (r.alive_until - r.beat_at)
+        return any(owner.startswith(prefix) and w.alive_until < now
+                   and (r.alive_since <= w.alive_until or r.alive_since <= window_start)
+                   for prefix, w in self.workers.items())
