@@ -4,7 +4,8 @@
 Each method is atomic under the queue's lock, as each PostgreSQL statement (or
 short transaction) is; every transition of a held job is fenced by its lease
 owner. Time is the queue's clock: leases expire and pauses end when it passes.
-For unit tests of the worker and the executor; never a production queue.
+For unit tests of the worker and the executor; never a production queue. Its
+ledger has no day boundary: ``tokens_today_of_others`` counts every call.
 """
 
 from __future__ import annotations
