@@ -15,7 +15,7 @@ command line ingested as synced), then, timed, with nothing changed:
 
     python benchmarks/b18_bucket_cost.py [--documents 10000] [--repeat 3]
 
-Target (issue 29): one bucket ≤ 10 s at 100,000 documents.
+Target: one bucket ≤ 10 s at 100,000 documents.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """B1 A/B: the worker phase of B1 on two trees, interleaved, in one run.
 
 Tree A is a baseline revision extracted with ``git archive <rev> | tar -x``
-(default 50bb427, the tree before issue 8); tree B is this checkout. Each round
+(default 50bb427, the tree before the provider-fault guards); tree B is this checkout. Each round
 runs one subprocess per tree (its ``sys.path`` pointing at that tree only, so
 each measures its own worker, migrations and ``benchmarks/b1_core.py``
 ZeroLatencyProvider): it ingests N one-chunk documents into a fresh database of

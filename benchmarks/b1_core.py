@@ -33,7 +33,7 @@ from pgvector.psycopg import register_vector
 
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
-from pipeline_assets.jobs import models, transitions
+from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
 from pipeline_assets.providers import EmbedResult, ModelSpec
 from pipeline_assets.settings import Settings
@@ -142,7 +142,7 @@ def bench_index_build(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
     worker does when the queue empties), against inserting into it row by row."""
     with db.connect(url) as conn:
         with Timer() as t:
-            models.ensure_index(conn, provider.spec.model_id, provider.dim)
+            vector_index.build(conn, provider.spec.model_id, provider.dim)
     return {"rows": n, "seconds": round(t.seconds, 3), "rows_per_s": rate(n, t.seconds)}
 
 

@@ -23,6 +23,7 @@ from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
+    bucket_states,
     check_results,
     embed_range_tags,
     evaluate_sensor,
@@ -404,7 +405,7 @@ def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
     buckets = list(range(n))
     from_sql = bk.states_of(conn, root, buckets, n)
     summaries = reports.document_summaries(conn, root, bk.bucket_documents(conn, root, buckets, n))
-    assert from_sql == bk.bucket_states(summaries, buckets, n)
+    assert from_sql == bucket_states(summaries, buckets, n)
     assert sum(s.documents for s in from_sql.values()) == 6 and sum(s.quarantined for s in from_sql.values()) >= 1
     assert [s.quarantined_ids for s in from_sql.values() if s.quarantined_ids] == [["binary.md"]]
 

@@ -1,4 +1,4 @@
-"""The dead-letter queue as a work list (issue 10), through the real CLI against
+"""The dead-letter queue as a work list, through the real CLI against
 the real PostgreSQL, with the fake OpenAI server injecting the faults: groups
 with counts and first/last seen, one job's attempt history (written by the
 trigger of sql/011 on failure transitions only), requeue by error class, and

@@ -1,7 +1,7 @@
-"""Retiring a model is sticky (issue 8, "smaller"): anything still configured
+"""Retiring a model is sticky: anything still configured
 with a retired model is refused with one line, bills nothing, and does not
 reactivate it; `models activate` brings it back, with jobs for what it lacks.
-And `export` streams through a server-side cursor (issue 8, item 13)."""
+And `export` streams through a server-side cursor."""
 
 from __future__ import annotations
 

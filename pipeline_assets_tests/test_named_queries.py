@@ -16,7 +16,7 @@ import pytest
 from psycopg import sql
 
 from pipeline_assets.app import reports, retrieval, stages
-from pipeline_assets.jobs import ledger, models, transitions
+from pipeline_assets.jobs import ledger, models, transitions, vector_index
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import queries
@@ -335,8 +335,8 @@ def test_read_paths_run_against_a_real_database(clean_db):
     assert transitions.outstanding(conn, MODEL) == (False, False)
 
     # The index of a model id with a quote in it (the literal is quoted by psycopg.sql).
-    models.ensure_index(conn, MODEL, 4)
-    models.ensure_index(conn, MODEL, 4)  # idempotent
+    vector_index.build(conn, MODEL, 4)
+    vector_index.build(conn, MODEL, 4)  # idempotent
     [(indexdef,)] = conn.execute("SELECT indexdef FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
                                  (models._index_name(MODEL),)).fetchall()
     assert "vector(4)" in indexdef and "'test/o''named@4'" in indexdef

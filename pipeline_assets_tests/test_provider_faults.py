@@ -1,4 +1,4 @@
-"""Provider faults a real deployment meets first (issue 8, items 1, 2, 3 and 5).
+"""Provider faults a real deployment meets first.
 
 Real worker processes (the CLI) or an in-process ``Worker`` against the real
 PostgreSQL and the fake OpenAI server; every assertion is on outcomes: job
@@ -22,7 +22,7 @@ from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli
 # The measured scenario of item 1: 30 documents of two chunks each.
 SOAK_DOCUMENTS = 30
 SOAK_WORDS = 300  # ~600 tokens: two 512-token chunks per document
-# Issue 8 asks for this corpus under these faults in under 60 s; it takes about 10 s on a quiet
+# The requirement: this corpus under these faults in under 60 s; it takes about 10 s on a quiet
 # 2-core machine, and the wall time is printed. What is asserted is a bound against a hang only
 # (a loaded machine may take minutes): the faults that were the bugs stall for an hour or a day
 # here (a probe holding its slot for a lease of an hour, an uncapped Retry-After of a day), far
@@ -220,7 +220,7 @@ def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt
     # one trivial check ("ping": does the provider answer anyone?) that it answered.
     assert fake.stats["requests"] == 3 and fake.stats["responses_by_status"] == {500: 1, 200: 2}
     assert fake.billed_count("ping") == 1
-    # Issue 15: the 500 is the provider's and the request's: no input paid an attempt for it; each
+    # The 500 is the provider's and the request's: no input paid an attempt for it; each
     # counts the fault (which would shrink its next requests to a quarter: 23 still fit in one).
     assert conn.execute("SELECT min(attempts), max(attempts), min(faults), max(faults)"
                         " FROM app.embedding_jobs").fetchone() == (1, 1, 1, 1)

@@ -1,4 +1,4 @@
-"""The spend ledger counts every send, whatever happens after it (issue 8, item 6).
+"""The spend ledger counts every send, whatever happens after it.
 
 Each send is recorded before the request goes out; its outcome settles it. The
 ledger's duplicate sends must equal the provider's duplicate bills: after a

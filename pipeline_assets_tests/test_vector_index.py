@@ -1,4 +1,4 @@
-"""The per-model vector index (issue 8, items 8 and 9).
+"""The per-model vector index.
 
 Models over 2,000 dimensions get a halfvec index up to 4,000 and none above
 (exact search); a build error is one line or a logged warning, never a lost
@@ -398,7 +398,7 @@ def test_search_is_exact_before_the_index_exists_and_uses_it_after(clean_db, dim
     assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)
 
 
-# --------------------------------------------------------------------------- at scale (issue 29, item 4)
+# --------------------------------------------------------------------------- at scale
 
 
 def seed_vectors(conn, s: ModelSpec, n: int) -> None:

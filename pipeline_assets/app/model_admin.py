@@ -17,7 +17,6 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app import documents, estimate
 from pipeline_assets.app.runtime import Runtime, chunking, fitted
 from pipeline_assets.jobs import models, transitions, vector_index
-from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
 from pipeline_assets.providers import (
     ChunkTooLarge,
     ConfigError,
