@@ -85,8 +85,8 @@ def test_a_give_back_the_lease_fence_refuses_is_counted_as_refused(pool, docs, c
 
     model_id, pks = docs
     report = WorkerReport()
-    late = JobStore(pool, model_id=model_id, worker_id="late", backoff_base=0.05, backoff_cap=0.2,
-                    scope=[pks["doc0000.md"]], observers=[ReportCounts(report)])
+    late = PostgresJobStore(pool, model_id=model_id, worker_id="late", backoff_base=0.05, backoff_cap=0.2,
+                            scope=[pks["doc0000.md"]], observers=[ReportCounts(report)])
     held = [j.job_id for j in late.claim(owner="late/1", limit=100, lease_seconds=LEASE)]
     assert held
     conn.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
