@@ -142,7 +142,7 @@ def wrap_store_methods() -> dict:
     """Count calls and wall seconds of every public JobStore method (summed over threads)."""
     import threading
 
-    from pipeline_assets.jobs.job_store import JobStore
+    from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 
     totals: dict[str, list] = {}
     lock = threading.Lock()
@@ -159,9 +159,9 @@ def wrap_store_methods() -> dict:
                     entry[1] += time.perf_counter() - t
         return timed
 
-    for name, fn in list(vars(JobStore).items()):
+    for name, fn in list(vars(PostgresJobStore).items()):
         if callable(fn) and not name.startswith("_"):
-            setattr(JobStore, name, wrap(name, fn))
+            setattr(PostgresJobStore, name, wrap(name, fn))
     return totals
 
 

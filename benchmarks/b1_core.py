@@ -38,6 +38,7 @@ from pipeline_assets.jobs.worker import Worker, WorkerConfig
 from pipeline_assets.providers import EmbedResult, ModelSpec
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
+from pipeline_assets_tests import job_helpers
 
 # Rounds of the worker / COPY / pgqueuer measurements; the medians are reported.
 ROUNDS = 5
@@ -157,7 +158,7 @@ def bench_naive(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
                 if not jobs:
                     break
                 result = provider.embed([jobs[0].text])
-                ready, _ = transitions.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
+                ready, _ = job_helpers.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
                 done += len(ready)
     assert done == n, done
     return {"jobs": done, "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs.job_store import JobStore
+from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
@@ -34,8 +34,8 @@ def docs(pool, tmp_path) -> tuple[str, dict[str, int]]:
     return rt.model_id, pks
 
 
-def _store(pool, model_id: str, scope: list[int]) -> JobStore:
-    return JobStore(pool, model_id=model_id, worker_id="w", backoff_base=0.05, backoff_cap=0.2, scope=scope)
+def _store(pool, model_id: str, scope: list[int]) -> PostgresJobStore:
+    return PostgresJobStore(pool, model_id=model_id, worker_id="w", backoff_base=0.05, backoff_cap=0.2, scope=scope)
 
 
 def _doc_of_jobs(conn, job_ids: list[int]) -> set[str]:
@@ -85,8 +85,8 @@ def test_a_give_back_the_lease_fence_refuses_is_counted_as_refused(pool, docs, c
 
     model_id, pks = docs
     report = WorkerReport()
-    late = JobStore(pool, model_id=model_id, worker_id="late", backoff_base=0.05, backoff_cap=0.2,
-                    scope=[pks["doc0000.md"]], observers=[ReportCounts(report)])
+    late = PostgresJobStore(pool, model_id=model_id, worker_id="late", backoff_base=0.05, backoff_cap=0.2,
+                            scope=[pks["doc0000.md"]], observers=[ReportCounts(report)])
     held = [j.job_id for j in late.claim(owner="late/1", limit=100, lease_seconds=LEASE)]
     assert held
     conn.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
