@@ -19,7 +19,7 @@ command line ingested as synced), then, timed, with nothing changed:
 (``DIR/corpus``, ``DIR/url``), and times nothing; ``--reuse DIR`` times the runs
 on them (another checkout can then be timed on the same data, interleaved).
 
-Target (issue 29): one bucket ≤ 10 s at 100,000 documents.
+Target: one bucket ≤ 10 s at 100,000 documents.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """B1 A/B: the worker phase of B1 on two trees, interleaved, in one run.
 
 Tree A is a baseline revision extracted with ``git archive <rev> | tar -x``
-(default 50bb427, the tree before issue 8); tree B is this checkout. Each round
+(default 50bb427, the tree before the provider-fault guards); tree B is this checkout. Each round
 runs one subprocess per tree (its ``sys.path`` pointing at that tree only, so
 each measures its own worker, migrations and ``benchmarks/b1_core.py``
 ZeroLatencyProvider): it ingests N one-chunk documents into a fresh database of
@@ -142,7 +142,7 @@ def wrap_store_methods() -> dict:
     """Count calls and wall seconds of every public JobStore method (summed over threads)."""
     import threading
 
-    from pipeline_assets.jobs.job_store import JobStore
+    from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 
     totals: dict[str, list] = {}
     lock = threading.Lock()
@@ -159,9 +159,9 @@ def wrap_store_methods() -> dict:
                     entry[1] += time.perf_counter() - t
         return timed
 
-    for name, fn in list(vars(JobStore).items()):
+    for name, fn in list(vars(PostgresJobStore).items()):
         if callable(fn) and not name.startswith("_"):
-            setattr(JobStore, name, wrap(name, fn))
+            setattr(PostgresJobStore, name, wrap(name, fn))
     return totals
 
 

@@ -33,11 +33,12 @@ from pgvector.psycopg import register_vector
 
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
-from pipeline_assets.jobs import models, transitions
+from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
 from pipeline_assets.providers import EmbedResult, ModelSpec
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
+from pipeline_assets_tests import job_helpers
 
 # Rounds of the worker / COPY / pgqueuer measurements; the medians are reported.
 ROUNDS = 5
@@ -141,7 +142,7 @@ def bench_index_build(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
     worker does when the queue empties), against inserting into it row by row."""
     with db.connect(url) as conn:
         with Timer() as t:
-            models.ensure_index(conn, provider.spec.model_id, provider.dim)
+            vector_index.build(conn, provider.spec.model_id, provider.dim)
     return {"rows": n, "seconds": round(t.seconds, 3), "rows_per_s": rate(n, t.seconds)}
 
 
@@ -157,7 +158,7 @@ def bench_naive(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
                 if not jobs:
                     break
                 result = provider.embed([jobs[0].text])
-                ready, _ = transitions.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
+                ready, _ = job_helpers.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
                 done += len(ready)
     assert done == n, done
     return {"jobs": done, "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}

@@ -5,7 +5,7 @@ project's resources, a Dagster instance on local storage, the pipeline database
 a fresh one on the embedded server) and measures:
 
 * ``first_tick_s``: an empty observation table: every file read and stored; the
-  tick requests ONE run over the buckets holding them (bucket partitions, issue 14).
+  tick requests ONE run over the buckets holding them (bucket partitions).
 * ``unchanged_tick_s``: after every document was requested, a tick over
   the unchanged tree, evaluated with freshly built definitions and resources
   (as after a code reload: nothing of the sensor kept in the process); median
@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from pipeline_assets.content import folder_source
-    from pipeline_assets.defs import sensors
+    from pipeline_assets.defs.ingest import source_sensor as sensors
     from pipeline_assets.store import db
 
     reads: list[str] = []

@@ -1,4 +1,4 @@
-"""B9: materializing one `embeddings` partition while a large backlog waits (issue 9, section 1).
+"""B9: materializing one `embeddings` partition while a large backlog waits.
 
 A backlog of other documents is ingested (jobs pending, never embedded), then
 one partition of a separate source is materialized through Dagster

@@ -1,4 +1,4 @@
-"""Ingest throughput with the ingest guards (issue 8, item 12).
+"""Ingest throughput with the ingest guards.
 
 Writes a synthetic corpus of N documents (default 2,000: 80% markdown of about
 1.5 KB, 10% HTML, 10% text of about 12 KB, several chunks each), then times

@@ -1,15 +1,10 @@
 """Every setting in one place: one typed, immutable ``Settings``, built once.
 
-``Settings.from_env()`` reads the environment exactly once (at the edge: the
-command line, the Dagster definitions or a resource) and the object is passed
-down; nothing below reads ``os.environ``. Each field names its environment
-variable, its default and what it bounds. The README's configuration table is
-generated from its fields (``python -m pipeline_assets.settings_reference``) and a test
-checks that the two agree, so the documentation cannot drift.
-
-Constants that are not meant to be tuned per deployment (poll intervals, the
-breaker threshold, batch sizes of internal statements) are named module
-constants below, each with the reason for its value.
+``Settings.from_env()`` reads the environment exactly once (at the edge: the command line, the
+Dagster definitions or a resource) and the object is passed down; nothing below reads ``os.environ``.
+Each field names its environment variable, its default and what it bounds; docs/configuration.md is
+generated from them (``python -m pipeline_assets.settings_reference``, checked by a test). Constants
+not meant to be tuned per deployment are named module constants below.
 """
 
 from __future__ import annotations
@@ -52,9 +47,8 @@ BREAKER_PROBE_INTERVAL = 5.0
 # Documents written per ingest transaction: bounds the length of the
 # transactions that hold the ingest write lock.
 INGEST_BATCH_DOCUMENTS = 200
-# Extraction children per ingest (0: one per CPU the process may use). One by default: a
-# second child forked mid-ingest once hung a whole stage timeout under CI load (two documents
-# quarantined as `timeout`), and ingest is bound by its database writes, not extraction.
+# Extraction children per ingest (0: one per CPU the process may use); why one by default:
+# docs/decisions/0001-one-extraction-child.md.
 DEFAULT_EXTRACT_PROCESSES = 1
 
 # How much of a provider error message is kept in the database.
@@ -245,7 +239,7 @@ class Settings:
     crashpoint: str | None = _setting("PIPELINE_CRASHPOINT", None,
                                       "tests only: freeze the worker at a named point to be killed")
 
-    # -- model input limits and the local model (issue 16) ---------------------------------
+    # -- model input limits and the local model --------------------------------------------
     # A server's model window cannot be asked over the OpenAI API; known OpenAI
     # models carry theirs (8191). Without it a chunk past the window would be
     # silently truncated by servers such as TEI or infinity, so a model outside

@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,7 +20,9 @@ from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStal
 from dagster._core.definitions.partitions.context import partition_loading_context
 from dagster._core.loader import LoadingContextForTest
 
-from pipeline_assets.defs import devserver
+from pipeline_assets.app import buckets as bk
+from pipeline_assets.app import reports
+from pipeline_assets.cli import devserver
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.defs.resources import build_resources
@@ -342,3 +344,24 @@ def watched_corpus(root: Path, documents: int, monkeypatch) -> Path:
     write_corpus(root, documents)
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
     return root
+
+
+def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int],
+                  n: int) -> dict[int, bk.BucketState]:
+    """Each bucket's state computed in Python from its documents' summaries (every bucket asked
+    for, empty or not): the oracle ``buckets.states_of`` (one grouped query) must agree with."""
+    members: dict[int, list[reports.DocumentSummary]] = {b: [] for b in buckets}
+    for doc in sorted(summaries):
+        s = summaries[doc]
+        if s.status != "deleted":
+            members.setdefault(bk.bucket_of(doc, n), []).append(s)
+    states = {}
+    for bucket, docs in members.items():
+        quarantined = [s.document_id for s in docs if s.status == "quarantined"]
+        states[bucket] = bk.BucketState(
+            documents=len(docs), current=sum(s.status == "current" for s in docs), quarantined=len(quarantined),
+            chunks=sum(s.chunks for s in docs), tokens=sum(s.tokens for s in docs),
+            text_digest=bk.digest(f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}" for s in docs),
+            chunks_digest=bk.digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
+            quarantined_ids=quarantined[:bk.SAMPLE_IDS])
+    return states

@@ -1,4 +1,4 @@
-"""A bucket run's scan compares only its buckets' files (issue 29, item 2).
+"""A bucket run's scan compares only its buckets' files.
 
 The scan of one bucket stats, copies in and compares only that bucket's files:
 a file of another bucket that changed, or is gone, is neither read nor marked

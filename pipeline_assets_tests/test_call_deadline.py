@@ -1,4 +1,4 @@
-"""A hard wall-clock deadline on every provider call (issue 8, item 4).
+"""A hard wall-clock deadline on every provider call.
 
 httpx times out per read: an answer that drips a byte at a time never trips a
 read timeout, so without a deadline over the whole call the worker thread stays

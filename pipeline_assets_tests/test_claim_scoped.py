@@ -7,7 +7,7 @@ import pytest
 
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs.job_store import JobStore
+from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
@@ -34,8 +34,8 @@ def docs(pool, tmp_path) -> tuple[str, dict[str, int]]:
     return rt.model_id, pks
 
 
-def _store(pool, model_id: str, scope: list[int]) -> JobStore:
-    return JobStore(pool, model_id=model_id, worker_id="w", backoff_base=0.05, backoff_cap=0.2, scope=scope)
+def _store(pool, model_id: str, scope: list[int]) -> PostgresJobStore:
+    return PostgresJobStore(pool, model_id=model_id, worker_id="w", backoff_base=0.05, backoff_cap=0.2, scope=scope)
 
 
 def _doc_of_jobs(conn, job_ids: list[int]) -> set[str]:
@@ -76,3 +76,27 @@ def test_the_breaker_gates_the_scoped_claim_like_claim(pool, docs, conn):
     assert store.claim(owner="w/4", limit=100, lease_seconds=LEASE) == []
     assert conn.execute("SELECT probe_owner FROM app.provider_state").fetchone()[0] is None
     assert other.claim(owner="w/5", limit=100, lease_seconds=LEASE)           # the next probe goes out
+
+
+def test_a_give_back_the_lease_fence_refuses_is_counted_as_refused(pool, docs, conn):
+    """A worker that lost its lease (another claimed the jobs) and stops: its give-back changes
+    nothing, and its report says how many it could not hand back."""
+    from pipeline_assets.jobs.report import ReportCounts, WorkerReport
+
+    model_id, pks = docs
+    report = WorkerReport()
+    late = PostgresJobStore(pool, model_id=model_id, worker_id="late", backoff_base=0.05, backoff_cap=0.2,
+                            scope=[pks["doc0000.md"]], observers=[ReportCounts(report)])
+    held = [j.job_id for j in late.claim(owner="late/1", limit=100, lease_seconds=LEASE)]
+    assert held
+    conn.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
+                 " WHERE job_id = ANY(%s)", (held,))
+    assert _store(pool, model_id, [pks["doc0000.md"]]).rescue() == len(held)
+    conn.execute("UPDATE app.embedding_jobs SET available_at = now() WHERE job_id = ANY(%s)", (held,))
+    taken = _store(pool, model_id, [pks["doc0000.md"]]).claim(owner="other/1", limit=100, lease_seconds=LEASE)
+    assert sorted(j.job_id for j in taken) == sorted(held)
+    late.give_back_all([("late/1", held)])
+    assert report.refused == len(held)
+    owners = {r[0] for r in conn.execute("SELECT lease_owner FROM app.embedding_jobs WHERE job_id = ANY(%s)",
+                                         (held,))}
+    assert owners == {"other/1"}  # the give-back took nothing from the new holder

@@ -140,7 +140,7 @@ def test_timeout_ambiguity(env, fake, clean_db, corpus):
     conn = clean_db
     texts = chunk_texts(conn)
     assert job_counts(conn) == {"ready": len(texts)}
-    # The drop is the request's fault (issue 15): given back without an attempt, not retried.
+    # The drop is the request's fault: given back without an attempt, not retried.
     assert out["retried"] == 0 and out["embedded"] == len(texts)
     assert conn.execute("SELECT max(attempts), min(faults) FROM app.embedding_jobs").fetchone() == (1, 1)
     assert all(fake.billed_count(t) == 2 for t in texts)  # billed twice, stored once

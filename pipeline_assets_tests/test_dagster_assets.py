@@ -14,15 +14,16 @@ from pipeline_assets.app import reports
 from pipeline_assets.app.buckets import bucket_of as bucket_index
 from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
-from pipeline_assets.defs.assets import EMBEDDING_POOL
-from pipeline_assets.defs.checks import COVERAGE_CHECK
+from pipeline_assets.defs.embeddings.assets import EMBEDDING_POOL
+from pipeline_assets.defs.embeddings.checks import COVERAGE_CHECK
+from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
-from pipeline_assets.defs.sensors import source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
+    bucket_states,
     check_results,
     embed_range_tags,
     evaluate_sensor,
@@ -404,7 +405,7 @@ def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
     buckets = list(range(n))
     from_sql = bk.states_of(conn, root, buckets, n)
     summaries = reports.document_summaries(conn, root, bk.bucket_documents(conn, root, buckets, n))
-    assert from_sql == bk.bucket_states(summaries, buckets, n)
+    assert from_sql == bucket_states(summaries, buckets, n)
     assert sum(s.documents for s in from_sql.values()) == 6 and sum(s.quarantined for s in from_sql.values()) >= 1
     assert [s.quarantined_ids for s in from_sql.values() if s.quarantined_ids] == [["binary.md"]]
 

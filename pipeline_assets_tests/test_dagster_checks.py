@@ -7,7 +7,7 @@ import pytest
 
 from pipeline_assets.app import reports
 from pipeline_assets.app.ingest import ingest_documents
-from pipeline_assets.defs.checks import COVERAGE_CHECK
+from pipeline_assets.defs.embeddings.checks import COVERAGE_CHECK
 from pipeline_assets.defs.keys import EMBEDDINGS
 from pipeline_assets.defs.partitions import bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources

@@ -22,15 +22,16 @@ import pytest
 import yaml
 from dagster._core.instance.ref import InstanceRef
 
-from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
-from pipeline_assets.defs import devserver, instance_setup
-from pipeline_assets.defs.devserver import DAGSTER_URL_ENV
+from pipeline_assets.cli import devserver
+from pipeline_assets.cli.devserver import DAGSTER_URL_ENV
+from pipeline_assets.defs.models import instance_setup
 from pipeline_assets.defs.partitions import bucket_index
 from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, cli
 from pipeline_assets_tests.dagster_helpers import (
     DAGSTER,
     bucket_of,
+    bucket_states,
     command_env,
     latest_data_versions,
     latest_materializations,
@@ -165,7 +166,7 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
         with dg.DagsterInstance.from_config(exported["DAGSTER_HOME"]) as instance:
             # The same instance `pipeline-assets dev` shows: the bucket's materialization with its own
             # data version (a one-bucket run) and its counts...
-            state = bk.bucket_states({"doc0001.md": doc}, [bucket_index(key)], 64)[bucket_index(key)]
+            state = bucket_states({"doc0001.md": doc}, [bucket_index(key)], 64)[bucket_index(key)]
             assert latest_data_versions(instance, "documents", [key]) == {key: state.text_digest}
             meta = {k: v.value for k, v in
                     latest_materializations(instance, "documents", [key])[key].asset_materialization.metadata.items()}

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from pipeline_assets.app.runtime import code_versions
-from pipeline_assets.defs import devserver
+from pipeline_assets.cli import devserver
 from pipeline_assets.defs.keys import ASSET_KEYS, INGEST_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
@@ -177,7 +177,7 @@ def test_the_source_sensor_interval_follows_the_setting(monkeypatch):
 
 
 def test_no_private_dagster_import_in_the_code():
-    """Dagster's public API only (issue 14): no `dagster._...` import anywhere in pipeline_assets/."""
+    """Dagster's public API only: no `dagster._...` import anywhere in pipeline_assets/."""
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "pipeline_assets").rglob("*.py")
                  if "dagster._" in p.read_text() or "DagsterEvent" in p.read_text()]
     assert offenders == []

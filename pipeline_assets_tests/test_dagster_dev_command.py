@@ -15,11 +15,10 @@ import urllib.request
 
 import pytest
 
-from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import reports
 from pipeline_assets.defs.partitions import bucket_index
 from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, stop_group
-from pipeline_assets_tests.dagster_helpers import DAGSTER, bucket_of, command_env
+from pipeline_assets_tests.dagster_helpers import DAGSTER, bucket_of, bucket_states, command_env
 
 # dagster dev starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
 # machine): a generous deadline against a hang.
@@ -105,7 +104,7 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
             meta = {m["label"]: m.get("text", m.get("intValue")) for m in event["metadataEntries"]}
             (doc,) = [d for d in docs if bucket_of(d) == event["partition"]]
             b = bucket_index(event["partition"])
-            assert meta["text_digest"] == bk.bucket_states({doc: summaries[doc]}, [b], 64)[b].text_digest
+            assert meta["text_digest"] == bucket_states({doc: summaries[doc]}, [b], 64)[b].text_digest
             assert (meta["documents"], meta["current"]) == (1, 1)
         assert ui["e"]["staleStatusByPartition"] == ["FRESH"] * len(keys)
     finally:

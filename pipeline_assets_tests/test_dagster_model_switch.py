@@ -13,9 +13,9 @@ import pytest
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
+from pipeline_assets.defs.embeddings.sensors import AFTER_RUN_TAG, chains, embed_after_sync, embed_request
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDINGS
-from pipeline_assets.defs.model_partitions import AFTER_RUN_TAG, chains, embed_after_sync, embed_request
-from pipeline_assets.defs.model_switch import EMBEDDING_STORE, model_switch_sensor
+from pipeline_assets.defs.models.sensors import EMBEDDING_STORE, model_switch_sensor
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.jobs import models
 from pipeline_assets.settings import Settings

@@ -14,8 +14,9 @@ import pytest
 from pipeline_assets.app import observations, stages
 from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.content import folder_source
+from pipeline_assets.defs.ingest.rerun_sensor import rerun_stale_documents_sensor
+from pipeline_assets.defs.ingest.source_sensor import decode_cursor, source_documents_sensor
 from pipeline_assets.defs.partitions import bucket_key, embedding_key
-from pipeline_assets.defs.sensors import decode_cursor, rerun_stale_documents_sensor, source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
@@ -508,7 +509,7 @@ def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):
 def test_a_clean_check_stands_until_a_version_changes_or_it_is_old(corpus, conn, fake, instance, monkeypatch):
     """The rerun sensor ticks every few seconds; after a check that found nothing stale it reads
     nothing under the same code versions until RERUN_RECHECK_SECONDS have passed."""
-    from pipeline_assets.defs import rerun_sensor
+    from pipeline_assets.defs.ingest import rerun_sensor
 
     assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
     defs = fresh_defs()
@@ -573,7 +574,7 @@ def _run_as_daemon(defs, instance, request):
 
 def _clock_ahead(monkeypatch, seconds: float) -> None:
     """The rerun sensor's clock, ``seconds`` ahead of the real one (nothing else's)."""
-    from pipeline_assets.defs import rerun_sensor
+    from pipeline_assets.defs.ingest import rerun_sensor
 
     ahead = time.time() + seconds - time.monotonic()
     monkeypatch.setattr(rerun_sensor, "time", type("Clock", (), {"time": staticmethod(
@@ -582,7 +583,7 @@ def _clock_ahead(monkeypatch, seconds: float) -> None:
 
 def test_a_failing_rerun_backs_off_and_a_new_version_is_not_held_back(corpus, conn, fake, instance, monkeypatch,
                                                                       tmp_path):
-    from pipeline_assets.defs import rerun_sensor
+    from pipeline_assets.defs.ingest import rerun_sensor
 
     assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
@@ -619,7 +620,7 @@ def test_a_failing_rerun_backs_off_and_a_new_version_is_not_held_back(corpus, co
 
 def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, conn, fake, instance,
                                                                      monkeypatch, tmp_path):
-    from pipeline_assets.defs import rerun_sensor
+    from pipeline_assets.defs.ingest import rerun_sensor
 
     assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")

@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 
 from pipeline_assets.app.table_source import TableSource
-from pipeline_assets.defs.sensors import source_documents_sensor
+from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets_tests.conftest import cli
 from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs, postgres_instance
 

@@ -28,7 +28,7 @@ import psycopg
 import pytest
 
 from pipeline_assets.app import reports
-from pipeline_assets.defs.devserver import DAGSTER_URL_ENV, sqlalchemy_url
+from pipeline_assets.cli.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets_tests.browser import Browser, chromium_path
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE, stop_group, write_corpus
@@ -141,7 +141,7 @@ def dev_server(database_url, server_url, tmp_path_factory):
         env.pop("PIPELINE_PARTITION_BUCKETS", None)
         log = open(base / "server.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; from pipeline_assets.defs.devserver import run_dev; "
+            [sys.executable, "-c", f"import sys; from pipeline_assets.cli.devserver import run_dev; "
                                    f"sys.exit(run_dev(port={port}))"],
             env=env, cwd=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         server = DevServer(port, env, proc, corpus, base / "home" / "dagster")

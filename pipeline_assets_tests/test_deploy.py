@@ -1,4 +1,4 @@
-"""deploy/: the production shape (issue 10), checked without Docker.
+"""deploy/: the production shape, checked without Docker.
 
 `docker compose config` is not available here, so the compose file is parsed
 with PyYAML (anchors and merge keys resolved as Compose does) and checked for

@@ -1,4 +1,4 @@
-"""The dead-letter queue as a work list (issue 10), through the real CLI against
+"""The dead-letter queue as a work list, through the real CLI against
 the real PostgreSQL, with the fake OpenAI server injecting the faults: groups
 with counts and first/last seen, one job's attempt history (written by the
 trigger of sql/011 on failure transitions only), requeue by error class, and
@@ -18,6 +18,7 @@ from pipeline_assets.app import dlq, reports
 from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import queries
+from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import cli, job_counts, write_corpus
 
 WORKER = "dlq-test-worker"
@@ -201,16 +202,16 @@ def test_history_is_bounded_and_the_success_path_writes_none(clean_db):
     # The success path: claim, complete. No history row, no trigger call.
     [job] = transitions.claim(conn, model_id=model, owner="w/x/1", limit=1, lease_seconds=30)
     assert job.job_id == ok
-    transitions.complete(conn, owner="w/x/1", job_ids=[ok], vectors=[np.ones(4, dtype=np.float32)])
+    job_helpers.complete(conn, owner="w/x/1", job_ids=[ok], vectors=[np.ones(4, dtype=np.float32)])
     # A plain give-back (shutdown) is not a failure either.
     transitions.claim(conn, model_id=model, owner="w/x/2", limit=1, lease_seconds=30)
-    transitions.give_back(conn, owner="w/x/2", job_ids=[flaky])
+    job_helpers.give_back(conn, owner="w/x/2", job_ids=[flaky])
     assert conn.execute("SELECT count(*) FROM app.job_attempts").fetchone()[0] == 0
 
     n = dlq.ATTEMPTS_KEPT_PER_JOB + 5
     for i in range(n):
         [j] = transitions.claim(conn, model_id=model, owner=f"w/x/{i + 3}", limit=1, lease_seconds=30)
-        transitions.fail_retryable(conn, owner=f"w/x/{i + 3}", job_ids=[j.job_id], delays=[0.0],
+        job_helpers.fail_retryable(conn, owner=f"w/x/{i + 3}", job_ids=[j.job_id], delays=[0.0],
                                    error_class="http_503", message=f"failure {i}")
     rows = conn.execute("SELECT attempt, outcome, error_message FROM app.job_attempts WHERE job_id = %s"
                         " ORDER BY attempt_id", (flaky,)).fetchall()
@@ -218,7 +219,7 @@ def test_history_is_bounded_and_the_success_path_writes_none(clean_db):
     assert rows[0] == (6, "retry", "failure 5") and rows[-1] == (n, "retry", f"failure {n - 1}")
     # A throttle and a rescue say so.
     [j] = transitions.claim(conn, model_id=model, owner="w/x/t", limit=1, lease_seconds=30)
-    transitions.give_back(conn, owner="w/x/t", job_ids=[flaky], error_class="throttled", message="429",
+    job_helpers.give_back(conn, owner="w/x/t", job_ids=[flaky], error_class="throttled", message="429",
                           throttled=True)
     [j] = transitions.claim(conn, model_id=model, owner="w/x/r", limit=1, lease_seconds=0)
     conn.execute("SELECT pg_sleep(0.01)")

@@ -1,4 +1,4 @@
-"""Provider faults charged where the evidence says (issue 15), black-box: the real
+"""Provider faults charged where the evidence says, black-box: the real
 ``pipeline-assets work`` process, the real openai SDK, the fake provider as a real
 HTTP server on 127.0.0.1 and the real PostgreSQL; every assertion is on rows,
 stored vectors and the provider's bill.
@@ -37,7 +37,7 @@ MAX_ATTEMPTS = 5  # the default: the bound on a poison input's sends below count
 POISON_SENDS_BOUND = MAX_EVIDENCE_FAULTS - 1 + FREE_FAULTS + MAX_ATTEMPTS  # docs/state-machine.md: 18
 # The per-call deadline in these runs: the faults here are dropped connections (cut at once), and a
 # timeout is a fault too, so the tests' 5 s deadline would add faults of the machine's load to the
-# fake's on a busy machine (an innocent input dead-lettered under load 10, session 10).
+# fake's on a busy machine (an innocent input dead-lettered under load 10).
 CALL_TIMEOUT = "60"
 # Against a hang only: that the worker stops after a few broken answers is asserted by counting
 # them (below), not by the clock, which a loaded machine stretches.

@@ -1,4 +1,4 @@
-"""Ingest at the edges a real source meets (issue 8, items 10-12 and the smaller ones):
+"""Ingest at the edges a real source meets:
 links and ids that leave the source root, file names that are not UTF-8, the caps
 on text and chunks per document, batches sized by bytes, FIFOs, deadlocks, and the
 database errors the command line reports in one line."""

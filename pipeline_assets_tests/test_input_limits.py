@@ -1,4 +1,4 @@
-"""Per-model input windows (issue 16 §2): a chunk size that could exceed a model's window is
+"""Per-model input windows: a chunk size that could exceed a model's window is
 refused with one line naming both numbers and the setting, before any provider call, at every
 entry point (`embed`, `work`, `models add`, `settings`); usage that shows a server truncating
 surfaces in `status`. Real PostgreSQL, the real CLI, providers as real HTTP servers on 127.0.0.1."""

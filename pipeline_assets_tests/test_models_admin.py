@@ -1,7 +1,7 @@
-"""Retiring a model is sticky (issue 8, "smaller"): anything still configured
+"""Retiring a model is sticky: anything still configured
 with a retired model is refused with one line, bills nothing, and does not
 reactivate it; `models activate` brings it back, with jobs for what it lacks.
-And `export` streams through a server-side cursor (issue 8, item 13)."""
+And `export` streams through a server-side cursor."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pipeline_assets.jobs import models, transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
+from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, write_corpus
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
@@ -99,7 +100,7 @@ def test_activate_revives_superseded_jobs_and_enqueues_what_arrived_meanwhile(cl
     doc = add_document(conn, ["one", "two"])
     transitions.enqueue_for_docs(conn, [doc], 3)
     [first, _] = transitions.claim(conn, model_id=SPEC.model_id, owner="w", limit=1, lease_seconds=60) + [None]
-    transitions.complete(conn, owner="w", job_ids=[first.job_id], vectors=[np.ones(4, dtype=np.float32)])
+    job_helpers.complete(conn, owner="w", job_ids=[first.job_id], vectors=[np.ones(4, dtype=np.float32)])
     assert models.retire(conn, SPEC.model_id) == 1  # the unstarted job
     later = add_document(conn, ["three"], name="later")
     assert transitions.enqueue_for_docs(conn, [later], 3) == 0  # no active model wants it
@@ -123,7 +124,7 @@ def exported_model(clean_db):
     doc = add_document(conn, texts)
     transitions.enqueue_for_docs(conn, [doc], 3)
     jobs = transitions.claim(conn, model_id=SPEC.model_id, owner="w", limit=len(texts), lease_seconds=60)
-    transitions.complete(conn, owner="w", job_ids=[j.job_id for j in jobs],
+    job_helpers.complete(conn, owner="w", job_ids=[j.job_id for j in jobs],
                          vectors=[np.array([1, 0, 0, int(j.text.split()[1])], dtype=np.float32) for j in jobs])
     return len(texts)
 

@@ -16,10 +16,11 @@ import pytest
 from psycopg import sql
 
 from pipeline_assets.app import reports, retrieval, stages
-from pipeline_assets.jobs import ledger, models, transitions
+from pipeline_assets.jobs import ledger, models, transitions, vector_index
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import queries
+from pipeline_assets_tests import job_helpers
 
 PACKAGE = Path(queries.__file__).resolve().parents[1]
 QUERY_DIR = queries.sql_dir() / "queries"
@@ -326,16 +327,16 @@ def test_read_paths_run_against_a_real_database(clean_db):
     assert {c.token_count for c in claimed} == {3} and not any(c.probe for c in claimed)
     by_text = {c.text: c for c in claimed}
     vectors = {"alpha": [1, 0, 0, 0], "beta": [0, 1, 0, 0]}
-    ready, _ = transitions.complete(conn, owner="w", job_ids=[by_text[t].job_id for t in vectors],
+    ready, _ = job_helpers.complete(conn, owner="w", job_ids=[by_text[t].job_id for t in vectors],
                                     vectors=[np.array(v, dtype=np.float32) for v in vectors.values()])
     assert len(ready) == 2
-    assert transitions.fail_terminal(conn, owner="w", job_ids=[by_text["gamma"].job_id], error_class="bad",
+    assert job_helpers.fail_terminal(conn, owner="w", job_ids=[by_text["gamma"].job_id], error_class="bad",
                                      message="m") == [by_text["gamma"].job_id]
     assert transitions.outstanding(conn, MODEL) == (False, False)
 
     # The index of a model id with a quote in it (the literal is quoted by psycopg.sql).
-    models.ensure_index(conn, MODEL, 4)
-    models.ensure_index(conn, MODEL, 4)  # idempotent
+    vector_index.build(conn, MODEL, 4)
+    vector_index.build(conn, MODEL, 4)  # idempotent
     [(indexdef,)] = conn.execute("SELECT indexdef FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
                                  (models._index_name(MODEL),)).fetchall()
     assert "vector(4)" in indexdef and "'test/o''named@4'" in indexdef

@@ -1,4 +1,4 @@
-"""Provider faults a real deployment meets first (issue 8, items 1, 2, 3 and 5).
+"""Provider faults a real deployment meets first.
 
 Real worker processes (the CLI) or an in-process ``Worker`` against the real
 PostgreSQL and the fake OpenAI server; every assertion is on outcomes: job
@@ -16,12 +16,13 @@ from pipeline_assets.providers import RETRYABLE, ProviderError
 from pipeline_assets.providers.base import UNMATCHED_ANSWER
 from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets.store import db
+from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
 
 # The measured scenario of item 1: 30 documents of two chunks each.
 SOAK_DOCUMENTS = 30
 SOAK_WORDS = 300  # ~600 tokens: two 512-token chunks per document
-# Issue 8 asks for this corpus under these faults in under 60 s; it takes about 10 s on a quiet
+# The requirement: this corpus under these faults in under 60 s; it takes about 10 s on a quiet
 # 2-core machine, and the wall time is printed. What is asserted is a bound against a hang only
 # (a loaded machine may take minutes): the faults that were the bugs stall for an hour or a day
 # here (a probe holding its slot for a lease of an hour, an uncapped Retry-After of a day), far
@@ -95,7 +96,7 @@ def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, c
     assert [j.probe for j in probe] == [True]
     assert transitions.claim(conn, model_id=model, owner="b", limit=1, lease_seconds=30) == []  # one probe at a time
     # The probe is throttled with Retry-After: 1.5: the pause is 1.5 s, not the probe's 30 s lease.
-    transitions.give_back(conn, owner="a", job_ids=[probe[0].job_id], delay=1.5, throttled=True)
+    job_helpers.give_back(conn, owner="a", job_ids=[probe[0].job_id], delay=1.5, throttled=True)
     with conn.transaction():   # one now() for the pause and its reading: no slack for a slow machine
         transitions.provider_failure(conn, model, trip=True, floor=1.5, base=1.0, cap=60.0, threshold=5)
         paused_for, probe_owner = conn.execute(
@@ -131,7 +132,7 @@ def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
 
 def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
     from pipeline_assets.jobs import transitions
-    from pipeline_assets.jobs.job_store import JobStore
+    from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 
     model = _queue(conn, 2)
     conn.execute("UPDATE app.embedding_jobs SET available_at = now() + interval '1 hour'")
@@ -144,12 +145,12 @@ def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
     assert [j.probe for j in probe] == [True]
     # A probe claim that ends without closing the breaker (a 400, nothing sent) releases it.
 
-    class Pool:  # JobStore over this one connection
+    class Pool:  # PostgresJobStore over this one connection
         def connection(self):
             import contextlib
             return contextlib.nullcontext(conn)
 
-    JobStore(Pool(), model_id=model, worker_id="w", backoff_base=1, backoff_cap=1).release_probe("b")
+    PostgresJobStore(Pool(), model_id=model, worker_id="w", backoff_base=1, backoff_cap=1).release_probe("b")
     assert transitions.claim(conn, model_id=model, owner="c", limit=1, lease_seconds=30)[0].probe
 
 
@@ -219,7 +220,7 @@ def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt
     # one trivial check ("ping": does the provider answer anyone?) that it answered.
     assert fake.stats["requests"] == 3 and fake.stats["responses_by_status"] == {500: 1, 200: 2}
     assert fake.billed_count("ping") == 1
-    # Issue 15: the 500 is the provider's and the request's: no input paid an attempt for it; each
+    # The 500 is the provider's and the request's: no input paid an attempt for it; each
     # counts the fault (which would shrink its next requests to a quarter: 23 still fit in one).
     assert conn.execute("SELECT min(attempts), max(attempts), min(faults), max(faults)"
                         " FROM app.embedding_jobs").fetchone() == (1, 1, 1, 1)
@@ -235,8 +236,8 @@ def test_only_a_split_for_a_bad_input_isolates(conn, clean_db):
     ids = [j.job_id for j in held]
     assert transitions.apply(conn, "b", [Isolate(tuple(ids))]) == [(Isolate(tuple(ids)), {})]  # not the holder
     transitions.apply(conn, "a", [Isolate(tuple(ids[:2]))])  # a split of a batch refused for a bad input
-    transitions.give_back(conn, owner="a", job_ids=ids[:3])  # e.g. a throttle cut the split short
-    transitions.fail_retryable(conn, owner="a", job_ids=ids[3:], delays=[0.0, 0.0], error_class="http_500",
+    job_helpers.give_back(conn, owner="a", job_ids=ids[:3])  # e.g. a throttle cut the split short
+    job_helpers.fail_retryable(conn, owner="a", job_ids=ids[3:], delays=[0.0, 0.0], error_class="http_500",
                                message="boom")
     again = transitions.claim(conn, model_id=model, owner="c", limit=5, lease_seconds=30)
     assert {j.job_id: j.isolate for j in again} == {i: i in ids[:2] for i in ids}

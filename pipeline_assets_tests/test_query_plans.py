@@ -1,4 +1,4 @@
-"""The job queue's statements stay index-backed as the job table grows (issue 10).
+"""The job queue's statements stay index-backed as the job table grows.
 
 A few hundred thousand jobs are loaded straight into the schema with
 ``INSERT ... SELECT generate_series`` in the physical order a long-lived queue

@@ -16,7 +16,7 @@ from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.content.s3_source import S3Source
 from pipeline_assets.content.source import SourceError
-from pipeline_assets.defs.sensors import source_documents_sensor
+from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import cli
 from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, postgres_instance

@@ -1,4 +1,4 @@
-"""Past one machine (issue 10): many `work` processes on one PostgreSQL queue.
+"""Past one machine: many `work` processes on one PostgreSQL queue.
 
 Four real worker processes (``python -m pipeline_assets.cli work``, each with its
 own ``--worker-id``, as replicas on four hosts would be) wait on an empty

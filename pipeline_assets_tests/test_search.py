@@ -1,4 +1,4 @@
-"""Search modes (issue 10): hybrid (full-text and vector rankings fused by
+"""Search modes: hybrid (full-text and vector rankings fused by
 reciprocal rank fusion, the default), vector, text; current chunks only; a
 model whose vectors are incomplete; no vector index; and the offline embedder
 v2 (stop words, sublinear weights, bigrams, signed hashing, its own model id).

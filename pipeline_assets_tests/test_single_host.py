@@ -26,7 +26,7 @@ ALLOWED = {
         "a default of an option: the metrics server is private unless told otherwise (it has no auth)",
     ("pipeline_assets/cli/server.py", '@click.option("--host", default="127.0.0.1", show_default=True)'):
         "`dev --host`: the one-machine Dagster UI of a developer",
-    ("pipeline_assets/defs/devserver.py",
+    ("pipeline_assets/cli/devserver.py",
      'def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int = 3000) -> int:'):
         "the default of `dev`'s host, passed by its --host option",
     ("deploy/compose.yaml",

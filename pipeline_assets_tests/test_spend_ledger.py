@@ -1,4 +1,4 @@
-"""The spend ledger counts every send, whatever happens after it (issue 8, item 6).
+"""The spend ledger counts every send, whatever happens after it.
 
 Each send is recorded before the request goes out; its outcome settles it. The
 ledger's duplicate sends must equal the provider's duplicate bills: after a
@@ -14,7 +14,8 @@ import numpy as np
 
 from pipeline_assets.jobs import ledger, models
 from pipeline_assets.jobs.changes import Complete
-from pipeline_assets.jobs.job_store import Answer, JobStore
+from pipeline_assets.jobs.job_store import Answer
+from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
@@ -140,7 +141,7 @@ def test_an_answer_settles_completes_and_supersedes_in_one_statement(clean_db, d
 
     pool = db.make_pool(database_url, min_size=1, max_size=1)
     try:
-        store = JobStore(pool, model_id=spec.model_id, worker_id="w", backoff_base=1, backoff_cap=1,
+        store = PostgresJobStore(pool, model_id=spec.model_id, worker_id="w", backoff_base=1, backoff_cap=1,
                          observers=[Seen()])
         answer = Answer(call, tokens=37, latency=0.25)
         first = store.apply(owner, [Complete(tuple(ids), vectors)], answer=answer)

@@ -1,4 +1,4 @@
-"""app.stage_runs for embed (issue 8, item 14): one row per document AND model,
+"""app.stage_runs for embed: one row per document AND model,
 refreshed only for the documents a work run touched, and a `status` that writes
 nothing (run by a real role that can only SELECT)."""
 

@@ -25,6 +25,7 @@ from pipeline_assets.jobs import models, transitions
 from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import db
+from pipeline_assets_tests import job_helpers
 
 SPEC = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10,
                  max_batch_tokens=1000)
@@ -170,15 +171,15 @@ def to_state(conn, state: str, *, max_attempts: int = 5, owner: str = OWNER) -> 
     if state == "processing":
         return jid
     if state == "retry":
-        assert transitions.fail_retryable(conn, owner=owner, job_ids=[jid], delays=[0.0], error_class="e",
+        assert job_helpers.fail_retryable(conn, owner=owner, job_ids=[jid], delays=[0.0], error_class="e",
                                     message="m") == {jid: "retry"}
     elif state == "ready":
-        assert transitions.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
+        assert job_helpers.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
     elif state == "failed":
-        assert transitions.fail_terminal(conn, owner=owner, job_ids=[jid], error_class="bad", message="m") == [jid]
+        assert job_helpers.fail_terminal(conn, owner=owner, job_ids=[jid], error_class="bad", message="m") == [jid]
     elif state == "superseded":
         drop_chunks(conn, jid)
-        assert transitions.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
+        assert job_helpers.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
         restore_chunk(conn, jid)
     else:
         raise ValueError(state)
@@ -227,7 +228,7 @@ def test_claim_reports_text_none_when_content_gone(q):
 def test_claim_retry_to_processing(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
+    job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
     assert job(q, jid).status == "retry"
 
     [claimed] = transitions.claim(q, model_id=MODEL, owner=OTHER, limit=10, lease_seconds=120)
@@ -241,7 +242,7 @@ def test_claim_retry_to_processing(q):
 def test_retry_not_claimed_before_available_at(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[3600.0], error_class="http_500", message="boom")
+    job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[3600.0], error_class="http_500", message="boom")
 
     assert claim_ids(q, owner=OTHER) == []
     j = job(q, jid)
@@ -345,11 +346,11 @@ def test_claim_never_takes_a_job_out_of(q, state):
 def test_complete_processing_to_ready_stores_vector(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
+    job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="boom")
     hold(q, jid)
     assert job(q, jid).error_class == "http_500"
 
-    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(7)]) == ([jid], [])
+    assert job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(7)]) == ([jid], [])
     j = job(q, jid)
     assert (j.status, j.attempts) == ("ready", 2)
     assert_no_lease(j)
@@ -360,12 +361,12 @@ def test_complete_processing_to_ready_stores_vector(q):
 def test_complete_refused_for_wrong_owner(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert transitions.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
+    assert job_helpers.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     j = job(q, jid)
     assert (j.status, j.lease_owner, j.attempts) == ("processing", OWNER, 1)
     assert j.vector is None
     # The rightful owner still can.
-    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(2)]) == ([jid], [])
+    assert job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(2)]) == ([jid], [])
     np.testing.assert_allclose(job(q, jid).vector, vec(2))
 
 
@@ -376,7 +377,7 @@ def test_complete_refused_after_lease_rescued(q):
               (jid,))
     assert transitions.rescue_expired(q) == {"retry": 1, "failed": 0, "superseded": 0}
 
-    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
+    assert job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     j = job(q, jid)
     assert (j.status, j.error_class) == ("pending", "lease_expired")  # its attempt given back
     assert_no_lease(j)
@@ -384,9 +385,9 @@ def test_complete_refused_after_lease_rescued(q):
 
     # Someone else claims it: the old owner is still refused, the new one wins.
     hold(q, jid, owner=OTHER)
-    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
+    assert job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
     assert job(q, jid).vector is None
-    assert transitions.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(3)]) == ([jid], [])
+    assert job_helpers.complete(q, owner=OTHER, job_ids=[jid], vectors=[vec(3)]) == ([jid], [])
     np.testing.assert_allclose(job(q, jid).vector, vec(3))
 
 
@@ -395,7 +396,7 @@ def test_complete_when_chunk_gone_supersedes(q):
     assert sorted(claim_ids(q)) == sorted([keep, gone])
     drop_chunks(q, gone)
 
-    ready, superseded = transitions.complete(q, owner=OWNER, job_ids=[keep, gone], vectors=[vec(1), vec(2)])
+    ready, superseded = job_helpers.complete(q, owner=OWNER, job_ids=[keep, gone], vectors=[vec(1), vec(2)])
     assert (ready, superseded) == ([keep], [gone])
     g = job(q, gone)
     assert g.status == "superseded"
@@ -410,7 +411,7 @@ def test_complete_for_inactive_model_supersedes(q):
     [jid] = seed(q, 1)
     hold(q, jid)
     q.execute("UPDATE app.models SET active = false WHERE model_id = %s", (MODEL,))
-    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
+    assert job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [jid])
     j = job(q, jid)
     assert j.status == "superseded" and j.vector is None
 
@@ -418,9 +419,9 @@ def test_complete_for_inactive_model_supersedes(q):
 def test_second_completion_refused_and_vector_kept(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
+    assert job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
     for owner in (OWNER, OTHER):
-        assert transitions.complete(q, owner=owner, job_ids=[jid], vectors=[vec(9)]) == ([], [])
+        assert job_helpers.complete(q, owner=owner, job_ids=[jid], vectors=[vec(9)]) == ([], [])
         j = job(q, jid)
         assert (j.status, j.attempts) == ("ready", 1)
         np.testing.assert_allclose(j.vector, vec(1))
@@ -432,7 +433,7 @@ def test_second_completion_refused_and_vector_kept(q):
 def test_fail_retryable_processing_to_retry(q):
     a, b = seed(q, 2)
     assert sorted(claim_ids(q)) == sorted([a, b])
-    moved = transitions.fail_retryable(q, owner=OWNER, job_ids=[a, b], delays=[10.0, 300.0], error_class="http_500",
+    moved = job_helpers.fail_retryable(q, owner=OWNER, job_ids=[a, b], delays=[10.0, 300.0], error_class="http_500",
                                  message="server error")
     assert moved == {a: "retry", b: "retry"}
     for jid, delay in ((a, 10.0), (b, 300.0)):
@@ -447,11 +448,11 @@ def test_fail_retryable_processing_to_retry(q):
 def test_fail_retryable_exhausted_goes_to_failed(q):
     [jid] = seed(q, 1, max_attempts=2)
     hold(q, jid)
-    assert transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="1") == {
+    assert job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="1") == {
         jid: "retry"}
     hold(q, jid)
     assert job(q, jid).attempts == 2
-    assert transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="timeout",
+    assert job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="timeout",
                                 message="2") == {jid: "failed"}
     j = job(q, jid)
     assert (j.status, j.attempts, j.error_class) == ("failed", 2, "timeout")
@@ -461,10 +462,10 @@ def test_fail_retryable_exhausted_goes_to_failed(q):
 
 def test_fail_retryable_refused_for_non_owner_and_non_processing(q):
     [jid] = seed(q, 1)
-    assert transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
+    assert job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
     assert job(q, jid).status == "pending"
     hold(q, jid)
-    assert transitions.fail_retryable(q, owner=OTHER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
+    assert job_helpers.fail_retryable(q, owner=OTHER, job_ids=[jid], delays=[0.0], error_class="e", message="m") == {}
     j = job(q, jid)
     assert (j.status, j.attempts, j.lease_owner, j.error_class) == ("processing", 1, OWNER, None)
 
@@ -475,7 +476,7 @@ def test_fail_retryable_refused_for_non_owner_and_non_processing(q):
 def test_give_back_first_attempt_to_pending(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert transitions.give_back(q, owner=OWNER, job_ids=[jid], delay=20.0, error_class="http_429",
+    assert job_helpers.give_back(q, owner=OWNER, job_ids=[jid], delay=20.0, error_class="http_429",
                            message="slow down") == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts) == ("pending", 0)
@@ -487,10 +488,10 @@ def test_give_back_first_attempt_to_pending(q):
 def test_give_back_later_attempt_to_retry(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    transitions.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="m")
+    job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="http_500", message="m")
     hold(q, jid)
     assert job(q, jid).attempts == 2
-    assert transitions.give_back(q, owner=OWNER, job_ids=[jid]) == [jid]
+    assert job_helpers.give_back(q, owner=OWNER, job_ids=[jid]) == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts) == ("retry", 1)
     assert_about(j.available_in, 0.0)
@@ -502,7 +503,7 @@ def test_give_back_does_not_consume_attempts(q):
     [jid] = seed(q, 1, max_attempts=2)
     for _ in range(10):
         hold(q, jid)
-        assert transitions.give_back(q, owner=OWNER, job_ids=[jid], error_class="http_429", message="m") == [jid]
+        assert job_helpers.give_back(q, owner=OWNER, job_ids=[jid], error_class="http_429", message="m") == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts) == ("pending", 0)
 
@@ -510,7 +511,7 @@ def test_give_back_does_not_consume_attempts(q):
 def test_give_back_refused_for_non_owner(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert transitions.give_back(q, owner=OTHER, job_ids=[jid]) == []
+    assert job_helpers.give_back(q, owner=OTHER, job_ids=[jid]) == []
     j = job(q, jid)
     assert (j.status, j.attempts, j.lease_owner) == ("processing", 1, OWNER)
 
@@ -521,7 +522,7 @@ def test_give_back_refused_for_non_owner(q):
 def test_fail_terminal_processing_to_failed(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert transitions.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="input_invalid", message="bad") == [jid]
+    assert job_helpers.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="input_invalid", message="bad") == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts, j.error_class, j.error_message) == ("failed", 1, "input_invalid", "bad")
     assert_no_lease(j)
@@ -532,7 +533,7 @@ def test_fail_terminal_processing_to_failed(q):
 def test_fail_terminal_refused_for_non_processing(q, state):
     jid = to_state(q, state)
     before = job(q, jid)
-    assert transitions.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="x", message="x") == []
+    assert job_helpers.fail_terminal(q, owner=OWNER, job_ids=[jid], error_class="x", message="x") == []
     after = job(q, jid)
     assert (after.status, after.attempts, after.error_class) == (before.status, before.attempts, before.error_class)
 
@@ -540,7 +541,7 @@ def test_fail_terminal_refused_for_non_processing(q, state):
 def test_fail_terminal_refused_for_non_owner(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert transitions.fail_terminal(q, owner=OTHER, job_ids=[jid], error_class="x", message="x") == []
+    assert job_helpers.fail_terminal(q, owner=OTHER, job_ids=[jid], error_class="x", message="x") == []
     j = job(q, jid)
     assert (j.status, j.lease_owner, j.error_class) == ("processing", OWNER, None)
 
@@ -561,7 +562,7 @@ def test_extend_lease_owner_only(q):
     assert (j.status, j.lease_owner, j.attempts) == ("processing", OWNER, 1)
     assert_about(j.lease_in, 600)
 
-    transitions.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)])
+    job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)])
     assert transitions.extend_lease(q, owner=OWNER, job_ids=[jid], lease_seconds=600) == 0
     assert_no_lease(job(q, jid))
 
@@ -571,8 +572,8 @@ def test_jobs_of_a_retired_model_never_wait_for_a_worker(q):
     vector all end superseded: no worker of that model will come for them."""
     held, dead, done = seed(q, 3)
     assert sorted(claim_ids(q)) == sorted([held, dead, done])
-    transitions.fail_terminal(q, owner=OWNER, job_ids=[dead], error_class="bad_input", message="x")
-    transitions.complete(q, owner=OWNER, job_ids=[done], vectors=[np.ones(4, dtype=np.float32)])
+    job_helpers.fail_terminal(q, owner=OWNER, job_ids=[dead], error_class="bad_input", message="x")
+    job_helpers.complete(q, owner=OWNER, job_ids=[done], vectors=[np.ones(4, dtype=np.float32)])
     models.retire(q, MODEL)
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s",
               (held,))
@@ -733,7 +734,7 @@ def test_supersede_unwanted_from_every_live_state(q):
         assert j.vector is None, s
     assert q.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
     # The former lease holder can no longer complete it.
-    assert transitions.complete(q, owner=OWNER, job_ids=[ids["processing"]], vectors=[vec(1)]) == ([], [])
+    assert job_helpers.complete(q, owner=OWNER, job_ids=[ids["processing"]], vectors=[vec(1)]) == ([], [])
     assert job(q, ids["processing"]).vector is None
     assert transitions.supersede_unwanted(q) == 0
 
@@ -744,7 +745,7 @@ def test_supersede_unwanted_keeps_content_carried_by_another_document(q):
     doc2 = add_document(q)
     add_chunks(q, doc2, [checksum("shared")])
     hold(q, shared)
-    transitions.complete(q, owner=OWNER, job_ids=[shared], vectors=[vec(4)])
+    job_helpers.complete(q, owner=OWNER, job_ids=[shared], vectors=[vec(4)])
 
     q.execute("DELETE FROM app.chunks WHERE doc_pk = %s", (doc1,))
     assert transitions.supersede_unwanted(q) == 0
@@ -921,15 +922,15 @@ def apply(conn, op: str, jid: int) -> int:
     if name == "claim":
         return len(claim_ids(conn, owner=OTHER))
     if name == "complete":
-        ready, superseded = transitions.complete(conn, owner=OWNER, job_ids=[jid], vectors=[vec(5)])
+        ready, superseded = job_helpers.complete(conn, owner=OWNER, job_ids=[jid], vectors=[vec(5)])
         return len(ready) + len(superseded)
     if name == "fail_retryable":
-        return len(transitions.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0],
+        return len(job_helpers.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0],
                                               error_class="e", message="m"))
     if name == "give_back":
-        return len(transitions.give_back(conn, owner=OWNER, job_ids=[jid]))
+        return len(job_helpers.give_back(conn, owner=OWNER, job_ids=[jid]))
     if name == "fail_terminal":
-        return len(transitions.fail_terminal(conn, owner=OWNER, job_ids=[jid], error_class="e", message="m"))
+        return len(job_helpers.fail_terminal(conn, owner=OWNER, job_ids=[jid], error_class="e", message="m"))
     if name == "rescue_expired":
         return sum(transitions.rescue_expired(conn).values())
     if name == "requeue_failed":
@@ -1027,7 +1028,7 @@ def test_supersede_unwanted_racing_a_completion_deletes_its_vector(q, database_u
                 result["error"] = exc
 
         with worker.transaction():
-            assert transitions.complete(worker, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
+            assert job_helpers.complete(worker, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
             t = threading.Thread(target=run_ingest)
             t.start()
             wait_until_blocked(q, ingest.info.backend_pid, t)

@@ -51,6 +51,7 @@ from pipeline_assets.jobs import decisions, models, transitions
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
 from pipeline_assets.settings import BREAKER_THRESHOLD
+from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import LONG_PROFILE
 
 _COMMON = dict(database=None, deadline=None, print_blob=True,
@@ -263,7 +264,7 @@ class JobStateMachine(RuleBasedStateMachine):
         held = self._held(claim, before)
         vecs = {i: self._vector() for i in claim.job_ids}
         wanted = self._wanted_sums()
-        ready, superseded = transitions.complete(c, owner=claim.owner, job_ids=claim.job_ids,
+        ready, superseded = job_helpers.complete(c, owner=claim.owner, job_ids=claim.job_ids,
                                                  vectors=[vecs[i] for i in claim.job_ids])
         expect_ready = {i for i in held if before[i].chunk_checksum in wanted and self.active[before[i].model_id]}
         assert set(ready) == expect_ready, f"complete: ready {sorted(ready)}, expected {sorted(expect_ready)}"
@@ -297,7 +298,7 @@ class JobStateMachine(RuleBasedStateMachine):
         claim, lost = stale[pick % len(stale)]
         claim.late = True
         before, vectors_before = self._rows(), self._vectors()
-        result = transitions.complete(self.conn, owner=claim.owner, job_ids=lost,
+        result = job_helpers.complete(self.conn, owner=claim.owner, job_ids=lost,
                                       vectors=[self._vector() for _ in lost])
         assert result == ([], []), f"stale owner {claim.owner} won {result}"
         after, vectors_after = self._rows(), self._vectors()
@@ -321,7 +322,7 @@ class JobStateMachine(RuleBasedStateMachine):
         # after BREAKER_THRESHOLD in a row), then move the jobs.
         transitions.provider_failure(self.conn, claim.model_id, trip=False, floor=0.0, base=0.0, cap=0.0,
                                      threshold=BREAKER_THRESHOLD)
-        moved = transitions.fail_retryable(self.conn, owner=claim.owner, job_ids=claim.job_ids,
+        moved = job_helpers.fail_retryable(self.conn, owner=claim.owner, job_ids=claim.job_ids,
                                            delays=[FAR if far else 0.0] * len(claim.job_ids),
                                            error_class="server_error", message="HTTP 500")
         expected = {i: "superseded" if not self.active[before[i].model_id]
@@ -341,7 +342,7 @@ class JobStateMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 10**6))
     def fail_terminal(self, pick):
         claim, before, held = self._pick_live(pick)
-        moved = transitions.fail_terminal(self.conn, owner=claim.owner, job_ids=claim.job_ids,
+        moved = job_helpers.fail_terminal(self.conn, owner=claim.owner, job_ids=claim.job_ids,
                                           error_class="bad_input", message="HTTP 400")
         assert sorted(moved) == sorted(held)
         after = self._rows()
@@ -355,7 +356,7 @@ class JobStateMachine(RuleBasedStateMachine):
         claim, before, held = self._pick_live(pick)
         if throttled:  # as the worker after a 429: trip the shared breaker for the Retry-After
             transitions.pause_provider(self.conn, claim.model_id, delay)
-        moved = transitions.give_back(self.conn, owner=claim.owner, job_ids=claim.job_ids, delay=delay,
+        moved = job_helpers.give_back(self.conn, owner=claim.owner, job_ids=claim.job_ids, delay=delay,
                                       error_class="rate_limited" if throttled else None, throttled=throttled)
         assert sorted(moved) == sorted(held)
         after = self._rows()
@@ -723,11 +724,11 @@ def test_retired_model_jobs_never_wait(clean_db, how):
     [job] = transitions.claim(conn, model_id=MODELS[0], owner="w/1", limit=1, lease_seconds=LEASE)
     models.retire(conn, MODELS[0])
     if how == "fail_retryable":
-        moved = transitions.fail_retryable(conn, owner="w/1", job_ids=[job.job_id], delays=[0.0],
+        moved = job_helpers.fail_retryable(conn, owner="w/1", job_ids=[job.job_id], delays=[0.0],
                                            error_class="server_error", message="HTTP 500")
         assert list(moved) == [job.job_id]
     else:
-        assert transitions.give_back(conn, owner="w/1", job_ids=[job.job_id], throttled=how == "throttle") \
+        assert job_helpers.give_back(conn, owner="w/1", job_ids=[job.job_id], throttled=how == "throttle") \
             == [job.job_id]
     status = conn.execute("SELECT status FROM app.embedding_jobs WHERE job_id = %s", (job.job_id,)).fetchone()[0]
     assert models.activate(conn, MODELS[0], MAX_ATTEMPTS)[0]

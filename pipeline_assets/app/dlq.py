@@ -1,20 +1,11 @@
 """The dead-letter queue as a work list: failed jobs and quarantined documents.
 
-* ``groups``: per kind and error class, how many items are open (and
-  discarded), when the open ones failed first and last.
-* ``items``: the items, of one error class or all; the discarded ones apart.
-* ``show``: one item. For a job, every recorded attempt (``app.job_attempts``,
-  written by a trigger of ``sql/011`` on the failure transitions only, so the
-  worker's success path pays nothing): time, worker, outcome, error class, the
-  sanitized message. For a document, its stage rows.
-* ``requeue``: failed jobs back to pending (the job transition of
-  ``jobs.transitions``); quarantined documents re-extracted (a forced ingest of
-  just them, as ``rerun`` does). ``--all`` and ``--error-class`` skip the
-  discarded items; named ids do not.
-* ``discard``: a person gives up on items, saying why; they stay failed or
-  quarantined but leave the work list, ``requeue --all`` and the dead-letter
-  growth check. The discard is lifted when the item leaves the dead-letter
-  state (a requeue, a changed document), since a later failure is new.
+* ``groups`` / ``items`` / ``show``: open (and discarded) items by kind and error class; one item
+  with its recorded attempts (``app.job_attempts``, failure transitions only) or its stage rows.
+* ``requeue``: failed jobs back to pending, quarantined documents re-extracted; ``--all`` and
+  ``--error-class`` skip discarded items, named ids do not.
+* ``discard``: a person gives up on items, saying why; they leave the work list until they leave
+  the dead-letter state (a later failure is new).
 
 Ids: a job id is a number, a document id a path; ``doc:PATH`` forces a path.
 """

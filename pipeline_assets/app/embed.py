@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -20,6 +20,7 @@ from pipeline_assets.app import buckets, model_admin, reports, stages
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
+from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
@@ -333,7 +334,7 @@ def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> Non
 
 
 @dataclass
-class DirectoryEmbedded:
+class DirectoryEmbedded(Counts):
     """What `embed DIR` did (its summary line and JSON)."""
 
     model: str
@@ -348,9 +349,6 @@ class DirectoryEmbedded:
     provider_calls: int
     coverage: str             # "ready/wanted" for the model
     seconds: float
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,

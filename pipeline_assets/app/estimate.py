@@ -14,7 +14,7 @@ claims other queued work of the model, send more than this.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
@@ -22,6 +22,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
+from pipeline_assets.counts import Counts
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.providers.pricing import price_per_million, tokens_exact
 from pipeline_assets.store import arrays, queries
@@ -31,7 +32,7 @@ TOKENS_PER_MILLION = 1_000_000
 
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(Counts):
     """One model's bill for one selection (counts of distinct content unless named chunks)."""
 
     model_id: str
@@ -56,7 +57,7 @@ class Estimate:
         return self.send_tokens * self.price_per_million / TOKENS_PER_MILLION
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "cost_usd": self.cost}
+        return {**super().as_dict(), "cost_usd": self.cost}
 
     def describe(self) -> str:
         """One line: what would be sent, what is reused, the price."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -36,6 +36,7 @@ from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.process import Extractor, ExtractSpec, KnownDocument, Processed, process_items
 from pipeline_assets.content.source import Item, Source, SourceError
+from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import models, transitions
 from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS
 
@@ -55,7 +56,7 @@ INVALID_DOCUMENT_ID = "invalid_document_id"
 
 
 @dataclass
-class IngestReport:
+class IngestReport(Counts):
     scanned: int = 0
     new: int = 0
     changed: int = 0
@@ -67,9 +68,6 @@ class IngestReport:
     superseded: int = 0
     revived: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def add(self, other: IngestReport) -> None:
         """Count ``other`` in (one report over the pages of a run)."""

@@ -1,26 +1,9 @@
 """Prometheus metrics of a `work` process (`work --metrics-port P`).
 
-Nothing here runs on the worker's hot path except a few counter increments per
-provider call: the provider the worker calls is wrapped (``ObservedProvider``:
-latency, status, inputs, tokens per call), and everything else is read when
-Prometheus scrapes: the worker's own counters (``WorkerReport``, the claims its
-job store counted), and from the database, with a short cache, the jobs by
-status and the provider's circuit breaker (the same named queries as ``status``).
-
-Names (all prefixed ``pipeline_``):
-
-* ``jobs{model,status}``: jobs by status, from the database (every worker's)
-* ``worker_info{worker_id,model}``: 1, naming this process's worker
-* ``jobs_claimed_total``: jobs this process claimed
-* ``worker_jobs_total{outcome}``: this process's outcomes (embedded, superseded,
-  failed, retried, throttled, refused)
-* ``lease_rescues_total``, ``superseded_results_total``: by this process
-* ``provider_requests_total{status}``, ``provider_throttled_total`` (429s),
-  ``provider_latency_seconds`` (histogram), ``provider_inputs_total``,
-  ``provider_tokens_total``: this process's provider calls
-* ``breaker_state{model,state}``: 1 for the breaker's state (closed, open,
-  half-open), from the database; ``breaker_paused_seconds{model}``
-* ``metrics_database_errors_total``: scrapes that could not read the database
+On the worker's hot path only a few counter increments per provider call (``ObservedProvider``
+wraps the provider); everything else is read at scrape time: the worker's own counters, and from
+the database, with a short cache, the jobs by status and the breaker (``status``'s named queries).
+Every name is prefixed ``pipeline_``; the list and their meaning: docs/operations.md, metrics.
 """
 
 from __future__ import annotations

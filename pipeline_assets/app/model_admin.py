@@ -17,7 +17,6 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app import documents, estimate
 from pipeline_assets.app.runtime import Runtime, chunking, fitted
 from pipeline_assets.jobs import models, transitions, vector_index
-from pipeline_assets.jobs.vector_index import IndexBuildError  # noqa: F401 - what build_index raises
 from pipeline_assets.providers import (
     ChunkTooLarge,
     ConfigError,
@@ -336,7 +335,7 @@ class ModelFollowed:
 
 
 def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True) -> ModelFollowed:
-    """A model change without downtime, done by the Dagster layer (``defs/model_switch.py``) each tick.
+    """A model change without downtime, done by the Dagster layer (``defs/models/sensors.py``) each tick.
 
     1. ``add`` the configured model (a new one gets jobs for every current chunk);
        a retired one is refused (``ModelRetired``), as everywhere.

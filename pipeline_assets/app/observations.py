@@ -1,36 +1,13 @@
 """What the source sensor observed, kept in PostgreSQL (app.source_observations).
 
-The Dagster sensor ``source_documents`` (defs/sensors.py) walks the source
-every tick. Its memory lives here, not in its cursor: per file the checksum
-(16 hex digits of sha256, enough to tell versions of one document apart) with
-the size and mtime it was computed at, and the checksum last put into a run
-request with the sensor generation that requested it.
+* ``scan``: a file whose (size, mtime_ns) equal the stored ones is not read, nor a new one (an
+  ``unread_checksum`` placeholder until its bucket run records its bytes' checksum); changed files
+  are hashed and upserted, missing ones marked gone; one modified within ``RACY_NS`` is read again.
+* ``pending_buckets`` / ``mark_buckets_requested``: the buckets a tick has to request, and what it did.
+* ``schedule_retries``: files of a run that ended without syncing (or embedding) them are requested
+  again after ``RETRY_BASE_SECONDS``, doubling, at most ``RETRY_CAP_SECONDS``.
 
-* ``scan``: walk the source; a file whose (size, mtime_ns) equal the stored
-  ones is not read (the prefilter, so a tick after a code reload hashes only
-  what changed); changed files are hashed and upserted in one statement; files
-  no longer found are marked gone. A new file is not read either: there is
-  nothing to compare its bytes with, and the bucket run that ingests it reads
-  it anyway. Its row holds a placeholder (``unread_checksum``: size and mtime,
-  never a hex digest) until that run records the checksum of the bytes it
-  ingested (``buckets.sync_buckets``), so a corpus is read once on its way in,
-  not twice. A file modified within ``RACY_NS`` of the
-  scan is stored with mtime 0 and read once more next time (its mtime granule
-  may still hide a same-size rewrite).
-* ``pending_buckets`` / ``mark_buckets_requested``: the buckets a tick has to
-  request, and what it did; a bucket run (``app/buckets.py``) tombstones the
-  documents whose files are gone and forgets their rows.
-* ``schedule_retries``: a request whose run ended without syncing its files
-  (failed, cancelled, never launched) is not lost: at a tick with none of the
-  sensor's runs in flight, its files get a time to be requested again,
-  RETRY_BASE_SECONDS after the first failed request, doubling with each
-  request of the same bytes, at most RETRY_CAP_SECONDS. A failed run that
-  synced files but did not embed them (``unsync_unembedded``) has those files
-  requested again the same way.
-
-Known limit of the prefilter: a rewrite that keeps both size and mtime (``cp -p``,
-``tar`` restoring old bytes) is not seen by the sensor; reconciliation checksums
-every file and repairs the store.
+A rewrite keeping size and mtime (``cp -p``) is not seen; reconciliation repairs it (docs/dagster.md).
 """
 
 from __future__ import annotations

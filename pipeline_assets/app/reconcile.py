@@ -11,7 +11,7 @@ deletes the vectors and index of models retired longer than the grace period.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -22,11 +22,12 @@ from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source, SourceError
+from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import transitions
 
 
 @dataclass
-class ReconcileReport:
+class ReconcileReport(Counts):
     sources: int = 0
     missing_sources: list[str] = field(default_factory=list)
     changed: int = 0
@@ -39,9 +40,6 @@ class ReconcileReport:
     rescued: int = 0
     purged_models: int = 0     # retired models past PIPELINE_MODEL_RETIRE_GRACE: vectors and index deleted
     purged_vectors: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> ReconcileReport:

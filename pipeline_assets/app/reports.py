@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg.rows import class_row, dict_row
 
 from pipeline_assets.app import stages
+from pipeline_assets.counts import Counts
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import queries
 
@@ -17,7 +18,7 @@ REPORTS = queries.load("reports")
 
 
 @dataclass
-class StatusReport:
+class StatusReport(Counts):
     """What `status` shows. The per-model and per-status maps are keyed by model id
     and status name; the last fields are filled by ``app.status.status``."""
 
@@ -43,9 +44,6 @@ class StatusReport:
     backlog: int = 0                             # pending + retry, every model: what the KEDA trigger reads
     sources: list[dict[str, Any]] = field(default_factory=list)    # each source: key, kind, documents, last scan
     watched_source: str | None = None                              # what the Dagster sensor watches
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def status(conn: psycopg.Connection) -> StatusReport:
@@ -97,7 +95,7 @@ def dead_letters(conn: psycopg.Connection) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
-# Per-document and health read models (added for the Dagster layer, issue 3).
+# Per-document and health read models (what the Dagster layer reports).
 # Read-only, set-based; the Dagster assets, sensors and checks report from
 # these and hold no SQL of their own.
 # ---------------------------------------------------------------------------

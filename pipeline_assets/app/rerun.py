@@ -1,27 +1,14 @@
 """Partial reruns: re-run a stage for exactly the documents a query selects.
 
-The selection is ``stages.rerun_targets`` (one query over app.stage_runs):
-every filter optional and combinable (status, a failed stage's error class,
-document-id globs, a code version other than the current one, one older than
-a given version, a source and some of its buckets). The command line, the
-Dagster rerun sensor and a bucket run select through ``pages`` here, so they
-cannot disagree on what is stale; ``pages`` reads every target, a page at a
-time (keyset), with no limit on how many.
+The selection is ``stages.rerun_targets`` (one query over app.stage_runs; every filter optional and
+combinable); the command line, the Dagster rerun sensor and a bucket run all select through
+``pages`` (keyset pages, no limit), so they cannot disagree on what is stale. The extractor's
+current version is per format.
 
-The current extractor version is per format (``content.extract``): after a
-PDF-only fix, only PDF documents are stale.
-
-What a rerun does per stage:
-
-* ``extract`` / ``chunk``: re-ingest the documents, forced (ingest extracts and
-  chunks together). Chunks whose text did not change keep their jobs and
-  vectors: nothing is sent to the provider for them.
-* ``embed`` (the current model): requeue the failed jobs of the documents'
-  current chunks (attempts reset) and enqueue the jobs missing; a worker
-  (`work`, or the Dagster ``embeddings`` asset) then embeds them. Ready vectors
-  are never sent again: a vector is a function of (chunk text, model id), so
-  re-embedding it would bill for the same vector; a provider-side change is a
-  new model id (`models add`).
+* ``extract`` / ``chunk``: re-ingest the documents, forced; chunks whose text did not change keep
+  their jobs and vectors (nothing sent).
+* ``embed``: requeue the failed jobs of the documents' current chunks and enqueue missing ones;
+  ready vectors are never sent again (a provider-side change is a new model id).
 """
 
 from __future__ import annotations
@@ -60,13 +47,6 @@ class EmbedRerun:
     def __add__(self, other: EmbedRerun) -> EmbedRerun:
         return EmbedRerun(self.documents + other.documents, self.requeued + other.requeued,
                           self.enqueued + other.enqueued)
-
-
-def current_version(rt: Runtime, stage: str) -> str:
-    """The current code version of a stage, as one label (per-format extractor versions joined)."""
-    if stage == "extract":
-        return str(rt.options.extractor_version)
-    return rt.options.chunker.version if stage == "chunk" else rt.model_id
 
 
 def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extract",),

@@ -1,23 +1,12 @@
 """Reading the index: export of current embeddings; vector, text and hybrid search.
 
-All go through app.chunks, which holds only current chunks of current
-documents, so a superseded or tombstoned vector can never be returned.
-
-Export streams: a named (server-side) cursor inside a read-only transaction,
-fetched ``EXPORT_FETCH_ROWS`` at a time, so memory does not grow with the
-corpus. Search orders by the expression of the model's HNSW index (a
-``halfvec`` cast above 2,000 dimensions, see ``jobs.vector_index``); without
-the index it is an exact scan, and the candidates are ranked again by the
-full-precision distance either way.
-
-Text search ranks current chunks by PostgreSQL full-text search (the
-GIN-indexed ``text_search`` column, sql/010); it needs no vector. Hybrid
-search fuses the two rankings by reciprocal rank fusion (Cormack, Clarke and
-Büttcher, 2009): a chunk scores ``sum 1 / (RRF_K + rank)`` over the lists it
-appears in, so a chunk both lists agree on beats one only a single list likes,
-and neither list's raw scores (a distance, a text rank) need be comparable.
-A chunk whose vector is missing (a model still embedding) can still be found
-by its text.
+All go through app.chunks (current chunks of current documents only), so a superseded or
+tombstoned vector is never returned. Export streams through a server-side cursor in a read-only
+transaction (``EXPORT_FETCH_ROWS`` at a time: memory flat in the corpus). Vector search orders by
+the model's HNSW index expression (an exact scan without it) and ranks candidates again by the
+full-precision distance. Text search ranks by PostgreSQL full-text search; hybrid fuses the two
+rankings by reciprocal rank fusion (``RRF_K``), so a chunk without a vector is still found by its
+text (docs/models.md, search).
 """
 
 from __future__ import annotations

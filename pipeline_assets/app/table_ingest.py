@@ -1,26 +1,13 @@
-"""How a table source finds its changes without a complete listing: only the rows that
-changed are read, and they are written through ingest's own path (``ingest._ingest_items``:
-extract in the child, one transaction per batch, chunks replaced, jobs enqueued and
-superseded).
+"""How a table source finds its changes without a complete listing; the changed rows are read and
+written through ingest's own path (``ingest._ingest_items``).
 
-Three ways (``scan_table``):
+``scan_table`` works one of three ways (docs/sources.md, a PostgreSQL table): **full** (the table's
+digest, then per bucket, then the rows of differing buckets), **watermark** (``&updated=COL``: rows
+at or past the stored watermark, then the full digest) or **change log** (the ids the triggers
+logged, deleted only after their documents are committed; a TRUNCATE makes it a full check).
 
-* **full**: the table's digest (rows and bit_xor of row versions, computed by its
-  database) against the stored one; equal: nothing changed, no row leaves the
-  server. Else the same digest per bucket; only the rows of buckets that differ are
-  listed (id and version, no text), compared set-based with ``app.table_rows``; the
-  changed ones are read, those no longer listed are gone.
-* **watermark** (``&updated=COL``): rows whose updated value is at or past the
-  stored watermark are listed, compared and read; then the full way's digest, which
-  is now equal unless rows were deleted, or committed with an older updated value,
-  or had their text changed without it: those are found as the full way finds them.
-* **change log** (after ``source install-triggers``): the ids the triggers logged
-  are read; a TRUNCATE makes it a full check. The entries are deleted only after
-  the documents of their rows are committed.
-
-A listing or read that fails raises before anything is tombstoned: a failed listing
-is never an empty one. A row's version is recorded in ``app.table_rows`` only after
-its document is committed, so a crash in between re-reads it.
+A failed listing or read raises before anything is tombstoned; a row's version is recorded in
+``app.table_rows`` only after its document is committed, so a crash re-reads it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """A PostgreSQL table as a ``content.source.Source``: one row, one document.
 
-``table:SCHEMA.TABLE?id=ID&text=TEXT[&updated=COL]`` (``store.table_source``
-parses it; identifiers only). The table lives in the project's database or in
-``PIPELINE_SOURCE_DATABASE_URL``'s. Document ids are ``table:SCHEMA.TABLE/<id>``;
-an item's token is the row's version computed by the source database, so
-``content_tokens`` holds: a row whose version is the stored one is never read.
-
-NULL or empty text is quarantined as ``empty_text`` (counted and shown, never
-embedded, never an error of the batch); text over the size guard as
-``too_large`` from its size alone (the text never leaves the server). Anything
-that fails the source as a whole (unreachable, locked, a grant or a column
-missing) is a ``SourceError``: nothing is tombstoned on its account.
-
-``ingest_changes`` is the table's own way to find what changed (the digest, the
-watermark, the change log: ``app/table_ingest.py``); ``app/ingest.py`` uses it
-instead of comparing a complete listing when a source offers it.
+``table:SCHEMA.TABLE?id=ID&text=TEXT[&updated=COL]`` (parsed by ``store.table_source``), in the
+project's database or ``PIPELINE_SOURCE_DATABASE_URL``'s. Ids are ``table:SCHEMA.TABLE/<id>``; the
+token is the row's version computed by the source database (``content_tokens``: an equal one is
+never read). NULL or empty text is quarantined as ``empty_text``, oversized text as ``too_large``
+from its size alone; a failure of the source as a whole is a ``SourceError`` (nothing tombstoned).
+``ingest_changes`` finds what changed (``app/table_ingest.py``) instead of a complete listing.
 """
 
 from __future__ import annotations

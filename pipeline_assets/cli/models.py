@@ -6,6 +6,7 @@ import click
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.cli.common import emit, expected_errors, fail, pool, settings
+from pipeline_assets.jobs.vector_index import IndexBuildError
 
 
 @click.group("models")
@@ -135,7 +136,7 @@ def models_index(model: str) -> None:
     with pool() as p:
         try:
             r = model_admin.build_index(p, model, settings())
-        except model_admin.IndexBuildError as exc:
+        except IndexBuildError as exc:
             fail(str(exc))
     click.echo(f"{r['model_id']}: index {r['detail']}")
 

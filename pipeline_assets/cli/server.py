@@ -29,7 +29,7 @@ def stop_db() -> None:
 @click.option("--port", default=3000, show_default=True, type=click.IntRange(1, 65535))
 def dev(host: str, port: int) -> None:
     """Start the Dagster UI and daemon on the embedded (or configured) database."""
-    from pipeline_assets.defs.devserver import run_dev
+    from pipeline_assets.cli.devserver import run_dev
 
     sys.exit(run_dev(settings(), host=host, port=port))
 
@@ -37,7 +37,7 @@ def dev(host: str, port: int) -> None:
 @click.command("dagster-env")
 def dagster_env() -> None:
     """Print the environment (export lines) that points Dagster's own commands at `dev`'s instance."""
-    from pipeline_assets.defs.devserver import run_dagster_env
+    from pipeline_assets.cli.devserver import run_dagster_env
 
     sys.exit(run_dagster_env(settings()))
 

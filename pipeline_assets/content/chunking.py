@@ -1,19 +1,10 @@
 """Deterministic, versioned, token-aware chunking.
 
-The text is encoded once with the cl100k tokenizer; windows of ``max_tokens``
-tokens are taken, stepping forward so consecutive chunks share ``overlap``
-tokens. Window boundaries are mapped back to *character* offsets, so each
-chunk's text is an exact slice ``text[char_start:char_end]`` (a boundary that
-falls inside a multi-byte character is snapped to a character boundary).
-Every chunk is re-encoded on its own and shrunk if needed, so
-``count_tokens(chunk.text) <= max_tokens`` always holds.
-
-Same text + same ``Chunker.version`` -> identical chunks and checksums.
-Cost is about two tokenizer passes over the text (the whole text once, each
-chunk once more to verify its bound; a text that is one chunk is encoded once);
-there is no quadratic step.
-(Lone surrogate code points, which cannot be UTF-8 encoded, are replaced 1:1
-by U+FFFD first; extract.normalise already does this for extracted text.)
+Windows of ``max_tokens`` cl100k tokens, consecutive ones sharing ``overlap`` tokens, mapped back to
+character offsets: each chunk's text is the exact slice ``text[char_start:char_end]``, and
+``count_tokens(chunk.text) <= max_tokens`` always holds. Same text and ``Chunker.version``:
+identical chunks and checksums. About two tokenizer passes over the text, no quadratic step.
+Lone surrogates are replaced 1:1 by U+FFFD first.
 """
 
 from __future__ import annotations

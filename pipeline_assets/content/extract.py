@@ -1,22 +1,11 @@
 """Text extraction: raw bytes of a source item -> normalised text.
 
-Dispatch is by the extension of ``document_id``:
-
-* text formats (.txt .md .markdown .rst .csv .json): UTF-8, BOM stripped;
-* .html / .htm: visible text via BeautifulSoup ("html.parser");
-* .pdf: pypdf text of every page, pages joined by a blank line;
-* anything else: content sniffing -- a NUL byte in the first 8 KiB or
-  invalid UTF-8 -> ``unsupported_binary``; valid UTF-8 is accepted as text.
-
-Normalisation applied to every result (see ``normalise``):
-``\\r\\n`` and ``\\r`` become ``\\n``; NUL characters are removed (PostgreSQL
-text cannot store them); lone surrogates become U+FFFD; leading/trailing
-whitespace of the whole document is stripped. Line content is otherwise
-kept as is. Empty or whitespace-only documents yield "" (not an error).
-
-Versions are per format (``format_of``: text, html, pdf; ``EXTRACTOR_VERSIONS``):
-a document's extract stage records its own format's version, so a fix of one
-format makes only that format's documents stale.
+By the extension of ``document_id``: text formats (UTF-8, BOM stripped); .html/.htm (visible text,
+BeautifulSoup); .pdf (pypdf, pages joined by a blank line); anything else is sniffed (a NUL in the
+first 8 KiB or invalid UTF-8: ``unsupported_binary``). ``normalise`` then makes line ends ``\n``,
+removes NULs, replaces lone surrogates by U+FFFD and strips the whole text; empty text is "" (not
+an error). Versions are per format (``format_of``, ``EXTRACTOR_VERSIONS``): a fix of one format
+makes only that format's documents stale.
 """
 
 from __future__ import annotations

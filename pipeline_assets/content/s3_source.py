@@ -1,26 +1,13 @@
 """An S3-compatible object store prefix as a ``Source`` (content/source.py): ``s3://BUCKET/PREFIX``.
 
-The client is obstore (Rust ``object_store``): configured by the standard AWS
-environment (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
-``AWS_REGION``, web identity, ECS and instance credentials), with the endpoint from
-``Settings.aws_endpoint_url`` (``AWS_ENDPOINT_URL``: MinIO, R2, GCS's S3 API). The
-credentials are never read, printed or logged here.
-
-* Ids are ``s3://bucket/key``; the token is the ETag and size. An equal ETag means
-  equal bytes (``content_tokens``): an object whose token is the one stored at its
-  last ingest is never downloaded. The prefix is a folder: ``s3://b/docs`` lists
-  ``docs/...``, not ``docs2/...``. Keys ending in ``/`` (folder markers) are skipped.
-* Listing goes in pages (``S3_PAGE_KEYS``); reads go in parallel, at most
-  ``S3_READS_IN_FLIGHT`` at a time; the size guard is applied from the listing before
-  any download. A read returns the object as read (``read_all`` yields an item with the
-  ETag and size of the bytes it got), so an object replaced between the listing and the
-  read is stored under its new token, and the next scan finds it unchanged.
-* A transient failure (connection refused or reset, timeout, HTTP 429/5xx) is retried
-  with the pause the opener gives (``app/source_registry.py``: the provider's full
-  jitter and its settings), ``S3_ATTEMPTS`` attempts in all; a listing resumes after
-  the last key it had. Then, or at once for refused credentials (401/403), a missing
-  bucket or a bad request, the source is unreachable: SourceError, one line naming the
-  status and the S3 error code only.
+The client is obstore, configured by the standard AWS environment and ``Settings.aws_endpoint_url``;
+credentials are never read, printed or logged here. Ids are ``s3://bucket/key``; the token is the
+ETag and size (``content_tokens``: an equal token is never downloaded again); the prefix is a
+folder and folder markers are skipped. Listing goes in pages (``S3_PAGE_KEYS``), reads at most
+``S3_READS_IN_FLIGHT`` at a time, the size guard applied before any download; a read returns the
+object with the token of the bytes it got. Transient failures are retried (``S3_ATTEMPTS`` in all,
+a listing resuming after its last key); then, or at once for 401/403, a missing bucket or a bad
+request: ``SourceError``, one line naming the status and S3 error code only (docs/sources.md).
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Run a function in child processes that are killed at their deadline, under a memory limit.
 
-Parsing and chunking one document run here (``process.Extractor``): a parser
-stuck in C code, one that swallows exceptions, or one whose input inflates to
-gigabytes is stopped by the kernel, not by the parser's cooperation, and from
-any thread (a Dagster run, a sensor), where a SIGALRM could not.
-
-A bounded pool of long-lived children (``processes``, one per usable core by
-default) serves the calls of one ingest, so the cost is one fork per child plus a
-pipe round trip per document; a child is started only when every running one is
-busy. Each child is forked (copy-on-write: the loaded modules and the tokenizer
-come for free); it only computes and answers on its pipes, and leaves with
-``os._exit`` (via multiprocessing), so it never touches the parent's connections
-or threads, nor the pipes of its siblings.
-
-Calls are pipelined: ``submit`` queues a call on the least busy child while the
-children work on earlier ones (the parent reads and checksums the next files and
-writes to the database meanwhile), as long as that child's queued calls fit in
-half its pipe's buffer, so a send never blocks on a busy or stuck child. Each
-child answers its own calls in order; ``take`` returns the first answer of any
-child, so a slow or stuck call holds up only the calls queued behind it on its own
-child. Each call's deadline starts when the parent has the previous answer of its
-child (when the child is free for it); past it the child is killed (SIGKILL), the
-call fails with ``timeout``, and the calls queued behind it are sent again to a
-new child. A call killed at its deadline, or whose child died, is first sent once more,
-at the head of a fresh child's queue (``CALL_ATTEMPTS``): a stalled machine or a child
-that hung is not the document's fault, a document that fails twice in two processes is.
-The error of a timeout names where the child was stuck (its Python stack, dumped on
-SIGUSR1 by ``faulthandler`` just before the kill).
-In-flight work is bounded: at most ``MAX_QUEUED_CALLS`` calls per child.
-Memory: the child's address space may grow by ``memory_limit`` bytes past what it
-inherited (RLIMIT_AS); an allocation beyond it raises MemoryError in the child.
+A bounded pool of forked, long-lived children (``processes``) serves one ingest's calls; a child
+only computes and answers on its pipes, never touching the parent's connections or threads.
+``submit`` queues a call on the least busy child (at most ``MAX_QUEUED_CALLS``, within half its
+pipe's buffer, so a send never blocks); ``take`` returns the first answer of any child. A call's
+deadline starts when its child is free for it; past it the child is SIGKILLed, the call fails with
+``timeout`` (naming where the child was stuck) and the calls behind it go to a new child. A call
+killed or whose child died is tried once more in a fresh child (``CALL_ATTEMPTS``). A child's
+address space may grow by ``memory_limit`` bytes (RLIMIT_AS): beyond it, MemoryError in the child.
+Why one child by default: docs/decisions/0001-one-extraction-child.md.
 """
 
 from __future__ import annotations

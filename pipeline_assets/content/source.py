@@ -1,34 +1,14 @@
 """The source interface: where documents come from (a folder, an object store, a table).
 
-A ``Source`` lists its items with a cheap change token, reads one item's bytes,
-looks up given ids, and so says what is gone. Ingest, the source sensor's
-observations, bucket runs, refresh, reconciliation and ``status`` use only this
-interface; each kind of source is one implementation (``content/folder_source.py``,
-``content/s3_source.py``) opened from its string by ``app/source_registry.py``.
+A ``Source`` lists items with a change token, reads one item's bytes and looks up given ids; every
+use (ingest, observations, bucket runs, reconciliation, ``status``) goes through it. Contracts:
 
-Contracts every implementation keeps:
-
-* **Ids carry their source** (``s3://bucket/key``, ``table:schema.name/123``; a
-  folder's ids are paths relative to its root), so two sources never collide, and
-  a document's bucket is the hash of its id.
-* **A failed listing is never an empty one.** ``items`` and ``observe`` raise
-  ``SourceError`` when any part of the listing fails (unreachable endpoint, bad
-  credentials, a page or directory that cannot be read): the caller then tombstones
-  nothing. A listing that completes is complete: what it did not yield is gone.
-* **Guards before bytes.** ``read`` refuses an item over ``max_bytes`` from its
-  listed size before downloading a byte (``ExtractError(TOO_LARGE)``), and an item
-  listed with a ``problem`` without touching it.
-* **Errors by scope.** One item that cannot be read: ``ExtractError`` (a guard:
-  the document is quarantined with that class) or ``OSError`` (unreadable now:
-  quarantined as ``unreadable``). The source as a whole failing (unreachable,
-  credentials refused, throttled past the retries): ``SourceError``, which stops
-  the ingest before anything is tombstoned.
-* **Tokens.** ``token`` changes whenever the bytes may have changed. Where
-  ``content_tokens`` is true (an ETag, a row version) an equal token guarantees
-  equal bytes, so an item whose token equals the one stored at its last ingest is
-  never read again; a folder's size+mtime token is only a prefilter (a rewrite may
-  keep both), so its items are read and checksummed.
-* Messages never contain credentials.
+* ids carry their source (``s3://bucket/key``, ``table:schema.name/123``, a folder's relative path);
+* a failed listing raises ``SourceError``, never yields an empty one; a completed listing is complete;
+* ``read`` refuses an item over ``max_bytes`` from its listed size before reading a byte;
+* one unreadable item: ``ExtractError`` or ``OSError``; the whole source failing: ``SourceError``;
+* where ``content_tokens`` is true an equal token guarantees equal bytes (never read again);
+* messages never contain credentials.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Directory source: enumerate the files under a root and read them safely.
 
-``scan_directory`` streams ``SourceItem``s in a deterministic order (entries of
-each directory sorted by name, depth first), so two scans of an unchanged tree
-yield identical sequences. Only one directory listing per level of nesting is
-held in memory, so very large trees (100k+ files) stream without a full list.
+``scan_directory`` streams ``SourceItem``s in a deterministic order (sorted by name, depth first),
+holding one directory listing per level. Only regular files whose real path is under the root are
+read: a symlink out of it is listed as ``outside_root`` and never opened, and ``read_guarded``
+checks the file it actually opened (a name swapped after the scan is refused too).
 
-Confinement: only regular files whose real path is under the source root are
-read. A symlink that resolves out of the root is listed with the error class
-``outside_root`` (quarantined, never opened); ``read_guarded`` checks the file
-it actually opened (its kernel path, or the device and inode of the resolved
-path), so a name swapped for a symlink after the scan is refused as well.
-
-Document ids are ``/``-separated paths relative to the root. A name that is not
-valid UTF-8 (it cannot be stored) gets a reversible escaped id: each undecodable
-byte becomes ``%XX`` and ``%`` itself ``%25`` (only in such names; every other
-id is the name as is). ``item_for`` maps an id back to its file, and
-``document_id_problem`` refuses ids no scan can produce (absolute, ``..``,
-hidden components), whoever supplies them (a Dagster partition key, a rerun).
+Document ids are ``/``-separated paths relative to the root; a name that is not valid UTF-8 gets a
+reversible id (each undecodable byte ``%XX``, ``%`` itself ``%25``, only in such names).
+``item_for`` maps an id back to its file; ``document_id_problem`` refuses ids no scan produces
+(absolute, ``..``, hidden components), whoever supplies them.
 """
 
 from __future__ import annotations

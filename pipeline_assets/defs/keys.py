@@ -1,6 +1,8 @@
-"""The asset keys, in one place (the assets, checks, sensors and the model switch name them)."""
+"""The asset keys and the asset group, in one place (every domain names them)."""
 
 import dagster as dg
+
+GROUP = "embedding_pipeline"
 
 DOCUMENTS = dg.AssetKey("documents")
 CHUNKS = dg.AssetKey("chunks")
@@ -11,3 +13,4 @@ ASSET_KEYS = (DOCUMENTS, CHUNKS, EMBEDDINGS)
 INGEST_KEYS = (DOCUMENTS, CHUNKS)
 # The job table and the vectors search serves: observed and checked, never materialized.
 EMBEDDING_STORE = dg.AssetKey("embedding_store")
+RECONCILIATION = dg.AssetKey("reconciliation")

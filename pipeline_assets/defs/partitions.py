@@ -1,22 +1,14 @@
 """The Dagster partitions: a fixed set of document buckets (``app/buckets.py``), and for
 ``embeddings`` the bucket crossed with the embedding model.
 
-Documents and chunks are partitioned by bucket, ``b000`` ..
-``b063`` by default (PIPELINE_PARTITION_BUCKETS; the count is fixed by the
-first use of the database, and a run whose configured count differs fails with
-one line saying which to set). A partition is a stable slice of the corpus, not
-one document: Dagster keeps the same few dozen partitions at 100 documents or
-1M, so its status cache, its backfills and its UI cost what they cost for
-64 partitions whatever the corpus. Single documents are selected by run config
-(the ``refresh_documents`` job), not by partition.
-
-``embeddings`` is partitioned by bucket x model (``embedding_partitions``): a
-``MultiPartitionsDefinition`` of the buckets and a dynamic dimension whose keys
-are the model ids of the registry's active models (``model_partitions.py`` keeps
-them in step). Its key is ``b013|openai/text-embedding-3-small@1536`` (Dagster
-orders dimensions by name: bucket, then model). A run over a range is a
-rectangle: buckets ``first..last`` times models ``first..last`` in the dynamic
-keys' order.
+``documents`` and ``chunks``: ``b000`` .. ``b063`` by default (PIPELINE_PARTITION_BUCKETS,
+fixed by the database's first use; a run whose configured count differs fails with one line).
+A partition is a stable slice of the corpus, so Dagster keeps a few dozen partitions at any
+corpus size; single documents are selected by run config (``refresh_documents``).
+``embeddings``: a ``MultiPartitionsDefinition`` of the buckets and the dynamic ``model``
+dimension (the registry's active models, ``models/partitions.py``); its key reads
+``b013|openai/text-embedding-3-small@1536`` (dimensions ordered by name). A range run is a
+rectangle: buckets ``first..last`` times models ``first..last`` in the dynamic keys' order.
 """
 
 from __future__ import annotations

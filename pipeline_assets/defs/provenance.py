@@ -1,22 +1,16 @@
 """Data and code versions on the materializations a step records for assets it does not own
-(``refresh_documents``, the reconciliation).
+(``refresh_documents``, the reconciliation), and the data version of a range run.
 
-Dagster decides whether a partition is stale from its latest materialization's
-provenance: the code version it was made under and, per upstream asset, the
-event it was made from. A materialization without them is compared by
-timestamps only, so a code version bump would leave it FRESH. These events
-therefore carry what an asset's own run records: the partition's data version
-(the same per-bucket digest the asset records for a one-bucket run), the
-asset's code version, and per upstream asset its data version and the storage
-id of its latest event (``input_event_pointer``): a newer upstream event with
-another data version makes the partition stale, as after an asset run.
-
-The tag names are Dagster's own (``dagster/data_version`` ...); public
-``AssetMaterialization`` tags are how a runtime event states them.
+Dagster decides staleness from a materialization's provenance; one without it is compared
+by timestamps only, so a code version bump would leave it FRESH. These events carry what an
+asset run records: the partition's data version, the asset's code version and, per upstream
+asset, its data version and the storage id of its latest event (``input_event_pointer``),
+in Dagster's own tag names (``dagster/data_version`` ...).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any
 
@@ -26,6 +20,16 @@ DATA_VERSION_TAG = "dagster/data_version"
 CODE_VERSION_TAG = "dagster/code_version"
 INPUT_DATA_VERSION_PREFIX = "dagster/input_data_version/"
 INPUT_EVENT_POINTER_PREFIX = "dagster/input_event_pointer/"
+
+
+def run_version(versions: Mapping[str, str]) -> str:
+    """One partition's version, or the version of a range (never mistaken for one bucket's)."""
+    if len(versions) == 1:
+        return next(iter(versions.values()))
+    h = hashlib.sha256()
+    for key in sorted(versions):
+        h.update(f"{key}={versions[key]}\x1e".encode())
+    return f"range:{len(versions)}:{h.hexdigest()[:16]}"
 
 
 def version_tags(data_version: str, code_version: str,

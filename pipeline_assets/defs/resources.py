@@ -1,28 +1,13 @@
-"""Dagster resources: the database, the embedding provider, the source directory.
+"""Dagster resources, shared by every domain: the database, the embedding provider, the source,
+how an embeddings run embeds.
 
-Thin wrappers that turn resource config into what the use cases in
-``pipeline_assets.app`` take: a pool, a ``Runtime`` (provider and ingest
-options built from ``Settings``), a source root. The settings are the ones
-the definitions were built from (``build_resources(settings)``: the
-environment read once when the code location loads, as the command line reads
-it once per command; each resource names them by ``settings_id``); each
-resource's config fields override them, so a run in the UI and the command
-line agree on the database, the model and every default:
-
-* ``PostgresResource``: ``database_url`` comes from ``EnvVar("PIPELINE_DATABASE_URL")``
-  when that variable is set (the UI then shows the variable's name, never the
-  URL and its password); unset, the embedded server under PIPELINE_HOME is
-  started or reused, exactly as the CLI does. Connections come from a
-  psycopg 3 pool, opened on first use, migrated once, closed at teardown.
-* ``EmbeddingProviderResource``: OpenAI-compatible when OPENAI_API_KEY is set,
-  the local offline model otherwise; ``model`` overrides PIPELINE_EMBEDDING_MODEL.
-* ``SourceDirectoryResource``: the directory whose files are the partitions;
-  ``root`` overrides PIPELINE_SOURCE_DIR (default ``examples/corpus``).
-* ``EmbeddingRunResource``: how an ``embeddings`` run gets its chunks embedded:
-  ``in_process`` (default from PIPELINE_EMBED_WORKERS: a worker scoped to the
-  run's documents inside the run) or only waiting for external ``work``
-  processes; ``deadline_seconds`` (PIPELINE_EMBED_RUN_DEADLINE) bounds the wait.
-  Both can be overridden per run in the launchpad (``resources.embedding_run.config``).
+Each turns its config into what the use cases of ``pipeline_assets.app`` take (a pool, a
+``Runtime``, a ``Source``). Unset fields read the settings the definitions were built from
+(``build_resources(settings)``, found by ``settings_id``), so a run in the UI and the command
+line agree on the database, the model and every default; a field set in the launchpad
+overrides them. ``PostgresResource`` takes ``database_url`` from ``EnvVar("PIPELINE_DATABASE_URL")``
+when set (the UI shows the name, never the password), else the embedded server under
+PIPELINE_HOME; its psycopg pool is opened and migrated on first use, closed at teardown.
 """
 
 from collections.abc import Iterator
@@ -34,7 +19,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 from pydantic import Field, PrivateAttr
 
-from pipeline_assets.app import buckets
+from pipeline_assets.app import buckets as bk
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_registry import is_folder, open_source
 from pipeline_assets.content.folder_source import FolderSource
@@ -118,8 +103,8 @@ class PostgresResource(dg.ConfigurableResource):
         one line naming the count to set (``dg.Failure``, not retried)."""
         with self.connection() as conn:
             try:
-                return buckets.check_buckets(conn, configured)
-            except buckets.BucketCountMismatch as exc:
+                return bk.check_buckets(conn, configured)
+            except bk.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
@@ -147,7 +132,7 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
         rt = Runtime.build(self.settings(), run_id=run_id, force=force)
         if self.model and rt.model_id != (configured := model_id_for(settings_of(self.settings_id))):
             # A launchpad override: it would register a model nobody serves or works, and record
-            # vectors of one model under the code version of another (defs/model_switch.py).
+            # vectors of one model under the code version of another (defs/models/sensors.py).
             raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "
                               "embeddings code version); set PIPELINE_EMBEDDING_MODEL and reload the code "
                               "location to switch models")

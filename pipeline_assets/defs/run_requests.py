@@ -1,28 +1,19 @@
-"""How the sensors turn buckets into runs: one run over a partition range of
-buckets (``sync_documents``; then ``embed_documents`` over the same buckets x
-the active models), with the tags and run keys that let Dagster deduplicate a
-re-evaluated tick, and the run statuses that count as in flight (backpressure)."""
+"""How the sensors turn buckets into runs: one run over a partition range of buckets
+(``sync_documents``; then ``embed_documents`` over the same buckets x the active models),
+with the job names, tags and run keys that let Dagster deduplicate a re-evaluated tick,
+and the run statuses that count as in flight (backpressure)."""
 
 import hashlib
 from collections.abc import Iterable
 
 import dagster as dg
 
-from pipeline_assets.defs.keys import EMBEDDINGS, INGEST_KEYS
+SYNC_JOB_NAME = "sync_documents"        # defs/ingest/jobs.py
+EMBED_JOB_NAME = "embed_documents"      # defs/embeddings/jobs.py
 
-SYNC_JOB_NAME = "sync_documents"
-SYNC_JOB = dg.define_asset_job(
-    SYNC_JOB_NAME, selection=dg.AssetSelection.assets(*INGEST_KEYS),
-    description="documents -> chunks for one bucket or a range of buckets: each bucket brought current with "
-                "the source and the code (unchanged documents are skipped). Its success requests the "
-                "embeddings run of the same buckets (sensor embed_after_sync).")
-EMBED_JOB_NAME = "embed_documents"
-EMBED_JOB = dg.define_asset_job(
-    EMBED_JOB_NAME, selection=dg.AssetSelection.assets(EMBEDDINGS),
-    description="embeddings (and the partition_embedded check) for a rectangle of buckets x models: only "
-                "content without a vector for a model is sent.")
-
-TRIGGER_TAG = "pipeline/trigger"
+TRIGGER_TAG = "pipeline/trigger"        # the sensor that asked for a run
+RERUN_TAG = "pipeline/rerun"            # a rerun after a code-version bump: stale documents only
+GENERATION_TAG = "pipeline/rerun_generation"   # "{epoch}.{generation}" of the rerun tick that asked
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 PARTITION_TAG = "dagster/partition"

@@ -71,7 +71,7 @@ class HeldLeases:
 
 
 class LeaseStore(Protocol):
-    """What the heartbeat needs of the database (``jobs.job_store.JobStore``)."""
+    """What the heartbeat needs of the queue (``jobs.job_store.JobStore``)."""
 
     def extend_leases(self, held: Sequence[tuple[str, list[int]]], lease_seconds: float) -> None: ...
 

@@ -85,11 +85,6 @@ def record_dimension(conn: psycopg.Connection, model_id: str, dimension: int) ->
     conn.execute(MODELS.record_dimension, {"dimension": dimension, "model": model_id})
 
 
-def ensure_index(conn: psycopg.Connection, model_id: str, dimension: int) -> str:
-    """Build the model's index now if missing (concurrently; see ``vector_index.build``)."""
-    return vector_index.build(conn, model_id, dimension)
-
-
 def resolve_model_id(conn: psycopg.Connection, name: str) -> str | None:
     """Map a configured model name (PIPELINE_EMBEDDING_MODEL) to its model_id."""
     row = conn.execute(MODELS.resolve_model_id, {"name": name}).fetchone()

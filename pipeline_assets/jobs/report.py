@@ -5,12 +5,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from pipeline_assets.counts import Counts
 from pipeline_assets.jobs.changes import Change, Complete, Fail, GiveBack, JobObserver, Retry, Supersede
 from pipeline_assets.jobs.status import JobStatus
 
 
 @dataclass
-class WorkerReport:
+class WorkerReport(Counts):
     embedded: int = 0
     superseded: int = 0
     failed: int = 0
@@ -27,9 +28,6 @@ class WorkerReport:
         with self._lock:
             for key, value in counts.items():
                 setattr(self, key, getattr(self, key) + value)
-
-    def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 class ReportCounts(JobObserver):
@@ -48,8 +46,9 @@ class ReportCounts(JobObserver):
             self.report.add(retried=statuses.count(JobStatus.RETRY), failed=statuses.count(JobStatus.FAILED))
         elif isinstance(change, Fail):
             self.report.add(failed=len(statuses))
-        elif isinstance(change, GiveBack) and change.throttled:
-            self.report.add(throttled=len(statuses))
+        elif isinstance(change, GiveBack):  # a job whose lease another worker holds now stays with it
+            self.report.add(throttled=len(statuses) if change.throttled else 0,
+                            refused=len(change.job_ids) - len(statuses))
 
     def rescued(self, count: int) -> None:
         self.report.add(rescued=count)

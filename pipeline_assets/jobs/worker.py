@@ -31,6 +31,7 @@ from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
+from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.suspects import SuspectGate
@@ -77,7 +78,7 @@ class BudgetExhausted(RuntimeError):
 
 class Worker:
     def __init__(self, url: str, provider: Provider, config: WorkerConfig, *, settings: Settings,
-                 stop_event: threading.Event | None = None) -> None:
+                 stop_event: threading.Event | None = None, store: JobStore | None = None) -> None:
         self.url = url
         self.provider = provider
         self.config = config
@@ -92,7 +93,11 @@ class Worker:
         self._claim_seq = itertools.count(1)
         self.stop = stop_event or threading.Event()
         self.report = WorkerReport()
-        self.store: JobStore | None = None  # opened (with its pool) by run()
+        # The queue; None: run() opens a PostgresJobStore (with its pool) on ``url``. A store given
+        # here (MemoryJobStore) runs without a database and without a liveness row (with
+        # ``build_index`` off: the index build needs the database).
+        self.store: JobStore | None = store
+        self._own_store = store is None
         self._stopping = Stopping(self.stop)
         self._idle = [False] * config.concurrency
         # Wakes the main loop before its poll when a thread finds the queue empty or the index
@@ -110,20 +115,10 @@ class Worker:
         return db.connect(self.url, prepare=self.settings.prepare)
 
     def run(self) -> WorkerReport:
-        pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2,
-                            prepare=self.settings.prepare)
-        # Connections that met an unavailable or read-only server are replaced (``DatabaseWait``).
-        self._db_wait = DatabaseWait(on_unavailable=pool.drain)
-        try:
-            self.store = store = JobStore(
-                pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
-                backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap,
-                scope=self.config.scope, observers=job_log.observers(pool, worker_id=self.worker_id,
-                                                                     model_id=self.model_id,
-                                                                     extra=[ReportCounts(self.report)]))
-            self._run(store)
-        finally:
-            pool.close()
+        if self.store is None:
+            self._run_on_postgres()
+        else:
+            self._run(self.store)
         stopping = self._stopping
         if stopping.fatal is not None:
             self.report.fatal = stopping.fatal.message
@@ -134,6 +129,22 @@ class Worker:
             raise BudgetExhausted(stopping.budget)
         return self.report
 
+    def _run_on_postgres(self) -> None:
+        pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2,
+                            prepare=self.settings.prepare)
+        # Connections that met an unavailable or read-only server are replaced (``DatabaseWait``).
+        self._db_wait = DatabaseWait(on_unavailable=pool.drain)
+        try:
+            self.store = store = PostgresJobStore(
+                pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
+                backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap,
+                scope=self.config.scope, observers=job_log.observers(pool, worker_id=self.worker_id,
+                                                                     model_id=self.model_id,
+                                                                     extra=[ReportCounts(self.report)]))
+            self._run(store)
+        finally:
+            pool.close()
+
     def _run(self, store: JobStore) -> None:
         executor = Executor(self.provider, store, self.settings, poll_seconds=self.config.poll_seconds,
                             lease_seconds=self.config.lease_seconds, report=self.report, stopping=self._stopping,
@@ -143,7 +154,7 @@ class Worker:
         self._refresh_spend(store)  # before any claim: today's spend by other workers
         liveness = leases.Liveness(self._connect, owner_prefix=self._owner_prefix,
                                    worker_id=self.worker_id, model_id=self.model_id,
-                                   dead_after=self.settings.worker_dead_after).start()
+                                   dead_after=self.settings.worker_dead_after).start() if self._own_store else None
         threads = [threading.Thread(target=self._loop, args=(i, executor, store), name=f"embed-{i}", daemon=True)
                    for i in range(self.config.concurrency)]
         heartbeat = threading.Thread(target=leases.heartbeat, name="heartbeat", daemon=True,
@@ -195,7 +206,8 @@ class Worker:
                             "back, without using an attempt (%s)", exc)
             finally:
                 # Claims not handed back keep the row, which goes stale: they are rescued in seconds.
-                liveness.stop(leave=handed_back)
+                if liveness is not None:
+                    liveness.stop(leave=handed_back)
 
     def _refresh_spend(self, store: JobStore) -> None:
         if self._token_budget.daily:

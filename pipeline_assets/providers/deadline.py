@@ -1,19 +1,11 @@
 """A hard wall-clock deadline on a whole HTTP call.
 
-httpx times out per operation: each read may take up to the read timeout, so
-an answer that trickles in a byte at a time (a slow-drip proxy, a wedged
-gateway) never times out and pins the calling thread for as long as it drips.
-Here every socket operation of a call gets at most the time *left* until the
-call's deadline, and none starts once it has passed: the call ends at its
-deadline with an ordinary ``ReadTimeout`` (the SDK's ``APITimeoutError``).
-
-How: the connection pools of the SDK's HTTP client get a network backend
-(httpcore's documented extension point) whose streams clamp each operation's
-timeout to the deadline of the call running on the current thread
-(:func:`within`). For TLS the clamp bounds the whole ``SSLSocket.recv`` (the
-standard library turns the socket timeout into a deadline over a TLS record).
-Not bounded by the deadline: DNS resolution (the resolver's own timeouts) and
-TLS inside TLS (an ``https://`` proxy), whose reads are bounded per read only.
+Every socket operation of a call gets at most the time left until the call's deadline, and none
+starts once it has passed: the call ends at its deadline with an ordinary ``ReadTimeout`` (the SDK's
+``APITimeoutError``), even for an answer that trickles in a byte at a time (httpx alone times out
+per read). The SDK's connection pools get a network backend (httpcore's extension point) whose
+streams clamp each operation to the deadline of the call on the current thread (:func:`within`).
+Not bounded: DNS resolution and TLS inside TLS (an ``https://`` proxy), bounded per read only.
 """
 
 from __future__ import annotations

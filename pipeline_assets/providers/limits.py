@@ -1,27 +1,12 @@
 """Per-model input windows: a chunk is never longer than a model takes, nothing is truncated.
 
-Every model knows its window in its *own* tokens (``ModelSpec.max_input_tokens``,
-stored with the model in ``app.models``). The chunker counts cl100k tokens, so
-the largest chunk a model can take is
-
-* its window, for a model that tokenizes with cl100k (OpenAI's, the hashing model);
-* otherwise ``(window - special tokens) / FOREIGN_TOKENS_PER_CHUNK_TOKEN``: a
-  bound on the model's tokens per cl100k token (WordPiece, SentencePiece, ...).
-
-A server's model that is not in the provider's table has no known window
-unless PIPELINE_MODEL_MAX_INPUT_TOKENS gives it (e5-small and bge-small take
-512 word pieces, far less than OpenAI's 8191): ``require_known_window``
-refuses it, with one line naming that setting, at `models add` and at worker
-start (`work`, `embed`, the Dagster steps that embed), before anything is sent.
-
-``check_chunk_size`` compares PIPELINE_CHUNK_TOKENS with every model given
-(the configured one when a runtime is built; every active one at `models add`,
-at worker start and in `settings`) and refuses with one line naming both
-numbers and the setting. Prose is well inside the bound; a chunk that still
-tokenizes past the window (a run of punctuation, which WordPiece splits into
-one token per character) is refused by the local model before it runs
-(``input_too_long``, a dead letter), and usage that shows a server truncating
-surfaces in `status` (``jobs.models.input_limits``).
+The chunker counts cl100k tokens; a model's window is in its own tokens
+(``ModelSpec.max_input_tokens``). The largest chunk a model takes is its window for a cl100k
+model, else ``(window - special tokens) / FOREIGN_TOKENS_PER_CHUNK_TOKEN``.
+``require_known_window`` refuses a model with no known window (set
+PIPELINE_MODEL_MAX_INPUT_TOKENS) and ``check_chunk_size`` a PIPELINE_CHUNK_TOKENS past a model's
+bound, each in one line, at `models add` and at worker start, before anything is sent
+(docs/models.md, input windows).
 """
 
 from __future__ import annotations

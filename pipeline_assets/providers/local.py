@@ -1,31 +1,12 @@
 """The offline default embedder: signed feature hashing of words, L2-normalised.
 
-Deterministic, needs no download and no key, and is named as what it is
-(``local/hashing-words-v2@512``). Each text becomes a bag of features:
+Deterministic, needs no download and no key, named as what it is (``local/hashing-words-v2@512``):
+words without English stop words and with a few suffix rules, bigrams at half weight, character
+trigrams at a low weight, each weighted ``1 + log tf`` and hashed (blake2b) to one of ``dimension``
+buckets with a sign from the same hash. Lexical, not semantic (docs/models.md, the offline model).
 
-* words (lower-cased letters and digits), English stop words dropped, each
-  reduced by a few suffix rules (``retries`` and ``retrying`` -> ``retri``);
-* bigrams of neighbouring kept words (``thunder herd``), at half weight;
-* the character trigrams of each kept word, at a low total weight, so that
-  spellings the suffix rules miss (``jittered``/``jitter``) still overlap.
-
-A feature's weight grows sublinearly with its count (``1 + log tf``), so one
-word repeated twenty times does not drown the rest; it is hashed (blake2b) to
-one of ``dimension`` buckets with a sign taken from the same hash, so
-collisions cancel out on average instead of piling up.
-
-What it is not: a semantic model. It knows no synonyms (``car`` and
-``automobile`` share nothing), no word order beyond neighbours, no language but
-English for its stop words, and no corpus statistics (a word rare in your
-corpus weighs as much as a common one). It is good for the bundled example,
-tests and a pipeline dry run; hybrid search (``app/search.py``) adds
-PostgreSQL's full-text ranking on top of it. For real retrieval use a real
-model.
-
-Any change to its output must change ``LOCAL_MODEL_VERSION``: the version is
-part of the model id, so vectors of two versions are never mixed (a database
-embedded with an older version re-embeds everything under the new id; the old
-model can then be retired).
+Any change to its output must change ``LOCAL_MODEL_VERSION``: the version is part of the model
+id, so vectors of two versions are never mixed.
 """
 
 from __future__ import annotations

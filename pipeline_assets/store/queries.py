@@ -1,19 +1,13 @@
 """Named SQL queries, loaded by name from ``sql/queries/<family>.sql``.
 
-Each table family keeps its SQL in one plain-SQL file, in blocks introduced by
-a ``-- name: <query_name>`` line (the comment lines right after it document
-the query; they stay in the file: the text sent is the SQL from its first
-line that is not a comment, so the server's pg_stat_activity, which keeps a
-query's first 1 kB, shows the statement, and the client encodes, hashes and
-(up to 4 kB) caches the conversion of a short text at every execute).
-Python code refers to a query by name and passes parameters by name; no SQL
-is assembled from strings. Dynamic identifiers (an index name, a vector
-dimension) go through ``psycopg.sql`` at the call site.
+Each table family keeps its SQL in one plain-SQL file, in blocks introduced by a
+``-- name: <query_name>`` line; the comment lines right after it document the query and are not
+sent (docs/decisions/0005-statements-sent-without-comments.md). Python refers to a query by name
+and passes parameters by name; no SQL is assembled from strings (dynamic identifiers go through
+``psycopg.sql`` at the call site). Files are read on first use and cached for the process::
 
     JOBS = queries.load("jobs")
     conn.execute(JOBS.claim, {...})
-
-Files are read on first use (not at import) and cached for the process.
 """
 
 from __future__ import annotations

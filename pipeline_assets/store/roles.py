@@ -1,22 +1,14 @@
 """Least-privilege roles: an owner that migrates, a worker without DDL, a reader.
 
-``grant_statements`` renders, in order, the statements of ``sql/queries/roles.sql``
-for three role names; ``apply`` runs them as an administrator (a role that may
-create roles and the ``vector`` extension, and set default privileges for the
-owner: a superuser, or a member of the owner role). Every statement is
-idempotent, so applying again (after a release added tables) changes nothing
-but what is missing. Passwords are never set here.
+``grant_statements`` renders the statements of ``sql/queries/roles.sql`` for three role names;
+``apply`` runs them as an administrator. Every statement is idempotent (applying again changes only
+what is missing); passwords are never set here. On the schema ``app``:
 
-What each role may do, on the schema ``app`` of the connection's database:
+* owner: CREATE on the database, owns ``app``: ``migrate``, ``models index``;
+* worker: SELECT, INSERT, UPDATE, DELETE on tables, sequences and functions; no DDL in ``app``;
+* reader: SELECT, read-only transactions (``status``, dashboards).
 
-* owner: CREATE on the database and owns ``app``: runs ``pipeline-assets migrate``
-  and the commands that change the schema (``models index`` builds an index).
-* worker: SELECT, INSERT, UPDATE, DELETE on every table, the sequences and the
-  functions, temporary tables; no CREATE, ALTER or DROP in ``app``.
-* reader: SELECT on every table, transactions read-only (``status``, dashboards).
-
-The grants on future tables are default privileges of the owner, so a table a
-later migration creates is the worker's and reader's at once.
+Grants on future tables are the owner's default privileges: a later migration's table is granted at once.
 """
 
 from __future__ import annotations

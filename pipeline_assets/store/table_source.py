@@ -1,19 +1,12 @@
 """A PostgreSQL table (or view) as a source of documents: ``table:SCHEMA.TABLE?id=ID&text=TEXT[&updated=COL]``.
 
 The source string names identifiers only; every statement is a template of
-``sql/queries/table_source.sql`` whose identifiers are composed with
-``psycopg.sql.Identifier`` (a filter is a view the user creates). ``open_table``
-checks, once, that the relation and its columns exist and are readable, so a
-missing one is one line (``TableSourceError``), and sets a lock and a statement
-timeout on the connection: a locked table is an error of the scan, never a hang
-and never an empty listing.
-
-Row change tokens are computed by the source database: ``id_hash`` =
-``hashtextextended(id::text, 0)`` (the row's bucket is ``id_hash & BUCKET_MASK``)
-and ``version`` = ``hashtextextended(coalesce(text, ''), id_hash)``. The digest of a
-bucket (row count, bit_xor of versions) is what an unchanged check compares, so
-an unchanged table is checked without a row leaving the server; listings are
-streamed with a server-side cursor, never held whole.
+``sql/queries/table_source.sql`` composed with ``psycopg.sql.Identifier``. ``open_table`` checks once
+that the relation and columns exist and are readable (else one line, ``TableSourceError``) and sets
+a lock and statement timeout: a locked table is an error, never a hang or an empty listing.
+Tokens are computed by the source database (``id_hash``, its bucket ``id_hash & BUCKET_MASK``, and
+``version``); a bucket's digest (row count, bit_xor of versions) checks an unchanged table without a
+row leaving the server; listings stream through a server-side cursor.
 """
 
 from __future__ import annotations

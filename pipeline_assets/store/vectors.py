@@ -1,19 +1,10 @@
 """A batch of vectors sent as one binary ``vector[]`` parameter, encoded in one numpy pass.
 
-pgvector's psycopg adapter dumps each vector by itself (a ``Vector`` object, a
-byteswapped copy, a struct header, psycopg's list dumper around them): about
-6 us of the worker's own CPU per 256-dimension vector, under the GIL that
-every worker thread shares. ``VectorBatch`` wraps an (n, dim) float32 array;
-its dumper writes PostgreSQL's binary array format (one dimension, no nulls,
-the ``vector`` type's oid, n elements from index 1) around the elements, each
-its length and pgvector's binary ``vector`` (uint16 dim, uint16 unused, dim
-big-endian float32), all from one structured numpy array: the bytes pgvector's
-own dumper would have sent, element by element.
-
-``db.connect`` and ``db.make_pool`` register the dumper on every connection
-(``register``, after pgvector's); ``param`` falls back to the plain list,
-which pgvector's adapter dumps, on a connection without it or for vectors that
-do not form one (n, dim) array.
+``VectorBatch`` wraps an (n, dim) float32 array; its dumper writes PostgreSQL's binary array of
+pgvector's binary ``vector`` elements from one structured numpy array: the bytes pgvector's own
+dumper would send element by element (docs/decisions/0006-binary-array-parameters.md).
+``db.connect`` and ``db.make_pool`` register it (``register``, after pgvector's); ``param`` falls
+back to the plain list on a connection without it or for vectors that are not one (n, dim) array.
 """
 
 from __future__ import annotations

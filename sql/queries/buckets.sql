@@ -10,13 +10,9 @@ INSERT INTO app.partition_scheme (buckets) VALUES (%(buckets)s)
 ON CONFLICT (singleton) DO NOTHING
 
 -- name: unsynced
--- Files of some buckets whose observed bytes a bucket run has not brought
--- current yet (new, changed, or never synced), and gone files (checksum NULL).
--- A file whose bytes are already its document's (ingested by the command
--- line, or before the bucket scheme) is not: ``in_store`` says so, and the run
--- only records it as synced. One page: the first %(limit)s after %(after)s in
--- the primary key's order (a bucket run works through them page by page, so its
--- memory does not grow with the corpus; the pages together are one index pass).
+-- Files of some buckets a bucket run has not brought current yet (new, changed, never synced) and
+-- gone ones (checksum NULL); ``in_store``: the bytes are already the document's (only recorded).
+-- One keyset page: the first %(limit)s after %(after)s in primary-key order.
 SELECT o.document_id, o.checksum,
        EXISTS (SELECT 1 FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
                WHERE s.root = o.root AND d.document_id = o.document_id AND d.status <> 'deleted'
@@ -48,10 +44,8 @@ FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS r(document_id, checksum)
 WHERE o.root = %(root)s AND o.document_id = r.document_id
 
 -- name: resolve_unread
--- Files a scan listed without reading them (new: a placeholder checksum), now
--- ingested by a bucket run: their checksum becomes that of the bytes the ingest
--- read, synced. A row a scan changed meanwhile (another checksum), or whose
--- document has no checksum (quarantined unread), keeps what it has.
+-- Files a scan listed unread (placeholder checksum), now ingested: their checksum becomes that of
+-- the bytes the ingest read, synced; a row changed meanwhile or a document without one is kept.
 UPDATE app.source_observations o
 SET checksum = left(encode(d.source_checksum, 'hex'), 16), synced = left(encode(d.source_checksum, 'hex'), 16)
 FROM unnest(%(ids)s::text[], %(checksums)s::text[]) AS r(document_id, checksum),
@@ -70,13 +64,9 @@ WHERE s.root = %(root)s AND d.status <> 'deleted'
 ORDER BY d.document_id COLLATE "C"
 
 -- name: bucket_states
--- Per bucket (of %(n)s) of the source's documents that are not deleted: counts,
--- the first %(sample)s quarantined ids, and two digests, each sha256 over
--- "document_id=value" + a record separator, by id in byte order: value is the
--- text checksum (hex; status:error_class without text), or the document's chunk
--- digest (sha256 of its chunk checksums in chunk order). The same bytes as
--- app.buckets.bucket_states computes from document summaries (a test pins it).
--- One row per bucket that has documents.
+-- Per bucket (of %(n)s) with documents not deleted: counts, the first %(sample)s quarantined ids and
+-- two sha256 digests over "document_id=value" by id in byte order (value: the text checksum, or
+-- status:error_class without text; the chunk digest). A test pins it against a Python computation.
 WITH docs AS (
     SELECT d.doc_pk, d.document_id, d.status, d.text_checksum, d.error_class,
            coalesce(d.bucket, app.document_bucket(d.document_id, %(n)s)) AS bucket
@@ -125,12 +115,9 @@ WHERE s.root = %(root)s AND d.status = 'current'
   AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
 
 -- name: bucket_coverage
--- Per bucket (of %(n)s) of the source's current documents: their chunks for one
--- model (distinct per document), how many have a ready vector, failed, or are
--- still waiting (no job yet, pending, retry, processing), and the first
--- %(sample)s documents with a failed chunk. One row per bucket that has chunks,
--- and the total row (bucket NULL, always there) counting distinct chunk
--- checksums, as app.reports.embedding_coverage's total does.
+-- Per bucket (of %(n)s) of current documents: chunks for one model, how many ready, failed or
+-- waiting, and the first %(sample)s documents with a failed chunk; plus the total row (bucket NULL,
+-- always there) counting distinct chunk checksums, as app.reports.embedding_coverage does.
 WITH docs AS (
     SELECT d.doc_pk, d.document_id, coalesce(d.bucket, app.document_bucket(d.document_id, %(n)s)) AS bucket
     FROM app.documents d

@@ -1,8 +1,5 @@
--- The optional change log of a table source, kept in the source's database in a
--- schema of ours (pipeline_assets/store/change_log.py). Triggers on the source
--- table record the ids of inserted, updated and deleted rows and every TRUNCATE;
--- the pipeline reads entries, ingests their rows, then deletes exactly the
--- entries it read (a crash before the delete re-reads them: ingest is idempotent).
+-- The optional change log of a table source (store/change_log.py), in the source's database:
+-- triggers record changed ids and TRUNCATEs; entries are deleted only after their rows are ingested.
 -- {table}, {id}, {text} are psycopg.sql.Identifier; {id_name} a literal.
 
 -- name: create_schema

@@ -1,7 +1,5 @@
--- The dead-letter queue as a work list (pipeline_assets/app/dlq.py): failed
--- jobs and quarantined documents, grouped by error class, one item's attempt
--- history (app.job_attempts, written by the trigger of sql/011), requeue
--- selections and discards (app.dlq_discards).
+-- The dead-letter queue as a work list (app/dlq.py): failed jobs and quarantined documents by
+-- error class, an item's attempts (app.job_attempts), requeue selections and discards.
 
 -- name: groups
 -- Per kind and error class: open items (not discarded), discarded ones, and

@@ -1,10 +1,6 @@
--- What a run would send to one model, before it sends anything
--- (pipeline_assets/app/estimate.py): over the distinct content (chunk
--- checksums) of a selection of current chunks, with each content's cl100k token
--- count (the chunker's, of the exact text a worker sends), how much already has
--- a vector for the model (reused, never sent again), how much is dead-lettered
--- (sent again only by a rerun of the embed stage) and what is left to send.
--- Sums in the database: no chunk text leaves it. Each query returns one row.
+-- What a run would send to one model (app/estimate.py), summed in the database over the distinct
+-- content of a selection of current chunks: cl100k tokens, already embedded (reused), dead-lettered,
+-- left to send. No chunk text leaves the database; each query returns one row.
 
 -- name: summary
 -- The estimate over one selection {wanted} (one of the named selections below: the distinct

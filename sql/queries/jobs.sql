@@ -1,45 +1,11 @@
--- The SQL of the job state machine (pipeline_assets/jobs/transitions.py), in one place.
---
--- Every transition is one guarded UPDATE whose WHERE clause names the state(s) it
--- leaves (and, for a worker's own transitions, its lease); the returned rows tell
--- the caller exactly which jobs it moved. A transition that finds the row in any
--- other state moves nothing: that is how a refused transition looks.
---
--- Status literals here must be values of pipeline_assets.jobs.status.JobStatus
--- (checked by pipeline_assets_tests/test_named_queries.py).
+-- The job state machine's SQL (jobs/transitions.py; the table: docs/state-machine.md). Each
+-- transition is one UPDATE guarded by the state(s) it leaves (and the lease); returned rows are what
+-- moved. Status literals are JobStatus values (test_named_queries.py).
 
 -- name: claim
--- pending|retry -> processing. Batch claim of the jobs in a scope (one of the
--- claim_scope_* conditions below, filled in as the psycopg.sql field "scope":
--- the whole queue, or the jobs of some documents' current chunks for a Dagster
--- embeddings run's own partitions); the lease comes from the database clock,
--- never the worker's. A throttle's pause (provider_pause: paused_until, not
--- tripped) holds every claim until it ends. The shared circuit breaker gates it: while tripped and
--- paused nobody claims; once the pause is over (half-open) one claim at a time
--- wins the probe slot (probe_owner), and the first success closes the
--- breaker. The slot is taken only when a job of the scope is waiting, and it
--- is released as soon as its claim ends or finds nothing (release_probe) or a
--- call fails while the breaker is tripped (provider_failure): probe_until (a
--- lease) only bounds the slot of a probe whose worker died. The waiting-job
--- probe is correlated with the breaker row, so it runs only for a half-open
--- breaker (an uncorrelated EXISTS is a one-time filter run on EVERY claim, and
--- its scan from the start of the heap grows with the jobs already done), and
--- it is a min() over the claim index (index-only, a few buffers).
--- The claim commits without waiting for its WAL flush (synchronous_commit off
--- for this statement's own transaction; async below): it is visible to every
--- session at once, and only a crash of the database server itself within
--- about 3 x wal_writer_delay can lose it, with the send record that follows it
--- (ledger.sql record_send, committed the same way): the job is then simply
--- waiting again, and the lease fence refuses the lost claim's completion. The
--- completion, which stores paid-for vectors, is flushed as before.
--- Its shape keeps the plan that psycopg's prepared statement caches good for
--- every parameter value: the picked ids reach the UPDATE as an array (an
--- index probe per id on the primary key, whatever the LIMIT's value), and
--- each text is looked up by the claimed row's own checksum in the final
--- SELECT. (Joined to the picked CTE, the UPDATE's generic plan costs the LIMIT
--- as a tenth of the queue and hashes a sequential scan of the whole job table; so
--- each claim was planned afresh, ~1 ms per claim.) test_query_plans pins it.
--- Columns are named as the fields of changes.ClaimedJob.
+-- pending|retry -> processing: a batch of the scope's jobs (claim_scope_*), lease from the database
+-- clock, gated by the provider's pause and breaker (one half-open probe at a time). Commits without
+-- waiting for its WAL flush; columns as changes.ClaimedJob (docs/decisions/0007, 0008).
 WITH async AS (
     SELECT set_config('synchronous_commit', 'off', true)
 ), gate AS (
@@ -105,24 +71,9 @@ WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(ow
 RETURNING job_id, status
 
 -- name: complete
--- changes.Complete. processing -> ready, only under this lease and only while
--- the content is still wanted (a current chunk carries the checksum) by an
--- active model, the vector stored in the same statement; a held job it refuses
--- for unwanted content (or a retired model) becomes superseded in the same
--- statement (lost), so a stale result never becomes current. With a call
--- (%(call)s not NULL) the same statement settles the provider call that
--- answered (ledger.sql record_outcome's 'answered, billed' case; a settled
--- call is left alone): a successful answer is one statement, one implicit
--- transaction in autocommit, flushed before it returns (synchronous_commit is
--- NOT lowered here: the vectors are paid for). A crash before its commit
--- leaves the send counted as possibly billed and the jobs processing under
--- their lease (rescued), as the transaction it replaces did.
--- The vectors go straight from the parameter into the INSERT: the UPDATE reads
--- only the job ids, so no vector is copied into a materialized CTE or into the
--- UPDATE's whole-row copy of its FROM item. lost touches only the ids won did
--- not return (usually none: no index probe at all), so no row is updated twice
--- by the statement; under the same snapshot and lease guard it refuses what
--- won refused for a lost lease, as supersede_held would.
+-- changes.Complete: processing -> ready under this lease, only while a current chunk and an active
+-- model want it, the vector stored and the call settled in the same statement; refused held jobs
+-- become superseded (lost). Flushed before it returns (docs/decisions/0007-when-commits-wait.md).
 WITH settled AS (
     UPDATE app.provider_calls
     SET outcome = %(outcome)s, http_status = %(http_status)s, latency_ms = %(latency_ms)s, billed = %(billed)s,
@@ -179,13 +130,9 @@ WHERE j.job_id = d.job_id AND j.status = 'processing' AND j.lease_owner = %(owne
 RETURNING j.job_id, j.status
 
 -- name: give_back
--- changes.GiveBack. processing -> retry (pending if it had no attempt before)
--- without consuming the attempt: throttling (the provider's state, not the
--- item's; counted in throttles), a transient fault charged to the request
--- (counted in faults), an answer that could not be matched to its inputs, a
--- fault of our own (database, infrastructure), a fatal configuration error,
--- or release at shutdown. Superseded instead when its model was retired
--- meanwhile.
+-- changes.GiveBack: processing -> retry (pending without an earlier attempt), the attempt given
+-- back: throttles, a request's transient fault, an unmatched answer, our own fault, shutdown.
+-- Superseded instead when its model was retired meanwhile.
 UPDATE app.embedding_jobs j
 SET status = CASE WHEN NOT EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active) THEN 'superseded'
                   WHEN j.attempts <= 1 THEN 'pending' ELSE 'retry' END,
@@ -215,23 +162,9 @@ SET lease_expires_at = now() + make_interval(secs => %(lease)s)
 WHERE job_id = ANY(%(job_ids)s) AND status = 'processing' AND lease_owner = %(owner)s
 
 -- name: rescue_expired
--- Lease rescue: processing -> pending|retry when the lease expired, or when its
--- owner's worker process is dead: past its liveness deadline
--- (app.workers.alive_until) while the rescuer, a live worker, could beat: it
--- was already beating without a gap when that deadline passed, or it has been
--- for a whole liveness window of its own since. So the database was reachable
--- and the silent one missed its beats; a database outage that silenced every
--- worker at once condemns nobody (a beat after a gap restarts alive_since).
--- A crash (or a stall) is attributed like a transient fault of the claim, not
--- to its jobs: each rescued job gets its attempt back (attempts - 1) and counts
--- a fault (faults + 1: its next requests are smaller, decisions.fault_cap), and
--- waits out the full-jitter backoff over its faults. Only a job that was the
--- only one rescued from its worker process (the lease owner up to its last
--- '/', the worker's prefix) and has met %(free_faults)s faults already
--- (decisions.FREE_FAULTS; such a job is worked alone in its process,
--- jobs/suspects.py) is charged: its attempt stays used, failed when they are
--- used up, backoff over its attempts: the input that keeps crashing its worker
--- alone. Superseded when its model was retired meanwhile.
+-- Lease rescue: processing -> pending|retry when the lease expired or its worker is dead (silent
+-- past alive_until while the rescuer could beat); the claim's fault: attempt given back, faults + 1,
+-- except a lone suspect past %(free_faults)s faults (docs/state-machine.md, crashes and lease rescue).
 WITH rescuer AS (
     SELECT r.alive_since, now() - (r.alive_until - r.beat_at) AS window_start FROM app.workers r
     WHERE r.owner_prefix = %(rescuer)s AND r.alive_until >= now()
@@ -279,10 +212,9 @@ WHERE j.status = 'failed' AND (%(all)s OR j.job_id = ANY(%(ids)s))
 RETURNING j.job_id, j.status
 
 -- name: supersede_unwanted
--- pending|retry|processing|ready|failed -> superseded when no current chunk
--- carries the checksum any more. The vectors go in a SEPARATE statement
--- (delete_vectors): a completion that committed while this UPDATE waited on its
--- row is only visible to a statement with a newer snapshot.
+-- pending|retry|processing|ready|failed -> superseded when no current chunk carries the checksum.
+-- The vectors go in a separate statement (delete_vectors), whose newer snapshot sees a completion
+-- that committed while this UPDATE waited.
 UPDATE app.embedding_jobs j
 SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_at = now()
 WHERE j.status IN ('pending', 'retry', 'processing', 'ready', 'failed')
@@ -307,14 +239,9 @@ USING unnest(%(checksums)s::bytea[], %(models)s::text[]) AS g(chunk_checksum, mo
 WHERE e.chunk_checksum = g.chunk_checksum AND e.model_id = g.model_id
 
 -- name: enqueue
--- New work: every current chunk x active model in a scope (one of the
--- enqueue_scope_* conditions below, filled in as the psycopg.sql field "scope")
--- that has no job.
--- Set-based; keys that exist are filtered out first (an index probe each: a
--- re-enqueue of 100k known chunks costs 2 s, not the 7 s of an insert attempt
--- and a sequence value burnt per key), and the identity is claimed in
--- app.job_keys, so a racing ingest's key is a no-op there and creates no state
--- row: the state row is created for each key this statement actually inserted.
+-- New work: every current chunk x active model in a scope (enqueue_scope_*) without a job. Known
+-- keys are filtered out first; the identity is claimed in app.job_keys, so a racing ingest's key
+-- creates no state row.
 WITH wanted AS (
     SELECT DISTINCT c.chunk_checksum, m.model_id
     FROM app.chunks c CROSS JOIN app.models m
@@ -384,27 +311,16 @@ WHERE j.status = 'ready'
                   WHERE e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id)
 
 -- name: outstanding
--- Is there anything left for this model? (until-idle) Two probes, each answered
--- by a partial index. "Waiting" is a min() over the claim index rather than an
--- EXISTS: after a bulk enqueue, before autovacuum has set the visibility map, the
--- planner costs EXISTS as a sequential scan (7,236 pages, 70-89 ms at 300k jobs);
--- min() always walks the index (a few buffers).
+-- Is anything left for this model (until-idle)? Two probes, each on a partial index; "waiting" is
+-- a min() over the claim index, not an EXISTS (docs/decisions/0008-plan-stable-statements.md).
 SELECT (SELECT min(available_at) FROM app.embedding_jobs
         WHERE model_id = %(model)s AND status IN ('pending', 'retry')) IS NOT NULL AS waiting,
        EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s) AS held
 
 -- name: provider_failure
--- A provider failure, shared by every worker: `trip` trips the breaker at
--- once (an operator's pause, pause_provider); the worker's failures (the
--- provider answering nobody) trip it after `threshold` in a row. The pause is
--- the provider's Retry-After when it gave one (authoritative, already capped
--- by the worker; the half-open probe, not a random spread, keeps workers from
--- returning as a herd), otherwise an equal-jitter backoff (half fixed, half
--- random) over the consecutive failures, never longer than probe_cap
--- (settings.BREAKER_PROBE_INTERVAL: after an outage of any length the next
--- probe goes out within it). Any failure while the breaker is tripped (a
--- failed probe) frees the probe slot: the next probe goes out when the pause
--- (if any) ends, not when the failed probe's lease would have.
+-- A provider failure shared by every worker: `trip` trips the breaker at once, the worker's
+-- failures after `threshold` in a row; the pause is the Retry-After, else equal jitter capped at
+-- probe_cap. A failure while tripped frees the probe slot.
 INSERT INTO app.provider_state AS p (model_id, consecutive_failures, tripped, paused_until)
 VALUES (%(model)s, 1, %(trip)s OR 1 >= %(threshold)s,
         CASE WHEN %(trip)s OR 1 >= %(threshold)s
@@ -429,10 +345,8 @@ SET consecutive_failures = p.consecutive_failures + 1,
 RETURNING paused_until > now() AS paused, tripped, consecutive_failures
 
 -- name: provider_pause
--- A throttle (429), shared by every worker: nobody claims until the provider's
--- Retry-After (already capped by the worker) or, without one, a short
--- full-jitter pause (at most probe_cap); the breaker does not trip and no
--- failure is counted: once the pause is over every worker claims again.
+-- A throttle (429) shared by every worker: nobody claims until the Retry-After (or a short
+-- full-jitter pause, at most probe_cap); the breaker does not trip, no failure is counted.
 INSERT INTO app.provider_state AS p (model_id, paused_until)
 VALUES (%(model)s, now() + make_interval(secs => CASE WHEN %(floor)s > 0 THEN %(floor)s
                                                      ELSE random() * least(%(probe_cap)s, %(cap)s, %(base)s * 2) END))

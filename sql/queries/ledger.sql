@@ -1,19 +1,10 @@
--- The spend ledger (pipeline_assets/jobs/ledger.py): app.provider_calls, one
--- row per call with the checksums of the inputs it sent, and the view
--- app.input_sends (sql/032_sends_counted_by_call.sql), which counts the sends
--- of each input that were or may have been billed; more than one is duplicate
--- spend.
+-- The spend ledger (jobs/ledger.py): app.provider_calls, one row per call with its inputs'
+-- checksums; the view app.input_sends counts each input's billed or possibly billed sends.
 
 -- name: record_send
--- Before the request goes out, committed on its own: the call row (outcome
--- 'sent', possibly billed, the estimated tokens, the inputs' checksums), which
--- counts one more send of each input at once. One statement, so one implicit
--- transaction (a single round trip, no BEGIN or COMMIT), which commits without
--- waiting for its WAL flush (synchronous_commit off for this transaction only,
--- set_config(..., true)): visible to every session at once and kept if the
--- worker dies, lost only if the database server itself crashes within about
--- 3 x wal_writer_delay (0.6 s by default) and no later commit flushed it. It
--- spares every provider request a disk flush.
+-- Before the request goes out: the call row ('sent', possibly billed, estimated tokens, inputs'
+-- checksums), one statement committed without waiting for its WAL flush
+-- (docs/decisions/0007-when-commits-wait.md).
 WITH async AS (
     SELECT set_config('synchronous_commit', 'off', true)
 )
@@ -25,10 +16,8 @@ FROM async
 RETURNING call_id
 
 -- name: record_outcome
--- After the answer (or the error): settle the call once. billed 'no' (the
--- provider refused the request) takes its sends back: app.input_sends counts
--- only calls that were or may have been billed. tokens NULL keeps the estimate
--- recorded with the send.
+-- After the answer (or the error): settle the call once; billed 'no' (refused) takes its sends back.
+-- tokens NULL keeps the estimate recorded with the send.
 UPDATE app.provider_calls
 SET outcome = %(outcome)s, http_status = %(status)s, latency_ms = %(latency)s, billed = %(billed)s,
     tokens = coalesce(%(tokens)s, tokens), answered_at = clock_timestamp()

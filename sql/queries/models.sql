@@ -28,15 +28,9 @@ WHERE active AND coalesce(max_chunk_tokens, max_input_tokens) IS NOT NULL
 ORDER BY model_id
 
 -- name: input_limits
--- For `status`, per active model: its window, the current chunks longer than
--- its largest chunk (cl100k tokens: they could exceed the window), and the
--- answered calls whose reported usage shows truncation: a server that cuts
--- every input at its window reports at most inputs x window tokens, so a call
--- reporting that many (every input at the window) was most likely cut, and one
--- reporting more had inputs past the window (cut, or windowed by the server).
--- A batch that mixes cut and short inputs does not show: with one input per
--- request (PIPELINE_BATCH_INPUTS=1) every cut input does.
--- Dead-lettered inputs the local model refused as too long are counted too.
+-- For `status`, per active model: its window, current chunks longer than its largest chunk, and
+-- answered calls whose usage shows truncation (at least inputs x window tokens), counted with the
+-- inputs the local model refused as too long (docs/models.md, input windows).
 WITH longest AS (SELECT max(token_count) AS tokens FROM app.chunks),
 over AS (
     SELECT m.model_id, count(c.*) AS chunks
@@ -77,10 +71,8 @@ UPDATE app.models SET dimension = %(dimension)s WHERE model_id = %(model)s AND d
 SELECT pg_has_role(current_user, c.relowner, 'USAGE') FROM pg_class c WHERE c.oid = 'app.embeddings'::regclass
 
 -- name: try_lock_index_build
--- One builder per index at a time (per database, across hosts). A session
--- lock, not a transaction lock: CREATE INDEX CONCURRENTLY runs outside any
--- transaction. Released by unlock_index_build, or when the builder's
--- connection dies, so a killed builder never blocks the next one.
+-- One builder per index at a time, across hosts: a session lock (CREATE INDEX CONCURRENTLY runs
+-- outside any transaction), released by unlock_index_build or when the builder's connection dies.
 SELECT pg_try_advisory_lock(%(namespace)s, hashtext(%(name)s))
 
 -- name: unlock_index_build
@@ -94,11 +86,8 @@ SELECT (SELECT count(*) FROM app.embeddings WHERE model_id = %(model)s) AS vecto
        pg_size_bytes(current_setting('maintenance_work_mem')) AS session_memory
 
 -- name: set_index_build_memory
--- For this session only (the builder's own connection, a session of its own:
--- CREATE INDEX CONCURRENTLY cannot run in a transaction, so SET LOCAL cannot
--- scope it): the memory one build may use. pgvector builds an HNSW graph far
--- faster while it fits in maintenance_work_mem; a parallel build keeps it in
--- shared memory.
+-- The memory one build may use, for the builder's own session only (SET LOCAL cannot scope it
+-- outside a transaction); see docs/decisions/0002-index-built-after-inserts.md.
 SELECT set_config('maintenance_work_mem', %(memory)s, false)
 
 
@@ -127,12 +116,8 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
   AND l.classid = %(namespace)s::int4::oid AND l.objid = hashtext(%(name)s)::oid
 
 -- name: create_hnsw_index
--- A psycopg.sql template, not a parameterised query (DDL takes no parameters):
--- name, kind (vector or halfvec) and opclass are sql.Identifier values, dim and
--- model are sql.Literal values. A partial expression index, since one column
--- holds vectors of several dimensions; halfvec above 2,000 dimensions (the
--- limit of HNSW on vector). CONCURRENTLY: completions keep writing while it
--- builds, so it must run outside any transaction.
+-- A psycopg.sql template (DDL takes no parameters): a partial expression index per model, halfvec
+-- above 2,000 dimensions; CONCURRENTLY, so it runs outside any transaction.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON app.embeddings
 USING hnsw ((embedding::{kind}({dim})) {opclass})
 WHERE model_id = {model}
@@ -200,10 +185,8 @@ WHERE app.served_model.model_id <> EXCLUDED.model_id
 RETURNING previous_model_id
 
 -- name: coverage
--- How much of the current corpus one model covers: distinct checksums of
--- current chunks (app.chunks holds only those), those with a vector (what
--- search can return), and the rest by the state of their job: waiting for a
--- worker, dead-lettered, or with no live job (never enqueued, superseded).
+-- How much of the current corpus one model covers: distinct current checksums, those with a
+-- vector, and the rest by their job's state (waiting, dead-lettered, no live job).
 WITH wanted AS (SELECT DISTINCT chunk_checksum FROM app.chunks)
 SELECT count(*) AS wanted,
        count(*) FILTER (WHERE e.chunk_checksum IS NOT NULL) AS ready,

@@ -1,10 +1,8 @@
 -- The source sensor's observations, app.source_observations (pipeline_assets/app/observations.py).
 
 -- name: walk_create
--- One scan's walk of the source, copied in as it goes: the comparison with the
--- stored observations happens here, so a scan holds no row per file in Python.
--- ``kept``: the document is one the scan observes (a bucket run's buckets).
--- ``checksum``: the fingerprint the listing gave (a content token), else NULL.
+-- One scan's walk of the source, copied in as it goes and compared here (no row per file in
+-- Python). ``kept``: a document the scan observes; ``checksum``: the listing's content token or NULL.
 CREATE TEMP TABLE observations_walked (
     document_id text NOT NULL,
     size        bigint NOT NULL,
@@ -92,12 +90,8 @@ ON CONFLICT (root, document_id) DO UPDATE
 SET checksum = excluded.checksum, size = excluded.size, mtime_ns = excluded.mtime_ns, observed_at = now()
 
 -- name: adopt
--- Seed the table from a legacy cursor map (document -> checksum, as already
--- requested by the generation before): size -1 makes the next scan read each
--- file once, and unchanged files are then not requested again for a change. No
--- bucket run has synced them: like the files of a run that ended unsynced, they
--- are requested once more after the backoff, and that run finds their bytes
--- stored (or ingests those that are not).
+-- Seed the table from a legacy cursor map: size -1 makes the next scan read each file once; the
+-- files are requested once more after the backoff, like those of a run that ended unsynced.
 INSERT INTO app.source_observations (root, document_id, checksum, size, mtime_ns, requested, requested_gen,
                                      request_attempts, bucket)
 SELECT %(root)s, d, c, -1, 0, c, %(generation)s, 1, app.document_bucket(d, (SELECT buckets FROM app.partition_scheme))
@@ -131,10 +125,8 @@ WHERE o.root = %(root)s AND s.root = o.root AND d.document_id = o.document_id
   AND o.document_id = ANY(%(ids)s::text[]) AND d.status <> 'deleted' AND d.source_checksum IS NOT NULL
 
 -- name: schedule_retries
--- At a tick with none of the sensor's runs in flight: the files an earlier
--- generation requested whose run ended without syncing them (it failed, was
--- cancelled, or was never launched) wait %(base)s * 2^(attempts - 1) seconds,
--- at most %(cap)s, from now before they are pending again.
+-- With none of the sensor's runs in flight: files whose requesting run ended without syncing them
+-- wait %(base)s * 2^(attempts - 1) seconds, at most %(cap)s, before they are pending again.
 UPDATE app.source_observations
 SET retry_at = now() + make_interval(secs => least(%(cap)s::float8,
                                                   %(base)s::float8 * power(2, least(greatest(request_attempts, 1), 32) - 1)))
@@ -152,13 +144,9 @@ WHERE root = %(root)s AND retry_at > now()
   AND (checksum IS NULL OR checksum IS DISTINCT FROM synced)
 
 -- name: pending_buckets
--- The buckets (of %(n)s) holding what the sensor has to request, each with its
--- count of pending files, of gone ones, and a digest of its pending (document,
--- checksum) pairs: the run key's content. Pending: a file (or the absence of
--- one: checksum NULL) no bucket run has synced (a backfill from the UI syncs
--- without a request) that is not requested yet, was requested by a tick whose
--- cursor was not saved (requested_gen >= %(generation)s), or was requested by a
--- run that ended without syncing it and has waited out its backoff (retry_at).
+-- The buckets (of %(n)s) holding what the sensor must request, with counts of pending and gone
+-- files and a digest of the pending (document, checksum) pairs (the run key). Pending: not synced,
+-- and not requested yet, requested by an unsaved tick, or past its retry_at.
 SELECT coalesce(bucket, app.document_bucket(document_id, %(n)s)) AS bucket,
        count(*) AS documents,
        count(*) FILTER (WHERE checksum IS NULL) AS gone,
@@ -196,11 +184,8 @@ SET retry_at = now()
 WHERE root = %(root)s AND document_id = ANY(%(ids)s::text[]) AND retry_at > now()
 
 -- name: unsync_unembedded
--- After a run of the sensor over buckets %(first)s..%(last)s (of %(n)s) failed
--- or was cancelled: the files it synced whose current document still has a
--- chunk without a vector of %(model)s (the run ingested them, its embeddings
--- step did not finish) count as requested and not synced, so they wait out the
--- backoff of an ended request and their next bucket run embeds them.
+-- After a failed or cancelled run over buckets %(first)s..%(last)s (of %(n)s): its synced files
+-- whose document still lacks a vector of %(model)s count as requested and unsynced again.
 UPDATE app.source_observations o
 SET synced = NULL, requested = o.checksum, retry_at = NULL
 FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id

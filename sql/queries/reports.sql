@@ -1,7 +1,5 @@
--- Read-only views for people and for the Dagster layer
--- (pipeline_assets/app/reports.py): status, spend, dead-letter growth, and the
--- per-document and health read models. Set-based; the Dagster assets, sensors
--- and checks report from these and hold no SQL of their own.
+-- Read-only views for people and the Dagster layer (app/reports.py): status, spend, dead-letter
+-- growth, per-document and health read models. The Dagster layer holds no SQL of its own.
 
 -- name: status_by_model
 SELECT model_id, status, count(*) AS n FROM app.embedding_jobs GROUP BY model_id, status ORDER BY 1, 2
@@ -50,20 +48,15 @@ SELECT model_id, count(*) AS calls, coalesce(sum(tokens), 0) AS tokens,
 FROM app.provider_calls GROUP BY model_id ORDER BY model_id
 
 -- name: duplicate_sends
--- The duplicate spend: inputs sent (billed or possibly billed: an unanswered
--- send counts) more than once for the same content and model; a model without
--- any has no row. A send the provider refused does not count. The view
--- app.input_sends aggregates every input of every call (at 1,000,000 inputs
--- about 1-1.5 s on the quiet 2-core machine, as written out inline).
+-- Duplicate spend: inputs sent (billed or possibly billed) more than once for the same content and
+-- model; a refused send does not count, a model without any has no row.
 SELECT model_id, count(*) AS inputs_sent_more_than_once, sum(sends - 1)::bigint AS extra_sends
 FROM app.input_sends WHERE sends > 1
 GROUP BY model_id ORDER BY model_id
 
 -- name: breaker
--- The shared circuit breaker of each model that has met a provider failure:
--- closed, open (paused for paused_for more seconds: a throttle's Retry-After
--- or a tripped breaker's pause) or half-open (a tripped breaker's pause is
--- over; one probe claim at a time, probe_out while one is in flight).
+-- Each model's shared breaker that has met a failure: closed, open (paused_for more seconds) or
+-- half-open (one probe claim at a time; probe_out while one is in flight).
 SELECT model_id,
        CASE WHEN paused_until > now() THEN 'open' WHEN tripped THEN 'half-open' ELSE 'closed' END AS state,
        CASE WHEN paused_until > now() THEN extract(epoch FROM paused_until - now())::float8 ELSE 0.0 END
@@ -73,11 +66,8 @@ SELECT model_id,
 FROM app.provider_state ORDER BY model_id
 
 -- name: database_state
--- Whether this session may write (a server or database set to
--- default_transaction_read_only, or a standby in recovery, refuses writes:
--- workers wait and retry), and the liveness of the workers (app.workers):
--- beating, or silent (a dead worker, or every worker while the database
--- refuses their beats), with the age of the newest beat.
+-- Whether this session may write (read-only database or a standby refuses: workers wait), and the
+-- workers' liveness (beating or silent) with the age of the newest beat.
 SELECT current_setting('transaction_read_only')::bool AS read_only, pg_is_in_recovery() AS in_recovery,
        (SELECT count(*) FROM app.workers WHERE alive_until >= now()) AS workers_beating,
        (SELECT count(*) FROM app.workers WHERE alive_until < now()) AS workers_silent,

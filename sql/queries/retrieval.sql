@@ -31,14 +31,9 @@ SELECT set_config('hnsw.ef_search', %(ef_search)s, true),
        set_config('plan_cache_mode', 'force_custom_plan', true)
 
 -- name: nearest
--- A psycopg.sql template with parameters: kind (vector or halfvec, an
--- sql.Identifier) and dim (an sql.Literal) spell the expression of the
--- model's partial HNSW index, so the planner can use it; q, model, fetch and
--- k are query parameters (a model id is never spliced into a query that has
--- parameters: a percent sign in it would read as a placeholder). Before
--- the index exists (or above the indexable dimensions) the same query is an
--- exact scan. Candidates are ranked again by the full-precision distance,
--- then only current chunks of current documents are kept.
+-- A psycopg.sql template: kind and dim spell the model's partial HNSW index expression (an exact
+-- scan without it); q, model, fetch, k are parameters. Candidates are re-ranked by full-precision
+-- distance, then only current chunks of current documents are kept.
 WITH nearest AS (
     SELECT e.chunk_checksum, e.embedding::vector({dim}) <=> %(q)s::vector({dim}) AS distance
     FROM app.embeddings e
@@ -53,23 +48,9 @@ ORDER BY n.distance, d.document_id, c.chunk_index
 LIMIT %(k)s
 
 -- name: text_ranked
--- Full-text search over current chunks, ranked by BM25 (Robertson and
--- Zaragoza): a query word counts for more the rarer it is among the chunks
--- (idf), and for more the more often it occurs in a chunk, with diminishing
--- returns (k1) and against the chunk's length (b; lengths in distinct
--- lexemes, relative to the average of the matching chunks). ts_rank_cd, which
--- knows no word rarity, let "table" and "use" outweigh "jitter".
--- words: the query's words (letters and digits, built by retrieval.text_query),
--- stemmed and stop words dropped with the 'english' configuration, as the
--- GIN-indexed column of sql/010; each lexeme's document frequency is one
--- index lookup. Chunks come from the index too: those with a query lexeme that
--- is not common (in at most common_ratio of the chunks or common_floor chunks,
--- whichever is more; the rarest lexeme when every one is common), so a word
--- such as "use" never drags every chunk of a large corpus in: it still scores
--- in the chunks the other words select.
--- n: the chunk count, the planner's estimate when there is one (a count(*)
--- would read the whole table on every search), else counted. Needs no vector:
--- works for any model, or none.
+-- Full-text search over current chunks ranked by BM25 over the 'english' lexemes of the GIN-indexed
+-- column (sql/010); candidates come from the index through lexemes that are not common. n is the
+-- planner's chunk estimate when it has one. Needs no vector (docs/models.md, search).
 WITH n AS (
     SELECT CASE WHEN t.reltuples > 0 THEN t.reltuples::float8
                 ELSE (SELECT count(*) FROM app.chunks)::float8 END AS n
@@ -112,10 +93,8 @@ ORDER BY s.text_rank DESC, d.document_id, c.chunk_index
 LIMIT %(limit)s
 
 -- name: distances
--- Cosine distances of the query to some chunks' vectors under a model (hybrid
--- search reports the distance of a hit found by text too); a chunk without a
--- vector (a model still embedding) has no row. An exact computation over a
--- handful of rows found by primary key.
+-- Cosine distances of the query to some chunks' vectors under a model, found by primary key;
+-- a chunk without a vector has no row.
 SELECT e.chunk_checksum, e.embedding <=> %(q)s::vector AS distance
 FROM app.embeddings e
 WHERE e.model_id = %(model)s AND e.chunk_checksum = ANY(%(checksums)s)

@@ -1,7 +1,6 @@
--- Least-privilege roles (pipeline_assets/store/roles.py, `pipeline-assets roles`): an owner
--- that runs the migrations (DDL), a worker that reads and writes rows and changes no schema,
--- a reader that only reads. psycopg.sql templates: {owner}, {worker}, {reader}, {role} and
--- {database} are Identifiers. Every statement can run again (a second run changes nothing).
+-- Least-privilege roles (store/roles.py): owner (DDL), worker (rows only), reader (reads only).
+-- psycopg.sql templates ({owner}, {worker}, {reader}, {role}, {database} are Identifiers); every
+-- statement can run again and change nothing.
 
 -- name: role_exists
 SELECT 1 FROM pg_roles WHERE rolname = %(name)s

@@ -1,13 +1,9 @@
 -- Per-item stage state, app.stage_runs (pipeline_assets/app/stages.py).
 
 -- name: embed_state
--- The embed state of documents for models, derived from their jobs: one row per
--- current document x model; succeeded when every chunk's job is ready, failed
--- when one failed, pending otherwise (a chunk with no job yet is pending).
--- A psycopg.sql template: the field "models" is one of the embed_models_*
--- conditions on m (app.models), "scope" one of the embed_scope_* conditions on
--- d (app.documents). Read by
--- refresh_embed (which stores it) and by embed_counts (status, which does not).
+-- Each current document x model's embed state from its jobs: succeeded when every chunk is ready,
+-- failed when one failed, else pending. Template fields: "models" (embed_models_*), "scope"
+-- (embed_scope_*). Read by refresh_embed (stored) and embed_counts (not stored).
 SELECT d.doc_pk, m.model_id,
        CASE WHEN bool_or(j.status = 'failed') THEN 'failed'
             WHEN bool_and(coalesce(j.status = 'ready', false)) THEN 'succeeded'
@@ -42,10 +38,8 @@ true
 d.doc_pk = ANY(%(docs)s::bigint[])
 
 -- name: embed_scope_touched
--- The documents a work run touched: those whose chunks carry a checksum whose
--- vector was stored (embeddings_model_created) or whose job failed
--- (embedding_jobs_failed) since the run started, plus those whose stored row
--- says failed (a requeued dead letter may have moved since).
+-- The documents a work run touched: a vector stored or a job failed since it started, plus those
+-- whose stored row says failed.
 d.doc_pk = ANY(ARRAY(
     SELECT c.doc_pk FROM app.chunks c
     WHERE c.chunk_checksum IN (
@@ -75,10 +69,8 @@ WHERE (s.status, s.attempts, s.code_version, s.source_checksum, s.error_class, s
                         EXCLUDED.error_class, EXCLUDED.finished_at)
 
 -- name: embed_counts
--- The embed stage as status shows it, computed from the jobs (the field
--- "state": embed_state for every active model) and never stored: documents per model and status (model_id
--- set), and per document over every active model (model_id NULL: failed if
--- one failed, succeeded if all succeeded).
+-- The embed stage as status shows it, from the jobs ("state": embed_state), never stored: documents
+-- per model and status, and per document over every active model (model_id NULL).
 WITH e AS ({state}),
 per_doc AS (
     SELECT CASE WHEN bool_or(status = 'failed') THEN 'failed'
@@ -95,19 +87,9 @@ ORDER BY 1 NULLS FIRST, 2
 SELECT now()
 
 -- name: rerun_targets
--- The targets of a partial rerun (`pipeline-assets rerun` and the Dagster rerun
--- sensor: one query), every filter optional and combinable: the stage (for
--- embed one row per model, or only those of one model), statuses, a failed
--- stage's error class, document-id LIKE patterns, a code version other than
--- the current one (not_version; for extract the current version is per format:
--- ext_keys/ext_versions give each known extension's version, by the same
--- suffix rule as PurePosixPath.suffix, and not_version is that of any other
--- extension), and a code version older than before_version (same text before
--- its trailing number, a smaller number). One source (root) and some of its
--- buckets (of %(n)s) narrow it further. A page: the first %(limit)s after the
--- document id %(after)s in (root, document, model) order; a caller pages with
--- one root and one row per document (extract, chunk, or one model's embed).
--- Columns are named as the fields of stages.RerunTarget.
+-- The targets of a partial rerun (the CLI and the rerun sensor), every filter optional: stage,
+-- statuses, error class, id patterns, a version other than the current (per format) or older than
+-- before_version, a source and its buckets. Keyset pages; columns as stages.RerunTarget.
 SELECT src.root, d.document_id, s.stage, s.status, s.error_class, s.code_version
 FROM app.stage_runs s
 JOIN app.documents d ON d.doc_pk = s.doc_pk

@@ -1,8 +1,5 @@
--- A table source's own database (pipeline_assets/store/table_source.py). Every
--- identifier ({table}, {id}, {text}, {updated}) is composed with
--- psycopg.sql.Identifier from a parsed, validated source string; {id_type} is
--- the id column's type as the catalog names it (regtype output). No SQL is ever
--- taken from the source string.
+-- A table source's own database (store/table_source.py). Identifiers are psycopg.sql.Identifier
+-- from a validated source string; {id_type} is the id column's regtype. No SQL comes from the source.
 
 -- name: relation
 -- The relation a source names (a table or a view), NULL when there is none.

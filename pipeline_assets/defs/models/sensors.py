@@ -1,43 +1,20 @@
-"""A model change as a Dagster-visible event: the ``model_switch`` sensor.
+"""``model_switch``: a model change as a Dagster-visible event, without downtime.
 
-The model is a partition of ``embeddings`` (bucket x model, ``partitions.py``): each
-active model of the registry is a column, and a switch is: add the model, backfill
-its column (only content without a vector for it is sent), serve it once it covers
-the corpus, retire the old one. This sensor does the registry's part
-(``app.model_admin.follow_configured``) and keeps the model keys the registry's
-active models (``model_partitions.model_keys``; a model added by
-``pipeline-assets models add`` gets its column at the next tick):
-
-1. it registers the configured model (``models add``: jobs for every current
-   chunk, unless an ingest or run registered it first) and, when the configured
-   model differs from the one its cursor saw last, records an
-   ``AssetObservation`` on ``embedding_store`` (``model_configured``);
-2. while the new model is incomplete, search keeps reading the served (old)
-   model; the embeddings runs (a backfill of the new model's column, the runs
-   after each bucket run, which cover every active model, or ``work``
-   processes) fill the new one;
-3. once it covers every current chunk, it serves it, retires the old one
-   (its vectors and index are deleted by reconcile after
-   PIPELINE_MODEL_RETIRE_GRACE; its column leaves the partition set, its
-   history stays in the event log) and records the switch (``model_served``).
-
-The observations carry the served model, the previous one, the coverage, and
-show in the UI on ``embedding_store`` (its events and plots). The configured
-model wins once: after the sensor (or anyone) served it, a person who serves
-another model by hand (``models serve``, a rollback) is left alone; the cursor
-(``served:<model>``) remembers that. Changing the configuration starts over.
-
-A launchpad override of the model (``resources.embedding_provider.config.model``)
-would register a model nobody works: ``EmbeddingProviderResource.runtime`` refuses a
-model that is not the configured one. An embeddings run embeds with the models of
-its partition keys, never with the resource's.
+Each active model of the registry is a column of ``embeddings``. Every tick the sensor does the
+registry's part (``app.model_admin.follow_configured``): it registers the configured model (jobs
+for every current chunk) and records ``model_configured`` on ``embedding_store`` when it differs
+from the one its cursor saw; once the new model covers every current chunk, it serves it, retires
+the old one (deleted by reconcile after PIPELINE_MODEL_RETIRE_GRACE) and records ``model_served``.
+The configured model wins once: a model served by hand afterwards (``models serve``) is left alone
+(cursor ``served:<model>``). It also keeps the model keys the registry's active models
+(``models/partitions.py``). An embeddings run embeds with its partition keys' models only.
 """
 
 import dagster as dg
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.defs.keys import EMBEDDING_STORE
-from pipeline_assets.defs.model_partitions import model_keys
+from pipeline_assets.defs.models.partitions import model_keys
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
 
 SENSOR_NAME = "model_switch"

@@ -1,41 +1,15 @@
-"""The rerun sensor: partial reruns after a code-version bump. The documents whose extract
-or chunk stage ran under another code version are selected as `pipeline-assets rerun
---stale` selects them (``app.rerun.select``; the extractor version is per format, so a
-PDF-only fix selects PDF documents only), and ONE run of ``sync_documents`` over every
-bucket brings them current: each bucket's sync re-extracts only its stale documents
-(unchanged chunks keep their jobs: no provider call for them), and every bucket is
-re-materialized under the new code version, so none stays stale in the UI. Before
-the run, the UI shows every bucket stale with the cause "code version changed";
-the run's per-bucket metadata says how many documents each had to redo.
+"""``rerun_stale_documents``: partial reruns after a code-version bump.
 
-Cost. The check for stale documents reads every document's stage rows (seconds
-at 100k documents), so a tick repeats it only when it can find something new:
-after a check that found nothing stale, the cursor keeps the code versions it
-ran under and when; a tick under the same versions within
-``RERUN_RECHECK_SECONDS`` reads nothing. A version bump (a restart with the
-fix) is a new check at the first tick, and ticks come every
-``RERUN_INTERVAL_SECONDS``, so a parser fix starts its rerun seconds after the
-daemon is up. The periodic full check catches stale rows another writer left
-(a process still running the old code).
-
-Run key: ``rerun@{epoch}.{generation}@{versions}:{count}:{digest}``. The cursor holds
-``epoch`` and ``generation``; a tick that requests a run stores ``generation + 1``. So:
-
-* a re-evaluation of the same tick (the daemon died before saving the cursor)
-  yields the same keys, and Dagster launches nothing twice;
-* a rerun that failed before committing leaves its documents stale, and a
-  tick after it ended (the sensor waits while its runs are in flight) requests
-  them again under a new generation, instead of their key being skipped as
-  used forever: after a backoff that grows with the failures in a row under
-  the same code versions (``retry_wait``: RERUN_RETRY_BASE_SECONDS doubling,
-  at most RERUN_RETRY_CAP_SECONDS), so a rerun that keeps failing is not
-  relaunched at every tick; a version change (the fix) is not held back;
-* the epoch is derived from the instance's run history when the cursor is
-  empty (the first tick, or after a cursor reset in the UI): one more than the
-  epoch of this sensor's latest run (tag ``pipeline/rerun_generation``), then
-  kept in the cursor. Dagster deduplicates against the run keys of existing
-  runs, so after a reset generation 0 of the new epoch collides with none of
-  them, and a re-evaluation of that first tick derives the same epoch.
+The documents whose extract or chunk stage ran under another code version (``app.rerun.select``,
+as `pipeline-assets rerun --stale`; the extractor version is per format) are brought current by
+ONE ``sync_documents`` run over every bucket (tag ``pipeline/rerun``: stale documents only, no
+source scan). After a check that found nothing stale, ticks under the same versions read
+nothing for RERUN_RECHECK_SECONDS. Run key ``rerun@{epoch}.{generation}@{versions}:{count}:{digest}``:
+a re-evaluated tick repeats it; a requested run advances the generation, so a failed rerun is
+requested again under a new key, after a backoff (``retry_wait``: RERUN_RETRY_BASE_SECONDS
+doubling per failure in a row under the same versions, at most RERUN_RETRY_CAP_SECONDS). An
+empty cursor derives its epoch from the run history (one more than the latest run's), so
+after a reset no new key collides with an old run's.
 """
 
 import json
@@ -45,10 +19,17 @@ from dataclasses import dataclass
 import dagster as dg
 
 from pipeline_assets.app import rerun as rerun_uc
-from pipeline_assets.defs.assets import RERUN_TAG
+from pipeline_assets.defs.ingest.jobs import SYNC_JOB
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import IN_FLIGHT, SYNC_JOB, TRIGGER_TAG, batch_digest, range_request
+from pipeline_assets.defs.run_requests import (
+    GENERATION_TAG,
+    IN_FLIGHT,
+    RERUN_TAG,
+    TRIGGER_TAG,
+    batch_digest,
+    range_request,
+)
 
 RERUN_SCAN_LIMIT = 100_000   # stale targets of the source one tick reads (the run redoes every one)
 RERUN_CURSOR_VERSION = 1
@@ -57,7 +38,6 @@ RERUN_INTERVAL_SECONDS = 10
 # How long a check that found nothing stale stands while the code versions stay the same:
 # the ticks in between read nothing from the database.
 RERUN_RECHECK_SECONDS = 300
-GENERATION_TAG = "pipeline/rerun_generation"   # "{epoch}.{generation}" of the tick that requested the run
 SENSOR_NAME = "rerun_stale_documents"
 # A rerun that failed (or was cancelled) is requested again RERUN_RETRY_BASE_SECONDS after it
 # ended, twice as long after each further failure in a row under the same code versions, at

@@ -1,24 +1,12 @@
 """``refresh_documents``: single documents re-materialized through run config.
 
-Partitions are buckets, so a document is selected by run config instead
-("partitions vs config": config for an unbounded set). Launched from the
-launchpad (or ``dagster job launch``) with::
-
-    ops:
-      refresh_documents_op:
-        config:
-          document_ids: ["ops/retries-with-jitter.html"]   # and/or
-          glob: "ops/*.md"                                  # matched against the source's files
-          force: false                                      # true: re-extract even unchanged bytes
-
-The run ingests exactly those documents (a file gone is tombstoned), records
-them as synced in the source sensor's observations (its next tick requests no
-bucket run for them), embeds their chunks (only content without a vector is sent), and records a
-materialization of ``documents``, ``chunks`` and ``embeddings`` (the bucket x the
-configured model; the other active models' partitions of those buckets show stale
-until their runs) for each bucket it touched, with the refreshed ids in its metadata and the bucket's data and code
-versions (``provenance``: what an asset run of the bucket would record), so
-Dagster's staleness of those buckets stays true.
+Partitions are buckets, so a document is selected by run config (``RefreshConfig``:
+``document_ids`` and/or a ``glob`` over the source's ids, ``force``; docs/dagster.md, "Jobs").
+The run ingests exactly those documents (a file gone is tombstoned), records them as synced
+in the source sensor's observations, embeds their chunks (only content without a vector is
+sent) and records, per bucket touched, a ``documents``, ``chunks`` and ``embeddings``
+(bucket x the configured model) materialization with the refreshed ids and the versions an
+asset run of the bucket would record (``provenance``), so Dagster's staleness stays true.
 """
 
 
@@ -34,7 +22,8 @@ from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.content.source import Source, SourceError
-from pipeline_assets.defs.assets import embedding_version, ingest_materializations
+from pipeline_assets.defs.embeddings.assets import embedding_version
+from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, embedding_key, is_model_key
 from pipeline_assets.defs.provenance import versioned_events
@@ -91,13 +80,13 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     root = src.key
     ids = select_documents(src, config.document_ids, config.glob)
-    pool = postgres.pool()
+    db_pool = postgres.pool()
     n = postgres.bucket_count(rt.settings.partition_buckets)
-    report = ingest_documents(rt, pool, src, ids)
+    report = ingest_documents(rt, db_pool, src, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
         observations.mark_synced_as_stored(conn, root, ids)
     try:
-        done = embed_and_wait(rt, pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
+        done = embed_and_wait(rt, db_pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
                                deadline_seconds=embedding_run.deadline(rt.settings))
     except FatalProviderError as exc:
         raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",

@@ -1,26 +1,15 @@
-"""``pipeline-assets dev``: the Dagster UI and daemon on a local PostgreSQL, one command.
+"""``pipeline-assets dev`` and ``dagster-env``: the Dagster UI and daemon on a local PostgreSQL.
 
-1. The pipeline database: PIPELINE_DATABASE_URL, or the embedded PostgreSQL under
-   PIPELINE_HOME (started, or reused if running). Migrated before anything runs.
-2. Dagster's own storage (runs, events, schedules) goes to a ``dagster`` database
-   (``Settings.dagster_database``, PIPELINE_DAGSTER_DATABASE) on the same server, created if
-   missing, through dagster-postgres.
-3. DAGSTER_HOME is PIPELINE_HOME/dagster with a generated dagster.yaml. Its
-   ``postgres_url`` reads the environment variable DAGSTER_PG_URL, set for the
-   child processes only, so no password is written to disk. The URL uses the
-   ``postgresql+psycopg2://`` scheme: with SQLAlchemy 2.1 a plain
-   ``postgresql://`` selects psycopg 3, with which dagster-postgres fails on
-   ``$1`` parameters. The embedded server listens on a unix socket, given as
-   ``?host=<socket dir>``.
-4. ``dagster dev -w workspace.yaml -h HOST -p PORT`` runs in its own session;
-   Ctrl-C (SIGINT) or SIGTERM is forwarded to it once, and it shuts its
-   webserver, daemon and code server down cleanly; run workers still going
-   after that (Dagster leaves them running) get SIGTERM, then SIGKILL.
-
-``pipeline-assets dagster-env`` does steps 1-3 and prints them as ``export`` lines
-(with PIPELINE_PARTITION_BUCKETS, the database's bucket count), so
-Dagster's own commands (``dagster dev``, ``dagster asset materialize``,
-``dagster job launch``) use the same instance as ``pipeline-assets dev``.
+1. The pipeline database (PIPELINE_DATABASE_URL, or the embedded server under PIPELINE_HOME),
+   migrated before anything runs.
+2. Dagster's storage in the ``dagster`` database (PIPELINE_DAGSTER_DATABASE) on that server,
+   created if missing; DAGSTER_HOME is PIPELINE_HOME/dagster with a generated dagster.yaml whose
+   ``postgres_url`` reads DAGSTER_PG_URL (``postgresql+psycopg2://``: dagster-postgres fails on
+   psycopg 3), set for the child processes only: no password is written to disk.
+3. ``dagster dev -w workspace.yaml`` in its own session; SIGINT/SIGTERM is forwarded once, and
+   run workers still going after it get SIGTERM, then SIGKILL.
+``dagster-env`` prints steps 1-2 as ``export`` lines (with PIPELINE_PARTITION_BUCKETS), so
+Dagster's own commands use the same instance. This process never imports Dagster.
 """
 
 import os
@@ -168,7 +157,7 @@ PREPARE_ERRORS = (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError,
 def setup_instance(env: dict[str, str], model_keys: list[str] | None = None) -> int:
     """``instance_setup`` in a child process (this one never imports Dagster); the legacy
     partitions it deleted. InstanceSetupError with the child's last line if it failed."""
-    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.instance_setup", env["DAGSTER_HOME"],
+    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.models.instance_setup", env["DAGSTER_HOME"],
                            *(model_keys or [])], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]

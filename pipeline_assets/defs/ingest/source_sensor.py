@@ -1,54 +1,15 @@
-"""The source sensor: new, changed and deleted documents become ONE run over their buckets
-(the rerun sensor, after a code-version bump, is in rerun_sensor.py).
+"""``source_documents``: new, changed and deleted documents become ONE run over their buckets.
 
-A tick scans the source (observations in PostgreSQL, ``app/observations.py``:
-an unchanged file is not read), groups what is pending by document bucket and
-requests one run of ``sync_documents`` over the partition range that spans
-those buckets (``BackfillPolicy.single_run``: the assets see every bucket of
-the range in ``context.partition_keys``). The run brings each bucket current
-(``app.buckets.sync_buckets``): changed files ingested, gone ones tombstoned,
-unchanged ones skipped, so a bucket inside the range with nothing pending
-costs a scan of nothing. The partition count never grows: 10 or 1M documents,
-one run per tick at most.
-
-Run keys: ``sync@g{n}:{buckets}:{digest}:{first}..{last}``; the digest covers
-every pending (document, checksum) pair. ``n`` is the cursor generation the tick
-started from, so a re-evaluation of the same tick (daemon crash before the
-cursor was saved, a duplicate observation) yields the same key and Dagster
-launches nothing, while a later revert of a file to earlier bytes (A -> B -> A)
-is a new observation and does run.
-
-State. The cursor holds only the generation (``{"v": 2, "g": n}``); what the
-sensor saw lives in PostgreSQL (``app.source_observations``): per file its
-checksum, size and mtime (the prefilter), the checksum last requested with the
-generation that asked, and the checksum a bucket run last synced. A tick marks
-the pending files of the buckets it requested as requested under ``n``; if
-Dagster does not save the cursor ``n + 1``, the next evaluation starts from
-``n`` again, finds the same rows pending (requested at ``>= n``) and asks for
-the same run key. A cleared cursor goes on from the latest generation in the
-table. A legacy cursor holding the whole map seeds the table.
-
-Backpressure. While a run this sensor requested is queued or running, a tick
-requests nothing and does not scan (a walk of 100k files is seconds of the
-machine the run is using); the next free tick scans and requests what changed.
-
-Failed runs. A run that fails or is cancelled before it syncs its files leaves
-them requested but unsynced; the next free tick (every earlier request has
-ended then) gives them a time to be requested again
-(``observations.schedule_retries``: 60 s after the first failed request,
-doubling per request of the same bytes, at most an hour), and a tick after it
-requests them under a new key. The document keeps its stored chunks and
-vectors meanwhile: the run-failure reconciliation does not re-read the source.
-A run that synced files but whose embeddings run after it (``embed_after_sync``,
-tagged as this sensor's) failed or was cancelled has those files requested again
-the same way: that tick marks the files of its buckets whose document lacks a
-vector as unsynced (once per failed run: the cursor keeps the id of the last one
-handled).
-
-Deletions. A vanished file is pending until the bucket run tombstones its
-document and forgets its row. A source that cannot be scanned (missing or
-unreadable directory) is a failed tick, shown in the UI, and deletes nothing;
-an empty source that had documents is a skip that deletes nothing.
+A tick scans the source (observations in PostgreSQL, ``app/observations.py``: an unchanged
+file is not read) and requests one ``sync_documents`` run over the partition range spanning
+the buckets with pending files, keyed ``sync@g{n}:{buckets}:{digest}:{first}..{last}``: the
+digest covers every pending (document, checksum), ``n`` is the cursor generation the tick
+started from, so a re-evaluated tick repeats its key and Dagster launches nothing twice. The
+cursor holds only ``n`` (``{"v": 2, "g": n[, "f": last failed run handled]}``); a legacy map
+cursor seeds the table. While a run of this sensor is in flight a tick requests nothing and
+does not scan. Files of a failed or cancelled run (sync or its embeddings run) are requested
+again after a backoff (``observations.schedule_retries``). A source that cannot be scanned is a
+failed tick; an empty source that had documents is a skip; neither deletes anything.
 """
 
 import json
@@ -58,22 +19,12 @@ import dagster as dg
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.content.source import SourceError
+from pipeline_assets.defs.ingest.jobs import SYNC_JOB
 from pipeline_assets.defs.partitions import bucket_index, span, split_key
-from pipeline_assets.defs.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import (
-    IN_FLIGHT,
-    SYNC_JOB,
-    TRIGGER_TAG,
-    batch_digest,
-    range_request,
-    run_span,
-)
+from pipeline_assets.defs.run_requests import IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request, run_span
 from pipeline_assets.providers import model_id_for
-from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS, Settings
-
-__all__ = ["SYNC_JOB", "SourceScanError", "build_sensors", "build_source_sensor", "decode_cursor", "encode_cursor",
-           "source_documents_sensor"]
+from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
 
 SENSOR_NAME = "source_documents"
 CURSOR_VERSION = 2          # {"v": 2, "g": generation[, "f": the last failed run handled]}
@@ -230,8 +181,3 @@ def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_S
 
 
 source_documents_sensor = build_source_sensor()
-
-
-def build_sensors(settings: Settings) -> list[dg.SensorDefinition]:
-    """The source sensor at the configured interval, and the rerun sensor."""
-    return [build_source_sensor(settings.source_sensor_interval), rerun_stale_documents_sensor]

@@ -1,26 +1,12 @@
-"""The model dimension of ``embeddings`` follows the model registry, and a bucket run is
-followed by the embeddings run of its buckets.
+"""``embed_after_sync``: a bucket run is followed by the embeddings run of its buckets.
 
-The registry (``app.models``, written by ``models add``, ingest, the ``model_switch``
-sensor) knows nothing of Dagster; the Dagster side reads it each tick:
-
-* ``model_keys``: the dynamic partition requests that make the ``model`` keys the
-  registry's active models (a model added gets its column; a retired one leaves the
-  partition set, its history stays in the event log and comes back with
-  ``models activate``). The ``model_switch`` sensor applies them every tick, and
-  ``embed_after_sync`` before it requests a run for them.
-* ``embed_after_sync`` (every ``EMBED_SENSOR_INTERVAL_SECONDS``): each successful
-  bucket run (``sync_documents``: a source change, a rerun after a code bump; or the
-  UI's "Materialize" of documents and chunks) gets ONE ``embed_documents`` run over
-  its buckets x every active model (a backfill's runs are left to the backfill, which
-  runs the embeddings it was asked for):
-  changed content needs a vector for each model workers embed for, the served one
-  and one being backfilled alike (otherwise a switch in progress would never reach
-  coverage while content changes). The run key is the sync run's id, so a re-evaluated
-  tick launches nothing twice; the run carries the sync run's trigger tags, so the
-  sensor that asked for the sync counts it as its own (backpressure). Its cursor is
-  the update time of the last sync run it handled; without one (the first tick, an
-  upgrade) it handles the latest sync run only.
+Each successful bucket run (``sync_documents``, or the UI's "Materialize" of documents and
+chunks; never a backfill's run) gets ONE ``embed_documents`` run over its buckets x every
+active model (the served one and one being backfilled alike), after the model keys are made
+the registry's active models (``models/partitions.py``). The run key is the sync run's id, so
+a re-evaluated tick launches nothing twice; the run keeps the sync run's trigger tags, so the
+sensor that asked for the sync counts it as its own (backpressure). The cursor is the update
+time of the last sync run handled; without one, the latest sync run only.
 """
 
 from __future__ import annotations
@@ -31,22 +17,17 @@ from collections.abc import Sequence
 import dagster as dg
 
 from pipeline_assets.app import model_admin
-from pipeline_assets.defs.assets import RERUN_TAG
+from pipeline_assets.defs.embeddings.jobs import EMBED_JOB
 from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
-from pipeline_assets.defs.partitions import (
-    MODEL_PARTITIONS,
-    MODEL_PARTITIONS_NAME,
-    bucket_index,
-    embedding_key,
-    is_model_key,
-)
-from pipeline_assets.defs.rerun_sensor import GENERATION_TAG
+from pipeline_assets.defs.models.partitions import model_keys
+from pipeline_assets.defs.partitions import bucket_index, embedding_key
 from pipeline_assets.defs.resources import PostgresResource
 from pipeline_assets.defs.run_requests import (
-    EMBED_JOB,
     EMBED_JOB_NAME,
+    GENERATION_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
+    RERUN_TAG,
     SYNC_JOB_NAME,
     TRIGGER_TAG,
     run_span,
@@ -63,21 +44,6 @@ BACKFILL_TAG = "dagster/backfill"
 CHAINED_JOBS = (SYNC_JOB_NAME, "__ASSET_JOB")
 # Tags of the sync run its embeddings run keeps (whose run it is, for the sensors' backpressure).
 KEPT_TAGS = (TRIGGER_TAG, RERUN_TAG, GENERATION_TAG)
-
-
-def model_keys(instance: dg.DagsterInstance, active: Sequence[str],
-               ) -> tuple[list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest], list[str]]:
-    """(the requests that make the model keys ``active``, the keys in partition order after them)."""
-    current = list(instance.get_dynamic_partitions(MODEL_PARTITIONS_NAME))
-    wanted = [m for m in active if is_model_key(m)]
-    add = [m for m in wanted if m not in current]
-    gone = [m for m in current if m not in wanted]
-    requests: list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest] = []
-    if add:
-        requests.append(MODEL_PARTITIONS.build_add_request(add))
-    if gone:
-        requests.append(MODEL_PARTITIONS.build_delete_request(gone))
-    return requests, [m for m in current if m in wanted] + add
 
 
 def chains(run: dg.DagsterRun) -> bool:

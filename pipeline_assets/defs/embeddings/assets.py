@@ -1,0 +1,169 @@
+"""The ``embeddings`` asset: vectors by bucket x model, mapped to ``chunks`` by its bucket.
+
+Per model of its partition keys, a run first records the preflight (what it would send,
+``app.estimate``) as an observation, then runs ``app.embed.embed_buckets`` over the buckets'
+current documents: it ends when their chunks are ready or failed for that model, embedding
+them itself (``in_process``, in the ``embedding_worker`` concurrency pool) or waiting for
+external ``work`` processes (``EmbeddingRunResource``), and fails with the counts at its
+deadline. Only content without a vector for a model is sent. Code version ``vectors-1``: the
+model is a partition, not code.
+"""
+
+import time
+import warnings
+from typing import Any
+
+import dagster as dg
+from psycopg_pool import ConnectionPool
+
+from pipeline_assets.app import buckets as bk
+from pipeline_assets.app import estimate, model_admin
+from pipeline_assets.app.embed import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.defs.keys import CHUNKS, GROUP
+from pipeline_assets.defs.partitions import BUCKET_DIMENSION, embedding_key, embedding_partitions, keys_by_model
+from pipeline_assets.defs.provenance import run_version
+from pipeline_assets.defs.resources import (
+    EmbeddingProviderResource,
+    EmbeddingRunResource,
+    PostgresResource,
+    SourceDirectoryResource,
+)
+from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.providers import ConfigError
+
+# The Dagster concurrency pool of the embeddings step when it embeds in-process:
+# its limit (dagster.yaml, `pipeline-assets dev`: 1) is how many runs may run a
+# worker at once; the others' steps wait for the slot.
+EMBEDDING_POOL = "embedding_worker"
+
+# The embeddings run's worker polls for claimable jobs this often (a retry
+# coming due), instead of the CLI's 0.5 s.
+WORKER_POLL_SECONDS = 0.1
+
+
+def embedding_version(model_id: str, state: bk.BucketState, cov: bk.BucketCoverage) -> str:
+    """One ``embeddings`` partition's data version: the model, the bucket's chunks, its coverage."""
+    return bk.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
+
+
+def _embed(rt: Runtime, db_pool: ConnectionPool, root: str, buckets: list[int], n: int, in_process: bool,
+           embedding_run: EmbeddingRunResource, partitions: int) -> BucketsEmbedded:
+    """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
+    try:
+        return embed_buckets(rt, db_pool, root, buckets, n, poll_seconds=WORKER_POLL_SECONDS,
+                             in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
+    except FatalProviderError as exc:
+        raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
+                         allow_retries=False) from None
+    except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+    except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
+        cov = exc.coverage
+        why = "deadline passed" if isinstance(exc, EmbedDeadlineExceeded) else "embedding stopped"
+        raise dg.Failure(description=f"{why}: {exc}", allow_retries=isinstance(exc, EmbedDeadlineExceeded),
+                         metadata={"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
+                                   "outstanding": exc.outstanding, "partitions": partitions,
+                                   "in_process": in_process, "model": rt.model_id}) from None
+
+
+def _preflight(context: dg.AssetExecutionContext, rt: Runtime, db_pool: ConnectionPool, root: str,
+               buckets: list[int], n: int) -> estimate.Estimate:
+    """Before one model's part of an embeddings run enqueues or sends anything: what it would send
+    (``app.estimate.for_buckets``), logged and recorded as an observation of the asset, so the run's
+    event log and the asset's page show it while the run is still to spend."""
+    est = estimate.for_buckets(db_pool, rt.provider.spec, rt.settings.price_per_million_tokens, root, buckets, n)
+    context.log.info(f"preflight: {est.describe()}")
+    context.log_event(dg.AssetObservation(
+        asset_key=context.asset_key, description="preflight: what this run would send",
+        metadata={"preflight": True, "buckets": len(buckets), **{k: v for k, v in est.as_dict().items()
+                                                                 if v is not None}}))
+    return est
+
+
+def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) -> dg.AssetsDefinition:
+    """The asset over ``n`` buckets x the model keys (a factory: the bucket count, the code
+    version and whether runs embed in-process, hence hold ``concurrency_pool``, are the settings')."""
+    spec: dict[str, Any] = dict(group_name=GROUP, kinds={"postgres"})
+    with warnings.catch_warnings():   # backfill_policy and this mapping are "beta" in 1.13
+        warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
+        warnings.filterwarnings("ignore", message=".*MultiToSingleDimensionPartitionMapping.*",
+                                category=dg.BetaWarning)
+
+        @dg.asset(name="embeddings", code_version=code_version, pool=concurrency_pool,
+                  partitions_def=embedding_partitions(n), backfill_policy=dg.BackfillPolicy.single_run(),
+                  deps=[dg.AssetDep(CHUNKS, partition_mapping=dg.MultiToSingleDimensionPartitionMapping(
+                      partition_dimension_name=BUCKET_DIMENSION))], **spec,
+                  description="Vectors of the buckets' chunks, per bucket x model (app.embeddings): one column per "
+                              "active model of the registry. A run ends when the chunks of its own buckets are ready "
+                              "or failed for its models (a worker in the run embeds them, or external `work` "
+                              "processes do), or fails at its deadline with the counts. Per partition: coverage "
+                              "and failed document ids.")
+        def embeddings(context: dg.AssetExecutionContext, postgres: PostgresResource,
+                       embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
+                       embedding_run: EmbeddingRunResource) -> dg.MaterializeResult:
+            """Embed the buckets' chunks with each model of the run's partitions, first (the rest of
+            the queue is others' work).
+
+            Jobs are keyed by (chunk checksum, model): only content without a vector for a model is
+            sent, so a model's column is backfilled by sending what it lacks, and re-materializing a
+            partition where nothing changed calls no provider.
+            """
+            started = time.monotonic()
+            keys = list(context.partition_keys)
+            per_model = keys_by_model(keys)
+            settings = embedding_provider.settings()
+            in_process = embedding_run.embeds_in_process(settings)
+            root = source.source(settings).key
+            db_pool = postgres.pool()
+            with postgres.connection() as conn:
+                try:
+                    bk.check_buckets(conn, n)
+                except bk.BucketCountMismatch as exc:
+                    raise dg.Failure(description=str(exc), allow_retries=False) from None
+            versions: dict[str, str] = {}
+            totals: dict[str, int] = {}
+            documents = 0
+            waited = 0.0
+            for model_id, buckets in per_model.items():
+                try:
+                    rt = model_admin.runtime_of(settings, db_pool, model_id, run_id=context.run.run_id)
+                except ConfigError as exc:
+                    raise dg.Failure(description=str(exc), allow_retries=False) from None
+                est = _preflight(context, rt, db_pool, root, buckets, n)
+                done = _embed(rt, db_pool, root, buckets, n, in_process, embedding_run, len(keys))
+                with postgres.connection() as conn:
+                    states = bk.states_of(conn, root, buckets, n)
+                for b in buckets:
+                    bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
+                    versions[key] = embedding_version(model_id, states[b], bucket_cov)
+                    meta: dict[str, Any] = {"chunks": bucket_cov.chunks, "ready": bucket_cov.ready,
+                                            "failed": bucket_cov.failed, "waiting": bucket_cov.waiting}
+                    if bucket_cov.failed_ids:
+                        meta["failed_ids"] = ", ".join(bucket_cov.failed_ids)
+                    context.add_asset_metadata(meta, partition_key=key)
+                work, after = done.work, done.after
+                # "reused": ready vectors this run did not make.
+                for name, value in (("estimated_inputs", est.send_inputs), ("estimated_tokens", est.send_tokens),
+                                    ("chunks", after.wanted), ("embedded", work.embedded),
+                                    ("reused", max(after.ready - work.embedded, 0)),
+                                    ("superseded", work.superseded), ("failed", after.failed),
+                                    ("waiting", after.waiting), ("enqueued", done.enqueued), ("retried", work.retried),
+                                    ("throttled", work.throttled), ("provider_calls", work.provider_calls),
+                                    ("tokens", work.tokens), ("ready", after.ready)):
+                    totals[name] = totals.get(name, 0) + int(value)
+                documents = max(documents, sum(state.documents for state in states.values()))
+                waited += done.waited_seconds
+            ready = totals.pop("ready", 0)
+            return dg.MaterializeResult(data_version=dg.DataVersion(run_version(versions)), metadata={
+                "model": ", ".join(per_model),
+                **totals,
+                "coverage_ratio": round(ready / totals["chunks"], 6) if totals.get("chunks") else 1.0,
+                "partitions": len(keys),
+                "documents": documents,
+                "in_process": in_process,
+                "waited_seconds": round(waited, 3),
+                "duration_seconds": round(time.monotonic() - started, 3),
+            })
+
+    return embeddings

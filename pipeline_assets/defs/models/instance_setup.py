@@ -1,0 +1,38 @@
+"""Dagster's instance made ready for `pipeline-assets dev` and `dagster-env`, in a child process.
+
+``cli/devserver.py`` runs ``python -m`` this module with DAGSTER_HOME (then model ids) as
+arguments and the storage URL in the environment, so the long-lived `dev` process never
+imports Dagster. It creates Dagster's tables once (before the webserver and daemon race to),
+empties the per-document scheme's dynamic partition set ``documents`` (an upgrade of an
+instance of that scheme; docs/dagster.md), and adds the given model ids missing from the
+``model`` partition set, so the columns of ``embeddings`` exist before any sensor ticks.
+Prints the number of legacy partitions deleted (0 once done).
+"""
+
+import sys
+
+LEGACY_PARTITIONS_NAME = "documents"
+
+
+def setup(dagster_home: str, model_keys: list[str] | None = None) -> int:
+    from dagster import DagsterInstance
+
+    from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, is_model_key
+
+    instance = DagsterInstance.from_config(dagster_home)
+    try:
+        keys = instance.get_dynamic_partitions(LEGACY_PARTITIONS_NAME)
+        for key in keys:
+            instance.delete_dynamic_partition(LEGACY_PARTITIONS_NAME, key)
+        known = set(instance.get_dynamic_partitions(MODEL_PARTITIONS_NAME))
+        missing = [m for m in model_keys or [] if m not in known and is_model_key(m)]
+        if missing:
+            instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, missing)
+    finally:
+        instance.dispose()
+    return len(keys)
+
+
+if __name__ == "__main__":
+    print(setup(sys.argv[1], sys.argv[2:]), flush=True)
+    sys.exit(0)
