@@ -272,7 +272,7 @@ class Settings:
             (self.call_timeout > 0, "call_timeout", "must be positive"),
             (self.worker_dead_after > 0, "worker_dead_after", "must be positive"),
             (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
-            (1 <= self.batch_inputs, "batch_inputs", "must be at least 1"),
+            (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
             (self.backoff_base >= 0 and self.backoff_cap >= 0, "backoff_base", "backoff must not be negative"),
             (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),

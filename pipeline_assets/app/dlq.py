@@ -165,19 +165,18 @@ def discard(pool: ConnectionPool, raw_ids: Sequence[str], *, reason: str, by: st
     if not by:
         raise ValueError("a discard needs a name (--by)")
     ids = Ids.parse(raw_ids)
-    with pool.connection() as conn:
-        with conn.transaction():
-            params = {"by": by, "reason": reason}
-            jobs = [r["job_id"] for r in _dicts(conn, DLQ.discard_jobs, {**params, "ids": ids.jobs})]
-            conn.execute(DLQ.trim_attempts, {"ids": jobs})
-            docs = _dicts(conn, DLQ.discard_documents, {**params, "ids": ids.documents})
-            found = {str(j) for j in jobs}
-            missing = [str(j) for j in ids.jobs if str(j) not in found]
-            named = {n for n in ids.documents
-                     if any(d["status"] == "quarantined" for d in _dicts(conn, DLQ.documents_named, {"id": n}))}
-            missing += [n for n in ids.documents if n not in named]
-            if missing:
-                raise _Rollback(missing)
+    with pool.connection() as conn, conn.transaction():
+        params = {"by": by, "reason": reason}
+        jobs = [r["job_id"] for r in _dicts(conn, DLQ.discard_jobs, {**params, "ids": ids.jobs})]
+        conn.execute(DLQ.trim_attempts, {"ids": jobs})
+        docs = _dicts(conn, DLQ.discard_documents, {**params, "ids": ids.documents})
+        found = {str(j) for j in jobs}
+        missing = [str(j) for j in ids.jobs if str(j) not in found]
+        named = {n for n in ids.documents
+                 if any(d["status"] == "quarantined" for d in _dicts(conn, DLQ.documents_named, {"id": n}))}
+        missing += [n for n in ids.documents if n not in named]
+        if missing:
+            raise _Rollback(missing)
     return {"jobs": len(jobs), "documents": len(docs)}
 
 

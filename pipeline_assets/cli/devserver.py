@@ -193,10 +193,8 @@ def run_dagster_env(settings: Settings | None = None) -> int:
 
 def dagster_command(host: str, port: int) -> list[str]:
     workspace = REPO / "workspace.yaml"
-    if workspace.is_file():
-        target = ["-w", str(workspace)]
-    else:  # installed without the repository around it
-        target = ["-m", "pipeline_assets.defs.definitions", "-a", "defs"]
+    # Without the repository around it (installed), the definitions module itself.
+    target = ["-w", str(workspace)] if workspace.is_file() else ["-m", "pipeline_assets.defs.definitions", "-a", "defs"]
     # `dagster dev` warns that `dg dev` supersedes it; dg needs a [tool.dg] block that
     # would make dagster ignore workspace.yaml, so this stays on `dagster dev`.
     quiet = ["-W", "ignore:Function `dev_command` is superseded"]

@@ -9,6 +9,7 @@ class), never the ingest's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -122,10 +123,8 @@ class Extractor:
             # no document's deadline pays for an import.
             get_encoding()
             for module in ("bs4", "pypdf"):
-                try:
+                with contextlib.suppress(ImportError):
                     __import__(module)
-                except ImportError:
-                    pass
             self._warm = True
         return self.sandbox.submit((item, checksum, known), item.document_id, raw)
 

@@ -13,6 +13,7 @@ Why one child by default: docs/decisions/0001-one-extraction-child.md.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import os
@@ -362,10 +363,8 @@ class Sandbox:
         for child in self._children:
             if child.proc is None:
                 continue
-            try:
+            with contextlib.suppress(OSError):
                 self._pipe(child.calls).send_bytes(pickle.dumps(None))
-            except OSError:
-                pass
         for child in self._children:
             if child.proc is not None:
                 child.proc.join(CHILD_EXIT_TIMEOUT_SECONDS)
