@@ -15,7 +15,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")  # a setting's type: its default's
 
 # -- fixed bounds (not settings) ---------------------------------------------------
 
@@ -103,7 +105,7 @@ class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
 
 
-def _setting(env: str, default: Any, doc: str, *, secret: bool = False, shown_default: str | None = None):
+def _setting(env: str, default: T, doc: str, *, secret: bool = False, shown_default: str | None = None) -> T:
     return field(default=default, repr=not secret,
                  metadata={"env": env, "doc": doc, "secret": secret, "shown_default": shown_default})
 

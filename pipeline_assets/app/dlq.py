@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import psycopg
 from psycopg.rows import dict_row
@@ -194,7 +195,7 @@ def _discard(r: dict) -> dict:
     return {"discarded": {"by": r["discarded_by"], "reason": r["reason"], "at": _iso(r["discarded_at"])}}
 
 
-def _iso(value) -> str | None:
+def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 

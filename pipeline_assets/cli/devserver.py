@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import psycopg
 
@@ -231,7 +232,7 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
     stopping = {"signals": 0}
     child: dict[str, subprocess.Popen] = {}
 
-    def forward(signum, frame):
+    def forward(signum: int, frame: FrameType | None) -> None:
         stopping["signals"] += 1
         proc = child.get("proc")
         if proc is None or proc.poll() is not None:

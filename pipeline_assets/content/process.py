@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 
 from pipeline_assets.content.chunking import Chunk, Chunker, get_encoding
 from pipeline_assets.content.extract import ExtractError, ExtractorVersions, extract_text
@@ -108,7 +109,8 @@ class Extractor:
     def __enter__(self) -> Extractor:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.sandbox.close()
 
     @property

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
+from types import TracebackType
 from typing import Any
 
 from pipeline_assets.content.extract import ExtractError
@@ -204,7 +205,8 @@ class Sandbox:
     def __enter__(self) -> Sandbox:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     @property

@@ -122,5 +122,5 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
 @dg.job(name=REFRESH_JOB_NAME, executor_def=dg.in_process_executor,
         description="Re-materialize single documents given by run config (document_ids and/or a glob): ingest, "
                     "embed, and a materialization per bucket touched.")
-def refresh_job():
+def refresh_job() -> None:
     refresh_documents_op()
