@@ -54,6 +54,7 @@ Prints one JSON line on stdout (progress on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -72,13 +73,13 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import psutil  # noqa: E402  (the bench extra)
-import psycopg  # noqa: E402
+import psutil
+import psycopg
 from _common import REPO
 
-from pipeline_assets.content.extract import EXTRACTOR_VERSIONS  # noqa: E402
-from pipeline_assets.jobs import transitions  # noqa: E402
-from pipeline_assets.store import embedded_postgres  # noqa: E402
+from pipeline_assets.content.extract import EXTRACTOR_VERSIONS
+from pipeline_assets.jobs import transitions
+from pipeline_assets.store import embedded_postgres
 
 QUICK_DOCUMENTS = 300
 REFRESH_OP = "refresh_documents"   # the interface: {"ops": {"refresh_documents": {"config": {...}}}}
@@ -569,18 +570,14 @@ class Dev:
             tree = []
         tree += [p for p in self.sampler.seen.values() if p not in tree]
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 log(f"dev did not stop within {timeout:.0f}s of SIGINT: SIGKILL")
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait()
         left = []
         for p in tree:
@@ -683,7 +680,7 @@ def summarize_runs(runs: list[dict]) -> dict:
     for r in runs:
         by_status[r["status"]] = by_status.get(r["status"], 0) + 1
         tags = {t["key"]: t["value"] for t in r.get("tags") or []}
-        name = tags.get("pipeline/trigger") or tags.get("dagster/backfill") and "backfill" or "other"
+        name = tags.get("pipeline/trigger") or (tags.get("dagster/backfill") and "backfill") or "other"
         jobs[name] = jobs.get(name, 0) + 1
     run_time = sum((r["endTime"] or 0) - (r["startTime"] or 0) for r in runs if r.get("startTime") and r.get("endTime"))
     return {"count": len(runs), "by_status": by_status, "by_trigger": jobs, "run_seconds_total": round(run_time, 1)}
@@ -963,7 +960,7 @@ def main() -> int:
         fix = result["parser_fix_rerun"]
         log(f"parser fix: {fix['rerun_to_last_extract_s']}s to the last re-extraction "
             f"({fix['rerun_s']}s seen by the poll)")
-    except BaseException as exc:  # noqa: BLE001 — report what was measured, then clean up
+    except BaseException as exc:
         failed = exc
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
         log("FAILED: " + "".join(traceback.format_exception(exc))[-3000:])
@@ -977,7 +974,7 @@ def main() -> int:
             try:
                 code = dev.stop()
                 result["dev_exit_code"] = code
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 log(f"stopping dev failed: {exc}")
         sampler.stop()
         sampler.join(timeout=5)

@@ -82,10 +82,10 @@ def ready(url: str) -> dict:
 def run_worker(base_url: str, corpus: Path, mix: list, seed: int) -> dict:
     with fresh_database("b13") as url:
         env = worker_env(url, base_url)
-        subprocess.run(CLI + ["ingest", str(corpus)], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*CLI, "ingest", str(corpus)], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         post_faults(base_url, clear=True, reset_stats=True, random_faults=mix, fault_seed=seed)
         started = time.monotonic()
-        proc = subprocess.run(CLI + ["work", "--until-idle", "--json"], env=env, cwd=REPO, capture_output=True,
+        proc = subprocess.run([*CLI, "work", "--until-idle", "--json"], env=env, cwd=REPO, capture_output=True,
                               text=True, timeout=HANG_SECONDS)
         seconds = time.monotonic() - started
         stats = fetch_stats(base_url, brief=True)
@@ -103,7 +103,7 @@ def run_worker(base_url: str, corpus: Path, mix: list, seed: int) -> dict:
 
 def chunk_texts(base_url: str, corpus: Path) -> list[str]:
     with fresh_database("b13_texts") as url:
-        subprocess.run(CLI + ["ingest", str(corpus)], env=worker_env(url, base_url), cwd=REPO, check=True,
+        subprocess.run([*CLI, "ingest", str(corpus)], env=worker_env(url, base_url), cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL)
         with db.connect(url) as conn:
             return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
@@ -155,10 +155,10 @@ def run_baseline(base_url: str, texts: list[str], mix: list, seed: int) -> dict:
 def run_outage(base_url: str, corpus: Path, outage_seconds: float) -> dict:
     with fresh_database("b13_outage") as url:
         env = worker_env(url, base_url)
-        subprocess.run(CLI + ["ingest", str(corpus)], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*CLI, "ingest", str(corpus)], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         total = sum(ready(url).values())
         post_faults(base_url, clear=True, reset_stats=True, random_faults=[[1.0, 503, None]])
-        proc = subprocess.Popen(CLI + ["work"], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen([*CLI, "work"], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + HANG_SECONDS

@@ -21,6 +21,7 @@ which is the graph's bytes per vector.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import re
 import threading
@@ -85,10 +86,8 @@ class BuildMemory:
             self.workers = max(self.workers, len(pids) - 1)
             total = 0
             for pid in pids:
-                try:
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                     total += psutil.Process(pid).memory_full_info().pss
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    pass
             self.peak = max(self.peak, total)
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from b17_s3_scan import BUCKET, PREFIX, _free_port, _wait_listening  # noqa: E402
+from b17_s3_scan import BUCKET, PREFIX, _free_port, _wait_listening
 
 READS_IN_FLIGHT = 8
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Timer, fresh_database, settle  # noqa: E402
+from _common import Timer, fresh_database, settle
 
 BUCKET = "bench-corpus"
 PREFIX = "docs"

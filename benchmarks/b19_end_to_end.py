@@ -21,6 +21,7 @@ The fake's vectors are warmed by an untimed SDK pass first, so neither side pays
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -108,10 +109,8 @@ class TreeRss:
             total = 0
             try:
                 for p in [self.root, *self.root.children(recursive=True)]:
-                    try:
+                    with contextlib.suppress(psutil.Error):
                         total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
             except psutil.Error:
                 return
             self.peak = max(self.peak, total)
@@ -125,7 +124,7 @@ class TreeRss:
 
 def run_embed(corpus: Path, env: dict) -> dict:
     started, epoch0 = time.perf_counter(), time.time()
-    proc = subprocess.Popen(CLI + ["embed", str(corpus), "--json"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*CLI, "embed", str(corpus), "--json"], env=env, cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     rss = TreeRss(proc.pid)
     out, err = proc.communicate(timeout=TIMEOUT_SECONDS)
@@ -141,7 +140,7 @@ def startup(env: dict) -> float:
     runs = []
     for _ in range(STARTUP_RUNS):
         started = time.perf_counter()
-        subprocess.run(CLI + ["work", "--until-idle"], env=env, cwd=REPO, check=True, capture_output=True,
+        subprocess.run([*CLI, "work", "--until-idle"], env=env, cwd=REPO, check=True, capture_output=True,
                        timeout=600)
         runs.append(time.perf_counter() - started)
     return round(statistics.median(runs), 3)

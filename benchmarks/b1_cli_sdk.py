@@ -94,7 +94,7 @@ def cli_work(url: str, env: dict, n: int, profile: Path | None = None) -> dict:
     if profile is not None:
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         cmd = [spy, "record", "--format", "raw", "--rate", "200", "--subprocesses", "--idle",
-               "-o", str(profile), "--"] + cmd
+               "-o", str(profile), "--", *cmd]
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("UPDATE app.embedding_jobs SET status = 'pending', attempts = 0, faults = 0, available_at = now()")
         conn.execute("TRUNCATE app.embeddings, app.provider_calls, app.input_sends_until_032")

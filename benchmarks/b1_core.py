@@ -126,11 +126,10 @@ def bench_copy(url: str, n: int, dim: int, hnsw: bool = False) -> dict:
         conn.execute(f"CREATE TABLE bench_copy (id bigint, v vector({dim}))")
         if hnsw:
             conn.execute("CREATE INDEX ON bench_copy USING hnsw (v vector_cosine_ops)")
-        with Timer() as t:
-            with conn.cursor().copy("COPY bench_copy (id, v) FROM STDIN WITH (FORMAT BINARY)") as copy:
-                copy.set_types(["bigint", "vector"])
-                for i in range(n):
-                    copy.write_row((i, vecs[i]))
+        with Timer() as t, conn.cursor().copy("COPY bench_copy (id, v) FROM STDIN WITH (FORMAT BINARY)") as copy:
+            copy.set_types(["bigint", "vector"])
+            for i in range(n):
+                copy.write_row((i, vecs[i]))
         count = conn.execute("SELECT count(*) FROM bench_copy").fetchone()[0]
         conn.execute("DROP TABLE bench_copy")
     assert count == n
@@ -140,9 +139,8 @@ def bench_copy(url: str, n: int, dim: int, hnsw: bool = False) -> dict:
 def bench_index_build(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
     """The model's HNSW index built in bulk over the drained backfill (what the
     worker does when the queue empties), against inserting into it row by row."""
-    with db.connect(url) as conn:
-        with Timer() as t:
-            vector_index.build(conn, provider.spec.model_id, provider.dim)
+    with db.connect(url) as conn, Timer() as t:
+        vector_index.build(conn, provider.spec.model_id, provider.dim)
     return {"rows": n, "seconds": round(t.seconds, 3), "rows_per_s": rate(n, t.seconds)}
 
 
@@ -150,16 +148,15 @@ def bench_naive(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
     """One job per transaction: claim(limit=1), embed, complete -- single thread."""
     model = provider.spec.model_id
     done = 0
-    with db.connect(url) as conn:
-        with Timer() as t:
-            while True:
-                owner = f"naive/{done}"
-                jobs = transitions.claim(conn, model_id=model, owner=owner, limit=1, lease_seconds=60)
-                if not jobs:
-                    break
-                result = provider.embed([jobs[0].text])
-                ready, _ = job_helpers.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
-                done += len(ready)
+    with db.connect(url) as conn, Timer() as t:
+        while True:
+            owner = f"naive/{done}"
+            jobs = transitions.claim(conn, model_id=model, owner=owner, limit=1, lease_seconds=60)
+            if not jobs:
+                break
+            result = provider.embed([jobs[0].text])
+            ready, _ = job_helpers.complete(conn, owner=owner, job_ids=[jobs[0].job_id], vectors=result.vectors)
+            done += len(ready)
     assert done == n, done
     return {"jobs": done, "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}
 

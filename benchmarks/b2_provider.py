@@ -81,10 +81,10 @@ def main() -> None:
                 "PIPELINE_EMBEDDING_MODEL": "fake-embed", "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
                 "PIPELINE_BATCH_INPUTS": str(args.batch_inputs),
                 "PIPELINE_BATCH_TOKENS": str(args.batch_tokens)}
-            subprocess.run(CLI + ["ingest", tmp], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([*CLI, "ingest", tmp], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
             started = time.monotonic()
-            workers = [subprocess.Popen(CLI + ["work", "--until-idle", "--json", "--concurrency",
-                                               str(args.concurrency), "--worker-id", f"b2-{i}"],
+            workers = [subprocess.Popen([*CLI, "work", "--until-idle", "--json", "--concurrency", str(args.concurrency),
+                                         "--worker-id", f"b2-{i}"],
                                         env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
                        for i in range(2)]
             reports = [w.communicate(timeout=600)[0] for w in workers]

@@ -40,7 +40,7 @@ def write_corpus(root: Path, n: int) -> None:
 
 def embed(directory: str, env: dict) -> tuple[dict, float]:
     started = time.perf_counter()
-    proc = subprocess.run(CLI + ["embed", directory, "--json"], env=env, cwd=REPO, check=True,
+    proc = subprocess.run([*CLI, "embed", directory, "--json"], env=env, cwd=REPO, check=True,
                           stdout=subprocess.PIPE, text=True)
     return json.loads(proc.stdout), round(time.perf_counter() - started, 2)
 

@@ -94,8 +94,8 @@ def one_run(template: str, processes: int, env: dict, concurrency: int, jobs_tot
     try:
         run_env = env | {"PIPELINE_DATABASE_URL": url}
         started = time.monotonic()
-        workers = [subprocess.Popen(CLI + ["work", "--json", "--concurrency", str(concurrency),
-                                           "--worker-id", f"b7-{i}"],
+        workers = [subprocess.Popen([*CLI, "work", "--json", "--concurrency", str(concurrency),
+                                     "--worker-id", f"b7-{i}"],
                                     env=run_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
                    for i in range(processes)]
@@ -165,7 +165,7 @@ def main() -> None:
                                 "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
                                 "PIPELINE_BATCH_INPUTS": str(args.batch_inputs)}
             t = time.monotonic()
-            subprocess.run(CLI + ["ingest", tmp], env=env | {"PIPELINE_DATABASE_URL": template}, cwd=REPO,
+            subprocess.run([*CLI, "ingest", tmp], env=env | {"PIPELINE_DATABASE_URL": template}, cwd=REPO,
                            check=True, stdout=subprocess.DEVNULL)
             out["ingest_s"] = round(time.monotonic() - t, 1)
             with psycopg.connect(template, autocommit=True) as conn:  # held back until the workers are up

@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import dagster as dg  # noqa: E402
+import dagster as dg
 from _common import REPO, Timer, emit, fresh_database, peak_rss_mb
-from dagster._core.definitions.partitions.context import partition_loading_context  # noqa: E402
+from dagster._core.definitions.partitions.context import partition_loading_context
 
 BEFORE_COMMIT = "a050b3a"   # the last tree with the map cursor
 TICK_LIMIT_S = 60.0         # Dagster's default sensor evaluation timeout
@@ -61,12 +61,12 @@ def evaluate(sensor, instance, cursor):
 
     settings = Settings.from_env()
     defs = build_definitions(settings)
-    with dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs,
-                                 resources=build_resources(settings)) as context:
-        with partition_loading_context(dynamic_partitions_store=instance):
-            started = time.perf_counter()
-            data = sensor.evaluate_tick(context)
-            seconds = time.perf_counter() - started
+    with (dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs,
+                                  resources=build_resources(settings)) as context,
+          partition_loading_context(dynamic_partitions_store=instance)):
+        started = time.perf_counter()
+        data = sensor.evaluate_tick(context)
+        seconds = time.perf_counter() - started
     for request in data.dynamic_partitions_requests or []:
         if isinstance(request, dg.AddDynamicPartitionsRequest):
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))

@@ -19,15 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import dagster as dg  # noqa: E402
+import dagster as dg
 from _common import emit, fresh_database
 
-from pipeline_assets.app.embed import work  # noqa: E402
-from pipeline_assets.app.ingest import ingest_source  # noqa: E402
-from pipeline_assets.defs.definitions import build_definitions  # noqa: E402
-from pipeline_assets.defs.resources import build_resources  # noqa: E402
-from pipeline_assets.settings import Settings  # noqa: E402
-from pipeline_assets.store import db  # noqa: E402
+from pipeline_assets.app.embed import work
+from pipeline_assets.app.ingest import ingest_source
+from pipeline_assets.defs.definitions import build_definitions
+from pipeline_assets.defs.resources import build_resources
+from pipeline_assets.settings import Settings
+from pipeline_assets.store import db
 
 
 def write_docs(root: Path, prefix: str, n: int, words: int) -> None:

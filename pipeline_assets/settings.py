@@ -15,7 +15,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")  # a setting's type: its default's
 
 # -- fixed bounds (not settings) ---------------------------------------------------
 
@@ -103,7 +105,7 @@ class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
 
 
-def _setting(env: str, default: Any, doc: str, *, secret: bool = False, shown_default: str | None = None):
+def _setting(env: str, default: T, doc: str, *, secret: bool = False, shown_default: str | None = None) -> T:
     return field(default=default, repr=not secret,
                  metadata={"env": env, "doc": doc, "secret": secret, "shown_default": shown_default})
 
@@ -272,7 +274,7 @@ class Settings:
             (self.call_timeout > 0, "call_timeout", "must be positive"),
             (self.worker_dead_after > 0, "worker_dead_after", "must be positive"),
             (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
-            (1 <= self.batch_inputs, "batch_inputs", "must be at least 1"),
+            (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
             (self.backoff_base >= 0 and self.backoff_cap >= 0, "backoff_base", "backoff must not be negative"),
             (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),

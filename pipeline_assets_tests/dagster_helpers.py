@@ -42,10 +42,10 @@ def evaluate_sensor(sensor: dg.SensorDefinition, defs: dg.Definitions, instance:
 
     Returns the SensorExecutionData (run_requests resolved, cursor, skip_message).
     """
-    with dg.build_sensor_context(instance=instance, instance_ref=instance.get_ref(), cursor=cursor,
-                                 definitions=defs, resources=build_resources(Settings.from_env())) as context:
-        with partition_loading_context(dynamic_partitions_store=instance):
-            data = sensor.evaluate_tick(context)
+    with (dg.build_sensor_context(instance=instance, instance_ref=instance.get_ref(), cursor=cursor,
+                                  definitions=defs, resources=build_resources(Settings.from_env())) as context,
+          partition_loading_context(dynamic_partitions_store=instance)):
+        data = sensor.evaluate_tick(context)
     for request in data.dynamic_partitions_requests or []:
         if isinstance(request, dg.AddDynamicPartitionsRequest):
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
@@ -239,19 +239,18 @@ def _dagster_template(server_url: str) -> str:
     if server_url not in _TEMPLATES:
         name = "t_dagster_template_" + uuid.uuid4().hex[:8]
         url = migrations.ensure_database(server_url, name)
-        with tempfile.TemporaryDirectory() as home:
-            with _instance_env(url):
-                (Path(home) / "dagster.yaml").write_text(devserver.instance_yaml())
-                dg.DagsterInstance.from_config(home).dispose()   # creates (and stamps) Dagster's schema
+        with tempfile.TemporaryDirectory() as home, _instance_env(url):
+            (Path(home) / "dagster.yaml").write_text(devserver.instance_yaml())
+            dg.DagsterInstance.from_config(home).dispose()   # creates (and stamps) Dagster's schema
         _TEMPLATES[server_url] = name
         atexit.register(_drop_database, server_url, name)
     return _TEMPLATES[server_url]
 
 
 def _drop_database(server_url: str, name: str) -> None:
-    with contextlib.suppress(psycopg.Error):   # an embedded server may be stopped already
-        with psycopg.connect(server_url, autocommit=True, connect_timeout=5) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    # An embedded server may be stopped already.
+    with contextlib.suppress(psycopg.Error), psycopg.connect(server_url, autocommit=True, connect_timeout=5) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @contextmanager

@@ -1,3 +1,4 @@
+import itertools
 import random
 import time
 
@@ -97,12 +98,12 @@ def test_overlap_between_consecutive_chunks():
     text = sample_text()
     chunks = Chunker(64, 16).chunk(text)
     assert len(chunks) > 10
-    for a, b in zip(chunks, chunks[1:]):
+    for a, b in itertools.pairwise(chunks):
         assert b.char_start < a.char_end  # shared text
         shared = text[b.char_start:a.char_end]
         assert 0 < count_tokens(shared) <= 16 + 2  # ~overlap tokens
     no_overlap = Chunker(64, 0).chunk(text)
-    assert all(b.char_start == a.char_end for a, b in zip(no_overlap, no_overlap[1:]))
+    assert all(b.char_start == a.char_end for a, b in itertools.pairwise(no_overlap))
 
 
 def test_prefers_whitespace_boundaries():

@@ -508,7 +508,7 @@ def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
                    timeout=60, what="a provider call in flight")
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        out, err = proc.communicate(timeout=300)
+        _out, err = proc.communicate(timeout=300)
         elapsed = time.monotonic() - sent
     finally:
         if proc.poll() is None:

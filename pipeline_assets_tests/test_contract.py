@@ -186,7 +186,7 @@ def test_stale_source_result_is_superseded(env, fake, clean_db, corpus):
     # The document changes while its old version is being embedded.
     doc.write_text("the second version, edited during the call")
     cli("ingest", str(corpus), env=env)
-    out, err = worker.communicate(timeout=60)
+    _out, err = worker.communicate(timeout=60)
     assert worker.returncode == 0, err
     conn = clean_db
     old, new = "SLOWDOC the first version of this document", "the second version, edited during the call"

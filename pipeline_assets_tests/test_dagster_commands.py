@@ -65,15 +65,15 @@ def test_the_root_dagster_yaml_holds_shared_settings_and_no_storage(monkeypatch)
     root_yaml = REPO / "dagster.yaml"
     assert root_yaml.is_file() and (REPO / "deploy" / "dagster.yaml").exists()
     assert "storage" not in yaml.safe_load(root_yaml.read_text())
-    with tempfile.TemporaryDirectory() as home:
-        # What `dagster dev` / `dagster asset materialize` build when DAGSTER_HOME is unset.
-        with dg.DagsterInstance.from_ref(InstanceRef.from_dir(home, config_dir=str(REPO))) as instance:
-            assert type(instance.run_storage).__name__ == "SqliteRunStorage"
-            assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
-            concurrency = instance.get_concurrency_config()   # what the run queue daemon reads
-            assert concurrency.run_queue_config.max_concurrent_runs == 4
-            assert concurrency.pool_config.default_pool_limit == 1
-            assert instance.telemetry_enabled is False
+    # What `dagster dev` / `dagster asset materialize` build when DAGSTER_HOME is unset.
+    with (tempfile.TemporaryDirectory() as home,
+          dg.DagsterInstance.from_ref(InstanceRef.from_dir(home, config_dir=str(REPO))) as instance):
+        assert type(instance.run_storage).__name__ == "SqliteRunStorage"
+        assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+        concurrency = instance.get_concurrency_config()   # what the run queue daemon reads
+        assert concurrency.run_queue_config.max_concurrent_runs == 4
+        assert concurrency.pool_config.default_pool_limit == 1
+        assert instance.telemetry_enabled is False
     # `pipeline-assets dev` writes the same shared settings under its PostgreSQL storage.
     written = devserver.instance_yaml()
     assert written.endswith(root_yaml.read_text()) and f"env: {DAGSTER_URL_ENV}" in written

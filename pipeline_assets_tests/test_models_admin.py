@@ -99,7 +99,7 @@ def test_activate_revives_superseded_jobs_and_enqueues_what_arrived_meanwhile(cl
     assert models.ensure_model(conn, SPEC)
     doc = add_document(conn, ["one", "two"])
     transitions.enqueue_for_docs(conn, [doc], 3)
-    [first, _] = transitions.claim(conn, model_id=SPEC.model_id, owner="w", limit=1, lease_seconds=60) + [None]
+    [first, _] = [*transitions.claim(conn, model_id=SPEC.model_id, owner="w", limit=1, lease_seconds=60), None]
     job_helpers.complete(conn, owner="w", job_ids=[first.job_id], vectors=[np.ones(4, dtype=np.float32)])
     assert models.retire(conn, SPEC.model_id) == 1  # the unstarted job
     later = add_document(conn, ["three"], name="later")

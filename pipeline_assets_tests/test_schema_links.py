@@ -56,9 +56,8 @@ def test_enqueue_writes_both_rows_in_one_statement(clean_db):
 def test_deleting_a_job_without_its_key_is_refused_at_commit(clean_db):
     conn = clean_db
     jobs = seed(conn, ["a", "b"])
-    with pytest.raises(psycopg.errors.ForeignKeyViolation):
-        with conn.transaction():
-            assert conn.execute("DELETE FROM app.embedding_jobs WHERE job_id = %s", (jobs["a"],)).rowcount == 1
+    with pytest.raises(psycopg.errors.ForeignKeyViolation), conn.transaction():
+        assert conn.execute("DELETE FROM app.embedding_jobs WHERE job_id = %s", (jobs["a"],)).rowcount == 1
             # deferred: the statement itself went through; the commit is what is refused
     assert counts(conn) == (2, 2)
     with pytest.raises(psycopg.errors.ForeignKeyViolation):  # autocommit: its own transaction
@@ -69,9 +68,8 @@ def test_deleting_a_job_without_its_key_is_refused_at_commit(clean_db):
 def test_deleting_a_key_without_its_job_is_refused_at_commit(clean_db):
     conn = clean_db
     jobs = seed(conn, ["a"])
-    with pytest.raises(psycopg.errors.ForeignKeyViolation):
-        with conn.transaction():
-            conn.execute("DELETE FROM app.job_keys WHERE job_id = %s", (jobs["a"],))
+    with pytest.raises(psycopg.errors.ForeignKeyViolation), conn.transaction():
+        conn.execute("DELETE FROM app.job_keys WHERE job_id = %s", (jobs["a"],))
     assert counts(conn) == (1, 1)
 
 

@@ -868,7 +868,7 @@ def test_enqueue_leaves_existing_jobs_alone(q):
 
 
 def test_unique_constraint_rejects_duplicate_job(q):
-    [jid] = seed(q, 1, labels=["dup"])
+    [_jid] = seed(q, 1, labels=["dup"])
     # The identity lives in app.job_keys (written once; the state row stays narrow).
     with pytest.raises(psycopg.errors.UniqueViolation):
         q.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id) VALUES (%s, %s, -1)",

@@ -189,7 +189,7 @@ def test_a_locked_table_fails_the_scan_and_tombstones_nothing(database_url, sour
         for way in (FULL, WATERMARK):
             with pytest.raises(TableSourceError, match="locked"):
                 scan_table(c, table, _options(), way=way)
-        with pytest.raises(SourceError, match="src.docs: the table is locked"):
+        with pytest.raises(SourceError, match=r"src\.docs: the table is locked"):
             table.ingest_changes(c, _options())  # what ingest and the sensor see
         locker.rollback()
     assert set(_docs(c).values()) == {"current"}

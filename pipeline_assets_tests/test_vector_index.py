@@ -174,7 +174,7 @@ def test_embed_with_4100_dimensions_has_no_index_and_searches_exactly(env, clean
         text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
                                 " WHERE d.document_id = 'doc0001.md'").fetchone()[0]
         hits = json.loads(cli("search", text, "-k", "5", "--mode", "vector", "--json", env=env).stdout)
-    assert [h["document_id"] for h in hits][0] == "doc0001.md" and len(hits) == 5
+    assert next(h["document_id"] for h in hits) == "doc0001.md" and len(hits) == 5
     assert hits[0]["distance"] == pytest.approx(0, abs=1e-6)
     assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)
 
@@ -298,9 +298,8 @@ def test_a_build_uses_its_own_memory_and_leaves_the_session_as_it_was(clean_db, 
 
 
 def test_a_build_refuses_to_run_inside_a_transaction(clean_db):
-    with clean_db.transaction():
-        with pytest.raises(ValueError, match="outside any transaction"):
-            vector_index.build(clean_db, "test/vi@8", 8)
+    with clean_db.transaction(), pytest.raises(ValueError, match="outside any transaction"):
+        vector_index.build(clean_db, "test/vi@8", 8)
 
 
 def test_a_cancelled_background_build_leaves_an_index_the_next_build_replaces(clean_db, database_url, blocker):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import psycopg
 from psycopg.rows import dict_row
@@ -165,19 +166,18 @@ def discard(pool: ConnectionPool, raw_ids: Sequence[str], *, reason: str, by: st
     if not by:
         raise ValueError("a discard needs a name (--by)")
     ids = Ids.parse(raw_ids)
-    with pool.connection() as conn:
-        with conn.transaction():
-            params = {"by": by, "reason": reason}
-            jobs = [r["job_id"] for r in _dicts(conn, DLQ.discard_jobs, {**params, "ids": ids.jobs})]
-            conn.execute(DLQ.trim_attempts, {"ids": jobs})
-            docs = _dicts(conn, DLQ.discard_documents, {**params, "ids": ids.documents})
-            found = {str(j) for j in jobs}
-            missing = [str(j) for j in ids.jobs if str(j) not in found]
-            named = {n for n in ids.documents
-                     if any(d["status"] == "quarantined" for d in _dicts(conn, DLQ.documents_named, {"id": n}))}
-            missing += [n for n in ids.documents if n not in named]
-            if missing:
-                raise _Rollback(missing)
+    with pool.connection() as conn, conn.transaction():
+        params = {"by": by, "reason": reason}
+        jobs = [r["job_id"] for r in _dicts(conn, DLQ.discard_jobs, {**params, "ids": ids.jobs})]
+        conn.execute(DLQ.trim_attempts, {"ids": jobs})
+        docs = _dicts(conn, DLQ.discard_documents, {**params, "ids": ids.documents})
+        found = {str(j) for j in jobs}
+        missing = [str(j) for j in ids.jobs if str(j) not in found]
+        named = {n for n in ids.documents
+                 if any(d["status"] == "quarantined" for d in _dicts(conn, DLQ.documents_named, {"id": n}))}
+        missing += [n for n in ids.documents if n not in named]
+        if missing:
+            raise _Rollback(missing)
     return {"jobs": len(jobs), "documents": len(docs)}
 
 
@@ -195,7 +195,7 @@ def _discard(r: dict) -> dict:
     return {"discarded": {"by": r["discarded_by"], "reason": r["reason"], "at": _iso(r["discarded_at"])}}
 
 
-def _iso(value) -> str | None:
+def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 

@@ -6,6 +6,7 @@ extract/chunk stage rows), in the transactions ingest opens. SQL:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 
 import psycopg
 from psycopg.rows import class_row
@@ -53,7 +54,7 @@ def tombstone(conn: psycopg.Connection, doc_pks: Sequence[int]) -> int:
     return transitions.supersede_unwanted(conn, list(dropped)) if dropped else 0
 
 
-def tombstone_unseen(conn: psycopg.Connection, source_id: int, scan_started) -> list[int]:
+def tombstone_unseen(conn: psycopg.Connection, source_id: int, scan_started: datetime) -> list[int]:
     """Mark deleted what a complete scan (``ingest_seen``) did not list; return their keys."""
     return [r[0] for r in conn.execute(DOCS.tombstone_unseen, {"source": source_id,
                                                                "scan_started": scan_started})]
@@ -63,7 +64,7 @@ def tombstone_ids(conn: psycopg.Connection, source_id: int, ids: Sequence[str]) 
     return [r[0] for r in conn.execute(DOCS.tombstone_ids, {"source": source_id, "ids": list(ids)})]
 
 
-def start_scan(conn: psycopg.Connection):
+def start_scan(conn: psycopg.Connection) -> datetime:
     """Prepare the list of seen ids for a complete scan; return the database clock."""
     started = queries.scalar(conn, DOCS.db_now)
     conn.execute(DOCS.create_seen)

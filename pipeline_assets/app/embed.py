@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -73,7 +74,7 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     return report
 
 
-def _record_touched(pool: ConnectionPool, model_id: str, since) -> None:
+def _record_touched(pool: ConnectionPool, model_id: str, since: datetime) -> None:
     """Store the embed stage rows of the documents a run touched; an unavailable database
     (unreachable, read-only) is waited for a while, then left to reconcile."""
     def record() -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import psycopg
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from pipeline_assets.jobs.status import JobStatus
@@ -86,7 +87,7 @@ class ObservedProvider:
     def close(self) -> None:
         self._inner.close()
 
-    def __getattr__(self, name: str):  # anything else the worker or runtime asks of the provider
+    def __getattr__(self, name: str) -> Any:  # anything else the worker or runtime asks of the provider
         return getattr(self._inner, name)
 
 
@@ -96,7 +97,7 @@ class WorkerCollector:
     def __init__(self) -> None:
         self.worker: Worker | None = None
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         worker = self.worker
         report = worker.report if worker is not None else None
         store = worker.store if worker is not None else None
@@ -145,7 +146,7 @@ class DatabaseCollector:
                     log.warning("metrics: could not read the job counts: %s", type(exc).__name__)
             return self._rows
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         jobs_rows, breaker_rows = self._read()
         jobs = GaugeMetricFamily("pipeline_jobs", "Jobs by model and status (every worker's), from the database.",
                                  labels=["model", "status"])

@@ -109,7 +109,8 @@ class IngestOptions:
     allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
     stage_timeout: float = Settings.stage_timeout  # per document: extract + chunk
     # Each format's extractor version (``extractor_version.of(document_id)``).
-    extractor_version: ExtractorVersions = ExtractorVersions.of_formats(EXTRACTOR_VERSIONS)
+    extractor_version: ExtractorVersions = dataclasses.field(
+        default_factory=lambda: ExtractorVersions.of_formats(EXTRACTOR_VERSIONS))
     extract_memory: int = Settings.extract_memory  # address space one extraction may add (0: none)
     extract_processes: int = Settings.extract_processes  # extraction children at most (0: one per usable core)
     max_text_chars: int = Settings.max_text_chars  # per document

@@ -12,6 +12,7 @@ A failed listing or read raises before anything is tombstoned; a row's version i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -104,7 +105,7 @@ class _Scan:
                                                                               "mask": BUCKET_MASK})}
         return sorted(b for b in theirs.keys() | ours.keys() if theirs.get(b) != ours.get(b))
 
-    def _listed(self, rows) -> None:
+    def _listed(self, rows: Iterable[tuple[object, ...]]) -> None:
         """Copy a streamed listing (row_id, id_hash, version, ...) into ``table_listed``."""
         self.conn.execute(ROWS.listed_create)
         self.conn.execute(ROWS.listed_truncate)

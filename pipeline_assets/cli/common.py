@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import NoReturn, ParamSpec, TypeVar
 
 import click
 import psycopg
+from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.sources import SourceError
@@ -32,17 +34,21 @@ EXPECTED = (db.DatabaseUnavailable, MigrationRefused, SourceError, ConfigError, 
             ProviderError, psycopg.OperationalError, psycopg.InternalError, psycopg.errors.InsufficientPrivilege,
             subprocess.TimeoutExpired, ValueError, OSError)
 
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
 
-def fail(message: str) -> None:
+
+def fail(message: str) -> NoReturn:
     """One line on stderr, exit status 1."""
     click.echo(f"error: {redact_text(' '.join(message.split()))}", err=True)
     sys.exit(1)
 
 
-def expected_errors(fn):
+def expected_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn expected failures into one line on stderr and exit status 1."""
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except EXPECTED as exc:
@@ -56,17 +62,18 @@ def settings() -> Settings:
 
 
 @contextmanager
-def pool(max_size: int = 4) -> Iterator:
+def pool(max_size: int = 4) -> Iterator[ConnectionPool]:
     with db.open_pool(settings(), max_size=max_size) as p:
         yield p
 
 
-def runtime(model: str | None = None, **options) -> Runtime:
-    return Runtime.build(settings(), model, **options)
+def runtime(model: str | None = None, *, allow_empty: bool = False) -> Runtime:
+    return Runtime.build(settings(), model, allow_empty=allow_empty)
 
 
-def emit(data, as_json: bool, text_lines) -> None:
-    if as_json:
+def emit(data: T, as_json: bool, text_lines: Callable[[T], Iterable[str]] | None) -> None:
+    """``data`` as JSON, or as the lines ``text_lines`` makes of it (``None``: JSON only)."""
+    if as_json or text_lines is None:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
         for line in text_lines(data):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import psycopg
 
@@ -193,10 +194,8 @@ def run_dagster_env(settings: Settings | None = None) -> int:
 
 def dagster_command(host: str, port: int) -> list[str]:
     workspace = REPO / "workspace.yaml"
-    if workspace.is_file():
-        target = ["-w", str(workspace)]
-    else:  # installed without the repository around it
-        target = ["-m", "pipeline_assets.defs.definitions", "-a", "defs"]
+    # Without the repository around it (installed), the definitions module itself.
+    target = ["-w", str(workspace)] if workspace.is_file() else ["-m", "pipeline_assets.defs.definitions", "-a", "defs"]
     # `dagster dev` warns that `dg dev` supersedes it; dg needs a [tool.dg] block that
     # would make dagster ignore workspace.yaml, so this stays on `dagster dev`.
     quiet = ["-W", "ignore:Function `dev_command` is superseded"]
@@ -233,7 +232,7 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
     stopping = {"signals": 0}
     child: dict[str, subprocess.Popen] = {}
 
-    def forward(signum, frame):
+    def forward(signum: int, frame: FrameType | None) -> None:
         stopping["signals"] += 1
         proc = child.get("proc")
         if proc is None or proc.poll() is not None:

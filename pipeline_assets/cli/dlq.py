@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import getpass
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -49,7 +51,7 @@ def dlq_list(error_class: str | None, all_items: bool, discarded: bool, as_group
     emit(data, as_json, _group_lines if grouped else _item_lines)
 
 
-def _group_lines(rows):
+def _group_lines(rows: list[dict[str, Any]]) -> Iterator[str]:
     open_rows = [r for r in rows if r["items"]]
     if not open_rows:
         yield "dead-letter queue is empty"
@@ -65,7 +67,7 @@ def _group_lines(rows):
         yield "items of a class: dlq list --error-class C; one item: dlq show ID"
 
 
-def _item_lines(rows):
+def _item_lines(rows: list[dict[str, Any]]) -> Iterator[str]:
     if not rows:
         yield "no items"
     for r in rows:
@@ -87,7 +89,7 @@ def dlq_show(item_id: str, as_json: bool) -> None:
     emit(data, as_json, _show_lines)
 
 
-def _show_lines(d):
+def _show_lines(d: dict[str, Any]) -> Iterator[str]:
     if d["kind"] == "job":
         yield (f"job {d['id']} model={d['model']} status={d['status']} attempts={d['attempts']}/"
                f"{d['max_attempts']} throttles={d['throttles']} error_class={d['error_class']}")

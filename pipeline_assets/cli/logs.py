@@ -15,9 +15,13 @@ import json
 import logging
 import sys
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from pipeline_assets.providers import sanitize
 from pipeline_assets.settings import redact_text
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 FORMATS = ("auto", "json", "text")
 
@@ -75,7 +79,7 @@ class _CurrentStderr:
         return sys.stderr.isatty()
 
 
-def configure(fmt: str = "auto", verbose: bool = False, stream=None) -> str:
+def configure(fmt: str = "auto", verbose: bool = False, stream: SupportsWrite[str] | None = None) -> str:
     """Send every log record (warnings included) to stderr in ``fmt``; returns the format chosen."""
     stream = stream or _CurrentStderr()
     if fmt == "auto":

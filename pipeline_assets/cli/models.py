@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import click
 
 from pipeline_assets.app import model_admin
@@ -78,7 +81,7 @@ def models_serve(model: str, force: bool, as_json: bool) -> None:
     with pool() as p:
         r = model_admin.serve(p, model, force=force)
 
-    def lines(r):
+    def lines(r: dict[str, Any]) -> Iterator[str]:
         if not r["changed"]:
             yield f"{r['model_id']} is already served"
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import click
@@ -20,7 +21,12 @@ from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
 
 if TYPE_CHECKING:
+    from psycopg_pool import ConnectionPool
+
     from pipeline_assets.app.metrics import WorkMetrics
+    from pipeline_assets.app.runtime import Runtime
+    from pipeline_assets.app.stages import RerunTarget
+    from pipeline_assets.jobs.worker import Worker
 
 
 @click.command()
@@ -91,7 +97,7 @@ def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None,
     with pool() as p, work_progress(p, enabled=None if until_idle else False) as bar:
         metrics = None if metrics_port is None else _serve_metrics(rt, p, metrics_host, metrics_port)
 
-        def observe(worker) -> None:  # the worker, once built: its counters are read, nothing is pushed
+        def observe(worker: Worker) -> None:  # the worker, once built: its counters are read, nothing is pushed
             bar.observe(worker)
             if metrics is not None:
                 metrics.observe(worker)
@@ -101,7 +107,7 @@ def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None,
     emit(report.as_dict(), as_json, pairs)
 
 
-def _serve_metrics(rt, p, host: str, port: int) -> WorkMetrics:
+def _serve_metrics(rt: Runtime, p: ConnectionPool, host: str, port: int) -> WorkMetrics:
     """Serve /metrics for this process, its provider calls counted from now on."""
     from pipeline_assets.app.metrics import WorkMetrics  # prometheus_client: only when metrics are served
 
@@ -183,7 +189,8 @@ def rerun(stage: str, statuses: tuple[str, ...], error_class: str | None, stale:
     click.echo(f"reran {stage} for {total} document(s)")
 
 
-def _rerun_dry_run(rt, p, stage: str, pages, as_json: bool) -> None:
+def _rerun_dry_run(rt: Runtime, p: ConnectionPool, stage: str, pages: Iterable[list[RerunTarget]],
+                   as_json: bool) -> None:
     """The targets, and for the embed stage the estimate of what the rerun and the work after it
     would send (the extract and chunk stages' chunks are known only once re-chunked)."""
     listed: list[dict] = []

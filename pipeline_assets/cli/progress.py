@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import click
 
 if TYPE_CHECKING:
-    from rich.progress import Progress, Text
+    from psycopg_pool import ConnectionPool
+    from rich.progress import Progress, ProgressColumn, Task, TaskID, Text
 
 from pipeline_assets.jobs.worker import Worker
 
@@ -32,12 +33,12 @@ REFRESH_SECONDS = 0.25
 WATCH_SECONDS = 2.0
 
 
-def _rate_column():
+def _rate_column() -> ProgressColumn:
     """A column of jobs per second (rich is imported only when a bar is shown)."""
     from rich.progress import ProgressColumn, Text
 
     class Rate(ProgressColumn):
-        def render(self, task) -> Text:
+        def render(self, task: Task) -> Text:
             speed = task.finished_speed or task.speed
             return Text("- jobs/s" if speed is None else f"{speed:,.1f} jobs/s")
 
@@ -52,7 +53,7 @@ def _done(worker: Worker) -> int:
 class WorkProgress:
     """``observe`` is handed to the worker use case; the bar follows that worker until closed."""
 
-    def __init__(self, pool, enabled: bool) -> None:
+    def __init__(self, pool: ConnectionPool, enabled: bool) -> None:
         self._pool = pool
         self.enabled = enabled
         self._stop = threading.Event()
@@ -84,7 +85,7 @@ class WorkProgress:
                                         daemon=True)
         self._thread.start()
 
-    def _follow(self, progress: Progress, worker: Worker, task, total: int) -> None:
+    def _follow(self, progress: Progress, worker: Worker, task: TaskID, total: int) -> None:
         while True:
             stopping = self._stop.wait(REFRESH_SECONDS)
             done = _done(worker)
@@ -101,7 +102,7 @@ class WorkProgress:
 
 
 @contextmanager
-def work_progress(pool, enabled: bool | None = None) -> Iterator[WorkProgress]:
+def work_progress(pool: ConnectionPool, enabled: bool | None = None) -> Iterator[WorkProgress]:
     """A WorkProgress shown only when stderr is a terminal (``enabled`` overrides)."""
     bar = WorkProgress(pool, sys.stderr.isatty() if enabled is None else enabled)
     try:

@@ -5,22 +5,25 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import click
 import psycopg
+from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app import status as status_uc
 from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import WATCH_SECONDS, watch_status
+from pipeline_assets.settings import Settings
 from pipeline_assets.settings_reference import reference_table
 from pipeline_assets.store import db
 
 EXPECTED_DB = (db.DatabaseUnavailable, psycopg.Error, OSError)
 
 
-def _status_lines(d: dict):
+def _status_lines(d: dict) -> Iterator[str]:
     yield "documents: " + (" ".join(f"{k}={v}" for k, v in d["documents"].items()) or "none")
     for s in d.get("sources", []):
         yield (f"source {s['kind']} {s['source']}: current={s['current']} quarantined={s['quarantined']} "
@@ -61,7 +64,7 @@ def _status_lines(d: dict):
     yield from _database_lines(d.get("database") or {})
 
 
-def _database_lines(db_state: dict):
+def _database_lines(db_state: dict) -> Iterator[str]:
     """Whether workers can write; read-only: they wait (and say so in their log), charging nothing."""
     if db_state.get("read_only"):
         why = "a standby in recovery" if db_state.get("in_recovery") else "transaction_read_only = on"
@@ -91,7 +94,7 @@ def status(as_json: bool, watch: float | None, count: int | None) -> None:
     emit(data, as_json, _status_lines)
 
 
-def _status_data(p) -> dict:
+def _status_data(p: ConnectionPool) -> dict:
     return status_uc.status(p, settings()).as_dict()
 
 
@@ -130,7 +133,7 @@ def search(query: str, k: int, model: str | None, mode: str, as_json: bool) -> N
         rt = runtime(model) if model else model_admin.served_runtime(settings(), p)
         hits = search_uc.search(rt, p, query, k, mode)
 
-    def lines(rows):
+    def lines(rows: list[dict]) -> Iterator[str]:
         for h in rows:
             snippet = " ".join(h["text"].split())[:100]
             distance = "-" if h["distance"] is None else f"{h['distance']:.4f}"
@@ -168,7 +171,7 @@ def settings_cmd(reference: bool, as_json: bool) -> None:
         fail(report["error"])
 
 
-def _limit_report(s) -> dict:
+def _limit_report(s: Settings) -> dict:
     """The configured model's window always; the active models' when a database is there to read."""
     if not (s.database_url or (s.home_path / "pgdata").exists()):
         return model_admin.input_limit_report(s)

@@ -13,8 +13,12 @@ import bisect
 import itertools
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipeline_assets.content.identity import chunk_checksum
+
+if TYPE_CHECKING:
+    from tiktoken import Encoding
 
 # Target tokens per chunk: well under every provider's per-input limit
 # (OpenAI: 8191) while small enough for focused retrieval.
@@ -32,7 +36,7 @@ TOKENIZER_TAG = "cl100k"
 # A window may end early, at whitespace found in its last 15% of tokens.
 SNAP_FRACTION = 0.15
 
-_encoding = None  # lazily loaded, process-wide cache
+_encoding: Encoding | None = None  # lazily loaded, process-wide cache
 # Per token id: characters starting in its bytes, and whether it begins inside
 # a multi-byte character. Filled lazily for the ids actually seen.
 _starts_of: dict[int, int] = {}
@@ -42,7 +46,7 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 _CONTINUATION = bytes(range(0x80, 0xC0))
 
 
-def get_encoding():
+def get_encoding() -> Encoding:
     global _encoding
     if _encoding is None:
         import tiktoken

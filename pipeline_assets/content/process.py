@@ -9,9 +9,11 @@ class), never the ingest's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 
 from pipeline_assets.content.chunking import Chunk, Chunker, get_encoding
 from pipeline_assets.content.extract import ExtractError, ExtractorVersions, extract_text
@@ -107,7 +109,8 @@ class Extractor:
     def __enter__(self) -> Extractor:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.sandbox.close()
 
     @property
@@ -122,10 +125,8 @@ class Extractor:
             # no document's deadline pays for an import.
             get_encoding()
             for module in ("bs4", "pypdf"):
-                try:
+                with contextlib.suppress(ImportError):
                     __import__(module)
-                except ImportError:
-                    pass
             self._warm = True
         return self.sandbox.submit((item, checksum, known), item.document_id, raw)
 

@@ -13,6 +13,7 @@ Why one child by default: docs/decisions/0001-one-extraction-child.md.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
+from types import TracebackType
 from typing import Any
 
 from pipeline_assets.content.extract import ExtractError
@@ -203,7 +205,8 @@ class Sandbox:
     def __enter__(self) -> Sandbox:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     @property
@@ -362,10 +365,8 @@ class Sandbox:
         for child in self._children:
             if child.proc is None:
                 continue
-            try:
+            with contextlib.suppress(OSError):
                 self._pipe(child.calls).send_bytes(pickle.dumps(None))
-            except OSError:
-                pass
         for child in self._children:
             if child.proc is not None:
                 child.proc.join(CHILD_EXIT_TIMEOUT_SECONDS)

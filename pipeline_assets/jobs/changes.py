@@ -128,8 +128,8 @@ def params(change: Change) -> dict[str, Any]:
 
 
 def _shared(change: Change) -> tuple:
-    return (type(change),) + tuple(getattr(change, f.name) for f in dataclasses.fields(change)
-                                   if not isinstance(getattr(change, f.name), tuple))
+    return (type(change), *(getattr(change, f.name) for f in dataclasses.fields(change)
+                            if not isinstance(getattr(change, f.name), tuple)))
 
 
 class JobObserver:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import psycopg
@@ -31,10 +32,12 @@ from pipeline_assets.jobs.job_store import Answer, JobStore
 from pipeline_assets.jobs.leases import HeldLeases
 from pipeline_assets.jobs.report import WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
-from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Provider, ProviderError
+from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, Provider, ProviderError
 from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
 
 log = logging.getLogger("pipeline_assets.jobs.worker")
+
+T = TypeVar("T")
 
 # The trivial input that tells a bad configuration from a bad input after a 400,
 # and a provider that answers nobody from a bad input after a transient failure.
@@ -151,7 +154,7 @@ class Executor:
         except Exception as exc:  # their lease expires and they are rescued
             log.warning("could not hand back jobs; they return when their lease expires: %s", one_line(exc))
 
-    def _ride_out(self, owner: str, step):
+    def _ride_out(self, owner: str, step: Callable[[], T]) -> T:
         """``step`` (a database step of the claim ``owner``), waiting while the database is
         unavailable; the wait does not count against the claim's deadline, so the heartbeat
         keeps its lease once the database is back."""
@@ -316,7 +319,7 @@ class Executor:
         self.view.had_failure = False
         self.view.unusable = 0
 
-    def _trivial_call(self, outcome: str):
+    def _trivial_call(self, outcome: str) -> tuple[EmbedResult, None] | tuple[None, ProviderError]:
         """One trivial request (``"ping"``, one token), in the ledger: (result, None) or (None, error)."""
         started = time.monotonic()
         call_id = self.store.record_send([], 1)
@@ -337,7 +340,7 @@ class Executor:
         self.view.config_ok = err is None or err.kind != TERMINAL
 
 
-def _embed(provider: Provider, texts: list[str]):
+def _embed(provider: Provider, texts: list[str]) -> EmbedResult:
     """The provider's answer; an answer its SDK could not parse at all (the openai SDK raises a
     bare ValueError for an answer with no embedding, e.g. a proxy that dropped the only one) is
     an unusable answer of the provider, as a wrong count of vectors is, not a fault of ours."""

@@ -149,7 +149,7 @@ class DatabaseWait:
         if (first or read_only(exc)) and self._on_unavailable is not None:
             try:
                 self._on_unavailable()
-            except Exception as err:  # noqa: BLE001 - the next try reconnects anyway
+            except Exception as err:
                 log.debug("could not drain the pool: %s", err)
         return True
 

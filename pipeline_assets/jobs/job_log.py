@@ -18,6 +18,8 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from psycopg_pool import ConnectionPool
+
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, JobObserver, Retry
 from pipeline_assets.jobs.decisions import WORKER_ERROR
 from pipeline_assets.jobs.status import JobStatus
@@ -47,7 +49,7 @@ class ClaimCounter(JobObserver):
 class JobLog(JobObserver):
     """A log line per job whose claim ended otherwise than ready, and per rescue."""
 
-    def __init__(self, pool, *, worker_id: str, model_id: str) -> None:
+    def __init__(self, pool: ConnectionPool, *, worker_id: str, model_id: str) -> None:
         self.pool = pool
         self.worker_id = worker_id
         self.model_id = model_id
@@ -113,7 +115,8 @@ class JobLog(JobObserver):
         return {job_id: (attempts, document_id) for job_id, attempts, document_id in rows}
 
 
-def observers(pool, *, worker_id: str, model_id: str, extra: Sequence[JobObserver] = ()) -> list[JobObserver]:
+def observers(pool: ConnectionPool, *, worker_id: str, model_id: str,
+              extra: Sequence[JobObserver] = ()) -> list[JobObserver]:
     """The observers a worker's store is built with."""
     return [JobLog(pool, worker_id=worker_id, model_id=model_id), ClaimCounter(), *extra]
 

@@ -128,7 +128,7 @@ def became(applied: Sequence[tuple[Change, dict[int, str]]]) -> dict[int, str]:
     return out
 
 
-def _atomic(conn: psycopg.Connection, statements: int):
+def _atomic(conn: psycopg.Connection, statements: int) -> contextlib.AbstractContextManager[psycopg.Transaction | None]:
     """A transaction, unless the caller already opened one (no savepoint round
     trips) or it is one statement on an autocommit connection (its own implicit
     transaction: no BEGIN and COMMIT round trips)."""

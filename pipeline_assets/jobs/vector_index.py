@@ -19,6 +19,7 @@ Until the index exists, search is an exact scan.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -239,19 +240,15 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
         return READY
     finally:
         if not conn.closed and not conn.broken:
-            try:
+            with contextlib.suppress(psycopg.Error):  # the lock dies with the connection
                 conn.execute(MODELS.unlock_index_build, params)
-            except psycopg.Error:
-                pass  # the lock dies with the connection
 
 
 def _reset_build_memory(conn: psycopg.Connection, previous: str) -> None:
     if conn.closed or conn.broken:
         return
-    try:
+    with contextlib.suppress(psycopg.Error):  # the setting is the session's: it goes with the connection
         conn.execute(MODELS.set_index_build_memory, {"memory": previous})
-    except psycopg.Error:
-        pass   # the setting is the session's: it goes with the connection
 
 
 def _lock_params(model_id: str) -> dict:
@@ -316,10 +313,8 @@ class BackgroundBuild:
         with self._lock:
             self._cancelled = True
             if self._conn is not None and not self.done:
-                try:
+                with contextlib.suppress(Exception):
                     self._conn.cancel_safe(timeout=timeout)
-                except Exception:  # noqa: BLE001 - best effort: the connection closes anyway
-                    pass
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -338,7 +333,7 @@ class BackgroundBuild:
             log.info("%s", exc)
         except IndexBuildError as exc:
             self.error = str(exc)
-        except Exception as exc:  # noqa: BLE001 - the worker goes on without the index
+        except Exception as exc:
             self.error = f"could not build the vector index of model {self.model_id}: {_one_line(exc)}"
         finally:
             if self.error and not self._cancelled:

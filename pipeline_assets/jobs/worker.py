@@ -175,9 +175,9 @@ class Worker:
                     self._refresh_spend(store)
                     if self._stopping.budget is not None:
                         break
-                    if all(self._idle) and not store.outstanding():
-                        if self._on_drained(executor.view.dimension) and self.config.until_idle:
-                            break
+                    if (all(self._idle) and not store.outstanding()
+                            and self._on_drained(executor.view.dimension) and self.config.until_idle):
+                        break
                 except Exception as exc:
                     # The database restarted, is unreachable or read-only for a
                     # while: keep the worker, try again on the next beat.

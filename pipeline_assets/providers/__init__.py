@@ -22,9 +22,24 @@ from .limits import ChunkTooLarge, ModelLimit, UnknownInputWindow, check_chunk_s
 from .local import LOCAL_MODEL_NAME, LocalHashingProvider
 
 __all__ = [
-    "FATAL", "RETRYABLE", "TERMINAL", "THROTTLED", "EmbedResult", "ModelSpec", "Provider",
-    "ProviderError", "sanitize", "provider_for", "model_id_for", "ConfigError", "ChunkTooLarge", "ModelLimit",
-    "check_chunk_size", "ONNX_MODEL_NAME", "UnknownInputWindow", "require_known_window",
+    "FATAL",
+    "ONNX_MODEL_NAME",
+    "RETRYABLE",
+    "TERMINAL",
+    "THROTTLED",
+    "ChunkTooLarge",
+    "ConfigError",
+    "EmbedResult",
+    "ModelLimit",
+    "ModelSpec",
+    "Provider",
+    "ProviderError",
+    "UnknownInputWindow",
+    "check_chunk_size",
+    "model_id_for",
+    "provider_for",
+    "require_known_window",
+    "sanitize",
 ]
 
 

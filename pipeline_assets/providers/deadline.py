@@ -11,9 +11,10 @@ Not bounded: DNS resolution and TLS inside TLS (an ``https://`` proxy), bounded 
 from __future__ import annotations
 
 import contextlib
+import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpcore2
@@ -57,7 +58,7 @@ class DeadlineStream(httpcore2.NetworkStream):
     def close(self) -> None:
         self._inner.close()
 
-    def start_tls(self, ssl_context, server_hostname: str | None = None,
+    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                   timeout: float | None = None) -> httpcore2.NetworkStream:
         return DeadlineStream(self._inner.start_tls(ssl_context, server_hostname,
                                                     _clamp(timeout, httpcore2.ConnectTimeout)))
@@ -71,12 +72,13 @@ class DeadlineBackend(httpcore2.NetworkBackend):
         self._inner = inner
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                    socket_options=None) -> httpcore2.NetworkStream:
+                    socket_options: Iterable[httpcore2.SOCKET_OPTION] | None = None) -> httpcore2.NetworkStream:
         return DeadlineStream(self._inner.connect_tcp(host, port, _clamp(timeout, httpcore2.ConnectTimeout),
                                                       local_address, socket_options))
 
     def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options=None) -> httpcore2.NetworkStream:
+                            socket_options: Iterable[httpcore2.SOCKET_OPTION] | None = None
+                            ) -> httpcore2.NetworkStream:
         return DeadlineStream(self._inner.connect_unix_socket(path, _clamp(timeout, httpcore2.ConnectTimeout),
                                                               socket_options))
 

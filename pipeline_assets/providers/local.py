@@ -11,6 +11,7 @@ id, so vectors of two versions are never mixed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -94,7 +95,7 @@ def features(text: str) -> dict[str, float]:
     weights: dict[str, float] = {}
     for word, tf in counts.items():
         weights[word] = 1.0 + math.log(tf)
-    for pair, tf in Counter(f"{a} {b}" for a, b in zip(words, words[1:])).items():
+    for pair, tf in Counter(f"{a} {b}" for a, b in itertools.pairwise(words)).items():
         weights[pair] = BIGRAM_WEIGHT * (1.0 + math.log(tf))
     for word in counts:
         grams = _trigrams(word)

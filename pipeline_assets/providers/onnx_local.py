@@ -21,12 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .base import ONNX_MODEL_NAME, TERMINAL, ConfigError, EmbedResult, ModelSpec, ProviderError
 from .limits import FOREIGN_TOKENS_PER_CHUNK_TOKEN
+
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
 
 PROVIDER = "onnx"
 TOKENIZER_FILE = "tokenizer.json"
@@ -168,7 +171,7 @@ class OnnxProvider:
             tokens_per_chunk_token=FOREIGN_TOKENS_PER_CHUNK_TOKEN,
             special_tokens=self._special,
         )
-        self._session = None
+        self._session: InferenceSession | None = None
         self._inputs: set[str] = set()
         self._lock = threading.Lock()
 
@@ -179,7 +182,7 @@ class OnnxProvider:
         except (KeyError, TypeError, ValueError):
             return "model"
 
-    def _load(self):
+    def _load(self) -> InferenceSession:
         import onnxruntime as ort
 
         if self._session is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,7 +38,7 @@ DEFAULT_MAX_INPUT_TOKENS = 8191
 SERVER_TOKENIZER = "model"
 
 
-def parse_retry_after(headers) -> float | None:
+def parse_retry_after(headers: Mapping[str, str] | None) -> float | None:
     """Retry-After in seconds (numeric form), or OpenAI's retry-after-ms."""
     if headers is None:
         return None

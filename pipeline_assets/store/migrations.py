@@ -7,6 +7,7 @@ same file twice.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import psycopg
@@ -75,8 +76,6 @@ def ensure_database(server_url: str, name: str, *, connect_timeout: int = 10) ->
     """CREATE DATABASE name on the server of ``server_url`` if missing; return its libpq URL."""
     with psycopg.connect(server_url, autocommit=True, connect_timeout=connect_timeout) as conn:
         if conn.execute(MIGRATIONS.database_exists, {"name": name}).fetchone() is None:
-            try:
+            with contextlib.suppress(psycopg.errors.DuplicateDatabase):  # created concurrently
                 conn.execute(sql.SQL(MIGRATIONS.create_database).format(name=sql.Identifier(name)))
-            except psycopg.errors.DuplicateDatabase:
-                pass  # created concurrently
     return psycopg.conninfo.make_conninfo(server_url, dbname=name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from urllib.parse import parse_qsl
 
 import psycopg
@@ -218,7 +219,8 @@ class _errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, exc, tb) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc is None or not isinstance(exc, psycopg.Error):
             return
         if isinstance(exc, psycopg.errors.LockNotAvailable):

@@ -131,7 +131,7 @@ class Topology:
     # ---- processes ----------------------------------------------------------------------------
     def spawn(self, host: str, name: str, cmd: list[str], env: dict[str, str],
               prefix: list[str] | None = None) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")    # noqa: SIM115 - the process keeps it
+        log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(self.lab.exec_prefix(host) + (prefix or []) + cmd, env=env, cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -160,9 +160,8 @@ class Topology:
             shutil.chown(path, PG_USER, PG_USER)
         self.tmp.chmod(0o755)
         self.pgdata.chmod(0o700)
-        subprocess.run(_as_pg_user() + [str(bin_dir / "initdb"), "-D", str(self.pgdata), "-U", DB_ROLE,
-                                        "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8",
-                                        "--no-sync"],
+        subprocess.run([*_as_pg_user(), str(bin_dir / "initdb"), "-D", str(self.pgdata), "-U", DB_ROLE,
+                        "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8", "--no-sync"],
                        check=True, capture_output=True, timeout=START_TIMEOUT)
         pwfile.unlink()
         with open(self.pgdata / "postgresql.conf", "a") as conf:

@@ -166,9 +166,9 @@ class Lab:
     def netem_supported(self) -> bool:
         """Whether this kernel has the netem qdisc (tried on the lab's own test port, then removed)."""
         cmd = ["ip", "netns", "exec", self.lab_ns, "tc", "qdisc"]
-        done = subprocess.run(cmd + ["add", "dev", "p-test", "root", "netem", "delay", "1ms"], capture_output=True,
+        done = subprocess.run([*cmd, "add", "dev", "p-test", "root", "netem", "delay", "1ms"], capture_output=True,
                               timeout=COMMAND_TIMEOUT)
-        subprocess.run(cmd + ["del", "dev", "p-test", "root"], capture_output=True, timeout=COMMAND_TIMEOUT)
+        subprocess.run([*cmd, "del", "dev", "p-test", "root"], capture_output=True, timeout=COMMAND_TIMEOUT)
         return done.returncode == 0
 
     def netem(self, host: str, spec: str | None, *, peer: str | None = None) -> None:

@@ -43,7 +43,8 @@ MAX_REFRESH_DOCUMENTS = 10_000
 
 
 class RefreshConfig(dg.Config):
-    document_ids: list[str] = []   # ids as the source names them (a folder's: paths relative to its root)
+    document_ids: list[str] = []   # noqa: RUF012 (pydantic copies the default)
+    # ids as the source names them (a folder's: paths relative to its root)
     glob: str = ""                 # fnmatch pattern over the source's document ids ("*" crosses "/")
     force: bool = False            # re-extract even if bytes and code versions are unchanged
 
@@ -121,5 +122,5 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
 @dg.job(name=REFRESH_JOB_NAME, executor_def=dg.in_process_executor,
         description="Re-materialize single documents given by run config (document_ids and/or a glob): ingest, "
                     "embed, and a materialization per bucket touched.")
-def refresh_job():
+def refresh_job() -> None:
     refresh_documents_op()

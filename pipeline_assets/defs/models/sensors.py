@@ -16,6 +16,7 @@ from pipeline_assets.app import model_admin
 from pipeline_assets.defs.keys import EMBEDDING_STORE
 from pipeline_assets.defs.models.partitions import model_keys
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
+from pipeline_assets.jobs.models import Coverage
 
 SENSOR_NAME = "model_switch"
 
@@ -24,7 +25,7 @@ SENSOR_NAME = "model_switch"
 SWITCH_INTERVAL_SECONDS = 30
 
 
-def _coverage_metadata(cov) -> dict:
+def _coverage_metadata(cov: Coverage | None) -> dict[str, int]:
     if cov is None:   # not read: no switch pending
         return {}
     return {"coverage_ready": cov.ready, "coverage_wanted": cov.wanted, "missing": cov.missing,

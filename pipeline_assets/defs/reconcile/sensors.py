@@ -42,7 +42,7 @@ def _reconciliation_active(instance: dg.DagsterInstance) -> bool:
                        "PIPELINE_DLQ_GROWTH_PER_HOUR in the last hour (the dead_letter_growth check's "
                        "threshold) and has grown since the last request.")
 def reconcile_on_dead_letters(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                              embedding_provider: EmbeddingProviderResource):
+                              embedding_provider: EmbeddingProviderResource) -> dg.RunRequest | dg.SkipReason:
     threshold = embedding_provider.settings().dlq_growth_per_hour
     with postgres.connection() as conn:
         recent, total = reports.dead_letter_growth(conn, HOUR_SECONDS)
@@ -74,7 +74,7 @@ def _repaired_since(instance: dg.DagsterInstance, seconds: float) -> float | Non
                                    "enqueued; no source file read) when a run of this code location fails, at most "
                                    "one per 10 minutes; not for a failed reconciliation. The failed run's source "
                                    "changes are requested again by the source sensor.")
-def reconcile_on_run_failure(context: dg.RunFailureSensorContext):
+def reconcile_on_run_failure(context: dg.RunFailureSensorContext) -> dg.RunRequest | dg.SkipReason:
     run = context.dagster_run
     if run.job_name == RECONCILE_JOB_NAME:
         return dg.SkipReason("a reconciliation failed: not retried by this sensor")
