@@ -65,7 +65,7 @@ def test_every_bucket_is_no_filter():
 def test_bucket_of_is_the_sql_function(clean_db):
     """Python's bucket of an id is SQL's app.document_bucket, for any id and count."""
     ids = [f"d{i}/{'é' * (i % 3)}naïve-文書-{i}.txt" for i in range(1500)]
-    ids += ["", "a", "𝔘nicode 🙂", "tab\tand\nnewline", "x" * 500, "bad\udcffbyte"[:3]]
+    ids += ["", "a", "\U0001d518nicode \U0001f642", "tab\tand\nnewline", "x" * 500, "bad\udcffbyte"[:3]]
     for n in (1, 7, 64, 4096):
         rows = dict(clean_db.execute("SELECT d, app.document_bucket(d, %s) FROM unnest(%s::text[]) AS d",
                                      (n, ids)).fetchall())
