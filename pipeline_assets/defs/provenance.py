@@ -49,6 +49,18 @@ def high_water(instance: dg.DagsterInstance, key: dg.AssetKey) -> int:
     return records[0].storage_id if records else 0
 
 
+def latest_observation(instance: dg.DagsterInstance, key: dg.AssetKey) -> tuple[str, int] | None:
+    """(data version, storage id) of the asset's latest observation of any partition (what an
+    asset run records for an observed upstream asset; Dagster compares a partition's later
+    observations with the one at or before that storage id); None before any."""
+    records = instance.fetch_observations(key, limit=1, ascending=False).records
+    if not records:
+        return None
+    observation = records[0].asset_observation
+    version = (observation.tags or {}).get(DATA_VERSION_TAG, "") if observation else ""
+    return version, records[0].storage_id
+
+
 def latest_since(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Iterable[str],
                  after: int) -> dict[str, int]:
     """The storage id of each partition's latest materialization recorded after ``after``
