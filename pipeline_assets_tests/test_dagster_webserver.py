@@ -506,6 +506,8 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
         assert dev_server.run_status(held["runId"]) not in FINISHED
         assert shown == "STALE", f"documents {key} shown {shown} after the edit of {edited} was observed"
         assert causes == [f"source_files {key}: has a new data version"], causes
+        for asset, partition in (("chunks", key), ("embeddings", f"{key}|{MODEL}")):
+            assert _stale_status(dev_server, asset, partition) == ("STALE", causes), (asset, partition)
         hold.rollback()
     runs = _wait(lambda: _sensor_runs_done(dev_server, before), 2 * RUN_TIMEOUT, "the sensor's runs (edit)",
                  dev_server.proc, interval=1.0)

@@ -54,11 +54,11 @@ def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, b
     docs = yield from versioned_events(instance, DOCUMENTS, versions["documents"], {
         bucket_key(b): ({**document_metadata(states[b]), **more}, states[b].text_digest)
         for b, more in sorted(extra.items())},
-        {bucket_key(b): {SOURCE_FILES: source} for b in extra} if source else None)
+        {bucket_key(b): {SOURCE_FILES: source} for b in extra})
     return (yield from versioned_events(instance, CHUNKS, versions["chunks"], {
         bucket_key(b): ({**chunk_metadata(states[b]), **more}, states[b].chunks_digest)
         for b, more in sorted(extra.items())},
-        {key: {DOCUMENTS: docs[key]} for key in docs}))
+        {key: {DOCUMENTS: docs[key], SOURCE_FILES: source} for key in docs}))
 
 
 def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinition:
@@ -77,7 +77,7 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
                                             "Materialized together with chunks. Code version: the extractor "
                                             "version of every format; per partition: its counts, its "
                                             "quarantined ids and a digest of its documents' text."),
-                   dg.AssetSpec(CHUNKS, deps=[DOCUMENTS], code_version=v["chunks"], **spec,
+                   dg.AssetSpec(CHUNKS, deps=[DOCUMENTS, SOURCE_FILES], code_version=v["chunks"], **spec,
                                 description="Current chunks of each bucket's documents in app.chunks, enqueued "
                                             "for embedding. Per partition: chunk and token counts, a digest.")])
         def ingest(context: dg.AssetExecutionContext, postgres: PostgresResource,
