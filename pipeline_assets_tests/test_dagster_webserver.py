@@ -4,8 +4,9 @@ One server for the module (start-up is the expensive part), over a corpus of 400
 the 64 document buckets (1,000 with PIPELINE_TEST_PROFILE=long): a smoke test that launches one
 bucket run (and the daemon's embeddings run after it), the partition's page in a browser, a
 backfill of all 64 buckets that launches two runs (documents and chunks by bucket; embeddings by
-bucket x model), not 64 or 128, and the source sensor through the daemon. The fixture stops the source sensor before the
-corpus is written, so each test decides what runs.
+bucket x model), not 64 or 128, the source sensor through the daemon, and that what the UI shows
+per partition (counts, FRESH/STALE) agrees with `status --json` and with the files on disk. The
+fixture stops the source sensor before the corpus is written, so each test decides what runs.
 """
 
 from __future__ import annotations
