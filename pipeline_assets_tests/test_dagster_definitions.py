@@ -34,8 +34,12 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     repo = defs.get_repository_def()
     graph = repo.asset_graph
     assert set(ASSET_KEYS) <= set(graph.get_all_asset_keys())
-    assert graph.get(dg.AssetKey("chunks")).parent_keys == {dg.AssetKey("documents")}
-    assert graph.get(dg.AssetKey("embeddings")).parent_keys == {dg.AssetKey("chunks")}
+    # source_files (observed by the source sensor) is upstream of all three: a source change shows them stale.
+    source = dg.AssetKey("source_files")
+    assert graph.get(dg.AssetKey("documents")).parent_keys == {source}
+    assert graph.get(dg.AssetKey("chunks")).parent_keys == {dg.AssetKey("documents"), source}
+    assert graph.get(dg.AssetKey("embeddings")).parent_keys == {dg.AssetKey("chunks"), source}
+    assert not graph.get(source).is_materializable
     versions = code_versions(Settings.from_env())
     buckets = [f"b{i:03d}" for i in range(64)]
     for key in ASSET_KEYS:

@@ -4,8 +4,9 @@ One server for the module (start-up is the expensive part), over a corpus of 400
 the 64 document buckets (1,000 with PIPELINE_TEST_PROFILE=long): a smoke test that launches one
 bucket run (and the daemon's embeddings run after it), the partition's page in a browser, a
 backfill of all 64 buckets that launches two runs (documents and chunks by bucket; embeddings by
-bucket x model), not 64 or 128, and the source sensor through the daemon. The fixture stops the source sensor before the
-corpus is written, so each test decides what runs.
+bucket x model), not 64 or 128, the source sensor through the daemon, and that what the UI shows
+per partition (counts, FRESH/STALE) agrees with `status --json` and with the files on disk. The
+fixture stops the source sensor before the corpus is written, so each test decides what runs.
 """
 
 from __future__ import annotations
@@ -434,3 +435,104 @@ def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, databa
         current = [r[0] for r in conn.execute("SELECT document_id FROM app.documents WHERE status = 'current'")]
         _, cov = reports.embedding_coverage(conn, root, current, added)
     assert cov.wanted == cov.ready > 0
+
+
+def _stale_status(server: DevServer, asset: str, partition: str) -> tuple[str, list[str]]:
+    """What the UI's partition view shows (its AssetPartitionStaleQuery): FRESH, STALE or MISSING,
+    and the stale causes' reasons."""
+    node = server.gql(
+        """query($a: AssetKeyInput!, $p: String!) { assetNodeOrError(assetKey: $a) { ... on AssetNode {
+             staleStatus(partition: $p) staleCauses(partition: $p) { key { path } partitionKey reason } } } }""",
+        {"a": {"path": [asset]}, "p": partition})["assetNodeOrError"]
+    return node["staleStatus"], [f"{'/'.join(c['key']['path'])} {c['partitionKey']}: {c['reason']}"
+                                 for c in node["staleCauses"]]
+
+
+def _sensor_runs_done(server: DevServer, before: set[str]) -> list[dict] | None:
+    """The source sensor's bucket run and the embeddings run after it that are not in ``before``,
+    once both have finished."""
+    runs = [r for r in _runs_tagged(server, "pipeline/trigger", "source_documents") if r["runId"] not in before]
+    jobs = sorted(r["jobName"] for r in runs)
+    return runs if jobs == ["embed_documents", "sync_documents"] and all(
+        r["status"] in FINISHED for r in runs) else None
+
+
+def _ensure_source_sensor_running(server: DevServer) -> None:
+    if server.sensor()["sensorState"]["status"] != "RUNNING":
+        started = server.gql("""mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
+                                  __typename ... on PythonError { message } } }""", {"s": SOURCE_SENSOR})["startSensor"]
+        assert started["__typename"] == "Sensor", started
+
+
+def _status_json(server: DevServer) -> dict:
+    out = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "status", "--json"], env=server.env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_server, database_url):
+    """What the UI shows per partition is true: the counts of the buckets' latest materializations
+    add up to what `status --json` says, and a bucket whose document was edited on disk after its
+    run is not FRESH once the source sensor has observed the edit (it is again after the run)."""
+    edited = DOCS[10]
+    key = bucket_of(edited)
+    blob = next(f"blob{i}.bin" for i in range(5000) if bucket_of(f"blob{i}.bin") == key)
+    corpus = dev_server.corpus
+    # A binary file (quarantined: unsupported_binary) in the edited document's bucket, through the
+    # source sensor: the bucket's latest run is then one of the sensor's.
+    before = {r["runId"] for r in _runs_tagged(dev_server, "pipeline/trigger", "source_documents")}
+    (corpus / blob).write_bytes(b"\x00\x01binary\x00" * 64)
+    _ensure_source_sensor_running(dev_server)
+    runs = _wait(lambda: _sensor_runs_done(dev_server, before), 2 * RUN_TIMEOUT, "the sensor's runs (blob)",
+                 dev_server.proc, interval=1.0)
+    assert all(r["status"] == "SUCCESS" for r in runs), runs
+    assert _stale_status(dev_server, "documents", key)[0] == "FRESH"
+    (_, meta), = _latest_metadata(dev_server, "documents", [key]).values()
+    assert meta["quarantined"] >= 1 and blob in meta["quarantined_ids"]
+
+    # The edit, observed by the sensor; its run is held at its first write to app.documents (a SHARE
+    # lock lets the sensor read but no run write), so the partition is seen between the two.
+    before |= {r["runId"] for r in runs}
+    with psycopg.connect(database_url) as hold:
+        hold.execute("LOCK TABLE app.documents IN SHARE MODE")
+        (corpus / edited).write_text("# edited for the truth test\n\ntext the run has not read yet\n")
+
+        def requested():
+            return [r for r in _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
+                    if r["runId"] not in before and r["jobName"] == "sync_documents"]
+
+        (held,) = _wait(requested, RUN_TIMEOUT, "the sensor's run for the edit", dev_server.proc, interval=1.0)
+        shown, causes = _stale_status(dev_server, "documents", key)
+        assert dev_server.run_status(held["runId"]) not in FINISHED
+        assert shown == "STALE", f"documents {key} shown {shown} after the edit of {edited} was observed"
+        assert causes == [f"source_files {key}: has a new data version"], causes
+        for asset, partition in (("chunks", key), ("embeddings", f"{key}|{MODEL}")):
+            assert _stale_status(dev_server, asset, partition) == ("STALE", causes), (asset, partition)
+        hold.rollback()
+    runs = _wait(lambda: _sensor_runs_done(dev_server, before), 2 * RUN_TIMEOUT, "the sensor's runs (edit)",
+                 dev_server.proc, interval=1.0)
+    assert all(r["status"] == "SUCCESS" for r in runs), runs
+    for asset, partition in (("documents", key), ("chunks", key), ("embeddings", f"{key}|{MODEL}")):
+        assert _stale_status(dev_server, asset, partition) == ("FRESH", []), (asset, partition)
+
+    # Counts: the buckets' latest materializations add up to `status`.
+    status = _status_json(dev_server)
+    documents = _latest_metadata(dev_server, "documents", BUCKETS)
+    chunks = _latest_metadata(dev_server, "chunks", BUCKETS)
+    shown_docs = {name: sum(m[name] for _, m in documents.values()) for name in ("documents", "current", "quarantined")}
+    print(f"\nUI (sum over {len(documents)} buckets): {shown_docs}, chunks="
+          f"{sum(m['chunk_count'] for _, m in chunks.values())}; status: documents={status['documents']} "
+          f"quarantined_documents={status['quarantined_documents']} coverage={status['coverage']}")
+    assert shown_docs["current"] == status["documents"].get("current", 0)
+    assert shown_docs["quarantined"] == status["documents"].get("quarantined", 0) == status["quarantined_documents"]
+    assert shown_docs["documents"] == shown_docs["current"] + shown_docs["quarantined"]
+    dims = dev_server.gql("""{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
+                              partitionKeysByDimension { name partitionKeys } } } }""")["assetNodeOrError"]
+    models = next(d["partitionKeys"] for d in dims["partitionKeysByDimension"] if d["name"] == "model")
+    for model in models:
+        cells = _latest_metadata(dev_server, "embeddings_", [f"{k}|{model}" for k in BUCKETS])
+        shown = (sum(m["ready"] for _, m in cells.values()), sum(m["chunks"] for _, m in cells.values()))
+        cov = status["coverage"][model]
+        assert shown == (cov["ready"], cov["wanted"]), (model, shown, cov)
+    assert sum(m["chunk_count"] for _, m in chunks.values()) == status["coverage"][MODEL]["wanted"]

@@ -4,6 +4,9 @@ import dagster as dg
 
 GROUP = "embedding_pipeline"
 
+# The source's files by bucket: an external asset the source sensor observes (a new data
+# version per bucket with new, changed or gone files), upstream of documents.
+SOURCE_FILES = dg.AssetKey("source_files")
 DOCUMENTS = dg.AssetKey("documents")
 CHUNKS = dg.AssetKey("chunks")
 EMBEDDINGS = dg.AssetKey("embeddings")

@@ -20,6 +20,9 @@ DATA_VERSION_TAG = "dagster/data_version"
 CODE_VERSION_TAG = "dagster/code_version"
 INPUT_DATA_VERSION_PREFIX = "dagster/input_data_version/"
 INPUT_EVENT_POINTER_PREFIX = "dagster/input_event_pointer/"
+# What an asset run records for an upstream asset never observed (Dagster's own values).
+UNOBSERVED_VERSION = "INITIAL"
+NULL_EVENT_POINTER = "NULL"
 
 
 def run_version(versions: Mapping[str, str]) -> str:
@@ -33,13 +36,14 @@ def run_version(versions: Mapping[str, str]) -> str:
 
 
 def version_tags(data_version: str, code_version: str,
-                 inputs: Mapping[dg.AssetKey, tuple[str, int]] | None = None) -> dict[str, str]:
+                 inputs: Mapping[dg.AssetKey, tuple[str, int | None]] | None = None) -> dict[str, str]:
     """The tags of a materialization made under ``code_version`` from ``inputs``
     (upstream asset -> (its data version, the storage id of its event))."""
     tags = {DATA_VERSION_TAG: data_version, CODE_VERSION_TAG: code_version}
     for key, (version, storage_id) in (inputs or {}).items():
         tags[INPUT_DATA_VERSION_PREFIX + key.to_user_string()] = version
-        tags[INPUT_EVENT_POINTER_PREFIX + key.to_user_string()] = str(storage_id)
+        tags[INPUT_EVENT_POINTER_PREFIX + key.to_user_string()] = (
+            NULL_EVENT_POINTER if storage_id is None else str(storage_id))
     return tags
 
 
@@ -47,6 +51,18 @@ def high_water(instance: dg.DagsterInstance, key: dg.AssetKey) -> int:
     """The storage id of the asset's latest materialization (0 before any)."""
     records = instance.fetch_materializations(key, limit=1, ascending=False).records
     return records[0].storage_id if records else 0
+
+
+def latest_observation(instance: dg.DagsterInstance, key: dg.AssetKey) -> tuple[str, int | None]:
+    """(data version, storage id) of the asset's latest observation of any partition: what an
+    asset run records for an observed upstream asset (Dagster compares a partition's later
+    observations with the one at or before that storage id); before any, what it records then."""
+    records = instance.fetch_observations(key, limit=1, ascending=False).records
+    if not records:
+        return UNOBSERVED_VERSION, None
+    observation = records[0].asset_observation
+    version = (observation.tags or {}).get(DATA_VERSION_TAG, "") if observation else ""
+    return version, records[0].storage_id
 
 
 def latest_since(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Iterable[str],
@@ -67,7 +83,7 @@ def latest_since(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Ite
 # partition -> (metadata, data version)
 Events = Mapping[str, tuple[Mapping[str, Any], str]]
 # partition -> upstream asset -> (its data version, the storage id of its event)
-Inputs = Mapping[str, Mapping[dg.AssetKey, tuple[str, int]]]
+Inputs = Mapping[str, Mapping[dg.AssetKey, tuple[str, int | None]]]
 
 
 def versioned_events(instance: dg.DagsterInstance, asset: dg.AssetKey, code_version: str, events: Events,

@@ -20,7 +20,7 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import estimate, model_admin
 from pipeline_assets.app.embed import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.defs.keys import CHUNKS, GROUP
+from pipeline_assets.defs.keys import CHUNKS, GROUP, SOURCE_FILES
 from pipeline_assets.defs.partitions import BUCKET_DIMENSION, embedding_key, embedding_partitions, keys_by_model
 from pipeline_assets.defs.provenance import run_version
 from pipeline_assets.defs.resources import (
@@ -92,8 +92,8 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
 
         @dg.asset(name="embeddings", code_version=code_version, pool=concurrency_pool,
                   partitions_def=embedding_partitions(n), backfill_policy=dg.BackfillPolicy.single_run(),
-                  deps=[dg.AssetDep(CHUNKS, partition_mapping=dg.MultiToSingleDimensionPartitionMapping(
-                      partition_dimension_name=BUCKET_DIMENSION))], **spec,
+                  deps=[dg.AssetDep(key, partition_mapping=dg.MultiToSingleDimensionPartitionMapping(
+                      partition_dimension_name=BUCKET_DIMENSION)) for key in (CHUNKS, SOURCE_FILES)], **spec,
                   description="Vectors of the buckets' chunks, per bucket x model (app.embeddings): one column per "
                               "active model of the registry. A run ends when the chunks of its own buckets are ready "
                               "or failed for its models (a worker in the run embeds them, or external `work` "

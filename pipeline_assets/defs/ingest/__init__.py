@@ -4,7 +4,7 @@ the source sensor and the rerun sensor."""
 import dagster as dg
 
 from pipeline_assets.app.runtime import code_versions
-from pipeline_assets.defs.ingest.assets import build_ingest
+from pipeline_assets.defs.ingest.assets import build_ingest, source_files_spec
 from pipeline_assets.defs.ingest.jobs import SYNC_JOB
 from pipeline_assets.defs.ingest.refresh import refresh_job
 from pipeline_assets.defs.ingest.rerun_sensor import rerun_stale_documents_sensor
@@ -15,6 +15,7 @@ from pipeline_assets.settings import Settings
 def definitions(settings: Settings) -> dg.Definitions:
     """The domain under ``settings``: code versions, bucket count, the source sensor's interval."""
     return dg.Definitions(
-        assets=[build_ingest(code_versions(settings), settings.partition_buckets)],
+        assets=[source_files_spec(settings.partition_buckets),
+                build_ingest(code_versions(settings), settings.partition_buckets)],
         jobs=[SYNC_JOB, refresh_job],
         sensors=[build_source_sensor(settings.source_sensor_interval), rerun_stale_documents_sensor])

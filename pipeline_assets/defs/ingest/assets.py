@@ -18,9 +18,9 @@ import dagster as dg
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app.ingest import IngestReport
-from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, GROUP
+from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, GROUP, SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
-from pipeline_assets.defs.provenance import run_version, versioned_events
+from pipeline_assets.defs.provenance import latest_observation, run_version, versioned_events
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import RERUN_TAG
 
@@ -50,13 +50,15 @@ def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, b
     metadata added), from a step that does not own them (reconciliation, refresh_documents),
     with the data and code versions an asset run records (``provenance``). Returns each
     bucket's chunks (data version, storage id): the input of its ``embeddings``."""
+    source = latest_observation(instance, SOURCE_FILES)
     docs = yield from versioned_events(instance, DOCUMENTS, versions["documents"], {
         bucket_key(b): ({**document_metadata(states[b]), **more}, states[b].text_digest)
-        for b, more in sorted(extra.items())})
+        for b, more in sorted(extra.items())},
+        {bucket_key(b): {SOURCE_FILES: source} for b in extra})
     return (yield from versioned_events(instance, CHUNKS, versions["chunks"], {
         bucket_key(b): ({**chunk_metadata(states[b]), **more}, states[b].chunks_digest)
         for b, more in sorted(extra.items())},
-        {key: {DOCUMENTS: docs[key]} for key in docs}))
+        {key: {DOCUMENTS: docs[key], SOURCE_FILES: source} for key in docs}))
 
 
 def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinition:
@@ -70,12 +72,12 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
 
         @dg.multi_asset(
             name=INGEST_OP, can_subset=False, **common,
-            specs=[dg.AssetSpec(DOCUMENTS, code_version=v["documents"], **spec,
+            specs=[dg.AssetSpec(DOCUMENTS, deps=[SOURCE_FILES], code_version=v["documents"], **spec,
                                 description="Source documents extracted to text, by bucket of document ids. "
                                             "Materialized together with chunks. Code version: the extractor "
                                             "version of every format; per partition: its counts, its "
                                             "quarantined ids and a digest of its documents' text."),
-                   dg.AssetSpec(CHUNKS, deps=[DOCUMENTS], code_version=v["chunks"], **spec,
+                   dg.AssetSpec(CHUNKS, deps=[DOCUMENTS, SOURCE_FILES], code_version=v["chunks"], **spec,
                                 description="Current chunks of each bucket's documents in app.chunks, enqueued "
                                             "for embedding. Per partition: chunk and token counts, a digest.")])
         def ingest(context: dg.AssetExecutionContext, postgres: PostgresResource,
@@ -115,3 +117,13 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
                           "tokens": sum(s.tokens for s in states.values())})
 
     return ingest
+
+
+def source_files_spec(n: int) -> dg.AssetSpec:
+    """The source's files by bucket, observed by the source sensor (never materialized): a
+    bucket observed after its ``documents`` materialization with another data version shows
+    that partition STALE until a run brings it current."""
+    return dg.AssetSpec(SOURCE_FILES, partitions_def=bucket_partitions(n), group_name=GROUP,
+                        description="The source's files by bucket. The source_documents sensor records an "
+                                    "observation of each bucket with new, changed or gone files (data version: "
+                                    "a digest of them), so documents shows that bucket stale until its run.")

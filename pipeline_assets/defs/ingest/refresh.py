@@ -24,9 +24,9 @@ from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.defs.embeddings.assets import embedding_version
 from pipeline_assets.defs.ingest.assets import ingest_materializations
-from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS
+from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS, SOURCE_FILES
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, embedding_key, is_model_key
-from pipeline_assets.defs.provenance import versioned_events
+from pipeline_assets.defs.provenance import latest_observation, versioned_events
 from pipeline_assets.defs.resources import (
     EmbeddingProviderResource,
     EmbeddingRunResource,
@@ -106,6 +106,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         for b, docs in touched.items()}
     versions = code_versions(rt.settings)
     chunks = yield from ingest_materializations(context.instance, states, refreshed, versions)
+    observed = latest_observation(context.instance, SOURCE_FILES)
     if rt.model_id not in context.instance.get_dynamic_partitions(MODEL_PARTITIONS_NAME) and is_model_key(rt.model_id):
         context.instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [rt.model_id])   # its column, at once
     yield from versioned_events(context.instance, EMBEDDINGS, versions["embeddings"], {
@@ -113,7 +114,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
                                          "ready": coverage[b].ready, "failed": coverage[b].failed, **more},
                         embedding_version(rt.model_id, states[b], bucket_cov[b]))
         for b, more in sorted(refreshed.items())},
-        {embedding_key(key, rt.model_id): {CHUNKS: chunks[key]} for key in chunks})
+        {embedding_key(key, rt.model_id): {CHUNKS: chunks[key], SOURCE_FILES: observed} for key in chunks})
     yield dg.Output(ids, metadata={**{k: v for k, v in report.as_dict().items() if isinstance(v, int)},
                                    "documents": len(ids), "buckets": len(touched),
                                    "embedded": done.work.embedded, "provider_calls": done.work.provider_calls})

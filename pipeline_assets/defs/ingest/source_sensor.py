@@ -20,7 +20,9 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.content.source import SourceError
 from pipeline_assets.defs.ingest.jobs import SYNC_JOB
-from pipeline_assets.defs.partitions import bucket_index, span, split_key
+from pipeline_assets.defs.keys import SOURCE_FILES
+from pipeline_assets.defs.partitions import bucket_index, bucket_key, span, split_key
+from pipeline_assets.defs.provenance import DATA_VERSION_TAG
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request, run_span
 from pipeline_assets.providers import model_id_for
@@ -167,7 +169,11 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
     context.log.info(f"new={new} changed={files - new - gone} gone={gone} in {len(todo)} bucket(s): "
                      f"one run over {first}..{last}")
     request = range_request(first, last, key, {TRIGGER_TAG: SENSOR_NAME})
-    return dg.SensorResult(run_requests=[request], cursor=encode_cursor(generation + 1, handled))
+    # What the sensor saw, per bucket with pending files: documents shows those buckets stale
+    # (a new data version of source_files) until the run's materialization records it.
+    seen = [dg.AssetObservation(SOURCE_FILES, partition=bucket_key(p.bucket), metadata={"pending_files": p.documents},
+                                tags={DATA_VERSION_TAG: f"g{generation}:{p.digest}"}) for p in todo]
+    return dg.SensorResult(run_requests=[request], asset_events=seen, cursor=encode_cursor(generation + 1, handled))
 
 
 def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS) -> dg.SensorDefinition:
