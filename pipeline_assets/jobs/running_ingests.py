@@ -48,7 +48,7 @@ def marked(connect: Callable[[], psycopg.Connection]) -> Iterator[None]:
     try:
         conn = connect()
     except (psycopg.Error, DatabaseUnavailable) as exc:
-        log.warning("could not mark the ingest as running (workers may build the vector index early): %s", exc)
+        log.info("the ingest is not marked running (workers may build the vector index early): %s", exc)
         yield
         return
     stop = threading.Event()
@@ -56,18 +56,18 @@ def marked(connect: Callable[[], psycopg.Connection]) -> Iterator[None]:
     try:
         conn.execute(INGESTS.begin, params)
         beats.start()
-    except psycopg.Error as exc:
-        log.warning("could not mark the ingest as running (workers may build the vector index early): %s", exc)
+    except psycopg.Error as exc:  # a read-only database, a role without the table: the ingest says so itself
+        log.info("the ingest is not marked running (workers may build the vector index early): %s", exc)
     try:
         yield
     finally:
         stop.set()
-        if beats.is_alive():
-            beats.join()
         try:
-            conn.execute(INGESTS.finish, params)
+            if beats.is_alive():
+                beats.join()
+                conn.execute(INGESTS.finish, params)
         except psycopg.Error as exc:  # the row stops counting once its beat expires
-            log.warning("could not clear the ingest's running mark: %s", exc)
+            log.info("could not clear the ingest's running mark (it expires): %s", exc)
         finally:
             conn.close()
 
