@@ -17,8 +17,7 @@ import pytest
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
-from pipeline_assets.app.embed import work
-from pipeline_assets.app.embed_source import embed_directory
+from pipeline_assets.app.embed import embed_directory, work
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import models, vector_index
 from pipeline_assets.jobs.worker import BudgetExhausted

@@ -1,7 +1,7 @@
 """Embedding use cases: run a worker until the queue is idle (or until stopped);
 embed some documents (a worker scoped to their jobs, or only waiting for
-external workers, until their chunks are ready or failed, with a deadline).
-The one-shot ``embed DIR`` is ``embed_source``'s.
+external workers, until their chunks are ready or failed, with a deadline);
+and the one-shot ``embed DIR`` (ingest, then work until idle).
 """
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import buckets, model_admin, reports, stages
-from pipeline_assets.app.ingest import register_model
+from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.content.source import Source
 from pipeline_assets.jobs import models, transitions, vector_index
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
@@ -329,3 +330,51 @@ def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> Non
         log.info("%s", exc)  # a role without DDL, or a transaction pooler: a session of the owner builds it
     except vector_index.IndexBuildError as exc:
         log.warning("%s", exc)
+
+
+@dataclass
+class DirectoryEmbedded:
+    """What `embed DIR` did (its summary line and JSON)."""
+
+    model: str
+    documents: int            # scanned
+    documents_changed: int    # new or changed
+    quarantined: int
+    deleted: int
+    chunks: int
+    embedded: int             # vectors stored by this run
+    reused: int               # ready vectors it did not have to make
+    failed: int               # the model's dead-lettered jobs
+    provider_calls: int
+    coverage: str             # "ready/wanted" for the model
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
+                    concurrency: int = DEFAULT_CONCURRENCY, stop: threading.Event | None = None,
+                    observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
+    """`embed SOURCE`: ingest the source, work until idle, and summarise."""
+    started = time.monotonic()
+    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
+    ing = ingest_source(rt, pool, root)
+    done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
+    with pool.connection() as conn:
+        st = reports.status(conn)
+    cov = st.coverage.get(rt.model_id, {"ready": 0, "wanted": 0})
+    return DirectoryEmbedded(
+        model=rt.model_id,
+        documents=ing.scanned,
+        documents_changed=ing.new + ing.changed,
+        quarantined=ing.quarantined,
+        deleted=ing.deleted,
+        chunks=ing.chunks,
+        embedded=done.embedded,
+        reused=max(int(cov["ready"]) - done.embedded, 0),
+        failed=st.jobs_by_model.get(rt.model_id, {}).get("failed", 0),
+        provider_calls=done.provider_calls,
+        coverage=f"{int(cov['ready'])}/{int(cov['wanted'])}",
+        seconds=round(time.monotonic() - started, 2),
+    )

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import click
 
 from pipeline_assets.app import embed as embed_uc
-from pipeline_assets.app import embed_source as embed_source_uc
 from pipeline_assets.app import ingest as ingest_uc
 from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app import rerun as rerun_uc
@@ -124,8 +123,9 @@ def embed(source: str, concurrency: int | None, allow_empty: bool, as_json: bool
     rt = runtime(allow_empty=allow_empty)
     src = open_source(source, settings())
     with pool() as p, work_progress(p) as bar:
-        summary = embed_source_uc.embed_directory(rt, p, src, concurrency=concurrency or DEFAULT_CONCURRENCY,
-                                                  stop=stop_on_signals(), observe=bar.observe)
+        summary = embed_uc.embed_directory(rt, p, src,
+                                           concurrency=concurrency or DEFAULT_CONCURRENCY,
+                                           stop=stop_on_signals(), observe=bar.observe)
     emit(summary.as_dict(), as_json, pairs)
 
 

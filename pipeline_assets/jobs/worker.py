@@ -112,12 +112,6 @@ class Worker:
         self._db_wait = DatabaseWait()  # replaced by run(), with its pool
         self._suspects = SuspectGate()  # a job that may crash the worker runs alone in it
 
-    def finish_when_idle(self) -> None:
-        """From now on, stop when nothing is claimable, waiting or leased (as ``until_idle``):
-        a worker started beside an ingest is told so when the ingest is over."""
-        self.config.until_idle = True
-        self._wake.set()
-
     # -- lifecycle -------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
         """A connection of its own (liveness, the index build), preparing as the settings allow."""
