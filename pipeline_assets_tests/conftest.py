@@ -169,7 +169,7 @@ def clean_db(conn):
     """Empty every table (same schema) so a test starts from nothing."""
     conn.execute("""TRUNCATE app.sources, app.documents, app.chunks, app.embedding_jobs, app.job_keys, app.embeddings,
                     app.stage_runs, app.provider_state, app.provider_calls, app.input_sends_until_032,
-                    app.models, app.source_observations, app.partition_scheme CASCADE""")
+                    app.models, app.source_observations, app.partition_scheme, app.running_ingests CASCADE""")
     return conn
 
 

@@ -37,8 +37,9 @@ from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.process import Extractor, ExtractSpec, KnownDocument, Processed, process_items
 from pipeline_assets.content.source import Item, Source, SourceError
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs import models, transitions
+from pipeline_assets.jobs import models, running_ingests, transitions
 from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS
+from pipeline_assets.store import db
 
 T = TypeVar("T")
 
@@ -90,8 +91,9 @@ def register_model(conn: psycopg.Connection, rt: Runtime) -> int:
 
 
 def ingest_source(rt: Runtime, pool: ConnectionPool, source: Source | Path) -> IngestReport:
-    """`ingest SOURCE`: the whole source; documents gone from it are tombstoned."""
-    with pool.connection() as conn:
+    """`ingest SOURCE`: the whole source; documents gone from it are tombstoned. Marked
+    running meanwhile (``running_ingests``: no worker builds a vector index until it ends)."""
+    with running_ingests.marked(lambda: db.pool_connect(pool)), pool.connection() as conn:
         enqueued = register_model(conn, rt)
         report = ingest_all(conn, source, rt.options)
     report.enqueued += enqueued
@@ -100,8 +102,9 @@ def ingest_source(rt: Runtime, pool: ConnectionPool, source: Source | Path) -> I
 
 def ingest_documents(rt: Runtime, pool: ConnectionPool, source: Source | Path,
                      document_ids: Iterable[str]) -> IngestReport:
-    """Some documents of a source (Dagster partitions, a rerun, vanished items)."""
-    with pool.connection() as conn:
+    """Some documents of a source (Dagster partitions, a rerun, vanished items); marked running
+    meanwhile, as ``ingest_source``."""
+    with running_ingests.marked(lambda: db.pool_connect(pool)), pool.connection() as conn:
         enqueued = register_model(conn, rt)
         report = ingest_ids(conn, source, document_ids, rt.options)
     report.enqueued += enqueued

@@ -71,6 +71,10 @@ class JobStore(Protocol):
         """Whether the model has jobs waiting or under a lease."""
         ...
 
+    def ingest_running(self) -> bool:
+        """Whether an ingest is running now (a drained worker puts off its index build)."""
+        ...
+
     def rescue(self, rescuer: str | None = None) -> int:
         """Return expired leases (and a dead worker's claims) to the queue, attempt
         given back and a fault counted; returns how many were rescued."""

@@ -175,6 +175,9 @@ class MemoryJobStore:
             return any(j.model_id == self.model_id and (j.status in WAITING or j.status == JobStatus.PROCESSING)
                        for j in self.queue.jobs.values())
 
+    def ingest_running(self) -> bool:
+        return self.queue.ingesting
+
     def rescue(self, rescuer: str | None = None) -> int:
         q = self.queue
         with q.lock:

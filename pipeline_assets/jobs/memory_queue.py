@@ -100,6 +100,7 @@ class MemoryQueue:
     vectors: dict[tuple[bytes, str], Any] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     workers: dict[str, Beats] = field(default_factory=dict)  # by owner prefix
+    ingesting: bool = False  # an ingest is running (app.running_ingests holds a live row)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def now(self) -> float:

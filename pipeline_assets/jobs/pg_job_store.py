@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.jobs import ledger, models, transitions
+from pipeline_assets.jobs import ledger, models, running_ingests, transitions
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
 from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
@@ -132,6 +132,11 @@ class PostgresJobStore:
         with self.pool.connection() as conn:
             waiting, held = transitions.outstanding(conn, self.model_id)
         return waiting or held
+
+    def ingest_running(self) -> bool:
+        """Whether an ingest is running now (``running_ingests``: a row with a live beat)."""
+        with self.pool.connection() as conn:
+            return running_ingests.any_running(conn)
 
     def rescue(self, rescuer: str | None = None) -> int:
         """Rescue expired leases and the claims of dead workers (``rescuer``: this

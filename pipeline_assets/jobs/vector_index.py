@@ -12,7 +12,8 @@ connection; a second builder does not wait, it leaves the build to the first).
 A failed or cancelled build leaves an INVALID index; the next build drops it
 and builds again. A build error is returned as one line (``IndexBuildError``),
 never an internal error that kills a worker or a run. Workers build when their
-queue drains (``BackgroundBuild``, on its own connection, cancelled on stop);
+queue drains and no ingest is running (``running_ingests``): ``BackgroundBuild``,
+on its own connection, cancelled on stop;
 ``pipeline-assets models index`` builds on demand; reconcile never builds.
 Until the index exists, search is an exact scan.
 """
@@ -110,7 +111,7 @@ def describe(state: str, dimension: int | None) -> str:
     kind = index_kind(dimension)
     return {READY: f"hnsw {kind}", BUILDING: f"hnsw {kind} building (exact search meanwhile)",
             INVALID: f"hnsw {kind} invalid (a build failed; rebuilt on the next drain)",
-            MISSING: "not built yet (exact search until a worker drains, or `models index` "
+            MISSING: "not built yet (exact search until a worker drains after the ingests, or `models index` "
                      "behind a transaction pooler)"}[state]
 
 

@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 # How long a stopping worker waits for in-flight calls before releasing their jobs.
 SHUTDOWN_GRACE_SECONDS = 3.0
 
+# A long-running worker builds the vector index once its queue has stayed empty this long (and no
+# ingest runs): a queue that empties between an ingest's batches fills again at once. A worker
+# `--until-idle` builds at its drain (it is leaving).
+INDEX_QUIET_SECONDS = 5.0
+
 # How a claim thread waits before its next claim.
 WAIT_FOR_DATABASE = "database"   # the database is unavailable: its backoff
 WAIT_A_POLL = "poll"             # nothing to claim, or a fault: a poll
@@ -65,6 +70,7 @@ class WorkerConfig:
     poll_seconds: float = IDLE_POLL_SECONDS
     rescue_interval: float = RESCUE_INTERVAL_SECONDS
     build_index: bool = True  # build the model's HNSW index when the queue drains
+    index_quiet_seconds: float = INDEX_QUIET_SECONDS  # (not `until_idle`) the queue empty this long first
     scope: Sequence[int] | None = None  # claim only the jobs of these documents (doc_pk); None: the whole queue
 
 
@@ -105,6 +111,8 @@ class Worker:
         self._wake = threading.Event()
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
         self._index_build: vector_index.BackgroundBuild | None = None  # started when the queue drains
+        self._drained_since: float | None = None  # the queue empty at every beat since (monotonic)
+        self._deferred_for_ingest = False  # the build was put off while an ingest runs (logged once)
         self._token_budget = TokenBudget.from_settings(self.model_id, settings)
         self._db_wait = DatabaseWait()  # replaced by run(), with its pool
         self._suspects = SuspectGate()  # a job that may crash the worker runs alone in it
@@ -175,9 +183,11 @@ class Worker:
                     self._refresh_spend(store)
                     if self._stopping.budget is not None:
                         break
-                    if (all(self._idle) and not store.outstanding()
-                            and self._on_drained(executor.view.dimension) and self.config.until_idle):
-                        break
+                    if all(self._idle) and not store.outstanding():
+                        if self._on_drained(store, executor.view.dimension) and self.config.until_idle:
+                            break
+                    else:
+                        self._drained_since = None
                 except Exception as exc:
                     # The database restarted, is unreachable or read-only for a
                     # while: keep the worker, try again on the next beat.
@@ -215,17 +225,33 @@ class Worker:
             # Others' tokens from the ledger (their unanswered sends at their estimate), ours as answered.
             self._token_budget.refresh(store.tokens_today_of_others() + run_tokens, run_tokens)
 
-    def _on_drained(self, dimension: int | None) -> bool:
+    def _on_drained(self, store: JobStore, dimension: int | None) -> bool:
         """The queue is empty: build the model's missing vector index (in bulk: far cheaper than
         per insert during a backfill) beside this loop, concurrently (``vector_index``); an
-        error is a logged warning. Returns whether `--until-idle` may exit (the build is over)."""
+        error is a logged warning. Returns whether `--until-idle` may exit (the build is over,
+        or put off: an ingest is running, which would insert into a fresh index row by row).
+
+        A build starts only when no ingest is running (``running_ingests``) and, unless
+        `--until-idle`, the queue has stayed empty for ``index_quiet_seconds``."""
         if not self.config.build_index or not dimension:
             return True
         build = self._index_build
-        if build is None or build.retry_due(time.monotonic()):
-            self._index_build = build = vector_index.BackgroundBuild(
-                self._connect, self.model_id, dimension, on_done=self._wake.set,
-                memory_cap=self.settings.index_build_memory, session=self.settings.prepare).start()
+        if build is not None and not build.retry_due(time.monotonic()):
+            return build.done
+        now = time.monotonic()
+        if self._drained_since is None:
+            self._drained_since = now
+        if not self.config.until_idle and now - self._drained_since < self.config.index_quiet_seconds:
+            return False
+        if store.ingest_running():
+            if not self._deferred_for_ingest:
+                log.info("the queue of model %s drained while an ingest runs: its vector index is built at a "
+                         "drain after the ingest", self.model_id)
+                self._deferred_for_ingest = True
+            return True
+        self._index_build = build = vector_index.BackgroundBuild(
+            self._connect, self.model_id, dimension, on_done=self._wake.set,
+            memory_cap=self.settings.index_build_memory, session=self.settings.prepare).start()
         return build.done
 
     # -- one thread --------------------------------------------------------

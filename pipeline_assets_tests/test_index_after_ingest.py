@@ -1,0 +1,118 @@
+"""The vector index is built after an ingest, not during it.
+
+A worker whose queue drains while an ingest is still running (between two of its batches)
+does not build the model's HNSW index: an index built then would be maintained by every
+later insert, over twice the cost of one build after them. The ingest is marked running
+in app.running_ingests (a row with a beat), which works across processes and hosts; a
+killed ingest's row stops counting once its beat expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+
+import pytest
+from psycopg import sql
+
+from pipeline_assets.app import ingest
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.jobs import running_ingests, vector_index
+from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.settings import Settings
+from pipeline_assets.store import db
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, cli, wait_until, write_corpus
+
+MODEL_ID = f"openai/{FAKE_MODEL}"
+DOCS = 24
+PAUSE_TIMEOUT_SECONDS = 120
+
+
+@pytest.fixture(autouse=True)
+def no_vector_index(conn):
+    """clean_db keeps indexes: each test starts without the model's."""
+    for (name,) in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'app'"
+                                " AND indexname LIKE 'embeddings_hnsw_%%'").fetchall():
+        conn.execute(sql.SQL("DROP INDEX app.{}").format(sql.Identifier(name)))
+
+
+def index_exists(conn) -> bool:
+    return vector_index.exists(conn, MODEL_ID)
+
+
+def ready(conn) -> int:
+    return conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0]
+
+
+def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fake, clean_db, database_url, tmp_path,
+                                                                        monkeypatch, caplog):
+    corpus = tmp_path / "c"
+    write_corpus(corpus, DOCS)
+    monkeypatch.setattr(ingest, "INGEST_BATCH_DOCUMENTS", 2)   # several ingest transactions
+    paused, resume = threading.Event(), threading.Event()
+    real_write = ingest._write
+
+    def write_then_pause(*args, **kwargs):
+        """The hook: after its first committed batch with chunks, the ingest waits for the test."""
+        real_write(*args, **kwargs)
+        if args[3] and not paused.is_set():
+            paused.set()
+            resume.wait(PAUSE_TIMEOUT_SECONDS)
+
+    monkeypatch.setattr(ingest, "_write", write_then_pause)
+    rt = Runtime.build(Settings.from_env())
+    pool = db.make_pool(database_url)
+    done: dict = {}
+    ingesting = threading.Thread(target=lambda: done.setdefault("report", ingest.ingest_source(rt, pool, corpus)))
+    stop = threading.Event()
+    working = threading.Thread(target=lambda: done.setdefault("work", Worker(
+        database_url, rt.provider, WorkerConfig(concurrency=2, poll_seconds=0.05, index_quiet_seconds=0.2),
+        settings=rt.settings, stop_event=stop).run()))
+    caplog.set_level(logging.INFO, logger="pipeline_assets.jobs.worker")
+    try:
+        ingesting.start()
+        wait_until(paused.is_set, timeout=60, what="the ingest's first batch")
+        first = clean_db.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0]
+        assert first > 0
+        # A worker `--until-idle` drains the first batch and leaves without building.
+        cli("work", "--until-idle", env=env)
+        assert ready(clean_db) == first
+        assert not index_exists(clean_db)
+        with db.connect(database_url) as c:
+            assert running_ingests.any_running(c)
+        # A long-running worker drains, stays drained past its quiet period, and still waits.
+        working.start()
+        wait_until(lambda: index_exists(clean_db) or "drained while an ingest runs" in caplog.text,
+                   timeout=60, what="the long-running worker's drain")
+        assert not index_exists(clean_db)
+        assert vector_index.state(clean_db, MODEL_ID, FAKE_DIM) == vector_index.MISSING
+    finally:
+        resume.set()
+        ingesting.join(PAUSE_TIMEOUT_SECONDS)
+    try:
+        assert done["report"].scanned == DOCS
+        with db.connect(database_url) as c:
+            assert not running_ingests.any_running(c)   # the ingest's mark went with it
+        chunks = clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
+        wait_until(lambda: ready(clean_db) == chunks and vector_index.state(clean_db, MODEL_ID, FAKE_DIM)
+                   == vector_index.READY, timeout=60, what="every chunk ready and the index built")
+    finally:
+        stop.set()
+        if working.is_alive():
+            working.join(30)
+        pool.close()
+    assert done["work"].embedded == chunks - first
+    billed = fake.stats["billed_by_text"]   # every chunk sent and billed once
+    assert sum(billed.values()) == len(billed) == chunks
+
+
+def test_a_killed_ingest_stops_counting_once_its_beat_expires(clean_db):
+    """A mark that is past alive_until (its ingest was killed and never beat again) counts for
+    nothing; a live one counts whatever host wrote it."""
+    assert not running_ingests.any_running(clean_db)
+    params = {"ingest": uuid.uuid4(), "host": "elsewhere", "pid": 1, "alive_for": 60}
+    clean_db.execute(running_ingests.INGESTS.begin, params)
+    assert running_ingests.any_running(clean_db)
+    clean_db.execute("UPDATE app.running_ingests SET alive_until = now() - interval '1 second'")
+    assert not running_ingests.any_running(clean_db)
