@@ -29,8 +29,8 @@ from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.app.table_ingest import CHANGE_LOG, FULL, WATERMARK, scan_table
 from pipeline_assets.app.table_source import TableSource
 from pipeline_assets.content.chunking import Chunker
-from pipeline_assets.jobs import models
 from pipeline_assets.providers.local import LocalHashingProvider
+from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import change_log, db
 

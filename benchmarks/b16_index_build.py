@@ -32,8 +32,8 @@ import psutil
 from _common import emit, fresh_database, settle
 from psycopg import sql
 
-from pipeline_assets.jobs import models, vector_index
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 

@@ -98,8 +98,8 @@ def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
     import b1_core  # this tree's
     from _common import fresh_database
 
-    from pipeline_assets.jobs import models
     from pipeline_assets.jobs.worker import Worker, WorkerConfig
+    from pipeline_assets.registry import models
     from pipeline_assets.settings import Settings
     from pipeline_assets.store import db
 

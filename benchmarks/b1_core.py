@@ -33,9 +33,10 @@ from pgvector.psycopg import register_vector
 
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
-from pipeline_assets.jobs import models, transitions, vector_index
+from pipeline_assets.jobs import transitions
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
 from pipeline_assets.providers import EmbedResult, ModelSpec
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers

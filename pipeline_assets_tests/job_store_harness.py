@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline_assets.jobs import leases, models, transitions
+from pipeline_assets.jobs import leases, transitions
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
 from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models
 
 SPEC = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10,
                  max_batch_tokens=1000)

@@ -17,7 +17,7 @@ from pipeline_assets.defs.embeddings.sensors import AFTER_RUN_TAG, chains, embed
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDINGS
 from pipeline_assets.defs.models.sensors import EMBEDDING_STORE, model_switch_sensor
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
-from pipeline_assets.jobs import models
+from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL

@@ -182,7 +182,7 @@ SPEC = ModelSpec(provider="test", name="dlq", dimension=4, max_input_tokens=100,
 
 
 def _seed(conn, texts: list[str], max_attempts: int) -> list[int]:
-    from pipeline_assets.jobs import models
+    from pipeline_assets.registry import models
     models.ensure_model(conn, SPEC)
     source_id = conn.execute("INSERT INTO app.sources (root) VALUES ('/dlq') RETURNING source_id").fetchone()[0]
     doc_pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status)"

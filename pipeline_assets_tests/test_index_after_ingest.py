@@ -18,8 +18,9 @@ from psycopg import sql
 
 from pipeline_assets.app import ingest
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import running_ingests, vector_index
+from pipeline_assets.jobs import running_ingests
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, cli, wait_until, write_corpus

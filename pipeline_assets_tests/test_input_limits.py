@@ -15,9 +15,9 @@ import pytest
 
 from pipeline_assets.app.model_admin import runtime_for_model
 from pipeline_assets.app.runtime import Runtime, chunker_for, chunking
-from pipeline_assets.jobs import models
 from pipeline_assets.providers import ChunkTooLarge, ModelLimit, ModelSpec, check_chunk_size, provider_for
 from pipeline_assets.providers.limits import FOREIGN_TOKENS_PER_CHUNK_TOKEN
+from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 

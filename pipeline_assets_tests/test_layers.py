@@ -27,10 +27,11 @@ ALLOWED = {
     "content": {"settings"},
     "providers": {"settings", "content"},
     "store": {"settings"},
-    "jobs": {"settings", "providers", "store", "content"},
-    "app": {"settings", "providers", "store", "content", "jobs"},
-    "defs": {"settings", "providers", "store", "content", "jobs", "app"},
-    "cli": {"settings", "settings_reference", "providers", "store", "content", "jobs", "app", "defs"},
+    "registry": {"settings", "providers", "store"},
+    "jobs": {"settings", "providers", "store", "content", "registry"},
+    "app": {"settings", "providers", "store", "content", "registry", "jobs"},
+    "defs": {"settings", "providers", "store", "content", "registry", "jobs", "app"},
+    "cli": {"settings", "settings_reference", "providers", "store", "content", "registry", "jobs", "app", "defs"},
 }
 
 

@@ -19,9 +19,9 @@ from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.embed import embed_directory, work
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import models, vector_index
 from pipeline_assets.jobs.worker import BudgetExhausted
 from pipeline_assets.providers import ConfigError, ModelSpec
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
@@ -192,7 +192,7 @@ def test_the_served_model_cannot_be_retired_nor_purged(env, clean_db, tmp_path):
     refused = cli("models", "retire", FAKE_MODEL, env=env, check=False)
     assert refused.returncode == 1
     assert refused.stderr.strip() == f"error: model {OLD} is served; `pipeline-assets models serve OTHER` first"
-    # Even retired below the use case (jobs.models.retire has no guard), a served model is never purged.
+    # Even retired below the use case (registry.models.retire has no guard), a served model is never purged.
     models.retire(clean_db, OLD)
     assert models.purge_due(clean_db, 0) == []
     assert vectors_of(clean_db, OLD) > 0

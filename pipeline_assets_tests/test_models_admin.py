@@ -12,12 +12,13 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets.app import retrieval
+from pipeline_assets.app import model_admin, retrieval
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.ingest import register_model
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import models, transitions
+from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
@@ -107,10 +108,10 @@ def test_activate_revives_superseded_jobs_and_enqueues_what_arrived_meanwhile(cl
     with pytest.raises(models.ModelRetired):
         models.ensure_model(conn, SPEC)
 
-    assert models.activate(conn, SPEC.model_id, 3) == (True, 1, 1)
+    assert model_admin.reactivate(conn, SPEC.model_id, 3) == (True, 1, 1)
     assert job_counts(conn) == {"ready": 1, "pending": 2}
     assert not models.ensure_model(conn, SPEC)  # active again: registering is a no-op
-    assert models.activate(conn, SPEC.model_id, 3) == (False, 0, 0)
+    assert model_admin.reactivate(conn, SPEC.model_id, 3) == (False, 0, 0)
 
 
 # --------------------------------------------------------------------------- export streams

@@ -16,9 +16,10 @@ import pytest
 from psycopg import sql
 
 from pipeline_assets.app import reports, retrieval, stages
-from pipeline_assets.jobs import ledger, models, transitions, vector_index
+from pipeline_assets.jobs import ledger, transitions
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.store import queries
 from pipeline_assets_tests import job_helpers
 
@@ -27,7 +28,7 @@ QUERY_DIR = queries.sql_dir() / "queries"
 
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
-    "jobs/transitions.py", "jobs/models.py", "jobs/vector_index.py", "jobs/ledger.py", "jobs/status.py",
+    "jobs/transitions.py", "registry/models.py", "registry/vector_index.py", "jobs/ledger.py", "jobs/status.py",
     "app/reports.py", "app/retrieval.py", "app/stages.py",
 ]
 # Every family in sql/queries/ (a new file is checked the day it lands).

@@ -67,8 +67,9 @@ def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path
 
 def _queue(conn, n: int, model: str = "probe"):
     """A model with n pending jobs (no provider): returns its model id."""
-    from pipeline_assets.jobs import models, transitions
+    from pipeline_assets.jobs import transitions
     from pipeline_assets.providers import ModelSpec
+    from pipeline_assets.registry import models
 
     spec = ModelSpec(provider="test", name=model, dimension=4, max_input_tokens=100, max_batch_inputs=10,
                      max_batch_tokens=1000)

@@ -16,7 +16,7 @@ import uuid
 import psycopg
 import pytest
 
-from pipeline_assets.jobs import vector_index
+from pipeline_assets.registry import vector_index
 from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
 from pipeline_assets_tests.conftest import (

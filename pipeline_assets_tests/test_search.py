@@ -18,9 +18,9 @@ import pytest
 from pipeline_assets.app import retrieval
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import vector_index
 from pipeline_assets.providers import provider_for
 from pipeline_assets.providers.local import LocalHashingProvider, terms
+from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, queries
 from pipeline_assets_tests.conftest import cli

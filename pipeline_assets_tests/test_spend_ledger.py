@@ -12,11 +12,12 @@ import json
 
 import numpy as np
 
-from pipeline_assets.jobs import ledger, models
+from pipeline_assets.jobs import ledger
 from pipeline_assets.jobs.changes import Complete
 from pipeline_assets.jobs.job_store import Answer
 from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
 from pipeline_assets_tests.test_state_machine import claim_ids, drop_chunks, seed

@@ -21,9 +21,10 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from pipeline_assets.jobs import models, transitions
+from pipeline_assets.jobs import transitions
 from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
 

@@ -1,7 +1,7 @@
 """The job state machine under hypothesis: random interleavings of every transition.
 
 A ``RuleBasedStateMachine`` drives the functions of ``pipeline_assets.jobs.transitions``
-and ``pipeline_assets.jobs.models`` against the real PostgreSQL, the way workers,
+and ``pipeline_assets.registry.models`` against the real PostgreSQL, the way workers,
 ingest, reconcile and a person would: claim, complete by the lease holder or by a
 stale owner, expire a lease, rescue, give back, fail (retryable and terminal),
 throttle (give back with a delay, the shared breaker paused), drop and restore a
@@ -47,9 +47,11 @@ from hypothesis import HealthCheck, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from pipeline_assets.jobs import decisions, models, transitions
+from pipeline_assets.app import model_admin
+from pipeline_assets.jobs import decisions, transitions
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
+from pipeline_assets.registry import models
 from pipeline_assets.settings import BREAKER_THRESHOLD
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import LONG_PROFILE
@@ -566,7 +568,7 @@ class JobStateMachine(RuleBasedStateMachine):
 
     def _activate(self, model: str) -> None:
         before = self._rows()
-        was_retired, revived, enqueued = models.activate(self.conn, model, MAX_ATTEMPTS)
+        was_retired, revived, enqueued = model_admin.reactivate(self.conn, model, MAX_ATTEMPTS)
         assert was_retired == (not self.active[model])
         self.active[model] = True
         after = self._rows()
@@ -731,7 +733,7 @@ def test_retired_model_jobs_never_wait(clean_db, how):
         assert job_helpers.give_back(conn, owner="w/1", job_ids=[job.job_id], throttled=how == "throttle") \
             == [job.job_id]
     status = conn.execute("SELECT status FROM app.embedding_jobs WHERE job_id = %s", (job.job_id,)).fetchone()[0]
-    assert models.activate(conn, MODELS[0], MAX_ATTEMPTS)[0]
+    assert model_admin.reactivate(conn, MODELS[0], MAX_ATTEMPTS)[0]
     revived = conn.execute("SELECT status FROM app.embedding_jobs WHERE job_id = %s", (job.job_id,)).fetchone()[0]
     assert revived == "pending"
     assert status not in ("pending", "retry"), f"a job of the retired model waits for a worker ({status})"

@@ -61,8 +61,9 @@ def test_repeated_5xx_trips_the_breaker_then_half_open_probe_closes_it(env, fake
 
 
 def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
-    from pipeline_assets.jobs import models, transitions
+    from pipeline_assets.jobs import transitions
     from pipeline_assets.providers import ModelSpec
+    from pipeline_assets.registry import models
 
     spec = ModelSpec(provider="test", name="probe", dimension=4, max_input_tokens=100, max_batch_inputs=10,
                      max_batch_tokens=1000)

@@ -27,9 +27,10 @@ from psycopg import sql
 from pipeline_assets.app import retrieval
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
-from pipeline_assets.jobs import models, transitions, vector_index
+from pipeline_assets.jobs import transitions
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
 from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers

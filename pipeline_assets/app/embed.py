@@ -22,9 +22,10 @@ from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs import models, transitions, vector_index
+from pipeline_assets.jobs import transitions
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
 from pipeline_assets.store import db
 

@@ -37,7 +37,8 @@ from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.process import Extractor, ExtractSpec, KnownDocument, Processed, process_items
 from pipeline_assets.content.source import Item, Source, SourceError
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs import models, running_ingests, transitions
+from pipeline_assets.jobs import running_ingests, transitions
+from pipeline_assets.registry import models
 from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS
 from pipeline_assets.store import db
 

@@ -4,7 +4,7 @@ period), activate a retired one again, list models, build a model's vector index
 
 Several models may be active; one is *served*: ``search`` and ``export`` read
 it (``served_runtime``, ``served_model_id``). A switch is one UPDATE of one row
-(``jobs.models.serve``), taken only when the new model has a vector for every
+(``registry.models.serve``), taken only when the new model has a vector for every
 current chunk, so search never answers from a half-built model, nor nothing.
 """
 
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents, estimate
 from pipeline_assets.app.runtime import Runtime, chunking, fitted
-from pipeline_assets.jobs import models, transitions, vector_index
+from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import (
     ChunkTooLarge,
     ConfigError,
@@ -28,6 +29,7 @@ from pipeline_assets.providers import (
     require_known_window,
 )
 from pipeline_assets.providers.limits import too_small
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
@@ -58,7 +60,7 @@ def resolve(pool: ConnectionPool, name: str) -> str:
 
 
 def list_models(pool: ConnectionPool, grace_seconds: float = Settings.model_retire_grace) -> list[dict]:
-    """Every model with its job counts, its index state (``index``: see ``jobs.vector_index``),
+    """Every model with its job counts, its index state (``index``: see ``registry.vector_index``),
     whether it is served, its coverage (active ones) and its retirement (retired_at, purge_after, purged_at)."""
     with pool.connection() as conn:
         rows = models.list_models(conn)
@@ -92,8 +94,23 @@ def activate(pool: ConnectionPool, name: str, *, max_attempts: int) -> dict:
     model_id = resolve(pool, name)
     with pool.connection() as conn, conn.transaction():
         documents.write_lock(conn)  # as reconcile's repairs: no ingest replaces chunks meanwhile
-        was_retired, revived, enqueued = models.activate(conn, model_id, max_attempts)
+        was_retired, revived, enqueued = reactivate(conn, model_id, max_attempts)
     return {"model_id": model_id, "was_retired": was_retired, "revived": revived, "enqueued": enqueued}
+
+
+def reactivate(conn: psycopg.Connection, model_id: str, max_attempts: int) -> tuple[bool, int, int]:
+    """Undo a retire in one transaction. Returns (was retired, jobs revived, jobs enqueued).
+
+    Its superseded jobs for content still wanted return to pending (their
+    vectors were deleted when superseded), and content ingested while it was
+    retired gets jobs. Unchanged content whose jobs stayed ready costs nothing.
+    """
+    with conn.transaction():
+        if not models.reactivate(conn, model_id):
+            return False, 0, 0
+        revived = transitions.revive_wanted(conn)
+        enqueued = transitions.enqueue_missing(conn, max_attempts)
+    return True, revived, enqueued
 
 
 def build_index(pool: ConnectionPool, name: str, settings: Settings) -> dict:
@@ -173,7 +190,7 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
 
 def input_limits(pool: ConnectionPool) -> list[dict]:
     """For `status`: per active model, its window, current chunks that could exceed it, calls whose
-    usage shows the provider truncating, inputs refused as too long (``jobs.models.input_limits``)."""
+    usage shows the provider truncating, inputs refused as too long (``registry.models.input_limits``)."""
     with pool.connection() as conn:
         return models.input_limits(conn)
 

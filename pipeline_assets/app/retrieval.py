@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from pipeline_assets.jobs import models, vector_index
+from pipeline_assets.registry import models, vector_index
 from pipeline_assets.store import queries
 
 RETRIEVAL = queries.load("retrieval")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import model_admin, reports
-from pipeline_assets.jobs import models
+from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 
 

@@ -24,8 +24,8 @@ from types import FrameType
 import psycopg
 
 from pipeline_assets.app.buckets import fixed_buckets
-from pipeline_assets.jobs import models
 from pipeline_assets.providers import model_id_for
+from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
 

@@ -9,7 +9,7 @@ import click
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.cli.common import emit, expected_errors, fail, pool, settings
-from pipeline_assets.jobs.vector_index import IndexBuildError
+from pipeline_assets.registry.vector_index import IndexBuildError
 
 
 @click.group("models")

@@ -28,9 +28,9 @@ from pipeline_assets.jobs.changes import (
 from pipeline_assets.jobs.decisions import FREE_FAULTS, BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
 from pipeline_assets.jobs.memory_queue import CRASH_ERRORS, NEVER, Call, MemoryJob, MemoryModel, MemoryQueue
-from pipeline_assets.jobs.models import ModelRetired
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec, ProviderError
+from pipeline_assets.registry.models import ModelRetired
 from pipeline_assets.settings import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 
 WAITING = (JobStatus.PENDING, JobStatus.RETRY)

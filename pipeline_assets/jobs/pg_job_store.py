@@ -7,7 +7,7 @@ documents); ``apply`` applies a batch of transitions (``jobs.changes``) of a
 claim, one statement per kind, and returns what each job became; observers
 (``jobs.job_log``, the worker's report) are told what was claimed and applied.
 Underneath: ``jobs.transitions`` (the guarded state machine), ``jobs.ledger``
-(spend) and ``jobs.models`` (the model registry).
+(spend) and ``registry.models`` (the model registry).
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from collections.abc import Sequence
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.jobs import ledger, models, running_ingests, transitions
+from pipeline_assets.jobs import ledger, running_ingests, transitions
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
 from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
 from pipeline_assets.providers import ModelSpec, ProviderError
+from pipeline_assets.registry import models
 from pipeline_assets.settings import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 
 # Completion transactions retried on a deadlock with a concurrent ingest.

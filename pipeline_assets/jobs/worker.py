@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from pipeline_assets.jobs import decisions, job_log, leases, vector_index
+from pipeline_assets.jobs import decisions, job_log, leases
 from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
@@ -36,6 +36,7 @@ from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.suspects import SuspectGate
 from pipeline_assets.providers import Provider
+from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import (
     DEFAULT_CONCURRENCY,
     DEFAULT_LEASE_SECONDS,

@@ -1,5 +1,5 @@
--- The model registry (pipeline_assets/jobs/models.py): app.models; and the
--- per-model HNSW indexes on app.embeddings (pipeline_assets/jobs/vector_index.py).
+-- The model registry (pipeline_assets/registry/models.py): app.models; and the
+-- per-model HNSW indexes on app.embeddings (pipeline_assets/registry/vector_index.py).
 
 -- name: insert_model
 -- Register a model; RETURNING yields a row only when it was new.

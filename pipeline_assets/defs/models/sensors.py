@@ -16,7 +16,7 @@ from pipeline_assets.app import model_admin
 from pipeline_assets.defs.keys import EMBEDDING_STORE
 from pipeline_assets.defs.models.partitions import model_keys
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
-from pipeline_assets.jobs.models import Coverage
+from pipeline_assets.registry.models import Coverage
 
 SENSOR_NAME = "model_switch"
 

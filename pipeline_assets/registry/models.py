@@ -9,7 +9,7 @@ A retired model keeps its vectors for a grace period; ``purge_due`` and
 ``purge`` then delete them and its index. Retiring is sticky: a worker, ingest or Dagster run still
 configured with a retired model is refused (``ModelRetired``) until a person
 runs ``models activate``; nothing reactivates it (and bills for it) silently.
-The per-model HNSW index is ``jobs.vector_index``. The SQL is in
+The per-model HNSW index is ``registry.vector_index``. The SQL is in
 sql/queries/models.sql.
 """
 
@@ -22,8 +22,8 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from pipeline_assets.jobs import transitions, vector_index
 from pipeline_assets.providers import ConfigError, ModelLimit, ModelSpec
+from pipeline_assets.registry import vector_index
 from pipeline_assets.store import queries
 
 MODELS = queries.load("models")
@@ -60,19 +60,9 @@ def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
     return False
 
 
-def activate(conn: psycopg.Connection, model_id: str, max_attempts: int) -> tuple[bool, int, int]:
-    """`models activate`: undo a retire. Returns (was retired, jobs revived, jobs enqueued).
-
-    Its superseded jobs for content still wanted return to pending (their
-    vectors were deleted when superseded), and content ingested while it was
-    retired gets jobs. Unchanged content whose jobs stayed ready costs nothing.
-    """
-    with conn.transaction():
-        if not conn.execute(MODELS.reactivate, {"model": model_id}).rowcount:
-            return False, 0, 0
-        revived = transitions.revive_wanted(conn)
-        enqueued = transitions.enqueue_missing(conn, max_attempts)
-    return True, revived, enqueued
+def reactivate(conn: psycopg.Connection, model_id: str) -> bool:
+    """Undo a retire of the model's row; True if it was retired (the caller revives its jobs)."""
+    return bool(conn.execute(MODELS.reactivate, {"model": model_id}).rowcount)
 
 
 def model_dimension(conn: psycopg.Connection, model_id: str) -> int | None:
