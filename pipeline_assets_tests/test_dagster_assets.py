@@ -490,7 +490,7 @@ def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_document
                                                                                             monkeypatch):
     """After a parser fix a run over some buckets selects their stale documents in the database, a
     page at a time (pages of 2 here): it never reads another bucket's, nor more than a page at once."""
-    from pipeline_assets.app import stages
+    from pipeline_assets.store import stage_runs
 
     for i in range(4, 12):
         (corpus / f"doc{i:04d}.md").write_text(f"# extra {i}\n\nwords of document {i}\n")
@@ -504,14 +504,14 @@ def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_document
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
     monkeypatch.setattr(bk, "SYNC_PAGE_DOCUMENTS", 2)
     reads: list[list[str]] = []
-    real = stages.rerun_targets
+    real = stage_runs.rerun_targets
 
     def recorded(conn, **filters):
         rows = real(conn, **filters)
         reads.append([t.document_id for t in rows])
         return rows
 
-    monkeypatch.setattr(stages, "rerun_targets", recorded)
+    monkeypatch.setattr(stage_runs, "rerun_targets", recorded)
     with dg.build_resources(build_resources(Settings.from_env())) as res:
         done = bk.sync_buckets(res.embedding_provider.runtime(), res.postgres.pool(), corpus, wanted, 64)
     assert done.stale == len(inside) and done.changed == 0

@@ -11,13 +11,14 @@ import time
 import dagster as dg
 import pytest
 
-from pipeline_assets.app import observations, stages
+from pipeline_assets.app import observations
 from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.content import folder_source
 from pipeline_assets.defs.ingest.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.ingest.source_sensor import decode_cursor, source_documents_sensor
 from pipeline_assets.defs.partitions import bucket_key, embedding_key
 from pipeline_assets.settings import Settings
+from pipeline_assets.store import stage_runs
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     EMBED_JOB,
@@ -486,8 +487,8 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
                                  " USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
     assert attempts == {k: 2 for k in keys}        # each redone once: doc0001 by its own run, the rest here
     chunk_version = chunker_for(Settings.from_env()).version
-    assert stages.rerun_targets(conn, stage="extract", not_version="extract-2") == []
-    assert stages.rerun_targets(conn, stage="chunk", not_version=chunk_version) == []
+    assert stage_runs.rerun_targets(conn, stage="extract", not_version="extract-2") == []
+    assert stage_runs.rerun_targets(conn, stage="chunk", not_version=chunk_version) == []
     # Same text -> same chunks -> nothing re-embedded, nothing billed again.
     assert fake.stats["billed_inputs"] == billed
     assert fake.stats["billed_by_text"] == by_text

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from psycopg import sql
 
-from pipeline_assets.app import reports, retrieval, stages
+from pipeline_assets.app import reports, retrieval
 from pipeline_assets.jobs import ledger, transitions
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models, vector_index
-from pipeline_assets.store import queries
+from pipeline_assets.store import queries, stage_runs
 from pipeline_assets_tests import job_helpers
 
 PACKAGE = Path(queries.__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ QUERY_DIR = queries.sql_dir() / "queries"
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
     "jobs/transitions.py", "registry/models.py", "registry/vector_index.py", "jobs/ledger.py", "jobs/status.py",
-    "app/reports.py", "app/retrieval.py", "app/stages.py",
+    "app/reports.py", "app/retrieval.py", "store/stage_runs.py",
 ]
 # Every family in sql/queries/ (a new file is checked the day it lands).
 FAMILIES = sorted(p.stem for p in QUERY_DIR.glob("*.sql"))
@@ -143,7 +143,7 @@ def test_loaded_modules_hold_their_families():
     assert ledger.LEDGER.family == "ledger"
     assert reports.REPORTS.family == "reports"
     assert retrieval.RETRIEVAL.family == "retrieval"
-    assert stages.STAGE_RUNS.family == "stage_runs"
+    assert stage_runs.STAGE_RUNS.family == "stage_runs"
 
 
 def test_the_old_jobs_queries_module_is_gone():
@@ -199,8 +199,8 @@ def test_templates_have_exactly_their_fields():
     assert _fields(retrieval.RETRIEVAL.nearest) == {"kind", "dim"}
     assert _fields(transitions.JOBS.enqueue) == {"scope"}
     assert _fields(transitions.JOBS.claim) == {"scope", "limit"}
-    assert _fields(stages.STAGE_RUNS.embed_state) == {"models", "scope"}
-    assert _fields(stages.STAGE_RUNS.refresh_embed) == _fields(stages.STAGE_RUNS.embed_counts) == {"state"}
+    assert _fields(stage_runs.STAGE_RUNS.embed_state) == {"models", "scope"}
+    assert _fields(stage_runs.STAGE_RUNS.refresh_embed) == _fields(stage_runs.STAGE_RUNS.embed_counts) == {"state"}
     assert _fields(queries.load("estimates").summary) == {"wanted"}
     # A table source's templates: identifiers composed with sql.Identifier, types from the catalog.
     table_fields = {"table_source": {"table", "id", "text", "updated", "id_type", "updated_type"},
@@ -371,9 +371,9 @@ def test_read_paths_run_against_a_real_database(clean_db):
     assert reports.stale_vectors(conn) == {"not_ready": 0, "noncurrent_documents": 0, "sample": []}
     assert reports.dead_letter_growth(conn) == (1, 1)
 
-    assert stages.refresh_embed(conn, MODEL) == 1
-    [target] = stages.rerun_targets(conn, stage="embed", failed_only=True)
-    assert target == stages.RerunTarget(root="/named-queries", document_id="doc-a", stage="embed",
+    assert stage_runs.refresh_embed(conn, MODEL) == 1
+    [target] = stage_runs.rerun_targets(conn, stage="embed", failed_only=True)
+    assert target == stage_runs.RerunTarget(root="/named-queries", document_id="doc-a", stage="embed",
                                         status="failed", error_class="bad", code_version=MODEL)
 
     ledger.record_call(conn, model_id=MODEL, worker_id="w", jobs=claimed[:2], tokens=7, outcome="ok",

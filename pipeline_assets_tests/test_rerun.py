@@ -150,8 +150,8 @@ def test_embed_rerun_requeues_failed_and_never_rebills_ready(env, fake, clean_db
 def test_the_query_finds_each_documents_format_as_extract_text_does(clean_db):
     """rerun_targets derives a document's format in SQL from its id's suffix; it must agree with
     ``content.extract.format_of`` (PurePosixPath.suffix, lower case) on awkward ids."""
-    from pipeline_assets.app import stages
     from pipeline_assets.content.extract import ExtractorVersions
+    from pipeline_assets.store import stage_runs
 
     conn = clean_db
     versions = ExtractorVersions.of_formats({"text": "T-1", "html": "H-1", "pdf": "P-1"})
@@ -166,7 +166,7 @@ def test_the_query_finds_each_documents_format_as_extract_text_does(clean_db):
     assert {versions.of(d) for d in ids} == {"T-1", "H-1", "P-1"}
 
     def stale(v: ExtractorVersions) -> list[str]:
-        return sorted(t.document_id for t in stages.rerun_targets(
+        return sorted(t.document_id for t in stage_runs.rerun_targets(
             conn, stage="extract", not_version=v.default, versions_by_extension=v.by_extension()))
 
     assert stale(versions) == []                                    # each row has its own format's version
@@ -194,7 +194,7 @@ def test_rerun_stale_pages_through_every_target(env, fake, clean_db, corpus, mon
     """`rerun --stale` redoes every stale document however many there are: with the query answering
     at most 2 rows (pages of 2), all 7 documents of two sources are listed and re-extracted."""
     from pipeline_assets.app import rerun as rerun_uc
-    from pipeline_assets.app import stages
+    from pipeline_assets.store import stage_runs
 
     conn = clean_db
     write_corpus(corpus, 5)
@@ -203,14 +203,14 @@ def test_rerun_stale_pages_through_every_target(env, fake, clean_db, corpus, mon
     cli("ingest", str(corpus.parent / "second"), env=env)
     monkeypatch.setattr(rerun_uc, "TARGET_PAGE", 2, raising=False)
     reads: list[int] = []
-    real = stages.rerun_targets
+    real = stage_runs.rerun_targets
 
     def two_at_most(conn, **filters):   # a page of the query is never more than 2 rows
         rows = real(conn, **{**filters, "limit": min(filters.get("limit", 2), 2)})
         reads.append(len(rows))
         return rows
 
-    monkeypatch.setattr(stages, "rerun_targets", two_at_most)
+    monkeypatch.setattr(stage_runs, "rerun_targets", two_at_most)
     bumped = {**env, "PIPELINE_EXTRACTOR_VERSION": "extract-2"}
     everything = sorted([f"doc{i:04d}.md" for i in range(5)] + ["other0000.md", "other0001.md"])
     assert listed(cli("rerun", "--stale", "--dry-run", env=bumped).stdout) == everything

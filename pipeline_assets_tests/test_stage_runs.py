@@ -10,13 +10,13 @@ import uuid
 import psycopg
 import pytest
 
-from pipeline_assets.app import embed, stages
+from pipeline_assets.app import embed
 from pipeline_assets.app import status as status_uc
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db
+from pipeline_assets.store import db, stage_runs
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 
 SECOND_MODEL = "fake-embed-b"
@@ -70,16 +70,16 @@ def test_two_models_keep_one_embed_row_each(pool, clean_db, tmp_path):
     assert status_uc.status(pool, Settings.from_env()).stages["embed"] == {"succeeded": 3}
 
     # One document fails for the second model only.
-    since = stages.clock(conn)
+    since = stage_runs.clock(conn)
     fail_job_of(conn, "doc0001.md", model_b)
-    assert stages.refresh_embed_touched(conn, model_b, since) == 1
+    assert stage_runs.refresh_embed_touched(conn, model_b, since) == 1
     rows = embed_rows(conn)
     assert rows[("doc0001.md", model_b)] == ("failed", "bad_input", 1)
     assert rows[("doc0001.md", model_a)] == ("succeeded", None, 1)
-    [target] = stages.rerun_targets(conn, stage="embed", failed_only=True)
+    [target] = stage_runs.rerun_targets(conn, stage="embed", failed_only=True)
     assert (target.document_id, target.code_version, target.error_class) == ("doc0001.md", model_b, "bad_input")
-    assert stages.rerun_targets(conn, stage="embed", failed_only=True, model_id=model_a) == []
-    assert len(stages.rerun_targets(conn, stage="embed")) == 6
+    assert stage_runs.rerun_targets(conn, stage="embed", failed_only=True, model_id=model_a) == []
+    assert len(stage_runs.rerun_targets(conn, stage="embed")) == 6
     st = status_uc.status(pool, Settings.from_env())
     assert st.embed_by_model == {model_a: {"succeeded": 3}, model_b: {"failed": 1, "succeeded": 2}}
     assert st.stages["embed"] == {"failed": 1, "succeeded": 2}

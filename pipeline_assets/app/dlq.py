@@ -23,10 +23,10 @@ from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.app.stages import RerunTarget
 from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import sanitize
 from pipeline_assets.store import queries
+from pipeline_assets.store.stage_runs import RerunTarget
 
 DLQ = queries.load("dlq")
 

@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import buckets, model_admin, reports, stages
+from pipeline_assets.app import buckets, model_admin, reports
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
@@ -27,7 +27,7 @@ from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
-from pipeline_assets.store import db
+from pipeline_assets.store import db, stage_runs
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     if observe is not None:  # metrics and progress read its report while it runs
         observe(worker)
     with pool.connection() as conn:
-        since = stages.clock(conn)
+        since = stage_runs.clock(conn)
     report = worker.run()
     _record_touched(pool, rt.model_id, since)
     return report
@@ -80,7 +80,7 @@ def _record_touched(pool: ConnectionPool, model_id: str, since: datetime) -> Non
     (unreachable, read-only) is waited for a while, then left to reconcile."""
     def record() -> None:
         with pool.connection() as conn:
-            stages.refresh_embed_touched(conn, model_id, since)
+            stage_runs.refresh_embed_touched(conn, model_id, since)
     try:
         pool.check()  # connections the database ended while the run went on are replaced first
         DatabaseWait(on_unavailable=pool.drain).ride_out(record, threading.Event(),
@@ -231,7 +231,7 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
     with pool.connection() as conn:
         register_model(conn, rt)
-        since = stages.clock(conn)
+        since = stage_runs.clock(conn)
         busy = any(transitions.outstanding(conn, rt.model_id))
     started = time.monotonic()
     scoped = None
@@ -266,8 +266,8 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
         report, error = scoped.finish() if scoped is not None else (WorkerReport(), None)
     with pool.connection() as conn:
         if scoped is not None:
-            stages.refresh_embed_touched(conn, rt.model_id, since)
-        stages.refresh_embed_docs(conn, rt.model_id, pks)
+            stage_runs.refresh_embed_touched(conn, rt.model_id, since)
+        stage_runs.refresh_embed_docs(conn, rt.model_id, pks)
         idle = not any(transitions.outstanding(conn, rt.model_id))
     if outstanding(now):   # the worker stopped, or the deadline: the last word on them
         detail, now = read()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import documents, model_admin, stages
+from pipeline_assets.app import documents, model_admin
 from pipeline_assets.app.ingest import ingest_all, register_model
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.app.source_registry import open_source
@@ -24,6 +24,7 @@ from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import transitions
+from pipeline_assets.store import stage_runs
 
 
 @dataclass
@@ -86,7 +87,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
     rescued = transitions.rescue_expired(conn, base=backoff[0], cap=backoff[1])
     report.rescued = sum(rescued.values())
     if model_id:
-        stages.refresh_embed(conn, model_id)
+        stage_runs.refresh_embed(conn, model_id)
     # No vector index build here: reconcile never waits on one. A worker builds
     # it (concurrently) when its queue drains, `models index` on demand.
     return report

@@ -9,10 +9,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row, dict_row
 
-from pipeline_assets.app import stages
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs.status import JobStatus
-from pipeline_assets.store import queries
+from pipeline_assets.store import queries, stage_runs
 
 REPORTS = queries.load("reports")
 
@@ -54,7 +53,7 @@ def status(conn: psycopg.Connection) -> StatusReport:
     for r in _dicts(conn, REPORTS.stages):
         stages_.setdefault(r["stage"], {})[r["status"]] = r["n"]
     # The embed stage is computed from the jobs here, never stored by a read.
-    embed, embed_by_model = stages.embed_counts(conn)
+    embed, embed_by_model = stage_runs.embed_counts(conn)
     if embed:
         stages_["embed"] = embed
     coverage = {r["model_id"]: {"ready": r["ready"], "wanted": r["wanted"],

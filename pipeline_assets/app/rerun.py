@@ -1,6 +1,6 @@
 """Partial reruns: re-run a stage for exactly the documents a query selects.
 
-The selection is ``stages.rerun_targets`` (one query over app.stage_runs; every filter optional and
+The selection is ``stage_runs.rerun_targets`` (one query over app.stage_runs; every filter optional and
 combinable); the command line, the Dagster rerun sensor and a bucket run all select through
 ``pages`` (keyset pages, no limit), so they cannot disagree on what is stale. The extractor's
 current version is per format.
@@ -21,12 +21,13 @@ from typing import Any
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import documents as documents_
-from pipeline_assets.app import estimate, stages
+from pipeline_assets.app import estimate
 from pipeline_assets.app.ingest import ingest_documents, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_registry import open_source
-from pipeline_assets.app.stages import RerunTarget
 from pipeline_assets.jobs import transitions
+from pipeline_assets.store import stage_runs
+from pipeline_assets.store.stage_runs import RerunTarget
 
 # Stages a rerun can target; the rerun sensor reruns the first two after a version bump.
 RERUN_STAGES = ("extract", "chunk", "embed")
@@ -79,7 +80,7 @@ def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extra
                 if stale or before_version:
                     raise ValueError("--stale and --before-version compare extractor and chunker versions; the "
                                      "embed stage's version is its model (select with --status / --error-class)")
-                stages.refresh_embed(conn, rt.model_id)
+                stage_runs.refresh_embed(conn, rt.model_id)
                 filters["model_id"] = rt.model_id   # one row per document: the keyset holds
             elif stale and stage == "extract":
                 versions = rt.options.extractor_version
@@ -91,7 +92,7 @@ def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extra
             after = ""
             while True:
                 with pool.connection() as conn:
-                    page = stages.rerun_targets(conn, **filters, root=source, after=after)
+                    page = stage_runs.rerun_targets(conn, **filters, root=source, after=after)
                 if not page:
                     break
                 yield page
@@ -128,11 +129,11 @@ def rerun_embed(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget
         register_model(conn, rt)
         for root, ids in _by_root(targets).items():
             with conn.transaction():
-                pks = stages.current_document_pks(conn, root, ids)
-                failed = stages.failed_jobs_of(conn, root, ids, rt.model_id)
+                pks = stage_runs.current_document_pks(conn, root, ids)
+                failed = stage_runs.failed_jobs_of(conn, root, ids, rt.model_id)
                 requeued += transitions.requeue_failed(conn, failed)["pending"] if failed else 0
                 enqueued += transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
-                stages.refresh_embed_docs(conn, rt.model_id, pks)
+                stage_runs.refresh_embed_docs(conn, rt.model_id, pks)
             documents += len(pks)
     return EmbedRerun(documents=documents, requeued=requeued, enqueued=enqueued)
 
@@ -142,7 +143,7 @@ def current_pks(pool: ConnectionPool, targets: Sequence[RerunTarget]) -> list[in
     pks: list[int] = []
     with pool.connection() as conn:
         for root, ids in _by_root(targets).items():
-            pks += stages.current_document_pks(conn, root, ids)
+            pks += stage_runs.current_document_pks(conn, root, ids)
     return pks
 
 

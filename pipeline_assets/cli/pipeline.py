@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
     from pipeline_assets.app.metrics import WorkMetrics
     from pipeline_assets.app.runtime import Runtime
-    from pipeline_assets.app.stages import RerunTarget
     from pipeline_assets.jobs.worker import Worker
+    from pipeline_assets.store.stage_runs import RerunTarget
 
 
 @click.command()

@@ -1,4 +1,4 @@
--- Per-item stage state, app.stage_runs (pipeline_assets/app/stages.py).
+-- Per-item stage state, app.stage_runs (pipeline_assets/store/stage_runs.py).
 
 -- name: embed_state
 -- Each current document x model's embed state from its jobs: succeeded when every chunk is ready,

@@ -15,13 +15,14 @@ from collections.abc import Iterator
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import observations, stages
+from pipeline_assets.app import observations
 from pipeline_assets.app.reconcile import reconcile_all
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.app.touched import touched_since
 from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import GROUP
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.store import stage_runs
 
 
 class ReconcileConfig(dg.Config):
@@ -41,7 +42,7 @@ def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, p
     root = source.source(rt.settings).key
     n = postgres.bucket_count(rt.settings.partition_buckets)
     with postgres.connection() as conn:
-        since = stages.clock(conn)
+        since = stage_runs.clock(conn)
     report = reconcile_all(rt, postgres.pool(), rescan=config.rescan)
     with postgres.connection() as conn:
         touched = bk.buckets_of([t.document_id for t in touched_since(conn, root, since)], n)
