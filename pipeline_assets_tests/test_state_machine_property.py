@@ -1,7 +1,8 @@
 """The job state machine under hypothesis: random interleavings of every transition.
 
 A ``RuleBasedStateMachine`` drives the functions of ``pipeline_assets.jobs.transitions``
-and ``pipeline_assets.registry.models`` against the real PostgreSQL, the way workers,
+and ``pipeline_assets.registry.models`` (activate: ``app.model_admin.reactivate``)
+against the real PostgreSQL, the way workers,
 ingest, reconcile and a person would: claim, complete by the lease holder or by a
 stale owner, expire a lease, rescue, give back, fail (retryable and terminal),
 throttle (give back with a delay, the shared breaker paused), drop and restore a
