@@ -182,6 +182,30 @@ def test_a_resource_rebuilt_from_its_config_in_another_process_reads_its_fields(
     assert json.loads(out) == ["text-embedding-3-large", str(tmp_path.resolve()), False]
 
 
+def test_a_launchpad_override_keeps_the_configured_secrets(monkeypatch):
+    # A run config that sets a field of a resource (the launchpad) replaces all its configured values:
+    # the unset ones read the run process's environment, and lose neither the database nor the key.
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    resources = fresh_defs().resources
+    seen: dict[str, object] = {}
+
+    @dg.op
+    def look(postgres: dg.ResourceParam[PostgresResource],
+             embedding_provider: dg.ResourceParam[dg.ConfigurableResource]) -> None:
+        seen["url"], seen["key"] = postgres.url(), embedding_provider.settings().openai_api_key
+
+    @dg.job
+    def probe() -> None:
+        look()
+
+    defs = dg.Definitions(jobs=[probe], resources={k: resources[k] for k in ("postgres", "embedding_provider")})
+    run_config = {"resources": {"postgres": {"config": {"pool_max_size": 2}},
+                                "embedding_provider": {"config": {"model": "text-embedding-3-small"}}}}
+    assert defs.resolve_job_def("probe").execute_in_process(run_config=run_config).success
+    assert seen == {"url": SECRETS["PIPELINE_DATABASE_URL"], "key": SECRETS["OPENAI_API_KEY"]}
+
+
 def test_workspace_yaml_and_no_tool_dagster_block():
     text = (REPO / "workspace.yaml").read_text()
     assert "pipeline_assets.defs.definitions" in text

@@ -4,10 +4,11 @@ how an embeddings run embeds.
 Each resource carries, as its own fields, the values it needs, set once by
 ``build_resources(settings)`` from the typed ``Settings``: a run in the UI and the command line
 agree on the database, the model and every default, and a run's resources (built anew by Dagster
-from that config) read nothing else. A secret (a database URL, the API key) is a
-``dg.EnvVar`` field: the UI and the run's config show the variable's name, never the value. A
-field set in the launchpad overrides the configured one. ``PostgresResource``'s psycopg pool is
-opened and migrated on first use, closed at teardown.
+from that config) read nothing else. A secret (a database URL, the API key) is a ``dg.EnvVar``
+field: the UI and the run's config show the variable's name, never the value. A run config that
+sets any field of a resource (the launchpad) replaces all its configured values; the fields it
+leaves unset then read the run process's own environment (``Settings.from_env()``).
+``PostgresResource``'s psycopg pool is opened and migrated on first use, closed at teardown.
 """
 
 import dataclasses
@@ -66,7 +67,8 @@ class PostgresResource(dg.ConfigurableResource):
         default=None,
         description="libpq URL of the pipeline database (EnvVar PIPELINE_DATABASE_URL when set). Unset: the "
                     "embedded PostgreSQL under `home`.")
-    home: str = Field(default=str(_DEFAULTS.home), description="PIPELINE_HOME: the embedded server's data.")
+    home: str | None = Field(default=None, description="PIPELINE_HOME: the embedded server's data. Unset: "
+                                                       "this resource reads the environment's settings.")
     pool_mode: str = Field(default=_DEFAULTS.database_pool_mode,
                            description="PIPELINE_DATABASE_POOL_MODE: `transaction` prepares no statement.")
     pool_max_size: int = Field(default=4, description="Connections kept by this resource's pool.")
@@ -78,14 +80,21 @@ class PostgresResource(dg.ConfigurableResource):
         return cls(database_url=_secret(settings, "database_url"), home=str(settings.home),
                    pool_mode=settings.database_pool_mode)
 
+    def _environment(self) -> Settings | None:
+        """The environment's settings, for a resource not built from settings (``home`` unset)."""
+        return Settings.from_env() if self.home is None else None
+
     def url(self) -> str:
-        return _resolved(self.database_url) or db.embedded_url(Path(self.home).expanduser().resolve())
+        if (settings := self._environment()) is not None:
+            return db.database_url(settings)
+        return _resolved(self.database_url) or db.embedded_url(Path(str(self.home)).expanduser().resolve())
 
     def pool(self) -> ConnectionPool:
         """The pool, opened (and the database migrated) on first use."""
         if self._pool is None:
             url = self.url()
-            prepare = self.pool_mode != "transaction"
+            settings = self._environment()
+            prepare = settings.prepare if settings is not None else self.pool_mode != "transaction"
             with db.session(url, prepare=prepare):
                 pass  # apply pending migrations once, before the pool hands out connections
             self._pool = db.make_pool(url, min_size=1, max_size=self.pool_max_size, prepare=prepare)
@@ -121,10 +130,10 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
                     "text-embedding-3-small with OPENAI_API_KEY, else the local offline model). Set, it must be "
                     "that same model: the code versions are built from the configuration, and a model switch "
                     "is a configuration change the model_switch sensor follows.")
-    environment: dict[str, str] = Field(
-        default_factory=dict,
+    environment: dict[str, str] | None = Field(
+        default=None,
         description="The code location's settings other than secrets and defaults, by environment variable "
-                    "(set when the definitions are built; not a launchpad option).")
+                    "(set when the definitions are built; not a launchpad option). Unset: the environment's.")
     database_url: str | None = Field(default=None, description="EnvVar PIPELINE_DATABASE_URL when set.")
     source_database_url: str | None = Field(default=None,
                                             description="EnvVar PIPELINE_SOURCE_DATABASE_URL when set.")
@@ -137,6 +146,8 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
 
     def configured(self) -> Settings:
         """The code location's settings, as the definitions were built from them."""
+        if self.environment is None:
+            return Settings.from_env()
         secrets = {f.metadata["env"]: _resolved(getattr(self, f.name)) for f in SECRET_FIELDS}
         return Settings.from_env({**self.environment, **{k: v for k, v in secrets.items() if v}})
 
@@ -158,24 +169,32 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
 class SourceDirectoryResource(dg.ConfigurableResource):
     """The source: a folder, an object store prefix or a table (``app/source_registry.py``)."""
 
-    root: str = Field(
-        default=_DEFAULTS.source_dir, description="The source (a folder path, s3://bucket/prefix, ...); "
-                                                  "configured: PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR.")
+    root: str | None = Field(
+        default=None, description="The source (a folder path, s3://bucket/prefix, ...); configured (and "
+                                  "unset): PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR.")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "SourceDirectoryResource":
         return cls(root=settings.source or settings.source_dir)
 
+    def spec(self) -> str:
+        """The source string: this resource's, else the environment's settings'."""
+        if self.root:
+            return self.root
+        settings = Settings.from_env()
+        return settings.source or settings.source_dir
+
     def root_path(self) -> Path:
         """The folder configured (a relative path that is not here: the bundled example's)."""
-        path = Path(self.root).expanduser()
+        path = Path(self.spec()).expanduser()
         if not path.is_absolute() and not path.exists() and (_REPO / path).exists():
             path = _REPO / path  # the bundled example corpus, whatever the working directory
         return path.resolve()
 
     def source(self, settings: Settings) -> Source:
         """The configured source, opened with ``settings`` (SourceError, one line, for a malformed string)."""
-        return FolderSource(self.root_path()) if is_folder(self.root) else open_source(self.root, settings)
+        spec = self.spec()
+        return FolderSource(self.root_path()) if is_folder(spec) else open_source(spec, settings)
 
 
 class EmbeddingRunResource(dg.ConfigurableResource):
