@@ -30,10 +30,9 @@ from pipeline_assets.providers import ConfigError, model_id_for
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
-DATABASE_URL_ENV = "PIPELINE_DATABASE_URL"
 _REPO = Path(__file__).resolve().parents[2]
 _DEFAULTS = Settings()
-# The settings a resource field may only hold as the name of their environment variable.
+# The settings a resource field may only hold as a dg.EnvVar (the name of their variable).
 SECRET_FIELDS = tuple(f for f in dataclasses.fields(Settings) if f.metadata["secret"])
 _SECRET_NAMES = {f.name for f in SECRET_FIELDS}
 
