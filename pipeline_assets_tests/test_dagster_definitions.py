@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -108,7 +112,7 @@ def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
     assert source.root_path() == (REPO / "examples" / "corpus").resolve()
     model = provider.settings().embedding_model
     # The definitions' resources read the settings the definitions were built from, once: not the
-    # environment again (a run's resources are built anew from config: they keep the settings' id).
+    # environment again (a run's resources are built anew from config: the values are its fields).
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path))
     monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "text-embedding-3-large")
     assert source.root_path() == (REPO / "examples" / "corpus").resolve()
@@ -119,6 +123,87 @@ def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
     assert reloaded.resources["embedding_provider"].settings().embedding_model == "text-embedding-3-large"
     assert source.root_path() == (REPO / "examples" / "corpus").resolve()   # the old definitions' own
     assert SourceDirectoryResource(root="/x/y").root_path() == Path("/x/y")
+
+
+SECRETS = {"PIPELINE_DATABASE_URL": "postgresql://app:pw-db-s3cret@db.example/pipeline",
+           "PIPELINE_SOURCE_DATABASE_URL": "postgresql://src:pw-src-s3cret@src.example/docs",
+           "OPENAI_API_KEY": "sk-test-key-s3cret"}
+
+
+def _shown_config(defs: dg.Definitions) -> str:
+    """What the UI shows of each resource's configured values (Dagster's resource snapshot), and
+    each resource's own fields, as text."""
+    shown = [definition.config_schema.default_value_as_json_str
+             for definition in defs.get_repository_def().get_top_level_resources().values()
+             if definition.config_schema.default_provided]
+    fields = {name: resource.model_dump() for name, resource in (defs.resources or {}).items()}
+    return "\n".join([*shown, json.dumps(fields, default=str), repr(defs.resources)])
+
+
+def test_resource_config_names_secrets_never_holds_them(monkeypatch, tmp_path):
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    plain = {"PIPELINE_EMBEDDING_MODEL": "text-embedding-3-large", "PIPELINE_LOCAL_MODEL_DIR": str(tmp_path),
+             "PIPELINE_EMBED_RUN_DEADLINE": "12.5", "PIPELINE_BATCH_INPUTS": "64", "PIPELINE_DECODE_ERRORS": "REPLACE"}
+    for name, value in plain.items():
+        monkeypatch.setenv(name, value)
+    defs = fresh_defs()
+    shown = _shown_config(defs)
+    for value in SECRETS.values():
+        assert value not in shown and "s3cret" not in shown
+    assert all(name in shown for name in SECRETS)   # the variable's name stands for each secret
+    assert "text-embedding-3-large" in shown        # the plain settings are the resource's own values
+    provider = defs.resources["embedding_provider"]
+    assert provider.settings() == Settings.from_env()   # and resolve back to the settings, secrets included
+    assert defs.resources["postgres"].url() == SECRETS["PIPELINE_DATABASE_URL"]
+
+
+def test_a_resource_rebuilt_from_its_config_in_another_process_reads_its_fields(monkeypatch, tmp_path):
+    # A run's resources are built anew from their config, in the run's own process: the values
+    # must travel in that config, not in the process that built the definitions.
+    monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "text-embedding-3-large")
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path))
+    monkeypatch.setenv("PIPELINE_EMBED_WORKERS", "external")
+    resources = fresh_defs().resources
+    config = {name: resources[name].model_dump() for name in ("embedding_provider", "source", "embedding_run")}
+    script = ("import json, sys\n"
+              "from pipeline_assets.defs.resources import build_resources\n"
+              "from pipeline_assets.settings import Settings\n"
+              "config = json.loads(sys.stdin.read())\n"
+              "kinds = {name: type(r) for name, r in build_resources(Settings()).items()}\n"
+              "built = {name: kinds[name](**value) for name, value in config.items()}\n"
+              "print(json.dumps([built['embedding_provider'].settings().embedding_model,\n"
+              "                  str(built['source'].root_path()),\n"
+              "                  built['embedding_run'].embeds_in_process(Settings())]))\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PIPELINE_EMBEDDING_MODEL", "PIPELINE_SOURCE_DIR", "PIPELINE_EMBED_WORKERS")}
+    out = subprocess.run([sys.executable, "-c", script], input=json.dumps(config), env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert json.loads(out) == ["text-embedding-3-large", str(tmp_path.resolve()), False]
+
+
+def test_a_launchpad_override_keeps_the_configured_secrets(monkeypatch):
+    # A run config that sets a field of a resource (the launchpad) replaces all its configured values:
+    # the unset ones read the run process's environment, and lose neither the database nor the key.
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    resources = fresh_defs().resources
+    seen: dict[str, object] = {}
+
+    @dg.op
+    def look(postgres: dg.ResourceParam[PostgresResource],
+             embedding_provider: dg.ResourceParam[dg.ConfigurableResource]) -> None:
+        seen["url"], seen["key"] = postgres.url(), embedding_provider.settings().openai_api_key
+
+    @dg.job
+    def probe() -> None:
+        look()
+
+    defs = dg.Definitions(jobs=[probe], resources={k: resources[k] for k in ("postgres", "embedding_provider")})
+    run_config = {"resources": {"postgres": {"config": {"pool_max_size": 2}},
+                                "embedding_provider": {"config": {"model": "text-embedding-3-small"}}}}
+    assert defs.resolve_job_def("probe").execute_in_process(run_config=run_config).success
+    assert seen == {"url": SECRETS["PIPELINE_DATABASE_URL"], "key": SECRETS["OPENAI_API_KEY"]}
 
 
 def test_workspace_yaml_and_no_tool_dagster_block():

@@ -1,15 +1,17 @@
 """Dagster resources, shared by every domain: the database, the embedding provider, the source,
 how an embeddings run embeds.
 
-Each turns its config into what the use cases of ``pipeline_assets.app`` take (a pool, a
-``Runtime``, a ``Source``). Unset fields read the settings the definitions were built from
-(``build_resources(settings)``, found by ``settings_id``), so a run in the UI and the command
-line agree on the database, the model and every default; a field set in the launchpad
-overrides them. ``PostgresResource`` takes ``database_url`` from ``EnvVar("PIPELINE_DATABASE_URL")``
-when set (the UI shows the name, never the password), else the embedded server under
-PIPELINE_HOME; its psycopg pool is opened and migrated on first use, closed at teardown.
+Each resource carries, as its own fields, the values it needs, set once by
+``build_resources(settings)`` from the typed ``Settings``: a run in the UI and the command line
+agree on the database, the model and every default, and a run's resources (built anew by Dagster
+from that config) read nothing else. A secret (a database URL, the API key) is a ``dg.EnvVar``
+field: the UI and the run's config show the variable's name, never the value. A run config that
+sets any field of a resource (the launchpad) replaces all its configured values; the fields it
+leaves unset then read the run process's own environment (``Settings.from_env()``).
+``PostgresResource``'s psycopg pool is opened and migrated on first use, closed at teardown.
 """
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,33 +30,33 @@ from pipeline_assets.providers import ConfigError, model_id_for
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
-DATABASE_URL_ENV = "PIPELINE_DATABASE_URL"
 _REPO = Path(__file__).resolve().parents[2]
-
-# The settings each Definitions of this process was built from, by id. Dagster
-# builds resource instances anew from their config (a launchpad override, every
-# run's resource init) and drops anything else they hold, so a resource carries
-# only the id (``settings_id``) and reads its settings here.
-_SETTINGS: dict[str, Settings] = {}
-SETTINGS_ID_HELP = ("Which settings of this code location the resource reads (set when the definitions are "
-                    "built from the environment; not a launchpad option).")
+_DEFAULTS = Settings()
+# The settings a resource field may only hold as a dg.EnvVar (the name of their variable).
+SECRET_FIELDS = tuple(f for f in dataclasses.fields(Settings) if f.metadata["secret"])
+_SECRET_NAMES = {f.name for f in SECRET_FIELDS}
 
 
-def register_settings(settings: Settings) -> str:
-    """The id ``settings`` are kept under in this process (equal settings, the same id)."""
-    for key, known in _SETTINGS.items():
-        if known == settings:
-            return key
-    key = f"settings-{len(_SETTINGS) + 1}"
-    _SETTINGS[key] = settings
-    return key
+def _secret(settings: Settings, name: str) -> str | None:
+    """The secret setting ``name`` as a resource field: its variable's ``dg.EnvVar``, or unset."""
+    env = next(f.metadata["env"] for f in SECRET_FIELDS if f.name == name)
+    return dg.EnvVar(env) if getattr(settings, name) else None
 
 
-def settings_of(settings_id: str | None) -> Settings:
-    """The settings registered under an id; a resource built by hand (no id) reads the environment."""
-    if settings_id is not None and settings_id in _SETTINGS:
-        return _SETTINGS[settings_id]
-    return Settings.from_env()
+def _resolved(value: str | None) -> str | None:
+    """A field's value: an ``EnvVar`` is resolved here when the resource is used outside a run."""
+    return value.get_value() if isinstance(value, dg.EnvVar) else value
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """The non-secret settings that differ from the defaults, by environment variable, as text
+    ``Settings.from_env`` reads back to the same values."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(Settings):
+        value = getattr(settings, f.name)
+        if f.name not in _SECRET_NAMES and value is not None and value != getattr(_DEFAULTS, f.name):
+            out[f.metadata["env"]] = str(value)
+    return out
 
 
 class PostgresResource(dg.ConfigurableResource):
@@ -62,31 +64,36 @@ class PostgresResource(dg.ConfigurableResource):
 
     database_url: str | None = Field(
         default=None,
-        description="libpq URL of the pipeline database. Unset: PIPELINE_DATABASE_URL, else the embedded "
-                    "PostgreSQL under PIPELINE_HOME.")
+        description="libpq URL of the pipeline database (EnvVar PIPELINE_DATABASE_URL when set). Unset: the "
+                    "embedded PostgreSQL under `home`.")
+    home: str | None = Field(default=None, description="PIPELINE_HOME: the embedded server's data. Unset: "
+                                                       "this resource reads the environment's settings.")
+    pool_mode: str = Field(default=_DEFAULTS.database_pool_mode,
+                           description="PIPELINE_DATABASE_POOL_MODE: `transaction` prepares no statement.")
     pool_max_size: int = Field(default=4, description="Connections kept by this resource's pool.")
-    settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
 
     _pool = PrivateAttr(default=None)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "PostgresResource":
-        key = register_settings(settings)
-        if settings.database_url:
-            return cls(database_url=dg.EnvVar(DATABASE_URL_ENV), settings_id=key)
-        return cls(settings_id=key)
+        return cls(database_url=_secret(settings, "database_url"), home=str(settings.home),
+                   pool_mode=settings.database_pool_mode)
+
+    def _environment(self) -> Settings | None:
+        """The environment's settings, for a resource not built from settings (``home`` unset)."""
+        return Settings.from_env() if self.home is None else None
 
     def url(self) -> str:
-        value = self.database_url
-        if isinstance(value, dg.EnvVar):  # used directly, outside a run or sensor
-            value = value.get_value()
-        return value or db.database_url(settings_of(self.settings_id))
+        if (settings := self._environment()) is not None:
+            return db.database_url(settings)
+        return _resolved(self.database_url) or db.embedded_url(Path(str(self.home)).expanduser().resolve())
 
     def pool(self) -> ConnectionPool:
         """The pool, opened (and the database migrated) on first use."""
         if self._pool is None:
             url = self.url()
-            prepare = settings_of(self.settings_id).prepare
+            settings = self._environment()
+            prepare = settings.prepare if settings is not None else self.pool_mode != "transaction"
             with db.session(url, prepare=prepare):
                 pass  # apply pending migrations once, before the pool hands out connections
             self._pool = db.make_pool(url, min_size=1, max_size=self.pool_max_size, prepare=prepare)
@@ -118,19 +125,38 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
 
     model: str | None = Field(
         default=None,
-        description="Model name; unset: PIPELINE_EMBEDDING_MODEL, else text-embedding-3-small with "
-                    "OPENAI_API_KEY, else the local offline model. Set, it must be that same model: the "
-                    "code versions are built from the configuration, and a model switch is a configuration "
-                    "change the model_switch sensor follows.")
-    settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
+        description="Model name; unset: the configured one (PIPELINE_EMBEDDING_MODEL, else "
+                    "text-embedding-3-small with OPENAI_API_KEY, else the local offline model). Set, it must be "
+                    "that same model: the code versions are built from the configuration, and a model switch "
+                    "is a configuration change the model_switch sensor follows.")
+    environment: dict[str, str] | None = Field(
+        default=None,
+        description="The code location's settings other than secrets and defaults, by environment variable "
+                    "(set when the definitions are built; not a launchpad option). Unset: the environment's.")
+    database_url: str | None = Field(default=None, description="EnvVar PIPELINE_DATABASE_URL when set.")
+    source_database_url: str | None = Field(default=None,
+                                            description="EnvVar PIPELINE_SOURCE_DATABASE_URL when set.")
+    openai_api_key: str | None = Field(default=None, description="EnvVar OPENAI_API_KEY when set.")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "EmbeddingProviderResource":
+        return cls(environment=settings_environment(settings),
+                   **{f.name: _secret(settings, f.name) for f in SECRET_FIELDS})
+
+    def configured(self) -> Settings:
+        """The code location's settings, as the definitions were built from them."""
+        if self.environment is None:
+            return Settings.from_env()
+        secrets = {f.metadata["env"]: _resolved(getattr(self, f.name)) for f in SECRET_FIELDS}
+        return Settings.from_env({**self.environment, **{k: v for k, v in secrets.items() if v}})
 
     def settings(self) -> Settings:
         """The code location's settings with this resource's model."""
-        return settings_of(self.settings_id).replace(embedding_model=self.model)
+        return self.configured().replace(embedding_model=self.model)
 
     def runtime(self, run_id: str | None = None, *, force: bool = False) -> Runtime:
         rt = Runtime.build(self.settings(), run_id=run_id, force=force)
-        if self.model and rt.model_id != (configured := model_id_for(settings_of(self.settings_id))):
+        if self.model and rt.model_id != (configured := model_id_for(self.configured())):
             # A launchpad override: it would register a model nobody serves or works, and record
             # vectors of one model under the code version of another (defs/models/sensors.py).
             raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "
@@ -143,27 +169,31 @@ class SourceDirectoryResource(dg.ConfigurableResource):
     """The source: a folder, an object store prefix or a table (``app/source_registry.py``)."""
 
     root: str | None = Field(
-        default=None, description="The source (a folder path, s3://bucket/prefix, ...); unset: "
-                                  "PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR, else examples/corpus.")
-    settings_id: str | None = Field(default=None, description=SETTINGS_ID_HELP)
+        default=None, description="The source (a folder path, s3://bucket/prefix, ...); configured (and "
+                                  "unset): PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR.")
 
-    def spec(self, settings: Settings | None = None) -> str:
-        """The source string configured (this resource's, else the settings')."""
-        settings = settings or settings_of(self.settings_id)
-        return self.root or settings.source or settings.source_dir
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "SourceDirectoryResource":
+        return cls(root=settings.source or settings.source_dir)
 
-    def root_path(self, settings: Settings | None = None) -> Path:
+    def spec(self) -> str:
+        """The source string: this resource's, else the environment's settings'."""
+        if self.root:
+            return self.root
+        settings = Settings.from_env()
+        return settings.source or settings.source_dir
+
+    def root_path(self) -> Path:
         """The folder configured (a relative path that is not here: the bundled example's)."""
-        path = Path(self.spec(settings)).expanduser()
+        path = Path(self.spec()).expanduser()
         if not path.is_absolute() and not path.exists() and (_REPO / path).exists():
             path = _REPO / path  # the bundled example corpus, whatever the working directory
         return path.resolve()
 
-    def source(self, settings: Settings | None = None) -> Source:
-        """The configured source, opened (SourceError, one line, for a malformed string)."""
-        settings = settings or settings_of(self.settings_id)
-        spec = self.spec(settings)
-        return FolderSource(self.root_path(settings)) if is_folder(spec) else open_source(spec, settings)
+    def source(self, settings: Settings) -> Source:
+        """The configured source, opened with ``settings`` (SourceError, one line, for a malformed string)."""
+        spec = self.spec()
+        return FolderSource(self.root_path()) if is_folder(spec) else open_source(spec, settings)
 
 
 class EmbeddingRunResource(dg.ConfigurableResource):
@@ -172,12 +202,12 @@ class EmbeddingRunResource(dg.ConfigurableResource):
     in_process: bool | None = Field(
         default=None,
         description="Embed in the run (a worker claiming only the run's chunks) or only wait for "
-                    "`pipeline-assets work` processes elsewhere. Unset: PIPELINE_EMBED_WORKERS "
+                    "`pipeline-assets work` processes elsewhere. Configured: PIPELINE_EMBED_WORKERS "
                     "(`in-process` by default, `external` for the scale-out path).")
     deadline_seconds: float | None = Field(
         default=None,
         description="The run fails, with ready/failed/outstanding counts, if its chunks are not all ready or "
-                    "failed by then. Unset: PIPELINE_EMBED_RUN_DEADLINE (3600 s by default).")
+                    "failed by then. Configured: PIPELINE_EMBED_RUN_DEADLINE (3600 s by default).")
 
     def embeds_in_process(self, settings: Settings) -> bool:
         return self.in_process if self.in_process is not None else settings.embed_workers == "in-process"
@@ -187,11 +217,11 @@ class EmbeddingRunResource(dg.ConfigurableResource):
 
 
 def build_resources(settings: Settings) -> dict[str, dg.ConfigurableResource]:
-    """The resources, reading ``settings`` (kept in this process under their id)."""
-    key = register_settings(settings)
+    """The resources, each carrying the values of ``settings`` it needs."""
     return {
         "postgres": PostgresResource.from_settings(settings),
-        "embedding_provider": EmbeddingProviderResource(settings_id=key),
-        "source": SourceDirectoryResource(settings_id=key),
-        "embedding_run": EmbeddingRunResource(),
+        "embedding_provider": EmbeddingProviderResource.from_settings(settings),
+        "source": SourceDirectoryResource.from_settings(settings),
+        "embedding_run": EmbeddingRunResource(in_process=settings.embed_workers == "in-process",
+                                              deadline_seconds=settings.embed_run_deadline),
     }

@@ -36,8 +36,13 @@ class DatabaseUnavailable(RuntimeError):
 def database_url(settings: Settings) -> str:
     if settings.database_url:
         return settings.database_url
+    return embedded_url(settings.home_path)
+
+
+def embedded_url(home: Path) -> str:
+    """The URL of the embedded server under ``home``, started if it is not running."""
     try:
-        return embedded_postgres.ensure_server(settings.home_path)
+        return embedded_postgres.ensure_server(home)
     except (embedded_postgres.EmbeddedServerError, OSError, subprocess.TimeoutExpired) as exc:
         raise DatabaseUnavailable(str(exc)) from None
 
