@@ -5,9 +5,7 @@ input that inflates past the memory limit quarantines only its document."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import threading
 import time
 
@@ -15,8 +13,8 @@ import pytest
 
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions
-from pipeline_assets.content import process
 from pipeline_assets.content.chunking import Chunker
+from pipeline_assets_tests.poison_chunker import PARENT_LOCK, POISON_TEXT, PoisonChunker, under_the_parents_lock
 
 # The per-document deadline of these tests: far below the poison's stall (300 s, or minutes of C
 # code), and far above what a fine document needs (milliseconds), so a loaded machine does not
@@ -28,21 +26,10 @@ def _corpus(tmp_path):
     corpus = tmp_path / "c"
     corpus.mkdir()
     # The poison document comes first: the one after it needs a fresh child.
-    (corpus / "a-poison.md").write_text("this one makes the parser misbehave")
+    (corpus / "a-poison.md").write_text(POISON_TEXT)
     (corpus / "b-fine.md").write_text("an ordinary document")
     (corpus / "c-fine.md").write_text("another ordinary document")
     return corpus
-
-
-def _poison(monkeypatch, behaviour):
-    real = process.extract_text
-
-    def extract(document_id, raw, **kw):
-        if document_id == "a-poison.md":
-            behaviour()
-        return real(document_id, raw, **kw)
-
-    monkeypatch.setattr(process, "extract_text", extract)
 
 
 # Extraction children of these ingests: a pool, whatever the machine's cores.
@@ -66,78 +53,58 @@ def _assert_only_poison_quarantined(conn, report, error_class):
     assert stage == ("failed", error_class)
 
 
-def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path, monkeypatch):
-    _poison(monkeypatch, lambda: time.sleep(300))  # a parser stuck on a pathological input
+def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path):
     started = time.monotonic()
-    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT)
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("stall"))
     assert time.monotonic() - started < 60           # cut at its deadline, not the 300 s stall
     _assert_only_poison_quarantined(clean_db, report, "timeout")
     # What the user reads (status, dlq show): where the parser was stuck, and that it was tried twice.
     message = clean_db.execute("SELECT error_message FROM app.documents"
                                " WHERE document_id = 'a-poison.md'").fetchone()[0]
-    assert "(2 times, each in a fresh process); stuck in <lambda> (pipeline_assets_tests/test_stage_timeout.py:" \
+    assert "(2 times, each in a fresh process); stuck in _stall (pipeline_assets_tests/poison_chunker.py:" \
         in message, message
 
 
-def test_a_stall_in_c_code_is_killed_at_its_deadline(clean_db, tmp_path, monkeypatch):
-    # One C call that never returns to the interpreter: a signal handler cannot run
-    # inside it (SIGALRM fired only after it ended, ~20 s later; this one takes minutes).
-    _poison(monkeypatch, lambda: sum(range(10 ** 11)))
+def test_a_stall_in_c_code_is_killed_at_its_deadline(clean_db, tmp_path):
+    # A signal handler cannot run inside one C call (SIGALRM fired only after it ended).
     started = time.monotonic()
-    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT)
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("stall_in_c"))
     assert time.monotonic() - started < 60           # killed at its deadline, not minutes later
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
 
-def test_a_parser_that_swallows_exceptions_is_still_stopped(clean_db, tmp_path, monkeypatch):
-    def swallowing():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            with contextlib.suppress(Exception):  # a parser's blanket handler eats whatever the timeout raises
-                time.sleep(0.05)
-
-    _poison(monkeypatch, swallowing)
+def test_a_parser_that_swallows_exceptions_is_still_stopped(clean_db, tmp_path):
     started = time.monotonic()
-    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT)
+    report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("swallow"))
     assert time.monotonic() - started < 60           # stopped at its deadline, not after 300 s
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
 
-def test_the_limit_holds_off_the_main_thread(clean_db, tmp_path, monkeypatch):
+def test_the_limit_holds_off_the_main_thread(clean_db, tmp_path):
     """A Dagster run or a sensor ingests off the main thread, where SIGALRM cannot be used."""
-    _poison(monkeypatch, lambda: time.sleep(300))
     corpus = _corpus(tmp_path)
     result = {}
     started = time.monotonic()
-    t = threading.Thread(target=lambda: result.update(report=_ingest(clean_db, corpus, stage_timeout=STAGE_TIMEOUT)))
+    t = threading.Thread(target=lambda: result.update(report=_ingest(
+        clean_db, corpus, stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("stall"))))
     t.start()
     t.join(120)
     assert not t.is_alive() and time.monotonic() - started < 60   # not the 300 s stall
     _assert_only_poison_quarantined(clean_db, result["report"], "timeout")
 
 
-def test_an_extraction_over_the_memory_limit_is_quarantined(clean_db, tmp_path, monkeypatch):
-    def inflate():
-        blob = bytearray(1 << 30)  # a 1 GiB parse tree, say
-        blob[-1] = 1
-
-    _poison(monkeypatch, inflate)
-    report = _ingest(clean_db, _corpus(tmp_path), extract_memory=256 * 1024 * 1024)
+def test_an_extraction_over_the_memory_limit_is_quarantined(clean_db, tmp_path):
+    report = _ingest(clean_db, _corpus(tmp_path), extract_memory=256 * 1024 * 1024, chunker=PoisonChunker("inflate"))
     _assert_only_poison_quarantined(clean_db, report, "memory_limit")
 
 
-def test_a_parser_that_crashes_its_process_is_one_documents_error(clean_db, tmp_path, monkeypatch):
-    _poison(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGSEGV))  # a crash in a C extension
-    report = _ingest(clean_db, _corpus(tmp_path))
+def test_a_parser_that_crashes_its_process_is_one_documents_error(clean_db, tmp_path):
+    report = _ingest(clean_db, _corpus(tmp_path), chunker=PoisonChunker("crash"))
     _assert_only_poison_quarantined(clean_db, report, "extract_crashed")
 
 
-def test_a_bug_in_a_parser_is_one_documents_error(clean_db, tmp_path, monkeypatch):
-    def bug():
-        raise KeyError("a parser bug")
-
-    _poison(monkeypatch, bug)
-    report = _ingest(clean_db, _corpus(tmp_path))
+def test_a_bug_in_a_parser_is_one_documents_error(clean_db, tmp_path):
+    report = _ingest(clean_db, _corpus(tmp_path), chunker=PoisonChunker("bug"))
     _assert_only_poison_quarantined(clean_db, report, "extract_failed")
 
 
@@ -242,13 +209,15 @@ def test_the_child_does_not_outlive_a_killed_parent(tmp_path):
     import subprocess
     import sys
 
-    script = ("import os, signal\n"
-              "from pipeline_assets.content.sandbox import Sandbox\n"
-              "box = Sandbox(lambda x: x, timeout=5, memory_limit=0)\n"
-              "assert box.call(1) == 1\n"
-              "print(box.pids[0], flush=True)\n"
-              "os.kill(os.getpid(), signal.SIGKILL)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    # A script without a main guard: the child must not run it again.
+    script = tmp_path / "unguarded.py"
+    script.write_text("import os, signal\n"
+                      "from pipeline_assets.content.sandbox import Sandbox\n"
+                      "box = Sandbox(abs, timeout=5, memory_limit=0)\n"
+                      "assert box.call(-1) == 1\n"
+                      "print(box.pids[0], flush=True)\n"
+                      "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     child = int(proc.stdout.split()[0])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -261,3 +230,26 @@ def test_the_child_does_not_outlive_a_killed_parent(tmp_path):
             return  # exited (a zombie until init reaps it)
         time.sleep(0.1)
     raise AssertionError(f"extraction child {child} still running after its parent was killed")
+
+
+def test_a_lock_another_thread_holds_does_not_reach_the_child():
+    """The caller's threads (a connection pool, a Dagster run's, a beat) may hold a lock when a child
+    starts: a child forked from the caller would start with it held and wait on it forever."""
+    from pipeline_assets.content.sandbox import Sandbox
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with PARENT_LOCK:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        with Sandbox(under_the_parents_lock, timeout=STAGE_TIMEOUT * 5, memory_limit=0) as box:
+            assert box.call("answered") == "answered"
+    finally:
+        release.set()
+        holder.join(60)

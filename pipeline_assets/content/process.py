@@ -9,13 +9,13 @@ class), never the ingest's.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from pipeline_assets.content.chunking import Chunk, Chunker, get_encoding
+from pipeline_assets.content.chunking import Chunk, Chunker
 from pipeline_assets.content.extract import ExtractError, ExtractorVersions, extract_text
 from pipeline_assets.content.sandbox import Sandbox
 from pipeline_assets.content.source import Item, ReadOutcome, Source
@@ -100,11 +100,8 @@ class Extractor:
 
     def __init__(self, spec: ExtractSpec, *, timeout: float, memory_limit: int, processes: int = 1) -> None:
         self.spec = spec
-        self.sandbox = Sandbox(self._run, timeout=timeout, memory_limit=memory_limit, processes=processes)
-        self._warm = False
-
-    def _run(self, document_id: str, raw: bytes) -> tuple[bytes, list[Chunk]]:
-        return extract_and_chunk(self.spec, document_id, raw)
+        self.sandbox = Sandbox(functools.partial(extract_and_chunk, spec), timeout=timeout,
+                               memory_limit=memory_limit, processes=processes)
 
     def __enter__(self) -> Extractor:
         return self
@@ -120,14 +117,6 @@ class Extractor:
     def submit(self, item: Item, checksum: bytes, raw: bytes, known: KnownDocument | None = None) -> bool:
         """Queue one document (``known``: what the database held of it, handed back by
         ``take``); False when the queue is full (``take`` first)."""
-        if not self._warm:
-            # Load the tokenizer and the parsers here, once: every child inherits them, and
-            # no document's deadline pays for an import.
-            get_encoding()
-            for module in ("bs4", "pypdf"):
-                with contextlib.suppress(ImportError):
-                    __import__(module)
-            self._warm = True
         return self.sandbox.submit((item, checksum, known), item.document_id, raw)
 
     def take(self) -> tuple[KnownDocument | None, Processed]:

@@ -1,7 +1,8 @@
 """Run a function in child processes that are killed at their deadline, under a memory limit.
 
-A bounded pool of forked, long-lived children (``processes``) serves one ingest's calls; a child
-only computes and answers on its pipes, never touching the parent's connections or threads.
+A bounded pool of long-lived children (``processes``), forked by a forkserver rather than by the
+caller (``server_process``), serves one ingest's calls; a child only computes and answers on its
+pipes. ``fn`` and the calls' arguments must be picklable (a module-level function, a partial of one).
 ``submit`` queues a call on the least busy child (at most ``MAX_QUEUED_CALLS``, within half its
 pipe's buffer, so a send never blocks); ``take`` returns the first answer of any child. A call's
 deadline starts when its child is free for it; past it the child is SIGKILLed, the call fails with
@@ -31,6 +32,7 @@ from types import TracebackType
 from typing import Any
 
 from pipeline_assets.content.extract import ExtractError
+from pipeline_assets.content.server_process import ServerProcess
 
 # Error classes of a call that did not return normally.
 TIMEOUT = "timeout"                  # still running at its deadline: the child was killed
@@ -38,7 +40,7 @@ MEMORY_LIMIT = "memory_limit"        # MemoryError under the child's address-spa
 CHILD_DIED = "extract_crashed"       # the child died without answering (a crash in C code, the OOM killer)
 UNEXPECTED = "extract_failed"        # any other exception of the function (a bug): one call's error
 
-# How long a new child may take to fork and say it is ready.
+# How long a new child may take to start (the first one also starts the forkserver) and say it is ready.
 CHILD_START_TIMEOUT_SECONDS = 60.0
 # How long a child asked to leave may take before it is killed.
 CHILD_EXIT_TIMEOUT_SECONDS = 2.0
@@ -85,17 +87,13 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _serve(calls: Connection, answers: Connection, parent_ends: tuple[Connection, ...], stack_fd: int,
-           parent_fds: tuple[int, ...], fn: Callable[..., Any], memory_limit: int) -> None:
+def _serve(calls: Connection, answers: Connection, stack: Connection, fn: Callable[..., Any],
+           memory_limit: int) -> None:
     """The child: answer calls in order until told to stop (None) or the pipe closes;
-    its Python stack goes to ``stack_fd`` on SIGUSR1."""
-    for conn in parent_ends:
-        conn.close()  # else a copy here would keep its pipe open after the parent died
-    for fd in parent_fds:
-        os.close(fd)
+    its Python stack goes to ``stack`` on SIGUSR1."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when this process ends
     faulthandler.disable()  # a crash is reported by the parent, in one line
-    faulthandler.register(signal.SIGUSR1, file=stack_fd, all_threads=False)
+    faulthandler.register(signal.SIGUSR1, file=stack.fileno(), all_threads=False)
     used = _address_space()
     if memory_limit > 0 and used is not None:
         limit = used + memory_limit
@@ -126,7 +124,7 @@ class _Child:
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.calls: Connection | None = None      # parent -> child
         self.answers: Connection | None = None    # child -> parent
-        self.stack: int | None = None             # child -> parent: its stack, on SIGUSR1
+        self.stack: Connection | None = None      # child -> parent: its stack, on SIGUSR1
         self.window = 4096
         self.pending: deque[tuple[Any, bytes, int]] = deque()  # (tag, pickled args, attempt), oldest first
         self.queued_bytes = 0
@@ -145,11 +143,9 @@ class _Child:
             self.proc.kill()
             self.proc.join()
             code = self.proc.exitcode
-        for conn in (self.calls, self.answers):
+        for conn in (self.calls, self.answers, self.stack):
             if conn is not None:
                 conn.close()
-        if self.stack is not None:
-            os.close(self.stack)
         self.proc = self.calls = self.answers = self.stack = None
         return code
 
@@ -166,12 +162,12 @@ class _Child:
         deadline = time.monotonic() + STACK_DUMP_SECONDS
         while (left := deadline - time.monotonic()) > 0:
             # The whole dump comes in a few writes: wait for the first, then until a pause.
-            readable, _, _ = select.select([self.stack], [], [], left if not dump else min(left, 0.1))
+            readable, _, _ = select.select([self.stack.fileno()], [], [], left if not dump else min(left, 0.1))
             if not readable:
                 if dump:
                     break
                 continue
-            chunk = os.read(self.stack, 1 << 16)
+            chunk = os.read(self.stack.fileno(), 1 << 16)
             if not chunk:
                 break
             dump += chunk
@@ -220,19 +216,16 @@ class Sandbox:
 
     # -- the children ---------------------------------------------------------------------
     def _start(self, child: _Child) -> None:
-        ctx = multiprocessing.get_context("fork")
-        calls_r, calls_w = ctx.Pipe(duplex=False)
-        answers_r, answers_w = ctx.Pipe(duplex=False)
-        stack_r, stack_w = os.pipe()
-        siblings = tuple(conn for c in self._children for conn in (c.calls, c.answers) if conn is not None)
-        sibling_stacks = tuple(c.stack for c in self._children if c.stack is not None)
-        proc = ctx.Process(target=_serve, args=(calls_r, answers_w, (calls_w, answers_r, *siblings), stack_w,
-                                                (stack_r, *sibling_stacks), self.fn, self.memory_limit),
+        calls_r, calls_w = multiprocessing.Pipe(duplex=False)
+        answers_r, answers_w = multiprocessing.Pipe(duplex=False)
+        stack_r, stack_w = multiprocessing.Pipe(duplex=False)
+        # The child gets its own ends only (the server passes exactly these): a copy of a
+        # parent's end would keep its pipe open after the parent died.
+        proc = ServerProcess(target=_serve, args=(calls_r, answers_w, stack_w, self.fn, self.memory_limit),
                            daemon=True, name="pipeline-extract")
         proc.start()
-        calls_r.close()
-        answers_w.close()
-        os.close(stack_w)
+        for end in (calls_r, answers_w, stack_w):
+            end.close()
         child.proc, child.calls, child.answers, child.stack = proc, calls_w, answers_r, stack_r
         child.window = _pipe_capacity(calls_w) // 2
         _pipe_capacity(answers_r)  # room for answers while the parent is busy elsewhere
