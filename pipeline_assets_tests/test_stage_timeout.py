@@ -163,7 +163,8 @@ def test_a_call_that_hangs_once_is_answered_by_a_fresh_child(tmp_path):
 
 def test_a_stuck_call_in_one_child_does_not_hold_up_or_lose_the_others():
     from pipeline_assets.content.extract import ExtractError
-    from pipeline_assets.content.sandbox import MAX_QUEUED_CALLS, Sandbox
+    from pipeline_assets.content.sandbox import Sandbox
+    from pipeline_assets.content.sandbox_child import MAX_QUEUED_CALLS
 
     quick = 4 * MAX_QUEUED_CALLS
     with Sandbox(_nap, timeout=30.0, memory_limit=0, processes=POOL) as box:
