@@ -13,17 +13,26 @@ import logging
 import threading
 import uuid
 
+import dagster as dg
 import pytest
 from psycopg import sql
 
 from pipeline_assets.app import ingest
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key
 from pipeline_assets.jobs import running_ingests
 from pipeline_assets.jobs.worker import Worker, WorkerConfig
 from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, cli, wait_until, write_corpus
+from pipeline_assets_tests.dagster_helpers import (
+    EMBED_JOB,
+    embed_range_tags,
+    execute,
+    fresh_defs,
+    materialization_metadata,
+)
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 DOCS = 24
@@ -50,18 +59,7 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
                                                                         monkeypatch, caplog):
     corpus = tmp_path / "c"
     write_corpus(corpus, DOCS)
-    monkeypatch.setattr(ingest, "INGEST_BATCH_DOCUMENTS", 2)   # several ingest transactions
-    paused, resume = threading.Event(), threading.Event()
-    real_write = ingest._write
-
-    def write_then_pause(*args, **kwargs):
-        """The hook: after its first committed batch with chunks, the ingest waits for the test."""
-        real_write(*args, **kwargs)
-        if args[3] and not paused.is_set():
-            paused.set()
-            resume.wait(PAUSE_TIMEOUT_SECONDS)
-
-    monkeypatch.setattr(ingest, "_write", write_then_pause)
+    paused, resume = paused_ingest(monkeypatch)
     rt = Runtime.build(Settings.from_env())
     pool = db.make_pool(database_url)
     done: dict = {}
@@ -104,6 +102,76 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
             working.join(30)
         pool.close()
     assert done["work"].embedded == chunks - first
+    billed = fake.stats["billed_by_text"]   # every chunk sent and billed once
+    assert sum(billed.values()) == len(billed) == chunks
+
+
+def paused_ingest(monkeypatch):
+    """The hook: after its first committed batch with chunks, the ingest waits for the test.
+    Returns (paused, resume) events."""
+    monkeypatch.setattr(ingest, "INGEST_BATCH_DOCUMENTS", 2)   # several ingest transactions
+    paused, resume = threading.Event(), threading.Event()
+    real_write = ingest._write
+
+    def write_then_pause(*args, **kwargs):
+        real_write(*args, **kwargs)
+        if args[3] and not paused.is_set():
+            paused.set()
+            resume.wait(PAUSE_TIMEOUT_SECONDS)
+
+    monkeypatch.setattr(ingest, "_write", write_then_pause)
+    return paused, resume
+
+
+def test_an_embeddings_run_beside_a_paused_ingest_leaves_the_index_to_the_next_run(env, fake, clean_db, database_url,
+                                                                                  tmp_path, monkeypatch):
+    """The Dagster path follows the workers' rule: an in-process embeddings run whose model's queue
+    drains while an ingest runs does not build the index, says so in its metadata, and the next run
+    that drains after the ingest builds it."""
+    corpus = tmp_path / "c"
+    write_corpus(corpus, DOCS)
+    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
+    paused, resume = paused_ingest(monkeypatch)
+    rt = Runtime.build(Settings.from_env())
+    pool = db.make_pool(database_url)
+    done: dict = {}
+    ingesting = threading.Thread(target=lambda: done.setdefault("report", ingest.ingest_source(rt, pool, corpus)))
+    defs, instance = fresh_defs(), dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [MODEL_ID])
+    everything = embed_range_tags([bucket_key(i) for i in range(64)], [MODEL_ID])
+
+    def embeddings_run() -> dict:
+        """An embeddings run over every bucket, in-process; its run-level metadata."""
+        result = execute(defs, instance, job=EMBED_JOB, tags=everything)
+        assert result.success
+        return materialization_metadata(result, "embeddings")
+
+    try:
+        ingesting.start()
+        wait_until(paused.is_set, timeout=60, what="the ingest's first batch")
+        first = clean_db.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0]
+        assert first > 0
+        meta = embeddings_run()   # embeds the first batch: the model's whole queue is idle at its end
+        assert ready(clean_db) == first and meta["embedded"] == first
+        assert not index_exists(clean_db)
+        assert vector_index.state(clean_db, MODEL_ID, FAKE_DIM) == vector_index.MISSING
+        assert "drained while an ingest runs" in meta["vector_index"]
+        assert running_ingests.PUT_OFF_BUILDER in meta["vector_index"]
+    finally:
+        resume.set()
+        ingesting.join(PAUSE_TIMEOUT_SECONDS)
+    try:
+        assert done["report"].scanned == DOCS
+        with db.connect(database_url) as c:
+            assert not running_ingests.any_running(c)
+        chunks = clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
+        assert chunks > first
+        meta = embeddings_run()   # the next run embeds the rest, drains, and builds the index
+        assert meta["embedded"] == chunks - first and "vector_index" not in meta
+        assert ready(clean_db) == chunks
+        assert vector_index.state(clean_db, MODEL_ID, FAKE_DIM) == vector_index.READY
+    finally:
+        pool.close()
     billed = fake.stats["billed_by_text"]   # every chunk sent and billed once
     assert sum(billed.values()) == len(billed) == chunks
 

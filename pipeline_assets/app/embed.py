@@ -22,7 +22,7 @@ from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobs import running_ingests, transitions
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
 from pipeline_assets.registry import models, vector_index
@@ -104,6 +104,7 @@ class DocumentsEmbedded:
     per_document: dict[str, reports.Coverage] = field(default_factory=dict)
     in_process: bool = True
     waited_seconds: float = 0.0
+    index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
 
 
 class EmbedIncomplete(RuntimeError):
@@ -163,7 +164,7 @@ def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path | str, document
                                poll_seconds=poll_seconds, in_process=in_process, deadline_seconds=deadline_seconds)
     return DocumentsEmbedded(work=waited.work, enqueued=waited.enqueued, summaries=summaries, before=waited.before,
                              after=waited.after, per_document=waited.detail, in_process=in_process,
-                             waited_seconds=waited.seconds)
+                             waited_seconds=waited.seconds, index_put_off=waited.index_put_off)
 
 
 @dataclass
@@ -178,6 +179,7 @@ class BucketsEmbedded:
     per_bucket: dict[int, buckets.BucketCoverage]
     in_process: bool = True
     waited_seconds: float = 0.0
+    index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
 
 
 def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_ids: Sequence[int], n: int, *,
@@ -202,7 +204,7 @@ def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_id
                                in_process=in_process, deadline_seconds=deadline_seconds)
     return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=waited.documents, before=waited.before,
                            after=waited.after, per_bucket=waited.detail, in_process=in_process,
-                           waited_seconds=waited.seconds)
+                           waited_seconds=waited.seconds, index_put_off=waited.index_put_off)
 
 
 D = TypeVar("D")
@@ -217,6 +219,7 @@ class _Waited(Generic[D]):
     after: reports.Coverage
     detail: D
     seconds: float
+    index_put_off: str | None = None   # the line saying the model's index build was left for later
 
 
 def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[], list[int]],
@@ -280,11 +283,12 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
         log.warning("the worker stopped after these documents were done: %s", error)
     if outstanding(after):
         raise EmbedDeadlineExceeded(after, deadline, in_process)
+    index_put_off = None
     if scoped is not None and idle:
-        # the whole queue drained: as a worker does when it drains
-        _build_index(pool, rt.model_id, rt.settings)
+        # the whole queue drained: as a worker does when it drains (and leaves)
+        index_put_off = _build_index(pool, rt.model_id, rt.settings)
     return _Waited(work=report, enqueued=enqueued, documents=len(pks), before=before, after=after, detail=detail,
-                   seconds=round(time.monotonic() - started, 3))
+                   seconds=round(time.monotonic() - started, 3), index_put_off=index_put_off)
 
 
 class _ScopedWorker:
@@ -319,12 +323,18 @@ class _ScopedWorker:
         return self._report or self._worker.report, self._error
 
 
-def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> None:
-    """Build the model's vector index if it is missing (concurrently; a failure is only logged)."""
+def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> str | None:
+    """Build the model's vector index if it is missing (concurrently; a failure is only logged),
+    unless an ingest is running (``running_ingests.index_build_decision``, a worker's rule when
+    it drains): then the build is left for later and the returned line says so and who builds it."""
     with pool.connection() as conn:
         dimension = models.model_dimension(conn, model_id)
-    if not dimension:
-        return
+        if not dimension:
+            return None
+        if running_ingests.index_build_decision(lambda: running_ingests.any_running(conn)) == running_ingests.PUT_OFF:
+            line = running_ingests.put_off_line(model_id)
+            log.info("%s", line)
+            return line
     try:
         with db.pool_connect(pool) as conn:
             vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory,
@@ -333,6 +343,7 @@ def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> Non
         log.info("%s", exc)  # a role without DDL, or a transaction pooler: a session of the owner builds it
     except vector_index.IndexBuildError as exc:
         log.warning("%s", exc)
+    return None
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Which ingests are running: a row per ingest in ``app.running_ingests``, kept alive by a
 beat from a thread on its own connection, deleted when the ingest ends.
 
-A worker whose queue drains asks ``any_running`` before it builds a vector index: an
-index built while an ingest still inserts is maintained by every later insert (over
-twice the cost of one build after them). Plain rows with an expiry, not session locks:
+Whoever builds a vector index when its queue drains (a worker; an in-process embeddings run
+whose model's queue is idle at its end) decides with ``index_build_decision``: no build while
+an ingest runs, since an index built while an ingest still inserts is maintained by every
+later insert (over twice the cost of one build after them). Plain rows with an expiry, not session locks:
 the check holds across processes and hosts and through a transaction-pooling PgBouncer,
 and a killed ingest stops counting ``INGEST_ALIVE_SECONDS`` after its last beat.
 The mark is advisory: when it cannot be written the ingest goes on unmarked.
@@ -33,10 +34,36 @@ INGEST_ALIVE_SECONDS = 15.0
 # ...and it beats this often.
 INGEST_BEAT_SECONDS = 3.0
 
+# What a drained queue does about its model's missing vector index (``index_build_decision``).
+BUILD = "build"        # build it now
+WAIT = "wait"          # the queue has not stayed empty for the builder's quiet period yet
+PUT_OFF = "put off"    # an ingest is running: left to the next drain after it (``PUT_OFF_BUILDER``)
+
+# Who builds an index put off for an ingest (said in the log line and the run's metadata).
+PUT_OFF_BUILDER = ("the first drain after the ingests end: a running `work` process whose queue is still empty, "
+                   "the next `work` or in-process embeddings run whose model's queue drains, or "
+                   "`pipeline-assets models index`")
+
 
 def any_running(conn: psycopg.Connection) -> bool:
     """Whether an ingest is running anywhere (a row still alive)."""
     return bool(queries.scalar(conn, INGESTS.any_running))
+
+
+def index_build_decision(ingest_running: Callable[[], bool], *, drained_for: float = 0.0,
+                         quiet_seconds: float = 0.0) -> str:
+    """The one rule for building a model's missing vector index once its queue drained: WAIT
+    while the queue has been empty less than ``quiet_seconds`` (a long-running worker's quiet
+    period; a builder that is leaving has none), PUT_OFF while ``ingest_running()``, else BUILD."""
+    if drained_for < quiet_seconds:
+        return WAIT
+    return PUT_OFF if ingest_running() else BUILD
+
+
+def put_off_line(model_id: str) -> str:
+    """The one line saying a drained queue left its index for later, and who builds it."""
+    return (f"the queue of model {model_id} drained while an ingest runs: its vector index is not built now "
+            f"(it would be maintained by every insert of the ingest); it is built by {PUT_OFF_BUILDER}")
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from pipeline_assets.jobs import decisions, job_log, leases
+from pipeline_assets.jobs import decisions, job_log, leases, running_ingests
 from pipeline_assets.jobs.budget import TokenBudget
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
@@ -232,8 +232,8 @@ class Worker:
         error is a logged warning. Returns whether `--until-idle` may exit (the build is over,
         or put off: an ingest is running, which would insert into a fresh index row by row).
 
-        A build starts only when no ingest is running (``running_ingests``) and, unless
-        `--until-idle`, the queue has stayed empty for ``index_quiet_seconds``."""
+        When is ``running_ingests.index_build_decision``'s: no build while an ingest runs and,
+        unless `--until-idle`, before the queue has stayed empty for ``index_quiet_seconds``."""
         if not self.config.build_index or not dimension:
             return True
         build = self._index_build
@@ -242,12 +242,14 @@ class Worker:
         now = time.monotonic()
         if self._drained_since is None:
             self._drained_since = now
-        if not self.config.until_idle and now - self._drained_since < self.config.index_quiet_seconds:
+        decision = running_ingests.index_build_decision(
+            store.ingest_running, drained_for=now - self._drained_since,
+            quiet_seconds=0.0 if self.config.until_idle else self.config.index_quiet_seconds)
+        if decision == running_ingests.WAIT:
             return False
-        if store.ingest_running():
+        if decision == running_ingests.PUT_OFF:
             if not self._deferred_for_ingest:
-                log.info("the queue of model %s drained while an ingest runs: its vector index is built at a "
-                         "drain after the ingest", self.model_id)
+                log.info("%s", running_ingests.put_off_line(self.model_id))
                 self._deferred_for_ingest = True
             return True
         self._index_build = build = vector_index.BackgroundBuild(

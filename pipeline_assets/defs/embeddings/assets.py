@@ -125,6 +125,7 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             totals: dict[str, int] = {}
             documents = 0
             waited = 0.0
+            put_off: list[str] = []   # models whose index build was left for later (an ingest runs)
             for model_id, buckets in per_model.items():
                 try:
                     rt = model_admin.runtime_of(settings, db_pool, model_id, run_id=context.run.run_id)
@@ -132,6 +133,9 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                     raise dg.Failure(description=str(exc), allow_retries=False) from None
                 est = _preflight(context, rt, db_pool, root, buckets, n)
                 done = _embed(rt, db_pool, root, buckets, n, in_process, embedding_run, len(keys))
+                if done.index_put_off:
+                    context.log.info(done.index_put_off)
+                    put_off.append(done.index_put_off)
                 with postgres.connection() as conn:
                     states = bk.states_of(conn, root, buckets, n)
                 for b in buckets:
@@ -164,6 +168,7 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                 "in_process": in_process,
                 "waited_seconds": round(waited, 3),
                 "duration_seconds": round(time.monotonic() - started, 3),
+                **({"vector_index": " ".join(put_off)} if put_off else {}),
             })
 
     return embeddings

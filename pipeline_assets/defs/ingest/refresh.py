@@ -96,6 +96,8 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     except EmbedIncomplete as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
+    if done.index_put_off:
+        context.log.info(done.index_put_off)
     touched = bk.buckets_of(ids, n)
     with postgres.connection() as conn:
         states = bk.states_of(conn, root, list(touched), n)
@@ -117,7 +119,8 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         {embedding_key(key, rt.model_id): {CHUNKS: chunks[key], SOURCE_FILES: observed} for key in chunks})
     yield dg.Output(ids, metadata={**{k: v for k, v in report.as_dict().items() if isinstance(v, int)},
                                    "documents": len(ids), "buckets": len(touched),
-                                   "embedded": done.work.embedded, "provider_calls": done.work.provider_calls})
+                                   "embedded": done.work.embedded, "provider_calls": done.work.provider_calls,
+                                   **({"vector_index": done.index_put_off} if done.index_put_off else {})})
 
 
 @dg.job(name=REFRESH_JOB_NAME, executor_def=dg.in_process_executor,
