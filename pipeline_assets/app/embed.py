@@ -6,6 +6,7 @@ and the one-shot ``embed DIR`` (ingest, then work until idle).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_
 from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
-from pipeline_assets.store import db, stage_runs
+from pipeline_assets.store import db, stage_runs, text_search
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +371,13 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
     """`embed SOURCE`: ingest the source, work until idle, and summarise."""
     started = time.monotonic()
     model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
-    ing = ingest_source(rt, pool, root)
+    # The chunks' text-search vectors are computed by the worker when its queue drains, beside the
+    # vector index build (a core the build leaves idle); what a stopped worker left, here.
+    ing = ingest_source(dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True)),
+                        pool, root)
     done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
+    with pool.connection() as conn:
+        text_search.fill(conn)
     with pool.connection() as conn:
         st = reports.status(conn)
     cov = st.coverage.get(rt.model_id, {"ready": 0, "wanted": 0})

@@ -40,7 +40,7 @@ from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import running_ingests, transitions
 from pipeline_assets.registry import models
 from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS
-from pipeline_assets.store import db
+from pipeline_assets.store import db, text_search
 
 T = TypeVar("T")
 
@@ -221,7 +221,9 @@ def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, item
     """Process and write ``items``: one transaction per INGEST_BATCH_DOCUMENTS documents
     done, or sooner once the results hold ``options.batch_bytes`` of chunk text. Documents
     are extracted in ``options.extract_processes`` children, which keep working on the
-    documents queued on them while a transaction is written."""
+    documents queued on them while a transaction is written. The chunks' text-search vectors
+    are computed after the last transaction (``store.text_search``), unless
+    ``options.text_search_later``."""
     spec = ExtractSpec(chunker=options.chunker, decode_errors=options.decode_errors,
                        max_text_chars=options.max_text_chars, max_chunks=options.max_chunks)
     with Extractor(spec, timeout=options.stage_timeout, memory_limit=options.extract_memory,
@@ -249,6 +251,8 @@ def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, item
                 _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
                 seen, todo, held = [], [], 0
         _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
+    if not options.text_search_later:
+        text_search.fill(conn)
 
 
 def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list[Processed],

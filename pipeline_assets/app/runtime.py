@@ -116,6 +116,9 @@ class IngestOptions:
     max_text_chars: int = Settings.max_text_chars  # per document
     max_chunks: int = Settings.max_chunks_per_document
     batch_bytes: int = Settings.ingest_batch_bytes  # chunk text per ingest transaction
+    # Leave the chunks' text-search vectors to the caller (``store.text_search``; `embed`'s worker
+    # computes them at its drain); otherwise the ingest computes them at its end.
+    text_search_later: bool = False
 
     @property
     def config_hash(self) -> str:

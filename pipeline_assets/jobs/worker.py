@@ -44,7 +44,7 @@ from pipeline_assets.settings import (
     RESCUE_INTERVAL_SECONDS,
     Settings,
 )
-from pipeline_assets.store import db
+from pipeline_assets.store import db, text_search
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class Worker:
         self._wake = threading.Event()
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
         self._index_build: vector_index.BackgroundBuild | None = None  # started when the queue drains
+        self._text_fill: text_search.BackgroundFill | None = None  # beside it: chunks' text-search vectors
         self._drained_since: float | None = None  # the queue empty at every beat since (monotonic)
         self._deferred_for_ingest = False  # the build was put off while an ingest runs (logged once)
         self._token_budget = TokenBudget.from_settings(self.model_id, settings)
@@ -201,6 +202,8 @@ class Worker:
             self.stop.set()
             if self._index_build is not None:
                 self._index_build.cancel()  # an unfinished build is left INVALID; the next one replaces it
+            if self._text_fill is not None:
+                self._text_fill.cancel()    # what it left is computed by the next ingest or drain
             deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
@@ -228,7 +231,8 @@ class Worker:
 
     def _on_drained(self, store: JobStore, dimension: int | None) -> bool:
         """The queue is empty: build the model's missing vector index (in bulk: far cheaper than
-        per insert during a backfill) beside this loop, concurrently (``vector_index``); an
+        per insert during a backfill) beside this loop, concurrently (``vector_index``), and
+        compute the chunks' missing text-search vectors beside it (``text_search``); an
         error is a logged warning. Returns whether `--until-idle` may exit (the build is over,
         or put off: an ingest is running, which would insert into a fresh index row by row).
 
@@ -236,9 +240,9 @@ class Worker:
         unless `--until-idle`, before the queue has stayed empty for ``index_quiet_seconds``."""
         if not self.config.build_index or not dimension:
             return True
-        build = self._index_build
+        build, fill = self._index_build, self._text_fill
         if build is not None and not build.retry_due(time.monotonic()):
-            return build.done
+            return build.done and (fill is None or fill.done)
         now = time.monotonic()
         if self._drained_since is None:
             self._drained_since = now
@@ -255,7 +259,9 @@ class Worker:
         self._index_build = build = vector_index.BackgroundBuild(
             self._connect, self.model_id, dimension, on_done=self._wake.set,
             memory_cap=self.settings.index_build_memory, session=self.settings.prepare).start()
-        return build.done
+        if fill is None:  # chunks an ingest left without their text-search vectors, on another connection
+            self._text_fill = fill = text_search.BackgroundFill(self._connect, on_done=self._wake.set).start()
+        return build.done and fill.done
 
     # -- one thread --------------------------------------------------------
     def _loop(self, index: int, executor: Executor, store: JobStore) -> None:

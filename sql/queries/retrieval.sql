@@ -49,15 +49,20 @@ LIMIT %(k)s
 
 -- name: text_ranked
 -- Full-text search over current chunks ranked by BM25 over the 'english' lexemes of the GIN-indexed
--- column (sql/010); candidates come from the index through lexemes that are not common. n is the
--- planner's chunk estimate when it has one. Needs no vector (docs/models.md, search).
+-- column (sql/010); candidates come from the index through lexemes that are not common. A chunk whose
+-- vector is not computed yet (NULL: sql/042) is read from its text, through the partial index of those.
+-- n is the planner's chunk estimate when it has one. Needs no vector (docs/models.md, search).
 WITH n AS (
     SELECT CASE WHEN t.reltuples > 0 THEN t.reltuples::float8
                 ELSE (SELECT count(*) FROM app.chunks)::float8 END AS n
     FROM pg_class t WHERE t.oid = 'app.chunks'::regclass),
+unfilled AS MATERIALIZED (  -- the chunks without their vector yet: computed here, once
+    SELECT c.doc_pk, c.chunk_index, to_tsvector('english'::regconfig, c.text) AS text_search
+    FROM app.chunks c WHERE c.text_search IS NULL),
 terms AS MATERIALIZED (  -- each lexeme's frequency counted once, not once per use
-    SELECT w.lexeme, (SELECT count(*) FROM app.chunks c
-                      WHERE c.text_search @@ quote_literal(w.lexeme)::tsquery)::float8 AS df
+    SELECT w.lexeme, ((SELECT count(*) FROM app.chunks c WHERE c.text_search @@ quote_literal(w.lexeme)::tsquery)
+                      + (SELECT count(*) FROM unfilled u WHERE u.text_search @@ quote_literal(w.lexeme)::tsquery)
+                     )::float8 AS df
     FROM (SELECT DISTINCT lexeme FROM unnest(to_tsvector('english'::regconfig, %(words)s))) w),
 weighted AS (
     SELECT t.lexeme, t.df, ln(1 + (greatest(n.n, t.df) - t.df + 0.5) / (t.df + 0.5)) AS idf,
@@ -68,14 +73,17 @@ selector AS (
     FROM weighted w
     WHERE w.selective OR w.df = (SELECT min(r.df) FROM weighted r WHERE NOT EXISTS (
         SELECT 1 FROM weighted s WHERE s.selective))),
+matches AS (
+    SELECT c.doc_pk, c.chunk_index, c.text_search FROM selector s JOIN app.chunks c ON c.text_search @@ s.tsq
+    UNION ALL
+    SELECT u.doc_pk, u.chunk_index, u.text_search FROM selector s JOIN unfilled u ON u.text_search @@ s.tsq),
 candidates AS (
-    SELECT c.doc_pk, c.chunk_index, length(c.text_search)::float8 AS len,
-           avg(length(c.text_search)) OVER ()::float8 AS avg_len,
+    SELECT m.doc_pk, m.chunk_index, length(m.text_search)::float8 AS len,
+           avg(length(m.text_search)) OVER ()::float8 AS avg_len,
            -- the chunk's tsvector cut down to the query's lexemes (delete all the others)
-           ts_delete(c.text_search, tsvector_to_array(ts_delete(c.text_search, l.lexemes))) AS matched
-    FROM selector s
-    CROSS JOIN (SELECT array_agg(lexeme) AS lexemes FROM weighted) l
-    JOIN app.chunks c ON c.text_search @@ s.tsq),
+           ts_delete(m.text_search, tsvector_to_array(ts_delete(m.text_search, l.lexemes))) AS matched
+    FROM matches m
+    CROSS JOIN (SELECT array_agg(lexeme) AS lexemes FROM weighted) l),
 scored AS (
     SELECT c.doc_pk, c.chunk_index,
            sum(w.idf * u.tf * (%(k1)s + 1)
