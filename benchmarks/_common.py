@@ -40,16 +40,18 @@ def with_dbname(url: str, name: str) -> str:
 
 
 @contextmanager
-def fresh_database(tag: str, keep: bool = False) -> Iterator[str]:
-    """CREATE DATABASE bench_<tag>_<rand>, migrate it, yield its URL, drop it (unless ``keep``)."""
+def fresh_database(tag: str, keep: bool = False, migrate: bool = True) -> Iterator[str]:
+    """CREATE DATABASE bench_<tag>_<rand>, migrate it (unless not ``migrate``: a checkout under test
+    migrates it with its own migrations), yield its URL, drop it (unless ``keep``)."""
     server = server_url()
     name = f"bench_{tag}_{uuid.uuid4().hex[:6]}"
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
     url = with_dbname(server, name)
     try:
-        with db.session(url):
-            pass
+        if migrate:
+            with db.session(url):
+                pass
         yield url
     finally:
         if not keep:

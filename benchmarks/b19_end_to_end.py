@@ -13,9 +13,12 @@ N documents (b3's corpus: ~1-3 kB markdown, one or two chunks each), each round 
   ratio  = floor / embed wall time (target >= 0.6)
 Also `startup`: `pipeline-assets work --until-idle` on an empty queue (interpreter to exit).
 The fake's vectors are warmed by an untimed SDK pass first, so neither side pays for them.
+`--checkouts OLD,NEW`: each round runs floor + embed once per checkout (its CLI, on a fresh database
+it migrates with its own migrations), alternating; medians per checkout.
 
     python benchmarks/b19_end_to_end.py [--docs 10000] [--dim 256] [--rounds 1]
     python benchmarks/b19_end_to_end.py --docs 100000
+    python benchmarks/b19_end_to_end.py --docs 10000 --rounds 3 --checkouts /path/to/old,.
 """
 
 from __future__ import annotations
@@ -126,9 +129,9 @@ class TreeRss:
         return round(self.peak / 2**20, 1)
 
 
-def run_embed(corpus: Path, env: dict) -> dict:
+def run_embed(corpus: Path, env: dict, checkout: Path = REPO) -> dict:
     started, epoch0 = time.perf_counter(), time.time()
-    proc = subprocess.Popen([*CLI, "embed", str(corpus), "--json"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*CLI, "embed", str(corpus), "--json"], env=env, cwd=checkout, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     rss = TreeRss(proc.pid)
     out, err = proc.communicate(timeout=TIMEOUT_SECONDS)
@@ -139,15 +142,54 @@ def run_embed(corpus: Path, env: dict) -> dict:
             "epoch1": epoch0 + wall}
 
 
-def startup(env: dict) -> float:
+def startup(env: dict, checkout: Path = REPO) -> float:
     """Median seconds of `work --until-idle` on an empty queue: start-up to the first claim, and exit."""
     runs = []
     for _ in range(STARTUP_RUNS):
         started = time.perf_counter()
-        subprocess.run([*CLI, "work", "--until-idle"], env=env, cwd=REPO, check=True, capture_output=True,
+        subprocess.run([*CLI, "work", "--until-idle"], env=env, cwd=checkout, check=True, capture_output=True,
                        timeout=600)
         runs.append(time.perf_counter() - started)
     return round(statistics.median(runs), 3)
+
+
+MEDIANS = ("tokenize_s", "sdk_s", "copy_s", "floor_s", "embed_s", "embed_before_first_send_s", "embed_working_s",
+           "embed_after_last_answer_s", "peak_rss_mb", "ratio")
+
+
+def one_round(corpus: Path, checkout: Path, texts: list[str], rows: list[tuple], inputs: list[str], base_url: str,
+              a: argparse.Namespace, threads: int, batch: int, first: bool) -> dict:
+    """The floor and `embed` on a fresh database the checkout migrates itself."""
+    with fresh_database("e2e", migrate=False) as url:
+        env = cli_env(url, base_url, a.dim)
+        subprocess.run([*CLI, "migrate"], env=env, cwd=checkout, check=True, capture_output=True, timeout=600)
+        settle(url)
+        r: dict = {"checkout": str(checkout), "tokenize_s": tokenize_alone(texts),
+                   "sdk_s": sdk_alone(base_url, inputs, threads=threads, batch=batch, dim=a.dim),
+                   "copy_s": copy_alone(url, rows, a.dim)}
+        r["floor_s"] = r["tokenize_s"] + r["sdk_s"] + r["copy_s"]
+        settle(url)
+        r["load_before"] = os.getloadavg()
+        embed = run_embed(corpus, env, checkout)
+        with psycopg.connect(url) as conn:
+            ready, first_call, last = conn.execute("""
+                SELECT (SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'),
+                       extract(epoch FROM min(called_at)), extract(epoch FROM max(answered_at))
+                FROM app.provider_calls""").fetchone()
+            # Search needs every chunk's text-search vector: `embed` leaves none without it.
+            unsearchable = conn.execute("SELECT count(*) FROM app.chunks WHERE text_search IS NULL").fetchone()[0]
+        assert ready == len(rows), (ready, len(rows))
+        assert unsearchable == 0, unsearchable
+        # Where embed's time went: start-up and ingest (to the first send), sending, then the
+        # bulk index build, the summary and the exit (after the last answer).
+        r.update(embed_before_first_send_s=float(first_call) - embed["epoch0"],
+                 embed_working_s=float(last - first_call),
+                 embed_after_last_answer_s=embed["epoch1"] - float(last))
+        r.update(embed_s=embed["wall_s"], peak_rss_mb=embed["peak_rss_mb"],
+                 ratio=r["floor_s"] / embed["wall_s"], load_average=os.getloadavg())
+        if first:
+            r["startup_empty_queue_s"] = startup(env, checkout)
+    return r
 
 
 def main() -> None:
@@ -155,11 +197,14 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=10_000)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--rounds", type=int, default=1, help="rounds of floor + embed (fresh database each); medians")
+    p.add_argument("--checkouts", default=str(REPO),
+                   help="comma-separated checkouts whose CLI runs `embed`, alternating within each round")
     a = p.parse_args()
+    checkouts = [Path(c).resolve() for c in a.checkouts.split(",")]
     settings = Settings.from_env()
     threads, batch = DEFAULT_CONCURRENCY, settings.request_inputs
     fake, base_url = start_fake(a.dim)
-    rounds: list[dict] = []
+    rounds: dict[Path, list[dict]] = {c: [] for c in checkouts}
     try:
         with tempfile.TemporaryDirectory(prefix="b19-") as tmp:
             corpus = Path(tmp) / "corpus"
@@ -167,43 +212,24 @@ def main() -> None:
             texts, rows = corpus_texts(corpus, settings)
             inputs = [r[3] for r in rows]
             sdk_alone(base_url, inputs, threads=threads, batch=batch, dim=a.dim)  # warm the fake's vectors
-            for _ in range(a.rounds):
-                with fresh_database("e2e") as url:
-                    env = cli_env(url, base_url, a.dim)
-                    settle(url)
-                    r = {"tokenize_s": tokenize_alone(texts),
-                         "sdk_s": sdk_alone(base_url, inputs, threads=threads, batch=batch, dim=a.dim),
-                         "copy_s": copy_alone(url, rows, a.dim)}
-                    r["floor_s"] = r["tokenize_s"] + r["sdk_s"] + r["copy_s"]
-                    settle(url)
-                    embed = run_embed(corpus, env)
-                    with psycopg.connect(url) as conn:
-                        ready, first, last = conn.execute("""
-                            SELECT (SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'),
-                                   extract(epoch FROM min(called_at)), extract(epoch FROM max(answered_at))
-                            FROM app.provider_calls""").fetchone()
-                    assert ready == len(rows), (ready, len(rows))
-                    # Where embed's time went: start-up and ingest (to the first send), sending, then the
-                    # bulk index build, the summary and the exit (after the last answer).
-                    r.update(embed_before_first_send_s=float(first) - embed["epoch0"],
-                             embed_working_s=float(last - first),
-                             embed_after_last_answer_s=embed["epoch1"] - float(last))
-                    r.update(embed_s=embed["wall_s"], peak_rss_mb=embed["peak_rss_mb"],
-                             ratio=r["floor_s"] / embed["wall_s"], load_average=os.getloadavg())
-                    if not rounds:
-                        r["startup_empty_queue_s"] = startup(env)
-                    rounds.append(r)
+            for i in range(a.rounds):
+                for checkout in checkouts:
+                    rounds[checkout].append(one_round(corpus, checkout, texts, rows, inputs, base_url, a, threads,
+                                                      batch, first=i == 0))
     finally:
         fake.terminate()
         fake.wait(10)
-    med = {k: round(statistics.median(r[k] for r in rounds), 3)
-           for k in ("tokenize_s", "sdk_s", "copy_s", "floor_s", "embed_s", "embed_before_first_send_s",
-                     "embed_working_s", "embed_after_last_answer_s", "peak_rss_mb", "ratio")}
-    emit({"docs": a.docs, "chunks": len(rows), "dim": a.dim, "threads": threads, "batch": batch, "model": MODEL,
-          "rounds": a.rounds, **med, "startup_empty_queue_s": rounds[0]["startup_empty_queue_s"],
-          "embed_chunks_per_s": round(len(rows) / med["embed_s"], 1),
-          "targets": {f"ratio_ge_{TARGET_RATIO}": med["ratio"] >= TARGET_RATIO},
-          "rounds_raw": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rounds]})
+    results = []
+    for checkout, runs in rounds.items():
+        med = {k: round(statistics.median(r[k] for r in runs), 3) for k in MEDIANS}
+        results.append({"checkout": str(checkout), **med, "startup_empty_queue_s": runs[0]["startup_empty_queue_s"],
+                        "embed_chunks_per_s": round(len(rows) / med["embed_s"], 1),
+                        "targets": {f"ratio_ge_{TARGET_RATIO}": med["ratio"] >= TARGET_RATIO},
+                        "rounds_raw": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                                       for r in runs]})
+    head = {"docs": a.docs, "chunks": len(rows), "dim": a.dim, "threads": threads, "batch": batch, "model": MODEL,
+            "rounds": a.rounds}
+    emit({**head, **results[0]} if len(results) == 1 else {**head, "checkouts": results})
 
 
 if __name__ == "__main__":
