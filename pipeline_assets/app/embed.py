@@ -372,12 +372,13 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
     started = time.monotonic()
     model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
     # The chunks' text-search vectors are computed by the worker when its queue drains, beside the
-    # vector index build (a core the build leaves idle); what a stopped worker left, here.
+    # vector index build (a core the build leaves idle); what a worker stopped early left, here
+    # (not once stopped by a signal: the next ingest or drain computes them; search reads the text).
     ing = ingest_source(dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True)),
                         pool, root)
     done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
     with pool.connection() as conn:
-        text_search.fill(conn)
+        text_search.fill(conn, stop)
     with pool.connection() as conn:
         st = reports.status(conn)
     cov = st.coverage.get(rt.model_id, {"ready": 0, "wanted": 0})
