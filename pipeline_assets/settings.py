@@ -17,26 +17,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pipeline_assets.component_config import InvalidConfig
+from pipeline_assets.jobs.executor_config import (
+    DEFAULT_BACKOFF_BASE_SECONDS,
+    DEFAULT_BACKOFF_CAP_SECONDS,
+    DEFAULT_CALL_TIMEOUT_SECONDS,
+    DEFAULT_MAX_THROTTLES,
+    DEFAULT_RETRY_AFTER_CAP_SECONDS,
+    ExecutorConfig,
+)
+from pipeline_assets.jobs.worker_config import DEFAULT_WORKER_DEAD_AFTER_SECONDS, NO_TOKEN_BUDGET, WorkerConfig
+from pipeline_assets.registry.index_config import DEFAULT_INDEX_BUILD_MEMORY
+
 T = TypeVar("T")  # a setting's type: its default's
 
 # -- fixed bounds (not settings) ---------------------------------------------------
 
 # Inputs per provider request allowed by the OpenAI API.
 MAX_BATCH_INPUTS = 2048
-
-# Provider requests in flight per worker process (`work --concurrency`).
-DEFAULT_CONCURRENCY = 4
-
-# How long a claimed job belongs to its worker before another may rescue it.
-# Heartbeats extend it while a call is healthy, so it only bounds how long a
-# dead worker's jobs stay stuck (`work --lease-seconds`).
-DEFAULT_LEASE_SECONDS = 60.0
-
-# How often an idle worker polls for new work, and how often it rescues
-# expired leases and the claims of dead workers (one cheap UPDATE over the
-# jobs in flight; every second so a dead worker's claims wait seconds, not a lease).
-IDLE_POLL_SECONDS = 0.5
-RESCUE_INTERVAL_SECONDS = 1.0
 
 # Consecutive provider failures (5xx, timeouts, connection errors) that trip
 # the shared circuit breaker; a 429 trips it at once.
@@ -90,10 +88,6 @@ MAX_PARTITION_BUCKETS = 4096
 # run shortest first in inference batches of 16 (``providers.onnx_local``): 32
 # keeps padding low; larger calls gain little on 2 cores and hold their jobs longer.
 DEFAULT_LOCAL_BATCH_INPUTS = 32
-
-# The most maintenance_work_mem one vector index build may take (a build is sized to its HNSW graph:
-# ~1.9 GB for 1M vectors of 256 dimensions; a larger graph builds partly on disk, far slower).
-DEFAULT_INDEX_BUILD_MEMORY = 2 * 1024 ** 3
 
 # How often the Dagster source sensor scans the source directory: how long an
 # edit waits for its run at most, against a walk of the source (an observation
@@ -152,33 +146,33 @@ class Settings:
                                        "the HNSW graph, never below the server's)", shown_default="2 GiB")
     # Wall-clock limit of one provider request; a stalled call becomes an
     # ordinary retryable failure instead of holding a worker (and its lease).
-    call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", 60.0,
+    call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", DEFAULT_CALL_TIMEOUT_SECONDS,
                                    "wall-clock limit of one provider request, however its answer trickles in (s)")
     # Each worker refreshes its liveness row five times per window; a worker
     # silent for a whole window (killed, frozen, cut off) is dead, and its claims
     # are rescued at once instead of after their leases.
-    worker_dead_after: float = _setting("PIPELINE_WORKER_DEAD_AFTER", 5.0,
+    worker_dead_after: float = _setting("PIPELINE_WORKER_DEAD_AFTER", DEFAULT_WORKER_DEAD_AFTER_SECONDS,
                                         "a worker silent this long is dead; its claims are rescued (s)")
     batch_inputs: int = _setting("PIPELINE_BATCH_INPUTS", 256, f"inputs per provider request (≤ {MAX_BATCH_INPUTS})")
     batch_tokens: int = _setting("PIPELINE_BATCH_TOKENS", 100_000, "tokens per provider request")
 
     # -- retries and budgets --------------------------------------------------------
     max_attempts: int = _setting("PIPELINE_MAX_ATTEMPTS", 5, "attempts before a job is dead-lettered")
-    backoff_base: float = _setting("PIPELINE_BACKOFF_BASE", 1.0,
+    backoff_base: float = _setting("PIPELINE_BACKOFF_BASE", DEFAULT_BACKOFF_BASE_SECONDS,
                                    "full-jitter backoff `uniform(0, min(cap, base·2^attempt))`: base (s)")
-    backoff_cap: float = _setting("PIPELINE_BACKOFF_CAP", 60.0, "full-jitter backoff: cap (s)")
+    backoff_cap: float = _setting("PIPELINE_BACKOFF_CAP", DEFAULT_BACKOFF_CAP_SECONDS, "full-jitter backoff: cap (s)")
     # A proxy's `Retry-After: 86400` would otherwise pause every worker (and hold
     # `work --until-idle`, `embed` and Dagster runs) for a day.
-    retry_after_cap: float = _setting("PIPELINE_RETRY_AFTER_CAP", 300.0,
+    retry_after_cap: float = _setting("PIPELINE_RETRY_AFTER_CAP", DEFAULT_RETRY_AFTER_CAP_SECONDS,
                                       "longest pause a provider's Retry-After may impose (s)")
     # A throttle uses no attempt; without a cap, a request the provider never
     # accepts (over the account's tokens per minute) would stall the model forever.
-    max_throttles: int = _setting("PIPELINE_MAX_THROTTLES", 10,
+    max_throttles: int = _setting("PIPELINE_MAX_THROTTLES", DEFAULT_MAX_THROTTLES,
                                   "429s one input may meet; one more while alone in its request dead-letters it "
                                   "(`throttled_too_often`)")
-    daily_token_budget: int = _setting("PIPELINE_DAILY_TOKEN_BUDGET", 0,
+    daily_token_budget: int = _setting("PIPELINE_DAILY_TOKEN_BUDGET", NO_TOKEN_BUDGET,
                                        "stop claiming once the model's tokens today (UTC) reach it; 0 = none")
-    run_token_budget: int = _setting("PIPELINE_RUN_TOKEN_BUDGET", 0,
+    run_token_budget: int = _setting("PIPELINE_RUN_TOKEN_BUDGET", NO_TOKEN_BUDGET,
                                      "stop claiming once this run's tokens reach it; 0 = none")
 
     # -- content ------------------------------------------------------------------------
@@ -271,17 +265,11 @@ class Settings:
             (self.max_text_chars > 0, "max_text_chars", "must be positive"),
             (self.max_chunks_per_document > 0, "max_chunks_per_document", "must be positive"),
             (self.ingest_batch_bytes > 0, "ingest_batch_bytes", "must be positive"),
-            (self.call_timeout > 0, "call_timeout", "must be positive"),
-            (self.worker_dead_after > 0, "worker_dead_after", "must be positive"),
             (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
             (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
-            (self.backoff_base >= 0 and self.backoff_cap >= 0, "backoff_base", "backoff must not be negative"),
-            (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),
-            (self.max_throttles >= 1, "max_throttles", "must be at least 1"),
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
             (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
-            (self.index_build_memory >= 1 << 20, "index_build_memory", "must be at least 1 MiB"),
             (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
             (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
             (1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS, "partition_buckets",
@@ -297,6 +285,10 @@ class Settings:
         for ok, name, problem in checks:
             if not ok:
                 raise SettingsError(f"{_env_of(name)} {problem}, got {getattr(self, name)!r}")
+        try:  # each component's own checks, named by their variable
+            self.worker_config()
+        except InvalidConfig as exc:
+            raise SettingsError(f"{_env_of(exc.name)} {exc.problem}, got {exc.value!r}") from None
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -328,6 +320,20 @@ class Settings:
     @property
     def request_inputs(self) -> int:
         return min(self.batch_inputs, MAX_BATCH_INPUTS)
+
+    # -- the components' configs ----------------------------------------------------------
+    def executor_config(self) -> ExecutorConfig:
+        return ExecutorConfig(call_timeout=self.call_timeout, backoff_base=self.backoff_base,
+                              backoff_cap=self.backoff_cap, retry_after_cap=self.retry_after_cap,
+                              max_throttles=self.max_throttles, crashpoint=self.crashpoint)
+
+    def worker_config(self, **options: Any) -> WorkerConfig:
+        """The worker's config; ``options`` (a command's: concurrency, until_idle, ...) set the
+        fields no variable sets (``None`` keeps the default)."""
+        return WorkerConfig(worker_dead_after=self.worker_dead_after, index_build_memory=self.index_build_memory,
+                            prepare=self.prepare, run_token_budget=self.run_token_budget,
+                            daily_token_budget=self.daily_token_budget, executor=self.executor_config(),
+                            **{k: v for k, v in options.items() if v is not None})
 
     def describe(self) -> dict[str, Any]:
         """Every setting by environment variable, fit to print: the key is only

@@ -19,7 +19,7 @@ from psycopg import sql
 from pipeline_assets.app import ingest
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import running_ingests
-from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
@@ -68,8 +68,8 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
     ingesting = threading.Thread(target=lambda: done.setdefault("report", ingest.ingest_source(rt, pool, corpus)))
     stop = threading.Event()
     working = threading.Thread(target=lambda: done.setdefault("work", Worker(
-        database_url, rt.provider, WorkerConfig(concurrency=2, poll_seconds=0.05, index_quiet_seconds=0.2),
-        settings=rt.settings, stop_event=stop).run()))
+        database_url, rt.provider, rt.settings.worker_config(concurrency=2, poll_seconds=0.05, index_quiet_seconds=0.2),
+        stop_event=stop).run()))
     caplog.set_level(logging.INFO, logger="pipeline_assets.jobs.worker")
     try:
         ingesting.start()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers.local import LocalHashingProvider
 from pipeline_assets.settings import Settings, SettingsError
 from pipeline_assets.store import db
@@ -32,7 +32,7 @@ def connections(settings: Settings):
             yield "pool", conn
         with db.pool_connect(pool) as conn:
             yield "pool_connect", conn
-    worker = Worker(settings.database_url or "", LocalHashingProvider(), WorkerConfig(), settings=settings)
+    worker = Worker(settings.database_url or "", LocalHashingProvider(), settings.worker_config())
     with worker._connect() as conn:
         yield "worker", conn
     with db.connect(settings.database_url or "", prepare=settings.prepare) as conn:

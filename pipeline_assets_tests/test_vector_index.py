@@ -28,7 +28,7 @@ from pipeline_assets.app import retrieval
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
 from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
@@ -332,8 +332,8 @@ def test_a_worker_stays_responsive_while_its_index_builds(env, clean_db, databas
     rt = Runtime.build(Settings.from_env())
     hold_write_lock(blocker)
     stop = threading.Event()
-    worker = Worker(database_url, rt.provider, WorkerConfig(concurrency=2, until_idle=True, poll_seconds=0.05),
-                    settings=rt.settings, stop_event=stop)
+    worker = Worker(database_url, rt.provider,
+                    rt.settings.worker_config(concurrency=2, until_idle=True, poll_seconds=0.05), stop_event=stop)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()))
     thread.start()

@@ -16,7 +16,7 @@ from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.cli.common import emit, expected_errors, fail, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
-from pipeline_assets.settings import DEFAULT_CONCURRENCY
+from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
 
