@@ -73,7 +73,7 @@ def write_corpus(root: Path, n: int, tag: str) -> None:
 
 def ingest_options() -> IngestOptions:
     settings = Settings.from_env()
-    return IngestOptions(chunker=chunker_for(settings, hard_limit=8191), max_bytes=settings.max_input_bytes)
+    return IngestOptions(chunker=chunker_for(settings, hard_limit=8191), config=settings.ingest_config())
 
 
 def bench_ingest(conn, root: Path, n: int) -> dict:

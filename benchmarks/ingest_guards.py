@@ -12,7 +12,7 @@ not the database server), which other load on a shared machine disturbs less.
     python benchmarks/ingest_guards.py [--docs 2000] [--repeat 3]
 
 To compare with the code before the guards, run the same script from a copy of
-the older checkout (it only uses ``ingest_directory`` and ``IngestOptions``).
+the older checkout (each checkout's copy builds its own ``IngestOptions``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     settings = Settings.from_env()
-    options = IngestOptions(chunker=chunker_for(settings, hard_limit=8191), max_bytes=settings.max_input_bytes)
+    options = IngestOptions(chunker=chunker_for(settings, hard_limit=8191), config=settings.ingest_config())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "corpus"
         corpus_bytes = write_corpus(root, args.docs)

@@ -3,8 +3,9 @@
 ``Settings.from_env()`` reads the environment exactly once (at the edge: the command line, the
 Dagster definitions or a resource) and the object is passed down; nothing below reads ``os.environ``.
 Each field names its environment variable, its default and what it bounds; docs/configuration.md is
-generated from them (``python -m pipeline_assets.settings_reference``, checked by a test). Constants
-not meant to be tuned per deployment are named module constants below.
+generated from them (``python -m pipeline_assets.settings_reference``, checked by a test). Each
+component gets its own config built here (``worker_config()``, ``ingest_config()``, ...), with its
+defaults named beside it; constants not meant to be tuned per deployment live with their component.
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pipeline_assets.app.ingest_config import (
+    DEFAULT_DECODE_ERRORS,
+    DEFAULT_EXTRACT_MEMORY,
+    DEFAULT_EXTRACT_PROCESSES,
+    DEFAULT_INGEST_BATCH_BYTES,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_CHUNKS_PER_DOCUMENT,
+    DEFAULT_MAX_INPUT_BYTES,
+    DEFAULT_MAX_TEXT_CHARS,
+    DEFAULT_STAGE_TIMEOUT_SECONDS,
+    IngestConfig,
+)
 from pipeline_assets.component_config import InvalidConfig
 from pipeline_assets.jobs.executor_config import (
     DEFAULT_BACKOFF_BASE_SECONDS,
@@ -36,25 +49,9 @@ T = TypeVar("T")  # a setting's type: its default's
 # Inputs per provider request allowed by the OpenAI API.
 MAX_BATCH_INPUTS = 2048
 
-# Consecutive provider failures (5xx, timeouts, connection errors) that trip
-# the shared circuit breaker; a 429 trips it at once.
-BREAKER_THRESHOLD = 5
-# The longest the breaker pauses between probes when the provider gave no
-# Retry-After, however long it has been failing: once it is back, the next
-# probe reaches it within this (plus a poll), not after a minute's backoff.
-BREAKER_PROBE_INTERVAL = 5.0
-
-# Documents written per ingest transaction: bounds the length of the
-# transactions that hold the ingest write lock.
-INGEST_BATCH_DOCUMENTS = 200
-# Extraction children per ingest (0: one per CPU the process may use); why one by default:
-# docs/decisions/0001-one-extraction-child.md.
-DEFAULT_EXTRACT_PROCESSES = 1
-
 # How much of a provider error message is kept in the database.
 ERROR_MESSAGE_MAX_CHARS = 500
 
-DECODE_POLICIES = ("strict", "replace")
 # How the database URL's server treats a session: `transaction` is a pooler in transaction mode (PgBouncer
 # before 1.21), which cannot keep a prepared statement from one transaction to the next.
 POOL_MODES = ("session", "transaction")
@@ -144,29 +141,21 @@ class Settings:
     index_build_memory: int = _setting("PIPELINE_INDEX_BUILD_MEMORY", DEFAULT_INDEX_BUILD_MEMORY,
                                        "most `maintenance_work_mem` of a vector index build, in bytes (sized to "
                                        "the HNSW graph, never below the server's)", shown_default="2 GiB")
-    # Wall-clock limit of one provider request; a stalled call becomes an
-    # ordinary retryable failure instead of holding a worker (and its lease).
     call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", DEFAULT_CALL_TIMEOUT_SECONDS,
                                    "wall-clock limit of one provider request, however its answer trickles in (s)")
-    # Each worker refreshes its liveness row five times per window; a worker
-    # silent for a whole window (killed, frozen, cut off) is dead, and its claims
-    # are rescued at once instead of after their leases.
     worker_dead_after: float = _setting("PIPELINE_WORKER_DEAD_AFTER", DEFAULT_WORKER_DEAD_AFTER_SECONDS,
                                         "a worker silent this long is dead; its claims are rescued (s)")
     batch_inputs: int = _setting("PIPELINE_BATCH_INPUTS", 256, f"inputs per provider request (≤ {MAX_BATCH_INPUTS})")
     batch_tokens: int = _setting("PIPELINE_BATCH_TOKENS", 100_000, "tokens per provider request")
 
     # -- retries and budgets --------------------------------------------------------
-    max_attempts: int = _setting("PIPELINE_MAX_ATTEMPTS", 5, "attempts before a job is dead-lettered")
+    max_attempts: int = _setting("PIPELINE_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS,
+                                 "attempts before a job is dead-lettered")
     backoff_base: float = _setting("PIPELINE_BACKOFF_BASE", DEFAULT_BACKOFF_BASE_SECONDS,
                                    "full-jitter backoff `uniform(0, min(cap, base·2^attempt))`: base (s)")
     backoff_cap: float = _setting("PIPELINE_BACKOFF_CAP", DEFAULT_BACKOFF_CAP_SECONDS, "full-jitter backoff: cap (s)")
-    # A proxy's `Retry-After: 86400` would otherwise pause every worker (and hold
-    # `work --until-idle`, `embed` and Dagster runs) for a day.
     retry_after_cap: float = _setting("PIPELINE_RETRY_AFTER_CAP", DEFAULT_RETRY_AFTER_CAP_SECONDS,
                                       "longest pause a provider's Retry-After may impose (s)")
-    # A throttle uses no attempt; without a cap, a request the provider never
-    # accepts (over the account's tokens per minute) would stall the model forever.
     max_throttles: int = _setting("PIPELINE_MAX_THROTTLES", DEFAULT_MAX_THROTTLES,
                                   "429s one input may meet; one more while alone in its request dead-letters it "
                                   "(`throttled_too_often`)")
@@ -176,32 +165,24 @@ class Settings:
                                      "stop claiming once this run's tokens reach it; 0 = none")
 
     # -- content ------------------------------------------------------------------------
-    # Bounds the memory of one extraction and rejects stray huge files (dumps,
-    # videos) before a byte is read.
-    max_input_bytes: int = _setting("PIPELINE_MAX_INPUT_BYTES", 20 * 1024 * 1024,
+    max_input_bytes: int = _setting("PIPELINE_MAX_INPUT_BYTES", DEFAULT_MAX_INPUT_BYTES,
                                     "larger files are quarantined (`too_large`) without being read",
                                     shown_default="20 MiB")
-    stage_timeout: float = _setting("PIPELINE_STAGE_TIMEOUT", 60.0,
+    stage_timeout: float = _setting("PIPELINE_STAGE_TIMEOUT", DEFAULT_STAGE_TIMEOUT_SECONDS,
                                     "wall-clock limit of extract + chunk per document (s); over it twice"
                                     " (each in a fresh process): `timeout`")
-    # Extraction runs in a child process; this bounds what one document's parser
-    # may allocate (a PDF that inflates, a pathological HTML tree).
-    extract_memory: int = _setting("PIPELINE_EXTRACT_MEMORY", 2 * 1024 ** 3,
+    extract_memory: int = _setting("PIPELINE_EXTRACT_MEMORY", DEFAULT_EXTRACT_MEMORY,
                                    "address space one extraction may add, in bytes; over it: `memory_limit`; 0 = none",
                                    shown_default="2 GiB")
     extract_processes: int = _setting("PIPELINE_EXTRACT_PROCESSES", DEFAULT_EXTRACT_PROCESSES,
                                       "extraction child processes per ingest at most; 0 = one per usable core")
-    # A small PDF can inflate to far more text than its bytes; these cap what one
-    # document may cost in memory, chunk rows and provider tokens.
-    max_text_chars: int = _setting("PIPELINE_MAX_TEXT_CHARS", 20_000_000,
+    max_text_chars: int = _setting("PIPELINE_MAX_TEXT_CHARS", DEFAULT_MAX_TEXT_CHARS,
                                    "extracted characters per document; over it: `text_too_large`")
-    max_chunks_per_document: int = _setting("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", 20_000,
+    max_chunks_per_document: int = _setting("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", DEFAULT_MAX_CHUNKS_PER_DOCUMENT,
                                             "chunks per document; over it: `too_many_chunks`")
-    # Bounds the chunk text one ingest transaction holds in memory (with at most
-    # INGEST_BATCH_DOCUMENTS documents); one larger document is a batch alone.
-    ingest_batch_bytes: int = _setting("PIPELINE_INGEST_BATCH_BYTES", 64 * 1024 * 1024,
+    ingest_batch_bytes: int = _setting("PIPELINE_INGEST_BATCH_BYTES", DEFAULT_INGEST_BATCH_BYTES,
                                        "chunk text per ingest transaction, in bytes", shown_default="64 MiB")
-    decode_errors: str = _setting("PIPELINE_DECODE_ERRORS", "strict",
+    decode_errors: str = _setting("PIPELINE_DECODE_ERRORS", DEFAULT_DECODE_ERRORS,
                                   "`replace` decodes bad UTF-8 with U+FFFD instead of quarantining (`bad_encoding`)")
     # Unset: content.chunking's defaults fitted to the configured model's window (``app.runtime.chunking``).
     chunk_tokens: int | None = _setting(
@@ -257,15 +238,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.decode_errors in DECODE_POLICIES, "decode_errors", f"must be one of {DECODE_POLICIES}"),
             (self.database_pool_mode in POOL_MODES, "database_pool_mode", f"must be one of {POOL_MODES}"),
-            (self.max_input_bytes > 0, "max_input_bytes", "must be positive"),
-            (self.extract_memory >= 0, "extract_memory", "must not be negative"),
-            (self.extract_processes >= 0, "extract_processes", "must not be negative"),
-            (self.max_text_chars > 0, "max_text_chars", "must be positive"),
-            (self.max_chunks_per_document > 0, "max_chunks_per_document", "must be positive"),
-            (self.ingest_batch_bytes > 0, "ingest_batch_bytes", "must be positive"),
-            (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
             (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
@@ -287,8 +260,10 @@ class Settings:
                 raise SettingsError(f"{_env_of(name)} {problem}, got {getattr(self, name)!r}")
         try:  # each component's own checks, named by their variable
             self.worker_config()
+            self.ingest_config()
         except InvalidConfig as exc:
-            raise SettingsError(f"{_env_of(exc.name)} {exc.problem}, got {exc.value!r}") from None
+            name = _SETTING_OF.get(exc.name, exc.name)
+            raise SettingsError(f"{_env_of(name)} {exc.problem}, got {exc.value!r}") from None
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -335,6 +310,13 @@ class Settings:
                             daily_token_budget=self.daily_token_budget, executor=self.executor_config(),
                             **{k: v for k, v in options.items() if v is not None})
 
+    def ingest_config(self) -> IngestConfig:
+        return IngestConfig(max_bytes=self.max_input_bytes, decode_errors=self.decode_errors,
+                            stage_timeout=self.stage_timeout, extract_memory=self.extract_memory,
+                            extract_processes=self.extract_processes, max_text_chars=self.max_text_chars,
+                            max_chunks=self.max_chunks_per_document, batch_bytes=self.ingest_batch_bytes,
+                            max_attempts=self.max_attempts)
+
     def describe(self) -> dict[str, Any]:
         """Every setting by environment variable, fit to print: the key is only
         "set"/"unset"; a database URL keeps its host but loses its password."""
@@ -371,6 +353,11 @@ def redact_text(text: str) -> str:
         text = text.replace(tail + "@", "***@")
     text = re.sub(r"(?i)(password\s*=\s*)('[^']*'|[^\s&]+)", r"\1***", text)  # key=value / ?password=
     return text
+
+
+# A component config's field -> the setting it is read from, where their names differ.
+_SETTING_OF = {"max_bytes": "max_input_bytes", "max_chunks": "max_chunks_per_document",
+               "batch_bytes": "ingest_batch_bytes"}
 
 
 def _env_of(name: str) -> str:

@@ -9,6 +9,7 @@ killed ingest's row stops counting once its beat expires.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid
@@ -50,7 +51,6 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
                                                                         monkeypatch, caplog):
     corpus = tmp_path / "c"
     write_corpus(corpus, DOCS)
-    monkeypatch.setattr(ingest, "INGEST_BATCH_DOCUMENTS", 2)   # several ingest transactions
     paused, resume = threading.Event(), threading.Event()
     real_write = ingest._write
 
@@ -63,6 +63,7 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
 
     monkeypatch.setattr(ingest, "_write", write_then_pause)
     rt = Runtime.build(Settings.from_env())
+    rt.options.config = dataclasses.replace(rt.options.config, batch_documents=2)   # several ingest transactions
     pool = db.make_pool(database_url)
     done: dict = {}
     ingesting = threading.Thread(target=lambda: done.setdefault("report", ingest.ingest_source(rt, pool, corpus)))

@@ -25,6 +25,7 @@ import pytest
 from psycopg import sql
 
 from pipeline_assets.app import retrieval
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
 from pipeline_assets.jobs import transitions
@@ -359,7 +360,7 @@ def test_reconcile_neither_builds_nor_waits_for_a_build(clean_db, database_url, 
     conn = clean_db
     s = spec(8, "rec")
     seed_ready(conn, s, [unit(np.random.default_rng(4), 8) for _ in range(4)])
-    options = IngestOptions(chunker=chunker_for(Settings.from_env()), max_bytes=1 << 20)
+    options = IngestOptions(chunker=chunker_for(Settings.from_env()), config=IngestConfig(max_bytes=1 << 20))
     reconcile(conn, options, model_id=s.model_id, rescan=False)
     assert vector_index.state(conn, s.model_id, 8) == vector_index.MISSING  # left to a worker's drain
     hold_write_lock(blocker)

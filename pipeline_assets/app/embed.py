@@ -241,7 +241,7 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     try:
         pks = current_pks()
         with pool.connection() as conn:
-            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
+            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.config.max_attempts)
         if scoped is None and in_process and (busy or enqueued):
             # Before the first coverage read (seconds at 100k documents): with nothing to claim
             # for the model, nothing of these documents waits either.

@@ -80,7 +80,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
     with conn.transaction():
         documents.write_lock(conn)
         transitions.drop_orphan_keys(conn)
-        report.enqueued += transitions.enqueue_missing(conn, options.max_attempts)
+        report.enqueued += transitions.enqueue_missing(conn, options.config.max_attempts)
         report.revived += transitions.revive_wanted(conn)
         report.superseded += transitions.supersede_unwanted(conn)
         report.repaired_vectors = transitions.repair_missing_vectors(conn)

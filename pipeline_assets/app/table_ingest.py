@@ -157,7 +157,7 @@ class _Scan:
         """Read and ingest ``row_ids`` a page at a time; those that no longer exist are gone."""
         for start in range(0, len(row_ids), READ_PAGE_ROWS):
             page = row_ids[start:start + READ_PAGE_ROWS]
-            items = self.source.rows(page, self.options.max_bytes)
+            items = self.source.rows(page, self.options.config.max_bytes)
             self.scan.rows_read += len(items)
             page_report = IngestReport()
             ingest_mod._ingest_items(self.conn, self.source, self.source_id, iter(items), self.options,
