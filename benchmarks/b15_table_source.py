@@ -80,7 +80,7 @@ def main() -> None:
     options = IngestOptions(chunker=Chunker(max_tokens=256, overlap=16), config=IngestConfig(max_bytes=1 << 20))
     out: dict = {"rows": args.rows, "updates": args.updates, "load": os.getloadavg()[0]}
     with fresh_database("table") as url, db.session(url) as conn:
-        table = TableSource(SOURCE, Settings.from_env({"PIPELINE_DATABASE_URL": url}))
+        table = TableSource(SOURCE, Settings.from_env({"PIPELINE_DATABASE_URL": url}).source_config())
         spec = table.spec
         load(conn, args.rows)
         seed_tokens(conn, spec.uri)

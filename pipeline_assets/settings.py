@@ -30,6 +30,7 @@ from pipeline_assets.app.ingest_config import (
     DEFAULT_STAGE_TIMEOUT_SECONDS,
     IngestConfig,
 )
+from pipeline_assets.app.source_config import DEFAULT_HOME, SourceConfig
 from pipeline_assets.component_config import InvalidConfig
 from pipeline_assets.jobs.executor_config import (
     DEFAULT_BACKOFF_BASE_SECONDS,
@@ -108,7 +109,7 @@ class Settings:
         "PIPELINE_DATABASE_URL", None,
         "PostgreSQL with pgvector; when set, no server is ever started", secret=True,
         shown_default="unset: embedded server under `PIPELINE_HOME`")
-    home: Path = _setting("PIPELINE_HOME", Path("./.pipeline"), "embedded server data (and `dev`'s DAGSTER_HOME)",
+    home: Path = _setting("PIPELINE_HOME", DEFAULT_HOME, "embedded server data (and `dev`'s DAGSTER_HOME)",
                           shown_default="`./.pipeline`")
     source_dir: str = _setting("PIPELINE_SOURCE_DIR", "examples/corpus", "the directory the Dagster sensors watch")
     source: str | None = _setting("PIPELINE_SOURCE", None, "the source the Dagster sensors watch: a folder, "
@@ -316,6 +317,11 @@ class Settings:
                             extract_processes=self.extract_processes, max_text_chars=self.max_text_chars,
                             max_chunks=self.max_chunks_per_document, batch_bytes=self.ingest_batch_bytes,
                             max_attempts=self.max_attempts)
+
+    def source_config(self) -> SourceConfig:
+        return SourceConfig(s3_endpoint=self.aws_endpoint_url, retry_base=self.backoff_base, retry_cap=self.backoff_cap,
+                            table_database_url=self.source_database_url, database_url=self.database_url,
+                            home=self.home_path, max_bytes=self.max_input_bytes, crashpoint=self.crashpoint)
 
     def describe(self) -> dict[str, Any]:
         """Every setting by environment variable, fit to print: the key is only

@@ -50,7 +50,7 @@ def source(clean_db):
 
 
 def _source(url: str, spec: str = SOURCE) -> TableSource:
-    return TableSource(spec, Settings.from_env({"PIPELINE_DATABASE_URL": url}))
+    return TableSource(spec, Settings.from_env({"PIPELINE_DATABASE_URL": url}).source_config())
 
 
 @pytest.fixture

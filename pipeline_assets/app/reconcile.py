@@ -49,7 +49,7 @@ def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> 
         enqueued = register_model(conn, rt)
         report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan,
                            backoff=(rt.settings.backoff_base, rt.settings.backoff_cap),
-                           opener=lambda key: open_source(key, rt.settings))
+                           opener=lambda key: open_source(key, rt.settings.source_config()))
     report.enqueued += enqueued
     purged = model_admin.purge_expired(pool, rt.settings.model_retire_grace)
     report.purged_models, report.purged_vectors = len(purged), sum(purged.values())

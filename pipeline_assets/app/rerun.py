@@ -117,7 +117,7 @@ def rerun(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget]) -> 
     rt.options.force = True
     total = 0
     for root, ids in _by_root(targets).items():
-        total += ingest_documents(rt, pool, open_source(root, rt.settings), ids).scanned
+        total += ingest_documents(rt, pool, open_source(root, rt.settings.source_config()), ids).scanned
     return total
 
 

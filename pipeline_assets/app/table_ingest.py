@@ -68,7 +68,7 @@ def scan_table(conn: psycopg.Connection, source: TableSource, options: IngestOpt
             run.full()
         else:
             run.rows(entries.row_ids)
-        crashpoints.reach(crashpoints.LOG_UNCONSUMED, source.settings.crashpoint)
+        crashpoints.reach(crashpoints.LOG_UNCONSUMED, source.config.crashpoint)
         change_log.consumed(source.table, entries.seqs)  # after the documents of their rows are committed
     elif way == WATERMARK:
         run.watermark()

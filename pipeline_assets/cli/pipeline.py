@@ -74,7 +74,7 @@ def roles(owner: str, worker: str, reader: str, print_only: bool) -> None:
 def ingest(source: str, allow_empty: bool, as_json: bool) -> None:
     """Scan, checksum, extract, chunk and enqueue SOURCE (a directory, s3://BUCKET/PREFIX). No provider calls."""
     rt = runtime(allow_empty=allow_empty)
-    src = open_source(source, settings())
+    src = open_source(source, settings().source_config())
     with pool() as p:
         report = ingest_uc.ingest_source(rt, p, src)
     emit(report.as_dict(), as_json, pairs)
@@ -127,7 +127,7 @@ def _serve_metrics(rt: Runtime, p: ConnectionPool, host: str, port: int) -> Work
 def embed(source: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
     """Ingest SOURCE (a directory, s3://BUCKET/PREFIX), then work until idle: the one-shot job."""
     rt = runtime(allow_empty=allow_empty)
-    src = open_source(source, settings())
+    src = open_source(source, settings().source_config())
     with pool() as p, work_progress(p) as bar:
         summary = embed_uc.embed_directory(rt, p, src,
                                            concurrency=concurrency or DEFAULT_CONCURRENCY,

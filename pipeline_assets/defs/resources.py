@@ -193,7 +193,7 @@ class SourceDirectoryResource(dg.ConfigurableResource):
     def source(self, settings: Settings) -> Source:
         """The configured source, opened with ``settings`` (SourceError, one line, for a malformed string)."""
         spec = self.spec()
-        return FolderSource(self.root_path()) if is_folder(spec) else open_source(spec, settings)
+        return FolderSource(self.root_path()) if is_folder(spec) else open_source(spec, settings.source_config())
 
 
 class EmbeddingRunResource(dg.ConfigurableResource):
