@@ -32,6 +32,16 @@ from pipeline_assets.app.ingest_config import (
 )
 from pipeline_assets.app.source_config import DEFAULT_HOME, SourceConfig
 from pipeline_assets.component_config import InvalidConfig
+from pipeline_assets.defs.dagster_config import (
+    DEFAULT_DLQ_GROWTH_PER_HOUR,
+    DEFAULT_EMBED_RUN_DEADLINE_SECONDS,
+    DEFAULT_EMBED_WORKERS,
+    DEFAULT_HEALTH_CRON,
+    DEFAULT_PARTITION_BUCKETS,
+    DEFAULT_RECONCILE_CRON,
+    DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
+    DagsterConfig,
+)
 from pipeline_assets.jobs.executor_config import (
     DEFAULT_BACKOFF_BASE_SECONDS,
     DEFAULT_BACKOFF_CAP_SECONDS,
@@ -63,34 +73,10 @@ POOL_MODES = ("session", "transaction")
 # model holds.
 DEFAULT_MODEL_RETIRE_GRACE_SECONDS = 7 * 24 * 3600.0
 
-# How an embeddings run in Dagster gets its partitions' chunks embedded:
-# `in-process` starts a worker inside the run (the quick start); `external`
-# only waits for `pipeline-assets work` processes running elsewhere (scale-out).
-EMBED_WORKER_MODES = ("in-process", "external")
-
-# The longest an embeddings run waits for the chunks of its own partitions to
-# be ready or failed (retry backoffs, breaker pauses, other hosts' leases
-# included) before it fails with the counts; bounds how long one run can sit
-# in the UI, and how long it holds the `embedding_worker` pool slot.
-DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
-
-# Document buckets: the Dagster partitions of documents, chunks and embeddings
-# (a stable hash of document_id modulo this count). Fixed by the first Dagster
-# use of a database and stored there (app.partition_scheme), so an edit stays in
-# its bucket. 64 keeps 1M documents at ~16k per bucket and every asset far under
-# Dagster's ~100k partitions; MAX_PARTITION_BUCKETS bounds what may be asked for.
-DEFAULT_PARTITION_BUCKETS = 64
-MAX_PARTITION_BUCKETS = 4096
-
 # Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx),
 # run shortest first in inference batches of 16 (``providers.onnx_local``): 32
 # keeps padding low; larger calls gain little on 2 cores and hold their jobs longer.
 DEFAULT_LOCAL_BATCH_INPUTS = 32
-
-# How often the Dagster source sensor scans the source directory: how long an
-# edit waits for its run at most, against a walk of the source (an observation
-# per file, read only when its size or mtime changed) per tick.
-DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS = 30
 
 
 class SettingsError(ValueError):
@@ -200,11 +186,11 @@ class Settings:
     # -- Dagster ------------------------------------------------------------------------
     source_sensor_interval: int = _setting("PIPELINE_SOURCE_SENSOR_INTERVAL", DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
                                            "seconds between two scans of the source by the source sensor")
-    reconcile_cron: str = _setting("PIPELINE_RECONCILE_CRON", "0 * * * *", "the reconciliation schedule")
-    health_cron: str = _setting("PIPELINE_HEALTH_CRON", "*/15 * * * *", "the asset-check schedule")
-    dlq_growth_per_hour: int = _setting("PIPELINE_DLQ_GROWTH_PER_HOUR", 10,
+    reconcile_cron: str = _setting("PIPELINE_RECONCILE_CRON", DEFAULT_RECONCILE_CRON, "the reconciliation schedule")
+    health_cron: str = _setting("PIPELINE_HEALTH_CRON", DEFAULT_HEALTH_CRON, "the asset-check schedule")
+    dlq_growth_per_hour: int = _setting("PIPELINE_DLQ_GROWTH_PER_HOUR", DEFAULT_DLQ_GROWTH_PER_HOUR,
                                         "the dead-letter growth check warns above this many new failures per hour")
-    embed_workers: str = _setting("PIPELINE_EMBED_WORKERS", "in-process",
+    embed_workers: str = _setting("PIPELINE_EMBED_WORKERS", DEFAULT_EMBED_WORKERS,
                                   "`external`: Dagster embeddings runs only wait for `work` processes elsewhere")
     embed_run_deadline: float = _setting("PIPELINE_EMBED_RUN_DEADLINE", DEFAULT_EMBED_RUN_DEADLINE_SECONDS,
                                          "an embeddings run fails (with its counts) if its chunks are not ready "
@@ -243,11 +229,6 @@ class Settings:
             (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
-            (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
-            (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
-            (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
-            (1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS, "partition_buckets",
-             f"must be between 1 and {MAX_PARTITION_BUCKETS}"),
             (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",
              "must be positive"),
             (self.model_max_input_tokens is None or self.model_max_input_tokens > 0, "model_max_input_tokens",
@@ -262,6 +243,7 @@ class Settings:
         try:  # each component's own checks, named by their variable
             self.worker_config()
             self.ingest_config()
+            self.dagster_config()
         except InvalidConfig as exc:
             name = _SETTING_OF.get(exc.name, exc.name)
             raise SettingsError(f"{_env_of(name)} {exc.problem}, got {exc.value!r}") from None
@@ -322,6 +304,12 @@ class Settings:
         return SourceConfig(s3_endpoint=self.aws_endpoint_url, retry_base=self.backoff_base, retry_cap=self.backoff_cap,
                             table_database_url=self.source_database_url, database_url=self.database_url,
                             home=self.home_path, max_bytes=self.max_input_bytes, crashpoint=self.crashpoint)
+
+    def dagster_config(self) -> DagsterConfig:
+        return DagsterConfig(partition_buckets=self.partition_buckets,
+                             source_sensor_interval=self.source_sensor_interval, reconcile_cron=self.reconcile_cron,
+                             health_cron=self.health_cron, dlq_growth_per_hour=self.dlq_growth_per_hour,
+                             embed_workers=self.embed_workers, embed_run_deadline=self.embed_run_deadline)
 
     def describe(self) -> dict[str, Any]:
         """Every setting by environment variable, fit to print: the key is only

@@ -17,6 +17,8 @@ from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.component_config import InvalidConfig
+from pipeline_assets.defs import dagster_config as dc
+from pipeline_assets.defs.dagster_config import DagsterConfig
 from pipeline_assets.jobs import executor_config as ec
 from pipeline_assets.jobs import worker_config as wc
 from pipeline_assets.jobs.executor_config import ExecutorConfig
@@ -45,6 +47,12 @@ def test_defaults_are_the_named_constants():
         extract_processes=ic.DEFAULT_EXTRACT_PROCESSES, max_text_chars=ic.DEFAULT_MAX_TEXT_CHARS,
         max_chunks=ic.DEFAULT_MAX_CHUNKS_PER_DOCUMENT, batch_bytes=ic.DEFAULT_INGEST_BATCH_BYTES,
         batch_documents=ic.INGEST_BATCH_DOCUMENTS, max_attempts=ic.DEFAULT_MAX_ATTEMPTS)
+    assert DagsterConfig() == DagsterConfig(
+        partition_buckets=dc.DEFAULT_PARTITION_BUCKETS,
+        source_sensor_interval=dc.DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
+        reconcile_cron=dc.DEFAULT_RECONCILE_CRON, health_cron=dc.DEFAULT_HEALTH_CRON,
+        dlq_growth_per_hour=dc.DEFAULT_DLQ_GROWTH_PER_HOUR, embed_workers=dc.DEFAULT_EMBED_WORKERS,
+        embed_run_deadline=dc.DEFAULT_EMBED_RUN_DEADLINE_SECONDS)
     assert SourceConfig() == SourceConfig(
         retry_base=ec.DEFAULT_BACKOFF_BASE_SECONDS, retry_cap=ec.DEFAULT_BACKOFF_CAP_SECONDS, home=sc.DEFAULT_HOME,
         max_bytes=ic.DEFAULT_MAX_INPUT_BYTES)
@@ -55,6 +63,7 @@ def test_an_empty_environment_builds_the_default_configs():
     assert s.executor_config() == ExecutorConfig()
     assert s.worker_config() == WorkerConfig()
     assert s.ingest_config() == IngestConfig()
+    assert s.dagster_config() == DagsterConfig()
     assert s.source_config() == SourceConfig(home=sc.DEFAULT_HOME.expanduser().resolve())
 
 
@@ -68,6 +77,8 @@ def test_an_empty_environment_builds_the_default_configs():
     (IngestConfig, "batch_documents", 0),
     (IngestConfig, "extract_processes", -1),
     (SourceConfig, "retry_cap", -0.5),
+    (DagsterConfig, "partition_buckets", dc.MAX_PARTITION_BUCKETS + 1),
+    (DagsterConfig, "embed_workers", "elsewhere"),
 ])
 def test_a_value_out_of_range_is_one_line_naming_the_field(build, field, value):
     with pytest.raises(InvalidConfig) as raised:
@@ -84,6 +95,8 @@ def test_a_value_out_of_range_is_one_line_naming_the_field(build, field, value):
     ("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", "0"),
     ("PIPELINE_INGEST_BATCH_BYTES", "0"),
     ("PIPELINE_MAX_INPUT_BYTES", "0"),
+    ("PIPELINE_PARTITION_BUCKETS", "0"),
+    ("PIPELINE_EMBED_RUN_DEADLINE", "0"),
 ])
 def test_from_the_environment_the_error_names_the_variable(env, value):
     with pytest.raises(SettingsError) as raised:
@@ -121,6 +134,13 @@ REACHES = [
     ("PIPELINE_DATABASE_URL", "postgresql://app/db", "source_config", lambda c: c.database_url, "postgresql://app/db"),
     ("PIPELINE_HOME", "/tmp/somewhere", "source_config", lambda c: c.home, Path("/tmp/somewhere").resolve()),
     ("PIPELINE_MAX_INPUT_BYTES", "1234", "source_config", lambda c: c.max_bytes, 1234),
+    ("PIPELINE_PARTITION_BUCKETS", "8", "dagster_config", lambda c: c.partition_buckets, 8),
+    ("PIPELINE_SOURCE_SENSOR_INTERVAL", "5", "dagster_config", lambda c: c.source_sensor_interval, 5),
+    ("PIPELINE_RECONCILE_CRON", "5 * * * *", "dagster_config", lambda c: c.reconcile_cron, "5 * * * *"),
+    ("PIPELINE_HEALTH_CRON", "0 0 * * *", "dagster_config", lambda c: c.health_cron, "0 0 * * *"),
+    ("PIPELINE_DLQ_GROWTH_PER_HOUR", "3", "dagster_config", lambda c: c.dlq_growth_per_hour, 3),
+    ("PIPELINE_EMBED_WORKERS", "external", "dagster_config", lambda c: c.in_process, False),
+    ("PIPELINE_EMBED_RUN_DEADLINE", "12.5", "dagster_config", lambda c: c.embed_run_deadline, 12.5),
 ]
 
 
