@@ -2,7 +2,7 @@
 
 Each component keeps a small frozen config with its defaults as named constants beside it
 (``jobs.executor_config``, ``jobs.worker_config``, ``app.ingest_config``, ``app.source_config``,
-``defs.dagster_config``);
+``store.database_config``, ``defs.dagster_config``);
 ``Settings`` reads the environment and builds them. Config modules import nothing else of the
 package, so every layer (and ``settings``) may import them.
 """

@@ -30,7 +30,7 @@ from pipeline_assets.app.ingest_config import (
     DEFAULT_STAGE_TIMEOUT_SECONDS,
     IngestConfig,
 )
-from pipeline_assets.app.source_config import DEFAULT_HOME, SourceConfig
+from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.component_config import InvalidConfig
 from pipeline_assets.defs.dagster_config import (
     DEFAULT_DLQ_GROWTH_PER_HOUR,
@@ -52,6 +52,7 @@ from pipeline_assets.jobs.executor_config import (
 )
 from pipeline_assets.jobs.worker_config import DEFAULT_WORKER_DEAD_AFTER_SECONDS, NO_TOKEN_BUDGET, WorkerConfig
 from pipeline_assets.registry.index_config import DEFAULT_INDEX_BUILD_MEMORY
+from pipeline_assets.store.database_config import DEFAULT_HOME, DEFAULT_POOL_MODE, DatabaseConfig
 
 T = TypeVar("T")  # a setting's type: its default's
 
@@ -62,10 +63,6 @@ MAX_BATCH_INPUTS = 2048
 
 # How much of a provider error message is kept in the database.
 ERROR_MESSAGE_MAX_CHARS = 500
-
-# How the database URL's server treats a session: `transaction` is a pooler in transaction mode (PgBouncer
-# before 1.21), which cannot keep a prepared statement from one transaction to the next.
-POOL_MODES = ("session", "transaction")
 
 # How long a retired model's vectors and vector index are kept after `models
 # retire` (a rollback within it is `models activate` + `models serve`, with no
@@ -104,7 +101,7 @@ class Settings:
                                             shown_default="AWS S3")
     source_database_url: str | None = _setting("PIPELINE_SOURCE_DATABASE_URL", None, "the database of `table:` "
                                                "sources", secret=True, shown_default="unset: the project's database")
-    database_pool_mode: str = _setting("PIPELINE_DATABASE_POOL_MODE", "session",
+    database_pool_mode: str = _setting("PIPELINE_DATABASE_POOL_MODE", DEFAULT_POOL_MODE,
                                        "`transaction`: the URL is a transaction-pooling PgBouncer (< 1.21); "
                                        "nothing is prepared server-side")
     dagster_database: str = _setting("PIPELINE_DAGSTER_DATABASE", "dagster",
@@ -225,7 +222,6 @@ class Settings:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.database_pool_mode in POOL_MODES, "database_pool_mode", f"must be one of {POOL_MODES}"),
             (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
@@ -244,6 +240,7 @@ class Settings:
             self.worker_config()
             self.ingest_config()
             self.dagster_config()
+            DatabaseConfig(pool_mode=self.database_pool_mode)
         except InvalidConfig as exc:
             name = _SETTING_OF.get(exc.name, exc.name)
             raise SettingsError(f"{_env_of(name)} {exc.problem}, got {exc.value!r}") from None
@@ -269,7 +266,7 @@ class Settings:
     @property
     def prepare(self) -> bool:
         """Whether statements may be prepared server-side (not through a transaction pooler)."""
-        return self.database_pool_mode != "transaction"
+        return DatabaseConfig(pool_mode=self.database_pool_mode).prepare
 
     @property
     def home_path(self) -> Path:
@@ -300,10 +297,13 @@ class Settings:
                             max_chunks=self.max_chunks_per_document, batch_bytes=self.ingest_batch_bytes,
                             max_attempts=self.max_attempts)
 
+    def database_config(self) -> DatabaseConfig:
+        return DatabaseConfig(url=self.database_url, home=self.home_path, pool_mode=self.database_pool_mode)
+
     def source_config(self) -> SourceConfig:
         return SourceConfig(s3_endpoint=self.aws_endpoint_url, retry_base=self.backoff_base, retry_cap=self.backoff_cap,
-                            table_database_url=self.source_database_url, database_url=self.database_url,
-                            home=self.home_path, max_bytes=self.max_input_bytes, crashpoint=self.crashpoint)
+                            table_database_url=self.source_database_url, database=self.database_config(),
+                            max_bytes=self.max_input_bytes, crashpoint=self.crashpoint)
 
     def dagster_config(self) -> DagsterConfig:
         return DagsterConfig(partition_buckets=self.partition_buckets,
@@ -351,7 +351,7 @@ def redact_text(text: str) -> str:
 
 # A component config's field -> the setting it is read from, where their names differ.
 _SETTING_OF = {"max_bytes": "max_input_bytes", "max_chunks": "max_chunks_per_document",
-               "batch_bytes": "ingest_batch_bytes"}
+               "batch_bytes": "ingest_batch_bytes", "pool_mode": "database_pool_mode"}
 
 
 def _env_of(name: str) -> str:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from pipeline_assets.app import ingest_config as ic
-from pipeline_assets.app import source_config as sc
 from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_config import SourceConfig
@@ -29,6 +28,8 @@ from pipeline_assets.jobs.worker_config import WorkerConfig
 from pipeline_assets.providers.local import LocalHashingProvider
 from pipeline_assets.registry.index_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.settings import Settings, SettingsError
+from pipeline_assets.store import database_config as dbc
+from pipeline_assets.store.database_config import DatabaseConfig
 
 
 def test_defaults_are_the_named_constants():
@@ -54,8 +55,9 @@ def test_defaults_are_the_named_constants():
         dlq_growth_per_hour=dc.DEFAULT_DLQ_GROWTH_PER_HOUR, embed_workers=dc.DEFAULT_EMBED_WORKERS,
         embed_run_deadline=dc.DEFAULT_EMBED_RUN_DEADLINE_SECONDS)
     assert SourceConfig() == SourceConfig(
-        retry_base=ec.DEFAULT_BACKOFF_BASE_SECONDS, retry_cap=ec.DEFAULT_BACKOFF_CAP_SECONDS, home=sc.DEFAULT_HOME,
-        max_bytes=ic.DEFAULT_MAX_INPUT_BYTES)
+        retry_base=ec.DEFAULT_BACKOFF_BASE_SECONDS, retry_cap=ec.DEFAULT_BACKOFF_CAP_SECONDS,
+        database=DatabaseConfig(), max_bytes=ic.DEFAULT_MAX_INPUT_BYTES)
+    assert DatabaseConfig() == DatabaseConfig(url=None, home=dbc.DEFAULT_HOME, pool_mode=dbc.DEFAULT_POOL_MODE)
 
 
 def test_an_empty_environment_builds_the_default_configs():
@@ -64,7 +66,9 @@ def test_an_empty_environment_builds_the_default_configs():
     assert s.worker_config() == WorkerConfig()
     assert s.ingest_config() == IngestConfig()
     assert s.dagster_config() == DagsterConfig()
-    assert s.source_config() == SourceConfig(home=sc.DEFAULT_HOME.expanduser().resolve())
+    home = dbc.DEFAULT_HOME.expanduser().resolve()
+    assert s.database_config() == DatabaseConfig(home=home)
+    assert s.source_config() == SourceConfig(database=DatabaseConfig(home=home))
 
 
 @pytest.mark.parametrize(("build", "field", "value"), [
@@ -77,6 +81,7 @@ def test_an_empty_environment_builds_the_default_configs():
     (IngestConfig, "batch_documents", 0),
     (IngestConfig, "extract_processes", -1),
     (SourceConfig, "retry_cap", -0.5),
+    (DatabaseConfig, "pool_mode", "statement"),
     (DagsterConfig, "partition_buckets", dc.MAX_PARTITION_BUCKETS + 1),
     (DagsterConfig, "embed_workers", "elsewhere"),
 ])
@@ -96,6 +101,7 @@ def test_a_value_out_of_range_is_one_line_naming_the_field(build, field, value):
     ("PIPELINE_INGEST_BATCH_BYTES", "0"),
     ("PIPELINE_MAX_INPUT_BYTES", "0"),
     ("PIPELINE_PARTITION_BUCKETS", "0"),
+    ("PIPELINE_DATABASE_POOL_MODE", "statement"),
     ("PIPELINE_EMBED_RUN_DEADLINE", "0"),
 ])
 def test_from_the_environment_the_error_names_the_variable(env, value):
@@ -131,8 +137,10 @@ REACHES = [
     ("PIPELINE_BACKOFF_BASE", "0.25", "source_config", lambda c: c.retry_base, 0.25),
     ("PIPELINE_SOURCE_DATABASE_URL", "postgresql://src/db", "source_config", lambda c: c.table_database_url,
      "postgresql://src/db"),
-    ("PIPELINE_DATABASE_URL", "postgresql://app/db", "source_config", lambda c: c.database_url, "postgresql://app/db"),
-    ("PIPELINE_HOME", "/tmp/somewhere", "source_config", lambda c: c.home, Path("/tmp/somewhere").resolve()),
+    ("PIPELINE_DATABASE_URL", "postgresql://app/db", "source_config", lambda c: c.database.url, "postgresql://app/db"),
+    ("PIPELINE_DATABASE_URL", "postgresql://app/db", "database_config", lambda c: c.url, "postgresql://app/db"),
+    ("PIPELINE_HOME", "/tmp/somewhere", "database_config", lambda c: c.home, Path("/tmp/somewhere").resolve()),
+    ("PIPELINE_DATABASE_POOL_MODE", "Transaction", "database_config", lambda c: c.prepare, False),
     ("PIPELINE_MAX_INPUT_BYTES", "1234", "source_config", lambda c: c.max_bytes, 1234),
     ("PIPELINE_PARTITION_BUCKETS", "8", "dagster_config", lambda c: c.partition_buckets, 8),
     ("PIPELINE_SOURCE_SENSOR_INTERVAL", "5", "dagster_config", lambda c: c.source_sensor_interval, 5),
@@ -159,7 +167,7 @@ def test_a_command_sets_the_fields_no_variable_sets():
     assert config.executor.call_timeout == 5.0
 
 
-def test_a_table_sources_database_urls_stay_out_of_its_repr():
+def test_database_urls_stay_out_of_the_configs_repr():
     config = Settings.from_env({"PIPELINE_SOURCE_DATABASE_URL": "postgresql://u:hunter2@src/db",
                                 "PIPELINE_DATABASE_URL": "postgresql://u:hunter3@app/db"}).source_config()
     assert "hunter2" not in repr(config) and "hunter3" not in repr(config)

@@ -27,7 +27,7 @@ def prepared_after_repeats(conn) -> int:
 def connections(settings: Settings):
     """(name, connection) for every way the pipeline connects: the pool, a connection of the
     pool's own (index builds, purges), a worker's own (liveness, its index build), the CLI's."""
-    with db.open_pool(settings) as pool:
+    with db.open_pool(settings.database_config()) as pool:
         with pool.connection() as conn:
             yield "pool", conn
         with db.pool_connect(pool) as conn:

@@ -9,14 +9,11 @@ database URLs are secrets: never in its repr.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pipeline_assets.app.ingest_config import DEFAULT_MAX_INPUT_BYTES
 from pipeline_assets.component_config import check
 from pipeline_assets.jobs.executor_config import DEFAULT_BACKOFF_BASE_SECONDS, DEFAULT_BACKOFF_CAP_SECONDS
-
-# Where the embedded PostgreSQL lives when no database URL is set (a `table:` source in it).
-DEFAULT_HOME = Path("./.pipeline")
+from pipeline_assets.store.database_config import DatabaseConfig
 
 
 @dataclass(frozen=True)
@@ -25,11 +22,9 @@ class SourceConfig:
     # A failed S3 read is retried after full jitter with the provider's base and cap.
     retry_base: float = DEFAULT_BACKOFF_BASE_SECONDS
     retry_cap: float = DEFAULT_BACKOFF_CAP_SECONDS
-    # The database of `table:` sources; None: the project's (``database_url``, else the embedded
-    # server under ``home``).
+    # The database of `table:` sources; None: the project's (``database``).
     table_database_url: str | None = field(default=None, repr=False)
-    database_url: str | None = field(default=None, repr=False)
-    home: Path = DEFAULT_HOME
+    database: DatabaseConfig = field(default_factory=DatabaseConfig)
     max_bytes: int = DEFAULT_MAX_INPUT_BYTES  # a row's text over it stays on the server
     crashpoint: str | None = None  # tests only: freeze at a named point (``jobs.crashpoints``)
 

@@ -82,7 +82,7 @@ class TableSource:
     def table(self) -> OpenTable:
         """The checked table on an open connection (opened on first use, again after a failure)."""
         if self._table is None or self._table.conn.closed:
-            url = self.config.table_database_url or self.config.database_url or db.embedded_url(self.config.home)
+            url = self.config.table_database_url or db.database_url(self.config.database)
             try:
                 conn = db.connect(url)
             except db.DatabaseUnavailable as exc:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 @expected_errors
 def migrate() -> None:
     """Apply pending SQL migrations."""
-    conn = db.connect(db.database_url(settings()), prepare=settings().prepare)
+    config = settings().database_config()
+    conn = db.connect(db.database_url(config), prepare=config.prepare)
     applied = db.migrate(conn)
     click.echo(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
 
@@ -50,7 +51,7 @@ def migrate() -> None:
 def roles(owner: str, worker: str, reader: str, print_only: bool) -> None:
     """Create the least-privilege roles and their grants (run as an administrator, before `migrate`)."""
     names = db_roles.RoleNames(owner, worker, reader)
-    conn = db.connect(db.database_url(settings()))
+    conn = db.connect(db.database_url(settings().database_config()))
     database = conn.info.dbname
     try:
         if print_only:

@@ -85,7 +85,7 @@ class PostgresResource(dg.ConfigurableResource):
 
     def url(self) -> str:
         if (settings := self._environment()) is not None:
-            return db.database_url(settings)
+            return db.database_url(settings.database_config())
         return _resolved(self.database_url) or db.embedded_url(Path(str(self.home)).expanduser().resolve())
 
     def pool(self) -> ConnectionPool:
