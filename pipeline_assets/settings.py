@@ -51,24 +51,18 @@ from pipeline_assets.jobs.executor_config import (
     ExecutorConfig,
 )
 from pipeline_assets.jobs.worker_config import DEFAULT_WORKER_DEAD_AFTER_SECONDS, NO_TOKEN_BUDGET, WorkerConfig
-from pipeline_assets.registry.index_config import DEFAULT_INDEX_BUILD_MEMORY
+from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY, DEFAULT_MODEL_RETIRE_GRACE_SECONDS
 from pipeline_assets.store.database_config import DEFAULT_HOME, DEFAULT_POOL_MODE, DatabaseConfig
 
 T = TypeVar("T")  # a setting's type: its default's
 
-# -- fixed bounds (not settings) ---------------------------------------------------
+# -- the provider's fixed bounds (``providers.provider_for`` builds a provider from Settings) ------
 
 # Inputs per provider request allowed by the OpenAI API.
 MAX_BATCH_INPUTS = 2048
 
 # How much of a provider error message is kept in the database.
 ERROR_MESSAGE_MAX_CHARS = 500
-
-# How long a retired model's vectors and vector index are kept after `models
-# retire` (a rollback within it is `models activate` + `models serve`, with no
-# re-embedding) before reconcile deletes them; bounds the storage a replaced
-# model holds.
-DEFAULT_MODEL_RETIRE_GRACE_SECONDS = 7 * 24 * 3600.0
 
 # Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx),
 # run shortest first in inference batches of 16 (``providers.onnx_local``): 32

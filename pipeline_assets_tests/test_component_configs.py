@@ -26,7 +26,7 @@ from pipeline_assets.jobs.memory_queue import MemoryQueue
 from pipeline_assets.jobs.worker import BudgetExhausted, Worker
 from pipeline_assets.jobs.worker_config import WorkerConfig
 from pipeline_assets.providers.local import LocalHashingProvider
-from pipeline_assets.registry.index_config import DEFAULT_INDEX_BUILD_MEMORY
+from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.settings import Settings, SettingsError
 from pipeline_assets.store import database_config as dbc
 from pipeline_assets.store.database_config import DatabaseConfig

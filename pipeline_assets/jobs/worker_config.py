@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline_assets.component_config import check
 from pipeline_assets.jobs.executor_config import ExecutorConfig
-from pipeline_assets.registry.index_config import DEFAULT_INDEX_BUILD_MEMORY, MIN_INDEX_BUILD_MEMORY
+from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY, MIN_INDEX_BUILD_MEMORY
 
 # Provider requests in flight per worker process (`work --concurrency`).
 DEFAULT_CONCURRENCY = 4
