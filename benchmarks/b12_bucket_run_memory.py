@@ -47,7 +47,7 @@ def child(root: str) -> None:
     settings = Settings.from_env()
     rt = Runtime.build(settings)
     path = Path(root)
-    with db.open_pool(settings) as pool:
+    with db.open_pool(settings.database_config()) as pool:
         with pool.connection() as conn:
             n = buckets.fixed_buckets(conn, settings.partition_buckets)
         base = rss_mb()

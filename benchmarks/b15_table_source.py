@@ -25,6 +25,7 @@ import statistics
 import psycopg
 from _common import Timer, emit, fresh_database, settle
 
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.app.table_ingest import CHANGE_LOG, FULL, WATERMARK, scan_table
 from pipeline_assets.app.table_source import TableSource
@@ -76,10 +77,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--updates", type=int, default=1_000)
     args = ap.parse_args()
-    options = IngestOptions(chunker=Chunker(max_tokens=256, overlap=16), max_bytes=1 << 20)
+    options = IngestOptions(chunker=Chunker(max_tokens=256, overlap=16), config=IngestConfig(max_bytes=1 << 20))
     out: dict = {"rows": args.rows, "updates": args.updates, "load": os.getloadavg()[0]}
     with fresh_database("table") as url, db.session(url) as conn:
-        table = TableSource(SOURCE, Settings.from_env({"PIPELINE_DATABASE_URL": url}))
+        table = TableSource(SOURCE, Settings.from_env({"PIPELINE_DATABASE_URL": url}).source_config())
         spec = table.spec
         load(conn, args.rows)
         seed_tokens(conn, spec.uri)

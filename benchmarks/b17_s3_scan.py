@@ -101,7 +101,7 @@ def main() -> None:
             with Timer() as t:
                 _wait_listening(port, proc, timeout=600)
             result["server_fill_s"] = round(t.seconds, 2)
-            source = open_source(f"s3://{BUCKET}/{PREFIX}", Settings.from_env())
+            source = open_source(f"s3://{BUCKET}/{PREFIX}", Settings.from_env().source_config())
             store = source.store   # type: ignore[attr-defined]
 
             def listing() -> int:

@@ -48,7 +48,8 @@ from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.content.chunking import get_encoding
 from pipeline_assets.content.extract import extract_text
 from pipeline_assets.content.sandbox import usable_cores
-from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
+from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
+from pipeline_assets.settings import Settings
 
 TARGET_RATIO = 0.6
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]

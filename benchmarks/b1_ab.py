@@ -118,10 +118,15 @@ def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
                 conn.execute("VACUUM ANALYZE")
             wal0 = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
             server0 = server_cpu_seconds(conn)
-        config = WorkerConfig(concurrency=CONCURRENCY, until_idle=True, batch_inputs=BATCH_INPUTS,
-                              poll_seconds=POLL_SECONDS, build_index=False)
+        options = {"concurrency": CONCURRENCY, "until_idle": True, "batch_inputs": BATCH_INPUTS,
+                   "poll_seconds": POLL_SECONDS, "build_index": False}
+        settings = Settings.from_env()
+        if hasattr(settings, "worker_config"):  # a tree whose worker takes its own config
+            worker = Worker(url, provider, settings.worker_config(**options))
+        else:  # an older tree: a WorkerConfig beside the whole Settings
+            worker = Worker(url, provider, WorkerConfig(**options), settings=settings)
         started, cpu = time.perf_counter(), time.process_time()
-        report = Worker(url, provider, config, settings=Settings.from_env()).run()
+        report = worker.run()
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         with db.connect(url) as conn:
             wal = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", (str(wal0),)).fetchone()[0]

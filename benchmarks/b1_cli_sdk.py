@@ -40,7 +40,8 @@ from _common import REPO, emit, fresh_database, rate
 from _sdk_alone import KEY, MODEL, sdk_alone
 from psycopg import sql
 
-from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
+from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
+from pipeline_assets.settings import Settings
 
 # The target: the worker through the CLI at least this share of the SDK alone.
 TARGET_RATIO = 0.6

@@ -34,7 +34,7 @@ from pgvector.psycopg import register_vector
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
 from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import EmbedResult, ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
@@ -73,7 +73,7 @@ def write_corpus(root: Path, n: int, tag: str) -> None:
 
 def ingest_options() -> IngestOptions:
     settings = Settings.from_env()
-    return IngestOptions(chunker=chunker_for(settings, hard_limit=8191), max_bytes=settings.max_input_bytes)
+    return IngestOptions(chunker=chunker_for(settings, hard_limit=8191), config=settings.ingest_config())
 
 
 def bench_ingest(conn, root: Path, n: int) -> dict:
@@ -86,10 +86,10 @@ def bench_ingest(conn, root: Path, n: int) -> dict:
 
 def bench_worker(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
     # The cycle only: the HNSW index is built once, after the drain, and timed apart.
-    config = WorkerConfig(concurrency=4, until_idle=True, batch_inputs=100, poll_seconds=0.05,
-                          build_index=False)
+    config = Settings.from_env().worker_config(concurrency=4, until_idle=True, batch_inputs=100, poll_seconds=0.05,
+                                               build_index=False)
     with Timer() as t:
-        report = Worker(url, provider, config, settings=Settings.from_env()).run()
+        report = Worker(url, provider, config).run()
     assert report.embedded == n, report.as_dict()
     return {"config": "concurrency=4 batch_inputs=100 poll_seconds=0.05", "jobs": report.embedded,
             "provider_calls": report.provider_calls, "seconds": round(t.seconds, 3),

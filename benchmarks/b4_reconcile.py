@@ -17,6 +17,7 @@ import argparse
 
 from _common import Timer, emit, fresh_database, peak_rss_mb
 
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
 from pipeline_assets.settings import Settings
@@ -110,7 +111,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=1_000_000)
     p.add_argument("--chunks-per-doc", type=int, default=4)
     args = p.parse_args()
-    options = IngestOptions(chunker=chunker_for(Settings.from_env()), max_bytes=1 << 20)
+    options = IngestOptions(chunker=chunker_for(Settings.from_env()), config=IngestConfig(max_bytes=1 << 20))
     out: dict = {"benchmark": "b4_reconcile"}
     with fresh_database("b4") as url:
         with db.connect(url) as conn:

@@ -80,7 +80,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     settings = Settings.from_env()
-    options = IngestOptions(chunker=chunker_for(settings, hard_limit=8191), max_bytes=settings.max_input_bytes)
+    chunker = chunker_for(settings, hard_limit=8191)
+    if hasattr(settings, "ingest_config"):  # a checkout whose ingest bounds are one IngestConfig
+        options = IngestOptions(chunker=chunker, config=settings.ingest_config())
+    else:  # an older checkout: the bounds were IngestOptions' own fields
+        options = IngestOptions(chunker=chunker, max_bytes=settings.max_input_bytes)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "corpus"
         corpus_bytes = write_corpus(root, args.docs)

@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline_assets.app.buckets import bucket_of  # noqa: E402
+from pipeline_assets.defs.dagster_config import DEFAULT_PARTITION_BUCKETS  # noqa: E402
 from pipeline_assets.defs.partitions import bucket_key  # noqa: E402
-from pipeline_assets.settings import DEFAULT_PARTITION_BUCKETS  # noqa: E402
 from pipeline_assets_tests.browser import Browser  # noqa: E402
 from pipeline_assets_tests.fake_openai import FakeOpenAI  # noqa: E402
 

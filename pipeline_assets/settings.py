@@ -3,8 +3,9 @@
 ``Settings.from_env()`` reads the environment exactly once (at the edge: the command line, the
 Dagster definitions or a resource) and the object is passed down; nothing below reads ``os.environ``.
 Each field names its environment variable, its default and what it bounds; docs/configuration.md is
-generated from them (``python -m pipeline_assets.settings_reference``, checked by a test). Constants
-not meant to be tuned per deployment are named module constants below.
+generated from them (``python -m pipeline_assets.settings_reference``, checked by a test). Each
+component gets its own config built here (``worker_config()``, ``ingest_config()``, ...), with its
+defaults named beside it; constants not meant to be tuned per deployment live with their component.
 """
 
 from __future__ import annotations
@@ -17,88 +18,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pipeline_assets.app.ingest_config import (
+    DEFAULT_DECODE_ERRORS,
+    DEFAULT_EXTRACT_MEMORY,
+    DEFAULT_EXTRACT_PROCESSES,
+    DEFAULT_INGEST_BATCH_BYTES,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_CHUNKS_PER_DOCUMENT,
+    DEFAULT_MAX_INPUT_BYTES,
+    DEFAULT_MAX_TEXT_CHARS,
+    DEFAULT_STAGE_TIMEOUT_SECONDS,
+    IngestConfig,
+)
+from pipeline_assets.app.source_config import SourceConfig
+from pipeline_assets.component_config import InvalidConfig
+from pipeline_assets.defs.dagster_config import (
+    DEFAULT_DLQ_GROWTH_PER_HOUR,
+    DEFAULT_EMBED_RUN_DEADLINE_SECONDS,
+    DEFAULT_EMBED_WORKERS,
+    DEFAULT_HEALTH_CRON,
+    DEFAULT_PARTITION_BUCKETS,
+    DEFAULT_RECONCILE_CRON,
+    DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
+    DagsterConfig,
+)
+from pipeline_assets.jobs.executor_config import (
+    DEFAULT_BACKOFF_BASE_SECONDS,
+    DEFAULT_BACKOFF_CAP_SECONDS,
+    DEFAULT_CALL_TIMEOUT_SECONDS,
+    DEFAULT_MAX_THROTTLES,
+    DEFAULT_RETRY_AFTER_CAP_SECONDS,
+    ExecutorConfig,
+)
+from pipeline_assets.jobs.worker_config import DEFAULT_WORKER_DEAD_AFTER_SECONDS, NO_TOKEN_BUDGET, WorkerConfig
+from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY, DEFAULT_MODEL_RETIRE_GRACE_SECONDS
+from pipeline_assets.store.database_config import DEFAULT_HOME, DEFAULT_POOL_MODE, DatabaseConfig
+
 T = TypeVar("T")  # a setting's type: its default's
 
-# -- fixed bounds (not settings) ---------------------------------------------------
+# -- the provider's fixed bounds (``providers.provider_for`` builds a provider from Settings) ------
 
 # Inputs per provider request allowed by the OpenAI API.
 MAX_BATCH_INPUTS = 2048
 
-# Provider requests in flight per worker process (`work --concurrency`).
-DEFAULT_CONCURRENCY = 4
-
-# How long a claimed job belongs to its worker before another may rescue it.
-# Heartbeats extend it while a call is healthy, so it only bounds how long a
-# dead worker's jobs stay stuck (`work --lease-seconds`).
-DEFAULT_LEASE_SECONDS = 60.0
-
-# How often an idle worker polls for new work, and how often it rescues
-# expired leases and the claims of dead workers (one cheap UPDATE over the
-# jobs in flight; every second so a dead worker's claims wait seconds, not a lease).
-IDLE_POLL_SECONDS = 0.5
-RESCUE_INTERVAL_SECONDS = 1.0
-
-# Consecutive provider failures (5xx, timeouts, connection errors) that trip
-# the shared circuit breaker; a 429 trips it at once.
-BREAKER_THRESHOLD = 5
-# The longest the breaker pauses between probes when the provider gave no
-# Retry-After, however long it has been failing: once it is back, the next
-# probe reaches it within this (plus a poll), not after a minute's backoff.
-BREAKER_PROBE_INTERVAL = 5.0
-
-# Documents written per ingest transaction: bounds the length of the
-# transactions that hold the ingest write lock.
-INGEST_BATCH_DOCUMENTS = 200
-# Extraction children per ingest (0: one per CPU the process may use); why one by default:
-# docs/decisions/0001-one-extraction-child.md.
-DEFAULT_EXTRACT_PROCESSES = 1
-
 # How much of a provider error message is kept in the database.
 ERROR_MESSAGE_MAX_CHARS = 500
-
-DECODE_POLICIES = ("strict", "replace")
-# How the database URL's server treats a session: `transaction` is a pooler in transaction mode (PgBouncer
-# before 1.21), which cannot keep a prepared statement from one transaction to the next.
-POOL_MODES = ("session", "transaction")
-
-# How long a retired model's vectors and vector index are kept after `models
-# retire` (a rollback within it is `models activate` + `models serve`, with no
-# re-embedding) before reconcile deletes them; bounds the storage a replaced
-# model holds.
-DEFAULT_MODEL_RETIRE_GRACE_SECONDS = 7 * 24 * 3600.0
-
-# How an embeddings run in Dagster gets its partitions' chunks embedded:
-# `in-process` starts a worker inside the run (the quick start); `external`
-# only waits for `pipeline-assets work` processes running elsewhere (scale-out).
-EMBED_WORKER_MODES = ("in-process", "external")
-
-# The longest an embeddings run waits for the chunks of its own partitions to
-# be ready or failed (retry backoffs, breaker pauses, other hosts' leases
-# included) before it fails with the counts; bounds how long one run can sit
-# in the UI, and how long it holds the `embedding_worker` pool slot.
-DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
-
-# Document buckets: the Dagster partitions of documents, chunks and embeddings
-# (a stable hash of document_id modulo this count). Fixed by the first Dagster
-# use of a database and stored there (app.partition_scheme), so an edit stays in
-# its bucket. 64 keeps 1M documents at ~16k per bucket and every asset far under
-# Dagster's ~100k partitions; MAX_PARTITION_BUCKETS bounds what may be asked for.
-DEFAULT_PARTITION_BUCKETS = 64
-MAX_PARTITION_BUCKETS = 4096
 
 # Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx),
 # run shortest first in inference batches of 16 (``providers.onnx_local``): 32
 # keeps padding low; larger calls gain little on 2 cores and hold their jobs longer.
 DEFAULT_LOCAL_BATCH_INPUTS = 32
-
-# The most maintenance_work_mem one vector index build may take (a build is sized to its HNSW graph:
-# ~1.9 GB for 1M vectors of 256 dimensions; a larger graph builds partly on disk, far slower).
-DEFAULT_INDEX_BUILD_MEMORY = 2 * 1024 ** 3
-
-# How often the Dagster source sensor scans the source directory: how long an
-# edit waits for its run at most, against a walk of the source (an observation
-# per file, read only when its size or mtime changed) per tick.
-DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS = 30
 
 
 class SettingsError(ValueError):
@@ -117,7 +86,7 @@ class Settings:
         "PIPELINE_DATABASE_URL", None,
         "PostgreSQL with pgvector; when set, no server is ever started", secret=True,
         shown_default="unset: embedded server under `PIPELINE_HOME`")
-    home: Path = _setting("PIPELINE_HOME", Path("./.pipeline"), "embedded server data (and `dev`'s DAGSTER_HOME)",
+    home: Path = _setting("PIPELINE_HOME", DEFAULT_HOME, "embedded server data (and `dev`'s DAGSTER_HOME)",
                           shown_default="`./.pipeline`")
     source_dir: str = _setting("PIPELINE_SOURCE_DIR", "examples/corpus", "the directory the Dagster sensors watch")
     source: str | None = _setting("PIPELINE_SOURCE", None, "the source the Dagster sensors watch: a folder, "
@@ -126,7 +95,7 @@ class Settings:
                                             shown_default="AWS S3")
     source_database_url: str | None = _setting("PIPELINE_SOURCE_DATABASE_URL", None, "the database of `table:` "
                                                "sources", secret=True, shown_default="unset: the project's database")
-    database_pool_mode: str = _setting("PIPELINE_DATABASE_POOL_MODE", "session",
+    database_pool_mode: str = _setting("PIPELINE_DATABASE_POOL_MODE", DEFAULT_POOL_MODE,
                                        "`transaction`: the URL is a transaction-pooling PgBouncer (< 1.21); "
                                        "nothing is prepared server-side")
     dagster_database: str = _setting("PIPELINE_DAGSTER_DATABASE", "dagster",
@@ -150,64 +119,48 @@ class Settings:
     index_build_memory: int = _setting("PIPELINE_INDEX_BUILD_MEMORY", DEFAULT_INDEX_BUILD_MEMORY,
                                        "most `maintenance_work_mem` of a vector index build, in bytes (sized to "
                                        "the HNSW graph, never below the server's)", shown_default="2 GiB")
-    # Wall-clock limit of one provider request; a stalled call becomes an
-    # ordinary retryable failure instead of holding a worker (and its lease).
-    call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", 60.0,
+    call_timeout: float = _setting("PIPELINE_CALL_TIMEOUT", DEFAULT_CALL_TIMEOUT_SECONDS,
                                    "wall-clock limit of one provider request, however its answer trickles in (s)")
-    # Each worker refreshes its liveness row five times per window; a worker
-    # silent for a whole window (killed, frozen, cut off) is dead, and its claims
-    # are rescued at once instead of after their leases.
-    worker_dead_after: float = _setting("PIPELINE_WORKER_DEAD_AFTER", 5.0,
+    worker_dead_after: float = _setting("PIPELINE_WORKER_DEAD_AFTER", DEFAULT_WORKER_DEAD_AFTER_SECONDS,
                                         "a worker silent this long is dead; its claims are rescued (s)")
     batch_inputs: int = _setting("PIPELINE_BATCH_INPUTS", 256, f"inputs per provider request (≤ {MAX_BATCH_INPUTS})")
     batch_tokens: int = _setting("PIPELINE_BATCH_TOKENS", 100_000, "tokens per provider request")
 
     # -- retries and budgets --------------------------------------------------------
-    max_attempts: int = _setting("PIPELINE_MAX_ATTEMPTS", 5, "attempts before a job is dead-lettered")
-    backoff_base: float = _setting("PIPELINE_BACKOFF_BASE", 1.0,
+    max_attempts: int = _setting("PIPELINE_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS,
+                                 "attempts before a job is dead-lettered")
+    backoff_base: float = _setting("PIPELINE_BACKOFF_BASE", DEFAULT_BACKOFF_BASE_SECONDS,
                                    "full-jitter backoff `uniform(0, min(cap, base·2^attempt))`: base (s)")
-    backoff_cap: float = _setting("PIPELINE_BACKOFF_CAP", 60.0, "full-jitter backoff: cap (s)")
-    # A proxy's `Retry-After: 86400` would otherwise pause every worker (and hold
-    # `work --until-idle`, `embed` and Dagster runs) for a day.
-    retry_after_cap: float = _setting("PIPELINE_RETRY_AFTER_CAP", 300.0,
+    backoff_cap: float = _setting("PIPELINE_BACKOFF_CAP", DEFAULT_BACKOFF_CAP_SECONDS, "full-jitter backoff: cap (s)")
+    retry_after_cap: float = _setting("PIPELINE_RETRY_AFTER_CAP", DEFAULT_RETRY_AFTER_CAP_SECONDS,
                                       "longest pause a provider's Retry-After may impose (s)")
-    # A throttle uses no attempt; without a cap, a request the provider never
-    # accepts (over the account's tokens per minute) would stall the model forever.
-    max_throttles: int = _setting("PIPELINE_MAX_THROTTLES", 10,
+    max_throttles: int = _setting("PIPELINE_MAX_THROTTLES", DEFAULT_MAX_THROTTLES,
                                   "429s one input may meet; one more while alone in its request dead-letters it "
                                   "(`throttled_too_often`)")
-    daily_token_budget: int = _setting("PIPELINE_DAILY_TOKEN_BUDGET", 0,
+    daily_token_budget: int = _setting("PIPELINE_DAILY_TOKEN_BUDGET", NO_TOKEN_BUDGET,
                                        "stop claiming once the model's tokens today (UTC) reach it; 0 = none")
-    run_token_budget: int = _setting("PIPELINE_RUN_TOKEN_BUDGET", 0,
+    run_token_budget: int = _setting("PIPELINE_RUN_TOKEN_BUDGET", NO_TOKEN_BUDGET,
                                      "stop claiming once this run's tokens reach it; 0 = none")
 
     # -- content ------------------------------------------------------------------------
-    # Bounds the memory of one extraction and rejects stray huge files (dumps,
-    # videos) before a byte is read.
-    max_input_bytes: int = _setting("PIPELINE_MAX_INPUT_BYTES", 20 * 1024 * 1024,
+    max_input_bytes: int = _setting("PIPELINE_MAX_INPUT_BYTES", DEFAULT_MAX_INPUT_BYTES,
                                     "larger files are quarantined (`too_large`) without being read",
                                     shown_default="20 MiB")
-    stage_timeout: float = _setting("PIPELINE_STAGE_TIMEOUT", 60.0,
+    stage_timeout: float = _setting("PIPELINE_STAGE_TIMEOUT", DEFAULT_STAGE_TIMEOUT_SECONDS,
                                     "wall-clock limit of extract + chunk per document (s); over it twice"
                                     " (each in a fresh process): `timeout`")
-    # Extraction runs in a child process; this bounds what one document's parser
-    # may allocate (a PDF that inflates, a pathological HTML tree).
-    extract_memory: int = _setting("PIPELINE_EXTRACT_MEMORY", 2 * 1024 ** 3,
+    extract_memory: int = _setting("PIPELINE_EXTRACT_MEMORY", DEFAULT_EXTRACT_MEMORY,
                                    "address space one extraction may add, in bytes; over it: `memory_limit`; 0 = none",
                                    shown_default="2 GiB")
     extract_processes: int = _setting("PIPELINE_EXTRACT_PROCESSES", DEFAULT_EXTRACT_PROCESSES,
                                       "extraction child processes per ingest at most; 0 = one per usable core")
-    # A small PDF can inflate to far more text than its bytes; these cap what one
-    # document may cost in memory, chunk rows and provider tokens.
-    max_text_chars: int = _setting("PIPELINE_MAX_TEXT_CHARS", 20_000_000,
+    max_text_chars: int = _setting("PIPELINE_MAX_TEXT_CHARS", DEFAULT_MAX_TEXT_CHARS,
                                    "extracted characters per document; over it: `text_too_large`")
-    max_chunks_per_document: int = _setting("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", 20_000,
+    max_chunks_per_document: int = _setting("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", DEFAULT_MAX_CHUNKS_PER_DOCUMENT,
                                             "chunks per document; over it: `too_many_chunks`")
-    # Bounds the chunk text one ingest transaction holds in memory (with at most
-    # INGEST_BATCH_DOCUMENTS documents); one larger document is a batch alone.
-    ingest_batch_bytes: int = _setting("PIPELINE_INGEST_BATCH_BYTES", 64 * 1024 * 1024,
+    ingest_batch_bytes: int = _setting("PIPELINE_INGEST_BATCH_BYTES", DEFAULT_INGEST_BATCH_BYTES,
                                        "chunk text per ingest transaction, in bytes", shown_default="64 MiB")
-    decode_errors: str = _setting("PIPELINE_DECODE_ERRORS", "strict",
+    decode_errors: str = _setting("PIPELINE_DECODE_ERRORS", DEFAULT_DECODE_ERRORS,
                                   "`replace` decodes bad UTF-8 with U+FFFD instead of quarantining (`bad_encoding`)")
     # Unset: content.chunking's defaults fitted to the configured model's window (``app.runtime.chunking``).
     chunk_tokens: int | None = _setting(
@@ -224,11 +177,11 @@ class Settings:
     # -- Dagster ------------------------------------------------------------------------
     source_sensor_interval: int = _setting("PIPELINE_SOURCE_SENSOR_INTERVAL", DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
                                            "seconds between two scans of the source by the source sensor")
-    reconcile_cron: str = _setting("PIPELINE_RECONCILE_CRON", "0 * * * *", "the reconciliation schedule")
-    health_cron: str = _setting("PIPELINE_HEALTH_CRON", "*/15 * * * *", "the asset-check schedule")
-    dlq_growth_per_hour: int = _setting("PIPELINE_DLQ_GROWTH_PER_HOUR", 10,
+    reconcile_cron: str = _setting("PIPELINE_RECONCILE_CRON", DEFAULT_RECONCILE_CRON, "the reconciliation schedule")
+    health_cron: str = _setting("PIPELINE_HEALTH_CRON", DEFAULT_HEALTH_CRON, "the asset-check schedule")
+    dlq_growth_per_hour: int = _setting("PIPELINE_DLQ_GROWTH_PER_HOUR", DEFAULT_DLQ_GROWTH_PER_HOUR,
                                         "the dead-letter growth check warns above this many new failures per hour")
-    embed_workers: str = _setting("PIPELINE_EMBED_WORKERS", "in-process",
+    embed_workers: str = _setting("PIPELINE_EMBED_WORKERS", DEFAULT_EMBED_WORKERS,
                                   "`external`: Dagster embeddings runs only wait for `work` processes elsewhere")
     embed_run_deadline: float = _setting("PIPELINE_EMBED_RUN_DEADLINE", DEFAULT_EMBED_RUN_DEADLINE_SECONDS,
                                          "an embeddings run fails (with its counts) if its chunks are not ready "
@@ -263,29 +216,9 @@ class Settings:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.decode_errors in DECODE_POLICIES, "decode_errors", f"must be one of {DECODE_POLICIES}"),
-            (self.database_pool_mode in POOL_MODES, "database_pool_mode", f"must be one of {POOL_MODES}"),
-            (self.max_input_bytes > 0, "max_input_bytes", "must be positive"),
-            (self.extract_memory >= 0, "extract_memory", "must not be negative"),
-            (self.extract_processes >= 0, "extract_processes", "must not be negative"),
-            (self.max_text_chars > 0, "max_text_chars", "must be positive"),
-            (self.max_chunks_per_document > 0, "max_chunks_per_document", "must be positive"),
-            (self.ingest_batch_bytes > 0, "ingest_batch_bytes", "must be positive"),
-            (self.call_timeout > 0, "call_timeout", "must be positive"),
-            (self.worker_dead_after > 0, "worker_dead_after", "must be positive"),
-            (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
             (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
             (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
-            (self.backoff_base >= 0 and self.backoff_cap >= 0, "backoff_base", "backoff must not be negative"),
-            (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),
-            (self.max_throttles >= 1, "max_throttles", "must be at least 1"),
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
-            (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
-            (self.index_build_memory >= 1 << 20, "index_build_memory", "must be at least 1 MiB"),
-            (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
-            (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
-            (1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS, "partition_buckets",
-             f"must be between 1 and {MAX_PARTITION_BUCKETS}"),
             (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",
              "must be positive"),
             (self.model_max_input_tokens is None or self.model_max_input_tokens > 0, "model_max_input_tokens",
@@ -297,6 +230,14 @@ class Settings:
         for ok, name, problem in checks:
             if not ok:
                 raise SettingsError(f"{_env_of(name)} {problem}, got {getattr(self, name)!r}")
+        try:  # each component's own checks, named by their variable
+            self.worker_config()
+            self.ingest_config()
+            self.dagster_config()
+            DatabaseConfig(pool_mode=self.database_pool_mode)
+        except InvalidConfig as exc:
+            name = _SETTING_OF.get(exc.name, exc.name)
+            raise SettingsError(f"{_env_of(name)} {exc.problem}, got {exc.value!r}") from None
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -319,7 +260,7 @@ class Settings:
     @property
     def prepare(self) -> bool:
         """Whether statements may be prepared server-side (not through a transaction pooler)."""
-        return self.database_pool_mode != "transaction"
+        return DatabaseConfig(pool_mode=self.database_pool_mode).prepare
 
     @property
     def home_path(self) -> Path:
@@ -328,6 +269,41 @@ class Settings:
     @property
     def request_inputs(self) -> int:
         return min(self.batch_inputs, MAX_BATCH_INPUTS)
+
+    # -- the components' configs ----------------------------------------------------------
+    def executor_config(self) -> ExecutorConfig:
+        return ExecutorConfig(call_timeout=self.call_timeout, backoff_base=self.backoff_base,
+                              backoff_cap=self.backoff_cap, retry_after_cap=self.retry_after_cap,
+                              max_throttles=self.max_throttles, crashpoint=self.crashpoint)
+
+    def worker_config(self, **options: Any) -> WorkerConfig:
+        """The worker's config; ``options`` (a command's: concurrency, until_idle, ...) set the
+        fields no variable sets (``None`` keeps the default)."""
+        return WorkerConfig(worker_dead_after=self.worker_dead_after, index_build_memory=self.index_build_memory,
+                            prepare=self.prepare, run_token_budget=self.run_token_budget,
+                            daily_token_budget=self.daily_token_budget, executor=self.executor_config(),
+                            **{k: v for k, v in options.items() if v is not None})
+
+    def ingest_config(self) -> IngestConfig:
+        return IngestConfig(max_bytes=self.max_input_bytes, decode_errors=self.decode_errors,
+                            stage_timeout=self.stage_timeout, extract_memory=self.extract_memory,
+                            extract_processes=self.extract_processes, max_text_chars=self.max_text_chars,
+                            max_chunks=self.max_chunks_per_document, batch_bytes=self.ingest_batch_bytes,
+                            max_attempts=self.max_attempts)
+
+    def database_config(self) -> DatabaseConfig:
+        return DatabaseConfig(url=self.database_url, home=self.home_path, pool_mode=self.database_pool_mode)
+
+    def source_config(self) -> SourceConfig:
+        return SourceConfig(s3_endpoint=self.aws_endpoint_url, retry_base=self.backoff_base, retry_cap=self.backoff_cap,
+                            table_database_url=self.source_database_url, database=self.database_config(),
+                            max_bytes=self.max_input_bytes, crashpoint=self.crashpoint)
+
+    def dagster_config(self) -> DagsterConfig:
+        return DagsterConfig(partition_buckets=self.partition_buckets,
+                             source_sensor_interval=self.source_sensor_interval, reconcile_cron=self.reconcile_cron,
+                             health_cron=self.health_cron, dlq_growth_per_hour=self.dlq_growth_per_hour,
+                             embed_workers=self.embed_workers, embed_run_deadline=self.embed_run_deadline)
 
     def describe(self) -> dict[str, Any]:
         """Every setting by environment variable, fit to print: the key is only
@@ -365,6 +341,11 @@ def redact_text(text: str) -> str:
         text = text.replace(tail + "@", "***@")
     text = re.sub(r"(?i)(password\s*=\s*)('[^']*'|[^\s&]+)", r"\1***", text)  # key=value / ?password=
     return text
+
+
+# A component config's field -> the setting it is read from, where their names differ.
+_SETTING_OF = {"max_bytes": "max_input_bytes", "max_chunks": "max_chunks_per_document",
+               "batch_bytes": "ingest_batch_bytes", "pool_mode": "database_pool_mode"}
 
 
 def _env_of(name: str) -> str:

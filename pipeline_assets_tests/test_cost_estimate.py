@@ -250,7 +250,7 @@ def test_the_estimate_reads_sums_not_texts(env_small, clean_db):
     """An empty corpus: one row of zeros, for each selection."""
     spec = ModelSpec(provider="openai", name=SMALL, dimension=16, max_input_tokens=8191, max_batch_inputs=8,
                      max_batch_tokens=8191)
-    with db.make_pool(db.database_url(Settings.from_env()), min_size=1, max_size=1) as pool:
+    with db.make_pool(db.database_url(Settings.from_env().database_config()), min_size=1, max_size=1) as pool:
         for est in (estimate.for_corpus(pool, spec, None), estimate.for_documents(pool, spec, None, []),
                     estimate.for_buckets(pool, spec, None, Path("/nowhere"), [0, 1], 64)):
             assert (est.chunks, est.inputs, est.send_inputs, est.send_tokens, est.cost) == (0, 0, 0, 0, 0.0)

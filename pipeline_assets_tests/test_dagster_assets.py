@@ -571,7 +571,7 @@ def test_a_refresh_leaves_another_models_cell_of_its_bucket_stale(corpus, conn, 
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
     assert execute(defs, instance, tags=range_tags(ALL)).success
-    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+    with db.make_pool(db.database_url(settings.database_config()), max_size=2) as pool:
         other = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
     instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [other])      # what the sensors' next tick does
     assert execute(defs, instance, job="embed_documents",

@@ -61,7 +61,7 @@ def tick(defs, instance, cursor):
 def served_search() -> str:
     """What `pipeline-assets search` does: embed the query with the served model, read its vectors."""
     settings = Settings.from_env()
-    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+    with db.make_pool(db.database_url(settings.database_config()), max_size=2) as pool:
         rt = model_admin.served_runtime(settings, pool)
         hits = search_uc.search(rt, pool, "w1 w8 w15", 3, mode="vector")
     assert len(hits) == 3
@@ -198,7 +198,7 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
 
     # A rollback by hand is not overruled: the configured model was served once already.
     settings = Settings.from_env()
-    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+    with db.make_pool(db.database_url(settings.database_config()), max_size=2) as pool:
         model_admin.activate(pool, FAKE_MODEL, max_attempts=settings.max_attempts)
         assert model_admin.serve(pool, FAKE_MODEL)["previous"] == NEW
     left = tick(defs, instance, switched.cursor)
@@ -206,7 +206,7 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     assert models.served_model_id(conn) == OLD and served_search() == OLD
     assert _model_keys(instance) == [NEW, OLD]               # active again: its column is back
     # `pipeline-assets models add` (the registry, no Dagster): the next tick of either sensor adds its column.
-    with db.make_pool(db.database_url(settings), max_size=2) as pool:
+    with db.make_pool(db.database_url(settings.database_config()), max_size=2) as pool:
         model_admin.add(settings, pool, STRAY.split("/", 1)[1])
     assert not evaluate_sensor(embed_after_sync, defs, instance, after.cursor).run_requests
     assert _model_keys(instance) == [NEW, OLD, STRAY]

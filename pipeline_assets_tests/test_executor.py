@@ -16,11 +16,11 @@ import pytest
 from pipeline_assets.jobs import leases, ledger
 from pipeline_assets.jobs.changes import Complete
 from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
+from pipeline_assets.jobs.executor_config import ExecutorConfig
 from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.providers.openai_provider import OpenAIProvider
-from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL, wait_until
 from pipeline_assets_tests.job_store_harness import ManualClock
 
@@ -67,10 +67,9 @@ def rig(fake):
     clock = ManualClock()
     queue = MemoryQueue(clock=clock)
     report = WorkerReport()
-    settings = Settings.from_env({})
     store = MemoryJobStore(queue, model_id=provider.spec.model_id, run="w/x/", backoff_base=BACKOFF_BASE,
                            backoff_cap=BACKOFF_CAP, observers=[ReportCounts(report)])
-    executor = Executor(provider, store, settings, poll_seconds=0.05, lease_seconds=LEASE, report=report,
+    executor = Executor(provider, store, ExecutorConfig(), poll_seconds=0.05, lease_seconds=LEASE, report=report,
                         stopping=Stopping(threading.Event()), view=ProviderView(store.register_model(provider.spec)))
     try:
         yield Rig(fake, clock, queue, store, executor, report)

@@ -26,7 +26,7 @@ import pytest
 
 from pipeline_assets.jobs.decisions import FREE_FAULTS, MAX_UNMATCHED_ANSWERS
 from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
-from pipeline_assets.settings import DEFAULT_CONCURRENCY
+from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
 
 DOCUMENTS = 60

@@ -9,6 +9,7 @@ killed ingest's row stops counting once its beat expires.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid
@@ -21,7 +22,7 @@ from pipeline_assets.app import ingest
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key
 from pipeline_assets.jobs import running_ingests
-from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
@@ -66,8 +67,8 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
     ingesting = threading.Thread(target=lambda: done.setdefault("report", ingest.ingest_source(rt, pool, corpus)))
     stop = threading.Event()
     working = threading.Thread(target=lambda: done.setdefault("work", Worker(
-        database_url, rt.provider, WorkerConfig(concurrency=2, poll_seconds=0.05, index_quiet_seconds=0.2),
-        settings=rt.settings, stop_event=stop).run()))
+        database_url, rt.provider, rt.settings.worker_config(concurrency=2, poll_seconds=0.05, index_quiet_seconds=0.2),
+        stop_event=stop).run()))
     caplog.set_level(logging.INFO, logger="pipeline_assets.jobs.worker")
     try:
         ingesting.start()
@@ -109,7 +110,14 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
 def paused_ingest(monkeypatch):
     """The hook: after its first committed batch with chunks, the ingest waits for the test.
     Returns (paused, resume) events."""
-    monkeypatch.setattr(ingest, "INGEST_BATCH_DOCUMENTS", 2)   # several ingest transactions
+    real_items = ingest._ingest_items
+
+    def in_small_batches(conn, source, source_id, items, options, report, **kwargs):
+        """Several ingest transactions: two documents each."""
+        small = dataclasses.replace(options, config=dataclasses.replace(options.config, batch_documents=2))
+        return real_items(conn, source, source_id, items, small, report, **kwargs)
+
+    monkeypatch.setattr(ingest, "_ingest_items", in_small_batches)
     paused, resume = threading.Event(), threading.Event()
     real_write = ingest._write
 

@@ -15,6 +15,7 @@ import pytest
 
 from pipeline_assets.app import documents
 from pipeline_assets.app.ingest import ingest_directory, ingest_paths
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.chunking import Chunker
@@ -25,8 +26,9 @@ from pipeline_assets_tests.conftest import cli, write_corpus
 SECRET = "the private key that lives outside the source"
 
 
-def _options(**kw) -> IngestOptions:
-    return IngestOptions(chunker=Chunker(max_tokens=32, overlap=4), max_bytes=1 << 20, **kw)
+def _options(force: bool = False, **config) -> IngestOptions:
+    return IngestOptions(chunker=Chunker(max_tokens=32, overlap=4), config=IngestConfig(max_bytes=1 << 20, **config),
+                         force=force)
 
 
 def _docs(conn) -> dict[str, str]:

@@ -46,7 +46,7 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
     corpus = tmp_path / "corpus"
     write_corpus(corpus, 24, words=600)
     settings = Settings.from_env()
-    with db.make_pool(db.database_url(settings), max_size=6) as pool:
+    with db.make_pool(db.database_url(settings.database_config()), max_size=6) as pool:
         embed_directory(Runtime.build(settings), pool, corpus)
         assert model_admin.served_model_id(pool) == OLD      # the first model is served at once
         query = clean_db.execute("SELECT text FROM app.chunks ORDER BY chunk_checksum LIMIT 1").fetchone()[0]
@@ -208,7 +208,8 @@ def test_a_served_model_this_installation_cannot_build_is_one_line(env, clean_db
                      max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000)
     assert models.ensure_model(clean_db, gone)           # the first model: served at once
     settings = Settings.from_env()
-    with db.make_pool(db.database_url(settings), max_size=2) as pool, pytest.raises(ConfigError) as refused:
+    url = db.database_url(settings.database_config())
+    with db.make_pool(url, max_size=2) as pool, pytest.raises(ConfigError) as refused:
         model_admin.served_runtime(settings, pool)
     assert str(refused.value) == ("this installation cannot embed a query with the served model "
                                   f"local/hashing-gone-v0@4; `pipeline-assets models serve {OLD}` once it covers "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers.local import LocalHashingProvider
 from pipeline_assets.settings import Settings, SettingsError
 from pipeline_assets.store import db
@@ -27,12 +27,12 @@ def prepared_after_repeats(conn) -> int:
 def connections(settings: Settings):
     """(name, connection) for every way the pipeline connects: the pool, a connection of the
     pool's own (index builds, purges), a worker's own (liveness, its index build), the CLI's."""
-    with db.open_pool(settings) as pool:
+    with db.open_pool(settings.database_config()) as pool:
         with pool.connection() as conn:
             yield "pool", conn
         with db.pool_connect(pool) as conn:
             yield "pool_connect", conn
-    worker = Worker(settings.database_url or "", LocalHashingProvider(), WorkerConfig(), settings=settings)
+    worker = Worker(settings.database_url or "", LocalHashingProvider(), settings.worker_config())
     with worker._connect() as conn:
         yield "worker", conn
     with db.connect(settings.database_url or "", prepare=settings.prepare) as conn:

@@ -151,7 +151,7 @@ def test_the_opener_pauses_with_the_providers_full_jitter(s3, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     settings = Settings(aws_endpoint_url=f"http://127.0.0.1:{free_port()}", backoff_base=0.001, backoff_cap=0.004)
-    source = open_source(SOURCE, settings)
+    source = open_source(SOURCE, settings.source_config())
     with pytest.raises(SourceError, match="failed 4 times: no answer"):
         list(source.items())
 
@@ -160,7 +160,7 @@ def test_a_listing_that_changes_while_read_converges(s3, s3_env, clean_db, datab
     for n in range(3):
         _put(s3, f"docs/d{n}.md", _text(n))
     rt = Runtime.build(Settings.from_env())
-    source = open_source(SOURCE, rt.settings)
+    source = open_source(SOURCE, rt.settings.source_config())
     listed = source.items
 
     def changing():   # after the listing's first item: one object deleted, one added
@@ -181,7 +181,7 @@ def test_a_listing_that_changes_while_read_converges(s3, s3_env, clean_db, datab
 def test_sensor_scan_of_an_unchanged_bucket_reads_nothing(s3, s3_env, clean_db):
     for n in range(5):
         _put(s3, f"docs/d{n}.md", _text(n))
-    source = open_source(SOURCE, Settings.from_env())
+    source = open_source(SOURCE, Settings.from_env().source_config())
     first = observations.scan(clean_db, source, max_bytes=1 << 20)
     assert (first.present, first.written, first.hashed, first.unread) == (5, 5, 0, 0)
     second = observations.scan(clean_db, source, max_bytes=1 << 20)
@@ -269,7 +269,7 @@ def test_reads_go_in_parallel_within_the_bound(s3, s3_env):
 
     for n in range(20):
         _put(s3, f"docs/d{n:02d}.md", _text(n))
-    source = open_source(SOURCE, Settings.from_env())
+    source = open_source(SOURCE, Settings.from_env().source_config())
     items = list(source.items())
     lock, now, peak = threading.Lock(), [0], [0]
     real_get = source._get   # type: ignore[attr-defined]

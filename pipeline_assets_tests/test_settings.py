@@ -135,5 +135,5 @@ def test_ingest_guard_settings(monkeypatch):
             Settings.from_env({env: value})
     from pipeline_assets.app.runtime import Runtime
 
-    options = Runtime.build(s).options
-    assert (options.batch_bytes, options.max_text_chars, options.max_chunks, options.extract_memory) == (1000, 50, 3, 0)
+    config = Runtime.build(s).options.config
+    assert (config.batch_bytes, config.max_text_chars, config.max_chunks, config.extract_memory) == (1000, 50, 3, 0)

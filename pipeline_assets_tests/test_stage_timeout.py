@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pipeline_assets.app.ingest import ingest_directory
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.chunking import Chunker
 from pipeline_assets_tests.poison_chunker import PARENT_LOCK, POISON_TEXT, PoisonChunker, under_the_parents_lock
@@ -36,10 +37,10 @@ def _corpus(tmp_path):
 POOL = 2
 
 
-def _ingest(conn, corpus, **options):
-    options.setdefault("extract_processes", POOL)
-    options.setdefault("chunker", Chunker())
-    return ingest_directory(conn, corpus, IngestOptions(max_bytes=1 << 20, **options))
+def _ingest(conn, corpus, chunker: Chunker | None = None, **config):
+    config.setdefault("extract_processes", POOL)
+    return ingest_directory(conn, corpus, IngestOptions(chunker=chunker or Chunker(),
+                                                        config=IngestConfig(max_bytes=1 << 20, **config)))
 
 
 def _assert_only_poison_quarantined(conn, report, error_class):

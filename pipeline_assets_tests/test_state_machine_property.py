@@ -50,10 +50,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pipeline_assets.app import model_admin
 from pipeline_assets.jobs import decisions, transitions
+from pipeline_assets.jobs.breaker_config import BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
 from pipeline_assets.registry import models
-from pipeline_assets.settings import BREAKER_THRESHOLD
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import LONG_PROFILE
 

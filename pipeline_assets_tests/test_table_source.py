@@ -8,6 +8,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.app.table_ingest import CHANGE_LOG, FULL, WATERMARK, scan_table
 from pipeline_assets.app.table_source import TableSource
@@ -25,8 +26,9 @@ from pipeline_assets.store.table_source import (
 SOURCE = "table:src.docs?id=id&text=body&updated=updated_at"
 
 
-def _options(**kw) -> IngestOptions:
-    return IngestOptions(chunker=Chunker(max_tokens=32, overlap=4), max_bytes=kw.pop("max_bytes", 1 << 20), **kw)
+def _options(allow_empty: bool = False, max_bytes: int = 1 << 20) -> IngestOptions:
+    return IngestOptions(chunker=Chunker(max_tokens=32, overlap=4), config=IngestConfig(max_bytes=max_bytes),
+                         allow_empty=allow_empty)
 
 
 def _text(i: int, v: int = 0) -> str:
@@ -48,7 +50,7 @@ def source(clean_db):
 
 
 def _source(url: str, spec: str = SOURCE) -> TableSource:
-    return TableSource(spec, Settings.from_env({"PIPELINE_DATABASE_URL": url}))
+    return TableSource(spec, Settings.from_env({"PIPELINE_DATABASE_URL": url}).source_config())
 
 
 @pytest.fixture

@@ -25,10 +25,11 @@ import pytest
 from psycopg import sql
 
 from pipeline_assets.app import retrieval
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
 from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.worker import Worker, WorkerConfig
+from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
@@ -332,8 +333,8 @@ def test_a_worker_stays_responsive_while_its_index_builds(env, clean_db, databas
     rt = Runtime.build(Settings.from_env())
     hold_write_lock(blocker)
     stop = threading.Event()
-    worker = Worker(database_url, rt.provider, WorkerConfig(concurrency=2, until_idle=True, poll_seconds=0.05),
-                    settings=rt.settings, stop_event=stop)
+    worker = Worker(database_url, rt.provider,
+                    rt.settings.worker_config(concurrency=2, until_idle=True, poll_seconds=0.05), stop_event=stop)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()))
     thread.start()
@@ -359,7 +360,7 @@ def test_reconcile_neither_builds_nor_waits_for_a_build(clean_db, database_url, 
     conn = clean_db
     s = spec(8, "rec")
     seed_ready(conn, s, [unit(np.random.default_rng(4), 8) for _ in range(4)])
-    options = IngestOptions(chunker=chunker_for(Settings.from_env()), max_bytes=1 << 20)
+    options = IngestOptions(chunker=chunker_for(Settings.from_env()), config=IngestConfig(max_bytes=1 << 20))
     reconcile(conn, options, model_id=s.model_id, rescan=False)
     assert vector_index.state(conn, s.model_id, 8) == vector_index.MISSING  # left to a worker's drain
     hold_write_lock(blocker)

@@ -12,7 +12,7 @@ import pytest
 from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
 from pipeline_assets.jobs.report import ReportCounts
-from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig
+from pipeline_assets.jobs.worker import FatalProviderError, Worker
 from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL
@@ -20,7 +20,8 @@ from pipeline_assets_tests.conftest import FAKE_MODEL
 CHUNKS = 40
 BATCH = 8
 BACKOFF = {"PIPELINE_BACKOFF_BASE": "0.01", "PIPELINE_BACKOFF_CAP": "0.05"}
-CONFIG = WorkerConfig(concurrency=2, until_idle=True, poll_seconds=0.02, build_index=False, batch_inputs=BATCH)
+CONFIG = Settings.from_env(BACKOFF).worker_config(concurrency=2, until_idle=True, poll_seconds=0.02,
+                                                  build_index=False, batch_inputs=BATCH)
 
 
 def checksum(text: str) -> bytes:
@@ -37,10 +38,9 @@ def provider(fake):
 
 def worker_on(queue: MemoryQueue, provider, texts: list[str]) -> tuple[Worker, list[int]]:
     queue.add_content(1, [(checksum(t), t, len(t.split())) for t in texts])
-    settings = Settings.from_env(BACKOFF)
-    store = MemoryJobStore(queue, model_id=provider.spec.model_id, backoff_base=settings.backoff_base,
-                           backoff_cap=settings.backoff_cap)
-    worker = Worker("", provider, CONFIG, settings=settings, store=store)
+    store = MemoryJobStore(queue, model_id=provider.spec.model_id, backoff_base=CONFIG.executor.backoff_base,
+                           backoff_cap=CONFIG.executor.backoff_cap)
+    worker = Worker("", provider, CONFIG, store=store)
     store.observers.append(ReportCounts(worker.report))  # the report counts what was applied
     queue.add_model(provider.spec.model_id)
     return worker, queue.enqueue([checksum(t) for t in texts], max_attempts=5)

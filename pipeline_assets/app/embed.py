@@ -25,9 +25,10 @@ from pipeline_assets.content.source import Source
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import running_ingests, transitions
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
-from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerConfig, WorkerReport
+from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerReport
+from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.registry import models, vector_index
-from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
+from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, stage_runs, text_search
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,9 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     """
     # Worker start: the chunk size must fit this model's and every active model's window.
     model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
-    config = WorkerConfig(concurrency=concurrency, until_idle=until_idle, worker_id=worker_id)
-    if lease_seconds:
-        config.lease_seconds = lease_seconds
-    if poll_seconds:
-        config.poll_seconds = poll_seconds
-    worker = Worker(db.pool_url(pool), rt.provider, config, settings=rt.settings, stop_event=stop)
+    config = rt.settings.worker_config(concurrency=concurrency, until_idle=until_idle, worker_id=worker_id,
+                                       lease_seconds=lease_seconds or None, poll_seconds=poll_seconds or None)
+    worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=stop)
     if observe is not None:  # metrics and progress read its report while it runs
         observe(worker)
     with pool.connection() as conn:
@@ -247,7 +245,7 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     try:
         pks = current_pks()
         with pool.connection() as conn:
-            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
+            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.config.max_attempts)
         if scoped is None and in_process and (busy or enqueued):
             # Before the first coverage read (seconds at 100k documents): with nothing to claim
             # for the model, nothing of these documents waits either.
@@ -297,11 +295,10 @@ class _ScopedWorker:
 
     def __init__(self, rt: Runtime, pool: ConnectionPool, doc_pks: Sequence[int] | None,
                  poll_seconds: float | None):
-        config = WorkerConfig(until_idle=False, scope=None if doc_pks is None else list(doc_pks), build_index=False)
-        if poll_seconds:
-            config.poll_seconds = poll_seconds
+        config = rt.settings.worker_config(until_idle=False, scope=None if doc_pks is None else tuple(doc_pks),
+                                           build_index=False, poll_seconds=poll_seconds or None)
         self._stop = threading.Event()
-        self._worker = Worker(db.pool_url(pool), rt.provider, config, settings=rt.settings, stop_event=self._stop)
+        self._worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=self._stop)
         self._report: WorkerReport | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="scoped-worker", daemon=True)

@@ -8,8 +8,8 @@ replaced and its new chunks enqueued in one transaction per batch, and the
 jobs of content no longer wanted are superseded at once. Items gone from the
 source are tombstoned after a complete scan.
 
-Guards: one transaction holds at most INGEST_BATCH_DOCUMENTS documents and,
-past PIPELINE_INGEST_BATCH_BYTES of chunk text, is written at once; extraction
+Guards (``app.ingest_config``): one transaction holds at most ``batch_documents`` documents and,
+past ``batch_bytes`` of chunk text, is written at once; extraction
 runs in a bounded pool of child processes (``content.process.Extractor``,
 PIPELINE_EXTRACT_PROCESSES), which keep extracting while a batch is written; every failure of one
 document is that document's quarantine; a transaction the server aborts for a
@@ -39,7 +39,6 @@ from pipeline_assets.content.source import Item, Source, SourceError
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import running_ingests, transitions
 from pipeline_assets.registry import models
-from pipeline_assets.settings import INGEST_BATCH_DOCUMENTS
 from pipeline_assets.store import db, text_search
 
 T = TypeVar("T")
@@ -87,7 +86,7 @@ def register_model(conn: psycopg.Connection, rt: Runtime) -> int:
     every current chunk ingested before it. Returns the jobs enqueued. A retired
     model is refused (``models.ModelRetired``, one line) until `models activate`."""
     if models.ensure_model(conn, rt.provider.spec):
-        return transitions.enqueue_missing(conn, rt.options.max_attempts)
+        return transitions.enqueue_missing(conn, rt.options.config.max_attempts)
     return 0
 
 
@@ -208,31 +207,32 @@ def _batches(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
 
 
 def _with_known(conn: psycopg.Connection, source_id: int, items: Iterator[Item],
-                report: IngestReport) -> Iterator[tuple[list[Item], dict[str, KnownDocument]]]:
-    """Batches of INGEST_BATCH_DOCUMENTS items with what the database holds of them, looked
-    up lazily: a batch's lookup runs when the previous batch has been handed out."""
-    for batch in _batches(items, INGEST_BATCH_DOCUMENTS):
+                report: IngestReport, size: int) -> Iterator[tuple[list[Item], dict[str, KnownDocument]]]:
+    """Batches of ``size`` items with what the database holds of them, looked up lazily: a
+    batch's lookup runs when the previous batch has been handed out."""
+    for batch in _batches(items, size):
         report.scanned += len(batch)
         yield batch, documents.known_documents(conn, source_id, [i.document_id for i in batch])
 
 
 def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, items: Iterator[Item],
                   options: IngestOptions, report: IngestReport, *, record_seen: bool) -> None:
-    """Process and write ``items``: one transaction per INGEST_BATCH_DOCUMENTS documents
-    done, or sooner once the results hold ``options.batch_bytes`` of chunk text. Documents
-    are extracted in ``options.extract_processes`` children, which keep working on the
+    """Process and write ``items``: one transaction per ``batch_documents`` documents done, or
+    sooner once the results hold ``batch_bytes`` of chunk text (``options.config``). Documents
+    are extracted in ``extract_processes`` children, which keep working on the
     documents queued on them while a transaction is written. The chunks' text-search vectors
     are computed after the last transaction (``store.text_search``), unless
     ``options.text_search_later``."""
-    spec = ExtractSpec(chunker=options.chunker, decode_errors=options.decode_errors,
-                       max_text_chars=options.max_text_chars, max_chunks=options.max_chunks)
-    with Extractor(spec, timeout=options.stage_timeout, memory_limit=options.extract_memory,
-                   processes=options.extract_processes) as extractor:
+    config = options.config
+    spec = ExtractSpec(chunker=options.chunker, decode_errors=config.decode_errors,
+                       max_text_chars=config.max_text_chars, max_chunks=config.max_chunks)
+    with Extractor(spec, timeout=config.stage_timeout, memory_limit=config.extract_memory,
+                   processes=config.extract_processes) as extractor:
         seen: list[str] = []
         todo: list[Processed] = []
         held = 0
-        for item, old, processed in process_items(source, _with_known(conn, source_id, items, report),
-                                                  extractor=extractor, max_bytes=options.max_bytes,
+        known = _with_known(conn, source_id, items, report, config.batch_documents)
+        for item, old, processed in process_items(source, known, extractor=extractor, max_bytes=config.max_bytes,
                                                   extractor_version=options.extractor_version, force=options.force):
             seen.append(item.document_id)
             if processed is not None:
@@ -247,7 +247,7 @@ def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, item
                 held += processed.text_bytes
             else:
                 report.unchanged += 1
-            if held >= options.batch_bytes or len(seen) >= INGEST_BATCH_DOCUMENTS:
+            if held >= config.batch_bytes or len(seen) >= config.batch_documents:
                 _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
                 seen, todo, held = [], [], 0
         _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
@@ -270,7 +270,7 @@ def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list
             documents.write_lock(conn)
             return documents.write_documents(
                 conn, source_id, todo, extractor_version=options.extractor_version,
-                chunker_version=options.chunker.version, max_attempts=options.max_attempts,
+                chunker_version=options.chunker.version, max_attempts=options.config.max_attempts,
                 config_hash=options.config_hash, run_id=options.run_id)
 
     counts = _retrying(transaction)

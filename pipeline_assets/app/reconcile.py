@@ -49,7 +49,7 @@ def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> 
         enqueued = register_model(conn, rt)
         report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan,
                            backoff=(rt.settings.backoff_base, rt.settings.backoff_cap),
-                           opener=lambda key: open_source(key, rt.settings))
+                           opener=lambda key: open_source(key, rt.settings.source_config()))
     report.enqueued += enqueued
     purged = model_admin.purge_expired(pool, rt.settings.model_retire_grace)
     report.purged_models, report.purged_vectors = len(purged), sum(purged.values())
@@ -80,7 +80,7 @@ def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str
     with conn.transaction():
         documents.write_lock(conn)
         transitions.drop_orphan_keys(conn)
-        report.enqueued += transitions.enqueue_missing(conn, options.max_attempts)
+        report.enqueued += transitions.enqueue_missing(conn, options.config.max_attempts)
         report.revived += transitions.revive_wanted(conn)
         report.superseded += transitions.supersede_unwanted(conn)
         report.repaired_vectors = transitions.repair_missing_vectors(conn)

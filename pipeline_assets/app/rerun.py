@@ -117,7 +117,7 @@ def rerun(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget]) -> 
     rt.options.force = True
     total = 0
     for root, ids in _by_root(targets).items():
-        total += ingest_documents(rt, pool, open_source(root, rt.settings), ids).scanned
+        total += ingest_documents(rt, pool, open_source(root, rt.settings.source_config()), ids).scanned
     return total
 
 
@@ -132,7 +132,7 @@ def rerun_embed(rt: Runtime, pool: ConnectionPool, targets: Sequence[RerunTarget
                 pks = stage_runs.current_document_pks(conn, root, ids)
                 failed = stage_runs.failed_jobs_of(conn, root, ids, rt.model_id)
                 requeued += transitions.requeue_failed(conn, failed)["pending"] if failed else 0
-                enqueued += transitions.enqueue_for_docs(conn, pks, rt.options.max_attempts)
+                enqueued += transitions.enqueue_for_docs(conn, pks, rt.options.config.max_attempts)
                 stage_runs.refresh_embed_docs(conn, rt.model_id, pks)
             documents += len(pks)
     return EmbedRerun(documents=documents, requeued=requeued, enqueued=enqueued)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.content.chunking import DEFAULT_CHUNK_OVERLAP, DEFAULT_CHUNK_TOKENS, Chunker
 from pipeline_assets.content.extract import EXTRACTOR_VERSION, EXTRACTOR_VERSIONS, FORMATS, ExtractorVersions
 from pipeline_assets.content.identity import sha256_hex
@@ -98,31 +99,23 @@ def code_versions(settings: Settings) -> dict[str, str]:
 
 @dataclass
 class IngestOptions:
-    """How ingest turns files into chunks and jobs (built from Settings by ``Runtime.build``)."""
+    """How one ingest turns files into chunks and jobs: its bounds (``config``) and this run's choices."""
 
     chunker: Chunker
-    max_bytes: int
-    decode_errors: str = Settings.decode_errors
-    max_attempts: int = Settings.max_attempts
+    config: IngestConfig = dataclasses.field(default_factory=IngestConfig)
     run_id: str | None = None       # the Dagster run id, when run from Dagster
     force: bool = False             # re-extract even when nothing changed (a rerun)
     allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
-    stage_timeout: float = Settings.stage_timeout  # per document: extract + chunk
     # Each format's extractor version (``extractor_version.of(document_id)``).
     extractor_version: ExtractorVersions = dataclasses.field(
         default_factory=lambda: ExtractorVersions.of_formats(EXTRACTOR_VERSIONS))
-    extract_memory: int = Settings.extract_memory  # address space one extraction may add (0: none)
-    extract_processes: int = Settings.extract_processes  # extraction children at most (0: one per usable core)
-    max_text_chars: int = Settings.max_text_chars  # per document
-    max_chunks: int = Settings.max_chunks_per_document
-    batch_bytes: int = Settings.ingest_batch_bytes  # chunk text per ingest transaction
     # Leave the chunks' text-search vectors to the caller (``store.text_search``; `embed`'s worker
     # computes them at its drain); otherwise the ingest computes them at its end.
     text_search_later: bool = False
 
     @property
     def config_hash(self) -> str:
-        return sha256_hex(f"{self.max_bytes}|{self.decode_errors}".encode())[:16]
+        return sha256_hex(f"{self.config.max_bytes}|{self.config.decode_errors}".encode())[:16]
 
 
 @dataclass
@@ -144,16 +137,8 @@ class Runtime:
         check_chunk_size(chunking(settings)[0], [ModelLimit.of(provider.spec)])
         options = IngestOptions(
             chunker=chunker_for(settings, hard_limit=provider.spec.max_chunk_tokens),
-            max_bytes=settings.max_input_bytes,
-            decode_errors=settings.decode_errors,
-            max_attempts=settings.max_attempts,
-            stage_timeout=settings.stage_timeout,
+            config=settings.ingest_config(),
             extractor_version=extractor_versions(settings),
-            extract_memory=settings.extract_memory,
-            extract_processes=settings.extract_processes,
-            max_text_chars=settings.max_text_chars,
-            max_chunks=settings.max_chunks_per_document,
-            batch_bytes=settings.ingest_batch_bytes,
             run_id=run_id,
             force=force,
             allow_empty=allow_empty,

@@ -2,7 +2,7 @@
 ``table:schema.name?id=..&text=..``.
 
 The part before the first ``:`` names the kind (``OPENERS``); a string without one (or
-``file:``) is a folder path. Each opener takes the string and the Settings and returns a
+``file:``) is a folder path. Each opener takes the string and the ``SourceConfig`` and returns a
 ``content.source.Source`` whose ``key`` is the canonical form of that string, so the key
 stored in ``app.sources.root`` opens the same source again (reconciliation re-opens every
 source it finds there). A kind of source plugs in with one implementation and one entry
@@ -15,24 +15,24 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.jobs.backoff import full_jitter
-from pipeline_assets.settings import Settings
 
-Opener = Callable[[str, Settings], Source]
+Opener = Callable[[str, SourceConfig], Source]
 
 # A kind is two or more letters (so a Windows drive letter, C:, stays a path).
 _KIND = re.compile(r"^([a-z][a-z0-9+.-]+):")
 
 
-def _open_s3(spec: str, settings: Settings) -> Source:
+def _open_s3(spec: str, config: SourceConfig) -> Source:
     from pipeline_assets.content.s3_source import S3Source  # the client is imported only when used
 
     def pause(attempt: int) -> float:   # the provider's retry policy: full jitter, its base and cap
-        return full_jitter(attempt, base=settings.backoff_base, cap=settings.backoff_cap)
+        return full_jitter(attempt, base=config.retry_base, cap=config.retry_cap)
 
-    return S3Source.open(spec, endpoint=settings.aws_endpoint_url, pause=pause)
+    return S3Source.open(spec, endpoint=config.s3_endpoint, pause=pause)
 
 
 # kind -> opener. One entry per kind of source.
@@ -41,9 +41,9 @@ OPENERS: dict[str, Opener] = {
 }
 
 
-def _open_table(spec: str, settings: Settings) -> Source:
+def _open_table(spec: str, config: SourceConfig) -> Source:
     from pipeline_assets.app.table_source import TableSource  # the database side only when named
-    return TableSource(spec, settings)
+    return TableSource(spec, config)
 
 
 OPENERS["table"] = _open_table
@@ -56,7 +56,7 @@ def kind_of(spec: str) -> str | None:
     return None if kind == "file" else kind
 
 
-def open_source(spec: str | Path, settings: Settings) -> Source:
+def open_source(spec: str | Path, config: SourceConfig) -> Source:
     """The source ``spec`` names (see the module docstring)."""
     if isinstance(spec, Path):
         return FolderSource(spec)
@@ -67,7 +67,7 @@ def open_source(spec: str | Path, settings: Settings) -> Source:
     if opener is None:
         raise SourceError(f"unknown kind of source {kind!r} in {spec!r}; known: a folder path, "
                           + ", ".join(f"{k}:..." for k in sorted(OPENERS)))
-    return opener(spec, settings)
+    return opener(spec, config)
 
 
 def is_folder(spec: str) -> bool:

@@ -68,7 +68,7 @@ def scan_table(conn: psycopg.Connection, source: TableSource, options: IngestOpt
             run.full()
         else:
             run.rows(entries.row_ids)
-        crashpoints.reach(crashpoints.LOG_UNCONSUMED, source.settings.crashpoint)
+        crashpoints.reach(crashpoints.LOG_UNCONSUMED, source.config.crashpoint)
         change_log.consumed(source.table, entries.seqs)  # after the documents of their rows are committed
     elif way == WATERMARK:
         run.watermark()
@@ -157,7 +157,7 @@ class _Scan:
         """Read and ingest ``row_ids`` a page at a time; those that no longer exist are gone."""
         for start in range(0, len(row_ids), READ_PAGE_ROWS):
             page = row_ids[start:start + READ_PAGE_ROWS]
-            items = self.source.rows(page, self.options.max_bytes)
+            items = self.source.rows(page, self.options.config.max_bytes)
             self.scan.rows_read += len(items)
             page_report = IngestReport()
             ingest_mod._ingest_items(self.conn, self.source, self.source_id, iter(items), self.options,

@@ -18,9 +18,10 @@ import psycopg
 from pipeline_assets.app import observations
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
+from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError
 from pipeline_assets.content.source import Item, Observed, ReadOutcome, SourceError, token_checksum
-from pipeline_assets.settings import Settings, redact_text
+from pipeline_assets.settings import redact_text
 from pipeline_assets.store import change_log, db, queries
 from pipeline_assets.store.table_source import (
     LOCK_TIMEOUT,
@@ -58,13 +59,13 @@ class TableSource:
     kind = "table"
     content_tokens = True
 
-    def __init__(self, spec: str, settings: Settings) -> None:
+    def __init__(self, spec: str, config: SourceConfig) -> None:
         try:
             self.spec = parse_table_source(spec)
         except TableSourceError as exc:
             raise SourceError(str(exc)) from None
         self.key = self.spec.uri
-        self.settings = settings
+        self.config = config
         self._table: OpenTable | None = None
         self.lock_timeout = LOCK_TIMEOUT  # a locked table fails the scan after this
 
@@ -72,7 +73,7 @@ class TableSource:
         return f"TableSource({self.key!r})"
 
     def describe(self) -> str:
-        where = redact_text(self.settings.source_database_url) if self.settings.source_database_url else \
+        where = redact_text(self.config.table_database_url) if self.config.table_database_url else \
             "the project's database"
         return f"table {self.spec.name} (id={self.spec.id}, text={self.spec.text}) in {where}"
 
@@ -81,7 +82,7 @@ class TableSource:
     def table(self) -> OpenTable:
         """The checked table on an open connection (opened on first use, again after a failure)."""
         if self._table is None or self._table.conn.closed:
-            url = self.settings.source_database_url or db.database_url(self.settings)
+            url = self.config.table_database_url or db.database_url(self.config.database)
             try:
                 conn = db.connect(url)
             except db.DatabaseUnavailable as exc:
@@ -138,7 +139,7 @@ class TableSource:
     def rows(self, row_ids: Sequence[str], max_bytes: int | None = None) -> list[TableItem]:
         """The rows of ``row_ids`` that exist now, read (text over ``max_bytes`` left on the server)."""
         found: list[TableItem] = []
-        limit = self.settings.max_input_bytes if max_bytes is None else max_bytes
+        limit = self.config.max_bytes if max_bytes is None else max_bytes
         try:
             for start in range(0, len(row_ids), READ_PAGE_ROWS):
                 for row in self.table.read(row_ids[start:start + READ_PAGE_ROWS], limit):
@@ -240,6 +241,6 @@ class TableSource:
         return report
 
 
-def open_table_source(spec: str, settings: Settings) -> TableSource:
+def open_table_source(spec: str, config: SourceConfig) -> TableSource:
     """The registry's opener of ``table:`` sources."""
-    return TableSource(spec, settings)
+    return TableSource(spec, config)

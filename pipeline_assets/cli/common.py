@@ -63,7 +63,7 @@ def settings() -> Settings:
 
 @contextmanager
 def pool(max_size: int = 4) -> Iterator[ConnectionPool]:
-    with db.open_pool(settings(), max_size=max_size) as p:
+    with db.open_pool(settings().database_config(), max_size=max_size) as p:
         yield p
 
 

@@ -16,7 +16,7 @@ from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.cli.common import emit, expected_errors, fail, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
-from pipeline_assets.settings import DEFAULT_CONCURRENCY
+from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
 
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 @expected_errors
 def migrate() -> None:
     """Apply pending SQL migrations."""
-    conn = db.connect(db.database_url(settings()), prepare=settings().prepare)
+    config = settings().database_config()
+    conn = db.connect(db.database_url(config), prepare=config.prepare)
     applied = db.migrate(conn)
     click.echo(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
 
@@ -50,7 +51,7 @@ def migrate() -> None:
 def roles(owner: str, worker: str, reader: str, print_only: bool) -> None:
     """Create the least-privilege roles and their grants (run as an administrator, before `migrate`)."""
     names = db_roles.RoleNames(owner, worker, reader)
-    conn = db.connect(db.database_url(settings()))
+    conn = db.connect(db.database_url(settings().database_config()))
     database = conn.info.dbname
     try:
         if print_only:
@@ -74,7 +75,7 @@ def roles(owner: str, worker: str, reader: str, print_only: bool) -> None:
 def ingest(source: str, allow_empty: bool, as_json: bool) -> None:
     """Scan, checksum, extract, chunk and enqueue SOURCE (a directory, s3://BUCKET/PREFIX). No provider calls."""
     rt = runtime(allow_empty=allow_empty)
-    src = open_source(source, settings())
+    src = open_source(source, settings().source_config())
     with pool() as p:
         report = ingest_uc.ingest_source(rt, p, src)
     emit(report.as_dict(), as_json, pairs)
@@ -127,7 +128,7 @@ def _serve_metrics(rt: Runtime, p: ConnectionPool, host: str, port: int) -> Work
 def embed(source: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
     """Ingest SOURCE (a directory, s3://BUCKET/PREFIX), then work until idle: the one-shot job."""
     rt = runtime(allow_empty=allow_empty)
-    src = open_source(source, settings())
+    src = open_source(source, settings().source_config())
     with pool() as p, work_progress(p) as bar:
         summary = embed_uc.embed_directory(rt, p, src,
                                            concurrency=concurrency or DEFAULT_CONCURRENCY,

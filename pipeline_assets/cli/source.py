@@ -22,7 +22,7 @@ def source() -> None:
 def install_triggers(spec: str) -> None:
     """Create the change log of a `table:` SOURCE (schema pipeline_changes and three triggers on the
     table): inserts, updates, deletes and TRUNCATE then reach the job table without a scan."""
-    with closing(TableSource(spec, settings())) as source:
+    with closing(TableSource(spec, settings().source_config())) as source:
         change_log.install(source.table)
     click.echo(f"change log installed on {source.spec.name}: its changes are read from pipeline_changes.log")
 
@@ -32,7 +32,7 @@ def install_triggers(spec: str) -> None:
 @expected_errors
 def uninstall_triggers(spec: str) -> None:
     """Drop the change log triggers of a `table:` SOURCE and its pending entries (scans find changes again)."""
-    with closing(TableSource(spec, settings())) as source:
+    with closing(TableSource(spec, settings().source_config())) as source:
         change_log.uninstall(source.table)
     click.echo(f"change log removed from {source.spec.name}")
 

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from pipeline_assets.app.ingest_config import DECODE_POLICIES
+
 TEXT_EXTENSIONS = frozenset({".txt", ".md", ".markdown", ".rst", ".csv", ".json"})
 HTML_EXTENSIONS = frozenset({".html", ".htm"})
 PDF_EXTENSIONS = frozenset({".pdf"})
@@ -40,7 +42,6 @@ EXTRACTOR_VERSION = "extract-1"
 # sensor (the Dagster code version of `documents` stays: see the README).
 EXTRACTOR_VERSIONS: dict[str, str] = {TEXT: EXTRACTOR_VERSION, HTML: EXTRACTOR_VERSION, PDF: EXTRACTOR_VERSION}
 SNIFF_BYTES = 8 * 1024  # how much of an unknown file is checked for NUL bytes
-from pipeline_assets.settings import DECODE_POLICIES  # noqa: E402  (the one list, shared with Settings)
 
 # Error classes recorded for failed documents.
 TOO_LARGE = "too_large"

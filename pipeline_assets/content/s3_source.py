@@ -1,6 +1,6 @@
 """An S3-compatible object store prefix as a ``Source`` (content/source.py): ``s3://BUCKET/PREFIX``.
 
-The client is obstore, configured by the standard AWS environment and ``Settings.aws_endpoint_url``;
+The client is obstore, configured by the standard AWS environment and ``SourceConfig.s3_endpoint``;
 credentials are never read, printed or logged here. Ids are ``s3://bucket/key``; the token is the
 ETag and size (``content_tokens``: an equal token is never downloaded again); the prefix is a
 folder and folder markers are skipped. Listing goes in pages (``S3_PAGE_KEYS``), reads at most

@@ -85,7 +85,7 @@ class PostgresResource(dg.ConfigurableResource):
 
     def url(self) -> str:
         if (settings := self._environment()) is not None:
-            return db.database_url(settings)
+            return db.database_url(settings.database_config())
         return _resolved(self.database_url) or db.embedded_url(Path(str(self.home)).expanduser().resolve())
 
     def pool(self) -> ConnectionPool:
@@ -193,7 +193,7 @@ class SourceDirectoryResource(dg.ConfigurableResource):
     def source(self, settings: Settings) -> Source:
         """The configured source, opened with ``settings`` (SourceError, one line, for a malformed string)."""
         spec = self.spec()
-        return FolderSource(self.root_path()) if is_folder(spec) else open_source(spec, settings)
+        return FolderSource(self.root_path()) if is_folder(spec) else open_source(spec, settings.source_config())
 
 
 class EmbeddingRunResource(dg.ConfigurableResource):

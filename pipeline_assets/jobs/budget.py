@@ -7,8 +7,6 @@ by the requests already in flight.
 
 from __future__ import annotations
 
-from pipeline_assets.settings import Settings
-
 
 class TokenBudget:
     def __init__(self, model_id: str, *, per_run: int, daily: int) -> None:
@@ -16,10 +14,6 @@ class TokenBudget:
         self.per_run = per_run
         self.daily = daily
         self._others_today: int | None = None  # tokens billed today, not by this process
-
-    @classmethod
-    def from_settings(cls, model_id: str, settings: Settings) -> TokenBudget:
-        return cls(model_id, per_run=settings.run_token_budget, daily=settings.daily_token_budget)
 
     def refresh(self, tokens_today: int, run_tokens: int) -> None:
         """Take in what the model spent today (all workers: ``ledger.tokens_today``)."""

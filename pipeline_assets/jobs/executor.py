@@ -27,13 +27,14 @@ from pipeline_assets.jobs import crashpoints, decisions, ledger
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
 from pipeline_assets.jobs.decisions import ANSWERS, DOWN, UNUSABLE, Apply, CheckProvider, ProbeConfig, Split, Stop
 from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE, ProviderRates
+from pipeline_assets.jobs.executor_config import ExecutorConfig
 from pipeline_assets.jobs.faults import DatabaseWait, FaultCounter, one_line
 from pipeline_assets.jobs.job_store import Answer, JobStore
 from pipeline_assets.jobs.leases import HeldLeases
 from pipeline_assets.jobs.report import WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
+from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, Provider, ProviderError
-from pipeline_assets.settings import DEFAULT_CONCURRENCY, Settings
 
 log = logging.getLogger("pipeline_assets.jobs.worker")
 
@@ -87,7 +88,7 @@ class ProviderView:
 class Executor:
     provider: Provider
     store: JobStore
-    settings: Settings
+    config: ExecutorConfig
     poll_seconds: float
     lease_seconds: float
     report: WorkerReport
@@ -102,10 +103,10 @@ class Executor:
         fault_threshold, throttle_threshold = self._thresholds()
         requests = decisions.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens,
                                            fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
-        budget = self.settings.call_timeout * (len(requests) + 1) + self.lease_seconds
+        budget = self.config.call_timeout * (len(requests) + 1) + self.lease_seconds
         self.leases.hold(owner, [j.job_id for j in jobs], time.monotonic() + budget)
         try:
-            crashpoints.reach(crashpoints.AFTER_CLAIM, self.settings.crashpoint)
+            crashpoints.reach(crashpoints.AFTER_CLAIM, self.config.crashpoint)
             gone = decisions.unwanted(jobs)
             if gone:
                 self.store.apply(owner, [Supersede(tuple(gone))])
@@ -133,7 +134,7 @@ class Executor:
         """Give the jobs back without using an attempt; stop after a few faults in a row."""
         consecutive, unavailable = self.faults.count(exc)
         outcome = decisions.worker_error(exc, jobs, consecutive=consecutive, unavailable=unavailable,
-                                         base=self.settings.backoff_base, cap=self.settings.backoff_cap)
+                                         base=self.config.backoff_base, cap=self.config.backoff_cap)
         try:
             self._ride_out(owner, lambda: self.store.apply(owner, outcome.changes))
             if jobs and jobs[0].probe:
@@ -159,13 +160,13 @@ class Executor:
         unavailable; the wait does not count against the claim's deadline, so the heartbeat
         keeps its lease once the database is back."""
         return self.db_wait.ride_out(step, self.stopping.event, on_wait=lambda: self.leases.extend_deadline(
-            owner, time.monotonic() + self.settings.call_timeout + self.lease_seconds))
+            owner, time.monotonic() + self.config.call_timeout + self.lease_seconds))
 
     # -- a request -----------------------------------------------------------------
     def call(self, owner: str, jobs: Sequence[ClaimedJob]) -> None:
         started = time.monotonic()
         # A healthy call keeps its lease for as long as it may take.
-        self.leases.extend_deadline(owner, started + self.settings.call_timeout + self.lease_seconds)
+        self.leases.extend_deadline(owner, started + self.config.call_timeout + self.lease_seconds)
         # The send is in the ledger before the request goes out: if no answer
         # ever comes (a kill, a failure), it still counts as possibly billed.
         call_id = self.store.record_send(jobs, sum(j.token_count or 0 for j in jobs))
@@ -189,7 +190,7 @@ class Executor:
         self.view.last_usable = time.monotonic()
         self.view.limit.answered()
         self.view.rates.record(SUCCESS)
-        crashpoints.reach(crashpoints.AFTER_CALL, self.settings.crashpoint, (j.text for j in jobs))
+        crashpoints.reach(crashpoints.AFTER_CALL, self.config.crashpoint, (j.text for j in jobs))
         answer = Answer(call_id, result.tokens, latency)
         stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
                                        model_id=self.provider.spec.model_id)
@@ -204,7 +205,7 @@ class Executor:
         # One check of the whole answer; vector by vector only when it fails.
         bad = None if np.isfinite(np.concatenate(vectors)).all() else decisions.bad_vectors(
             [bool(np.isfinite(v).all()) for v in vectors], jobs,
-            base=self.settings.backoff_base, cap=self.settings.backoff_cap)
+            base=self.config.backoff_base, cap=self.config.backoff_cap)
         if bad is not None:  # NaN/inf: the provider's fault, for those inputs; the rest complete
             if bad.breaker is not None:
                 self.store.provider_failure(bad.breaker)
@@ -250,10 +251,10 @@ class Executor:
     def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob], started: float,
                 health: str | None = None) -> decisions.Outcome:
         fault_threshold, throttle_threshold = self._thresholds()
-        outcome = decisions.decide(err, jobs, config_ok=self.view.config_ok, base=self.settings.backoff_base,
-                                   cap=self.settings.backoff_cap, poll_seconds=self.poll_seconds,
-                                   retry_after_cap=self.settings.retry_after_cap,
-                                   max_throttles=self.settings.max_throttles, health=health,
+        outcome = decisions.decide(err, jobs, config_ok=self.view.config_ok, base=self.config.backoff_base,
+                                   cap=self.config.backoff_cap, poll_seconds=self.poll_seconds,
+                                   retry_after_cap=self.config.retry_after_cap,
+                                   max_throttles=self.config.max_throttles, health=health,
                                    unusable_in_a_row=max(0, self.view.unusable - 1),
                                    fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
         if isinstance(outcome, ProbeConfig):

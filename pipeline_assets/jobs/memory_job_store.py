@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline_assets.jobs import ledger
+from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import (
     Change,
     ClaimedJob,
@@ -31,7 +32,6 @@ from pipeline_assets.jobs.memory_queue import CRASH_ERRORS, NEVER, Call, MemoryJ
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry.models import ModelRetired
-from pipeline_assets.settings import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 
 WAITING = (JobStatus.PENDING, JobStatus.RETRY)
 # The largest exponent of a backoff (as jobs.sql caps it).

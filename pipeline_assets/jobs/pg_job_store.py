@@ -19,12 +19,12 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.jobs import ledger, running_ingests, transitions
+from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
 from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry import models
-from pipeline_assets.settings import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 
 # Completion transactions retried on a deadlock with a concurrent ingest.
 COMPLETE_RETRIES = 3

@@ -24,6 +24,7 @@ from psycopg import sql
 from psycopg.rows import RowMaker, dict_row
 
 from pipeline_assets.jobs import ledger
+from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL
 from pipeline_assets.jobs.changes import (
     Change,
     ClaimedJob,
@@ -38,7 +39,6 @@ from pipeline_assets.jobs.changes import (
 )
 from pipeline_assets.jobs.decisions import FREE_FAULTS
 from pipeline_assets.jobs.status import JobStatus
-from pipeline_assets.settings import BREAKER_PROBE_INTERVAL
 from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.vectors import param as vectors_param
 

@@ -21,8 +21,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import psycopg
 
@@ -35,15 +33,9 @@ from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.suspects import SuspectGate
+from pipeline_assets.jobs.worker_config import WorkerConfig
 from pipeline_assets.providers import Provider
 from pipeline_assets.registry import vector_index
-from pipeline_assets.settings import (
-    DEFAULT_CONCURRENCY,
-    DEFAULT_LEASE_SECONDS,
-    IDLE_POLL_SECONDS,
-    RESCUE_INTERVAL_SECONDS,
-    Settings,
-)
 from pipeline_assets.store import db, text_search
 
 log = logging.getLogger(__name__)
@@ -51,28 +43,9 @@ log = logging.getLogger(__name__)
 # How long a stopping worker waits for in-flight calls before releasing their jobs.
 SHUTDOWN_GRACE_SECONDS = 3.0
 
-# A long-running worker builds the vector index once its queue has stayed empty this long (and no
-# ingest runs): a queue that empties between an ingest's batches fills again at once. A worker
-# `--until-idle` builds at its drain (it is leaving).
-INDEX_QUIET_SECONDS = 5.0
-
 # How a claim thread waits before its next claim.
 WAIT_FOR_DATABASE = "database"   # the database is unavailable: its backoff
 WAIT_A_POLL = "poll"             # nothing to claim, or a fault: a poll
-
-
-@dataclass
-class WorkerConfig:
-    concurrency: int = DEFAULT_CONCURRENCY
-    lease_seconds: float = DEFAULT_LEASE_SECONDS
-    worker_id: str | None = None
-    until_idle: bool = False
-    batch_inputs: int | None = None  # default: the provider's max_batch_inputs
-    poll_seconds: float = IDLE_POLL_SECONDS
-    rescue_interval: float = RESCUE_INTERVAL_SECONDS
-    build_index: bool = True  # build the model's HNSW index when the queue drains
-    index_quiet_seconds: float = INDEX_QUIET_SECONDS  # (not `until_idle`) the queue empty this long first
-    scope: Sequence[int] | None = None  # claim only the jobs of these documents (doc_pk); None: the whole queue
 
 
 class FatalProviderError(RuntimeError):
@@ -84,12 +57,11 @@ class BudgetExhausted(RuntimeError):
 
 
 class Worker:
-    def __init__(self, url: str, provider: Provider, config: WorkerConfig, *, settings: Settings,
+    def __init__(self, url: str, provider: Provider, config: WorkerConfig, *,
                  stop_event: threading.Event | None = None, store: JobStore | None = None) -> None:
         self.url = url
         self.provider = provider
         self.config = config
-        self.settings = settings
         self.model_id = provider.spec.model_id
         self.worker_id = config.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         # Lease owners are unique per claim, so a late completion of an older
@@ -115,14 +87,15 @@ class Worker:
         self._text_fill: text_search.BackgroundFill | None = None  # beside it: chunks' text-search vectors
         self._drained_since: float | None = None  # the queue empty at every beat since (monotonic)
         self._deferred_for_ingest = False  # the build was put off while an ingest runs (logged once)
-        self._token_budget = TokenBudget.from_settings(self.model_id, settings)
+        self._token_budget = TokenBudget(self.model_id, per_run=config.run_token_budget,
+                                         daily=config.daily_token_budget)
         self._db_wait = DatabaseWait()  # replaced by run(), with its pool
         self._suspects = SuspectGate()  # a job that may crash the worker runs alone in it
 
     # -- lifecycle -------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
-        """A connection of its own (liveness, the index build), preparing as the settings allow."""
-        return db.connect(self.url, prepare=self.settings.prepare)
+        """A connection of its own (liveness, the index build), preparing as its config allows."""
+        return db.connect(self.url, prepare=self.config.prepare)
 
     def run(self) -> WorkerReport:
         if self.store is None:
@@ -141,13 +114,14 @@ class Worker:
 
     def _run_on_postgres(self) -> None:
         pool = db.make_pool(self.url, min_size=1, max_size=self.config.concurrency + 2,
-                            prepare=self.settings.prepare)
+                            prepare=self.config.prepare)
         # Connections that met an unavailable or read-only server are replaced (``DatabaseWait``).
         self._db_wait = DatabaseWait(on_unavailable=pool.drain)
         try:
             self.store = store = PostgresJobStore(
                 pool, model_id=self.model_id, worker_id=self.worker_id, run=self._owner_prefix,
-                backoff_base=self.settings.backoff_base, backoff_cap=self.settings.backoff_cap,
+                backoff_base=self.config.executor.backoff_base,
+                backoff_cap=self.config.executor.backoff_cap,
                 scope=self.config.scope, observers=job_log.observers(pool, worker_id=self.worker_id,
                                                                      model_id=self.model_id,
                                                                      extra=[ReportCounts(self.report)]))
@@ -156,7 +130,7 @@ class Worker:
             pool.close()
 
     def _run(self, store: JobStore) -> None:
-        executor = Executor(self.provider, store, self.settings, poll_seconds=self.config.poll_seconds,
+        executor = Executor(self.provider, store, self.config.executor, poll_seconds=self.config.poll_seconds,
                             lease_seconds=self.config.lease_seconds, report=self.report, stopping=self._stopping,
                             view=ProviderView(store.register_model(self.provider.spec),
                                               limit=SendLimit(self.config.concurrency)), db_wait=self._db_wait)
@@ -164,7 +138,7 @@ class Worker:
         self._refresh_spend(store)  # before any claim: today's spend by other workers
         liveness = leases.Liveness(self._connect, owner_prefix=self._owner_prefix,
                                    worker_id=self.worker_id, model_id=self.model_id,
-                                   dead_after=self.settings.worker_dead_after).start() if self._own_store else None
+                                   dead_after=self.config.worker_dead_after).start() if self._own_store else None
         threads = [threading.Thread(target=self._loop, args=(i, executor, store), name=f"embed-{i}", daemon=True)
                    for i in range(self.config.concurrency)]
         heartbeat = threading.Thread(target=leases.heartbeat, name="heartbeat", daemon=True,
@@ -258,7 +232,7 @@ class Worker:
             return True
         self._index_build = build = vector_index.BackgroundBuild(
             self._connect, self.model_id, dimension, on_done=self._wake.set,
-            memory_cap=self.settings.index_build_memory, session=self.settings.prepare).start()
+            memory_cap=self.config.index_build_memory, session=self.config.prepare).start()
         if fill is None:  # chunks an ingest left without their text-search vectors, on another connection
             self._text_fill = fill = text_search.BackgroundFill(self._connect, on_done=self._wake.set).start()
         return build.done and fill.done
@@ -320,7 +294,7 @@ class Worker:
             executor.run_claim(owner, jobs, self._batch)
             return None
         # Its lease is kept while the other claims of this process end.
-        executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + self.settings.call_timeout
+        executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + self.config.executor.call_timeout
                              + self.config.lease_seconds)
         with self._suspects.alone(self.stop) as turn:
             if turn:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
-from pipeline_assets.settings import DEFAULT_INDEX_BUILD_MEMORY
+from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.store import queries
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Connections and pools.
 
-``database_url(settings)`` is PIPELINE_DATABASE_URL when set (never starting a
+``database_url(config)`` is PIPELINE_DATABASE_URL when set (never starting a
 server), otherwise the embedded server under PIPELINE_HOME. ``open_pool``
 resolves it, applies pending migrations once, and hands out a psycopg 3 pool
 with pgvector's adapter registered on every connection.
@@ -18,14 +18,15 @@ from pgvector.psycopg.vector import register_vector_info
 from psycopg.types import TypeInfo
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.settings import Settings, redact_text
+from pipeline_assets.settings import redact_text
 from pipeline_assets.store import arrays, embedded_postgres, migrations, vectors
+from pipeline_assets.store.database_config import DatabaseConfig
 
 # How long a new connection may take before the database counts as unreachable.
 CONNECT_TIMEOUT_SECONDS = 10
 # psycopg prepares a statement server-side on its 5th execution on a connection (its default). A
 # pooler in transaction mode may run the next transaction on another server connection, which lacks
-# it: ``prepare=False`` (Settings.prepare) sends every statement unprepared.
+# it: ``prepare=False`` (DatabaseConfig.prepare) sends every statement unprepared.
 PREPARE_THRESHOLD = 5
 
 
@@ -33,10 +34,10 @@ class DatabaseUnavailable(RuntimeError):
     """The database cannot be reached; the message is one line and holds no password."""
 
 
-def database_url(settings: Settings) -> str:
-    if settings.database_url:
-        return settings.database_url
-    return embedded_url(settings.home_path)
+def database_url(config: DatabaseConfig) -> str:
+    if config.url:
+        return config.url
+    return embedded_url(config.home)
 
 
 def embedded_url(home: Path) -> str:
@@ -116,12 +117,12 @@ def session(url: str, *, prepare: bool = True) -> Iterator[psycopg.Connection]:
 
 
 @contextmanager
-def open_pool(settings: Settings, *, max_size: int = 4, url: str | None = None) -> Iterator[ConnectionPool]:
-    """A pool on the migrated pipeline database (``url`` or the settings' one), closed on exit."""
-    url = url or database_url(settings)
-    with session(url, prepare=settings.prepare):
+def open_pool(config: DatabaseConfig, *, max_size: int = 4, url: str | None = None) -> Iterator[ConnectionPool]:
+    """A pool on the migrated pipeline database (``url`` or the config's), closed on exit."""
+    url = url or database_url(config)
+    with session(url, prepare=config.prepare):
         pass  # migrations applied once, before any pooled connection is handed out
-    pool = make_pool(url, min_size=1, max_size=max_size, prepare=settings.prepare)
+    pool = make_pool(url, min_size=1, max_size=max_size, prepare=config.prepare)
     try:
         yield pool
     finally:

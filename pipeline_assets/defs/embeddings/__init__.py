@@ -13,8 +13,9 @@ from pipeline_assets.settings import Settings
 
 def definitions(settings: Settings) -> dg.Definitions:
     """The domain under ``settings``: code version, bucket count, in-process embedding (the pool)."""
-    n = settings.partition_buckets
-    concurrency_pool = EMBEDDING_POOL if settings.embed_workers == "in-process" else None
+    config = settings.dagster_config()
+    n = config.partition_buckets
+    concurrency_pool = EMBEDDING_POOL if config.in_process else None
     return dg.Definitions(
         assets=[build_embeddings(code_versions(settings)["embeddings"], n, concurrency_pool)],
         asset_checks=[build_coverage_check(n)],

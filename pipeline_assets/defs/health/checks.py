@@ -39,7 +39,7 @@ def no_stale_vector_current(postgres: PostgresResource) -> dg.AssetCheckResult:
                             "a work list. Jobs given up on (`dlq discard`) do not count.")
 def dead_letter_growth(postgres: PostgresResource,
                        embedding_provider: EmbeddingProviderResource) -> dg.AssetCheckResult:
-    threshold = embedding_provider.settings().dlq_growth_per_hour
+    threshold = embedding_provider.settings().dagster_config().dlq_growth_per_hour
     with postgres.connection() as conn:
         recent, total = reports.dead_letter_growth(conn, HOUR_SECONDS)
         discarded = reports.dead_letter_discarded(conn)

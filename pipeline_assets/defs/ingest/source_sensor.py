@@ -19,6 +19,7 @@ import dagster as dg
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.content.source import SourceError
+from pipeline_assets.defs.dagster_config import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
 from pipeline_assets.defs.ingest.jobs import SYNC_JOB
 from pipeline_assets.defs.keys import SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_index, bucket_key, span, split_key
@@ -26,7 +27,6 @@ from pipeline_assets.defs.provenance import DATA_VERSION_TAG
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request, run_span
 from pipeline_assets.providers import model_id_for
-from pipeline_assets.settings import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
 
 SENSOR_NAME = "source_documents"
 CURSOR_VERSION = 2          # {"v": 2, "g": generation[, "f": the last failed run handled]}

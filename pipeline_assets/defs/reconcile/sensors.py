@@ -43,7 +43,7 @@ def _reconciliation_active(instance: dg.DagsterInstance) -> bool:
                        "threshold) and has grown since the last request.")
 def reconcile_on_dead_letters(context: dg.SensorEvaluationContext, postgres: PostgresResource,
                               embedding_provider: EmbeddingProviderResource) -> dg.RunRequest | dg.SkipReason:
-    threshold = embedding_provider.settings().dlq_growth_per_hour
+    threshold = embedding_provider.settings().dagster_config().dlq_growth_per_hour
     with postgres.connection() as conn:
         recent, total = reports.dead_letter_growth(conn, HOUR_SECONDS)
     asked_at = json.loads(context.cursor)["failed_total"] if context.cursor else None
