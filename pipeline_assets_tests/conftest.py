@@ -87,14 +87,17 @@ def no_dagster_process_survives():
         " ".join(p.info["cmdline"] or [])[:160] for p in left)
 
 
-# The slowest modules, slowest first (from `pytest --durations`, summed per module). `--dist loadfile`
-# hands modules to the workers in collection order, so these start first and the short ones fill in
-# around them (longest first): a long module collected last would otherwise run alone at the end.
-# The three modules that start `dagster dev` are spread out (each starts several Dagster processes).
-SLOW_MODULES = ["test_topology",
-                "test_dagster_webserver", "test_dagster_sensors", "test_dagster_dev_command", "test_embedded",
-                "test_dagster_commands", "test_state_machine_property", "test_contract", "test_cli",
-                "test_dagster_assets", "test_local_model", "test_packaging", "test_fault_soak", "test_query_plans"]
+# The slowest modules, slowest first (each module's summed test time, measured in a whole run). With
+# `--dist loadfile` a worker takes the next module in collection order when it is nearly out of
+# work, so the longest start first and the short ones fill in around them (longest processing time
+# first): a long module collected late would otherwise run alone at the end.
+SLOW_MODULES = ["test_dagster_webserver", "test_topology_faults", "test_dagster_sensors", "test_topology_scale",
+                "test_dagster_dev_command", "test_topology", "test_provider_evidence", "test_embedded",
+                "test_stage_timeout", "test_dagster_commands", "test_crash_attribution", "test_dagster_assets",
+                "test_contract", "test_state_machine_property", "test_s3_source", "test_call_deadline",
+                "test_leases", "test_local_model", "test_dagster_table_source", "test_provider_faults",
+                "test_fault_soak", "test_cli", "test_liveness", "test_vector_index", "test_state_machine",
+                "test_layers", "test_dlq", "test_fault_attribution", "test_model_switch", "test_third_party_server"]
 
 
 def pytest_collection_modifyitems(items):

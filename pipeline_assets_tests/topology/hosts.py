@@ -141,14 +141,17 @@ class Topology:
         path = self.logs / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
-    def start(self) -> Topology:
+    def start(self, *, dagster: bool = True) -> Topology:
+        """The hosts, PostgreSQL, PgBouncer and the provider; with ``dagster``, the Dagster deployment
+        too (code server on the code host, webserver and daemon on the orchestration host)."""
         self.lab.open()
-        for host in ("db", "provider", "code", "orch", *self.worker_hosts):
+        for host in ("db", "provider", *(("code", "orch") if dagster else ()), *self.worker_hosts):
             self.lab.add_host(host)
         self._start_postgres()
         self._start_bouncer()
         self._start_provider()
-        self._start_dagster()
+        if dagster:
+            self._start_dagster()
         return self
 
     def _start_postgres(self) -> None:
