@@ -3,7 +3,7 @@
 Implementations: ``jobs.pg_job_store.PostgresJobStore`` (PostgreSQL, the
 named queries of sql/queries/jobs.sql) and ``jobs.memory_job_store.MemoryJobStore``
 (in memory, for unit tests). Both pass one contract suite
-(pipeline_assets_tests/test_job_store_contract.py). Every transition of a held
+(pipeline_assets_tests/integration/test_job_store_contract.py). Every transition of a held
 job is guarded by its lease owner (the fence): a holder whose lease was lost
 (expired and rescued, or reclaimed by another owner) moves nothing.
 """

@@ -15,7 +15,7 @@ from pipeline_assets.providers import configured_model_name
 from pipeline_assets.settings import Settings, SettingsError
 from pipeline_assets.settings_reference import reference_table
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pipeline_assets"
 
 

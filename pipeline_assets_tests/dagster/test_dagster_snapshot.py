@@ -3,7 +3,7 @@
 Asset keys, partitions, jobs, sensors, schedules, checks and op config fields are what run
 history, the UI and launched run config name: a change to any of them fails here. Built from
 the defaults (an empty environment), no database. After an intended change, regenerate with
-``PIPELINE_UPDATE_SNAPSHOT=1 pytest pipeline_assets_tests/test_dagster_snapshot.py``.
+``PIPELINE_UPDATE_SNAPSHOT=1 pytest pipeline_assets_tests/dagster/test_dagster_snapshot.py``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import click
 
 from pipeline_assets.cli.root import main as cli_main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md")), REPO / "benchmarks" / "README.md"]

@@ -139,7 +139,7 @@ def test_each_queued_call_has_its_own_deadline_and_a_kill_loses_nothing_queued(p
     assert [values[i] for i in range(len(calls))] == ["a", "b", "timeout", "c", "d", b"x" * (3 << 20)]
     # The timeout says where the child was stuck: the napping function, in this file.
     message = dict(outcomes)[2].message
-    where = "stuck in _nap (pipeline_assets_tests/test_stage_timeout.py:"
+    where = "stuck in _nap (integration/test_stage_timeout.py:"
     assert f"({CALL_ATTEMPTS} times, each in a fresh process); {where}" in message, message
 
 

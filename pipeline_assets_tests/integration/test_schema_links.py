@@ -167,7 +167,7 @@ def test_no_code_deletes_a_model_row():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     pattern = re.compile(r"DELETE\s+FROM\s+(ONLY\s+)?app\.models\b|TRUNCATE\b[^;]*\bapp\.models\b", re.I)
     sources = [*root.joinpath("sql").rglob("*.sql"), *root.joinpath("pipeline_assets").rglob("*.py")]
     offenders = [str(p.relative_to(root)) for p in sources if pattern.search(p.read_text(errors="replace"))]

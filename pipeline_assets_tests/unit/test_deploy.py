@@ -22,7 +22,7 @@ import yaml
 
 from pipeline_assets.settings import Settings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 DAGSTER_SERVICES = ("code-location", "webserver", "daemon")
 APP_SERVICES = ("migrate", "worker", *DAGSTER_SERVICES)

@@ -16,7 +16,7 @@ import pytest
 from pipeline_assets_tests.conftest import _with_dbname, cli, write_corpus
 from pipeline_assets_tests.dagster_helpers import execute, fresh_defs, postgres_instance
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pipeline_assets"
 MAX_MODULE_LINES = 400
 

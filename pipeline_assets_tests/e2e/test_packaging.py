@@ -26,7 +26,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pipeline_assets"
 SQL = REPO / "sql"
 BUILD_BACKEND_MIN = (68,)

@@ -15,7 +15,7 @@ from pipeline_assets.jobs import transitions
 from pipeline_assets.registry import models
 from pipeline_assets.store import db, vectors
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.test_state_machine import SPEC, seed
+from pipeline_assets_tests.integration.test_state_machine import SPEC, seed
 
 ROUND_TRIP = "SELECT %(v)b::vector[]"
 SAME = "SELECT %(a)b::vector[] = %(b)b::vector[], cardinality(%(a)b::vector[])"

@@ -537,7 +537,7 @@ def test_a_clean_check_stands_until_a_version_changes_or_it_is_old(corpus, conn,
 
 
 def test_a_pdf_only_fix_reruns_only_pdf_documents(corpus, conn, fake, instance, monkeypatch):
-    from pipeline_assets_tests.test_extract import make_pdf
+    from pipeline_assets_tests.unit.test_extract import make_pdf
     for i in range(2):
         (corpus / f"paper{i}.pdf").write_bytes(make_pdf([f"Paper {i} on backoff", f"its second page {i}"]))
     keys = sorted(p.name for p in corpus.iterdir())      # doc0000..doc0002.md, paper0..1.pdf

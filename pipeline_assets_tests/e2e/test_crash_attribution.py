@@ -28,7 +28,7 @@ from pipeline_assets_tests.conftest import (
     wait_for_line,
     write_corpus,
 )
-from pipeline_assets_tests.test_contract import assert_ledger_matches_bill
+from pipeline_assets_tests.e2e.test_contract import assert_ledger_matches_bill
 
 MAX_ATTEMPTS = 3
 

@@ -19,7 +19,7 @@ from pipeline_assets_tests.conftest import wait_until
 from pipeline_assets_tests.fake_openai import FakeOpenAI, count_tokens, fetch_stats, post_faults
 
 MODEL = "text-embedding-3-small"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, write_corpus
-from pipeline_assets_tests.test_extract import make_pdf
+from pipeline_assets_tests.unit.test_extract import make_pdf
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 
@@ -178,7 +178,7 @@ def test_the_query_finds_each_documents_format_as_extract_text_does(clean_db):
 def test_the_walk_through_on_the_bundled_corpus_selects_its_one_pdf(env, fake, clean_db):
     """docs/dagster.md, "Walk-through: a parser fix", step 3 and 6 on examples/corpus (ingest only: no provider)."""
     conn = clean_db
-    bundled = Path(__file__).resolve().parents[1] / "examples" / "corpus"
+    bundled = Path(__file__).resolve().parents[2] / "examples" / "corpus"
     cli("ingest", str(bundled), env=env)
     env2 = {**env, "PIPELINE_EXTRACTOR_VERSION": "pdf=extract-2"}
     assert listed(cli("rerun", "--stale", "--dry-run", env=env2).stdout) == ["ops/capacity-planning.pdf"]
