@@ -94,13 +94,20 @@ class Sandbox:
 
     def _replace(self, child: Child, first: tuple[Any, bytes, int] | None = None) -> int | None:
         """Kill the child; send ``first`` (a call sent again) and then the calls still queued
-        on it to a new one. Returns the old exit code."""
+        on it to a new one. Returns the old exit code. If the new one dies before all are
+        sent (the call sent again crashed it at once), the rest stay queued unsent: ``take``
+        sees it dead, and they go to the next child with the calls before them."""
         code = child.kill()
         queued = ([first] if first else []) + list(child.pending)
         child.pending.clear()
         child.queued_bytes = 0
+        alive = True
         for tag, data, attempt in queued:
-            self._send(child, data)
+            if alive:
+                try:
+                    self._send(child, data)
+                except OSError:  # its reader is gone: the new child died already
+                    alive = False
             child.pending.append((tag, data, attempt))
             child.queued_bytes += len(data)
         return code

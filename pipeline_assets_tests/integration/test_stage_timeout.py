@@ -6,6 +6,7 @@ input that inflates past the memory limit quarantines only its document."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -160,6 +161,33 @@ def test_a_call_that_hangs_once_is_answered_by_a_fresh_child(tmp_path):
         outcomes = [box.take() for _ in range(3)]
         assert box.resent == 1 and box.starts == 2
     assert outcomes == [(0, "v0"), (1, "v1"), (2, "v2")]  # nothing lost, still in order
+
+
+def test_a_fresh_child_that_dies_before_its_calls_are_sent_loses_none(monkeypatch):
+    """A call sent again can crash its fresh child before the calls queued behind it are sent
+    (a crashing parser, at once): those calls go to the next child, none is lost."""
+    from pipeline_assets.content import sandbox_child
+    from pipeline_assets.content.extract import ExtractError
+    from pipeline_assets.content.sandbox import Sandbox
+
+    real_start, started = sandbox_child.Child.start, []
+
+    def start(self, fn, memory_limit):
+        real_start(self, fn, memory_limit)
+        started.append(self.proc.pid)
+        if len(started) == 2:  # the child replacing the first dies before anything is sent to it
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.join(30)
+
+    monkeypatch.setattr(sandbox_child.Child, "start", start)
+    with Sandbox(_nap, timeout=60.0, memory_limit=0, processes=1) as box:
+        for i, args in enumerate([(3600, "a"), (0, "b"), (0, "c")]):
+            assert box.submit(i, *args)
+        os.kill(box.pids[0], signal.SIGKILL)  # the first child dies with three calls queued on it
+        outcomes = dict(box.take() for _ in range(3))
+        assert len(started) == 3 and box.pending == 0
+    assert isinstance(outcomes[0], ExtractError) and outcomes[0].error_class == "extract_crashed"
+    assert (outcomes[1], outcomes[2]) == ("b", "c")
 
 
 def test_a_stuck_call_in_one_child_does_not_hold_up_or_lose_the_others():
