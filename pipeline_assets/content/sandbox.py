@@ -134,8 +134,10 @@ class Sandbox:
         try:
             self._send(child, data)
         except OSError:  # the child died (the OOM killer): what was queued, and this, to a new one
+            child.pending.append((tag, data, 1))
+            child.queued_bytes += len(data)
             self._replace(child)
-            self._send(child, data)
+            return True
         child.pending.append((tag, data, 1))
         child.queued_bytes += len(data)
         return True

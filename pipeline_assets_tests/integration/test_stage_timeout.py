@@ -163,23 +163,31 @@ def test_a_call_that_hangs_once_is_answered_by_a_fresh_child(tmp_path):
     assert outcomes == [(0, "v0"), (1, "v1"), (2, "v2")]  # nothing lost, still in order
 
 
-def test_a_fresh_child_that_dies_before_its_calls_are_sent_loses_none(monkeypatch):
-    """A call sent again can crash its fresh child before the calls queued behind it are sent
-    (a crashing parser, at once): those calls go to the next child, none is lost."""
+def _kill_the_second_child_started(monkeypatch) -> list[int]:
+    """From now on, the second extraction child started dies right after it starts, before
+    anything is sent to it. Returns the pids of the children started."""
     from pipeline_assets.content import sandbox_child
-    from pipeline_assets.content.extract import ExtractError
-    from pipeline_assets.content.sandbox import Sandbox
 
     real_start, started = sandbox_child.Child.start, []
 
     def start(self, fn, memory_limit):
         real_start(self, fn, memory_limit)
         started.append(self.proc.pid)
-        if len(started) == 2:  # the child replacing the first dies before anything is sent to it
+        if len(started) == 2:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.join(30)
 
     monkeypatch.setattr(sandbox_child.Child, "start", start)
+    return started
+
+
+def test_a_fresh_child_that_dies_before_its_calls_are_sent_loses_none(monkeypatch):
+    """A call sent again can crash its fresh child before the calls queued behind it are sent
+    (a crashing parser, at once): those calls go to the next child, none is lost."""
+    from pipeline_assets.content.extract import ExtractError
+    from pipeline_assets.content.sandbox import Sandbox
+
+    started = _kill_the_second_child_started(monkeypatch)  # the child replacing the first
     with Sandbox(_nap, timeout=60.0, memory_limit=0, processes=1) as box:
         for i, args in enumerate([(3600, "a"), (0, "b"), (0, "c")]):
             assert box.submit(i, *args)
@@ -188,6 +196,18 @@ def test_a_fresh_child_that_dies_before_its_calls_are_sent_loses_none(monkeypatc
         assert len(started) == 3 and box.pending == 0
     assert isinstance(outcomes[0], ExtractError) and outcomes[0].error_class == "extract_crashed"
     assert (outcomes[1], outcomes[2]) == ("b", "c")
+
+
+def test_a_call_submitted_to_a_dead_child_is_answered_even_if_its_replacement_dies(monkeypatch):
+    from pipeline_assets.content.sandbox import Sandbox
+
+    started = _kill_the_second_child_started(monkeypatch)
+    with Sandbox(_nap, timeout=60.0, memory_limit=0, processes=1) as box:
+        assert box.call(0, "warm") == "warm"
+        os.kill(box.pids[0], signal.SIGKILL)  # an idle child gone (the OOM killer, say)
+        box._children[0].proc.join(30)
+        assert box.submit("x", 0, "x")        # its pipe is broken: to a new child, which dies too
+        assert box.take() == ("x", "x") and len(started) == 3
 
 
 def test_a_stuck_call_in_one_child_does_not_hold_up_or_lose_the_others():
