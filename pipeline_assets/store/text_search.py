@@ -48,13 +48,16 @@ def pending(conn: psycopg.Connection) -> int:
 
 class BackgroundFill:
     """``fill`` in a thread, on a connection of its own (a worker's drain, beside its index
-    build); stopped between batches. A failure is logged: search reads the text meanwhile."""
+    build); ``cancel`` stops it at once (its running batch is cancelled and rolled back). A
+    failure is logged: search reads the text meanwhile."""
 
     def __init__(self, connect: Callable[[], psycopg.Connection], *,
                  on_done: Callable[[], object] | None = None) -> None:
         self._connect = connect
         self._on_done = on_done
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection | None = None
         self.filled = 0
         self.done = False
         self._thread = threading.Thread(target=self._run, name="text-search-fill", daemon=True)
@@ -64,14 +67,24 @@ class BackgroundFill:
         return self
 
     def cancel(self, timeout: float = 5.0) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            if self._conn is not None and not self.done:
+                with contextlib.suppress(Exception):
+                    self._conn.cancel_safe(timeout=timeout)
         self._thread.join(timeout)
 
     def _run(self) -> None:
         try:
-            with contextlib.closing(self._connect()) as conn:
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self._conn = self._connect()
+            with contextlib.closing(self._conn) as conn:
                 self.filled = fill(conn, self._stop)
         except Exception as exc:
+            if self._stop.is_set():
+                return  # cancelled: what is left is computed by the next ingest or drain
             log.warning("could not compute the chunks' text-search vectors (search reads their text "
                         "meanwhile; the next ingest or drain computes them): %s", " ".join(str(exc).split()))
         finally:

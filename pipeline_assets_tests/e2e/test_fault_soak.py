@@ -61,6 +61,9 @@ SLOW_RATE = 0.05
 SLOW_SECONDS = 4.5  # longer than the lease (only the heartbeat keeps it), shorter than the call timeout
 LATENCY = 0.2
 LEASE_SECONDS = 3
+# How long a worker may take to stop after SIGTERM: the grace the deployment gives it
+# (terminationGracePeriodSeconds in deploy/k8s/worker.yaml).
+STOP_GRACE_SECONDS = 30
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -202,13 +205,13 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
                 os.killpg(proc.pid, signal.SIGTERM)
         for i, (proc, log) in workers.items():
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=STOP_GRACE_SECONDS)
                 stops += 1
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
                 kills += 1
-                exits.append(f"worker {i} ignored SIGTERM for 20 s: {_tail(log)}")
+                exits.append(f"worker {i} ignored SIGTERM for {STOP_GRACE_SECONDS} s: {_tail(log)}")
     if failures:
         raise failures[0]
     soak_stats = fake.stats

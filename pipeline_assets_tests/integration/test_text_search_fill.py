@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 import uuid
 
 import psycopg
@@ -137,3 +138,29 @@ def test_migration_042_keeps_the_stored_vectors_of_an_existing_database(server_u
     finally:
         with psycopg.connect(server_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_cancelled_background_fill_stops_inside_its_batch(clean_db, database_url, env, fake, tmp_path):
+    """A worker told to stop cancels its fill's running batch (rolled back), not only the next one:
+    its stop stays within the deployment's grace period whatever the batch waits on."""
+    corpus = tmp_path / "c"
+    write_corpus(corpus, 2)
+    rt = Runtime.build(Settings.from_env())
+    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
+    pool = db.make_pool(database_url)
+    try:
+        ingest.ingest_source(later, pool, corpus)
+    finally:
+        pool.close()
+    total = pending(clean_db)
+    with db.connect(database_url) as holder, holder.transaction():
+        holder.execute("LOCK TABLE app.chunks IN ACCESS EXCLUSIVE MODE")  # the batch waits behind it
+        background = text_search.BackgroundFill(lambda: db.connect(database_url)).start()
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%text_search%'"
+        for _ in range(200):  # bounded: until the fill's batch is seen waiting on the lock
+            if holder.execute(waiting).fetchone()[0]:
+                break
+            time.sleep(0.05)
+        background.cancel(timeout=10.0)
+        assert background.done and background.filled == 0   # the thread ended, inside the held lock
+    assert pending(clean_db) == total                         # the batch rolled back
