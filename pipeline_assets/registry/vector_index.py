@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ from psycopg import sql
 
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.store import queries
+from pipeline_assets.store.background import BackgroundWork
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +272,9 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-class BackgroundBuild:
-    """A worker's build: its own connection, a thread, cancelled when the worker stops.
+class BackgroundBuild(BackgroundWork):
+    """A worker's build: its own connection, a thread, cancelled when the worker stops (it
+    leaves an INVALID index the next build replaces).
 
     The worker's main loop keeps rescuing leases and watching for stop signals
     while the index builds; completions go on committing (CONCURRENTLY).
@@ -282,63 +283,31 @@ class BackgroundBuild:
     def __init__(self, connect: Callable[[], psycopg.Connection], model_id: str, dimension: int, *,
                  on_done: Callable[[], object] | None = None,
                  memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY, session: bool = True) -> None:
-        self._connect = connect
+        super().__init__(connect, name="index-build", on_done=on_done)  # told when the build is over
         self._memory_cap = memory_cap
         self._session = session
-        self._on_done = on_done  # told when the build is over (whatever its outcome)
         self.model_id = model_id
         self.dimension = dimension
         self.outcome: str | None = None   # a state, once the build is over
         self.error: str | None = None     # the one-line error of a failed build
-        self.finished_at: float | None = None
-        self._conn: psycopg.Connection | None = None
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._thread = threading.Thread(target=self._run, name="index-build", daemon=True)
-
-    def start(self) -> BackgroundBuild:
-        self._thread.start()
-        return self
-
-    @property
-    def done(self) -> bool:
-        return self.finished_at is not None
 
     def retry_due(self, now: float) -> bool:
         """Whether a long-running worker should try again (the last build did not leave a usable index)."""
         return (self.finished_at is not None and self.outcome not in (READY, EXACT)
                 and now - self.finished_at >= INDEX_RETRY_SECONDS)
 
-    def cancel(self, timeout: float = 5.0) -> None:
-        """Stop a build in progress (it leaves an INVALID index the next build replaces)."""
-        with self._lock:
-            self._cancelled = True
-            if self._conn is not None and not self.done:
-                with contextlib.suppress(Exception):
-                    self._conn.cancel_safe(timeout=timeout)
-        self._thread.join(timeout)
+    def work(self, conn: psycopg.Connection) -> None:
+        self.outcome = build(conn, self.model_id, self.dimension, memory_cap=self._memory_cap,
+                             session=self._session)
 
-    def _run(self) -> None:
-        try:
-            with self._lock:
-                if self._cancelled:
-                    return
-                self._conn = self._connect()
-            try:
-                self.outcome = build(self._conn, self.model_id, self.dimension, memory_cap=self._memory_cap,
-                                     session=self._session)
-            finally:
-                self._conn.close()
-        except IndexNotOwned as exc:
+    def failed(self, exc: Exception) -> None:
+        if isinstance(exc, IndexNotOwned):
             self.outcome = MISSING
             log.info("%s", exc)
-        except IndexBuildError as exc:
+            return
+        if isinstance(exc, IndexBuildError):
             self.error = str(exc)
-        except Exception as exc:
+        else:
             self.error = f"could not build the vector index of model {self.model_id}: {_one_line(exc)}"
-        finally:
-            if self.error and not self._cancelled:
-                log.warning("%s (search scans exactly until it is built)", self.error)
-            self.finished_at = time.monotonic()
-            if self._on_done is not None:
-                self._on_done()
+        if not self.stopped.is_set():
+            log.warning("%s (search scans exactly until it is built)", self.error)

@@ -10,7 +10,6 @@ worker, when its queue drains, beside the vector index build; ``BackgroundFill``
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from collections.abc import Callable
 import psycopg
 
 from pipeline_assets.store import queries
+from pipeline_assets.store.background import BackgroundWork
 
 log = logging.getLogger(__name__)
 
@@ -46,48 +46,20 @@ def pending(conn: psycopg.Connection) -> int:
     return int(queries.scalar(conn, TEXT_SEARCH.pending_count))
 
 
-class BackgroundFill:
-    """``fill`` in a thread, on a connection of its own (a worker's drain, beside its index
-    build); ``cancel`` stops it at once (its running batch is cancelled and rolled back). A
-    failure is logged: search reads the text meanwhile."""
+class BackgroundFill(BackgroundWork):
+    """``fill`` beside a worker's index build, on a connection of its own; ``cancel`` stops it
+    at once (its running batch rolls back). A failure is logged: search reads the text meanwhile."""
 
     def __init__(self, connect: Callable[[], psycopg.Connection], *,
                  on_done: Callable[[], object] | None = None) -> None:
-        self._connect = connect
-        self._on_done = on_done
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._conn: psycopg.Connection | None = None
+        super().__init__(connect, name="text-search-fill", on_done=on_done)
         self.filled = 0
-        self.done = False
-        self._thread = threading.Thread(target=self._run, name="text-search-fill", daemon=True)
 
-    def start(self) -> BackgroundFill:
-        self._thread.start()
-        return self
+    def work(self, conn: psycopg.Connection) -> None:
+        self.filled = fill(conn, self.stopped)
 
-    def cancel(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            self._stop.set()
-            if self._conn is not None and not self.done:
-                with contextlib.suppress(Exception):
-                    self._conn.cancel_safe(timeout=timeout)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        try:
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                self._conn = self._connect()
-            with contextlib.closing(self._conn) as conn:
-                self.filled = fill(conn, self._stop)
-        except Exception as exc:
-            if self._stop.is_set():
-                return  # cancelled: what is left is computed by the next ingest or drain
-            log.warning("could not compute the chunks' text-search vectors (search reads their text "
-                        "meanwhile; the next ingest or drain computes them): %s", " ".join(str(exc).split()))
-        finally:
-            self.done = True
-            if self._on_done is not None:
-                self._on_done()
+    def failed(self, exc: Exception) -> None:
+        if self.stopped.is_set():
+            return  # cancelled: what is left is computed by the next ingest or drain
+        log.warning("could not compute the chunks' text-search vectors (search reads their text "
+                    "meanwhile; the next ingest or drain computes them): %s", " ".join(str(exc).split()))

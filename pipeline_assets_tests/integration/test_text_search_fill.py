@@ -41,6 +41,18 @@ def ranking(conn, query: str = QUERY, k: int = 50) -> list[tuple[str, int, float
             for h in retrieval.text_search(conn, query, k)]
 
 
+def ingest_leaving_the_vectors(database_url: str, corpus, documents: int) -> None:
+    """Ingest ``documents`` new documents as `embed` does: their text-search vectors left unfilled."""
+    write_corpus(corpus, documents)
+    rt = Runtime.build(Settings.from_env())
+    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
+    pool = db.make_pool(database_url)
+    try:
+        ingest.ingest_source(later, pool, corpus)
+    finally:
+        pool.close()
+
+
 def test_an_ingest_computes_the_vectors_at_its_end(env, fake, clean_db, tmp_path):
     corpus = tmp_path / "c"
     write_corpus(corpus, DOCS)
@@ -81,15 +93,7 @@ def test_embed_leaves_every_chunk_with_its_vector(env, fake, clean_db, tmp_path)
 
 def test_fill_skips_rows_another_transaction_holds(clean_db, database_url, env, fake, tmp_path):
     """A chunk an ingest is replacing (its row locked) is not waited for: the holder's work."""
-    corpus = tmp_path / "c"
-    write_corpus(corpus, 2)
-    rt = Runtime.build(Settings.from_env())
-    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
-    pool = db.make_pool(database_url)
-    try:
-        ingest.ingest_source(later, pool, corpus)
-    finally:
-        pool.close()
+    ingest_leaving_the_vectors(database_url, tmp_path / "c", 2)
     total = pending(clean_db)
     with db.connect(database_url) as holder, holder.transaction():
         held = holder.execute("SELECT doc_pk, chunk_index FROM app.chunks ORDER BY doc_pk, chunk_index LIMIT 1"
@@ -143,15 +147,7 @@ def test_migration_042_keeps_the_stored_vectors_of_an_existing_database(server_u
 def test_a_cancelled_background_fill_stops_inside_its_batch(clean_db, database_url, env, fake, tmp_path):
     """A worker told to stop cancels its fill's running batch (rolled back), not only the next one:
     its stop stays within the deployment's grace period whatever the batch waits on."""
-    corpus = tmp_path / "c"
-    write_corpus(corpus, 2)
-    rt = Runtime.build(Settings.from_env())
-    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
-    pool = db.make_pool(database_url)
-    try:
-        ingest.ingest_source(later, pool, corpus)
-    finally:
-        pool.close()
+    ingest_leaving_the_vectors(database_url, tmp_path / "c", 2)
     total = pending(clean_db)
     with db.connect(database_url) as holder, holder.transaction():
         holder.execute("LOCK TABLE app.chunks IN ACCESS EXCLUSIVE MODE")  # the batch waits behind it
