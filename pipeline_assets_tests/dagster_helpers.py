@@ -21,13 +21,12 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 from dagster._core.loader import LoadingContextForTest
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import reports
 from pipeline_assets.cli import devserver
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import migrations
+from pipeline_assets.store import migrations, reports
 from pipeline_assets_tests.conftest import write_corpus
 
 

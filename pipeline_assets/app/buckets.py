@@ -21,13 +21,13 @@ from pathlib import Path
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import observations, reports
+from pipeline_assets.app import observations
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.ingest import IngestReport, ingest_documents
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.source import Source
-from pipeline_assets.store import queries
+from pipeline_assets.store import queries, reports
 
 BUCKETS = queries.load("buckets")
 OBS = queries.load("observations")

@@ -81,7 +81,7 @@ def items(pool: ConnectionPool, *, error_class: str | None = None, discarded: bo
 
 def dead_letters(conn: psycopg.Connection, *, error_class: str | None = None,
                  discarded: bool = False) -> list[dict]:
-    """``items`` on one connection (also ``reports.dead_letters``)."""
+    """``items`` on one connection (also `dlq` in `status`)."""
     params = {"cls": error_class, "discarded": discarded}
     jobs = _dicts(conn, DLQ.job_items, params)
     docs = _dicts(conn, DLQ.document_items, params)

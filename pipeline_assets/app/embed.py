@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import buckets, model_admin, reports
+from pipeline_assets.app import buckets, model_admin
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
@@ -29,7 +29,7 @@ from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerReport
 from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db, stage_runs, text_search
+from pipeline_assets.store import db, reports, stage_runs, text_search
 
 log = logging.getLogger(__name__)
 
@@ -377,8 +377,8 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
     with pool.connection() as conn:
         text_search.fill(conn, stop)
     with pool.connection() as conn:
-        st = reports.status(conn)
-    cov = st.coverage.get(rt.model_id, {"ready": 0, "wanted": 0})
+        coverage, jobs = reports.coverage_by_model(conn), reports.jobs_by_model(conn)
+    cov = coverage.get(rt.model_id, {"ready": 0, "wanted": 0})
     return DirectoryEmbedded(
         model=rt.model_id,
         documents=ing.scanned,
@@ -388,7 +388,7 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
         chunks=ing.chunks,
         embedded=done.embedded,
         reused=max(int(cov["ready"]) - done.embedded, 0),
-        failed=st.jobs_by_model.get(rt.model_id, {}).get("failed", 0),
+        failed=jobs.get(rt.model_id, {}).get("failed", 0),
         provider_calls=done.provider_calls,
         coverage=f"{int(cov['ready'])}/{int(cov['wanted'])}",
         seconds=round(time.monotonic() - started, 2),

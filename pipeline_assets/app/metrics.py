@@ -22,11 +22,10 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import EmbedResult, Provider, ProviderError
-from pipeline_assets.store import queries
+from pipeline_assets.store import reports
 
 log = logging.getLogger(__name__)
 
-REPORTS = queries.load("reports")
 
 # How long a scrape reuses the jobs-by-status and breaker rows it read: bounds
 # the queries scrapers add to the database to one pair per this many seconds.
@@ -138,8 +137,8 @@ class DatabaseCollector:
             if time.monotonic() - self._read_at >= self._cache_seconds:
                 try:
                     with self._pool.connection(timeout=DB_TIMEOUT_SECONDS) as conn:
-                        jobs = conn.execute(REPORTS.status_by_model).fetchall()
-                        breaker = conn.execute(REPORTS.breaker).fetchall()
+                        jobs = reports.job_rows(conn)
+                        breaker = reports.breaker_rows(conn)
                     self._rows, self._read_at = (jobs, breaker), time.monotonic()
                 except (psycopg.Error, PoolTimeout) as exc:
                     self.errors += 1
@@ -192,6 +191,6 @@ class WorkMetrics:
 def outstanding_jobs(pool: ConnectionPool, model_id: str) -> int:
     """The model's jobs not yet ready, failed or superseded (pending, retry, processing): a progress bar's total."""
     with pool.connection() as conn:
-        rows = conn.execute(REPORTS.status_by_model).fetchall()
+        rows = reports.job_rows(conn)
     waiting = (JobStatus.PENDING, JobStatus.RETRY, JobStatus.PROCESSING)
     return sum(n for model, status, n in rows if model == model_id and status in waiting)

@@ -10,7 +10,6 @@ import dagster as dg
 import pytest
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import reports
 from pipeline_assets.app.buckets import bucket_of as bucket_index
 from pipeline_assets.app.embed import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
@@ -20,6 +19,7 @@ from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
+from pipeline_assets.store import reports
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from pipeline_assets.app import reports
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.defs.embeddings.checks import COVERAGE_CHECK
 from pipeline_assets.defs.keys import EMBEDDINGS
 from pipeline_assets.defs.partitions import bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
+from pipeline_assets.store import reports
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,

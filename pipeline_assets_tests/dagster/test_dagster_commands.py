@@ -22,11 +22,11 @@ import pytest
 import yaml
 from dagster._core.instance.ref import InstanceRef
 
-from pipeline_assets.app import reports
 from pipeline_assets.cli import devserver
 from pipeline_assets.cli.devserver import DAGSTER_URL_ENV
 from pipeline_assets.defs.models import instance_setup
 from pipeline_assets.defs.partitions import bucket_index
+from pipeline_assets.store import reports
 from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, cli
 from pipeline_assets_tests.dagster_helpers import (
     DAGSTER,

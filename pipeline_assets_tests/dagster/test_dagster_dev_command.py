@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from pipeline_assets.app import reports
 from pipeline_assets.defs.partitions import bucket_index
+from pipeline_assets.store import reports
 from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, stop_group
 from pipeline_assets_tests.dagster_helpers import DAGSTER, bucket_of, bucket_states, command_env
 

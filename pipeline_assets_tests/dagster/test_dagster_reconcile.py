@@ -10,10 +10,10 @@ import dagster as dg
 import pytest
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import reports
 from pipeline_assets.defs.keys import RECONCILIATION
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.reconcile.jobs import RECONCILE_JOB_NAME
+from pipeline_assets.store import reports
 from pipeline_assets_tests.conftest import job_counts
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,

@@ -28,9 +28,9 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pipeline_assets.app import reports
 from pipeline_assets.cli.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
+from pipeline_assets.store import reports
 from pipeline_assets_tests.browser import Browser, chromium_path
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE, stop_group, write_corpus
 from pipeline_assets_tests.dagster_helpers import bucket_of, copy_of_dagster_template

@@ -22,11 +22,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pipeline_assets.app.reports import REPORTS
 from pipeline_assets.jobs.worker import SHUTDOWN_GRACE_SECONDS
 from pipeline_assets.jobs.worker_config import DEFAULT_LEASE_SECONDS, IDLE_POLL_SECONDS
 from pipeline_assets.settings import Settings
 from pipeline_assets.store.db import CONNECT_TIMEOUT_SECONDS
+from pipeline_assets.store.reports import REPORTS
 from pipeline_assets_tests.conftest import REPO, cli, write_corpus
 
 K8S = REPO / "deploy" / "k8s"

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from psycopg import sql
 
-from pipeline_assets.app import reports, retrieval
+from pipeline_assets.app import dlq, retrieval
+from pipeline_assets.app.status import database_status
 from pipeline_assets.jobs import ledger, transitions
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models, vector_index
-from pipeline_assets.store import queries, stage_runs
+from pipeline_assets.store import queries, reports, stage_runs
 from pipeline_assets_tests import job_helpers
 
 PACKAGE = Path(queries.__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ QUERY_DIR = queries.sql_dir() / "queries"
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
     "jobs/transitions.py", "registry/models.py", "registry/vector_index.py", "jobs/ledger.py", "jobs/status.py",
-    "app/reports.py", "app/retrieval.py", "store/stage_runs.py",
+    "store/reports.py", "app/retrieval.py", "store/stage_runs.py",
 ]
 # Every family in sql/queries/ (a new file is checked the day it lands).
 FAMILIES = sorted(p.stem for p in QUERY_DIR.glob("*.sql"))
@@ -351,11 +352,11 @@ def test_read_paths_run_against_a_real_database(clean_db):
     assert list(exported[0]) == ["document_id", "source_uri", "chunk_index", "text", "model", "embedding"]
     assert exported[0]["embedding"] == [1.0, 0.0, 0.0, 0.0]
 
-    st = reports.status(conn)
+    st = database_status(conn)
     assert st.jobs == {"ready": 2, "failed": 1} and st.dead_letter == 1 and st.superseded == 0
     assert st.coverage[MODEL] == {"ready": 2, "wanted": 3, "ratio": 2 / 3}
     assert st.documents == {"current": 1} and st.quarantined_documents == 0
-    [dead] = reports.dead_letters(conn)
+    [dead] = dlq.dead_letters(conn)
     assert dead["kind"] == "job" and dead["documents"] == ["doc-a"] and dead["error_class"] == "bad"
 
     summary = reports.document_summaries(conn, "/named-queries", ["doc-a", "nope"])
@@ -379,7 +380,7 @@ def test_read_paths_run_against_a_real_database(clean_db):
     ledger.record_call(conn, model_id=MODEL, worker_id="w", jobs=claimed[:2], tokens=7, outcome="ok",
                        status=200, latency=0.01, billed=True)
     assert ledger.tokens_today(conn, MODEL) == 7
-    assert reports.status(conn).spend[MODEL] == {"calls": 1, "tokens": 7, "inputs_ok": 2, "failed_calls": 0,
+    assert database_status(conn).spend[MODEL] == {"calls": 1, "tokens": 7, "inputs_ok": 2, "failed_calls": 0,
                                                     "duplicate_inputs": 0, "extra_sends": 0}
 
     assert models.list_models(conn) == [{"model_id": MODEL, "name": "o'named", "provider": "test", "dimension": 4,

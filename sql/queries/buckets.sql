@@ -117,7 +117,7 @@ WHERE s.root = %(root)s AND d.status = 'current'
 -- name: bucket_coverage
 -- Per bucket (of %(n)s) of current documents: chunks for one model, how many ready, failed or
 -- waiting, and the first %(sample)s documents with a failed chunk; plus the total row (bucket NULL,
--- always there) counting distinct chunk checksums, as app.reports.embedding_coverage does.
+-- always there) counting distinct chunk checksums, as store/reports.py embedding_coverage does.
 WITH docs AS (
     SELECT d.doc_pk, d.document_id, coalesce(d.bucket, app.document_bucket(d.document_id, %(n)s)) AS bucket
     FROM app.documents d

@@ -1,4 +1,4 @@
--- Read-only views for people and the Dagster layer (app/reports.py): status, spend, dead-letter
+-- Read-only views for people and the Dagster layer (store/reports.py): status, spend, dead-letter
 -- growth, per-document and health read models. The Dagster layer holds no SQL of its own.
 
 -- name: status_by_model

@@ -5,14 +5,14 @@ run by the ``pipeline_health_checks`` schedule (or from the UI), never after a p
   document that is not current;
 * ``dead_letter_growth`` (WARN): failed jobs grow by at most PIPELINE_DLQ_GROWTH_PER_HOUR an hour.
 
-Each reads one query of ``app.reports``; the numbers go into the check's metadata.
+Each reads one query of ``store.reports``; the numbers go into the check's metadata.
 """
 
 import dagster as dg
 
-from pipeline_assets.app import reports
 from pipeline_assets.defs.keys import EMBEDDING_STORE
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
+from pipeline_assets.store import reports
 
 HOUR_SECONDS = 3600.0
 

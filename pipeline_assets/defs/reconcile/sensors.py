@@ -15,11 +15,11 @@ import time
 
 import dagster as dg
 
-from pipeline_assets.app import reports
 from pipeline_assets.defs.health.checks import HOUR_SECONDS
 from pipeline_assets.defs.reconcile.jobs import RECONCILE_JOB, RECONCILE_JOB_NAME
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
 from pipeline_assets.defs.run_requests import IN_FLIGHT
+from pipeline_assets.store import reports
 
 # The dead-letter sensor reads two counts; once a minute is plenty for an
 # hourly growth rate, and bounds how often it can request a reconciliation.
