@@ -34,7 +34,7 @@ CLI = [sys.executable, "-m", "pipeline_assets.cli"]
 # rows converted and written one by one, but every row fetched up front.
 CLIENT_SIDE = """
 import json, sys
-from pipeline_assets.app import retrieval
+from pipeline_assets.store import retrieval
 from pipeline_assets.store import db
 conn = db.connect(sys.argv[1])
 cur = conn.cursor()

@@ -1,4 +1,4 @@
--- Full-text search over chunk text (hybrid search, pipeline_assets/app/retrieval.py).
+-- Full-text search over chunk text (hybrid search, pipeline_assets/app/search.py).
 --
 -- A STORED generated column, so every way a chunk is written (ingest's COPY,
 -- a rerun, a repair) gets its tsvector in the same statement, and rows that

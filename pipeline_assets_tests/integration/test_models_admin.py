@@ -12,7 +12,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets.app import model_admin, retrieval
+from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.ingest import register_model
 from pipeline_assets.app.runtime import Runtime
@@ -20,7 +20,7 @@ from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db
+from pipeline_assets.store import db, retrieval
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, write_corpus
 

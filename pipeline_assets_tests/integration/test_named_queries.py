@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from psycopg import sql
 
-from pipeline_assets.app import dlq, retrieval
+from pipeline_assets.app import dlq
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.status import database_status
 from pipeline_assets.jobs import ledger, transitions
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models, vector_index
-from pipeline_assets.store import queries, reports, stage_runs
+from pipeline_assets.store import queries, reports, retrieval, stage_runs
 from pipeline_assets_tests import job_helpers
 
 PACKAGE = Path(queries.__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ QUERY_DIR = queries.sql_dir() / "queries"
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
     "jobs/transitions.py", "registry/models.py", "registry/vector_index.py", "jobs/ledger.py", "jobs/status.py",
-    "store/reports.py", "app/retrieval.py", "store/stage_runs.py",
+    "store/reports.py", "store/retrieval.py", "store/stage_runs.py",
 ]
 # Every family in sql/queries/ (a new file is checked the day it lands).
 FAMILIES = sorted(p.stem for p in QUERY_DIR.glob("*.sql"))
@@ -343,7 +344,7 @@ def test_read_paths_run_against_a_real_database(clean_db):
                                  (models._index_name(MODEL),)).fetchall()
     assert "vector(4)" in indexdef and "'test/o''named@4'" in indexdef
 
-    hits = retrieval.search(conn, MODEL, np.array([1, 0.1, 0, 0], dtype=np.float32), k=2)
+    hits = search_uc.nearest(conn, MODEL, np.array([1, 0.1, 0, 0], dtype=np.float32), k=2)
     assert [h["text"] for h in hits] == ["alpha", "beta"]
     assert list(hits[0]) == ["document_id", "source_uri", "chunk_index", "text", "distance"]
     assert isinstance(hits[0]["distance"], float) and hits[0]["distance"] < hits[1]["distance"]

@@ -15,14 +15,13 @@ import numpy as np
 import psycopg
 import pytest
 
-from pipeline_assets.app import retrieval
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.providers import provider_for
 from pipeline_assets.providers.local import LocalHashingProvider, terms
 from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db, queries
+from pipeline_assets.store import db, queries, retrieval
 from pipeline_assets_tests.conftest import cli
 
 MODEL_ID = "local/hashing-words-v2@512"
@@ -74,7 +73,7 @@ def test_modes_rank_by_their_own_score_and_report_every_score(offline, tmp_path)
     assert hybrid[0]["distance"] == pytest.approx(vector[0]["distance"], abs=1e-6)
     assert hybrid[0]["text_rank"] == pytest.approx(text[0]["text_rank"])
     # Fused: in both lists at rank 1; the others only in the vector list.
-    assert hybrid[0]["score"] == pytest.approx(2 / (retrieval.RRF_K + 1))
+    assert hybrid[0]["score"] == pytest.approx(2 / (search_uc.RRF_K + 1))
     assert {h["document_id"] for h in hybrid} == set(DOCS)
     # A query of stop words only, or of operator characters, is no error and matches no text.
     assert search(offline, "how can it be that the", "--mode", "text") == []
@@ -111,14 +110,14 @@ def test_hybrid_search_without_a_vector_index_is_an_exact_scan(offline, tmp_path
     dim = 512
     clean_db.execute("SELECT '[1]'::vector")  # pgvector loaded in this session: its GUC ranges apply
     q = LocalHashingProvider().embed(["kettle"]).vectors[0]
-    assert len(retrieval.hybrid_search(clean_db, MODEL_ID, "kettle", q, 300)) == 3  # ef_search capped at 1000
+    assert len(search_uc.hybrid_search(clean_db, MODEL_ID, "kettle", q, 300)) == 3  # ef_search capped at 1000
     if vector_index.state(clean_db, MODEL_ID, dim) != vector_index.MISSING:
         clean_db.execute(f'DROP INDEX app."{vector_index.index_name(MODEL_ID)}"')
     assert vector_index.state(clean_db, MODEL_ID, dim) == vector_index.MISSING
     provider = LocalHashingProvider()
     query = "hard water in the kettle"
     q = provider.embed([query]).vectors[0]
-    hits = retrieval.hybrid_search(clean_db, MODEL_ID, query, q, 3)
+    hits = search_uc.hybrid_search(clean_db, MODEL_ID, query, q, 3)
     assert hits[0]["document_id"] == "kettle.md"
     for hit in hits:  # the exact cosine distance of each hit's own vector
         v = provider.embed([hit["text"]]).vectors[0]
@@ -176,7 +175,7 @@ def test_migration_010_indexes_chunks_written_before_it(server_url, tmp_path):
                          " char_start, char_end) VALUES (%s, 0, '\\x01', 'Pruning apple trees in winter', 5, 0, 29)",
                          (doc,))
             assert "010_chunk_text_search.sql" in db.migrate(conn)
-            hits = retrieval.text_search(conn, "when do I prune an apple tree?", 3)
+            hits = search_uc.text_search(conn, "when do I prune an apple tree?", 3)
             assert [(h["document_id"], h["chunk_index"]) for h in hits] == [("old.md", 0)]
     finally:
         with psycopg.connect(server_url, autocommit=True) as admin:

@@ -15,7 +15,8 @@ import uuid
 
 import psycopg
 
-from pipeline_assets.app import ingest, retrieval
+from pipeline_assets.app import ingest
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.embed import work
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.settings import Settings
@@ -38,7 +39,7 @@ def not_as_computed(conn) -> int:
 
 def ranking(conn, query: str = QUERY, k: int = 50) -> list[tuple[str, int, float]]:
     return [(h["document_id"], h["chunk_index"], round(h["text_rank"], 9))
-            for h in retrieval.text_search(conn, query, k)]
+            for h in search_uc.text_search(conn, query, k)]
 
 
 def ingest_leaving_the_vectors(database_url: str, corpus, documents: int) -> None:

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pipeline_assets.app import retrieval
+from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
@@ -33,7 +33,7 @@ from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db
+from pipeline_assets.store import db, retrieval
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, wait_until, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
@@ -390,11 +390,11 @@ def test_search_is_exact_before_the_index_exists_and_uses_it_after(clean_db, dim
     query = vectors[7] + 0.05 * unit(rng, dim)
     exact = sorted(range(30), key=lambda i: 1 - float(np.dot(vectors[i], query) / np.linalg.norm(query)))
     assert vector_index.state(conn, s.model_id, dim) == vector_index.MISSING
-    hits = retrieval.search(conn, s.model_id, query, k=5)
+    hits = search_uc.nearest(conn, s.model_id, query, k=5)
     assert [h["text"] for h in hits] == [texts[i] for i in exact[:5]]
     assert vector_index.build(conn, s.model_id, dim) == vector_index.READY
     assert uses_index(conn, s.model_id, dim)
-    hits = retrieval.search(conn, s.model_id, query, k=3)
+    hits = search_uc.nearest(conn, s.model_id, query, k=3)
     assert hits[0]["text"] == texts[7]
     assert [h["distance"] for h in hits] == sorted(h["distance"] for h in hits)
 
@@ -468,7 +468,7 @@ def test_search_answers_and_status_shows_progress_while_the_index_builds(env, cl
     late = db.connect(database_url)
     try:
         wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait for the writer")
-        hits = retrieval.search(conn, s.model_id, query, k=3)
+        hits = search_uc.nearest(conn, s.model_id, query, k=3)
         assert hits[0]["text"] == texts[11] and len(hits) == 3
         report = json.loads(cli("status", "--json", env=env).stdout)
         assert report["vector_index_builds"][s.model_id]["phase"] == "waiting for writers before build"
@@ -481,7 +481,7 @@ def test_search_answers_and_status_shows_progress_while_the_index_builds(env, cl
         p = vector_index.progress(conn, s.model_id)
         assert all(isinstance(p[k], int) for k in ("blocks_done", "blocks_total", "tuples_done", "tuples_total"))
         assert index_row(conn, s.model_id)[0] is False       # built, not yet valid: search still scans
-        hits = retrieval.search(conn, s.model_id, query, k=3)
+        hits = search_uc.nearest(conn, s.model_id, query, k=3)
         assert hits[0]["text"] == texts[11] and len(hits) == 3
         assert "waiting for writers before validation" in cli("status", env=env).stdout
     finally:
@@ -492,7 +492,7 @@ def test_search_answers_and_status_shows_progress_while_the_index_builds(env, cl
     wait_until(lambda: build.done, timeout=60, what="the build")
     assert build.outcome == vector_index.READY
     assert json.loads(cli("status", "--json", env=env).stdout)["vector_index_builds"] == {}
-    assert retrieval.search(conn, s.model_id, query, k=3)[0]["text"] == texts[11]
+    assert search_uc.nearest(conn, s.model_id, query, k=3)[0]["text"] == texts[11]
 
 
 def test_a_second_run_keeps_the_index_and_inserts_maintain_it(env, clean_db, tmp_path):

@@ -1,4 +1,4 @@
--- Reading the index (pipeline_assets/app/retrieval.py). Every query goes through
+-- Reading the index (pipeline_assets/store/retrieval.py). Every query goes through
 -- app.chunks, which holds only current chunks of current documents, so a
 -- superseded or tombstoned vector (or chunk text) can never be returned.
 
