@@ -31,7 +31,7 @@ from typing import TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import documents
+from pipeline_assets.app import document_writes
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.process import Extractor, ExtractSpec, KnownDocument, Processed, process_items
@@ -39,7 +39,7 @@ from pipeline_assets.content.source import Item, Source, SourceError
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import running_ingests, transitions
 from pipeline_assets.registry import models
-from pipeline_assets.store import db, text_search
+from pipeline_assets.store import db, documents, text_search
 
 T = TypeVar("T")
 
@@ -137,7 +137,7 @@ def ingest_all(conn: psycopg.Connection, source: Source | Path, options: IngestO
         with conn.transaction():
             documents.write_lock(conn)
             pks = documents.tombstone_unseen(conn, source_id, scan_started)
-            superseded = documents.tombstone(conn, pks)
+            superseded = document_writes.tombstone(conn, pks)
             documents.mark_scanned(conn, source_id)
         return [len(pks), superseded]
 
@@ -168,7 +168,7 @@ def ingest_ids(conn: psycopg.Connection, source: Source | Path, document_ids: It
             with conn.transaction():
                 documents.write_lock(conn)
                 pks = documents.tombstone_ids(conn, source_id, missing)
-                return [len(pks), documents.tombstone(conn, pks)]
+                return [len(pks), document_writes.tombstone(conn, pks)]
 
         deleted, superseded = _retrying(tombstone)
         report.deleted += deleted
@@ -212,7 +212,7 @@ def _with_known(conn: psycopg.Connection, source_id: int, items: Iterator[Item],
     batch's lookup runs when the previous batch has been handed out."""
     for batch in _batches(items, size):
         report.scanned += len(batch)
-        yield batch, documents.known_documents(conn, source_id, [i.document_id for i in batch])
+        yield batch, document_writes.known_documents(conn, source_id, [i.document_id for i in batch])
 
 
 def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, items: Iterator[Item],
@@ -268,7 +268,7 @@ def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list
             if not todo:
                 return {}
             documents.write_lock(conn)
-            return documents.write_documents(
+            return document_writes.write_documents(
                 conn, source_id, todo, extractor_version=options.extractor_version,
                 chunker_version=options.chunker.version, max_attempts=options.config.max_attempts,
                 config_hash=options.config_hash, run_id=options.run_id)

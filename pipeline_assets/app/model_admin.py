@@ -15,7 +15,7 @@ import dataclasses
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import documents, estimate
+from pipeline_assets.app import estimate
 from pipeline_assets.app.runtime import Runtime, chunking, fitted
 from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import (
@@ -31,7 +31,7 @@ from pipeline_assets.providers import (
 from pipeline_assets.providers.limits import too_small
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db
+from pipeline_assets.store import db, documents
 
 
 class NotCovered(ConfigError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import documents, model_admin
+from pipeline_assets.app import model_admin
 from pipeline_assets.app.ingest import ingest_all, register_model
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.app.source_registry import open_source
@@ -24,7 +24,7 @@ from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import transitions
-from pipeline_assets.store import stage_runs
+from pipeline_assets.store import documents, stage_runs
 
 
 @dataclass

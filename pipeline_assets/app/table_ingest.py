@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from pipeline_assets.app import documents
+from pipeline_assets.app import document_writes
 from pipeline_assets.app import ingest as ingest_mod
 from pipeline_assets.app.ingest import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.jobs import crashpoints
-from pipeline_assets.store import change_log, queries
+from pipeline_assets.store import change_log, documents, queries
 from pipeline_assets.store.table_source import BUCKET_MASK, READ_PAGE_ROWS, TableSourceError
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class _Scan:
             with self.conn.transaction():
                 documents.write_lock(self.conn)
                 pks = documents.tombstone_ids(self.conn, self.source_id, doc_ids)
-                superseded = documents.tombstone(self.conn, pks)
+                superseded = document_writes.tombstone(self.conn, pks)
                 self.conn.execute(ROWS.forget_rows, {"source": self.key, "ids": row_ids})
                 return [len(pks), superseded]
 

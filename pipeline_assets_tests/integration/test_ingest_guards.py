@@ -13,14 +13,14 @@ import uuid
 import psycopg
 import pytest
 
-from pipeline_assets.app import documents
+from pipeline_assets.app import document_writes
 from pipeline_assets.app.ingest import ingest_directory, ingest_paths
 from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.content.sources import document_id_problem
-from pipeline_assets.store import db
+from pipeline_assets.store import db, documents
 from pipeline_assets_tests.conftest import cli, write_corpus
 
 SECRET = "the private key that lives outside the source"
@@ -151,13 +151,13 @@ def test_batches_are_sized_by_bytes(clean_db, tmp_path, monkeypatch):
     for i in range(12):
         (corpus / f"d{i:02d}.md").write_text(f"document {i} " + "lorem ipsum dolor " * 300)  # ~5.4 KB each
     held = []
-    real = documents.write_documents
+    real = document_writes.write_documents
 
     def spy(conn, source_id, todo, **kw):
         held.append(sum(p.text_bytes for p in todo))
         return real(conn, source_id, todo, **kw)
 
-    monkeypatch.setattr(documents, "write_documents", spy)
+    monkeypatch.setattr(document_writes, "write_documents", spy)
     limit = 16_000
     report = ingest_directory(clean_db, corpus, _options(batch_bytes=limit))
     assert report.new == 12 and len(_docs(clean_db)) == 12

@@ -1,6 +1,6 @@
 -- The document table family: app.sources, app.documents, app.chunks, and the
 -- extract/chunk rows of app.stage_runs that ingest writes with them.
--- Used by pipeline_assets/app/documents.py.
+-- Used by pipeline_assets/store/documents.py.
 
 -- name: write_lock
 -- Serialise transactions that replace chunks (see documents.write_lock).

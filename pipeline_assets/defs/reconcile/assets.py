@@ -18,11 +18,11 @@ from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.app.reconcile import reconcile_all
 from pipeline_assets.app.runtime import code_versions
-from pipeline_assets.app.touched import touched_since
 from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import GROUP
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.store import stage_runs
+from pipeline_assets.store.documents import touched_since
 
 
 class ReconcileConfig(dg.Config):
