@@ -27,10 +27,9 @@ from pipeline_assets.app.ingest import IngestReport, ingest_documents
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.source import Source
-from pipeline_assets.store import queries, reports
+from pipeline_assets.store import queries, reports, source_observations
 
 BUCKETS = queries.load("buckets")
-OBS = queries.load("observations")
 
 # Bits of sha256(document_id) the bucket is taken from (a positive bigint in SQL).
 BUCKET_HASH_HEX = 15
@@ -194,7 +193,7 @@ def _sync_page(rt: Runtime, pool: ConnectionPool, source: Source, rows: list[tup
             conn.execute(BUCKETS.resolve_unread, {"root": root, "ids": unread,
                                                   "checksums": [changed[d] for d in unread]})
         if gone:
-            conn.execute(OBS.forget_gone, {"root": root, "ids": gone})
+            source_observations.forget_gone(conn, root, gone)
     done.changed += len(changed)
     done.gone += len(gone)
 

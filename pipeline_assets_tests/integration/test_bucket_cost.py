@@ -15,7 +15,7 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app import buckets, observations
 from pipeline_assets.content.folder_source import walk
 from pipeline_assets.content.source import NOT_STATED
-from pipeline_assets.store import queries
+from pipeline_assets.store import queries, source_observations
 
 DOCS = queries.load("documents")
 
@@ -91,11 +91,11 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     ids = [f"doc-{i:05d}.md" for i in range(docs)]
     _register(conn, root, ids)
     with conn.transaction():
-        conn.execute(observations.OBS.stage_create)
-        with conn.cursor().copy(observations.OBS.stage_copy) as copy:
+        conn.execute(source_observations.OBS.stage_create)
+        with conn.cursor().copy(source_observations.OBS.stage_copy) as copy:
             for d in ids:
                 copy.write_row((d, "0123456789abcdef", 1, 1))
-        conn.execute(observations.OBS.upsert_staged, {"root": root})
+        conn.execute(source_observations.OBS.upsert_staged, {"root": root})
     conn.execute("ANALYZE app.documents")
     conn.execute("ANALYZE app.source_observations")
     mine = sum(buckets.bucket_of(d, N) == BUCKET for d in ids)

@@ -1,4 +1,4 @@
--- The source sensor's observations, app.source_observations (pipeline_assets/app/observations.py).
+-- The source sensor's observations, app.source_observations (pipeline_assets/store/source_observations.py; the scan: app/observations.py).
 
 -- name: walk_create
 -- One scan's walk of the source, copied in as it goes and compared here (no row per file in

@@ -17,7 +17,6 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import observations
 from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
@@ -35,6 +34,7 @@ from pipeline_assets.defs.resources import (
 )
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.providers import ConfigError
+from pipeline_assets.store import source_observations
 
 REFRESH_JOB_NAME = "refresh_documents"
 REFRESH_OP_NAME = "refresh_documents_op"
@@ -85,7 +85,7 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
     n = postgres.bucket_count(rt.settings.partition_buckets)
     report = ingest_documents(rt, db_pool, src, ids)
     with postgres.connection() as conn:   # the source sensor's next scan finds them synced, not pending
-        observations.mark_synced_as_stored(conn, root, ids)
+        source_observations.mark_synced_as_stored(conn, root, ids)
     try:
         done = embed_and_wait(rt, db_pool, root, ids, in_process=embedding_run.embeds_in_process(rt.settings),
                                deadline_seconds=embedding_run.deadline(rt.settings))

@@ -8,7 +8,7 @@ started from, so a re-evaluated tick repeats its key and Dagster launches nothin
 cursor holds only ``n`` (``{"v": 2, "g": n[, "f": last failed run handled]}``); a legacy map
 cursor seeds the table. While a run of this sensor is in flight a tick requests nothing and
 does not scan. Files of a failed or cancelled run (sync or its embeddings run) are requested
-again after a backoff (``observations.schedule_retries``). A source that cannot be scanned is a
+again after a backoff (``source_observations.schedule_retries``). A source that cannot be scanned is a
 failed tick; an empty source that had documents is a skip; neither deletes anything.
 """
 
@@ -27,6 +27,7 @@ from pipeline_assets.defs.provenance import DATA_VERSION_TAG
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request, run_span
 from pipeline_assets.providers import model_id_for
+from pipeline_assets.store import source_observations
 
 SENSOR_NAME = "source_documents"
 CURSOR_VERSION = 2          # {"v": 2, "g": generation[, "f": the last failed run handled]}
@@ -118,7 +119,7 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
     with postgres.connection() as conn:
         n = bk.check_buckets(conn, settings.partition_buckets)
         if legacy and generation is not None:
-            observations.adopt(conn, root, legacy, generation - 1)
+            source_observations.adopt(conn, root, legacy, generation - 1)
         try:
             found = observations.scan(conn, src, max_bytes=settings.max_input_bytes)
         except SourceError as exc:
@@ -127,14 +128,14 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
                          f"{found.written} observation(s) written, "
                          f"{found.gone} gone, {found.unreadable} unreadable")
         if generation is None:
-            generation = observations.latest_generation(conn, root) or 0
+            generation = source_observations.latest_generation(conn, root) or 0
         failed = None if in_flight else _unhandled_failure(context.instance, handled)
         if failed is not None:
             # Its files are requested again after the backoff: those it did not sync (below), and
             # those it synced but did not embed (its embeddings step failed or was cancelled).
             span_of = _run_buckets(failed)
             if span_of is not None:
-                unembedded = observations.unsync_unembedded(conn, root, span_of[0], span_of[1], n,
+                unembedded = source_observations.unsync_unembedded(conn, root, span_of[0], span_of[1], n,
                                                             model_id_for(settings))
                 context.log.info(f"run {failed.run_id} ended {failed.status.value}: {unembedded} file(s) it "
                                  "synced but did not embed are requested again after the backoff")
@@ -146,8 +147,8 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
                 f"source {src.describe()} is empty but {found.empty_refused} documents were seen before; "
                 "refusing to delete them all"))
         # None of the sensor's runs in flight: the requests of earlier generations have ended.
-        retries = None if in_flight else observations.schedule_retries(conn, root, generation)
-        todo = observations.pending_buckets(conn, root, generation, n)
+        retries = None if in_flight else source_observations.schedule_retries(conn, root, generation)
+        todo = source_observations.pending_buckets(conn, root, generation, n)
         if not todo:
             waiting = (f"; {retries.waiting} file(s) of failed or cancelled runs requested again in "
                        f"{retries.next_in:.0f} s" if retries and retries.waiting else "")
@@ -164,7 +165,7 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
         first, last = span([0, n - 1] if generation == 0 else [p.bucket for p in todo])
         digest = batch_digest((str(p.bucket), p.digest) for p in todo)
         key = f"sync@g{generation}:{len(todo)}:{digest}:{first}..{last}"
-        observations.mark_buckets_requested(conn, root, [p.bucket for p in todo], n, generation)
+        source_observations.mark_buckets_requested(conn, root, [p.bucket for p in todo], n, generation)
     new, gone = sum(p.new for p in todo), sum(p.gone for p in todo)
     context.log.info(f"new={new} changed={files - new - gone} gone={gone} in {len(todo)} bucket(s): "
                      f"one run over {first}..{last}")

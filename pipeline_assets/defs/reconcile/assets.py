@@ -5,7 +5,7 @@ false``: the job table only). Each bucket of the watched source holding a docume
 ingested, re-ingested or tombstoned gets a ``documents`` and a ``chunks`` materialization
 with the bucket's counts, the ids it changed and the versions an asset run records
 (``provenance``); ``embeddings`` gets nothing (its jobs are only enqueued). A re-ingested
-file is retried at once by the source sensor (``observations.retry_now``). Its own counts
+file is retried at once by the source sensor (``source_observations.retry_now``). Its own counts
 are numeric metadata of the ``reconciliation`` materialization, plotted run over run.
 """
 
@@ -15,13 +15,12 @@ from collections.abc import Iterator
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app import observations
 from pipeline_assets.app.reconcile import reconcile_all
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import GROUP
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.store import stage_runs
+from pipeline_assets.store import source_observations, stage_runs
 from pipeline_assets.store.documents import touched_since
 
 
@@ -46,7 +45,7 @@ def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, p
     report = reconcile_all(rt, postgres.pool(), rescan=config.rescan)
     with postgres.connection() as conn:
         touched = bk.buckets_of([t.document_id for t in touched_since(conn, root, since)], n)
-        observations.retry_now(conn, root, [d for docs in touched.values() for d in docs])
+        source_observations.retry_now(conn, root, [d for docs in touched.values() for d in docs])
         states = bk.states_of(conn, root, list(touched), n)
     for problem in report.missing_sources:
         context.log.warning(problem)
