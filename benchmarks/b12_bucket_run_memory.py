@@ -42,14 +42,14 @@ def child(root: str) -> None:
     from pipeline_assets.app.embed import embed_buckets
     from pipeline_assets.app.runtime import Runtime
     from pipeline_assets.settings import Settings
-    from pipeline_assets.store import db
+    from pipeline_assets.store import bucket_rows, db
 
     settings = Settings.from_env()
     rt = Runtime.build(settings)
     path = Path(root)
     with db.open_pool(settings.database_config()) as pool:
         with pool.connection() as conn:
-            n = buckets.fixed_buckets(conn, settings.partition_buckets)
+            n = bucket_rows.fixed_buckets(conn, settings.partition_buckets)
         base = rss_mb()
         started = time.perf_counter()
         synced = buckets.sync_buckets(rt, pool, path, range(n), n)

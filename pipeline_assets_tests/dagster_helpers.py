@@ -26,7 +26,7 @@ from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import migrations, reports
+from pipeline_assets.store import bucket_rows, migrations, reports
 from pipeline_assets_tests.conftest import write_corpus
 
 
@@ -345,9 +345,9 @@ def watched_corpus(root: Path, documents: int, monkeypatch) -> Path:
 
 
 def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int],
-                  n: int) -> dict[int, bk.BucketState]:
+                  n: int) -> dict[int, bucket_rows.BucketState]:
     """Each bucket's state computed in Python from its documents' summaries (every bucket asked
-    for, empty or not): the oracle ``buckets.states_of`` (one grouped query) must agree with."""
+    for, empty or not): the oracle ``bucket_rows.states_of`` (one grouped query) must agree with."""
     members: dict[int, list[reports.DocumentSummary]] = {b: [] for b in buckets}
     for doc in sorted(summaries):
         s = summaries[doc]
@@ -356,10 +356,11 @@ def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequen
     states = {}
     for bucket, docs in members.items():
         quarantined = [s.document_id for s in docs if s.status == "quarantined"]
-        states[bucket] = bk.BucketState(
+        states[bucket] = bucket_rows.BucketState(
             documents=len(docs), current=sum(s.status == "current" for s in docs), quarantined=len(quarantined),
             chunks=sum(s.chunks for s in docs), tokens=sum(s.tokens for s in docs),
-            text_digest=bk.digest(f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}" for s in docs),
-            chunks_digest=bk.digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
-            quarantined_ids=quarantined[:bk.SAMPLE_IDS])
+            text_digest=bucket_rows.digest(f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}"
+                                           for s in docs),
+            chunks_digest=bucket_rows.digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
+            quarantined_ids=quarantined[:bucket_rows.SAMPLE_IDS])
     return states

@@ -7,7 +7,7 @@
 -- NULL: not filled yet (no scheme when the row was written, or written before
 -- this migration). Statements fall back to the hash for a NULL bucket, so a
 -- NULL is never wrong, only slower; the INSERT statements fill it, and a bucket
--- run fills what is left in batches (app/buckets.py fill_buckets). Adding a
+-- run fills what is left in batches (store/bucket_rows.py fill_buckets). Adding a
 -- nullable column without a default rewrites nothing, and the indexes are
 -- built over NULLs: this migration holds its locks for well under a second
 -- whatever the table holds.

@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import buckets, model_admin
+from pipeline_assets.app import model_admin
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
@@ -29,7 +29,7 @@ from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerReport
 from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db, reports, stage_runs, text_search
+from pipeline_assets.store import bucket_rows, db, reports, stage_runs, text_search
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class BucketsEmbedded:
     documents: int                 # current documents in the buckets
     before: reports.Coverage
     after: reports.Coverage
-    per_bucket: dict[int, buckets.BucketCoverage]
+    per_bucket: dict[int, bucket_rows.BucketCoverage]
     in_process: bool = True
     waited_seconds: float = 0.0
     index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
@@ -191,14 +191,14 @@ def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_id
 
     def current_pks() -> list[int]:
         with pool.connection() as conn:
-            return buckets.current_pks(conn, root_s, bucket_ids, n)
+            return bucket_rows.current_pks(conn, root_s, bucket_ids, n)
 
-    def read() -> tuple[dict[int, buckets.BucketCoverage], reports.Coverage]:
+    def read() -> tuple[dict[int, bucket_rows.BucketCoverage], reports.Coverage]:
         with pool.connection() as conn:
-            return buckets.coverage_and_total(conn, root_s, bucket_ids, n, rt.model_id)
+            return bucket_rows.coverage_and_total(conn, root_s, bucket_ids, n, rt.model_id)
 
     with pool.connection() as conn:   # a large run's worker starts before the keys are read
-        many = buckets.estimated_documents(conn, root_s, bucket_ids, n) > SCOPE_MAX_DOCUMENTS
+        many = bucket_rows.estimated_documents(conn, root_s, bucket_ids, n) > SCOPE_MAX_DOCUMENTS
     waited = _wait_for_vectors(rt, pool, current_pks, read, many=many, poll_seconds=poll_seconds,
                                in_process=in_process, deadline_seconds=deadline_seconds)
     return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=waited.documents, before=waited.before,

@@ -23,11 +23,11 @@ from types import FrameType
 
 import psycopg
 
-from pipeline_assets.app.buckets import fixed_buckets
 from pipeline_assets.providers import model_id_for
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
+from pipeline_assets.store.bucket_rows import fixed_buckets
 
 DAGSTER_URL_ENV = "DAGSTER_PG_URL"
 REPO = Path(__file__).resolve().parents[2]

@@ -21,14 +21,13 @@ import psycopg
 from psycopg_pool import ConnectionPool
 from pydantic import Field, PrivateAttr
 
-from pipeline_assets.app import buckets as bk
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_registry import is_folder, open_source
 from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source
 from pipeline_assets.providers import ConfigError, model_id_for
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import db
+from pipeline_assets.store import bucket_rows, db
 
 _REPO = Path(__file__).resolve().parents[2]
 _DEFAULTS = Settings()
@@ -110,8 +109,8 @@ class PostgresResource(dg.ConfigurableResource):
         one line naming the count to set (``dg.Failure``, not retried)."""
         with self.connection() as conn:
             try:
-                return bk.check_buckets(conn, configured)
-            except bk.BucketCountMismatch as exc:
+                return bucket_rows.check_buckets(conn, configured)
+            except bucket_rows.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:

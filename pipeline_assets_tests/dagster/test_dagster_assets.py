@@ -19,7 +19,7 @@ from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import reports
+from pipeline_assets.store import bucket_rows, reports
 from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
@@ -403,8 +403,8 @@ def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
         ingest_source(rt, pool, corpus)
     root, n = str(corpus.resolve()), 64
     buckets = list(range(n))
-    from_sql = bk.states_of(conn, root, buckets, n)
-    summaries = reports.document_summaries(conn, root, bk.bucket_documents(conn, root, buckets, n))
+    from_sql = bucket_rows.states_of(conn, root, buckets, n)
+    summaries = reports.document_summaries(conn, root, bucket_rows.bucket_documents(conn, root, buckets, n))
     assert from_sql == bucket_states(summaries, buckets, n)
     assert sum(s.documents for s in from_sql.values()) == 6 and sum(s.quarantined for s in from_sql.values()) >= 1
     assert [s.quarantined_ids for s in from_sql.values() if s.quarantined_ids] == [["binary.md"]]
@@ -420,10 +420,10 @@ def test_bucket_coverage_grouped_in_sql_is_the_documents_own(corpus, conn, fake)
         ingest_source(rt, pool, corpus)
         root, n, model = str(corpus.resolve()), 64, rt.model_id
         buckets = list(range(n))
-        ids = bk.bucket_documents(conn, root, buckets, n)
+        ids = bucket_rows.bucket_documents(conn, root, buckets, n)
         for step in ("waiting", "embedded"):
             per_doc, total = reports.embedding_coverage(conn, root, ids, model)
-            per_bucket, sql_total = bk.coverage_and_total(conn, root, buckets, n, model)
+            per_bucket, sql_total = bucket_rows.coverage_and_total(conn, root, buckets, n, model)
             assert per_bucket == bk.bucket_coverage(per_doc, buckets, n), step
             assert sql_total == total, step
             assert sum(c.chunks for c in per_bucket.values()) == total.wanted + 1, step   # the twin
@@ -431,7 +431,7 @@ def test_bucket_coverage_grouped_in_sql_is_the_documents_own(corpus, conn, fake)
                 assert total.ready == 0 and total.waiting == total.wanted
                 embed_buckets(rt, pool, corpus.resolve(), buckets, n, poll_seconds=0.05)
         assert total.ready == total.wanted > 0 and not total.failed
-        assert sorted(bk.current_pks(conn, root, buckets, n)) == sorted(
+        assert sorted(bucket_rows.current_pks(conn, root, buckets, n)) == sorted(
             r[0] for r in conn.execute("SELECT doc_pk FROM app.documents WHERE status = 'current'"))
 
 

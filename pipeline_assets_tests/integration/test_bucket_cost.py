@@ -15,7 +15,7 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app import buckets, observations
 from pipeline_assets.content.folder_source import walk
 from pipeline_assets.content.source import NOT_STATED
-from pipeline_assets.store import queries, source_observations
+from pipeline_assets.store import bucket_rows, queries, source_observations
 
 DOCS = queries.load("documents")
 
@@ -58,8 +58,8 @@ def test_the_scan_of_one_bucket_compares_only_its_files(clean_db, tmp_path):
 
 
 def test_every_bucket_is_no_filter():
-    assert buckets.selected(range(N), N) is None
-    assert buckets.selected([3, 1, 3], N) == [1, 3]
+    assert bucket_rows.selected(range(N), N) is None
+    assert bucket_rows.selected([3, 1, 3], N) == [1, 3]
 
 
 def test_bucket_of_is_the_sql_function(clean_db):
@@ -86,7 +86,7 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     not every row of the source: what they read is about what the bucket holds, not the corpus."""
     conn = clean_db
     docs = 6400
-    conn.execute(buckets.BUCKETS.store_buckets, {"buckets": N})
+    conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
     root = "/corpus"
     ids = [f"doc-{i:05d}.md" for i in range(docs)]
     _register(conn, root, ids)
@@ -103,10 +103,10 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     for name, tables in (("bucket_documents", {"documents"}), ("bucket_current_pks", {"documents"}),
                          ("bucket_states", {"documents"}), ("unobserved_current", {"documents"}),
                          ("unsynced", {"source_observations"})):
-        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + getattr(buckets.BUCKETS, name),
+        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + getattr(bucket_rows.BUCKETS, name),
                             params).fetchone()[0][0]["Plan"]
         assert _rows_read(plan, tables) <= 2 * mine, (name, mine, plan)
-    assert len(buckets.bucket_documents(conn, root, [BUCKET], N)) == mine
+    assert len(bucket_rows.bucket_documents(conn, root, [BUCKET], N)) == mine
 
 
 def _register(conn, root: str, ids: list[str]) -> None:
@@ -125,15 +125,15 @@ def test_rows_without_a_stored_bucket_are_found_then_filled(clean_db, database_u
     ids = [f"early-{i}.md" for i in range(300)]
     _register(conn, "/early", ids)        # no scheme yet: written without a bucket
     assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NULL").fetchone()[0] == 300
-    conn.execute(buckets.BUCKETS.store_buckets, {"buckets": N})
+    conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
     mine = sorted((d for d in ids if buckets.bucket_of(d, N) == BUCKET), key=str.encode)
-    assert buckets.bucket_documents(conn, "/early", [BUCKET], N) == mine
+    assert bucket_rows.bucket_documents(conn, "/early", [BUCKET], N) == mine
     with ConnectionPool(database_url, min_size=1, max_size=1, open=True) as pool:
-        assert buckets.fill_buckets(pool) == 300
-        assert buckets.fill_buckets(pool) == 0
+        assert bucket_rows.fill_buckets(pool) == 300
+        assert bucket_rows.fill_buckets(pool) == 0
     stored = dict(conn.execute("SELECT document_id, bucket FROM app.documents").fetchall())
     assert stored == {d: buckets.bucket_of(d, N) for d in ids}
-    assert buckets.bucket_documents(conn, "/early", [BUCKET], N) == mine
+    assert bucket_rows.bucket_documents(conn, "/early", [BUCKET], N) == mine
     conn.execute("DELETE FROM app.partition_scheme")
     assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NOT NULL").fetchone()[0] == 0
 

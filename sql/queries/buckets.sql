@@ -1,4 +1,4 @@
--- Document buckets, the Dagster partitions (pipeline_assets/app/buckets.py,
+-- Document buckets, the Dagster partitions (pipeline_assets/store/bucket_rows.py; the hash: app/buckets.py;
 -- migration 017): the stored bucket count and what a bucket run must redo.
 
 -- name: stored_buckets

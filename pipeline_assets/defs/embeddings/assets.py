@@ -16,7 +16,6 @@ from typing import Any
 import dagster as dg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import estimate, model_admin
 from pipeline_assets.app.embed import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
 from pipeline_assets.app.runtime import Runtime
@@ -31,6 +30,7 @@ from pipeline_assets.defs.resources import (
 )
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.providers import ConfigError
+from pipeline_assets.store import bucket_rows
 
 # The Dagster concurrency pool of the embeddings step when it embeds in-process:
 # its limit (dagster.yaml, `pipeline-assets dev`: 1) is how many runs may run a
@@ -42,9 +42,9 @@ EMBEDDING_POOL = "embedding_worker"
 WORKER_POLL_SECONDS = 0.1
 
 
-def embedding_version(model_id: str, state: bk.BucketState, cov: bk.BucketCoverage) -> str:
+def embedding_version(model_id: str, state: bucket_rows.BucketState, cov: bucket_rows.BucketCoverage) -> str:
     """One ``embeddings`` partition's data version: the model, the bucket's chunks, its coverage."""
-    return bk.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
+    return bucket_rows.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
 
 
 def _embed(rt: Runtime, db_pool: ConnectionPool, root: str, buckets: list[int], n: int, in_process: bool,
@@ -118,8 +118,8 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             db_pool = postgres.pool()
             with postgres.connection() as conn:
                 try:
-                    bk.check_buckets(conn, n)
-                except bk.BucketCountMismatch as exc:
+                    bucket_rows.check_buckets(conn, n)
+                except bucket_rows.BucketCountMismatch as exc:
                     raise dg.Failure(description=str(exc), allow_retries=False) from None
             versions: dict[str, str] = {}
             totals: dict[str, int] = {}
@@ -137,7 +137,7 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                     context.log.info(done.index_put_off)
                     put_off.append(done.index_put_off)
                 with postgres.connection() as conn:
-                    states = bk.states_of(conn, root, buckets, n)
+                    states = bucket_rows.states_of(conn, root, buckets, n)
                 for b in buckets:
                     bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
                     versions[key] = embedding_version(model_id, states[b], bucket_cov)

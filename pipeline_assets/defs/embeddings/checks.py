@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from pipeline_assets.app import buckets as bk
 from pipeline_assets.defs.keys import EMBEDDINGS
 from pipeline_assets.defs.partitions import embedding_key, embedding_partitions, keys_by_model
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
+from pipeline_assets.store import bucket_rows
 
 COVERAGE_CHECK = "partition_embedded"
 
@@ -38,7 +38,7 @@ def build_coverage_check(n: int) -> dg.AssetChecksDefinition:
             root = source.source(embedding_provider.settings()).key
             for model_id, buckets in per_model.items():
                 with postgres.connection() as conn:
-                    coverage = bk.coverage_of_buckets(conn, root, buckets, n, model_id)
+                    coverage = bucket_rows.coverage_of_buckets(conn, root, buckets, n, model_id)
                 for b, cov in coverage.items():
                     yield _coverage_evaluation(embedding_key(b, model_id), cov, model_id)
             yield dg.Output(None)  # the check's output: its evaluations are the events above
@@ -46,7 +46,7 @@ def build_coverage_check(n: int) -> dg.AssetChecksDefinition:
     return partition_embedded
 
 
-def _coverage_evaluation(key: str, cov: bk.BucketCoverage, model_id: str) -> dg.AssetCheckEvaluation:
+def _coverage_evaluation(key: str, cov: bucket_rows.BucketCoverage, model_id: str) -> dg.AssetCheckEvaluation:
     passed = cov.ready == cov.chunks and cov.failed == 0 and cov.waiting == 0
     metadata: dict = {"model": model_id, "chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed,
                       "waiting": cov.waiting}

@@ -4,7 +4,7 @@ Per run, ``app.buckets.sync_buckets`` brings its buckets current with the source
 code: new and changed files ingested, stale documents re-extracted, gone ones tombstoned,
 unchanged files not read. A run tagged ``pipeline/rerun`` (the rerun sensor's) re-extracts
 the stale documents only and does not scan the source. Per partition it records its counts,
-quarantined ids (at most ``app.buckets.SAMPLE_IDS``) and digests; a one-bucket run records
+quarantined ids (at most ``store.bucket_rows.SAMPLE_IDS``) and digests; a one-bucket run records
 the bucket's data version, a range run one version for the range (``provenance.run_version``).
 Code versions: the extractor version of every format, and the chunker's.
 """
@@ -23,6 +23,7 @@ from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_p
 from pipeline_assets.defs.provenance import latest_observation, run_version, versioned_events
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import RERUN_TAG
+from pipeline_assets.store import bucket_rows
 
 INGEST_OP = "ingest"
 
@@ -31,7 +32,7 @@ def _counts(report: IngestReport) -> dict[str, int]:
     return {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
 
 
-def document_metadata(state: bk.BucketState) -> dict[str, Any]:
+def document_metadata(state: bucket_rows.BucketState) -> dict[str, Any]:
     meta: dict[str, Any] = {"documents": state.documents, "current": state.current, "quarantined": state.quarantined,
                   "text_digest": state.text_digest}
     if state.quarantined_ids:
@@ -39,11 +40,11 @@ def document_metadata(state: bk.BucketState) -> dict[str, Any]:
     return meta
 
 
-def chunk_metadata(state: bk.BucketState) -> dict[str, Any]:
+def chunk_metadata(state: bucket_rows.BucketState) -> dict[str, Any]:
     return {"chunk_count": state.chunks, "tokens": state.tokens, "chunks_digest": state.chunks_digest}
 
 
-def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, bk.BucketState],
+def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, bucket_rows.BucketState],
                             extra: Mapping[int, dict], versions: Mapping[str, str],
                             ) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
     """A ``documents`` and a ``chunks`` materialization for each bucket of ``extra`` (its own
@@ -95,10 +96,10 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
                 # sensor's run (a backfill or a "materialize" from the UI does both).
                 done = bk.sync_buckets(rt, postgres.pool(), src, buckets, n,
                                        source_changes=RERUN_TAG not in context.run.tags)
-            except bk.BucketCountMismatch as exc:
+            except bucket_rows.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
             with postgres.connection() as conn:
-                states = bk.states_of(conn, root, buckets, n)
+                states = bucket_rows.states_of(conn, root, buckets, n)
             for b, state in states.items():
                 context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
                 context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))

@@ -34,7 +34,7 @@ from pipeline_assets.defs.resources import (
 )
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.providers import ConfigError
-from pipeline_assets.store import source_observations
+from pipeline_assets.store import bucket_rows, source_observations
 
 REFRESH_JOB_NAME = "refresh_documents"
 REFRESH_OP_NAME = "refresh_documents_op"
@@ -100,11 +100,11 @@ def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, 
         context.log.info(done.index_put_off)
     touched = bk.buckets_of(ids, n)
     with postgres.connection() as conn:
-        states = bk.states_of(conn, root, list(touched), n)
-        bucket_cov = bk.coverage_of_buckets(conn, root, list(touched), n, rt.model_id)
+        states = bucket_rows.states_of(conn, root, list(touched), n)
+        bucket_cov = bucket_rows.coverage_of_buckets(conn, root, list(touched), n, rt.model_id)
     coverage = bk.bucket_coverage(done.per_document, list(touched), n)
     refreshed: dict[int, dict[str, Any]] = {
-        b: {"refreshed_documents": ", ".join(docs[:bk.SAMPLE_IDS]), "refreshed_count": len(docs)}
+        b: {"refreshed_documents": ", ".join(docs[:bucket_rows.SAMPLE_IDS]), "refreshed_count": len(docs)}
         for b, docs in touched.items()}
     versions = code_versions(rt.settings)
     chunks = yield from ingest_materializations(context.instance, states, refreshed, versions)

@@ -16,7 +16,6 @@ import json
 
 import dagster as dg
 
-from pipeline_assets.app import buckets as bk
 from pipeline_assets.app import observations
 from pipeline_assets.content.source import SourceError
 from pipeline_assets.defs.dagster_config import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
@@ -27,7 +26,7 @@ from pipeline_assets.defs.provenance import DATA_VERSION_TAG
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
 from pipeline_assets.defs.run_requests import IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request, run_span
 from pipeline_assets.providers import model_id_for
-from pipeline_assets.store import source_observations
+from pipeline_assets.store import bucket_rows, source_observations
 
 SENSOR_NAME = "source_documents"
 CURSOR_VERSION = 2          # {"v": 2, "g": generation[, "f": the last failed run handled]}
@@ -117,7 +116,7 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
             f"{in_flight} run(s) of this sensor still queued or running; the source is scanned "
             "again on the next tick after they end"))
     with postgres.connection() as conn:
-        n = bk.check_buckets(conn, settings.partition_buckets)
+        n = bucket_rows.check_buckets(conn, settings.partition_buckets)
         if legacy and generation is not None:
             source_observations.adopt(conn, root, legacy, generation - 1)
         try:

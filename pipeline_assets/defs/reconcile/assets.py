@@ -20,7 +20,7 @@ from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import GROUP
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.store import source_observations, stage_runs
+from pipeline_assets.store import bucket_rows, source_observations, stage_runs
 from pipeline_assets.store.documents import touched_since
 
 
@@ -46,11 +46,11 @@ def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, p
     with postgres.connection() as conn:
         touched = bk.buckets_of([t.document_id for t in touched_since(conn, root, since)], n)
         source_observations.retry_now(conn, root, [d for docs in touched.values() for d in docs])
-        states = bk.states_of(conn, root, list(touched), n)
+        states = bucket_rows.states_of(conn, root, list(touched), n)
     for problem in report.missing_sources:
         context.log.warning(problem)
     yield from ingest_materializations(context.instance, states, {b: {
-        "reported_by": "reconciliation", "changed_documents": ", ".join(docs[:bk.SAMPLE_IDS]),
+        "reported_by": "reconciliation", "changed_documents": ", ".join(docs[:bucket_rows.SAMPLE_IDS]),
         "changed_count": len(docs)} for b, docs in touched.items()}, code_versions(rt.settings))
     counts = {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
     metadata: dict = {**counts, "missing_sources": len(report.missing_sources),
