@@ -18,17 +18,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import sanitize
-from pipeline_assets.store import queries
+from pipeline_assets.store import dead_letter_rows
 from pipeline_assets.store.stage_runs import RerunTarget
-
-DLQ = queries.load("dlq")
 
 # History rows kept per job, the newest (bounds app.job_attempts at this many
 # rows per job). The trigger of sql/011 reads app.job_attempts_kept(), which
@@ -70,7 +67,7 @@ def worker_of(actor: str | None) -> str | None:
 def groups(pool: ConnectionPool) -> list[dict]:
     with pool.connection() as conn:
         return [{**r, "first_seen": _iso(r["first_seen"]), "last_seen": _iso(r["last_seen"])}
-                for r in _dicts(conn, DLQ.groups)]
+                for r in dead_letter_rows.groups(conn)]
 
 
 def items(pool: ConnectionPool, *, error_class: str | None = None, discarded: bool = False) -> list[dict]:
@@ -82,9 +79,8 @@ def items(pool: ConnectionPool, *, error_class: str | None = None, discarded: bo
 def dead_letters(conn: psycopg.Connection, *, error_class: str | None = None,
                  discarded: bool = False) -> list[dict]:
     """``items`` on one connection (also `dlq` in `status`)."""
-    params = {"cls": error_class, "discarded": discarded}
-    jobs = _dicts(conn, DLQ.job_items, params)
-    docs = _dicts(conn, DLQ.document_items, params)
+    jobs = dead_letter_rows.job_items(conn, error_class, discarded)
+    docs = dead_letter_rows.document_items(conn, error_class, discarded)
     out = [{"kind": "job", "id": r["job_id"], "model": r["model_id"], "error_class": r["error_class"],
             "message": r["error_message"], "attempts": r["attempts"], "failed_at": _iso(r["updated_at"]),
             "documents": r["documents"] or [], **_discard(r)} for r in jobs]
@@ -100,27 +96,26 @@ def show(pool: ConnectionPool, item: str) -> dict:
     ids = Ids.parse([item])
     with pool.connection() as conn:
         if ids.jobs:
-            rows = _dicts(conn, DLQ.job, {"id": ids.jobs[0]})
-            if rows:
-                r = rows[0]
+            r = dead_letter_rows.job(conn, ids.jobs[0])
+            if r is not None:
                 attempts = [{"at": _iso(a["recorded_at"]), "worker": worker_of(a["actor"]), "lease": a["actor"],
                              "attempt": a["attempt"], "outcome": a["outcome"], "status": a["status"],
                              "error_class": a["error_class"], "message": a["error_message"]}
-                            for a in _dicts(conn, DLQ.attempts, {"id": r["job_id"]})]
+                            for a in dead_letter_rows.attempts(conn, r["job_id"])]
                 return {"kind": "job", "id": r["job_id"], "model": r["model_id"], "status": r["status"],
                         "attempts": r["attempts"], "max_attempts": r["max_attempts"], "throttles": r["throttles"],
                         "error_class": r["error_class"], "message": r["error_message"],
                         "updated_at": _iso(r["updated_at"]), "chunk_checksum": r["chunk_checksum"],
                         "documents": r["documents"] or [], **_discard(r), "history": attempts,
                         "history_kept": ATTEMPTS_KEPT_PER_JOB}
-        docs = _dicts(conn, DLQ.documents_named, {"id": ids.documents[0] if ids.documents else item})
+        docs = dead_letter_rows.documents_named(conn, ids.documents[0] if ids.documents else item)
         if not docs:
             raise ValueError(f"no job or document {item!r}")
         return {"kind": "document", "id": docs[0]["document_id"], "sources": [
             {"source": d["root"], "status": d["status"], "error_class": d["error_class"],
              "message": d["error_message"], "updated_at": _iso(d["updated_at"]), **_discard(d),
              "stages": [{**s, "started_at": _iso(s["started_at"]), "finished_at": _iso(s["finished_at"])}
-                        for s in _dicts(conn, DLQ.document_stages, {"doc": d["doc_pk"]})]}
+                        for s in dead_letter_rows.document_stages(conn, d["doc_pk"])]}
             for d in docs]}
 
 
@@ -134,18 +129,17 @@ def requeue(pool: ConnectionPool, runtime: Callable[[], Runtime], *, ids: Ids | 
     counts = {"requeued": 0, "superseded": 0}
     with pool.connection() as conn:
         with conn.transaction():
-            conn.execute(DLQ.set_actor, {"actor": sanitize(by or "")})
+            dead_letter_rows.set_actor(conn, sanitize(by or ""))
             job_ids = list(ids.jobs)
             if all_jobs or error_class is not None:
-                job_ids += [r["job_id"] for r in _dicts(conn, DLQ.requeue_job_ids, {"cls": error_class})]
+                job_ids += dead_letter_rows.requeue_job_ids(conn, error_class)
             moved = transitions.requeue_failed(conn, sorted(set(job_ids))) if job_ids else {}
         counts["requeued"] = moved.get("pending", 0)
         counts["superseded"] = moved.get("superseded", 0)
-        docs = ([r for r in _dicts(conn, DLQ.document_items, {"cls": error_class, "discarded": False})]
-                if error_class is not None else [])
-        named = [r for name in ids.documents for r in _dicts(conn, DLQ.documents_named, {"id": name})
+        docs = dead_letter_rows.document_items(conn, error_class, False) if error_class is not None else []
+        named = [r for name in ids.documents for r in dead_letter_rows.documents_named(conn, name)
                  if r["status"] == "quarantined"]
-        conn.execute(DLQ.lift_document_discards, {"docs": [r["doc_pk"] for r in named]})
+        dead_letter_rows.lift_document_discards(conn, [r["doc_pk"] for r in named])
         docs += named
     if ids.documents or error_class is not None:
         targets = {(d["root"], d["document_id"]): RerunTarget(
@@ -153,7 +147,7 @@ def requeue(pool: ConnectionPool, runtime: Callable[[], Runtime], *, ids: Ids | 
             error_class=d["error_class"], code_version=None) for d in docs}
         counts["documents"] = rerun_uc.rerun(runtime(), pool, list(targets.values())) if targets else 0
         with pool.connection() as conn:
-            still = _dicts(conn, DLQ.document_items, {"cls": None, "discarded": False})
+            still = dead_letter_rows.document_items(conn, None, False)
         counts["still_quarantined"] = len({(d["root"], d["document_id"]) for d in still} & set(targets))
     return counts
 
@@ -167,14 +161,13 @@ def discard(pool: ConnectionPool, raw_ids: Sequence[str], *, reason: str, by: st
         raise ValueError("a discard needs a name (--by)")
     ids = Ids.parse(raw_ids)
     with pool.connection() as conn, conn.transaction():
-        params = {"by": by, "reason": reason}
-        jobs = [r["job_id"] for r in _dicts(conn, DLQ.discard_jobs, {**params, "ids": ids.jobs})]
-        conn.execute(DLQ.trim_attempts, {"ids": jobs})
-        docs = _dicts(conn, DLQ.discard_documents, {**params, "ids": ids.documents})
+        jobs = dead_letter_rows.discard_jobs(conn, ids.jobs, by=by, reason=reason)
+        dead_letter_rows.trim_attempts(conn, jobs)
+        docs = dead_letter_rows.discard_documents(conn, ids.documents, by=by, reason=reason)
         found = {str(j) for j in jobs}
         missing = [str(j) for j in ids.jobs if str(j) not in found]
         named = {n for n in ids.documents
-                 if any(d["status"] == "quarantined" for d in _dicts(conn, DLQ.documents_named, {"id": n}))}
+                 if any(d["status"] == "quarantined" for d in dead_letter_rows.documents_named(conn, n))}
         missing += [n for n in ids.documents if n not in named]
         if missing:
             raise _Rollback(missing)
@@ -197,8 +190,3 @@ def _discard(r: dict) -> dict:
 
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
-
-
-def _dicts(conn: psycopg.Connection, query: str, params: dict | None = None) -> list[dict]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        return cur.execute(query, params).fetchall()

@@ -1,4 +1,4 @@
--- The dead-letter queue as a work list (app/dlq.py): failed jobs and quarantined documents by
+-- The dead-letter queue as a work list (store/dead_letter_rows.py; the use cases: app/dlq.py): failed jobs and quarantined documents by
 -- error class, an item's attempts (app.job_attempts), requeue selections and discards.
 
 -- name: groups
