@@ -7,7 +7,7 @@ vector for the model (reused: never sent again), how much is dead-lettered, and 
 the inputs and tokens that would be sent, with their price when the model's is known
 (``providers.pricing``). The tokens are the chunks' cl100k counts, of the exact text a worker
 sends, summed in the database (sql/queries/estimates.sql); for OpenAI's models they are what
-the provider bills and the ledger records. Retries after a fault, and a run's worker that
+the provider bills and the ledger records (store/estimates.py). Retries after a fault, and a run's worker that
 claims other queued work of the model, send more than this.
 """
 
@@ -17,17 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import psycopg
-from psycopg import sql
-from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.counts import Counts
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.providers.pricing import price_per_million, tokens_exact
-from pipeline_assets.store import arrays, queries
+from pipeline_assets.store import estimates
 
-ESTIMATES = queries.load("estimates")
 TOKENS_PER_MILLION = 1_000_000
 
 
@@ -79,8 +75,8 @@ def usd(amount: float) -> str:
     return f"${amount:,.2f}" if amount >= 0.01 else f"${amount:.6f}"
 
 
-def _estimate(row: dict, spec: ModelSpec, configured_price: float | None, *, requeue_failed: bool) -> Estimate:
-    counts = {k: int(v) for k, v in row.items()}
+def _estimate(counts: dict[str, int], spec: ModelSpec, configured_price: float | None, *,
+              requeue_failed: bool) -> Estimate:
     send_inputs = counts["inputs"] - counts["embedded"] - (0 if requeue_failed else counts["failed"])
     send_tokens = counts["tokens"] - counts["embedded_tokens"] - (0 if requeue_failed else counts["failed_tokens"])
     return Estimate(model_id=spec.model_id, **counts, send_inputs=send_inputs, send_tokens=send_tokens,
@@ -88,19 +84,10 @@ def _estimate(row: dict, spec: ModelSpec, configured_price: float | None, *, req
                     requeues_failed=requeue_failed)
 
 
-def _row(conn: psycopg.Connection, wanted: str, params: dict) -> dict:
-    """The summary (``ESTIMATES.summary``) over the selection ``wanted`` (a named query)."""
-    query = sql.SQL(ESTIMATES.summary).format(wanted=sql.SQL(wanted))
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(query, params).fetchone()
-    assert row is not None, "an estimate aggregate returned no row"
-    return row
-
-
 def for_corpus(pool: ConnectionPool, spec: ModelSpec, configured_price: float | None) -> Estimate:
     """`models add`: every current chunk; dead-lettered content stays dead-lettered."""
     with pool.connection() as conn:
-        row = _row(conn, ESTIMATES.corpus, {"model": spec.model_id})
+        row = estimates.of_corpus(conn, spec.model_id)
     return _estimate(row, spec, configured_price, requeue_failed=False)
 
 
@@ -109,15 +96,14 @@ def for_documents(pool: ConnectionPool, spec: ModelSpec, configured_price: float
     """The current chunks of some documents (keys); a rerun of the embed stage requeues their
     dead-lettered content, so it is sent too unless ``requeue_failed`` is False."""
     with pool.connection() as conn:
-        row = _row(conn, ESTIMATES.documents, {"model": spec.model_id, "pks": arrays.int8(conn, pks)})
+        row = estimates.of_documents(conn, spec.model_id, pks)
     return _estimate(row, spec, configured_price, requeue_failed=requeue_failed)
 
 
 def for_buckets(pool: ConnectionPool, spec: ModelSpec, configured_price: float | None, root: Path | str,
-                buckets: Sequence[int], n: int) -> Estimate:
-    """An embeddings run over some buckets (of ``n``) of a source: what it enqueues and waits for
-    (dead-lettered content stays dead-lettered)."""
+                bucket_ids: Sequence[int], bucket_count: int) -> Estimate:
+    """An embeddings run over some buckets (of ``bucket_count``) of a source: what it enqueues and
+    waits for (dead-lettered content stays dead-lettered)."""
     with pool.connection() as conn:
-        row = _row(conn, ESTIMATES.buckets, {"model": spec.model_id, "root": str(root), "n": n,
-                                             "buckets": sorted(set(buckets))})
+        row = estimates.of_buckets(conn, spec.model_id, root, bucket_ids, bucket_count)
     return _estimate(row, spec, configured_price, requeue_failed=False)

@@ -1,4 +1,4 @@
--- What a run would send to one model (app/estimate.py), summed in the database over the distinct
+-- What a run would send to one model (store/estimates.py; the estimate: app/estimate.py), summed in the database over the distinct
 -- content of a selection of current chunks: cl100k tokens, already embedded (reused), dead-lettered,
 -- left to send. No chunk text leaves the database; each query returns one row.
 
