@@ -1,7 +1,6 @@
-"""Embedding use cases: run a worker until the queue is idle (or until stopped);
-embed some documents (a worker scoped to their jobs, or only waiting for
-external workers, until their chunks are ready or failed, with a deadline);
-and the one-shot ``embed DIR`` (ingest, then work until idle).
+"""Embedding use cases that run a worker: until the queue is idle (or until stopped), and the
+one-shot ``embed DIR`` (ingest, then work until idle). Embedding some documents and waiting for
+them: app/embed_documents.py.
 """
 
 from __future__ import annotations
@@ -10,43 +9,25 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import model_admin
-from pipeline_assets.app.ingest import ingest_source, register_model
+from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs import running_ingests, transitions
 from pipeline_assets.jobs.faults import DatabaseWait, database_unavailable, one_line
-from pipeline_assets.jobs.worker import FatalProviderError, Worker, WorkerReport
+from pipeline_assets.jobs.worker import Worker, WorkerReport
 from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
-from pipeline_assets.registry import models, vector_index
-from pipeline_assets.settings import Settings
-from pipeline_assets.store import bucket_rows, db, reports, stage_runs, text_search
+from pipeline_assets.store import db, reports, stage_runs, text_search
 
 log = logging.getLogger(__name__)
 
-# How often a run embedding some documents probes the model's queue (two index
-# probes: is anything waiting or leased?) while it waits for them. An idle
-# queue means their chunks are ready or failed: the run reads their coverage
-# at once instead of at the next full read.
-WAIT_POLL_SECONDS = 0.1
-# The full read of the documents' coverage (one grouped query over their
-# chunks, seconds at 100,000 documents) comes at least this many times its
-# last duration after the previous one: it decides when the queue is busy with
-# other documents too, and costs the database a bounded share of its time.
-WAIT_POLL_COST_FACTOR = 20
-# Past this many documents a run's worker claims the model's whole queue
-# instead of only the run's jobs: a scope that large is most of the queue, and
-# the scoped claim's cost grows with it (a bucket backfill over everything).
-SCOPE_MAX_DOCUMENTS = 2_000
 # How long a finished work run waits for an unavailable database to record the
 # embed stage of the documents it touched (reconcile records them otherwise).
 STAGE_RECORD_WAIT_SECONDS = 60.0
@@ -89,259 +70,6 @@ def _record_touched(pool: ConnectionPool, model_id: str, since: datetime) -> Non
             raise
         log.warning("could not record the embed stage of the documents this run touched (the database is "
                     "unavailable: %s); `reconcile` records them", one_line(exc))
-
-
-@dataclass
-class DocumentsEmbedded:
-    """What embedding some documents of a source did, and their coverage before and after."""
-
-    work: WorkerReport
-    enqueued: int
-    summaries: dict[str, reports.DocumentSummary]
-    before: reports.Coverage     # the first read (the run's worker, if any, already started)
-    after: reports.Coverage
-    per_document: dict[str, reports.Coverage] = field(default_factory=dict)
-    in_process: bool = True
-    waited_seconds: float = 0.0
-    index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
-
-
-class EmbedIncomplete(RuntimeError):
-    """Some of the documents' chunks are neither ready nor failed; carries their counts."""
-
-    def __init__(self, message: str, coverage: reports.Coverage) -> None:
-        self.coverage = coverage
-        self.outstanding = outstanding(coverage)
-        super().__init__(message)
-
-
-class EmbedDeadlineExceeded(EmbedIncomplete):
-    """The documents' chunks were not all ready or failed by the deadline."""
-
-    def __init__(self, coverage: reports.Coverage, deadline: float, in_process: bool) -> None:
-        who = "the in-process worker and any `work` process" if in_process else "the external `work` processes"
-        super().__init__(f"{outstanding(coverage)} of {coverage.wanted} chunk(s) still not embedded after "
-                         f"{deadline:g} s ({coverage.ready} ready, {coverage.failed} failed) waiting for {who}; "
-                         "see `pipeline-assets status`", coverage)
-
-
-class EmbedStopped(EmbedIncomplete):
-    """The in-process worker stopped first (a token budget, a fault of our own); its one-line message."""
-
-
-def outstanding(cov: reports.Coverage) -> int:
-    """Chunks neither ready nor failed (waiting, leased, backing off, or without a job yet)."""
-    return max(cov.wanted - cov.ready - cov.failed, 0)
-
-
-def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path | str, document_ids: Sequence[str], *,
-                    poll_seconds: float | None = None, in_process: bool = True,
-                    deadline_seconds: float | None = None) -> DocumentsEmbedded:
-    """Make sure the current chunks of some documents have jobs, then wait until
-    each of them is ready or failed: not for the rest of the queue.
-
-    ``in_process``: a worker scoped to these documents (it claims only their
-    jobs) embeds them here; otherwise only ``work`` processes elsewhere do, and
-    this waits. ``deadline_seconds`` (default: the settings') bounds the wait:
-    past it, EmbedDeadlineExceeded with the counts. A worker that stopped before
-    they were done (BudgetExhausted, WorkerFault) is EmbedStopped with its message
-    and the counts; FatalProviderError is raised as it is.
-    """
-    root_s = str(root)
-    summaries: dict[str, reports.DocumentSummary] = {}
-
-    def current_pks() -> list[int]:
-        with pool.connection() as conn:
-            summaries.update(reports.document_summaries(conn, root_s, document_ids))
-        return [s.doc_pk for s in summaries.values() if s.status == "current"]
-
-    def read() -> tuple[dict[str, reports.Coverage], reports.Coverage]:
-        with pool.connection() as conn:
-            return reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
-
-    waited = _wait_for_vectors(rt, pool, current_pks, read, many=len(document_ids) > SCOPE_MAX_DOCUMENTS,
-                               poll_seconds=poll_seconds, in_process=in_process, deadline_seconds=deadline_seconds)
-    return DocumentsEmbedded(work=waited.work, enqueued=waited.enqueued, summaries=summaries, before=waited.before,
-                             after=waited.after, per_document=waited.detail, in_process=in_process,
-                             waited_seconds=waited.seconds, index_put_off=waited.index_put_off)
-
-
-@dataclass
-class BucketsEmbedded:
-    """What embedding some buckets' documents did: per bucket and in total (distinct chunks)."""
-
-    work: WorkerReport
-    enqueued: int
-    documents: int                 # current documents in the buckets
-    before: reports.Coverage
-    after: reports.Coverage
-    per_bucket: dict[int, bucket_rows.BucketCoverage]
-    in_process: bool = True
-    waited_seconds: float = 0.0
-    index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
-
-
-def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_ids: Sequence[int], n: int, *,
-                  poll_seconds: float | None = None, in_process: bool = True,
-                  deadline_seconds: float | None = None) -> BucketsEmbedded:
-    """``embed_and_wait`` for the current documents of some buckets (of ``n``), read and
-    counted per bucket in the database: no per-document object at any corpus size (an
-    embeddings run over 100k documents holds their keys, not their summaries)."""
-    root_s = str(root)
-
-    def current_pks() -> list[int]:
-        with pool.connection() as conn:
-            return bucket_rows.current_pks(conn, root_s, bucket_ids, n)
-
-    def read() -> tuple[dict[int, bucket_rows.BucketCoverage], reports.Coverage]:
-        with pool.connection() as conn:
-            return bucket_rows.coverage_and_total(conn, root_s, bucket_ids, n, rt.model_id)
-
-    with pool.connection() as conn:   # a large run's worker starts before the keys are read
-        many = bucket_rows.estimated_documents(conn, root_s, bucket_ids, n) > SCOPE_MAX_DOCUMENTS
-    waited = _wait_for_vectors(rt, pool, current_pks, read, many=many, poll_seconds=poll_seconds,
-                               in_process=in_process, deadline_seconds=deadline_seconds)
-    return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=waited.documents, before=waited.before,
-                           after=waited.after, per_bucket=waited.detail, in_process=in_process,
-                           waited_seconds=waited.seconds, index_put_off=waited.index_put_off)
-
-
-D = TypeVar("D")
-
-
-@dataclass
-class _Waited(Generic[D]):
-    work: WorkerReport
-    enqueued: int
-    documents: int          # current documents waited for (len of current_pks())
-    before: reports.Coverage
-    after: reports.Coverage
-    detail: D
-    seconds: float
-    index_put_off: str | None = None   # the line saying the model's index build was left for later
-
-
-def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[], list[int]],
-                      read: Callable[[], tuple[D, reports.Coverage]], *, many: bool, poll_seconds: float | None,
-                      in_process: bool, deadline_seconds: float | None) -> _Waited[D]:
-    """The wait both front ends share: enqueue what is missing for ``current_pks()``, run a
-    worker here if ``in_process`` (scoped to them unless they are many), and ``read()`` their
-    coverage until nothing of theirs is outstanding, the worker stops, or the deadline.
-    ``many``: known to be more than SCOPE_MAX_DOCUMENTS before reading them."""
-    deadline = deadline_seconds or rt.settings.embed_run_deadline
-    # Before anything is enqueued or sent: the model's window is known and every chunk fits it.
-    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
-    with pool.connection() as conn:
-        register_model(conn, rt)
-        since = stage_runs.clock(conn)
-        busy = any(transitions.outstanding(conn, rt.model_id))
-    started = time.monotonic()
-    scoped = None
-    if in_process and busy and many:
-        # It claims the model's whole queue: it starts at once, while the documents are read
-        # (tens of seconds at 100,000 of them); a scoped worker needs their keys first.
-        scoped = _ScopedWorker(rt, pool, None, poll_seconds)
-    pks: list[int] = []
-    try:
-        pks = current_pks()
-        with pool.connection() as conn:
-            enqueued = transitions.enqueue_for_docs(conn, pks, rt.options.config.max_attempts)
-        if scoped is None and in_process and (busy or enqueued):
-            # Before the first coverage read (seconds at 100k documents): with nothing to claim
-            # for the model, nothing of these documents waits either.
-            scope = pks if len(pks) <= SCOPE_MAX_DOCUMENTS else None
-            scoped = _ScopedWorker(rt, pool, scope, poll_seconds)
-        detail, before = read()
-        now = before
-        read_at, read_cost, idle_read = time.monotonic(), 0.0, False
-        while outstanding(now) and (scoped is None or scoped.alive) and time.monotonic() - started < deadline:
-            time.sleep(WAIT_POLL_SECONDS)
-            with pool.connection() as conn:
-                idle = not any(transitions.outstanding(conn, rt.model_id))
-            due = time.monotonic() - read_at >= max(WAIT_POLL_SECONDS, WAIT_POLL_COST_FACTOR * read_cost)
-            if due or (idle and not idle_read):
-                read_at = time.monotonic()
-                detail, now = read()
-                read_cost = time.monotonic() - read_at
-            idle_read = idle   # an idle queue triggers one read until it is busy again
-    finally:
-        report, error = scoped.finish() if scoped is not None else (WorkerReport(), None)
-    with pool.connection() as conn:
-        if scoped is not None:
-            stage_runs.refresh_embed_touched(conn, rt.model_id, since)
-        stage_runs.refresh_embed_docs(conn, rt.model_id, pks)
-        idle = not any(transitions.outstanding(conn, rt.model_id))
-    if outstanding(now):   # the worker stopped, or the deadline: the last word on them
-        detail, now = read()
-    after = now            # else the last read stands: nothing of theirs was left to change
-    if isinstance(error, FatalProviderError):
-        raise error
-    if error is not None and outstanding(after):
-        raise EmbedStopped(str(error), after) from error
-    if error is not None:  # e.g. the budget was reached by the call that finished these documents
-        log.warning("the worker stopped after these documents were done: %s", error)
-    if outstanding(after):
-        raise EmbedDeadlineExceeded(after, deadline, in_process)
-    index_put_off = None
-    if scoped is not None and idle:
-        # the whole queue drained: as a worker does when it drains (and leaves)
-        index_put_off = _build_index(pool, rt.model_id, rt.settings)
-    return _Waited(work=report, enqueued=enqueued, documents=len(pks), before=before, after=after, detail=detail,
-                   seconds=round(time.monotonic() - started, 3), index_put_off=index_put_off)
-
-
-class _ScopedWorker:
-    """A worker in a thread that claims only some documents' jobs, until told to stop."""
-
-    def __init__(self, rt: Runtime, pool: ConnectionPool, doc_pks: Sequence[int] | None,
-                 poll_seconds: float | None):
-        config = rt.settings.worker_config(until_idle=False, scope=None if doc_pks is None else tuple(doc_pks),
-                                           build_index=False, poll_seconds=poll_seconds or None)
-        self._stop = threading.Event()
-        self._worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=self._stop)
-        self._report: WorkerReport | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="scoped-worker", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._report = self._worker.run()
-        except BaseException as exc:  # BudgetExhausted, FatalProviderError, WorkerFault, ...: raised by finish()
-            self._error = exc
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def finish(self) -> tuple[WorkerReport, BaseException | None]:
-        """Stop it (it hands back what it holds); its report and the error it stopped on, if any."""
-        self._stop.set()
-        self._thread.join()
-        return self._report or self._worker.report, self._error
-
-
-def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> str | None:
-    """Build the model's vector index if it is missing (concurrently; a failure is only logged),
-    unless an ingest is running (``running_ingests.index_build_decision``, a worker's rule when
-    it drains): then the build is left for later and the returned line says so and who builds it."""
-    with pool.connection() as conn:
-        dimension = models.model_dimension(conn, model_id)
-        if not dimension:
-            return None
-        if running_ingests.index_build_decision(lambda: running_ingests.any_running(conn)) == running_ingests.PUT_OFF:
-            line = running_ingests.put_off_line(model_id)
-            log.info("%s", line)
-            return line
-    try:
-        with db.pool_connect(pool) as conn:
-            vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory,
-                               session=settings.prepare)
-    except vector_index.IndexNotOwned as exc:
-        log.info("%s", exc)  # a role without DDL, or a transaction pooler: a session of the owner builds it
-    except vector_index.IndexBuildError as exc:
-        log.warning("%s", exc)
-    return None
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app.embed import EmbedIncomplete, embed_and_wait
+from pipeline_assets.app.embed_documents import EmbedIncomplete, embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.content.source import Source, SourceError
