@@ -16,7 +16,7 @@ from pathlib import Path
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import input_limits
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
@@ -42,7 +42,7 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     Raises the worker's FatalProviderError / BudgetExhausted with their one-line messages.
     """
     # Worker start: the chunk size must fit this model's and every active model's window.
-    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
+    input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)
     config = rt.settings.worker_config(concurrency=concurrency, until_idle=until_idle, worker_id=worker_id,
                                        lease_seconds=lease_seconds or None, poll_seconds=poll_seconds or None)
     worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=stop)
@@ -95,7 +95,7 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
                     observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
     """`embed SOURCE`: ingest the source, work until idle, and summarise."""
     started = time.monotonic()
-    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
+    input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
     # The chunks' text-search vectors are computed by the worker when its queue drains, beside the
     # vector index build (a core the build leaves idle); what a worker stopped early left, here
     # (not once stopped by a signal: the next ingest or drain computes them; search reads the text).

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import input_limits
 from pipeline_assets.app.ingest import register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.scoped_worker import ScopedWorker
@@ -180,7 +180,7 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     ``many``: known to be more than SCOPE_MAX_DOCUMENTS before reading them."""
     deadline = deadline_seconds or rt.settings.embed_run_deadline
     # Before anything is enqueued or sent: the model's window is known and every chunk fits it.
-    model_admin.check_input_limits(rt.settings, pool, rt.provider.spec)
+    input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)
     with pool.connection() as conn:
         register_model(conn, rt)
         since = stage_runs.clock(conn)

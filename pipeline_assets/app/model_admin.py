@@ -3,9 +3,10 @@ covers the corpus, retire the replaced one (its vectors deleted after a grace
 period), activate a retired one again, list models, build a model's vector index.
 
 Several models may be active; one is *served*: ``search`` and ``export`` read
-it (``served_runtime``, ``served_model_id``). A switch is one UPDATE of one row
-(``registry.models.serve``), taken only when the new model has a vector for every
-current chunk, so search never answers from a half-built model, nor nothing.
+it (``model_runtime.served_runtime``, ``served_model_id``). A switch is one UPDATE of one
+row (``registry.models.serve``), taken only when the new model has a vector for every
+current chunk, so search never answers from a half-built model, nor nothing. The switch the
+Dagster layer follows: app/model_follow.py; the input windows checked: app/input_limits.py.
 """
 
 from __future__ import annotations
@@ -15,20 +16,11 @@ import dataclasses
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import estimate
-from pipeline_assets.app.runtime import Runtime, chunking, fitted
+from pipeline_assets.app import estimate, input_limits, model_runtime
 from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import (
-    ChunkTooLarge,
     ConfigError,
-    ModelLimit,
-    ModelSpec,
-    check_chunk_size,
-    model_id_for,
-    provider_for,
-    require_known_window,
 )
-from pipeline_assets.providers.limits import too_small
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, documents
@@ -131,70 +123,6 @@ def build_index(pool: ConnectionPool, name: str, settings: Settings) -> dict:
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
 
 
-# -- several models, one served ---------------------------------------------------------------
-
-
-def runtime_for_model(settings: Settings, name: str, dimensions: int | None = None) -> Runtime:
-    """The runtime of a model given by name (and `dimensions` option), the rest as configured (the
-    chunking too: fitted to the configured model, not to this one)."""
-    return Runtime.build(dataclasses.replace(fitted(settings), embedding_model=name, embedding_dimensions=dimensions))
-
-
-def check_input_limits(settings: Settings, pool: ConnectionPool, spec: ModelSpec | None = None) -> list[ModelLimit]:
-    """Refuse (``ChunkTooLarge``, one line naming both numbers and PIPELINE_CHUNK_TOKENS) a chunk
-    size that could exceed the window of ``spec``'s model or of any active model, and
-    (``UnknownInputWindow``, one line naming PIPELINE_MODEL_MAX_INPUT_TOKENS) a ``spec`` whose
-    window is not known; before any provider call. Run by `models add` and at worker start
-    (`work`, `embed`, the Dagster steps that embed). Returns the limits checked."""
-    if spec is not None:
-        require_known_window(spec)
-    with pool.connection() as conn:
-        limits = {m.model_id: m for m in models.active_limits(conn)}
-    if spec is not None:
-        limits[spec.model_id] = ModelLimit.of(spec)
-    check_chunk_size(chunking(settings)[0], limits.values())
-    return sorted(limits.values(), key=lambda m: m.model_id)
-
-
-def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -> dict:
-    """For `settings`: PIPELINE_CHUNK_TOKENS against the configured model's window and (with a
-    pool) every active model's. ``error`` is the one-line refusal, or None when every window fits."""
-    limits: dict[str, ModelLimit] = {}
-    roles: dict[str, str] = {}
-    warnings: list[str] = []
-    spec: ModelSpec | None = None
-    try:
-        provider = provider_for(settings)
-    except ConfigError as exc:
-        warnings.append(f"the configured model cannot be checked: {exc}")
-    else:
-        spec = provider.spec
-        limits[spec.model_id] = ModelLimit.of(spec)
-        roles[spec.model_id] = "configured"
-        if not spec.window_known:
-            warnings.append(f"the input window of {spec.model_id} is unknown: `models add`, `work`, `embed` and "
-                            "Dagster refuse it; set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window")
-        provider.close()
-    if pool is not None:
-        with pool.connection() as conn:
-            for limit in models.active_limits(conn):
-                limits.setdefault(limit.model_id, limit)
-                roles[limit.model_id] = "configured, active" if roles.get(limit.model_id) else "active"
-    tokens, overlap = chunking(settings, spec)
-    over = too_small(tokens, limits.values())
-    rows = [{**dataclasses.asdict(m), "role": roles[m.model_id], "fits": m not in over}
-            for m in sorted(limits.values(), key=lambda m: m.model_id)]
-    return {"chunk_tokens": tokens, "chunk_overlap": overlap, "models": rows, "warnings": warnings,
-            "error": str(ChunkTooLarge(tokens, over[0])) if over else None}
-
-
-def input_limits(pool: ConnectionPool) -> list[dict]:
-    """For `status`: per active model, its window, current chunks that could exceed it, calls whose
-    usage shows the provider truncating, inputs refused as too long (``registry.models.input_limits``)."""
-    with pool.connection() as conn:
-        return models.input_limits(conn)
-
-
 def add(settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int | None = None) -> dict:
     """`models add`: register a model and enqueue every current chunk for it.
 
@@ -204,8 +132,8 @@ def add(settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int 
     exceed, or that of another active model (``ChunkTooLarge``). Workers
     configured with the model do its jobs.
     """
-    rt = runtime_for_model(settings, name, dimensions)
-    check_input_limits(settings, pool, rt.provider.spec)
+    rt = model_runtime.runtime_for_model(settings, name, dimensions)
+    input_limits.check_input_limits(settings, pool, rt.provider.spec)
     with pool.connection() as conn, conn.transaction():
         documents.write_lock(conn)  # as reconcile's repairs: no ingest replaces chunks meanwhile
         new = models.ensure_model(conn, rt.provider.spec)
@@ -221,8 +149,8 @@ def add_estimate(settings: Settings, pool: ConnectionPool, name: str, *,
                  dimensions: int | None = None) -> estimate.Estimate:
     """`models add --dry-run`: what adding the model would send (every current chunk's distinct
     content without a vector for it), refused as `add` would be; writes nothing."""
-    rt = runtime_for_model(settings, name, dimensions)
-    check_input_limits(settings, pool, rt.provider.spec)
+    rt = model_runtime.runtime_for_model(settings, name, dimensions)
+    input_limits.check_input_limits(settings, pool, rt.provider.spec)
     with pool.connection() as conn:
         row = models.model_row(conn, rt.model_id)
     if row is not None and not row["active"]:
@@ -263,55 +191,6 @@ def active_model_ids(pool: ConnectionPool) -> list[str]:
         return models.active_model_ids(conn)
 
 
-def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *, run_id: str | None = None) -> Runtime:
-    """The runtime that embeds with a registered, active model (or the configured one, which the
-    first ingest registers), the rest as configured.
-
-    ConfigError (one line) for a model that is unknown, retired (``models activate`` it
-    first), or whose provider this installation cannot build again."""
-    with pool.connection() as conn:
-        row = models.model_row(conn, model_id)
-    if row is not None and not row["active"]:
-        raise ConfigError(f"model {model_id} is retired; `pipeline-assets models activate {model_id}` to embed "
-                          "with it again")
-    if model_id == model_id_for(settings):
-        return Runtime.build(settings, run_id=run_id)
-    if row is None:
-        raise ConfigError(f"unknown model {model_id!r}: `pipeline-assets models add` registers it")
-    # The model id says provider, name and dimension; the `dimensions` option was
-    # either sent (the id's dimension) or not (the model's default).
-    for dims in (None, row["dimension"]):
-        rt = runtime_for_model(settings, row["name"], dims)
-        if rt.model_id == model_id:
-            rt.options.run_id = run_id
-            return rt
-    raise ConfigError(f"this installation cannot embed with {model_id} (its provider or code is gone); "
-                      f"`pipeline-assets models retire {model_id}`")
-
-
-def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
-    """The runtime search embeds its query with: the served model's, whatever is configured.
-
-    Before any model is registered, the configured one (there is nothing to read yet).
-    Raises ConfigError when this process cannot build the served model's provider
-    (e.g. it is an OpenAI model and OPENAI_API_KEY is unset).
-    """
-    with pool.connection() as conn:
-        row = models.served(conn)
-    if row is None or row["model_id"] == model_id_for(settings):
-        return Runtime.build(settings)
-    # The model id says provider, name and dimension; the `dimensions` option was
-    # either sent (the id's dimension) or not (the model's default).
-    for dims in (None, row["dimension"]):
-        rt = runtime_for_model(settings, row["name"], dims)
-        if rt.model_id == row["model_id"]:
-            return rt
-    # E.g. an offline embedder replaced by a new version: its code is gone, its vectors are not.
-    raise ConfigError(f"this installation cannot embed a query with the served model {row['model_id']}; "
-                      f"`pipeline-assets models serve {model_id_for(settings)}` once it covers the corpus "
-                      "(`models list`), or `search --model NAME`")
-
-
 def purge_expired(pool: ConnectionPool, grace_seconds: float) -> dict[str, int]:
     """Delete the vectors and the index of every model retired longer than the grace
     period (what reconcile runs). Returns the vectors deleted per model."""
@@ -335,60 +214,3 @@ def model_states(pool: ConnectionPool, grace_seconds: float) -> list[dict]:
         for row in states:
             row["coverage"] = dataclasses.asdict(models.coverage(conn, row["model_id"])) if row["active"] else None
     return states
-
-
-@dataclasses.dataclass
-class ModelFollowed:
-    """What one ``follow_configured`` call did."""
-
-    model_id: str                     # the configured model
-    added: bool                       # registered by this call (jobs for every current chunk)
-    enqueued: int
-    served: str | None                # the model search reads after this call
-    switched: bool                    # this call served the configured model
-    switched_from: str | None         # the model it replaced, when it switched
-    retired: str | None               # the same model, retired (reconcile deletes its vectors later)
-    coverage: models.Coverage | None  # the configured model's; None when no switch is pending
-
-
-def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True) -> ModelFollowed:
-    """A model change without downtime, done by the Dagster layer (``defs/models/sensors.py``) each tick.
-
-    1. ``add`` the configured model (a new one gets jobs for every current chunk);
-       a retired one is refused (``ModelRetired``), as everywhere.
-    2. While another model is served, keep serving it; once the configured model
-       covers every current chunk, serve it and retire the one it replaced (whose
-       vectors reconcile deletes after the grace period).
-
-    ``switch=False`` does step 1 only (the caller already switched to this model
-    once: a person who served another one since is not overruled).
-
-    Returns what happened (``ModelFollowed``); the configured model's coverage is
-    None when no switch is pending (it reads every current chunk).
-    """
-    model_id = rt.model_id
-    with pool.connection() as conn, conn.transaction():
-        added = models.ensure_model(conn, rt.provider.spec)
-        enqueued = 0
-        if added:
-            documents.write_lock(conn)
-            enqueued = transitions.enqueue_missing(conn, rt.settings.max_attempts)
-    switched, switched_from, retired = False, None, None
-    with pool.connection() as conn:
-        served = models.served_model_id(conn)
-        pending = switch and served != model_id
-        # Coverage reads every current chunk: only while a switch is pending (or the model is new).
-        cov = models.coverage(conn, model_id) if pending or added else None
-        if pending and cov is not None and cov.complete:
-            with conn.transaction():
-                documents.write_lock(conn)  # no chunk arrives between the check and the switch
-                cov = models.coverage(conn, model_id)
-                if cov.complete:
-                    changed, previous = models.serve(conn, model_id)
-                    if changed:
-                        served, switched, switched_from = model_id, True, previous
-                        if previous:
-                            models.retire(conn, previous)
-                            retired = previous
-    return ModelFollowed(model_id=model_id, added=added, enqueued=enqueued, served=served, switched=switched,
-                         switched_from=switched_from, retired=retired, coverage=cov)

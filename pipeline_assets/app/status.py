@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import input_limits
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.registry import models
@@ -87,7 +87,7 @@ def status(pool: ConnectionPool, settings: Settings) -> StatusReport:
         report.retired_models = {r.pop("model_id"): {k: r[k] for k in ("retired_at", "purge_after", "purged_at")}
                                  for r in models.model_states(conn, settings.model_retire_grace)
                                  if not r["active"]}
-    report.input_limits = model_admin.input_limits(pool)  # per active model: window, oversize chunks, truncation
+    report.input_limits = input_limits.by_active_model(pool)  # per active model: window, oversize chunks, truncation
     report.retry_after_cap = settings.retry_after_cap
     report.watched_source = settings.source or settings.source_dir
     return report

@@ -11,7 +11,7 @@ import click
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import input_limits, model_admin, model_runtime
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app import status as status_uc
 from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings, stop_on_signals
@@ -130,7 +130,7 @@ def search(query: str, k: int, model: str | None, mode: str, as_json: bool) -> N
     """Best current chunks for QUERY: full-text search and vector similarity fused (hybrid), or either alone."""
     with pool() as p:
         # Without --model: the served model (`models serve`), whatever is configured.
-        rt = runtime(model) if model else model_admin.served_runtime(settings(), p)
+        rt = runtime(model) if model else model_runtime.served_runtime(settings(), p)
         hits = search_uc.search(rt, p, query, k, mode)
 
     def lines(rows: list[dict]) -> Iterator[str]:
@@ -174,12 +174,12 @@ def settings_cmd(reference: bool, as_json: bool) -> None:
 def _limit_report(s: Settings) -> dict:
     """The configured model's window always; the active models' when a database is there to read."""
     if not (s.database_url or (s.home_path / "pgdata").exists()):
-        return model_admin.input_limit_report(s)
+        return input_limits.input_limit_report(s)
     try:
         with pool() as p:
-            return model_admin.input_limit_report(s, p)
+            return input_limits.input_limit_report(s, p)
     except EXPECTED_DB as exc:
-        report = model_admin.input_limit_report(s)
+        report = input_limits.input_limit_report(s)
         report["warnings"].append(f"active models not checked: {' '.join(str(exc).split())[:200]}")
         return report
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dagster as dg
 import pytest
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import model_admin, model_runtime
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.defs.embeddings.sensors import AFTER_RUN_TAG, chains, embed_after_sync, embed_request
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, EMBEDDINGS
@@ -62,7 +62,7 @@ def served_search() -> str:
     """What `pipeline-assets search` does: embed the query with the served model, read its vectors."""
     settings = Settings.from_env()
     with db.make_pool(db.database_url(settings.database_config()), max_size=2) as pool:
-        rt = model_admin.served_runtime(settings, pool)
+        rt = model_runtime.served_runtime(settings, pool)
         hits = search_uc.search(rt, pool, "w1 w8 w15", 3, mode="vector")
     assert len(hits) == 3
     return rt.model_id

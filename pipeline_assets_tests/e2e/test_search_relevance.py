@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import model_runtime
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
@@ -81,7 +81,7 @@ def _top3(env: dict, mode: str) -> dict[str, list[str]]:
     would cost minutes on a shared machine; the CLI itself is run for the README example)."""
     settings = Settings.from_env(env)
     with db.make_pool(env["PIPELINE_DATABASE_URL"]) as pool:
-        rt = model_admin.served_runtime(settings, pool)
+        rt = model_runtime.served_runtime(settings, pool)
         return {q: [h["document_id"] for h in search_uc.search(rt, pool, q, 3, mode)] for q, _ in QUESTIONS}
 
 

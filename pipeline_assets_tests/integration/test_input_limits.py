@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from pipeline_assets.app.model_admin import runtime_for_model
+from pipeline_assets.app.model_runtime import runtime_for_model
 from pipeline_assets.app.runtime import Runtime, chunker_for, chunking
 from pipeline_assets.providers import ChunkTooLarge, ModelLimit, ModelSpec, check_chunk_size, provider_for
 from pipeline_assets.providers.limits import FOREIGN_TOKENS_PER_CHUNK_TOKEN

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import model_admin, model_runtime
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.embed import embed_directory, work
 from pipeline_assets.app.runtime import Runtime
@@ -64,7 +64,7 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
             while not stop.is_set():
                 try:
                     started = time.monotonic()
-                    rt = model_admin.served_runtime(settings, pool)
+                    rt = model_runtime.served_runtime(settings, pool)
                     hits = search_uc.search(rt, pool, query, 3, mode="vector")
                     answers.append((started, time.monotonic(), rt.model_id, len(hits),
                                     min((h["distance"] for h in hits), default=9.0)))
@@ -210,7 +210,7 @@ def test_a_served_model_this_installation_cannot_build_is_one_line(env, clean_db
     settings = Settings.from_env()
     url = db.database_url(settings.database_config())
     with db.make_pool(url, max_size=2) as pool, pytest.raises(ConfigError) as refused:
-        model_admin.served_runtime(settings, pool)
+        model_runtime.served_runtime(settings, pool)
     assert str(refused.value) == ("this installation cannot embed a query with the served model "
                                   f"local/hashing-gone-v0@4; `pipeline-assets models serve {OLD}` once it covers "
                                   "the corpus (`models list`), or `search --model NAME`")

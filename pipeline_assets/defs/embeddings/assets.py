@@ -16,7 +16,7 @@ from typing import Any
 import dagster as dg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.app import estimate, model_admin
+from pipeline_assets.app import estimate, model_runtime
 from pipeline_assets.app.embed_documents import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.defs.keys import CHUNKS, GROUP, SOURCE_FILES
@@ -128,7 +128,7 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             put_off: list[str] = []   # models whose index build was left for later (an ingest runs)
             for model_id, buckets in per_model.items():
                 try:
-                    rt = model_admin.runtime_of(settings, db_pool, model_id, run_id=context.run.run_id)
+                    rt = model_runtime.runtime_of(settings, db_pool, model_id, run_id=context.run.run_id)
                 except ConfigError as exc:
                     raise dg.Failure(description=str(exc), allow_retries=False) from None
                 est = _preflight(context, rt, db_pool, root, buckets, n)

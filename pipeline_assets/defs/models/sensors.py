@@ -1,7 +1,7 @@
 """``model_switch``: a model change as a Dagster-visible event, without downtime.
 
 Each active model of the registry is a column of ``embeddings``. Every tick the sensor does the
-registry's part (``app.model_admin.follow_configured``): it registers the configured model (jobs
+registry's part (``app.model_follow.follow_configured``): it registers the configured model (jobs
 for every current chunk) and records ``model_configured`` on ``embedding_store`` when it differs
 from the one its cursor saw; once the new model covers every current chunk, it serves it, retires
 the old one (deleted by reconcile after PIPELINE_MODEL_RETIRE_GRACE) and records ``model_served``.
@@ -12,7 +12,7 @@ The configured model wins once: a model served by hand afterwards (``models serv
 
 import dagster as dg
 
-from pipeline_assets.app import model_admin
+from pipeline_assets.app import model_admin, model_follow
 from pipeline_assets.defs.keys import EMBEDDING_STORE
 from pipeline_assets.defs.models.partitions import model_keys
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource
@@ -42,7 +42,7 @@ def parse_cursor(cursor: str | None) -> tuple[str | None, bool]:
     return (cursor[len(DONE):], True) if cursor.startswith(DONE) else (cursor, False)
 
 
-def switch_events(outcome: model_admin.ModelFollowed, last_seen: str | None) -> list[dg.AssetObservation]:
+def switch_events(outcome: model_follow.ModelFollowed, last_seen: str | None) -> list[dg.AssetObservation]:
     """The observations one evaluation records: the configured model changed (since the
     model ``last_seen`` by this sensor, its cursor), and a model served (one retired)."""
     events = []
@@ -72,7 +72,7 @@ def model_switch_sensor(context: dg.SensorEvaluationContext, postgres: PostgresR
     rt = embedding_provider.runtime()
     last_seen, done = parse_cursor(context.cursor)
     done = done and last_seen == rt.model_id
-    outcome = model_admin.follow_configured(rt, postgres.pool(), switch=not done)
+    outcome = model_follow.follow_configured(rt, postgres.pool(), switch=not done)
     model_id, served = outcome.model_id, outcome.served
     keys, _ = model_keys(context.instance, model_admin.active_model_ids(postgres.pool()))
     cursor = f"{DONE if done or served == model_id else ''}{model_id}"
