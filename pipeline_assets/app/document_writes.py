@@ -31,7 +31,7 @@ def tombstone(conn: psycopg.Connection, doc_pks: Sequence[int]) -> int:
 def write_documents(conn: psycopg.Connection, source_id: int, todo: list[Processed], *,
                     extractor_version: ExtractorVersions,
                     chunker_version: str, max_attempts: int, config_hash: str,
-                    run_id: str | None) -> dict[str, int]:
+                    dagster_run_id: str | None) -> dict[str, int]:
     """Upsert the documents, replace their chunks, enqueue and supersede; one call per
     ingest batch, inside its transaction. Returns counts (chunks, enqueued, revived, superseded)."""
     pk_of = documents.upsert_documents(conn, source_id, chunker_version, {
@@ -62,7 +62,7 @@ def write_documents(conn: psycopg.Connection, source_id: int, todo: list[Process
     dropped = old_checksums - new_checksums
     if dropped:
         counts["superseded"] = transitions.supersede_unwanted(conn, list(dropped))
-    documents.record_stage_runs(conn, config_hash, run_id,
+    documents.record_stage_runs(conn, config_hash, dagster_run_id,
                                 _stage_run_columns(todo, pk_of, extractor_version=extractor_version,
                                                    chunker_version=chunker_version))
     return counts

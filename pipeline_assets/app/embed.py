@@ -35,8 +35,8 @@ STAGE_RECORD_WAIT_SECONDS = 60.0
 
 def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCURRENCY, until_idle: bool = False,
          lease_seconds: float | None = None, worker_id: str | None = None, poll_seconds: float | None = None,
-         stop: threading.Event | None = None, observe: Callable[[Worker], None] | None = None) -> WorkerReport:
-    """Claim and embed until ``stop`` is set (or, ``until_idle``, until nothing is
+         stop_event: threading.Event | None = None, observe: Callable[[Worker], None] | None = None) -> WorkerReport:
+    """Claim and embed until ``stop_event`` is set (or, ``until_idle``, until nothing is
     claimable, waiting or leased); then refresh the embed stage rows of the documents it touched.
 
     Raises the worker's FatalProviderError / BudgetExhausted with their one-line messages.
@@ -45,7 +45,7 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)
     config = rt.settings.worker_config(concurrency=concurrency, until_idle=until_idle, worker_id=worker_id,
                                        lease_seconds=lease_seconds or None, poll_seconds=poll_seconds or None)
-    worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=stop)
+    worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=stop_event)
     if observe is not None:  # metrics and progress read its report while it runs
         observe(worker)
     with pool.connection() as conn:
@@ -91,7 +91,7 @@ class DirectoryEmbedded(Counts):
 
 
 def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
-                    concurrency: int = DEFAULT_CONCURRENCY, stop: threading.Event | None = None,
+                    concurrency: int = DEFAULT_CONCURRENCY, stop_event: threading.Event | None = None,
                     observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
     """`embed SOURCE`: ingest the source, work until idle, and summarise."""
     started = time.monotonic()
@@ -101,9 +101,9 @@ def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
     # (not once stopped by a signal: the next ingest or drain computes them; search reads the text).
     ing = ingest_source(dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True)),
                         pool, root)
-    done = work(rt, pool, concurrency=concurrency, until_idle=True, stop=stop, observe=observe)
+    done = work(rt, pool, concurrency=concurrency, until_idle=True, stop_event=stop_event, observe=observe)
     with pool.connection() as conn:
-        text_search.fill(conn, stop)
+        text_search.fill(conn, stop_event)
     with pool.connection() as conn:
         coverage, jobs = reports.coverage_by_model(conn), reports.jobs_by_model(conn)
     cov = coverage.get(rt.model_id, {"ready": 0, "wanted": 0})

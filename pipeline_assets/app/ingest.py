@@ -271,7 +271,7 @@ def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list
             return document_writes.write_documents(
                 conn, source_id, todo, extractor_version=options.extractor_version,
                 chunker_version=options.chunker.version, max_attempts=options.config.max_attempts,
-                config_hash=options.config_hash, run_id=options.run_id)
+                config_hash=options.config_hash, dagster_run_id=options.dagster_run_id)
 
     counts = _retrying(transaction)
     for key in ("chunks", "enqueued", "revived", "superseded"):

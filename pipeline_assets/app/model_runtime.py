@@ -19,7 +19,8 @@ def runtime_for_model(settings: Settings, name: str, dimensions: int | None = No
     return Runtime.build(dataclasses.replace(fitted(settings), embedding_model=name, embedding_dimensions=dimensions))
 
 
-def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *, run_id: str | None = None) -> Runtime:
+def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *,
+               dagster_run_id: str | None = None) -> Runtime:
     """The runtime that embeds with a registered, active model (or the configured one, which the
     first ingest registers), the rest as configured.
 
@@ -31,7 +32,7 @@ def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *, run_i
         raise ConfigError(f"model {model_id} is retired; `pipeline-assets models activate {model_id}` to embed "
                           "with it again")
     if model_id == model_id_for(settings):
-        return Runtime.build(settings, run_id=run_id)
+        return Runtime.build(settings, dagster_run_id=dagster_run_id)
     if row is None:
         raise ConfigError(f"unknown model {model_id!r}: `pipeline-assets models add` registers it")
     # The model id says provider, name and dimension; the `dimensions` option was
@@ -39,7 +40,7 @@ def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *, run_i
     for dims in (None, row["dimension"]):
         rt = runtime_for_model(settings, row["name"], dims)
         if rt.model_id == model_id:
-            rt.options.run_id = run_id
+            rt.options.dagster_run_id = dagster_run_id
             return rt
     raise ConfigError(f"this installation cannot embed with {model_id} (its provider or code is gone); "
                       f"`pipeline-assets models retire {model_id}`")

@@ -103,7 +103,7 @@ class IngestOptions:
 
     chunker: Chunker
     config: IngestConfig = dataclasses.field(default_factory=IngestConfig)
-    run_id: str | None = None       # the Dagster run id, when run from Dagster
+    dagster_run_id: str | None = None   # the Dagster run it runs in, when run from Dagster
     force: bool = False             # re-extract even when nothing changed (a rerun)
     allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
     # Each format's extractor version (``extractor_version.of(document_id)``).
@@ -129,7 +129,7 @@ class Runtime:
         return self.provider.spec.model_id
 
     @classmethod
-    def build(cls, settings: Settings, model: str | None = None, *, run_id: str | None = None,
+    def build(cls, settings: Settings, model: str | None = None, *, dagster_run_id: str | None = None,
               force: bool = False, allow_empty: bool = False) -> Runtime:
         provider = provider_for(settings, model)
         settings = fitted(settings, None if model else provider.spec)
@@ -139,7 +139,7 @@ class Runtime:
             chunker=chunker_for(settings, hard_limit=provider.spec.max_chunk_tokens),
             config=settings.ingest_config(),
             extractor_version=extractor_versions(settings),
-            run_id=run_id,
+            dagster_run_id=dagster_run_id,
             force=force,
             allow_empty=allow_empty,
         )

@@ -20,8 +20,8 @@ class ScopedWorker:
                  poll_seconds: float | None):
         config = rt.settings.worker_config(until_idle=False, scope=None if doc_pks is None else tuple(doc_pks),
                                            build_index=False, poll_seconds=poll_seconds or None)
-        self._stop = threading.Event()
-        self._worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=self._stop)
+        self._stop_event = threading.Event()
+        self._worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=self._stop_event)
         self._report: WorkerReport | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="scoped-worker", daemon=True)
@@ -39,6 +39,6 @@ class ScopedWorker:
 
     def finish(self) -> tuple[WorkerReport, BaseException | None]:
         """Stop it (it hands back what it holds); its report and the error it stopped on, if any."""
-        self._stop.set()
+        self._stop_event.set()
         self._thread.join()
         return self._report or self._worker.report, self._error

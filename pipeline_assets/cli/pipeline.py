@@ -103,7 +103,7 @@ def work(concurrency: int | None, until_idle: bool, lease_seconds: float | None,
             if metrics is not None:
                 metrics.observe(worker)
         report = embed_uc.work(rt, p, concurrency=concurrency or DEFAULT_CONCURRENCY, until_idle=until_idle,
-                               lease_seconds=lease_seconds, worker_id=worker_id, stop=stop_on_signals(),
+                               lease_seconds=lease_seconds, worker_id=worker_id, stop_event=stop_on_signals(),
                                observe=observe)
     emit(report.as_dict(), as_json, pairs)
 
@@ -132,7 +132,7 @@ def embed(source: str, concurrency: int | None, allow_empty: bool, as_json: bool
     with pool() as p, work_progress(p) as bar:
         summary = embed_uc.embed_directory(rt, p, src,
                                            concurrency=concurrency or DEFAULT_CONCURRENCY,
-                                           stop=stop_on_signals(), observe=bar.observe)
+                                           stop_event=stop_on_signals(), observe=bar.observe)
     emit(summary.as_dict(), as_json, pairs)
 
 

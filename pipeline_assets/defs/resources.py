@@ -153,8 +153,8 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
         """The code location's settings with this resource's model."""
         return self.configured().replace(embedding_model=self.model)
 
-    def runtime(self, run_id: str | None = None, *, force: bool = False) -> Runtime:
-        rt = Runtime.build(self.settings(), run_id=run_id, force=force)
+    def runtime(self, dagster_run_id: str | None = None, *, force: bool = False) -> Runtime:
+        rt = Runtime.build(self.settings(), dagster_run_id=dagster_run_id, force=force)
         if self.model and rt.model_id != (configured := model_id_for(self.configured())):
             # A launchpad override: it would register a model nobody serves or works, and record
             # vectors of one model under the code version of another (defs/models/sensors.py).

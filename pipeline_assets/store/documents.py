@@ -115,11 +115,11 @@ def copy_chunks(conn: psycopg.Connection, rows: Iterable[ChunkRow]) -> None:
             copy.write_row(row)
 
 
-def record_stage_runs(conn: psycopg.Connection, config_hash: str, run_id: str | None,
+def record_stage_runs(conn: psycopg.Connection, config_hash: str, dagster_run_id: str | None,
                       columns: dict[str, list]) -> None:
     """Upsert the extract and chunk rows of documents just written (``columns``: pks, stages,
     statuses, classes, messages, versions, checksums; one entry each per row)."""
-    conn.execute(DOCS.record_stage_runs, {"config": config_hash, "run": run_id, **columns})
+    conn.execute(DOCS.record_stage_runs, {"config": config_hash, "run": dagster_run_id, **columns})
 
 
 def touched_since(conn: psycopg.Connection, root: str, since: datetime) -> list[TouchedDocument]:

@@ -128,7 +128,7 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             put_off: list[str] = []   # models whose index build was left for later (an ingest runs)
             for model_id, buckets in per_model.items():
                 try:
-                    rt = model_runtime.runtime_of(settings, db_pool, model_id, run_id=context.run.run_id)
+                    rt = model_runtime.runtime_of(settings, db_pool, model_id, dagster_run_id=context.run.run_id)
                 except ConfigError as exc:
                     raise dg.Failure(description=str(exc), allow_retries=False) from None
                 est = _preflight(context, rt, db_pool, root, buckets, n)

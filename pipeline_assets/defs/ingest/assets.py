@@ -88,7 +88,7 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
             started = time.monotonic()
             keys = list(context.partition_keys)
             buckets = bucket_indexes(keys)
-            rt = embedding_provider.runtime(run_id=context.run.run_id)
+            rt = embedding_provider.runtime(dagster_run_id=context.run.run_id)
             src = source.source(rt.settings)
             root = src.key
             try:

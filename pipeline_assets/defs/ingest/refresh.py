@@ -74,7 +74,7 @@ def select_documents(source: Source, document_ids: list[str], glob: str) -> list
 def refresh_documents_op(context: dg.OpExecutionContext, config: RefreshConfig, postgres: PostgresResource,
                          embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
                          embedding_run: EmbeddingRunResource) -> Iterator[dg.AssetMaterialization | dg.Output]:
-    rt = embedding_provider.runtime(run_id=context.run_id, force=config.force)
+    rt = embedding_provider.runtime(dagster_run_id=context.run_id, force=config.force)
     try:
         src = source.source(rt.settings)
     except SourceError as exc:

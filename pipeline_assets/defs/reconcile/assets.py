@@ -37,7 +37,7 @@ def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, p
                    embedding_provider: EmbeddingProviderResource,
                    source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
     started = time.monotonic()
-    rt = embedding_provider.runtime(run_id=context.run.run_id)
+    rt = embedding_provider.runtime(dagster_run_id=context.run.run_id)
     root = source.source(rt.settings).key
     n = postgres.bucket_count(rt.settings.partition_buckets)
     with postgres.connection() as conn:
