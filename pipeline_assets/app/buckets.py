@@ -89,7 +89,7 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucke
             done.scan = observations.scan(
                 conn, source, max_bytes=rt.settings.max_input_bytes,
                 keep=None if every else lambda doc: bucket_of(doc, bucket_count) in wanted,
-                buckets=None if every else (sorted(wanted), bucket_count))
+                in_buckets=None if every else (sorted(wanted), bucket_count))
         else:
             source.check()
     if source_changes:
@@ -111,8 +111,8 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucke
     # the database for this source and these buckets, a page at a time (the extract pass brings a
     # document's chunk stage current too, so the chunk pass finds only what is stale there alone).
     for stage in rerun_uc.VERSIONED_STAGES:
-        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=root, buckets=chosen,
-                                      n=bucket_count, page_size=SYNC_PAGE_DOCUMENTS):
+        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=root, bucket_ids=chosen,
+                                      bucket_count=bucket_count, page_size=SYNC_PAGE_DOCUMENTS):
             done.report.add(ingest_documents(rt, pool, source, [t.document_id for t in targets]))
             done.stale += len(targets)
     return done

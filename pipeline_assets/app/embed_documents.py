@@ -131,24 +131,25 @@ class BucketsEmbedded:
     index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
 
 
-def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_ids: Sequence[int], n: int, *,
+def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_ids: Sequence[int],
+                  bucket_count: int, *,
                   poll_seconds: float | None = None, in_process: bool = True,
                   deadline_seconds: float | None = None) -> BucketsEmbedded:
-    """``embed_and_wait`` for the current documents of some buckets (of ``n``), read and
+    """``embed_and_wait`` for the current documents of some buckets (of ``bucket_count``), read and
     counted per bucket in the database: no per-document object at any corpus size (an
     embeddings run over 100k documents holds their keys, not their summaries)."""
     root_s = str(root)
 
     def current_pks() -> list[int]:
         with pool.connection() as conn:
-            return bucket_rows.current_pks(conn, root_s, bucket_ids, n)
+            return bucket_rows.current_pks(conn, root_s, bucket_ids, bucket_count)
 
     def read() -> tuple[dict[int, bucket_rows.BucketCoverage], reports.Coverage]:
         with pool.connection() as conn:
-            return bucket_rows.coverage_and_total(conn, root_s, bucket_ids, n, rt.model_id)
+            return bucket_rows.coverage_and_total(conn, root_s, bucket_ids, bucket_count, rt.model_id)
 
     with pool.connection() as conn:   # a large run's worker starts before the keys are read
-        many = bucket_rows.estimated_documents(conn, root_s, bucket_ids, n) > SCOPE_MAX_DOCUMENTS
+        many = bucket_rows.estimated_documents(conn, root_s, bucket_ids, bucket_count) > SCOPE_MAX_DOCUMENTS
     waited = _wait_for_vectors(rt, pool, current_pks, read, many=many, poll_seconds=poll_seconds,
                                in_process=in_process, deadline_seconds=deadline_seconds)
     return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=waited.documents, before=waited.before,

@@ -49,11 +49,11 @@ class Scan:
 
 
 def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
-         keep: Callable[[str], bool] | None = None, buckets: tuple[Sequence[int], int] | None = None) -> Scan:
+         keep: Callable[[str], bool] | None = None, in_buckets: tuple[Sequence[int], int] | None = None) -> Scan:
     """List ``source`` and bring its observations up to date. Raises SourceError if it
     cannot be listed. An empty source does not mark everything gone (``empty_refused``).
     ``keep``: only the documents it accepts are observed (and only they can be gone):
-    a bucket run scans its own buckets. ``buckets`` (ids, count): ``keep`` is exactly
+    a bucket run scans its own buckets. ``in_buckets`` (ids, count): ``keep`` is exactly
     membership of those buckets, so only their files are compared in the database and
     only their observations can be gone (selected in the database): past the walk's
     listing, the scan costs what the buckets hold.
@@ -69,9 +69,10 @@ def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
     when the feed cannot vouch (its first scan, a TRUNCATE)."""
     source = as_source(source)
     follow = getattr(source, "follow_changes", None)
-    if follow is not None:
-        return follow(conn, lambda: _scan_all(conn, source, max_bytes=max_bytes, keep=keep, buckets=buckets), keep)
-    return _scan_all(conn, source, max_bytes=max_bytes, keep=keep, buckets=buckets)
+    def complete() -> Scan:
+        return _scan_all(conn, source, max_bytes=max_bytes, keep=keep, in_buckets=in_buckets)
+
+    return complete() if follow is None else follow(conn, complete, keep)
 
 
 def record_observed(conn: psycopg.Connection, root: str, present: Sequence[Observed], gone: Sequence[str]) -> Scan:
@@ -83,7 +84,7 @@ def record_observed(conn: psycopg.Connection, root: str, present: Sequence[Obser
 
 
 def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
-              keep: Callable[[str], bool] | None, buckets: tuple[Sequence[int], int] | None) -> Scan:
+              keep: Callable[[str], bool] | None, in_buckets: tuple[Sequence[int], int] | None) -> Scan:
     """``scan`` by a complete listing."""
     root_key = source.key
     started_ns = time.time_ns()
@@ -95,14 +96,14 @@ def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
     def walked_rows() -> Iterator[source_observations.WalkedRow]:
         nonlocal walked
         # A bucket scan lets the source skip examining other buckets' items (NOT_STATED).
-        for doc, size, mtime_ns, ref, checksum in source.observe(None if buckets is None else keep):
+        for doc, size, mtime_ns, ref, checksum in source.observe(None if in_buckets is None else keep):
             kept = keep is None or (size != NOT_STATED and keep(doc))
             walked += 1
             if kept:
                 result.present += 1
                 if ref is not None:
                     refs[doc] = ref
-            if kept or buckets is None:   # a bucket scan compares only its buckets' items
+            if kept or in_buckets is None:   # a bucket scan compares only its buckets' items
                 yield doc, size, mtime_ns, kept, checksum
 
     with conn.transaction():
@@ -129,11 +130,11 @@ def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
                 source_observations.stage(conn, rows)
                 rows = []
         source_observations.stage(conn, rows)
-        if buckets is None:
+        if in_buckets is None:
             missing = source_observations.walked_missing(conn, root_key)
             gone = missing if keep is None else [doc for doc in missing if keep(doc)]
         else:
-            gone = source_observations.walked_missing_in_buckets(conn, root_key, buckets[0], buckets[1])
+            gone = source_observations.walked_missing_in_buckets(conn, root_key, *in_buckets)
         if not walked and gone:
             result.empty_refused, gone = len(gone), []
         source_observations.commit_staged(conn, root_key, gone)

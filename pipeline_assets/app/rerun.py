@@ -53,12 +53,12 @@ class EmbedRerun:
 def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extract",),
           error_class: str | None = None, stale: bool = False, statuses: Sequence[str] = (),
           before_version: str | None = None, documents: Sequence[str] = (), root: str | None = None,
-          buckets: Sequence[int] | None = None, n: int = 0,
+          bucket_ids: Sequence[int] | None = None, bucket_count: int = 0,
           page_size: int | None = None) -> Iterator[list[RerunTarget]]:
     """Targets of a rerun, per stage: every given filter holds. ``stale``: produced by another
     code version than the current one (for extract, the current version of the document's
     format); ``before_version``: by an older one; ``documents``: id globs; ``root``: one
-    source (default: every one); ``buckets``: only documents in these buckets (of ``n``).
+    source (default: every one); ``bucket_ids``: only documents in these buckets (of ``bucket_count``).
     For embed the targets are the current model's rows, refreshed from the jobs first;
     ``stale`` and ``before_version`` do not apply to it (its version is the model).
     ValueError if misused.
@@ -74,7 +74,8 @@ def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extra
     size = page_size or TARGET_PAGE
     for stage in stages_:
         filters: dict[str, Any] = dict(stage=stage, error_class=error_class, statuses=statuses, documents=documents,
-                                       before_version=before_version, buckets=buckets, n=n, limit=size)
+                                       before_version=before_version, buckets=bucket_ids, n=bucket_count,
+                                       limit=size)
         with pool.connection() as conn:
             if stage == "embed":
                 if stale or before_version:

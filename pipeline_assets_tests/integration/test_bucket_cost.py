@@ -43,7 +43,7 @@ def test_the_scan_of_one_bucket_compares_only_its_files(clean_db, tmp_path):
 
     def scan_bucket() -> observations.Scan:
         return observations.scan(conn, root.resolve(), max_bytes=1 << 20,
-                                 keep=lambda d: buckets.bucket_of(d, N) == BUCKET, buckets=([BUCKET], N))
+                                 keep=lambda d: buckets.bucket_of(d, N) == BUCKET, in_buckets=([BUCKET], N))
 
     observations.scan(conn, root.resolve(), max_bytes=1 << 20)   # every file observed (and read) once
     write_settled(root / others[0], "changed, and longer than before\n")

@@ -47,11 +47,11 @@ def embedding_version(model_id: str, state: bucket_rows.BucketState, cov: bucket
     return bucket_rows.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
 
 
-def _embed(rt: Runtime, db_pool: ConnectionPool, root: str, buckets: list[int], n: int, in_process: bool,
+def _embed(rt: Runtime, db_pool: ConnectionPool, root: str, bucket_ids: list[int], n: int, in_process: bool,
            embedding_run: EmbeddingRunResource, partitions: int) -> BucketsEmbedded:
     """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
     try:
-        return embed_buckets(rt, db_pool, root, buckets, n, poll_seconds=WORKER_POLL_SECONDS,
+        return embed_buckets(rt, db_pool, root, bucket_ids, n, poll_seconds=WORKER_POLL_SECONDS,
                              in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
     except FatalProviderError as exc:
         raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
@@ -68,15 +68,15 @@ def _embed(rt: Runtime, db_pool: ConnectionPool, root: str, buckets: list[int], 
 
 
 def _preflight(context: dg.AssetExecutionContext, rt: Runtime, db_pool: ConnectionPool, root: str,
-               buckets: list[int], n: int) -> estimate.Estimate:
+               bucket_ids: list[int], n: int) -> estimate.Estimate:
     """Before one model's part of an embeddings run enqueues or sends anything: what it would send
     (``app.estimate.for_buckets``), logged and recorded as an observation of the asset, so the run's
     event log and the asset's page show it while the run is still to spend."""
-    est = estimate.for_buckets(db_pool, rt.provider.spec, rt.settings.price_per_million_tokens, root, buckets, n)
+    est = estimate.for_buckets(db_pool, rt.provider.spec, rt.settings.price_per_million_tokens, root, bucket_ids, n)
     context.log.info(f"preflight: {est.describe()}")
     context.log_event(dg.AssetObservation(
         asset_key=context.asset_key, description="preflight: what this run would send",
-        metadata={"preflight": True, "buckets": len(buckets), **{k: v for k, v in est.as_dict().items()
+        metadata={"preflight": True, "buckets": len(bucket_ids), **{k: v for k, v in est.as_dict().items()
                                                                  if v is not None}}))
     return est
 
@@ -126,19 +126,19 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             documents = 0
             waited = 0.0
             put_off: list[str] = []   # models whose index build was left for later (an ingest runs)
-            for model_id, buckets in per_model.items():
+            for model_id, bucket_ids in per_model.items():
                 try:
                     rt = model_runtime.runtime_of(settings, db_pool, model_id, dagster_run_id=context.run.run_id)
                 except ConfigError as exc:
                     raise dg.Failure(description=str(exc), allow_retries=False) from None
-                est = _preflight(context, rt, db_pool, root, buckets, n)
-                done = _embed(rt, db_pool, root, buckets, n, in_process, embedding_run, len(keys))
+                est = _preflight(context, rt, db_pool, root, bucket_ids, n)
+                done = _embed(rt, db_pool, root, bucket_ids, n, in_process, embedding_run, len(keys))
                 if done.index_put_off:
                     context.log.info(done.index_put_off)
                     put_off.append(done.index_put_off)
                 with postgres.connection() as conn:
-                    states = bucket_rows.states_of(conn, root, buckets, n)
-                for b in buckets:
+                    states = bucket_rows.states_of(conn, root, bucket_ids, n)
+                for b in bucket_ids:
                     bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
                     versions[key] = embedding_version(model_id, states[b], bucket_cov)
                     meta: dict[str, Any] = {"chunks": bucket_cov.chunks, "ready": bucket_cov.ready,

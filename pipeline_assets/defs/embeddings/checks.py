@@ -36,9 +36,9 @@ def build_coverage_check(n: int) -> dg.AssetChecksDefinition:
                                source: SourceDirectoryResource) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
             per_model = keys_by_model(context.op_execution_context.partition_keys)
             root = source.source(embedding_provider.settings()).key
-            for model_id, buckets in per_model.items():
+            for model_id, bucket_ids in per_model.items():
                 with postgres.connection() as conn:
-                    coverage = bucket_rows.coverage_of_buckets(conn, root, buckets, n, model_id)
+                    coverage = bucket_rows.coverage_of_buckets(conn, root, bucket_ids, n, model_id)
                 for b, cov in coverage.items():
                     yield _coverage_evaluation(embedding_key(b, model_id), cov, model_id)
             yield dg.Output(None)  # the check's output: its evaluations are the events above

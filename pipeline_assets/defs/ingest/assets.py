@@ -87,19 +87,19 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
             """Bring the buckets current: changed and stale documents only; unchanged files are not read."""
             started = time.monotonic()
             keys = list(context.partition_keys)
-            buckets = bucket_indexes(keys)
+            bucket_ids = bucket_indexes(keys)
             rt = embedding_provider.runtime(dagster_run_id=context.run.run_id)
             src = source.source(rt.settings)
             root = src.key
             try:
                 # A rerun after a code fix re-extracts the stale documents only; source changes are the source
                 # sensor's run (a backfill or a "materialize" from the UI does both).
-                done = bk.sync_buckets(rt, postgres.pool(), src, buckets, n,
+                done = bk.sync_buckets(rt, postgres.pool(), src, bucket_ids, n,
                                        source_changes=RERUN_TAG not in context.run.tags)
             except bucket_rows.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
             with postgres.connection() as conn:
-                states = bucket_rows.states_of(conn, root, buckets, n)
+                states = bucket_rows.states_of(conn, root, bucket_ids, n)
             for b, state in states.items():
                 context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
                 context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))
