@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
-from pipeline_assets.providers.base import UNMATCHED_ANSWER as UNMATCHED_ANSWER  # re-exported
 
 # A job's request is halved once for every throttle from this one on: one 429
 # is the provider's weather; repeated ones on the same inputs suggest a request
@@ -86,10 +85,9 @@ MAX_UNMATCHED_ANSWERS = 3
 ANSWERS = "answers"    # it answered other requests usably: the failure points at the request's inputs
 DOWN = "down"          # it answers nobody: the failure is the provider's alone
 UNUSABLE = "unusable"  # it answers, but nothing usable even to one trivial input
-# The provider's error class of an answer with the wrong count of vectors or a
-# duplicate or missing index (``providers.base.UNMATCHED_ANSWER``, re-exported).
-# The error class the worker stops with after MAX_UNMATCHED_ANSWERS of them.
-UNMATCHED_ANSWERS = "unmatched_answers"
+# The error class the worker stops with after MAX_UNMATCHED_ANSWERS answers in a row that cannot
+# be matched to their inputs (each one ``providers.base.BAD_RESPONSE``).
+TOO_MANY_UNMATCHED_ANSWERS = "unmatched_answers"
 
 # Faults of our own in a row (database, infrastructure, bugs) after which the
 # worker stops: a persistent fault (a missing privilege, a full disk) stops it
@@ -329,7 +327,7 @@ def _transient(error: ProviderError, jobs: Sequence[ClaimedJob], *, floor: float
         if health == UNUSABLE:
             seen = unusable_in_a_row + 1
             if seen >= MAX_UNMATCHED_ANSWERS:
-                return Stop(ids, ProviderError(FATAL, UNMATCHED_ANSWERS, (
+                return Stop(ids, ProviderError(FATAL, TOO_MANY_UNMATCHED_ANSWERS, (
                     f"the provider sent {seen} answers in a row that cannot be matched to their inputs, "
                     f"the last to a single trivial input (last: {error.message}); nothing unusable was stored "
                     "and no attempt used: check the endpoint (OPENAI_BASE_URL) or the proxy in front of it"),

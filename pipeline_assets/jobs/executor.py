@@ -35,6 +35,7 @@ from pipeline_assets.jobs.report import WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, Provider, ProviderError
+from pipeline_assets.providers.base import BAD_RESPONSE
 
 log = logging.getLogger("pipeline_assets.jobs.worker")
 
@@ -284,14 +285,14 @@ class Executor:
                 result, err = self._trivial_call("health_probe")
                 self.view.rates.record(SUCCESS if err is None else THROTTLE if err.kind == THROTTLED else FAULT)
                 if err is None or err.kind not in (RETRYABLE, THROTTLED) \
-                        or err.error_class == decisions.UNMATCHED_ANSWER:
+                        or err.error_class == BAD_RESPONSE:
                     break
             if err is None and result is not None and len(result.vectors) == 1:
                 self.view.last_usable = time.monotonic()
                 verdict = ANSWERS
                 if self.view.unusable:
                     self._usable()
-            elif err is None or err.error_class == decisions.UNMATCHED_ANSWER:
+            elif err is None or err.error_class == BAD_RESPONSE:
                 verdict = UNUSABLE
                 self.view.unusable = self.store.provider_unusable()
                 self.view.had_failure = True
@@ -309,7 +310,7 @@ class Executor:
         self.view.had_failure = True
         if self.check_provider(time.monotonic()) == UNUSABLE:
             self.stopping.stop(fatal=ProviderError(
-                FATAL, decisions.UNMATCHED_ANSWERS,
+                FATAL, decisions.TOO_MANY_UNMATCHED_ANSWERS,
                 f"the provider sent {self.view.unusable} answers in a row that cannot be matched to their inputs, "
                 "the last to a single trivial input, and still does; nothing was claimed: check the endpoint "
                 "(OPENAI_BASE_URL) or the proxy in front of it"))
@@ -348,5 +349,5 @@ def _embed(provider: Provider, texts: list[str]) -> EmbedResult:
     try:
         return provider.embed(texts)
     except ValueError as exc:
-        raise ProviderError(RETRYABLE, decisions.UNMATCHED_ANSWER,
+        raise ProviderError(RETRYABLE, BAD_RESPONSE,
                             f"unusable answer for {len(texts)} inputs: {exc}") from None

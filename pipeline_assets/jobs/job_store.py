@@ -17,8 +17,9 @@ from typing import Protocol
 
 from pipeline_assets.jobs import ledger
 from pipeline_assets.jobs.changes import Change, ClaimedJob, JobObserver
-from pipeline_assets.jobs.decisions import UNMATCHED_ANSWER, BreakerFailure
+from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
+from pipeline_assets.providers.base import BAD_RESPONSE
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class JobStore(Protocol):
 def failure_billing(err: ProviderError) -> tuple[str, int | None]:
     """(billed, tokens) of a failed send: an ambiguous failure (timeout, dropped or
     unmatchable answer) may have been billed and keeps its estimate (None); a refusal was not."""
-    maybe = err.billed_maybe or err.error_class == UNMATCHED_ANSWER
+    maybe = err.billed_maybe or err.error_class == BAD_RESPONSE
     return (ledger.MAYBE_BILLED, None) if maybe else (ledger.NOT_BILLED, 0)
 
 

@@ -29,7 +29,7 @@ FATAL = "fatal"
 
 # The error class (RETRYABLE) of an answer that cannot be matched to its inputs (a wrong
 # count of vectors, a duplicate or missing ``index``): nothing stored, nothing charged.
-UNMATCHED_ANSWER = "bad_response"
+BAD_RESPONSE = "bad_response"
 
 # PIPELINE_EMBEDDING_MODEL of the local ONNX model (``providers.onnx_local``, an optional extra).
 ONNX_MODEL_NAME = "local-onnx"

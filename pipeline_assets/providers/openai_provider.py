@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the SDK (a second to import) is imported when the first req
     import openai
 
 from . import deadline
-from .base import FATAL, RETRYABLE, TERMINAL, THROTTLED, UNMATCHED_ANSWER, EmbedResult, ModelSpec, ProviderError
+from .base import BAD_RESPONSE, FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, ModelSpec, ProviderError
 from .limits import FOREIGN_SPECIAL_TOKENS, FOREIGN_TOKENS_PER_CHUNK_TOKEN
 
 # Known dimensions and per-input token limits (cl100k tokens, the chunker's);
@@ -89,24 +89,24 @@ def parse_answer(body: bytes, inputs: int) -> EmbedResult:
     ``index``: base64 float32 or a list of floats, as OpenAI-compatible servers send).
 
     An answer that cannot be matched to its ``inputs`` (not JSON, no data, a wrong count,
-    a duplicate or missing index, an undecodable vector) is a RETRYABLE UNMATCHED_ANSWER:
+    a duplicate or missing index, an undecodable vector) is a RETRYABLE BAD_RESPONSE:
     the provider's fault; the worker stores nothing and charges nothing for it."""
     try:
         answer = json.loads(body)
         data = sorted(((d["index"], d["embedding"]) for d in answer["data"]), key=lambda d: d[0])
         if len(data) != inputs:
-            raise ProviderError(RETRYABLE, UNMATCHED_ANSWER, f"expected {inputs} vectors, got {len(data)}")
+            raise ProviderError(RETRYABLE, BAD_RESPONSE, f"expected {inputs} vectors, got {len(data)}")
         # The right count is not enough: each input's vector is the one carrying its index, so
         # the indexes must be exactly 0..n-1 (a duplicate or a missing one: whose is which?).
         if any(index != i for i, (index, _) in enumerate(data)):
-            raise ProviderError(RETRYABLE, UNMATCHED_ANSWER,
+            raise ProviderError(RETRYABLE, BAD_RESPONSE,
                                 f"expected {inputs} vectors indexed 0..{inputs - 1}, got indexes "
                                 f"{_indexes(index for index, _ in data)}")
         vectors = [_vector(embedding) for _, embedding in data]
         usage = answer.get("usage") or {}
         tokens = int(usage.get("total_tokens") or 0)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # binascii.Error is a ValueError
-        raise ProviderError(RETRYABLE, UNMATCHED_ANSWER,
+        raise ProviderError(RETRYABLE, BAD_RESPONSE,
                             f"unusable answer for {inputs} inputs: {type(exc).__name__}: {exc}") from None
     return EmbedResult(vectors=vectors, tokens=tokens)
 

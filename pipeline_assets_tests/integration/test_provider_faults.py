@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pipeline_assets.providers import RETRYABLE, ProviderError
-from pipeline_assets.providers.base import UNMATCHED_ANSWER
+from pipeline_assets.providers.base import BAD_RESPONSE
 from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
@@ -332,5 +332,5 @@ def test_an_answer_with_the_right_count_but_a_wrong_index_is_unmatched(fake, tex
         provider.close()
     assert fake.stats["bad_index"] == 1
     err = caught.value
-    assert (err.kind, err.error_class) == (RETRYABLE, UNMATCHED_ANSWER)
+    assert (err.kind, err.error_class) == (RETRYABLE, BAD_RESPONSE)
     assert f"expected {len(texts)} vectors indexed 0..{len(texts) - 1}, got indexes " in err.message

@@ -17,8 +17,7 @@ from pipeline_assets.jobs.decisions import (
     MAX_UNMATCHED_ANSWERS,
     THROTTLE_SHRINK_AFTER,
     THROTTLED_TOO_OFTEN,
-    UNMATCHED_ANSWER,
-    UNMATCHED_ANSWERS,
+    TOO_MANY_UNMATCHED_ANSWERS,
     UNUSABLE,
     Apply,
     BreakerFailure,
@@ -38,6 +37,7 @@ from pipeline_assets.jobs.decisions import (
     worker_error,
 )
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError
+from pipeline_assets.providers.base import BAD_RESPONSE
 from pipeline_assets_tests.conftest import wait_until
 
 BASE, CAP, POLL = 1.0, 60.0, 0.5
@@ -192,8 +192,8 @@ DECISIONS = [
     pytest.param(err(RETRYABLE, "connection"), [job(1, faults=FREE_FAULTS), job(2)], True,
                  faulted((1, 2), fault_delay(FREE_FAULTS), "connection"),
                  id="retryable: not alone, not charged"),
-    pytest.param(err(RETRYABLE, UNMATCHED_ANSWER, message="expected 5 vectors, got 4"), FIVE, True,
-                 Apply((GiveBack((1, 2, 3, 4, 5), fault_delay(0), UNMATCHED_ANSWER, "expected 5 vectors, got 4",
+    pytest.param(err(RETRYABLE, BAD_RESPONSE, message="expected 5 vectors, got 4"), FIVE, True,
+                 Apply((GiveBack((1, 2, 3, 4, 5), fault_delay(0), BAD_RESPONSE, "expected 5 vectors, got 4",
                                  faulted=True),), charged=True),
                  id="an unmatchable answer while the provider answers others: the request's, a fault counted"),
     # THROTTLED: the provider's state: give back, trip the breaker, pause here.
@@ -294,14 +294,14 @@ def test_retry_after_above_the_backoff_cap_still_wins_up_to_its_own_cap():
 
 
 def test_a_few_unusable_answers_in_a_row_even_to_a_trivial_input_stop_the_worker():
-    error = err(RETRYABLE, UNMATCHED_ANSWER, message="expected 8 vectors, got 7")
+    error = err(RETRYABLE, BAD_RESPONSE, message="expected 8 vectors, got 7")
     for seen in range(MAX_UNMATCHED_ANSWERS - 1):
         out = run(error, FIVE, unusable=seen, health=UNUSABLE)
         assert isinstance(out, Apply) and out.unusable and out.changes[0].faulted is False and not out.charged
     out = run(error, [job(1, attempts=5, max_attempts=5), job(2)], unusable=MAX_UNMATCHED_ANSWERS - 1,
               health=UNUSABLE)
     assert isinstance(out, Stop) and out.job_ids == (1, 2)  # handed back untouched
-    assert out.error.kind == FATAL and out.error.error_class == UNMATCHED_ANSWERS
+    assert out.error.kind == FATAL and out.error.error_class == TOO_MANY_UNMATCHED_ANSWERS
     assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in out.error.message
     assert "expected 8 vectors, got 7" in out.error.message and "\n" not in out.error.message
 
@@ -312,7 +312,7 @@ def test_a_transient_failure_asks_whether_the_provider_answers_others_first():
 
 
 @pytest.mark.parametrize("error", [err(RETRYABLE, "server_error", status=503), err(RETRYABLE, "timeout"),
-                                   err(RETRYABLE, UNMATCHED_ANSWER)])
+                                   err(RETRYABLE, BAD_RESPONSE)])
 def test_while_the_provider_answers_nobody_a_failure_is_its_alone(error):
     """An outage of any length counts nothing on the jobs (no request shrinks, no attempt is
     used, however many faults they met) and comes back after a short spread-out delay."""
