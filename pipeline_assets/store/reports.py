@@ -16,29 +16,6 @@ from pipeline_assets.store import queries
 REPORTS = queries.load("reports")
 
 
-@dataclass(frozen=True)
-class DocumentSummary:
-    document_id: str
-    doc_pk: int
-    status: str
-    source_checksum: str | None   # hex
-    text_checksum: str | None     # hex
-    extractor_version: str | None
-    chunker_version: str | None
-    error_class: str | None
-    chunks: int
-    tokens: int
-    chunks_digest: str            # hex sha256 of the chunk checksums in order
-
-
-@dataclass(frozen=True)
-class Coverage:
-    wanted: int
-    ready: int
-    failed: int
-    waiting: int
-
-
 def jobs_by_model(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
     """{model: {job status: jobs}}."""
     out: dict[str, dict[str, int]] = {}
@@ -103,6 +80,29 @@ def database_state(conn: psycopg.Connection) -> dict[str, Any]:
 def backlog(conn: psycopg.Connection) -> int:
     """Jobs waiting for a worker (pending, retry), every model: what the KEDA trigger reads."""
     return int(queries.scalar(conn, REPORTS.backlog))
+
+
+@dataclass(frozen=True)
+class DocumentSummary:
+    document_id: str
+    doc_pk: int
+    status: str
+    source_checksum: str | None   # hex
+    text_checksum: str | None     # hex
+    extractor_version: str | None
+    chunker_version: str | None
+    error_class: str | None
+    chunks: int
+    tokens: int
+    chunks_digest: str            # hex sha256 of the chunk checksums in order
+
+
+@dataclass(frozen=True)
+class Coverage:
+    wanted: int
+    ready: int
+    failed: int
+    waiting: int
 
 
 def document_summaries(conn: psycopg.Connection, root: str,
