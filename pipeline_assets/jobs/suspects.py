@@ -1,17 +1,11 @@
 """A job that may crash its worker is worked alone in its worker process.
 
-A job that has met ``decisions.FREE_FAULTS`` faults (crashes of the workers
-holding it, transient faults of its requests) is a suspect: the next crash it
-is held in may be its own doing. Its claim holds it alone
-(``decisions.alone_if_suspect``), and ``SuspectGate`` lets that claim run only
-while no other claim of this process is held: should the process die then, the
-rescue finds the suspect the only job of a dead process and charges it
-(``rescue_expired`` in sql/queries/jobs.sql), and no innocent neighbour on
-another thread pays for its crash. A process holds one suspect at a time: a
-second suspect's claim, made by a thread that entered before the first began
-to wait, is turned away (its job is handed back untouched) instead of waiting
-under its lease, where it would be rescued beside the first and keep the
-first from being the only job of its dead process.
+A job that has met ``decisions.FREE_FAULTS`` faults is a suspect: its claim holds it alone
+(``decisions.alone_if_suspect``) and ``SuspectGate`` runs that claim only while no other claim
+of the process is held, so if the process dies the rescue finds the suspect the only job of a
+dead process and charges it (``rescue_expired``), never an innocent neighbour. A process holds
+one suspect at a time: a second suspect's claim is handed back untouched instead of waiting
+under its lease.
 """
 
 from __future__ import annotations
