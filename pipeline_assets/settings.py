@@ -51,24 +51,17 @@ from pipeline_assets.jobs.executor_config import (
     ExecutorConfig,
 )
 from pipeline_assets.jobs.worker_config import DEFAULT_WORKER_DEAD_AFTER_SECONDS, NO_TOKEN_BUDGET, WorkerConfig
+from pipeline_assets.providers.provider_config import (
+    DEFAULT_BATCH_INPUTS,
+    DEFAULT_BATCH_TOKENS,
+    DEFAULT_LOCAL_BATCH_INPUTS,
+    MAX_BATCH_INPUTS,
+    ProviderConfig,
+)
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY, DEFAULT_MODEL_RETIRE_GRACE_SECONDS
 from pipeline_assets.store.database_config import DEFAULT_HOME, DEFAULT_POOL_MODE, DatabaseConfig
 
 T = TypeVar("T")  # a setting's type: its default's
-
-# -- the provider's fixed bounds (``providers.provider_for`` builds a provider from Settings) ------
-
-# Inputs per provider request allowed by the OpenAI API.
-MAX_BATCH_INPUTS = 2048
-
-# How much of a provider error message is kept in the database.
-ERROR_MESSAGE_MAX_CHARS = 500
-
-# Inputs per call of the local ONNX model (PIPELINE_EMBEDDING_MODEL=local-onnx),
-# run shortest first in inference batches of 16 (``providers.onnx_local``): 32
-# keeps padding low; larger calls gain little on 2 cores and hold their jobs longer.
-DEFAULT_LOCAL_BATCH_INPUTS = 32
-
 
 class SettingsError(ValueError):
     """A setting has a value that cannot be used; the message names the variable."""
@@ -123,8 +116,9 @@ class Settings:
                                    "wall-clock limit of one provider request, however its answer trickles in (s)")
     worker_dead_after: float = _setting("PIPELINE_WORKER_DEAD_AFTER", DEFAULT_WORKER_DEAD_AFTER_SECONDS,
                                         "a worker silent this long is dead; its claims are rescued (s)")
-    batch_inputs: int = _setting("PIPELINE_BATCH_INPUTS", 256, f"inputs per provider request (≤ {MAX_BATCH_INPUTS})")
-    batch_tokens: int = _setting("PIPELINE_BATCH_TOKENS", 100_000, "tokens per provider request")
+    batch_inputs: int = _setting("PIPELINE_BATCH_INPUTS", DEFAULT_BATCH_INPUTS,
+                                 f"inputs per provider request (≤ {MAX_BATCH_INPUTS})")
+    batch_tokens: int = _setting("PIPELINE_BATCH_TOKENS", DEFAULT_BATCH_TOKENS, "tokens per provider request")
 
     # -- retries and budgets --------------------------------------------------------
     max_attempts: int = _setting("PIPELINE_MAX_ATTEMPTS", DEFAULT_MAX_ATTEMPTS,
@@ -216,21 +210,15 @@ class Settings:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
-            (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
-            (self.embedding_dimensions is None or self.embedding_dimensions > 0, "embedding_dimensions",
-             "must be positive"),
-            (self.model_max_input_tokens is None or self.model_max_input_tokens > 0, "model_max_input_tokens",
-             "must be positive"),
             (self.price_per_million_tokens is None or self.price_per_million_tokens >= 0,
              "price_per_million_tokens", "must not be negative"),
-            (self.local_batch_inputs >= 1, "local_batch_inputs", "must be at least 1"),
         ]
         for ok, name, problem in checks:
             if not ok:
                 raise SettingsError(f"{_env_of(name)} {problem}, got {getattr(self, name)!r}")
         try:  # each component's own checks, named by their variable
+            self.provider_config()
             self.worker_config()
             self.ingest_config()
             self.dagster_config()
@@ -266,11 +254,14 @@ class Settings:
     def home_path(self) -> Path:
         return Path(self.home).expanduser().resolve()
 
-    @property
-    def request_inputs(self) -> int:
-        return min(self.batch_inputs, MAX_BATCH_INPUTS)
-
     # -- the components' configs ----------------------------------------------------------
+    def provider_config(self) -> ProviderConfig:
+        return ProviderConfig(model=self.embedding_model, api_key=self.openai_api_key, base_url=self.openai_base_url,
+                              dimensions=self.embedding_dimensions, call_timeout=self.call_timeout,
+                              batch_inputs=self.batch_inputs, batch_tokens=self.batch_tokens,
+                              max_input_tokens=self.model_max_input_tokens, local_model_dir=self.local_model_dir,
+                              local_batch_inputs=self.local_batch_inputs)
+
     def executor_config(self) -> ExecutorConfig:
         return ExecutorConfig(call_timeout=self.call_timeout, backoff_base=self.backoff_base,
                               backoff_cap=self.backoff_cap, retry_after_cap=self.retry_after_cap,
@@ -345,7 +336,8 @@ def redact_text(text: str) -> str:
 
 # A component config's field -> the setting it is read from, where their names differ.
 _SETTING_OF = {"max_bytes": "max_input_bytes", "max_chunks": "max_chunks_per_document",
-               "batch_bytes": "ingest_batch_bytes", "pool_mode": "database_pool_mode"}
+               "batch_bytes": "ingest_batch_bytes", "pool_mode": "database_pool_mode",
+               "dimensions": "embedding_dimensions", "max_input_tokens": "model_max_input_tokens"}
 
 
 def _env_of(name: str) -> str:
