@@ -16,7 +16,7 @@ a handful of samples, and its innocent requests split.
 A job's failures point at its inputs only when that many in a row would happen
 by chance with probability at most ``CHANCE``: ``k = ceil(log CHANCE / log p)``,
 bounded to [``MIN_EVIDENCE_FAULTS``, ``MAX_EVIDENCE_FAULTS``] (throttles:
-[``decisions.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
+[``request_plan.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
 provider (a full window of answers: p = 2/56, the pseudo-failures' floor) gives 2:
 a second failure in a row shrinks the request; 30% of answers failing gives 4; 60% gives the upper
 bound, 8. The upper bound is
@@ -40,7 +40,7 @@ CHANCE = 0.01
 # job's requests shrink; the upper one bounds a poison input's sends (docs/state-machine.md).
 MIN_EVIDENCE_FAULTS = 1
 MAX_EVIDENCE_FAULTS = 8
-# The same for throttles (the lower bound is decisions.THROTTLE_SHRINK_AFTER).
+# The same for throttles (the lower bound is request_plan.THROTTLE_SHRINK_AFTER).
 MAX_EVIDENCE_THROTTLES = 12
 
 SUCCESS, FAULT, THROTTLE = "success", "fault", "throttle"

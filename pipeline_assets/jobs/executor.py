@@ -23,7 +23,7 @@ from typing import TypeVar
 import numpy as np
 import psycopg
 
-from pipeline_assets.jobs import crashpoints, decisions, ledger
+from pipeline_assets.jobs import crashpoints, decisions, ledger, request_plan
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
 from pipeline_assets.jobs.decisions import ANSWERS, DOWN, UNUSABLE, Apply, CheckProvider, ProbeConfig, Split, Stop
 from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE, ProviderRates
@@ -101,13 +101,13 @@ class Executor:
     # -- a claim -------------------------------------------------------------------
     def run_claim(self, owner: str, jobs: Sequence[ClaimedJob], batch: int) -> None:
         fault_threshold, throttle_threshold = self._thresholds()
-        requests = decisions.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens,
+        requests = request_plan.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens,
                                            fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
         budget = self.config.call_timeout * (len(requests) + 1) + self.lease_seconds
         self.leases.hold(owner, [j.job_id for j in jobs], time.monotonic() + budget)
         try:
             crashpoints.reach(crashpoints.AFTER_CLAIM, self.config.crashpoint)
-            gone = decisions.unwanted(jobs)
+            gone = request_plan.unwanted(jobs)
             if gone:
                 self.store.apply(owner, [Supersede(tuple(gone))])
             for n, request in enumerate(requests):
@@ -246,7 +246,7 @@ class Executor:
     def _thresholds(self) -> tuple[int, int]:
         """The fault and throttle counts from which they are evidence against a job's inputs."""
         rates = self.view.rates
-        return rates.fault_threshold(), rates.throttle_threshold(decisions.THROTTLE_SHRINK_AFTER)
+        return rates.fault_threshold(), rates.throttle_threshold(request_plan.THROTTLE_SHRINK_AFTER)
 
     def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob], started: float,
                 health: str | None = None) -> decisions.Outcome:

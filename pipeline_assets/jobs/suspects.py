@@ -1,6 +1,6 @@
 """A job that may crash its worker is worked alone in its worker process.
 
-A job that has met ``decisions.FREE_FAULTS`` faults (crashes of the workers
+A job that has met ``request_plan.FREE_FAULTS`` faults (crashes of the workers
 holding it, transient faults of its requests) is a suspect: the next crash it
 is held in may be its own doing. Its claim holds it alone
 (``decisions.alone_if_suspect``), and ``SuspectGate`` lets that claim run only
