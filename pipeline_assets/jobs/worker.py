@@ -26,10 +26,11 @@ import psycopg
 
 from pipeline_assets.jobs import decisions, job_log, leases, running_ingests
 from pipeline_assets.jobs.budget import TokenBudget
-from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
+from pipeline_assets.jobs.executor import Executor, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.pg_job_store import PostgresJobStore
+from pipeline_assets.jobs.provider_checks import ProviderView
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.suspects import SuspectGate
