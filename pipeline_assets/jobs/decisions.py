@@ -21,7 +21,6 @@ from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.jobs.request_plan import FREE_FAULTS, THROTTLE_SHRINK_AFTER, fault_level
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
-from pipeline_assets.providers.base import UNMATCHED_ANSWER as UNMATCHED_ANSWER  # re-exported
 
 # Answers in a row with nothing usable in them, even to one trivial input (a
 # wrong count of vectors, a duplicate or missing index), after which the worker
@@ -33,9 +32,8 @@ MAX_UNMATCHED_ANSWERS = 3
 ANSWERS = "answers"    # it answered other requests usably: the failure points at the request's inputs
 DOWN = "down"          # it answers nobody: the failure is the provider's alone
 UNUSABLE = "unusable"  # it answers, but nothing usable even to one trivial input
-# The provider's error class of an answer with the wrong count of vectors or a
-# duplicate or missing index (``providers.base.UNMATCHED_ANSWER``, re-exported).
-# The error class the worker stops with after MAX_UNMATCHED_ANSWERS of them.
+# The error class the worker stops with after MAX_UNMATCHED_ANSWERS answers that cannot be
+# matched to their inputs (each of them a ``providers.base.UNMATCHED_ANSWER``).
 UNMATCHED_ANSWERS = "unmatched_answers"
 
 # Faults of our own in a row (database, infrastructure, bugs) after which the

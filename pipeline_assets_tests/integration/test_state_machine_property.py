@@ -53,6 +53,7 @@ from pipeline_assets.jobs import decisions, request_plan, transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
+from pipeline_assets.providers.base import UNMATCHED_ANSWER
 from pipeline_assets.registry import models
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import LONG_PROFILE
@@ -400,7 +401,7 @@ class JobStateMachine(RuleBasedStateMachine):
                            faults=before[i].faults) for i in held]
         if not jobs:
             return
-        error = (ProviderError(RETRYABLE, decisions.UNMATCHED_ANSWER, f"expected {len(jobs)} vectors, got 0")
+        error = (ProviderError(RETRYABLE, UNMATCHED_ANSWER, f"expected {len(jobs)} vectors, got 0")
                  if short else ProviderError(RETRYABLE, "connection", "connection error", billed_maybe=True))
         outcome = decisions.decide(error, jobs, config_ok=True, base=0.0, cap=0.0, poll_seconds=0.0,
                                    health=health, unusable_in_a_row=unmatched)

@@ -15,7 +15,6 @@ from pipeline_assets.jobs.decisions import (
     MAX_CONSECUTIVE_WORKER_FAULTS,
     MAX_UNMATCHED_ANSWERS,
     THROTTLED_TOO_OFTEN,
-    UNMATCHED_ANSWER,
     UNMATCHED_ANSWERS,
     UNUSABLE,
     Apply,
@@ -40,6 +39,7 @@ from pipeline_assets.jobs.request_plan import (
     unwanted,
 )
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError
+from pipeline_assets.providers.base import UNMATCHED_ANSWER
 from pipeline_assets_tests.conftest import wait_until
 
 BASE, CAP, POLL = 1.0, 60.0, 0.5
