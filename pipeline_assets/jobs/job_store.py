@@ -17,8 +17,9 @@ from typing import Protocol
 
 from pipeline_assets.jobs import ledger
 from pipeline_assets.jobs.changes import Change, ClaimedJob, JobObserver
-from pipeline_assets.jobs.decisions import UNMATCHED_ANSWER, BreakerFailure
+from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
+from pipeline_assets.providers.base import UNMATCHED_ANSWER
 
 log = logging.getLogger(__name__)
 

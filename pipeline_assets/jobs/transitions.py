@@ -31,7 +31,7 @@ from pipeline_assets.jobs.changes import (
     merged,
     params,
 )
-from pipeline_assets.jobs.decisions import FREE_FAULTS
+from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.vectors import param as vectors_param

@@ -49,10 +49,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from pipeline_assets.app import model_admin
-from pipeline_assets.jobs import decisions, transitions
+from pipeline_assets.jobs import decisions, request_plan, transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
+from pipeline_assets.providers.base import UNMATCHED_ANSWER
 from pipeline_assets.registry import models
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import LONG_PROFILE
@@ -400,7 +401,7 @@ class JobStateMachine(RuleBasedStateMachine):
                            faults=before[i].faults) for i in held]
         if not jobs:
             return
-        error = (ProviderError(RETRYABLE, decisions.UNMATCHED_ANSWER, f"expected {len(jobs)} vectors, got 0")
+        error = (ProviderError(RETRYABLE, UNMATCHED_ANSWER, f"expected {len(jobs)} vectors, got 0")
                  if short else ProviderError(RETRYABLE, "connection", "connection error", billed_maybe=True))
         outcome = decisions.decide(error, jobs, config_ok=True, base=0.0, cap=0.0, poll_seconds=0.0,
                                    health=health, unusable_in_a_row=unmatched)
@@ -411,7 +412,7 @@ class JobStateMachine(RuleBasedStateMachine):
         applied = transitions.became(transitions.apply(self.conn, claim.owner, outcome.changes))
         after = self._rows()
         counted = health == decisions.ANSWERS
-        charged = counted and len(jobs) == 1 and jobs[0].faults >= decisions.FREE_FAULTS
+        charged = counted and len(jobs) == 1 and jobs[0].faults >= request_plan.FREE_FAULTS
         for i in held:
             b, r = before[i], after[i]
             if not self.active[b.model_id]:
@@ -459,7 +460,7 @@ class JobStateMachine(RuleBasedStateMachine):
         expected, attempts, faults = {}, {}, {}
         for i in expired:
             b = before[i]
-            charged = processes.count(process(b.lease_owner)) == 1 and b.faults >= decisions.FREE_FAULTS
+            charged = processes.count(process(b.lease_owner)) == 1 and b.faults >= request_plan.FREE_FAULTS
             if not self.active[b.model_id]:
                 expected[i], attempts[i], faults[i] = "superseded", b.attempts, b.faults
             elif charged:

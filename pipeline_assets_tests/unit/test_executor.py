@@ -15,10 +15,11 @@ import pytest
 
 from pipeline_assets.jobs import leases, ledger
 from pipeline_assets.jobs.changes import Complete
-from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
+from pipeline_assets.jobs.executor import Executor, Stopping
 from pipeline_assets.jobs.executor_config import ExecutorConfig
 from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
+from pipeline_assets.jobs.provider_checks import ProviderView
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets_tests.conftest import FAKE_MODEL, wait_until
