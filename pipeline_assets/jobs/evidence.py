@@ -8,7 +8,7 @@ of transient faults (throttles apart) with ``PRIOR_SUCCESSES``/``PRIOR_FAULTS`` 
 so a new worker starts from p = 1/3. A job's failures point at its inputs when that many in a
 row would happen by chance with probability at most ``CHANCE``:
 ``k = ceil(log CHANCE / log p)``, bounded to [``MIN_EVIDENCE_FAULTS``, ``MAX_EVIDENCE_FAULTS``]
-(throttles: [``decisions.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
+(throttles: [``request_plan.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
 provider gives 2, 30% failing 4, 60% the upper bound 8, which bounds a poison input's sends
 whatever the provider does.
 =======
