@@ -7,10 +7,8 @@ extends the leases of healthy calls; the per-call deadline bounds a stalled one.
 A liveness thread keeps this worker's row in app.workers fresh. The main thread
 rescues expired leases and the claims of dead workers, and decides when to stop.
 
-What happens to a claim is ``jobs.executor``'s: it decides with the pure
-functions of ``jobs.decisions`` and applies the transitions through the
-store (a suspect's claim runs alone: ``jobs.suspects``); this module runs
-the threads and decides when to stop.
+What happens to a claim is ``jobs.executor``'s (pure decisions: ``jobs.decisions``; a
+suspect's claim runs alone: ``jobs.suspects``); this module runs the threads.
 """
 
 from __future__ import annotations
