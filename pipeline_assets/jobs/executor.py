@@ -65,7 +65,7 @@ class Executor:
     checks: ProviderChecks = field(init=False)  # the trivial requests that ask the provider itself
 
     def __post_init__(self) -> None:
-        self.checks = ProviderChecks(self.provider, self.store, self.report, self.view)
+        self.checks = ProviderChecks(self.provider, self.store, self.report, self.view, stop=self.stopping.event)
 
     def check_at_start(self) -> None:
         """Before claiming anything: stop at once if the provider still answers nothing usable

@@ -59,6 +59,9 @@ class ProviderChecks:
     store: JobStore
     report: WorkerReport
     view: ProviderView
+    # Set when the worker stops: no trivial request is sent after it (a stop is never held up
+    # by up to ``CHECK_TRIES`` calls to a slow provider).
+    stop: threading.Event = field(default_factory=threading.Event)
 
     def check_provider(self, sent_at: float) -> str:
         """Does the provider answer others? ``ANSWERS`` if a usable answer came
@@ -73,12 +76,14 @@ class ProviderChecks:
             checked_at, verdict = self.view.checked
             if checked_at >= sent_at:
                 return verdict
+            if self.stop.is_set():
+                return DOWN  # stopping: nothing more is sent, so nothing more is asked
             checked_at = time.monotonic()
             for _ in range(CHECK_TRIES):  # a flaky provider fails one trivial request, rarely all
                 result, err = self._trivial_call("health_probe")
                 self.view.rates.record(SUCCESS if err is None else THROTTLE if err.kind == THROTTLED else FAULT)
                 if err is None or err.kind not in (RETRYABLE, THROTTLED) \
-                        or err.error_class == UNMATCHED_ANSWER:
+                        or err.error_class == UNMATCHED_ANSWER or self.stop.is_set():
                     break
             if err is None and result is not None and len(result.vectors) == 1:
                 self.view.last_usable = time.monotonic()
@@ -98,7 +103,7 @@ class ProviderChecks:
         """Before claiming anything: if the provider's last answers (any worker's) were unusable up
         to the stop, one trivial request decides; the error to stop with at once, or None."""
         self.view.unusable = self.store.provider_unusable(count=False)
-        if self.view.unusable < MAX_UNMATCHED_ANSWERS:
+        if self.view.unusable < MAX_UNMATCHED_ANSWERS or self.stop.is_set():
             return None
         self.view.had_failure = True
         if self.check_provider(time.monotonic()) != UNUSABLE:
