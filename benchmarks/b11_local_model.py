@@ -40,7 +40,8 @@ from _common import REPO, Timer, emit, fresh_database, peak_rss_mb, rate
 from pipeline_assets.app.runtime import chunker_for, chunking
 from pipeline_assets.content.extract import extract_text
 from pipeline_assets.providers.onnx_local import TOKENIZER_FILE, OnnxProvider, prepare_minilm
-from pipeline_assets.settings import DEFAULT_LOCAL_BATCH_INPUTS, Settings
+from pipeline_assets.providers.provider_config import DEFAULT_LOCAL_BATCH_INPUTS
+from pipeline_assets.settings import Settings
 
 CORPUS = REPO / "examples" / "corpus"
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]

@@ -33,7 +33,7 @@ from _common import emit, fresh_database, settle
 from psycopg import sql
 
 from pipeline_assets.providers import ModelSpec
-from pipeline_assets.registry import models, vector_index
+from pipeline_assets.registry import index_memory, models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
@@ -101,7 +101,8 @@ def measure(vectors: int, dim: int, cap: int) -> dict:
         with db.connect(url) as conn:
             conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
             _, session_memory = conn.execute(models.MODELS.index_build_inputs, {"model": model_id}).fetchone()
-            memory = vector_index.build_memory(vectors, dim, session_memory=int(session_memory), cap=cap)
+            kind = vector_index.index_kind(dim) or "vector"
+            memory = index_memory.build_memory(vectors, dim, kind, session_memory=int(session_memory), cap=cap)
             load_before = psutil.getloadavg()
             with BuildMemory(url, conn.info.backend_pid) as sampled:
                 t0 = time.perf_counter()
@@ -112,7 +113,7 @@ def measure(vectors: int, dim: int, cap: int) -> dict:
                                 " ON n.oid = c.relnamespace WHERE n.nspname = 'app' AND c.relname = %s",
                                 (name,)).fetchone()[0]
         spilled = [int(m.group(1)) for m in map(FITS_NOTICE.search, notices) if m]
-        estimate = vector_index.graph_bytes(vectors, dim)
+        estimate = index_memory.graph_bytes(vectors, dim, kind)
         return {"vectors": vectors, "dim": dim, "state": state, "load_seconds": round(loaded, 1),
                 "build_seconds": round(seconds, 1), "vectors_per_second": round(vectors / seconds),
                 "maintenance_work_mem_mb": memory >> 20, "graph_estimate_mb": estimate >> 20,
@@ -140,7 +141,7 @@ def calibrate() -> dict:
                     model=sql.Literal(model_id)))
         [tuples] = [int(m.group(1)) for m in map(FITS_NOTICE.search, notices) if m]
         measured = CALIBRATION_MEMORY_MB * 2 ** 20 / tuples
-        formula = vector_index.GRAPH_BYTES_PER_VECTOR + vector_index.VALUE_BYTES_PER_DIMENSION[kind] * dim
+        formula = index_memory.GRAPH_BYTES_PER_VECTOR + index_memory.VALUE_BYTES_PER_DIMENSION[kind] * dim
         out.append({"dim": dim, "kind": kind, "measured_bytes_per_vector": round(measured),
                     "formula_without_margin": formula, "formula_over_measured": round(formula / measured, 3)})
     return {"calibration": out}

@@ -203,7 +203,7 @@ def main() -> None:
     a = p.parse_args()
     checkouts = [Path(c).resolve() for c in a.checkouts.split(",")]
     settings = Settings.from_env()
-    threads, batch = DEFAULT_CONCURRENCY, settings.request_inputs
+    threads, batch = DEFAULT_CONCURRENCY, settings.provider_config().request_inputs
     fake, base_url = start_fake(a.dim)
     rounds: dict[Path, list[dict]] = {c: [] for c in checkouts}
     try:

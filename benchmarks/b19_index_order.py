@@ -105,7 +105,7 @@ def main() -> None:
     a = p.parse_args()
     orders = a.orders.split(",")
     assert "after" in orders and set(orders) <= set(ORDERS), orders
-    batch = Settings.from_env().request_inputs
+    batch = Settings.from_env().provider_config().request_inputs
     vectors = np.random.default_rng(0).standard_normal((a.vectors, a.dim), dtype=np.float32)
     rounds = [[one(order, vectors, batch, a.cap_seconds) for order in orders] for _ in range(a.rounds)]
     after = statistics.median(r["total_s"] for rnd in rounds for r in rnd if r["order"] == "after")

@@ -127,7 +127,7 @@ def main() -> None:
     p.add_argument("--profile", type=Path, help="also profile one CLI run with py-spy (folded stacks)")
     a = p.parse_args()
     settings = Settings.from_env()
-    threads, batch = DEFAULT_CONCURRENCY, settings.request_inputs
+    threads, batch = DEFAULT_CONCURRENCY, settings.provider_config().request_inputs
     fake, base_url = start_fake(a.dim)
     try:
         with fresh_database("clisdk") as url, tempfile.TemporaryDirectory(prefix="b1cli-") as tmp:

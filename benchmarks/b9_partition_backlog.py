@@ -65,7 +65,7 @@ def main() -> None:
         from pipeline_assets.providers import model_id_for
 
         bucket = bucket_key(bucket_of("own00000.md", settings.partition_buckets))
-        model = model_id_for(settings)
+        model = model_id_for(settings.provider_config())
         instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [model])
         started = time.perf_counter()
         # The bucket run, then the embeddings run of that bucket x the model (what embed_after_sync launches).

@@ -2,12 +2,15 @@
 
 Each component keeps a small frozen config with its defaults as named constants beside it
 (``jobs.executor_config``, ``jobs.worker_config``, ``app.ingest_config``, ``app.source_config``,
-``store.database_config``, ``defs.dagster_config``);
+``store.database_config``, ``defs.dagster_config``, ``providers.provider_config``);
 ``Settings`` reads the environment and builds them. Config modules import nothing else of the
 package, so every layer (and ``settings``) may import them.
 """
 
 from __future__ import annotations
+
+# How much of an error message (a provider's, a document's) is kept in the database.
+ERROR_MESSAGE_MAX_CHARS = 500
 
 
 class InvalidConfig(ValueError):

@@ -99,7 +99,7 @@ class PipelineResult:
 def configured_model() -> str:
     from pipeline_assets.providers import model_id_for
 
-    return model_id_for(Settings.from_env())
+    return model_id_for(Settings.from_env().provider_config())
 
 
 def embed_keys(tags: dict, partition_key: str | None, model: str) -> tuple[str | None, dict]:

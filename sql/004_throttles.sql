@@ -1,5 +1,5 @@
 -- Throttles per job, input isolation only after input-specific errors, and the
--- owner of the half-open breaker's probe slot (issue 8).
+-- owner of the half-open breaker's probe slot.
 --
 -- throttles: 429s the job met. A throttle uses no attempt, so without a count a
 --   request the provider never accepts (larger than the account's tokens per

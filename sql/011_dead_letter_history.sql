@@ -1,4 +1,4 @@
--- The dead-letter queue as a work list (issue 10): a bounded per-attempt
+-- The dead-letter queue as a work list: a bounded per-attempt
 -- history of every job that met a failure, and the record of who gave up on
 -- which dead letter and why (pipeline_assets/app/dlq.py, sql/queries/dlq.sql).
 --

@@ -1,4 +1,4 @@
--- Several active models, one served (issue 10, "a model switch without downtime").
+-- Several active models, one served.
 --
 -- app.served_model has at most one row (its key can only be true): the model
 -- `search` and `export` read. A switch is one UPDATE of that row, so there is

@@ -1,4 +1,4 @@
--- Document buckets: the Dagster partitions (issue 14). Documents, chunks and
+-- Document buckets: the Dagster partitions. Documents, chunks and
 -- embeddings are partitioned by a fixed set of buckets, not one partition per
 -- document: Dagster keeps tens of partitions whatever the corpus size.
 --

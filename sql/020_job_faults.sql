@@ -1,4 +1,4 @@
--- Transient faults per job, charged to the request instead of the inputs (issue 15).
+-- Transient faults per job, charged to the request instead of the inputs.
 --
 -- faults: transient provider faults (5xx, timeout, dropped connection) the job
 --   met in requests that cost it no attempt. A transient failure is the

@@ -1,4 +1,4 @@
--- Per-model input windows (issue 16): max_input_tokens is the window in the
+-- Per-model input windows: max_input_tokens is the window in the
 -- model's own tokens; max_chunk_tokens the largest chunk (in the chunker's
 -- cl100k tokens) that fits it; tokenizer what the window is counted in.
 -- Rows registered before this migration were all counted in cl100k tokens.

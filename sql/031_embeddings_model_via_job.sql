@@ -1,4 +1,4 @@
--- app.embeddings.model_id no longer references app.models directly (issue 15, B1).
+-- app.embeddings.model_id no longer references app.models directly.
 --
 -- The foreign key ran a referential-integrity trigger for every stored vector:
 -- one SPI query per row taking a KEY SHARE lock on the model's row, which every

@@ -1,4 +1,4 @@
--- The sends of each input are counted from the calls that sent them (issue 15, B1).
+-- The sends of each input are counted from the calls that sent them.
 --
 -- Until now record_send upserted one app.input_sends row per input of every
 -- request: a heap tuple, a primary-key entry and a speculative-insert

@@ -47,7 +47,7 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
     warnings: list[str] = []
     spec: ModelSpec | None = None
     try:
-        provider = provider_for(settings)
+        provider = provider_for(settings.provider_config())
     except ConfigError as exc:
         warnings.append(f"the configured model cannot be checked: {exc}")
     else:

@@ -31,7 +31,7 @@ def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *,
     if row is not None and not row["active"]:
         raise ConfigError(f"model {model_id} is retired; `pipeline-assets models activate {model_id}` to embed "
                           "with it again")
-    if model_id == model_id_for(settings):
+    if model_id == model_id_for(settings.provider_config()):
         return Runtime.build(settings, dagster_run_id=dagster_run_id)
     if row is None:
         raise ConfigError(f"unknown model {model_id!r}: `pipeline-assets models add` registers it")
@@ -55,7 +55,7 @@ def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
     """
     with pool.connection() as conn:
         row = models.served(conn)
-    if row is None or row["model_id"] == model_id_for(settings):
+    if row is None or row["model_id"] == model_id_for(settings.provider_config()):
         return Runtime.build(settings)
     # The model id says provider, name and dimension; the `dimensions` option was
     # either sent (the id's dimension) or not (the model's default).
@@ -64,6 +64,7 @@ def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
         if rt.model_id == row["model_id"]:
             return rt
     # E.g. an offline embedder replaced by a new version: its code is gone, its vectors are not.
+    configured = model_id_for(settings.provider_config())
     raise ConfigError(f"this installation cannot embed a query with the served model {row['model_id']}; "
-                      f"`pipeline-assets models serve {model_id_for(settings)}` once it covers the corpus "
+                      f"`pipeline-assets models serve {configured}` once it covers the corpus "
                       "(`models list`), or `search --model NAME`")

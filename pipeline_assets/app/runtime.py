@@ -56,7 +56,7 @@ def chunking(settings: Settings, spec: ModelSpec | None = None) -> tuple[int, in
         return tokens, DEFAULT_CHUNK_OVERLAP if overlap is None else overlap
     if spec is None:
         try:
-            provider = provider_for(settings)
+            provider = provider_for(settings.provider_config())
         except (ConfigError, ValueError):
             provider = None
         if provider is not None:
@@ -131,7 +131,7 @@ class Runtime:
     @classmethod
     def build(cls, settings: Settings, model: str | None = None, *, dagster_run_id: str | None = None,
               force: bool = False, allow_empty: bool = False) -> Runtime:
-        provider = provider_for(settings, model)
+        provider = provider_for(settings.provider_config(), model)
         settings = fitted(settings, None if model else provider.spec)
         # The chunk size must fit the model's window (in its tokens): one line, before any call.
         check_chunk_size(chunking(settings)[0], [ModelLimit.of(provider.spec)])

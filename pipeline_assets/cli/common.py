@@ -3,6 +3,7 @@ root group, a pool, a runtime, and printing as text or JSON."""
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import signal
@@ -84,9 +85,21 @@ def pairs(d: dict) -> list[str]:
     return [" ".join(f"{k}={v}" for k, v in d.items() if v is not None)]
 
 
-def stop_on_signals() -> threading.Event:
-    """SIGTERM/SIGINT stop claiming; the worker hands back what it holds and exits."""
+# A command still running this long after SIGTERM/SIGINT writes every thread's stack to stderr
+# (its log) once, naming where a stop hangs; below the deployment's 30 s grace before SIGKILL.
+STOP_STACKS_AFTER_SECONDS = 20.0
+
+
+def stop_on_signals(stacks_after: float = STOP_STACKS_AFTER_SECONDS) -> threading.Event:
+    """SIGTERM/SIGINT stop claiming; the worker hands back what it holds and exits. Still
+    running ``stacks_after`` seconds after the first signal, it dumps its threads' stacks."""
     stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if not stop.is_set():
+            faulthandler.dump_traceback_later(stacks_after, exit=False)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+        signal.signal(sig, on_signal)
     return stop

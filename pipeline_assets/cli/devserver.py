@@ -127,7 +127,8 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
         buckets = fixed_buckets(conn, settings.partition_buckets)
         # The model columns of embeddings: the registry's active models and the configured one (which
         # the first run registers), so they exist before any sensor ticks (and after an upgrade).
-        model_keys = list(dict.fromkeys([*models.active_model_ids(conn), model_id_for(settings)]))
+        configured = model_id_for(settings.provider_config())
+        model_keys = list(dict.fromkeys([*models.active_model_ids(conn), configured]))
     dagster_url = sqlalchemy_url(migrations.ensure_database(pipeline_url, settings.dagster_database))
     dagster_home = home / "dagster"
     dagster_home.mkdir(parents=True, exist_ok=True)

@@ -15,11 +15,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
+from pipeline_assets.component_config import ERROR_MESSAGE_MAX_CHARS
 from pipeline_assets.content.chunking import Chunk, Chunker
 from pipeline_assets.content.extract import ExtractError, ExtractorVersions, extract_text
 from pipeline_assets.content.sandbox import Sandbox
 from pipeline_assets.content.source import Item, ReadOutcome, Source
-from pipeline_assets.settings import ERROR_MESSAGE_MAX_CHARS
 
 # Error class of a file that exists but cannot be read (permissions, I/O error).
 UNREADABLE = "unreadable"

@@ -155,7 +155,7 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
 
     def runtime(self, dagster_run_id: str | None = None, *, force: bool = False) -> Runtime:
         rt = Runtime.build(self.settings(), dagster_run_id=dagster_run_id, force=force)
-        if self.model and rt.model_id != (configured := model_id_for(self.configured())):
+        if self.model and rt.model_id != (configured := model_id_for(self.configured().provider_config())):
             # A launchpad override: it would register a model nobody serves or works, and record
             # vectors of one model under the code version of another (defs/models/sensors.py).
             raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "

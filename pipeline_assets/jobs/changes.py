@@ -1,27 +1,13 @@
 """The transitions of held jobs, as plain values (no database here).
 
-After River's executor/completer split: the worker's pure decisions
-(``jobs.decisions``) return these values; one queue interface
-(``transitions.apply``, through ``JobStore.apply``) applies a batch of them
-under a lease owner, one guarded statement per kind (its named query in
-sql/queries/jobs.sql, named in the comment of each class), and returns what
-each job became; logging and metrics observe what was applied (``JobObserver``).
-
-    Complete   processing -> ready (vector stored), or superseded when the
-               content is no longer wanted; with ``call``, the answer that
-               brought the vectors is settled in the same statement
-    Retry      processing -> retry, the attempt used (failed when used up)
-    GiveBack   processing -> pending|retry, the attempt returned (a throttle,
-               a transient fault charged to the request, an unmatchable
-               answer, a fault of ours, shutdown)
-    Fail       processing -> failed (dead letter) at once
-    Supersede  processing -> superseded (nobody wants the content)
-    Isolate    processing, marked to go alone in its next request
-
-Each field is the named parameter of the same name in sql/queries/jobs.sql:
-adding a field to a transition is one edit here and one in its query. A field
-whose value is a tuple holds one value per job (``job_ids`` order); any other
-field is the same for every job of the value.
+The worker's pure decisions (``jobs.decisions``) return these; ``transitions.apply`` (through
+``JobStore.apply``) applies a batch under a lease owner, one guarded statement per kind (its
+named query in sql/queries/jobs.sql, named on each class), and returns what each job became.
+Complete: processing -> ready, or superseded when the content is no longer wanted.
+Retry: -> retry, the attempt used (failed when used up). GiveBack: -> pending|retry, the
+attempt returned. Fail: -> failed at once. Supersede: -> superseded. Isolate: alone next time.
+Each field is the named parameter of the same name in the query; a tuple field holds one
+value per job (``job_ids`` order), any other field is the same for every job.
 """
 
 from __future__ import annotations

@@ -1,46 +1,14 @@
 """The worker's decisions, as pure functions: no database, no provider, no clock.
 
-``plan_requests`` groups claimed jobs into provider requests; ``decide`` maps a
-provider error and the jobs of its request to an outcome; ``check_vectors`` and
-``bad_vectors`` judge a successful answer; ``worker_error`` handles a fault of
-our own. The transitions they return are the plain values of ``jobs.changes``;
-the worker only carries the outcomes out, through ``JobStore.apply``.
-
-Outcomes:
-
-    Apply        apply these transitions (``changes``): a Retry (the attempt
-                 counts; failed when used up), a GiveBack (the attempt returned:
-                 a throttle, a transient fault charged to the request, an
-                 unmatchable answer, a fault of ours) or a Fail (dead letter);
-                 with it, count a failure on the shared breaker, pause sending
-                 here, or stop the worker after a few faults of our own
-    Split        isolate a bad input: send each half on its own (its jobs are
-                 marked ``Isolate``: should the split be cut short, each goes
-                 alone next time)
-    Stop         not the items' fault (auth, configuration, wrong dimension,
-                 answers that keep failing to match their inputs): hand back
-                 untouched and stop the worker
-    ProbeConfig  ask the configuration probe once, then ``decide`` again with
-                 its answer as ``config_ok``
-    CheckProvider  ask whether the provider answers others (a usable answer
-                 since shortly before the request was sent, or else one trivial
-                 request, ``"ping"``), then ``decide`` again with ``health``
-
-Who is charged (the evidence decides): only input-specific errors (a 400/413/422
-on a single input, a request the provider throttles past the cap) fail an
-item; only they isolate inputs. A transient fault (5xx, timeout, dropped
-connection, an answer that cannot be matched to its inputs) is judged by the
-provider's ``health``: while the provider answers other requests (``ANSWERS``)
-it is the request's: the jobs are given back without an attempt and each counts
-a fault; once a job's faults reach the evidence threshold (``jobs.evidence``:
-more than the provider's own failure rate explains) its requests shrink
-(``fault_cap``: a quarter per further fault), and only a job that fails alone
-``FREE_FAULTS`` faults past the threshold is charged an attempt. While the
-provider answers nobody (``DOWN``) the fault is the provider's alone (the
-breaker counts it; nothing is counted on the jobs, no request shrinks). When it
-answers nothing usable even to a single trivial input (``UNUSABLE``), that
-counts towards ``MAX_UNMATCHED_ANSWERS`` in a row (persisted, shared by every
-worker), which stop the worker.
+``decide`` maps a provider error and the jobs of its request to an outcome; ``check_vectors`` and
+``bad_vectors`` judge a successful answer; ``worker_error`` handles a fault of our own;
+``alone_if_suspect`` keeps a suspect alone in its claim (which jobs share a request is
+``jobs.request_plan``'s). The transitions they return are the plain values of ``jobs.changes``; the
+worker carries the outcomes out through ``JobStore.apply``. Outcomes: ``Apply`` (transitions, with a
+breaker count, a pause or a stop), ``Split`` (isolate a bad input), ``Stop`` (not the items' fault:
+hand back untouched, stop the worker), ``ProbeConfig`` and ``CheckProvider`` (ask, then ``decide``
+again with the answer). Who is charged for a fault, and when the worker stops:
+docs/state-machine.md, "Who pays for a fault".
 """
 
 from __future__ import annotations
@@ -51,29 +19,8 @@ from dataclasses import dataclass
 
 from pipeline_assets.jobs import backoff
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
+from pipeline_assets.jobs.request_plan import FREE_FAULTS, THROTTLE_SHRINK_AFTER, fault_level
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
-
-# A job's request is halved once for every throttle from this one on: one 429
-# is the provider's weather; repeated ones on the same inputs suggest a request
-# too large for the account's limits (tokens per minute, a gateway's budget).
-THROTTLE_SHRINK_AFTER = 3
-# Bounds the halvings (2**62 inputs is beyond any request).
-MAX_HALVINGS = 62
-
-# Transient faults (5xx, timeout, dropped connection, unusable answer) a job
-# may meet, counted from the evidence threshold ``k`` (``jobs.evidence``: 2 for a
-# healthy provider, at most MAX_EVIDENCE_FAULTS = 8), without being charged an
-# attempt. From the k-th fault on, each one divides the job's requests by
-# 2**FAULT_SHRINK_BITS (a quarter: 256 -> 64 -> 16 -> 4 -> 1, the default batch
-# is alone after k + 3); from fault k - 1 + FREE_FAULTS on it travels alone and
-# a fault there costs an attempt. So a poison input (one that breaks every
-# request holding it) is sent at most MAX_EVIDENCE_FAULTS - 1 + FREE_FAULTS +
-# max_attempts times (18 with the defaults; k - 1 + 11 on a provider answering
-# everything else: 12 when healthy), and an innocent one is dead-lettered only
-# if k - 1 + FREE_FAULTS + max_attempts requests holding it fail in a row while
-# the provider answers others.
-FREE_FAULTS = 6
-FAULT_SHRINK_BITS = 2
 
 # Answers in a row with nothing usable in them, even to one trivial input (a
 # wrong count of vectors, a duplicate or missing index), after which the worker
@@ -85,8 +32,8 @@ MAX_UNMATCHED_ANSWERS = 3
 ANSWERS = "answers"    # it answered other requests usably: the failure points at the request's inputs
 DOWN = "down"          # it answers nobody: the failure is the provider's alone
 UNUSABLE = "unusable"  # it answers, but nothing usable even to one trivial input
-# The error class the worker stops with after MAX_UNMATCHED_ANSWERS answers in a row that cannot
-# be matched to their inputs (each one ``providers.base.BAD_RESPONSE``).
+# The error class the worker stops with after MAX_UNMATCHED_ANSWERS answers that cannot be
+# matched to their inputs (each of them a ``providers.base.BAD_RESPONSE``).
 TOO_MANY_UNMATCHED_ANSWERS = "unmatched_answers"
 
 # Faults of our own in a row (database, infrastructure, bugs) after which the
@@ -102,83 +49,7 @@ THROTTLED_TOO_OFTEN = "throttled_too_often"
 BAD_VECTOR = "bad_vector"
 
 
-# -- planning --------------------------------------------------------------------------
-
-def halvings(throttles: int, threshold: int = THROTTLE_SHRINK_AFTER) -> int:
-    """How many times a job's requests are halved after ``throttles`` throttles
-    (``threshold``: the throttles that are evidence, ``jobs.evidence``)."""
-    return min(MAX_HALVINGS, max(0, throttles - threshold + 1))
-
-
-def fault_level(faults: int, threshold: int = 1) -> int:
-    """How many of a job's ``faults`` are evidence against it (0: none yet)."""
-    return max(0, faults - threshold + 1)
-
-
-def fault_cap(faults: int, max_inputs: int, threshold: int = 1) -> int:
-    """The most inputs a request holding a job with ``faults`` faults may carry."""
-    level = fault_level(faults, threshold)
-    if level >= FREE_FAULTS:
-        return 1
-    return max(1, max_inputs >> (FAULT_SHRINK_BITS * level))
-
-
-def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: int, fault_threshold: int = 1,
-                  throttle_threshold: int = THROTTLE_SHRINK_AFTER) -> list[list[ClaimedJob]]:
-    """Group jobs into requests bounded by inputs and tokens.
-
-    Jobs without text (no current chunk carries their checksum) are left out.
-    A job marked ``isolate`` (it was in a batch refused for a bad input whose
-    split was cut short) goes alone: if it is the poison, it no longer drags
-    innocent neighbours through its retries. A job that met transient faults
-    goes in a request of at most ``fault_cap`` inputs (the jobs with the most
-    faults go first, so a request's cap is its first job's). Jobs throttled
-    repeatedly (from the ``THROTTLE_SHRINK_AFTER``th throttle on) travel only
-    with jobs throttled as often, and their requests shrink: at most half of
-    that group's inputs, and at most the batch (inputs and tokens) halved once
-    per further throttle. So a request the provider never accepts is whittled
-    down to the one input it refuses, and the rest of its batch goes through.
-    ``fault_threshold`` and ``throttle_threshold`` are the counts from which
-    faults and throttles are evidence against a job (``jobs.evidence``): below
-    them a job's requests keep the batch size.
-    """
-    wanted = [j for j in jobs if j.text is not None]
-    if all(not j.isolate and j.faults < fault_threshold and j.throttles < throttle_threshold for j in wanted):
-        return _fill(wanted, max_inputs, max_tokens, fault_threshold)  # the usual claim: no isolation, no shrinking
-    requests = [[j] for j in wanted if j.isolate]
-    groups: dict[int, list[ClaimedJob]] = {}  # halvings -> the jobs of that throttle level, in order
-    for job in wanted:
-        if not job.isolate:
-            groups.setdefault(halvings(job.throttles, throttle_threshold), []).append(job)
-    for level, group in groups.items():
-        inputs_bound, tokens_bound = max_inputs, max_tokens
-        if level:
-            inputs_bound = max(1, min(max_inputs >> level, -(-len(group) // 2)))
-            tokens_bound = max(1, max_tokens >> level)
-        requests.extend(_fill(sorted(group, key=lambda j: -j.faults), inputs_bound, tokens_bound, fault_threshold))
-    return requests
-
-
-def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int,
-          fault_threshold: int = 1) -> list[list[ClaimedJob]]:
-    """Requests filled in order up to ``max_inputs`` inputs (fewer for a request
-    whose first job met faults) and ``max_tokens`` tokens."""
-    requests: list[list[ClaimedJob]] = []
-    current: list[ClaimedJob] = []
-    tokens, bound = 0, max_inputs
-    for job in jobs:
-        n = job.token_count or 0
-        if current and (tokens + n > max_tokens or len(current) >= bound):
-            requests.append(current)
-            current, tokens = [], 0
-        if not current:
-            bound = fault_cap(job.faults, max_inputs, fault_threshold)
-        current.append(job)
-        tokens += n
-    if current:
-        requests.append(current)
-    return requests
-
+# -- a claim ---------------------------------------------------------------------------
 
 def suspect(job: ClaimedJob, threshold: int = 1) -> bool:
     """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobs.evidence``),
@@ -197,11 +68,6 @@ def alone_if_suspect(jobs: Sequence[ClaimedJob],
     if first is None or len(jobs) == 1:
         return list(jobs), []
     return [first], [j for j in jobs if j is not first]
-
-
-def unwanted(jobs: Sequence[ClaimedJob]) -> list[int]:
-    """Ids of claimed jobs whose content no current chunk carries any more."""
-    return [j.job_id for j in jobs if j.text is None]
 
 
 # -- outcomes --------------------------------------------------------------------------

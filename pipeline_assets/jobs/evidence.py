@@ -1,26 +1,15 @@
-"""What the worker's recent requests say about the provider: how many failures
-a job may meet before they are evidence against its inputs rather than bad luck.
+"""What the worker's recent requests say about the provider: how many failures a job may
+meet before they are evidence against its inputs rather than bad luck.
 
-``ProviderRates`` keeps the outcomes of a worker's last ``WINDOW`` requests
-(shared by its threads; no clock, no I/O). From them it estimates the
-provider's rate of transient faults ``p`` (throttles left out) and of
-throttles, each with ``PRIOR_SUCCESSES`` pseudo-successes and ``PRIOR_FAULTS``
-pseudo-failures: a new worker starts from p = 1/3 (k = 5), not splitting on the
-bad luck of its first requests before it has seen enough of the provider. The
-trivial requests that check whether the provider answers count as outcomes.
-Every request counts, a poison input's too: when little else is left to send,
-its failures raise ``p`` and so delay its own isolation, never beyond the upper
-bound below; left out, they would leave a provider failing at random judged on
-a handful of samples, and its innocent requests split.
-
-A job's failures point at its inputs only when that many in a row would happen
-by chance with probability at most ``CHANCE``: ``k = ceil(log CHANCE / log p)``,
-bounded to [``MIN_EVIDENCE_FAULTS``, ``MAX_EVIDENCE_FAULTS``] (throttles:
-[``decisions.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
-provider (a full window of answers: p = 2/56, the pseudo-failures' floor) gives 2:
-a second failure in a row shrinks the request; 30% of answers failing gives 4; 60% gives the upper
-bound, 8. The upper bound is
-what bounds a poison input's sends whatever the provider does.
+``ProviderRates`` keeps the outcomes of the worker's last ``WINDOW`` requests (every request,
+a poison input's and the trivial checks' too; no clock, no I/O) and estimates the rate ``p``
+of transient faults (throttles apart) with ``PRIOR_SUCCESSES``/``PRIOR_FAULTS`` pseudo-counts,
+so a new worker starts from p = 1/3. A job's failures point at its inputs when that many in a
+row would happen by chance with probability at most ``CHANCE``:
+``k = ceil(log CHANCE / log p)``, bounded to [``MIN_EVIDENCE_FAULTS``, ``MAX_EVIDENCE_FAULTS``]
+(throttles: [``request_plan.THROTTLE_SHRINK_AFTER``, ``MAX_EVIDENCE_THROTTLES``]). A healthy
+provider gives 2, 30% failing 4, 60% the upper bound 8, which bounds a poison input's sends
+whatever the provider does.
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ CHANCE = 0.01
 # job's requests shrink; the upper one bounds a poison input's sends (docs/state-machine.md).
 MIN_EVIDENCE_FAULTS = 1
 MAX_EVIDENCE_FAULTS = 8
-# The same for throttles (the lower bound is decisions.THROTTLE_SHRINK_AFTER).
+# The same for throttles (the lower bound is request_plan.THROTTLE_SHRINK_AFTER).
 MAX_EVIDENCE_THROTTLES = 12
 
 SUCCESS, FAULT, THROTTLE = "success", "fault", "throttle"

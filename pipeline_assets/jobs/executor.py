@@ -1,14 +1,8 @@
-"""One claim, executed: plan its requests, call the provider outside any
-transaction, decide (``jobs.decisions``) and apply the transitions it decided
-(``JobStore.apply``), after River's executor/completer split: this module
-decides what each job becomes; the store applies it.
-
-``ProviderView`` is what the worker has learnt of the provider (its dimension,
-the configuration probe's answer, a local pause after a throttle, whether a
-failure was seen, when it last answered usably, the outcomes of recent requests
-(``jobs.evidence``) and the limit on requests in flight (``jobs.send_limit``)),
-shared by the worker's threads. ``Stopping`` holds why the worker stops (the
-first reason wins).
+"""One claim, executed: plan its requests (``jobs.request_plan``), call the provider outside any
+transaction, decide (``jobs.decisions``) and apply the transitions it decided (``JobStore.apply``),
+after River's executor/completer split: this module decides what each job becomes; the store
+applies it. What it asks the provider itself (the configuration probe, whether it answers others)
+is ``jobs.provider_checks``'. ``Stopping`` holds why the worker stops (the first reason wins).
 """
 
 from __future__ import annotations
@@ -23,33 +17,21 @@ from typing import TypeVar
 import numpy as np
 import psycopg
 
-from pipeline_assets.jobs import crashpoints, decisions, ledger
+from pipeline_assets.jobs import crashpoints, decisions, request_plan
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
-from pipeline_assets.jobs.decisions import ANSWERS, DOWN, UNUSABLE, Apply, CheckProvider, ProbeConfig, Split, Stop
-from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE, ProviderRates
+from pipeline_assets.jobs.decisions import DOWN, Apply, CheckProvider, ProbeConfig, Split, Stop
+from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE
 from pipeline_assets.jobs.executor_config import ExecutorConfig
 from pipeline_assets.jobs.faults import DatabaseWait, FaultCounter, one_line
 from pipeline_assets.jobs.job_store import Answer, JobStore
 from pipeline_assets.jobs.leases import HeldLeases
+from pipeline_assets.jobs.provider_checks import ProviderChecks, ProviderView, embed
 from pipeline_assets.jobs.report import WorkerReport
-from pipeline_assets.jobs.send_limit import SendLimit
-from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
-from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, Provider, ProviderError
-from pipeline_assets.providers.base import BAD_RESPONSE
+from pipeline_assets.providers import RETRYABLE, THROTTLED, Provider, ProviderError
 
 log = logging.getLogger("pipeline_assets.jobs.worker")
 
 T = TypeVar("T")
-
-# The trivial input that tells a bad configuration from a bad input after a 400,
-# and a provider that answers nobody from a bad input after a transient failure.
-CONFIG_PROBE_TEXT = "ping"
-# A usable answer this recent (before a failed request was sent, or any time
-# after) shows the provider answers others: no trivial request is needed to know it.
-RECENT_ANSWER_SECONDS = 5.0
-# Trivial requests a check sends before it judges the provider down (each one a token): with
-# 40% of requests failing at random, three fail together 6% of the time.
-CHECK_TRIES = 3
 
 
 @dataclass
@@ -68,24 +50,6 @@ class Stopping:
 
 
 @dataclass
-class ProviderView:
-    dimension: int | None                  # the model's, once known (the recorded one wins)
-    config_ok: bool | None = None          # the configuration probe's answer (None: not asked)
-    paused_until: float = 0.0              # monotonic; a 429 seen here: send nothing more of held claims
-    had_failure: bool = False              # reset the shared failure count only after failures
-    unusable: int = 0                      # unusable answers in a row, as last read from the database
-    last_usable: float = float("-inf")     # monotonic; the provider's last usable answer to this worker
-    checked: tuple[float, str] = (float("-inf"), ANSWERS)  # monotonic start and verdict of the last check
-    rates: ProviderRates = field(default_factory=ProviderRates)
-    limit: SendLimit = field(default_factory=lambda: SendLimit(DEFAULT_CONCURRENCY))
-    check_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def paused(self) -> bool:
-        return time.monotonic() < self.paused_until
-
-
-@dataclass
 class Executor:
     provider: Provider
     store: JobStore
@@ -98,17 +62,28 @@ class Executor:
     leases: HeldLeases = field(default_factory=HeldLeases)
     faults: FaultCounter = field(default_factory=FaultCounter)  # faults of our own since the last completion
     db_wait: DatabaseWait = field(default_factory=DatabaseWait)  # the database's unavailability, waited out
+    checks: ProviderChecks = field(init=False)  # the trivial requests that ask the provider itself
+
+    def __post_init__(self) -> None:
+        self.checks = ProviderChecks(self.provider, self.store, self.report, self.view, stop=self.stopping.event)
+
+    def check_at_start(self) -> None:
+        """Before claiming anything: stop at once if the provider still answers nothing usable
+        (``ProviderChecks.unusable_at_start``)."""
+        error = self.checks.unusable_at_start()
+        if error is not None:
+            self.stopping.stop(fatal=error)
 
     # -- a claim -------------------------------------------------------------------
     def run_claim(self, owner: str, jobs: Sequence[ClaimedJob], batch: int) -> None:
         fault_threshold, throttle_threshold = self._thresholds()
-        requests = decisions.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens,
+        requests = request_plan.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens,
                                            fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
         budget = self.config.call_timeout * (len(requests) + 1) + self.lease_seconds
         self.leases.hold(owner, [j.job_id for j in jobs], time.monotonic() + budget)
         try:
             crashpoints.reach(crashpoints.AFTER_CLAIM, self.config.crashpoint)
-            gone = decisions.unwanted(jobs)
+            gone = request_plan.unwanted(jobs)
             if gone:
                 self.store.apply(owner, [Supersede(tuple(gone))])
             for n, request in enumerate(requests):
@@ -173,7 +148,7 @@ class Executor:
         call_id = self.store.record_send(jobs, sum(j.token_count or 0 for j in jobs))
         try:
             # Requests carry only jobs with text (plan_requests leaves the unwanted out).
-            result = _embed(self.provider, [j.text for j in jobs if j.text is not None])
+            result = embed(self.provider, [j.text for j in jobs if j.text is not None])
         except ProviderError as err:
             self.store.record_failure(call_id, err, time.monotonic() - started)
             self.report.add(provider_calls=1)
@@ -217,7 +192,7 @@ class Executor:
         self._ride_out(owner, lambda: self.store.apply(owner, changes, answer=answer))
         self.faults.reset()
         if jobs and (self.view.had_failure or any(j.probe for j in jobs)):
-            self._usable()
+            self.checks.usable()
 
     def carry_out(self, owner: str, jobs: Sequence[ClaimedJob], outcome: decisions.Outcome) -> None:
         """Apply a decision about a request (``_decide`` has already asked the configuration probe)."""
@@ -247,7 +222,7 @@ class Executor:
     def _thresholds(self) -> tuple[int, int]:
         """The fault and throttle counts from which they are evidence against a job's inputs."""
         rates = self.view.rates
-        return rates.fault_threshold(), rates.throttle_threshold(decisions.THROTTLE_SHRINK_AFTER)
+        return rates.fault_threshold(), rates.throttle_threshold(request_plan.THROTTLE_SHRINK_AFTER)
 
     def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob], started: float,
                 health: str | None = None) -> decisions.Outcome:
@@ -259,95 +234,10 @@ class Executor:
                                    unusable_in_a_row=max(0, self.view.unusable - 1),
                                    fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
         if isinstance(outcome, ProbeConfig):
-            self._probe_config()
+            self.checks.probe_config()
             return self._decide(err, jobs, started, health)
         if isinstance(outcome, CheckProvider):
             # A failed probe of a tripped breaker: the provider answers nobody, nothing to ask.
-            health = DOWN if any(j.probe for j in jobs) else self.check_provider(started)
+            health = DOWN if any(j.probe for j in jobs) else self.checks.check_provider(started)
             return self._decide(err, jobs, started, health)
         return outcome
-
-    def check_provider(self, sent_at: float) -> str:
-        """Does the provider answer others? ``ANSWERS`` if a usable answer came
-        shortly before ``sent_at`` or since; otherwise one trivial request tells
-        (asked once by the worker's threads together: a check started after
-        ``sent_at`` answers for every request sent before it; up to
-        ``CHECK_TRIES`` of them while they fail). An unusable answer to it is
-        counted in the database (every worker, across restarts)."""
-        with self.view.check_lock:
-            if self.view.last_usable >= sent_at - RECENT_ANSWER_SECONDS:
-                return ANSWERS
-            checked_at, verdict = self.view.checked
-            if checked_at >= sent_at:
-                return verdict
-            checked_at = time.monotonic()
-            for _ in range(CHECK_TRIES):  # a flaky provider fails one trivial request, rarely all
-                result, err = self._trivial_call("health_probe")
-                self.view.rates.record(SUCCESS if err is None else THROTTLE if err.kind == THROTTLED else FAULT)
-                if err is None or err.kind not in (RETRYABLE, THROTTLED) \
-                        or err.error_class == BAD_RESPONSE:
-                    break
-            if err is None and result is not None and len(result.vectors) == 1:
-                self.view.last_usable = time.monotonic()
-                verdict = ANSWERS
-                if self.view.unusable:
-                    self._usable()
-            elif err is None or err.error_class == BAD_RESPONSE:
-                verdict = UNUSABLE
-                self.view.unusable = self.store.provider_unusable()
-                self.view.had_failure = True
-            else:
-                verdict = DOWN
-            self.view.checked = (checked_at, verdict)
-            return verdict
-
-    def check_at_start(self) -> None:
-        """Before claiming anything: if the provider's last answers (any worker's) were
-        unusable up to the stop, one trivial request decides whether to stop again at once."""
-        self.view.unusable = self.store.provider_unusable(count=False)
-        if self.view.unusable < decisions.MAX_UNMATCHED_ANSWERS:
-            return
-        self.view.had_failure = True
-        if self.check_provider(time.monotonic()) == UNUSABLE:
-            self.stopping.stop(fatal=ProviderError(
-                FATAL, decisions.TOO_MANY_UNMATCHED_ANSWERS,
-                f"the provider sent {self.view.unusable} answers in a row that cannot be matched to their inputs, "
-                "the last to a single trivial input, and still does; nothing was claimed: check the endpoint "
-                "(OPENAI_BASE_URL) or the proxy in front of it"))
-
-    def _usable(self) -> None:
-        """A usable answer after failures: close the breaker, reset the unusable answers in a row."""
-        self.store.provider_healthy()
-        self.view.had_failure = False
-        self.view.unusable = 0
-
-    def _trivial_call(self, outcome: str) -> tuple[EmbedResult, None] | tuple[None, ProviderError]:
-        """One trivial request (``"ping"``, one token), in the ledger: (result, None) or (None, error)."""
-        started = time.monotonic()
-        call_id = self.store.record_send([], 1)
-        self.report.add(provider_calls=1)
-        try:
-            result = _embed(self.provider, [CONFIG_PROBE_TEXT])
-        except ProviderError as err:
-            self.store.record_failure(call_id, err, time.monotonic() - started, prefix=outcome + "_")
-            return None, err
-        self.store.record_outcome(call_id, outcome=outcome, status=200, latency=time.monotonic() - started,
-                                  billed=ledger.BILLED, tokens=result.tokens)
-        return result, None
-
-    def _probe_config(self) -> None:
-        """One trivial request (a single token) tells a bad input from a bad
-        configuration; asked once per worker, after the first 400."""
-        _, err = self._trivial_call("config_probe")
-        self.view.config_ok = err is None or err.kind != TERMINAL
-
-
-def _embed(provider: Provider, texts: list[str]) -> EmbedResult:
-    """The provider's answer; an answer its SDK could not parse at all (the openai SDK raises a
-    bare ValueError for an answer with no embedding, e.g. a proxy that dropped the only one) is
-    an unusable answer of the provider, as a wrong count of vectors is, not a fault of ours."""
-    try:
-        return provider.embed(texts)
-    except ValueError as exc:
-        raise ProviderError(RETRYABLE, BAD_RESPONSE,
-                            f"unusable answer for {len(texts)} inputs: {exc}") from None

@@ -1,16 +1,12 @@
-"""Faults of our own (database, infrastructure, bugs), as the worker counts them,
-and the database's unavailability, which the worker waits out.
+"""Faults of our own (database, infrastructure, bugs), as the worker counts them, and the
+database's unavailability, which the worker waits out.
 
-Not an item's fault and not the provider's: the jobs held go back without using
-an attempt (``decisions.worker_error``), and a worker that meets
-``decisions.MAX_CONSECUTIVE_WORKER_FAULTS`` of them in a row, across its
-threads, stops with a one-line ``WorkerFault``.
-
-A database that is unavailable (unreachable, restarting, shutting down, not
-accepting connections yet, or read-only: a failover to a standby being
-promoted, a storage guard) is never counted and never charged to a job: the
-worker's threads pause and retry the same step with a backoff
-(``DatabaseWait``), logging one line when the wait starts and one when it ends.
+Our faults are not an item's nor the provider's: the jobs held go back without using an
+attempt (``decisions.worker_error``); ``decisions.MAX_CONSECUTIVE_WORKER_FAULTS`` in a row,
+across threads, stop the worker with a one-line ``WorkerFault``. An unavailable database
+(unreachable, restarting, not accepting connections yet, read-only) is never counted nor
+charged: threads pause and retry the same step with a backoff (``DatabaseWait``), logging one
+line when the wait starts and one when it ends.
 """
 
 from __future__ import annotations

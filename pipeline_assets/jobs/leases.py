@@ -1,17 +1,11 @@
-"""The leases a worker process holds, the heartbeat that keeps them, and the
-worker's liveness.
+"""The leases a worker process holds, the heartbeat that keeps them, and the worker's liveness.
 
-Each claim registers its jobs under its lease owner with a deadline: the latest
-moment a healthy call could still be running. The heartbeat extends, in the
-database, only leases whose deadline has not passed, so a stalled call stops
-being extended and its jobs are rescued like a dead worker's.
-
-Liveness is separate and faster: every worker keeps a row in ``app.workers``
-(``Liveness``), refreshed by its own thread on its own connection several times
-per ``dead_after``. All its lease owners start with the row's owner prefix, so
-when a worker stops beating (SIGKILL, OOM, a lost host) the others rescue its
-claims within seconds (``rescue_expired``) instead of waiting out the lease,
-while a live worker's slow call keeps its lease.
+Each claim registers its jobs under its lease owner with a deadline (the latest moment a
+healthy call could still run); the heartbeat extends only leases whose deadline has not
+passed, so a stalled call's jobs are rescued like a dead worker's. Liveness is faster: each
+worker refreshes its row in ``app.workers`` (``Liveness``) several times per ``dead_after`` on
+its own connection; its lease owners start with the row's owner prefix, so when it stops
+beating (SIGKILL, OOM, a lost host) others rescue its claims within seconds.
 """
 
 from __future__ import annotations

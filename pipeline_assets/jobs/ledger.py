@@ -1,16 +1,12 @@
 """The spend ledger: every provider call, and how often each input was sent.
 
-Each send is recorded *before* the request goes out, in its own short
-transaction (``record_send``: one statement, one round trip): the call row starts as ``sent`` and possibly
-billed, with the estimated tokens of its inputs and their checksums, so every
-input's send is counted at once (the view ``app.input_sends`` counts them). The
-outcome settles it afterwards (``record_outcome``): an answer is billed with
-the provider's usage; an ambiguous failure (timeout, dropped connection) stays
-possibly billed with the estimate; a refusal (429, 5xx, 4xx) was not billed and
-its sends no longer count. So a send whose answer never came (the worker was
-killed mid-call, the completion failed) is still counted, and the inputs sent
-more than once for the same content and model are exactly the duplicate spend
-that ``status`` reports.
+A send is recorded before the request goes out, in its own short transaction
+(``record_send``): the call row starts ``sent``, possibly billed, with its inputs' estimated
+tokens and checksums (counted by the view ``app.input_sends``). ``record_outcome`` settles it:
+an answer is billed with the provider's usage; an ambiguous failure (timeout, dropped
+connection) stays possibly billed at the estimate; a refusal (429, 5xx, 4xx) was not billed.
+So a send whose answer never came is still counted, and inputs sent more than once for the
+same content and model are exactly the duplicate spend ``status`` reports.
 """
 
 from __future__ import annotations

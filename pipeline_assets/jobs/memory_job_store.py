@@ -26,9 +26,10 @@ from pipeline_assets.jobs.changes import (
     Supersede,
     merged,
 )
-from pipeline_assets.jobs.decisions import FREE_FAULTS, BreakerFailure
+from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
 from pipeline_assets.jobs.memory_queue import CRASH_ERRORS, NEVER, Call, MemoryJob, MemoryModel, MemoryQueue
+from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry.models import ModelRetired

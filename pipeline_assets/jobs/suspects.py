@@ -1,24 +1,23 @@
 """A job that may crash its worker is worked alone in its worker process.
 
-A job that has met ``decisions.FREE_FAULTS`` faults (crashes of the workers
-holding it, transient faults of its requests) is a suspect: the next crash it
-is held in may be its own doing. Its claim holds it alone
-(``decisions.alone_if_suspect``), and ``SuspectGate`` lets that claim run only
-while no other claim of this process is held: should the process die then, the
-rescue finds the suspect the only job of a dead process and charges it
-(``rescue_expired`` in sql/queries/jobs.sql), and no innocent neighbour on
-another thread pays for its crash. A process holds one suspect at a time: a
-second suspect's claim, made by a thread that entered before the first began
-to wait, is turned away (its job is handed back untouched) instead of waiting
-under its lease, where it would be rescued beside the first and keep the
-first from being the only job of its dead process.
+A job that has met ``request_plan.FREE_FAULTS`` faults is a suspect: its claim holds it alone
+(``decisions.alone_if_suspect``, in ``run_claim``) and ``SuspectGate`` runs that claim only while no other claim
+of the process is held, so if the process dies the rescue finds the suspect the only job of a
+dead process and charges it (``rescue_expired``), never an innocent neighbour. A process holds
+one suspect at a time: a second suspect's claim is handed back untouched instead of waiting
+under its lease.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+from pipeline_assets.jobs import decisions
+from pipeline_assets.jobs.changes import ClaimedJob
+from pipeline_assets.jobs.executor import Executor
 
 # How often a waiting thread looks at its stop event.
 STOP_CHECK_SECONDS = 0.5
@@ -73,3 +72,32 @@ class SuspectGate:
                 self._alone = False
                 self._held += 1
                 self._cond.notify_all()
+
+
+def run_claim(executor: Executor, gate: SuspectGate, owner: str, jobs: Sequence[ClaimedJob], batch: int) -> bool:
+    """Run a claim (``Executor.run_claim``), a suspect alone: the claim's other jobs go back
+    untouched, and the suspect's claim runs as the only one of this process (``gate``, which the
+    calling thread entered). Returns False when the suspect went back untouched instead, because
+    another suspect of this process waits or runs alone (were it held, a crash of the other's run
+    would find two jobs of the dead process)."""
+    # Random provider faults make no suspect; before any answer (a worker restarted after
+    # crashes) every fault counts, and so does every fault of a job a crash failed last
+    # (decisions.suspect), as the rescue counts them.
+    rates = executor.view.rates
+    threshold = rates.fault_threshold() if rates.observed() else 1
+    jobs, others = decisions.alone_if_suspect(jobs, threshold)
+    if others:
+        executor.release_now(owner, others)
+    if not decisions.suspect(jobs[0], threshold):
+        executor.run_claim(owner, jobs, batch)
+        return True
+    # Its lease is kept while the other claims of this process end.
+    executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + executor.config.call_timeout
+                         + executor.lease_seconds)
+    with gate.alone(executor.stopping.event) as turn:
+        if turn:
+            executor.run_claim(owner, jobs, batch)
+            return True
+    executor.leases.drop(owner)
+    executor.release_now(owner, jobs)
+    return False

@@ -1,16 +1,10 @@
-"""The job state machine: guarded transitions over app.embedding_jobs.
+"""The job state machine: guarded transitions over app.embedding_jobs (diagram:
+docs/state-machine.md).
 
-Knows nothing of providers, workers or Dagster. Each function is one short
-statement (or one short transaction) and returns which jobs it moved. The SQL
-is in sql/queries/jobs.sql (``JOBS.<name>``); the states are ``JobStatus``; the
-transitions of held jobs are the plain values of ``jobs.changes``, applied by
-``apply`` (one statement per kind).
-
-    pending ──claim──► processing ──complete──► ready
-       ▲                 │  │  │                  │
-       │ requeue/revive  │  │  └─lost content──► superseded ◄── (content gone)
-       │                 │  └─retry/give back/expired─► retry ──claim──► processing
-     failed ◄─terminal / attempts exhausted─┘
+Knows nothing of providers, workers or Dagster. Each function is one short statement (or one
+short transaction) and returns which jobs it moved. The SQL is sql/queries/jobs.sql
+(``JOBS.<name>``); the states are ``JobStatus``; the transitions of held jobs are the values of
+``jobs.changes``, applied by ``apply`` (one statement per kind).
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ from pipeline_assets.jobs.changes import (
     merged,
     params,
 )
-from pipeline_assets.jobs.decisions import FREE_FAULTS
+from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.vectors import param as vectors_param

@@ -7,9 +7,8 @@ extends the leases of healthy calls; the per-call deadline bounds a stalled one.
 A liveness thread keeps this worker's row in app.workers fresh. The main thread
 rescues expired leases and the claims of dead workers, and decides when to stop.
 
-What happens to a claim is ``jobs.executor``'s: it decides with the pure
-functions of ``jobs.decisions`` and applies the transitions through the
-store; this module runs the threads and decides when to stop.
+What happens to a claim is ``jobs.executor``'s (pure decisions: ``jobs.decisions``; a
+suspect's claim runs alone: ``jobs.suspects``); this module runs the threads.
 """
 
 from __future__ import annotations
@@ -24,12 +23,13 @@ import uuid
 
 import psycopg
 
-from pipeline_assets.jobs import decisions, job_log, leases, running_ingests
+from pipeline_assets.jobs import job_log, leases, running_ingests, suspects
 from pipeline_assets.jobs.budget import TokenBudget
-from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
+from pipeline_assets.jobs.executor import Executor, Stopping
 from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
 from pipeline_assets.jobs.job_store import JobStore
 from pipeline_assets.jobs.pg_job_store import PostgresJobStore
+from pipeline_assets.jobs.provider_checks import ProviderView
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.jobs.send_limit import SendLimit
 from pipeline_assets.jobs.suspects import SuspectGate
@@ -282,26 +282,6 @@ class Worker:
         if not jobs:
             self._wake.set()  # the main loop looks whether the whole queue drained
             return WAIT_A_POLL
-        # Random provider faults make no suspect; before any answer (a worker restarted after
-        # crashes) every fault counts, and so does every fault of a job a crash failed last
-        # (decisions.suspect), as the rescue counts them.
-        rates = executor.view.rates
-        threshold = rates.fault_threshold() if rates.observed() else 1
-        jobs, others = decisions.alone_if_suspect(jobs, threshold)
-        if others:
-            executor.release_now(owner, others)
-        if not decisions.suspect(jobs[0], threshold):
-            executor.run_claim(owner, jobs, self._batch)
+        if suspects.run_claim(executor, self._suspects, owner, jobs, self._batch):
             return None
-        # Its lease is kept while the other claims of this process end.
-        executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + self.config.executor.call_timeout
-                             + self.config.lease_seconds)
-        with self._suspects.alone(self.stop) as turn:
-            if turn:
-                executor.run_claim(owner, jobs, self._batch)
-                return None
-        # Another suspect of this process waits or runs alone: this one goes back untouched
-        # (were it held, a crash of the other's run would find two jobs of the dead process).
-        executor.leases.drop(owner)
-        executor.release_now(owner, jobs)
-        return WAIT_A_POLL
+        return WAIT_A_POLL  # its suspect went back untouched: another suspect of this process runs alone

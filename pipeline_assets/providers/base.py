@@ -16,11 +16,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
+from pipeline_assets.component_config import ERROR_MESSAGE_MAX_CHARS
 
-from pipeline_assets.settings import ERROR_MESSAGE_MAX_CHARS
+if TYPE_CHECKING:  # numpy only where vectors are made
+    import numpy as np
 
 RETRYABLE = "retryable"
 THROTTLED = "throttled"
@@ -30,9 +31,6 @@ FATAL = "fatal"
 # The error class (RETRYABLE) of an answer that cannot be matched to its inputs (a wrong
 # count of vectors, a duplicate or missing ``index``): nothing stored, nothing charged.
 BAD_RESPONSE = "bad_response"
-
-# PIPELINE_EMBEDDING_MODEL of the local ONNX model (``providers.onnx_local``, an optional extra).
-ONNX_MODEL_NAME = "local-onnx"
 
 
 @dataclass(frozen=True)

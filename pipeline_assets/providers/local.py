@@ -24,8 +24,8 @@ import numpy as np
 from pipeline_assets.content.chunking import get_encoding
 
 from .base import EmbedResult, ModelSpec
+from .provider_config import LOCAL_MODEL_NAME
 
-LOCAL_MODEL_NAME = "local-hashing"
 # Part of the model id: bump it whenever the embedder's output changes.
 LOCAL_MODEL_VERSION = "hashing-words-v2"
 # Buckets of the hashed vector; more buckets, fewer collisions (and 4 bytes each per stored vector).

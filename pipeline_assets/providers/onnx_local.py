@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .base import ONNX_MODEL_NAME, TERMINAL, ConfigError, EmbedResult, ModelSpec, ProviderError
+from .base import TERMINAL, ConfigError, EmbedResult, ModelSpec, ProviderError
 from .limits import FOREIGN_TOKENS_PER_CHUNK_TOKEN
+from .provider_config import ONNX_MODEL_NAME
 
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession

@@ -1,10 +1,10 @@
 """OpenAI-compatible provider through the official ``openai`` SDK.
 
 The SDK's own retries are off (max_retries=0): the job table's policy is the
-only one. Each request has a hard wall-clock deadline (``Settings.call_timeout``
+only one. Each request has a hard wall-clock deadline (``ProviderConfig.call_timeout``
 over the whole call, not per read: ``providers.deadline``); a call past it is
 an ordinary retryable ``timeout`` whose inputs may have been billed. The key and
-base URL come from ``Settings`` (OPENAI_API_KEY, OPENAI_BASE_URL).
+base URL come from the ``ProviderConfig`` (OPENAI_API_KEY, OPENAI_BASE_URL).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Model registry: one row per model_id, with its dimension, active or retired.
+"""Model registry: one row per model_id, with its dimension, active or retired (SQL:
+sql/queries/models.sql; the per-model HNSW index: ``registry.vector_index``).
 
-The dimension comes from the model's configuration or, when unknown, from the
-first response. Several models may be active (each gets jobs for every current
-chunk); one is *served* (``app.served_model``): the one search and export read.
-The first model registered is served at once; after that only ``serve``
-switches it, and ``coverage`` says whether a model is complete enough for it.
-A retired model keeps its vectors for a grace period; ``purge_due`` and
-``purge`` then delete them and its index. Retiring is sticky: a worker, ingest or Dagster run still
-configured with a retired model is refused (``ModelRetired``) until a person
-runs ``models activate``; nothing reactivates it (and bills for it) silently.
-The per-model HNSW index is ``registry.vector_index``. The SQL is in
-sql/queries/models.sql.
+The dimension comes from the model's configuration or the first response. Every active model
+gets jobs for every current chunk; one is *served* (``app.served_model``), the one search and
+export read: the first registered at once, then only ``serve`` switches it (``coverage`` says
+whether a model is complete enough). A retired model keeps its vectors for a grace period
+(``purge_due``, ``purge``). Retiring is sticky: a run configured with a retired model is
+refused (``ModelRetired``) until ``models activate``; nothing reactivates it silently.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """The per-model HNSW index on app.embeddings: which kind, its state, its build.
 
-One column holds the vectors of every model, so each model gets a partial
-expression index (``WHERE model_id = …``) over a cast to its dimension:
-``vector`` up to 2,000 dimensions, ``halfvec`` (half precision) up to 4,000
-(pgvector's HNSW limits); above that a model has no index and is searched
-exactly (a scan of its vectors).
-
-The build never blocks completions: ``CREATE INDEX CONCURRENTLY`` outside any
-transaction, one builder per index (a session advisory lock that dies with its
-connection; a second builder does not wait, it leaves the build to the first).
-A failed or cancelled build leaves an INVALID index; the next build drops it
-and builds again. A build error is returned as one line (``IndexBuildError``),
-never an internal error that kills a worker or a run. Workers build when their
-queue drains and no ingest is running (``running_ingests``): ``BackgroundBuild``,
-on its own connection, cancelled on stop;
-``pipeline-assets models index`` builds on demand; reconcile never builds.
-Until the index exists, search is an exact scan.
+Each model gets a partial expression index (``WHERE model_id = …``) over a cast to its dimension:
+``vector`` up to 2,000 dimensions, ``halfvec`` up to 4,000 (pgvector's HNSW limits); above that it
+is searched exactly. The build never blocks completions (``CREATE INDEX CONCURRENTLY``, one builder
+per index under a session advisory lock; a second leaves it to the first), its memory is
+``registry.index_memory``'s, and its error is one line (``IndexBuildError``). A failed or cancelled
+build leaves an INVALID index the next build replaces. Workers build when their queue drains and no
+ingest runs (``BackgroundBuild``, cancelled on stop); ``pipeline-assets models index`` on demand;
+until then search is an exact scan (docs/state-machine.md, "Vector indexes").
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
+from pipeline_assets.registry.index_memory import build_memory, graph_bytes
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.store import queries
 from pipeline_assets.store.background import BackgroundWork
@@ -45,16 +38,6 @@ HNSW_MAX_HALFVEC_DIM = 4000
 INDEX_LOCK_NAMESPACE = 0x766E6478
 # A long-running worker whose build failed (or was left to another builder) looks again after this long.
 INDEX_RETRY_SECONDS = 600.0
-
-# maintenance_work_mem of a build's session, sized to the HNSW graph it builds (an HNSW graph builds
-# many times faster while it fits): per vector, the element and its neighbour lists (m = 16) plus the
-# vector itself. Measured on pgvector 0.8 from the tuples a build holds before it reports "graph no
-# longer fits": 713-723 bytes + 4 per dimension (vector) or 2 (halfvec), from 8 to 2,100 dimensions.
-GRAPH_BYTES_PER_VECTOR = 720
-VALUE_BYTES_PER_DIMENSION = {"vector": 4, "halfvec": 2}
-# Headroom over that estimate (allocation slack, a build's fixed structures).
-GRAPH_MEMORY_MARGIN = 1.1
-GRAPH_MEMORY_FIXED = 16 * 1024 * 1024
 # SQLSTATEs of a build that could not get that memory (shared memory of a parallel build: a small
 # /dev/shm in a container): built again once with the server's own setting.
 OUT_OF_BUILD_MEMORY = ("53100", "53200")   # disk_full (a DSM segment), out_of_memory
@@ -132,19 +115,6 @@ def exists(conn: psycopg.Connection, model_id: str) -> bool:
     return queries.one_row(conn, MODELS.index_state, _lock_params(model_id))[0] is not None
 
 
-def graph_bytes(vectors: int, dimension: int) -> int:
-    """The estimated memory of the HNSW graph of ``vectors`` vectors (with the margin)."""
-    kind = index_kind(dimension) or "vector"
-    per_vector = GRAPH_BYTES_PER_VECTOR + VALUE_BYTES_PER_DIMENSION[kind] * dimension
-    return int(vectors * per_vector * GRAPH_MEMORY_MARGIN) + GRAPH_MEMORY_FIXED
-
-
-def build_memory(vectors: int, dimension: int, *, session_memory: int, cap: int) -> int:
-    """The maintenance_work_mem of a build, in bytes: the graph's estimate, at most ``cap``,
-    never less than the session already has (the server's or the role's setting)."""
-    return max(session_memory, min(cap, graph_bytes(vectors, dimension)))
-
-
 def progress(conn: psycopg.Connection, model_id: str) -> dict | None:
     """The running build of the model's index (pg_stat_progress_create_index: phase, blocks
     and tuples done of their totals), or None when none runs."""
@@ -206,8 +176,8 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
             conn.execute(_drop(name))
         vectors, session_memory = (int(v) for v in queries.one_row(conn, MODELS.index_build_inputs,
                                                                     {"model": model_id}))
-        graph = graph_bytes(vectors, int(dimension))
-        memory = build_memory(vectors, int(dimension), session_memory=session_memory, cap=memory_cap)
+        graph = graph_bytes(vectors, int(dimension), kind)
+        memory = build_memory(vectors, int(dimension), kind, session_memory=session_memory, cap=memory_cap)
         if graph > memory:
             log.warning("the vector index of model %s (%d vectors) needs ~%d MB to build in memory, over "
                         "PIPELINE_INDEX_BUILD_MEMORY (%d MB): it builds partly on disk, far slower",

@@ -11,12 +11,16 @@ from typing import Self
 
 import psycopg
 
+# How long ``cancel`` waits for the work to stop, and how often it cancels the running statement again.
+CANCEL_SECONDS = 5.0
+CANCEL_AGAIN_SECONDS = 0.25
+
 
 class BackgroundWork:
     """Runs ``work(conn)`` once in a daemon thread on a connection from ``connect``.
 
-    ``cancel`` stops it: the statement running is cancelled (its transaction rolls back) and
-    ``stopped`` is set for ``work`` to check between statements. An exception of ``work``
+    ``cancel`` stops it: ``stopped`` is set for ``work`` to check between statements and the
+    statement running is cancelled (its transaction rolls back). An exception of ``work``
     goes to ``failed``. ``done`` once over, whatever the outcome; ``on_done`` is told then.
     """
 
@@ -38,13 +42,22 @@ class BackgroundWork:
     def done(self) -> bool:
         return self.finished_at is not None
 
-    def cancel(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            self.stopped.set()
-            if self._conn is not None and not self.done:
+    def cancel(self, timeout: float = CANCEL_SECONDS) -> None:
+        """Stop the work within ``timeout`` seconds: ``stopped`` is set and the running
+        statement cancelled, again every ``CANCEL_AGAIN_SECONDS`` while the thread lives (a
+        statement that began just after a cancel is cancelled by the next one)."""
+        deadline = time.monotonic() + timeout
+        self.stopped.set()
+        while self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with self._lock:
+                conn = None if self.done else self._conn
+            if conn is not None:
                 with contextlib.suppress(Exception):
-                    self._conn.cancel_safe(timeout=timeout)
-        self._thread.join(timeout)
+                    conn.cancel_safe(timeout=left)
+            self._thread.join(min(CANCEL_AGAIN_SECONDS, max(0.0, deadline - time.monotonic())))
 
     def work(self, conn: psycopg.Connection) -> None:
         raise NotImplementedError
@@ -54,12 +67,14 @@ class BackgroundWork:
 
     def _run(self) -> None:
         try:
+            if self.stopped.is_set():
+                return
+            conn = self._connect()  # outside the lock: a slow connect never holds up ``cancel``
             with self._lock:
-                if self.stopped.is_set():
-                    return
-                self._conn = self._connect()
-            with contextlib.closing(self._conn) as conn:
-                self.work(conn)
+                self._conn = conn
+            with contextlib.closing(conn):
+                if not self.stopped.is_set():
+                    self.work(conn)
         except Exception as exc:
             self.failed(exc)
         finally:

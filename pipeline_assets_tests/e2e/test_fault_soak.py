@@ -211,7 +211,8 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
                 kills += 1
-                exits.append(f"worker {i} ignored SIGTERM for {STOP_GRACE_SECONDS} s: {_tail(log)}")
+                exits.append(f"worker {i} ignored SIGTERM for {STOP_GRACE_SECONDS} s (its stacks at 20 s last): "
+                             f"{_tail(log, 80)}")
     if failures:
         raise failures[0]
     soak_stats = fake.stats

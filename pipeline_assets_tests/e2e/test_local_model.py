@@ -133,14 +133,14 @@ def test_nothing_is_truncated(provider):
 
 def test_the_model_id_carries_the_model_and_its_version(model_dir, tmp_path):
     settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx", "PIPELINE_LOCAL_MODEL_DIR": str(model_dir)})
-    spec = provider_for(settings).spec
+    spec = provider_for(settings.provider_config()).spec
     assert spec.model_id.startswith("onnx/all-MiniLM-L6-v2-int8-") and spec.model_id.endswith("@384")
     assert (spec.max_input_tokens, spec.special_tokens, spec.tokenizer, spec.max_chunk_tokens) == (256, 2, "WordPiece",
                                                                                                    169)
     other = tmp_path / model_dir.name
     shutil.copytree(model_dir, other)
     (other / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
-    changed = provider_for(settings.replace(local_model_dir=other)).spec
+    changed = provider_for(settings.replace(local_model_dir=other).provider_config()).spec
     assert changed.model_id != spec.model_id and changed.max_input_tokens == 128
 
 
@@ -149,9 +149,9 @@ def test_a_missing_directory_is_one_clear_error(tmp_path):
 
     settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx"})
     with pytest.raises(ConfigError, match="needs PIPELINE_LOCAL_MODEL_DIR"):
-        provider_for(settings)
+        provider_for(settings.provider_config())
     with pytest.raises(ConfigError, match=r"no model\.onnx"):
-        provider_for(settings.replace(local_model_dir=tmp_path))
+        provider_for(settings.replace(local_model_dir=tmp_path).provider_config())
 
 
 # -- end to end, offline: embed the bundled corpus, rerun, relevance ----------------------------

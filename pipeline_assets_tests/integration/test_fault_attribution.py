@@ -24,8 +24,9 @@ import time
 
 import pytest
 
-from pipeline_assets.jobs.decisions import FREE_FAULTS, MAX_UNMATCHED_ANSWERS
+from pipeline_assets.jobs.decisions import MAX_UNMATCHED_ANSWERS
 from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
+from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
 

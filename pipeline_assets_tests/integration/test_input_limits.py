@@ -52,13 +52,15 @@ def test_a_cl100k_window_is_exact_and_a_foreign_one_is_bounded():
 
 def test_a_server_models_window_comes_from_its_setting():
     base = {"OPENAI_API_KEY": "k", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
-    known = provider_for(Settings.from_env({**base, "PIPELINE_EMBEDDING_MODEL": "text-embedding-3-small"}))
+    def provider(**env: str):
+        return provider_for(Settings.from_env({**base, **env}).provider_config())
+
+    known = provider(PIPELINE_EMBEDDING_MODEL="text-embedding-3-small")
     assert (known.spec.max_input_tokens, known.spec.max_chunk_tokens, known.spec.tokenizer) == (8191, 8191, "cl100k")
     assert known.window_known
-    unknown = provider_for(Settings.from_env({**base, "PIPELINE_EMBEDDING_MODEL": "bge-small"}))
+    unknown = provider(PIPELINE_EMBEDDING_MODEL="bge-small")
     assert not unknown.window_known  # `settings` warns about it
-    server = provider_for(Settings.from_env({**base, "PIPELINE_EMBEDDING_MODEL": "bge-small",
-                                             "PIPELINE_MODEL_MAX_INPUT_TOKENS": "256"}))
+    server = provider(PIPELINE_EMBEDDING_MODEL="bge-small", PIPELINE_MODEL_MAX_INPUT_TOKENS="256")
     assert server.spec.max_input_tokens == 256
     assert server.spec.max_chunk_tokens == int((256 - 2) / FOREIGN_TOKENS_PER_CHUNK_TOKEN)
     assert server.spec.model_id == unknown.spec.model_id  # the window never changes a vector

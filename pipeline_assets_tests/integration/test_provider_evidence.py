@@ -24,9 +24,10 @@ import time
 import pytest
 
 from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL
-from pipeline_assets.jobs.decisions import FREE_FAULTS, MAX_UNMATCHED_ANSWERS
+from pipeline_assets.jobs.decisions import MAX_UNMATCHED_ANSWERS
 from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
-from pipeline_assets.jobs.executor import CHECK_TRIES
+from pipeline_assets.jobs.provider_checks import CHECK_TRIES
+from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets_tests.conftest import (
     assert_vectors_match,
     cli,

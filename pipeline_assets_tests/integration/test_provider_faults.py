@@ -229,7 +229,7 @@ def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt
 
 
 def test_only_a_split_for_a_bad_input_isolates(conn, clean_db):
-    from pipeline_assets.jobs import decisions, transitions
+    from pipeline_assets.jobs import request_plan, transitions
     from pipeline_assets.jobs.changes import Isolate
 
     model = _queue(conn, 5)
@@ -242,7 +242,7 @@ def test_only_a_split_for_a_bad_input_isolates(conn, clean_db):
                                message="boom")
     again = transitions.claim(conn, model_id=model, owner="c", limit=5, lease_seconds=30)
     assert {j.job_id: j.isolate for j in again} == {i: i in ids[:2] for i in ids}
-    requests = decisions.plan_requests(again, max_inputs=10, max_tokens=1000)
+    requests = request_plan.plan_requests(again, max_inputs=10, max_tokens=1000)
     assert sorted(map(len, requests)) == [1, 1, 3]  # the 5xx'd ones still travel together
 
 

@@ -186,7 +186,8 @@ def test_migration_010_indexes_chunks_written_before_it(server_url, tmp_path):
 
 
 def test_offline_embedder_v2_has_its_own_model_id():
-    assert provider_for(Settings.from_env({})).spec.model_id == MODEL_ID  # never mixed with v1's vectors
+    # never mixed with v1's vectors
+    assert provider_for(Settings.from_env({}).provider_config()).spec.model_id == MODEL_ID
 
 
 def test_offline_embedder_drops_stop_words_and_joins_inflections():

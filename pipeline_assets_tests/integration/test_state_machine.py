@@ -22,7 +22,7 @@ import psycopg.errors
 import pytest
 
 from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.decisions import FREE_FAULTS
+from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets.store import db

@@ -49,7 +49,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from pipeline_assets.app import model_admin
-from pipeline_assets.jobs import decisions, transitions
+from pipeline_assets.jobs import decisions, request_plan, transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
@@ -412,7 +412,7 @@ class JobStateMachine(RuleBasedStateMachine):
         applied = transitions.became(transitions.apply(self.conn, claim.owner, outcome.changes))
         after = self._rows()
         counted = health == decisions.ANSWERS
-        charged = counted and len(jobs) == 1 and jobs[0].faults >= decisions.FREE_FAULTS
+        charged = counted and len(jobs) == 1 and jobs[0].faults >= request_plan.FREE_FAULTS
         for i in held:
             b, r = before[i], after[i]
             if not self.active[b.model_id]:
@@ -460,7 +460,7 @@ class JobStateMachine(RuleBasedStateMachine):
         expected, attempts, faults = {}, {}, {}
         for i in expired:
             b = before[i]
-            charged = processes.count(process(b.lease_owner)) == 1 and b.faults >= decisions.FREE_FAULTS
+            charged = processes.count(process(b.lease_owner)) == 1 and b.faults >= request_plan.FREE_FAULTS
             if not self.active[b.model_id]:
                 expected[i], attempts[i], faults[i] = "superseded", b.attempts, b.faults
             elif charged:

@@ -31,7 +31,7 @@ from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
 from pipeline_assets.jobs import transitions
 from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import ModelSpec
-from pipeline_assets.registry import models, vector_index
+from pipeline_assets.registry import index_memory, models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, retrieval
 from pipeline_assets_tests import job_helpers
@@ -288,7 +288,7 @@ def test_a_build_uses_its_own_memory_and_leaves_the_session_as_it_was(clean_db, 
     seed_ready(conn, s, [unit(rng, 8) for _ in range(5)])
     server_default = conn.execute("SHOW maintenance_work_mem").fetchone()[0]
     # The build sets its memory: a value the server refuses fails the build (one line)...
-    monkeypatch.setattr(vector_index, "GRAPH_MEMORY_FIXED", 1 << 45)   # 32 TiB: over the server's maximum
+    monkeypatch.setattr(index_memory, "GRAPH_MEMORY_FIXED", 1 << 45)   # 32 TiB: over the server's maximum
     with pytest.raises(vector_index.IndexBuildError, match="maintenance_work_mem"):
         vector_index.build(conn, s.model_id, 8, memory_cap=1 << 46)
     assert index_row(conn, s.model_id) is None
@@ -424,14 +424,14 @@ def index_identity(conn, model_id: str):
 def test_build_memory_follows_the_graph_within_the_cap_and_never_below_the_session():
     mb, gib = 1 << 20, 1 << 30
     # 1M vectors of 256 dimensions: ~1.9 GB of graph (720 + 4 x 256 bytes each, 10% margin).
-    assert vector_index.graph_bytes(1_000_000, 256) == pytest.approx(1.93e9, rel=0.01)
-    assert vector_index.build_memory(1_000_000, 256, session_memory=64 * mb, cap=2 * gib) == \
-        vector_index.graph_bytes(1_000_000, 256)
-    assert vector_index.build_memory(1_000_000, 256, session_memory=64 * mb, cap=gib) == gib   # capped
-    assert vector_index.build_memory(1_000, 256, session_memory=64 * mb, cap=gib) == 64 * mb   # the server's
-    assert vector_index.build_memory(10**6, 256, session_memory=4 * gib, cap=gib) == 4 * gib   # never lowered
+    assert index_memory.graph_bytes(1_000_000, 256, "vector") == pytest.approx(1.93e9, rel=0.01)
+    assert index_memory.build_memory(1_000_000, 256, "vector", session_memory=64 * mb, cap=2 * gib) == \
+        index_memory.graph_bytes(1_000_000, 256, "vector")
+    assert index_memory.build_memory(1_000_000, 256, "vector", session_memory=64 * mb, cap=gib) == gib   # capped
+    assert index_memory.build_memory(1_000, 256, "vector", session_memory=64 * mb, cap=gib) == 64 * mb  # the server's
+    assert index_memory.build_memory(10**6, 256, "vector", session_memory=4 * gib, cap=gib) == 4 * gib  # not lowered
     # halfvec halves the vector's part.
-    assert vector_index.graph_bytes(10**6, 3072) < vector_index.graph_bytes(10**6, 2000) * 1.3
+    assert index_memory.graph_bytes(10**6, 3072, "halfvec") < index_memory.graph_bytes(10**6, 2000, "vector") * 1.3
 
 
 def test_a_build_is_given_the_memory_of_its_graph_up_to_the_cap(clean_db):

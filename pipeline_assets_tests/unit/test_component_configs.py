@@ -7,6 +7,8 @@ worker runs on the in-memory queue with the offline model.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,10 @@ from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
 from pipeline_assets.jobs.worker import BudgetExhausted, Worker
 from pipeline_assets.jobs.worker_config import WorkerConfig
+from pipeline_assets.providers import provider_config as pc
+from pipeline_assets.providers import provider_for
 from pipeline_assets.providers.local import LocalHashingProvider
+from pipeline_assets.providers.provider_config import ProviderConfig
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.settings import Settings, SettingsError
 from pipeline_assets.store import database_config as dbc
@@ -58,6 +63,10 @@ def test_defaults_are_the_named_constants():
         retry_base=ec.DEFAULT_BACKOFF_BASE_SECONDS, retry_cap=ec.DEFAULT_BACKOFF_CAP_SECONDS,
         database=DatabaseConfig(), max_bytes=ic.DEFAULT_MAX_INPUT_BYTES)
     assert DatabaseConfig() == DatabaseConfig(url=None, home=dbc.DEFAULT_HOME, pool_mode=dbc.DEFAULT_POOL_MODE)
+    assert ProviderConfig() == ProviderConfig(
+        model=None, api_key=None, base_url=None, dimensions=None, call_timeout=ec.DEFAULT_CALL_TIMEOUT_SECONDS,
+        batch_inputs=pc.DEFAULT_BATCH_INPUTS, batch_tokens=pc.DEFAULT_BATCH_TOKENS, max_input_tokens=None,
+        local_model_dir=None, local_batch_inputs=pc.DEFAULT_LOCAL_BATCH_INPUTS)
 
 
 def test_an_empty_environment_builds_the_default_configs():
@@ -69,6 +78,7 @@ def test_an_empty_environment_builds_the_default_configs():
     home = dbc.DEFAULT_HOME.expanduser().resolve()
     assert s.database_config() == DatabaseConfig(home=home)
     assert s.source_config() == SourceConfig(database=DatabaseConfig(home=home))
+    assert s.provider_config() == ProviderConfig()
 
 
 @pytest.mark.parametrize(("build", "field", "value"), [
@@ -84,6 +94,10 @@ def test_an_empty_environment_builds_the_default_configs():
     (DatabaseConfig, "pool_mode", "statement"),
     (DagsterConfig, "partition_buckets", dc.MAX_PARTITION_BUCKETS + 1),
     (DagsterConfig, "embed_workers", "elsewhere"),
+    (ProviderConfig, "batch_inputs", 0),
+    (ProviderConfig, "dimensions", 0),
+    (ProviderConfig, "max_input_tokens", -1),
+    (ProviderConfig, "local_batch_inputs", 0),
 ])
 def test_a_value_out_of_range_is_one_line_naming_the_field(build, field, value):
     with pytest.raises(InvalidConfig) as raised:
@@ -103,6 +117,11 @@ def test_a_value_out_of_range_is_one_line_naming_the_field(build, field, value):
     ("PIPELINE_PARTITION_BUCKETS", "0"),
     ("PIPELINE_DATABASE_POOL_MODE", "statement"),
     ("PIPELINE_EMBED_RUN_DEADLINE", "0"),
+    ("PIPELINE_BATCH_INPUTS", "0"),
+    ("PIPELINE_BATCH_TOKENS", "0"),
+    ("PIPELINE_EMBEDDING_DIMENSIONS", "0"),
+    ("PIPELINE_MODEL_MAX_INPUT_TOKENS", "0"),
+    ("PIPELINE_LOCAL_BATCH_INPUTS", "0"),
 ])
 def test_from_the_environment_the_error_names_the_variable(env, value):
     with pytest.raises(SettingsError) as raised:
@@ -149,6 +168,16 @@ REACHES = [
     ("PIPELINE_DLQ_GROWTH_PER_HOUR", "3", "dagster_config", lambda c: c.dlq_growth_per_hour, 3),
     ("PIPELINE_EMBED_WORKERS", "external", "dagster_config", lambda c: c.in_process, False),
     ("PIPELINE_EMBED_RUN_DEADLINE", "12.5", "dagster_config", lambda c: c.embed_run_deadline, 12.5),
+    ("PIPELINE_EMBEDDING_MODEL", "local-onnx", "provider_config", lambda c: c.model_name, "local-onnx"),
+    ("OPENAI_API_KEY", "sk-test", "provider_config", lambda c: c.model_name, pc.DEFAULT_OPENAI_MODEL),
+    ("OPENAI_BASE_URL", "http://llm:8080/v1", "provider_config", lambda c: c.base_url, "http://llm:8080/v1"),
+    ("PIPELINE_EMBEDDING_DIMENSIONS", "256", "provider_config", lambda c: c.dimensions, 256),
+    ("PIPELINE_CALL_TIMEOUT", "7.5", "provider_config", lambda c: c.call_timeout, 7.5),
+    ("PIPELINE_BATCH_INPUTS", "5000", "provider_config", lambda c: c.request_inputs, pc.MAX_BATCH_INPUTS),
+    ("PIPELINE_BATCH_TOKENS", "500", "provider_config", lambda c: c.batch_tokens, 500),
+    ("PIPELINE_MODEL_MAX_INPUT_TOKENS", "512", "provider_config", lambda c: c.max_input_tokens, 512),
+    ("PIPELINE_LOCAL_MODEL_DIR", "/models/m", "provider_config", lambda c: c.local_model_dir, Path("/models/m")),
+    ("PIPELINE_LOCAL_BATCH_INPUTS", "8", "provider_config", lambda c: c.local_batch_inputs, 8),
 ]
 
 
@@ -199,3 +228,33 @@ def test_a_run_token_budget_from_the_environment_stops_the_worker():
         worker.run()
     statuses = [queue.jobs[j].status for j in jobs]
     assert statuses.count("ready") == 4 and statuses.count("pending") == 8, statuses
+
+
+def test_the_key_stays_out_of_the_provider_configs_repr():
+    config = Settings.from_env({"OPENAI_API_KEY": "sk-hunter2-secret"}).provider_config()
+    assert config.api_key == "sk-hunter2-secret" and "hunter2" not in repr(config)
+
+
+def test_the_provider_is_built_from_its_config_alone():
+    config = ProviderConfig(api_key="sk-test", base_url="http://127.0.0.1:9/v1", dimensions=64, batch_inputs=5000,
+                            batch_tokens=900, max_input_tokens=512, model="bge-small")
+    provider = provider_for(config)
+    try:
+        spec = provider.spec
+        assert (spec.name, spec.dimension, spec.max_batch_inputs, spec.max_batch_tokens, spec.max_input_tokens) == \
+            ("bge-small", 64, pc.MAX_BATCH_INPUTS, 900, 512)
+    finally:
+        provider.close()
+    assert provider_for(ProviderConfig()).spec.name == pc.LOCAL_MODEL_NAME
+
+
+def test_the_providers_package_and_the_settings_load_no_model_library():
+    """A command that builds no local model (``settings``, ``status``, ``dlq``) does not pay for numpy,
+    onnxruntime or the openai SDK: importing the package and building the config loads none of them."""
+    code = ("import sys\n"
+            "from pipeline_assets.settings import Settings\n"
+            "import pipeline_assets.providers\n"
+            "Settings.from_env({}).provider_config()\n"
+            "print(' '.join(m for m in ('numpy', 'onnxruntime', 'openai') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []

@@ -15,10 +15,12 @@ import pytest
 
 from pipeline_assets.jobs import leases, ledger
 from pipeline_assets.jobs.changes import Complete
-from pipeline_assets.jobs.executor import Executor, ProviderView, Stopping
+from pipeline_assets.jobs.decisions import DOWN
+from pipeline_assets.jobs.executor import Executor, Stopping
 from pipeline_assets.jobs.executor_config import ExecutorConfig
 from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
+from pipeline_assets.jobs.provider_checks import CHECK_TRIES, ProviderView
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
 from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets_tests.conftest import FAKE_MODEL, wait_until
@@ -201,3 +203,37 @@ def test_an_unmatchable_answer_is_given_back_and_billed_as_maybe(rig):
     assert all(rig.vector(t) is None for t in ("a", "b"))
     assert [rig.queue.jobs[j].attempts for j in jobs] == [0, 0]
     assert rig.queue.calls[0].billed == ledger.MAYBE_BILLED
+
+
+def test_a_stopping_worker_asks_the_provider_nothing(rig):
+    """Whether the provider answers others is not asked once the worker stops: a stop is
+    never held up by trivial requests to a slow provider."""
+    rig.executor.stopping.event.set()
+    assert rig.executor.checks.check_provider(time.monotonic()) == DOWN
+    assert rig.fake.stats["requests"] == 0
+
+
+class StopsAfterOneCall:
+    """The provider, with the worker told to stop during the first call."""
+
+    def __init__(self, provider, stop: threading.Event) -> None:
+        self._provider, self._stop = provider, stop
+
+    def __getattr__(self, name):
+        return getattr(self._provider, name)
+
+    def embed(self, texts):
+        try:
+            return self._provider.embed(texts)
+        finally:
+            self._stop.set()
+
+
+def test_a_stop_during_the_check_ends_its_tries(rig):
+    """The check tries up to CHECK_TRIES trivial requests while they fail; a stop after the
+    first ends it there."""
+    rig.fake.fail_next(CHECK_TRIES, 500)
+    checks = rig.executor.checks
+    checks.provider = StopsAfterOneCall(checks.provider, rig.executor.stopping.event)
+    assert checks.check_provider(time.monotonic()) == DOWN
+    assert rig.fake.stats["requests"] == 1

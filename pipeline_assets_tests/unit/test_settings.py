@@ -11,7 +11,6 @@ import pytest
 
 from pipeline_assets.app.runtime import chunker_for, extractor_version
 from pipeline_assets.content.extract import EXTRACTOR_VERSION
-from pipeline_assets.providers import configured_model_name
 from pipeline_assets.settings import Settings, SettingsError
 from pipeline_assets.settings_reference import reference_table
 
@@ -24,8 +23,8 @@ def test_defaults_without_environment():
     assert s.database_url is None and s.openai_api_key is None
     assert s.max_input_bytes == 20 * 1024 * 1024
     assert s.decode_errors == "strict"
-    assert configured_model_name(s) == "local-hashing"
-    assert configured_model_name(Settings.from_env({"OPENAI_API_KEY": "k"})) == "text-embedding-3-small"
+    assert s.provider_config().model_name == "local-hashing"
+    assert Settings.from_env({"OPENAI_API_KEY": "k"}).provider_config().model_name == "text-embedding-3-small"
 
 
 def test_decode_policy(monkeypatch):
@@ -95,9 +94,9 @@ def test_docs_list_every_setting_from_the_one_place():
 
 
 def test_no_environment_read_outside_settings():
-    """Settings are read once, at the edge; only settings.py reads os.environ (and the dev
+    """Settings are read once, at the edge; only settings/reading.py reads os.environ (and the dev
     server, which builds the environment of the Dagster processes it starts)."""
-    allowed = {PACKAGE / "settings.py", PACKAGE / "cli" / "devserver.py"}
+    allowed = {PACKAGE / "settings" / "reading.py", PACKAGE / "cli" / "devserver.py"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path in allowed:

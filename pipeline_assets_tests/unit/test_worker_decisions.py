@@ -12,10 +12,8 @@ from pipeline_assets.jobs.decisions import (
     ANSWERS,
     BAD_VECTOR,
     DOWN,
-    FREE_FAULTS,
     MAX_CONSECUTIVE_WORKER_FAULTS,
     MAX_UNMATCHED_ANSWERS,
-    THROTTLE_SHRINK_AFTER,
     THROTTLED_TOO_OFTEN,
     TOO_MANY_UNMATCHED_ANSWERS,
     UNUSABLE,
@@ -28,13 +26,17 @@ from pipeline_assets.jobs.decisions import (
     bad_vectors,
     check_vectors,
     decide,
+    retry_delays,
+    without,
+    worker_error,
+)
+from pipeline_assets.jobs.request_plan import (
+    FREE_FAULTS,
+    THROTTLE_SHRINK_AFTER,
     fault_cap,
     halvings,
     plan_requests,
-    retry_delays,
     unwanted,
-    without,
-    worker_error,
 )
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
@@ -495,7 +497,8 @@ def test_check_vectors(dimensions, expected, message):
 def test_a_claim_holding_a_crash_suspect_keeps_it_alone():
     """A job with FREE_FAULTS faults travels alone in its claim: should it crash the worker,
     the rescue finds it alone and charges it, not its neighbours."""
-    from pipeline_assets.jobs.decisions import FREE_FAULTS, alone_if_suspect
+    from pipeline_assets.jobs.decisions import alone_if_suspect
+    from pipeline_assets.jobs.request_plan import FREE_FAULTS
 
     plain = [job(1), job(2, faults=FREE_FAULTS - 1)]
     assert alone_if_suspect(plain) == (plain, [])

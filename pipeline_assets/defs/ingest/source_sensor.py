@@ -135,7 +135,7 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
             span_of = _run_buckets(failed)
             if span_of is not None:
                 unembedded = source_observations.unsync_unembedded(conn, root, span_of[0], span_of[1], n,
-                                                            model_id_for(settings))
+                                                                   model_id_for(settings.provider_config()))
                 context.log.info(f"run {failed.run_id} ended {failed.status.value}: {unembedded} file(s) it "
                                  "synced but did not embed are requested again after the backoff")
             handled = failed.run_id

@@ -1,0 +1,38 @@
+"""A command that does not stop after SIGTERM says where it hangs: its threads' stacks on stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from pipeline_assets_tests.conftest import REPO
+
+# Stops on the signal, then hangs in a named function instead of returning.
+HANGS_AFTER_SIGTERM = textwrap.dedent("""
+    import os, signal, time
+    from pipeline_assets.cli.common import stop_on_signals
+
+    def stuck_in_the_stop_path(stop):
+        stop.wait(30)
+        time.sleep(3)
+
+    stop = stop_on_signals(stacks_after=0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    stuck_in_the_stop_path(stop)
+""")
+
+
+def test_a_stop_that_hangs_dumps_the_stacks_once():
+    out = subprocess.run([sys.executable, "-c", HANGS_AFTER_SIGTERM], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "stuck_in_the_stop_path" in out.stderr, out.stderr
+    assert out.stderr.count("most recent call first") == 1, out.stderr
+
+
+def test_a_stop_that_ends_in_time_dumps_nothing():
+    script = HANGS_AFTER_SIGTERM.replace("stacks_after=0.5", "stacks_after=20")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "most recent call first" not in out.stderr, out.stderr
