@@ -129,12 +129,6 @@ def embedding_coverage(conn: psycopg.Connection, root: str, document_ids: Sequen
     return per_doc, total
 
 
-def missing_embeddings(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
-    """Per active model: distinct current chunks wanted, missing a ready vector, and failed."""
-    return {r["model_id"]: {"wanted": int(r["wanted"]), "missing": int(r["missing"]), "failed": int(r["failed"])}
-            for r in _dicts(conn, REPORTS.missing_embeddings)}
-
-
 def stale_vectors(conn: psycopg.Connection) -> dict:
     r = _dicts(conn, REPORTS.stale_vectors)[0]
     return {"not_ready": int(r["not_ready"]), "noncurrent_documents": int(r["noncurrent_documents"]),

@@ -369,7 +369,6 @@ def test_read_paths_run_against_a_real_database(clean_db):
     per_doc, total = reports.embedding_coverage(conn, "/named-queries", ["doc-a"], MODEL)
     assert per_doc == {"doc-a": reports.Coverage(wanted=3, ready=2, failed=1, waiting=0)}
     assert total == reports.Coverage(3, 2, 1, 0)
-    assert reports.missing_embeddings(conn) == {MODEL: {"wanted": 3, "missing": 1, "failed": 1}}
     assert reports.stale_vectors(conn) == {"not_ready": 0, "noncurrent_documents": 0, "sample": []}
     assert reports.dead_letter_growth(conn) == (1, 1)
 

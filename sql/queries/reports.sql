@@ -109,23 +109,6 @@ LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id
 WHERE s.root = %(root)s AND d.document_id = ANY(%(ids)s) AND d.status = 'current'
 GROUP BY GROUPING SETS ((d.document_id), ())
 
--- name: missing_embeddings
--- Every distinct current chunk x active model: how many lack a ready job with its vector.
-WITH wanted AS (
-    SELECT DISTINCT c.chunk_checksum FROM app.chunks c
-    JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current')
-SELECT m.model_id,
-       (SELECT count(*) FROM wanted) AS wanted,
-       (SELECT count(*) FROM wanted w WHERE NOT EXISTS (
-            SELECT 1 FROM app.job_keys k
-            JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'ready'
-            JOIN app.embeddings e ON e.chunk_checksum = k.chunk_checksum AND e.model_id = k.model_id
-            WHERE k.chunk_checksum = w.chunk_checksum AND k.model_id = m.model_id)) AS missing,
-       (SELECT count(*) FROM wanted w
-            JOIN app.job_keys k ON k.chunk_checksum = w.chunk_checksum AND k.model_id = m.model_id
-            JOIN app.embedding_jobs j ON j.job_id = k.job_id AND j.status = 'failed') AS failed
-FROM app.models m WHERE m.active ORDER BY m.model_id
-
 -- name: stale_vectors
 -- Vectors that must not be current: stored without a ready job (superseded,
 -- failed, pending...), or reachable from a document that is not current.
