@@ -356,6 +356,22 @@ def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float
     return proc.returncode
 
 
+BUCKET_DOCUMENTS = """\
+SELECT d.document_id FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+    WHERE s.root = %(root)s AND d.status <> 'deleted'
+      AND (d.bucket = ANY(%(buckets)s::int[])
+           OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+    ORDER BY d.document_id COLLATE "C"
+"""
+
+
+def bucket_documents(conn, root: str, bucket_ids, bucket_count: int) -> list[str]:
+    """The source's documents (current or quarantined) in some buckets, by their stored bucket or,
+    without one, by the hash: the oracle of the per-bucket reads."""
+    return [r[0] for r in conn.execute(BUCKET_DOCUMENTS, {"root": root, "n": bucket_count,
+                                                          "buckets": sorted(set(bucket_ids))})]
+
+
 def job_counts(conn) -> dict[str, int]:
     return dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY status").fetchall())
 

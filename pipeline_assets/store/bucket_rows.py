@@ -100,11 +100,6 @@ def resolve_unread(conn: psycopg.Connection, root: str, unread: dict[str, str]) 
     conn.execute(BUCKETS.resolve_unread, {"root": root, "ids": ids, "checksums": [unread[d] for d in ids]})
 
 
-def bucket_documents(conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int) -> list[str]:
-    """The source's documents (current or quarantined) in some buckets."""
-    return [r[0] for r in conn.execute(BUCKETS.bucket_documents, _filter(root, bucket_ids, bucket_count))]
-
-
 def digest(parts: Iterable[str]) -> str:
     h = hashlib.sha256()
     for part in parts:

@@ -20,7 +20,15 @@ from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, e
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import bucket_rows, reports
-from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts, kill_group, start_cli, wait_until, write_corpus
+from pipeline_assets_tests.conftest import (
+    FAKE_MODEL,
+    bucket_documents,
+    job_counts,
+    kill_group,
+    start_cli,
+    wait_until,
+    write_corpus,
+)
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     bucket_states,
@@ -404,7 +412,7 @@ def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
     root, n = str(corpus.resolve()), 64
     buckets = list(range(n))
     from_sql = bucket_rows.states_of(conn, root, buckets, n)
-    summaries = reports.document_summaries(conn, root, bucket_rows.bucket_documents(conn, root, buckets, n))
+    summaries = reports.document_summaries(conn, root, bucket_documents(conn, root, buckets, n))
     assert from_sql == bucket_states(summaries, buckets, n)
     assert sum(s.documents for s in from_sql.values()) == 6 and sum(s.quarantined for s in from_sql.values()) >= 1
     assert [s.quarantined_ids for s in from_sql.values() if s.quarantined_ids] == [["binary.md"]]
@@ -420,7 +428,7 @@ def test_bucket_coverage_grouped_in_sql_is_the_documents_own(corpus, conn, fake)
         ingest_source(rt, pool, corpus)
         root, n, model = str(corpus.resolve()), 64, rt.model_id
         buckets = list(range(n))
-        ids = bucket_rows.bucket_documents(conn, root, buckets, n)
+        ids = bucket_documents(conn, root, buckets, n)
         for step in ("waiting", "embedded"):
             per_doc, total = reports.embedding_coverage(conn, root, ids, model)
             per_bucket, sql_total = bucket_rows.coverage_and_total(conn, root, buckets, n, model)

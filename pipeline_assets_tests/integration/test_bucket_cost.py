@@ -16,6 +16,7 @@ from pipeline_assets.app import buckets, observations
 from pipeline_assets.content.folder_source import walk
 from pipeline_assets.content.source import NOT_STATED
 from pipeline_assets.store import bucket_rows, queries, source_observations
+from pipeline_assets_tests.conftest import bucket_documents
 
 DOCS = queries.load("documents")
 
@@ -100,13 +101,13 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     conn.execute("ANALYZE app.source_observations")
     mine = sum(buckets.bucket_of(d, N) == BUCKET for d in ids)
     params = {"root": root, "n": N, "buckets": [BUCKET], "sample": 20, "model": "m", "after": "", "limit": docs}
-    for name, tables in (("bucket_documents", {"documents"}), ("bucket_current_pks", {"documents"}),
+    for name, tables in (("bucket_current_pks", {"documents"}),
                          ("bucket_states", {"documents"}), ("unobserved_current", {"documents"}),
                          ("unsynced", {"source_observations"})):
         plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + getattr(bucket_rows.BUCKETS, name),
                             params).fetchone()[0][0]["Plan"]
         assert _rows_read(plan, tables) <= 2 * mine, (name, mine, plan)
-    assert len(bucket_rows.bucket_documents(conn, root, [BUCKET], N)) == mine
+    assert len(bucket_documents(conn, root, [BUCKET], N)) == mine
 
 
 def _register(conn, root: str, ids: list[str]) -> None:
@@ -127,13 +128,13 @@ def test_rows_without_a_stored_bucket_are_found_then_filled(clean_db, database_u
     assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NULL").fetchone()[0] == 300
     conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
     mine = sorted((d for d in ids if buckets.bucket_of(d, N) == BUCKET), key=str.encode)
-    assert bucket_rows.bucket_documents(conn, "/early", [BUCKET], N) == mine
+    assert bucket_documents(conn, "/early", [BUCKET], N) == mine
     with ConnectionPool(database_url, min_size=1, max_size=1, open=True) as pool:
         assert bucket_rows.fill_buckets(pool) == 300
         assert bucket_rows.fill_buckets(pool) == 0
     stored = dict(conn.execute("SELECT document_id, bucket FROM app.documents").fetchall())
     assert stored == {d: buckets.bucket_of(d, N) for d in ids}
-    assert bucket_rows.bucket_documents(conn, "/early", [BUCKET], N) == mine
+    assert bucket_documents(conn, "/early", [BUCKET], N) == mine
     conn.execute("DELETE FROM app.partition_scheme")
     assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NOT NULL").fetchone()[0] == 0
 

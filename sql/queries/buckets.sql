@@ -54,15 +54,6 @@ WHERE o.root = %(root)s AND o.document_id = r.document_id AND o.checksum = r.che
   AND s.root = o.root AND d.document_id = o.document_id AND d.status <> 'deleted'
   AND d.source_checksum IS NOT NULL
 
--- name: bucket_documents
--- The documents of the source in some buckets that are not deleted, by id.
-SELECT d.document_id
-FROM app.documents d
-JOIN app.sources s ON s.source_id = d.source_id
-WHERE s.root = %(root)s AND d.status <> 'deleted'
-  AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
-ORDER BY d.document_id COLLATE "C"
-
 -- name: bucket_states
 -- Per bucket (of %(n)s) with documents not deleted: counts, the first %(sample)s quarantined ids and
 -- two sha256 digests over "document_id=value" by id in byte order (value: the text checksum, or
