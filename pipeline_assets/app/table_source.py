@@ -237,8 +237,3 @@ class TableSource:
         except TableSourceError as exc:
             raise self._failed(exc) from None
         return report
-
-
-def open_table_source(spec: str, config: SourceConfig) -> TableSource:
-    """The registry's opener of ``table:`` sources."""
-    return TableSource(spec, config)
