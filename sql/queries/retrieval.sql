@@ -48,10 +48,8 @@ ORDER BY n.distance, d.document_id, c.chunk_index
 LIMIT %(k)s
 
 -- name: text_ranked
--- Full-text search over current chunks ranked by BM25 over the 'english' lexemes of the GIN-indexed
--- column (sql/010); candidates come from the index through lexemes that are not common. A chunk whose
--- vector is not computed yet (NULL: sql/042) is read from its text, through the partial index of those.
--- n is the planner's chunk estimate when it has one. Needs no vector (docs/models.md, search).
+-- Current chunks ranked by BM25 over their 'english' lexemes (GIN index, uncommon lexemes first); a
+-- chunk whose text-search vector is not filled yet is read from its text. n: the planner's chunk estimate.
 WITH n AS (
     SELECT CASE WHEN t.reltuples > 0 THEN t.reltuples::float8
                 ELSE (SELECT count(*) FROM app.chunks)::float8 END AS n
