@@ -112,7 +112,7 @@ def work_progress(pool: ConnectionPool, enabled: bool | None = None) -> Iterator
 
 
 def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]], as_json: bool,
-                 every: float, count: int | None = None, stop: threading.Event | None = None) -> None:
+                 every: float, count: int | None = None, stop_event: threading.Event | None = None) -> None:
     """`status --watch`: read and print every ``every`` seconds until Ctrl-C (or ``count`` times).
 
     On a terminal the screen is redrawn; piped, each refresh is appended (a
@@ -139,9 +139,9 @@ def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]
             if count is not None and shown >= count:
                 return
             remaining = max(0.0, every - (time.monotonic() - started))
-            if stop is None:
+            if stop_event is None:
                 time.sleep(remaining)
-            elif stop.wait(remaining):   # Ctrl-C sets it (a signal handler, not an exception mid-read)
+            elif stop_event.wait(remaining):   # Ctrl-C sets it (a signal handler, not an exception mid-read)
                 return
     except KeyboardInterrupt:
         return

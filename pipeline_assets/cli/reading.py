@@ -89,7 +89,7 @@ def status(as_json: bool, watch: float | None, count: int | None) -> None:
     with pool() as p:
         if watch is not None:
             return watch_status(lambda: _status_data(p), _status_lines, as_json, watch, count,
-                                stop=stop_on_signals())
+                                stop_event=stop_on_signals())
         data = _status_data(p)
     emit(data, as_json, _status_lines)
 
