@@ -32,7 +32,15 @@ from pipeline_assets.cli.devserver import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.store import reports
 from pipeline_assets_tests.browser import Browser, chromium_path
-from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE, stop_group, write_corpus
+from pipeline_assets_tests.conftest import (
+    FAKE_DIM,
+    FAKE_MODEL,
+    FAKE_WINDOW,
+    LONG_PROFILE,
+    cli,
+    stop_group,
+    write_corpus,
+)
 from pipeline_assets_tests.dagster_helpers import bucket_of, copy_of_dagster_template
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
@@ -465,10 +473,7 @@ def _ensure_source_sensor_running(server: DevServer) -> None:
 
 
 def _status_json(server: DevServer) -> dict:
-    out = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "status", "--json"], env=server.env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
+    return json.loads(cli("status", "--json", env=server.env).stdout)
 
 
 def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_server, database_url):
