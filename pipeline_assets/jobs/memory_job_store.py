@@ -3,48 +3,45 @@
 
 Each method is atomic under the queue's lock, as each PostgreSQL statement (or
 short transaction) is; every transition of a held job is fenced by its lease
-owner. Time is the queue's clock: leases expire and pauses end when it passes.
-For unit tests of the worker and the executor; never a production queue. Its
-ledger has no day boundary: ``tokens_today_of_others`` counts every call.
+owner (the transitions themselves: ``jobs.memory_transitions``). Time is the
+queue's clock: leases expire and pauses end when it passes. For unit tests of
+the worker and the executor; never a production queue. Its ledger has no day
+boundary: ``tokens_today_of_others`` counts every call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline_assets.jobs import ledger
+from pipeline_assets.jobs import ledger, memory_transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
-from pipeline_assets.jobs.changes import (
-    Change,
-    ClaimedJob,
-    Complete,
-    Fail,
-    GiveBack,
-    Isolate,
-    JobObserver,
-    Retry,
-    Supersede,
-    merged,
-)
+from pipeline_assets.jobs.changes import Change, ClaimedJob, GiveBack, JobObserver, merged
 from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
 from pipeline_assets.jobs.memory_queue import CRASH_ERRORS, NEVER, Call, MemoryJob, MemoryModel, MemoryQueue
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
+from pipeline_assets.jobs.memory_transitions import MAX_DOUBLINGS
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry.models import ModelRetired
 
 WAITING = (JobStatus.PENDING, JobStatus.RETRY)
-# The largest exponent of a backoff (as jobs.sql caps it).
-MAX_DOUBLINGS = 30
 
 
 class MemoryJobStore:
     """One model's queue in ``queue``, as one worker sees it (``scope``: doc_pks)."""
 
-    def __init__(self, queue: MemoryQueue, *, model_id: str, worker_id: str = "w", backoff_base: float = 0.0,
-                 backoff_cap: float = 0.0, run: str | None = None, scope: Sequence[int] | None = None,
-                 observers: Sequence[JobObserver] = ()) -> None:
+    def __init__(
+        self,
+        queue: MemoryQueue,
+        *,
+        model_id: str,
+        worker_id: str = "w",
+        backoff_base: float = 0.0,
+        backoff_cap: float = 0.0,
+        run: str | None = None,
+        scope: Sequence[int] | None = None,
+        observers: Sequence[JobObserver] = (),
+    ) -> None:
         self.queue = queue
         self.model_id = model_id
         self.worker_id = worker_id
@@ -78,9 +75,17 @@ class MemoryJobStore:
         q = self.queue
         with q.lock:
             now = q.now()
-            due = sorted((j for j in q.jobs.values() if j.model_id == self.model_id and j.status in WAITING
-                          and j.available_at <= now and q.in_scope(j, self.scope)),
-                         key=lambda j: (j.available_at, j.job_id))
+            due = sorted(
+                (
+                    j
+                    for j in q.jobs.values()
+                    if j.model_id == self.model_id
+                    and j.status in WAITING
+                    and j.available_at <= now
+                    and q.in_scope(j, self.scope)
+                ),
+                key=lambda j: (j.available_at, j.job_id),
+            )
             breaker = q.breaker(self.model_id)
             probe = False
             if breaker.tripped and breaker.paused_until <= now and breaker.probe_until <= now and due:
@@ -98,68 +103,37 @@ class MemoryJobStore:
         job.status, job.lease_owner, job.lease_expires_at = JobStatus.PROCESSING, owner, expires
         job.attempts += 1
         text, tokens = self.queue.texts.get(job.chunk_checksum, (None, None))
-        return ClaimedJob(job.job_id, job.chunk_checksum, job.attempts, job.max_attempts, text, tokens, probe,
-                          job.throttles, job.isolate, job.faults, job.error_class in CRASH_ERRORS)
+        return ClaimedJob(
+            job.job_id,
+            job.chunk_checksum,
+            job.attempts,
+            job.max_attempts,
+            text,
+            tokens,
+            probe,
+            job.throttles,
+            job.isolate,
+            job.faults,
+            job.error_class in CRASH_ERRORS,
+        )
 
     def apply(self, owner: str, changes: Sequence[Change], *, answer: Answer | None = None) -> dict[int, str]:
         applied: list[tuple[Change, dict[int, str]]] = []
         with self.queue.lock:
             for change in merged(changes):
-                held = [self.queue.jobs[i] for i in change.job_ids if i in self.queue.jobs
-                        and self.queue.jobs[i].status == JobStatus.PROCESSING
-                        and self.queue.jobs[i].lease_owner == owner]
-                applied.extend(self._apply(change, held))
+                held = [
+                    self.queue.jobs[i]
+                    for i in change.job_ids
+                    if i in self.queue.jobs
+                    and self.queue.jobs[i].status == JobStatus.PROCESSING
+                    and self.queue.jobs[i].lease_owner == owner
+                ]
+                applied.extend(memory_transitions.apply(self.queue, change, held))
             if answer is not None:
                 self._settle(answer.call_id, "ok", 200, answer.latency, ledger.BILLED, answer.tokens)
         for change, became in applied:
             tell(self.observers, "applied", change, became)
         return {i: s for _, became in applied for i, s in became.items()}
-
-    def _apply(self, change: Change, held: list[MemoryJob]) -> list[tuple[Change, dict[int, str]]]:
-        """One change of held jobs (the fence already passed), as jobs.sql's statement of its kind."""
-        now, q = self.queue.now(), self.queue
-        if isinstance(change, Complete):
-            vectors = dict(zip(change.job_ids, change.vectors, strict=True))
-            ready: dict[int, str] = {j.job_id: JobStatus.READY for j in held if q.wanted(j)}
-            for job in held:
-                if job.job_id in ready:
-                    job.release(JobStatus.READY)
-                    job.error_class = job.error_message = None
-                    q.vectors[(job.chunk_checksum, job.model_id)] = vectors[job.job_id]
-                else:
-                    job.release(JobStatus.SUPERSEDED)
-            out: list[tuple[Change, dict[int, str]]] = [(change, ready)]
-            if len(ready) < len(change.job_ids):
-                lost: dict[int, str] = {j.job_id: JobStatus.SUPERSEDED for j in held if j.job_id not in ready}
-                out.append((Supersede(tuple(i for i in change.job_ids if i not in ready)), lost))
-            return out
-        if isinstance(change, Isolate):  # marked once: an isolated job is not moved again
-            fresh = [j for j in held if not j.isolate]
-            for job in fresh:
-                job.isolate = True
-            return [(change, {j.job_id: j.status for j in fresh})]
-        for job in held:
-            retired = not q.active(job.model_id)
-            if isinstance(change, Retry):
-                delay = change.delays[change.job_ids.index(job.job_id)]
-                job.release(JobStatus.SUPERSEDED if retired else
-                            JobStatus.FAILED if job.attempts >= job.max_attempts else JobStatus.RETRY)
-                job.available_at, job.error_class, job.error_message = now + delay, change.error_class, change.message
-            elif isinstance(change, GiveBack):
-                job.release(JobStatus.SUPERSEDED if retired else
-                            JobStatus.PENDING if job.attempts <= 1 else JobStatus.RETRY)
-                job.attempts = max(job.attempts - 1, 0)
-                job.throttles += change.throttled
-                job.faults += change.faulted
-                job.available_at = now + change.delay
-                job.error_class = change.error_class if change.error_class is not None else job.error_class
-                job.error_message = change.message if change.message is not None else job.error_message
-            elif isinstance(change, Fail):
-                job.release(JobStatus.FAILED)
-                job.error_class, job.error_message = change.error_class, change.message
-            elif isinstance(change, Supersede):
-                job.release(JobStatus.SUPERSEDED)
-        return [(change, {j.job_id: j.status for j in held})]
 
     def give_back_all(self, held: Sequence[tuple[str, list[int]]]) -> None:
         for owner, ids in held:
@@ -173,40 +147,20 @@ class MemoryJobStore:
 
     def outstanding(self) -> bool:
         with self.queue.lock:
-            return any(j.model_id == self.model_id and (j.status in WAITING or j.status == JobStatus.PROCESSING)
-                       for j in self.queue.jobs.values())
+            return any(
+                j.model_id == self.model_id and (j.status in WAITING or j.status == JobStatus.PROCESSING)
+                for j in self.queue.jobs.values()
+            )
 
     def ingest_running(self) -> bool:
         return self.queue.ingesting
 
     def rescue(self, rescuer: str | None = None) -> int:
-        q = self.queue
-        with q.lock:
-            now = q.now()
-            judged = [(j, j.lease_expires_at is not None and j.lease_expires_at < now) for j in q.jobs.values()
-                      if j.status == JobStatus.PROCESSING and j.lease_owner is not None
-                      and ((j.lease_expires_at is not None and j.lease_expires_at < now)
-                           or q.dead(j.lease_owner, rescuer))]
-            per_process: dict[str, int] = {}
-            for job, _ in judged:
-                per_process[_process(job)] = per_process.get(_process(job), 0) + 1
-            for job, expired in judged:
-                charged = job.faults >= FREE_FAULTS and per_process[_process(job)] == 1
-                retired = not q.active(job.model_id)
-                job.release(JobStatus.SUPERSEDED if retired else
-                            JobStatus.FAILED if charged and job.attempts >= job.max_attempts else
-                            JobStatus.RETRY if charged or job.attempts > 1 else JobStatus.PENDING)
-                doublings = job.attempts if charged else job.faults + 1
-                if not (charged or retired):
-                    job.attempts, job.faults = max(job.attempts - 1, 0), job.faults + 1
-                job.available_at = now + q.rng.random() * min(self._cap,
-                                                              self._base * 2 ** min(doublings, MAX_DOUBLINGS))
-                job.error_class = "lease_expired" if expired else "worker_dead"
-                job.error_message = ("lease expired before completion (worker died or stalled)" if expired else
-                                     "its worker process stopped beating (died) before completion")
-        if judged:
-            tell(self.observers, "rescued", len(judged))
-        return len(judged)
+        with self.queue.lock:
+            rescued = memory_transitions.rescue(self.queue, rescuer, base=self._base, cap=self._cap)
+        if rescued:
+            tell(self.observers, "rescued", rescued)
+        return rescued
 
     def extend_leases(self, held: Sequence[tuple[str, list[int]]], lease_seconds: float) -> None:
         with self.queue.lock:
@@ -223,13 +177,15 @@ class MemoryJobStore:
             self.queue.calls.append(Call(self.model_id, self.run, tuple(j.chunk_checksum for j in jobs), tokens))
             return len(self.queue.calls)
 
-    def record_outcome(self, call_id: int, *, outcome: str, status: int | None, latency: float, billed: str,
-                       tokens: int | None = None) -> None:
+    def record_outcome(
+        self, call_id: int, *, outcome: str, status: int | None, latency: float, billed: str, tokens: int | None = None
+    ) -> None:
         with self.queue.lock:
             self._settle(call_id, outcome, status, latency, billed, tokens)
 
-    def _settle(self, call_id: int, outcome: str, status: int | None, latency: float, billed: str,
-                tokens: int | None) -> None:
+    def _settle(
+        self, call_id: int, outcome: str, status: int | None, latency: float, billed: str, tokens: int | None
+    ) -> None:
         call = self.queue.calls[call_id - 1]
         if call.answered:
             return
@@ -238,21 +194,28 @@ class MemoryJobStore:
 
     def record_failure(self, call_id: int, err: ProviderError, latency: float, prefix: str = "") -> None:
         billed, tokens = failure_billing(err)
-        self.record_outcome(call_id, outcome=prefix + err.error_class, status=err.status, latency=latency,
-                            billed=billed, tokens=tokens)
+        self.record_outcome(
+            call_id, outcome=prefix + err.error_class, status=err.status, latency=latency, billed=billed, tokens=tokens
+        )
 
     def tokens_today_of_others(self) -> int:
         with self.queue.lock:
-            return sum(c.tokens for c in self.queue.calls if c.model_id == self.model_id
-                       and (self.run is None or c.run != self.run))
+            return sum(
+                c.tokens
+                for c in self.queue.calls
+                if c.model_id == self.model_id and (self.run is None or c.run != self.run)
+            )
 
     def provider_failure(self, breaker: BreakerFailure) -> None:
         q = self.queue
         with q.lock:
             now, state = q.now(), q.breaker(self.model_id)
             if breaker.pause_only:
-                pause = breaker.floor if breaker.floor > 0 else q.rng.random() * min(
-                    BREAKER_PROBE_INTERVAL, self._cap, self._base * 2)
+                pause = (
+                    breaker.floor
+                    if breaker.floor > 0
+                    else q.rng.random() * min(BREAKER_PROBE_INTERVAL, self._cap, self._base * 2)
+                )
                 state.paused_until = max(state.paused_until, now + pause)
                 return
             was_tripped = state.tripped
@@ -260,9 +223,16 @@ class MemoryJobStore:
             trips = breaker.trip or state.consecutive_failures >= BREAKER_THRESHOLD
             state.tripped = state.tripped or trips
             if trips:
-                pause = breaker.floor if breaker.floor > 0 else (0.5 + q.rng.random() / 2) * min(
-                    BREAKER_PROBE_INTERVAL, self._cap,
-                    self._base * 2 ** min(state.consecutive_failures, MAX_DOUBLINGS))
+                pause = (
+                    breaker.floor
+                    if breaker.floor > 0
+                    else (0.5 + q.rng.random() / 2)
+                    * min(
+                        BREAKER_PROBE_INTERVAL,
+                        self._cap,
+                        self._base * 2 ** min(state.consecutive_failures, MAX_DOUBLINGS),
+                    )
+                )
                 state.paused_until = max(state.paused_until, now + pause)
             if was_tripped or trips:
                 state.probe_until, state.probe_owner = NEVER, None
@@ -271,7 +241,8 @@ class MemoryJobStore:
         with self.queue.lock:
             state = self.queue.breaker(self.model_id)
             if (state.consecutive_failures or state.tripped) and (
-                    not state.tripped or state.paused_until <= self.queue.now()):
+                not state.tripped or state.paused_until <= self.queue.now()
+            ):
                 state.consecutive_failures, state.tripped = 0, False
                 state.probe_until, state.probe_owner = NEVER, None
             state.unusable_answers = 0
@@ -281,9 +252,3 @@ class MemoryJobStore:
             state = self.queue.breaker(self.model_id)
             state.unusable_answers += count
             return state.unusable_answers
-
-
-def _process(job: MemoryJob) -> str:
-    """The worker process of a lease owner: the owner up to its last '/'."""
-    owner = job.lease_owner or ""
-    return owner[:owner.rfind("/") + 1]
