@@ -1,13 +1,12 @@
 """The worker's decisions, as pure functions: no database, no provider, no clock.
 
-``decide`` maps a provider error and the jobs of its request to an outcome; ``check_vectors`` and
-``bad_vectors`` judge a successful answer; ``worker_error`` handles a fault of our own;
+``decide`` maps a provider error and the jobs of its request to an outcome (``jobs.outcomes``:
+``Apply`` transitions, ``Split`` a bad input away, ``Stop``, or ask ``ProbeConfig`` /
+``CheckProvider`` and decide again); ``worker_error`` handles a fault of our own;
 ``alone_if_suspect`` keeps a suspect alone in its claim (which jobs share a request is
-``jobs.request_plan``'s). The transitions they return are the plain values of ``jobs.changes``; the
-worker carries the outcomes out through ``JobStore.apply``. Outcomes: ``Apply`` (transitions, with a
-breaker count, a pause or a stop), ``Split`` (isolate a bad input), ``Stop`` (not the items' fault:
-hand back untouched, stop the worker), ``ProbeConfig`` and ``CheckProvider`` (ask, then ``decide``
-again with the answer). Who is charged for a fault, and when the worker stops:
+``jobs.request_plan``'s; a successful answer is judged by ``jobs.answer_checks``). The
+transitions are the plain values of ``jobs.changes``; the worker carries the outcomes out
+through ``JobStore.apply``. Who is charged for a fault, and when the worker stops:
 docs/state-machine.md, "Who pays for a fault".
 """
 
@@ -15,10 +14,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pipeline_assets.jobs import backoff
-from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, Retry
+from pipeline_assets.jobs.changes import ClaimedJob, Fail, GiveBack, Retry
+from pipeline_assets.jobs.outcomes import Apply, BreakerFailure, CheckProvider, Outcome, ProbeConfig, Split, Stop
 from pipeline_assets.jobs.request_plan import FREE_FAULTS, THROTTLE_SHRINK_AFTER, fault_level
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
 
@@ -29,8 +28,8 @@ from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, Pro
 MAX_UNMATCHED_ANSWERS = 3
 
 # The provider's health, as the worker judges it after a transient failure.
-ANSWERS = "answers"    # it answered other requests usably: the failure points at the request's inputs
-DOWN = "down"          # it answers nobody: the failure is the provider's alone
+ANSWERS = "answers"  # it answered other requests usably: the failure points at the request's inputs
+DOWN = "down"  # it answers nobody: the failure is the provider's alone
 UNUSABLE = "unusable"  # it answers, but nothing usable even to one trivial input
 # The error class the worker stops with after MAX_UNMATCHED_ANSWERS answers that cannot be
 # matched to their inputs (each of them a ``providers.base.BAD_RESPONSE``).
@@ -45,11 +44,10 @@ MAX_CONSECUTIVE_WORKER_FAULTS = 3
 WORKER_ERROR = "worker_error"
 # The error class of a single input throttled more than ``max_throttles`` times.
 THROTTLED_TOO_OFTEN = "throttled_too_often"
-# The error class of an answer carrying a NaN or infinite vector.
-BAD_VECTOR = "bad_vector"
 
 
 # -- a claim ---------------------------------------------------------------------------
+
 
 def suspect(job: ClaimedJob, threshold: int = 1) -> bool:
     """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobs.evidence``),
@@ -58,8 +56,7 @@ def suspect(job: ClaimedJob, threshold: int = 1) -> bool:
     return fault_level(job.faults, 1 if job.crashed else threshold) >= FREE_FAULTS
 
 
-def alone_if_suspect(jobs: Sequence[ClaimedJob],
-                     threshold: int = 1) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+def alone_if_suspect(jobs: Sequence[ClaimedJob], threshold: int = 1) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
     """A claim holding a suspect keeps that job alone (the first such) and hands the others
     back: should it crash its worker, the rescue finds it the only job of the dead process
     and charges it (``rescue_expired``), not its neighbours. Returns (the jobs kept, the jobs
@@ -70,66 +67,37 @@ def alone_if_suspect(jobs: Sequence[ClaimedJob],
     return [first], [j for j in jobs if j is not first]
 
 
-# -- outcomes --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class BreakerFailure:
-    """A provider failure, shared by every worker: a throttle pauses them all
-    (``pause_only``); a failure while the provider answers nobody counts
-    towards tripping the breaker."""
-    trip: bool     # trip at once; otherwise count towards the threshold
-    floor: float   # the pause lasts at least this long (the provider's Retry-After)
-    pause_only: bool = False  # a 429: every worker pauses for the floor, then claims again; nothing counted
-
-
-@dataclass(frozen=True)
-class Apply:
-    """Apply ``changes`` (one batch); with them, the provider's and the worker's share."""
-    changes: tuple[Change, ...]
-    breaker: BreakerFailure | None = None  # count a provider failure (None: not the provider's)
-    pause: float = 0.0                     # send nothing more from this worker's held claims for this long
-    unusable: bool = False                 # nothing usable even to a trivial input: counts towards stopping
-    stop: str | None = None                # too many faults of our own in a row: stop with this one line
-    charged: bool = False                  # the failure points at the request's inputs, not at the provider
-
-
-@dataclass(frozen=True)
-class Split:
-    halves: tuple[tuple[ClaimedJob, ...], tuple[ClaimedJob, ...]]
-
-
-@dataclass(frozen=True)
-class Stop:
-    job_ids: tuple[int, ...]            # handed back untouched
-    error: ProviderError                # kind FATAL: why the worker stops
-
-
-@dataclass(frozen=True)
-class ProbeConfig:
-    """Ask the configuration probe (once per worker), then decide again."""
-
-
-@dataclass(frozen=True)
-class CheckProvider:
-    """Ask whether the provider answers others (``ANSWERS``, ``DOWN``, ``UNUSABLE``), then decide again."""
-
-
-Outcome = Apply | Split | Stop | ProbeConfig | CheckProvider
-
-
 # -- deciding --------------------------------------------------------------------------
 
-def retry_delays(jobs: Sequence[ClaimedJob], *, base: float, cap: float, retry_after: float | None = None,
-                 rng: random.Random | None = None) -> tuple[float, ...]:
+
+def retry_delays(
+    jobs: Sequence[ClaimedJob],
+    *,
+    base: float,
+    cap: float,
+    retry_after: float | None = None,
+    rng: random.Random | None = None,
+) -> tuple[float, ...]:
     """Each job's next retry: full jitter over its attempts, never before Retry-After."""
-    return tuple(backoff.retry_delay(j.attempts, base=base, cap=cap, retry_after=retry_after, rng=rng)
-                 for j in jobs)
+    return tuple(backoff.retry_delay(j.attempts, base=base, cap=cap, retry_after=retry_after, rng=rng) for j in jobs)
 
 
-def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool | None, base: float,
-           cap: float, poll_seconds: float, retry_after_cap: float | None = None, max_throttles: int | None = None,
-           health: str | None = ANSWERS, unusable_in_a_row: int = 0, fault_threshold: int = 1,
-           throttle_threshold: int = THROTTLE_SHRINK_AFTER, rng: random.Random | None = None) -> Outcome:
+def decide(
+    error: ProviderError,
+    jobs: Sequence[ClaimedJob],
+    *,
+    config_ok: bool | None,
+    base: float,
+    cap: float,
+    poll_seconds: float,
+    retry_after_cap: float | None = None,
+    max_throttles: int | None = None,
+    health: str | None = ANSWERS,
+    unusable_in_a_row: int = 0,
+    fault_threshold: int = 1,
+    throttle_threshold: int = THROTTLE_SHRINK_AFTER,
+    rng: random.Random | None = None,
+) -> Outcome:
     """What to do with the jobs of a request the provider refused.
 
     ``config_ok`` is the configuration probe's answer (None: not asked yet).
@@ -165,22 +133,52 @@ def decide(error: ProviderError, jobs: Sequence[ClaimedJob], *, config_ok: bool 
         breaker, pause = BreakerFailure(trip=False, floor=floor, pause_only=True), max(floor, poll_seconds)
         cap_throttles = None if max_throttles is None else max_throttles + throttle_threshold - THROTTLE_SHRINK_AFTER
         if len(jobs) == 1 and cap_throttles is not None and jobs[0].throttles + 1 > cap_throttles:
-            return Apply((Fail(ids, THROTTLED_TOO_OFTEN,
-                               sanitize(f"throttled {jobs[0].throttles + 1} times, alone in its request "
-                                        f"(cap {cap_throttles}): {error.message}")),), breaker, pause)
+            return Apply(
+                (
+                    Fail(
+                        ids,
+                        THROTTLED_TOO_OFTEN,
+                        sanitize(
+                            f"throttled {jobs[0].throttles + 1} times, alone in its request "
+                            f"(cap {cap_throttles}): {error.message}"
+                        ),
+                    ),
+                ),
+                breaker,
+                pause,
+            )
         return Apply((GiveBack(ids, floor, error.error_class, error.message, throttled=True),), breaker, pause)
     if error.kind == RETRYABLE:
         if health is None:
             return CheckProvider()
-        return _transient(error, jobs, floor=floor, base=base, cap=cap, health=health,
-                          unusable_in_a_row=unusable_in_a_row, threshold=fault_threshold, rng=rng)
+        return _transient(
+            error,
+            jobs,
+            floor=floor,
+            base=base,
+            cap=cap,
+            health=health,
+            unusable_in_a_row=unusable_in_a_row,
+            threshold=fault_threshold,
+            rng=rng,
+        )
     if error.kind == FATAL:
         return Stop(ids, error)
     raise ValueError(f"unknown provider error kind {error.kind!r}")
 
 
-def _transient(error: ProviderError, jobs: Sequence[ClaimedJob], *, floor: float, base: float, cap: float,
-               health: str, unusable_in_a_row: int, threshold: int, rng: random.Random | None) -> Outcome:
+def _transient(
+    error: ProviderError,
+    jobs: Sequence[ClaimedJob],
+    *,
+    floor: float,
+    base: float,
+    cap: float,
+    health: str,
+    unusable_in_a_row: int,
+    threshold: int,
+    rng: random.Random | None,
+) -> Outcome:
     """A transient failure (an unusable answer included): the request's while
     the provider answers others; the provider's alone while it answers nobody
     (nothing is counted on the jobs: an outage of any length shrinks and
@@ -193,23 +191,48 @@ def _transient(error: ProviderError, jobs: Sequence[ClaimedJob], *, floor: float
         if health == UNUSABLE:
             seen = unusable_in_a_row + 1
             if seen >= MAX_UNMATCHED_ANSWERS:
-                return Stop(ids, ProviderError(FATAL, TOO_MANY_UNMATCHED_ANSWERS, (
-                    f"the provider sent {seen} answers in a row that cannot be matched to their inputs, "
-                    f"the last to a single trivial input (last: {error.message}); nothing unusable was stored "
-                    "and no attempt used: check the endpoint (OPENAI_BASE_URL) or the proxy in front of it"),
-                    error.status))
+                return Stop(
+                    ids,
+                    ProviderError(
+                        FATAL,
+                        TOO_MANY_UNMATCHED_ANSWERS,
+                        (
+                            f"the provider sent {seen} answers in a row that cannot be matched to their inputs, "
+                            f"the last to a single trivial input (last: {error.message}); nothing unusable was stored "
+                            "and no attempt used: check the endpoint (OPENAI_BASE_URL) or the proxy in front of it"
+                        ),
+                        error.status,
+                    ),
+                )
             return Apply((GiveBack(ids, delay, error.error_class, error.message),), breaker, unusable=True)
         return Apply((GiveBack(ids, delay, error.error_class, error.message),), breaker)
     level = max(fault_level(j.faults, threshold) for j in jobs)
     if len(jobs) == 1 and level >= FREE_FAULTS:  # failing alone, again: its attempt counts
-        return Apply((Retry(ids, retry_delays(jobs, base=base, cap=cap, retry_after=floor or None, rng=rng),
-                            error.error_class, error.message),), charged=True)
+        return Apply(
+            (
+                Retry(
+                    ids,
+                    retry_delays(jobs, base=base, cap=cap, retry_after=floor or None, rng=rng),
+                    error.error_class,
+                    error.message,
+                ),
+            ),
+            charged=True,
+        )
     delay = backoff.retry_delay(level, base=base, cap=cap, retry_after=floor or None, rng=rng)
     return Apply((GiveBack(ids, delay, error.error_class, error.message, faulted=True),), charged=True)
 
 
-def worker_error(exc: BaseException, jobs: Sequence[ClaimedJob], *, consecutive: int, unavailable: bool,
-                 base: float, cap: float, rng: random.Random | None = None) -> Apply:
+def worker_error(
+    exc: BaseException,
+    jobs: Sequence[ClaimedJob],
+    *,
+    consecutive: int,
+    unavailable: bool,
+    base: float,
+    cap: float,
+    rng: random.Random | None = None,
+) -> Apply:
     """A fault of our own while a claim was held (a database error after the
     call, a missing privilege, a statement timeout, deadlock retries used up,
     a bug): not the items' fault and not the provider's. The jobs go back
@@ -220,45 +243,9 @@ def worker_error(exc: BaseException, jobs: Sequence[ClaimedJob], *, consecutive:
     message = sanitize(f"{type(exc).__name__}: {exc}")
     stop = None
     if not unavailable and consecutive >= MAX_CONSECUTIVE_WORKER_FAULTS:
-        stop = (f"worker stopped after {consecutive} faults of its own in a row (database or infrastructure; "
-                f"the jobs were given back, no attempt used): {message}")
+        stop = (
+            f"worker stopped after {consecutive} faults of its own in a row (database or infrastructure; "
+            f"the jobs were given back, no attempt used): {message}"
+        )
     delay = backoff.full_jitter(consecutive, base=base, cap=cap, rng=rng)
     return Apply((GiveBack(tuple(j.job_id for j in jobs), delay, WORKER_ERROR, message),), stop=stop)
-
-
-def bad_vectors(finite: Sequence[bool], jobs: Sequence[ClaimedJob], *, base: float, cap: float,
-                rng: random.Random | None = None) -> Apply | None:
-    """After a successful call: a NaN or infinite vector is the provider's
-    fault, and the answer names the input it was returned for: those jobs are
-    retried (the attempt counts, the breaker counts a failure); the others
-    complete. ``finite`` holds, per vector, whether all its components are
-    finite."""
-    bad = [j for j, ok in zip(jobs, finite) if not ok]
-    if not bad:
-        return None
-    return Apply((Retry(tuple(j.job_id for j in bad), retry_delays(bad, base=base, cap=cap, rng=rng), BAD_VECTOR,
-                        f"provider returned a vector with NaN or infinite components for {len(bad)} of "
-                        f"{len(jobs)} inputs"),), BreakerFailure(trip=False, floor=0.0))
-
-
-def without(job_ids: Sequence[int], jobs: Sequence[ClaimedJob], vectors: Sequence) -> tuple[list, list]:
-    """The jobs of an answer (and their vectors) other than ``job_ids``."""
-    drop = set(job_ids)
-    kept = [(j, v) for j, v in zip(jobs, vectors) if j.job_id not in drop]
-    return [j for j, _ in kept], [v for _, v in kept]
-
-
-def check_vectors(dimensions: Sequence[int], jobs: Sequence[ClaimedJob], *, expected: int | None,
-                  model_id: str) -> Stop | None:
-    """After a successful call: vectors of the wrong dimension mean a
-    misconfigured endpoint, not bad items, so stop and touch nothing (every
-    answer would be as wrong: no point in a few more). ``dimensions`` holds the
-    length of each returned vector; ``expected`` None: the model's dimension is
-    not known yet (the first answer records it)."""
-    got = set(dimensions)
-    if expected is None or got == {expected}:
-        return None
-    return Stop(tuple(j.job_id for j in jobs),
-                ProviderError(FATAL, "dimension_mismatch",
-                              f"provider returned {sorted(got)}-dimensional vectors for "
-                              f"{model_id}, which has {expected} dimensions"))

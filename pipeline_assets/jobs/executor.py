@@ -17,14 +17,15 @@ from typing import TypeVar
 import numpy as np
 import psycopg
 
-from pipeline_assets.jobs import crashpoints, decisions, request_plan
+from pipeline_assets.jobs import answer_checks, crashpoints, decisions, request_plan
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
-from pipeline_assets.jobs.decisions import DOWN, Apply, CheckProvider, ProbeConfig, Split, Stop
+from pipeline_assets.jobs.decisions import DOWN
 from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE
 from pipeline_assets.jobs.executor_config import ExecutorConfig
 from pipeline_assets.jobs.faults import DatabaseWait, FaultCounter, one_line
 from pipeline_assets.jobs.job_store import Answer, JobStore
 from pipeline_assets.jobs.leases import HeldLeases
+from pipeline_assets.jobs.outcomes import Apply, CheckProvider, Outcome, ProbeConfig, Split, Stop
 from pipeline_assets.jobs.provider_checks import ProviderChecks, ProviderView, embed
 from pipeline_assets.jobs.report import WorkerReport
 from pipeline_assets.providers import RETRYABLE, THROTTLED, Provider, ProviderError
@@ -168,7 +169,7 @@ class Executor:
         self.view.rates.record(SUCCESS)
         crashpoints.reach(crashpoints.AFTER_CALL, self.config.crashpoint, (j.text for j in jobs))
         answer = Answer(call_id, result.tokens, latency)
-        stop = decisions.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
+        stop = answer_checks.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
                                        model_id=self.provider.spec.model_id)
         if stop is not None:
             self.store.apply(owner, [], answer=answer)
@@ -179,14 +180,14 @@ class Executor:
         vectors = result.vectors
         changes: list[Change] = []
         # One check of the whole answer; vector by vector only when it fails.
-        bad = None if np.isfinite(np.concatenate(vectors)).all() else decisions.bad_vectors(
+        bad = None if np.isfinite(np.concatenate(vectors)).all() else answer_checks.bad_vectors(
             [bool(np.isfinite(v).all()) for v in vectors], jobs,
             base=self.config.backoff_base, cap=self.config.backoff_cap)
         if bad is not None:  # NaN/inf: the provider's fault, for those inputs; the rest complete
             if bad.breaker is not None:
                 self.store.provider_failure(bad.breaker)
             changes.extend(bad.changes)
-            jobs, vectors = decisions.without(bad.changes[0].job_ids, jobs, vectors)
+            jobs, vectors = answer_checks.without(bad.changes[0].job_ids, jobs, vectors)
         changes.append(Complete(tuple(j.job_id for j in jobs), tuple(vectors)))
         # Paid-for vectors: while the database is unavailable the completion waits and is tried again.
         self._ride_out(owner, lambda: self.store.apply(owner, changes, answer=answer))
@@ -194,7 +195,7 @@ class Executor:
         if jobs and (self.view.had_failure or any(j.probe for j in jobs)):
             self.checks.usable()
 
-    def carry_out(self, owner: str, jobs: Sequence[ClaimedJob], outcome: decisions.Outcome) -> None:
+    def carry_out(self, owner: str, jobs: Sequence[ClaimedJob], outcome: Outcome) -> None:
         """Apply a decision about a request (``_decide`` has already asked the configuration probe)."""
         if isinstance(outcome, Split):
             # Input-specific: should the split be cut short, each goes alone next time.
@@ -225,7 +226,7 @@ class Executor:
         return rates.fault_threshold(), rates.throttle_threshold(request_plan.THROTTLE_SHRINK_AFTER)
 
     def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob], started: float,
-                health: str | None = None) -> decisions.Outcome:
+                health: str | None = None) -> Outcome:
         fault_threshold, throttle_threshold = self._thresholds()
         outcome = decisions.decide(err, jobs, config_ok=self.view.config_ok, base=self.config.backoff_base,
                                    cap=self.config.backoff_cap, poll_seconds=self.poll_seconds,

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from pipeline_assets.jobs import ledger
 from pipeline_assets.jobs.changes import Change, ClaimedJob, JobObserver
-from pipeline_assets.jobs.decisions import BreakerFailure
+from pipeline_assets.jobs.outcomes import BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
 

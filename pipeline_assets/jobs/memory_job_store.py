@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from pipeline_assets.jobs import ledger, memory_transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import Change, ClaimedJob, GiveBack, JobObserver, merged
-from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
 from pipeline_assets.jobs.memory_queue import CRASH_ERRORS, NEVER, Call, MemoryJob, MemoryModel, MemoryQueue
 from pipeline_assets.jobs.memory_transitions import MAX_DOUBLINGS
+from pipeline_assets.jobs.outcomes import BreakerFailure
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry.models import ModelRetired

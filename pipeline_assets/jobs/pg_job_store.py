@@ -21,8 +21,8 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.jobs import ledger, running_ingests, transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
-from pipeline_assets.jobs.decisions import BreakerFailure
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
+from pipeline_assets.jobs.outcomes import BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry import models
 

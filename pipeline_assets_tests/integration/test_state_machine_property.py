@@ -49,7 +49,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from pipeline_assets.app import model_admin
-from pipeline_assets.jobs import decisions, request_plan, transitions
+from pipeline_assets.jobs import decisions, outcomes, request_plan, transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
@@ -406,7 +406,7 @@ class JobStateMachine(RuleBasedStateMachine):
         outcome = decisions.decide(error, jobs, config_ok=True, base=0.0, cap=0.0, poll_seconds=0.0,
                                    health=health, unusable_in_a_row=unmatched)
         vectors = self._vectors()
-        if isinstance(outcome, decisions.Stop):  # too many unusable answers: handed back untouched
+        if isinstance(outcome, outcomes.Stop):  # too many unusable answers: handed back untouched
             assert health == decisions.UNUSABLE and unmatched + 1 >= decisions.MAX_UNMATCHED_ANSWERS
             return
         applied = transitions.became(transitions.apply(self.conn, claim.owner, outcome.changes))

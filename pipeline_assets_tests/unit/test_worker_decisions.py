@@ -7,29 +7,21 @@ import random
 import pytest
 
 from pipeline_assets.jobs import backoff
+from pipeline_assets.jobs.answer_checks import BAD_VECTOR, bad_vectors, check_vectors, without
 from pipeline_assets.jobs.changes import ClaimedJob, Fail, GiveBack, Retry
 from pipeline_assets.jobs.decisions import (
     ANSWERS,
-    BAD_VECTOR,
     DOWN,
     MAX_CONSECUTIVE_WORKER_FAULTS,
     MAX_UNMATCHED_ANSWERS,
     THROTTLED_TOO_OFTEN,
     TOO_MANY_UNMATCHED_ANSWERS,
     UNUSABLE,
-    Apply,
-    BreakerFailure,
-    CheckProvider,
-    ProbeConfig,
-    Split,
-    Stop,
-    bad_vectors,
-    check_vectors,
     decide,
     retry_delays,
-    without,
     worker_error,
 )
+from pipeline_assets.jobs.outcomes import Apply, BreakerFailure, CheckProvider, ProbeConfig, Split, Stop
 from pipeline_assets.jobs.request_plan import (
     FREE_FAULTS,
     THROTTLE_SHRINK_AFTER,
