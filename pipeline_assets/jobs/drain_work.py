@@ -1,7 +1,7 @@
 """What a worker does once its queue has drained: build the model's missing vector index (in
 bulk: far cheaper than per insert during a backfill) and compute the chunks' missing text-search
 vectors beside it, each on a connection of its own beside the worker's main loop
-(``vector_index``, ``text_search``); an error is a logged warning. When is
+(``registry.background_build``, ``text_search``); an error is a logged warning. When is
 ``running_ingests.index_build_decision``'s: no build while an ingest runs and, unless
 `--until-idle`, before the queue has stayed empty for ``index_quiet_seconds``. The worker
 cancels both when it stops.
@@ -17,7 +17,7 @@ import psycopg
 
 from pipeline_assets.jobs import running_ingests
 from pipeline_assets.jobs.worker_config import WorkerConfig
-from pipeline_assets.registry import vector_index
+from pipeline_assets.registry.background_build import BackgroundBuild
 from pipeline_assets.store import text_search
 
 log = logging.getLogger("pipeline_assets.jobs.worker")  # the worker's log
@@ -38,7 +38,7 @@ class DrainWork:
         self.model_id = model_id
         self.config = config
         self._on_done = on_done
-        self.index_build: vector_index.BackgroundBuild | None = None  # started when the queue drains
+        self.index_build: BackgroundBuild | None = None  # started when the queue drains
         self.text_fill: text_search.BackgroundFill | None = None  # beside it: chunks' text-search vectors
         self._drained_since: float | None = None  # the queue empty at every beat since (monotonic)
         self._deferred_for_ingest = False  # the build was put off while an ingest runs (logged once)
@@ -71,7 +71,7 @@ class DrainWork:
                 log.info("%s", running_ingests.put_off_line(self.model_id))
                 self._deferred_for_ingest = True
             return True
-        self.index_build = build = vector_index.BackgroundBuild(
+        self.index_build = build = BackgroundBuild(
             self._connect,
             self.model_id,
             dimension,

@@ -6,8 +6,8 @@ is searched exactly. The build never blocks completions (``CREATE INDEX CONCURRE
 per index under a session advisory lock; a second leaves it to the first), its memory is
 ``registry.index_memory``'s, and its error is one line (``IndexBuildError``). A failed or cancelled
 build leaves an INVALID index the next build replaces. Workers build when their queue drains and no
-ingest runs (``BackgroundBuild``, cancelled on stop); ``pipeline-assets models index`` on demand;
-until then search is an exact scan (docs/state-machine.md, "Vector indexes").
+ingest runs (``registry.background_build``, cancelled on stop); ``pipeline-assets models index``
+on demand; until then search is an exact scan (docs/state-machine.md, "Vector indexes").
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable
 
 import psycopg
 from psycopg import sql
@@ -24,7 +23,6 @@ from psycopg import sql
 from pipeline_assets.registry.index_memory import build_memory, graph_bytes
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.store import queries
-from pipeline_assets.store.background import BackgroundWork
 
 log = logging.getLogger(__name__)
 
@@ -36,19 +34,17 @@ HNSW_MAX_VECTOR_DIM = 2000
 HNSW_MAX_HALFVEC_DIM = 4000
 # First key of the build lock (pg_try_advisory_lock(int, int)); the second is hashtext(index name).
 INDEX_LOCK_NAMESPACE = 0x766E6478
-# A long-running worker whose build failed (or was left to another builder) looks again after this long.
-INDEX_RETRY_SECONDS = 600.0
 # SQLSTATEs of a build that could not get that memory (shared memory of a parallel build: a small
 # /dev/shm in a container): built again once with the server's own setting.
-OUT_OF_BUILD_MEMORY = ("53100", "53200")   # disk_full (a DSM segment), out_of_memory
+OUT_OF_BUILD_MEMORY = ("53100", "53200")  # disk_full (a DSM segment), out_of_memory
 
 # Index states, as `models list` and `status` show them.
-READY = "ready"          # a valid HNSW index: approximate nearest neighbours
-BUILDING = "building"    # a builder holds the lock (searches scan exactly meanwhile)
-INVALID = "invalid"      # a build failed or was cancelled; the next build drops and rebuilds it
-MISSING = "missing"      # not built yet (built when a worker's queue drains): exact scan
-EXACT = "exact"          # over HNSW_MAX_HALFVEC_DIM dimensions: never indexed, exact scan
-NO_VECTORS = "none"      # dimension unknown: nothing embedded yet
+READY = "ready"  # a valid HNSW index: approximate nearest neighbours
+BUILDING = "building"  # a builder holds the lock (searches scan exactly meanwhile)
+INVALID = "invalid"  # a build failed or was cancelled; the next build drops and rebuilds it
+MISSING = "missing"  # not built yet (built when a worker's queue drains): exact scan
+EXACT = "exact"  # over HNSW_MAX_HALFVEC_DIM dimensions: never indexed, exact scan
+NO_VECTORS = "none"  # dimension unknown: nothing embedded yet
 
 
 class IndexBuildError(RuntimeError):
@@ -92,10 +88,13 @@ def describe(state: str, dimension: int | None) -> str:
     if state == NO_VECTORS or dimension is None:
         return "none yet (no vectors)"
     kind = index_kind(dimension)
-    return {READY: f"hnsw {kind}", BUILDING: f"hnsw {kind} building (exact search meanwhile)",
-            INVALID: f"hnsw {kind} invalid (a build failed; rebuilt on the next drain)",
-            MISSING: "not built yet (exact search until a worker drains after the ingests, or `models index` "
-                     "behind a transaction pooler)"}[state]
+    return {
+        READY: f"hnsw {kind}",
+        BUILDING: f"hnsw {kind} building (exact search meanwhile)",
+        INVALID: f"hnsw {kind} invalid (a build failed; rebuilt on the next drain)",
+        MISSING: "not built yet (exact search until a worker drains after the ingests, or `models index` "
+        "behind a transaction pooler)",
+    }[state]
 
 
 def state(conn: psycopg.Connection, model_id: str, dimension: int | None) -> str:
@@ -133,8 +132,14 @@ def describe_progress(p: dict) -> str:
     return ", ".join(parts)
 
 
-def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
-          memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY, session: bool = True) -> str:
+def build(
+    conn: psycopg.Connection,
+    model_id: str,
+    dimension: int,
+    *,
+    memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY,
+    session: bool = True,
+) -> str:
     """Build the model's index concurrently if it is missing or invalid; return the state after.
 
     ``conn`` must be in autocommit mode with no transaction open (CREATE INDEX
@@ -157,14 +162,18 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
     if not session:
         if queries.one_row(conn, MODELS.index_state, params)[0]:
             return READY
-        raise IndexNeedsSession(f"the vector index of model {model_id} is built on a session connection, not "
-                                "through a transaction pooler: run `pipeline-assets models index` with a direct "
-                                "PIPELINE_DATABASE_URL and PIPELINE_DATABASE_POOL_MODE=session")
+        raise IndexNeedsSession(
+            f"the vector index of model {model_id} is built on a session connection, not "
+            "through a transaction pooler: run `pipeline-assets models index` with a direct "
+            "PIPELINE_DATABASE_URL and PIPELINE_DATABASE_POOL_MODE=session"
+        )
     if not queries.scalar(conn, MODELS.may_build_index):
         if queries.one_row(conn, MODELS.index_state, params)[0]:
             return READY
-        raise IndexNotOwned(f"the vector index of model {model_id} is built by the owner of app.embeddings, "
-                            f"not by role {conn.info.user}: run `pipeline-assets models index` as the owner role")
+        raise IndexNotOwned(
+            f"the vector index of model {model_id} is built by the owner of app.embeddings, "
+            f"not by role {conn.info.user}: run `pipeline-assets models index` as the owner role"
+        )
     if not queries.one_row(conn, MODELS.try_lock_index_build, params)[0]:
         return BUILDING
     try:
@@ -174,19 +183,29 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
         if valid is not None:  # INVALID: left by a failed or cancelled build
             log.warning("dropping the invalid index %s of model %s and building it again", name, model_id)
             conn.execute(_drop(name))
-        vectors, session_memory = (int(v) for v in queries.one_row(conn, MODELS.index_build_inputs,
-                                                                    {"model": model_id}))
+        vectors, session_memory = (
+            int(v) for v in queries.one_row(conn, MODELS.index_build_inputs, {"model": model_id})
+        )
         graph = graph_bytes(vectors, int(dimension), kind)
         memory = build_memory(vectors, int(dimension), kind, session_memory=session_memory, cap=memory_cap)
         if graph > memory:
-            log.warning("the vector index of model %s (%d vectors) needs ~%d MB to build in memory, over "
-                        "PIPELINE_INDEX_BUILD_MEMORY (%d MB): it builds partly on disk, far slower",
-                        model_id, vectors, graph >> 20, memory_cap >> 20)
+            log.warning(
+                "the vector index of model %s (%d vectors) needs ~%d MB to build in memory, over "
+                "PIPELINE_INDEX_BUILD_MEMORY (%d MB): it builds partly on disk, far slower",
+                model_id,
+                vectors,
+                graph >> 20,
+                memory_cap >> 20,
+            )
         setting, previous = f"{max(memory >> 10, 1024)}kB", f"{session_memory >> 10}kB"
         started = time.monotonic()
         create = sql.SQL(MODELS.create_hnsw_index).format(
-            name=sql.Identifier(name), kind=sql.Identifier(kind), opclass=sql.Identifier(f"{kind}_cosine_ops"),
-            dim=sql.Literal(int(dimension)), model=sql.Literal(model_id))
+            name=sql.Identifier(name),
+            kind=sql.Identifier(kind),
+            opclass=sql.Identifier(f"{kind}_cosine_ops"),
+            dim=sql.Literal(int(dimension)),
+            model=sql.Literal(model_id),
+        )
         try:
             try:
                 conn.execute(MODELS.set_index_build_memory, {"memory": setting})
@@ -194,8 +213,14 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
             except psycopg.Error as exc:
                 if exc.sqlstate not in OUT_OF_BUILD_MEMORY:
                     raise
-                log.warning("building the index %s with %s failed (%s); building it with the session's "
-                            "maintenance_work_mem (%s)", name, setting, _one_line(exc), previous)
+                log.warning(
+                    "building the index %s with %s failed (%s); building it with the session's "
+                    "maintenance_work_mem (%s)",
+                    name,
+                    setting,
+                    one_line(exc),
+                    previous,
+                )
                 _drop_quietly(conn, name)
                 conn.execute(MODELS.set_index_build_memory, {"memory": previous})
                 conn.execute(create)
@@ -204,10 +229,18 @@ def build(conn: psycopg.Connection, model_id: str, dimension: int, *,
         except psycopg.Error as exc:
             if not isinstance(exc, psycopg.errors.QueryCanceled):  # cancelled: stopping; the next build drops it
                 _drop_quietly(conn, name)  # an invalid index is still maintained on every insert
-            raise IndexBuildError(f"could not build the vector index of model {model_id} "
-                                  f"({dimension} dimensions): {_one_line(exc)}") from None
-        log.info("built the %s HNSW index %s of model %s (%d vectors, maintenance_work_mem %s) in %.1f s",
-                 kind, name, model_id, vectors, setting, time.monotonic() - started)
+            raise IndexBuildError(
+                f"could not build the vector index of model {model_id} ({dimension} dimensions): {one_line(exc)}"
+            ) from None
+        log.info(
+            "built the %s HNSW index %s of model %s (%d vectors, maintenance_work_mem %s) in %.1f s",
+            kind,
+            name,
+            model_id,
+            vectors,
+            setting,
+            time.monotonic() - started,
+        )
         return READY
     finally:
         if not conn.closed and not conn.broken:
@@ -234,50 +267,9 @@ def _drop_quietly(conn: psycopg.Connection, name: str) -> None:
     try:
         conn.execute(_drop(name))
     except psycopg.Error as exc:
-        log.warning("could not drop the invalid index %s (the next build will): %s", name, _one_line(exc))
+        log.warning("could not drop the invalid index %s (the next build will): %s", name, one_line(exc))
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
-
-
-class BackgroundBuild(BackgroundWork):
-    """A worker's build: its own connection, a thread, cancelled when the worker stops (it
-    leaves an INVALID index the next build replaces).
-
-    The worker's main loop keeps rescuing leases and watching for stop signals
-    while the index builds; completions go on committing (CONCURRENTLY).
-    """
-
-    def __init__(self, connect: Callable[[], psycopg.Connection], model_id: str, dimension: int, *,
-                 on_done: Callable[[], object] | None = None,
-                 memory_cap: int = DEFAULT_INDEX_BUILD_MEMORY, session: bool = True) -> None:
-        super().__init__(connect, name="index-build", on_done=on_done)  # told when the build is over
-        self._memory_cap = memory_cap
-        self._session = session
-        self.model_id = model_id
-        self.dimension = dimension
-        self.outcome: str | None = None   # a state, once the build is over
-        self.error: str | None = None     # the one-line error of a failed build
-
-    def retry_due(self, now: float) -> bool:
-        """Whether a long-running worker should try again (the last build did not leave a usable index)."""
-        return (self.finished_at is not None and self.outcome not in (READY, EXACT)
-                and now - self.finished_at >= INDEX_RETRY_SECONDS)
-
-    def work(self, conn: psycopg.Connection) -> None:
-        self.outcome = build(conn, self.model_id, self.dimension, memory_cap=self._memory_cap,
-                             session=self._session)
-
-    def failed(self, exc: Exception) -> None:
-        if isinstance(exc, IndexNotOwned):
-            self.outcome = MISSING
-            log.info("%s", exc)
-            return
-        if isinstance(exc, IndexBuildError):
-            self.error = str(exc)
-        else:
-            self.error = f"could not build the vector index of model {self.model_id}: {_one_line(exc)}"
-        if not self.stopped.is_set():
-            log.warning("%s (search scans exactly until it is built)", self.error)

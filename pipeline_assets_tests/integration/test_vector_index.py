@@ -31,7 +31,7 @@ from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
 from pipeline_assets.jobs import transitions
 from pipeline_assets.jobs.worker import Worker
 from pipeline_assets.providers import ModelSpec
-from pipeline_assets.registry import index_memory, models, vector_index
+from pipeline_assets.registry import background_build, index_memory, models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, retrieval
 from pipeline_assets_tests import job_helpers
@@ -311,14 +311,14 @@ def test_a_cancelled_background_build_leaves_an_index_the_next_build_replaces(cl
     seed_ready(conn, s, [unit(np.random.default_rng(3), 8) for _ in range(4)])
     hold_write_lock(blocker)
     try:
-        build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+        build = background_build.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
         wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait")
         build.cancel()
         assert build.done and build.outcome is None
     finally:
         blocker.execute("COMMIT")
     assert vector_index.state(conn, s.model_id, 8) == vector_index.INVALID
-    again = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+    again = background_build.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
     wait_until(lambda: again.done, timeout=30, what="the rebuild")
     assert again.outcome == vector_index.READY and again.error is None
     assert index_row(conn, s.model_id)[0] is True
@@ -364,7 +364,7 @@ def test_reconcile_neither_builds_nor_waits_for_a_build(clean_db, database_url, 
     reconcile(conn, options, model_id=s.model_id, rescan=False)
     assert vector_index.state(conn, s.model_id, 8) == vector_index.MISSING  # left to a worker's drain
     hold_write_lock(blocker)
-    build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+    build = background_build.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
     try:
         wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait")
         with db.connect(database_url) as rc:
@@ -464,7 +464,7 @@ def test_search_answers_and_status_shows_progress_while_the_index_builds(env, cl
     texts = seed_ready(conn, s, vectors)
     query = vectors[11] + 0.05 * unit(rng, 8)
     hold_write_lock(blocker)
-    build = vector_index.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
+    build = background_build.BackgroundBuild(lambda: db.connect(database_url), s.model_id, 8).start()
     late = db.connect(database_url)
     try:
         wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait for the writer")
