@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.jobs import ledger, running_ingests, transitions
+from pipeline_assets.jobs import ledger, provider_state, running_ingests, transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
 from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
@@ -73,7 +73,7 @@ class PostgresJobStore:
             jobs = transitions.claim(conn, model_id=self.model_id, owner=owner, limit=limit,
                                      lease_seconds=lease_seconds, docs=self.scope)
             if not jobs:
-                transitions.release_probe(conn, self.model_id, owner)
+                provider_state.release_probe(conn, self.model_id, owner)
         if jobs:
             self._tell("claimed", jobs)
         return jobs
@@ -126,7 +126,7 @@ class PostgresJobStore:
         """A probe claim ended without closing the breaker (a 400, nothing sent,
         a fault of ours): the next claim may probe at once."""
         with self.pool.connection() as conn:
-            transitions.release_probe(conn, self.model_id, owner)
+            provider_state.release_probe(conn, self.model_id, owner)
 
     def outstanding(self) -> bool:
         """Whether the model has jobs waiting or under a lease."""
@@ -186,21 +186,21 @@ class PostgresJobStore:
     def provider_failure(self, breaker: BreakerFailure) -> None:
         with self.pool.connection() as conn:
             if breaker.pause_only:
-                transitions.provider_pause(conn, self.model_id, floor=breaker.floor, base=self._base, cap=self._cap,
+                provider_state.provider_pause(conn, self.model_id, floor=breaker.floor, base=self._base, cap=self._cap,
                                            probe_cap=BREAKER_PROBE_INTERVAL)
                 return
-            transitions.provider_failure(conn, self.model_id, trip=breaker.trip, floor=breaker.floor,
+            provider_state.provider_failure(conn, self.model_id, trip=breaker.trip, floor=breaker.floor,
                                          base=self._base, cap=self._cap, threshold=BREAKER_THRESHOLD,
                                          probe_cap=BREAKER_PROBE_INTERVAL)
 
     def provider_healthy(self) -> None:
         """A usable answer after failures: close the breaker, reset the unusable answers in a row."""
         with self.pool.connection() as conn:
-            transitions.provider_healthy(conn, self.model_id)
-            transitions.provider_usable(conn, self.model_id)
+            provider_state.provider_healthy(conn, self.model_id)
+            provider_state.provider_usable(conn, self.model_id)
 
     def provider_unusable(self, *, count: bool = True) -> int:
         """Count an answer with nothing usable to a single trivial input (``count``; every
         worker's, kept across restarts); returns how many came in a row."""
         with self.pool.connection() as conn:
-            return transitions.provider_unusable(conn, self.model_id, count=count)
+            return provider_state.provider_unusable(conn, self.model_id, count=count)

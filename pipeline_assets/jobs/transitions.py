@@ -4,7 +4,8 @@ docs/state-machine.md).
 Knows nothing of providers, workers or Dagster. Each function is one short statement (or one
 short transaction) and returns which jobs it moved. The SQL is sql/queries/jobs.sql
 (``JOBS.<name>``); the states are ``JobStatus``; the transitions of held jobs are the values of
-``jobs.changes``, applied by ``apply`` (one statement per kind).
+``jobs.changes``, applied by ``apply`` (one statement per kind). The provider's state that
+every worker shares (breaker, pause, unusable answers) is ``jobs.provider_state``'s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from psycopg import sql
 from psycopg.rows import RowMaker, dict_row
 
 from pipeline_assets.jobs import ledger
-from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL
 from pipeline_assets.jobs.changes import (
     Change,
     ClaimedJob,
@@ -41,8 +41,14 @@ __all__ = ["ClaimedJob", "apply", "claim"]
 JOBS = queries.load("jobs")
 
 # The guarded statement of each kind of transition of a held job.
-_QUERY = {Complete: JOBS.complete, Retry: JOBS.fail_retryable, GiveBack: JOBS.give_back, Fail: JOBS.fail_terminal,
-          Supersede: JOBS.supersede_held, Isolate: JOBS.mark_isolated}
+_QUERY = {
+    Complete: JOBS.complete,
+    Retry: JOBS.fail_retryable,
+    GiveBack: JOBS.give_back,
+    Fail: JOBS.fail_terminal,
+    Supersede: JOBS.supersede_held,
+    Isolate: JOBS.mark_isolated,
+}
 
 
 @functools.cache
@@ -55,14 +61,27 @@ def claim_statement(scoped: bool, limit: int) -> bytes:
     return sql.SQL(JOBS.claim).format(scope=sql.SQL(scope), limit=sql.Literal(int(limit))).as_bytes(None)
 
 
-def claim(conn: psycopg.Connection, *, model_id: str, owner: str, limit: int, lease_seconds: float,
-          docs: Sequence[int] | None = None) -> list[ClaimedJob]:
+def claim(
+    conn: psycopg.Connection,
+    *,
+    model_id: str,
+    owner: str,
+    limit: int,
+    lease_seconds: float,
+    docs: Sequence[int] | None = None,
+) -> list[ClaimedJob]:
     """Claim up to ``limit`` claimable jobs of the model; with ``docs`` (doc_pks)
     only the jobs of those documents' chunks."""
     with conn.cursor(row_factory=_claimed_jobs) as cur:
-        return cur.execute(claim_statement(docs is not None, limit), {
-            "model": model_id, "owner": owner, "lease": lease_seconds,
-            "docs": list(docs) if docs is not None else None}).fetchall()
+        return cur.execute(
+            claim_statement(docs is not None, limit),
+            {
+                "model": model_id,
+                "owner": owner,
+                "lease": lease_seconds,
+                "docs": list(docs) if docs is not None else None,
+            },
+        ).fetchall()
 
 
 def _claimed_jobs(cursor: psycopg.Cursor) -> RowMaker[ClaimedJob]:
@@ -131,18 +150,19 @@ def _atomic(conn: psycopg.Connection, statements: int) -> contextlib.AbstractCon
     return conn.transaction()
 
 
-def release_probe(conn: psycopg.Connection, model_id: str, owner: str) -> int:
-    """Free the half-open probe slot if the claim ``owner`` holds it."""
-    return conn.execute(JOBS.release_probe, {"model": model_id, "owner": owner}).rowcount
-
-
 def extend_lease(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], lease_seconds: float) -> int:
     cur = conn.execute(JOBS.extend_lease, {"job_ids": list(job_ids), "owner": owner, "lease": lease_seconds})
     return cur.rowcount
 
 
-def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base: float = 0.0,
-                   cap: float = 0.0, free_faults: int = FREE_FAULTS) -> dict[str, int]:
+def rescue_expired(
+    conn: psycopg.Connection,
+    *,
+    rescuer: str | None = None,
+    base: float = 0.0,
+    cap: float = 0.0,
+    free_faults: int = FREE_FAULTS,
+) -> dict[str, int]:
     """Expired leases (dead or stalled workers) go back to be claimed again, their
     attempt given back and a fault counted; the only job rescued from its worker
     process, after ``free_faults`` faults, keeps its attempt used (retry, or failed
@@ -155,15 +175,17 @@ def rescue_expired(conn: psycopg.Connection, *, rescuer: str | None = None, base
     waits out (0: available at once).
     """
     counts: dict[str, int] = {JobStatus.RETRY: 0, JobStatus.FAILED: 0, JobStatus.SUPERSEDED: 0}
-    for row in _dicts(conn, JOBS.rescue_expired, {"rescuer": rescuer, "base": base, "cap": cap,
-                                                   "free_faults": free_faults}):
+    for row in _dicts(
+        conn, JOBS.rescue_expired, {"rescuer": rescuer, "base": base, "cap": cap, "free_faults": free_faults}
+    ):
         status = JobStatus.RETRY if row["status"] == JobStatus.PENDING else row["status"]
         counts[status] += 1
     return counts
 
 
-def requeue_failed(conn: psycopg.Connection, job_ids: Sequence[int] = (), *, all_failed: bool = False
-                   ) -> dict[str, int]:
+def requeue_failed(
+    conn: psycopg.Connection, job_ids: Sequence[int] = (), *, all_failed: bool = False
+) -> dict[str, int]:
     counts: dict[str, int] = {JobStatus.PENDING: 0, JobStatus.SUPERSEDED: 0}
     for row in _dicts(conn, JOBS.requeue_failed, {"ids": list(job_ids), "all": all_failed}):
         counts[row["status"]] += 1
@@ -177,8 +199,10 @@ def supersede_unwanted(conn: psycopg.Connection, checksums: Sequence[bytes] | No
     else:
         gone = _dicts(conn, JOBS.supersede_unwanted_among, {"checksums": list(checksums)})
     if gone:
-        conn.execute(JOBS.delete_vectors, {"checksums": [g["chunk_checksum"] for g in gone],
-                                           "models": [g["model_id"] for g in gone]})
+        conn.execute(
+            JOBS.delete_vectors,
+            {"checksums": [g["chunk_checksum"] for g in gone], "models": [g["model_id"] for g in gone]},
+        )
     return len(gone)
 
 
@@ -197,8 +221,9 @@ def _enqueue(scope: str) -> sql.Composed:
 def enqueue_for_docs(conn: psycopg.Connection, doc_pks: Sequence[int], max_attempts: int) -> int:
     if not doc_pks:
         return 0
-    return conn.execute(_enqueue(JOBS.enqueue_scope_docs),
-                        {"docs": list(doc_pks), "max_attempts": max_attempts}).rowcount
+    return conn.execute(
+        _enqueue(JOBS.enqueue_scope_docs), {"docs": list(doc_pks), "max_attempts": max_attempts}
+    ).rowcount
 
 
 def enqueue_missing(conn: psycopg.Connection, max_attempts: int) -> int:
@@ -218,48 +243,6 @@ def outstanding(conn: psycopg.Connection, model_id: str) -> tuple[bool, bool]:
     lease. Two EXISTS probes, each answered by a partial index: cheap to poll."""
     row = _dicts(conn, JOBS.outstanding, {"model": model_id})[0]
     return bool(row["waiting"]), bool(row["held"])
-
-
-def provider_failure(conn: psycopg.Connection, model_id: str, *, trip: bool, floor: float, base: float,
-                     cap: float, threshold: int, probe_cap: float = BREAKER_PROBE_INTERVAL) -> tuple[bool, bool]:
-    """Count a provider failure for every worker; returns (paused now, tripped). A pause
-    without a Retry-After (``floor``) lasts at most ``probe_cap``: the next probe goes out
-    within it, however long the provider has been failing."""
-    row = _dicts(conn, JOBS.provider_failure, {"model": model_id, "trip": trip, "floor": floor,
-                                               "base": base, "cap": cap, "threshold": threshold,
-                                               "probe_cap": probe_cap})[0]
-    return row["paused"], row["tripped"]
-
-
-def provider_pause(conn: psycopg.Connection, model_id: str, *, floor: float, base: float, cap: float,
-                   probe_cap: float = BREAKER_PROBE_INTERVAL) -> None:
-    """A throttle: every worker pauses claiming for ``floor`` (the Retry-After), or a short
-    jittered pause without one; the breaker does not trip: claims resume when it ends."""
-    conn.execute(JOBS.provider_pause, {"model": model_id, "floor": floor, "base": base, "cap": cap,
-                                       "probe_cap": probe_cap})
-
-
-def pause_provider(conn: psycopg.Connection, model_id: str, seconds: float) -> int:
-    """Trip the breaker for exactly ``seconds`` (never shortening a longer pause);
-    returns the consecutive failure count."""
-    row = _dicts(conn, JOBS.provider_failure, {"model": model_id, "trip": True, "floor": seconds,
-                                               "base": 0.0, "cap": 0.0, "threshold": 1, "probe_cap": 0.0})[0]
-    return row["consecutive_failures"]
-
-
-def provider_healthy(conn: psycopg.Connection, model_id: str) -> None:
-    conn.execute(JOBS.provider_healthy, {"model": model_id})
-
-
-def provider_unusable(conn: psycopg.Connection, model_id: str, *, count: bool = True) -> int:
-    """Count (``count``) an unusable answer to a single trivial input; returns how many came in a row."""
-    row = conn.execute(JOBS.provider_unusable if count else JOBS.provider_unusable_count,
-                       {"model": model_id}).fetchone()
-    return int(row[0]) if row else 0
-
-
-def provider_usable(conn: psycopg.Connection, model_id: str) -> None:
-    conn.execute(JOBS.provider_usable, {"model": model_id})
 
 
 def _dicts(conn: psycopg.Connection, query: str, params: dict | None = None) -> list[dict]:

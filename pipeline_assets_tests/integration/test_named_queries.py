@@ -32,6 +32,7 @@ QUERY_DIR = queries.sql_dir() / "queries"
 OWNED = [
     "jobs/transitions.py", "registry/models.py", "registry/vector_index.py", "jobs/ledger.py", "jobs/status.py",
     "store/reports.py", "store/retrieval.py", "store/stage_runs.py",
+    "jobs/provider_state.py",
 ]
 # Every family in sql/queries/ (a new file is checked the day it lands).
 FAMILIES = sorted(p.stem for p in QUERY_DIR.glob("*.sql"))

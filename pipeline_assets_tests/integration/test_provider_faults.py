@@ -88,10 +88,10 @@ def _pause_over(conn) -> None:
 
 
 def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, clean_db):
-    from pipeline_assets.jobs import transitions
+    from pipeline_assets.jobs import provider_state, transitions
 
     model = _queue(conn, 4)
-    transitions.pause_provider(conn, model, 60)
+    provider_state.pause_provider(conn, model, 60)
     _pause_over(conn)
     probe = transitions.claim(conn, model_id=model, owner="a", limit=1, lease_seconds=30)
     assert [j.probe for j in probe] == [True]
@@ -99,7 +99,7 @@ def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, c
     # The probe is throttled with Retry-After: 1.5: the pause is 1.5 s, not the probe's 30 s lease.
     job_helpers.give_back(conn, owner="a", job_ids=[probe[0].job_id], delay=1.5, throttled=True)
     with conn.transaction():   # one now() for the pause and its reading: no slack for a slow machine
-        transitions.provider_failure(conn, model, trip=True, floor=1.5, base=1.0, cap=60.0, threshold=5)
+        provider_state.provider_failure(conn, model, trip=True, floor=1.5, base=1.0, cap=60.0, threshold=5)
         paused_for, probe_owner = conn.execute(
             "SELECT extract(epoch FROM paused_until - now()), probe_owner FROM app.provider_state").fetchone()
     assert 1.4 <= float(paused_for) <= 1.5 and probe_owner is None
@@ -113,31 +113,31 @@ def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, c
 
 
 def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
-    from pipeline_assets.jobs import transitions
+    from pipeline_assets.jobs import provider_state, transitions
 
     model = _queue(conn, 4)
-    transitions.pause_provider(conn, model, 60)
+    provider_state.pause_provider(conn, model, 60)
     _pause_over(conn)
     assert transitions.claim(conn, model_id=model, owner="a", limit=1, lease_seconds=30)[0].probe
     # One 5xx (below the breaker's threshold) on the probe: its job backs off on its
     # own; the next probe may go out at once instead of after the probe's lease.
-    transitions.provider_failure(conn, model, trip=False, floor=0.0, base=10.0, cap=10.0, threshold=5)
+    provider_state.provider_failure(conn, model, trip=False, floor=0.0, base=10.0, cap=10.0, threshold=5)
     assert conn.execute("SELECT tripped, probe_owner FROM app.provider_state").fetchone() == (True, None)
     assert transitions.claim(conn, model_id=model, owner="b", limit=1, lease_seconds=30)[0].probe
     # At the threshold, a failure pauses again (a full-jitter backoff without a Retry-After).
     for _ in range(4):
-        transitions.provider_failure(conn, model, trip=False, floor=0.0, base=10.0, cap=10.0, threshold=5)
+        provider_state.provider_failure(conn, model, trip=False, floor=0.0, base=10.0, cap=10.0, threshold=5)
     assert conn.execute("SELECT paused_until >= updated_at, probe_owner FROM app.provider_state").fetchone() \
         == (True, None)
 
 
 def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
-    from pipeline_assets.jobs import transitions
+    from pipeline_assets.jobs import provider_state, transitions
     from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 
     model = _queue(conn, 2)
     conn.execute("UPDATE app.embedding_jobs SET available_at = now() + interval '1 hour'")
-    transitions.pause_provider(conn, model, 60)
+    provider_state.pause_provider(conn, model, 60)
     _pause_over(conn)
     assert transitions.claim(conn, model_id=model, owner="a", limit=5, lease_seconds=30) == []
     assert conn.execute("SELECT probe_owner, probe_until > now() FROM app.provider_state").fetchone() == (None, False)
@@ -172,8 +172,8 @@ def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake
     assert data["retry_after_cap"] == 1.0
     assert data["breaker"]["openai/fake-embed"]["state"] == "closed"
     # While the breaker is open, status says for how long.
-    from pipeline_assets.jobs import transitions
-    transitions.pause_provider(conn, "openai/fake-embed", 120)
+    from pipeline_assets.jobs import provider_state
+    provider_state.pause_provider(conn, "openai/fake-embed", 120)
     lines = cli("status", env=run_env).stdout.splitlines()
     breaker = next(line for line in lines if line.startswith("breaker openai/fake-embed:"))
     assert breaker.split(":", 1)[1].split()[0] == "open"

@@ -49,7 +49,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from pipeline_assets.app import model_admin
-from pipeline_assets.jobs import decisions, outcomes, request_plan, transitions
+from pipeline_assets.jobs import decisions, outcomes, provider_state, request_plan, transitions
 from pipeline_assets.jobs.breaker_config import BREAKER_THRESHOLD
 from pipeline_assets.jobs.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
@@ -208,9 +208,9 @@ class JobStateMachine(RuleBasedStateMachine):
 
     def _after_provider_success(self, claim: Claim) -> None:
         """What a worker does after an answer: close the breaker; free a probe slot."""
-        transitions.provider_healthy(self.conn, claim.model_id)
+        provider_state.provider_healthy(self.conn, claim.model_id)
         if claim.probe:
-            transitions.release_probe(self.conn, claim.model_id, claim.owner)
+            provider_state.release_probe(self.conn, claim.model_id, claim.owner)
 
     # ------------------------------------------------------------------ claim
     def _claim(self, model: str, limit: int) -> Claim | None:
@@ -229,7 +229,7 @@ class JobStateMachine(RuleBasedStateMachine):
             before = self._rows()
             jobs = transitions.claim(c, model_id=model, owner=owner, limit=limit, lease_seconds=LEASE)
         if not jobs:  # as JobStore.claim: an empty claim frees a probe slot it took
-            transitions.release_probe(c, model, owner)
+            provider_state.release_probe(c, model, owner)
         if not active or (tripped and not (pause_over and probe_free)):
             expected, probe = [], False
         else:
@@ -324,7 +324,7 @@ class JobStateMachine(RuleBasedStateMachine):
         claim, before, held = self._pick_live(pick)
         # As the worker after a 5xx: count a provider failure (it trips the breaker
         # after BREAKER_THRESHOLD in a row), then move the jobs.
-        transitions.provider_failure(self.conn, claim.model_id, trip=False, floor=0.0, base=0.0, cap=0.0,
+        provider_state.provider_failure(self.conn, claim.model_id, trip=False, floor=0.0, base=0.0, cap=0.0,
                                      threshold=BREAKER_THRESHOLD)
         moved = job_helpers.fail_retryable(self.conn, owner=claim.owner, job_ids=claim.job_ids,
                                            delays=[FAR if far else 0.0] * len(claim.job_ids),
@@ -340,7 +340,7 @@ class JobStateMachine(RuleBasedStateMachine):
                 assert r.available_far == far and r.available != far
         self._assert_unchanged(before, after, set(before) - set(held), "fail_retryable")
         if claim.probe:
-            transitions.release_probe(self.conn, claim.model_id, claim.owner)
+            provider_state.release_probe(self.conn, claim.model_id, claim.owner)
 
     @precondition(lambda self: self._live_claims())
     @rule(pick=st.integers(0, 10**6))
@@ -354,12 +354,12 @@ class JobStateMachine(RuleBasedStateMachine):
             assert (after[i].status, after[i].lease_owner, after[i].attempts) == ("failed", None, before[i].attempts)
         self._assert_unchanged(before, after, set(before) - set(held), "fail_terminal")
         if claim.probe:
-            transitions.release_probe(self.conn, claim.model_id, claim.owner)
+            provider_state.release_probe(self.conn, claim.model_id, claim.owner)
 
     def _give_back(self, pick: int, delay: float, throttled: bool) -> None:
         claim, before, held = self._pick_live(pick)
         if throttled:  # as the worker after a 429: trip the shared breaker for the Retry-After
-            transitions.pause_provider(self.conn, claim.model_id, delay)
+            provider_state.pause_provider(self.conn, claim.model_id, delay)
         moved = job_helpers.give_back(self.conn, owner=claim.owner, job_ids=claim.job_ids, delay=delay,
                                       error_class="rate_limited" if throttled else None, throttled=throttled)
         assert sorted(moved) == sorted(held)
@@ -375,7 +375,7 @@ class JobStateMachine(RuleBasedStateMachine):
                 assert r.available_far == (delay >= FAR) and r.available == (delay == 0)
         self._assert_unchanged(before, after, set(before) - set(held), "give_back")
         if claim.probe:
-            transitions.release_probe(self.conn, claim.model_id, claim.owner)
+            provider_state.release_probe(self.conn, claim.model_id, claim.owner)
 
     @precondition(lambda self: self._live_claims())
     @rule(pick=st.integers(0, 10**6))
@@ -429,7 +429,7 @@ class JobStateMachine(RuleBasedStateMachine):
         assert self._vectors().keys() == vectors.keys(), "an unusable answer stored a vector"
         self._assert_unchanged(before, after, set(before) - set(held), "unusable_answer")
         if claim.probe:
-            transitions.release_probe(self.conn, claim.model_id, claim.owner)
+            provider_state.release_probe(self.conn, claim.model_id, claim.owner)
 
     # ------------------------------------------------------------------ leases
     @precondition(lambda self: self._live_claims())

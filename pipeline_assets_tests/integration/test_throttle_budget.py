@@ -61,7 +61,7 @@ def test_repeated_5xx_trips_the_breaker_then_half_open_probe_closes_it(env, fake
 
 
 def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
-    from pipeline_assets.jobs import transitions
+    from pipeline_assets.jobs import provider_state, transitions
     from pipeline_assets.providers import ModelSpec
     from pipeline_assets.registry import models
 
@@ -74,10 +74,10 @@ def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
     for i in range(4):
         conn.execute("INSERT INTO app.chunks VALUES (%s, %s, %s, 't', 1, 0, 1)", (doc, i, bytes([i + 1])))
     transitions.enqueue_for_docs(conn, [doc], 5)
-    transitions.pause_provider(conn, spec.model_id, 60)
+    provider_state.pause_provider(conn, spec.model_id, 60)
     assert transitions.claim(conn, model_id=spec.model_id, owner="a", limit=1, lease_seconds=30) == []
     # A call that was already in flight and succeeds cannot cut the pause short.
-    transitions.provider_healthy(conn, spec.model_id)
+    provider_state.provider_healthy(conn, spec.model_id)
     assert conn.execute("SELECT tripped FROM app.provider_state").fetchone()[0] is True
     assert transitions.claim(conn, model_id=spec.model_id, owner="a", limit=1, lease_seconds=30) == []
     conn.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second'")
@@ -85,7 +85,7 @@ def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
     assert len(probe) == 1 and probe[0].probe
     # While the probe is out, nobody else claims.
     assert transitions.claim(conn, model_id=spec.model_id, owner="b", limit=1, lease_seconds=30) == []
-    transitions.provider_healthy(conn, spec.model_id)  # the probe succeeded: closed
+    provider_state.provider_healthy(conn, spec.model_id)  # the probe succeeded: closed
     rest = transitions.claim(conn, model_id=spec.model_id, owner="b", limit=10, lease_seconds=30)
     assert len(rest) == 3 and not any(j.probe for j in rest)
 
