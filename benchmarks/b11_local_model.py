@@ -39,7 +39,8 @@ from _common import REPO, Timer, emit, fresh_database, peak_rss_mb, rate
 
 from pipeline_assets.app.runtime import chunker_for, chunking
 from pipeline_assets.content.extract import extract_text
-from pipeline_assets.providers.onnx_local import TOKENIZER_FILE, OnnxProvider, prepare_minilm
+from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm
+from pipeline_assets.providers.onnx_model_card import TOKENIZER_FILE
 from pipeline_assets.providers.provider_config import DEFAULT_LOCAL_BATCH_INPUTS
 from pipeline_assets.settings import Settings
 

@@ -2,10 +2,11 @@
 
 ``PIPELINE_EMBEDDING_MODEL=local-onnx`` with ``PIPELINE_LOCAL_MODEL_DIR``, a directory in the
 sentence-transformers layout (``model.onnx`` or ``onnx/model.onnx``, ``tokenizer.json``, the model
-card's pooling, normalisation and window files). Nothing is fetched: a missing file is a one-line
-``ConfigError``; it needs the ``local`` extra. Never a silent truncation: every input is counted in
-the model's tokens and a batch with one past the window is refused (``input_too_long``, terminal for
-that input). The model id carries a digest of all that changes a vector (``onnx/<dir>-<digest>@<dim>``).
+card's pooling, normalisation and window files; read by ``providers.onnx_model_card``). Nothing is
+fetched: a missing file is a one-line ``ConfigError``; it needs the ``local`` extra. Never a silent
+truncation: every input is counted in the model's tokens and a batch with one past the window is
+refused (``input_too_long``, terminal for that input). The model id carries a digest of all that
+changes a vector (``onnx/<dir>-<digest>@<dim>``).
 ``python -m pipeline_assets.providers.onnx_local DIR`` prepares all-MiniLM-L6-v2 offline (docs/models.md).
 """
 
@@ -18,8 +19,6 @@ import shutil
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,19 +26,13 @@ import numpy as np
 
 from .base import TERMINAL, ConfigError, EmbedResult, ModelSpec, ProviderError
 from .limits import FOREIGN_TOKENS_PER_CHUNK_TOKEN
+from .onnx_model_card import TOKENIZER_FILE, read_model_card
 from .provider_config import ONNX_MODEL_NAME
 
 if TYPE_CHECKING:
     from onnxruntime import InferenceSession
 
 PROVIDER = "onnx"
-TOKENIZER_FILE = "tokenizer.json"
-MODEL_FILES = ("model.onnx", "onnx/model.onnx")
-# The window when the model card names none: BERT's position embeddings.
-DEFAULT_MAX_SEQ_LENGTH = 512
-POOLING_MODES = ("mean", "cls")
-# Hex digits of the content digest kept in the model id.
-VERSION_DIGITS = 12
 # Files of all-MiniLM-L6-v2 kept in the repository (tokenizer, model card), for `prepare`.
 MINILM_ASSETS = Path(__file__).with_name("minilm")
 MINILM_DIR_NAME = "all-MiniLM-L6-v2-int8"
@@ -75,74 +68,6 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no affinity on this platform
         return max(1, os.cpu_count() or 1)
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """What the directory says about the model (everything that changes a vector is in ``version``)."""
-
-    directory: Path
-    model_file: Path
-    name: str
-    max_seq_length: int
-    pooling: str
-    normalize: bool
-    dimension: int | None
-    version: str
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-
-
-def _optional_json(path: Path) -> Any:
-    return _read_json(path) if path.is_file() else None
-
-
-@lru_cache(maxsize=8)
-def _digest(files: tuple[tuple[str, int, int], ...], extra: str) -> str:
-    h = hashlib.sha256(extra.encode())
-    for name, _size, _mtime in files:
-        with open(name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()[:VERSION_DIGITS]
-
-
-def read_model_card(directory: Path | str) -> ModelCard:
-    """Read the model directory (ConfigError, one line, when it is not a usable one)."""
-    d = Path(directory).expanduser()
-    if not d.is_dir():
-        raise ConfigError(f"PIPELINE_LOCAL_MODEL_DIR={d} is not a directory")
-    model_file = next((d / m for m in MODEL_FILES if (d / m).is_file()), None)
-    if model_file is None:
-        raise ConfigError(f"no model.onnx in PIPELINE_LOCAL_MODEL_DIR={d} (nothing is downloaded)")
-    tokenizer = d / TOKENIZER_FILE
-    if not tokenizer.is_file():
-        raise ConfigError(f"no {TOKENIZER_FILE} in PIPELINE_LOCAL_MODEL_DIR={d} (nothing is downloaded)")
-    st_config = _optional_json(d / "sentence_bert_config.json") or {}
-    config = _optional_json(d / "config.json") or {}
-    pooling_config = _optional_json(d / "1_Pooling" / "config.json") or {}
-    modules = _optional_json(d / "modules.json")
-    max_seq = int(st_config.get("max_seq_length") or config.get("max_position_embeddings")
-                  or DEFAULT_MAX_SEQ_LENGTH)
-    if pooling_config.get("pooling_mode_cls_token"):
-        pooling = "cls"
-    elif pooling_config.get("pooling_mode_mean_tokens", True):
-        pooling = "mean"
-    else:
-        raise ConfigError(f"{d / '1_Pooling' / 'config.json'}: only mean or CLS pooling is supported")
-    # sentence-transformers normalises only with a Normalize module; without modules.json, normalise.
-    normalize = True if modules is None else any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
-    dimension = pooling_config.get("word_embedding_dimension") or config.get("hidden_size")
-    files = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in (model_file, tokenizer))
-    version = _digest(files, f"{max_seq}|{pooling}|{normalize}")
-    return ModelCard(directory=d, model_file=model_file, name=d.resolve().name, max_seq_length=max_seq,
-                     pooling=pooling, normalize=normalize, dimension=int(dimension) if dimension else None,
-                     version=version)
 
 
 class OnnxProvider:
@@ -187,8 +112,9 @@ class OnnxProvider:
         import onnxruntime as ort
 
         if self._session is None:
-            self._session = ort.InferenceSession(str(self.card.model_file), sess_options=session_options(),
-                                                 providers=["CPUExecutionProvider"])
+            self._session = ort.InferenceSession(
+                str(self.card.model_file), sess_options=session_options(), providers=["CPUExecutionProvider"]
+            )
             self._inputs = {i.name for i in self._session.get_inputs()}
         return self._session
 
@@ -208,15 +134,18 @@ class OnnxProvider:
         window = self.card.max_seq_length
         over = lengths[lengths > window]
         if over.size:
-            raise ProviderError(TERMINAL, "input_too_long",
-                                f"{over.size} input(s) of up to {int(over.max())} tokens exceed the {window}-token "
-                                f"window of {self.spec.model_id}; not truncated: lower PIPELINE_CHUNK_TOKENS")
+            raise ProviderError(
+                TERMINAL,
+                "input_too_long",
+                f"{over.size} input(s) of up to {int(over.max())} tokens exceed the {window}-token "
+                f"window of {self.spec.model_id}; not truncated: lower PIPELINE_CHUNK_TOKENS",
+            )
         order = np.argsort(lengths, kind="stable")
         pooled: np.ndarray | None = None
         with self._lock:  # one inference at a time: onnxruntime already uses every core for one
             session = self._load()
             for start in range(0, len(order), INFERENCE_BATCH_INPUTS):
-                rows = order[start:start + INFERENCE_BATCH_INPUTS]
+                rows = order[start : start + INFERENCE_BATCH_INPUTS]
                 vectors = self._pooled(session, [encodings[i] for i in rows], lengths[rows])
                 if pooled is None:
                     pooled = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
