@@ -21,7 +21,7 @@ import psutil
 import psycopg
 import pytest
 
-from pipeline_assets.cli.devserver import RUN_EVENT_SETTINGS
+from pipeline_assets.cli.dagster_instance import RUN_EVENT_SETTINGS
 from pipeline_assets.store import db, embedded_postgres
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 

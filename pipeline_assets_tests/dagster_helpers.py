@@ -21,7 +21,7 @@ from dagster._core.definitions.partitions.context import partition_loading_conte
 from dagster._core.loader import LoadingContextForTest
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.cli import devserver
+from pipeline_assets.cli import dagster_instance
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.defs.resources import build_resources
@@ -239,7 +239,7 @@ def _dagster_template(server_url: str) -> str:
         name = "t_dagster_template_" + uuid.uuid4().hex[:8]
         url = migrations.ensure_database(server_url, name)
         with tempfile.TemporaryDirectory() as home, _instance_env(url):
-            (Path(home) / "dagster.yaml").write_text(devserver.instance_yaml())
+            (Path(home) / "dagster.yaml").write_text(dagster_instance.instance_yaml())
             dg.DagsterInstance.from_config(home).dispose()   # creates (and stamps) Dagster's schema
         _TEMPLATES[server_url] = name
         atexit.register(_drop_database, server_url, name)
@@ -254,15 +254,15 @@ def _drop_database(server_url: str, name: str) -> None:
 
 @contextmanager
 def _instance_env(url: str) -> Iterator[None]:
-    saved = os.environ.get(devserver.DAGSTER_URL_ENV)
-    os.environ[devserver.DAGSTER_URL_ENV] = devserver.sqlalchemy_url(url)
+    saved = os.environ.get(dagster_instance.DAGSTER_URL_ENV)
+    os.environ[dagster_instance.DAGSTER_URL_ENV] = dagster_instance.sqlalchemy_url(url)
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(devserver.DAGSTER_URL_ENV, None)
+            os.environ.pop(dagster_instance.DAGSTER_URL_ENV, None)
         else:
-            os.environ[devserver.DAGSTER_URL_ENV] = saved
+            os.environ[dagster_instance.DAGSTER_URL_ENV] = saved
 
 
 def copy_of_dagster_template(server_url: str) -> str:
@@ -299,7 +299,7 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
     name = copy_of_dagster_template(server_url)
     url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
     with tempfile.TemporaryDirectory() as home:
-        (Path(home) / "dagster.yaml").write_text(devserver.instance_yaml())
+        (Path(home) / "dagster.yaml").write_text(dagster_instance.instance_yaml())
         with _instance_env(url):
             instance = dg.DagsterInstance.from_config(home)
             # Pooled connections, as dagster-webserver holds them (`optimize_for_webserver`; no

@@ -3,9 +3,10 @@
 1. The pipeline database (PIPELINE_DATABASE_URL, or the embedded server under PIPELINE_HOME),
    migrated before anything runs.
 2. Dagster's storage in the ``dagster`` database (PIPELINE_DAGSTER_DATABASE) on that server,
-   created if missing; DAGSTER_HOME is PIPELINE_HOME/dagster with a generated dagster.yaml whose
-   ``postgres_url`` reads DAGSTER_PG_URL (``postgresql+psycopg2://``: dagster-postgres fails on
-   psycopg 3), set for the child processes only: no password is written to disk.
+   created if missing; DAGSTER_HOME is PIPELINE_HOME/dagster with a generated dagster.yaml
+   (``cli.dagster_instance``) whose ``postgres_url`` reads DAGSTER_PG_URL
+   (``postgresql+psycopg2://``: dagster-postgres fails on psycopg 3), set for the child
+   processes only: no password is written to disk.
 3. ``dagster dev -w workspace.yaml`` in its own session; SIGINT/SIGTERM is forwarded once, and
    run workers still going after it get SIGTERM, then SIGKILL.
 ``dagster-env`` prints steps 1-2 as ``export`` lines (with PIPELINE_PARTITION_BUCKETS), so
@@ -23,98 +24,22 @@ from types import FrameType
 
 import psycopg
 
+from pipeline_assets.cli.dagster_instance import (
+    DAGSTER_URL_ENV,
+    REPO,
+    RUN_EVENT_SETTINGS,
+    instance_yaml,
+    sqlalchemy_url,
+)
 from pipeline_assets.providers import model_id_for
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
 from pipeline_assets.store.bucket_rows import fixed_buckets
 
-DAGSTER_URL_ENV = "DAGSTER_PG_URL"
-REPO = Path(__file__).resolve().parents[2]
 PATH_SETTINGS = ("PIPELINE_SOURCE_DIR",)
 STOP_TIMEOUT_SECONDS = 30
 BUCKETS_ENV = "PIPELINE_PARTITION_BUCKETS"
-
-# Dagster settings read from the environment by the processes that create runs
-# (webserver, daemon) and execute them. A single-run backfill of N partitions
-# otherwise writes 3N "planned" events and 3N materializations one row (and,
-# with dagster-postgres' NullPool, one connection) at a time: measured 153 s for
-# 1,000 partitions, 10 s with these. The cost: Dagster no longer marks the
-# partitions of a FAILED range run as failed in its UI (the run shows failed; the
-# per-item state lives in app.stage_runs and the job table, as designed).
-RUN_EVENT_SETTINGS = {
-    "DAGSTER_EVENT_BATCH_SIZE": "1000",
-    "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS": "true",
-}
-
-# What holds for every instance (run queue, pools, monitoring, retention,
-# telemetry): the repository's top-level dagster.yaml, which `dagster dev` from
-# the root reads too. An installed wheel without the checkout around it uses
-# this copy (test_dagster_definitions keeps the two equal).
-INSTANCE_SETTINGS_FILE = REPO / "dagster.yaml"
-STORAGE_YAML = f"""\
-# Written by `pipeline-assets dev` at every start; edits here are overwritten.
-# Storage (runs, event log, schedules) in PostgreSQL through dagster-postgres;
-# the URL (postgresql+psycopg2://...) comes from ${DAGSTER_URL_ENV}.
-storage:
-  postgres:
-    postgres_url:
-      env: {DAGSTER_URL_ENV}
-"""
-INSTANCE_SETTINGS = """\
-run_coordinator:
-  module: dagster.core.run_coordinator
-  class: QueuedRunCoordinator
-  config:
-    dequeue_interval_seconds: 1
-concurrency:
-  runs:
-    max_concurrent_runs: 4
-  pools:
-    default_limit: 1
-    granularity: op
-sensors:
-  use_threads: true
-  num_workers: 4
-run_monitoring:
-  enabled: true
-  start_timeout_seconds: 180
-  poll_interval_seconds: 60
-retention:
-  schedule:
-    purge_after_days: 30
-  sensor:
-    purge_after_days:
-      skipped: 7
-      failure: 30
-      success: -1
-telemetry:
-  enabled: false
-"""
-
-
-def instance_yaml() -> str:
-    """The dagster.yaml `pipeline-assets dev` writes: storage, then the shared settings."""
-    shared = INSTANCE_SETTINGS_FILE.read_text() if INSTANCE_SETTINGS_FILE.is_file() else INSTANCE_SETTINGS
-    return STORAGE_YAML + "\n" + shared
-
-
-def sqlalchemy_url(libpq_url: str) -> str:
-    """A libpq URL/DSN as a SQLAlchemy psycopg2 URL (a unix-socket host goes into ``?host=``)."""
-    from sqlalchemy.engine import URL
-
-    params = {k: str(v) for k, v in psycopg.conninfo.conninfo_to_dict(libpq_url).items()}
-    host = params.pop("host", None)
-    query = {k: v for k, v in params.items() if k not in ("user", "password", "port", "dbname")}
-    tcp_host = host
-    if host and (host.startswith("/") or "," in host):
-        query["host"] = host
-        tcp_host = None
-    url = URL.create("postgresql+psycopg2", username=params.get("user") or None,
-                     password=params.get("password") or None, host=tcp_host,
-                     port=int(params["port"]) if params.get("port") else None,
-                     database=params.get("dbname"), query=query)
-    return url.render_as_string(hide_password=False)
 
 
 def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str], Path]:
@@ -134,16 +59,26 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
     dagster_home.mkdir(parents=True, exist_ok=True)
     (dagster_home / "dagster.yaml").write_text(instance_yaml())
     env = {**RUN_EVENT_SETTINGS, **os.environ}
-    env.update({"DAGSTER_HOME": str(dagster_home), DAGSTER_URL_ENV: dagster_url, "PIPELINE_HOME": str(home),
-                BUCKETS_ENV: str(buckets)})
+    env.update(
+        {
+            "DAGSTER_HOME": str(dagster_home),
+            DAGSTER_URL_ENV: dagster_url,
+            "PIPELINE_HOME": str(home),
+            BUCKETS_ENV: str(buckets),
+        }
+    )
     # The services run in DAGSTER_HOME: relative paths keep meaning what they meant here.
     for name in PATH_SETTINGS:
         if env.get(name):
             env[name] = str(Path(env[name]).expanduser().resolve())
     retired = setup_instance(env, model_keys)
     if retired:
-        print(f"upgraded the Dagster instance to bucket partitions: {retired} per-document partition(s) "
-              "of the old scheme deleted (nothing re-embedded)", file=sys.stderr, flush=True)
+        print(
+            f"upgraded the Dagster instance to bucket partitions: {retired} per-document partition(s) "
+            "of the old scheme deleted (nothing re-embedded)",
+            file=sys.stderr,
+            flush=True,
+        )
     return env, dagster_home
 
 
@@ -152,15 +87,25 @@ class InstanceSetupError(RuntimeError):
 
 
 # What `prepare` raises for an expected failure: one `error:` line, exit status 1.
-PREPARE_ERRORS = (db.DatabaseUnavailable, embedded_postgres.EmbeddedServerError, InstanceSetupError, psycopg.Error,
-                  OSError)
+PREPARE_ERRORS = (
+    db.DatabaseUnavailable,
+    embedded_postgres.EmbeddedServerError,
+    InstanceSetupError,
+    psycopg.Error,
+    OSError,
+)
 
 
 def setup_instance(env: dict[str, str], model_keys: list[str] | None = None) -> int:
     """``instance_setup`` in a child process (this one never imports Dagster); the legacy
     partitions it deleted. InstanceSetupError with the child's last line if it failed."""
-    done = subprocess.run([sys.executable, "-m", "pipeline_assets.defs.models.instance_setup", env["DAGSTER_HOME"],
-                           *(model_keys or [])], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline_assets.defs.models.instance_setup", env["DAGSTER_HOME"], *(model_keys or [])],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         raise InstanceSetupError(f"cannot prepare the Dagster instance in {env['DAGSTER_HOME']}: {last}")
@@ -188,8 +133,11 @@ def run_dagster_env(settings: Settings | None = None) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     print(export_lines(exported), flush=True)
-    print(f"# Dagster instance: DAGSTER_HOME={exported['DAGSTER_HOME']} (storage in PostgreSQL); "
-          f"{added} document bucket(s)", file=sys.stderr)
+    print(
+        f"# Dagster instance: DAGSTER_HOME={exported['DAGSTER_HOME']} (storage in PostgreSQL); "
+        f"{added} document bucket(s)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -240,7 +188,7 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
             return
         try:
             if stopping["signals"] == 1:
-                proc.send_signal(signal.SIGINT)      # dagster dev's clean shutdown
+                proc.send_signal(signal.SIGINT)  # dagster dev's clean shutdown
             else:
                 os.killpg(proc.pid, signal.SIGKILL)  # asked twice: stop now
         except ProcessLookupError:
@@ -252,8 +200,9 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     # cwd DAGSTER_HOME: dagster warns about (and ignores) a dagster.yaml in the working
     # directory when DAGSTER_HOME is elsewhere (and a .env there would be loaded).
-    proc = child["proc"] = subprocess.Popen(dagster_command(host, port), env=env, cwd=dagster_home,
-                                            start_new_session=True)
+    proc = child["proc"] = subprocess.Popen(
+        dagster_command(host, port), env=env, cwd=dagster_home, start_new_session=True
+    )
     if stopping["signals"]:  # interrupted while starting it
         proc.send_signal(signal.SIGINT)
     try:

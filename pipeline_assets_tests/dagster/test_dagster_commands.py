@@ -22,8 +22,8 @@ import pytest
 import yaml
 from dagster._core.instance.ref import InstanceRef
 
-from pipeline_assets.cli import devserver
-from pipeline_assets.cli.devserver import DAGSTER_URL_ENV
+from pipeline_assets.cli import dagster_instance
+from pipeline_assets.cli.dagster_instance import DAGSTER_URL_ENV
 from pipeline_assets.defs.models import instance_setup
 from pipeline_assets.defs.partitions import bucket_index
 from pipeline_assets.store import reports
@@ -75,7 +75,7 @@ def test_the_root_dagster_yaml_holds_shared_settings_and_no_storage(monkeypatch)
         assert concurrency.pool_config.default_pool_limit == 1
         assert instance.telemetry_enabled is False
     # `pipeline-assets dev` writes the same shared settings under its PostgreSQL storage.
-    written = devserver.instance_yaml()
+    written = dagster_instance.instance_yaml()
     assert written.endswith(root_yaml.read_text()) and f"env: {DAGSTER_URL_ENV}" in written
 
 

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from pipeline_assets.app.runtime import code_versions
-from pipeline_assets.cli import devserver
+from pipeline_assets.cli import dagster_instance
 from pipeline_assets.defs.keys import ASSET_KEYS, INGEST_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
@@ -214,9 +214,9 @@ def test_workspace_yaml_and_no_tool_dagster_block():
 
 
 def test_sqlalchemy_url_uses_psycopg2_and_the_socket_dir():
-    assert devserver.sqlalchemy_url("postgresql://postgres:@/dagster?host=/tmp/pg/pgdata") == \
+    assert dagster_instance.sqlalchemy_url("postgresql://postgres:@/dagster?host=/tmp/pg/pgdata") == \
         "postgresql+psycopg2://postgres@/dagster?host=%2Ftmp%2Fpg%2Fpgdata"
-    assert devserver.sqlalchemy_url("postgresql://u:p%40ss@db.example:5433/dagster?sslmode=require") == \
+    assert dagster_instance.sqlalchemy_url("postgresql://u:p%40ss@db.example:5433/dagster?sslmode=require") == \
         "postgresql+psycopg2://u:p%40ss@db.example:5433/dagster?sslmode=require"
 
 
@@ -227,7 +227,7 @@ def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkey
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(REPO / "deploy" / "dagster.yaml", home / "dagster.yaml")
-    monkeypatch.setenv("DAGSTER_PG_URL", devserver.sqlalchemy_url(url))
+    monkeypatch.setenv("DAGSTER_PG_URL", dagster_instance.sqlalchemy_url(url))
     try:
         instance = dg.DagsterInstance.from_config(str(home))
         try:
@@ -279,9 +279,9 @@ def test_the_root_dagster_yaml_is_what_dev_writes_and_loads_without_storage(tmp_
 
     root = (REPO / "dagster.yaml").read_text()
     assert "storage" not in yaml.safe_load(root)
-    assert yaml.safe_load(root) == yaml.safe_load(devserver.INSTANCE_SETTINGS)
-    written = yaml.safe_load(devserver.instance_yaml())
-    assert written["storage"]["postgres"]["postgres_url"] == {"env": devserver.DAGSTER_URL_ENV}
+    assert yaml.safe_load(root) == yaml.safe_load(dagster_instance.INSTANCE_SETTINGS)
+    written = yaml.safe_load(dagster_instance.instance_yaml())
+    assert written["storage"]["postgres"]["postgres_url"] == {"env": dagster_instance.DAGSTER_URL_ENV}
     (tmp_path / "dagster.yaml").write_text(root)
     instance = dg.DagsterInstance.from_config(str(tmp_path))
     try:

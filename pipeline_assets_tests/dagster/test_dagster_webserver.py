@@ -28,7 +28,7 @@ import dagster as dg
 import psycopg
 import pytest
 
-from pipeline_assets.cli.devserver import DAGSTER_URL_ENV, sqlalchemy_url
+from pipeline_assets.cli.dagster_instance import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.store import reports
 from pipeline_assets_tests.browser import Browser, chromium_path
