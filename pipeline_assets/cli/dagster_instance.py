@@ -1,7 +1,8 @@
 """What a Dagster instance of ours is configured with: its dagster.yaml (storage in PostgreSQL
 through dagster-postgres, whose URL is read from ``DAGSTER_PG_URL`` at start: no password on
-disk; then the settings every instance shares), that storage URL in SQLAlchemy form, and the
-run-event settings of the processes that create and execute runs. No Dagster import.
+disk; then the settings every instance shares), that storage URL in SQLAlchemy's
+``postgresql+psycopg2://`` form (dagster-postgres fails on psycopg 3), and the run-event
+settings of the processes that create and execute runs. No Dagster import.
 """
 
 from pathlib import Path

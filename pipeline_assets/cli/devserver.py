@@ -4,8 +4,7 @@
    migrated before anything runs.
 2. Dagster's storage in the ``dagster`` database (PIPELINE_DAGSTER_DATABASE) on that server,
    created if missing; DAGSTER_HOME is PIPELINE_HOME/dagster with a generated dagster.yaml
-   (``cli.dagster_instance``) whose ``postgres_url`` reads DAGSTER_PG_URL
-   (``postgresql+psycopg2://``: dagster-postgres fails on psycopg 3), set for the child
+   (``cli.dagster_instance``) whose ``postgres_url`` reads DAGSTER_PG_URL, set for the child
    processes only: no password is written to disk.
 3. ``dagster dev -w workspace.yaml`` in its own session; SIGINT/SIGTERM is forwarded once, and
    run workers still going after it get SIGTERM, then SIGKILL.
