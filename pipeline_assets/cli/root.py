@@ -18,8 +18,8 @@ from pipeline_assets.settings import Settings, SettingsError
 # Each top-level command and the module (pipeline_assets.cli.<module>) whose COMMANDS hold it;
 # test_cli keeps this in step with the modules.
 COMMAND_MODULES = {
-    "migrate": "pipeline", "roles": "pipeline", "ingest": "pipeline", "work": "pipeline", "embed": "pipeline",
-    "reconcile": "pipeline", "rerun": "pipeline",
+    "migrate": "database", "roles": "database", "rerun": "rerun",
+    "ingest": "pipeline", "work": "pipeline", "embed": "pipeline", "reconcile": "pipeline",
     "status": "reading", "search": "reading", "export": "reading", "settings": "reading",
     "dlq": "dlq", "models": "models",
     "stop-db": "server", "dev": "server", "dagster-env": "server",
