@@ -39,7 +39,7 @@ def rss_mb() -> float:
 def child(root: str) -> None:
     """In the measured process: the two use cases of a run over every bucket."""
     from pipeline_assets.app import buckets
-    from pipeline_assets.app.embed_documents import embed_buckets
+    from pipeline_assets.app.embed_selection import embed_buckets
     from pipeline_assets.app.runtime import Runtime
     from pipeline_assets.settings import Settings
     from pipeline_assets.store import bucket_rows, db

@@ -1,6 +1,6 @@
 """Embedding use cases that run a worker: until the queue is idle (or until stopped), and the
 one-shot ``embed DIR`` (ingest, then work until idle). Embedding some documents and waiting for
-them: app/embed_documents.py.
+them: app/embed_selection.py.
 """
 
 from __future__ import annotations

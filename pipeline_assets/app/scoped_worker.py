@@ -1,5 +1,5 @@
 """A worker in a thread that claims only some documents' jobs (or the model's whole queue),
-until told to stop: what ``embed_documents`` runs in process while it waits."""
+until told to stop: what ``vector_wait`` runs in process while it waits."""
 
 from __future__ import annotations
 

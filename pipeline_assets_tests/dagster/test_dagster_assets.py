@@ -11,7 +11,7 @@ import pytest
 
 from pipeline_assets.app import buckets as bk
 from pipeline_assets.app.buckets import bucket_of as bucket_index
-from pipeline_assets.app.embed_documents import embed_buckets
+from pipeline_assets.app.embed_selection import embed_buckets
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.defs.embeddings.assets import EMBEDDING_POOL
 from pipeline_assets.defs.embeddings.checks import COVERAGE_CHECK

@@ -1,7 +1,7 @@
 """The ``embeddings`` asset: vectors by bucket x model, mapped to ``chunks`` by its bucket.
 
 Per model of its partition keys, a run first records the preflight (what it would send,
-``app.estimate``) as an observation, then runs ``app.embed_documents.embed_buckets`` over the buckets'
+``app.estimate``) as an observation, then runs ``app.embed_selection.embed_buckets`` over the buckets'
 current documents: it ends when their chunks are ready or failed for that model, embedding
 them itself (``in_process``, in the ``embedding_worker`` concurrency pool) or waiting for
 external ``work`` processes (``EmbeddingRunResource``), and fails with the counts at its
@@ -17,8 +17,9 @@ import dagster as dg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import estimate, model_runtime
-from pipeline_assets.app.embed_documents import BucketsEmbedded, EmbedDeadlineExceeded, EmbedIncomplete, embed_buckets
+from pipeline_assets.app.embed_selection import BucketsEmbedded, embed_buckets
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.app.vector_wait import EmbedDeadlineExceeded, EmbedIncomplete
 from pipeline_assets.defs.keys import CHUNKS, GROUP, SOURCE_FILES
 from pipeline_assets.defs.partitions import BUCKET_DIMENSION, embedding_key, embedding_partitions, keys_by_model
 from pipeline_assets.defs.provenance import run_version

@@ -17,9 +17,10 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app.embed_documents import EmbedIncomplete, embed_and_wait
+from pipeline_assets.app.embed_selection import embed_and_wait
 from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
+from pipeline_assets.app.vector_wait import EmbedIncomplete
 from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.defs.embeddings.assets import embedding_version
 from pipeline_assets.defs.ingest.assets import ingest_materializations

@@ -1,15 +1,15 @@
-"""Embed some documents, or the documents of some buckets, and wait: make sure their current
-chunks have jobs, then wait until each is ready or failed (not for the rest of the queue), with
-a worker scoped to them here or only the ``work`` processes elsewhere, within a deadline.
+"""Waiting for some documents' vectors: enqueue what is missing, run a worker scoped to them here
+(or leave them to the ``work`` processes), read their coverage until nothing of theirs is
+outstanding, the worker stops, or the deadline; then build the model's index as a drain does.
+Shared by the front ends of ``app.embed_selection`` (some documents, some buckets).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from psycopg_pool import ConnectionPool
@@ -22,7 +22,7 @@ from pipeline_assets.jobs import running_ingests, transitions
 from pipeline_assets.jobs.worker import FatalProviderError, WorkerReport
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
-from pipeline_assets.store import bucket_rows, db, reports, stage_runs
+from pipeline_assets.store import db, reports, stage_runs
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +41,6 @@ WAIT_POLL_COST_FACTOR = 20
 # the scoped claim's cost grows with it (a bucket backfill over everything).
 SCOPE_MAX_DOCUMENTS = 2_000
 
-@dataclass
-class DocumentsEmbedded:
-    """What embedding some documents of a source did, and their coverage before and after."""
-
-    work: WorkerReport
-    enqueued: int
-    summaries: dict[str, reports.DocumentSummary]
-    before: reports.Coverage     # the first read (the run's worker, if any, already started)
-    after: reports.Coverage
-    per_document: dict[str, reports.Coverage] = field(default_factory=dict)
-    in_process: bool = True
-    waited_seconds: float = 0.0
-    index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
-
 
 class EmbedIncomplete(RuntimeError):
     """Some of the documents' chunks are neither ready nor failed; carries their counts."""
@@ -70,9 +56,12 @@ class EmbedDeadlineExceeded(EmbedIncomplete):
 
     def __init__(self, coverage: reports.Coverage, deadline: float, in_process: bool) -> None:
         who = "the in-process worker and any `work` process" if in_process else "the external `work` processes"
-        super().__init__(f"{outstanding(coverage)} of {coverage.wanted} chunk(s) still not embedded after "
-                         f"{deadline:g} s ({coverage.ready} ready, {coverage.failed} failed) waiting for {who}; "
-                         "see `pipeline-assets status`", coverage)
+        super().__init__(
+            f"{outstanding(coverage)} of {coverage.wanted} chunk(s) still not embedded after "
+            f"{deadline:g} s ({coverage.ready} ready, {coverage.failed} failed) waiting for {who}; "
+            "see `pipeline-assets status`",
+            coverage,
+        )
 
 
 class EmbedStopped(EmbedIncomplete):
@@ -84,97 +73,32 @@ def outstanding(cov: reports.Coverage) -> int:
     return max(cov.wanted - cov.ready - cov.failed, 0)
 
 
-def embed_and_wait(rt: Runtime, pool: ConnectionPool, root: Path | str, document_ids: Sequence[str], *,
-                    poll_seconds: float | None = None, in_process: bool = True,
-                    deadline_seconds: float | None = None) -> DocumentsEmbedded:
-    """Make sure the current chunks of some documents have jobs, then wait until
-    each of them is ready or failed: not for the rest of the queue.
-
-    ``in_process``: a worker scoped to these documents (it claims only their
-    jobs) embeds them here; otherwise only ``work`` processes elsewhere do, and
-    this waits. ``deadline_seconds`` (default: the settings') bounds the wait:
-    past it, EmbedDeadlineExceeded with the counts. A worker that stopped before
-    they were done (BudgetExhausted, WorkerFault) is EmbedStopped with its message
-    and the counts; FatalProviderError is raised as it is.
-    """
-    root_s = str(root)
-    summaries: dict[str, reports.DocumentSummary] = {}
-
-    def current_pks() -> list[int]:
-        with pool.connection() as conn:
-            summaries.update(reports.document_summaries(conn, root_s, document_ids))
-        return [s.doc_pk for s in summaries.values() if s.status == "current"]
-
-    def read() -> tuple[dict[str, reports.Coverage], reports.Coverage]:
-        with pool.connection() as conn:
-            return reports.embedding_coverage(conn, root_s, document_ids, rt.model_id)
-
-    waited = _wait_for_vectors(rt, pool, current_pks, read, many=len(document_ids) > SCOPE_MAX_DOCUMENTS,
-                               poll_seconds=poll_seconds, in_process=in_process, deadline_seconds=deadline_seconds)
-    return DocumentsEmbedded(work=waited.work, enqueued=waited.enqueued, summaries=summaries, before=waited.before,
-                             after=waited.after, per_document=waited.detail, in_process=in_process,
-                             waited_seconds=waited.seconds, index_put_off=waited.index_put_off)
-
-
-@dataclass
-class BucketsEmbedded:
-    """What embedding some buckets' documents did: per bucket and in total (distinct chunks)."""
-
-    work: WorkerReport
-    enqueued: int
-    documents: int                 # current documents in the buckets
-    before: reports.Coverage
-    after: reports.Coverage
-    per_bucket: dict[int, bucket_rows.BucketCoverage]
-    in_process: bool = True
-    waited_seconds: float = 0.0
-    index_put_off: str | None = None   # the model's index build left for later (an ingest runs): the line
-
-
-def embed_buckets(rt: Runtime, pool: ConnectionPool, root: Path | str, bucket_ids: Sequence[int],
-                  bucket_count: int, *,
-                  poll_seconds: float | None = None, in_process: bool = True,
-                  deadline_seconds: float | None = None) -> BucketsEmbedded:
-    """``embed_and_wait`` for the current documents of some buckets (of ``bucket_count``), read and
-    counted per bucket in the database: no per-document object at any corpus size (an
-    embeddings run over 100k documents holds their keys, not their summaries)."""
-    root_s = str(root)
-
-    def current_pks() -> list[int]:
-        with pool.connection() as conn:
-            return bucket_rows.current_pks(conn, root_s, bucket_ids, bucket_count)
-
-    def read() -> tuple[dict[int, bucket_rows.BucketCoverage], reports.Coverage]:
-        with pool.connection() as conn:
-            return bucket_rows.coverage_and_total(conn, root_s, bucket_ids, bucket_count, rt.model_id)
-
-    with pool.connection() as conn:   # a large run's worker starts before the keys are read
-        many = bucket_rows.estimated_documents(conn, root_s, bucket_ids, bucket_count) > SCOPE_MAX_DOCUMENTS
-    waited = _wait_for_vectors(rt, pool, current_pks, read, many=many, poll_seconds=poll_seconds,
-                               in_process=in_process, deadline_seconds=deadline_seconds)
-    return BucketsEmbedded(work=waited.work, enqueued=waited.enqueued, documents=waited.documents, before=waited.before,
-                           after=waited.after, per_bucket=waited.detail, in_process=in_process,
-                           waited_seconds=waited.seconds, index_put_off=waited.index_put_off)
-
-
 D = TypeVar("D")
 
 
 @dataclass
-class _Waited(Generic[D]):
+class Waited(Generic[D]):
     work: WorkerReport
     enqueued: int
-    documents: int          # current documents waited for (len of current_pks())
+    documents: int  # current documents waited for (len of current_pks())
     before: reports.Coverage
     after: reports.Coverage
     detail: D
     seconds: float
-    index_put_off: str | None = None   # the line saying the model's index build was left for later
+    index_put_off: str | None = None  # the line saying the model's index build was left for later
 
 
-def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[], list[int]],
-                      read: Callable[[], tuple[D, reports.Coverage]], *, many: bool, poll_seconds: float | None,
-                      in_process: bool, deadline_seconds: float | None) -> _Waited[D]:
+def wait_for_vectors(
+    rt: Runtime,
+    pool: ConnectionPool,
+    current_pks: Callable[[], list[int]],
+    read: Callable[[], tuple[D, reports.Coverage]],
+    *,
+    many: bool,
+    poll_seconds: float | None,
+    in_process: bool,
+    deadline_seconds: float | None,
+) -> Waited[D]:
     """The wait both front ends share: enqueue what is missing for ``current_pks()``, run a
     worker here if ``in_process`` (scoped to them unless they are many), and ``read()`` their
     coverage until nothing of theirs is outstanding, the worker stops, or the deadline.
@@ -214,7 +138,7 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
                 read_at = time.monotonic()
                 detail, now = read()
                 read_cost = time.monotonic() - read_at
-            idle_read = idle   # an idle queue triggers one read until it is busy again
+            idle_read = idle  # an idle queue triggers one read until it is busy again
     finally:
         report, error = scoped.finish() if scoped is not None else (WorkerReport(), None)
     with pool.connection() as conn:
@@ -222,9 +146,9 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
             stage_runs.refresh_embed_touched(conn, rt.model_id, since)
         stage_runs.refresh_embed_docs(conn, rt.model_id, pks)
         idle = not any(transitions.outstanding(conn, rt.model_id))
-    if outstanding(now):   # the worker stopped, or the deadline: the last word on them
+    if outstanding(now):  # the worker stopped, or the deadline: the last word on them
         detail, now = read()
-    after = now            # else the last read stands: nothing of theirs was left to change
+    after = now  # else the last read stands: nothing of theirs was left to change
     if isinstance(error, FatalProviderError):
         raise error
     if error is not None and outstanding(after):
@@ -236,12 +160,20 @@ def _wait_for_vectors(rt: Runtime, pool: ConnectionPool, current_pks: Callable[[
     index_put_off = None
     if scoped is not None and idle:
         # the whole queue drained: as a worker does when it drains (and leaves)
-        index_put_off = _build_index(pool, rt.model_id, rt.settings)
-    return _Waited(work=report, enqueued=enqueued, documents=len(pks), before=before, after=after, detail=detail,
-                   seconds=round(time.monotonic() - started, 3), index_put_off=index_put_off)
+        index_put_off = build_index_after_drain(pool, rt.model_id, rt.settings)
+    return Waited(
+        work=report,
+        enqueued=enqueued,
+        documents=len(pks),
+        before=before,
+        after=after,
+        detail=detail,
+        seconds=round(time.monotonic() - started, 3),
+        index_put_off=index_put_off,
+    )
 
 
-def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> str | None:
+def build_index_after_drain(pool: ConnectionPool, model_id: str, settings: Settings) -> str | None:
     """Build the model's vector index if it is missing (concurrently; a failure is only logged),
     unless an ingest is running (``running_ingests.index_build_decision``, a worker's rule when
     it drains): then the build is left for later and the returned line says so and who builds it."""
@@ -255,8 +187,9 @@ def _build_index(pool: ConnectionPool, model_id: str, settings: Settings) -> str
             return line
     try:
         with db.pool_connect(pool) as conn:
-            vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory,
-                               session=settings.prepare)
+            vector_index.build(
+                conn, model_id, int(dimension), memory_cap=settings.index_build_memory, session=settings.prepare
+            )
     except vector_index.IndexNotOwned as exc:
         log.info("%s", exc)  # a role without DDL, or a transaction pooler: a session of the owner builds it
     except vector_index.IndexBuildError as exc:
