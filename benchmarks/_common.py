@@ -71,8 +71,9 @@ def settle(url: str) -> float:
     started = time.monotonic()
     with psycopg.connect(url, autocommit=True) as conn:
         while time.monotonic() - started < SETTLE_TIMEOUT_SECONDS:
-            busy = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
-                                ).fetchone()[0]
+            busy = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'"
+            ).fetchone()[0]
             if not busy:
                 break
             time.sleep(0.2)

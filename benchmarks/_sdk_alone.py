@@ -27,7 +27,7 @@ def sdk_alone(base_url: str, texts: list[str], *, threads: int, batch: int, dim:
     """Seconds for the SDK alone to send every text once, ``threads`` threads, ``batch`` per request."""
     work: queue.Queue = queue.Queue()
     for i in range(0, len(texts), batch):
-        work.put(texts[i:i + batch])
+        work.put(texts[i : i + batch])
     client = openai.OpenAI(api_key=KEY, base_url=base_url, max_retries=0, timeout=TIMEOUT_SECONDS)
     got = [0] * threads
 
@@ -54,5 +54,4 @@ def sdk_alone(base_url: str, texts: list[str], *, threads: int, batch: int, dim:
 
 if __name__ == "__main__":
     texts_file, base_url, threads, batch, dim = sys.argv[1:6]
-    sdk_alone(base_url, Path(texts_file).read_text().splitlines(), threads=int(threads), batch=int(batch),
-              dim=int(dim))
+    sdk_alone(base_url, Path(texts_file).read_text().splitlines(), threads=int(threads), batch=int(batch), dim=int(dim))

@@ -90,12 +90,11 @@ def in_batches(embed, texts: list[str], batch: int) -> tuple[float, list]:
     out = []
     with Timer() as t:
         for i in range(0, len(texts), batch):
-            out.extend(embed(texts[i:i + batch]))
+            out.extend(embed(texts[i : i + batch]))
     return t.seconds, out
 
 
-def side_by_side(alone: OnnxruntimeAlone, provider: OnnxProvider, texts: list[str], rounds: int,
-                 batch: int) -> dict:
+def side_by_side(alone: OnnxruntimeAlone, provider: OnnxProvider, texts: list[str], rounds: int, batch: int) -> dict:
     for run in (alone.embed, lambda chunk: provider.embed(chunk).vectors):  # warm up: sessions, allocations
         in_batches(run, texts[:batch], batch)
     results, difference = [], 0.0
@@ -106,24 +105,37 @@ def side_by_side(alone: OnnxruntimeAlone, provider: OnnxProvider, texts: list[st
             run = alone.embed if name == "alone" else (lambda chunk: provider.embed(chunk).vectors)
             seconds[name], vectors[name] = in_batches(run, texts, batch)
         difference = max(difference, float(np.abs(np.array(vectors["alone"]) - np.array(vectors["provider"])).max()))
-        row = {"round": r + 1, "alone_texts_per_s": rate(len(texts), seconds["alone"]),
-               "provider_texts_per_s": rate(len(texts), seconds["provider"]),
-               "ratio": round(seconds["alone"] / seconds["provider"], 3), "load": os.getloadavg()[0]}
+        row = {
+            "round": r + 1,
+            "alone_texts_per_s": rate(len(texts), seconds["alone"]),
+            "provider_texts_per_s": rate(len(texts), seconds["provider"]),
+            "ratio": round(seconds["alone"] / seconds["provider"], 3),
+            "load": os.getloadavg()[0],
+        }
         print(json.dumps(row), file=sys.stderr, flush=True)
         results.append(row)
-    return {"rounds": results, "ratio_median": statistics.median(r["ratio"] for r in results),
-            "max_abs_difference": difference}
+    return {
+        "rounds": results,
+        "ratio_median": statistics.median(r["ratio"] for r in results),
+        "max_abs_difference": difference,
+    }
 
 
 def embed_e2e(env: dict) -> dict:
     with Timer() as t:
-        out = subprocess.run([*CLI, "embed", str(CORPUS), "--json"], env=env, cwd=REPO, capture_output=True,
-                             text=True, timeout=1800)
+        out = subprocess.run(
+            [*CLI, "embed", str(CORPUS), "--json"], env=env, cwd=REPO, capture_output=True, text=True, timeout=1800
+        )
     if out.returncode != 0:
         raise SystemExit(f"embed failed: {out.stderr}")
     report = json.loads(out.stdout)
-    return {"model": report["model"], "chunks": report["chunks"], "embedded": report["embedded"],
-            "seconds": round(t.seconds, 2), "chunks_per_s": rate(report["embedded"], t.seconds)}
+    return {
+        "model": report["model"],
+        "chunks": report["chunks"],
+        "embedded": report["embedded"],
+        "seconds": round(t.seconds, 2),
+        "chunks_per_s": rate(report["embedded"], t.seconds),
+    }
 
 
 def main() -> None:
@@ -136,8 +148,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="b11_"))
     try:
         model_dir = prepare_minilm(work / "models")
-        settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx",
-                                      "PIPELINE_LOCAL_MODEL_DIR": str(model_dir)})
+        settings = Settings.from_env(
+            {"PIPELINE_EMBEDDING_MODEL": "local-onnx", "PIPELINE_LOCAL_MODEL_DIR": str(model_dir)}
+        )
         chunk_tokens, overlap = chunking(settings)
         chunks = corpus_chunks(settings)
         texts = [chunks[i % len(chunks)] for i in range(args.texts)]
@@ -146,26 +159,42 @@ def main() -> None:
         counts = provider.count_tokens(texts)
         result = side_by_side(OnnxruntimeAlone(model_dir), provider, texts, args.rounds, batch)
         provider.close()
-        out = {"benchmark": "b11_local_model", "cpus": len(os.sched_getaffinity(0)),
-               "texts": {"count": len(texts), "chunk_tokens": chunk_tokens, "chunk_overlap": overlap,
-                         "batch": batch, "model_tokens_mean": round(sum(counts) / len(counts), 1),
-                         "model_tokens_min": min(counts), "model_tokens_max": max(counts)},
-               **result}
+        out = {
+            "benchmark": "b11_local_model",
+            "cpus": len(os.sched_getaffinity(0)),
+            "texts": {
+                "count": len(texts),
+                "chunk_tokens": chunk_tokens,
+                "chunk_overlap": overlap,
+                "batch": batch,
+                "model_tokens_mean": round(sum(counts) / len(counts), 1),
+                "model_tokens_min": min(counts),
+                "model_tokens_max": max(counts),
+            },
+            **result,
+        }
         if not args.no_embed:
             embed = {}
             for name, model in (("local_onnx", "local-onnx"), ("hashing", None)):
                 with fresh_database(f"b11_{name}") as url:
                     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
-                    env.update(PIPELINE_DATABASE_URL=url, PIPELINE_CHUNK_TOKENS=str(chunk_tokens),
-                               PIPELINE_CHUNK_OVERLAP=str(overlap), PIPELINE_LOCAL_MODEL_DIR=str(model_dir))
+                    env.update(
+                        PIPELINE_DATABASE_URL=url,
+                        PIPELINE_CHUNK_TOKENS=str(chunk_tokens),
+                        PIPELINE_CHUNK_OVERLAP=str(overlap),
+                        PIPELINE_LOCAL_MODEL_DIR=str(model_dir),
+                    )
                     if model:  # the local model with no chunk setting: its defaults are the ones above
                         env["PIPELINE_EMBEDDING_MODEL"] = model
                         del env["PIPELINE_CHUNK_TOKENS"], env["PIPELINE_CHUNK_OVERLAP"]
                     embed[name] = embed_e2e(env)
             embed["ratio_to_hashing"] = round(embed["local_onnx"]["seconds"] / embed["hashing"]["seconds"], 2)
             out["embed"] = embed
-        out.update(peak_rss_mb=peak_rss_mb(), load={"before": load_before, "after": os.getloadavg()},
-                   targets={"ratio_median >= 0.9": result["ratio_median"] >= TARGET_RATIO})
+        out.update(
+            peak_rss_mb=peak_rss_mb(),
+            load={"before": load_before, "after": os.getloadavg()},
+            targets={"ratio_median >= 0.9": result["ratio_median"] >= TARGET_RATIO},
+        )
         emit(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -57,17 +57,33 @@ def child(root: str) -> None:
         started = time.perf_counter()
         done = embed_buckets(rt, pool, path, range(n), n)
         embed_s, after_embed = time.perf_counter() - started, rss_mb()
-    print(json.dumps({"base_mb": round(base, 1), "after_sync_mb": round(after_sync, 1),
-                      "after_embed_mb": round(after_embed, 1), "sync_seconds": round(sync_s, 1),
-                      "embed_seconds": round(embed_s, 1), "ingested": synced.changed,
-                      "ready": done.after.ready, "chunks": done.after.wanted}))
+    print(
+        json.dumps(
+            {
+                "base_mb": round(base, 1),
+                "after_sync_mb": round(after_sync, 1),
+                "after_embed_mb": round(after_embed, 1),
+                "sync_seconds": round(sync_s, 1),
+                "embed_seconds": round(embed_s, 1),
+                "ingested": synced.changed,
+                "ready": done.after.ready,
+                "chunks": done.after.wanted,
+            }
+        )
+    )
 
 
 def measure(n: int, env: dict) -> dict:
     with fresh_database(f"b12_{n}") as url, tempfile.TemporaryDirectory(prefix="b12-") as tmp:
         write_corpus(Path(tmp), n)
-        proc = subprocess.run([sys.executable, __file__, "--child", tmp], cwd=REPO, check=True,
-                              capture_output=True, text=True, env={**env, "PIPELINE_DATABASE_URL": url})
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", tmp],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**env, "PIPELINE_DATABASE_URL": url},
+        )
         out = json.loads(proc.stdout.strip().splitlines()[-1])
     if out["ingested"] != n or out["ready"] != out["chunks"]:
         raise SystemExit(f"b12: the run did not bring {n} documents current and embedded: {out}")
@@ -86,15 +102,21 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
     small, large = measure(args.documents, env), measure(args.documents * args.factor, env)
     ratio = round(large["after_embed_mb"] / small["after_embed_mb"], 2)
-    emit({"benchmark": "b12_bucket_run_memory", "small": small, "large": large,
-          f"peak_rss_ratio_{args.factor}x": ratio,
-          "added_kb_per_document": round((large["run_added_mb"] - small["run_added_mb"]) * 1024
-                                         / (large["documents"] - small["documents"]), 2),
-          "targets": {"peak_flat_within_1.25x": ratio <= 1.25}})
+    emit(
+        {
+            "benchmark": "b12_bucket_run_memory",
+            "small": small,
+            "large": large,
+            f"peak_rss_ratio_{args.factor}x": ratio,
+            "added_kb_per_document": round(
+                (large["run_added_mb"] - small["run_added_mb"]) * 1024 / (large["documents"] - small["documents"]), 2
+            ),
+            "targets": {"peak_flat_within_1.25x": ratio <= 1.25},
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ from pipeline_assets_tests.fake_openai import fetch_stats, post_faults
 
 DIM = 64
 MODEL = "fake-embed"
-BATCH = 256          # the worker's default PIPELINE_BATCH_INPUTS
-THREADS = 4          # the worker's default concurrency
+BATCH = 256  # the worker's default PIPELINE_BATCH_INPUTS
+THREADS = 4  # the worker's default concurrency
 MIXES = {"harsh": [[0.5, 429, "1"], [0.3, 500, None]], "mild": [[0.3, 429, "1"], [0.1, 500, None]]}
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]
 HANG_SECONDS = 600.0
@@ -59,8 +59,12 @@ def write_corpus(root: Path, n: int, *, two_chunks_in: int = 9, of: int = 11) ->
 
 
 def start_fake() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0",
-                             "--dim", str(DIM)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", "--dim", str(DIM)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline().strip()
     if not line.startswith("READY "):
         proc.kill()
@@ -69,9 +73,13 @@ def start_fake() -> tuple[subprocess.Popen, str]:
 
 
 def worker_env(url: str, base_url: str) -> dict:
-    return os.environ | {"PIPELINE_DATABASE_URL": url, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "test-key",
-                         "PIPELINE_EMBEDDING_MODEL": MODEL,
-                         "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191"}  # the fake's model has no known window
+    return os.environ | {
+        "PIPELINE_DATABASE_URL": url,
+        "OPENAI_BASE_URL": base_url,
+        "OPENAI_API_KEY": "test-key",
+        "PIPELINE_EMBEDDING_MODEL": MODEL,
+        "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
+    }  # the fake's model has no known window
 
 
 def ready(url: str) -> dict:
@@ -85,8 +93,14 @@ def run_worker(base_url: str, corpus: Path, mix: list, seed: int) -> dict:
         subprocess.run([*CLI, "ingest", str(corpus)], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         post_faults(base_url, clear=True, reset_stats=True, random_faults=mix, fault_seed=seed)
         started = time.monotonic()
-        proc = subprocess.run([*CLI, "work", "--until-idle", "--json"], env=env, cwd=REPO, capture_output=True,
-                              text=True, timeout=HANG_SECONDS)
+        proc = subprocess.run(
+            [*CLI, "work", "--until-idle", "--json"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=HANG_SECONDS,
+        )
         seconds = time.monotonic() - started
         stats = fetch_stats(base_url, brief=True)
         with db.connect(url) as conn:
@@ -95,16 +109,27 @@ def run_worker(base_url: str, corpus: Path, mix: list, seed: int) -> dict:
             # vector index build at the end are not the retry policy's.
             (span,) = conn.execute("SELECT extract(epoch FROM max(e.created_at)) FROM app.embeddings e").fetchone()
         span = float(span) - min(stats["arrivals"])
-        return {"seconds": round(span, 2), "process_seconds": round(seconds, 2), "exit": proc.returncode,
-                "jobs": ready(url),
-                "requests": stats["requests"], "by_status": stats["responses_by_status"],
-                "smallest_request": min(sizes) if sizes else None, "error": proc.stderr.strip()[-300:] or None}
+        return {
+            "seconds": round(span, 2),
+            "process_seconds": round(seconds, 2),
+            "exit": proc.returncode,
+            "jobs": ready(url),
+            "requests": stats["requests"],
+            "by_status": stats["responses_by_status"],
+            "smallest_request": min(sizes) if sizes else None,
+            "error": proc.stderr.strip()[-300:] or None,
+        }
 
 
 def chunk_texts(base_url: str, corpus: Path) -> list[str]:
     with fresh_database("b13_texts") as url:
-        subprocess.run([*CLI, "ingest", str(corpus)], env=worker_env(url, base_url), cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*CLI, "ingest", str(corpus)],
+            env=worker_env(url, base_url),
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         with db.connect(url) as conn:
             return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
 
@@ -114,7 +139,7 @@ def run_baseline(base_url: str, texts: list[str], mix: list, seed: int) -> dict:
     Retry-After (at once without one) until answered."""
     post_faults(base_url, clear=True, reset_stats=True, random_faults=mix, fault_seed=seed)
     client = openai.OpenAI(api_key="test-key", base_url=base_url, max_retries=0)
-    batches = [texts[i:i + BATCH] for i in range(0, len(texts), BATCH)]
+    batches = [texts[i : i + BATCH] for i in range(0, len(texts), BATCH)]
     lock = threading.Lock()
     done: list[int] = []
     finished = [0.0]  # time.time() of the last answer
@@ -148,8 +173,12 @@ def run_baseline(base_url: str, texts: list[str], mix: list, seed: int) -> dict:
         t.join()
     seconds = time.monotonic() - started
     stats = fetch_stats(base_url, brief=True)
-    return {"seconds": round(finished[0] - min(stats["arrivals"]), 2), "process_seconds": round(seconds, 2),
-            "embedded": sum(done), "requests": stats["requests"]}
+    return {
+        "seconds": round(finished[0] - min(stats["arrivals"]), 2),
+        "process_seconds": round(seconds, 2),
+        "embedded": sum(done),
+        "requests": stats["requests"],
+    }
 
 
 def run_outage(base_url: str, corpus: Path, outage_seconds: float) -> dict:
@@ -158,8 +187,7 @@ def run_outage(base_url: str, corpus: Path, outage_seconds: float) -> dict:
         subprocess.run([*CLI, "ingest", str(corpus)], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         total = sum(ready(url).values())
         post_faults(base_url, clear=True, reset_stats=True, random_faults=[[1.0, 503, None]])
-        proc = subprocess.Popen([*CLI, "work"], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen([*CLI, "work"], env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + HANG_SECONDS
             with db.connect(url) as conn:
@@ -185,9 +213,13 @@ def run_outage(base_url: str, corpus: Path, outage_seconds: float) -> dict:
         finally:
             proc.terminate()
             proc.wait(30)
-    return {"documents": total, "outage_seconds": round(recovered - tripped, 1),
-            "requests_during_outage": during, "first_request_after_recovery_s": round(first, 2) if first else None,
-            "complete_after_recovery_s": round(complete, 2)}
+    return {
+        "documents": total,
+        "outage_seconds": round(recovered - tripped, 1),
+        "requests_during_outage": during,
+        "first_request_after_recovery_s": round(first, 2) if first else None,
+        "complete_after_recovery_s": round(complete, 2),
+    }
 
 
 def main() -> None:
@@ -198,8 +230,12 @@ def main() -> None:
     p.add_argument("--outage-documents", type=int, default=60)
     p.add_argument("--skip-outage", action="store_true")
     args = p.parse_args()
-    out: dict = {"benchmark": "b13_provider_faults", "batch_inputs": BATCH, "concurrency": THREADS,
-                 "load_before": os.getloadavg()}
+    out: dict = {
+        "benchmark": "b13_provider_faults",
+        "batch_inputs": BATCH,
+        "concurrency": THREADS,
+        "load_before": os.getloadavg(),
+    }
     fake, base_url = start_fake()
     try:
         with tempfile.TemporaryDirectory(prefix="b13-") as tmp:
@@ -209,19 +245,30 @@ def main() -> None:
             out["corpus"] = {"documents": args.documents, "chunks": len(texts)}
             targets = {}
             for name, mix in MIXES.items():
-                runs = [{"worker": run_worker(base_url, corpus, mix, seed),
-                         "baseline": run_baseline(base_url, texts, mix, seed)} for seed in range(args.runs)]
+                runs = [
+                    {
+                        "worker": run_worker(base_url, corpus, mix, seed),
+                        "baseline": run_baseline(base_url, texts, mix, seed),
+                    }
+                    for seed in range(args.runs)
+                ]
                 worker = statistics.median(r["worker"]["seconds"] for r in runs)
                 baseline = statistics.median(r["baseline"]["seconds"] for r in runs)
-                out[name] = {"mix": mix, "worker_median_s": worker, "baseline_median_s": baseline,
-                             "ratio": round(worker / baseline, 2) if baseline else None, "runs": runs}
+                out[name] = {
+                    "mix": mix,
+                    "worker_median_s": worker,
+                    "baseline_median_s": baseline,
+                    "ratio": round(worker / baseline, 2) if baseline else None,
+                    "runs": runs,
+                }
                 targets[f"{name}_ratio<=2"] = bool(baseline) and worker / baseline <= 2
             if not args.skip_outage:
                 outage_corpus = Path(tmp) / "outage"
                 write_corpus(outage_corpus, args.outage_documents, two_chunks_in=0)
                 o = out["outage"] = run_outage(base_url, outage_corpus, args.outage_seconds)
-                targets["first_probe<=10s"] = o["first_request_after_recovery_s"] is not None and \
-                    o["first_request_after_recovery_s"] <= 10
+                targets["first_probe<=10s"] = (
+                    o["first_request_after_recovery_s"] is not None and o["first_request_after_recovery_s"] <= 10
+                )
                 targets["complete<=15s"] = o["complete_after_recovery_s"] <= 15
             out["targets"] = targets
     finally:

@@ -35,18 +35,29 @@ BUCKETS = 64
 
 
 def spec(name: str) -> ModelSpec:
-    return ModelSpec(provider="openai", name=name, dimension=16, max_input_tokens=8191, max_batch_inputs=100,
-                     max_batch_tokens=300_000, options=(("dimensions", "16"),))
+    return ModelSpec(
+        provider="openai",
+        name=name,
+        dimension=16,
+        max_input_tokens=8191,
+        max_batch_inputs=100,
+        max_batch_tokens=300_000,
+        options=(("dimensions", "16"),),
+    )
 
 
 def load(url: str, documents: int, a: ModelSpec, b: ModelSpec) -> dict:
     with db.connect(url) as conn, conn.transaction():
         conn.execute("INSERT INTO app.sources (root) VALUES (%s)", (ROOT,))
-        conn.execute("""INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count)
+        conn.execute(
+            """INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count)
                         SELECT 1, 'doc-' || lpad(i::text, 7, '0') || '.md', 'file:///x', 'current', %s
-                        FROM generate_series(1, %s) AS i""", (CHUNKS_PER_DOCUMENT, documents))
+                        FROM generate_series(1, %s) AS i""",
+            (CHUNKS_PER_DOCUMENT, documents),
+        )
         # One chunk in ten carries the text of another document's chunk (the same checksum).
-        conn.execute("""INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,
+        conn.execute(
+            """INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,
                                                 char_start, char_end)
                         SELECT d.doc_pk, k, sha256(convert_to(t.body, 'UTF8')), t.body,
                                100 + (abs(hashtext(t.body)) %% 300), 0, length(t.body)
@@ -55,7 +66,9 @@ def load(url: str, documents: int, a: ModelSpec, b: ModelSpec) -> dict:
                                                         THEN 'shared ' || ((d.doc_pk + 1) %% 1000)
                                                         ELSE d.doc_pk || '/' || k END AS seed) s
                         CROSS JOIN LATERAL (SELECT string_agg(md5(s.seed || g), ' ') AS body
-                                            FROM generate_series(1, 18) AS g) t""", (CHUNKS_PER_DOCUMENT,))
+                                            FROM generate_series(1, 18) AS g) t""",
+            (CHUNKS_PER_DOCUMENT,),
+        )
         models.ensure_model(conn, a)
         transitions.enqueue_missing(conn, 3)
         conn.execute("""INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)
@@ -84,10 +97,12 @@ def naive(url: str, model_id: str) -> tuple[float, int, int]:
     """The baseline: every input's text into Python, counted with cl100k."""
     enc = get_encoding()
     with Timer() as t, db.connect(url) as conn, conn.transaction(), conn.cursor(name="texts") as cur:
-        cur.execute("""SELECT DISTINCT ON (c.chunk_checksum) c.text FROM app.chunks c
+        cur.execute(
+            """SELECT DISTINCT ON (c.chunk_checksum) c.text FROM app.chunks c
                        WHERE NOT EXISTS (SELECT 1 FROM app.embeddings e
                                          WHERE e.chunk_checksum = c.chunk_checksum AND e.model_id = %s)""",
-                    (model_id,))
+            (model_id,),
+        )
         inputs = tokens = 0
         for (text,) in cur:
             inputs += 1
@@ -120,8 +135,14 @@ def main() -> None:
             }
             for name, fn in cases.items():
                 seconds, est = median_seconds(fn, args.repeat)
-                result[name] = {"seconds": seconds, "send_inputs": est.send_inputs, "send_tokens": est.send_tokens,
-                                "embedded": est.embedded, "chunks": est.chunks, "inputs": est.inputs}
+                result[name] = {
+                    "seconds": seconds,
+                    "send_inputs": est.send_inputs,
+                    "send_tokens": est.send_tokens,
+                    "embedded": est.embedded,
+                    "chunks": est.chunks,
+                    "inputs": est.inputs,
+                }
         finally:
             pool.close()
         seconds, inputs, _tokens = naive(url, b.model_id)

@@ -41,23 +41,29 @@ REPEATS = 3
 
 def load(conn: psycopg.Connection, rows: int) -> None:
     conn.execute("CREATE SCHEMA src")
-    conn.execute("CREATE TABLE src.docs (id bigint PRIMARY KEY, body text,"
-                 " updated_at timestamptz NOT NULL)")
-    conn.execute("INSERT INTO src.docs (id, updated_at, body) SELECT g, now() - interval '1 day' + g * interval '1 ms',"
-                 " 'Row ' || g || ': ' || md5(g::text) || ' '"
-                 " || md5((g * 7)::text) || ' ' || md5((g * 13)::text) || ' and some words of prose.'"
-                 " FROM generate_series(1, %s) g", (rows,))
+    conn.execute("CREATE TABLE src.docs (id bigint PRIMARY KEY, body text, updated_at timestamptz NOT NULL)")
+    conn.execute(
+        "INSERT INTO src.docs (id, updated_at, body) SELECT g, now() - interval '1 day' + g * interval '1 ms',"
+        " 'Row ' || g || ': ' || md5(g::text) || ' '"
+        " || md5((g * 7)::text) || ' ' || md5((g * 13)::text) || ' and some words of prose.'"
+        " FROM generate_series(1, %s) g",
+        (rows,),
+    )
     conn.execute("CREATE INDEX ON src.docs (updated_at)")
     conn.execute("VACUUM ANALYZE src.docs")
 
 
 def seed_tokens(conn: psycopg.Connection, uri: str) -> None:
     """app.table_rows as a full ingest leaves it (the source's own tokens) and the watermark."""
-    conn.execute("INSERT INTO app.table_rows (source, row_id, id_hash, version)"
-                 " SELECT %(s)s, id::text, h, hashtextextended(coalesce(body, ''), h)"
-                 " FROM (SELECT id, body, hashtextextended(id::text, 0) AS h FROM src.docs) t", {"s": uri})
-    conn.execute("INSERT INTO app.table_marks (source, watermark) SELECT %(s)s, max(updated_at)::text"
-                 " FROM src.docs", {"s": uri})
+    conn.execute(
+        "INSERT INTO app.table_rows (source, row_id, id_hash, version)"
+        " SELECT %(s)s, id::text, h, hashtextextended(coalesce(body, ''), h)"
+        " FROM (SELECT id, body, hashtextextended(id::text, 0) AS h FROM src.docs) t",
+        {"s": uri},
+    )
+    conn.execute(
+        "INSERT INTO app.table_marks (source, watermark) SELECT %(s)s, max(updated_at)::text FROM src.docs", {"s": uri}
+    )
     conn.execute("VACUUM ANALYZE app.table_rows")
 
 
@@ -67,9 +73,11 @@ def enqueued(conn: psycopg.Connection) -> int:
 
 def update(conn: psycopg.Connection, first: int, n: int, rows: int, tag: str) -> None:
     step = max(rows // n, 1)
-    conn.execute("UPDATE src.docs SET body = body || %s, updated_at = now()"
-                 " WHERE id IN (SELECT g FROM generate_series(%s, %s, %s) g LIMIT %s)",
-                 (f" ({tag})", first, rows, step, n))
+    conn.execute(
+        "UPDATE src.docs SET body = body || %s, updated_at = now()"
+        " WHERE id IN (SELECT g FROM generate_series(%s, %s, %s) g LIMIT %s)",
+        (f" ({tag})", first, rows, step, n),
+    )
 
 
 def main() -> None:
@@ -101,15 +109,20 @@ def main() -> None:
             assert scan.rows_read == 0, scan
             mark_check.append(t.seconds)
         b, c, m = statistics.median(baseline), statistics.median(check), statistics.median(mark_check)
-        out["unchanged"] = {"baseline_count_sum_hashtext_s": round(b, 3), "full_check_s": round(c, 3),
-                            "watermark_check_s": round(m, 3), "ratio": round(b / c, 2),
-                            "ratio_watermark": round(b / m, 2)}
+        out["unchanged"] = {
+            "baseline_count_sum_hashtext_s": round(b, 3),
+            "full_check_s": round(c, 3),
+            "watermark_check_s": round(m, 3),
+            "ratio": round(b / c, 2),
+            "ratio_watermark": round(b / m, 2),
+        }
 
         # The rows to update ingested for real first (so the timed scans replace their chunks).
         step = max(args.rows // args.updates, 1)
-        targets = [str(i) for i in range(1, args.rows + 1, step)][:args.updates]
-        conn.execute("UPDATE app.table_rows SET version = 0 WHERE source = %s AND row_id = ANY(%s)",
-                     (spec.uri, targets))
+        targets = [str(i) for i in range(1, args.rows + 1, step)][: args.updates]
+        conn.execute(
+            "UPDATE app.table_rows SET version = 0 WHERE source = %s AND row_id = ANY(%s)", (spec.uri, targets)
+        )
         scan_table(conn, table, options, way=FULL)
         updated = {}
         change_log.install(table.table)
@@ -121,9 +134,13 @@ def main() -> None:
                 report, scan = scan_table(conn, table, options, way=way)
             if way == CHANGE_LOG:
                 change_log.uninstall(table.table)
-            updated[way] = {"seconds": round(t.seconds, 3), "changed": report.changed,
-                            "jobs_enqueued": enqueued(conn) - before, "rows_listed": scan.rows_listed,
-                            "rows_read": scan.rows_read}
+            updated[way] = {
+                "seconds": round(t.seconds, 3),
+                "changed": report.changed,
+                "jobs_enqueued": enqueued(conn) - before,
+                "rows_listed": scan.rows_listed,
+                "rows_read": scan.rows_read,
+            }
         out["updated"] = updated
         table.close()
     out["targets"] = {"unchanged_ratio_ge_0.3": out["unchanged"]["ratio"] >= 0.3}

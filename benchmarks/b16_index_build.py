@@ -37,20 +37,22 @@ from pipeline_assets.registry import index_memory, models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 
-COPY_ROWS = 10_000          # rows generated per numpy batch
-SAMPLE_SECONDS = 0.5        # memory sampling interval of the build's processes
-CALIBRATION_MEMORY_MB = 4   # a serial build with this little memory spills early: its notice says when
+COPY_ROWS = 10_000  # rows generated per numpy batch
+SAMPLE_SECONDS = 0.5  # memory sampling interval of the build's processes
+CALIBRATION_MEMORY_MB = 4  # a serial build with this little memory spills early: its notice says when
 FITS_NOTICE = re.compile(r"no longer fits into maintenance_work_mem after (\d+) tuples")
 
 
 def load(url: str, dim: int, n: int, name: str = "bench") -> str:
-    spec = ModelSpec(provider="bench", name=name, dimension=dim, max_input_tokens=100, max_batch_inputs=10,
-                     max_batch_tokens=1000)
+    spec = ModelSpec(
+        provider="bench", name=name, dimension=dim, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+    )
     rng = np.random.default_rng(0)
     with db.connect(url) as conn:
         models.ensure_model(conn, spec)
-        with conn.cursor().copy("COPY app.embeddings (chunk_checksum, model_id, embedding)"
-                                " FROM STDIN WITH (FORMAT BINARY)") as cp:
+        with conn.cursor().copy(
+            "COPY app.embeddings (chunk_checksum, model_id, embedding) FROM STDIN WITH (FORMAT BINARY)"
+        ) as cp:
             cp.set_types(["bytea", "text", "vector"])
             for start in range(0, n, COPY_ROWS):
                 block = rng.standard_normal((min(COPY_ROWS, n - start), dim)).astype(np.float32)
@@ -81,8 +83,12 @@ class BuildMemory:
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
-            pids = [self.pid] + [r[0] for r in self._conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE leader_pid = %s AND pid <> %s", (self.pid, self.pid))]
+            pids = [self.pid] + [
+                r[0]
+                for r in self._conn.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE leader_pid = %s AND pid <> %s", (self.pid, self.pid)
+                )
+            ]
             self.workers = max(self.workers, len(pids) - 1)
             total = 0
             for pid in pids:
@@ -109,19 +115,31 @@ def measure(vectors: int, dim: int, cap: int) -> dict:
                 state = vector_index.build(conn, model_id, dim, memory_cap=cap)
                 seconds = time.perf_counter() - t0
             name = vector_index.index_name(model_id)
-            size = conn.execute("SELECT pg_relation_size(c.oid) FROM pg_class c JOIN pg_namespace n"
-                                " ON n.oid = c.relnamespace WHERE n.nspname = 'app' AND c.relname = %s",
-                                (name,)).fetchone()[0]
+            size = conn.execute(
+                "SELECT pg_relation_size(c.oid) FROM pg_class c JOIN pg_namespace n"
+                " ON n.oid = c.relnamespace WHERE n.nspname = 'app' AND c.relname = %s",
+                (name,),
+            ).fetchone()[0]
         spilled = [int(m.group(1)) for m in map(FITS_NOTICE.search, notices) if m]
         estimate = index_memory.graph_bytes(vectors, dim, kind)
-        return {"vectors": vectors, "dim": dim, "state": state, "load_seconds": round(loaded, 1),
-                "build_seconds": round(seconds, 1), "vectors_per_second": round(vectors / seconds),
-                "maintenance_work_mem_mb": memory >> 20, "graph_estimate_mb": estimate >> 20,
-                "graph_fitted_in_memory": not spilled, "spilled_after_tuples": spilled[0] if spilled else None,
-                "peak_pss_builder_and_workers_mb": sampled.peak >> 20, "parallel_workers": sampled.workers,
-                "index_size_on_disk_mb": size >> 20, "estimate_over_disk_size": round(estimate / size, 2),
-                "loadavg_before": [round(x, 2) for x in load_before],
-                "loadavg_after": [round(x, 2) for x in psutil.getloadavg()]}
+        return {
+            "vectors": vectors,
+            "dim": dim,
+            "state": state,
+            "load_seconds": round(loaded, 1),
+            "build_seconds": round(seconds, 1),
+            "vectors_per_second": round(vectors / seconds),
+            "maintenance_work_mem_mb": memory >> 20,
+            "graph_estimate_mb": estimate >> 20,
+            "graph_fitted_in_memory": not spilled,
+            "spilled_after_tuples": spilled[0] if spilled else None,
+            "peak_pss_builder_and_workers_mb": sampled.peak >> 20,
+            "parallel_workers": sampled.workers,
+            "index_size_on_disk_mb": size >> 20,
+            "estimate_over_disk_size": round(estimate / size, 2),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in psutil.getloadavg()],
+        }
 
 
 def calibrate() -> dict:
@@ -135,15 +153,27 @@ def calibrate() -> dict:
                 conn.add_notice_handler(lambda d, seen=notices: seen.append(d.message_primary or ""))
                 conn.execute("SET max_parallel_maintenance_workers = 0")
                 conn.execute(f"SET maintenance_work_mem = '{CALIBRATION_MEMORY_MB}MB'")
-                conn.execute(sql.SQL(models.MODELS.create_hnsw_index).format(
-                    name=sql.Identifier("calib"), kind=sql.Identifier(kind),
-                    opclass=sql.Identifier(f"{kind}_cosine_ops"), dim=sql.Literal(dim),
-                    model=sql.Literal(model_id)))
+                conn.execute(
+                    sql.SQL(models.MODELS.create_hnsw_index).format(
+                        name=sql.Identifier("calib"),
+                        kind=sql.Identifier(kind),
+                        opclass=sql.Identifier(f"{kind}_cosine_ops"),
+                        dim=sql.Literal(dim),
+                        model=sql.Literal(model_id),
+                    )
+                )
         [tuples] = [int(m.group(1)) for m in map(FITS_NOTICE.search, notices) if m]
-        measured = CALIBRATION_MEMORY_MB * 2 ** 20 / tuples
+        measured = CALIBRATION_MEMORY_MB * 2**20 / tuples
         formula = index_memory.GRAPH_BYTES_PER_VECTOR + index_memory.VALUE_BYTES_PER_DIMENSION[kind] * dim
-        out.append({"dim": dim, "kind": kind, "measured_bytes_per_vector": round(measured),
-                    "formula_without_margin": formula, "formula_over_measured": round(formula / measured, 3)})
+        out.append(
+            {
+                "dim": dim,
+                "kind": kind,
+                "measured_bytes_per_vector": round(measured),
+                "formula_without_margin": formula,
+                "formula_over_measured": round(formula / measured, 3),
+            }
+        )
     return {"calibration": out}
 
 
@@ -151,8 +181,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vectors", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--cap-mb", type=int, default=Settings.from_env().index_build_memory >> 20,
-                        help="PIPELINE_INDEX_BUILD_MEMORY in MiB (default: the setting's)")
+    parser.add_argument(
+        "--cap-mb",
+        type=int,
+        default=Settings.from_env().index_build_memory >> 20,
+        help="PIPELINE_INDEX_BUILD_MEMORY in MiB (default: the setting's)",
+    )
     parser.add_argument("--calibrate", action="store_true")
     args = parser.parse_args()
     emit(calibrate() if args.calibrate else measure(args.vectors, args.dim, args.cap_mb << 20))

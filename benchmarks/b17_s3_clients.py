@@ -41,21 +41,39 @@ def main() -> None:
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("b17_s3_scan.py")), "--serve", str(port),
-                               "--objects", str(args.objects)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("b17_s3_scan.py")),
+            "--serve",
+            str(port),
+            "--objects",
+            str(args.objects),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     result: dict = {"benchmark": "b17_s3_clients", "objects": args.objects, "reads": args.reads}
     try:
         _wait_listening(port, server, timeout=900)
-        boto = boto3.client("s3", endpoint_url=url, aws_access_key_id="bench", aws_secret_access_key="bench",
-                            region_name="us-east-1")
-        store = S3Store(BUCKET, endpoint=url, access_key_id="bench", secret_access_key="bench",
-                        region="us-east-1", client_options={"allow_http": True})
+        boto = boto3.client(
+            "s3", endpoint_url=url, aws_access_key_id="bench", aws_secret_access_key="bench", region_name="us-east-1"
+        )
+        store = S3Store(
+            BUCKET,
+            endpoint=url,
+            access_key_id="bench",
+            secret_access_key="bench",
+            region="us-east-1",
+            client_options={"allow_http": True},
+        )
         keys = [f"{PREFIX}/d{i:07d}.md" for i in range(min(args.reads, args.objects))]
 
         def boto_list() -> int:
-            pages = boto.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{PREFIX}/",
-                                                                    PaginationConfig={"PageSize": 1000})
+            pages = boto.get_paginator("list_objects_v2").paginate(
+                Bucket=BUCKET, Prefix=f"{PREFIX}/", PaginationConfig={"PageSize": 1000}
+            )
             return sum(len(page.get("Contents", [])) for page in pages)
 
         def obstore_list() -> int:
@@ -69,8 +87,12 @@ def main() -> None:
             with ThreadPoolExecutor(READS_IN_FLIGHT) as pool:
                 return sum(pool.map(lambda k: len(bytes(obstore.get(store, k).bytes())), keys))
 
-        runs = {"boto3_list": boto_list, "obstore_list": obstore_list, "boto3_read": boto_read,
-                "obstore_read": obstore_read}
+        runs = {
+            "boto3_list": boto_list,
+            "obstore_list": obstore_list,
+            "boto3_read": boto_read,
+            "obstore_read": obstore_read,
+        }
         wall: dict[str, list[float]] = {k: [] for k in runs}
         cpu: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.rounds):
@@ -87,8 +109,9 @@ def main() -> None:
         result[f"{name}_client_cpu_s"] = round(min(cpu[name]), 3)
     for op in ("list", "read"):
         result[f"{op}_wall_boto3_over_obstore"] = round(min(wall[f"boto3_{op}"]) / min(wall[f"obstore_{op}"]), 2)
-        result[f"{op}_cpu_boto3_over_obstore"] = round(min(cpu[f"boto3_{op}"]) / max(min(cpu[f"obstore_{op}"]), 1e-3),
-                                                      1)
+        result[f"{op}_cpu_boto3_over_obstore"] = round(
+            min(cpu[f"boto3_{op}"]) / max(min(cpu[f"obstore_{op}"]), 1e-3), 1
+        )
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result, indent=2))
 

@@ -44,15 +44,20 @@ def serve(port: int, objects: int) -> None:
     from moto.server import main
 
     bucket = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].create_bucket(BUCKET, "us-east-1")
-    for i in range(objects):   # the store's own objects, without a request (or an event) per object
-        key = FakeKey(f"{PREFIX}/d{i:07d}.md", f"document {i}: some words of text".encode(),
-                      account_id=DEFAULT_ACCOUNT_ID, region_name="us-east-1")
+    for i in range(objects):  # the store's own objects, without a request (or an event) per object
+        key = FakeKey(
+            f"{PREFIX}/d{i:07d}.md",
+            f"document {i}: some words of text".encode(),
+            account_id=DEFAULT_ACCOUNT_ID,
+            region_name="us-east-1",
+        )
         bucket.keys[key.name] = key
     main(["-H", "127.0.0.1", "-p", str(port)])
 
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -60,6 +65,7 @@ def _free_port() -> int:
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float) -> None:
     import socket
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -90,19 +96,29 @@ def main() -> None:
     from pipeline_assets.store import db
 
     port = _free_port()
-    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
+    os.environ.update(
+        {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_REGION": "us-east-1",
+        }
+    )
     result: dict = {"benchmark": "b17_s3_scan", "objects": args.objects, "target_ratio": TARGET_RATIO}
     with tempfile.TemporaryDirectory(prefix="b17_") as tmp, fresh_database("b17") as url:
         log = open(Path(tmp) / "moto.log", "wb")
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--objects", str(args.objects)],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(port), "--objects", str(args.objects)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             with Timer() as t:
                 _wait_listening(port, proc, timeout=600)
             result["server_fill_s"] = round(t.seconds, 2)
             source = open_source(f"s3://{BUCKET}/{PREFIX}", Settings.from_env().source_config())
-            store = source.store   # type: ignore[attr-defined]
+            store = source.store  # type: ignore[attr-defined]
 
             def listing() -> int:
                 return sum(len(page) for page in obstore.list(store, PREFIX, chunk_size=1000))

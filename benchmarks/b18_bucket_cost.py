@@ -36,8 +36,8 @@ from pathlib import Path
 from _common import emit, fresh_database, settle
 from b10_dagster_scale import cli_bin, write_corpus
 
-BUCKET = 5              # the bucket timed (any: the hash spreads documents evenly)
-TARGET_SECONDS = 10.0   # one bucket's no-op run at 100k documents
+BUCKET = 5  # the bucket timed (any: the hash spreads documents evenly)
+TARGET_SECONDS = 10.0  # one bucket's no-op run at 100k documents
 
 
 def main() -> None:
@@ -73,8 +73,13 @@ def embed(corpus: Path, url: str, documents: int) -> float:
     """Write the corpus and embed it with the command line; the seconds the embed took."""
     write_corpus(corpus, documents)
     started = time.perf_counter()
-    subprocess.run([*cli_bin(), "embed", str(corpus)], env=environment(corpus, url), check=True,
-                   stdout=subprocess.DEVNULL, timeout=3 * 3600)
+    subprocess.run(
+        [*cli_bin(), "embed", str(corpus)],
+        env=environment(corpus, url),
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=3 * 3600,
+    )
     return time.perf_counter() - started
 
 
@@ -90,8 +95,10 @@ def measure(corpus: Path, url: str, repeat: int, embed_s: float | None) -> None:
 
     n = Settings.from_env().partition_buckets
     defs, instance = build_definitions(), dg.DagsterInstance.ephemeral()
-    every = {"dagster/asset_partition_range_start": bucket_key(0),
-             "dagster/asset_partition_range_end": bucket_key(n - 1)}
+    every = {
+        "dagster/asset_partition_range_start": bucket_key(0),
+        "dagster/asset_partition_range_end": bucket_key(n - 1),
+    }
 
     def timed(**kw) -> float:
         settle(url)
@@ -104,12 +111,20 @@ def measure(corpus: Path, url: str, repeat: int, embed_s: float | None) -> None:
     one = [timed(partition_key=bucket_key(BUCKET)) for _ in range(repeat)]
     all_s = timed(tags=every)
     one_s = statistics.median(one)
-    emit({"documents": sum(1 for _ in corpus.rglob("*") if _.is_file()), "buckets": n,
-          "setup_embed_s": None if embed_s is None else round(embed_s, 1),
-          "first_all_buckets_s": round(first_s, 2), "one_bucket_s": round(one_s, 2),
-          "one_bucket_runs_s": [round(x, 2) for x in one], "all_buckets_s": round(all_s, 2),
-          "ratio": round(one_s / all_s, 3), "target_one_bucket_s": TARGET_SECONDS,
-          "loadavg": [round(x, 2) for x in os.getloadavg()]})
+    emit(
+        {
+            "documents": sum(1 for _ in corpus.rglob("*") if _.is_file()),
+            "buckets": n,
+            "setup_embed_s": None if embed_s is None else round(embed_s, 1),
+            "first_all_buckets_s": round(first_s, 2),
+            "one_bucket_s": round(one_s, 2),
+            "one_bucket_runs_s": [round(x, 2) for x in one],
+            "all_buckets_s": round(all_s, 2),
+            "ratio": round(one_s / all_s, 3),
+            "target_one_bucket_s": TARGET_SECONDS,
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -44,10 +44,13 @@ def insert(url: str, vectors: np.ndarray, batch: int, first: int, deadline: floa
         for start in range(0, len(vectors), batch):
             if time.perf_counter() > deadline:
                 break
-            part = vectors[start:start + batch]
+            part = vectors[start : start + batch]
             keys = [(first + start + i).to_bytes(8, "big") for i in range(len(part))]
-            conn.execute("INSERT INTO bench_embeddings (chunk_checksum, model_id, embedding)"
-                         " SELECT k, 'm', v FROM unnest(%s::bytea[], %s::vector[]) AS u(k, v)", (keys, list(part)))
+            conn.execute(
+                "INSERT INTO bench_embeddings (chunk_checksum, model_id, embedding)"
+                " SELECT k, 'm', v FROM unnest(%s::bytea[], %s::vector[]) AS u(k, v)",
+                (keys, list(part)),
+            )
             done += len(part)
     return done
 
@@ -56,8 +59,10 @@ def build(url: str, dim: int) -> float:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"SET maintenance_work_mem = '{BUILD_MEMORY}'")
         started = time.perf_counter()
-        conn.execute(f"CREATE INDEX CONCURRENTLY bench_hnsw ON bench_embeddings USING hnsw"
-                     f" ((embedding::vector({dim})) vector_cosine_ops) WHERE model_id = 'm'")
+        conn.execute(
+            f"CREATE INDEX CONCURRENTLY bench_hnsw ON bench_embeddings USING hnsw"
+            f" ((embedding::vector({dim})) vector_cosine_ops) WHERE model_id = 'm'"
+        )
         return time.perf_counter() - started
 
 
@@ -65,9 +70,11 @@ def one(order: str, vectors: np.ndarray, batch: int, cap: float) -> dict:
     n, dim = vectors.shape
     with fresh_database("ixorder") as url:
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("CREATE TABLE bench_embeddings (chunk_checksum bytea, model_id text,"
-                         " embedding vector NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),"
-                         " PRIMARY KEY (chunk_checksum, model_id))")
+            conn.execute(
+                "CREATE TABLE bench_embeddings (chunk_checksum bytea, model_id text,"
+                " embedding vector NOT NULL, created_at timestamptz NOT NULL DEFAULT now(),"
+                " PRIMARY KEY (chunk_checksum, model_id))"
+            )
         settle(url)
         started = time.perf_counter()
         deadline = started + cap
@@ -88,11 +95,18 @@ def one(order: str, vectors: np.ndarray, batch: int, cap: float) -> dict:
         total = time.perf_counter() - started
         if rows == n:
             with psycopg.connect(url) as conn:
-                valid = conn.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = 'bench_hnsw'::regclass"
-                                     ).fetchone()[0]
+                valid = conn.execute(
+                    "SELECT indisvalid FROM pg_index WHERE indexrelid = 'bench_hnsw'::regclass"
+                ).fetchone()[0]
                 assert valid, order
-    return {"order": order, "rows": rows, "complete": rows == n, "total_s": round(total, 3),
-            "build_s": round(build_s, 3), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "order": order,
+        "rows": rows,
+        "complete": rows == n,
+        "total_s": round(total, 3),
+        "build_s": round(build_s, 3),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def main() -> None:
@@ -109,10 +123,25 @@ def main() -> None:
     vectors = np.random.default_rng(0).standard_normal((a.vectors, a.dim), dtype=np.float32)
     rounds = [[one(order, vectors, batch, a.cap_seconds) for order in orders] for _ in range(a.rounds)]
     after = statistics.median(r["total_s"] for rnd in rounds for r in rnd if r["order"] == "after")
-    ratios = {f"ratio_{o}": round(statistics.median(r["total_s"] for rnd in rounds for r in rnd if r["order"] == o)
-                                  / after, 2) for o in orders if o != "after"}
-    emit({"vectors": a.vectors, "dim": a.dim, "batch": batch, "rounds": a.rounds, "after_s": after, **ratios,
-          "capped": any(not r["complete"] for rnd in rounds for r in rnd), "rounds_raw": rounds})
+    ratios = {
+        f"ratio_{o}": round(
+            statistics.median(r["total_s"] for rnd in rounds for r in rnd if r["order"] == o) / after, 2
+        )
+        for o in orders
+        if o != "after"
+    }
+    emit(
+        {
+            "vectors": a.vectors,
+            "dim": a.dim,
+            "batch": batch,
+            "rounds": a.rounds,
+            "after_s": after,
+            **ratios,
+            "capped": any(not r["complete"] for rnd in rounds for r in rnd),
+            "rounds_raw": rounds,
+        }
+    )
 
 
 if __name__ == "__main__":

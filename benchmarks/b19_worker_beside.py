@@ -38,13 +38,17 @@ def one_run(corpus: Path, env: dict, checkout: str, url: str) -> dict:
             while time.monotonic() - started < TIMEOUT_SECONDS:
                 if ingest_s is None and ingest.poll() is not None:
                     ingest_s = time.monotonic() - started
-                valid = conn.execute("SELECT bool_and(i.indisvalid) FROM pg_index i JOIN pg_class x"
-                                     " ON x.oid = i.indexrelid WHERE x.relname LIKE 'embeddings_hnsw_%'").fetchone()[0]
+                valid = conn.execute(
+                    "SELECT bool_and(i.indisvalid) FROM pg_index i JOIN pg_class x"
+                    " ON x.oid = i.indexrelid WHERE x.relname LIKE 'embeddings_hnsw_%'"
+                ).fetchone()[0]
                 if valid is not None and index_s is None:
                     index_s = time.monotonic() - started
                 if ingest_s is not None and valid:
-                    chunks, ready = conn.execute("SELECT (SELECT count(*) FROM app.chunks), (SELECT count(*)"
-                                                 " FROM app.embedding_jobs WHERE status = 'ready')").fetchone()
+                    chunks, ready = conn.execute(
+                        "SELECT (SELECT count(*) FROM app.chunks), (SELECT count(*)"
+                        " FROM app.embedding_jobs WHERE status = 'ready')"
+                    ).fetchone()
                     if ready == chunks:
                         break
                 time.sleep(POLL_SECONDS)
@@ -53,8 +57,13 @@ def one_run(corpus: Path, env: dict, checkout: str, url: str) -> dict:
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
         ingest.wait(60)
-    return {"checkout": checkout, "done_s": round(done, 2), "ingest_s": round(ingest_s or 0, 2),
-            "index_first_seen_s": round(index_s or 0, 2), "load_average": os.getloadavg()}
+    return {
+        "checkout": checkout,
+        "done_s": round(done, 2),
+        "ingest_s": round(ingest_s or 0, 2),
+        "index_first_seen_s": round(index_s or 0, 2),
+        "load_average": os.getloadavg(),
+    }
 
 
 def main() -> None:

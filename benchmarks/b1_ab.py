@@ -57,8 +57,7 @@ def run_child(tree: Path, *, jobs: int, dim: int, url: str, timing: bool, vacuum
     cmd += ["--timing"] if timing else []
     cmd += [] if vacuum else ["--no-vacuum"]
     env = dict(os.environ, PIPELINE_DATABASE_URL=url, PYTHONPATH="")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tree),
-                          timeout=CHILD_TIMEOUT_SECONDS)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tree), timeout=CHILD_TIMEOUT_SECONDS)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -118,8 +117,13 @@ def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
                 conn.execute("VACUUM ANALYZE")
             wal0 = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
             server0 = server_cpu_seconds(conn)
-        options = {"concurrency": CONCURRENCY, "until_idle": True, "batch_inputs": BATCH_INPUTS,
-                   "poll_seconds": POLL_SECONDS, "build_index": False}
+        options = {
+            "concurrency": CONCURRENCY,
+            "until_idle": True,
+            "batch_inputs": BATCH_INPUTS,
+            "poll_seconds": POLL_SECONDS,
+            "build_index": False,
+        }
         settings = Settings.from_env()
         if hasattr(settings, "worker_config"):  # a tree whose worker takes its own config
             worker = Worker(url, provider, settings.worker_config(**options))
@@ -133,11 +137,16 @@ def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
             ready = conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0]
             server1 = server_cpu_seconds(conn)
     assert report.embedded == jobs and ready == jobs, (report.as_dict(), ready)
-    out = {"jobs": jobs, "seconds": round(seconds, 3), "jobs_per_s": round(jobs / seconds, 1),
-           "client_cpu_s": round(cpu, 3),
-           "server_cpu_s": round(server1 - server0, 3) if server0 is not None and server1 is not None else None,
-           "provider_calls": report.provider_calls, "wal_bytes_per_job": round(float(wal) / jobs),
-           "ingest_chunks_per_s": ingest["chunks_per_s"]}
+    out = {
+        "jobs": jobs,
+        "seconds": round(seconds, 3),
+        "jobs_per_s": round(jobs / seconds, 1),
+        "client_cpu_s": round(cpu, 3),
+        "server_cpu_s": round(server1 - server0, 3) if server0 is not None and server1 is not None else None,
+        "provider_calls": report.provider_calls,
+        "wal_bytes_per_job": round(float(wal) / jobs),
+        "ingest_chunks_per_s": ingest["chunks_per_s"],
+    }
     if calls is not None:
         out["store_seconds"] = {k: [n, round(s, 3)] for k, (n, s) in sorted(calls.items())}
     print(json.dumps(out), flush=True)
@@ -162,6 +171,7 @@ def wrap_store_methods() -> dict:
                     entry = totals.setdefault(name, [0, 0.0])
                     entry[0] += 1
                     entry[1] += time.perf_counter() - t
+
         return timed
 
     for name, fn in list(vars(PostgresJobStore).items()):
@@ -178,10 +188,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--timing", action="store_true", help="time each JobStore method (summed over threads)")
-    p.add_argument("--also", type=Path, action="append", default=[],
-                   help="another tree to measure in the same rounds (C, D, ...), e.g. a variant under test")
-    p.add_argument("--no-vacuum", action="store_true",
-                   help="time the drain right after the ingest, with whatever autovacuum it triggered")
+    p.add_argument(
+        "--also",
+        type=Path,
+        action="append",
+        default=[],
+        help="another tree to measure in the same rounds (C, D, ...), e.g. a variant under test",
+    )
+    p.add_argument(
+        "--no-vacuum",
+        action="store_true",
+        help="time the drain right after the ingest, with whatever autovacuum it triggered",
+    )
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -192,12 +210,17 @@ def main() -> None:
     from _common import server_url
 
     url = server_url()
-    rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", args.rev], check=True,
-                         capture_output=True, text=True).stdout.strip()
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=True,
-                          capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True).stdout.strip())
+    rev = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", args.rev], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = bool(
+        subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="b1ab-trees-") as tmp:
         trees = {"A": extract(args.rev, Path(tmp) / "a"), "B": REPO}
@@ -206,11 +229,15 @@ def main() -> None:
             order = list(trees) if r % 2 == 0 else list(reversed(trees))
             result = {}
             for side in order:
-                result[side] = run_child(trees[side], jobs=args.jobs, dim=args.dim, url=url,
-                                         timing=args.timing, vacuum=not args.no_vacuum)
+                result[side] = run_child(
+                    trees[side], jobs=args.jobs, dim=args.dim, url=url, timing=args.timing, vacuum=not args.no_vacuum
+                )
             rounds.append(result)
-            print(json.dumps({"round": r + 1, **{s: result[s].get("jobs_per_s", result[s]) for s in trees}}),
-                  file=sys.stderr, flush=True)
+            print(
+                json.dumps({"round": r + 1, **{s: result[s].get("jobs_per_s", result[s]) for s in trees}}),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def median(side: str) -> float | None:
         rates = [x[side]["jobs_per_s"] for x in rounds if "jobs_per_s" in x[side]]
@@ -218,27 +245,52 @@ def main() -> None:
 
     def cpu_per_job(side: str) -> float | None:
         """Median client + server CPU microseconds per job: steadier than jobs/s on a shared machine."""
-        used = [(x[side]["client_cpu_s"] + x[side]["server_cpu_s"]) / x[side]["jobs"] * 1e6 for x in rounds
-                if x[side].get("server_cpu_s") is not None]
+        used = [
+            (x[side]["client_cpu_s"] + x[side]["server_cpu_s"]) / x[side]["jobs"] * 1e6
+            for x in rounds
+            if x[side].get("server_cpu_s") is not None
+        ]
         return round(statistics.median(used), 1) if used else None
 
     a, b = median("A"), median("B")
-    print(json.dumps({
-        "benchmark": "b1_ab", "jobs": args.jobs, "dim": args.dim,
-        "worker": f"concurrency={CONCURRENCY} batch_inputs={BATCH_INPUTS} poll_seconds={POLL_SECONDS}",
-        "vacuum_after_ingest": not args.no_vacuum,
-        "A": f"{rev} (git archive)", "B": f"{head}{' + uncommitted changes' if dirty else ''} (this checkout)",
-        "rounds": rounds,
-        "A_jobs_per_s": [x["A"].get("jobs_per_s") for x in rounds],
-        "B_jobs_per_s": [x["B"].get("jobs_per_s") for x in rounds],
-        "A_median": a, "B_median": b,
-        "ratio_B_to_A": round(b / a, 3) if a and b else None,
-        "cpu_us_per_job": {side: cpu_per_job(side) for side in trees},
-        **({"also": {side: {"tree": str(trees[side]), "median": median(side),
-                            "ratio_to_A": round(median(side) / a, 3) if a and median(side) else None}
-                     for side in trees if side not in "AB"}} if args.also else {}),
-        "within_10_percent": bool(a and b and b >= 0.9 * a),
-    }, indent=2), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "b1_ab",
+                "jobs": args.jobs,
+                "dim": args.dim,
+                "worker": f"concurrency={CONCURRENCY} batch_inputs={BATCH_INPUTS} poll_seconds={POLL_SECONDS}",
+                "vacuum_after_ingest": not args.no_vacuum,
+                "A": f"{rev} (git archive)",
+                "B": f"{head}{' + uncommitted changes' if dirty else ''} (this checkout)",
+                "rounds": rounds,
+                "A_jobs_per_s": [x["A"].get("jobs_per_s") for x in rounds],
+                "B_jobs_per_s": [x["B"].get("jobs_per_s") for x in rounds],
+                "A_median": a,
+                "B_median": b,
+                "ratio_B_to_A": round(b / a, 3) if a and b else None,
+                "cpu_us_per_job": {side: cpu_per_job(side) for side in trees},
+                **(
+                    {
+                        "also": {
+                            side: {
+                                "tree": str(trees[side]),
+                                "median": median(side),
+                                "ratio_to_A": round(median(side) / a, 3) if a and median(side) else None,
+                            }
+                            for side in trees
+                            if side not in "AB"
+                        }
+                    }
+                    if args.also
+                    else {}
+                ),
+                "within_10_percent": bool(a and b and b >= 0.9 * a),
+            },
+            indent=2,
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,12 @@ ROUNDS = 3  # interleaved rounds of (a), (c) and (b); medians reported
 
 
 def start_fake(dim: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", "--dim",
-                             str(dim), "--api-key", KEY], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", "--dim", str(dim), "--api-key", KEY],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline().strip()
     assert line.startswith("READY "), line
     return proc, line.split(" ", 1)[1]
@@ -69,8 +73,15 @@ def write_corpus(root: Path, n: int) -> list[str]:
 
 def sdk_process(base_url: str, texts_file: Path, *, threads: int, batch: int, dim: int) -> float:
     """Wall seconds of (c): this script as a child (``--sdk-child``) that imports openai and sends every text."""
-    cmd = [sys.executable, str(Path(__file__).with_name("_sdk_alone.py")), str(texts_file), base_url, str(threads),
-           str(batch), str(dim)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("_sdk_alone.py")),
+        str(texts_file),
+        base_url,
+        str(threads),
+        str(batch),
+        str(dim),
+    ]
     started = time.perf_counter()
     subprocess.run(cmd, cwd=REPO, check=True, timeout=600)
     return time.perf_counter() - started
@@ -78,24 +89,43 @@ def sdk_process(base_url: str, texts_file: Path, *, threads: int, batch: int, di
 
 def drop_vector_indexes(conn: psycopg.Connection) -> None:
     """Each round builds the index again (a kept index would be maintained per insert instead)."""
-    names = conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'app'"
-                         " AND indexname LIKE 'embeddings_hnsw_%'").fetchall()
+    names = conn.execute(
+        "SELECT indexname FROM pg_indexes WHERE schemaname = 'app' AND indexname LIKE 'embeddings_hnsw_%'"
+    ).fetchall()
     for (name,) in names:
         conn.execute(sql.SQL("DROP INDEX app.{}").format(sql.Identifier(name)))
 
 
 def cli_env(url: str, base_url: str, dim: int) -> dict:
-    return {**os.environ, "PIPELINE_DATABASE_URL": url, "OPENAI_API_KEY": KEY, "OPENAI_BASE_URL": base_url,
-            "PIPELINE_EMBEDDING_MODEL": MODEL, "PIPELINE_EMBEDDING_DIMENSIONS": str(dim),
-            "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191"}   # the fake server's model: no window of its own
+    return {
+        **os.environ,
+        "PIPELINE_DATABASE_URL": url,
+        "OPENAI_API_KEY": KEY,
+        "OPENAI_BASE_URL": base_url,
+        "PIPELINE_EMBEDDING_MODEL": MODEL,
+        "PIPELINE_EMBEDDING_DIMENSIONS": str(dim),
+        "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
+    }  # the fake server's model: no window of its own
 
 
 def cli_work(url: str, env: dict, n: int, profile: Path | None = None) -> dict:
     cmd = [sys.executable, "-m", "pipeline_assets.cli", "work", "--until-idle", "--json"]
     if profile is not None:
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        cmd = [spy, "record", "--format", "raw", "--rate", "200", "--subprocesses", "--idle",
-               "-o", str(profile), "--", *cmd]
+        cmd = [
+            spy,
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            "200",
+            "--subprocesses",
+            "--idle",
+            "-o",
+            str(profile),
+            "--",
+            *cmd,
+        ]
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("UPDATE app.embedding_jobs SET status = 'pending', attempts = 0, faults = 0, available_at = now()")
         conn.execute("TRUNCATE app.embeddings, app.provider_calls, app.input_sends_until_032")
@@ -113,10 +143,13 @@ def cli_work(url: str, env: dict, n: int, profile: Path | None = None) -> dict:
     assert ready == n, (ready, n, proc.stderr[-2000:])
     # Before the first send: the interpreter, the CLI's imports, the pool, the model; after the last
     # answer: the drain's bulk HNSW index build (work --until-idle waits for it) and the exit.
-    return {"wall_s": round(wall, 3), "working_s": round(float(last - first), 3),
-            "to_last_answer_s": round(float(last) - epoch0, 3),
-            "before_first_send_s": round(float(first) - epoch0, 3),
-            "after_last_answer_s": round(epoch1 - float(last), 3)}
+    return {
+        "wall_s": round(wall, 3),
+        "working_s": round(float(last - first), 3),
+        "to_last_answer_s": round(float(last) - epoch0, 3),
+        "before_first_send_s": round(float(first) - epoch0, 3),
+        "after_last_answer_s": round(epoch1 - float(last), 3),
+    }
 
 
 def main() -> None:
@@ -135,9 +168,14 @@ def main() -> None:
             texts_file = Path(tmp) / "texts.txt"
             texts_file.write_text("\n".join(texts))
             env = cli_env(url, base_url, a.dim)
-            subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "ingest", str(Path(tmp) / "corpus")],
-                           env=env, cwd=REPO,
-                           check=True, capture_output=True, timeout=600)
+            subprocess.run(
+                [sys.executable, "-m", "pipeline_assets.cli", "ingest", str(Path(tmp) / "corpus")],
+                env=env,
+                cwd=REPO,
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
             sdk_alone(base_url, texts, threads=threads, batch=batch, dim=a.dim)  # warm the fake's vectors
             sdk, sdk_proc, cli = [], [], []
             for _ in range(a.rounds):
@@ -151,19 +189,36 @@ def main() -> None:
         fake.wait(10)
     sdk_s, sdk_proc_s = statistics.median(sdk), statistics.median(sdk_proc)
     med = {k: statistics.median(r[k] for r in cli) for k in cli[0]}
-    ratios = {"working": round(sdk_s / med["working_s"], 3),
-              "to_last_answer_vs_sdk_process": round(sdk_proc_s / med["to_last_answer_s"], 3),
-              "end_to_end_vs_sdk_process": round(sdk_proc_s / med["wall_s"], 3),
-              "end_to_end": round(sdk_s / med["wall_s"], 3)}
-    emit({"docs": a.docs, "dim": a.dim, "threads": threads, "batch": batch, "rounds": a.rounds,
-          "load_average": os.getloadavg(),
-          "sdk_alone_inputs_per_s": rate(a.docs, sdk_s), "sdk_process_s": round(sdk_proc_s, 3),
-          "cli_jobs_per_s_working": rate(a.docs, med["working_s"]),
-          "cli_jobs_per_s_end_to_end": rate(a.docs, med["wall_s"]), "cli_median_s": med,
-          "ratio_working": ratios["working"], "ratio_end_to_end": ratios["end_to_end"], "ratios": ratios,
-          "targets": {f"{k}_ge_{TARGET_RATIO}": v >= TARGET_RATIO for k, v in ratios.items()},
-          "rounds_raw": {"sdk_s": [round(s, 3) for s in sdk], "sdk_process_s": [round(s, 3) for s in sdk_proc],
-                         "cli": cli}})
+    ratios = {
+        "working": round(sdk_s / med["working_s"], 3),
+        "to_last_answer_vs_sdk_process": round(sdk_proc_s / med["to_last_answer_s"], 3),
+        "end_to_end_vs_sdk_process": round(sdk_proc_s / med["wall_s"], 3),
+        "end_to_end": round(sdk_s / med["wall_s"], 3),
+    }
+    emit(
+        {
+            "docs": a.docs,
+            "dim": a.dim,
+            "threads": threads,
+            "batch": batch,
+            "rounds": a.rounds,
+            "load_average": os.getloadavg(),
+            "sdk_alone_inputs_per_s": rate(a.docs, sdk_s),
+            "sdk_process_s": round(sdk_proc_s, 3),
+            "cli_jobs_per_s_working": rate(a.docs, med["working_s"]),
+            "cli_jobs_per_s_end_to_end": rate(a.docs, med["wall_s"]),
+            "cli_median_s": med,
+            "ratio_working": ratios["working"],
+            "ratio_end_to_end": ratios["end_to_end"],
+            "ratios": ratios,
+            "targets": {f"{k}_ge_{TARGET_RATIO}": v >= TARGET_RATIO for k, v in ratios.items()},
+            "rounds_raw": {
+                "sdk_s": [round(s, 3) for s in sdk],
+                "sdk_process_s": [round(s, 3) for s in sdk_proc],
+                "cli": cli,
+            },
+        }
+    )
 
 
 if __name__ == "__main__":

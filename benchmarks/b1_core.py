@@ -50,8 +50,14 @@ class ZeroLatencyProvider:
 
     def __init__(self, dim: int, name: str = "zero-latency") -> None:
         self.dim = dim
-        self.spec = ModelSpec(provider="bench", name=name, dimension=dim, max_input_tokens=8191,
-                              max_batch_inputs=2048, max_batch_tokens=1_000_000)
+        self.spec = ModelSpec(
+            provider="bench",
+            name=name,
+            dimension=dim,
+            max_input_tokens=8191,
+            max_batch_inputs=2048,
+            max_batch_tokens=1_000_000,
+        )
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
         vecs = np.random.default_rng().standard_normal((len(texts), self.dim), dtype=np.float32)
@@ -68,7 +74,8 @@ def write_corpus(root: Path, n: int, tag: str) -> None:
         if i % 1000 == 0:
             folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{tag}-{i:06d}.txt").write_text(
-            f"Document {tag} {i}. A short note about retries, leases and idempotent embedding jobs.\n")
+            f"Document {tag} {i}. A short note about retries, leases and idempotent embedding jobs.\n"
+        )
 
 
 def ingest_options() -> IngestOptions:
@@ -80,20 +87,30 @@ def bench_ingest(conn, root: Path, n: int) -> dict:
     with Timer() as t:
         report = ingest_directory(conn, root, ingest_options())
     assert report.chunks == n and report.enqueued == n, report
-    return {"documents": report.scanned, "chunks": report.chunks, "jobs_enqueued": report.enqueued,
-            "seconds": round(t.seconds, 3), "chunks_per_s": rate(report.chunks, t.seconds)}
+    return {
+        "documents": report.scanned,
+        "chunks": report.chunks,
+        "jobs_enqueued": report.enqueued,
+        "seconds": round(t.seconds, 3),
+        "chunks_per_s": rate(report.chunks, t.seconds),
+    }
 
 
 def bench_worker(url: str, provider: ZeroLatencyProvider, n: int) -> dict:
     # The cycle only: the HNSW index is built once, after the drain, and timed apart.
-    config = Settings.from_env().worker_config(concurrency=4, until_idle=True, batch_inputs=100, poll_seconds=0.05,
-                                               build_index=False)
+    config = Settings.from_env().worker_config(
+        concurrency=4, until_idle=True, batch_inputs=100, poll_seconds=0.05, build_index=False
+    )
     with Timer() as t:
         report = Worker(url, provider, config).run()
     assert report.embedded == n, report.as_dict()
-    return {"config": "concurrency=4 batch_inputs=100 poll_seconds=0.05", "jobs": report.embedded,
-            "provider_calls": report.provider_calls, "seconds": round(t.seconds, 3),
-            "jobs_per_s": rate(report.embedded, t.seconds)}
+    return {
+        "config": "concurrency=4 batch_inputs=100 poll_seconds=0.05",
+        "jobs": report.embedded,
+        "provider_calls": report.provider_calls,
+        "seconds": round(t.seconds, 3),
+        "jobs_per_s": rate(report.embedded, t.seconds),
+    }
 
 
 def with_wal(url: str, n: int, fn, *args) -> dict:
@@ -112,8 +129,9 @@ def job_update_stats(url: str, jobs: int) -> dict:
     in total and per job over the ``jobs`` every round drained together."""
     time.sleep(1.0)  # let exited worker backends flush their statistics
     with psycopg.connect(url, autocommit=True) as conn:
-        upd, hot = conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
-                                " WHERE relid = 'app.embedding_jobs'::regclass").fetchone()
+        upd, hot = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = 'app.embedding_jobs'::regclass"
+        ).fetchone()
     return {"updates": upd, "hot_updates": hot, "jobs": jobs, "updates_per_job": round(upd / jobs, 2)}
 
 
@@ -200,13 +218,17 @@ async def _pgqueuer_drain(url: str, n: int, batch_size: int, install: bool) -> d
             done += 1
 
         with Timer() as t:
-            await qm.run(batch_size=batch_size, mode=QueueExecutionMode.drain,
-                         dequeue_timeout=timedelta(seconds=1))
+            await qm.run(batch_size=batch_size, mode=QueueExecutionMode.drain, dequeue_timeout=timedelta(seconds=1))
     finally:
         await conn.close()
     assert done == n, done
-    return {"batch_size": batch_size, "jobs": done, "enqueue_seconds": round(te.seconds, 3),
-            "seconds": round(t.seconds, 3), "jobs_per_s": rate(done, t.seconds)}
+    return {
+        "batch_size": batch_size,
+        "jobs": done,
+        "enqueue_seconds": round(te.seconds, 3),
+        "seconds": round(t.seconds, 3),
+        "jobs_per_s": rate(done, t.seconds),
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -230,8 +252,13 @@ def bench_pgqueuer(url: str, n: int, install: bool = True, with_batch100: bool =
         batch100 = asyncio.run(_pgqueuer_drain(url, n, batch_size=100, install=False))
     except Exception as exc:  # report exactly why, do not hide the other results
         return {"error": f"{type(exc).__name__}: {exc}"}
-    return {"version": pgqueuer.__version__, "driver": "AsyncpgDriver, one QueueManager, mode=drain",
-            "default_batch_10": default, "batch_100": batch100, "jobs_per_s": default["jobs_per_s"]}
+    return {
+        "version": pgqueuer.__version__,
+        "driver": "AsyncpgDriver, one QueueManager, mode=drain",
+        "default_batch_10": default,
+        "batch_100": batch100,
+        "jobs_per_s": default["jobs_per_s"],
+    }
 
 
 def main() -> None:
@@ -273,8 +300,10 @@ def main() -> None:
         out["worker"] = median_run(worker_runs)
         out["worker"]["embedding_jobs"] = job_update_stats(url, ROUNDS * n)
         out["copy"] = median_run(copy_runs)
-        out["diagnostics"] = {"hnsw_bulk_build_after_drain": bench_index_build(url, provider, n),
-                              "copy_into_hnsw_table": bench_copy(url, n, dim, hnsw=True)}
+        out["diagnostics"] = {
+            "hnsw_bulk_build_after_drain": bench_index_build(url, provider, n),
+            "copy_into_hnsw_table": bench_copy(url, n, dim, hnsw=True),
+        }
         with db.connect(url) as conn:
             bench_ingest(conn, naive_dir, args.naive_jobs)
         out["naive_one_per_txn"] = bench_naive(url, provider, args.naive_jobs)
@@ -286,16 +315,18 @@ def main() -> None:
     w = out["worker"]["jobs_per_s"]
     out["ratio_to_copy"] = round(w / out["copy"]["rows_per_s"], 3)
     d = out["diagnostics"]
-    d["bulk_build_vs_incremental_hnsw"] = round(d["hnsw_bulk_build_after_drain"]["rows_per_s"]
-                                                / d["copy_into_hnsw_table"]["rows_per_s"], 2)
+    d["bulk_build_vs_incremental_hnsw"] = round(
+        d["hnsw_bulk_build_after_drain"]["rows_per_s"] / d["copy_into_hnsw_table"]["rows_per_s"], 2
+    )
     d["ratio_to_copy_into_hnsw_table"] = round(w / d["copy_into_hnsw_table"]["rows_per_s"], 3)
     out["ratio_to_naive"] = round(w / out["naive_one_per_txn"]["jobs_per_s"], 2)
     pgq = out["pgqueuer"].get("jobs_per_s")
     out["ratio_to_pgqueuer"] = round(w / pgq, 2) if pgq else None
-    out["ratio_to_pgqueuer_batch100"] = (round(w / out["pgqueuer"]["batch_100"]["jobs_per_s"], 2)
-                                         if pgq else None)
-    out["targets"] = {"ratio_to_copy>=0.25": out["ratio_to_copy"] >= 0.25,
-                      "ratio_to_pgqueuer>=5": bool(pgq) and out["ratio_to_pgqueuer"] >= 5}
+    out["ratio_to_pgqueuer_batch100"] = round(w / out["pgqueuer"]["batch_100"]["jobs_per_s"], 2) if pgq else None
+    out["targets"] = {
+        "ratio_to_copy>=0.25": out["ratio_to_copy"] >= 0.25,
+        "ratio_to_pgqueuer>=5": bool(pgq) and out["ratio_to_pgqueuer"] >= 5,
+    }
     emit(out)
 
 

@@ -33,8 +33,10 @@ CLI = [sys.executable, "-m", "pipeline_assets.cli"]  # the `pipeline-assets` ent
 
 def write_corpus(root: Path, n: int) -> int:
     """n distinct ~1 kB documents (one chunk each); returns their fake-token total."""
-    filler = ("Rate limits are the provider's state, not the item's: a 429 pauses every worker "
-              "and defers the batch without consuming an attempt. ")
+    filler = (
+        "Rate limits are the provider's state, not the item's: a 429 pauses every worker "
+        "and defers the batch without consuming an attempt. "
+    )
     total = 0
     for i in range(n):
         folder = root / f"{i // 1000:03d}"
@@ -48,9 +50,25 @@ def write_corpus(root: Path, n: int) -> int:
 
 def start_fake() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", "--dim", str(DIM),
-         "--latency", str(LATENCY), "--rpm", str(RPM), "--tpm", str(TPM)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pipeline_assets_tests.fake_openai",
+            "--port",
+            "0",
+            "--dim",
+            str(DIM),
+            "--latency",
+            str(LATENCY),
+            "--rpm",
+            str(RPM),
+            "--tpm",
+            str(TPM),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline().strip()
     if not line.startswith("READY "):
         proc.kill()
@@ -65,28 +83,55 @@ def main() -> None:
     p.add_argument("--batch-inputs", type=int, default=2, help="PIPELINE_BATCH_INPUTS")
     p.add_argument("--batch-tokens", type=int, default=100_000, help="PIPELINE_BATCH_TOKENS")
     args = p.parse_args()
-    out: dict = {"benchmark": "b2_provider",
-                 "fake": {"latency_s": LATENCY, "rpm_limit": RPM, "tpm_limit": TPM, "dim": DIM},
-                 "workers": {"processes": 2, "concurrency": args.concurrency,
-                             "PIPELINE_BATCH_INPUTS": args.batch_inputs,
-                             "PIPELINE_BATCH_TOKENS": args.batch_tokens}}
+    out: dict = {
+        "benchmark": "b2_provider",
+        "fake": {"latency_s": LATENCY, "rpm_limit": RPM, "tpm_limit": TPM, "dim": DIM},
+        "workers": {
+            "processes": 2,
+            "concurrency": args.concurrency,
+            "PIPELINE_BATCH_INPUTS": args.batch_inputs,
+            "PIPELINE_BATCH_TOKENS": args.batch_tokens,
+        },
+    }
     fake, base_url = start_fake()
     try:
         with fresh_database("b2") as url, tempfile.TemporaryDirectory(prefix="b2-") as tmp:
             corpus_tokens = write_corpus(Path(tmp), args.documents)
-            out["corpus"] = {"documents": args.documents, "fake_tokens": corpus_tokens,
-                             "seconds_at_tpm_limit": round(corpus_tokens / TPM * 60, 1)}
+            out["corpus"] = {
+                "documents": args.documents,
+                "fake_tokens": corpus_tokens,
+                "seconds_at_tpm_limit": round(corpus_tokens / TPM * 60, 1),
+            }
             env = os.environ | {
-                "PIPELINE_DATABASE_URL": url, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "test-key",
-                "PIPELINE_EMBEDDING_MODEL": "fake-embed", "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
+                "PIPELINE_DATABASE_URL": url,
+                "OPENAI_BASE_URL": base_url,
+                "OPENAI_API_KEY": "test-key",
+                "PIPELINE_EMBEDDING_MODEL": "fake-embed",
+                "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
                 "PIPELINE_BATCH_INPUTS": str(args.batch_inputs),
-                "PIPELINE_BATCH_TOKENS": str(args.batch_tokens)}
+                "PIPELINE_BATCH_TOKENS": str(args.batch_tokens),
+            }
             subprocess.run([*CLI, "ingest", tmp], env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
             started = time.monotonic()
-            workers = [subprocess.Popen([*CLI, "work", "--until-idle", "--json", "--concurrency", str(args.concurrency),
-                                         "--worker-id", f"b2-{i}"],
-                                        env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
-                       for i in range(2)]
+            workers = [
+                subprocess.Popen(
+                    [
+                        *CLI,
+                        "work",
+                        "--until-idle",
+                        "--json",
+                        "--concurrency",
+                        str(args.concurrency),
+                        "--worker-id",
+                        f"b2-{i}",
+                    ],
+                    env=env,
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for i in range(2)
+            ]
             reports = [w.communicate(timeout=600)[0] for w in workers]
             seconds = time.monotonic() - started
             stats = fetch_stats(base_url, brief=True)
@@ -100,13 +145,21 @@ def main() -> None:
     requests = stats["requests"]
     tokens_per_min = stats["billed_tokens"] / seconds * 60
     out["result"] = {
-        "seconds": round(seconds, 1), "requests": requests, "responses_by_status": stats["responses_by_status"],
-        "billed_tokens": stats["billed_tokens"], "billed_inputs": stats["billed_inputs"], "jobs": jobs,
-        "tokens_per_min": round(tokens_per_min), "requests_per_min": round(requests / seconds * 60)}
+        "seconds": round(seconds, 1),
+        "requests": requests,
+        "responses_by_status": stats["responses_by_status"],
+        "billed_tokens": stats["billed_tokens"],
+        "billed_inputs": stats["billed_inputs"],
+        "jobs": jobs,
+        "tokens_per_min": round(tokens_per_min),
+        "requests_per_min": round(requests / seconds * 60),
+    }
     out["tpm_utilisation"] = round(tokens_per_min / TPM, 3)
     out["share_429"] = round(stats["rate_limited"] / requests, 4) if requests else None
-    out["targets"] = {"tpm_utilisation>=0.9": out["tpm_utilisation"] >= 0.9,
-                      "share_429<=0.01": out["share_429"] is not None and out["share_429"] <= 0.01}
+    out["targets"] = {
+        "tpm_utilisation>=0.9": out["tpm_utilisation"] >= 0.9,
+        "share_429<=0.01": out["share_429"] is not None and out["share_429"] <= 0.01,
+    }
     out["worker_reports"] = [json.loads(r) if r.strip() else None for r in reports]
     emit(out)
 

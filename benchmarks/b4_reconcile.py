@@ -30,52 +30,85 @@ VECTOR = "[1,0,0,0,0,0,0,0]"
 def load(conn, chunks: int, per_doc: int) -> dict:
     docs = -(-chunks // per_doc)
     with Timer() as t:
-        conn.execute("INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)"
-                     " VALUES (%s, 'bench', 'reconcile', 8, 8191)", (MODEL,))
+        conn.execute(
+            "INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)"
+            " VALUES (%s, 'bench', 'reconcile', 8, 8191)",
+            (MODEL,),
+        )
         source = conn.execute("INSERT INTO app.sources (root) VALUES ('/bench/b4') RETURNING source_id").fetchone()[0]
         conn.execute(
             "INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count)"
             " SELECT %s, 'doc/' || g, 'file:///bench/b4/doc/' || g, 'current', %s FROM generate_series(1, %s) g",
-            (source, per_doc, docs))
+            (source, per_doc, docs),
+        )
         conn.execute(
             "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end)"
             " SELECT d.doc_pk, k, sha256(int8send(d.doc_pk * 1000 + k)), 'chunk ' || d.doc_pk || '/' || k, 3, 0, 10"
             " FROM app.documents d CROSS JOIN generate_series(0, %s - 1) k"
-            " WHERE (d.doc_pk - 1) * %s + k < %s", (per_doc, per_doc, chunks))
+            " WHERE (d.doc_pk - 1) * %s + k < %s",
+            (per_doc, per_doc, chunks),
+        )
         with conn.transaction():  # a job and its key commit together (deferred foreign keys, sql/009)
-            conn.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
-                         " SELECT chunk_checksum, %s, 'ready', 1 FROM app.chunks", (MODEL,))
-            conn.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
-                         " SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs")
-        conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
-                     " SELECT chunk_checksum, %s, %s::vector FROM app.chunks", (MODEL, VECTOR))
+            conn.execute(
+                "INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
+                " SELECT chunk_checksum, %s, 'ready', 1 FROM app.chunks",
+                (MODEL,),
+            )
+            conn.execute(
+                "INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
+                " SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs"
+            )
+        conn.execute(
+            "INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
+            " SELECT chunk_checksum, %s, %s::vector FROM app.chunks",
+            (MODEL, VECTOR),
+        )
     with Timer() as v:
         conn.execute("VACUUM ANALYZE")  # as autovacuum would have, so plans see real row counts
-    counts = conn.execute("SELECT (SELECT count(*) FROM app.documents), (SELECT count(*) FROM app.chunks),"
-                          " (SELECT count(*) FROM app.embedding_jobs), (SELECT count(*) FROM app.embeddings)"
-                          ).fetchone()
-    return {"documents": counts[0], "chunks": counts[1], "jobs": counts[2], "vectors": counts[3],
-            "insert_seconds": round(t.seconds, 1), "vacuum_analyze_seconds": round(v.seconds, 1)}
+    counts = conn.execute(
+        "SELECT (SELECT count(*) FROM app.documents), (SELECT count(*) FROM app.chunks),"
+        " (SELECT count(*) FROM app.embedding_jobs), (SELECT count(*) FROM app.embeddings)"
+    ).fetchone()
+    return {
+        "documents": counts[0],
+        "chunks": counts[1],
+        "jobs": counts[2],
+        "vectors": counts[3],
+        "insert_seconds": round(t.seconds, 1),
+        "vacuum_analyze_seconds": round(v.seconds, 1),
+    }
 
 
 def damage(conn, chunks: int) -> dict:
     """Drop the job and vector of 1% of chunks; add 1% orphan ready jobs with vectors."""
     n = chunks // 100
     with conn.transaction():
-        conn.execute("CREATE TEMP TABLE lost AS SELECT chunk_checksum FROM app.chunks"
-                     " ORDER BY chunk_checksum LIMIT %s", (n,))
+        conn.execute(
+            "CREATE TEMP TABLE lost AS SELECT chunk_checksum FROM app.chunks ORDER BY chunk_checksum LIMIT %s", (n,)
+        )
         conn.execute("DELETE FROM app.embedding_jobs j USING lost l WHERE j.chunk_checksum = l.chunk_checksum")
         conn.execute("DELETE FROM app.job_keys k USING lost l WHERE k.chunk_checksum = l.chunk_checksum")
         conn.execute("DELETE FROM app.embeddings e USING lost l WHERE e.chunk_checksum = l.chunk_checksum")
-        conn.execute("CREATE TEMP TABLE orphan AS SELECT sha256(('orphan' || g)::bytea) AS chunk_checksum"
-                     " FROM generate_series(1, %s) g", (n,))
-        conn.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
-                     " SELECT chunk_checksum, %s, 'ready', 1 FROM orphan", (MODEL,))
-        conn.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
-                     " SELECT j.chunk_checksum, j.model_id, j.job_id FROM app.embedding_jobs j"
-                     " JOIN orphan o USING (chunk_checksum)")
-        conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
-                     " SELECT chunk_checksum, %s, %s::vector FROM orphan", (MODEL, VECTOR))
+        conn.execute(
+            "CREATE TEMP TABLE orphan AS SELECT sha256(('orphan' || g)::bytea) AS chunk_checksum"
+            " FROM generate_series(1, %s) g",
+            (n,),
+        )
+        conn.execute(
+            "INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
+            " SELECT chunk_checksum, %s, 'ready', 1 FROM orphan",
+            (MODEL,),
+        )
+        conn.execute(
+            "INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
+            " SELECT j.chunk_checksum, j.model_id, j.job_id FROM app.embedding_jobs j"
+            " JOIN orphan o USING (chunk_checksum)"
+        )
+        conn.execute(
+            "INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
+            " SELECT chunk_checksum, %s, %s::vector FROM orphan",
+            (MODEL, VECTOR),
+        )
     conn.execute("ANALYZE app.embedding_jobs")
     conn.execute("ANALYZE app.embeddings")
     return {"chunks_without_job": n, "orphan_jobs": n}
@@ -89,9 +122,15 @@ def check(conn) -> dict:
         "        WHERE j.status <> 'superseded'),"
         "       (SELECT count(*) FROM app.embeddings e JOIN orphan o USING (chunk_checksum)),"
         "       (SELECT count(*) FROM app.embedding_jobs j JOIN lost l USING (chunk_checksum)"
-        "        WHERE j.status = 'pending')", {"m": MODEL}).fetchone()
-    return {"chunks_still_without_job": row[0], "orphans_not_superseded": row[1],
-            "orphan_vectors_left": row[2], "lost_chunks_now_pending": row[3]}
+        "        WHERE j.status = 'pending')",
+        {"m": MODEL},
+    ).fetchone()
+    return {
+        "chunks_still_without_job": row[0],
+        "orphans_not_superseded": row[1],
+        "orphan_vectors_left": row[2],
+        "lost_chunks_now_pending": row[3],
+    }
 
 
 def backend_peak_rss_mb(conn) -> float | None:
@@ -129,15 +168,19 @@ def main() -> None:
         conn.close()
     out["peak_rss_mb"] = peak_rss_mb()
     out["peak_rss_mb_before_reconcile"] = rss_before
-    out["repaired_exactly"] = (out["repair"]["report"]["enqueued"] == out["damage"]["chunks_without_job"]
-                               and out["repair"]["report"]["superseded"] == out["damage"]["orphan_jobs"]
-                               and not any(out["repair"]["after"][k] for k in
-                                           ("chunks_still_without_job", "orphans_not_superseded",
-                                            "orphan_vectors_left"))
-                               and out["repair"]["after"]["lost_chunks_now_pending"]
-                               == out["damage"]["chunks_without_job"])
-    out["targets"] = {"consistent_seconds<=20": out["consistent"]["seconds"] <= 20,
-                      "repair_seconds<=20": out["repair"]["seconds"] <= 20}
+    out["repaired_exactly"] = (
+        out["repair"]["report"]["enqueued"] == out["damage"]["chunks_without_job"]
+        and out["repair"]["report"]["superseded"] == out["damage"]["orphan_jobs"]
+        and not any(
+            out["repair"]["after"][k]
+            for k in ("chunks_still_without_job", "orphans_not_superseded", "orphan_vectors_left")
+        )
+        and out["repair"]["after"]["lost_chunks_now_pending"] == out["damage"]["chunks_without_job"]
+    )
+    out["targets"] = {
+        "consistent_seconds<=20": out["consistent"]["seconds"] <= 20,
+        "repair_seconds<=20": out["repair"]["seconds"] <= 20,
+    }
     emit(out)
 
 

@@ -26,8 +26,10 @@ MODEL_NAME = "bench-export"
 CHUNKS_PER_DOC = 4
 
 # Runs a command and prints its peak RSS in KiB (ru_maxrss of the only child).
-WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL);"
-        " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+WRAP = (
+    "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL);"
+    " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)"
+)
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]
 
 # The read `export` did before streaming: a client-side cursor under autocommit,
@@ -56,28 +58,42 @@ def load(url: str, chunks: int, dim: int) -> dict:
     docs = -(-chunks // CHUNKS_PER_DOC)
     model = model_id(dim)
     with db.connect(url) as conn, Timer() as t:
-        conn.execute("INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)"
-                     " VALUES (%s, 'bench', %s, %s, 8191)", (model, MODEL_NAME, dim))
+        conn.execute(
+            "INSERT INTO app.models (model_id, provider, name, dimension, max_input_tokens)"
+            " VALUES (%s, 'bench', %s, %s, 8191)",
+            (model, MODEL_NAME, dim),
+        )
         source = conn.execute("INSERT INTO app.sources (root) VALUES ('/bench/b6') RETURNING source_id").fetchone()[0]
         conn.execute(
             "INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count)"
             " SELECT %s, 'doc/' || g, 'file:///bench/b6/doc/' || g, 'current', %s FROM generate_series(1, %s) g",
-            (source, CHUNKS_PER_DOC, docs))
+            (source, CHUNKS_PER_DOC, docs),
+        )
         conn.execute(
             "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end)"
             " SELECT d.doc_pk, k, sha256(int8send(d.doc_pk * 1000 + k)),"
             "        'chunk ' || d.doc_pk || '/' || k || ' ' || repeat('lorem ipsum ', 40), 100, 0, 500"
             " FROM app.documents d CROSS JOIN generate_series(0, %s - 1) k"
-            " WHERE (d.doc_pk - 1) * %s + k < %s", (CHUNKS_PER_DOC, CHUNKS_PER_DOC, chunks))
+            " WHERE (d.doc_pk - 1) * %s + k < %s",
+            (CHUNKS_PER_DOC, CHUNKS_PER_DOC, chunks),
+        )
         with conn.transaction():  # a job and its key commit together (deferred foreign keys)
-            conn.execute("INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
-                         " SELECT chunk_checksum, %s, 'ready', 1 FROM app.chunks", (model,))
-            conn.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
-                         " SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs")
-        conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
-                     " SELECT chunk_checksum, %s,"
-                     "        array_fill((get_byte(chunk_checksum, 0) + 1)::real / 256, ARRAY[%s])::vector"
-                     " FROM app.chunks", (model, dim))
+            conn.execute(
+                "INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts)"
+                " SELECT chunk_checksum, %s, 'ready', 1 FROM app.chunks",
+                (model,),
+            )
+            conn.execute(
+                "INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)"
+                " SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs"
+            )
+        conn.execute(
+            "INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)"
+            " SELECT chunk_checksum, %s,"
+            "        array_fill((get_byte(chunk_checksum, 0) + 1)::real / 256, ARRAY[%s])::vector"
+            " FROM app.chunks",
+            (model, dim),
+        )
         conn.execute("VACUUM ANALYZE")
         n = conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0]
     return {"chunks": n, "load_seconds": round(t.seconds, 1)}
@@ -86,8 +102,9 @@ def load(url: str, chunks: int, dim: int) -> dict:
 def peak_rss_mb(cmd: list[str], env: dict) -> tuple[float, float]:
     """(peak RSS in MB, wall seconds) of one process whose stdout goes to /dev/null."""
     with Timer() as t:
-        proc = subprocess.run([sys.executable, "-c", WRAP, *cmd], env=env, cwd=REPO, check=True,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", WRAP, *cmd], env=env, cwd=REPO, check=True, capture_output=True, text=True
+        )
     return round(int(proc.stdout.strip().splitlines()[-1]) / 1024, 1), round(t.seconds, 1)
 
 
@@ -109,16 +126,21 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--no-client-side", action="store_true", help="skip the client-side-cursor contrast")
     args = p.parse_args()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
     client_side = not args.no_client_side
     small = measure(args.chunks, args.dim, env, client_side)
     large = measure(args.chunks * 10, args.dim, env, client_side)
-    out = {"benchmark": "b6_export", "dim": args.dim, "small": small, "large": large,
-           "export_rss_ratio_10x": round(large["export"]["peak_rss_mb"] / small["export"]["peak_rss_mb"], 2)}
+    out = {
+        "benchmark": "b6_export",
+        "dim": args.dim,
+        "small": small,
+        "large": large,
+        "export_rss_ratio_10x": round(large["export"]["peak_rss_mb"] / small["export"]["peak_rss_mb"], 2),
+    }
     if client_side:
-        out["client_side_rss_ratio_10x"] = round(large["client_side_cursor"]["peak_rss_mb"]
-                                                 / small["client_side_cursor"]["peak_rss_mb"], 2)
+        out["client_side_rss_ratio_10x"] = round(
+            large["client_side_cursor"]["peak_rss_mb"] / small["client_side_cursor"]["peak_rss_mb"], 2
+        )
     out["targets"] = {"export_rss_flat_within_1.25x": out["export_rss_ratio_10x"] <= 1.25}
     emit(out)
 

@@ -60,9 +60,22 @@ def write_corpus(root: Path, n: int) -> None:
 
 
 def start_fake(latency: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0",
-                             "--dim", str(DIM), "--latency", str(latency)],
-                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline_assets_tests.fake_openai",
+            "--port",
+            "0",
+            "--dim",
+            str(DIM),
+            "--latency",
+            str(latency),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline().strip()
     if not line.startswith("READY "):
         proc.kill()
@@ -87,28 +100,46 @@ def one_run(template: str, processes: int, env: dict, concurrency: int, jobs_tot
     server = server_url()
     name = f"bench_b7_run_{uuid.uuid4().hex[:6]}"
     with psycopg.connect(server, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name),
-                                                                       sql.Identifier(template)))
+        admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template)))
     url = with_dbname(server, name)
     workers: list[subprocess.Popen] = []
     try:
         run_env = env | {"PIPELINE_DATABASE_URL": url}
         started = time.monotonic()
-        workers = [subprocess.Popen([*CLI, "work", "--json", "--concurrency", str(concurrency),
-                                     "--worker-id", f"b7-{i}"],
-                                    env=run_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, start_new_session=True)
-                   for i in range(processes)]
+        workers = [
+            subprocess.Popen(
+                [*CLI, "work", "--json", "--concurrency", str(concurrency), "--worker-id", f"b7-{i}"],
+                env=run_env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for i in range(processes)
+        ]
         with psycopg.connect(url, autocommit=True) as conn:
+
             def count(query: str) -> int:
                 return conn.execute(query).fetchone()[0]
 
-            _wait(lambda: count("SELECT count(*) FROM app.workers") >= processes
-                  or any(w.poll() is not None for w in workers), 120, "the workers to register")
+            _wait(
+                lambda: (
+                    count("SELECT count(*) FROM app.workers") >= processes or any(w.poll() is not None for w in workers)
+                ),
+                120,
+                "the workers to register",
+            )
             released = time.monotonic()
             conn.execute("UPDATE app.embedding_jobs SET available_at = now()")
-            _wait(lambda: count("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'") >= jobs_total
-                  or any(w.poll() is not None for w in workers), 900, "the drain")
+            _wait(
+                lambda: (
+                    count("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'") >= jobs_total
+                    or any(w.poll() is not None for w in workers)
+                ),
+                900,
+                "the drain",
+            )
             drained = time.monotonic() - released
         for w in workers:
             if w.poll() is None:
@@ -119,10 +150,14 @@ def one_run(template: str, processes: int, env: dict, concurrency: int, jobs_tot
             jobs = dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall())
             window, requests = conn.execute(
                 "SELECT extract(epoch FROM max(answered_at) - min(called_at)), count(*)"
-                " FROM app.provider_calls WHERE billed = 'yes'").fetchone()
+                " FROM app.provider_calls WHERE billed = 'yes'"
+            ).fetchone()
             duplicates = conn.execute("SELECT coalesce(sum(sends - 1), 0) FROM app.input_sends").fetchone()[0]
-            per_worker = dict(conn.execute("SELECT worker_id, sum(inputs) FROM app.provider_calls"
-                                           " WHERE billed = 'yes' GROUP BY 1 ORDER BY 1").fetchall())
+            per_worker = dict(
+                conn.execute(
+                    "SELECT worker_id, sum(inputs) FROM app.provider_calls WHERE billed = 'yes' GROUP BY 1 ORDER BY 1"
+                ).fetchall()
+            )
     finally:
         for w in workers:
             if w.poll() is None:
@@ -131,14 +166,22 @@ def one_run(template: str, processes: int, env: dict, concurrency: int, jobs_tot
         with psycopg.connect(server, autocommit=True) as admin:
             admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
     ready = jobs.get("ready", 0)
-    return {"processes": processes, "jobs_per_s": round(ready / float(window), 1) if window else None,
-            "drain_s": round(float(window or 0), 2), "release_to_ready_s": round(drained, 2),
-            "wall_s": round(wall, 2), "ready": ready, "jobs": jobs,
-            "requests": requests, "duplicate_sends": int(duplicates),
-            "inputs_per_worker": {k: int(v) for k, v in per_worker.items()},
-            "exit_codes": [w.returncode for w in workers],
-            "errors": [err.strip().splitlines()[-1] for (_, err), w in zip(results, workers)
-                       if w.returncode != 0 and err.strip()]}
+    return {
+        "processes": processes,
+        "jobs_per_s": round(ready / float(window), 1) if window else None,
+        "drain_s": round(float(window or 0), 2),
+        "release_to_ready_s": round(drained, 2),
+        "wall_s": round(wall, 2),
+        "ready": ready,
+        "jobs": jobs,
+        "requests": requests,
+        "duplicate_sends": int(duplicates),
+        "inputs_per_worker": {k: int(v) for k, v in per_worker.items()},
+        "exit_codes": [w.returncode for w in workers],
+        "errors": [
+            err.strip().splitlines()[-1] for (_, err), w in zip(results, workers) if w.returncode != 0 and err.strip()
+        ],
+    }
 
 
 def main() -> None:
@@ -151,30 +194,42 @@ def main() -> None:
     p.add_argument("--workers", default="1,2,4", help="worker process counts to measure")
     args = p.parse_args()
     counts = [int(x) for x in args.workers.split(",")]
-    out: dict = {"benchmark": "b7_scale_out", "cpus": os.cpu_count(),
-                 "fake": {"latency_s": args.latency, "dim": DIM},
-                 "workers": {"concurrency": args.concurrency, "PIPELINE_BATCH_INPUTS": args.batch_inputs},
-                 "documents": args.documents}
+    out: dict = {
+        "benchmark": "b7_scale_out",
+        "cpus": os.cpu_count(),
+        "fake": {"latency_s": args.latency, "dim": DIM},
+        "workers": {"concurrency": args.concurrency, "PIPELINE_BATCH_INPUTS": args.batch_inputs},
+        "documents": args.documents,
+    }
     fake, base_url = start_fake(args.latency)
     rounds: list[list[dict]] = []
     try:
         with fresh_database("b7") as template, tempfile.TemporaryDirectory(prefix="b7-") as tmp:
             write_corpus(Path(tmp), args.documents)
-            env = os.environ | {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "test-key",
-                                "PIPELINE_EMBEDDING_MODEL": "fake-embed",
-                                "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
-                                "PIPELINE_BATCH_INPUTS": str(args.batch_inputs)}
+            env = os.environ | {
+                "OPENAI_BASE_URL": base_url,
+                "OPENAI_API_KEY": "test-key",
+                "PIPELINE_EMBEDDING_MODEL": "fake-embed",
+                "PIPELINE_MODEL_MAX_INPUT_TOKENS": "8191",
+                "PIPELINE_BATCH_INPUTS": str(args.batch_inputs),
+            }
             t = time.monotonic()
-            subprocess.run([*CLI, "ingest", tmp], env=env | {"PIPELINE_DATABASE_URL": template}, cwd=REPO,
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [*CLI, "ingest", tmp],
+                env=env | {"PIPELINE_DATABASE_URL": template},
+                cwd=REPO,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             out["ingest_s"] = round(time.monotonic() - t, 1)
             with psycopg.connect(template, autocommit=True) as conn:  # held back until the workers are up
                 conn.execute("UPDATE app.embedding_jobs SET available_at = 'infinity'")
             for r in range(args.rounds):
-                rounds.append([one_run(_dbname(template), k, env,
-                                       args.concurrency, args.documents) for k in counts])
-                print(f"round {r + 1}: " + ", ".join(f"{x['processes']}p {x['jobs_per_s']} jobs/s" for x in rounds[-1]),
-                      file=sys.stderr)
+                rounds.append([one_run(_dbname(template), k, env, args.concurrency, args.documents) for k in counts])
+                print(
+                    f"round {r + 1}: " + ", ".join(f"{x['processes']}p {x['jobs_per_s']} jobs/s" for x in rounds[-1]),
+                    file=sys.stderr,
+                )
         out["fake_requests"] = fetch_stats(base_url, brief=True)["requests"]
     finally:
         fake.terminate()
@@ -183,16 +238,21 @@ def main() -> None:
     for i, k in enumerate(counts):
         runs = sorted((rnd[i] for rnd in rounds), key=lambda x: x["jobs_per_s"] or 0)
         mid = runs[len(runs) // 2]
-        median[str(k)] = {"jobs_per_s": mid["jobs_per_s"], "rounds_jobs_per_s": [x["jobs_per_s"] for x in
-                                                                                  (rnd[i] for rnd in rounds)],
-                          "drain_s": mid["drain_s"], "wall_s": mid["wall_s"],
-                          "inputs_per_worker": mid["inputs_per_worker"]}
+        median[str(k)] = {
+            "jobs_per_s": mid["jobs_per_s"],
+            "rounds_jobs_per_s": [x["jobs_per_s"] for x in (rnd[i] for rnd in rounds)],
+            "drain_s": mid["drain_s"],
+            "wall_s": mid["wall_s"],
+            "inputs_per_worker": mid["inputs_per_worker"],
+        }
     out["result"] = median
     base = median[str(counts[0])]["jobs_per_s"]
     out["speedup"] = {k: round(v["jobs_per_s"] / base, 2) for k, v in median.items() if base and v["jobs_per_s"]}
-    out["checks"] = {"every_job_ready": all(x["ready"] == args.documents for rnd in rounds for x in rnd),
-                     "no_input_sent_twice": all(x["duplicate_sends"] == 0 for rnd in rounds for x in rnd),
-                     "workers_exited_0": all(set(x["exit_codes"]) == {0} for rnd in rounds for x in rnd)}
+    out["checks"] = {
+        "every_job_ready": all(x["ready"] == args.documents for rnd in rounds for x in rnd),
+        "no_input_sent_twice": all(x["duplicate_sends"] == 0 for rnd in rounds for x in rnd),
+        "workers_exited_0": all(set(x["exit_codes"]) == {0} for rnd in rounds for x in rnd),
+    }
     out["errors"] = sorted({e for rnd in rounds for x in rnd for e in x["errors"]})
     out["runs"] = rounds
     emit(out)

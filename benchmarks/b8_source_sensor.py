@@ -37,8 +37,8 @@ import dagster as dg
 from _common import REPO, Timer, emit, fresh_database, peak_rss_mb
 from dagster._core.definitions.partitions.context import partition_loading_context
 
-BEFORE_COMMIT = "a050b3a"   # the last tree with the map cursor
-TICK_LIMIT_S = 60.0         # Dagster's default sensor evaluation timeout
+BEFORE_COMMIT = "a050b3a"  # the last tree with the map cursor
+TICK_LIMIT_S = 60.0  # Dagster's default sensor evaluation timeout
 
 
 def write_corpus(root: Path, n: int) -> None:
@@ -47,7 +47,7 @@ def write_corpus(root: Path, n: int) -> None:
         if i % 1000 == 0:
             folder.mkdir(parents=True)
         (folder / f"doc-{i:06d}.md").write_text(f"# Document {i}\n\nsmall body {i * 7919 % 100003}\n")
-    past = time.time_ns() - 3600 * 10**9   # written an hour ago: outside the racy-mtime window
+    past = time.time_ns() - 3600 * 10**9  # written an hour ago: outside the racy-mtime window
     for folder in root.iterdir():
         for p in folder.iterdir():
             os.utime(p, ns=(past, past))
@@ -61,9 +61,12 @@ def evaluate(sensor, instance, cursor):
 
     settings = Settings.from_env()
     defs = build_definitions(settings)
-    with (dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs,
-                                  resources=build_resources(settings)) as context,
-          partition_loading_context(dynamic_partitions_store=instance)):
+    with (
+        dg.build_sensor_context(
+            instance=instance, cursor=cursor, definitions=defs, resources=build_resources(settings)
+        ) as context,
+        partition_loading_context(dynamic_partitions_store=instance),
+    ):
         started = time.perf_counter()
         data = sensor.evaluate_tick(context)
         seconds = time.perf_counter() - started
@@ -75,8 +78,13 @@ def evaluate(sensor, instance, cursor):
 
 def old_sensor_module():
     """The source sensor of BEFORE_COMMIT, loaded from git as a module of its own."""
-    text = subprocess.run(["git", "show", f"{BEFORE_COMMIT}:pipeline_assets/defs/sensors.py"], cwd=REPO,
-                          check=True, capture_output=True, text=True).stdout
+    text = subprocess.run(
+        ["git", "show", f"{BEFORE_COMMIT}:pipeline_assets/defs/sensors.py"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     path = Path(tempfile.mkdtemp()) / "old_sensors.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("old_sensors", path)
@@ -103,15 +111,15 @@ def main() -> None:
         return real_checksum(item, max_bytes)
 
     folder_source.file_checksum = counting
-    result: dict = {"benchmark": "b8_source_sensor", "documents": args.documents,
-                    "tick_limit_s": TICK_LIMIT_S}
+    result: dict = {"benchmark": "b8_source_sensor", "documents": args.documents, "tick_limit_s": TICK_LIMIT_S}
     with tempfile.TemporaryDirectory(prefix="b8_") as tmp, fresh_database("b8") as url:
         root = Path(tmp) / "corpus"
         with Timer() as t:
             write_corpus(root, args.documents)
         result["write_corpus_s"] = round(t.seconds, 1)
-        os.environ.update({"PIPELINE_DATABASE_URL": url, "PIPELINE_SOURCE_DIR": str(root),
-                           "PIPELINE_HOME": str(Path(tmp) / "home")})
+        os.environ.update(
+            {"PIPELINE_DATABASE_URL": url, "PIPELINE_SOURCE_DIR": str(root), "PIPELINE_HOME": str(Path(tmp) / "home")}
+        )
         (Path(tmp) / "dagster").mkdir()
         with dg.instance_for_test(temp_dir=str(Path(tmp) / "dagster")) as instance:
             data, first = evaluate(sensors.source_documents_sensor, instance, None)
@@ -144,8 +152,9 @@ def main() -> None:
             result["changed_tick_files_read"] = len(reads)
             result["changed_tick_runs"] = [r.run_key for r in data.run_requests]
             with db.session(url) as conn:
-                checksums[changed] = conn.execute("SELECT checksum FROM app.source_observations WHERE document_id "
-                                                  "= %s", (changed,)).fetchone()[0]
+                checksums[changed] = conn.execute(
+                    "SELECT checksum FROM app.source_observations WHERE document_id = %s", (changed,)
+                ).fetchone()[0]
 
             legacy = json.dumps({"v": 1, "g": 1, "d": checksums}, separators=(",", ":"), sort_keys=True)
             result["cursor_bytes"] = {"after": len(cursor.encode()), "before_map": len(legacy.encode())}
@@ -155,10 +164,13 @@ def main() -> None:
                     old = old_sensor_module()
                     old_data, cold = evaluate(old.source_documents_sensor, instance, legacy)
                     _, warm = evaluate(old.source_documents_sensor, instance, legacy)
-                    result["before"] = {"commit": BEFORE_COMMIT, "unchanged_tick_cold_cache_s": round(cold, 2),
-                                        "unchanged_tick_warm_cache_s": round(warm, 2),
-                                        "skip_message": old_data.skip_message}
-                except Exception as exc:   # the old tree no longer loads against this one
+                    result["before"] = {
+                        "commit": BEFORE_COMMIT,
+                        "unchanged_tick_cold_cache_s": round(cold, 2),
+                        "unchanged_tick_warm_cache_s": round(warm, 2),
+                        "skip_message": old_data.skip_message,
+                    }
+                except Exception as exc:  # the old tree no longer loads against this one
                     result["before"] = {"commit": BEFORE_COMMIT, "error": f"{type(exc).__name__}: {exc}"[:300]}
     result["peak_rss_mb"] = peak_rss_mb()
     result["targets"] = {

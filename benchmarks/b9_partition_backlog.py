@@ -70,14 +70,18 @@ def main() -> None:
         started = time.perf_counter()
         # The bucket run, then the embeddings run of that bucket x the model (what embed_after_sync launches).
         result = defs.resolve_job_def("sync_documents").execute_in_process(
-            instance=instance, partition_key=bucket, raise_on_error=False)
+            instance=instance, partition_key=bucket, raise_on_error=False
+        )
         if result.success:
             result = defs.resolve_job_def("embed_documents").execute_in_process(
-                instance=instance, partition_key=str(embedding_key(bucket, model)), raise_on_error=False)
+                instance=instance, partition_key=str(embedding_key(bucket, model)), raise_on_error=False
+            )
         run_seconds = time.perf_counter() - started
         with db.connect(url) as conn:
-            own = conn.execute("SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) "
-                               "WHERE d.document_id = 'own00000.md'").fetchone()[0]
+            own = conn.execute(
+                "SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) "
+                "WHERE d.document_id = 'own00000.md'"
+            ).fetchone()[0]
             sent = conn.execute("SELECT count(*) FROM app.input_sends").fetchone()[0]
             left = conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'pending'").fetchone()[0]
 
@@ -85,15 +89,22 @@ def main() -> None:
             started = time.perf_counter()
             drained = work(res.embedding_provider.runtime(), res.postgres.pool(), until_idle=True)
             drain_seconds = time.perf_counter() - started
-    emit({
-        "benchmark": "b9_partition_backlog",
-        "backlog_jobs_pending": pending,
-        "backlog_ingest_seconds": round(ingest_seconds, 2),
-        "one_partition": {"success": result.success, "seconds": round(run_seconds, 2), "own_chunks": own,
-                          "inputs_sent": sent, "backlog_left_pending": left},
-        "before_baseline_drain_whole_queue": {"seconds": round(drain_seconds, 2), "embedded": drained.embedded},
-        "targets": {"sent_only_its_own_chunks": sent == own, "backlog_untouched": left == pending},
-    })
+    emit(
+        {
+            "benchmark": "b9_partition_backlog",
+            "backlog_jobs_pending": pending,
+            "backlog_ingest_seconds": round(ingest_seconds, 2),
+            "one_partition": {
+                "success": result.success,
+                "seconds": round(run_seconds, 2),
+                "own_chunks": own,
+                "inputs_sent": sent,
+                "backlog_left_pending": left,
+            },
+            "before_baseline_drain_whole_queue": {"seconds": round(drain_seconds, 2), "embedded": drained.embedded},
+            "targets": {"sent_only_its_own_chunks": sent == own, "backlog_untouched": left == pending},
+        }
+    )
 
 
 if __name__ == "__main__":

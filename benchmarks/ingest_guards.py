@@ -38,9 +38,11 @@ def write_corpus(root: Path, n: int) -> int:
         sub.mkdir(parents=True, exist_ok=True)
         words = " ".join(f"w{(i * 31 + j) % 5003}" for j in range(250))
         if i % 10 == 8:
-            data = (f"<html><head><title>doc {i}</title><style>p{{}}</style></head><body><h1>doc {i}</h1>"
-                    + "".join(f"<p>{words[k:k + 200]}</p>" for k in range(0, len(words), 200))
-                    + "</body></html>").encode()
+            data = (
+                f"<html><head><title>doc {i}</title><style>p{{}}</style></head><body><h1>doc {i}</h1>"
+                + "".join(f"<p>{words[k : k + 200]}</p>" for k in range(0, len(words), 200))
+                + "</body></html>"
+            ).encode()
             name = f"doc{i:05d}.html"
         elif i % 10 == 9:
             data = "\n\n".join(f"para {k} of {i}: {words}" for k in range(8)).encode()
@@ -70,8 +72,14 @@ def one_run(root: Path, options: IngestOptions) -> dict:
             second = ingest_directory(conn, root, options)
         chunks = conn.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
     assert second.unchanged == first.scanned, (first, second)
-    return {"cold_s": cold.seconds, "cold_cpu_s": cpu, "warm_s": warm.seconds, "scanned": first.scanned,
-            "quarantined": first.quarantined, "chunks": chunks}
+    return {
+        "cold_s": cold.seconds,
+        "cold_cpu_s": cpu,
+        "warm_s": warm.seconds,
+        "scanned": first.scanned,
+        "quarantined": first.quarantined,
+        "chunks": chunks,
+    }
 
 
 def main() -> None:
@@ -92,13 +100,19 @@ def main() -> None:
     cold = [rate(r["scanned"], r["cold_s"]) for r in runs]
     warm = [rate(r["scanned"], r["warm_s"]) for r in runs]
     per_cpu = [rate(r["scanned"], r["cold_cpu_s"]) for r in runs]
-    emit({"benchmark": "ingest_guards", "docs": args.docs, "corpus_bytes": corpus_bytes,
-          "chunks": runs[0]["chunks"], "quarantined": runs[0]["quarantined"],
-          "cold_docs_per_s": {"best": max(cold), "median": statistics.median(cold), "all": cold},
-          "warm_docs_per_s": {"best": max(warm), "median": statistics.median(warm), "all": warm},
-          "cold_docs_per_client_cpu_s": {"best": max(per_cpu), "median": statistics.median(per_cpu),
-                                         "all": per_cpu},
-          "peak_rss_mb": peak_rss_mb()})
+    emit(
+        {
+            "benchmark": "ingest_guards",
+            "docs": args.docs,
+            "corpus_bytes": corpus_bytes,
+            "chunks": runs[0]["chunks"],
+            "quarantined": runs[0]["quarantined"],
+            "cold_docs_per_s": {"best": max(cold), "median": statistics.median(cold), "all": cold},
+            "warm_docs_per_s": {"best": max(warm), "median": statistics.median(warm), "all": warm},
+            "cold_docs_per_client_cpu_s": {"best": max(per_cpu), "median": statistics.median(per_cpu), "all": per_cpu},
+            "peak_rss_mb": peak_rss_mb(),
+        }
+    )
 
 
 if __name__ == "__main__":

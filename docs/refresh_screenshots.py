@@ -42,8 +42,8 @@ from pipeline_assets_tests.fake_openai import FakeOpenAI  # noqa: E402
 CORPUS = REPO / "examples" / "corpus"
 # The bucket partition of one document of the example (partitions are document buckets).
 PARTITION = bucket_key(bucket_of("databases/skip-locked-job-queues.md", DEFAULT_PARTITION_BUCKETS))
-LOADED_TIMEOUT = 60.0   # seconds for every "Loading..." placeholder of a page to go
-START_TIMEOUT = 180.0      # seconds for the webserver, the daemon and the sensor's first run
+LOADED_TIMEOUT = 60.0  # seconds for every "Loading..." placeholder of a page to go
+START_TIMEOUT = 180.0  # seconds for the webserver, the daemon and the sensor's first run
 NEW_MODEL = "text-embedding-3-small"
 NEW_MODEL_DIM = 1536
 
@@ -64,8 +64,11 @@ def _free_port() -> int:
 
 
 def _gql(port: int, query: str) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": query}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/graphql",
+        data=json.dumps({"query": query}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())["data"]
 
@@ -73,22 +76,30 @@ def _gql(port: int, query: str) -> dict:
 def _sensor_runs_done(port: int) -> bool:
     """The source sensor's bucket run and the embeddings run after it (same trigger tag) succeeded."""
     try:
-        runs = _gql(port, """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]})
-                              { ... on Runs { results { status jobName } } } }""")["runsOrError"]["results"]
+        runs = _gql(
+            port,
+            """{ runsOrError(filter: {tags: [{key: "pipeline/trigger", value: "source_documents"}]})
+                              { ... on Runs { results { status jobName } } } }""",
+        )["runsOrError"]["results"]
     except (OSError, KeyError, TypeError):
         return False
-    return ({r["jobName"] for r in runs} == {"sync_documents", "embed_documents"}
-            and all(r["status"] == "SUCCESS" for r in runs))
+    return {r["jobName"] for r in runs} == {"sync_documents", "embed_documents"} and all(
+        r["status"] == "SUCCESS" for r in runs
+    )
 
 
 def _model_keys(port: int) -> list[str]:
     try:
-        dims = _gql(port, """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
-                               partitionKeysByDimension { name partitionKeys } } } }""")
+        dims = _gql(
+            port,
+            """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
+                               partitionKeysByDimension { name partitionKeys } } } }""",
+        )
     except (OSError, KeyError, TypeError):
         return []
-    return next((d["partitionKeys"] for d in dims["assetNodeOrError"]["partitionKeysByDimension"]
-                 if d["name"] == "model"), [])
+    return next(
+        (d["partitionKeys"] for d in dims["assetNodeOrError"]["partitionKeysByDimension"] if d["name"] == "model"), []
+    )
 
 
 def _wait(predicate, proc: subprocess.Popen, what: str, timeout: float = START_TIMEOUT):
@@ -103,19 +114,26 @@ def _wait(predicate, proc: subprocess.Popen, what: str, timeout: float = START_T
 def _backfill_half_column(port: int, proc: subprocess.Popen, model: str) -> None:
     """A backfill of buckets b000..b031 of one model's column; waits until its runs succeeded."""
     half = bucket_key(DEFAULT_PARTITION_BUCKETS // 2 - 1)
-    launched = _gql(port, """mutation { launchPartitionBackfill(backfillParams: {partitionsByAssets: [
+    launched = _gql(
+        port,
+        """mutation { launchPartitionBackfill(backfillParams: {partitionsByAssets: [
                                {assetKey: {path: ["embeddings"]}, partitions: {range: {start: "START", end: "END"}}}]})
-                               { __typename ... on LaunchBackfillSuccess { backfillId } } }"""
-                    .replace("START", f"{bucket_key(0)}|{model}").replace("END", f"{half}|{model}"))
+                               { __typename ... on LaunchBackfillSuccess { backfillId } } }""".replace(
+            "START", f"{bucket_key(0)}|{model}"
+        ).replace("END", f"{half}|{model}"),
+    )
     backfill = launched["launchPartitionBackfill"]["backfillId"]
 
     def done() -> bool:
-        runs = _gql(port, """{ runsOrError(filter: {tags: [{key: "dagster/backfill", value: "ID"}]})
-                              { ... on Runs { results { status } } } }""".replace("ID", backfill)
-                    )["runsOrError"]["results"]
+        runs = _gql(
+            port,
+            """{ runsOrError(filter: {tags: [{key: "dagster/backfill", value: "ID"}]})
+                              { ... on Runs { results { status } } } }""".replace("ID", backfill),
+        )["runsOrError"]["results"]
         if any(r["status"] in ("FAILURE", "CANCELED") for r in runs):
             raise RuntimeError(f"the backfill of {model}'s column failed")
         return bool(runs) and all(r["status"] == "SUCCESS" for r in runs)
+
     _wait(done, proc, "the backfill of the new column")
 
 
@@ -123,12 +141,22 @@ def main() -> int:
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="screenshots-") as tmp, FakeOpenAI(dim=NEW_MODEL_DIM) as fake:
         env = {k: v for k, v in os.environ.items() if not (k.startswith("PIPELINE_") or k.startswith("DAGSTER_"))}
-        env.update(PIPELINE_HOME=str(Path(tmp) / "home"), PIPELINE_SOURCE_DIR=str(CORPUS),
-                   PIPELINE_EMBEDDING_MODEL="local-hashing",      # the offline model is the configured one
-                   OPENAI_API_KEY="test-key", OPENAI_BASE_URL=fake.base_url)   # the second model's stand-in
+        env.update(
+            PIPELINE_HOME=str(Path(tmp) / "home"),
+            PIPELINE_SOURCE_DIR=str(CORPUS),
+            PIPELINE_EMBEDDING_MODEL="local-hashing",  # the offline model is the configured one
+            OPENAI_API_KEY="test-key",
+            OPENAI_BASE_URL=fake.base_url,
+        )  # the second model's stand-in
         log = open(Path(tmp) / "dev.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", "dev", "--port", str(port)],
-                                env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline_assets.cli", "dev", "--port", str(port)],
+            env=env,
+            cwd=tmp,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             try:
                 _wait(lambda: _sensor_runs_done(port), proc, "the example embedded by the sensors' runs")
@@ -143,17 +171,24 @@ def main() -> int:
                 browser.wait_for_text("documents", "chunks", "embeddings", "Materialize all")
                 browser.dismiss_community_dialog()
                 _wait_loaded(browser)
-                time.sleep(1.0)   # let the graph settle after the dialog closes
+                time.sleep(1.0)  # let the graph settle after the dialog closes
                 graph = browser.screenshot(REPO / "docs" / "asset-graph.png")
-                browser.open(f"{base}/assets/embeddings?view=partitions&partition="
-                             f"{urllib.parse.quote(f'{PARTITION}|{model}', safe='')}")
+                browser.open(
+                    f"{base}/assets/embeddings?view=partitions&partition="
+                    f"{urllib.parse.quote(f'{PARTITION}|{model}', safe='')}"
+                )
                 browser.wait_for_text("Latest materialization", "Metadata", "ready")
                 _wait_loaded(browser)
                 time.sleep(0.5)
                 partition = browser.screenshot(REPO / "docs" / "partition.png")
                 # The model-switch walk-through: a second model, half of its column backfilled.
-                subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "models", "add", NEW_MODEL],
-                               env=env, cwd=tmp, check=True, capture_output=True)
+                subprocess.run(
+                    [sys.executable, "-m", "pipeline_assets.cli", "models", "add", NEW_MODEL],
+                    env=env,
+                    cwd=tmp,
+                    check=True,
+                    capture_output=True,
+                )
                 keys = _wait(lambda: len(k := _model_keys(port)) == 2 and k, proc, "the new model's column")
                 new = next(k for k in keys if k != model)
                 _backfill_half_column(port, proc, new)

@@ -22,9 +22,9 @@ from pathlib import Path
 from websockets.sync.client import connect
 
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
-START_TIMEOUT = 30.0          # seconds for the browser to open its DevTools port
-PAGE_TIMEOUT = 60.0           # seconds for a page's rendered text to show what a test waits for
-WINDOW = (1400, 900)          # the screenshot size
+START_TIMEOUT = 30.0  # seconds for the browser to open its DevTools port
+PAGE_TIMEOUT = 60.0  # seconds for a page's rendered text to show what a test waits for
+WINDOW = (1400, 900)  # the screenshot size
 
 
 def chromium_path() -> str | None:
@@ -40,10 +40,20 @@ class Browser:
             raise RuntimeError("no Chromium found (Debian: apt-get install chromium)")
         self._profile = tempfile.mkdtemp(prefix="chromium-")
         self._proc = subprocess.Popen(
-            [executable, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--remote-debugging-port=0", f"--user-data-dir={self._profile}",
-             f"--window-size={WINDOW[0]},{WINDOW[1]}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                executable,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={self._profile}",
+                f"--window-size={WINDOW[0]},{WINDOW[1]}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file = Path(self._profile) / "DevToolsActivePort"
         deadline = time.monotonic() + START_TIMEOUT
         while not (port_file.is_file() and port_file.read_text().strip()):
@@ -56,7 +66,8 @@ class Browser:
             page = next(t for t in json.loads(resp.read()) if t["type"] == "page")
         self._stack = ExitStack()
         self._ws = self._stack.enter_context(
-            connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024, open_timeout=10))
+            connect(page["webSocketDebuggerUrl"], max_size=64 * 1024 * 1024, open_timeout=10)
+        )
         self._ids = itertools.count(1)
         self.call("Page.enable")
 
@@ -95,8 +106,10 @@ class Browser:
     def dismiss_community_dialog(self, timeout: float = 15.0) -> bool:
         """Dagster's first-visit 'Join the Dagster community' dialog covers the page (it appears a
         moment after the page): wait for it, press Skip, wait until it is gone. False if it never came."""
-        click = ("(() => { const b = [...document.querySelectorAll('button')]"
-                 ".find(e => e.innerText.trim() === 'Skip'); if (b) { b.click(); return true; } return false; })()")
+        click = (
+            "(() => { const b = [...document.querySelectorAll('button')]"
+            ".find(e => e.innerText.trim() === 'Skip'); if (b) { b.click(); return true; } return false; })()"
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.evaluate(click):

@@ -26,7 +26,7 @@ from pipeline_assets.store import db, embedded_postgres
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 REPO = Path(__file__).resolve().parent.parent
-FAKE_MODEL = "fake-embed"   # unknown to the provider table: dimension discovered from the first response
+FAKE_MODEL = "fake-embed"  # unknown to the provider table: dimension discovered from the first response
 # ...and window not known either: a server's model is refused without PIPELINE_MODEL_MAX_INPUT_TOKENS.
 # The fake server cuts nothing; this is the window every environment the suite builds gives it.
 FAKE_WINDOW = 8191
@@ -58,8 +58,12 @@ def marked_processes(needle: str = "") -> list[psutil.Process]:
     me, found = os.environ[SESSION_MARKER], []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if (p.pid != os.getpid() and needle in " ".join(p.info["cmdline"] or [])
-                    and p.status() != psutil.STATUS_ZOMBIE and p.environ().get(SESSION_MARKER) == me):
+            if (
+                p.pid != os.getpid()
+                and needle in " ".join(p.info["cmdline"] or [])
+                and p.status() != psutil.STATUS_ZOMBIE
+                and p.environ().get(SESSION_MARKER) == me
+            ):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -75,29 +79,55 @@ def no_dagster_process_survives():
     def leftovers() -> list[psutil.Process]:
         # Not leaks: Dagster's compute-log watchers (watch_orphans.py) of this very process, which
         # in-process runs start and which exit with it.
-        return [p for p in marked_processes("dagster")
-                if "watch_orphans.py" not in " ".join(p.info["cmdline"] or [])]
+        return [p for p in marked_processes("dagster") if "watch_orphans.py" not in " ".join(p.info["cmdline"] or [])]
+
     with contextlib.suppress(AssertionError):
         wait_until(lambda: not leftovers(), timeout=30, what="dagster processes of the tests to exit")
     left = leftovers()
     for p in left:
         with contextlib.suppress(psutil.Error):
-            p.kill()        # do not leak them past the failure either
+            p.kill()  # do not leak them past the failure either
     assert not left, "dagster processes outlived the tests: " + "; ".join(
-        " ".join(p.info["cmdline"] or [])[:160] for p in left)
+        " ".join(p.info["cmdline"] or [])[:160] for p in left
+    )
 
 
 # The slowest modules, slowest first (each module's summed test time, measured in a whole run). With
 # `--dist loadfile` a worker takes the next module in collection order when it is nearly out of
 # work, so the longest start first and the short ones fill in around them (longest processing time
 # first): a long module collected late would otherwise run alone at the end.
-SLOW_MODULES = ["test_dagster_webserver", "test_topology_faults", "test_dagster_sensors", "test_topology_scale",
-                "test_dagster_dev_command", "test_topology", "test_provider_evidence", "test_embedded",
-                "test_stage_timeout", "test_dagster_commands", "test_crash_attribution", "test_dagster_assets",
-                "test_contract", "test_state_machine_property", "test_s3_source", "test_call_deadline",
-                "test_leases", "test_local_model", "test_dagster_table_source", "test_provider_faults",
-                "test_fault_soak", "test_cli", "test_liveness", "test_vector_index", "test_state_machine",
-                "test_layers", "test_dlq", "test_fault_attribution", "test_model_switch", "test_third_party_server"]
+SLOW_MODULES = [
+    "test_dagster_webserver",
+    "test_topology_faults",
+    "test_dagster_sensors",
+    "test_topology_scale",
+    "test_dagster_dev_command",
+    "test_topology",
+    "test_provider_evidence",
+    "test_embedded",
+    "test_stage_timeout",
+    "test_dagster_commands",
+    "test_crash_attribution",
+    "test_dagster_assets",
+    "test_contract",
+    "test_state_machine_property",
+    "test_s3_source",
+    "test_call_deadline",
+    "test_leases",
+    "test_local_model",
+    "test_dagster_table_source",
+    "test_provider_faults",
+    "test_fault_soak",
+    "test_cli",
+    "test_liveness",
+    "test_vector_index",
+    "test_state_machine",
+    "test_layers",
+    "test_dlq",
+    "test_fault_attribution",
+    "test_model_switch",
+    "test_third_party_server",
+]
 
 
 def pytest_collection_modifyitems(items):
@@ -152,7 +182,7 @@ def database_url(server_url, migrated_template, request) -> str:
     with psycopg.connect(server_url, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"')
     url = _with_dbname(server_url, name)
-    with db.session(url):       # up to date: applies nothing
+    with db.session(url):  # up to date: applies nothing
         pass
     yield url
     with psycopg.connect(server_url, autocommit=True) as admin:
@@ -215,8 +245,9 @@ def write_corpus(root: Path, n: int, *, prefix: str = "doc", words: int = 60) ->
     return paths
 
 
-def cli(*args: str, env: dict, timeout: float = 120, check: bool = True,
-        process: bool = False) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, env: dict, timeout: float = 120, check: bool = True, process: bool = False
+) -> subprocess.CompletedProcess:
     """`pipeline-assets ARGS` with exactly the environment ``env``: its exit code, stdout and stderr.
 
     In this test process by default (click's CliRunner): the same command, settings read from
@@ -228,10 +259,20 @@ def cli(*args: str, env: dict, timeout: float = 120, check: bool = True,
     swaps process-wide state: the environment, the working directory, signal handlers).
     ``timeout`` bounds a real process; a hang in-process meets pytest-timeout.
     """
-    if (process or not env.get("PIPELINE_DATABASE_URL") or env.get("PIPELINE_CRASHPOINT")
-            or threading.current_thread() is not threading.main_thread()):
-        proc = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", *args], env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
+    if (
+        process
+        or not env.get("PIPELINE_DATABASE_URL")
+        or env.get("PIPELINE_CRASHPOINT")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipeline_assets.cli", *args],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     else:
         proc = _cli_in_process(list(args), env)
     if check and proc.returncode != 0:
@@ -292,8 +333,15 @@ def _cli_in_process(args: list[str], env: dict) -> subprocess.CompletedProcess:
 
 def start_cli(*args: str, env: dict) -> subprocess.Popen:
     """A CLI process in its own process group, so a test can SIGKILL the whole group."""
-    return subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", *args], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets.cli", *args],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 120) -> str:
@@ -349,8 +397,12 @@ def stop_group(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         with contextlib.suppress(AssertionError):
-            wait_until(lambda: proc.poll() is not None and not _group_alive(proc.pid), timeout=20,
-                       interval=0.1, what="the process group to exit")
+            wait_until(
+                lambda: proc.poll() is not None and not _group_alive(proc.pid),
+                timeout=20,
+                interval=0.1,
+                what="the process group to exit",
+            )
     proc.wait(timeout=30)
     assert not _group_alive(proc.pid), f"process group {proc.pid} survived SIGKILL"
     return proc.returncode
@@ -368,8 +420,10 @@ SELECT d.document_id FROM app.documents d JOIN app.sources s ON s.source_id = d.
 def bucket_documents(conn, root: str, bucket_ids, bucket_count: int) -> list[str]:
     """The source's documents (current or quarantined) in some buckets, by their stored bucket or,
     without one, by the hash: the oracle of the per-bucket reads."""
-    return [r[0] for r in conn.execute(BUCKET_DOCUMENTS, {"root": root, "n": bucket_count,
-                                                          "buckets": sorted(set(bucket_ids))})]
+    return [
+        r[0]
+        for r in conn.execute(BUCKET_DOCUMENTS, {"root": root, "n": bucket_count, "buckets": sorted(set(bucket_ids))})
+    ]
 
 
 def job_counts(conn) -> dict[str, int]:
@@ -392,11 +446,13 @@ def assert_vectors_match(conn, fake, model_id: str = f"openai/{FAKE_MODEL}") -> 
     """Every current chunk has a vector, and it is exactly the fake's vector for the chunk text."""
     import numpy as np
 
-    rows = conn.execute("""
+    rows = conn.execute(
+        """
         SELECT c.text, e.embedding FROM app.chunks c
         JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
         LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s""",
-                        (model_id,)).fetchall()
+        (model_id,),
+    ).fetchall()
     assert rows, "no current chunks"
     for text, vec in rows:
         assert vec is not None, f"no vector for current chunk {text[:40]!r}"

@@ -35,15 +35,23 @@ def fresh_defs() -> dg.Definitions:
     return build_definitions()
 
 
-def evaluate_sensor(sensor: dg.SensorDefinition, defs: dg.Definitions, instance: dg.DagsterInstance,
-                    cursor: str | None = None):
+def evaluate_sensor(
+    sensor: dg.SensorDefinition, defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None = None
+):
     """One tick as the daemon runs it: evaluate, then apply the dynamic-partition requests.
 
     Returns the SensorExecutionData (run_requests resolved, cursor, skip_message).
     """
-    with (dg.build_sensor_context(instance=instance, instance_ref=instance.get_ref(), cursor=cursor,
-                                  definitions=defs, resources=build_resources(Settings.from_env())) as context,
-          partition_loading_context(dynamic_partitions_store=instance)):
+    with (
+        dg.build_sensor_context(
+            instance=instance,
+            instance_ref=instance.get_ref(),
+            cursor=cursor,
+            definitions=defs,
+            resources=build_resources(Settings.from_env()),
+        ) as context,
+        partition_loading_context(dynamic_partitions_store=instance),
+    ):
         data = sensor.evaluate_tick(context)
     for request in data.dynamic_partitions_requests or []:
         if isinstance(request, dg.AddDynamicPartitionsRequest):
@@ -107,19 +115,32 @@ def embed_keys(tags: dict, partition_key: str | None, model: str) -> tuple[str |
     if partition_key is not None:
         return str(embedding_key(partition_key, model)), {}
     start, end = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
-    return None, {**tags, "dagster/asset_partition_range_start": str(embedding_key(start, model)),
-                  "dagster/asset_partition_range_end": str(embedding_key(end, model))}
+    return None, {
+        **tags,
+        "dagster/asset_partition_range_start": str(embedding_key(start, model)),
+        "dagster/asset_partition_range_end": str(embedding_key(end, model)),
+    }
 
 
 def embed_range_tags(keys: list[str], models: list[str]) -> dict[str, str]:
     """The tags of an embeddings run over buckets ``keys[0]..keys[-1]`` x models ``models[0]..models[-1]``."""
-    return {"dagster/asset_partition_range_start": str(embedding_key(keys[0], models[0])),
-            "dagster/asset_partition_range_end": str(embedding_key(keys[-1], models[-1]))}
+    return {
+        "dagster/asset_partition_range_start": str(embedding_key(keys[0], models[0])),
+        "dagster/asset_partition_range_end": str(embedding_key(keys[-1], models[-1])),
+    }
 
 
-def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRequest | None = None, *,
-            job: str | None = None, partition_key: str | None = None,
-            tags: dict | None = None, model: str | None = None, run_config: dict | None = None):
+def execute(
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    request: dg.RunRequest | None = None,
+    *,
+    job: str | None = None,
+    partition_key: str | None = None,
+    tags: dict | None = None,
+    model: str | None = None,
+    run_config: dict | None = None,
+):
     """Run a job in-process as the run a RunRequest (or a partition key) describes.
 
     Without a job (or with a request of ``sync_documents``): the bucket run and the embeddings
@@ -135,7 +156,8 @@ def execute(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunR
 
     def run(name: str, key: str | None, run_tags: dict) -> dg.ExecuteInProcessResult:
         return defs.resolve_job_def(name).execute_in_process(
-            instance=instance, partition_key=key, tags=run_tags, raise_on_error=False, run_config=run_config)
+            instance=instance, partition_key=key, tags=run_tags, raise_on_error=False, run_config=run_config
+        )
 
     if not chain:
         return run(job or SYNC_JOB, partition_key, tags)
@@ -156,7 +178,7 @@ def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, buckets
     order = [bucket_key(i) for i in range(buckets)]
     start = order.index(request.tags["dagster/asset_partition_range_start"])
     end = order.index(request.tags["dagster/asset_partition_range_end"])
-    return order[start:end + 1]
+    return order[start : end + 1]
 
 
 def bucket_of(document_id: str, buckets: int = 64) -> str:
@@ -184,14 +206,17 @@ def asset_keys_of(asset: str, keys: list[str], model: str | None = None) -> dict
     return {k: k if "|" in k else str(embedding_key(k, model or configured_model())) for k in keys}
 
 
-def latest_materializations(instance: dg.DagsterInstance, asset: str, keys: list[str],
-                            model: str | None = None) -> dict[str, dg.EventLogRecord]:
+def latest_materializations(
+    instance: dg.DagsterInstance, asset: str, keys: list[str], model: str | None = None
+) -> dict[str, dg.EventLogRecord]:
     """The latest materialization record of each partition (keyed as given: ``asset_keys_of``),
     read from the instance's event log."""
     mapped = asset_keys_of(asset, keys, model)
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=list(mapped.values())),
-        limit=10 * len(keys) + 10, ascending=False).records
+        limit=10 * len(keys) + 10,
+        ascending=False,
+    ).records
     back = {v: k for k, v in mapped.items()}
     latest: dict[str, dg.EventLogRecord] = {}
     for record in records:
@@ -199,27 +224,34 @@ def latest_materializations(instance: dg.DagsterInstance, asset: str, keys: list
     return latest
 
 
-def latest_data_versions(instance: dg.DagsterInstance, asset: str, keys: list[str],
-                         model: str | None = None) -> dict[str, str]:
+def latest_data_versions(
+    instance: dg.DagsterInstance, asset: str, keys: list[str], model: str | None = None
+) -> dict[str, str]:
     """Each partition's data version as the UI shows it: the tag of its latest materialization."""
-    return {k: (r.asset_materialization.tags or {}).get(DATA_VERSION_TAG)
-            for k, r in latest_materializations(instance, asset, keys, model).items()}
+    return {
+        k: (r.asset_materialization.tags or {}).get(DATA_VERSION_TAG)
+        for k, r in latest_materializations(instance, asset, keys, model).items()
+    }
 
 
-def stale_status(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str,
-                 keys: list[str], model: str | None = None) -> dict[str, str]:
+def stale_status(
+    defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, keys: list[str], model: str | None = None
+) -> dict[str, str]:
     """Dagster's own staleness verdict (what the UI shows: FRESH, STALE, MISSING) for some partitions
     (keyed as given: a bucket key of ``embeddings`` is that bucket x ``model``, ``asset_keys_of``)."""
-    resolver = CachingStaleStatusResolver(instance, defs.get_repository_def().asset_graph,
-                                          LoadingContextForTest(instance))
+    resolver = CachingStaleStatusResolver(
+        instance, defs.get_repository_def().asset_graph, LoadingContextForTest(instance)
+    )
     return {k: resolver.get_status(dg.AssetKey(asset), v).value for k, v in asset_keys_of(asset, keys, model).items()}
 
 
-def stale_causes(defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, key: str,
-                 model: str | None = None) -> list:
+def stale_causes(
+    defs: dg.Definitions, instance: dg.DagsterInstance, asset: str, key: str, model: str | None = None
+) -> list:
     """Why Dagster calls a partition stale (the UI's "stale" tooltip)."""
-    resolver = CachingStaleStatusResolver(instance, defs.get_repository_def().asset_graph,
-                                          LoadingContextForTest(instance))
+    resolver = CachingStaleStatusResolver(
+        instance, defs.get_repository_def().asset_graph, LoadingContextForTest(instance)
+    )
     return list(resolver.get_stale_causes(dg.AssetKey(asset), asset_keys_of(asset, [key], model)[key]))
 
 
@@ -240,7 +272,7 @@ def _dagster_template(server_url: str) -> str:
         url = migrations.ensure_database(server_url, name)
         with tempfile.TemporaryDirectory() as home, _instance_env(url):
             (Path(home) / "dagster.yaml").write_text(dagster_instance.instance_yaml())
-            dg.DagsterInstance.from_config(home).dispose()   # creates (and stamps) Dagster's schema
+            dg.DagsterInstance.from_config(home).dispose()  # creates (and stamps) Dagster's schema
         _TEMPLATES[server_url] = name
         atexit.register(_drop_database, server_url, name)
     return _TEMPLATES[server_url]
@@ -280,8 +312,12 @@ def _engines(instance: dg.DagsterInstance) -> list:
     found = []
     for storage in (instance.event_log_storage, instance.run_storage, instance.schedule_storage):
         inner = getattr(storage, "_storage", None)
-        for candidate in (storage, getattr(inner, "event_log_storage", None), getattr(inner, "run_storage", None),
-                          getattr(inner, "schedule_storage", None)):
+        for candidate in (
+            storage,
+            getattr(inner, "event_log_storage", None),
+            getattr(inner, "run_storage", None),
+            getattr(inner, "schedule_storage", None),
+        ):
             engine = getattr(candidate, "_engine", None)
             if engine is not None and engine not in found:
                 found.append(engine)
@@ -312,7 +348,7 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
             finally:
                 instance.dispose()
                 for engine in _engines(instance):
-                    engine.dispose()      # the pooled connections, closed before the database is dropped
+                    engine.dispose()  # the pooled connections, closed before the database is dropped
                 with psycopg.connect(server_url, autocommit=True) as admin:
                     admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -344,8 +380,9 @@ def watched_corpus(root: Path, documents: int, monkeypatch) -> Path:
     return root
 
 
-def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int],
-                  n: int) -> dict[int, bucket_rows.BucketState]:
+def bucket_states(
+    summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int], n: int
+) -> dict[int, bucket_rows.BucketState]:
     """Each bucket's state computed in Python from its documents' summaries (every bucket asked
     for, empty or not): the oracle ``bucket_rows.states_of`` (one grouped query) must agree with."""
     members: dict[int, list[reports.DocumentSummary]] = {b: [] for b in buckets}
@@ -357,10 +394,15 @@ def bucket_states(summaries: dict[str, reports.DocumentSummary], buckets: Sequen
     for bucket, docs in members.items():
         quarantined = [s.document_id for s in docs if s.status == "quarantined"]
         states[bucket] = bucket_rows.BucketState(
-            documents=len(docs), current=sum(s.status == "current" for s in docs), quarantined=len(quarantined),
-            chunks=sum(s.chunks for s in docs), tokens=sum(s.tokens for s in docs),
-            text_digest=bucket_rows.digest(f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}"
-                                           for s in docs),
+            documents=len(docs),
+            current=sum(s.status == "current" for s in docs),
+            quarantined=len(quarantined),
+            chunks=sum(s.chunks for s in docs),
+            tokens=sum(s.tokens for s in docs),
+            text_digest=bucket_rows.digest(
+                f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}" for s in docs
+            ),
             chunks_digest=bucket_rows.digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
-            quarantined_ids=quarantined[:bucket_rows.SAMPLE_IDS])
+            quarantined_ids=quarantined[: bucket_rows.SAMPLE_IDS],
+        )
     return states

@@ -44,6 +44,7 @@ token-array input ``"tokens:1,2,3"``.  Tokens (deterministic tiktoken stand-in):
 ``len(text.encode("utf-8")) // 4 + 1`` per string, ``len(ids)`` per token array; with
 ``FakeOpenAI(usage="cl100k")`` a string counts its cl100k tokens, as OpenAI bills its own models.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,10 +69,27 @@ from typing import Any
 import numpy as np
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-FAULT_FIELDS = ("poison_marker", "drop_marker", "slow_marker", "slow_seconds", "latency", "rpm", "tpm",
-                "random_faults", "fault_seed", "drip_marker", "drip_seconds", "throttle_marker",
-                "nan_marker", "drop_rate", "slow_rate", "short_rate",
-                "bad_index_rate", "omit_marker", "error_marker")
+FAULT_FIELDS = (
+    "poison_marker",
+    "drop_marker",
+    "slow_marker",
+    "slow_seconds",
+    "latency",
+    "rpm",
+    "tpm",
+    "random_faults",
+    "fault_seed",
+    "drip_marker",
+    "drip_seconds",
+    "throttle_marker",
+    "nan_marker",
+    "drop_rate",
+    "slow_rate",
+    "short_rate",
+    "bad_index_rate",
+    "omit_marker",
+    "error_marker",
+)
 ARRIVALS_KEPT = 10_000  # arrival times of embedding requests kept in stats["arrivals"]
 DRIP_INTERVAL = 0.05  # seconds between the bytes of a slow-drip answer (far below any read timeout)
 
@@ -121,8 +139,7 @@ def _parse_input(raw: Any, count=count_tokens) -> tuple[list[tuple[str, str | No
     return out, None
 
 
-def _err(message: str, type_: str = "invalid_request_error", code: str | None = None,
-         param: str | None = None) -> dict:
+def _err(message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -200,9 +217,19 @@ class FakeOpenAI:
     """Fake embeddings endpoint (see module docstring).  The attributes named in FAULT_FIELDS may
     be assigned at any time; one-shot faults go through :meth:`fail_next` / :meth:`drop_next`."""
 
-    def __init__(self, dim: int = 16, *, api_key: str | None = "test-key", models: set[str] | None = None,
-                 latency: float = 0.0, rpm: int | None = None, tpm: int | None = None,
-                 host: str = "127.0.0.1", port: int = 0, usage: str = "bytes") -> None:
+    def __init__(
+        self,
+        dim: int = 16,
+        *,
+        api_key: str | None = "test-key",
+        models: set[str] | None = None,
+        latency: float = 0.0,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        usage: str = "bytes",
+    ) -> None:
         self.count = USAGE_COUNTERS[usage]  # how a string input's tokens are counted (usage, billing, tpm)
         self.dim, self.api_key, self.models = dim, api_key, (set(models) if models is not None else None)
         self.latency, self.rpm, self.tpm, self.slow_seconds = latency, rpm, tpm, 0.0
@@ -251,8 +278,9 @@ class FakeOpenAI:
             self._stopping.clear()
             self._httpd = _Server((self._host, self._port), _Handler)
             self._httpd.fake = self
-            self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                            name="FakeOpenAI", daemon=True)
+            self._thread = threading.Thread(
+                target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="FakeOpenAI", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -297,12 +325,22 @@ class FakeOpenAI:
 
     def reset_stats(self) -> None:
         with self._lock:
-            self._stats = {"requests": 0, "billed_inputs": 0, "billed_tokens": 0, "rate_limited": 0,
-                           "dropped": 0, "dropped_inputs": 0, "slow": 0, "short": 0, "short_inputs": 0,
-                           "bad_index": 0, "omitted": 0,
-                           "arrivals": [],  # time.time() of each embedding request's arrival (the last ARRIVALS_KEPT)
-                           "responses_by_status": {},
-                           "billed_by_text": {}}
+            self._stats = {
+                "requests": 0,
+                "billed_inputs": 0,
+                "billed_tokens": 0,
+                "rate_limited": 0,
+                "dropped": 0,
+                "dropped_inputs": 0,
+                "slow": 0,
+                "short": 0,
+                "short_inputs": 0,
+                "bad_index": 0,
+                "omitted": 0,
+                "arrivals": [],  # time.time() of each embedding request's arrival (the last ARRIVALS_KEPT)
+                "responses_by_status": {},
+                "billed_by_text": {},
+            }
 
     @property
     def stats(self) -> dict:
@@ -333,8 +371,9 @@ class FakeOpenAI:
         self._released.set()
 
     # ---- fault injection -------------------------------------------------------------------
-    def fail_next(self, n: int, status: int, retry_after: float | str | None = None,
-                  body: dict | str | None = None) -> None:
+    def fail_next(
+        self, n: int, status: int, retry_after: float | str | None = None, body: dict | str | None = None
+    ) -> None:
         """Answer the next ``n`` embedding requests with ``status`` (not billed)."""
         with self._lock:
             self._fail_n, self._fail_spec = n, (status, retry_after, body)
@@ -368,8 +407,15 @@ class FakeOpenAI:
         self.hold_marker = None
         self._released.set()
 
-    def configure(self, *, fail_next: dict | None = None, drop_next: int | None = None,
-                  clear: bool = False, reset_stats: bool = False, **attrs: Any) -> dict:
+    def configure(
+        self,
+        *,
+        fail_next: dict | None = None,
+        drop_next: int | None = None,
+        clear: bool = False,
+        reset_stats: bool = False,
+        **attrs: Any,
+    ) -> dict:
         """Runtime configuration, also reachable as ``POST /_faults``.  ``fail_next`` is a dict of
         :meth:`fail_next` kwargs, ``attrs`` any of FAULT_FIELDS.  Returns the fault state."""
         if unknown := set(attrs) - set(FAULT_FIELDS):
@@ -418,11 +464,17 @@ class FakeOpenAI:
         reset = f"{max(0.0, w[0][0] + 60 - now):.3f}s" if w else "0s"
         hdrs: dict = {}
         if rpm is not None:
-            hdrs |= {"x-ratelimit-limit-requests": rpm, "x-ratelimit-reset-requests": reset,
-                     "x-ratelimit-remaining-requests": max(0, rpm - len(w))}
+            hdrs |= {
+                "x-ratelimit-limit-requests": rpm,
+                "x-ratelimit-reset-requests": reset,
+                "x-ratelimit-remaining-requests": max(0, rpm - len(w)),
+            }
         if tpm is not None:
-            hdrs |= {"x-ratelimit-limit-tokens": tpm, "x-ratelimit-reset-tokens": reset,
-                     "x-ratelimit-remaining-tokens": max(0, tpm - self._window_tokens)}
+            hdrs |= {
+                "x-ratelimit-limit-tokens": tpm,
+                "x-ratelimit-reset-tokens": reset,
+                "x-ratelimit-remaining-tokens": max(0, tpm - self._window_tokens),
+            }
         if wait > 0:
             wait = max(wait, 0.05)
             hdrs |= {"retry-after": f"{wait:.3f}", "retry-after-ms": str(int(wait * 1000))}
@@ -488,10 +540,18 @@ class FakeOpenAI:
             fail = (503, None, None)
         if fail:
             status, retry_after, body = fail
-            return self._respond(h, status, body if body is not None else _err(
-                f"Injected failure (HTTP {status})", "requests" if status == 429 else "server_error",
-                "rate_limit_exceeded" if status == 429 else None),
-                {"retry-after": retry_after} if retry_after is not None else None)
+            return self._respond(
+                h,
+                status,
+                body
+                if body is not None
+                else _err(
+                    f"Injected failure (HTTP {status})",
+                    "requests" if status == 429 else "server_error",
+                    "rate_limit_exceeded" if status == 429 else None,
+                ),
+                {"retry-after": retry_after} if retry_after is not None else None,
+            )
         # 3. auth, model, request validation, poison
         auth = h.headers.get("Authorization", "")
         if not auth.startswith("Bearer ") or (self.api_key is not None and auth[7:] != self.api_key):
@@ -500,8 +560,9 @@ class FakeOpenAI:
         if not isinstance(model, str) or not model:
             return reject(400, "You must provide a model parameter.", param="model")
         if self.models is not None and model not in self.models:
-            return reject(404, f"The model `{model}` does not exist or you do not have access to it.",
-                          "model_not_found")
+            return reject(
+                404, f"The model `{model}` does not exist or you do not have access to it.", "model_not_found"
+            )
         if input_err:
             return reject(400, input_err, param="input")
         dim, fmt = req.get("dimensions") or self.dim, req.get("encoding_format") or "float"
@@ -510,8 +571,7 @@ class FakeOpenAI:
         poison = self.poison_marker
         for i, (_, text, _) in enumerate(items):
             if poison and text is not None and poison in text:
-                return reject(400, f"Invalid input at index {i}: '$.input[{i}]' is invalid.",
-                              param=f"input[{i}]")
+                return reject(400, f"Invalid input at index {i}: '$.input[{i}]' is invalid.", param=f"input[{i}]")
         # 4. rate limits (429s are not billed and do not consume budget)
         tokens = sum(t for _, _, t in items)
         wait, rl_headers = 0.0, None
@@ -520,28 +580,42 @@ class FakeOpenAI:
                 wait, rl_headers = self._take_budget(tokens)
                 self._stats["rate_limited"] += wait > 0
         if wait > 0:
-            return self._respond(h, 429, _err(f"Rate limit reached for {model}. Please try again in "
-                                              f"{wait:.3f}s.", "requests", "rate_limit_exceeded"), rl_headers)
+            return self._respond(
+                h,
+                429,
+                _err(
+                    f"Rate limit reached for {model}. Please try again in {wait:.3f}s.",
+                    "requests",
+                    "rate_limit_exceeded",
+                ),
+                rl_headers,
+            )
         # 5. compute + bill, then either drop the connection or answer
         vecs = [_vector(key, dim) for key, _, _ in items]
         if self.nan_marker:  # a provider bug: NaN vectors for the inputs containing nan_marker
-            vecs = [np.full(dim, np.nan, "<f4") if t is not None and self.nan_marker in t else v
-                    for (_, t, _), v in zip(items, vecs)]
+            vecs = [
+                np.full(dim, np.nan, "<f4") if t is not None and self.nan_marker in t else v
+                for (_, t, _), v in zip(items, vecs)
+            ]
         with self._lock:
             s = self._stats
             s["billed_inputs"] += len(items)
             s["billed_tokens"] += tokens
             for key, _, _ in items:
                 s["billed_by_text"][key] = s["billed_by_text"].get(key, 0) + 1
-            drop = (self._drop_n > 0 or has(self.drop_marker)
-                    or (self.drop_rate > 0 and self._fault_rng.random() < self.drop_rate))
+            drop = (
+                self._drop_n > 0
+                or has(self.drop_marker)
+                or (self.drop_rate > 0 and self._fault_rng.random() < self.drop_rate)
+            )
             self._drop_n -= self._drop_n > 0
             s["dropped_inputs"] += len(items) if drop else 0
             short = not drop and self.short_rate > 0 and self._fault_rng.random() < self.short_rate
             s["short"] += short
             s["short_inputs"] += len(items) if short else 0
-            bad_index = (not drop and not short and self.bad_index_rate > 0
-                         and self._fault_rng.random() < self.bad_index_rate)
+            bad_index = (
+                not drop and not short and self.bad_index_rate > 0 and self._fault_rng.random() < self.bad_index_rate
+            )
             s["bad_index"] += bad_index
         if drop:
             return self._drop(h)
@@ -556,8 +630,12 @@ class FakeOpenAI:
             data = kept
         if bad_index:  # the right count, but one index twice and one missing (one input: out of range)
             data[-1]["index"] = len(data) - 2 if len(data) > 1 else 1
-        answer = {"object": "list", "data": data, "model": model,
-                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        answer = {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
         if has(self.drip_marker):
             return self._drip(h, json.dumps(answer).encode())
         self._respond(h, 200, answer, rl_headers)
@@ -578,7 +656,7 @@ class FakeOpenAI:
             for i in range(0, len(body), step):
                 if self._stopping.wait(DRIP_INTERVAL):
                     return self._drop(h, count=False)
-                h.wfile.write(body[i:i + step])
+                h.wfile.write(body[i : i + step])
                 h.wfile.flush()
         except OSError:  # the client gave up
             return
@@ -590,8 +668,9 @@ class FakeOpenAI:
 # ---- process mode --------------------------------------------------------------------------
 def _admin(base_url: str, path: str, fields: dict | None = None) -> dict:
     data = json.dumps(fields).encode() if fields is not None else None  # None -> GET
-    req = urllib.request.Request(base_url.rstrip("/").removesuffix("/v1") + path, data=data,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base_url.rstrip("/").removesuffix("/v1") + path, data=data, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         return json.load(r)
 
@@ -619,8 +698,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", default="test-key", help="'' accepts any key")
     p.add_argument("--models", help="comma-separated allow-list (default: any model)")
     a = p.parse_args(argv)
-    srv = FakeOpenAI(a.dim, api_key=a.api_key or None, latency=a.latency, rpm=a.rpm, tpm=a.tpm,
-                     models=set(a.models.split(",")) if a.models else None, host=a.host, port=a.port)
+    srv = FakeOpenAI(
+        a.dim,
+        api_key=a.api_key or None,
+        latency=a.latency,
+        rpm=a.rpm,
+        tpm=a.tpm,
+        models=set(a.models.split(",")) if a.models else None,
+        host=a.host,
+        port=a.port,
+    )
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

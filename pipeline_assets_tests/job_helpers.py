@@ -14,29 +14,48 @@ from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.jobs.transitions import apply, became
 
 
-def complete(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
-             vectors: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
+def complete(
+    conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], vectors: Sequence[np.ndarray]
+) -> tuple[list[int], list[int]]:
     """Returns (ready_ids, superseded_ids); any other id was refused (lease lost)."""
-    now = became(apply(conn, owner, [Complete(tuple(job_ids),
-                                              tuple(np.asarray(v, dtype=np.float32) for v in vectors))]))
-    return ([i for i in job_ids if now.get(i) == JobStatus.READY],
-            [i for i in job_ids if now.get(i) == JobStatus.SUPERSEDED])
+    now = became(
+        apply(conn, owner, [Complete(tuple(job_ids), tuple(np.asarray(v, dtype=np.float32) for v in vectors))])
+    )
+    return (
+        [i for i in job_ids if now.get(i) == JobStatus.READY],
+        [i for i in job_ids if now.get(i) == JobStatus.SUPERSEDED],
+    )
 
 
-def fail_retryable(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int],
-                   delays: Sequence[float], error_class: str, message: str) -> dict[int, str]:
+def fail_retryable(
+    conn: psycopg.Connection,
+    *,
+    owner: str,
+    job_ids: Sequence[int],
+    delays: Sequence[float],
+    error_class: str,
+    message: str,
+) -> dict[int, str]:
     return became(apply(conn, owner, [Retry(tuple(job_ids), tuple(delays), error_class, message)]))
 
 
-def give_back(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], delay: float = 0.0,
-              error_class: str | None = None, message: str | None = None, throttled: bool = False,
-              faulted: bool = False) -> list[int]:
+def give_back(
+    conn: psycopg.Connection,
+    *,
+    owner: str,
+    job_ids: Sequence[int],
+    delay: float = 0.0,
+    error_class: str | None = None,
+    message: str | None = None,
+    throttled: bool = False,
+    faulted: bool = False,
+) -> list[int]:
     """Return held jobs without consuming their attempt; ``throttled``/``faulted``
     count a throttle / a transient fault charged to the request on each."""
-    return list(became(apply(conn, owner, [GiveBack(tuple(job_ids), delay, error_class, message,
-                                                    throttled, faulted)])))
+    return list(became(apply(conn, owner, [GiveBack(tuple(job_ids), delay, error_class, message, throttled, faulted)])))
 
 
-def fail_terminal(conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], error_class: str,
-                  message: str) -> list[int]:
+def fail_terminal(
+    conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], error_class: str, message: str
+) -> list[int]:
     return list(became(apply(conn, owner, [Fail(tuple(job_ids), error_class, message)])))

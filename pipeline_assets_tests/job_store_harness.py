@@ -22,8 +22,9 @@ from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 
-SPEC = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                 max_batch_tokens=1000)
+SPEC = ModelSpec(
+    provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+)
 MODEL = SPEC.model_id
 CHUNK_TOKENS = 3
 LEASE = 30.0
@@ -35,6 +36,7 @@ _labels = itertools.count()
 @dataclass(frozen=True)
 class Row:
     """A job as the contract reads it."""
+
     status: str
     attempts: int
     lease_owner: str | None
@@ -66,10 +68,25 @@ class MemoryHarness:
         self.queue.add_model(MODEL, SPEC.dimension)
         self._docs = itertools.count(1)
 
-    def store(self, *, scope: Sequence[int] | None = None, observers: Sequence = (), base: float = 0.0,
-              cap: float = 0.0, run: str | None = None) -> JobStore:
-        return MemoryJobStore(self.queue, model_id=MODEL, worker_id="w", backoff_base=base, backoff_cap=cap,
-                              run=run, scope=scope, observers=observers)
+    def store(
+        self,
+        *,
+        scope: Sequence[int] | None = None,
+        observers: Sequence = (),
+        base: float = 0.0,
+        cap: float = 0.0,
+        run: str | None = None,
+    ) -> JobStore:
+        return MemoryJobStore(
+            self.queue,
+            model_id=MODEL,
+            worker_id="w",
+            backoff_base=base,
+            backoff_cap=cap,
+            run=run,
+            scope=scope,
+            observers=observers,
+        )
 
     def enqueue(self, n: int, *, max_attempts: int = 5) -> tuple[int, list[int]]:
         """A new document of ``n`` new chunks, enqueued: (its doc_pk, its job ids in queue order)."""
@@ -79,8 +96,16 @@ class MemoryHarness:
 
     def job(self, job_id: int) -> Row:
         j = self.queue.jobs[job_id]
-        return Row(j.status, j.attempts, j.lease_owner, j.throttles, j.faults, j.isolate, j.error_class,
-                   (j.chunk_checksum, j.model_id) in self.queue.vectors)
+        return Row(
+            j.status,
+            j.attempts,
+            j.lease_owner,
+            j.throttles,
+            j.faults,
+            j.isolate,
+            j.error_class,
+            (j.chunk_checksum, j.model_id) in self.queue.vectors,
+        )
 
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
@@ -101,27 +126,52 @@ class PostgresHarness:
         self.conn, self.pool = conn, pool
         models.ensure_model(conn, SPEC)
 
-    def store(self, *, scope: Sequence[int] | None = None, observers: Sequence = (), base: float = 0.0,
-              cap: float = 0.0, run: str | None = None) -> JobStore:
-        return PostgresJobStore(self.pool, model_id=MODEL, worker_id="w", backoff_base=base, backoff_cap=cap,
-                                run=run, scope=scope, observers=observers)
+    def store(
+        self,
+        *,
+        scope: Sequence[int] | None = None,
+        observers: Sequence = (),
+        base: float = 0.0,
+        cap: float = 0.0,
+        run: str | None = None,
+    ) -> JobStore:
+        return PostgresJobStore(
+            self.pool,
+            model_id=MODEL,
+            worker_id="w",
+            backoff_base=base,
+            backoff_cap=cap,
+            run=run,
+            scope=scope,
+            observers=observers,
+        )
 
     def enqueue(self, n: int, *, max_attempts: int = 5) -> tuple[int, list[int]]:
         sums = _checksums(n)
         source = self.conn.execute(
             "INSERT INTO app.sources (root) VALUES ('/contract') ON CONFLICT (root) DO UPDATE SET root = EXCLUDED.root"
-            " RETURNING source_id").fetchone()[0]
+            " RETURNING source_id"
+        ).fetchone()[0]
         name = f"doc-{next(_labels)}"
         doc = self.conn.execute(
             "INSERT INTO app.documents (source_id, document_id, source_uri, status) VALUES (%s, %s, %s, 'current')"
-            " RETURNING doc_pk", (source, name, f"file:///{name}")).fetchone()[0]
+            " RETURNING doc_pk",
+            (source, name, f"file:///{name}"),
+        ).fetchone()[0]
         for i, s in enumerate(sums):
             self.conn.execute(
                 "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end)"
-                " VALUES (%s, %s, %s, %s, %s, 0, 10)", (doc, i, s, f"text of {s.hex()[:12]}", CHUNK_TOKENS))
+                " VALUES (%s, %s, %s, %s, %s, 0, 10)",
+                (doc, i, s, f"text of {s.hex()[:12]}", CHUNK_TOKENS),
+            )
         transitions.enqueue_for_docs(self.conn, [doc], max_attempts)
-        ids = dict(self.conn.execute("SELECT chunk_checksum, job_id FROM app.embedding_jobs"
-                                     " WHERE model_id = %s AND chunk_checksum = ANY(%s)", (MODEL, sums)).fetchall())
+        ids = dict(
+            self.conn.execute(
+                "SELECT chunk_checksum, job_id FROM app.embedding_jobs"
+                " WHERE model_id = %s AND chunk_checksum = ANY(%s)",
+                (MODEL, sums),
+            ).fetchall()
+        )
         return doc, sorted(ids[s] for s in sums)
 
     def job(self, job_id: int) -> Row:
@@ -129,30 +179,46 @@ class PostgresHarness:
             "SELECT j.status, j.attempts, j.lease_owner, j.throttles, j.faults, j.isolate, j.error_class,"
             " e.chunk_checksum IS NOT NULL FROM app.embedding_jobs j LEFT JOIN app.embeddings e"
             " ON e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id WHERE j.job_id = %s",
-            (job_id,)).fetchone()
+            (job_id,),
+        ).fetchone()
         return Row(*r)
 
     def advance(self, seconds: float) -> None:
         shift = {"s": seconds}
-        self.conn.execute("UPDATE app.embedding_jobs SET available_at = available_at - make_interval(secs => %(s)s),"
-                          " lease_expires_at = lease_expires_at - make_interval(secs => %(s)s)", shift)
-        self.conn.execute("UPDATE app.provider_state SET paused_until = paused_until - make_interval(secs => %(s)s),"
-                          " probe_until = probe_until - make_interval(secs => %(s)s)", shift)
-        self.conn.execute("UPDATE app.workers SET alive_since = alive_since - make_interval(secs => %(s)s),"
-                          " beat_at = beat_at - make_interval(secs => %(s)s),"
-                          " alive_until = alive_until - make_interval(secs => %(s)s)", shift)
+        self.conn.execute(
+            "UPDATE app.embedding_jobs SET available_at = available_at - make_interval(secs => %(s)s),"
+            " lease_expires_at = lease_expires_at - make_interval(secs => %(s)s)",
+            shift,
+        )
+        self.conn.execute(
+            "UPDATE app.provider_state SET paused_until = paused_until - make_interval(secs => %(s)s),"
+            " probe_until = probe_until - make_interval(secs => %(s)s)",
+            shift,
+        )
+        self.conn.execute(
+            "UPDATE app.workers SET alive_since = alive_since - make_interval(secs => %(s)s),"
+            " beat_at = beat_at - make_interval(secs => %(s)s),"
+            " alive_until = alive_until - make_interval(secs => %(s)s)",
+            shift,
+        )
 
     def beat(self, prefix: str, dead_after: float) -> None:
-        self.conn.execute(leases.WORKERS.beat, {"prefix": prefix, "worker": prefix, "model": MODEL, "host": "h",
-                                                "pid": 1, "dead_after": dead_after})
+        self.conn.execute(
+            leases.WORKERS.beat,
+            {"prefix": prefix, "worker": prefix, "model": MODEL, "host": "h", "pid": 1, "dead_after": dead_after},
+        )
 
     def drop_content(self, job_id: int) -> None:
-        self.conn.execute("DELETE FROM app.chunks WHERE chunk_checksum ="
-                          " (SELECT chunk_checksum FROM app.embedding_jobs WHERE job_id = %s)", (job_id,))
+        self.conn.execute(
+            "DELETE FROM app.chunks WHERE chunk_checksum ="
+            " (SELECT chunk_checksum FROM app.embedding_jobs WHERE job_id = %s)",
+            (job_id,),
+        )
 
     def call(self, call_id: int) -> tuple[str, str, int]:
-        return self.conn.execute("SELECT outcome, billed, tokens FROM app.provider_calls WHERE call_id = %s",
-                                 (call_id,)).fetchone()
+        return self.conn.execute(
+            "SELECT outcome, billed, tokens FROM app.provider_calls WHERE call_id = %s", (call_id,)
+        ).fetchone()
 
 
 def vec(x: float = 1.0) -> np.ndarray:

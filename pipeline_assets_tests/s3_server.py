@@ -44,8 +44,13 @@ class S3Server:
         if self.auth:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -72,13 +77,22 @@ class S3Server:
         self.stop()
 
     def client(self):
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
+        )
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables that point a client at this server."""
-        return {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION}
+        return {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+        }
 
     def requests(self) -> list[tuple[str, str]]:
         """(method, path) of every request served so far, in order."""
@@ -88,5 +102,8 @@ class S3Server:
     def downloads(self, bucket: str) -> list[str]:
         """Keys of the objects downloaded (GET of an object, not a listing)."""
         prefix = f"/{bucket}/"
-        return [path[len(prefix):].split("?")[0] for method, path in self.requests()
-                if method == "GET" and path.startswith(prefix) and len(path) > len(prefix)]
+        return [
+            path[len(prefix) :].split("?")[0]
+            for method, path in self.requests()
+            if method == "GET" and path.startswith(prefix) and len(path) > len(prefix)
+        ]

@@ -60,14 +60,21 @@ class BucketSync:
     """What a bucket run did (counts: a run over a million documents holds no list of them)."""
 
     scan: observations.Scan
-    changed: int = 0    # new or changed bytes: ingested
-    stale: int = 0      # another extractor/chunker version: re-extracted
-    gone: int = 0       # files gone: tombstoned
+    changed: int = 0  # new or changed bytes: ingested
+    stale: int = 0  # another extractor/chunker version: re-extracted
+    gone: int = 0  # files gone: tombstoned
     report: IngestReport = field(default_factory=IngestReport)
 
 
-def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucket_ids: Sequence[int],
-                 bucket_count: int, *, source_changes: bool = True) -> BucketSync:
+def sync_buckets(
+    rt: Runtime,
+    pool: ConnectionPool,
+    source: Source | Path,
+    bucket_ids: Sequence[int],
+    bucket_count: int,
+    *,
+    source_changes: bool = True,
+) -> BucketSync:
     """Bring the documents of ``bucket_ids`` (of ``bucket_count``) current with the source and the code.
 
     ``source_changes=False`` (the rerun sensor's run after a code fix): only the stale
@@ -87,9 +94,12 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucke
     with pool.connection() as conn:
         if source_changes:
             done.scan = observations.scan(
-                conn, source, max_bytes=rt.settings.max_input_bytes,
+                conn,
+                source,
+                max_bytes=rt.settings.max_input_bytes,
                 keep=None if every else lambda doc: bucket_of(doc, bucket_count) in wanted,
-                in_buckets=None if every else (sorted(wanted), bucket_count))
+                in_buckets=None if every else (sorted(wanted), bucket_count),
+            )
         else:
             source.check()
     if source_changes:
@@ -111,15 +121,24 @@ def sync_buckets(rt: Runtime, pool: ConnectionPool, source: Source | Path, bucke
     # the database for this source and these buckets, a page at a time (the extract pass brings a
     # document's chunk stage current too, so the chunk pass finds only what is stale there alone).
     for stage in rerun_uc.VERSIONED_STAGES:
-        for targets in rerun_uc.pages(rt, pool, stages_=(stage,), stale=True, root=root, bucket_ids=chosen,
-                                      bucket_count=bucket_count, page_size=SYNC_PAGE_DOCUMENTS):
+        for targets in rerun_uc.pages(
+            rt,
+            pool,
+            stages_=(stage,),
+            stale=True,
+            root=root,
+            bucket_ids=chosen,
+            bucket_count=bucket_count,
+            page_size=SYNC_PAGE_DOCUMENTS,
+        ):
             done.report.add(ingest_documents(rt, pool, source, [t.document_id for t in targets]))
             done.stale += len(targets)
     return done
 
 
-def _sync_page(rt: Runtime, pool: ConnectionPool, source: Source, rows: list[tuple[str, str | None, bool]],
-               done: BucketSync) -> None:
+def _sync_page(
+    rt: Runtime, pool: ConnectionPool, source: Source, rows: list[tuple[str, str | None, bool]], done: BucketSync
+) -> None:
     """One page of unsynced observations: ingest the new or changed files and tombstone the gone
     ones, then record the page as synced (a new file at the checksum of the bytes ingested)."""
     changed = {doc: checksum for doc, checksum, in_store in rows if checksum is not None and not in_store}
@@ -146,11 +165,12 @@ def _sync_page(rt: Runtime, pool: ConnectionPool, source: Source, rows: list[tup
 
 def _pages(ids: list[str]) -> Iterator[list[str]]:
     for i in range(0, len(ids), SYNC_PAGE_DOCUMENTS):
-        yield ids[i:i + SYNC_PAGE_DOCUMENTS]
+        yield ids[i : i + SYNC_PAGE_DOCUMENTS]
 
 
-def bucket_coverage(per_document: dict[str, Coverage], bucket_ids: Sequence[int],
-                    bucket_count: int) -> dict[int, BucketCoverage]:
+def bucket_coverage(
+    per_document: dict[str, Coverage], bucket_ids: Sequence[int], bucket_count: int
+) -> dict[int, BucketCoverage]:
     """Each bucket's coverage summed from its documents' (what ``bucket_rows.coverage_of_buckets``
     groups in the database)."""
     out = {b: BucketCoverage() for b in bucket_ids}

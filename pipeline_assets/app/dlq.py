@@ -48,7 +48,7 @@ class Ids:
         ids = cls()
         for item in raw:
             if item.startswith(DOCUMENT_PREFIX):
-                ids.documents.append(item[len(DOCUMENT_PREFIX):])
+                ids.documents.append(item[len(DOCUMENT_PREFIX) :])
             elif item.isdigit():
                 ids.jobs.append(int(item))
             else:
@@ -66,8 +66,10 @@ def worker_of(actor: str | None) -> str | None:
 
 def groups(pool: ConnectionPool) -> list[dict]:
     with pool.connection() as conn:
-        return [{**r, "first_seen": _iso(r["first_seen"]), "last_seen": _iso(r["last_seen"])}
-                for r in dead_letter_rows.groups(conn)]
+        return [
+            {**r, "first_seen": _iso(r["first_seen"]), "last_seen": _iso(r["last_seen"])}
+            for r in dead_letter_rows.groups(conn)
+        ]
 
 
 def items(pool: ConnectionPool, *, error_class: str | None = None, discarded: bool = False) -> list[dict]:
@@ -76,17 +78,37 @@ def items(pool: ConnectionPool, *, error_class: str | None = None, discarded: bo
         return dead_letters(conn, error_class=error_class, discarded=discarded)
 
 
-def dead_letters(conn: psycopg.Connection, *, error_class: str | None = None,
-                 discarded: bool = False) -> list[dict]:
+def dead_letters(conn: psycopg.Connection, *, error_class: str | None = None, discarded: bool = False) -> list[dict]:
     """``items`` on one connection (also `dlq` in `status`)."""
     jobs = dead_letter_rows.job_items(conn, error_class, discarded)
     docs = dead_letter_rows.document_items(conn, error_class, discarded)
-    out = [{"kind": "job", "id": r["job_id"], "model": r["model_id"], "error_class": r["error_class"],
-            "message": r["error_message"], "attempts": r["attempts"], "failed_at": _iso(r["updated_at"]),
-            "documents": r["documents"] or [], **_discard(r)} for r in jobs]
-    out += [{"kind": "document", "id": r["document_id"], "source": r["root"], "error_class": r["error_class"],
-             "message": r["error_message"], "failed_at": _iso(r["updated_at"]), "documents": [r["document_id"]],
-             **_discard(r)} for r in docs]
+    out = [
+        {
+            "kind": "job",
+            "id": r["job_id"],
+            "model": r["model_id"],
+            "error_class": r["error_class"],
+            "message": r["error_message"],
+            "attempts": r["attempts"],
+            "failed_at": _iso(r["updated_at"]),
+            "documents": r["documents"] or [],
+            **_discard(r),
+        }
+        for r in jobs
+    ]
+    out += [
+        {
+            "kind": "document",
+            "id": r["document_id"],
+            "source": r["root"],
+            "error_class": r["error_class"],
+            "message": r["error_message"],
+            "failed_at": _iso(r["updated_at"]),
+            "documents": [r["document_id"]],
+            **_discard(r),
+        }
+        for r in docs
+    ]
     return out
 
 
@@ -98,29 +120,69 @@ def show(pool: ConnectionPool, item: str) -> dict:
         if ids.jobs:
             r = dead_letter_rows.job(conn, ids.jobs[0])
             if r is not None:
-                attempts = [{"at": _iso(a["recorded_at"]), "worker": worker_of(a["actor"]), "lease": a["actor"],
-                             "attempt": a["attempt"], "outcome": a["outcome"], "status": a["status"],
-                             "error_class": a["error_class"], "message": a["error_message"]}
-                            for a in dead_letter_rows.attempts(conn, r["job_id"])]
-                return {"kind": "job", "id": r["job_id"], "model": r["model_id"], "status": r["status"],
-                        "attempts": r["attempts"], "max_attempts": r["max_attempts"], "throttles": r["throttles"],
-                        "error_class": r["error_class"], "message": r["error_message"],
-                        "updated_at": _iso(r["updated_at"]), "chunk_checksum": r["chunk_checksum"],
-                        "documents": r["documents"] or [], **_discard(r), "history": attempts,
-                        "history_kept": ATTEMPTS_KEPT_PER_JOB}
+                attempts = [
+                    {
+                        "at": _iso(a["recorded_at"]),
+                        "worker": worker_of(a["actor"]),
+                        "lease": a["actor"],
+                        "attempt": a["attempt"],
+                        "outcome": a["outcome"],
+                        "status": a["status"],
+                        "error_class": a["error_class"],
+                        "message": a["error_message"],
+                    }
+                    for a in dead_letter_rows.attempts(conn, r["job_id"])
+                ]
+                return {
+                    "kind": "job",
+                    "id": r["job_id"],
+                    "model": r["model_id"],
+                    "status": r["status"],
+                    "attempts": r["attempts"],
+                    "max_attempts": r["max_attempts"],
+                    "throttles": r["throttles"],
+                    "error_class": r["error_class"],
+                    "message": r["error_message"],
+                    "updated_at": _iso(r["updated_at"]),
+                    "chunk_checksum": r["chunk_checksum"],
+                    "documents": r["documents"] or [],
+                    **_discard(r),
+                    "history": attempts,
+                    "history_kept": ATTEMPTS_KEPT_PER_JOB,
+                }
         docs = dead_letter_rows.documents_named(conn, ids.documents[0] if ids.documents else item)
         if not docs:
             raise ValueError(f"no job or document {item!r}")
-        return {"kind": "document", "id": docs[0]["document_id"], "sources": [
-            {"source": d["root"], "status": d["status"], "error_class": d["error_class"],
-             "message": d["error_message"], "updated_at": _iso(d["updated_at"]), **_discard(d),
-             "stages": [{**s, "started_at": _iso(s["started_at"]), "finished_at": _iso(s["finished_at"])}
-                        for s in dead_letter_rows.document_stages(conn, d["doc_pk"])]}
-            for d in docs]}
+        return {
+            "kind": "document",
+            "id": docs[0]["document_id"],
+            "sources": [
+                {
+                    "source": d["root"],
+                    "status": d["status"],
+                    "error_class": d["error_class"],
+                    "message": d["error_message"],
+                    "updated_at": _iso(d["updated_at"]),
+                    **_discard(d),
+                    "stages": [
+                        {**s, "started_at": _iso(s["started_at"]), "finished_at": _iso(s["finished_at"])}
+                        for s in dead_letter_rows.document_stages(conn, d["doc_pk"])
+                    ],
+                }
+                for d in docs
+            ],
+        }
 
 
-def requeue(pool: ConnectionPool, runtime: Callable[[], Runtime], *, ids: Ids | None = None,
-            all_jobs: bool = False, error_class: str | None = None, by: str | None = None) -> dict[str, int]:
+def requeue(
+    pool: ConnectionPool,
+    runtime: Callable[[], Runtime],
+    *,
+    ids: Ids | None = None,
+    all_jobs: bool = False,
+    error_class: str | None = None,
+    by: str | None = None,
+) -> dict[str, int]:
     """Send dead letters back: named ones (even if discarded), every open failed job
     (``all_jobs``), or every open item of an error class (jobs and documents).
     Jobs go to pending (superseded when their content is no longer wanted);
@@ -137,14 +199,26 @@ def requeue(pool: ConnectionPool, runtime: Callable[[], Runtime], *, ids: Ids | 
         counts["requeued"] = moved.get("pending", 0)
         counts["superseded"] = moved.get("superseded", 0)
         docs = dead_letter_rows.document_items(conn, error_class, False) if error_class is not None else []
-        named = [r for name in ids.documents for r in dead_letter_rows.documents_named(conn, name)
-                 if r["status"] == "quarantined"]
+        named = [
+            r
+            for name in ids.documents
+            for r in dead_letter_rows.documents_named(conn, name)
+            if r["status"] == "quarantined"
+        ]
         dead_letter_rows.lift_document_discards(conn, [r["doc_pk"] for r in named])
         docs += named
     if ids.documents or error_class is not None:
-        targets = {(d["root"], d["document_id"]): RerunTarget(
-            root=d["root"], document_id=d["document_id"], stage="extract", status="failed",
-            error_class=d["error_class"], code_version=None) for d in docs}
+        targets = {
+            (d["root"], d["document_id"]): RerunTarget(
+                root=d["root"],
+                document_id=d["document_id"],
+                stage="extract",
+                status="failed",
+                error_class=d["error_class"],
+                code_version=None,
+            )
+            for d in docs
+        }
         counts["documents"] = rerun_uc.rerun(runtime(), pool, list(targets.values())) if targets else 0
         with pool.connection() as conn:
             still = dead_letter_rows.document_items(conn, None, False)
@@ -166,8 +240,11 @@ def discard(pool: ConnectionPool, raw_ids: Sequence[str], *, reason: str, by: st
         docs = dead_letter_rows.discard_documents(conn, ids.documents, by=by, reason=reason)
         found = {str(j) for j in jobs}
         missing = [str(j) for j in ids.jobs if str(j) not in found]
-        named = {n for n in ids.documents
-                 if any(d["status"] == "quarantined" for d in dead_letter_rows.documents_named(conn, n))}
+        named = {
+            n
+            for n in ids.documents
+            if any(d["status"] == "quarantined" for d in dead_letter_rows.documents_named(conn, n))
+        }
         missing += [n for n in ids.documents if n not in named]
         if missing:
             raise _Rollback(missing)
@@ -178,8 +255,10 @@ class _Rollback(ValueError):
     """Raised inside the transaction so nothing of a partly wrong discard is kept."""
 
     def __init__(self, missing: Sequence[str]) -> None:
-        super().__init__(f"not in the dead-letter queue (failed job or quarantined document): {', '.join(missing)}"
-                         "; nothing discarded")
+        super().__init__(
+            f"not in the dead-letter queue (failed job or quarantined document): {', '.join(missing)}"
+            "; nothing discarded"
+        )
 
 
 def _discard(r: dict) -> dict:

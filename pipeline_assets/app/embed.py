@@ -33,9 +33,18 @@ log = logging.getLogger(__name__)
 STAGE_RECORD_WAIT_SECONDS = 60.0
 
 
-def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCURRENCY, until_idle: bool = False,
-         lease_seconds: float | None = None, worker_id: str | None = None, poll_seconds: float | None = None,
-         stop_event: threading.Event | None = None, observe: Callable[[Worker], None] | None = None) -> WorkerReport:
+def work(
+    rt: Runtime,
+    pool: ConnectionPool,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    until_idle: bool = False,
+    lease_seconds: float | None = None,
+    worker_id: str | None = None,
+    poll_seconds: float | None = None,
+    stop_event: threading.Event | None = None,
+    observe: Callable[[Worker], None] | None = None,
+) -> WorkerReport:
     """Claim and embed until ``stop_event`` is set (or, ``until_idle``, until nothing is
     claimable, waiting or leased); then refresh the embed stage rows of the documents it touched.
 
@@ -43,8 +52,13 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
     """
     # Worker start: the chunk size must fit this model's and every active model's window.
     input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)
-    config = rt.settings.worker_config(concurrency=concurrency, until_idle=until_idle, worker_id=worker_id,
-                                       lease_seconds=lease_seconds or None, poll_seconds=poll_seconds or None)
+    config = rt.settings.worker_config(
+        concurrency=concurrency,
+        until_idle=until_idle,
+        worker_id=worker_id,
+        lease_seconds=lease_seconds or None,
+        poll_seconds=poll_seconds or None,
+    )
     worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=stop_event)
     if observe is not None:  # metrics and progress read its report while it runs
         observe(worker)
@@ -58,18 +72,24 @@ def work(rt: Runtime, pool: ConnectionPool, *, concurrency: int = DEFAULT_CONCUR
 def _record_touched(pool: ConnectionPool, model_id: str, since: datetime) -> None:
     """Store the embed stage rows of the documents a run touched; an unavailable database
     (unreachable, read-only) is waited for a while, then left to reconcile."""
+
     def record() -> None:
         with pool.connection() as conn:
             stage_runs.refresh_embed_touched(conn, model_id, since)
+
     try:
         pool.check()  # connections the database ended while the run went on are replaced first
-        DatabaseWait(on_unavailable=pool.drain).ride_out(record, threading.Event(),
-                                                       give_up_after=STAGE_RECORD_WAIT_SECONDS)
+        DatabaseWait(on_unavailable=pool.drain).ride_out(
+            record, threading.Event(), give_up_after=STAGE_RECORD_WAIT_SECONDS
+        )
     except Exception as exc:
         if not database_unavailable(exc):
             raise
-        log.warning("could not record the embed stage of the documents this run touched (the database is "
-                    "unavailable: %s); `reconcile` records them", one_line(exc))
+        log.warning(
+            "could not record the embed stage of the documents this run touched (the database is "
+            "unavailable: %s); `reconcile` records them",
+            one_line(exc),
+        )
 
 
 @dataclass
@@ -77,30 +97,37 @@ class DirectoryEmbedded(Counts):
     """What `embed DIR` did (its summary line and JSON)."""
 
     model: str
-    documents: int            # scanned
-    documents_changed: int    # new or changed
+    documents: int  # scanned
+    documents_changed: int  # new or changed
     quarantined: int
     deleted: int
     chunks: int
-    embedded: int             # vectors stored by this run
-    reused: int               # ready vectors it did not have to make
-    failed: int               # the model's dead-lettered jobs
+    embedded: int  # vectors stored by this run
+    reused: int  # ready vectors it did not have to make
+    failed: int  # the model's dead-lettered jobs
     provider_calls: int
-    coverage: str             # "ready/wanted" for the model
+    coverage: str  # "ready/wanted" for the model
     seconds: float
 
 
-def embed_directory(rt: Runtime, pool: ConnectionPool, root: Source | Path, *,
-                    concurrency: int = DEFAULT_CONCURRENCY, stop_event: threading.Event | None = None,
-                    observe: Callable[[Worker], None] | None = None) -> DirectoryEmbedded:
+def embed_directory(
+    rt: Runtime,
+    pool: ConnectionPool,
+    root: Source | Path,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    stop_event: threading.Event | None = None,
+    observe: Callable[[Worker], None] | None = None,
+) -> DirectoryEmbedded:
     """`embed SOURCE`: ingest the source, work until idle, and summarise."""
     started = time.monotonic()
-    input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)   # before the ingest, not after
+    input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)  # before the ingest, not after
     # The chunks' text-search vectors are computed by the worker when its queue drains, beside the
     # vector index build (a core the build leaves idle); what a worker stopped early left, here
     # (not once stopped by a signal: the next ingest or drain computes them; search reads the text).
-    ing = ingest_source(dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True)),
-                        pool, root)
+    ing = ingest_source(
+        dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True)), pool, root
+    )
     done = work(rt, pool, concurrency=concurrency, until_idle=True, stop_event=stop_event, observe=observe)
     with pool.connection() as conn:
         text_search.fill(conn, stop_event)

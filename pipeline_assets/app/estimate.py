@@ -32,18 +32,18 @@ class Estimate(Counts):
     """One model's bill for one selection (counts of distinct content unless named chunks)."""
 
     model_id: str
-    chunks: int             # current chunks selected (with repeats of the same text)
-    inputs: int             # distinct content among them
-    tokens: int             # cl100k tokens of that content
-    embedded: int           # content with a vector for the model already: reused
+    chunks: int  # current chunks selected (with repeats of the same text)
+    inputs: int  # distinct content among them
+    tokens: int  # cl100k tokens of that content
+    embedded: int  # content with a vector for the model already: reused
     embedded_tokens: int
-    failed: int             # dead-lettered content (sent only when the selection requeues it)
+    failed: int  # dead-lettered content (sent only when the selection requeues it)
     failed_tokens: int
-    send_inputs: int        # what would be sent
+    send_inputs: int  # what would be sent
     send_tokens: int
-    price_per_million: float | None   # USD; None: unknown (PIPELINE_PRICE_PER_MILLION_TOKENS)
-    tokens_exact: bool      # the model counts in cl100k (else its own tokenizer: approximate)
-    requeues_failed: bool   # dead-lettered content is in send_* (a rerun of the embed stage requeues it)
+    price_per_million: float | None  # USD; None: unknown (PIPELINE_PRICE_PER_MILLION_TOKENS)
+    tokens_exact: bool  # the model counts in cl100k (else its own tokenizer: approximate)
+    requeues_failed: bool  # dead-lettered content is in send_* (a rerun of the embed stage requeues it)
 
     @property
     def cost(self) -> float | None:
@@ -64,10 +64,15 @@ class Estimate(Counts):
             price = "free (local model)"
         else:
             price = f"{usd(self.cost)} at ${self.price_per_million:g}/M tokens"
-        return (f"estimate for {self.model_id}: would send {self.send_inputs} input(s), {tokens}, {price}; "
-                f"{self.chunks} chunk(s), {self.inputs} distinct, {self.embedded} already embedded (reused)"
-                + (f", {self.failed} dead-lettered ({'requeued' if self.requeues_failed else 'not sent'})"
-                   if self.failed else ""))
+        return (
+            f"estimate for {self.model_id}: would send {self.send_inputs} input(s), {tokens}, {price}; "
+            f"{self.chunks} chunk(s), {self.inputs} distinct, {self.embedded} already embedded (reused)"
+            + (
+                f", {self.failed} dead-lettered ({'requeued' if self.requeues_failed else 'not sent'})"
+                if self.failed
+                else ""
+            )
+        )
 
 
 def usd(amount: float) -> str:
@@ -75,13 +80,20 @@ def usd(amount: float) -> str:
     return f"${amount:,.2f}" if amount >= 0.01 else f"${amount:.6f}"
 
 
-def _estimate(counts: dict[str, int], spec: ModelSpec, configured_price: float | None, *,
-              requeue_failed: bool) -> Estimate:
+def _estimate(
+    counts: dict[str, int], spec: ModelSpec, configured_price: float | None, *, requeue_failed: bool
+) -> Estimate:
     send_inputs = counts["inputs"] - counts["embedded"] - (0 if requeue_failed else counts["failed"])
     send_tokens = counts["tokens"] - counts["embedded_tokens"] - (0 if requeue_failed else counts["failed_tokens"])
-    return Estimate(model_id=spec.model_id, **counts, send_inputs=send_inputs, send_tokens=send_tokens,
-                    price_per_million=price_per_million(spec, configured_price), tokens_exact=tokens_exact(spec),
-                    requeues_failed=requeue_failed)
+    return Estimate(
+        model_id=spec.model_id,
+        **counts,
+        send_inputs=send_inputs,
+        send_tokens=send_tokens,
+        price_per_million=price_per_million(spec, configured_price),
+        tokens_exact=tokens_exact(spec),
+        requeues_failed=requeue_failed,
+    )
 
 
 def for_corpus(pool: ConnectionPool, spec: ModelSpec, configured_price: float | None) -> Estimate:
@@ -91,8 +103,14 @@ def for_corpus(pool: ConnectionPool, spec: ModelSpec, configured_price: float | 
     return _estimate(row, spec, configured_price, requeue_failed=False)
 
 
-def for_documents(pool: ConnectionPool, spec: ModelSpec, configured_price: float | None, pks: Sequence[int], *,
-                  requeue_failed: bool = True) -> Estimate:
+def for_documents(
+    pool: ConnectionPool,
+    spec: ModelSpec,
+    configured_price: float | None,
+    pks: Sequence[int],
+    *,
+    requeue_failed: bool = True,
+) -> Estimate:
     """The current chunks of some documents (keys); a rerun of the embed stage requeues their
     dead-lettered content, so it is sent too unless ``requeue_failed`` is False."""
     with pool.connection() as conn:
@@ -100,8 +118,14 @@ def for_documents(pool: ConnectionPool, spec: ModelSpec, configured_price: float
     return _estimate(row, spec, configured_price, requeue_failed=requeue_failed)
 
 
-def for_buckets(pool: ConnectionPool, spec: ModelSpec, configured_price: float | None, root: Path | str,
-                bucket_ids: Sequence[int], bucket_count: int) -> Estimate:
+def for_buckets(
+    pool: ConnectionPool,
+    spec: ModelSpec,
+    configured_price: float | None,
+    root: Path | str,
+    bucket_ids: Sequence[int],
+    bucket_count: int,
+) -> Estimate:
     """An embeddings run over some buckets (of ``bucket_count``) of a source: what it enqueues and
     waits for (dead-lettered content stays dead-lettered)."""
     with pool.connection() as conn:

@@ -55,8 +55,10 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
         limits[spec.model_id] = ModelLimit.of(spec)
         roles[spec.model_id] = "configured"
         if not spec.window_known:
-            warnings.append(f"the input window of {spec.model_id} is unknown: `models add`, `work`, `embed` and "
-                            "Dagster refuse it; set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window")
+            warnings.append(
+                f"the input window of {spec.model_id} is unknown: `models add`, `work`, `embed` and "
+                "Dagster refuse it; set PIPELINE_MODEL_MAX_INPUT_TOKENS to the server model's window"
+            )
         provider.close()
     if pool is not None:
         with pool.connection() as conn:
@@ -65,10 +67,17 @@ def input_limit_report(settings: Settings, pool: ConnectionPool | None = None) -
                 roles[limit.model_id] = "configured, active" if roles.get(limit.model_id) else "active"
     tokens, overlap = chunking(settings, spec)
     over = too_small(tokens, limits.values())
-    rows = [{**dataclasses.asdict(m), "role": roles[m.model_id], "fits": m not in over}
-            for m in sorted(limits.values(), key=lambda m: m.model_id)]
-    return {"chunk_tokens": tokens, "chunk_overlap": overlap, "models": rows, "warnings": warnings,
-            "error": str(ChunkTooLarge(tokens, over[0])) if over else None}
+    rows = [
+        {**dataclasses.asdict(m), "role": roles[m.model_id], "fits": m not in over}
+        for m in sorted(limits.values(), key=lambda m: m.model_id)
+    ]
+    return {
+        "chunk_tokens": tokens,
+        "chunk_overlap": overlap,
+        "models": rows,
+        "warnings": warnings,
+        "error": str(ChunkTooLarge(tokens, over[0])) if over else None,
+    }
 
 
 def by_active_model(pool: ConnectionPool) -> list[dict]:

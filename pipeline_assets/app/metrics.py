@@ -45,15 +45,23 @@ class ProviderMetrics:
     """Counters of the provider calls of this process."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("pipeline_provider_requests", "Provider requests by HTTP status "
-                                "(or error class when there was no answer).", ["status"], registry=registry)
-        self.throttled = Counter("pipeline_provider_throttled", "Provider requests answered 429.",
-                                 registry=registry)
-        self.latency = Histogram("pipeline_provider_latency_seconds", "Wall-clock time of a provider call.",
-                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter(
+            "pipeline_provider_requests",
+            "Provider requests by HTTP status (or error class when there was no answer).",
+            ["status"],
+            registry=registry,
+        )
+        self.throttled = Counter("pipeline_provider_throttled", "Provider requests answered 429.", registry=registry)
+        self.latency = Histogram(
+            "pipeline_provider_latency_seconds",
+            "Wall-clock time of a provider call.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.inputs = Counter("pipeline_provider_inputs", "Inputs sent to the provider.", registry=registry)
-        self.tokens = Counter("pipeline_provider_tokens", "Tokens the provider reported for answered calls.",
-                              registry=registry)
+        self.tokens = Counter(
+            "pipeline_provider_tokens", "Tokens the provider reported for answered calls.", registry=registry
+        )
 
     def on_call(self, latency: float, status: str, inputs: int, tokens: int) -> None:
         self.requests.labels(status).inc()
@@ -102,18 +110,20 @@ class WorkerCollector:
         store = worker.store if worker is not None else None
         claimed = CounterMetricFamily("pipeline_jobs_claimed", "Jobs this process claimed.")
         claimed.add_metric([], getattr(store, "claimed", 0))
-        outcomes = CounterMetricFamily("pipeline_worker_jobs", "Outcomes of this process's claims.",
-                                       labels=["outcome"])
+        outcomes = CounterMetricFamily("pipeline_worker_jobs", "Outcomes of this process's claims.", labels=["outcome"])
         for outcome in OUTCOMES:
             outcomes.add_metric([outcome], getattr(report, outcome, 0))
-        rescues = CounterMetricFamily("pipeline_lease_rescues", "Jobs this process rescued from expired leases "
-                                      "or dead workers.")
+        rescues = CounterMetricFamily(
+            "pipeline_lease_rescues", "Jobs this process rescued from expired leases or dead workers."
+        )
         rescues.add_metric([], getattr(report, "rescued", 0))
-        superseded = CounterMetricFamily("pipeline_superseded_results", "Claimed jobs whose content was no longer "
-                                         "wanted (results not stored).")
+        superseded = CounterMetricFamily(
+            "pipeline_superseded_results", "Claimed jobs whose content was no longer wanted (results not stored)."
+        )
         superseded.add_metric([], getattr(report, "superseded", 0))
-        info = GaugeMetricFamily("pipeline_worker_info", "This process's worker id and model (always 1).",
-                                 labels=["worker_id", "model"])
+        info = GaugeMetricFamily(
+            "pipeline_worker_info", "This process's worker id and model (always 1).", labels=["worker_id", "model"]
+        )
         if worker is not None:
             info.add_metric([worker.worker_id, worker.model_id], 1.0)
         yield from (claimed, outcomes, rescues, superseded, info)
@@ -147,20 +157,27 @@ class DatabaseCollector:
 
     def collect(self) -> Iterator[Metric]:
         jobs_rows, breaker_rows = self._read()
-        jobs = GaugeMetricFamily("pipeline_jobs", "Jobs by model and status (every worker's), from the database.",
-                                 labels=["model", "status"])
+        jobs = GaugeMetricFamily(
+            "pipeline_jobs", "Jobs by model and status (every worker's), from the database.", labels=["model", "status"]
+        )
         for model_id, status, n in jobs_rows:
             jobs.add_metric([model_id, status], n)
-        state = GaugeMetricFamily("pipeline_breaker_state", "The provider's circuit breaker per model: 1 for its "
-                                  "current state.", labels=["model", "state"])
-        paused = GaugeMetricFamily("pipeline_breaker_paused_seconds", "Seconds left in an open breaker's pause.",
-                                   labels=["model"])
+        state = GaugeMetricFamily(
+            "pipeline_breaker_state",
+            "The provider's circuit breaker per model: 1 for its current state.",
+            labels=["model", "state"],
+        )
+        paused = GaugeMetricFamily(
+            "pipeline_breaker_paused_seconds", "Seconds left in an open breaker's pause.", labels=["model"]
+        )
         for model_id, current, paused_for, *_ in breaker_rows:
             for s in BREAKER_STATES:
                 state.add_metric([model_id, s], 1.0 if s == current else 0.0)
             paused.add_metric([model_id], paused_for)
-        errors = CounterMetricFamily("pipeline_metrics_database_errors", "Scrapes that could not read the "
-                                     "database (the gauges then repeat the last values read).")
+        errors = CounterMetricFamily(
+            "pipeline_metrics_database_errors",
+            "Scrapes that could not read the database (the gauges then repeat the last values read).",
+        )
         errors.add_metric([], self.errors)
         yield from (jobs, state, paused, errors)
 

@@ -30,8 +30,10 @@ class NotCovered(ConfigError):
     """`models serve` of a model that lacks vectors for some current chunks (without --force)."""
 
     def __init__(self, cov: models.Coverage) -> None:
-        super().__init__(f"model {cov.model_id} does not cover the corpus yet: {cov.describe_missing()}; "
-                         "search stays on the served model (wait for its workers, or --force)")
+        super().__init__(
+            f"model {cov.model_id} does not cover the corpus yet: {cov.describe_missing()}; "
+            "search stays on the served model (wait for its workers, or --force)"
+        )
         self.coverage = cov
 
 
@@ -115,11 +117,15 @@ def build_index(pool: ConnectionPool, name: str, settings: Settings) -> dict:
     with pool.connection() as conn:
         dimension = models.model_dimension(conn, model_id)
     if not dimension:
-        return {"model_id": model_id, "index": vector_index.NO_VECTORS,
-                "detail": vector_index.describe(vector_index.NO_VECTORS, None)}
+        return {
+            "model_id": model_id,
+            "index": vector_index.NO_VECTORS,
+            "detail": vector_index.describe(vector_index.NO_VECTORS, None),
+        }
     with db.pool_connect(pool) as conn:
-        outcome = vector_index.build(conn, model_id, int(dimension), memory_cap=settings.index_build_memory,
-                                     session=settings.prepare)
+        outcome = vector_index.build(
+            conn, model_id, int(dimension), memory_cap=settings.index_build_memory, session=settings.prepare
+        )
     return {"model_id": model_id, "index": outcome, "detail": vector_index.describe(outcome, int(dimension))}
 
 
@@ -141,12 +147,18 @@ def add(settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int 
     with pool.connection() as conn:
         cov = models.coverage(conn, rt.model_id)
         served = models.served_model_id(conn)
-    return {"model_id": rt.model_id, "new": new, "enqueued": enqueued, "served": served == rt.model_id,
-            "coverage": dataclasses.asdict(cov)}
+    return {
+        "model_id": rt.model_id,
+        "new": new,
+        "enqueued": enqueued,
+        "served": served == rt.model_id,
+        "coverage": dataclasses.asdict(cov),
+    }
 
 
-def add_estimate(settings: Settings, pool: ConnectionPool, name: str, *,
-                 dimensions: int | None = None) -> estimate.Estimate:
+def add_estimate(
+    settings: Settings, pool: ConnectionPool, name: str, *, dimensions: int | None = None
+) -> estimate.Estimate:
     """`models add --dry-run`: what adding the model would send (every current chunk's distinct
     content without a vector for it), refused as `add` would be; writes nothing."""
     rt = model_runtime.runtime_for_model(settings, name, dimensions)
@@ -175,8 +187,14 @@ def serve(pool: ConnectionPool, name: str, *, force: bool = False) -> dict:
         if not cov.complete and not force:
             raise NotCovered(cov)
         changed, previous = models.serve(conn, model_id)
-    return {"model_id": model_id, "changed": changed, "previous": previous, "coverage": dataclasses.asdict(cov),
-            "missing": cov.missing, "missing_detail": cov.describe_missing() if cov.missing else ""}
+    return {
+        "model_id": model_id,
+        "changed": changed,
+        "previous": previous,
+        "coverage": dataclasses.asdict(cov),
+        "missing": cov.missing,
+        "missing_detail": cov.describe_missing() if cov.missing else "",
+    }
 
 
 def served_model_id(pool: ConnectionPool) -> str | None:

@@ -18,13 +18,13 @@ from pipeline_assets.store import documents
 class ModelFollowed:
     """What one ``follow_configured`` call did."""
 
-    model_id: str                     # the configured model
-    added: bool                       # registered by this call (jobs for every current chunk)
+    model_id: str  # the configured model
+    added: bool  # registered by this call (jobs for every current chunk)
     enqueued: int
-    served: str | None                # the model search reads after this call
-    switched: bool                    # this call served the configured model
-    switched_from: str | None         # the model it replaced, when it switched
-    retired: str | None               # the same model, retired (reconcile deletes its vectors later)
+    served: str | None  # the model search reads after this call
+    switched: bool  # this call served the configured model
+    switched_from: str | None  # the model it replaced, when it switched
+    retired: str | None  # the same model, retired (reconcile deletes its vectors later)
     coverage: models.Coverage | None  # the configured model's; None when no switch is pending
 
 
@@ -67,5 +67,13 @@ def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True)
                         if previous:
                             models.retire(conn, previous)
                             retired = previous
-    return ModelFollowed(model_id=model_id, added=added, enqueued=enqueued, served=served, switched=switched,
-                         switched_from=switched_from, retired=retired, coverage=cov)
+    return ModelFollowed(
+        model_id=model_id,
+        added=added,
+        enqueued=enqueued,
+        served=served,
+        switched=switched,
+        switched_from=switched_from,
+        retired=retired,
+        coverage=cov,
+    )

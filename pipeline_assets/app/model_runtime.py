@@ -19,8 +19,9 @@ def runtime_for_model(settings: Settings, name: str, dimensions: int | None = No
     return Runtime.build(dataclasses.replace(fitted(settings), embedding_model=name, embedding_dimensions=dimensions))
 
 
-def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *,
-               dagster_run_id: str | None = None) -> Runtime:
+def runtime_of(
+    settings: Settings, pool: ConnectionPool, model_id: str, *, dagster_run_id: str | None = None
+) -> Runtime:
     """The runtime that embeds with a registered, active model (or the configured one, which the
     first ingest registers), the rest as configured.
 
@@ -29,8 +30,9 @@ def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *,
     with pool.connection() as conn:
         row = models.model_row(conn, model_id)
     if row is not None and not row["active"]:
-        raise ConfigError(f"model {model_id} is retired; `pipeline-assets models activate {model_id}` to embed "
-                          "with it again")
+        raise ConfigError(
+            f"model {model_id} is retired; `pipeline-assets models activate {model_id}` to embed with it again"
+        )
     if model_id == model_id_for(settings.provider_config()):
         return Runtime.build(settings, dagster_run_id=dagster_run_id)
     if row is None:
@@ -42,8 +44,10 @@ def runtime_of(settings: Settings, pool: ConnectionPool, model_id: str, *,
         if rt.model_id == model_id:
             rt.options.dagster_run_id = dagster_run_id
             return rt
-    raise ConfigError(f"this installation cannot embed with {model_id} (its provider or code is gone); "
-                      f"`pipeline-assets models retire {model_id}`")
+    raise ConfigError(
+        f"this installation cannot embed with {model_id} (its provider or code is gone); "
+        f"`pipeline-assets models retire {model_id}`"
+    )
 
 
 def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
@@ -65,6 +69,8 @@ def served_runtime(settings: Settings, pool: ConnectionPool) -> Runtime:
             return rt
     # E.g. an offline embedder replaced by a new version: its code is gone, its vectors are not.
     configured = model_id_for(settings.provider_config())
-    raise ConfigError(f"this installation cannot embed a query with the served model {row['model_id']}; "
-                      f"`pipeline-assets models serve {configured}` once it covers the corpus "
-                      "(`models list`), or `search --model NAME`")
+    raise ConfigError(
+        f"this installation cannot embed a query with the served model {row['model_id']}; "
+        f"`pipeline-assets models serve {configured}` once it covers the corpus "
+        "(`models list`), or `search --model NAME`"
+    )

@@ -23,9 +23,9 @@ from pipeline_assets.content.source import CHECKSUM_HEX as CHECKSUM_HEX
 from pipeline_assets.content.source import NOT_STATED, Observed, Source
 from pipeline_assets.store import source_observations
 
-RACY_NS = 2_000_000_000          # a file modified this close (ns) to its scan is read again on the next one
-UNREAD = "~"                     # starts the placeholder checksum of a new file no scan has read (never hex)
-READ_BATCH = 2_000               # rows of files to read fetched at a time from the scan's comparison
+RACY_NS = 2_000_000_000  # a file modified this close (ns) to its scan is read again on the next one
+UNREAD = "~"  # starts the placeholder checksum of a new file no scan has read (never hex)
+READ_BATCH = 2_000  # rows of files to read fetched at a time from the scan's comparison
 
 
 def unread_checksum(size: int, mtime_ns: int) -> str:
@@ -39,17 +39,23 @@ def is_unread(checksum: str | None) -> bool:
 
 @dataclass
 class Scan:
-    present: int = 0          # documents found
-    hashed: int = 0           # files read (checksummed) by this scan
-    unread: int = 0           # new files recorded without reading them (the bucket run reads them)
-    written: int = 0          # observations written: new, changed, or re-verified (touched, racy)
-    gone: int = 0             # documents marked gone by this scan
-    unreadable: int = 0       # files that could not be read now (neither changed nor gone)
-    empty_refused: int = 0    # the source is empty: this many present documents were NOT marked gone
+    present: int = 0  # documents found
+    hashed: int = 0  # files read (checksummed) by this scan
+    unread: int = 0  # new files recorded without reading them (the bucket run reads them)
+    written: int = 0  # observations written: new, changed, or re-verified (touched, racy)
+    gone: int = 0  # documents marked gone by this scan
+    unreadable: int = 0  # files that could not be read now (neither changed nor gone)
+    empty_refused: int = 0  # the source is empty: this many present documents were NOT marked gone
 
 
-def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
-         keep: Callable[[str], bool] | None = None, in_buckets: tuple[Sequence[int], int] | None = None) -> Scan:
+def scan(
+    conn: psycopg.Connection,
+    source: Source | Path,
+    *,
+    max_bytes: int,
+    keep: Callable[[str], bool] | None = None,
+    in_buckets: tuple[Sequence[int], int] | None = None,
+) -> Scan:
     """List ``source`` and bring its observations up to date. Raises SourceError if it
     cannot be listed. An empty source does not mark everything gone (``empty_refused``).
     ``keep``: only the documents it accepts are observed (and only they can be gone):
@@ -69,6 +75,7 @@ def scan(conn: psycopg.Connection, source: Source | Path, *, max_bytes: int,
     when the feed cannot vouch (its first scan, a TRUNCATE)."""
     source = as_source(source)
     follow = getattr(source, "follow_changes", None)
+
     def complete() -> Scan:
         return _scan_all(conn, source, max_bytes=max_bytes, keep=keep, in_buckets=in_buckets)
 
@@ -83,14 +90,20 @@ def record_observed(conn: psycopg.Connection, root: str, present: Sequence[Obser
     return Scan(present=len(rows), written=len(rows), gone=len(gone))
 
 
-def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
-              keep: Callable[[str], bool] | None, in_buckets: tuple[Sequence[int], int] | None) -> Scan:
+def _scan_all(
+    conn: psycopg.Connection,
+    source: Source,
+    *,
+    max_bytes: int,
+    keep: Callable[[str], bool] | None,
+    in_buckets: tuple[Sequence[int], int] | None,
+) -> Scan:
     """``scan`` by a complete listing."""
     root_key = source.key
     started_ns = time.time_ns()
     settled_before = started_ns - RACY_NS
     result = Scan()
-    refs: dict[str, object] = {}    # kept documents the source needs a handle to find again
+    refs: dict[str, object] = {}  # kept documents the source needs a handle to find again
     walked = 0
 
     def walked_rows() -> Iterator[source_observations.WalkedRow]:
@@ -103,7 +116,7 @@ def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
                 result.present += 1
                 if ref is not None:
                     refs[doc] = ref
-            if kept or in_buckets is None:   # a bucket scan compares only its buckets' items
+            if kept or in_buckets is None:  # a bucket scan compares only its buckets' items
                 yield doc, size, mtime_ns, kept, checksum
 
     with conn.transaction():
@@ -111,22 +124,21 @@ def _scan_all(conn: psycopg.Connection, source: Source, *, max_bytes: int,
         # Listed with their fingerprint: compared here, nothing read.
         result.written += source_observations.stage_listed(conn, root_key)
         # New and settled: nothing to compare their bytes with; the run that ingests them reads them.
-        result.unread = source_observations.stage_unread(conn, root_key, settled_before=settled_before,
-                                                         unread=UNREAD)
+        result.unread = source_observations.stage_unread(conn, root_key, settled_before=settled_before, unread=UNREAD)
         rows: list[source_observations.StagedRow] = []
-        for doc, size, mtime_ns, *old in source_observations.walked_to_read(conn, root_key,
-                                                                           settled_before=settled_before,
-                                                                           batch=READ_BATCH):
+        for doc, size, mtime_ns, *old in source_observations.walked_to_read(
+            conn, root_key, settled_before=settled_before, batch=READ_BATCH
+        ):
             value = source.fingerprint(Observed(doc, size, mtime_ns, refs.get(doc)), max_bytes)
             result.hashed += 1
             if value is None:
-                result.unreadable += 1   # look again next tick; the old observation stands
+                result.unreadable += 1  # look again next tick; the old observation stands
                 continue
             mtime = mtime_ns if started_ns - mtime_ns > RACY_NS else 0
             if tuple(old) != (value, size, mtime):
                 rows.append((doc, value, size, mtime))
                 result.written += 1
-            if len(rows) >= READ_BATCH:   # between two fetches of the cursor
+            if len(rows) >= READ_BATCH:  # between two fetches of the cursor
                 source_observations.stage(conn, rows)
                 rows = []
         source_observations.stage(conn, rows)

@@ -39,7 +39,7 @@ class ReconcileReport(Counts):
     superseded: int = 0
     repaired_vectors: int = 0
     rescued: int = 0
-    purged_models: int = 0     # retired models past PIPELINE_MODEL_RETIRE_GRACE: vectors and index deleted
+    purged_models: int = 0  # retired models past PIPELINE_MODEL_RETIRE_GRACE: vectors and index deleted
     purged_vectors: int = 0
 
 
@@ -47,18 +47,29 @@ def reconcile_all(rt: Runtime, pool: ConnectionPool, *, rescan: bool = True) -> 
     """`reconcile` and the scheduled reconciliation: register the model, re-scan, repair."""
     with pool.connection() as conn:
         enqueued = register_model(conn, rt)
-        report = reconcile(conn, rt.options, model_id=rt.model_id, rescan=rescan,
-                           backoff=(rt.settings.backoff_base, rt.settings.backoff_cap),
-                           opener=lambda key: open_source(key, rt.settings.source_config()))
+        report = reconcile(
+            conn,
+            rt.options,
+            model_id=rt.model_id,
+            rescan=rescan,
+            backoff=(rt.settings.backoff_base, rt.settings.backoff_cap),
+            opener=lambda key: open_source(key, rt.settings.source_config()),
+        )
     report.enqueued += enqueued
     purged = model_admin.purge_expired(pool, rt.settings.model_retire_grace)
     report.purged_models, report.purged_vectors = len(purged), sum(purged.values())
     return report
 
 
-def reconcile(conn: psycopg.Connection, options: IngestOptions, *, model_id: str | None = None,
-              rescan: bool = True, backoff: tuple[float, float] = (0.0, 0.0),
-              opener: Callable[[str], Source] = FolderSource) -> ReconcileReport:
+def reconcile(
+    conn: psycopg.Connection,
+    options: IngestOptions,
+    *,
+    model_id: str | None = None,
+    rescan: bool = True,
+    backoff: tuple[float, float] = (0.0, 0.0),
+    opener: Callable[[str], Source] = FolderSource,
+) -> ReconcileReport:
     """``backoff``: (base, cap) of the full-jitter delay a rescued job waits out; ``opener``:
     the source a stored key names (``source_registry.open_source``)."""
     report = ReconcileReport()

@@ -46,15 +46,26 @@ class EmbedRerun:
     enqueued: int
 
     def __add__(self, other: EmbedRerun) -> EmbedRerun:
-        return EmbedRerun(self.documents + other.documents, self.requeued + other.requeued,
-                          self.enqueued + other.enqueued)
+        return EmbedRerun(
+            self.documents + other.documents, self.requeued + other.requeued, self.enqueued + other.enqueued
+        )
 
 
-def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extract",),
-          error_class: str | None = None, stale: bool = False, statuses: Sequence[str] = (),
-          before_version: str | None = None, documents: Sequence[str] = (), root: str | None = None,
-          bucket_ids: Sequence[int] | None = None, bucket_count: int = 0,
-          page_size: int | None = None) -> Iterator[list[RerunTarget]]:
+def pages(
+    rt: Runtime,
+    pool: ConnectionPool,
+    *,
+    stages_: Sequence[str] = ("extract",),
+    error_class: str | None = None,
+    stale: bool = False,
+    statuses: Sequence[str] = (),
+    before_version: str | None = None,
+    documents: Sequence[str] = (),
+    root: str | None = None,
+    bucket_ids: Sequence[int] | None = None,
+    bucket_count: int = 0,
+    page_size: int | None = None,
+) -> Iterator[list[RerunTarget]]:
     """Targets of a rerun, per stage: every given filter holds. ``stale``: produced by another
     code version than the current one (for extract, the current version of the document's
     format); ``before_version``: by an older one; ``documents``: id globs; ``root``: one
@@ -73,16 +84,25 @@ def pages(rt: Runtime, pool: ConnectionPool, *, stages_: Sequence[str] = ("extra
         raise ValueError(f"unknown status {sorted(unknown)}; statuses: {', '.join(STATUSES)}")
     size = page_size or TARGET_PAGE
     for stage in stages_:
-        filters: dict[str, Any] = dict(stage=stage, error_class=error_class, statuses=statuses, documents=documents,
-                                       before_version=before_version, buckets=bucket_ids, n=bucket_count,
-                                       limit=size)
+        filters: dict[str, Any] = dict(
+            stage=stage,
+            error_class=error_class,
+            statuses=statuses,
+            documents=documents,
+            before_version=before_version,
+            buckets=bucket_ids,
+            n=bucket_count,
+            limit=size,
+        )
         with pool.connection() as conn:
             if stage == "embed":
                 if stale or before_version:
-                    raise ValueError("--stale and --before-version compare extractor and chunker versions; the "
-                                     "embed stage's version is its model (select with --status / --error-class)")
+                    raise ValueError(
+                        "--stale and --before-version compare extractor and chunker versions; the "
+                        "embed stage's version is its model (select with --status / --error-class)"
+                    )
                 stage_runs.refresh_embed(conn, rt.model_id)
-                filters["model_id"] = rt.model_id   # one row per document: the keyset holds
+                filters["model_id"] = rt.model_id  # one row per document: the keyset holds
             elif stale and stage == "extract":
                 versions = rt.options.extractor_version
                 filters.update(not_version=versions.default, versions_by_extension=versions.by_extension())
@@ -152,8 +172,9 @@ def estimate_embed(rt: Runtime, pool: ConnectionPool, pks: Sequence[int]) -> est
     """What ``rerun_embed`` of these documents (keys) and the work after it would send for the
     runtime's model: their current content without a vector, dead-lettered content included
     (it is requeued). Writes nothing."""
-    return estimate.for_documents(pool, rt.provider.spec, rt.settings.price_per_million_tokens, pks,
-                                  requeue_failed=True)
+    return estimate.for_documents(
+        pool, rt.provider.spec, rt.settings.price_per_million_tokens, pks, requeue_failed=True
+    )
 
 
 def _by_root(targets: Sequence[RerunTarget]) -> dict[str, list[str]]:

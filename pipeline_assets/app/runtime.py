@@ -103,12 +103,13 @@ class IngestOptions:
 
     chunker: Chunker
     config: IngestConfig = dataclasses.field(default_factory=IngestConfig)
-    dagster_run_id: str | None = None   # the Dagster run it runs in, when run from Dagster
-    force: bool = False             # re-extract even when nothing changed (a rerun)
-    allow_empty: bool = False       # allow a scan that finds nothing to tombstone everything
+    dagster_run_id: str | None = None  # the Dagster run it runs in, when run from Dagster
+    force: bool = False  # re-extract even when nothing changed (a rerun)
+    allow_empty: bool = False  # allow a scan that finds nothing to tombstone everything
     # Each format's extractor version (``extractor_version.of(document_id)``).
     extractor_version: ExtractorVersions = dataclasses.field(
-        default_factory=lambda: ExtractorVersions.of_formats(EXTRACTOR_VERSIONS))
+        default_factory=lambda: ExtractorVersions.of_formats(EXTRACTOR_VERSIONS)
+    )
     # Leave the chunks' text-search vectors to the caller (``store.text_search``; `embed`'s worker
     # computes them at its drain); otherwise the ingest computes them at its end.
     text_search_later: bool = False
@@ -129,8 +130,15 @@ class Runtime:
         return self.provider.spec.model_id
 
     @classmethod
-    def build(cls, settings: Settings, model: str | None = None, *, dagster_run_id: str | None = None,
-              force: bool = False, allow_empty: bool = False) -> Runtime:
+    def build(
+        cls,
+        settings: Settings,
+        model: str | None = None,
+        *,
+        dagster_run_id: str | None = None,
+        force: bool = False,
+        allow_empty: bool = False,
+    ) -> Runtime:
         provider = provider_for(settings.provider_config(), model)
         settings = fitted(settings, None if model else provider.spec)
         # The chunk size must fit the model's window (in its tokens): one line, before any call.

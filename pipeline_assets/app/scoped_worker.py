@@ -16,10 +16,13 @@ from pipeline_assets.store import db
 class ScopedWorker:
     """A worker in a thread that claims only some documents' jobs, until told to stop."""
 
-    def __init__(self, rt: Runtime, pool: ConnectionPool, doc_pks: Sequence[int] | None,
-                 poll_seconds: float | None):
-        config = rt.settings.worker_config(until_idle=False, scope=None if doc_pks is None else tuple(doc_pks),
-                                           build_index=False, poll_seconds=poll_seconds or None)
+    def __init__(self, rt: Runtime, pool: ConnectionPool, doc_pks: Sequence[int] | None, poll_seconds: float | None):
+        config = rt.settings.worker_config(
+            until_idle=False,
+            scope=None if doc_pks is None else tuple(doc_pks),
+            build_index=False,
+            poll_seconds=poll_seconds or None,
+        )
         self._stop_event = threading.Event()
         self._worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=self._stop_event)
         self._report: WorkerReport | None = None

@@ -92,8 +92,16 @@ def nearest(conn: psycopg.Connection, model_id: str, query_vector: np.ndarray, k
         return []
     # The HNSW scan yields at most ef_search candidates; ask for enough.
     ef_search = min(HNSW_EF_SEARCH_MAX, max(HNSW_EF_SEARCH_MIN, k * SEARCH_OVERFETCH))
-    return retrieval.nearest(conn, model_id, query_vector, k, dim=int(dim), kind=vector_index.search_kind(int(dim)),
-                             fetch=k * SEARCH_OVERFETCH, ef_search=ef_search)
+    return retrieval.nearest(
+        conn,
+        model_id,
+        query_vector,
+        k,
+        dim=int(dim),
+        kind=vector_index.search_kind(int(dim)),
+        fetch=k * SEARCH_OVERFETCH,
+        ef_search=ef_search,
+    )
 
 
 def text_query(query: str) -> str:
@@ -109,8 +117,7 @@ def text_search(conn: psycopg.Connection, query: str, k: int) -> list[dict]:
     return retrieval.text_ranked(conn, words, k) if words else []
 
 
-def hybrid_search(conn: psycopg.Connection, model_id: str, query: str, query_vector: np.ndarray,
-                  k: int) -> list[dict]:
+def hybrid_search(conn: psycopg.Connection, model_id: str, query: str, query_vector: np.ndarray, k: int) -> list[dict]:
     """The k best current chunks by reciprocal rank fusion of the vector and the text ranking.
 
     Each hit carries ``score`` (the fused score, descending), ``distance`` (the
@@ -136,8 +143,9 @@ def _fuse(by_vector: list[dict], by_text: list[dict], k: int) -> list[dict]:
     fused: dict[tuple[str, int], dict] = {}
     for ranking in (by_vector, by_text):
         for rank, row in enumerate(ranking, start=1):
-            hit = fused.setdefault((row["document_id"], row["chunk_index"]),
-                                   {**row, "distance": None, "text_rank": None, "score": 0.0})
+            hit = fused.setdefault(
+                (row["document_id"], row["chunk_index"]), {**row, "distance": None, "text_rank": None, "score": 0.0}
+            )
             hit["score"] += 1.0 / (RRF_K + rank)
             hit.update({key: row[key] for key in ("distance", "text_rank", "chunk_checksum") if key in row})
     return sorted(fused.values(), key=lambda h: (-h["score"], h["document_id"], h["chunk_index"]))[:k]

@@ -29,8 +29,11 @@ class SourceConfig:
     crashpoint: str | None = None  # tests only: freeze at a named point (``jobs.crashpoints``)
 
     def __post_init__(self) -> None:
-        check(self, [
-            (self.retry_base >= 0, "retry_base", "must not be negative"),
-            (self.retry_cap >= 0, "retry_cap", "must not be negative"),
-            (self.max_bytes > 0, "max_bytes", "must be positive"),
-        ])
+        check(
+            self,
+            [
+                (self.retry_base >= 0, "retry_base", "must not be negative"),
+                (self.retry_cap >= 0, "retry_cap", "must not be negative"),
+                (self.max_bytes > 0, "max_bytes", "must be positive"),
+            ],
+        )

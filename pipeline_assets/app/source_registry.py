@@ -29,7 +29,7 @@ _KIND = re.compile(r"^([a-z][a-z0-9+.-]+):")
 def _open_s3(spec: str, config: SourceConfig) -> Source:
     from pipeline_assets.content.s3_source import S3Source  # the client is imported only when used
 
-    def pause(attempt: int) -> float:   # the provider's retry policy: full jitter, its base and cap
+    def pause(attempt: int) -> float:  # the provider's retry policy: full jitter, its base and cap
         return full_jitter(attempt, base=config.retry_base, cap=config.retry_cap)
 
     return S3Source.open(spec, endpoint=config.s3_endpoint, pause=pause)
@@ -43,6 +43,7 @@ OPENERS: dict[str, Opener] = {
 
 def _open_table(spec: str, config: SourceConfig) -> Source:
     from pipeline_assets.app.table_source import TableSource  # the database side only when named
+
     return TableSource(spec, config)
 
 
@@ -65,8 +66,10 @@ def open_source(spec: str | Path, config: SourceConfig) -> Source:
         return FolderSource(spec.removeprefix("file://") if spec.startswith("file://") else spec)
     opener = OPENERS.get(kind)
     if opener is None:
-        raise SourceError(f"unknown kind of source {kind!r} in {spec!r}; known: a folder path, "
-                          + ", ".join(f"{k}:..." for k in sorted(OPENERS)))
+        raise SourceError(
+            f"unknown kind of source {kind!r} in {spec!r}; known: a folder path, "
+            + ", ".join(f"{k}:..." for k in sorted(OPENERS))
+        )
     return opener(spec, config)
 
 

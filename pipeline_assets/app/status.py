@@ -21,28 +21,28 @@ class StatusReport(Counts):
     """What `status` shows. The per-model and per-status maps are keyed by model id
     and status name; the last fields are filled by ``status``."""
 
-    documents: dict[str, int]                    # by document status
-    jobs: dict[str, int]                         # by job status, every model
+    documents: dict[str, int]  # by document status
+    jobs: dict[str, int]  # by job status, every model
     jobs_by_model: dict[str, dict[str, int]]
-    stages: dict[str, dict[str, int]]            # stage -> status -> documents
+    stages: dict[str, dict[str, int]]  # stage -> status -> documents
     embed_by_model: dict[str, dict[str, int]]
-    coverage: dict[str, dict[str, float]]        # model -> ready, wanted, ratio
+    coverage: dict[str, dict[str, float]]  # model -> ready, wanted, ratio
     dead_letter: int
-    dead_letter_discarded: int                   # of those, given up on (`dlq discard`)
+    dead_letter_discarded: int  # of those, given up on (`dlq discard`)
     superseded: int
     quarantined_documents: int
-    spend: dict[str, dict[str, int]]             # model -> calls, tokens, inputs, duplicate sends
-    breaker: dict[str, dict[str, Any]]           # model -> the provider breaker's state
-    vector_index: dict[str, Any] = field(default_factory=dict)     # per active model: hnsw, building...
+    spend: dict[str, dict[str, int]]  # model -> calls, tokens, inputs, duplicate sends
+    breaker: dict[str, dict[str, Any]]  # model -> the provider breaker's state
+    vector_index: dict[str, Any] = field(default_factory=dict)  # per active model: hnsw, building...
     vector_index_builds: dict[str, Any] = field(default_factory=dict)  # per model building: its progress
-    served_model: str | None = None                                # what search and export read
+    served_model: str | None = None  # what search and export read
     retired_models: dict[str, dict[str, Any]] = field(default_factory=dict)
     input_limits: list[dict[str, Any]] = field(default_factory=list)
     retry_after_cap: float | None = None
-    database: dict[str, Any] = field(default_factory=dict)         # read_only, in_recovery, workers beating/silent
-    backlog: int = 0                             # pending + retry, every model: what the KEDA trigger reads
-    sources: list[dict[str, Any]] = field(default_factory=list)    # each source: key, kind, documents, last scan
-    watched_source: str | None = None                              # what the Dagster sensor watches
+    database: dict[str, Any] = field(default_factory=dict)  # read_only, in_recovery, workers beating/silent
+    backlog: int = 0  # pending + retry, every model: what the KEDA trigger reads
+    sources: list[dict[str, Any]] = field(default_factory=list)  # each source: key, kind, documents, last scan
+    watched_source: str | None = None  # what the Dagster sensor watches
 
 
 def database_status(conn: psycopg.Connection) -> StatusReport:
@@ -84,9 +84,11 @@ def status(pool: ConnectionPool, settings: Settings) -> StatusReport:
         report.vector_index, report.vector_index_builds = models.index_states(conn)
         report.served_model = models.served_model_id(conn)
         report.sources = reports.sources(conn)
-        report.retired_models = {r.pop("model_id"): {k: r[k] for k in ("retired_at", "purge_after", "purged_at")}
-                                 for r in models.model_states(conn, settings.model_retire_grace)
-                                 if not r["active"]}
+        report.retired_models = {
+            r.pop("model_id"): {k: r[k] for k in ("retired_at", "purge_after", "purged_at")}
+            for r in models.model_states(conn, settings.model_retire_grace)
+            if not r["active"]
+        }
     report.input_limits = input_limits.by_active_model(pool)  # per active model: window, oversize chunks, truncation
     report.retry_after_cap = settings.retry_after_cap
     report.watched_source = settings.source or settings.source_dir

@@ -54,8 +54,9 @@ def default_way(source: TableSource) -> str:
     return WATERMARK if source.spec.updated else FULL
 
 
-def scan_table(conn: psycopg.Connection, source: TableSource, options: IngestOptions, *,
-               way: str | None = None) -> tuple[IngestReport, TableScan]:
+def scan_table(
+    conn: psycopg.Connection, source: TableSource, options: IngestOptions, *, way: str | None = None
+) -> tuple[IngestReport, TableScan]:
     """Find and ingest the changes of ``source`` (see the module docstring)."""
     way = way or default_way(source)
     report, scan = IngestReport(), TableScan(way)
@@ -80,8 +81,14 @@ def scan_table(conn: psycopg.Connection, source: TableSource, options: IngestOpt
 class _Scan:
     """One scan of one table: list, compare, read, write, record."""
 
-    def __init__(self, conn: psycopg.Connection, source: TableSource, options: IngestOptions,
-                 report: IngestReport, scan: TableScan) -> None:
+    def __init__(
+        self,
+        conn: psycopg.Connection,
+        source: TableSource,
+        options: IngestOptions,
+        report: IngestReport,
+        scan: TableScan,
+    ) -> None:
         self.conn, self.source, self.options, self.report, self.scan = conn, source, options, report, scan
         self.table = source.table
         self.key = source.key
@@ -97,12 +104,15 @@ class _Scan:
         if theirs_total == ours_total:
             return []
         if theirs_total[0] == 0 and not self.options.allow_empty:
-            raise TableSourceError(f"table source {self.source.spec.name} is empty but {ours_total[0]} of its rows "
-                                   "were ingested; refusing to tombstone them all (pass --allow-empty if this "
-                                   "is intended)")
+            raise TableSourceError(
+                f"table source {self.source.spec.name} is empty but {ours_total[0]} of its rows "
+                "were ingested; refusing to tombstone them all (pass --allow-empty if this "
+                "is intended)"
+            )
         theirs = self.table.digest()
-        ours = {b: (n, x) for b, n, x in self.conn.execute(ROWS.stored_digest, {"source": self.key,
-                                                                              "mask": BUCKET_MASK})}
+        ours = {
+            b: (n, x) for b, n, x in self.conn.execute(ROWS.stored_digest, {"source": self.key, "mask": BUCKET_MASK})
+        }
         return sorted(b for b in theirs.keys() | ours.keys() if theirs.get(b) != ours.get(b))
 
     def _listed(self, rows: Iterable[tuple[object, ...]]) -> None:
@@ -118,8 +128,12 @@ class _Scan:
     def _read_changed(self) -> None:
         """Read and ingest the listed rows that changed, a page at a time (keyset on the id)."""
         after = ""
-        while page := [r[0] for r in self.conn.execute(ROWS.listed_changed, {
-                "source": self.key, "after": after, "limit": READ_PAGE_ROWS})]:
+        while page := [
+            r[0]
+            for r in self.conn.execute(
+                ROWS.listed_changed, {"source": self.key, "after": after, "limit": READ_PAGE_ROWS}
+            )
+        ]:
             self.rows(page)
             after = page[-1]
 
@@ -133,7 +147,7 @@ class _Scan:
         self._read_changed()
         params = {"source": self.key, "mask": BUCKET_MASK, "buckets": buckets, "limit": READ_PAGE_ROWS}
         while gone := [r[0] for r in self.conn.execute(ROWS.listed_gone, params)]:
-            self._gone(gone)   # forgets them: the next page is the next ones
+            self._gone(gone)  # forgets them: the next page is the next ones
 
     def full(self) -> None:
         newest = self.table.newest_updated() if self.source.spec.updated else None
@@ -156,18 +170,24 @@ class _Scan:
     def rows(self, row_ids: list[str]) -> None:
         """Read and ingest ``row_ids`` a page at a time; those that no longer exist are gone."""
         for start in range(0, len(row_ids), READ_PAGE_ROWS):
-            page = row_ids[start:start + READ_PAGE_ROWS]
+            page = row_ids[start : start + READ_PAGE_ROWS]
             items = self.source.rows(page, self.options.config.max_bytes)
             self.scan.rows_read += len(items)
             page_report = IngestReport()
-            ingest_mod._ingest_items(self.conn, self.source, self.source_id, iter(items), self.options,
-                                     page_report, record_seen=False)
+            ingest_mod._ingest_items(
+                self.conn, self.source, self.source_id, iter(items), self.options, page_report, record_seen=False
+            )
             self.report.add(page_report)
             if items:  # the documents are committed: their versions are what was ingested
-                self.conn.execute(ROWS.record_rows, {
-                    "source": self.key, "ids": [i.row_id for i in items],
-                    "hashes": [i.row.id_hash for i in items if i.row],
-                    "versions": [i.row.version for i in items if i.row]})
+                self.conn.execute(
+                    ROWS.record_rows,
+                    {
+                        "source": self.key,
+                        "ids": [i.row_id for i in items],
+                        "hashes": [i.row.id_hash for i in items if i.row],
+                        "versions": [i.row.version for i in items if i.row],
+                    },
+                )
             present = {i.row_id for i in items}
             self._gone([r for r in page if r not in present])
 

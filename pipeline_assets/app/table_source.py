@@ -71,8 +71,9 @@ class TableSource:
         return f"TableSource({self.key!r})"
 
     def describe(self) -> str:
-        where = redact_text(self.config.table_database_url) if self.config.table_database_url else \
-            "the project's database"
+        where = (
+            redact_text(self.config.table_database_url) if self.config.table_database_url else "the project's database"
+        )
         return f"table {self.spec.name} (id={self.spec.id}, text={self.spec.text}) in {where}"
 
     # -- the connection ---------------------------------------------------------------------
@@ -140,7 +141,7 @@ class TableSource:
         limit = self.config.max_bytes if max_bytes is None else max_bytes
         try:
             for start in range(0, len(row_ids), READ_PAGE_ROWS):
-                for row in self.table.read(row_ids[start:start + READ_PAGE_ROWS], limit):
+                for row in self.table.read(row_ids[start : start + READ_PAGE_ROWS], limit):
                     found.append(self._item(row.row_id, row.version, row.size, row))
         except TableSourceError as exc:
             raise self._failed(exc) from None
@@ -161,7 +162,7 @@ class TableSource:
         listed size first (no text fetched); a row gone since its listing is unreadable now."""
         listed = list(items)
         for start in range(0, len(listed), READ_PAGE_ROWS):
-            page = listed[start:start + READ_PAGE_ROWS]
+            page = listed[start : start + READ_PAGE_ROWS]
             missing = [i.row_id for i in page if isinstance(i, TableItem) and i.row is None and i.size <= max_bytes]
             fetched = {r.row_id: r.row for r in self.rows(missing, max_bytes)} if missing else {}
             for item in page:
@@ -178,8 +179,9 @@ class TableSource:
             return ExtractError(EMPTY_TEXT, f"{item.document_id}: text is NULL or empty; not a document")
         return row.text.encode("utf-8")
 
-    def follow_changes(self, conn: psycopg.Connection, complete: Callable[[], observations.Scan],
-                       keep: Callable[[str], bool] | None) -> observations.Scan:
+    def follow_changes(
+        self, conn: psycopg.Connection, complete: Callable[[], observations.Scan], keep: Callable[[str], bool] | None
+    ) -> observations.Scan:
         """The source sensor's observation (``observations.scan``) without a complete listing
         when the table can vouch for it; ``complete()`` lists everything otherwise.
 
@@ -203,35 +205,43 @@ class TableSource:
         if entries.truncated or not observed:
             result = complete()
         else:
-            present = self.rows(entries.row_ids, max_bytes=-1)   # tokens and sizes; no text sent
+            present = self.rows(entries.row_ids, max_bytes=-1)  # tokens and sizes; no text sent
             found = {i.row_id for i in present}
             result = observations.record_observed(
-                conn, self.key, [Observed(i.document_id, i.size, 0, None, token_checksum(i.token)) for i in present],
-                [self.spec.document_id(r) for r in entries.row_ids if r not in found])
+                conn,
+                self.key,
+                [Observed(i.document_id, i.size, 0, None, token_checksum(i.token)) for i in present],
+                [self.spec.document_id(r) for r in entries.row_ids if r not in found],
+            )
         change_log.consumed(table, entries.seqs)
         return result
 
-    def _observe_by_digest(self, conn: psycopg.Connection, table: OpenTable,
-                           complete: Callable[[], observations.Scan], observed: bool,
-                           keep: Callable[[str], bool] | None) -> observations.Scan:
+    def _observe_by_digest(
+        self,
+        conn: psycopg.Connection,
+        table: OpenTable,
+        complete: Callable[[], observations.Scan],
+        observed: bool,
+        keep: Callable[[str], bool] | None,
+    ) -> observations.Scan:
         before = table.total()
         stored = table_observed.observed_digest(conn, self.key)
         if observed and stored is not None and stored == before:
             return observations.Scan(present=before[0])
         if keep is not None:
-            return complete()   # some buckets only: the digest of the whole is not vouched for
+            return complete()  # some buckets only: the digest of the whole is not vouched for
         table_observed.forget_observed_digest(conn, self.key)
         result = complete()
-        if table.total() == before:   # the table held still while it was listed
+        if table.total() == before:  # the table held still while it was listed
             table_observed.set_observed_digest(conn, self.key, before[0], before[1])
         return result
 
-    def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions, *,
-                       whole: bool = False) -> IngestReport:
+    def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions, *, whole: bool = False) -> IngestReport:
         """Find and ingest the table's changes (``app/table_ingest.py``): by its change log, its
         watermark or its checksums; ``whole`` (a reconciliation): by the checksums, the change
         log left to whoever follows it."""
         from pipeline_assets.app.table_ingest import FULL, scan_table
+
         try:
             report, _ = scan_table(conn, self, options, way=FULL if whole else None)
         except TableSourceError as exc:

@@ -30,10 +30,24 @@ from pipeline_assets.store.table_source import TableSourceError
 # Expected database errors, besides a lost connection (OperationalError): InternalError
 # covers a read-only server or transaction (ReadOnlySqlTransaction) and an index build
 # pgvector refuses; InsufficientPrivilege a role that lacks a grant.
-EXPECTED = (db.DatabaseUnavailable, MigrationRefused, SourceError, ConfigError, SettingsError, FatalProviderError,
-            BudgetExhausted, WorkerFault, TableSourceError,
-            ProviderError, psycopg.OperationalError, psycopg.InternalError, psycopg.errors.InsufficientPrivilege,
-            subprocess.TimeoutExpired, ValueError, OSError)
+EXPECTED = (
+    db.DatabaseUnavailable,
+    MigrationRefused,
+    SourceError,
+    ConfigError,
+    SettingsError,
+    FatalProviderError,
+    BudgetExhausted,
+    WorkerFault,
+    TableSourceError,
+    ProviderError,
+    psycopg.OperationalError,
+    psycopg.InternalError,
+    psycopg.errors.InsufficientPrivilege,
+    subprocess.TimeoutExpired,
+    ValueError,
+    OSError,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,12 +62,14 @@ def fail(message: str) -> NoReturn:
 
 def expected_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Turn expected failures into one line on stderr and exit status 1."""
+
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except EXPECTED as exc:
             fail(str(exc) or type(exc).__name__)
+
     return wrapper
 
 

@@ -58,8 +58,10 @@ def _group_lines(rows: list[dict[str, Any]]) -> Iterator[str]:
     else:
         yield f"{'kind':<8} {'error class':<22} {'items':>6}  first seen / last seen"
     for r in open_rows:
-        yield (f"{r['kind']:<8} {r['error_class'] or '-':<22} {r['items']:>6}  "
-               f"first {_t(r['first_seen'])}  last {_t(r['last_seen'])}")
+        yield (
+            f"{r['kind']:<8} {r['error_class'] or '-':<22} {r['items']:>6}  "
+            f"first {_t(r['first_seen'])}  last {_t(r['last_seen'])}"
+        )
     discarded = sum(r["discarded"] for r in rows)
     if discarded:
         yield f"discarded: {discarded} (dlq list --discarded)"
@@ -91,16 +93,20 @@ def dlq_show(item_id: str, as_json: bool) -> None:
 
 def _show_lines(d: dict[str, Any]) -> Iterator[str]:
     if d["kind"] == "job":
-        yield (f"job {d['id']} model={d['model']} status={d['status']} attempts={d['attempts']}/"
-               f"{d['max_attempts']} throttles={d['throttles']} error_class={d['error_class']}")
+        yield (
+            f"job {d['id']} model={d['model']} status={d['status']} attempts={d['attempts']}/"
+            f"{d['max_attempts']} throttles={d['throttles']} error_class={d['error_class']}"
+        )
         yield f"documents: {', '.join(d['documents']) or '-'}"
         if d["discarded"]:
             yield f"discarded by {d['discarded']['by']} at {_t(d['discarded']['at'])}: {d['discarded']['reason']}"
         yield f"history (newest {d['history_kept']} kept):"
         for a in d["history"]:
             who = "by" if a["outcome"] in PERSON_OUTCOMES else "worker"
-            yield (f"  {_t(a['at'])}  attempt {a['attempt']}  {a['outcome']:<10} -> {a['status']:<10} "
-                   f"{who}={a['worker'] or '-'}  [{a['error_class'] or '-'}] {a['message'] or ''}")
+            yield (
+                f"  {_t(a['at'])}  attempt {a['attempt']}  {a['outcome']:<10} -> {a['status']:<10} "
+                f"{who}={a['worker'] or '-'}  [{a['error_class'] or '-'}] {a['message'] or ''}"
+            )
         return
     for s in d["sources"]:
         yield f"document {d['id']} in {s['source']}: {s['status']} [{s['error_class'] or '-'}] {s['message'] or ''}"
@@ -108,15 +114,20 @@ def _show_lines(d: dict[str, Any]) -> Iterator[str]:
             yield f"discarded by {s['discarded']['by']} at {_t(s['discarded']['at'])}: {s['discarded']['reason']}"
         for st in s["stages"]:
             model = f" ({st['model_id']})" if st["model_id"] else ""
-            yield (f"  {st['stage']}{model}: {st['status']} attempts={st['attempts']} "
-                   f"version={st['code_version']} [{st['error_class'] or '-'}] {st['last_error'] or ''}")
+            yield (
+                f"  {st['stage']}{model}: {st['status']} attempts={st['attempts']} "
+                f"version={st['code_version']} [{st['error_class'] or '-'}] {st['last_error'] or ''}"
+            )
 
 
 @dlq.command("requeue")
 @click.argument("item_ids", nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="Requeue every failed job not discarded.")
-@click.option("--error-class", "error_class",
-              help="Requeue every item of this class not discarded (jobs; documents are re-extracted).")
+@click.option(
+    "--error-class",
+    "error_class",
+    help="Requeue every item of this class not discarded (jobs; documents are re-extracted).",
+)
 @click.option("--by", help="Who requeues (recorded in the history); default: the OS user.")
 @expected_errors
 def dlq_requeue(item_ids: tuple[str, ...], all_: bool, error_class: str | None, by: str | None) -> None:
@@ -124,8 +135,9 @@ def dlq_requeue(item_ids: tuple[str, ...], all_: bool, error_class: str | None, 
     if not item_ids and not all_ and not error_class:
         raise click.UsageError("give item ids, --all or --error-class")
     with pool() as p:
-        counts = dlq_uc.requeue(p, runtime, ids=dlq_uc.Ids.parse(item_ids), all_jobs=all_,
-                                error_class=error_class, by=by or _user())
+        counts = dlq_uc.requeue(
+            p, runtime, ids=dlq_uc.Ids.parse(item_ids), all_jobs=all_, error_class=error_class, by=by or _user()
+        )
     click.echo(" ".join(f"{k}={v}" for k, v in counts.items()))
 
 

@@ -45,8 +45,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, message, the job context, exc."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-               "level": record.levelname.lower(), "logger": record.name, "message": _clean(record.getMessage())}
+        out = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": _clean(record.getMessage()),
+        }
         out.update(_context(record))
         if record.exc_info:
             out["exc"] = _clean(self.formatException(record.exc_info))

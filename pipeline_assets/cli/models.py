@@ -28,11 +28,17 @@ def models_list(as_json: bool) -> None:
     """Models with their jobs and their vector index (exact search where there is none)."""
     with pool() as p:
         rows = model_admin.list_models(p, settings().model_retire_grace)
-    emit(rows, as_json, lambda rs: [f"{r['model_id']} name={r['name']} dim={r['dimension']} "
-                                    f"active={r['active']} served={r['served']} {_coverage_or_retired(r)} "
-                                    f"ready={r['ready']} outstanding={r['outstanding']} "
-                                    f"index={r['index_detail']}"
-                                    for r in rs])
+    emit(
+        rows,
+        as_json,
+        lambda rs: [
+            f"{r['model_id']} name={r['name']} dim={r['dimension']} "
+            f"active={r['active']} served={r['served']} {_coverage_or_retired(r)} "
+            f"ready={r['ready']} outstanding={r['outstanding']} "
+            f"index={r['index_detail']}"
+            for r in rs
+        ],
+    )
 
 
 def _coverage_or_retired(r: dict) -> str:
@@ -48,8 +54,9 @@ def _coverage_or_retired(r: dict) -> str:
 @models_group.command("add")
 @click.argument("model")
 @click.option("--dimensions", type=click.IntRange(1), default=None, help="Sent as `dimensions`; part of the id.")
-@click.option("--dry-run", is_flag=True, help="Print what adding MODEL would send (inputs, tokens, price); "
-                                            "change nothing.")
+@click.option(
+    "--dry-run", is_flag=True, help="Print what adding MODEL would send (inputs, tokens, price); change nothing."
+)
 @click.option("--json", "as_json", is_flag=True)
 @expected_errors
 def models_add(model: str, dimensions: int | None, dry_run: bool, as_json: bool) -> None:
@@ -64,9 +71,15 @@ def models_add(model: str, dimensions: int | None, dry_run: bool, as_json: bool)
     with pool() as p:
         r = model_admin.add(settings(), p, model, dimensions=dimensions)
     cov = r["coverage"]
-    emit(r, as_json, lambda r: [f"{'added' if r['new'] else 'already registered:'} {r['model_id']}: "
-                                f"{r['enqueued']} job(s) enqueued, coverage {cov['ready']}/{cov['wanted']}"
-                                + (" (served)" if r["served"] else "")])
+    emit(
+        r,
+        as_json,
+        lambda r: [
+            f"{'added' if r['new'] else 'already registered:'} {r['model_id']}: "
+            f"{r['enqueued']} job(s) enqueued, coverage {cov['ready']}/{cov['wanted']}"
+            + (" (served)" if r["served"] else "")
+        ],
+    )
 
 
 @models_group.command("serve")
@@ -88,6 +101,7 @@ def models_serve(model: str, force: bool, as_json: bool) -> None:
             yield f"serving {r['model_id']}" + (f" (was {r['previous']})" if r["previous"] else "")
         if r["missing"]:
             yield f"warning: forced: {r['missing_detail']}; search misses them until their vectors arrive"
+
     emit(r, as_json, lines)
 
 
@@ -102,8 +116,10 @@ def models_retire(model: str) -> None:
     grace = settings().model_retire_grace
     with pool() as p:
         model_id, superseded = model_admin.retire(p, model)
-    click.echo(f"retired {model_id}: {superseded} unstarted job(s) superseded; its vectors and index are deleted "
-               f"by reconcile {grace:g} s from the retirement (PIPELINE_MODEL_RETIRE_GRACE)")
+    click.echo(
+        f"retired {model_id}: {superseded} unstarted job(s) superseded; its vectors and index are deleted "
+        f"by reconcile {grace:g} s from the retirement (PIPELINE_MODEL_RETIRE_GRACE)"
+    )
 
 
 @models_group.command("purge")

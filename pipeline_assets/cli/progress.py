@@ -77,12 +77,21 @@ class WorkProgress:
 
         total = outstanding_jobs(self._pool, worker.model_id)
         self._progress = progress = Progress(
-            TextColumn("embedding"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-            _rate_column(), TextColumn("eta"), TimeRemainingColumn(), console=Console(file=sys.stderr), transient=False)
+            TextColumn("embedding"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            _rate_column(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=Console(file=sys.stderr),
+            transient=False,
+        )
         task = progress.add_task("embedding", total=total or None)
         progress.start()
-        self._thread = threading.Thread(target=self._follow, args=(progress, worker, task, total), name="progress",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._follow, args=(progress, worker, task, total), name="progress", daemon=True
+        )
         self._thread.start()
 
     def _follow(self, progress: Progress, worker: Worker, task: TaskID, total: int) -> None:
@@ -111,8 +120,14 @@ def work_progress(pool: ConnectionPool, enabled: bool | None = None) -> Iterator
         bar.close()
 
 
-def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]], as_json: bool,
-                 every: float, count: int | None = None, stop_event: threading.Event | None = None) -> None:
+def watch_status(
+    read: Callable[[], dict],
+    lines: Callable[[dict], Iterable[str]],
+    as_json: bool,
+    every: float,
+    count: int | None = None,
+    stop_event: threading.Event | None = None,
+) -> None:
     """`status --watch`: read and print every ``every`` seconds until Ctrl-C (or ``count`` times).
 
     On a terminal the screen is redrawn; piped, each refresh is appended (a
@@ -141,7 +156,7 @@ def watch_status(read: Callable[[], dict], lines: Callable[[dict], Iterable[str]
             remaining = max(0.0, every - (time.monotonic() - started))
             if stop_event is None:
                 time.sleep(remaining)
-            elif stop_event.wait(remaining):   # Ctrl-C sets it (a signal handler, not an exception mid-read)
+            elif stop_event.wait(remaining):  # Ctrl-C sets it (a signal handler, not an exception mid-read)
                 return
     except KeyboardInterrupt:
         return

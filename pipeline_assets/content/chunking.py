@@ -95,8 +95,7 @@ class Chunker:
             raise ValueError(f"max_tokens must be >= 8, got {max_tokens}")
         if not 0 <= overlap < max_tokens:
             raise ValueError(
-                f"overlap must satisfy 0 <= overlap < max_tokens, got overlap={overlap}, "
-                f"max_tokens={max_tokens}"
+                f"overlap must satisfy 0 <= overlap < max_tokens, got overlap={overlap}, max_tokens={max_tokens}"
             )
         if hard_limit is not None and max_tokens > hard_limit:
             raise ValueError(

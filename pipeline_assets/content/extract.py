@@ -26,8 +26,11 @@ PDF_EXTENSIONS = frozenset({".pdf"})
 # extension (read as UTF-8 after sniffing).
 TEXT, HTML, PDF = "text", "html", "pdf"
 FORMATS = (TEXT, HTML, PDF)
-EXTENSION_FORMATS: dict[str, str] = {**{e: TEXT for e in TEXT_EXTENSIONS}, **{e: HTML for e in HTML_EXTENSIONS},
-                                     **{e: PDF for e in PDF_EXTENSIONS}}
+EXTENSION_FORMATS: dict[str, str] = {
+    **{e: TEXT for e in TEXT_EXTENSIONS},
+    **{e: HTML for e in HTML_EXTENSIONS},
+    **{e: PDF for e in PDF_EXTENSIONS},
+}
 
 # The version of the code every format shares (dispatch, normalise()): the
 # Dagster code version of `documents`. Bump it, and every entry below, on a

@@ -33,7 +33,7 @@ from pipeline_assets.content.sources import (
     scan_directory,
 )
 
-READ_BLOCK = 1 << 20             # bytes per read while hashing a file
+READ_BLOCK = 1 << 20  # bytes per read while hashing a file
 
 
 class FolderSource:
@@ -158,11 +158,17 @@ def walk(root: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tupl
                     if item is not None:
                         yield doc, item.size, item.mtime_ns, item
             except (OSError, ValueError):
-                continue   # vanished during the walk, a broken link or a loop (the scan skips those too)
+                continue  # vanished during the walk, a broken link or a loop (the scan skips those too)
 
 
 def source_item(root: Path, document_id: str, path: str, size: int, mtime_ns: int) -> SourceItem:
     """The item of a plain file ``walk`` listed (under the root: reached through real directories)."""
     p = Path(path)
-    return SourceItem(document_id=document_id, path=p, size=size, mtime_ns=mtime_ns, source_uri=p.as_uri(),
-                      root=os.path.realpath(root))
+    return SourceItem(
+        document_id=document_id,
+        path=p,
+        size=size,
+        mtime_ns=mtime_ns,
+        source_uri=p.as_uri(),
+        root=os.path.realpath(root),
+    )

@@ -82,12 +82,18 @@ def extract_and_chunk(spec: ExtractSpec, document_id: str, raw: bytes) -> tuple[
     """Bytes to (text checksum, chunks), or ExtractError. Runs in the extraction child."""
     text = extract_text(document_id, raw, decode_errors=spec.decode_errors)
     if len(text) > spec.max_text_chars:
-        raise ExtractError(TEXT_TOO_LARGE, f"extracted text of {len(text)} characters exceeds the limit of "
-                                           f"{spec.max_text_chars} (PIPELINE_MAX_TEXT_CHARS)")
+        raise ExtractError(
+            TEXT_TOO_LARGE,
+            f"extracted text of {len(text)} characters exceeds the limit of "
+            f"{spec.max_text_chars} (PIPELINE_MAX_TEXT_CHARS)",
+        )
     chunks = spec.chunker.chunk(text)
     if len(chunks) > spec.max_chunks:
-        raise ExtractError(TOO_MANY_CHUNKS, f"{len(chunks)} chunks exceed the limit of {spec.max_chunks} "
-                                            "per document (PIPELINE_MAX_CHUNKS_PER_DOCUMENT)")
+        raise ExtractError(
+            TOO_MANY_CHUNKS,
+            f"{len(chunks)} chunks exceed the limit of {spec.max_chunks} "
+            "per document (PIPELINE_MAX_CHUNKS_PER_DOCUMENT)",
+        )
     return hashlib.sha256(text.encode("utf-8", "replace")).digest(), chunks
 
 
@@ -100,14 +106,14 @@ class Extractor:
 
     def __init__(self, spec: ExtractSpec, *, timeout: float, memory_limit: int, processes: int = 1) -> None:
         self.spec = spec
-        self.sandbox = Sandbox(functools.partial(extract_and_chunk, spec), timeout=timeout,
-                               memory_limit=memory_limit, processes=processes)
+        self.sandbox = Sandbox(
+            functools.partial(extract_and_chunk, spec), timeout=timeout, memory_limit=memory_limit, processes=processes
+        )
 
     def __enter__(self) -> Extractor:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.sandbox.close()
 
     @property
@@ -128,19 +134,36 @@ class Extractor:
         return known, Processed(item, checksum, text_checksum, chunks)
 
 
-def unchanged_by_token(source: Source, item: Item, known: KnownDocument | None, *, chunker_version: str,
-                       extractor_version: ExtractorVersions) -> bool:
+def unchanged_by_token(
+    source: Source,
+    item: Item,
+    known: KnownDocument | None,
+    *,
+    chunker_version: str,
+    extractor_version: ExtractorVersions,
+) -> bool:
     """True when the source's token vouches for the bytes (``content_tokens``) and it is the
     token of the stored version, under the same code versions: the item is not read."""
-    return (source.content_tokens and known is not None and known.status != "deleted"
-            and known.source_token == item.token
-            and known.extractor_version == extractor_version.of(item.document_id)
-            and known.chunker_version == chunker_version)
+    return (
+        source.content_tokens
+        and known is not None
+        and known.status != "deleted"
+        and known.source_token == item.token
+        and known.extractor_version == extractor_version.of(item.document_id)
+        and known.chunker_version == chunker_version
+    )
 
 
-def check_read(item: Item, outcome: ReadOutcome, known: KnownDocument | None, *, chunker_version: str,
-               extractor_version: ExtractorVersions, force: bool = False,
-               tokens: bool = False) -> Processed | tuple[bytes, bytes] | None:
+def check_read(
+    item: Item,
+    outcome: ReadOutcome,
+    known: KnownDocument | None,
+    *,
+    chunker_version: str,
+    extractor_version: ExtractorVersions,
+    force: bool = False,
+    tokens: bool = False,
+) -> Processed | tuple[bytes, bytes] | None:
     """Judge one item's read: None when nothing changed, a quarantine when it could not be
     read, else ``(checksum, raw)`` to extract.
 
@@ -151,24 +174,41 @@ def check_read(item: Item, outcome: ReadOutcome, known: KnownDocument | None, *,
     processes it anyway.
     """
     if isinstance(outcome, ExtractError):
-        if (not force and known is not None and known.status == "quarantined"
-                and known.error_class == outcome.error_class and known.size_bytes == item.size):
+        if (
+            not force
+            and known is not None
+            and known.status == "quarantined"
+            and known.error_class == outcome.error_class
+            and known.size_bytes == item.size
+        ):
             return None
         return Processed(item, None, None, [], outcome.error_class, outcome.message)
     if isinstance(outcome, OSError):
         return Processed(item, None, None, [], UNREADABLE, f"{type(outcome).__name__}: {outcome}")
     raw = outcome
     checksum = hashlib.sha256(raw).digest()
-    if (not force and known is not None and known.extractor_version == extractor_version.of(item.document_id)
-            and known.chunker_version == chunker_version and known.source_checksum == checksum
-            and known.status != "deleted" and (not tokens or known.source_token == item.token)):
+    if (
+        not force
+        and known is not None
+        and known.extractor_version == extractor_version.of(item.document_id)
+        and known.chunker_version == chunker_version
+        and known.source_checksum == checksum
+        and known.status != "deleted"
+        and (not tokens or known.source_token == item.token)
+    ):
         return None
     return checksum, raw
 
 
-def process_items(source: Source, batches: Iterable[tuple[list[Item], Mapping[str, KnownDocument]]], *,
-                  extractor: Extractor, max_bytes: int, extractor_version: ExtractorVersions,
-                  force: bool = False) -> Iterator[tuple[Item, KnownDocument | None, Processed | None]]:
+def process_items(
+    source: Source,
+    batches: Iterable[tuple[list[Item], Mapping[str, KnownDocument]]],
+    *,
+    extractor: Extractor,
+    max_bytes: int,
+    extractor_version: ExtractorVersions,
+    force: bool = False,
+) -> Iterator[tuple[Item, KnownDocument | None, Processed | None]]:
     """Every item of every batch (with what the database knew of it) and its result (None:
     unchanged), in no particular order. The source reads the items its token cannot vouch
     for (``Source.read_all``: in parallel where it pays; an item comes back as read, with the
@@ -180,15 +220,23 @@ def process_items(source: Source, batches: Iterable[tuple[list[Item], Mapping[st
         to_read: list[Item] = []
         for item in items:
             old = known.get(item.document_id)
-            if not force and unchanged_by_token(source, item, old, chunker_version=chunker_version,
-                                                extractor_version=extractor_version):
+            if not force and unchanged_by_token(
+                source, item, old, chunker_version=chunker_version, extractor_version=extractor_version
+            ):
                 yield item, old, None
             else:
                 to_read.append(item)
         for item, outcome in source.read_all(to_read, max_bytes):
             old = known.get(item.document_id)
-            step = check_read(item, outcome, old, chunker_version=chunker_version,
-                              extractor_version=extractor_version, force=force, tokens=source.content_tokens)
+            step = check_read(
+                item,
+                outcome,
+                old,
+                chunker_version=chunker_version,
+                extractor_version=extractor_version,
+                force=force,
+                tokens=source.content_tokens,
+            )
             if not isinstance(step, tuple):
                 yield item, old, step
                 continue

@@ -30,9 +30,9 @@ from pipeline_assets.content.source import Item, Observed, ReadOutcome, SourceEr
 
 T = TypeVar("T")
 
-S3_PAGE_KEYS = 1000            # keys per list request (the S3 maximum)
-S3_READS_IN_FLIGHT = 8         # objects downloaded (or looked up) at once
-S3_ATTEMPTS = 4                # attempts of one request before the source is judged unreachable
+S3_PAGE_KEYS = 1000  # keys per list request (the S3 maximum)
+S3_READS_IN_FLIGHT = 8  # objects downloaded (or looked up) at once
+S3_ATTEMPTS = 4  # attempts of one request before the source is judged unreachable
 S3_CONNECT_TIMEOUT = datetime.timedelta(seconds=10)
 S3_REQUEST_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -45,7 +45,7 @@ _MISSING = (NotFoundError, FileNotFoundError)
 
 @dataclass(frozen=True)
 class ObjectItem:
-    document_id: str    # s3://bucket/key
+    document_id: str  # s3://bucket/key
     key: str
     size: int
     mtime_ns: int
@@ -65,8 +65,8 @@ class ObjectItem:
 class S3Failure:
     """What went wrong with one request, without the error's text (it may name the request)."""
 
-    status: int | None      # HTTP status; None: no answer (refused, reset, timed out)
-    code: str | None        # S3 error code (NoSuchBucket, InvalidAccessKeyId, SlowDown, ...)
+    status: int | None  # HTTP status; None: no answer (refused, reset, timed out)
+    code: str | None  # S3 error code (NoSuchBucket, InvalidAccessKeyId, SlowDown, ...)
 
     @property
     def transient(self) -> bool:
@@ -89,7 +89,7 @@ def parse_spec(spec: str) -> tuple[str, str]:
     """(bucket, prefix) of ``s3://BUCKET[/PREFIX]``; the prefix without its slashes at either end."""
     if not spec.startswith("s3://"):
         raise SourceError(f"not an S3 source: {spec!r} (expected s3://BUCKET/PREFIX)")
-    bucket, _, prefix = spec[len("s3://"):].partition("/")
+    bucket, _, prefix = spec[len("s3://") :].partition("/")
     if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
         raise SourceError(f"not a valid S3 bucket name in {spec!r}")
     return bucket, prefix.strip("/")
@@ -101,8 +101,16 @@ class S3Source:
     kind = "s3"
     content_tokens = True
 
-    def __init__(self, bucket: str, prefix: str, store: Any, *, endpoint: str | None,
-                 pause: Callable[[int], float], sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        store: Any,
+        *,
+        endpoint: str | None,
+        pause: Callable[[int], float],
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """``pause(attempt)``: the seconds to wait before attempt ``attempt + 1`` of a request."""
         self.bucket, self.prefix, self.store, self.endpoint = bucket, prefix, store, endpoint
         self.key = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
@@ -117,11 +125,18 @@ class S3Source:
         config: dict[str, Any] = {}
         if endpoint:
             config["endpoint"] = endpoint
-        client = {"connect_timeout": S3_CONNECT_TIMEOUT, "timeout": S3_REQUEST_TIMEOUT,
-                  "allow_http": bool(endpoint and endpoint.startswith("http://"))}
+        client = {
+            "connect_timeout": S3_CONNECT_TIMEOUT,
+            "timeout": S3_REQUEST_TIMEOUT,
+            "allow_http": bool(endpoint and endpoint.startswith("http://")),
+        }
         try:
-            store = S3Store(bucket, config=config, client_options=client,   # type: ignore[arg-type]
-                            retry_config={"max_retries": 0, "retry_timeout": S3_REQUEST_TIMEOUT})
+            store = S3Store(
+                bucket,
+                config=config,  # type: ignore[arg-type]
+                client_options=client,  # type: ignore[arg-type]
+                retry_config={"max_retries": 0, "retry_timeout": S3_REQUEST_TIMEOUT},
+            )
         except BaseError as exc:
             raise SourceError(f"cannot configure S3 for {spec}: {type(exc).__name__}") from None
         return cls(bucket, prefix, store, endpoint=endpoint, pause=pause)
@@ -177,8 +192,7 @@ class S3Source:
 
     # -- the interface -----------------------------------------------------------------------
     def check(self) -> None:
-        self._retrying("listing", lambda: next(iter(obstore.list(self.store, self.prefix or None, chunk_size=1)),
-                                                 None))
+        self._retrying("listing", lambda: next(iter(obstore.list(self.store, self.prefix or None, chunk_size=1)), None))
 
     def items(self) -> Iterator[ObjectItem]:
         for page in self._pages():
@@ -200,7 +214,7 @@ class S3Source:
     def id_problem(self, document_id: str) -> str | None:
         if not document_id.startswith(self._ids):
             return f"not an object of bucket {self.bucket} (ids are {self._ids}KEY)"
-        key = document_id[len(self._ids):]
+        key = document_id[len(self._ids) :]
         if not key or key.endswith("/") or "\0" in key:
             return "not an object key"
         if self.prefix and not key.startswith(self.prefix + "/"):
@@ -208,7 +222,7 @@ class S3Source:
         return None
 
     def lookup(self, document_ids: Sequence[str]) -> dict[str, Item]:
-        keys = [d[len(self._ids):] for d in document_ids]
+        keys = [d[len(self._ids) :] for d in document_ids]
 
         def head(key: str) -> ObjectItem | None:
             try:
@@ -223,7 +237,7 @@ class S3Source:
 
     def _get(self, item: Item, max_bytes: int) -> tuple[ObjectItem, bytes]:
         assert isinstance(item, ObjectItem), item
-        if item.size > max_bytes:   # from the listing: not a byte downloaded
+        if item.size > max_bytes:  # from the listing: not a byte downloaded
             raise ExtractError(TOO_LARGE, f"{item.document_id}: size {item.size} bytes exceeds limit {max_bytes}")
 
         def get() -> tuple[dict, bytes]:
@@ -236,8 +250,10 @@ class S3Source:
             raise FileNotFoundError(f"{item.document_id}: deleted since it was listed") from None
         got = self._item(meta)
         if len(data) > max_bytes:
-            raise ExtractError(TOO_LARGE, f"{item.document_id}: size {len(data)} bytes (replaced since it was "
-                                          f"listed) exceeds limit {max_bytes}")
+            raise ExtractError(
+                TOO_LARGE,
+                f"{item.document_id}: size {len(data)} bytes (replaced since it was listed) exceeds limit {max_bytes}",
+            )
         return replace(got, size=len(data)), data
 
     def read_all(self, items: Iterable[Item], max_bytes: int) -> Iterator[tuple[Item, ReadOutcome]]:

@@ -21,10 +21,10 @@ from pipeline_assets.content.extract import ExtractError
 from pipeline_assets.content.server_process import ServerProcess
 
 # Error classes of a call that did not return normally.
-TIMEOUT = "timeout"                  # still running at its deadline: the child was killed
-MEMORY_LIMIT = "memory_limit"        # MemoryError under the child's address-space limit
-CHILD_DIED = "extract_crashed"       # the child died without answering (a crash in C code, the OOM killer)
-UNEXPECTED = "extract_failed"        # any other exception of the function (a bug): one call's error
+TIMEOUT = "timeout"  # still running at its deadline: the child was killed
+MEMORY_LIMIT = "memory_limit"  # MemoryError under the child's address-space limit
+CHILD_DIED = "extract_crashed"  # the child died without answering (a crash in C code, the OOM killer)
+UNEXPECTED = "extract_failed"  # any other exception of the function (a bug): one call's error
 
 # How long a new child may take to start (the first one also starts the forkserver) and say it is ready.
 CHILD_START_TIMEOUT_SECONDS = 60.0
@@ -61,11 +61,10 @@ def _pipe_capacity(conn: Connection) -> int:
         return 4096  # POSIX guarantees at least this much
 
 
-def serve(calls: Connection, answers: Connection, stack: Connection, fn: Callable[..., Any],
-           memory_limit: int) -> None:
+def serve(calls: Connection, answers: Connection, stack: Connection, fn: Callable[..., Any], memory_limit: int) -> None:
     """The child: answer calls in order until told to stop (None) or the pipe closes;
     its Python stack goes to ``stack`` on SIGUSR1."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the parent decides when this process ends
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
     faulthandler.disable()  # a crash is reported by the parent, in one line
     faulthandler.register(signal.SIGUSR1, file=stack.fileno(), all_threads=False)
     used = _address_space()
@@ -96,9 +95,9 @@ class Child:
 
     def __init__(self) -> None:
         self.proc: multiprocessing.process.BaseProcess | None = None
-        self.calls: Connection | None = None      # parent -> child
-        self.answers: Connection | None = None    # child -> parent
-        self.stack: Connection | None = None      # child -> parent: its stack, on SIGUSR1
+        self.calls: Connection | None = None  # parent -> child
+        self.answers: Connection | None = None  # child -> parent
+        self.stack: Connection | None = None  # child -> parent: its stack, on SIGUSR1
         self.window = 4096
         self.pending: deque[tuple[Any, bytes, int]] = deque()  # (tag, pickled args, attempt), oldest first
         self.queued_bytes = 0
@@ -111,8 +110,9 @@ class Child:
         stack_r, stack_w = multiprocessing.Pipe(duplex=False)
         # The child gets its own ends only (the server passes exactly these): a copy of a
         # parent's end would keep its pipe open after the parent died.
-        proc = ServerProcess(target=serve, args=(calls_r, answers_w, stack_w, fn, memory_limit),
-                             daemon=True, name="pipeline-extract")
+        proc = ServerProcess(
+            target=serve, args=(calls_r, answers_w, stack_w, fn, memory_limit), daemon=True, name="pipeline-extract"
+        )
         proc.start()
         for end in (calls_r, answers_w, stack_w):
             end.close()
@@ -175,5 +175,3 @@ def innermost_frames(dump: str, frames: int = STACK_FRAMES) -> str:
     """``faulthandler``'s dump (most recent call first) as ``fn (dir/file.py:N) < caller (...)``."""
     found = [f"{name} ({'/'.join(path.split('/')[-2:])}:{line})" for path, line, name in _FRAME.findall(dump)]
     return " < ".join(found[:frames])
-
-

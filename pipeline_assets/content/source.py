@@ -32,17 +32,17 @@ class Item(Protocol):
     """One listed item (a file, an object, a row)."""
 
     @property
-    def document_id(self) -> str: ...          # carries its source; the bucket is its hash
+    def document_id(self) -> str: ...  # carries its source; the bucket is its hash
     @property
-    def size(self) -> int: ...                 # bytes as listed: the size guard applies to it before any read
+    def size(self) -> int: ...  # bytes as listed: the size guard applies to it before any read
     @property
-    def mtime_ns(self) -> int: ...             # modification time as listed (0: none); the sensor's prefilter
+    def mtime_ns(self) -> int: ...  # modification time as listed (0: none); the sensor's prefilter
     @property
-    def token(self) -> str: ...                # the change token (see ``Source.content_tokens``)
+    def token(self) -> str: ...  # the change token (see ``Source.content_tokens``)
     @property
-    def source_uri(self) -> str: ...           # where it is, stored with the document (no credentials)
+    def source_uri(self) -> str: ...  # where it is, stored with the document (no credentials)
     @property
-    def problem(self) -> str | None: ...       # an error class the listing found: quarantined, never read
+    def problem(self) -> str | None: ...  # an error class the listing found: quarantined, never read
 
 
 # Observed.size of an item listed but not examined (``observe``'s keep rejected it).
@@ -69,9 +69,9 @@ ReadOutcome = bytes | ExtractError | OSError
 class Source(Protocol):
     """A place documents come from. See the module docstring for the contracts."""
 
-    key: str               # stable identity: app.sources.root and app.source_observations.root
-    kind: str              # app.sources.kind: 'directory', 's3', 'table'
-    content_tokens: bool   # an equal token guarantees equal bytes (no read needed)
+    key: str  # stable identity: app.sources.root and app.source_observations.root
+    kind: str  # app.sources.kind: 'directory', 's3', 'table'
+    content_tokens: bool  # an equal token guarantees equal bytes (no read needed)
 
     def describe(self) -> str:
         """One line naming the source for people (status, asset metadata); no credentials."""

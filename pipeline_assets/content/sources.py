@@ -23,12 +23,22 @@ from pathlib import Path
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError
 from pipeline_assets.content.source import SourceError
 
-__all__ = ["NOT_REGULAR", "OUTSIDE_ROOT", "SourceError", "SourceItem", "document_id_problem", "escape_name",
-           "item_for", "read_guarded", "scan_directory", "unescape_id"]
+__all__ = [
+    "NOT_REGULAR",
+    "OUTSIDE_ROOT",
+    "SourceError",
+    "SourceItem",
+    "document_id_problem",
+    "escape_name",
+    "item_for",
+    "read_guarded",
+    "scan_directory",
+    "unescape_id",
+]
 
 # Error classes of items that are listed but never read.
-OUTSIDE_ROOT = "outside_root"        # its real path is not under the source root (a symlink out of it)
-NOT_REGULAR = "not_regular_file"     # became a FIFO, socket, device or directory after the scan
+OUTSIDE_ROOT = "outside_root"  # its real path is not under the source root (a symlink out of it)
+NOT_REGULAR = "not_regular_file"  # became a FIFO, socket, device or directory after the scan
 
 # Undecodable bytes of a file name, as os.fsdecode represents them (surrogateescape).
 _ESCAPED_BYTES = re.compile("[\udc80-\udcff%]")
@@ -129,8 +139,15 @@ def _classify(path: str, document_id: str, real_root: str, *, listed: bool) -> S
         if inside:
             st = target  # a link inside the root reads as its target
     p = Path(path)
-    return SourceItem(document_id=document_id, path=p, size=st.st_size, mtime_ns=st.st_mtime_ns,
-                      source_uri=p.as_uri(), root=real_root, problem=None if inside else OUTSIDE_ROOT)
+    return SourceItem(
+        document_id=document_id,
+        path=p,
+        size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        source_uri=p.as_uri(),
+        root=real_root,
+        problem=None if inside else OUTSIDE_ROOT,
+    )
 
 
 def scan_directory(root: Path) -> Iterator[SourceItem]:
@@ -237,8 +254,10 @@ def read_guarded(item: SourceItem, max_bytes: int) -> bytes:
         if real is None or not _under(real, item.root):
             raise ExtractError(OUTSIDE_ROOT, f"{item.document_id}: resolves outside the source root; not read")
         if opened.st_size > max_bytes:
-            raise ExtractError(TOO_LARGE, f"{item.document_id}: size {opened.st_size} bytes (grew while "
-                                          f"reading) exceeds limit {max_bytes}")
+            raise ExtractError(
+                TOO_LARGE,
+                f"{item.document_id}: size {opened.st_size} bytes (grew while reading) exceeds limit {max_bytes}",
+            )
         os.set_blocking(fd, True)
         # Read what fstat promised and one byte more, not max_bytes + 1 at once: a read that
         # size allocates its whole buffer first (20 MB by default, ~0.1 ms per small file). One

@@ -45,13 +45,19 @@ class DagsterConfig:
     embed_run_deadline: float = DEFAULT_EMBED_RUN_DEADLINE_SECONDS
 
     def __post_init__(self) -> None:
-        check(self, [
-            (1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS, "partition_buckets",
-             f"must be between 1 and {MAX_PARTITION_BUCKETS}"),
-            (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
-            (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
-            (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
-        ])
+        check(
+            self,
+            [
+                (
+                    1 <= self.partition_buckets <= MAX_PARTITION_BUCKETS,
+                    "partition_buckets",
+                    f"must be between 1 and {MAX_PARTITION_BUCKETS}",
+                ),
+                (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
+                (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
+                (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
+            ],
+        )
 
     @property
     def in_process(self) -> bool:

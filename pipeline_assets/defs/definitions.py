@@ -25,7 +25,8 @@ def build_definitions(settings: Settings | None = None) -> dg.Definitions:
     settings = settings or Settings.from_env()
     return dg.Definitions.merge(
         *(domain.definitions(settings) for domain in DOMAINS),
-        dg.Definitions(resources=build_resources(settings), executor=dg.in_process_executor))
+        dg.Definitions(resources=build_resources(settings), executor=dg.in_process_executor),
+    )
 
 
 defs = build_definitions()

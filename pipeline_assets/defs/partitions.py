@@ -26,9 +26,9 @@ def bucket_key(bucket: int) -> str:
 
 
 def bucket_index(key: str) -> int:
-    if not key.startswith(BUCKET_PREFIX) or not key[len(BUCKET_PREFIX):].isdigit():
+    if not key.startswith(BUCKET_PREFIX) or not key[len(BUCKET_PREFIX) :].isdigit():
         raise ValueError(f"{key!r} is not a bucket partition key (b000, b001, ...)")
-    return int(key[len(BUCKET_PREFIX):])
+    return int(key[len(BUCKET_PREFIX) :])
 
 
 def bucket_indexes(keys: Iterable[str]) -> list[int]:
@@ -55,8 +55,9 @@ KEY_DELIMITERS = frozenset("|,[]")
 
 
 def embedding_partitions(buckets: int) -> dg.MultiPartitionsDefinition:
-    return dg.MultiPartitionsDefinition({BUCKET_DIMENSION: bucket_partitions(buckets),
-                                         MODEL_DIMENSION: MODEL_PARTITIONS})
+    return dg.MultiPartitionsDefinition(
+        {BUCKET_DIMENSION: bucket_partitions(buckets), MODEL_DIMENSION: MODEL_PARTITIONS}
+    )
 
 
 def embedding_key(bucket: int | str, model_id: str) -> dg.MultiPartitionKey:

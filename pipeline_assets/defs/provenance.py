@@ -35,15 +35,17 @@ def run_version(versions: Mapping[str, str]) -> str:
     return f"range:{len(versions)}:{h.hexdigest()[:16]}"
 
 
-def version_tags(data_version: str, code_version: str,
-                 inputs: Mapping[dg.AssetKey, tuple[str, int | None]] | None = None) -> dict[str, str]:
+def version_tags(
+    data_version: str, code_version: str, inputs: Mapping[dg.AssetKey, tuple[str, int | None]] | None = None
+) -> dict[str, str]:
     """The tags of a materialization made under ``code_version`` from ``inputs``
     (upstream asset -> (its data version, the storage id of its event))."""
     tags = {DATA_VERSION_TAG: data_version, CODE_VERSION_TAG: code_version}
     for key, (version, storage_id) in (inputs or {}).items():
         tags[INPUT_DATA_VERSION_PREFIX + key.to_user_string()] = version
         tags[INPUT_EVENT_POINTER_PREFIX + key.to_user_string()] = (
-            NULL_EVENT_POINTER if storage_id is None else str(storage_id))
+            NULL_EVENT_POINTER if storage_id is None else str(storage_id)
+        )
     return tags
 
 
@@ -65,14 +67,17 @@ def latest_observation(instance: dg.DagsterInstance, key: dg.AssetKey) -> tuple[
     return version, records[0].storage_id
 
 
-def latest_since(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Iterable[str],
-                 after: int) -> dict[str, int]:
+def latest_since(
+    instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Iterable[str], after: int
+) -> dict[str, int]:
     """The storage id of each partition's latest materialization recorded after ``after``
     (what this step just recorded: a bounded read, a few events per partition)."""
     keys = list(partitions)
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=key, asset_partitions=keys, after_storage_id=after),
-        limit=4 * len(keys) + 4, ascending=False).records
+        limit=4 * len(keys) + 4,
+        ascending=False,
+    ).records
     out: dict[str, int] = {}
     for record in records:
         if record.partition_key is not None:
@@ -86,9 +91,13 @@ Events = Mapping[str, tuple[Mapping[str, Any], str]]
 Inputs = Mapping[str, Mapping[dg.AssetKey, tuple[str, int | None]]]
 
 
-def versioned_events(instance: dg.DagsterInstance, asset: dg.AssetKey, code_version: str, events: Events,
-                     inputs: Inputs | None = None,
-                     ) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
+def versioned_events(
+    instance: dg.DagsterInstance,
+    asset: dg.AssetKey,
+    code_version: str,
+    events: Events,
+    inputs: Inputs | None = None,
+) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
     """Yield one materialization per partition of ``events`` with its versions; return each
     partition's (data version, storage id), the inputs of what is downstream of it.
 
@@ -97,7 +106,11 @@ def versioned_events(instance: dg.DagsterInstance, asset: dg.AssetKey, code_vers
     of it, Dagster then reports a new dependency (stale), never a false FRESH."""
     after = high_water(instance, asset)
     for partition, (metadata, version) in events.items():
-        yield dg.AssetMaterialization(asset, partition=partition, metadata=dict(metadata),
-                                      tags=version_tags(version, code_version, (inputs or {}).get(partition)))
+        yield dg.AssetMaterialization(
+            asset,
+            partition=partition,
+            metadata=dict(metadata),
+            tags=version_tags(version, code_version, (inputs or {}).get(partition)),
+        )
     ids = latest_since(instance, asset, events, after)
     return {p: (events[p][1], ids[p]) for p in events if p in ids}

@@ -64,19 +64,27 @@ class PostgresResource(dg.ConfigurableResource):
     database_url: str | None = Field(
         default=None,
         description="libpq URL of the pipeline database (EnvVar PIPELINE_DATABASE_URL when set). Unset: the "
-                    "embedded PostgreSQL under `home`.")
-    home: str | None = Field(default=None, description="PIPELINE_HOME: the embedded server's data. Unset: "
-                                                       "this resource reads the environment's settings.")
-    pool_mode: str = Field(default=_DEFAULTS.database_pool_mode,
-                           description="PIPELINE_DATABASE_POOL_MODE: `transaction` prepares no statement.")
+        "embedded PostgreSQL under `home`.",
+    )
+    home: str | None = Field(
+        default=None,
+        description="PIPELINE_HOME: the embedded server's data. Unset: this resource reads the environment's settings.",
+    )
+    pool_mode: str = Field(
+        default=_DEFAULTS.database_pool_mode,
+        description="PIPELINE_DATABASE_POOL_MODE: `transaction` prepares no statement.",
+    )
     pool_max_size: int = Field(default=4, description="Connections kept by this resource's pool.")
 
     _pool = PrivateAttr(default=None)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "PostgresResource":
-        return cls(database_url=_secret(settings, "database_url"), home=str(settings.home),
-                   pool_mode=settings.database_pool_mode)
+        return cls(
+            database_url=_secret(settings, "database_url"),
+            home=str(settings.home),
+            pool_mode=settings.database_pool_mode,
+        )
 
     def _environment(self) -> Settings | None:
         """The environment's settings, for a resource not built from settings (``home`` unset)."""
@@ -125,22 +133,24 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
     model: str | None = Field(
         default=None,
         description="Model name; unset: the configured one (PIPELINE_EMBEDDING_MODEL, else "
-                    "text-embedding-3-small with OPENAI_API_KEY, else the local offline model). Set, it must be "
-                    "that same model: the code versions are built from the configuration, and a model switch "
-                    "is a configuration change the model_switch sensor follows.")
+        "text-embedding-3-small with OPENAI_API_KEY, else the local offline model). Set, it must be "
+        "that same model: the code versions are built from the configuration, and a model switch "
+        "is a configuration change the model_switch sensor follows.",
+    )
     environment: dict[str, str] | None = Field(
         default=None,
         description="The code location's settings other than secrets and defaults, by environment variable "
-                    "(set when the definitions are built; not a launchpad option). Unset: the environment's.")
+        "(set when the definitions are built; not a launchpad option). Unset: the environment's.",
+    )
     database_url: str | None = Field(default=None, description="EnvVar PIPELINE_DATABASE_URL when set.")
-    source_database_url: str | None = Field(default=None,
-                                            description="EnvVar PIPELINE_SOURCE_DATABASE_URL when set.")
+    source_database_url: str | None = Field(default=None, description="EnvVar PIPELINE_SOURCE_DATABASE_URL when set.")
     openai_api_key: str | None = Field(default=None, description="EnvVar OPENAI_API_KEY when set.")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "EmbeddingProviderResource":
-        return cls(environment=settings_environment(settings),
-                   **{f.name: _secret(settings, f.name) for f in SECRET_FIELDS})
+        return cls(
+            environment=settings_environment(settings), **{f.name: _secret(settings, f.name) for f in SECRET_FIELDS}
+        )
 
     def configured(self) -> Settings:
         """The code location's settings, as the definitions were built from them."""
@@ -158,9 +168,11 @@ class EmbeddingProviderResource(dg.ConfigurableResource):
         if self.model and rt.model_id != (configured := model_id_for(self.configured().provider_config())):
             # A launchpad override: it would register a model nobody serves or works, and record
             # vectors of one model under the code version of another (defs/models/sensors.py).
-            raise ConfigError(f"the run's model {rt.model_id} is not the configured model {configured} (the "
-                              "embeddings code version); set PIPELINE_EMBEDDING_MODEL and reload the code "
-                              "location to switch models")
+            raise ConfigError(
+                f"the run's model {rt.model_id} is not the configured model {configured} (the "
+                "embeddings code version); set PIPELINE_EMBEDDING_MODEL and reload the code "
+                "location to switch models"
+            )
         return rt
 
 
@@ -168,8 +180,10 @@ class SourceDirectoryResource(dg.ConfigurableResource):
     """The source: a folder, an object store prefix or a table (``app/source_registry.py``)."""
 
     root: str | None = Field(
-        default=None, description="The source (a folder path, s3://bucket/prefix, ...); configured (and "
-                                  "unset): PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR.")
+        default=None,
+        description="The source (a folder path, s3://bucket/prefix, ...); configured (and "
+        "unset): PIPELINE_SOURCE, else PIPELINE_SOURCE_DIR.",
+    )
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "SourceDirectoryResource":
@@ -201,12 +215,14 @@ class EmbeddingRunResource(dg.ConfigurableResource):
     in_process: bool | None = Field(
         default=None,
         description="Embed in the run (a worker claiming only the run's chunks) or only wait for "
-                    "`pipeline-assets work` processes elsewhere. Configured: PIPELINE_EMBED_WORKERS "
-                    "(`in-process` by default, `external` for the scale-out path).")
+        "`pipeline-assets work` processes elsewhere. Configured: PIPELINE_EMBED_WORKERS "
+        "(`in-process` by default, `external` for the scale-out path).",
+    )
     deadline_seconds: float | None = Field(
         default=None,
         description="The run fails, with ready/failed/outstanding counts, if its chunks are not all ready or "
-                    "failed by then. Configured: PIPELINE_EMBED_RUN_DEADLINE (3600 s by default).")
+        "failed by then. Configured: PIPELINE_EMBED_RUN_DEADLINE (3600 s by default).",
+    )
 
     def embeds_in_process(self, settings: Settings) -> bool:
         return self.in_process if self.in_process is not None else settings.embed_workers == "in-process"
@@ -221,6 +237,7 @@ def build_resources(settings: Settings) -> dict[str, dg.ConfigurableResource]:
         "postgres": PostgresResource.from_settings(settings),
         "embedding_provider": EmbeddingProviderResource.from_settings(settings),
         "source": SourceDirectoryResource.from_settings(settings),
-        "embedding_run": EmbeddingRunResource(in_process=settings.embed_workers == "in-process",
-                                              deadline_seconds=settings.embed_run_deadline),
+        "embedding_run": EmbeddingRunResource(
+            in_process=settings.embed_workers == "in-process", deadline_seconds=settings.embed_run_deadline
+        ),
     }

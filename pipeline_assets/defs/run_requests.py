@@ -8,19 +8,24 @@ from collections.abc import Iterable
 
 import dagster as dg
 
-SYNC_JOB_NAME = "sync_documents"        # defs/ingest/jobs.py
-EMBED_JOB_NAME = "embed_documents"      # defs/embeddings/jobs.py
+SYNC_JOB_NAME = "sync_documents"  # defs/ingest/jobs.py
+EMBED_JOB_NAME = "embed_documents"  # defs/embeddings/jobs.py
 
-TRIGGER_TAG = "pipeline/trigger"        # the sensor that asked for a run
-RERUN_TAG = "pipeline/rerun"            # a rerun after a code-version bump: stale documents only
-GENERATION_TAG = "pipeline/rerun_generation"   # "{epoch}.{generation}" of the rerun tick that asked
+TRIGGER_TAG = "pipeline/trigger"  # the sensor that asked for a run
+RERUN_TAG = "pipeline/rerun"  # a rerun after a code-version bump: stale documents only
+GENERATION_TAG = "pipeline/rerun_generation"  # "{epoch}.{generation}" of the rerun tick that asked
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 PARTITION_TAG = "dagster/partition"
 # The run statuses in which a run still holds (or will hold) its buckets: a
 # sensor requests nothing while one of its runs is in one of them.
-IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-             dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+IN_FLIGHT = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+]
 
 
 def batch_digest(pairs: Iterable[tuple[str, str]]) -> str:
@@ -30,13 +35,13 @@ def batch_digest(pairs: Iterable[tuple[str, str]]) -> str:
     return h.hexdigest()[:16]
 
 
-def range_request(first: str, last: str, run_key: str, tags: dict[str, str], *,
-                  job_name: str = SYNC_JOB_NAME) -> dg.RunRequest:
+def range_request(
+    first: str, last: str, run_key: str, tags: dict[str, str], *, job_name: str = SYNC_JOB_NAME
+) -> dg.RunRequest:
     """One run of the buckets ``first``..``last`` (one partition when they are the same)."""
     if first == last:
         return dg.RunRequest(run_key=run_key, partition_key=first, tags=tags, job_name=job_name)
-    return dg.RunRequest(run_key=run_key, job_name=job_name,
-                         tags={**tags, RANGE_START_TAG: first, RANGE_END_TAG: last})
+    return dg.RunRequest(run_key=run_key, job_name=job_name, tags={**tags, RANGE_START_TAG: first, RANGE_END_TAG: last})
 
 
 def run_span(run: dg.DagsterRun) -> tuple[str, str] | None:

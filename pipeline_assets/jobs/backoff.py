@@ -16,8 +16,9 @@ def full_jitter(attempt: int, *, base: float, cap: float, rng: random.Random | N
     return (rng or random).uniform(0.0, bound)
 
 
-def retry_delay(attempt: int, *, base: float, cap: float, retry_after: float | None = None,
-                rng: random.Random | None = None) -> float:
+def retry_delay(
+    attempt: int, *, base: float, cap: float, retry_after: float | None = None, rng: random.Random | None = None
+) -> float:
     delay = full_jitter(attempt, base=base, cap=cap, rng=rng)
     if retry_after is not None:
         delay = max(delay, retry_after)

@@ -27,6 +27,7 @@ class TokenBudget:
         if self.daily and self._others_today is not None:
             used = self._others_today + run_tokens
             if used >= self.daily:
-                return (f"daily token budget of {self.daily} reached ({used} used today, UTC); "
-                        "remaining jobs left pending")
+                return (
+                    f"daily token budget of {self.daily} reached ({used} used today, UTC); remaining jobs left pending"
+                )
         return None

@@ -23,6 +23,7 @@ class ClaimedJob(NamedTuple):
     in this order. A named tuple rather than a frozen dataclass: a claim builds
     one per job, and a frozen dataclass's __init__ (an object.__setattr__ per
     field) cost about ten times as much."""
+
     job_id: int
     chunk_checksum: bytes
     attempts: int
@@ -39,18 +40,18 @@ class ClaimedJob(NamedTuple):
 @dataclass(frozen=True)
 class Complete:  # jobs.sql: complete
     job_ids: tuple[int, ...]
-    vectors: tuple[Any, ...]            # per job: its vector (float32)
+    vectors: tuple[Any, ...]  # per job: its vector (float32)
     # The provider call whose answer these vectors are, settled (answered, billed)
     # by the same statement; None: settle nothing (the caller settles it, or no call).
     call: int | None = None
-    tokens: int | None = None           # the call's tokens (the provider's usage); None keeps the estimate
-    latency_ms: int = 0                 # the call's latency
+    tokens: int | None = None  # the call's tokens (the provider's usage); None keeps the estimate
+    latency_ms: int = 0  # the call's latency
 
 
 @dataclass(frozen=True)
 class Retry:  # jobs.sql: fail_retryable
     job_ids: tuple[int, ...]
-    delays: tuple[float, ...]           # per job: seconds before it is claimable again
+    delays: tuple[float, ...]  # per job: seconds before it is claimable again
     error_class: str
     message: str
 
@@ -58,11 +59,11 @@ class Retry:  # jobs.sql: fail_retryable
 @dataclass(frozen=True)
 class GiveBack:  # jobs.sql: give_back
     job_ids: tuple[int, ...]
-    delay: float = 0.0                  # not claimable again before this
-    error_class: str | None = None      # None: keep the job's last error
+    delay: float = 0.0  # not claimable again before this
+    error_class: str | None = None  # None: keep the job's last error
     message: str | None = None
-    throttled: bool = False             # count a throttle on each job
-    faulted: bool = False               # count a transient fault charged to the request on each job
+    throttled: bool = False  # count a throttle on each job
+    faulted: bool = False  # count a transient fault charged to the request on each job
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,11 @@ def merged(changes: Sequence[Change]) -> list[Change]:
             out.append(members[0])
             continue
         first = members[0]
-        per_job = {f.name: tuple(v for m in members for v in getattr(m, f.name))
-                   for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), tuple)}
+        per_job = {
+            f.name: tuple(v for m in members for v in getattr(m, f.name))
+            for f in dataclasses.fields(first)
+            if isinstance(getattr(first, f.name), tuple)
+        }
         # (mypy cannot type replace() over a union of dataclasses with computed field names)
         out.append(dataclasses.replace(first, **per_job))  # type: ignore[arg-type]
     return out
@@ -109,13 +113,20 @@ def merged(changes: Sequence[Change]) -> list[Change]:
 
 def params(change: Change) -> dict[str, Any]:
     """The named parameters of a change's query (lists for the per-job fields)."""
-    return {f.name: list(v) if isinstance(v := getattr(change, f.name), tuple) else v
-            for f in dataclasses.fields(change)}
+    return {
+        f.name: list(v) if isinstance(v := getattr(change, f.name), tuple) else v for f in dataclasses.fields(change)
+    }
 
 
 def _shared(change: Change) -> tuple:
-    return (type(change), *(getattr(change, f.name) for f in dataclasses.fields(change)
-                            if not isinstance(getattr(change, f.name), tuple)))
+    return (
+        type(change),
+        *(
+            getattr(change, f.name)
+            for f in dataclasses.fields(change)
+            if not isinstance(getattr(change, f.name), tuple)
+        ),
+    )
 
 
 class JobObserver:

@@ -16,8 +16,8 @@ import sys
 import time
 from collections.abc import Iterable
 
-AFTER_CLAIM = "after_claim"    # jobs leased, provider not yet called
-AFTER_CALL = "after_call"      # provider answered (and billed), nothing committed
+AFTER_CLAIM = "after_claim"  # jobs leased, provider not yet called
+AFTER_CALL = "after_call"  # provider answered (and billed), nothing committed
 LOG_UNCONSUMED = "log_unconsumed"  # a table's logged rows ingested and committed, the entries not yet deleted
 
 

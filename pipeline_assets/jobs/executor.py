@@ -38,13 +38,13 @@ T = TypeVar("T")
 @dataclass
 class Stopping:
     """Why the worker stops: a fatal provider error, faults of our own, a budget."""
+
     event: threading.Event
     fatal: ProviderError | None = None
     fault: str | None = None
     budget: str | None = None
 
-    def stop(self, *, fatal: ProviderError | None = None, fault: str | None = None,
-             budget: str | None = None) -> None:
+    def stop(self, *, fatal: ProviderError | None = None, fault: str | None = None, budget: str | None = None) -> None:
         if self.fatal is None and self.fault is None and self.budget is None:
             self.fatal, self.fault, self.budget = fatal, fault, budget
         self.event.set()
@@ -78,8 +78,13 @@ class Executor:
     # -- a claim -------------------------------------------------------------------
     def run_claim(self, owner: str, jobs: Sequence[ClaimedJob], batch: int) -> None:
         fault_threshold, throttle_threshold = self._thresholds()
-        requests = request_plan.plan_requests(jobs, max_inputs=batch, max_tokens=self.provider.spec.max_batch_tokens,
-                                           fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
+        requests = request_plan.plan_requests(
+            jobs,
+            max_inputs=batch,
+            max_tokens=self.provider.spec.max_batch_tokens,
+            fault_threshold=fault_threshold,
+            throttle_threshold=throttle_threshold,
+        )
         budget = self.config.call_timeout * (len(requests) + 1) + self.lease_seconds
         self.leases.hold(owner, [j.job_id for j in jobs], time.monotonic() + budget)
         try:
@@ -110,16 +115,25 @@ class Executor:
     def release(self, owner: str, jobs: Sequence[ClaimedJob], exc: Exception) -> None:
         """Give the jobs back without using an attempt; stop after a few faults in a row."""
         consecutive, unavailable = self.faults.count(exc)
-        outcome = decisions.worker_error(exc, jobs, consecutive=consecutive, unavailable=unavailable,
-                                         base=self.config.backoff_base, cap=self.config.backoff_cap)
+        outcome = decisions.worker_error(
+            exc,
+            jobs,
+            consecutive=consecutive,
+            unavailable=unavailable,
+            base=self.config.backoff_base,
+            cap=self.config.backoff_cap,
+        )
         try:
             self._ride_out(owner, lambda: self.store.apply(owner, outcome.changes))
             if jobs and jobs[0].probe:
                 self.store.release_probe(owner)
         except Exception as err:
             if self.db_wait.failed(err):  # stopping while the database is away
-                log.warning("could not hand back jobs (the database is unavailable); they return when "
-                            "their lease expires, without using an attempt: %s", one_line(err))
+                log.warning(
+                    "could not hand back jobs (the database is unavailable); they return when "
+                    "their lease expires, without using an attempt: %s",
+                    one_line(err),
+                )
             else:
                 log.exception("could not hand back jobs; they return when their lease expires")
         if outcome.stop is not None:
@@ -136,8 +150,13 @@ class Executor:
         """``step`` (a database step of the claim ``owner``), waiting while the database is
         unavailable; the wait does not count against the claim's deadline, so the heartbeat
         keeps its lease once the database is back."""
-        return self.db_wait.ride_out(step, self.stopping.event, on_wait=lambda: self.leases.extend_deadline(
-            owner, time.monotonic() + self.config.call_timeout + self.lease_seconds))
+        return self.db_wait.ride_out(
+            step,
+            self.stopping.event,
+            on_wait=lambda: self.leases.extend_deadline(
+                owner, time.monotonic() + self.config.call_timeout + self.lease_seconds
+            ),
+        )
 
     # -- a request -----------------------------------------------------------------
     def call(self, owner: str, jobs: Sequence[ClaimedJob]) -> None:
@@ -157,8 +176,9 @@ class Executor:
             outcome = self._decide(err, jobs, started)
             if err.kind in (THROTTLED, RETRYABLE):
                 self.view.rates.record(THROTTLE if err.kind == THROTTLED else FAULT)
-            if err.kind == THROTTLED or (err.kind == RETRYABLE and not (isinstance(outcome, Apply)
-                                                                      and outcome.charged)):
+            if err.kind == THROTTLED or (
+                err.kind == RETRYABLE and not (isinstance(outcome, Apply) and outcome.charged)
+            ):
                 self.view.limit.failed()  # the provider's: fewer requests in flight
             self.carry_out(owner, jobs, outcome)
             return
@@ -169,8 +189,9 @@ class Executor:
         self.view.rates.record(SUCCESS)
         crashpoints.reach(crashpoints.AFTER_CALL, self.config.crashpoint, (j.text for j in jobs))
         answer = Answer(call_id, result.tokens, latency)
-        stop = answer_checks.check_vectors([len(v) for v in result.vectors], jobs, expected=self.view.dimension,
-                                       model_id=self.provider.spec.model_id)
+        stop = answer_checks.check_vectors(
+            [len(v) for v in result.vectors], jobs, expected=self.view.dimension, model_id=self.provider.spec.model_id
+        )
         if stop is not None:
             self.store.apply(owner, [], answer=answer)
             self.carry_out(owner, jobs, stop)
@@ -180,9 +201,16 @@ class Executor:
         vectors = result.vectors
         changes: list[Change] = []
         # One check of the whole answer; vector by vector only when it fails.
-        bad = None if np.isfinite(np.concatenate(vectors)).all() else answer_checks.bad_vectors(
-            [bool(np.isfinite(v).all()) for v in vectors], jobs,
-            base=self.config.backoff_base, cap=self.config.backoff_cap)
+        bad = (
+            None
+            if np.isfinite(np.concatenate(vectors)).all()
+            else answer_checks.bad_vectors(
+                [bool(np.isfinite(v).all()) for v in vectors],
+                jobs,
+                base=self.config.backoff_base,
+                cap=self.config.backoff_cap,
+            )
+        )
         if bad is not None:  # NaN/inf: the provider's fault, for those inputs; the rest complete
             if bad.breaker is not None:
                 self.store.provider_failure(bad.breaker)
@@ -216,8 +244,11 @@ class Executor:
             if outcome.pause:
                 self.view.paused_until = time.monotonic() + outcome.pause
             if outcome.unusable:
-                log.info("the provider answered nothing usable even to a single trivial input "
-                         "(%d in a row); the request was given back, nothing charged", self.view.unusable)
+                log.info(
+                    "the provider answered nothing usable even to a single trivial input "
+                    "(%d in a row); the request was given back, nothing charged",
+                    self.view.unusable,
+                )
             self.store.apply(owner, outcome.changes)
 
     def _thresholds(self) -> tuple[int, int]:
@@ -225,15 +256,24 @@ class Executor:
         rates = self.view.rates
         return rates.fault_threshold(), rates.throttle_threshold(request_plan.THROTTLE_SHRINK_AFTER)
 
-    def _decide(self, err: ProviderError, jobs: Sequence[ClaimedJob], started: float,
-                health: str | None = None) -> Outcome:
+    def _decide(
+        self, err: ProviderError, jobs: Sequence[ClaimedJob], started: float, health: str | None = None
+    ) -> Outcome:
         fault_threshold, throttle_threshold = self._thresholds()
-        outcome = decisions.decide(err, jobs, config_ok=self.view.config_ok, base=self.config.backoff_base,
-                                   cap=self.config.backoff_cap, poll_seconds=self.poll_seconds,
-                                   retry_after_cap=self.config.retry_after_cap,
-                                   max_throttles=self.config.max_throttles, health=health,
-                                   unusable_in_a_row=max(0, self.view.unusable - 1),
-                                   fault_threshold=fault_threshold, throttle_threshold=throttle_threshold)
+        outcome = decisions.decide(
+            err,
+            jobs,
+            config_ok=self.view.config_ok,
+            base=self.config.backoff_base,
+            cap=self.config.backoff_cap,
+            poll_seconds=self.poll_seconds,
+            retry_after_cap=self.config.retry_after_cap,
+            max_throttles=self.config.max_throttles,
+            health=health,
+            unusable_in_a_row=max(0, self.view.unusable - 1),
+            fault_threshold=fault_threshold,
+            throttle_threshold=throttle_threshold,
+        )
         if isinstance(outcome, ProbeConfig):
             self.checks.probe_config()
             return self._decide(err, jobs, started, health)

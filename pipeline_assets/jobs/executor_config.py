@@ -33,10 +33,13 @@ class ExecutorConfig:
     crashpoint: str | None = None  # tests only: freeze at a named point (``jobs.crashpoints``)
 
     def __post_init__(self) -> None:
-        check(self, [
-            (self.call_timeout > 0, "call_timeout", "must be positive"),
-            (self.backoff_base >= 0, "backoff_base", "must not be negative"),
-            (self.backoff_cap >= 0, "backoff_cap", "must not be negative"),
-            (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),
-            (self.max_throttles >= 1, "max_throttles", "must be at least 1"),
-        ])
+        check(
+            self,
+            [
+                (self.call_timeout > 0, "call_timeout", "must be positive"),
+                (self.backoff_base >= 0, "backoff_base", "must not be negative"),
+                (self.backoff_cap >= 0, "backoff_cap", "must not be negative"),
+                (self.retry_after_cap >= 0, "retry_after_cap", "must not be negative"),
+                (self.max_throttles >= 1, "max_throttles", "must be at least 1"),
+            ],
+        )

@@ -58,7 +58,8 @@ def database_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, (PoolTimeout, DatabaseUnavailable)) or read_only(exc):
         return True
     return isinstance(exc, psycopg.OperationalError) and (
-        exc.sqlstate is None or exc.sqlstate.startswith("08") or exc.sqlstate in UNAVAILABLE_STATES)
+        exc.sqlstate is None or exc.sqlstate.startswith("08") or exc.sqlstate in UNAVAILABLE_STATES
+    )
 
 
 def why_unavailable(exc: BaseException) -> str:
@@ -67,7 +68,8 @@ def why_unavailable(exc: BaseException) -> str:
         return "read-only"
     state = getattr(exc, "sqlstate", None)
     return {"57P01": "shutting down", "57P02": "crashed", "57P03": "not accepting connections yet"}.get(
-        state or "", "unreachable")
+        state or "", "unreachable"
+    )
 
 
 def one_line(exc: BaseException) -> str:
@@ -115,14 +117,19 @@ class DatabaseWait:
     after it is writable.
     """
 
-    def __init__(self, on_unavailable: Callable[[], object] | None = None, *,
-                 base: float = DATABASE_RETRY_BASE_SECONDS, cap: float = DATABASE_RETRY_CAP_SECONDS) -> None:
+    def __init__(
+        self,
+        on_unavailable: Callable[[], object] | None = None,
+        *,
+        base: float = DATABASE_RETRY_BASE_SECONDS,
+        cap: float = DATABASE_RETRY_CAP_SECONDS,
+    ) -> None:
         self._on_unavailable = on_unavailable
         self._base = base
         self._cap = cap
-        self._since: float | None = None   # monotonic, the first failure of the outage
-        self._tries = 0                    # failures since then, every thread
-        self._reasons: set[str] = set()    # the kinds of unavailability this outage logged
+        self._since: float | None = None  # monotonic, the first failure of the outage
+        self._tries = 0  # failures since then, every thread
+        self._reasons: set[str] = set()  # the kinds of unavailability this outage logged
         self._lock = threading.Lock()
 
     def failed(self, exc: BaseException) -> bool:
@@ -138,8 +145,9 @@ class DatabaseWait:
             new_reason = reason not in self._reasons
             self._reasons.add(reason)
         if first:
-            log.warning("database unavailable (%s): the worker waits and retries, charging no job; %s",
-                        reason, one_line(exc))
+            log.warning(
+                "database unavailable (%s): the worker waits and retries, charging no job; %s", reason, one_line(exc)
+            )
         elif new_reason:
             log.warning("database still unavailable, now %s: the worker goes on waiting; %s", reason, one_line(exc))
         if (first or read_only(exc)) and self._on_unavailable is not None:
@@ -163,8 +171,13 @@ class DatabaseWait:
         bound = min(self._cap, self._base * 2 ** min(self._tries, 30))
         stop.wait(random.uniform(bound / 2, bound))
 
-    def ride_out(self, step: Callable[[], T], stop: threading.Event,
-                 on_wait: Callable[[], object] | None = None, give_up_after: float | None = None) -> T:
+    def ride_out(
+        self,
+        step: Callable[[], T],
+        stop: threading.Event,
+        on_wait: Callable[[], object] | None = None,
+        give_up_after: float | None = None,
+    ) -> T:
         """``step()``, tried again while the database is unavailable (``on_wait`` before
         each pause); its error is raised when it is not unavailability, once ``stop`` is
         set, or after ``give_up_after`` seconds."""
@@ -173,8 +186,11 @@ class DatabaseWait:
             try:
                 result = step()
             except Exception as exc:
-                if not self.failed(exc) or stop.is_set() or (
-                        give_up_after is not None and time.monotonic() - started >= give_up_after):
+                if (
+                    not self.failed(exc)
+                    or stop.is_set()
+                    or (give_up_after is not None and time.monotonic() - started >= give_up_after)
+                ):
                     raise
                 if on_wait is not None:
                     on_wait()

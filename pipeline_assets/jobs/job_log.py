@@ -55,8 +55,11 @@ class JobLog(JobObserver):
         self.model_id = model_id
 
     def rescued(self, count: int) -> None:
-        log.warning("rescued %d job(s) whose lease expired or whose worker stopped beating", count,
-                    extra={"worker_id": self.worker_id, "rescued": count})
+        log.warning(
+            "rescued %d job(s) whose lease expired or whose worker stopped beating",
+            count,
+            extra={"worker_id": self.worker_id, "rescued": count},
+        )
 
     def applied(self, change: Change, became: dict[int, str]) -> None:
         moved = list(became)
@@ -65,49 +68,94 @@ class JobLog(JobObserver):
         elif isinstance(change, Retry):
             retried = [i for i, s in became.items() if s == JobStatus.RETRY]
             dead = [i for i, s in became.items() if s == JobStatus.FAILED]
-            self._log_jobs(logging.INFO, retried, "job failed (%s), will retry", (change.error_class,),
-                           error_class=change.error_class)
-            self._log_jobs(logging.WARNING, dead, "job dead-lettered (%s): attempts used up", (change.error_class,),
-                           error_class=change.error_class)
+            self._log_jobs(
+                logging.INFO,
+                retried,
+                "job failed (%s), will retry",
+                (change.error_class,),
+                error_class=change.error_class,
+            )
+            self._log_jobs(
+                logging.WARNING,
+                dead,
+                "job dead-lettered (%s): attempts used up",
+                (change.error_class,),
+                error_class=change.error_class,
+            )
         elif isinstance(change, Fail):
-            self._log_jobs(logging.WARNING, moved, "job dead-lettered (%s)", (change.error_class,),
-                           error_class=change.error_class)
+            self._log_jobs(
+                logging.WARNING, moved, "job dead-lettered (%s)", (change.error_class,), error_class=change.error_class
+            )
 
     def _given_back(self, change: GiveBack, moved: list[int]) -> None:
         # The give-back returned the attempt: the one it ended is the next one again.
         if change.faulted:
-            self._log_jobs(logging.INFO, moved, "job's request failed (%s: charged to the provider and the "
-                           "request, no attempt used), will retry in %.2f s", (change.error_class, change.delay),
-                           error_class=change.error_class, attempt_offset=1)
+            self._log_jobs(
+                logging.INFO,
+                moved,
+                "job's request failed (%s: charged to the provider and the "
+                "request, no attempt used), will retry in %.2f s",
+                (change.error_class, change.delay),
+                error_class=change.error_class,
+                attempt_offset=1,
+            )
             return
         if change.error_class is None:
-            self._log_jobs(logging.INFO, moved, "job handed back without using an attempt (not sent)", (),
-                           attempt_offset=1)
+            self._log_jobs(
+                logging.INFO, moved, "job handed back without using an attempt (not sent)", (), attempt_offset=1
+            )
             return
         # A fault of our own is worth a warning; throttles and the provider's unusable answers are
         # routine (the breaker counts them; a few unmatchable ones in a row stop the worker with a line).
         level = logging.WARNING if change.error_class == WORKER_ERROR else logging.INFO
         why = "throttled" if change.throttled else change.error_class
-        self._log_jobs(level, moved, "job given back without using an attempt (%s); available again in %.2f s",
-                       (why, change.delay), error_class=change.error_class, attempt_offset=1)
+        self._log_jobs(
+            level,
+            moved,
+            "job given back without using an attempt (%s); available again in %.2f s",
+            (why, change.delay),
+            error_class=change.error_class,
+            attempt_offset=1,
+        )
 
     # -- the lines -----------------------------------------------------------------------
-    def _log_jobs(self, level: int, job_ids: Sequence[int], msg: str, args: tuple, *,
-                  error_class: str | None = None, attempt_offset: int = 0) -> None:
+    def _log_jobs(
+        self,
+        level: int,
+        job_ids: Sequence[int],
+        msg: str,
+        args: tuple,
+        *,
+        error_class: str | None = None,
+        attempt_offset: int = 0,
+    ) -> None:
         if not job_ids or not log.isEnabledFor(level):
             return
         try:
             context = self._context(job_ids)
         except Exception as exc:  # a log line must never fail a transition that already committed
-            log.warning("could not read the context of %d job(s) to log: %s", len(job_ids), type(exc).__name__,
-                        extra={"worker_id": self.worker_id})
+            log.warning(
+                "could not read the context of %d job(s) to log: %s",
+                len(job_ids),
+                type(exc).__name__,
+                extra={"worker_id": self.worker_id},
+            )
             context = {}
         for job_id in job_ids:
             attempts, document_id = context.get(job_id, (None, None))
-            log.log(level, msg, *args, extra={
-                "job_id": job_id, "document_id": document_id, "worker_id": self.worker_id,
-                "attempt": None if attempts is None else attempts + attempt_offset,
-                "model_id": self.model_id, "error_class": error_class})
+            log.log(
+                level,
+                msg,
+                *args,
+                extra={
+                    "job_id": job_id,
+                    "document_id": document_id,
+                    "worker_id": self.worker_id,
+                    "attempt": None if attempts is None else attempts + attempt_offset,
+                    "model_id": self.model_id,
+                    "error_class": error_class,
+                },
+            )
 
     def _context(self, job_ids: Sequence[int]) -> dict[int, tuple[int, str | None]]:
         with self.pool.connection(timeout=CONTEXT_TIMEOUT_SECONDS) as conn:
@@ -115,8 +163,9 @@ class JobLog(JobObserver):
         return {job_id: (attempts, document_id) for job_id, attempts, document_id in rows}
 
 
-def observers(pool: ConnectionPool, *, worker_id: str, model_id: str,
-              extra: Sequence[JobObserver] = ()) -> list[JobObserver]:
+def observers(
+    pool: ConnectionPool, *, worker_id: str, model_id: str, extra: Sequence[JobObserver] = ()
+) -> list[JobObserver]:
     """The observers a worker's store is built with."""
     return [JobLog(pool, worker_id=worker_id, model_id=model_id), ClaimCounter(), *extra]
 

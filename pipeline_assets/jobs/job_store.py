@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Answer:
     """A provider answer to settle in the ledger together with the transitions it led to."""
+
     call_id: int
     tokens: int
     latency: float
@@ -89,8 +90,9 @@ class JobStore(Protocol):
         """Count a send before its request goes out (possibly billed); returns the call id."""
         ...
 
-    def record_outcome(self, call_id: int, *, outcome: str, status: int | None, latency: float, billed: str,
-                       tokens: int | None = None) -> None:
+    def record_outcome(
+        self, call_id: int, *, outcome: str, status: int | None, latency: float, billed: str, tokens: int | None = None
+    ) -> None:
         """Settle a recorded send once (a second outcome changes nothing)."""
         ...
 

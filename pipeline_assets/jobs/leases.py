@@ -90,11 +90,24 @@ class Liveness:
     """This worker's row in ``app.workers``, kept fresh by a thread on its own
     connection (never the pool's: a busy pool must not make a live worker look dead)."""
 
-    def __init__(self, connect: Callable[[], psycopg.Connection], *, owner_prefix: str, worker_id: str,
-                 model_id: str, dead_after: float) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], psycopg.Connection],
+        *,
+        owner_prefix: str,
+        worker_id: str,
+        model_id: str,
+        dead_after: float,
+    ) -> None:
         self._connect = connect
-        self._params = {"prefix": owner_prefix, "worker": worker_id, "model": model_id, "host": socket.gethostname(),
-                        "pid": os.getpid(), "dead_after": dead_after}
+        self._params = {
+            "prefix": owner_prefix,
+            "worker": worker_id,
+            "model": model_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "dead_after": dead_after,
+        }
         self._interval = dead_after / BEATS_PER_WINDOW
         self._conn: psycopg.Connection | None = None
         self._stop = threading.Event()
@@ -128,8 +141,9 @@ class Liveness:
             try:
                 self._beat()
             except Exception as exc:  # a missed beat is harmless unless the window passes
-                log.log(logging.DEBUG if database_unavailable(exc) else logging.WARNING,
-                        "liveness beat failed: %s", exc)
+                log.log(
+                    logging.DEBUG if database_unavailable(exc) else logging.WARNING, "liveness beat failed: %s", exc
+                )
 
     def stop(self, *, leave: bool = True) -> None:
         """Stop beating; ``leave``: delete the row (the claims were handed back)."""

@@ -28,6 +28,7 @@ NEVER = float("-inf")
 @dataclass
 class MemoryJob:
     """One row of the queue (app.embedding_jobs)."""
+
     job_id: int
     chunk_checksum: bytes
     model_id: str
@@ -57,6 +58,7 @@ class MemoryModel:
 @dataclass
 class Breaker:
     """One model's provider state (app.provider_state)."""
+
     consecutive_failures: int = 0
     tripped: bool = False
     paused_until: float = NEVER
@@ -68,6 +70,7 @@ class Breaker:
 @dataclass
 class Call:
     """One provider call in the ledger (app.provider_calls)."""
+
     model_id: str
     run: str | None
     checksums: tuple[bytes, ...]
@@ -82,6 +85,7 @@ class Call:
 @dataclass
 class Beats:
     """One worker's liveness (app.workers): beating since, last beat, alive until."""
+
     alive_since: float
     beat_at: float
     alive_until: float
@@ -177,6 +181,9 @@ class MemoryQueue:
         if r is None or r.alive_until < now:
             return False
         window_start = now - (r.alive_until - r.beat_at)
-        return any(owner.startswith(prefix) and w.alive_until < now
-                   and (r.alive_since <= w.alive_until or r.alive_since <= window_start)
-                   for prefix, w in self.workers.items())
+        return any(
+            owner.startswith(prefix)
+            and w.alive_until < now
+            and (r.alive_since <= w.alive_until or r.alive_since <= window_start)
+            for prefix, w in self.workers.items()
+        )

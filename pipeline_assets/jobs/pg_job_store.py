@@ -34,9 +34,18 @@ class PostgresJobStore:
     """``jobs.job_store.JobStore`` over a connection pool (the claim's SKIP LOCKED
     lets any number of workers share the queue)."""
 
-    def __init__(self, pool: ConnectionPool, *, model_id: str, worker_id: str, backoff_base: float,
-                 backoff_cap: float, run: str | None = None, scope: Sequence[int] | None = None,
-                 observers: Sequence[JobObserver] = ()) -> None:
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        *,
+        model_id: str,
+        worker_id: str,
+        backoff_base: float,
+        backoff_cap: float,
+        run: str | None = None,
+        scope: Sequence[int] | None = None,
+        observers: Sequence[JobObserver] = (),
+    ) -> None:
         self.pool = pool
         # Claim only the jobs of these documents' chunks (doc_pk), when set: a Dagster run's own partitions.
         self.scope = list(scope) if scope is not None else None
@@ -70,8 +79,9 @@ class PostgresJobStore:
         """Claim a batch (of the scope, if any). A claim that took the half-open
         probe slot but found nothing (a job taken meanwhile) frees the slot at once."""
         with self.pool.connection() as conn:
-            jobs = transitions.claim(conn, model_id=self.model_id, owner=owner, limit=limit,
-                                     lease_seconds=lease_seconds, docs=self.scope)
+            jobs = transitions.claim(
+                conn, model_id=self.model_id, owner=owner, limit=limit, lease_seconds=lease_seconds, docs=self.scope
+            )
             if not jobs:
                 provider_state.release_probe(conn, self.model_id, owner)
         if jobs:
@@ -94,9 +104,12 @@ class PostgresJobStore:
             return {}
         settle = answer
         if answer is not None and any(isinstance(c, Complete) and c.job_ids for c in changes):
-            changes = [dataclasses.replace(c, call=answer.call_id, tokens=answer.tokens,
-                                           latency_ms=int(answer.latency * 1000))
-                       if isinstance(c, Complete) and c.job_ids else c for c in changes]
+            changes = [
+                dataclasses.replace(c, call=answer.call_id, tokens=answer.tokens, latency_ms=int(answer.latency * 1000))
+                if isinstance(c, Complete) and c.job_ids
+                else c
+                for c in changes
+            ]
             settle = None
         with self.pool.connection() as conn:
             for attempt in range(COMPLETE_RETRIES):
@@ -106,8 +119,15 @@ class PostgresJobStore:
                         break
                     with conn.pipeline(), conn.transaction():
                         if settle is not None:
-                            ledger.record_outcome(conn, call_id=settle.call_id, outcome="ok", status=200,
-                                                  latency=settle.latency, billed=ledger.BILLED, tokens=settle.tokens)
+                            ledger.record_outcome(
+                                conn,
+                                call_id=settle.call_id,
+                                outcome="ok",
+                                status=200,
+                                latency=settle.latency,
+                                billed=ledger.BILLED,
+                                tokens=settle.tokens,
+                            )
                         applied = transitions.apply(conn, owner, changes)
                     break
                 except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
@@ -162,21 +182,30 @@ class PostgresJobStore:
     def record_send(self, jobs: Sequence[ClaimedJob], tokens: int) -> int:
         """Before a request goes out: count its send (committed on its own); returns the call id."""
         with self.pool.connection() as conn:
-            return ledger.record_send(conn, model_id=self.model_id, worker_id=self.worker_id, run=self.run,
-                                      checksums=[j.chunk_checksum for j in jobs], tokens=tokens)
+            return ledger.record_send(
+                conn,
+                model_id=self.model_id,
+                worker_id=self.worker_id,
+                run=self.run,
+                checksums=[j.chunk_checksum for j in jobs],
+                tokens=tokens,
+            )
 
-    def record_outcome(self, call_id: int, *, outcome: str, status: int | None, latency: float, billed: str,
-                       tokens: int | None = None) -> None:
+    def record_outcome(
+        self, call_id: int, *, outcome: str, status: int | None, latency: float, billed: str, tokens: int | None = None
+    ) -> None:
         with self.pool.connection() as conn:
-            ledger.record_outcome(conn, call_id=call_id, outcome=outcome, status=status, latency=latency,
-                                  billed=billed, tokens=tokens)
+            ledger.record_outcome(
+                conn, call_id=call_id, outcome=outcome, status=status, latency=latency, billed=billed, tokens=tokens
+            )
 
     def record_failure(self, call_id: int, err: ProviderError, latency: float, prefix: str = "") -> None:
         """Settle a failed send: an ambiguous failure (timeout, dropped answer) may
         have been billed and keeps its estimated tokens; a refusal was not billed."""
         billed, tokens = failure_billing(err)
-        self.record_outcome(call_id, outcome=prefix + err.error_class, status=err.status, latency=latency,
-                            billed=billed, tokens=tokens)
+        self.record_outcome(
+            call_id, outcome=prefix + err.error_class, status=err.status, latency=latency, billed=billed, tokens=tokens
+        )
 
     def tokens_today_of_others(self) -> int:
         """The model's tokens today, except this worker run's (it counts its own as they are answered)."""
@@ -186,12 +215,25 @@ class PostgresJobStore:
     def provider_failure(self, breaker: BreakerFailure) -> None:
         with self.pool.connection() as conn:
             if breaker.pause_only:
-                provider_state.provider_pause(conn, self.model_id, floor=breaker.floor, base=self._base, cap=self._cap,
-                                           probe_cap=BREAKER_PROBE_INTERVAL)
+                provider_state.provider_pause(
+                    conn,
+                    self.model_id,
+                    floor=breaker.floor,
+                    base=self._base,
+                    cap=self._cap,
+                    probe_cap=BREAKER_PROBE_INTERVAL,
+                )
                 return
-            provider_state.provider_failure(conn, self.model_id, trip=breaker.trip, floor=breaker.floor,
-                                         base=self._base, cap=self._cap, threshold=BREAKER_THRESHOLD,
-                                         probe_cap=BREAKER_PROBE_INTERVAL)
+            provider_state.provider_failure(
+                conn,
+                self.model_id,
+                trip=breaker.trip,
+                floor=breaker.floor,
+                base=self._base,
+                cap=self._cap,
+                threshold=BREAKER_THRESHOLD,
+                probe_cap=BREAKER_PROBE_INTERVAL,
+            )
 
     def provider_healthy(self) -> None:
         """A usable answer after failures: close the breaker, reset the unusable answers in a row."""

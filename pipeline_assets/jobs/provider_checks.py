@@ -37,12 +37,12 @@ CHECK_TRIES = 3
 
 @dataclass
 class ProviderView:
-    dimension: int | None                  # the model's, once known (the recorded one wins)
-    config_ok: bool | None = None          # the configuration probe's answer (None: not asked)
-    paused_until: float = 0.0              # monotonic; a 429 seen here: send nothing more of held claims
-    had_failure: bool = False              # reset the shared failure count only after failures
-    unusable: int = 0                      # unusable answers in a row, as last read from the database
-    last_usable: float = float("-inf")     # monotonic; the provider's last usable answer to this worker
+    dimension: int | None  # the model's, once known (the recorded one wins)
+    config_ok: bool | None = None  # the configuration probe's answer (None: not asked)
+    paused_until: float = 0.0  # monotonic; a 429 seen here: send nothing more of held claims
+    had_failure: bool = False  # reset the shared failure count only after failures
+    unusable: int = 0  # unusable answers in a row, as last read from the database
+    last_usable: float = float("-inf")  # monotonic; the provider's last usable answer to this worker
     checked: tuple[float, str] = (float("-inf"), ANSWERS)  # monotonic start and verdict of the last check
     rates: ProviderRates = field(default_factory=ProviderRates)
     limit: SendLimit = field(default_factory=lambda: SendLimit(DEFAULT_CONCURRENCY))
@@ -82,8 +82,12 @@ class ProviderChecks:
             for _ in range(CHECK_TRIES):  # a flaky provider fails one trivial request, rarely all
                 result, err = self._trivial_call("health_probe")
                 self.view.rates.record(SUCCESS if err is None else THROTTLE if err.kind == THROTTLED else FAULT)
-                if err is None or err.kind not in (RETRYABLE, THROTTLED) \
-                        or err.error_class == BAD_RESPONSE or self.stop.is_set():
+                if (
+                    err is None
+                    or err.kind not in (RETRYABLE, THROTTLED)
+                    or err.error_class == BAD_RESPONSE
+                    or self.stop.is_set()
+                ):
                     break
             if err is None and result is not None and len(result.vectors) == 1:
                 self.view.last_usable = time.monotonic()
@@ -109,10 +113,12 @@ class ProviderChecks:
         if self.check_provider(time.monotonic()) != UNUSABLE:
             return None
         return ProviderError(
-            FATAL, TOO_MANY_UNMATCHED_ANSWERS,
+            FATAL,
+            TOO_MANY_UNMATCHED_ANSWERS,
             f"the provider sent {self.view.unusable} answers in a row that cannot be matched to their inputs, "
             "the last to a single trivial input, and still does; nothing was claimed: check the endpoint "
-            "(OPENAI_BASE_URL) or the proxy in front of it")
+            "(OPENAI_BASE_URL) or the proxy in front of it",
+        )
 
     def usable(self) -> None:
         """A usable answer after failures: close the breaker, reset the unusable answers in a row."""
@@ -130,8 +136,14 @@ class ProviderChecks:
         except ProviderError as err:
             self.store.record_failure(call_id, err, time.monotonic() - started, prefix=outcome + "_")
             return None, err
-        self.store.record_outcome(call_id, outcome=outcome, status=200, latency=time.monotonic() - started,
-                                  billed=ledger.BILLED, tokens=result.tokens)
+        self.store.record_outcome(
+            call_id,
+            outcome=outcome,
+            status=200,
+            latency=time.monotonic() - started,
+            billed=ledger.BILLED,
+            tokens=result.tokens,
+        )
         return result, None
 
     def probe_config(self) -> None:
@@ -148,5 +160,4 @@ def embed(provider: Provider, texts: list[str]) -> EmbedResult:
     try:
         return provider.embed(texts)
     except ValueError as exc:
-        raise ProviderError(RETRYABLE, BAD_RESPONSE,
-                            f"unusable answer for {len(texts)} inputs: {exc}") from None
+        raise ProviderError(RETRYABLE, BAD_RESPONSE, f"unusable answer for {len(texts)} inputs: {exc}") from None

@@ -47,8 +47,9 @@ class ReportCounts(JobObserver):
         elif isinstance(change, Fail):
             self.report.add(failed=len(statuses))
         elif isinstance(change, GiveBack):  # a job whose lease another worker holds now stays with it
-            self.report.add(throttled=len(statuses) if change.throttled else 0,
-                            refused=len(change.job_ids) - len(statuses))
+            self.report.add(
+                throttled=len(statuses) if change.throttled else 0, refused=len(change.job_ids) - len(statuses)
+            )
 
     def rescued(self, count: int) -> None:
         self.report.add(rescued=count)

@@ -54,8 +54,14 @@ def fault_cap(faults: int, max_inputs: int, threshold: int = 1) -> int:
     return max(1, max_inputs >> (FAULT_SHRINK_BITS * level))
 
 
-def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: int, fault_threshold: int = 1,
-                  throttle_threshold: int = THROTTLE_SHRINK_AFTER) -> list[list[ClaimedJob]]:
+def plan_requests(
+    jobs: Sequence[ClaimedJob],
+    *,
+    max_inputs: int,
+    max_tokens: int,
+    fault_threshold: int = 1,
+    throttle_threshold: int = THROTTLE_SHRINK_AFTER,
+) -> list[list[ClaimedJob]]:
     """Group jobs into requests bounded by inputs and tokens.
 
     Jobs without text (no current chunk carries their checksum) are left out.
@@ -90,8 +96,9 @@ def plan_requests(jobs: Sequence[ClaimedJob], *, max_inputs: int, max_tokens: in
     return requests
 
 
-def _fill(jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int,
-          fault_threshold: int = 1) -> list[list[ClaimedJob]]:
+def _fill(
+    jobs: Sequence[ClaimedJob], max_inputs: int, max_tokens: int, fault_threshold: int = 1
+) -> list[list[ClaimedJob]]:
     """Requests filled in order up to ``max_inputs`` inputs (fewer for a request
     whose first job met faults) and ``max_tokens`` tokens."""
     requests: list[list[ClaimedJob]] = []

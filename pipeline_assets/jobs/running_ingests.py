@@ -35,14 +35,16 @@ INGEST_ALIVE_SECONDS = 15.0
 INGEST_BEAT_SECONDS = 3.0
 
 # What a drained queue does about its model's missing vector index (``index_build_decision``).
-BUILD = "build"        # build it now
-WAIT = "wait"          # the queue has not stayed empty for the builder's quiet period yet
-PUT_OFF = "put off"    # an ingest is running: left to the next drain after it (``PUT_OFF_BUILDER``)
+BUILD = "build"  # build it now
+WAIT = "wait"  # the queue has not stayed empty for the builder's quiet period yet
+PUT_OFF = "put off"  # an ingest is running: left to the next drain after it (``PUT_OFF_BUILDER``)
 
 # Who builds an index put off for an ingest (said in the log line and the run's metadata).
-PUT_OFF_BUILDER = ("the first drain after the ingests end: a running `work` process whose queue is still empty, "
-                   "the next `work` or in-process embeddings run whose model's queue drains, or "
-                   "`pipeline-assets models index`")
+PUT_OFF_BUILDER = (
+    "the first drain after the ingests end: a running `work` process whose queue is still empty, "
+    "the next `work` or in-process embeddings run whose model's queue drains, or "
+    "`pipeline-assets models index`"
+)
 
 
 def any_running(conn: psycopg.Connection) -> bool:
@@ -50,8 +52,9 @@ def any_running(conn: psycopg.Connection) -> bool:
     return bool(queries.scalar(conn, INGESTS.any_running))
 
 
-def index_build_decision(ingest_running: Callable[[], bool], *, drained_for: float = 0.0,
-                         quiet_seconds: float = 0.0) -> str:
+def index_build_decision(
+    ingest_running: Callable[[], bool], *, drained_for: float = 0.0, quiet_seconds: float = 0.0
+) -> str:
     """The one rule for building a model's missing vector index once its queue drained: WAIT
     while the queue has been empty less than ``quiet_seconds`` (a long-running worker's quiet
     period; a builder that is leaving has none), PUT_OFF while ``ingest_running()``, else BUILD."""
@@ -62,16 +65,22 @@ def index_build_decision(ingest_running: Callable[[], bool], *, drained_for: flo
 
 def put_off_line(model_id: str) -> str:
     """The one line saying a drained queue left its index for later, and who builds it."""
-    return (f"the queue of model {model_id} drained while an ingest runs: its vector index is not built now "
-            f"(it would be maintained by every insert of the ingest); it is built by {PUT_OFF_BUILDER}")
+    return (
+        f"the queue of model {model_id} drained while an ingest runs: its vector index is not built now "
+        f"(it would be maintained by every insert of the ingest); it is built by {PUT_OFF_BUILDER}"
+    )
 
 
 @contextmanager
 def marked(connect: Callable[[], psycopg.Connection]) -> Iterator[None]:
     """The ingest inside this block is marked running (a row, a beat thread on a connection
     of its own from ``connect``); the row is deleted on the way out, whatever the outcome."""
-    params = {"ingest": uuid.uuid4(), "host": socket.gethostname(), "pid": os.getpid(),
-              "alive_for": INGEST_ALIVE_SECONDS}
+    params = {
+        "ingest": uuid.uuid4(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "alive_for": INGEST_ALIVE_SECONDS,
+    }
     try:
         conn = connect()
     except (psycopg.Error, DatabaseUnavailable) as exc:

@@ -31,9 +31,9 @@ class SuspectGate:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._held = 0          # claims running side by side
-        self._alone = False     # a suspect's claim is running
-        self._waiting = 0       # suspects' claims waiting to run alone
+        self._held = 0  # claims running side by side
+        self._alone = False  # a suspect's claim is running
+        self._waiting = 0  # suspects' claims waiting to run alone
 
     def enter(self, stop: threading.Event) -> None:
         with self._cond:
@@ -92,8 +92,9 @@ def run_claim(executor: Executor, gate: SuspectGate, owner: str, jobs: Sequence[
         executor.run_claim(owner, jobs, batch)
         return True
     # Its lease is kept while the other claims of this process end.
-    executor.leases.hold(owner, [jobs[0].job_id], time.monotonic() + executor.config.call_timeout
-                         + executor.lease_seconds)
+    executor.leases.hold(
+        owner, [jobs[0].job_id], time.monotonic() + executor.config.call_timeout + executor.lease_seconds
+    )
     with gate.alone(executor.stopping.event) as turn:
         if turn:
             executor.run_claim(owner, jobs, batch)

@@ -55,13 +55,16 @@ class WorkerConfig:
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
     def __post_init__(self) -> None:
-        check(self, [
-            (self.concurrency >= 1, "concurrency", "must be at least 1"),
-            (self.lease_seconds > 0, "lease_seconds", "must be positive"),
-            (self.batch_inputs is None or self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
-            (self.poll_seconds > 0, "poll_seconds", "must be positive"),
-            (self.rescue_interval > 0, "rescue_interval", "must be positive"),
-            (self.index_quiet_seconds >= 0, "index_quiet_seconds", "must not be negative"),
-            (self.worker_dead_after > 0, "worker_dead_after", "must be positive"),
-            (self.index_build_memory >= MIN_INDEX_BUILD_MEMORY, "index_build_memory", "must be at least 1 MiB"),
-        ])
+        check(
+            self,
+            [
+                (self.concurrency >= 1, "concurrency", "must be at least 1"),
+                (self.lease_seconds > 0, "lease_seconds", "must be positive"),
+                (self.batch_inputs is None or self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
+                (self.poll_seconds > 0, "poll_seconds", "must be positive"),
+                (self.rescue_interval > 0, "rescue_interval", "must be positive"),
+                (self.index_quiet_seconds >= 0, "index_quiet_seconds", "must not be negative"),
+                (self.worker_dead_after > 0, "worker_dead_after", "must be positive"),
+                (self.index_build_memory >= MIN_INDEX_BUILD_MEMORY, "index_build_memory", "must be at least 1 MiB"),
+            ],
+        )

@@ -56,8 +56,10 @@ def provider_for(config: ProviderConfig, model: str | None = None) -> Provider:
         return LocalHashingProvider()
     if name == ONNX_MODEL_NAME:
         if config.local_model_dir is None:
-            raise ConfigError(f"model {ONNX_MODEL_NAME!r} needs PIPELINE_LOCAL_MODEL_DIR (a directory with "
-                              "model.onnx and tokenizer.json; nothing is downloaded)")
+            raise ConfigError(
+                f"model {ONNX_MODEL_NAME!r} needs PIPELINE_LOCAL_MODEL_DIR (a directory with "
+                "model.onnx and tokenizer.json; nothing is downloaded)"
+            )
         from .onnx_local import OnnxProvider  # onnxruntime only when asked for
 
         return OnnxProvider(config.local_model_dir, batch_inputs=config.local_batch_inputs)

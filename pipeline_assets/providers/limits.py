@@ -43,8 +43,10 @@ class ModelLimit:
     def describe(self) -> str:
         if self.tokenizer == "cl100k":
             return f"window {self.max_input_tokens} tokens (cl100k)"
-        return (f"window {self.max_input_tokens} {self.tokenizer} tokens, chunks of at most "
-                f"{self.max_chunk_tokens} cl100k tokens")
+        return (
+            f"window {self.max_input_tokens} {self.tokenizer} tokens, chunks of at most "
+            f"{self.max_chunk_tokens} cl100k tokens"
+        )
 
 
 class ChunkTooLarge(ConfigError, ValueError):
@@ -56,11 +58,15 @@ class ChunkTooLarge(ConfigError, ValueError):
         if limit.tokenizer == "cl100k":
             why = f"its input window is {limit.max_input_tokens} tokens"
         else:
-            why = (f"its input window is {limit.max_input_tokens} {limit.tokenizer} tokens, "
-                   f"which fits at most {limit.max_chunk_tokens} cl100k tokens")
-        super().__init__(f"{CHUNK_TOKENS_SETTING}={chunk_tokens} is too large for model {limit.model_id}: "
-                         f"{why}; set {CHUNK_TOKENS_SETTING}={limit.max_chunk_tokens} or less "
-                         "(inputs are never truncated)")
+            why = (
+                f"its input window is {limit.max_input_tokens} {limit.tokenizer} tokens, "
+                f"which fits at most {limit.max_chunk_tokens} cl100k tokens"
+            )
+        super().__init__(
+            f"{CHUNK_TOKENS_SETTING}={chunk_tokens} is too large for model {limit.model_id}: "
+            f"{why}; set {CHUNK_TOKENS_SETTING}={limit.max_chunk_tokens} or less "
+            "(inputs are never truncated)"
+        )
 
 
 class UnknownInputWindow(ConfigError, ValueError):
@@ -68,9 +74,11 @@ class UnknownInputWindow(ConfigError, ValueError):
 
     def __init__(self, spec: ModelSpec) -> None:
         self.model_id = spec.model_id
-        super().__init__(f"the input window of model {spec.model_id} is unknown (not one of the provider's "
-                         f"models); set {WINDOW_SETTING} to it, in the model's own tokens (512 for e5-small "
-                         "or bge-small), so that no chunk is truncated by the server")
+        super().__init__(
+            f"the input window of model {spec.model_id} is unknown (not one of the provider's "
+            f"models); set {WINDOW_SETTING} to it, in the model's own tokens (512 for e5-small "
+            "or bge-small), so that no chunk is truncated by the server"
+        )
 
 
 def require_known_window(spec: ModelSpec) -> None:

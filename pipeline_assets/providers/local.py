@@ -48,7 +48,8 @@ FEATURE_CACHE_SIZE = 16_384
 _WORD = re.compile(r"[^\W_]+")
 
 # English function words: they say how a sentence is built, not what it is about.
-STOP_WORDS = frozenset("""
+STOP_WORDS = frozenset(
+    """
 a about above after again against all am an and any are aren't as at be because been before being below
 between both but by can cannot could did do does doing down during each few for from further had has have
 having he her here hers herself him himself his how i if in into is it its itself just let me more most my
@@ -56,12 +57,22 @@ myself no nor not now of off on once only or other our ours ourselves out over o
 such than that the their theirs them themselves then there these they this those through to too under until
 up very was we were what when where which while who whom why will with would you your yours yourself
 yourselves s t d ll m re ve also may might must shall us get got gets much many one ones every
-""".split())
+""".split()
+)
 
 # Inflectional suffixes, longest first: (suffix, replacement, shortest stem kept).
 _SUFFIXES = (
-    ("ments", "", 4), ("ment", "", 4), ("ness", "", 3), ("ings", "", 3), ("ing", "", 3), ("edly", "", 3),
-    ("ies", "y", 2), ("ied", "y", 2), ("ed", "", 3), ("ly", "", 4), ("s", "", 3),
+    ("ments", "", 4),
+    ("ment", "", 4),
+    ("ness", "", 3),
+    ("ings", "", 3),
+    ("ing", "", 3),
+    ("edly", "", 3),
+    ("ies", "y", 2),
+    ("ied", "y", 2),
+    ("ed", "", 3),
+    ("ly", "", 4),
+    ("s", "", 3),
 )
 
 
@@ -72,8 +83,13 @@ def stem(word: str) -> str:
     for suffix, replacement, shortest in _SUFFIXES:
         if word.endswith(suffix) and len(word) - len(suffix) >= shortest and not word.endswith("ss"):
             word = word[: len(word) - len(suffix)] + replacement
-            if replacement == "" and suffix != "s" and len(word) > 3 and word[-1] == word[-2] \
-                    and word[-1] not in "aeiouls":
+            if (
+                replacement == ""
+                and suffix != "s"
+                and len(word) > 3
+                and word[-1] == word[-2]
+                and word[-1] not in "aeiouls"
+            ):
                 word = word[:-1]  # stopp(ed) -> stop, runn(ing) -> run
             break
     if len(word) > 3 and word[-1] == "e":
@@ -112,7 +128,7 @@ def _trigrams(word: str) -> tuple[str, ...]:
     if len(word) < TRIGRAM_MIN_WORD:
         return ()
     padded = f"<{word}>"
-    return tuple("#" + padded[i:i + 3] for i in range(len(padded) - 2))
+    return tuple("#" + padded[i : i + 3] for i in range(len(padded) - 2))
 
 
 @lru_cache(maxsize=FEATURE_CACHE_SIZE)
@@ -139,8 +155,9 @@ class LocalHashingProvider:
         weighted = features(text)
         hashed = [_bucket(feature, self._dim) for feature in weighted]
         buckets = np.fromiter((b for b, _ in hashed), dtype=np.int64, count=len(hashed))
-        signed = np.fromiter((s * w for (_, s), w in zip(hashed, weighted.values())), dtype=np.float64,
-                             count=len(hashed))
+        signed = np.fromiter(
+            (s * w for (_, s), w in zip(hashed, weighted.values())), dtype=np.float64, count=len(hashed)
+        )
         vec: np.ndarray = np.bincount(buckets, weights=signed, minlength=self._dim)
         norm = float(np.linalg.norm(vec))
         if norm == 0.0:

@@ -57,8 +57,7 @@ def classify(exc: Exception) -> ProviderError:
     import openai
 
     if isinstance(exc, openai.APITimeoutError):
-        return ProviderError(RETRYABLE, "timeout", "provider call timed out (wall-clock deadline)",
-                             billed_maybe=True)
+        return ProviderError(RETRYABLE, "timeout", "provider call timed out (wall-clock deadline)", billed_maybe=True)
     if isinstance(exc, openai.APIConnectionError):
         return ProviderError(RETRYABLE, "connection", f"connection error: {exc}", billed_maybe=True)
     if isinstance(exc, openai.APIStatusError):
@@ -99,15 +98,19 @@ def parse_answer(body: bytes, inputs: int) -> EmbedResult:
         # The right count is not enough: each input's vector is the one carrying its index, so
         # the indexes must be exactly 0..n-1 (a duplicate or a missing one: whose is which?).
         if any(index != i for i, (index, _) in enumerate(data)):
-            raise ProviderError(RETRYABLE, BAD_RESPONSE,
-                                f"expected {inputs} vectors indexed 0..{inputs - 1}, got indexes "
-                                f"{_indexes(index for index, _ in data)}")
+            raise ProviderError(
+                RETRYABLE,
+                BAD_RESPONSE,
+                f"expected {inputs} vectors indexed 0..{inputs - 1}, got indexes "
+                f"{_indexes(index for index, _ in data)}",
+            )
         vectors = [_vector(embedding) for _, embedding in data]
         usage = answer.get("usage") or {}
         tokens = int(usage.get("total_tokens") or 0)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # binascii.Error is a ValueError
-        raise ProviderError(RETRYABLE, BAD_RESPONSE,
-                            f"unusable answer for {inputs} inputs: {type(exc).__name__}: {exc}") from None
+        raise ProviderError(
+            RETRYABLE, BAD_RESPONSE, f"unusable answer for {inputs} inputs: {type(exc).__name__}: {exc}"
+        ) from None
     return EmbedResult(vectors=vectors, tokens=tokens)
 
 
@@ -141,9 +144,18 @@ def _error_message(exc: openai.APIStatusError) -> str:
 
 
 class OpenAIProvider:
-    def __init__(self, name: str, *, api_key: str, base_url: str | None, dimensions: int | None,
-                 timeout: float, max_batch_inputs: int, max_batch_tokens: int,
-                 max_input_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        api_key: str,
+        base_url: str | None,
+        dimensions: int | None,
+        timeout: float,
+        max_batch_inputs: int,
+        max_batch_tokens: int,
+        max_input_tokens: int | None = None,
+    ) -> None:
         known = name in KNOWN_MODELS
         known_dim, max_tokens = KNOWN_MODELS.get(name, (None, DEFAULT_MAX_INPUT_TOKENS))
         # Known: OpenAI's own model, counted in cl100k. Otherwise the server's model has
@@ -174,7 +186,7 @@ class OpenAIProvider:
 
     def _sdk(self) -> openai.OpenAI:
         """The SDK client, made on the first request (a command that sends none never imports it)."""
-        if self._client is not None:   # every later request: no lock
+        if self._client is not None:  # every later request: no lock
             return self._client
         with self._client_lock:
             if self._client is None:
@@ -183,8 +195,9 @@ class OpenAIProvider:
                 api_key, base_url = self._connection
                 # Explicit key and base URL (from Settings); the SDK reads no environment of its own here.
                 http_client = deadline.install(openai.DefaultHttpxClient(timeout=self._timeout))
-                self._client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0,
-                                             timeout=self._timeout, http_client=http_client)
+                self._client = openai.OpenAI(
+                    api_key=api_key, base_url=base_url, max_retries=0, timeout=self._timeout, http_client=http_client
+                )
             return self._client
 
     def embed(self, texts: Sequence[str]) -> EmbedResult:
@@ -199,7 +212,8 @@ class OpenAIProvider:
                 # for: parsed here straight into float32 arrays, not into one pydantic object and one
                 # Python float per dimension that would be turned back into an array.
                 raw = client.embeddings.with_raw_response.create(
-                    model=self.spec.name, input=list(texts), encoding_format="base64", **options)
+                    model=self.spec.name, input=list(texts), encoding_format="base64", **options
+                )
                 body = raw.content
         except openai.OpenAIError as exc:
             raise classify(exc) from None

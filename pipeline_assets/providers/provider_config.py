@@ -44,14 +44,17 @@ class ProviderConfig:
     local_batch_inputs: int = DEFAULT_LOCAL_BATCH_INPUTS
 
     def __post_init__(self) -> None:
-        check(self, [
-            (self.call_timeout > 0, "call_timeout", "must be positive"),
-            (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
-            (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
-            (self.dimensions is None or self.dimensions > 0, "dimensions", "must be positive"),
-            (self.max_input_tokens is None or self.max_input_tokens > 0, "max_input_tokens", "must be positive"),
-            (self.local_batch_inputs >= 1, "local_batch_inputs", "must be at least 1"),
-        ])
+        check(
+            self,
+            [
+                (self.call_timeout > 0, "call_timeout", "must be positive"),
+                (self.batch_inputs >= 1, "batch_inputs", "must be at least 1"),
+                (self.batch_tokens >= 1, "batch_tokens", "must be at least 1"),
+                (self.dimensions is None or self.dimensions > 0, "dimensions", "must be positive"),
+                (self.max_input_tokens is None or self.max_input_tokens > 0, "max_input_tokens", "must be positive"),
+                (self.local_batch_inputs >= 1, "local_batch_inputs", "must be at least 1"),
+            ],
+        )
 
     @property
     def model_name(self) -> str:

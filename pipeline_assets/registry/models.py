@@ -31,8 +31,9 @@ class ModelRetired(ConfigError):
     """The configured model was retired; only `models activate` brings it back."""
 
     def __init__(self, model_id: str) -> None:
-        super().__init__(f"model {model_id} was retired; run `pipeline-assets models activate {model_id}` "
-                         "to use it again")
+        super().__init__(
+            f"model {model_id} was retired; run `pipeline-assets models activate {model_id}` to use it again"
+        )
         self.model_id = model_id
 
 
@@ -42,10 +43,15 @@ def _index_name(model_id: str) -> str:
 
 def ensure_model(conn: psycopg.Connection, spec: ModelSpec) -> bool:
     """Register the model with its input window; return True if it was new. Raises ModelRetired for a retired one."""
-    limits = {"model": spec.model_id, "max_input_tokens": spec.max_input_tokens,
-              "max_chunk_tokens": spec.max_chunk_tokens, "tokenizer": spec.tokenizer}
-    row = conn.execute(MODELS.insert_model, {
-        "provider": spec.provider, "name": spec.name, "dimension": spec.dimension, **limits}).fetchone()
+    limits = {
+        "model": spec.model_id,
+        "max_input_tokens": spec.max_input_tokens,
+        "max_chunk_tokens": spec.max_chunk_tokens,
+        "tokenizer": spec.tokenizer,
+    }
+    row = conn.execute(
+        MODELS.insert_model, {"provider": spec.provider, "name": spec.name, "dimension": spec.dimension, **limits}
+    ).fetchone()
     conn.execute(MODELS.serve_first, {"model": spec.model_id})  # the first model: nothing to switch from
     if row is not None:
         return True
@@ -150,9 +156,9 @@ class Coverage:
     model_id: str
     wanted: int
     ready: int
-    waiting: int = 0   # a job pending, on retry or held by a worker
-    failed: int = 0    # dead-lettered
-    no_job: int = 0    # no live job (never enqueued, superseded): `models add` / reconcile enqueues them
+    waiting: int = 0  # a job pending, on retry or held by a worker
+    failed: int = 0  # dead-lettered
+    no_job: int = 0  # no live job (never enqueued, superseded): `models add` / reconcile enqueues them
 
     @property
     def complete(self) -> bool:
@@ -163,8 +169,10 @@ class Coverage:
         return max(self.wanted - self.ready, 0)
 
     def describe_missing(self) -> str:
-        return (f"{self.missing} of {self.wanted} current chunk(s) have no vector "
-                f"(waiting={self.waiting} failed={self.failed} no_job={self.no_job})")
+        return (
+            f"{self.missing} of {self.wanted} current chunk(s) have no vector "
+            f"(waiting={self.waiting} failed={self.failed} no_job={self.no_job})"
+        )
 
 
 def coverage(conn: psycopg.Connection, model_id: str) -> Coverage:
@@ -232,8 +240,11 @@ def drop_purged_index(conn: psycopg.Connection, model_id: str) -> bool:
     """Drop a purged model's (empty) vector index; returns whether this role could. A role
     without DDL (the worker role) leaves it to the owner's next purge (``models purge``)."""
     if not queries.scalar(conn, MODELS.may_build_index):
-        log.info("the vector index of purged model %s is dropped by the owner of app.embeddings "
-                 "(`pipeline-assets models purge` as the owner role)", model_id)
+        log.info(
+            "the vector index of purged model %s is dropped by the owner of app.embeddings "
+            "(`pipeline-assets models purge` as the owner role)",
+            model_id,
+        )
         return False
     conn.execute(sql.SQL(MODELS.drop_index).format(name=sql.Identifier(_index_name(model_id))))
     return True

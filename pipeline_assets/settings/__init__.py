@@ -33,9 +33,14 @@ from pipeline_assets.store.database_config import DatabaseConfig
 __all__ = ["Settings", "SettingsError", "redact_text"]
 
 # A component config's field -> the setting it is read from, where their names differ.
-_SETTING_OF = {"max_bytes": "max_input_bytes", "max_chunks": "max_chunks_per_document",
-               "batch_bytes": "ingest_batch_bytes", "pool_mode": "database_pool_mode",
-               "dimensions": "embedding_dimensions", "max_input_tokens": "model_max_input_tokens"}
+_SETTING_OF = {
+    "max_bytes": "max_input_bytes",
+    "max_chunks": "max_chunks_per_document",
+    "batch_bytes": "ingest_batch_bytes",
+    "pool_mode": "database_pool_mode",
+    "dimensions": "embedding_dimensions",
+    "max_input_tokens": "model_max_input_tokens",
+}
 
 
 # The fields are the components' (locations first, Dagster's last: a dataclass takes its bases'
@@ -45,8 +50,11 @@ class Settings(DagsterSettings, ContentSettings, QueueSettings, ProviderSettings
     def __post_init__(self) -> None:
         checks = [
             (self.model_retire_grace >= 0, "model_retire_grace", "must not be negative"),
-            (self.price_per_million_tokens is None or self.price_per_million_tokens >= 0,
-             "price_per_million_tokens", "must not be negative"),
+            (
+                self.price_per_million_tokens is None or self.price_per_million_tokens >= 0,
+                "price_per_million_tokens",
+                "must not be negative",
+            ),
         ]
         for ok, name, problem in checks:
             if not ok:
@@ -75,22 +83,38 @@ class Settings(DagsterSettings, ContentSettings, QueueSettings, ProviderSettings
 
     # -- the components' configs built from more than one component's variables ------------
     def executor_config(self) -> ExecutorConfig:
-        return ExecutorConfig(call_timeout=self.call_timeout, backoff_base=self.backoff_base,
-                              backoff_cap=self.backoff_cap, retry_after_cap=self.retry_after_cap,
-                              max_throttles=self.max_throttles, crashpoint=self.crashpoint)
+        return ExecutorConfig(
+            call_timeout=self.call_timeout,
+            backoff_base=self.backoff_base,
+            backoff_cap=self.backoff_cap,
+            retry_after_cap=self.retry_after_cap,
+            max_throttles=self.max_throttles,
+            crashpoint=self.crashpoint,
+        )
 
     def worker_config(self, **options: Any) -> WorkerConfig:
         """The worker's config; ``options`` (a command's: concurrency, until_idle, ...) set the
         fields no variable sets (``None`` keeps the default)."""
-        return WorkerConfig(worker_dead_after=self.worker_dead_after, index_build_memory=self.index_build_memory,
-                            prepare=self.prepare, run_token_budget=self.run_token_budget,
-                            daily_token_budget=self.daily_token_budget, executor=self.executor_config(),
-                            **{k: v for k, v in options.items() if v is not None})
+        return WorkerConfig(
+            worker_dead_after=self.worker_dead_after,
+            index_build_memory=self.index_build_memory,
+            prepare=self.prepare,
+            run_token_budget=self.run_token_budget,
+            daily_token_budget=self.daily_token_budget,
+            executor=self.executor_config(),
+            **{k: v for k, v in options.items() if v is not None},
+        )
 
     def source_config(self) -> SourceConfig:
-        return SourceConfig(s3_endpoint=self.aws_endpoint_url, retry_base=self.backoff_base, retry_cap=self.backoff_cap,
-                            table_database_url=self.source_database_url, database=self.database_config(),
-                            max_bytes=self.max_input_bytes, crashpoint=self.crashpoint)
+        return SourceConfig(
+            s3_endpoint=self.aws_endpoint_url,
+            retry_base=self.backoff_base,
+            retry_cap=self.backoff_cap,
+            table_database_url=self.source_database_url,
+            database=self.database_config(),
+            max_bytes=self.max_input_bytes,
+            crashpoint=self.crashpoint,
+        )
 
     # -- shown ------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -108,5 +132,10 @@ class Settings(DagsterSettings, ContentSettings, QueueSettings, ProviderSettings
 
     def secrets(self) -> list[str]:
         """Values that must never appear in output, logs or the database."""
-        return [v for f in dataclasses.fields(self) if f.metadata["secret"]
-                for v in [getattr(self, f.name)] if v and f.name == "openai_api_key"]
+        return [
+            v
+            for f in dataclasses.fields(self)
+            if f.metadata["secret"]
+            for v in [getattr(self, f.name)]
+            if v and f.name == "openai_api_key"
+        ]

@@ -23,8 +23,11 @@ class SettingsError(ValueError):
 def setting(env: str, default: T, doc: str, *, secret: bool = False, shown_default: str | None = None) -> T:
     """A field read from ``env``: ``doc`` and ``shown_default`` are its line of docs/configuration.md;
     a ``secret`` stays out of the repr."""
-    return dataclasses.field(default=default, repr=not secret,
-                             metadata={"env": env, "doc": doc, "secret": secret, "shown_default": shown_default})
+    return dataclasses.field(
+        default=default,
+        repr=not secret,
+        metadata={"env": env, "doc": doc, "secret": secret, "shown_default": shown_default},
+    )
 
 
 def read(cls: type, environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ INT8_OID, INT8_ARRAY_OID = 20, 1016
 BYTEA_OID, BYTEA_ARRAY_OID = 17, 1001
 
 _HEADER = struct.Struct(">iiIii")  # ndim, has-nulls flag, element oid; then the dimension's size, lower bound
-_EMPTY = struct.Struct(">iiI")     # ndim 0: no dimension follows
+_EMPTY = struct.Struct(">iiI")  # ndim 0: no dimension follows
 _LENGTH = struct.Struct(">i")
 
 

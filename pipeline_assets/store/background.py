@@ -24,8 +24,9 @@ class BackgroundWork:
     goes to ``failed``. ``done`` once over, whatever the outcome; ``on_done`` is told then.
     """
 
-    def __init__(self, connect: Callable[[], psycopg.Connection], *, name: str,
-                 on_done: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self, connect: Callable[[], psycopg.Connection], *, name: str, on_done: Callable[[], object] | None = None
+    ) -> None:
         self._connect = connect
         self._on_done = on_done
         self.stopped = threading.Event()

@@ -49,7 +49,8 @@ def check_buckets(conn: psycopg.Connection, configured: int) -> int:
     if stored != configured:
         raise BucketCountMismatch(
             f"this database's documents are in {stored} buckets (fixed when it was first used), but "
-            f"PIPELINE_PARTITION_BUCKETS is {configured}; set PIPELINE_PARTITION_BUCKETS={stored}")
+            f"PIPELINE_PARTITION_BUCKETS is {configured}; set PIPELINE_PARTITION_BUCKETS={stored}"
+        )
     return stored
 
 
@@ -71,20 +72,24 @@ def fill_buckets(pool: ConnectionPool) -> int:
     return filled
 
 
-def unsynced(conn: psycopg.Connection, root: str, bucket_ids: list[int] | None, bucket_count: int, *,
-             after: str, limit: int) -> list[tuple[str, str | None, bool]]:
+def unsynced(
+    conn: psycopg.Connection, root: str, bucket_ids: list[int] | None, bucket_count: int, *, after: str, limit: int
+) -> list[tuple[str, str | None, bool]]:
     """One page of the files of some buckets (None: every one) a bucket run has not brought current:
     (document id, checksum or None when gone, whether the bytes are already the document's),
     the first ``limit`` past the document id ``after``."""
-    return conn.execute(BUCKETS.unsynced, {"root": root, "n": bucket_count, "buckets": bucket_ids,
-                                           "after": after, "limit": limit}).fetchall()
+    return conn.execute(
+        BUCKETS.unsynced, {"root": root, "n": bucket_count, "buckets": bucket_ids, "after": after, "limit": limit}
+    ).fetchall()
 
 
-def unobserved_current(conn: psycopg.Connection, root: str, bucket_ids: list[int] | None,
-                       bucket_count: int) -> list[str]:
+def unobserved_current(
+    conn: psycopg.Connection, root: str, bucket_ids: list[int] | None, bucket_count: int
+) -> list[str]:
     """Documents of some buckets, not quarantined or deleted, without an observed file."""
-    return [r[0] for r in conn.execute(BUCKETS.unobserved_current, {"root": root, "n": bucket_count,
-                                                                    "buckets": bucket_ids})]
+    return [
+        r[0] for r in conn.execute(BUCKETS.unobserved_current, {"root": root, "n": bucket_count, "buckets": bucket_ids})
+    ]
 
 
 def mark_synced(conn: psycopg.Connection, root: str, synced: dict[str, str]) -> None:
@@ -117,21 +122,31 @@ class BucketState:
     quarantined: int = 0
     chunks: int = 0
     tokens: int = 0
-    text_digest: str = ""       # the documents' text checksums (quarantines: why), by id
-    chunks_digest: str = ""     # the documents' chunk digests, by id
-    quarantined_ids: list[str] = field(default_factory=list)   # the first SAMPLE_IDS, by id
+    text_digest: str = ""  # the documents' text checksums (quarantines: why), by id
+    chunks_digest: str = ""  # the documents' chunk digests, by id
+    quarantined_ids: list[str] = field(default_factory=list)  # the first SAMPLE_IDS, by id
 
 
-def states_of(conn: psycopg.Connection, root: str, bucket_ids: Sequence[int],
-              bucket_count: int) -> dict[int, BucketState]:
+def states_of(
+    conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int
+) -> dict[int, BucketState]:
     """Each bucket's state (every bucket asked for, empty or not), grouped in the database:
     the same values as computing them from the documents' summaries."""
     empty = digest([])
     out = {b: BucketState(text_digest=empty, chunks_digest=empty) for b in bucket_ids}
     for b, docs, current, quarantined, chunks, tokens, text_digest, chunks_digest, sample in conn.execute(
-            BUCKETS.bucket_states, {**_filter(root, bucket_ids, bucket_count), "sample": SAMPLE_IDS}):
-        out[int(b)] = BucketState(int(docs), int(current), int(quarantined), int(chunks), int(tokens),
-                                  text_digest, chunks_digest, list(sample))
+        BUCKETS.bucket_states, {**_filter(root, bucket_ids, bucket_count), "sample": SAMPLE_IDS}
+    ):
+        out[int(b)] = BucketState(
+            int(docs),
+            int(current),
+            int(quarantined),
+            int(chunks),
+            int(tokens),
+            text_digest,
+            chunks_digest,
+            list(sample),
+        )
     return out
 
 
@@ -143,22 +158,25 @@ class BucketCoverage:
     ready: int = 0
     failed: int = 0
     waiting: int = 0
-    failed_ids: list[str] = field(default_factory=list)   # documents with a failed chunk, the first SAMPLE_IDS
+    failed_ids: list[str] = field(default_factory=list)  # documents with a failed chunk, the first SAMPLE_IDS
 
 
-def coverage_of_buckets(conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int,
-                        model_id: str) -> dict[int, BucketCoverage]:
+def coverage_of_buckets(
+    conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int, model_id: str
+) -> dict[int, BucketCoverage]:
     """Each bucket's coverage for a model, grouped in the database (one row per bucket)."""
     return coverage_and_total(conn, root, bucket_ids, bucket_count, model_id)[0]
 
 
-def coverage_and_total(conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int,
-                       model_id: str) -> tuple[dict[int, BucketCoverage], Coverage]:
+def coverage_and_total(
+    conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int, model_id: str
+) -> tuple[dict[int, BucketCoverage], Coverage]:
     """Each bucket's coverage for a model, and the total over their distinct chunks (one query)."""
     out = {b: BucketCoverage() for b in bucket_ids}
     total = Coverage(0, 0, 0, 0)
-    for b, chunks, ready, failed, waiting, failed_ids in conn.execute(BUCKETS.bucket_coverage, {
-            **_filter(root, bucket_ids, bucket_count), "model": model_id, "sample": SAMPLE_IDS}):
+    for b, chunks, ready, failed, waiting, failed_ids in conn.execute(
+        BUCKETS.bucket_coverage, {**_filter(root, bucket_ids, bucket_count), "model": model_id, "sample": SAMPLE_IDS}
+    ):
         if b is None:
             total = Coverage(int(chunks), int(ready), int(failed), int(waiting))
         else:

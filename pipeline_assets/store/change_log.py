@@ -39,9 +39,12 @@ class Entries:
 
 def _compose(table: OpenTable, template: str) -> sql.Composed:
     spec = table.spec
-    return sql.SQL(template).format(table=sql.Identifier(spec.schema, spec.table),
-                                                  id=sql.Identifier(spec.id), text=sql.Identifier(spec.text),
-                                                  id_name=sql.Literal(spec.id))
+    return sql.SQL(template).format(
+        table=sql.Identifier(spec.schema, spec.table),
+        id=sql.Identifier(spec.id),
+        text=sql.Identifier(spec.text),
+        id_name=sql.Literal(spec.id),
+    )
 
 
 def _drops() -> tuple[str, ...]:
@@ -50,8 +53,10 @@ def _drops() -> tuple[str, ...]:
 
 def _denied(table: OpenTable, exc: psycopg.Error) -> TableSourceError:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return TableSourceError(f"table source {table.spec.name}: cannot install the change log: {first} "
-                            "(the role needs TRIGGER on the table and CREATE on the database)")
+    return TableSourceError(
+        f"table source {table.spec.name}: cannot install the change log: {first} "
+        "(the role needs TRIGGER on the table and CREATE on the database)"
+    )
 
 
 def install(table: OpenTable) -> None:
@@ -59,11 +64,19 @@ def install(table: OpenTable) -> None:
     conn = table.conn
     try:
         with conn.transaction():
-            for statement in (LOG_SQL.create_schema, LOG_SQL.create_log, LOG_SQL.create_log_index,
-                              LOG_SQL.create_function):
+            for statement in (
+                LOG_SQL.create_schema,
+                LOG_SQL.create_log,
+                LOG_SQL.create_log_index,
+                LOG_SQL.create_function,
+            ):
                 conn.execute(statement)
-            for template in (*_drops(), LOG_SQL.create_row_trigger, LOG_SQL.create_update_trigger,
-                             LOG_SQL.create_truncate_trigger):
+            for template in (
+                *_drops(),
+                LOG_SQL.create_row_trigger,
+                LOG_SQL.create_update_trigger,
+                LOG_SQL.create_truncate_trigger,
+            ):
                 conn.execute(_compose(table, template))
     except (psycopg.errors.InsufficientPrivilege, psycopg.errors.WrongObjectType) as exc:
         raise _denied(table, exc) from None
@@ -96,8 +109,10 @@ def read(table: OpenTable, limit: int = READ_ENTRIES) -> Entries:
     try:
         rows = table.conn.execute(LOG_SQL.read_entries, {"source": table.spec.name, "limit": limit}).fetchall()
     except psycopg.Error as exc:
-        raise TableSourceError(f"table source {table.spec.name}: cannot read the change log: "
-                               f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
+        raise TableSourceError(
+            f"table source {table.spec.name}: cannot read the change log: "
+            f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
+        ) from None
     ids = list(dict.fromkeys(r[1] for r in rows if r[1] is not None))
     return Entries([r[0] for r in rows], ids, any(r[2] == TRUNCATE for r in rows))
 
@@ -109,5 +124,8 @@ def consumed(table: OpenTable, seqs: Sequence[int]) -> None:
 
 
 def pending(table: OpenTable) -> int:
-    return queries.scalar(table.conn, LOG_SQL.pending_count, {"source": table.spec.name}) \
-        if installed_log(table.conn) else 0
+    return (
+        queries.scalar(table.conn, LOG_SQL.pending_count, {"source": table.spec.name})
+        if installed_log(table.conn)
+        else 0
+    )

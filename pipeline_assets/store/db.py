@@ -54,8 +54,9 @@ def _threshold(prepare: bool) -> int | None:
 
 def connect(url: str, *, autocommit: bool = True, prepare: bool = True) -> psycopg.Connection:
     try:
-        conn = psycopg.connect(url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                               prepare_threshold=_threshold(prepare))
+        conn = psycopg.connect(
+            url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS, prepare_threshold=_threshold(prepare)
+        )
     except psycopg.OperationalError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatabaseUnavailable(f"cannot connect to database {redact_text(url)}: {first}") from None
@@ -91,9 +92,14 @@ def make_pool(url: str, *, min_size: int = 1, max_size: int = 8, prepare: bool =
         conn.autocommit = True
         _configure(conn)
 
-    pool = ConnectionPool(url, min_size=min_size, max_size=max_size, configure=configure,
-                          kwargs={"connect_timeout": CONNECT_TIMEOUT_SECONDS,
-                                  "prepare_threshold": _threshold(prepare)}, open=False)
+    pool = ConnectionPool(
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        configure=configure,
+        kwargs={"connect_timeout": CONNECT_TIMEOUT_SECONDS, "prepare_threshold": _threshold(prepare)},
+        open=False,
+    )
     pool.open(wait=True, timeout=CONNECT_TIMEOUT_SECONDS * 3)
     return pool
 

@@ -69,8 +69,7 @@ def delete_chunks(conn: psycopg.Connection, doc_pks: Sequence[int]) -> set[bytes
 
 def tombstone_unseen(conn: psycopg.Connection, source_id: int, scan_started: datetime) -> list[int]:
     """Mark deleted what a complete scan (``ingest_seen``) did not list; return their keys."""
-    return [r[0] for r in conn.execute(DOCS.tombstone_unseen, {"source": source_id,
-                                                               "scan_started": scan_started})]
+    return [r[0] for r in conn.execute(DOCS.tombstone_unseen, {"source": source_id, "scan_started": scan_started})]
 
 
 def tombstone_ids(conn: psycopg.Connection, source_id: int, ids: Sequence[str]) -> list[int]:
@@ -99,12 +98,12 @@ def mark_scanned(conn: psycopg.Connection, source_id: int) -> None:
     conn.execute(DOCS.mark_scanned, {"source": source_id})
 
 
-def upsert_documents(conn: psycopg.Connection, source_id: int, chunker_version: str,
-                     columns: dict[str, list]) -> dict[str, int]:
+def upsert_documents(
+    conn: psycopg.Connection, source_id: int, chunker_version: str, columns: dict[str, list]
+) -> dict[str, int]:
     """Upsert one row per document from ``columns`` (ids, uris, checksums, sizes, tokens, exts,
     text_checksums, counts, classes, messages: one entry each per document); {document_id: doc_pk}."""
-    rows = conn.execute(DOCS.upsert_documents, {"source": source_id, "chunker": chunker_version,
-                                                **columns}).fetchall()
+    rows = conn.execute(DOCS.upsert_documents, {"source": source_id, "chunker": chunker_version, **columns}).fetchall()
     return dict(rows)
 
 
@@ -115,8 +114,9 @@ def copy_chunks(conn: psycopg.Connection, rows: Iterable[ChunkRow]) -> None:
             copy.write_row(row)
 
 
-def record_stage_runs(conn: psycopg.Connection, config_hash: str, dagster_run_id: str | None,
-                      columns: dict[str, list]) -> None:
+def record_stage_runs(
+    conn: psycopg.Connection, config_hash: str, dagster_run_id: str | None, columns: dict[str, list]
+) -> None:
     """Upsert the extract and chunk rows of documents just written (``columns``: pks, stages,
     statuses, classes, messages, versions, checksums; one entry each per row)."""
     conn.execute(DOCS.record_stage_runs, {"config": config_hash, "run": dagster_run_id, **columns})

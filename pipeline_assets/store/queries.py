@@ -42,7 +42,7 @@ def parse(text: str, *, source: str = "<sql>") -> dict[str, str]:
     out: dict[str, str] = {}
     for i, mark in enumerate(marks):
         end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
-        body = _without_leading_comments(text[mark.end():end])
+        body = _without_leading_comments(text[mark.end() : end])
         name = mark.group(1)
         if name in out:
             raise ValueError(f"{source}: query {name!r} defined twice")

@@ -39,9 +39,14 @@ def stage_counts(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
 
 def coverage_by_model(conn: psycopg.Connection) -> dict[str, dict[str, float]]:
     """{model: ready, wanted, ratio} over the current chunks."""
-    return {r["model_id"]: {"ready": r["ready"], "wanted": r["wanted"],
-                            "ratio": (r["ready"] / r["wanted"] if r["wanted"] else 1.0)}
-            for r in _dicts(conn, REPORTS.coverage)}
+    return {
+        r["model_id"]: {
+            "ready": r["ready"],
+            "wanted": r["wanted"],
+            "ratio": (r["ready"] / r["wanted"] if r["wanted"] else 1.0),
+        }
+        for r in _dicts(conn, REPORTS.coverage)
+    }
 
 
 def spend(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
@@ -87,14 +92,14 @@ class DocumentSummary:
     document_id: str
     doc_pk: int
     status: str
-    source_checksum: str | None   # hex
-    text_checksum: str | None     # hex
+    source_checksum: str | None  # hex
+    text_checksum: str | None  # hex
     extractor_version: str | None
     chunker_version: str | None
     error_class: str | None
     chunks: int
     tokens: int
-    chunks_digest: str            # hex sha256 of the chunk checksums in order
+    chunks_digest: str  # hex sha256 of the chunk checksums in order
 
 
 @dataclass(frozen=True)
@@ -105,21 +110,22 @@ class Coverage:
     waiting: int
 
 
-def document_summaries(conn: psycopg.Connection, root: str,
-                       document_ids: Sequence[str]) -> dict[str, DocumentSummary]:
+def document_summaries(conn: psycopg.Connection, root: str, document_ids: Sequence[str]) -> dict[str, DocumentSummary]:
     """State of some documents of one source (``root`` as registered: absolute, resolved)."""
     with conn.cursor(row_factory=class_row(DocumentSummary)) as cur:
         rows = cur.execute(REPORTS.document_summaries, {"root": root, "ids": list(document_ids)}).fetchall()
     return {r.document_id: r for r in rows}
 
 
-def embedding_coverage(conn: psycopg.Connection, root: str, document_ids: Sequence[str],
-                       model_id: str) -> tuple[dict[str, Coverage], Coverage]:
+def embedding_coverage(
+    conn: psycopg.Connection, root: str, document_ids: Sequence[str], model_id: str
+) -> tuple[dict[str, Coverage], Coverage]:
     """Per current document, and in total (distinct checksums), the embedding state for a model."""
     per_doc: dict[str, Coverage] = {}
     total = Coverage(0, 0, 0, 0)
-    for counts in _dicts(conn, REPORTS.embedding_coverage, {"root": root, "ids": list(document_ids),
-                                                           "model": model_id}):
+    for counts in _dicts(
+        conn, REPORTS.embedding_coverage, {"root": root, "ids": list(document_ids), "model": model_id}
+    ):
         doc = counts.pop("document_id")
         cov = Coverage(**{name: int(n) for name, n in counts.items()})
         if doc is None:
@@ -131,8 +137,11 @@ def embedding_coverage(conn: psycopg.Connection, root: str, document_ids: Sequen
 
 def stale_vectors(conn: psycopg.Connection) -> dict:
     r = _dicts(conn, REPORTS.stale_vectors)[0]
-    return {"not_ready": int(r["not_ready"]), "noncurrent_documents": int(r["noncurrent_documents"]),
-            "sample": list(r["sample"] or [])}
+    return {
+        "not_ready": int(r["not_ready"]),
+        "noncurrent_documents": int(r["noncurrent_documents"]),
+        "sample": list(r["sample"] or []),
+    }
 
 
 def dead_letter_growth(conn: psycopg.Connection, window_seconds: float = 3600.0) -> tuple[int, int]:

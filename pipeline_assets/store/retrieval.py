@@ -55,8 +55,17 @@ def export_rows(conn: psycopg.Connection, model_id: str) -> Iterator[dict]:
                 yield row
 
 
-def nearest(conn: psycopg.Connection, model_id: str, query_vector: np.ndarray, k: int, *, dim: int, kind: str,
-            fetch: int, ef_search: int) -> list[dict]:
+def nearest(
+    conn: psycopg.Connection,
+    model_id: str,
+    query_vector: np.ndarray,
+    k: int,
+    *,
+    dim: int,
+    kind: str,
+    fetch: int,
+    ef_search: int,
+) -> list[dict]:
     """The k current chunks nearest to ``query_vector`` (cosine distance, ascending), ordered by the
     model's index expression (``kind`` of ``dim``: an exact scan without an index) over ``fetch``
     candidates, at most ``ef_search`` from the HNSW scan, then by the full-precision distance."""
@@ -64,8 +73,9 @@ def nearest(conn: psycopg.Connection, model_id: str, query_vector: np.ndarray, k
     with conn.transaction():
         conn.execute(RETRIEVAL.set_ef_search, {"ef_search": str(ef_search)})
         with conn.cursor(row_factory=dict_row) as cur:
-            rows = cur.execute(query, {"q": np.asarray(query_vector, dtype=np.float32), "model": model_id,
-                                       "fetch": fetch, "k": k}).fetchall()
+            rows = cur.execute(
+                query, {"q": np.asarray(query_vector, dtype=np.float32), "model": model_id, "fetch": fetch, "k": k}
+            ).fetchall()
     for row in rows:
         row["distance"] = float(row["distance"])
     return rows
@@ -74,9 +84,17 @@ def nearest(conn: psycopg.Connection, model_id: str, query_vector: np.ndarray, k
 def text_ranked(conn: psycopg.Connection, words: str, k: int) -> list[dict]:
     """The k current chunks ranked highest by BM25 for ``words`` (space-separated plain words)."""
     with conn.cursor(row_factory=dict_row) as cur:
-        rows = cur.execute(RETRIEVAL.text_ranked, {"words": words, "limit": k, "k1": BM25_K1, "b": BM25_B,
-                                                   "common_ratio": TEXT_COMMON_RATIO,
-                                                   "common_floor": TEXT_COMMON_FLOOR}).fetchall()
+        rows = cur.execute(
+            RETRIEVAL.text_ranked,
+            {
+                "words": words,
+                "limit": k,
+                "k1": BM25_K1,
+                "b": BM25_B,
+                "common_ratio": TEXT_COMMON_RATIO,
+                "common_floor": TEXT_COMMON_FLOOR,
+            },
+        ).fetchall()
     for row in rows:
         row["text_rank"] = float(row["text_rank"])
     return rows
@@ -87,9 +105,12 @@ def snapshot(conn: psycopg.Connection) -> None:
     conn.execute(RETRIEVAL.snapshot)
 
 
-def distances(conn: psycopg.Connection, model_id: str, query_vector: np.ndarray,
-              checksums: Sequence[bytes]) -> dict[bytes, float]:
+def distances(
+    conn: psycopg.Connection, model_id: str, query_vector: np.ndarray, checksums: Sequence[bytes]
+) -> dict[bytes, float]:
     """{chunk checksum: cosine distance to ``query_vector``} of the chunks the model has a vector for."""
-    rows = conn.execute(RETRIEVAL.distances, {"q": np.asarray(query_vector, dtype=np.float32), "model": model_id,
-                                               "checksums": list(checksums)}).fetchall()
+    rows = conn.execute(
+        RETRIEVAL.distances,
+        {"q": np.asarray(query_vector, dtype=np.float32), "model": model_id, "checksums": list(checksums)},
+    ).fetchall()
     return {bytes(checksum): float(distance) for checksum, distance in rows}

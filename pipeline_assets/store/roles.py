@@ -46,24 +46,26 @@ def grant_statements(names: RoleNames, database: str) -> list[sql.Composed]:
     def fmt(template: str, **fields: sql.Identifier) -> sql.Composed:
         return sql.SQL(template).format(**fields)
 
-    statements = [fmt(ROLES.grant_database_owner, database=db, owner=owner),
-                  fmt(ROLES.grant_database_user, database=db, role=worker),
-                  fmt(ROLES.grant_database_user, database=db, role=reader),
-                  sql.Composed([sql.SQL(ROLES.create_extension)]),
-                  fmt(ROLES.create_schema, owner=owner),
-                  fmt(ROLES.grant_schema_usage, role=worker),
-                  fmt(ROLES.grant_schema_usage, role=reader),
-                  fmt(ROLES.grant_worker_tables, worker=worker),
-                  fmt(ROLES.grant_worker_sequences, worker=worker),
-                  fmt(ROLES.grant_functions, role=worker),
-                  fmt(ROLES.grant_functions, role=reader),
-                  fmt(ROLES.grant_reader_tables, reader=reader),
-                  fmt(ROLES.default_worker_tables, owner=owner, worker=worker),
-                  fmt(ROLES.default_worker_sequences, owner=owner, worker=worker),
-                  fmt(ROLES.default_functions, owner=owner, role=worker),
-                  fmt(ROLES.default_functions, owner=owner, role=reader),
-                  fmt(ROLES.default_reader_tables, owner=owner, reader=reader),
-                  fmt(ROLES.reader_read_only, reader=reader)]
+    statements = [
+        fmt(ROLES.grant_database_owner, database=db, owner=owner),
+        fmt(ROLES.grant_database_user, database=db, role=worker),
+        fmt(ROLES.grant_database_user, database=db, role=reader),
+        sql.Composed([sql.SQL(ROLES.create_extension)]),
+        fmt(ROLES.create_schema, owner=owner),
+        fmt(ROLES.grant_schema_usage, role=worker),
+        fmt(ROLES.grant_schema_usage, role=reader),
+        fmt(ROLES.grant_worker_tables, worker=worker),
+        fmt(ROLES.grant_worker_sequences, worker=worker),
+        fmt(ROLES.grant_functions, role=worker),
+        fmt(ROLES.grant_functions, role=reader),
+        fmt(ROLES.grant_reader_tables, reader=reader),
+        fmt(ROLES.default_worker_tables, owner=owner, worker=worker),
+        fmt(ROLES.default_worker_sequences, owner=owner, worker=worker),
+        fmt(ROLES.default_functions, owner=owner, role=worker),
+        fmt(ROLES.default_functions, owner=owner, role=reader),
+        fmt(ROLES.default_reader_tables, owner=owner, reader=reader),
+        fmt(ROLES.reader_read_only, reader=reader),
+    ]
     return statements
 
 

@@ -54,12 +54,12 @@ def stage_listed(conn: psycopg.Connection, root: str) -> int:
 def stage_unread(conn: psycopg.Connection, root: str, *, settled_before: int, unread: str) -> int:
     """Stage the new walked files modified before ``settled_before`` with a placeholder checksum
     (``unread``, size, '.', mtime), unread; how many."""
-    return conn.execute(OBS.stage_unread, {"root": root, "settled_before": settled_before,
-                                           "unread": unread}).rowcount
+    return conn.execute(OBS.stage_unread, {"root": root, "settled_before": settled_before, "unread": unread}).rowcount
 
 
-def walked_to_read(conn: psycopg.Connection, root: str, *, settled_before: int,
-                   batch: int) -> Iterator[tuple[Any, ...]]:
+def walked_to_read(
+    conn: psycopg.Connection, root: str, *, settled_before: int, batch: int
+) -> Iterator[tuple[Any, ...]]:
     """(document id, size, mtime_ns, old checksum, old size, old mtime_ns) of the walked files the
     prefilter cannot vouch for, ``batch`` rows per fetch (other statements may run between two)."""
     with conn.cursor(name=TO_READ_CURSOR) as cur:
@@ -82,8 +82,10 @@ def walked_missing(conn: psycopg.Connection, root: str) -> list[str]:
 
 def walked_missing_in_buckets(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[str]:
     """Observed files of some buckets (of ``n``) the walk did not find."""
-    return [r[0] for r in conn.execute(OBS.walked_missing_in_buckets, {"root": root, "buckets": sorted(set(buckets)),
-                                                                       "n": n})]
+    return [
+        r[0]
+        for r in conn.execute(OBS.walked_missing_in_buckets, {"root": root, "buckets": sorted(set(buckets)), "n": n})
+    ]
 
 
 def commit_staged(conn: psycopg.Connection, root: str, gone: Sequence[str]) -> None:
@@ -109,8 +111,9 @@ def forget_gone(conn: psycopg.Connection, root: str, document_ids: Sequence[str]
 def adopt(conn: psycopg.Connection, root: Path | str, docs: dict[str, str], generation: int) -> None:
     """Seed the observations from a legacy cursor map, as requested by ``generation``."""
     ids = sorted(docs)
-    conn.execute(OBS.adopt, {"root": str(root), "ids": ids, "checksums": [docs[d] for d in ids],
-                             "generation": generation})
+    conn.execute(
+        OBS.adopt, {"root": str(root), "ids": ids, "checksums": [docs[d] for d in ids], "generation": generation}
+    )
 
 
 def mark_synced_as_stored(conn: psycopg.Connection, root: Path | str, document_ids: Sequence[str]) -> None:
@@ -125,24 +128,28 @@ def latest_generation(conn: psycopg.Connection, root: Path | str) -> int | None:
 @dataclass(frozen=True)
 class PendingBucket:
     bucket: int
-    documents: int            # files pending in it (new, changed, gone)
+    documents: int  # files pending in it (new, changed, gone)
     gone: int
-    new: int                  # never requested before
-    digest: str               # of its pending (document, checksum) pairs
+    new: int  # never requested before
+    digest: str  # of its pending (document, checksum) pairs
 
 
-def pending_buckets(conn: psycopg.Connection, root: Path | str, generation: int,
-                    bucket_count: int) -> list[PendingBucket]:
+def pending_buckets(
+    conn: psycopg.Connection, root: Path | str, generation: int, bucket_count: int
+) -> list[PendingBucket]:
     """The buckets (of ``bucket_count``) holding what a tick starting from ``generation`` has to request."""
     rows = conn.execute(OBS.pending_buckets, {"root": str(root), "generation": generation, "n": bucket_count})
     return [PendingBucket(int(b), int(d), int(g), int(w), h) for b, d, g, w, h in rows.fetchall()]
 
 
-def mark_buckets_requested(conn: psycopg.Connection, root: Path | str, bucket_ids: Iterable[int],
-                           bucket_count: int, generation: int) -> None:
+def mark_buckets_requested(
+    conn: psycopg.Connection, root: Path | str, bucket_ids: Iterable[int], bucket_count: int, generation: int
+) -> None:
     """Every pending file of some buckets, as requested by ``generation``."""
-    conn.execute(OBS.mark_requested_buckets, {"root": str(root), "generation": generation, "n": bucket_count,
-                                              "buckets": sorted(set(bucket_ids))})
+    conn.execute(
+        OBS.mark_requested_buckets,
+        {"root": str(root), "generation": generation, "n": bucket_count, "buckets": sorted(set(bucket_ids))},
+    )
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ class Retries:
     """Files of ended, unsynced requests still waiting out their backoff."""
 
     waiting: int
-    next_in: float | None     # seconds until the first is due (None: none waiting)
+    next_in: float | None  # seconds until the first is due (None: none waiting)
 
 
 def schedule_retries(conn: psycopg.Connection, root: Path | str, generation: int) -> Retries:
@@ -170,10 +177,12 @@ def retry_now(conn: psycopg.Connection, root: Path | str, document_ids: Sequence
     return conn.execute(OBS.retry_now, {"root": str(root), "ids": list(document_ids)}).rowcount
 
 
-def unsync_unembedded(conn: psycopg.Connection, root: Path | str, first: int, last: int, bucket_count: int,
-                      model_id: str) -> int:
+def unsync_unembedded(
+    conn: psycopg.Connection, root: Path | str, first: int, last: int, bucket_count: int, model_id: str
+) -> int:
     """After a failed or cancelled bucket run over ``first``..``last``: the files it synced whose
     document still lacks a vector of ``model_id`` are requested again like the files it did not
     sync (after the backoff). Returns how many."""
-    return conn.execute(OBS.unsync_unembedded, {"root": str(root), "first": first, "last": last,
-                                                "n": bucket_count, "model": model_id}).rowcount
+    return conn.execute(
+        OBS.unsync_unembedded, {"root": str(root), "first": first, "last": last, "n": bucket_count, "model": model_id}
+    ).rowcount

@@ -70,7 +70,8 @@ def embed_counts(conn: psycopg.Connection) -> tuple[dict[str, int], dict[str, di
     """The embed stage of current documents, read-only: (documents by status over every
     active model, {model: documents by status})."""
     query = sql.SQL(STAGE_RUNS.embed_counts).format(
-        state=_state(STAGE_RUNS.embed_models_active, STAGE_RUNS.embed_scope_all))
+        state=_state(STAGE_RUNS.embed_models_active, STAGE_RUNS.embed_scope_all)
+    )
     overall: dict[str, int] = {}
     by_model: dict[str, dict[str, int]] = {}
     for model_id, status, n in conn.execute(query).fetchall():
@@ -87,12 +88,24 @@ def glob_to_like(pattern: str) -> str:
     return escaped.replace("*", "%").replace("?", "_")
 
 
-def rerun_targets(conn: psycopg.Connection, *, stage: str, error_class: str | None = None,
-                  not_version: str | None = None, versions_by_extension: Mapping[str, str] | None = None,
-                  statuses: Sequence[str] | None = None, before_version: str | None = None,
-                  documents: Sequence[str] | None = None, failed_only: bool = False,
-                  model_id: str | None = None, root: str | None = None, buckets: Sequence[int] | None = None,
-                  n: int = 0, after: str = "", limit: int = 1_000_000) -> list[RerunTarget]:
+def rerun_targets(
+    conn: psycopg.Connection,
+    *,
+    stage: str,
+    error_class: str | None = None,
+    not_version: str | None = None,
+    versions_by_extension: Mapping[str, str] | None = None,
+    statuses: Sequence[str] | None = None,
+    before_version: str | None = None,
+    documents: Sequence[str] | None = None,
+    failed_only: bool = False,
+    model_id: str | None = None,
+    root: str | None = None,
+    buckets: Sequence[int] | None = None,
+    n: int = 0,
+    after: str = "",
+    limit: int = 1_000_000,
+) -> list[RerunTarget]:
     """The rows ``rerun_targets`` selects (see sql/queries/stage_runs.sql); every filter is optional.
 
     ``not_version``: produced by another version than this one, or, for a document whose
@@ -102,13 +115,26 @@ def rerun_targets(conn: psycopg.Connection, *, stage: str, error_class: str | No
     ``after``/``limit``: one page, the first ``limit`` rows past that document id."""
     exts = dict(versions_by_extension or {})
     with conn.cursor(row_factory=class_row(RerunTarget)) as cur:
-        return cur.execute(STAGE_RUNS.rerun_targets, {
-            "stage": stage, "error_class": error_class, "not_version": not_version,
-            "ext_keys": list(exts), "ext_versions": list(exts.values()),
-            "statuses": list(statuses) if statuses else None, "before_version": before_version,
-            "documents": [glob_to_like(g) for g in documents] if documents else None,
-            "failed_only": failed_only, "model": model_id, "root": root, "after": after, "n": n,
-            "buckets": sorted(set(buckets)) if buckets is not None else None, "limit": limit}).fetchall()
+        return cur.execute(
+            STAGE_RUNS.rerun_targets,
+            {
+                "stage": stage,
+                "error_class": error_class,
+                "not_version": not_version,
+                "ext_keys": list(exts),
+                "ext_versions": list(exts.values()),
+                "statuses": list(statuses) if statuses else None,
+                "before_version": before_version,
+                "documents": [glob_to_like(g) for g in documents] if documents else None,
+                "failed_only": failed_only,
+                "model": model_id,
+                "root": root,
+                "after": after,
+                "n": n,
+                "buckets": sorted(set(buckets)) if buckets is not None else None,
+                "limit": limit,
+            },
+        ).fetchall()
 
 
 def failed_jobs_of(conn: psycopg.Connection, root: str, document_ids: Sequence[str], model_id: str) -> list[int]:

@@ -79,7 +79,7 @@ class TableSpec:
         """The row id a document id of this source names, None for another source's id."""
         if not document_id.startswith(self.prefix) or len(document_id) == len(self.prefix):
             return None
-        return document_id[len(self.prefix):]
+        return document_id[len(self.prefix) :]
 
 
 def is_table_source(source: str) -> bool:
@@ -90,14 +90,16 @@ def parse_table_source(source: str) -> TableSpec:
     """``table:[SCHEMA.]TABLE?id=COL&text=COL[&updated=COL]``: identifiers only, each at most once."""
     if not is_table_source(source):
         raise TableSourceError(f"not a table source: {source!r} (expected table:SCHEMA.TABLE?id=COL&text=COL)")
-    body = source[len(SCHEME):]
+    body = source[len(SCHEME) :]
     relation, _, query = body.partition("?")
     parts = relation.split(".")
     if len(parts) == 1:
         parts = [DEFAULT_SCHEMA, *parts]
     if len(parts) != 2 or not all(_IDENTIFIER.fullmatch(p) for p in parts):
-        raise TableSourceError(f"table source {source!r}: the relation must be SCHEMA.TABLE, identifiers only "
-                               "(letters, digits, _ and $; a filter is a view you create)")
+        raise TableSourceError(
+            f"table source {source!r}: the relation must be SCHEMA.TABLE, identifiers only "
+            "(letters, digits, _ and $; a filter is a view you create)"
+        )
     pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=False) if query else []
     options: dict[str, str] = {}
     for key, value in pairs:
@@ -106,8 +108,7 @@ def parse_table_source(source: str) -> TableSpec:
         if key in options:
             raise TableSourceError(f"table source {source!r}: option {key!r} given twice")
         if not _IDENTIFIER.fullmatch(value):
-            raise TableSourceError(f"table source {source!r}: {key}={value!r} is not a column name "
-                                   "(identifiers only)")
+            raise TableSourceError(f"table source {source!r}: {key}={value!r} is not a column name (identifiers only)")
         options[key] = value
     for key in ("id", "text"):
         if key not in options:
@@ -130,16 +131,21 @@ class Row:
 class OpenTable:
     """A checked table source on a connection to its database."""
 
-    def __init__(self, conn: psycopg.Connection, spec: TableSpec, oid: int, id_type: str,
-                 updated_type: str | None) -> None:
+    def __init__(
+        self, conn: psycopg.Connection, spec: TableSpec, oid: int, id_type: str, updated_type: str | None
+    ) -> None:
         self.conn = conn
         self.spec = spec
         self.oid = oid
-        self._names = {"table": sql.Identifier(spec.schema, spec.table), "id": sql.Identifier(spec.id),
-                       "text": sql.Identifier(spec.text),
-                       "updated": sql.Identifier(spec.updated or spec.id),
-                       # types as the catalog prints them (regtype output), never from the source string
-                       "id_type": sql.SQL(id_type), "updated_type": sql.SQL(updated_type or id_type)}
+        self._names = {
+            "table": sql.Identifier(spec.schema, spec.table),
+            "id": sql.Identifier(spec.id),
+            "text": sql.Identifier(spec.text),
+            "updated": sql.Identifier(spec.updated or spec.id),
+            # types as the catalog prints them (regtype output), never from the source string
+            "id_type": sql.SQL(id_type),
+            "updated_type": sql.SQL(updated_type or id_type),
+        }
 
     def statement(self, template: str) -> sql.Composed:
         """A template of sql/queries/table_source.sql with this source's identifiers."""
@@ -161,8 +167,7 @@ class OpenTable:
     def digest(self) -> dict[int, tuple[int, int]]:
         """``{bucket: (rows, bit_xor of versions)}`` of the table."""
         with _errors(self.spec):
-            rows = self.conn.execute(self.statement(TABLE_SQL.digest_full),
-                                     {"mask": BUCKET_MASK}).fetchall()
+            rows = self.conn.execute(self.statement(TABLE_SQL.digest_full), {"mask": BUCKET_MASK}).fetchall()
         return {b: (n, x) for b, n, x in rows}
 
     def list_buckets(self, buckets: Sequence[int]) -> Iterator[tuple[str, int, int]]:
@@ -186,8 +191,9 @@ class OpenTable:
     def read(self, row_ids: Sequence[str], max_bytes: int) -> list[Row]:
         """The rows of ``row_ids`` that exist now (a page; ids absent from the answer are gone)."""
         with _errors(self.spec):
-            rows = self.conn.execute(self.statement(TABLE_SQL.read_rows),
-                                     {"ids": list(row_ids), "max_bytes": max_bytes}).fetchall()
+            rows = self.conn.execute(
+                self.statement(TABLE_SQL.read_rows), {"ids": list(row_ids), "max_bytes": max_bytes}
+            ).fetchall()
         return [Row(*r) for r in rows]
 
 
@@ -219,8 +225,7 @@ class _errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if exc is None or not isinstance(exc, psycopg.Error):
             return
         if isinstance(exc, psycopg.errors.LockNotAvailable):

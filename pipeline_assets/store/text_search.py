@@ -50,8 +50,9 @@ class BackgroundFill(BackgroundWork):
     """``fill`` beside a worker's index build, on a connection of its own; ``cancel`` stops it
     at once (its running batch rolls back). A failure is logged: search reads the text meanwhile."""
 
-    def __init__(self, connect: Callable[[], psycopg.Connection], *,
-                 on_done: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self, connect: Callable[[], psycopg.Connection], *, on_done: Callable[[], object] | None = None
+    ) -> None:
         super().__init__(connect, name="text-search-fill", on_done=on_done)
         self.filled = 0
 
@@ -61,5 +62,8 @@ class BackgroundFill(BackgroundWork):
     def failed(self, exc: Exception) -> None:
         if self.stopped.is_set():
             return  # cancelled: what is left is computed by the next ingest or drain
-        log.warning("could not compute the chunks' text-search vectors (search reads their text "
-                    "meanwhile; the next ingest or drain computes them): %s", " ".join(str(exc).split()))
+        log.warning(
+            "could not compute the chunks' text-search vectors (search reads their text "
+            "meanwhile; the next ingest or drain computes them): %s",
+            " ".join(str(exc).split()),
+        )

@@ -72,8 +72,9 @@ def _dumper(info: TypeInfo) -> type[Dumper]:
 
         def dump(self, obj: VectorBatch) -> bytes:
             n, dim = obj.rows.shape
-            elements = np.empty(n, dtype=[("length", ">i4"), ("dim", ">u2"), ("unused", ">u2"),
-                                          ("values", ">f4", (dim,))])
+            elements = np.empty(
+                n, dtype=[("length", ">i4"), ("dim", ">u2"), ("unused", ">u2"), ("values", ">f4", (dim,))]
+            )
             elements["length"] = 4 + 4 * dim
             elements["dim"] = dim
             elements["unused"] = 0

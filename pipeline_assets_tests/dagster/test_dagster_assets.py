@@ -52,7 +52,7 @@ ALL = [bucket_key(i) for i in range(64)]
 def corpus(env, clean_db, tmp_path, monkeypatch):
     root = tmp_path / "corpus"
     for path in write_corpus(root, 4):
-        old = time.time() - 3600   # not "just modified": the scan's prefilter trusts size and mtime
+        old = time.time() - 3600  # not "just modified": the scan's prefilter trusts size and mtime
         os.utime(path, (old, old))
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
     # The tests below rely on these four documents having a bucket each.
@@ -66,8 +66,11 @@ def _meta(event) -> dict:
 
 def _partition_events(result, node: str, asset: str) -> dict[str, dict]:
     """Each partition's metadata, keyed by bucket (an embeddings partition: its bucket of the one model)."""
-    return {bucket_key(split_key(e.partition)[0]) if "|" in e.partition else e.partition: _meta(e)
-            for e in result.asset_materializations_for_node(node) if e.asset_key.path == [asset]}
+    return {
+        bucket_key(split_key(e.partition)[0]) if "|" in e.partition else e.partition: _meta(e)
+        for e in result.asset_materializations_for_node(node)
+        if e.asset_key.path == [asset]
+    }
 
 
 def test_bucket_hash_is_stable_and_the_same_in_sql(conn):
@@ -75,8 +78,8 @@ def test_bucket_hash_is_stable_and_the_same_in_sql(conn):
     rows = dict(conn.execute("SELECT d, app.document_bucket(d, 64) FROM unnest(%s::text[]) AS d", (ids,)).fetchall())
     assert rows == {d: bucket_index(d, 64) for d in ids}
     assert all(0 <= b < 64 for b in rows.values())
-    assert bucket_index("a.md", 64) == bucket_index("a.md", 64)           # deterministic (no salt)
-    assert len({bucket_index(f"doc{i}.md", 64) for i in range(2000)}) == 64   # every bucket gets documents
+    assert bucket_index("a.md", 64) == bucket_index("a.md", 64)  # deterministic (no salt)
+    assert len({bucket_index(f"doc{i}.md", 64) for i in range(2000)}) == 64  # every bucket gets documents
 
 
 def test_materialize_one_bucket_then_again_without_provider_calls_or_reads(corpus, conn, fake):
@@ -108,7 +111,7 @@ def test_materialize_one_bucket_then_again_without_provider_calls_or_reads(corpu
     assert chunks_event.tags["dagster/code_version"].startswith("tok-window-1/")
     (coverage,) = check_results(result).values()
     assert coverage.check_name == COVERAGE_CHECK and coverage.passed
-    assert coverage.partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))     # bucket x model
+    assert coverage.partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))  # bucket x model
     assert coverage.metadata["chunks"].value == doc.chunks
     billed, requests = fake.stats["billed_inputs"], fake.stats["requests"]
 
@@ -144,8 +147,9 @@ def test_a_backfill_of_every_bucket_is_one_run_with_per_bucket_metadata(corpus, 
     emb = materialization_metadata(result, "embeddings")
     assert emb["partitions"] == 64 and emb["coverage_ratio"] == 1.0
     assert emb["embedded"] == sum(s.chunks for s in summaries.values())
-    assert {e.partition for e in result.get_asset_check_evaluations()} == {   # one per bucket (and model)
-        str(embedding_key(k, f"openai/{FAKE_MODEL}")) for k in ALL}
+    assert {e.partition for e in result.get_asset_check_evaluations()} == {  # one per bucket (and model)
+        str(embedding_key(k, f"openai/{FAKE_MODEL}")) for k in ALL
+    }
     # A range run records one version for the range (Dagster 1.13), never a bucket's own.
     versions = latest_data_versions(instance, "documents", ALL)
     assert len(set(versions.values())) == 1 and next(iter(versions.values())).startswith("range:64:")
@@ -169,7 +173,7 @@ def test_a_changed_and_a_deleted_document_are_synced_in_their_buckets(corpus, co
     assert result.success
     ingest = materialization_metadata(result, "ingest")
     assert ingest["changed_documents"] == 1 and ingest["gone_documents"] == 1 and ingest["files_read"] == 1
-    assert fake.stats["billed_inputs"] == billed + 1                 # only the changed chunk was sent
+    assert fake.stats["billed_inputs"] == billed + 1  # only the changed chunk was sent
     s = reports.document_summaries(conn, str(corpus.resolve()), ["doc0001.md", "doc0002.md"])
     assert s["doc0001.md"].status == "current" and s["doc0002.md"].status == "deleted"
     docs = _partition_events(result, "ingest", "documents")
@@ -203,7 +207,7 @@ def test_documents_and_chunks_cannot_be_materialized_apart(corpus, conn, fake):
 
 
 def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, conn, fake, monkeypatch):
-    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success   # fixes 64
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success  # fixes 64
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
     result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000")
     assert not result.success
@@ -215,15 +219,17 @@ def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, con
 def test_refresh_and_reconciliation_runs_check_the_bucket_count_too(corpus, conn, fake, monkeypatch):
     """Every run that reports buckets checks the count: with 8 configured on a 64-bucket database,
     refresh_documents and the reconciliation fail with one line before changing anything."""
-    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success   # fixes 64
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success  # fixes 64
     billed = fake.stats["billed_inputs"]
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
     (corpus / "doc0001.md").write_text("# edited\n\nwords nobody ingested yet\n")
     before = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
     defs = fresh_defs()
     refresh = defs.resolve_job_def("refresh_documents").execute_in_process(
-        instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
-        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}})
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}},
+    )
     reconcile = execute(defs, dg.DagsterInstance.ephemeral(), job="reconcile_job")
     for result, node in ((refresh, "refresh_documents_op"), (reconcile, "reconciliation")):
         assert not result.success
@@ -241,32 +247,41 @@ def test_refresh_documents_rematerializes_one_document_by_run_config(corpus, con
     (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
     billed = fake.stats["billed_inputs"]
     job = defs.resolve_job_def("refresh_documents")
-    result = job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
-        "document_ids": ["doc0001.md"]}}}})
+    result = job.execute_in_process(
+        instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}}
+    )
     assert result.success
     assert fake.stats["billed_inputs"] == billed + 1
-    text = conn.execute("SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) "
-                        "WHERE d.document_id = 'doc0001.md'").fetchone()[0]
+    text = conn.execute(
+        "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = 'doc0001.md'"
+    ).fetchone()[0]
     assert "fresh text for one document" in text
     key = bucket_of("doc0001.md")
-    events = {tuple(e.asset_key.path): e for e in result.get_asset_materialization_events()
-              for e in [e.event_specific_data.materialization]}
+    events = {
+        tuple(e.asset_key.path): e
+        for e in result.get_asset_materialization_events()
+        for e in [e.event_specific_data.materialization]
+    }
     assert set(events) == {("documents",), ("chunks",), ("embeddings",)}
     assert events[("documents",)].partition == events[("chunks",)].partition == key
-    assert events[("embeddings",)].partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))   # x the model
+    assert events[("embeddings",)].partition == str(embedding_key(key, f"openai/{FAKE_MODEL}"))  # x the model
     assert events[("documents",)].metadata["refreshed_documents"].value == "doc0001.md"
     assert events[("embeddings",)].metadata["ready"].value == events[("embeddings",)].metadata["refreshed_chunks"].value
     # The source sensor's next tick reads the edited file and finds it synced: no bucket run for it.
-    with postgres_instance(server_url) as ticks:   # a sensor tick needs an instance it can share
+    with postgres_instance(server_url) as ticks:  # a sensor tick needs an instance it can share
         tick = evaluate_sensor(source_documents_sensor, defs, ticks)
     assert not tick.run_requests and "no change" in tick.skip_message
     # A glob, and a clear refusal when it matches nothing.
-    result = job.execute_in_process(instance=instance, raise_on_error=False, run_config={"ops": {
-        "refresh_documents_op": {"config": {"glob": "nothing-*.pdf"}}}})
+    result = job.execute_in_process(
+        instance=instance,
+        raise_on_error=False,
+        run_config={"ops": {"refresh_documents_op": {"config": {"glob": "nothing-*.pdf"}}}},
+    )
     assert not result.success
     assert "matches no file" in result.failure_data_for_node("refresh_documents_op").user_failure_data.description
-    result = job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
-        "glob": "doc000[23].md"}}}})
+    result = job.execute_in_process(
+        instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {"glob": "doc000[23].md"}}}}
+    )
     assert result.success and result.output_for_node("refresh_documents_op") == ["doc0002.md", "doc0003.md"]
 
 
@@ -281,9 +296,13 @@ def _write_backlog(root, n_docs: int, words: int) -> None:
 
 
 def _doc_chunks(conn, document_id: str) -> list[str]:
-    return [r[0] for r in conn.execute(
-        "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = %s",
-        (document_id,))]
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = %s",
+            (document_id,),
+        )
+    ]
 
 
 def _failure(result: dg.ExecuteInProcessResult, node: str = "embeddings"):
@@ -311,9 +330,9 @@ def test_one_partition_with_a_large_backlog_embeds_only_its_own_chunks(corpus, c
     elapsed = time.monotonic() - started
     assert result.success
     own = _doc_chunks(conn, "doc0000.md")
-    assert own and fake.stats["billed_inputs"] == len(own)       # only its chunks were sent...
+    assert own and fake.stats["billed_inputs"] == len(own)  # only its chunks were sent...
     assert all(fake.billed_count(text) == 1 for text in own)
-    assert job_counts(conn)["pending"] == waiting                # ...and the backlog is untouched
+    assert job_counts(conn)["pending"] == waiting  # ...and the backlog is untouched
     emb = materialization_metadata(result, "embeddings")
     assert emb["embedded"] == len(own) and emb["coverage_ratio"] == 1.0 and emb["in_process"] is True
     assert check_results(result)[COVERAGE_CHECK].passed
@@ -324,7 +343,7 @@ def test_external_workers_mode_waits_for_a_work_process(corpus, conn, fake, env,
     """Scale-out: the run starts no worker; a real `work` process embeds; the run ends when its chunks are ready."""
     monkeypatch.setenv("PIPELINE_EMBED_WORKERS", "external")
     defs = fresh_defs()
-    assert defs.get_assets_def("embeddings").op.pool is None     # no fleet in the run: no pool slot to take
+    assert defs.get_assets_def("embeddings").op.pool is None  # no fleet in the run: no pool slot to take
     instance = dg.DagsterInstance.ephemeral()
     worker = start_cli("work", env={**env, "PIPELINE_EMBED_WORKERS": "external"})
     try:
@@ -334,7 +353,7 @@ def test_external_workers_mode_waits_for_a_work_process(corpus, conn, fake, env,
     assert result.success
     emb = materialization_metadata(result, "embeddings")
     own = _doc_chunks(conn, "doc0001.md")
-    assert emb["in_process"] is False and emb["provider_calls"] == 0   # the run itself called nobody
+    assert emb["in_process"] is False and emb["provider_calls"] == 0  # the run itself called nobody
     assert emb["coverage_ratio"] == 1.0 and fake.stats["billed_inputs"] == len(own)
 
 
@@ -343,21 +362,32 @@ def test_the_deadline_fails_the_run_with_its_counts(corpus, conn, fake):
     defs = fresh_defs()
     instance = dg.DagsterInstance.ephemeral()
     started = time.monotonic()
-    result = execute(defs, instance, partition_key=bucket_of("doc0002.md"),
-                     run_config=_run_config(in_process=False, deadline_seconds=1.0))
-    assert not result.success and time.monotonic() - started < 300   # its 1 s deadline, not the default hour
+    result = execute(
+        defs,
+        instance,
+        partition_key=bucket_of("doc0002.md"),
+        run_config=_run_config(in_process=False, deadline_seconds=1.0),
+    )
+    assert not result.success and time.monotonic() - started < 300  # its 1 s deadline, not the default hour
     description, metadata = _failure(result)
     own = len(_doc_chunks(conn, "doc0002.md"))
     assert description.startswith("deadline passed: ") and "after 1 s" in description
-    assert metadata == {"chunks": own, "ready": 0, "failed": 0, "outstanding": own, "partitions": 1,
-                        "in_process": False, "model": f"openai/{FAKE_MODEL}"}
+    assert metadata == {
+        "chunks": own,
+        "ready": 0,
+        "failed": 0,
+        "outstanding": own,
+        "partitions": 1,
+        "in_process": False,
+        "model": f"openai/{FAKE_MODEL}",
+    }
     assert fake.stats["requests"] == 0
-    assert not result.asset_materializations_for_node("embeddings")   # no materialization claims coverage
+    assert not result.asset_materializations_for_node("embeddings")  # no materialization claims coverage
 
 
 def test_a_spent_token_budget_fails_the_run_with_its_message(corpus, conn, fake, tmp_path, monkeypatch):
     root = tmp_path / "big"
-    _write_backlog(root, 1, 3000)                                 # one document of many chunks
+    _write_backlog(root, 1, 3000)  # one document of many chunks
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
     monkeypatch.setenv("PIPELINE_RUN_TOKEN_BUDGET", "1")
     monkeypatch.setenv("PIPELINE_BATCH_INPUTS", "1")
@@ -369,7 +399,7 @@ def test_a_spent_token_budget_fails_the_run_with_its_message(corpus, conn, fake,
     assert description.startswith("embedding stopped: run token budget of 1 reached")
     own = len(_doc_chunks(conn, "b0000.md"))
     assert own > 8 and 0 < metadata["ready"] < own and metadata["outstanding"] == own - metadata["ready"]
-    assert fake.stats["billed_inputs"] == metadata["ready"]        # what was sent got its vector; the rest waits
+    assert fake.stats["billed_inputs"] == metadata["ready"]  # what was sent got its vector; the rest waits
     assert job_counts(conn)["pending"] == metadata["outstanding"]
 
 
@@ -387,15 +417,18 @@ def test_runs_take_turns_in_the_embedding_worker_pool(corpus, conn, fake, server
         run = threading.Thread(target=lambda: results.append(execute(defs, instance, partition_key=key)))
         run.start()
         # The run's embeddings step asks for the slot and waits (observed in the pool's pending steps).
-        wait_until(lambda: storage.get_concurrency_info(EMBEDDING_POOL).pending_step_count >= 1, timeout=120,
-                   what="the embeddings step to wait for the pool slot")
-        assert run.is_alive() and fake.stats["requests"] == 0          # blocked on the pool: no worker
-        assert job_counts(conn).get("pending", 0) > 0                     # (ingest ran: its step is not pooled)
+        wait_until(
+            lambda: storage.get_concurrency_info(EMBEDDING_POOL).pending_step_count >= 1,
+            timeout=120,
+            what="the embeddings step to wait for the pool slot",
+        )
+        assert run.is_alive() and fake.stats["requests"] == 0  # blocked on the pool: no worker
+        assert job_counts(conn).get("pending", 0) > 0  # (ingest ran: its step is not pooled)
         storage.free_concurrency_slot_for_step("another-run", "embeddings")
         run.join(120)
         assert results and results[0].success
         assert fake.stats["billed_inputs"] == len(_doc_chunks(conn, "doc0003.md"))
-        assert storage.get_concurrency_info(EMBEDDING_POOL).active_slot_count == 0   # freed at the step's end
+        assert storage.get_concurrency_info(EMBEDDING_POOL).active_slot_count == 0  # freed at the step's end
 
 
 def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
@@ -421,8 +454,8 @@ def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
 def test_bucket_coverage_grouped_in_sql_is_the_documents_own(corpus, conn, fake):
     """coverage_and_total (what an embeddings run reads) gives each bucket the sums of its documents'
     coverage, and the total over distinct chunks: a text two documents share counts once there."""
-    (corpus / "twin.md").write_text((corpus / "doc0001.md").read_text())   # the same chunk as doc0001
-    (corpus / "binary.md").write_bytes(b"\x00\x01\x02 not text")           # quarantined: no chunk
+    (corpus / "twin.md").write_text((corpus / "doc0001.md").read_text())  # the same chunk as doc0001
+    (corpus / "binary.md").write_bytes(b"\x00\x01\x02 not text")  # quarantined: no chunk
     with dg.build_resources(build_resources(Settings.from_env())) as res:
         rt, pool = res.embedding_provider.runtime(), res.postgres.pool()
         ingest_source(rt, pool, corpus)
@@ -434,13 +467,14 @@ def test_bucket_coverage_grouped_in_sql_is_the_documents_own(corpus, conn, fake)
             per_bucket, sql_total = bucket_rows.coverage_and_total(conn, root, buckets, n, model)
             assert per_bucket == bk.bucket_coverage(per_doc, buckets, n), step
             assert sql_total == total, step
-            assert sum(c.chunks for c in per_bucket.values()) == total.wanted + 1, step   # the twin
+            assert sum(c.chunks for c in per_bucket.values()) == total.wanted + 1, step  # the twin
             if step == "waiting":
                 assert total.ready == 0 and total.waiting == total.wanted
                 embed_buckets(rt, pool, corpus.resolve(), buckets, n, poll_seconds=0.05)
         assert total.ready == total.wanted > 0 and not total.failed
         assert sorted(bucket_rows.current_pks(conn, root, buckets, n)) == sorted(
-            r[0] for r in conn.execute("SELECT doc_pk FROM app.documents WHERE status = 'current'"))
+            r[0] for r in conn.execute("SELECT doc_pk FROM app.documents WHERE status = 'current'")
+        )
 
 
 def test_a_corpus_ingested_by_the_cli_is_not_ingested_again_by_the_first_bucket_run(corpus, conn, fake):
@@ -467,8 +501,9 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
     monkeypatch.setattr(bk, "SYNC_PAGE_DOCUMENTS", 2)
     calls: list[int] = []
     real = bk.ingest_documents
-    monkeypatch.setattr(bk, "ingest_documents", lambda rt, pool, root, ids: calls.append(len(ids)) or real(
-        rt, pool, root, ids))
+    monkeypatch.setattr(
+        bk, "ingest_documents", lambda rt, pool, root, ids: calls.append(len(ids)) or real(rt, pool, root, ids)
+    )
     for i in range(4, 9):
         (corpus / f"doc{i:04d}.md").write_text(f"# extra {i}\n\nwords of page {i}\n")
         os.utime(corpus / f"doc{i:04d}.md", (time.time() - 3600,) * 2)
@@ -477,8 +512,12 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
         first = bk.sync_buckets(rt, pool, corpus, range(64), 64)
         assert (first.changed, first.gone, first.report.new) == (9, 0, 9) and calls and max(calls) <= 2
         assert sum(calls) == 9
-        assert conn.execute("SELECT count(*) FROM app.source_observations WHERE synced = checksum "
-                            "AND checksum NOT LIKE '~%%'").fetchone()[0] == 9
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM app.source_observations WHERE synced = checksum AND checksum NOT LIKE '~%%'"
+            ).fetchone()[0]
+            == 9
+        )
         (corpus / "doc0001.md").write_text("# changed\n\nother words\n")
         for gone in ("doc0002.md", "doc0005.md", "doc0007.md"):
             (corpus / gone).unlink()
@@ -494,8 +533,9 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
     assert sum(s == "current" for s in statuses.values()) == 6
 
 
-def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_documents_in_pages(corpus, conn, fake,
-                                                                                            monkeypatch):
+def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_documents_in_pages(
+    corpus, conn, fake, monkeypatch
+):
     """After a parser fix a run over some buckets selects their stale documents in the database, a
     page at a time (pages of 2 here): it never reads another bucket's, nor more than a page at once."""
     from pipeline_assets.store import stage_runs
@@ -524,9 +564,13 @@ def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_document
         done = bk.sync_buckets(res.embedding_provider.runtime(), res.postgres.pool(), corpus, wanted, 64)
     assert done.stale == len(inside) and done.changed == 0
     assert reads and max(len(r) for r in reads) <= 2
-    assert sorted(d for r in reads for d in r) == inside            # only its buckets' documents, each once
-    versions = dict(conn.execute("SELECT d.document_id, s.code_version FROM app.stage_runs s "
-                                 "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
+    assert sorted(d for r in reads for d in r) == inside  # only its buckets' documents, each once
+    versions = dict(
+        conn.execute(
+            "SELECT d.document_id, s.code_version FROM app.stage_runs s "
+            "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'"
+        ).fetchall()
+    )
     assert versions == {d: "extract-2" if d in inside else "extract-1" for d in docs}
 
 
@@ -544,8 +588,9 @@ def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fak
     (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
     refreshed = bucket_of("doc0001.md")
     job = defs.resolve_job_def("refresh_documents")
-    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
-        "document_ids": ["doc0001.md"]}}}}).success
+    assert job.execute_in_process(
+        instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}}
+    ).success
     for asset in ("documents", "chunks", "embeddings"):
         assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
     # An unchanged bucket run of the refreshed bucket and of another: nothing looks changed.
@@ -554,8 +599,10 @@ def test_after_a_refresh_dagsters_staleness_is_the_buckets_own(corpus, conn, fak
         assert execute(defs, instance, partition_key=key).success
     for asset in ("documents", "chunks", "embeddings"):
         assert set(stale_status(defs, instance, asset, ALL).values()) == {"FRESH"}, asset
-    assert job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
-        "document_ids": ["doc0001.md"], "force": True}}}}).success
+    assert job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"], "force": True}}}},
+    ).success
     # A parser fix (the documents code version): every bucket is stale, the refreshed one too.
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
     bumped = fresh_defs()
@@ -581,17 +628,23 @@ def test_a_refresh_leaves_another_models_cell_of_its_bucket_stale(corpus, conn, 
     assert execute(defs, instance, tags=range_tags(ALL)).success
     with db.make_pool(db.database_url(settings.database_config()), max_size=2) as pool:
         other = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
-    instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [other])      # what the sensors' next tick does
-    assert execute(defs, instance, job="embed_documents",
-                   tags=embed_range_tags(ALL, [other])).success
+    instance.add_dynamic_partitions(MODEL_PARTITIONS_NAME, [other])  # what the sensors' next tick does
+    assert execute(defs, instance, job="embed_documents", tags=embed_range_tags(ALL, [other])).success
     (corpus / "doc0001.md").write_text("# edited\n\nfresh text for one document\n")
     refreshed = bucket_of("doc0001.md")
-    assert defs.resolve_job_def("refresh_documents").execute_in_process(instance=instance, run_config={
-        "ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}}).success
+    assert (
+        defs.resolve_job_def("refresh_documents")
+        .execute_in_process(
+            instance=instance,
+            run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0001.md"]}}}},
+        )
+        .success
+    )
     configured = f"openai/{FAKE_MODEL}"
     assert set(stale_status(defs, instance, "embeddings", ALL, configured).values()) == {"FRESH"}
     assert stale_status(defs, instance, "embeddings", ALL, other) == {
-        k: "STALE" if k == refreshed else "FRESH" for k in ALL}
+        k: "STALE" if k == refreshed else "FRESH" for k in ALL
+    }
     # Its run makes the new text's vectors: the cell is fresh again.
     assert execute(defs, instance, job="embed_documents", partition_key=str(embedding_key(refreshed, other))).success
     assert set(stale_status(defs, instance, "embeddings", ALL, other).values()) == {"FRESH"}

@@ -38,7 +38,8 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
 def _coverage_only(defs: dg.Definitions, instance: dg.DagsterInstance, key: str) -> dg.AssetCheckEvaluation:
     """The coverage check alone for one bucket (x the model), as 'Execute check' in the UI runs it."""
     job = defs.resolve_job_def("embed_documents").get_subset(
-        asset_selection=set(), asset_check_selection={dg.AssetCheckKey(EMBEDDINGS, COVERAGE_CHECK)})
+        asset_selection=set(), asset_check_selection={dg.AssetCheckKey(EMBEDDINGS, COVERAGE_CHECK)}
+    )
     partition = str(embedding_key(key, MODEL))
     result = job.execute_in_process(instance=instance, partition_key=partition, raise_on_error=False)
     assert result.success
@@ -88,19 +89,23 @@ def test_coverage_is_per_bucket_and_a_backlog_elsewhere_does_not_fail_it(corpus,
     with dg.build_resources(build_resources(settings)) as res:
         ingest_documents(res.embedding_provider.runtime(), res.postgres.pool(), root, others)
     assert job_counts(conn)["pending"] > 0
-    assert _coverage_only(defs, instance, RUN[-1]).passed              # its own chunks are embedded
-    waiting = _coverage_only(defs, instance, bucket_of(others[0]))     # not reached yet: says so
+    assert _coverage_only(defs, instance, RUN[-1]).passed  # its own chunks are embedded
+    waiting = _coverage_only(defs, instance, bucket_of(others[0]))  # not reached yet: says so
     assert not waiting.passed and waiting.metadata["waiting"].value == waiting.metadata["chunks"].value > 0
-    assert waiting.metadata["chunks"].value == _chunks(conn, root, [d for d in others
-                                                                   if bucket_of(d) == bucket_of(others[0])])
-    assert all(c.passed for c in _health(defs, instance).values())      # pending work is not unhealthy
+    assert waiting.metadata["chunks"].value == _chunks(
+        conn, root, [d for d in others if bucket_of(d) == bucket_of(others[0])]
+    )
+    assert all(c.passed for c in _health(defs, instance).values())  # pending work is not unhealthy
 
     # A dead-lettered job fails exactly the bucket whose chunk it is, and names the document.
-    conn.execute("""UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input'
+    conn.execute(
+        """UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input'
                     WHERE job_id = (SELECT j.job_id FROM app.embedding_jobs j
                                     JOIN app.chunks c ON c.chunk_checksum = j.chunk_checksum
                                     JOIN app.documents d ON d.doc_pk = c.doc_pk
-                                    WHERE d.document_id = %s AND j.status = 'ready' LIMIT 1)""", (PAIR[1],))
+                                    WHERE d.document_id = %s AND j.status = 'ready' LIMIT 1)""",
+        (PAIR[1],),
+    )
     failed = _coverage_only(defs, instance, RUN[0])
     assert not failed.passed and failed.metadata["failed"].value == 1
     assert failed.metadata["failed_ids"].value == PAIR[1]
@@ -114,8 +119,11 @@ def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, c
     # The schedule's job selects the store's checks alone; the embedding job never runs them.
     schedule = repo.get_schedule_def("pipeline_health_checks")
     assert schedule.job_name == "pipeline_health"
-    health_checks = {k.name for k in repo.get_job("pipeline_health").asset_layer.asset_graph.asset_check_keys
-                     if k.asset_key == dg.AssetKey("embedding_store")}
+    health_checks = {
+        k.name
+        for k in repo.get_job("pipeline_health").asset_layer.asset_graph.asset_check_keys
+        if k.asset_key == dg.AssetKey("embedding_store")
+    }
     assert health_checks == {"no_stale_vector_current", "dead_letter_growth"}
     instance = dg.DagsterInstance.ephemeral()
     run = execute(defs, instance, partition_key=bucket_of(KEYS[0]))
@@ -125,8 +133,10 @@ def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, c
     assert {n: c.passed for n, c in checks.items()} == {"no_stale_vector_current": True, "dead_letter_growth": True}
 
     # A stale vector: the job was superseded but its vector is still stored. ERROR.
-    conn.execute("UPDATE app.embedding_jobs SET status = 'superseded'"
-                 " WHERE job_id = (SELECT min(job_id) FROM app.embedding_jobs WHERE status = 'ready')")
+    conn.execute(
+        "UPDATE app.embedding_jobs SET status = 'superseded'"
+        " WHERE job_id = (SELECT min(job_id) FROM app.embedding_jobs WHERE status = 'ready')"
+    )
     checks = _health(defs, instance)
     stale = checks["no_stale_vector_current"]
     assert not stale.passed and stale.severity == dg.AssetCheckSeverity.ERROR
@@ -138,9 +148,12 @@ def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, c
     # A dead-letter burst: 25 jobs failed within the hour (threshold 10/h): a WARNING.
     model = conn.execute("SELECT model_id FROM app.models WHERE active").fetchone()[0]
     with conn.transaction():  # a job and its key commit together (deferred foreign keys, sql/009)
-        conn.execute("""INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts, error_class)
+        conn.execute(
+            """INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts, error_class)
                         SELECT sha256(('poison' || i)::bytea), %s, 'failed', 5, 'bad_input'
-                        FROM generate_series(1, 25) AS i""", (model,))
+                        FROM generate_series(1, 25) AS i""",
+            (model,),
+        )
         conn.execute("""INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
                         SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs
                         WHERE chunk_checksum IN (SELECT sha256(('poison' || i)::bytea)
@@ -150,7 +163,7 @@ def test_store_health_checks_run_on_the_schedule_not_in_embedding_runs(corpus, c
     assert growth.metadata["failed_last_hour"].value == 25 and growth.metadata["threshold_per_hour"].value == 10
     # A higher threshold from the environment (read when the code location loads) passes the same burst.
     monkeypatch.setenv("PIPELINE_DLQ_GROWTH_PER_HOUR", "30")
-    assert not _health(defs, instance)["dead_letter_growth"].passed   # not read again by loaded definitions
+    assert not _health(defs, instance)["dead_letter_growth"].passed  # not read again by loaded definitions
     assert _health(fresh_defs(), instance)["dead_letter_growth"].passed
     monkeypatch.delenv("PIPELINE_DLQ_GROWTH_PER_HOUR")
     # Large but not growing (failed hours ago): passes. Depth is not the signal.

@@ -53,7 +53,7 @@ def _exports(stdout: str) -> dict[str, str]:
     out = {}
     for line in stdout.splitlines():
         if line.startswith("export "):
-            name, _, value = line[len("export "):].partition("=")
+            name, _, value = line[len("export ") :].partition("=")
             out[name] = shlex.split(value)[0]
     return out
 
@@ -66,11 +66,13 @@ def test_the_root_dagster_yaml_holds_shared_settings_and_no_storage(monkeypatch)
     assert root_yaml.is_file() and (REPO / "deploy" / "dagster.yaml").exists()
     assert "storage" not in yaml.safe_load(root_yaml.read_text())
     # What `dagster dev` / `dagster asset materialize` build when DAGSTER_HOME is unset.
-    with (tempfile.TemporaryDirectory() as home,
-          dg.DagsterInstance.from_ref(InstanceRef.from_dir(home, config_dir=str(REPO))) as instance):
+    with (
+        tempfile.TemporaryDirectory() as home,
+        dg.DagsterInstance.from_ref(InstanceRef.from_dir(home, config_dir=str(REPO))) as instance,
+    ):
         assert type(instance.run_storage).__name__ == "SqliteRunStorage"
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
-        concurrency = instance.get_concurrency_config()   # what the run queue daemon reads
+        concurrency = instance.get_concurrency_config()  # what the run queue daemon reads
         assert concurrency.run_queue_config.max_concurrent_runs == 4
         assert concurrency.pool_config.default_pool_limit == 1
         assert instance.telemetry_enabled is False
@@ -94,11 +96,16 @@ def _legacy_partitions(exported: dict[str, str], keys: list[str] | None = None) 
 def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tmp_path):
     run_env, corpus = setup
     docs = [f"doc{i:04d}.md" for i in range(3)]
-    assert len({bucket_of(d) for d in docs}) == 3        # one document per bucket (the buckets are a hash)
+    assert len({bucket_of(d) for d in docs}) == 3  # one document per bucket (the buckets are a hash)
     printed = cli("dagster-env", env=run_env)
     exported = _exports(printed.stdout)
-    assert {"DAGSTER_HOME", DAGSTER_URL_ENV, "PIPELINE_HOME", "DAGSTER_EVENT_BATCH_SIZE",
-            "PIPELINE_PARTITION_BUCKETS"} <= set(exported)
+    assert {
+        "DAGSTER_HOME",
+        DAGSTER_URL_ENV,
+        "PIPELINE_HOME",
+        "DAGSTER_EVENT_BATCH_SIZE",
+        "PIPELINE_PARTITION_BUCKETS",
+    } <= set(exported)
     assert exported[DAGSTER_URL_ENV].startswith("postgresql+psycopg2://")
     assert exported["PIPELINE_PARTITION_BUCKETS"] == "64" and "64 document bucket(s)" in printed.stderr
     assert "upgraded" not in printed.stderr
@@ -119,22 +126,64 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
     # `dagster job launch` only queues a run (no daemon here): it runs beside the materialization,
     # two Dagster processes at once, as two users of one instance would.
     launch = subprocess.Popen(
-        [*DAGSTER, "job", "launch", "-w", "workspace.yaml", "-j", "sync_documents",
-         "--tags", json.dumps({"dagster/partition": bucket_of("doc0002.md")})],
-        env=shell_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            *DAGSTER,
+            "job",
+            "launch",
+            "-w",
+            "workspace.yaml",
+            "-j",
+            "sync_documents",
+            "--tags",
+            json.dumps({"dagster/partition": bucket_of("doc0002.md")}),
+        ],
+        env=shell_env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     key = bucket_of("doc0001.md")
     try:
         materialize = subprocess.run(
-            [*DAGSTER, "asset", "materialize", "-m", "pipeline_assets.defs.definitions",
-             "--select", "documents,chunks", "--partition", key],
-            env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+            [
+                *DAGSTER,
+                "asset",
+                "materialize",
+                "-m",
+                "pipeline_assets.defs.definitions",
+                "--select",
+                "documents,chunks",
+                "--partition",
+                key,
+            ],
+            env=shell_env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert materialize.returncode == 0, materialize.stderr[-3000:]
         # embeddings are partitioned by bucket x model: the bucket's cell of the configured model's column
         # (dagster-env gave the configured model its column before anything was registered).
         materialize = subprocess.run(
-            [*DAGSTER, "asset", "materialize", "-m", "pipeline_assets.defs.definitions",
-             "--select", "embeddings", "--partition", f"{key}|openai/{FAKE_MODEL}"],
-            env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+            [
+                *DAGSTER,
+                "asset",
+                "materialize",
+                "-m",
+                "pipeline_assets.defs.definitions",
+                "--select",
+                "embeddings",
+                "--partition",
+                f"{key}|openai/{FAKE_MODEL}",
+            ],
+            env=shell_env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         _, launch_err = launch.communicate(timeout=300)
     finally:
         if launch.poll() is None:
@@ -152,12 +201,26 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
     config = tmp_path / "refresh.yaml"
     config.write_text(yaml.safe_dump({"ops": {"refresh_documents_op": {"config": {"document_ids": ["doc0000.md"]}}}}))
     refresh = subprocess.run(
-        [*DAGSTER, "job", "execute", "-m", "pipeline_assets.defs.definitions", "-j", "refresh_documents",
-         "-c", str(config)],
-        env=shell_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            *DAGSTER,
+            "job",
+            "execute",
+            "-m",
+            "pipeline_assets.defs.definitions",
+            "-j",
+            "refresh_documents",
+            "-c",
+            str(config),
+        ],
+        env=shell_env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert refresh.returncode == 0, refresh.stderr[-3000:]
     refreshed = reports.document_summaries(conn, root, docs)
-    assert sorted(refreshed) == ["doc0000.md", "doc0001.md"]          # doc0002's run is only queued
+    assert sorted(refreshed) == ["doc0000.md", "doc0001.md"]  # doc0002's run is only queued
     _, cov0 = reports.embedding_coverage(conn, root, ["doc0000.md"], f"openai/{FAKE_MODEL}")
     assert refreshed["doc0000.md"].status == "current" and cov0.ready == cov0.wanted > 0
 
@@ -168,8 +231,12 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
             # data version (a one-bucket run) and its counts...
             state = bucket_states({"doc0001.md": doc}, [bucket_index(key)], 64)[bucket_index(key)]
             assert latest_data_versions(instance, "documents", [key]) == {key: state.text_digest}
-            meta = {k: v.value for k, v in
-                    latest_materializations(instance, "documents", [key])[key].asset_materialization.metadata.items()}
+            meta = {
+                k: v.value
+                for k, v in latest_materializations(instance, "documents", [key])[
+                    key
+                ].asset_materialization.metadata.items()
+            }
             assert (meta["documents"], meta["current"], meta["text_digest"]) == (1, 1, state.text_digest)
             # ...the refreshed document's bucket, materialized by the refresh run and naming it...
             other = bucket_of("doc0000.md")
@@ -185,8 +252,9 @@ def test_dagster_env_then_asset_materialize_and_job_launch(setup, conn, fake, tm
 
 def test_dagster_env_with_no_database_is_one_error_line(setup):
     run_env, _ = setup
-    proc = cli("dagster-env", env={**run_env, "PIPELINE_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/x"},
-               check=False)
+    proc = cli(
+        "dagster-env", env={**run_env, "PIPELINE_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/x"}, check=False
+    )
     assert proc.returncode == 1 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()
     assert line.startswith("error:") and "Traceback" not in proc.stderr

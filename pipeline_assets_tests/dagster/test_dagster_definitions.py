@@ -26,8 +26,13 @@ from pipeline_assets_tests.dagster_helpers import fresh_defs
 
 @pytest.fixture(autouse=True)
 def _plain_environment(monkeypatch):
-    for name in ("OPENAI_API_KEY", "PIPELINE_EMBEDDING_MODEL", "PIPELINE_EXTRACTOR_VERSION",
-                 "PIPELINE_SOURCE_DIR", "PIPELINE_DATABASE_URL"):
+    for name in (
+        "OPENAI_API_KEY",
+        "PIPELINE_EMBEDDING_MODEL",
+        "PIPELINE_EXTRACTOR_VERSION",
+        "PIPELINE_SOURCE_DIR",
+        "PIPELINE_DATABASE_URL",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -62,15 +67,26 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     assert isinstance(mapping, dg.MultiToSingleDimensionPartitionMapping)
     assert mapping.partition_dimension_name == "bucket"
     assert versions["documents"] == "extract-1"
-    assert versions["embeddings"] == "vectors-1"      # not the model: the model is a partition
+    assert versions["embeddings"] == "vectors-1"  # not the model: the model is a partition
     assert repo.get_job("sync_documents").asset_layer.executable_asset_keys == set(INGEST_KEYS)
     assert repo.get_job("embed_documents").asset_layer.executable_asset_keys == {dg.AssetKey("embeddings")}
-    for job in ("sync_documents", "embed_documents", "reconcile_job", "pipeline_health", "refresh_documents",
-                "__ASSET_JOB"):
+    for job in (
+        "sync_documents",
+        "embed_documents",
+        "reconcile_job",
+        "pipeline_health",
+        "refresh_documents",
+        "__ASSET_JOB",
+    ):
         assert repo.get_job(job).executor_def.name == "in_process", job
-    assert {s.name for s in repo.sensor_defs} >= {"source_documents", "rerun_stale_documents", "embed_after_sync",
-                                                  "model_switch", "reconcile_on_dead_letters",
-                                                  "reconcile_on_run_failure"}
+    assert {s.name for s in repo.sensor_defs} >= {
+        "source_documents",
+        "rerun_stale_documents",
+        "embed_after_sync",
+        "model_switch",
+        "reconcile_on_dead_letters",
+        "reconcile_on_run_failure",
+    }
     schedules = {s.name: s for s in repo.schedule_defs}
     assert schedules["reconcile_hourly"].cron_schedule == "*/5 * * * *"
     # Reconciliation is an asset (not partitioned: it spans every source), run by reconcile_job.
@@ -80,8 +96,11 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     # In-process embedding (the default) runs in the concurrency pool.
     assert graph.get(dg.AssetKey("embeddings")).assets_def.op.pool == "embedding_worker"
     checks = {(k.asset_key.to_user_string(), k.name) for k in graph.asset_check_keys}
-    assert checks == {("embeddings", "partition_embedded"), ("embedding_store", "no_stale_vector_current"),
-                      ("embedding_store", "dead_letter_growth")}
+    assert checks == {
+        ("embeddings", "partition_embedded"),
+        ("embedding_store", "no_stale_vector_current"),
+        ("embedding_store", "dead_letter_growth"),
+    }
     # documents and chunks: one step that cannot be subset; the store is not materialized by Dagster.
     ingest = graph.get(dg.AssetKey("documents")).assets_def
     assert ingest is graph.get(dg.AssetKey("chunks")).assets_def and not ingest.can_subset
@@ -94,7 +113,7 @@ def test_model_and_versions_follow_the_environment(monkeypatch):
     monkeypatch.setenv("PIPELINE_EMBEDDING_MODEL", "text-embedding-3-large")
     graph = fresh_defs().get_repository_def().asset_graph
     assert graph.get(dg.AssetKey("documents")).code_version == "extract-9"
-    assert graph.get(dg.AssetKey("embeddings")).code_version == "vectors-1"   # the same for every model
+    assert graph.get(dg.AssetKey("embeddings")).code_version == "vectors-1"  # the same for every model
 
 
 def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
@@ -102,7 +121,7 @@ def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
     assert PostgresResource.from_settings(Settings.from_env()).database_url is None
     monkeypatch.setenv("PIPELINE_DATABASE_URL", "postgresql://u@h/db")
     resource = PostgresResource.from_settings(Settings.from_env())
-    assert resource.database_url == dg.EnvVar("PIPELINE_DATABASE_URL")   # the UI shows the name, not the URL
+    assert resource.database_url == dg.EnvVar("PIPELINE_DATABASE_URL")  # the UI shows the name, not the URL
     assert resource.url() == "postgresql://u@h/db"
     with dg.build_resources({"postgres": resource}) as built:
         assert built.postgres.url() == "postgresql://u@h/db"
@@ -118,24 +137,28 @@ def test_resources_resolve_like_the_cli(monkeypatch, tmp_path):
     assert source.root_path() == (REPO / "examples" / "corpus").resolve()
     assert provider.settings().embedding_model == model
     assert type(source)(**source.model_dump()).root_path() == (REPO / "examples" / "corpus").resolve()
-    reloaded = fresh_defs()   # a code reload reads the environment again
+    reloaded = fresh_defs()  # a code reload reads the environment again
     assert reloaded.resources["source"].root_path() == tmp_path.resolve()
     assert reloaded.resources["embedding_provider"].settings().embedding_model == "text-embedding-3-large"
-    assert source.root_path() == (REPO / "examples" / "corpus").resolve()   # the old definitions' own
+    assert source.root_path() == (REPO / "examples" / "corpus").resolve()  # the old definitions' own
     assert SourceDirectoryResource(root="/x/y").root_path() == Path("/x/y")
 
 
-SECRETS = {"PIPELINE_DATABASE_URL": "postgresql://app:pw-db-s3cret@db.example/pipeline",
-           "PIPELINE_SOURCE_DATABASE_URL": "postgresql://src:pw-src-s3cret@src.example/docs",
-           "OPENAI_API_KEY": "sk-test-key-s3cret"}
+SECRETS = {
+    "PIPELINE_DATABASE_URL": "postgresql://app:pw-db-s3cret@db.example/pipeline",
+    "PIPELINE_SOURCE_DATABASE_URL": "postgresql://src:pw-src-s3cret@src.example/docs",
+    "OPENAI_API_KEY": "sk-test-key-s3cret",
+}
 
 
 def _shown_config(defs: dg.Definitions) -> str:
     """What the UI shows of each resource's configured values (Dagster's resource snapshot), and
     each resource's own fields, as text."""
-    shown = [definition.config_schema.default_value_as_json_str
-             for definition in defs.get_repository_def().get_top_level_resources().values()
-             if definition.config_schema.default_provided]
+    shown = [
+        definition.config_schema.default_value_as_json_str
+        for definition in defs.get_repository_def().get_top_level_resources().values()
+        if definition.config_schema.default_provided
+    ]
     fields = {name: resource.model_dump() for name, resource in (defs.resources or {}).items()}
     return "\n".join([*shown, json.dumps(fields, default=str), repr(defs.resources)])
 
@@ -143,18 +166,23 @@ def _shown_config(defs: dg.Definitions) -> str:
 def test_resource_config_names_secrets_never_holds_them(monkeypatch, tmp_path):
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
-    plain = {"PIPELINE_EMBEDDING_MODEL": "text-embedding-3-large", "PIPELINE_LOCAL_MODEL_DIR": str(tmp_path),
-             "PIPELINE_EMBED_RUN_DEADLINE": "12.5", "PIPELINE_BATCH_INPUTS": "64", "PIPELINE_DECODE_ERRORS": "REPLACE"}
+    plain = {
+        "PIPELINE_EMBEDDING_MODEL": "text-embedding-3-large",
+        "PIPELINE_LOCAL_MODEL_DIR": str(tmp_path),
+        "PIPELINE_EMBED_RUN_DEADLINE": "12.5",
+        "PIPELINE_BATCH_INPUTS": "64",
+        "PIPELINE_DECODE_ERRORS": "REPLACE",
+    }
     for name, value in plain.items():
         monkeypatch.setenv(name, value)
     defs = fresh_defs()
     shown = _shown_config(defs)
     for value in SECRETS.values():
         assert value not in shown and "s3cret" not in shown
-    assert all(name in shown for name in SECRETS)   # the variable's name stands for each secret
-    assert "text-embedding-3-large" in shown        # the plain settings are the resource's own values
+    assert all(name in shown for name in SECRETS)  # the variable's name stands for each secret
+    assert "text-embedding-3-large" in shown  # the plain settings are the resource's own values
     provider = defs.resources["embedding_provider"]
-    assert provider.settings() == Settings.from_env()   # and resolve back to the settings, secrets included
+    assert provider.settings() == Settings.from_env()  # and resolve back to the settings, secrets included
     assert defs.resources["postgres"].url() == SECRETS["PIPELINE_DATABASE_URL"]
 
 
@@ -166,19 +194,32 @@ def test_a_resource_rebuilt_from_its_config_in_another_process_reads_its_fields(
     monkeypatch.setenv("PIPELINE_EMBED_WORKERS", "external")
     resources = fresh_defs().resources
     config = {name: resources[name].model_dump() for name in ("embedding_provider", "source", "embedding_run")}
-    script = ("import json, sys\n"
-              "from pipeline_assets.defs.resources import build_resources\n"
-              "from pipeline_assets.settings import Settings\n"
-              "config = json.loads(sys.stdin.read())\n"
-              "kinds = {name: type(r) for name, r in build_resources(Settings()).items()}\n"
-              "built = {name: kinds[name](**value) for name, value in config.items()}\n"
-              "print(json.dumps([built['embedding_provider'].settings().embedding_model,\n"
-              "                  str(built['source'].root_path()),\n"
-              "                  built['embedding_run'].embeds_in_process(Settings())]))\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PIPELINE_EMBEDDING_MODEL", "PIPELINE_SOURCE_DIR", "PIPELINE_EMBED_WORKERS")}
-    out = subprocess.run([sys.executable, "-c", script], input=json.dumps(config), env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    script = (
+        "import json, sys\n"
+        "from pipeline_assets.defs.resources import build_resources\n"
+        "from pipeline_assets.settings import Settings\n"
+        "config = json.loads(sys.stdin.read())\n"
+        "kinds = {name: type(r) for name, r in build_resources(Settings()).items()}\n"
+        "built = {name: kinds[name](**value) for name, value in config.items()}\n"
+        "print(json.dumps([built['embedding_provider'].settings().embedding_model,\n"
+        "                  str(built['source'].root_path()),\n"
+        "                  built['embedding_run'].embeds_in_process(Settings())]))\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PIPELINE_EMBEDDING_MODEL", "PIPELINE_SOURCE_DIR", "PIPELINE_EMBED_WORKERS")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(config),
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert json.loads(out) == ["text-embedding-3-large", str(tmp_path.resolve()), False]
 
 
@@ -191,8 +232,9 @@ def test_a_launchpad_override_keeps_the_configured_secrets(monkeypatch):
     seen: dict[str, object] = {}
 
     @dg.op
-    def look(postgres: dg.ResourceParam[PostgresResource],
-             embedding_provider: dg.ResourceParam[dg.ConfigurableResource]) -> None:
+    def look(
+        postgres: dg.ResourceParam[PostgresResource], embedding_provider: dg.ResourceParam[dg.ConfigurableResource]
+    ) -> None:
         seen["url"], seen["key"] = postgres.url(), embedding_provider.settings().openai_api_key
 
     @dg.job
@@ -200,8 +242,12 @@ def test_a_launchpad_override_keeps_the_configured_secrets(monkeypatch):
         look()
 
     defs = dg.Definitions(jobs=[probe], resources={k: resources[k] for k in ("postgres", "embedding_provider")})
-    run_config = {"resources": {"postgres": {"config": {"pool_max_size": 2}},
-                                "embedding_provider": {"config": {"model": "text-embedding-3-small"}}}}
+    run_config = {
+        "resources": {
+            "postgres": {"config": {"pool_max_size": 2}},
+            "embedding_provider": {"config": {"model": "text-embedding-3-small"}},
+        }
+    }
     assert defs.resolve_job_def("probe").execute_in_process(run_config=run_config).success
     assert seen == {"url": SECRETS["PIPELINE_DATABASE_URL"], "key": SECRETS["OPENAI_API_KEY"]}
 
@@ -214,10 +260,14 @@ def test_workspace_yaml_and_no_tool_dagster_block():
 
 
 def test_sqlalchemy_url_uses_psycopg2_and_the_socket_dir():
-    assert dagster_instance.sqlalchemy_url("postgresql://postgres:@/dagster?host=/tmp/pg/pgdata") == \
-        "postgresql+psycopg2://postgres@/dagster?host=%2Ftmp%2Fpg%2Fpgdata"
-    assert dagster_instance.sqlalchemy_url("postgresql://u:p%40ss@db.example:5433/dagster?sslmode=require") == \
-        "postgresql+psycopg2://u:p%40ss@db.example:5433/dagster?sslmode=require"
+    assert (
+        dagster_instance.sqlalchemy_url("postgresql://postgres:@/dagster?host=/tmp/pg/pgdata")
+        == "postgresql+psycopg2://postgres@/dagster?host=%2Ftmp%2Fpg%2Fpgdata"
+    )
+    assert (
+        dagster_instance.sqlalchemy_url("postgresql://u:p%40ss@db.example:5433/dagster?sslmode=require")
+        == "postgresql+psycopg2://u:p%40ss@db.example:5433/dagster?sslmode=require"
+    )
 
 
 def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkeypatch):
@@ -259,6 +309,7 @@ def test_the_source_sensor_interval_follows_the_setting(monkeypatch):
     def interval() -> int:
         sensors = {s.name: s for s in fresh_defs().get_repository_def().sensor_defs}
         return sensors["source_documents"].minimum_interval_seconds
+
     monkeypatch.delenv("PIPELINE_SOURCE_SENSOR_INTERVAL", raising=False)
     assert interval() == 30
     monkeypatch.setenv("PIPELINE_SOURCE_SENSOR_INTERVAL", "5")
@@ -267,8 +318,11 @@ def test_the_source_sensor_interval_follows_the_setting(monkeypatch):
 
 def test_no_private_dagster_import_in_the_code():
     """Dagster's public API only: no `dagster._...` import anywhere in pipeline_assets/."""
-    offenders = [str(p.relative_to(REPO)) for p in (REPO / "pipeline_assets").rglob("*.py")
-                 if "dagster._" in p.read_text() or "DagsterEvent" in p.read_text()]
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "pipeline_assets").rglob("*.py")
+        if "dagster._" in p.read_text() or "DagsterEvent" in p.read_text()
+    ]
     assert offenders == []
 
 

@@ -38,8 +38,11 @@ def _free_port() -> int:
 
 
 def _gql(port: int, query: str) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": query}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/graphql",
+        data=json.dumps({"query": query}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())["data"]
 
@@ -65,8 +68,14 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
     port = _free_port()
     before = set(REPO.glob(".tmp_dagster_home_*"))
     log = open(tmp_path / "dagster-dev.log", "w")
-    proc = subprocess.Popen([*DAGSTER, "dev", "-w", "workspace.yaml", "-p", str(port)], env=run_env, cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [*DAGSTER, "dev", "-w", "workspace.yaml", "-p", str(port)],
+        env=run_env,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     docs = [f"doc{i:04d}.md" for i in range(3)]
     keys = sorted(bucket_of(d) for d in docs)
     try:
@@ -74,32 +83,50 @@ def test_dagster_dev_from_the_project_root_on_a_fresh_checkout(setup, conn, fake
                         ... on Runs { results { status jobName tags { key value } } } } }"""
         # The source sensor's bucket run, then the embeddings run embed_after_sync launches after it
         # (the model's key added by that sensor: nothing prepared this instance).
-        runs = _poll(lambda: (done := [r for r in _gql(port, runs_q)["runsOrError"]["results"]
-                                       if r["status"] in ("SUCCESS", "FAILURE")]) and len(done) >= 2 and done,
-                     300, proc, "the source sensor's run and the embeddings run after it")
+        runs = _poll(
+            lambda: (
+                (
+                    done := [
+                        r for r in _gql(port, runs_q)["runsOrError"]["results"] if r["status"] in ("SUCCESS", "FAILURE")
+                    ]
+                )
+                and len(done) >= 2
+                and done
+            ),
+            300,
+            proc,
+            "the source sensor's run and the embeddings run after it",
+        )
         assert sorted((r["jobName"], r["status"]) for r in runs) == [
-            ("embed_documents", "SUCCESS"), ("sync_documents", "SUCCESS")], runs
+            ("embed_documents", "SUCCESS"),
+            ("sync_documents", "SUCCESS"),
+        ], runs
         (sync,) = [r for r in runs if r["jobName"] == "sync_documents"]
         tags = {t["key"]: t["value"] for t in sync["tags"]}
         first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
-        assert first <= keys[0] and keys[-1] <= last          # one range over (at least) the corpus's buckets
+        assert first <= keys[0] and keys[-1] <= last  # one range over (at least) the corpus's buckets
         assert tags["dagster/run_key"].startswith("sync@g0:3:")
         parts = json.dumps(keys)
-        ui = _gql(port, """{ d: assetNodeOrError(assetKey: {path: ["documents"]}) {
+        ui = _gql(
+            port,
+            """{ d: assetNodeOrError(assetKey: {path: ["documents"]}) {
                                    ... on AssetNode { dataVersionByPartition(partitions: PARTS)
                                      latestMaterializationByPartition(partitions: PARTS) {
                                        partition metadataEntries { label
                                          ... on TextMetadataEntry { text } ... on IntMetadataEntry { intValue } } } } }
                              e: assetNodeOrError(assetKey: {path: ["embeddings"]}) {
-                                   ... on AssetNode { staleStatusByPartition(partitions: CELLS) } } }"""
-                  .replace("PARTS", parts).replace("CELLS", json.dumps([f"{k}|openai/{FAKE_MODEL}" for k in keys])))
+                                   ... on AssetNode { staleStatusByPartition(partitions: CELLS) } } }""".replace(
+                "PARTS", parts
+            ).replace("CELLS", json.dumps([f"{k}|openai/{FAKE_MODEL}" for k in keys])),
+        )
         summaries = reports.document_summaries(conn, str(corpus.resolve()), docs)
         assert sorted(summaries) == docs and all(s.status == "current" for s in summaries.values())
         # One run over the range: one data version for all its buckets (Dagster records one per
         # result), and each bucket's own digest and counts in its metadata; nothing looks stale.
         versions = ui["d"]["dataVersionByPartition"]
         assert len(set(versions)) == 1 and versions[0].startswith(
-            f"range:{bucket_index(last) - bucket_index(first) + 1}:")
+            f"range:{bucket_index(last) - bucket_index(first) + 1}:"
+        )
         for event in ui["d"]["latestMaterializationByPartition"]:
             meta = {m["label"]: m.get("text", m.get("intValue")) for m in event["metadataEntries"]}
             (doc,) = [d for d in docs if bucket_of(d) == event["partition"]]

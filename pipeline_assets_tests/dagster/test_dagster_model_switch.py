@@ -73,8 +73,9 @@ def observed_events(instance) -> list[dict]:
     return [{k: v.value for k, v in r.asset_observation.metadata.items()} for r in records]
 
 
-def test_a_model_change_is_served_only_once_the_new_model_covers_the_corpus(corpus, conn, fake, monkeypatch,
-                                                                          server_url):
+def test_a_model_change_is_served_only_once_the_new_model_covers_the_corpus(
+    corpus, conn, fake, monkeypatch, server_url
+):
     with postgres_instance(server_url) as instance:
         _switch(instance, conn, fake, monkeypatch)
 
@@ -84,8 +85,10 @@ def _model_keys(instance) -> list[str]:
 
 
 def _chunk_count(conn, docs) -> int:
-    return conn.execute("SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) "
-                        "WHERE d.document_id = ANY(%s)", (list(docs),)).fetchone()[0]
+    return conn.execute(
+        "SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = ANY(%s)",
+        (list(docs),),
+    ).fetchone()[0]
 
 
 def _switch(instance, conn, fake, monkeypatch) -> None:
@@ -96,7 +99,7 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     first = tick(old_defs, instance, None)
     assert first.cursor == f"served:{OLD}" and "serving the configured model" not in (first.skip_message or "")
     assert tick(old_defs, instance, first.cursor).skip_message == f"serving the configured model {OLD}"
-    assert _model_keys(instance) == [OLD]                    # the registry's active models are the columns
+    assert _model_keys(instance) == [OLD]  # the registry's active models are the columns
     wanted = models.coverage(conn, OLD).wanted
 
     # PIPELINE_EMBEDDING_MODEL changes and the code location reloads: the model is a partition, not
@@ -107,15 +110,18 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     assert set(stale_status(defs, instance, "chunks", ALL).values()) == {"FRESH"}
     added = tick(defs, instance, first.cursor)
     assert added.cursor == NEW
-    assert models.coverage(conn, NEW).waiting == wanted     # jobs for every current chunk
-    assert _model_keys(instance) == [OLD, NEW]               # its column, empty
+    assert models.coverage(conn, NEW).waiting == wanted  # jobs for every current chunk
+    assert _model_keys(instance) == [OLD, NEW]  # its column, empty
     assert set(stale_status(defs, instance, "embeddings", ALL, NEW).values()) == {"MISSING"}
     assert served_search() == OLD
 
     # A launchpad override of the model is refused by the resource, before anything is registered.
     override = defs.resolve_job_def("sync_documents").execute_in_process(
-        instance=instance, partition_key=buckets[0], raise_on_error=False,
-        run_config={"resources": {"embedding_provider": {"config": {"model": FAKE_MODEL}}}})
+        instance=instance,
+        partition_key=buckets[0],
+        raise_on_error=False,
+        run_config={"resources": {"embedding_provider": {"config": {"model": FAKE_MODEL}}}},
+    )
     assert not override.success
     [failure] = [e for e in override.all_events if e.is_step_failure]
     assert failure.step_key == "ingest"
@@ -137,10 +143,13 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     assert fake.stats["billed_inputs"] - billed == _chunk_count(conn, first_docs)
     half = models.coverage(conn, NEW)
     assert 0 < half.ready < half.wanted
-    with_new = conn.execute("""SELECT DISTINCT d.document_id FROM app.documents d
+    with_new = conn.execute(
+        """SELECT DISTINCT d.document_id FROM app.documents d
                                JOIN app.chunks c ON c.doc_pk = d.doc_pk
                                JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s
-                               ORDER BY 1""", (NEW,)).fetchall()
+                               ORDER BY 1""",
+        (NEW,),
+    ).fetchall()
     assert [r[0] for r in with_new] == sorted(first_docs)
     # The UI's picture: the new column is filled (fresh) in the backfilled buckets, each partition with
     # its coverage, missing elsewhere; the old column is fresh throughout.
@@ -152,7 +161,7 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
         meta = {k: v.value for k, v in filled[bucket_of(doc)].asset_materialization.metadata.items()}
         assert meta["ready"] == meta["chunks"] == _chunk_count(conn, [doc]) > 0
     waiting = tick(defs, instance, added.cursor)
-    assert _model_keys(instance) == [OLD, NEW]               # the stray key is gone
+    assert _model_keys(instance) == [OLD, NEW]  # the stray key is gone
     assert waiting.skip_message.startswith(f"serving {OLD} until {NEW} covers the corpus: {half.ready}/{wanted}")
     assert served_search() == OLD
     assert models.served_model_id(conn) == OLD
@@ -165,17 +174,20 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     (request,) = after.run_requests
     assert request.job_name == "embed_documents" and request.tags[AFTER_RUN_TAG] == sync.run_id
     assert {k: v for k, v in request.tags.items() if k != "dagster/sensor_name"} == {
-        **embed_range_tags(SECOND, [OLD, NEW]), AFTER_RUN_TAG: sync.run_id}
+        **embed_range_tags(SECOND, [OLD, NEW]),
+        AFTER_RUN_TAG: sync.run_id,
+    }
     billed = fake.stats["billed_inputs"]
     rest = execute(defs, instance, request)
     assert rest.success
     second_docs = [d for d in KEYS if bucket_of(d) in SECOND]
-    assert fake.stats["billed_inputs"] - billed == _chunk_count(conn, second_docs)   # the new model's only
-    assert {k: v.value for k, v in rest.asset_materializations_for_node("embeddings")[0].metadata.items()
-            }["partitions"] == 2 * len(SECOND)
-    assert not evaluate_sensor(embed_after_sync, defs, instance, after.cursor).run_requests   # once per sync run
-    assert served_search() == OLD                              # nothing switches between ticks
-    assert waiting.cursor == NEW                               # the switch is still pending
+    assert fake.stats["billed_inputs"] - billed == _chunk_count(conn, second_docs)  # the new model's only
+    assert {k: v.value for k, v in rest.asset_materializations_for_node("embeddings")[0].metadata.items()}[
+        "partitions"
+    ] == 2 * len(SECOND)
+    assert not evaluate_sensor(embed_after_sync, defs, instance, after.cursor).run_requests  # once per sync run
+    assert served_search() == OLD  # nothing switches between ticks
+    assert waiting.cursor == NEW  # the switch is still pending
 
     # The next tick serves the new model, retires the old one: its column leaves the partitions.
     switched = tick(defs, instance, waiting.cursor)
@@ -183,17 +195,24 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     assert models.served_model_id(conn) == NEW and served_search() == NEW
     assert "model_served" in switched.skip_message
     assert _model_keys(instance) == [NEW]
-    [(active, retired_at)] = conn.execute("SELECT active, retired_at FROM app.models WHERE model_id = %s",
-                                          (OLD,)).fetchall()
+    [(active, retired_at)] = conn.execute(
+        "SELECT active, retired_at FROM app.models WHERE model_id = %s", (OLD,)
+    ).fetchall()
     assert not active and retired_at is not None
     # The old model's work is over (nothing waits for a worker that never comes); its vectors stay for the grace.
-    assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE model_id = %s AND status IN "
-                        "('pending', 'retry', 'processing')", (OLD,)).fetchone()[0] == 0
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM app.embedding_jobs WHERE model_id = %s AND status IN "
+            "('pending', 'retry', 'processing')",
+            (OLD,),
+        ).fetchone()[0]
+        == 0
+    )
     assert conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (OLD,)).fetchone()[0] == wanted
     assert set(stale_status(defs, instance, "embeddings", [*FIRST, *SECOND]).values()) == {"FRESH"}
     # The buckets between the two runs were never run for the new model (they hold no document here; a
     # backfill of the missing partitions fills them, sending nothing).
-    assert set(stale_status(defs, instance, "embeddings", ALL[len(FIRST):-len(SECOND)]).values()) == {"MISSING"}
+    assert set(stale_status(defs, instance, "embeddings", ALL[len(FIRST) : -len(SECOND)]).values()) == {"MISSING"}
     assert tick(defs, instance, switched.cursor).skip_message == f"serving the configured model {NEW}"
 
     # A rollback by hand is not overruled: the configured model was served once already.
@@ -204,16 +223,19 @@ def _switch(instance, conn, fake, monkeypatch) -> None:
     left = tick(defs, instance, switched.cursor)
     assert left.skip_message.startswith(f"serving {OLD}, served by hand after the configured {NEW} was")
     assert models.served_model_id(conn) == OLD and served_search() == OLD
-    assert _model_keys(instance) == [NEW, OLD]               # active again: its column is back
+    assert _model_keys(instance) == [NEW, OLD]  # active again: its column is back
     # `pipeline-assets models add` (the registry, no Dagster): the next tick of either sensor adds its column.
     with db.make_pool(db.database_url(settings.database_config()), max_size=2) as pool:
         model_admin.add(settings, pool, STRAY.split("/", 1)[1])
     assert not evaluate_sensor(embed_after_sync, defs, instance, after.cursor).run_requests
     assert _model_keys(instance) == [NEW, OLD, STRAY]
 
-    events = observed_events(instance)   # three: the hand-made rollback is not the sensor's event
+    events = observed_events(instance)  # three: the hand-made rollback is not the sensor's event
     assert [(e["event"], e["model"], e["served_model"]) for e in events] == [
-        ("model_configured", OLD, OLD), ("model_configured", NEW, OLD), ("model_served", NEW, NEW)]
+        ("model_configured", OLD, OLD),
+        ("model_configured", NEW, OLD),
+        ("model_served", NEW, NEW),
+    ]
     assert events[1]["newly_registered"] is True and events[1]["enqueued"] == wanted
     assert events[1]["previous_configured"] == OLD
     assert events[2]["previous_model"] == OLD and events[2]["retired_model"] == OLD
@@ -226,7 +248,7 @@ def test_an_instance_of_bucket_only_embeddings_upgrades_without_re_embedding(cor
     bucket run only; that run sends nothing (every vector is there) and fills the model's column."""
     defs = fresh_defs()
     with postgres_instance(server_url) as instance:
-        assert execute(defs, instance, tags=range_tags(ALL)).success      # the store is embedded
+        assert execute(defs, instance, tags=range_tags(ALL)).success  # the store is embedded
         # What the old scheme left: embeddings by bucket, no model partitions.
         instance.wipe_assets([EMBEDDINGS])
         for key in ALL:
@@ -252,14 +274,22 @@ def test_which_runs_are_followed_by_an_embeddings_run():
     """A bucket run of ours or the UI's materialization of documents and chunks, never a backfill's run
     (the backfill runs its own embeddings) nor a run that embedded already."""
     sync = dg.DagsterRun(job_name="sync_documents", run_id="r1", tags={"dagster/partition": "b003"})
-    ui = dg.DagsterRun(job_name="__ASSET_JOB", run_id="r2", asset_selection=frozenset({DOCUMENTS, CHUNKS}),
-                       tags={RANGE_START: "b001", RANGE_END: "b009"})
-    backfill = dg.DagsterRun(job_name="__ASSET_JOB", run_id="r3", asset_selection=frozenset({DOCUMENTS, CHUNKS}),
-                             tags={"dagster/backfill": "x"})
+    ui = dg.DagsterRun(
+        job_name="__ASSET_JOB",
+        run_id="r2",
+        asset_selection=frozenset({DOCUMENTS, CHUNKS}),
+        tags={RANGE_START: "b001", RANGE_END: "b009"},
+    )
+    backfill = dg.DagsterRun(
+        job_name="__ASSET_JOB",
+        run_id="r3",
+        asset_selection=frozenset({DOCUMENTS, CHUNKS}),
+        tags={"dagster/backfill": "x"},
+    )
     embedded = dg.DagsterRun(job_name="__ASSET_JOB", run_id="r4", asset_selection=frozenset({CHUNKS, EMBEDDINGS}))
     assert [chains(r) for r in (sync, ui, backfill, embedded)] == [True, True, False, False]
     one = embed_request(sync, [OLD])
     assert one.partition_key == f"b003|{OLD}" and one.run_key == "embed-after:r1"
     both = embed_request(ui, [OLD, NEW])
     assert (both.tags[RANGE_START], both.tags[RANGE_END]) == (f"b001|{OLD}", f"b009|{NEW}")
-    assert embed_request(sync, []) is None          # no active model: nothing to embed
+    assert embed_request(sync, []) is None  # no active model: nothing to embed

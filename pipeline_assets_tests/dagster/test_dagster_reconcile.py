@@ -76,7 +76,7 @@ def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn,
     (corpus / NEW_DOC).write_text("# new\n\na document nobody told Dagster about\n")
     changed = {KEYS[1]: "changed", KEYS[2]: "tombstoned", KEYS[3]: "new", NEW_DOC: "new"}
     touched = {bucket_of(d): d for d in changed}
-    assert len(touched) == len(changed)        # one document per bucket here (asserted: the buckets are a hash)
+    assert len(touched) == len(changed)  # one document per bucket here (asserted: the buckets are a hash)
     untouched = bucket_of(KEYS[0])
 
     result = execute(defs, instance, job=RECONCILE_JOB_NAME)
@@ -101,19 +101,22 @@ def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn,
             assert (m["reported_by"], m["changed_documents"], m["changed_count"]) == ("reconciliation", doc, 1)
     documents = latest_materializations(instance, "documents", list(touched))
     chunks = latest_materializations(instance, "chunks", list(touched))
-    assert _metadata(documents[bucket_of(KEYS[2])])["documents"] == 0              # its only document is gone
+    assert _metadata(documents[bucket_of(KEYS[2])])["documents"] == 0  # its only document is gone
     for doc in (KEYS[1], KEYS[3], NEW_DOC):
         key = bucket_of(doc)
         assert (_metadata(documents[key])["documents"], _metadata(documents[key])["current"]) == (1, 1)
         assert _metadata(chunks[key])["chunk_count"] == summaries[doc].chunks > 0
-    assert not [e for e in result.get_asset_materialization_events()
-                if e.asset_key == dg.AssetKey("embeddings")]
+    assert not [e for e in result.get_asset_materialization_events() if e.asset_key == dg.AssetKey("embeddings")]
     # What Dagster now shows is true: the buckets whose content changed need embedding, the new
     # documents' buckets were never embedded, the untouched one is fresh; documents and chunks are
     # current everywhere.
     assert stale_status(defs, instance, "embeddings", [untouched, *touched]) == {
-        untouched: "FRESH", bucket_of(KEYS[1]): "STALE", bucket_of(KEYS[2]): "STALE",
-        bucket_of(KEYS[3]): "MISSING", bucket_of(NEW_DOC): "MISSING"}
+        untouched: "FRESH",
+        bucket_of(KEYS[1]): "STALE",
+        bucket_of(KEYS[2]): "STALE",
+        bucket_of(KEYS[3]): "MISSING",
+        bucket_of(NEW_DOC): "MISSING",
+    }
     assert set(stale_status(defs, instance, "chunks", list(touched)).values()) == {"FRESH"}
     # Its events carry the buckets' code versions: after a parser fix, the buckets it reported are
     # stale like the others (Dagster compares code versions, not timestamps).
@@ -125,11 +128,13 @@ def test_reconciliation_shows_what_it_added_changed_and_tombstoned(corpus, conn,
     # (nothing changed since) records exactly them as its data versions, and embeds it.
     key = bucket_of(NEW_DOC)
     reported = _metadata(documents[key]), _metadata(chunks[key])
-    settled = time.time() - 3600   # as a file is by the next run on a busy machine (not "just modified")
+    settled = time.time() - 3600  # as a file is by the next run on a busy machine (not "just modified")
     os.utime(corpus / NEW_DOC, (settled, settled))
     assert execute(defs, instance, partition_key=key).success
-    after = latest_materializations(instance, "documents", [key])[key], \
-        latest_materializations(instance, "chunks", [key])[key]
+    after = (
+        latest_materializations(instance, "documents", [key])[key],
+        latest_materializations(instance, "chunks", [key])[key],
+    )
     assert after[0].asset_materialization.tags["dagster/data_version"] == reported[0]["text_digest"]
     assert after[1].asset_materialization.tags["dagster/data_version"] == reported[1]["chunks_digest"]
     # The reconciliation had ingested these bytes already: the run extracts nothing. (The scan lists
@@ -155,14 +160,17 @@ def test_dead_letter_growth_past_the_threshold_requests_a_reconciliation(corpus,
     assert job_counts(conn)["ready"] >= 4
 
     def fail(n: int) -> None:
-        conn.execute("""UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input', updated_at = now()
+        conn.execute(
+            """UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input', updated_at = now()
                         WHERE job_id IN (SELECT job_id FROM app.embedding_jobs WHERE status = 'ready'
-                                         ORDER BY job_id LIMIT %s)""", (n,))
+                                         ORDER BY job_id LIMIT %s)""",
+            (n,),
+        )
 
-    fail(2)                                                          # at the threshold: no reconciliation
+    fail(2)  # at the threshold: no reconciliation
     quiet = evaluate_sensor(sensor, defs, instance)
     assert not quiet.run_requests and "2 job(s) failed in the last hour (threshold 2/h)" in quiet.skip_message
-    fail(1)                                                          # past it: one request
+    fail(1)  # past it: one request
     data = evaluate_sensor(sensor, defs, instance, cursor=quiet.cursor)
     (request,) = data.run_requests
     assert sensor.job_name == RECONCILE_JOB_NAME and request.tags["pipeline/trigger"] == "dead_letters"
@@ -178,11 +186,15 @@ def test_dead_letter_growth_past_the_threshold_requests_a_reconciliation(corpus,
 def test_a_failed_run_requests_a_reconciliation(corpus, conn, fake, instance):
     defs = fresh_defs()
     sensor = defs.resolve_sensor_def("reconcile_on_run_failure")
-    first = evaluate_sensor(sensor, defs, instance)                 # starts watching from now
+    first = evaluate_sensor(sensor, defs, instance)  # starts watching from now
     assert not first.run_requests
     # An embeddings run that fails: no external worker comes before its deadline.
-    chain = execute(defs, instance, partition_key=bucket_of(KEYS[0]), run_config={
-        "resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
+    chain = execute(
+        defs,
+        instance,
+        partition_key=bucket_of(KEYS[0]),
+        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}},
+    )
     synced, failed = chain.results
     assert synced.success and not failed.success
     data = evaluate_sensor(sensor, defs, instance, cursor=first.cursor)
@@ -193,7 +205,8 @@ def test_a_failed_run_requests_a_reconciliation(corpus, conn, fake, instance):
     (corpus / KEYS[1]).write_text("# changed\n\nan edit the repair must not re-ingest\n")
     before = conn.execute("SELECT document_id, source_checksum FROM app.documents ORDER BY 1").fetchall()
     repaired = defs.resolve_job_def(RECONCILE_JOB_NAME).execute_in_process(
-        instance=instance, run_config=request.run_config, tags=request.tags, raise_on_error=False)
+        instance=instance, run_config=request.run_config, tags=request.tags, raise_on_error=False
+    )
     assert repaired.success
     assert _reconciliations(instance)[-1]["sources"] == 0
     assert conn.execute("SELECT document_id, source_checksum FROM app.documents ORDER BY 1").fetchall() == before

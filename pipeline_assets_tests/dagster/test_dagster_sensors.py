@@ -42,7 +42,7 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
     root = tmp_path / "corpus"
     write_corpus(root, 3)
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
-    clean_db.execute("TRUNCATE app.source_observations")   # the source sensor's memory
+    clean_db.execute("TRUNCATE app.source_observations")  # the source sensor's memory
     return root
 
 
@@ -62,9 +62,11 @@ def _observed(conn) -> dict[str, str | None]:
 
 
 def _text(conn, document_id: str) -> str:
-    return conn.execute("SELECT coalesce(string_agg(c.text, ''), '') FROM app.chunks c JOIN app.documents d "
-                        "USING (doc_pk) WHERE d.document_id = %s AND d.status = 'current'",
-                        (document_id,)).fetchone()[0]
+    return conn.execute(
+        "SELECT coalesce(string_agg(c.text, ''), '') FROM app.chunks c JOIN app.documents d "
+        "USING (doc_pk) WHERE d.document_id = %s AND d.status = 'current'",
+        (document_id,),
+    ).fetchone()[0]
 
 
 def _age(root, seconds: int = 3600) -> None:
@@ -78,7 +80,7 @@ def _age(root, seconds: int = 3600) -> None:
 def _span(*docs: str) -> list[str]:
     """The bucket keys of the smallest range holding these documents' buckets."""
     keys = sorted(bucket_of(d) for d in docs)
-    return ALL[ALL.index(keys[0]):ALL.index(keys[-1]) + 1]
+    return ALL[ALL.index(keys[0]) : ALL.index(keys[-1]) + 1]
 
 
 def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, instance):
@@ -87,7 +89,7 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
     (request,) = tick.run_requests
     docs3 = ["doc0000.md", "doc0001.md", "doc0002.md"]
-    assert requested_keys(instance, request) == ALL      # the first request: every bucket, empty ones too
+    assert requested_keys(instance, request) == ALL  # the first request: every bucket, empty ones too
     assert request.run_key.startswith("sync@g0:3:")
     # A replay of the same tick (cursor not saved) asks for the same run key: Dagster launches nothing new.
     replay = evaluate_sensor(source_documents_sensor, defs, instance, None)
@@ -95,9 +97,9 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     assert execute(defs, instance, request).success
     assert _docs(conn) == {d: "current" for d in docs3}
     cursor = tick.cursor
-    assert decode_cursor(cursor) == (1, {})                  # the generation only...
+    assert decode_cursor(cursor) == (1, {})  # the generation only...
     assert len(cursor) < 40
-    observed = _observed(conn)                               # ...the checksums are in PostgreSQL
+    observed = _observed(conn)  # ...the checksums are in PostgreSQL
     assert set(observed) == set(docs3) and all(observed.values())
 
     # Duplicate observation: nothing changed -> no run request; touching a file
@@ -117,7 +119,7 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     assert request.partition_key == bucket_of("doc0001.md")
     assert request.run_key.startswith("sync@g1:1:")
     assert execute(defs, instance, request).success
-    assert fake.stats["billed_inputs"] == billed + 1   # one new chunk; the other documents untouched
+    assert fake.stats["billed_inputs"] == billed + 1  # one new chunk; the other documents untouched
     cursor = tick.cursor
 
     # Scattered changes -> still one run, over the span of their buckets.
@@ -135,15 +137,18 @@ def test_source_sensor_new_changed_deleted_and_duplicates(corpus, conn, fake, in
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     (request,) = tick.run_requests
     assert request.partition_key == bucket_of("doc0002.md") and request.run_key.startswith("sync@g3:1:")
-    assert _docs(conn)["doc0002.md"] == "current"            # not inside the evaluation
+    assert _docs(conn)["doc0002.md"] == "current"  # not inside the evaluation
     assert _observed(conn)["doc0002.md"] is None
     # Re-evaluated before its cursor was saved: the same run key.
     replay = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     assert [r.run_key for r in replay.run_requests] == [request.run_key]
     assert execute(defs, instance, request).success
     assert _docs(conn)["doc0002.md"] == "deleted"
-    assert conn.execute("""SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk)
-                           WHERE d.document_id = 'doc0002.md'""").fetchone()[0] == 0
+    assert (
+        conn.execute("""SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk)
+                           WHERE d.document_id = 'doc0002.md'""").fetchone()[0]
+        == 0
+    )
     assert "doc0002.md" not in _observed(conn)
     # ...and observing the deletion again does nothing.
     again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
@@ -176,7 +181,7 @@ def test_source_sensor_cursor_stays_small_with_many_documents(corpus, conn, inst
     write_corpus(corpus, 1500, words=5)
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
-    (request,) = tick.run_requests                           # 1,500 new documents: one run, every bucket
+    (request,) = tick.run_requests  # 1,500 new documents: one run, every bucket
     assert requested_keys(instance, request) == ALL
     assert decode_cursor(tick.cursor) == (1, {}) and len(tick.cursor.encode()) < 40
     assert len(_observed(conn)) == 1500
@@ -185,7 +190,7 @@ def test_source_sensor_cursor_stays_small_with_many_documents(corpus, conn, inst
     assert len(old) > 1000 * len(tick.cursor)
     # Everything was requested in that one tick.
     again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert not again.run_requests and decode_cursor(again.cursor) == (1, {})   # unchanged: nothing asked
+    assert not again.run_requests and decode_cursor(again.cursor) == (1, {})  # unchanged: nothing asked
 
 
 def test_unchanged_tick_reads_no_file(corpus, conn, fake, instance, monkeypatch):
@@ -199,8 +204,9 @@ def test_unchanged_tick_reads_no_file(corpus, conn, fake, instance, monkeypatch)
     assert execute(fresh_defs(), instance, tick.run_requests[0]).success
     assert _docs(conn) == {f"doc{i:04d}.md": "current" for i in range(20)}
     # The run recorded the checksum of the bytes it ingested.
-    assert _observed(conn) == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:observations.CHECKSUM_HEX]
-                               for p in corpus.iterdir()}
+    assert _observed(conn) == {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()[: observations.CHECKSUM_HEX] for p in corpus.iterdir()
+    }
     cursor = tick.cursor
     # A code reload (fresh definitions, a fresh module state): the observations are in
     # PostgreSQL, so an unchanged tick reads nothing.
@@ -238,7 +244,7 @@ def test_revert_to_earlier_bytes_runs_again(corpus, conn, instance):
     (corpus / "doc0000.md").write_bytes(b"version B\n")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (to_b,) = tick.run_requests
-    (corpus / "doc0000.md").write_bytes(a)                  # A -> B -> A
+    (corpus / "doc0000.md").write_bytes(a)  # A -> B -> A
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (to_a,) = tick.run_requests
     assert to_a.run_key.startswith("sync@g2:1:") and to_a.run_key != to_b.run_key
@@ -257,7 +263,7 @@ def test_source_sensor_backpressure(corpus, conn, instance):
     held = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
     assert not held.run_requests and "still queued or running" in held.skip_message
     assert held.cursor == cursor
-    assert "doc0003.md" not in _observed(conn)   # not even scanned: the walk waits for the run too
+    assert "doc0003.md" not in _observed(conn)  # not even scanned: the walk waits for the run too
     # The run ends: the next tick asks for everything that waited, in one run.
     instance.report_run_canceled(instance.get_run_by_id(run.run_id))
     tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
@@ -274,11 +280,16 @@ def test_a_file_back_before_its_run_is_left_current(corpus, conn, fake, instance
     (corpus / "doc0001.md").unlink()
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
-    (corpus / "doc0001.md").write_bytes(body + b"more\n")   # back before the run
+    (corpus / "doc0001.md").write_bytes(body + b"more\n")  # back before the run
     assert execute(defs, instance, request).success
     assert _docs(conn)["doc0001.md"] == "current"
-    assert "more" in conn.execute("SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d "
-                                  "USING (doc_pk) WHERE d.document_id = 'doc0001.md'").fetchone()[0]
+    assert (
+        "more"
+        in conn.execute(
+            "SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d "
+            "USING (doc_pk) WHERE d.document_id = 'doc0001.md'"
+        ).fetchone()[0]
+    )
 
 
 def test_a_failed_run_is_requested_again(corpus, conn, instance, monkeypatch):
@@ -297,10 +308,10 @@ def test_a_failed_run_is_requested_again(corpus, conn, instance, monkeypatch):
     real = buckets.ingest_documents
     monkeypatch.setattr(buckets, "ingest_documents", broken)
     assert not execute(defs, instance, request).success
-    assert _observed(conn)["doc0002.md"] is None           # still gone, still pending
+    assert _observed(conn)["doc0002.md"] is None  # still gone, still pending
     assert _docs(conn)["doc0002.md"] == "current"
     monkeypatch.setattr(buckets, "ingest_documents", real)
-    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)   # backing off
+    held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)  # backing off
     assert not held.run_requests and "1 file(s) of failed or cancelled runs requested again in" in held.skip_message
     _retries_due(conn)
     again = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
@@ -312,14 +323,16 @@ def test_a_failed_run_is_requested_again(corpus, conn, instance, monkeypatch):
 
 def _retries_due(conn) -> None:
     """The backoff of every file waiting to be requested again has passed (as if time went by)."""
-    conn.execute("UPDATE app.source_observations SET retry_at = now() - interval '1 second' "
-                 "WHERE retry_at IS NOT NULL")
+    conn.execute("UPDATE app.source_observations SET retry_at = now() - interval '1 second' WHERE retry_at IS NOT NULL")
 
 
 def _retry_state(conn, document_id: str) -> tuple[int, float | None]:
     """(requests of its current bytes, seconds until it may be requested again)."""
-    return conn.execute("SELECT request_attempts, extract(epoch FROM retry_at - now())::float8 "
-                        "FROM app.source_observations WHERE document_id = %s", (document_id,)).fetchone()
+    return conn.execute(
+        "SELECT request_attempts, extract(epoch FROM retry_at - now())::float8 "
+        "FROM app.source_observations WHERE document_id = %s",
+        (document_id,),
+    ).fetchone()
 
 
 def _served(conn, document_id: str) -> tuple[str, int, int]:
@@ -328,11 +341,14 @@ def _served(conn, document_id: str) -> tuple[str, int, int]:
         "SELECT coalesce(string_agg(c.text, '' ORDER BY c.chunk_index), ''), count(c.chunk_index), "
         "count(e.chunk_checksum) FROM app.documents d JOIN app.chunks c USING (doc_pk) "
         "LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s "
-        "WHERE d.document_id = %s AND d.status = 'current'", (MODEL_ID, document_id)).fetchone()
+        "WHERE d.document_id = %s AND d.status = 'current'",
+        (MODEL_ID, document_id),
+    ).fetchone()
 
 
-def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable(corpus, conn, fake, instance,
-                                                                                monkeypatch, env):
+def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable(
+    corpus, conn, fake, instance, monkeypatch, env
+):
     """A changed file whose run failed (or was cancelled) before syncing it is requested again, after a
     backoff that grows per failed request; meanwhile its stored chunks and vectors stay served (the
     run-failure repair reads no source file), and at the end it is served with the new text's vectors."""
@@ -363,9 +379,10 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
     (fix,) = evaluate_sensor(repair, defs, instance, watching.cursor).run_requests
     assert fix.run_config == {"ops": {"reconciliation": {"config": {"rescan": False}}}}
     repaired = defs.resolve_job_def("reconcile_job").execute_in_process(
-        instance=instance, run_config=fix.run_config, tags=fix.tags, raise_on_error=False)
+        instance=instance, run_config=fix.run_config, tags=fix.tags, raise_on_error=False
+    )
     assert repaired.success
-    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)   # still found, on its old vectors
+    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)  # still found, on its old vectors
 
     # The next tick does not drop the edit: it waits out the backoff, then asks again.
     held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
@@ -422,7 +439,7 @@ def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
     real_scandir = os.scandir
 
-    def unreadable(path="."):   # the tests run as root: chmod 000 would not stop the walk
+    def unreadable(path="."):  # the tests run as root: chmod 000 would not stop the walk
         if str(path).startswith(str(corpus)):
             raise PermissionError(13, "Permission denied", str(path))
         return real_scandir(path)
@@ -430,7 +447,7 @@ def test_scan_failure_fails_the_tick(corpus, conn, instance, monkeypatch):
     monkeypatch.setattr(os, "scandir", unreadable)
     with pytest.raises(Exception, match=r"cannot scan .*Permission denied"):
         evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
-    assert len(_observed(conn)) == 3 and all(_observed(conn).values())   # nothing marked gone
+    assert len(_observed(conn)) == 3 and all(_observed(conn).values())  # nothing marked gone
 
 
 def test_legacy_map_cursor_is_adopted(corpus, conn, instance, monkeypatch):
@@ -442,11 +459,12 @@ def test_legacy_map_cursor_is_adopted(corpus, conn, instance, monkeypatch):
     legacy = json.dumps({"v": 1, "g": 7, "d": docs}, separators=(",", ":"), sort_keys=True)
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, legacy)
     assert "no change among 3" in tick.skip_message and not tick.run_requests
-    assert tick.cursor == '{"v":2,"g":7}'                     # the map is gone from the cursor
+    assert tick.cursor == '{"v":2,"g":7}'  # the map is gone from the cursor
     (corpus / "doc0001.md").write_text("changed since\n")
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor)
-    assert [(r.partition_key, r.run_key.split(":")[0]) for r in tick.run_requests] == [(bucket_of("doc0001.md"),
-                                                                                       "sync@g7")]
+    assert [(r.partition_key, r.run_key.split(":")[0]) for r in tick.run_requests] == [
+        (bucket_of("doc0001.md"), "sync@g7")
+    ]
     assert decode_cursor(tick.cursor) == (8, {})
 
 
@@ -454,7 +472,7 @@ ALL_RANGE = {"dagster/asset_partition_range_start": ALL[0], "dagster/asset_parti
 
 
 def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, instance, monkeypatch):
-    write_corpus(corpus, 5)   # doc0000..doc0004
+    write_corpus(corpus, 5)  # doc0000..doc0004
     keys = [f"doc{i:04d}.md" for i in range(5)]
     defs = fresh_defs()
     assert execute(defs, instance, tags=ALL_RANGE).success
@@ -468,9 +486,9 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
     defs = fresh_defs()
     assert execute(defs, instance, partition_key=bucket_of("doc0001.md")).success
     tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
-    (request,) = tick.run_requests                 # one run, every bucket (none stays stale in the UI)
+    (request,) = tick.run_requests  # one run, every bucket (none stays stale in the UI)
     assert requested_keys(instance, request) == ALL
-    assert "extract-2" in request.run_key and ":4:" in request.run_key   # four stale documents
+    assert "extract-2" in request.run_key and ":4:" in request.run_key  # four stale documents
     # Evaluated again before the run: the same run key (Dagster dedupes it).
     again = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
     assert [r.run_key for r in again.run_requests] == [request.run_key]
@@ -483,17 +501,20 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
     ingest = {k: v.value for k, v in result.asset_materializations_for_node("ingest")[0].metadata.items()}
     assert ingest["stale_documents"] == 4 and ingest["changed_documents"] == 0 and ingest["files_read"] == 0
     assert "edited" not in _text(conn, "doc0001.md")
-    attempts = dict(conn.execute("SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
-                                 " USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
-    assert attempts == {k: 2 for k in keys}        # each redone once: doc0001 by its own run, the rest here
+    attempts = dict(
+        conn.execute(
+            "SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
+            " USING (doc_pk) WHERE s.stage = 'extract'"
+        ).fetchall()
+    )
+    assert attempts == {k: 2 for k in keys}  # each redone once: doc0001 by its own run, the rest here
     chunk_version = chunker_for(Settings.from_env()).version
     assert stage_runs.rerun_targets(conn, stage="extract", not_version="extract-2") == []
     assert stage_runs.rerun_targets(conn, stage="chunk", not_version=chunk_version) == []
     # Same text -> same chunks -> nothing re-embedded, nothing billed again.
     assert fake.stats["billed_inputs"] == billed
     assert fake.stats["billed_by_text"] == by_text
-    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
-                                              tick.cursor).skip_message
+    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance, tick.cursor).skip_message
     # ...the source sensor's next run is.
     (sync,) = evaluate_sensor(source_documents_sensor, defs, instance).run_requests
     assert execute(defs, instance, sync).success and "edited" in _text(conn, "doc0001.md")
@@ -501,8 +522,9 @@ def test_parser_fix_reruns_exactly_the_stale_documents(corpus, conn, fake, insta
 
 def test_rerun_sensor_waits_for_its_runs_in_flight(corpus, instance, conn):
     defs = fresh_defs()
-    run = instance.create_run_for_job(defs.resolve_job_def("sync_documents"),
-                                      tags={"pipeline/trigger": "rerun_stale_documents"})
+    run = instance.create_run_for_job(
+        defs.resolve_job_def("sync_documents"), tags={"pipeline/trigger": "rerun_stale_documents"}
+    )
     assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.NOT_STARTED
     assert "in flight" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).skip_message
 
@@ -519,10 +541,12 @@ def test_a_clean_check_stands_until_a_version_changes_or_it_is_old(corpus, conn,
     state = rerun_sensor.decode_rerun_cursor(clean.cursor)
     assert state is not None and state.clean_versions and abs(state.clean_at - time.time()) < 600
     # A stale row another writer left (a process still on older code) ...
-    conn.execute("UPDATE app.stage_runs SET code_version = 'extract-0' WHERE stage = 'extract' AND doc_pk = "
-                 "(SELECT doc_pk FROM app.documents WHERE document_id = 'doc0000.md')")
+    conn.execute(
+        "UPDATE app.stage_runs SET code_version = 'extract-0' WHERE stage = 'extract' AND doc_pk = "
+        "(SELECT doc_pk FROM app.documents WHERE document_id = 'doc0000.md')"
+    )
     held = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, clean.cursor)
-    assert not held.run_requests and "checked" in held.skip_message    # ... is not read under a fresh check
+    assert not held.run_requests and "checked" in held.skip_message  # ... is not read under a fresh check
     # ... until that check is older than RERUN_RECHECK_SECONDS:
     monkeypatch.setattr(rerun_sensor, "RERUN_RECHECK_SECONDS", 0)
     (late,) = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, clean.cursor).run_requests
@@ -532,35 +556,47 @@ def test_a_clean_check_stands_until_a_version_changes_or_it_is_old(corpus, conn,
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
     (bump,) = evaluate_sensor(rerun_stale_documents_sensor, fresh_defs(), instance, clean.cursor).run_requests
     assert "extract-2" in bump.run_key and ":3:" in bump.run_key
-    assert rerun_sensor.decode_rerun_cursor(evaluate_sensor(
-        rerun_stale_documents_sensor, fresh_defs(), instance, clean.cursor).cursor).clean_versions is None
+    assert (
+        rerun_sensor.decode_rerun_cursor(
+            evaluate_sensor(rerun_stale_documents_sensor, fresh_defs(), instance, clean.cursor).cursor
+        ).clean_versions
+        is None
+    )
 
 
 def test_a_pdf_only_fix_reruns_only_pdf_documents(corpus, conn, fake, instance, monkeypatch):
     from pipeline_assets_tests.unit.test_extract import make_pdf
+
     for i in range(2):
         (corpus / f"paper{i}.pdf").write_bytes(make_pdf([f"Paper {i} on backoff", f"its second page {i}"]))
-    keys = sorted(p.name for p in corpus.iterdir())      # doc0000..doc0002.md, paper0..1.pdf
+    keys = sorted(p.name for p in corpus.iterdir())  # doc0000..doc0002.md, paper0..1.pdf
     defs = fresh_defs()
     assert execute(defs, instance, tags=ALL_RANGE).success
     billed = fake.stats["billed_inputs"]
-    attempts = dict(conn.execute("SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
-                                 " USING (doc_pk) WHERE s.stage = 'extract'").fetchall())
+    attempts = dict(
+        conn.execute(
+            "SELECT d.document_id, s.attempts FROM app.stage_runs s JOIN app.documents d"
+            " USING (doc_pk) WHERE s.stage = 'extract'"
+        ).fetchall()
+    )
     assert attempts == {k: 1 for k in keys}
 
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "pdf=extract-2")
     defs = fresh_defs()
     tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
     (request,) = tick.run_requests
-    assert ":2:" in request.run_key                      # the two PDFs are what is stale
+    assert ":2:" in request.run_key  # the two PDFs are what is stale
     assert execute(defs, instance, request).success
-    rows = {r[0]: (r[1], r[2]) for r in conn.execute(
-        "SELECT d.document_id, s.code_version, s.attempts FROM app.stage_runs s"
-        " JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'")}
+    rows = {
+        r[0]: (r[1], r[2])
+        for r in conn.execute(
+            "SELECT d.document_id, s.code_version, s.attempts FROM app.stage_runs s"
+            " JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'"
+        )
+    }
     assert rows == {k: ("extract-2", 2) if k.endswith(".pdf") else ("extract-1", 1) for k in keys}
-    assert fake.stats["billed_inputs"] == billed           # same PDF texts: nothing sent again
-    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
-                                              tick.cursor).skip_message
+    assert fake.stats["billed_inputs"] == billed  # same PDF texts: nothing sent again
+    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance, tick.cursor).skip_message
 
 
 def _used_run_keys(instance) -> set[str]:
@@ -578,12 +614,14 @@ def _clock_ahead(monkeypatch, seconds: float) -> None:
     from pipeline_assets.defs.ingest import rerun_sensor
 
     ahead = time.time() + seconds - time.monotonic()
-    monkeypatch.setattr(rerun_sensor, "time", type("Clock", (), {"time": staticmethod(
-        lambda: time.monotonic() + ahead)}))
+    monkeypatch.setattr(
+        rerun_sensor, "time", type("Clock", (), {"time": staticmethod(lambda: time.monotonic() + ahead)})
+    )
 
 
-def test_a_failing_rerun_backs_off_and_a_new_version_is_not_held_back(corpus, conn, fake, instance, monkeypatch,
-                                                                      tmp_path):
+def test_a_failing_rerun_backs_off_and_a_new_version_is_not_held_back(
+    corpus, conn, fake, instance, monkeypatch, tmp_path
+):
     from pipeline_assets.defs.ingest import rerun_sensor
 
     assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
@@ -593,34 +631,41 @@ def test_a_failing_rerun_backs_off_and_a_new_version_is_not_held_back(corpus, co
     for failures in (1, 2, 3):
         tick = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, cursor)
         (request,) = tick.run_requests
-        monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path / "missing"))   # the rerun fails
+        monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path / "missing"))  # the rerun fails
         assert not _run_as_daemon(fresh_defs(), instance, request).success
         monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
         cursor = tick.cursor
-        wait = rerun_sensor.RERUN_RETRY_BASE_SECONDS * 2 ** (failures - 1)   # 60, 120, 240 s
-        _clock_ahead(monkeypatch, wait - 5)            # not yet: no relaunch every tick
+        wait = rerun_sensor.RERUN_RETRY_BASE_SECONDS * 2 ** (failures - 1)  # 60, 120, 240 s
+        _clock_ahead(monkeypatch, wait - 5)  # not yet: no relaunch every tick
         held = evaluate_sensor(rerun_stale_documents_sensor, defs, instance, cursor)
         assert not held.run_requests and f"failed {failures} time(s) in a row" in held.skip_message
         _clock_ahead(monkeypatch, wait + 1)
-    failures, wait = rerun_sensor.retry_wait(instance, "extract=extract-2 chunk=" + chunker_for(
-        Settings.from_env()).version, time.time() + 10**6)
+    failures, wait = rerun_sensor.retry_wait(
+        instance, "extract=extract-2 chunk=" + chunker_for(Settings.from_env()).version, time.time() + 10**6
+    )
     assert failures == 3 and wait == 0
     # The cap: failures in a row past it wait RERUN_RETRY_CAP_SECONDS, no longer.
     monkeypatch.setattr(rerun_sensor, "RERUN_RETRY_BASE_SECONDS", rerun_sensor.RERUN_RETRY_CAP_SECONDS)
-    assert rerun_sensor.retry_wait(instance, "extract=extract-2 chunk=" + chunker_for(Settings.from_env()).version,
-                                   time.time())[1] <= rerun_sensor.RERUN_RETRY_CAP_SECONDS
+    assert (
+        rerun_sensor.retry_wait(
+            instance, "extract=extract-2 chunk=" + chunker_for(Settings.from_env()).version, time.time()
+        )[1]
+        <= rerun_sensor.RERUN_RETRY_CAP_SECONDS
+    )
     # A new version (the fix) is requested at the next tick, whatever the failures under the old one.
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-3")
     _clock_ahead(monkeypatch, 0)
     (fixed,) = evaluate_sensor(rerun_stale_documents_sensor, fresh_defs(), instance, cursor).run_requests
     assert "extract-3" in fixed.run_key
     assert _run_as_daemon(fresh_defs(), instance, fixed).success
-    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
-        == {"extract-3"}
+    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} == {
+        "extract-3"
+    }
 
 
-def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, conn, fake, instance,
-                                                                     monkeypatch, tmp_path):
+def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(
+    corpus, conn, fake, instance, monkeypatch, tmp_path
+):
     from pipeline_assets.defs.ingest import rerun_sensor
 
     assert execute(fresh_defs(), instance, tags=ALL_RANGE).success
@@ -629,15 +674,17 @@ def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, con
     first = evaluate_sensor(rerun_stale_documents_sensor, defs, instance)
     (request,) = first.run_requests
     # Re-evaluated from the same (empty) cursor: the same key, so Dagster would launch nothing twice.
-    assert [r.run_key for r in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).run_requests] \
-        == [request.run_key]
+    assert [r.run_key for r in evaluate_sensor(rerun_stale_documents_sensor, defs, instance).run_requests] == [
+        request.run_key
+    ]
 
     # The rerun fails before committing anything (its source directory is gone for the run).
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path / "missing"))
     assert not _run_as_daemon(fresh_defs(), instance, request).success
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
-    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
-        == {"extract-1"}
+    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} == {
+        "extract-1"
+    }
     used = _used_run_keys(instance)
     assert request.run_key in used
 
@@ -654,10 +701,10 @@ def test_a_failed_rerun_is_requested_again_also_after_a_cursor_reset(corpus, con
     (after_reset,) = reset.run_requests
     assert requested_keys(instance, after_reset) == ALL and after_reset.run_key not in used
     assert _run_as_daemon(defs, instance, after_reset).success
-    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
-        == {"extract-2"}
-    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance,
-                                              reset.cursor).skip_message
+    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} == {
+        "extract-2"
+    }
+    assert "nothing stale" in evaluate_sensor(rerun_stale_documents_sensor, defs, instance, reset.cursor).skip_message
 
 
 def test_buckets_a_backfill_already_synced_are_not_requested_again(corpus, conn, fake, instance):
@@ -684,23 +731,32 @@ def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
     tags = {k: v for k, v in request.tags.items() if k != "dagster/partition"}
-    assert defs.resolve_job_def(SYNC_JOB).execute_in_process(   # the bucket run alone: the file is synced
-        instance=instance, partition_key=request.partition_key, tags=tags).success
-    failed = defs.resolve_job_def(EMBED_JOB).execute_in_process(   # no worker comes before its deadline
-        instance=instance, partition_key=str(embedding_key(request.partition_key, MODEL_ID)), tags=tags,
+    assert (
+        defs.resolve_job_def(SYNC_JOB)
+        .execute_in_process(  # the bucket run alone: the file is synced
+            instance=instance, partition_key=request.partition_key, tags=tags
+        )
+        .success
+    )
+    failed = defs.resolve_job_def(EMBED_JOB).execute_in_process(  # no worker comes before its deadline
+        instance=instance,
+        partition_key=str(embedding_key(request.partition_key, MODEL_ID)),
+        tags=tags,
         raise_on_error=False,
-        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}})
+        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}},
+    )
     assert not failed.success
     text, chunks, vectors = _served(conn, "doc0001.md")
-    assert "never embedded" in text and vectors < chunks                 # synced, not searchable
-    assert conn.execute("SELECT synced = checksum FROM app.source_observations "
-                        "WHERE document_id = 'doc0001.md'").fetchone()[0]
+    assert "never embedded" in text and vectors < chunks  # synced, not searchable
+    assert conn.execute(
+        "SELECT synced = checksum FROM app.source_observations WHERE document_id = 'doc0001.md'"
+    ).fetchone()[0]
 
     held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     assert not held.run_requests and "1 file(s) of failed or cancelled runs requested again in" in held.skip_message
     attempts, wait = _retry_state(conn, "doc0001.md")
     assert attempts == 1 and 50 < wait <= 60
-    again = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)   # handled once, not again
+    again = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)  # handled once, not again
     assert not again.run_requests and again.cursor == held.cursor
     _retries_due(conn)
     tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)

@@ -51,8 +51,10 @@ def snapshot(defs: dg.Definitions) -> dict[str, Any]:
         assets_def = repo.assets_defs_by_key.get(key)
         op = assets_def.node_def if assets_def is not None and assets_def.is_executable else None
         assets[key.to_user_string()] = {
-            "materializable": node.is_materializable, "group": node.group_name,
-            "code_version": node.code_version, "kinds": sorted(node.kinds),
+            "materializable": node.is_materializable,
+            "group": node.group_name,
+            "code_version": node.code_version,
+            "kinds": sorted(node.kinds),
             "partitions": _partitions(node.partitions_def),
             "parents": sorted(p.to_user_string() for p in node.parent_keys),
             "backfill_policy": str(node.backfill_policy) if node.backfill_policy else None,
@@ -66,8 +68,10 @@ def snapshot(defs: dg.Definitions) -> dict[str, Any]:
         spec = graph.get_check_spec(check)
         checks_def = repo.asset_checks_defs_by_key.get(check)
         checks[f"{check.asset_key.to_user_string()}:{check.name}"] = {
-            "blocking": spec.blocking, "deps": sorted(d.asset_key.to_user_string() for d in spec.additional_deps),
-            "partitions": _partitions(checks_def.partitions_def) if checks_def is not None else None}
+            "blocking": spec.blocking,
+            "deps": sorted(d.asset_key.to_user_string() for d in spec.additional_deps),
+            "partitions": _partitions(checks_def.partitions_def) if checks_def is not None else None,
+        }
     jobs = {}
     for job in sorted(repo.get_all_jobs(), key=lambda j: j.name):
         if job.name.startswith("__"):
@@ -81,15 +85,32 @@ def snapshot(defs: dg.Definitions) -> dict[str, Any]:
             "op_config": {n.name: fields for n in job.graph.nodes if (fields := _config_fields(n.definition))},
             "executor": job.executor_def.name,
         }
-    sensors = {s.name: {"type": type(s).__name__, "minimum_interval_seconds": s.minimum_interval_seconds,
-                        "default_status": s.default_status.value,
-                        "jobs": sorted(t.job_name for t in s.targets)}
-               for s in sorted(repo.sensor_defs, key=lambda s: s.name)}
-    schedules = {s.name: {"cron": s.cron_schedule, "job": s.job_name, "default_status": s.default_status.value,
-                          "timezone": s.execution_timezone}
-                 for s in sorted(repo.schedule_defs, key=lambda s: s.name)}
-    return {"assets": assets, "asset_checks": checks, "jobs": jobs, "sensors": sensors, "schedules": schedules,
-            "resources": sorted(repo.get_top_level_resources())}
+    sensors = {
+        s.name: {
+            "type": type(s).__name__,
+            "minimum_interval_seconds": s.minimum_interval_seconds,
+            "default_status": s.default_status.value,
+            "jobs": sorted(t.job_name for t in s.targets),
+        }
+        for s in sorted(repo.sensor_defs, key=lambda s: s.name)
+    }
+    schedules = {
+        s.name: {
+            "cron": s.cron_schedule,
+            "job": s.job_name,
+            "default_status": s.default_status.value,
+            "timezone": s.execution_timezone,
+        }
+        for s in sorted(repo.schedule_defs, key=lambda s: s.name)
+    }
+    return {
+        "assets": assets,
+        "asset_checks": checks,
+        "jobs": jobs,
+        "sensors": sensors,
+        "schedules": schedules,
+        "resources": sorted(repo.get_top_level_resources()),
+    }
 
 
 def test_loaded_definitions_match_the_snapshot():
@@ -99,4 +120,5 @@ def test_loaded_definitions_match_the_snapshot():
         SNAPSHOT.write_text(text)
     assert SNAPSHOT.exists(), f"no snapshot: run with {UPDATE_ENV}=1 once"
     assert json.loads(SNAPSHOT.read_text()) == got, (
-        f"the loaded definitions differ from {SNAPSHOT.name}; if intended, regenerate with {UPDATE_ENV}=1")
+        f"the loaded definitions differ from {SNAPSHOT.name}; if intended, regenerate with {UPDATE_ENV}=1"
+    )

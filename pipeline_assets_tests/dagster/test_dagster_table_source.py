@@ -46,8 +46,11 @@ def _docs(conn) -> dict[str, str]:
 
 
 def _chunk_text(conn, doc: str) -> str:
-    return conn.execute("SELECT coalesce(string_agg(c.text, ' '), '') FROM app.chunks c JOIN app.documents d"
-                        " USING (doc_pk) WHERE d.document_id = %s", (doc,)).fetchone()[0]
+    return conn.execute(
+        "SELECT coalesce(string_agg(c.text, ' '), '') FROM app.chunks c JOIN app.documents d"
+        " USING (doc_pk) WHERE d.document_id = %s",
+        (doc,),
+    ).fetchone()[0]
 
 
 def test_the_source_sensor_and_bucket_runs_follow_a_table(pages, fake, instance, monkeypatch):
@@ -59,9 +62,11 @@ def test_the_source_sensor_and_bucket_runs_follow_a_table(pages, fake, instance,
     assert _docs(c) == {f"table:src.pages/{i}": "current" for i in range(1, 4)}
     billed = fake.stats["billed_inputs"]
     assert billed == 3
+
     # Unchanged: no run, and the table is not listed (its digest is the one observed).
     def listed(self):
         raise AssertionError("the table was listed")
+
     with monkeypatch.context() as patched:
         patched.setattr(TableSource, "items", listed)
         again = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
@@ -93,14 +98,18 @@ def test_refresh_documents_takes_table_ids(pages, fake):
     defs = fresh_defs()
     job = defs.resolve_job_def("refresh_documents")
     instance = dg.DagsterInstance.ephemeral()
-    result = job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
-        "document_ids": ["table:src.pages/1"]}}}})
+    result = job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["table:src.pages/1"]}}}},
+    )
     assert result.success
     assert _docs(c) == {"table:src.pages/1": "current"}
     assert fake.stats["billed_inputs"] == 1
     c.execute("DELETE FROM src.pages WHERE id = 1")
-    result = job.execute_in_process(instance=instance, run_config={"ops": {"refresh_documents_op": {"config": {
-        "document_ids": ["table:src.pages/1"]}}}})
+    result = job.execute_in_process(
+        instance=instance,
+        run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": ["table:src.pages/1"]}}}},
+    )
     assert result.success and _docs(c) == {"table:src.pages/1": "deleted"}
 
 
@@ -108,24 +117,28 @@ def test_with_the_change_log_a_tick_reads_only_the_logged_rows(pages, fake, inst
     c = pages
     assert "installed" in cli("source", "install-triggers", SOURCE, env=dict(os.environ)).stdout
     defs = fresh_defs()
-    tick = evaluate_sensor(source_documents_sensor, defs, instance)   # the first tick lists the table
+    tick = evaluate_sensor(source_documents_sensor, defs, instance)  # the first tick lists the table
     (request,) = tick.run_requests
     assert execute(defs, instance, request).success
     billed = fake.stats["billed_inputs"]
 
     def listed(self):
         raise AssertionError("the table was listed")
-    monkeypatch.setattr(TableSource, "items", listed)   # from here on, a complete listing fails the test
+
+    monkeypatch.setattr(TableSource, "items", listed)  # from here on, a complete listing fails the test
     c.execute("UPDATE src.pages SET body = %s WHERE id = 1", (_text(1, 7),))
     c.execute("DELETE FROM src.pages WHERE id = 2")
     c.execute("INSERT INTO src.pages VALUES (9, %s)", (_text(9),))
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
-    assert c.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 0   # consumed by the tick
+    assert c.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 0  # consumed by the tick
     for request in tick.run_requests:
         assert execute(defs, instance, request).success
     docs = _docs(c)
-    assert (docs["table:src.pages/1"], docs["table:src.pages/2"], docs["table:src.pages/9"]) == \
-        ("current", "deleted", "current")
+    assert (docs["table:src.pages/1"], docs["table:src.pages/2"], docs["table:src.pages/9"]) == (
+        "current",
+        "deleted",
+        "current",
+    )
     assert "revision 7" in _chunk_text(c, "table:src.pages/1")
     assert fake.stats["billed_inputs"] == billed + 2
     assert not evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).run_requests

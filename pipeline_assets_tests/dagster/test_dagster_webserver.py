@@ -55,7 +55,7 @@ REPO_SELECTOR = {"repositoryLocationName": "pipeline_assets", "repositoryName": 
 SOURCE_SENSOR = {**REPO_SELECTOR, "sensorName": "source_documents"}
 ASSETS = [{"path": ["documents"]}, {"path": ["chunks"]}, {"path": ["embeddings"]}]
 FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
-RUN_TIMEOUT = 300           # seconds: generous, the machine is shared
+RUN_TIMEOUT = 300  # seconds: generous, the machine is shared
 
 
 # Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
@@ -75,8 +75,9 @@ class DevServer:
 
     def gql(self, query: str, variables: dict | None = None) -> dict:
         body = json.dumps({"query": query, "variables": variables or {}}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/graphql", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/graphql", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             data = json.loads(resp.read())
         assert "errors" not in data, data["errors"]
@@ -86,26 +87,37 @@ class DevServer:
         return {"/".join(n["assetKey"]["path"]) for n in self.gql("{ assetNodes { assetKey { path } } }")["assetNodes"]}
 
     def run_status(self, run_id: str) -> str:
-        return self.gql("query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }",
-                        {"id": run_id})["runOrError"]["status"]
+        return self.gql("query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }", {"id": run_id})[
+            "runOrError"
+        ]["status"]
 
     def sensor(self) -> dict:
-        return self.gql("""query($s: SensorSelector!) { sensorOrError(sensorSelector: $s) {
+        return self.gql(
+            """query($s: SensorSelector!) { sensorOrError(sensorSelector: $s) {
                              ... on Sensor { id sensorState { status ticks(limit: 10) { status timestamp } } } } }""",
-                        {"s": SOURCE_SENSOR})["sensorOrError"]
+            {"s": SOURCE_SENSOR},
+        )["sensorOrError"]
 
     def sensor_ticks(self) -> list[dict]:
         return self.sensor()["sensorState"]["ticks"]
 
     def stop_source_sensor(self) -> None:
         """Stop the source sensor (RUNNING by default) and wait until no tick of it is in progress."""
-        stopped = self.gql("""mutation($id: String!) { stopSensor(id: $id) { __typename
+        stopped = self.gql(
+            """mutation($id: String!) { stopSensor(id: $id) { __typename
                                 ... on StopSensorMutationResult { instigationState { status } } } }""",
-                           {"id": self.sensor()["id"]})["stopSensor"]
+            {"id": self.sensor()["id"]},
+        )["stopSensor"]
         assert stopped["__typename"] == "StopSensorMutationResult", stopped
-        _wait(lambda: self.sensor()["sensorState"]["status"] == "STOPPED"
-              and all(t["status"] != "STARTED" for t in self.sensor_ticks()), 60, "the source sensor to stop",
-              self.proc)
+        _wait(
+            lambda: (
+                self.sensor()["sensorState"]["status"] == "STOPPED"
+                and all(t["status"] != "STARTED" for t in self.sensor_ticks())
+            ),
+            60,
+            "the source sensor to stop",
+            self.proc,
+        )
 
 
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, interval: float = 0.5):
@@ -127,7 +139,7 @@ def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = 
 def dev_server(database_url, server_url, tmp_path_factory):
     base = tmp_path_factory.mktemp("devserver")
     corpus = base / "corpus"
-    corpus.mkdir()              # empty until the source sensor is stopped
+    corpus.mkdir()  # empty until the source sensor is stopped
     # Dagster's storage database is a copy of one that already holds Dagster's schema (creating its
     # tables is seconds of the server's CPU); `dev` on a fresh database is what test_dagster_commands'
     # dagster-env test covers (the same `prepare`).
@@ -135,33 +147,51 @@ def dev_server(database_url, server_url, tmp_path_factory):
     port = _free_port()
     with FakeOpenAI(dim=FAKE_DIM) as fake:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_")}
-        env.update({
-            "PIPELINE_DATABASE_URL": database_url, "PIPELINE_HOME": str(base / "home"),
-            "PIPELINE_DAGSTER_DATABASE": dagster_db, "PIPELINE_SOURCE_DIR": str(corpus),
-            "OPENAI_API_KEY": "test-key", "OPENAI_BASE_URL": fake.base_url,
-            "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
-            "PIPELINE_CALL_TIMEOUT": "10",
-            # No scheduled reconciliation during the module (it would ingest the whole source).
-            "PIPELINE_RECONCILE_CRON": "0 0 1 1 *",
-            # The source sensor ticks every 5 s (the daemon's own loop), not 30: the sensor test
-            # waits for a tick that requests the run and for one after it ends.
-            "PIPELINE_SOURCE_SENSOR_INTERVAL": "5",
-        })
+        env.update(
+            {
+                "PIPELINE_DATABASE_URL": database_url,
+                "PIPELINE_HOME": str(base / "home"),
+                "PIPELINE_DAGSTER_DATABASE": dagster_db,
+                "PIPELINE_SOURCE_DIR": str(corpus),
+                "OPENAI_API_KEY": "test-key",
+                "OPENAI_BASE_URL": fake.base_url,
+                "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL,
+                "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
+                "PIPELINE_CALL_TIMEOUT": "10",
+                # No scheduled reconciliation during the module (it would ingest the whole source).
+                "PIPELINE_RECONCILE_CRON": "0 0 1 1 *",
+                # The source sensor ticks every 5 s (the daemon's own loop), not 30: the sensor test
+                # waits for a tick that requests the run and for one after it ends.
+                "PIPELINE_SOURCE_SENSOR_INTERVAL": "5",
+            }
+        )
         env.pop("PIPELINE_PARTITION_BUCKETS", None)
         log = open(base / "server.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-c", f"import sys; from pipeline_assets.cli.devserver import run_dev; "
-                                   f"sys.exit(run_dev(port={port}))"],
-            env=env, cwd=base, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-c",
+                f"import sys; from pipeline_assets.cli.devserver import run_dev; sys.exit(run_dev(port={port}))",
+            ],
+            env=env,
+            cwd=base,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         server = DevServer(port, env, proc, corpus, base / "home" / "dagster")
         try:
-            _wait(lambda: {"documents", "chunks", "embeddings"} <= server.asset_keys(), 300,
-                  "the webserver and the code location", proc)
+            _wait(
+                lambda: {"documents", "chunks", "embeddings"} <= server.asset_keys(),
+                300,
+                "the webserver and the code location",
+                proc,
+            )
             server.stop_source_sensor()
             write_corpus(corpus, N_DOCUMENTS, words=30)
             yield server
         finally:
-            stop_group(proc, signal.SIGINT, grace=45)     # Ctrl-C: run_dev forwards it once
+            stop_group(proc, signal.SIGINT, grace=45)  # Ctrl-C: run_dev forwards it once
             log.close()
             print((base / "server.log").read_text()[-3000:])
             with psycopg.connect(server_url, autocommit=True) as admin:
@@ -176,9 +206,11 @@ def _wait_run(server: DevServer, run_id: str, what: str) -> None:
 
 
 def _runs_tagged(server: DevServer, key: str, value: str) -> list[dict]:
-    return server.gql("""query($k: String!, $v: String!) { runsOrError(filter: {tags: [{key: $k, value: $v}]}) {
+    return server.gql(
+        """query($k: String!, $v: String!) { runsOrError(filter: {tags: [{key: $k, value: $v}]}) {
                            ... on Runs { results { runId status jobName startTime endTime tags { key value } } } } }""",
-                      {"k": key, "v": value})["runsOrError"]["results"]
+        {"k": key, "v": value},
+    )["runsOrError"]["results"]
 
 
 def _materialize_bucket(server: DevServer, key: str) -> tuple[str, str]:
@@ -187,13 +219,23 @@ def _materialize_bucket(server: DevServer, key: str) -> tuple[str, str]:
     launched = server.gql(
         """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) {
              __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }""",
-        {"p": {"selector": {**REPO_SELECTOR, "jobName": "sync_documents"},
-               "executionMetadata": {"tags": [{"key": "dagster/partition", "value": key}]}}})["launchRun"]
+        {
+            "p": {
+                "selector": {**REPO_SELECTOR, "jobName": "sync_documents"},
+                "executionMetadata": {"tags": [{"key": "dagster/partition", "value": key}]},
+            }
+        },
+    )["launchRun"]
     assert launched["__typename"] == "LaunchRunSuccess", launched
     run_id = launched["run"]["runId"]
     _wait_run(server, run_id, "the bucket run")
-    (embed,) = _wait(lambda: _runs_tagged(server, "pipeline/after_run", run_id), RUN_TIMEOUT,
-                     "the embeddings run after the bucket run", server.proc, interval=1.0)
+    (embed,) = _wait(
+        lambda: _runs_tagged(server, "pipeline/after_run", run_id),
+        RUN_TIMEOUT,
+        "the embeddings run after the bucket run",
+        server.proc,
+        interval=1.0,
+    )
     assert embed["jobName"] == "embed_documents"
     _wait_run(server, embed["runId"], "the embeddings run")
     return run_id, embed["runId"]
@@ -203,18 +245,26 @@ def _latest_metadata(server: DevServer, asset: str, keys: list[str]) -> dict[str
     """Per partition, (run id, metadata) of its latest materialization, as the UI reads them (a bucket
     key of embeddings: that bucket x the model)."""
     if asset == "embeddings":
-        return {k.split("|")[0]: v for k, v in _latest_metadata(
-            server, "embeddings_", [f"{k}|{MODEL}" for k in keys]).items()}
+        return {
+            k.split("|")[0]: v
+            for k, v in _latest_metadata(server, "embeddings_", [f"{k}|{MODEL}" for k in keys]).items()
+        }
     asset = asset.rstrip("_")
     data = server.gql(
         """query($a: AssetKeyInput!, $p: [String!]) { assetNodeOrError(assetKey: $a) { ... on AssetNode {
              latestMaterializationByPartition(partitions: $p) { partition runId metadataEntries { label
                ... on IntMetadataEntry { intValue } ... on TextMetadataEntry { text }
                ... on FloatMetadataEntry { floatValue } } } } } }""",
-        {"a": {"path": [asset]}, "p": keys})["assetNodeOrError"]["latestMaterializationByPartition"]
-    return {e["partition"]: (e["runId"], {m["label"]: m.get("intValue", m.get("text", m.get("floatValue")))
-                                          for m in e["metadataEntries"]})
-            for e in data if e}
+        {"a": {"path": [asset]}, "p": keys},
+    )["assetNodeOrError"]["latestMaterializationByPartition"]
+    return {
+        e["partition"]: (
+            e["runId"],
+            {m["label"]: m.get("intValue", m.get("text", m.get("floatValue"))) for m in e["metadataEntries"]},
+        )
+        for e in data
+        if e
+    }
 
 
 def _bucket_docs(key: str) -> list[str]:
@@ -234,7 +284,7 @@ def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, data
     assert {"documents", "chunks", "embeddings", "embedding_store", "reconciliation"} <= dev_server.asset_keys()
     key, run_id, embed_run_id = bucket_run
     members = _bucket_docs(key)
-    assert 1 < len(members) < 60                   # a bucket is a slice of the corpus (~1/64 of it)
+    assert 1 < len(members) < 60  # a bucket is a slice of the corpus (~1/64 of it)
     root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
         # The run brought exactly its bucket's documents current and embedded, nothing else.
@@ -244,16 +294,21 @@ def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, data
     assert ingested == members and all(s.status == "current" for s in summaries.values())
     assert cov.wanted == cov.ready == sum(s.chunks for s in summaries.values()) > 0
     # What the UI shows for that partition: this run, the bucket's counts.
-    (run, documents), = _latest_metadata(dev_server, "documents", [key]).values()
+    ((run, documents),) = _latest_metadata(dev_server, "documents", [key]).values()
     assert run == run_id and (documents["documents"], documents["current"]) == (len(members), len(members))
-    (run, embeddings), = _latest_metadata(dev_server, "embeddings", [key]).values()
+    ((run, embeddings),) = _latest_metadata(dev_server, "embeddings", [key]).values()
     assert run == embed_run_id
     assert (embeddings["chunks"], embeddings["ready"], embeddings["failed"]) == (
-        sum(c.wanted for c in per_doc.values()), sum(c.ready for c in per_doc.values()), 0)
+        sum(c.wanted for c in per_doc.values()),
+        sum(c.ready for c in per_doc.values()),
+        0,
+    )
 
 
-@pytest.mark.skipif(chromium_path() is None, reason="no Chromium on this machine (.ci/run installs Debian's "
-                                                    "chromium; elsewhere: apt-get install chromium)")
+@pytest.mark.skipif(
+    chromium_path() is None,
+    reason="no Chromium on this machine (.ci/run installs Debian's chromium; elsewhere: apt-get install chromium)",
+)
 def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_server, database_url, bucket_run):
     """The user's path, in a real browser: the asset graph shows the three assets, and the page of
     the bucket materialized through GraphQL shows that run and the metadata the asset reported for it."""
@@ -268,7 +323,7 @@ def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_serve
         browser.open(f"{base}/asset-groups/embedding_pipeline")
         graph = browser.wait_for_text("documents", "chunks", "embeddings", "Materialize all")
         assert "embedding_store" in graph
-        partition = f"{key}|{MODEL}"     # bucket x model
+        partition = f"{key}|{MODEL}"  # bucket x model
         browser.open(f"{base}/assets/embeddings?view=partitions&partition={urllib.parse.quote(partition, safe='')}")
         page = browser.wait_for_text("Latest materialization", run_id[:8], "Metadata", key)
     metadata = " ".join(page.split("Metadata", 1)[1].split())
@@ -285,11 +340,19 @@ def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkey
     result = dev_server.gql(
         """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
              __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
-        {"p": {"partitionsByAssets": [
-            {"assetKey": {"path": ["documents"]}, "partitions": every},
-            {"assetKey": {"path": ["chunks"]}, "partitions": every},
-            {"assetKey": {"path": ["embeddings"]}, "partitions": {"range": {
-                "start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{MODEL}"}}}]}})["launchPartitionBackfill"]
+        {
+            "p": {
+                "partitionsByAssets": [
+                    {"assetKey": {"path": ["documents"]}, "partitions": every},
+                    {"assetKey": {"path": ["chunks"]}, "partitions": every},
+                    {
+                        "assetKey": {"path": ["embeddings"]},
+                        "partitions": {"range": {"start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{MODEL}"}},
+                    },
+                ]
+            }
+        },
+    )["launchPartitionBackfill"]
     assert result["__typename"] == "LaunchBackfillSuccess", result
     backfill_id = result["backfillId"]
 
@@ -302,9 +365,11 @@ def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkey
     wall = time.monotonic() - started
     run_seconds = sum(r["endTime"] - r["startTime"] for r in runs)
     gap = max(r["startTime"] for r in runs) - min(r["endTime"] for r in runs)
-    print(f"\nBACKFILL {len(BUCKETS)} buckets, {N_DOCUMENTS} documents: runs launched={len(runs)} "
-          f"wall={wall:.1f}s (run time {run_seconds:.1f}s; between the runs {gap:.1f}s; the rest is the "
-          "backfill daemon and run start)")
+    print(
+        f"\nBACKFILL {len(BUCKETS)} buckets, {N_DOCUMENTS} documents: runs launched={len(runs)} "
+        f"wall={wall:.1f}s (run time {run_seconds:.1f}s; between the runs {gap:.1f}s; the rest is the "
+        "backfill daemon and run start)"
+    )
     assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"]
     sync_id = _latest_metadata(dev_server, "documents", BUCKETS[:1])[BUCKETS[0]][0]
     (run_id,) = [r["runId"] for r in runs if r["runId"] != sync_id]
@@ -326,15 +391,17 @@ def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkey
     for doc, c in per_doc.items():
         chunks_by_bucket[bucket_of(doc)] += c.wanted
     assert {k: (m["chunks"], m["ready"]) for k, (_, m) in embeddings.items()} == {
-        k: (chunks_by_bucket[k], chunks_by_bucket[k]) for k in BUCKETS}
+        k: (chunks_by_bucket[k], chunks_by_bucket[k]) for k in BUCKETS
+    }
     # One coverage evaluation per bucket of the run, all passed: 64, never one per document.
     dagster_db = dev_server.env["PIPELINE_DAGSTER_DATABASE"]
-    monkeypatch.setenv(DAGSTER_URL_ENV, sqlalchemy_url(psycopg.conninfo.make_conninfo(database_url,
-                                                                                     dbname=dagster_db)))
-    instance = dg.DagsterInstance.from_config(str(dev_server.dagster_home))   # the real instance
+    monkeypatch.setenv(DAGSTER_URL_ENV, sqlalchemy_url(psycopg.conninfo.make_conninfo(database_url, dbname=dagster_db)))
+    instance = dg.DagsterInstance.from_config(str(dev_server.dagster_home))  # the real instance
     try:
-        evaluations = [e.dagster_event.event_specific_data for e in
-                       instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
+        evaluations = [
+            e.dagster_event.event_specific_data
+            for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        ]
     finally:
         instance.dispose()
     assert sorted(e.partition for e in evaluations) == [f"{k}|{MODEL}" for k in BUCKETS]
@@ -353,25 +420,34 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     started = dev_server.gql(
         """mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
              __typename ... on Sensor { sensorState { status } } ... on PythonError { message } } }""",
-        {"s": SOURCE_SENSOR})["startSensor"]
+        {"s": SOURCE_SENSOR},
+    )["startSensor"]
     assert started["__typename"] == "Sensor", started
-    def finished_runs():   # the bucket run and the embeddings run after it (which keeps its trigger tag)
+
+    def finished_runs():  # the bucket run and the embeddings run after it (which keeps its trigger tag)
         runs = _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
         return runs if len(runs) >= 2 and all(r["status"] in FINISHED for r in runs) else None
 
     runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the sensor's runs", dev_server.proc, interval=1.0)
     # A tick after the runs ended skips: nothing else pending, so that bucket run was the only one.
     ended = max(r["endTime"] for r in runs)
-    _wait(lambda: any(t["status"] == "SKIPPED" and t["timestamp"] > ended for t in dev_server.sensor_ticks()),
-          RUN_TIMEOUT, "a sensor tick after the runs", dev_server.proc, interval=1.0)
+    _wait(
+        lambda: any(t["status"] == "SKIPPED" and t["timestamp"] > ended for t in dev_server.sensor_ticks()),
+        RUN_TIMEOUT,
+        "a sensor tick after the runs",
+        dev_server.proc,
+        interval=1.0,
+    )
     runs = _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
     assert sorted(r["jobName"] for r in runs) == ["embed_documents", "sync_documents"], runs
     assert all(r["status"] == "SUCCESS" for r in runs), runs
     by_job = {r["jobName"]: r for r in runs}
     sync, embed = by_job["sync_documents"], by_job["embed_documents"]
-    print(f"\nSOURCE CHANGE: bucket run {sync['endTime'] - sync['startTime']:.1f}s, the embeddings run started "
-          f"{embed['startTime'] - sync['endTime']:.1f}s after it ended and took "
-          f"{embed['endTime'] - embed['startTime']:.1f}s")
+    print(
+        f"\nSOURCE CHANGE: bucket run {sync['endTime'] - sync['startTime']:.1f}s, the embeddings run started "
+        f"{embed['startTime'] - sync['endTime']:.1f}s after it ended and took "
+        f"{embed['endTime'] - embed['startTime']:.1f}s"
+    )
     runs = [sync]
     tags = {t["key"]: t["value"] for t in runs[0]["tags"]}
     first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
@@ -380,15 +456,18 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     # The run ingested exactly the two changed files and tombstoned the deleted one; the prefilter
     # kept it from reading any unchanged file (it reads a changed one again only if the sensor's tick
     # hashed it within the racy-mtime window: 0 or 2, depending on when the tick came).
-    (run, meta), = _latest_metadata(dev_server, "documents", [bucket_of(added)]).values()
+    ((run, meta),) = _latest_metadata(dev_server, "documents", [bucket_of(added)]).values()
     assert run == runs[0]["runId"]
     assert (meta["changed_documents"], meta["gone_documents"]) == (2, 1) and meta["files_read"] <= 2
     root = str(corpus.resolve())
     with psycopg.connect(database_url) as conn:
         summaries = reports.document_summaries(conn, root, [edited, deleted, added])
         _, cov = reports.embedding_coverage(conn, root, [edited, added], MODEL)
-        edited_text = conn.execute("""SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)
-                                      WHERE d.document_id = %s AND d.status = 'current'""", (edited,)).fetchall()
+        edited_text = conn.execute(
+            """SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)
+                                      WHERE d.document_id = %s AND d.status = 'current'""",
+            (edited,),
+        ).fetchall()
     assert summaries[deleted].status == "deleted"
     assert summaries[edited].status == summaries[added].status == "current"
     assert any("never had before today" in t for (t,) in edited_text)
@@ -404,9 +483,12 @@ def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, databa
     from pipeline_assets.settings import Settings
     from pipeline_assets.store import db
 
-    settings = Settings.from_env().replace(database_url=database_url, openai_api_key="test-key",
-                                           openai_base_url=dev_server.env["OPENAI_BASE_URL"],
-                                           model_max_input_tokens=FAKE_WINDOW)
+    settings = Settings.from_env().replace(
+        database_url=database_url,
+        openai_api_key="test-key",
+        openai_base_url=dev_server.env["OPENAI_BASE_URL"],
+        model_max_input_tokens=FAKE_WINDOW,
+    )
     with db.make_pool(database_url, max_size=2) as pool:
         added = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
     keys_q = """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
@@ -423,8 +505,17 @@ def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, databa
     result = dev_server.gql(
         """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
              __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
-        {"p": {"partitionsByAssets": [{"assetKey": {"path": ["embeddings"]}, "partitions": {"range": {
-            "start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{added}"}}}]}})["launchPartitionBackfill"]
+        {
+            "p": {
+                "partitionsByAssets": [
+                    {
+                        "assetKey": {"path": ["embeddings"]},
+                        "partitions": {"range": {"start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{added}"}},
+                    }
+                ]
+            }
+        },
+    )["launchPartitionBackfill"]
     assert result["__typename"] == "LaunchBackfillSuccess", result
 
     def finished_runs():
@@ -432,11 +523,16 @@ def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, databa
         return runs if len(runs) == 2 and all(r["status"] in FINISHED for r in runs) else None
 
     runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
-    print(f"\nBACKFILL 64 buckets x 2 models: runs launched={len(runs)} wall={time.monotonic() - started:.1f}s "
-          f"(run time {sum(r['endTime'] - r['startTime'] for r in runs):.1f}s)")
+    print(
+        f"\nBACKFILL 64 buckets x 2 models: runs launched={len(runs)} wall={time.monotonic() - started:.1f}s "
+        f"(run time {sum(r['endTime'] - r['startTime'] for r in runs):.1f}s)"
+    )
     assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"]
-    ranges = sorted((t["dagster/asset_partition_range_start"], t["dagster/asset_partition_range_end"])
-                    for r in runs for t in [{x["key"]: x["value"] for x in r["tags"]}])
+    ranges = sorted(
+        (t["dagster/asset_partition_range_start"], t["dagster/asset_partition_range_end"])
+        for r in runs
+        for t in [{x["key"]: x["value"] for x in r["tags"]}]
+    )
     assert ranges == sorted([(f"{BUCKETS[0]}|{m}", f"{BUCKETS[-1]}|{m}") for m in (MODEL, added)])
     root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
@@ -451,9 +547,11 @@ def _stale_status(server: DevServer, asset: str, partition: str) -> tuple[str, l
     node = server.gql(
         """query($a: AssetKeyInput!, $p: String!) { assetNodeOrError(assetKey: $a) { ... on AssetNode {
              staleStatus(partition: $p) staleCauses(partition: $p) { key { path } partitionKey reason } } } }""",
-        {"a": {"path": [asset]}, "p": partition})["assetNodeOrError"]
-    return node["staleStatus"], [f"{'/'.join(c['key']['path'])} {c['partitionKey']}: {c['reason']}"
-                                 for c in node["staleCauses"]]
+        {"a": {"path": [asset]}, "p": partition},
+    )["assetNodeOrError"]
+    return node["staleStatus"], [
+        f"{'/'.join(c['key']['path'])} {c['partitionKey']}: {c['reason']}" for c in node["staleCauses"]
+    ]
 
 
 def _sensor_runs_done(server: DevServer, before: set[str]) -> list[dict] | None:
@@ -461,14 +559,18 @@ def _sensor_runs_done(server: DevServer, before: set[str]) -> list[dict] | None:
     once both have finished."""
     runs = [r for r in _runs_tagged(server, "pipeline/trigger", "source_documents") if r["runId"] not in before]
     jobs = sorted(r["jobName"] for r in runs)
-    return runs if jobs == ["embed_documents", "sync_documents"] and all(
-        r["status"] in FINISHED for r in runs) else None
+    return (
+        runs if jobs == ["embed_documents", "sync_documents"] and all(r["status"] in FINISHED for r in runs) else None
+    )
 
 
 def _ensure_source_sensor_running(server: DevServer) -> None:
     if server.sensor()["sensorState"]["status"] != "RUNNING":
-        started = server.gql("""mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
-                                  __typename ... on PythonError { message } } }""", {"s": SOURCE_SENSOR})["startSensor"]
+        started = server.gql(
+            """mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
+                                  __typename ... on PythonError { message } } }""",
+            {"s": SOURCE_SENSOR},
+        )["startSensor"]
         assert started["__typename"] == "Sensor", started
 
 
@@ -489,11 +591,16 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
     before = {r["runId"] for r in _runs_tagged(dev_server, "pipeline/trigger", "source_documents")}
     (corpus / blob).write_bytes(b"\x00\x01binary\x00" * 64)
     _ensure_source_sensor_running(dev_server)
-    runs = _wait(lambda: _sensor_runs_done(dev_server, before), 2 * RUN_TIMEOUT, "the sensor's runs (blob)",
-                 dev_server.proc, interval=1.0)
+    runs = _wait(
+        lambda: _sensor_runs_done(dev_server, before),
+        2 * RUN_TIMEOUT,
+        "the sensor's runs (blob)",
+        dev_server.proc,
+        interval=1.0,
+    )
     assert all(r["status"] == "SUCCESS" for r in runs), runs
     assert _stale_status(dev_server, "documents", key)[0] == "FRESH"
-    (_, meta), = _latest_metadata(dev_server, "documents", [key]).values()
+    ((_, meta),) = _latest_metadata(dev_server, "documents", [key]).values()
     assert meta["quarantined"] >= 1 and blob in meta["quarantined_ids"]
 
     # The edit, observed by the sensor; its run is held at its first write to app.documents (a SHARE
@@ -504,8 +611,11 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
         (corpus / edited).write_text("# edited for the truth test\n\ntext the run has not read yet\n")
 
         def requested():
-            return [r for r in _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
-                    if r["runId"] not in before and r["jobName"] == "sync_documents"]
+            return [
+                r
+                for r in _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
+                if r["runId"] not in before and r["jobName"] == "sync_documents"
+            ]
 
         (held,) = _wait(requested, RUN_TIMEOUT, "the sensor's run for the edit", dev_server.proc, interval=1.0)
         shown, causes = _stale_status(dev_server, "documents", key)
@@ -515,8 +625,13 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
         for asset, partition in (("chunks", key), ("embeddings", f"{key}|{MODEL}")):
             assert _stale_status(dev_server, asset, partition) == ("STALE", causes), (asset, partition)
         hold.rollback()
-    runs = _wait(lambda: _sensor_runs_done(dev_server, before), 2 * RUN_TIMEOUT, "the sensor's runs (edit)",
-                 dev_server.proc, interval=1.0)
+    runs = _wait(
+        lambda: _sensor_runs_done(dev_server, before),
+        2 * RUN_TIMEOUT,
+        "the sensor's runs (edit)",
+        dev_server.proc,
+        interval=1.0,
+    )
     assert all(r["status"] == "SUCCESS" for r in runs), runs
     for asset, partition in (("documents", key), ("chunks", key), ("embeddings", f"{key}|{MODEL}")):
         assert _stale_status(dev_server, asset, partition) == ("FRESH", []), (asset, partition)
@@ -526,9 +641,11 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
     documents = _latest_metadata(dev_server, "documents", BUCKETS)
     chunks = _latest_metadata(dev_server, "chunks", BUCKETS)
     shown_docs = {name: sum(m[name] for _, m in documents.values()) for name in ("documents", "current", "quarantined")}
-    print(f"\nUI (sum over {len(documents)} buckets): {shown_docs}, chunks="
-          f"{sum(m['chunk_count'] for _, m in chunks.values())}; status: documents={status['documents']} "
-          f"quarantined_documents={status['quarantined_documents']} coverage={status['coverage']}")
+    print(
+        f"\nUI (sum over {len(documents)} buckets): {shown_docs}, chunks="
+        f"{sum(m['chunk_count'] for _, m in chunks.values())}; status: documents={status['documents']} "
+        f"quarantined_documents={status['quarantined_documents']} coverage={status['coverage']}"
+    )
     assert shown_docs["current"] == status["documents"].get("current", 0)
     assert shown_docs["quarantined"] == status["documents"].get("quarantined", 0) == status["quarantined_documents"]
     assert shown_docs["documents"] == shown_docs["current"] + shown_docs["quarantined"]

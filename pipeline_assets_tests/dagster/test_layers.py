@@ -94,14 +94,18 @@ APP_SQL_PENDING = {"table_ingest.py"}
 def test_app_runs_no_sql_itself():
     """app/ holds use cases: the SQL they need runs in store/ (or the queue's and the registry's
     modules), next to its family in sql/queries/."""
-    running = sorted(str(p.relative_to(REPO)) for p in (PACKAGE / "app").glob("*.py")
-                     if p.name not in APP_SQL_PENDING and _RUNS_SQL.search(p.read_text()))
+    running = sorted(
+        str(p.relative_to(REPO))
+        for p in (PACKAGE / "app").glob("*.py")
+        if p.name not in APP_SQL_PENDING and _RUNS_SQL.search(p.read_text())
+    )
     assert not running, f"app/ modules that execute SQL themselves: {running}"
 
 
 def test_no_module_is_too_long():
-    long = {str(p.relative_to(REPO)): n for p in _modules()
-            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(p.relative_to(REPO)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
@@ -154,21 +158,25 @@ def second_db(server_url):
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def test_cli_and_dagster_land_the_same_database_state(env, clean_db, database_url, second_db, fake, tmp_path,
-                                                      monkeypatch, server_url):
+def test_cli_and_dagster_land_the_same_database_state(
+    env, clean_db, database_url, second_db, fake, tmp_path, monkeypatch, server_url
+):
     corpus = tmp_path / "corpus"
     write_corpus(corpus, 5)
-    (corpus / "copy.md").write_text((corpus / "doc0001.md").read_text())   # shared content: one job
-    (corpus / "blob.bin").write_bytes(b"\x00\x01binary")                  # quarantined
+    (corpus / "copy.md").write_text((corpus / "doc0001.md").read_text())  # shared content: one job
+    (corpus / "blob.bin").write_bytes(b"\x00\x01binary")  # quarantined
     (corpus / "page.html").write_text("<html><body><h1>Title</h1><p>Some text.</p></body></html>")
 
     cli("embed", str(corpus), env={**env, "PIPELINE_DATABASE_URL": database_url})
 
     monkeypatch.setenv("PIPELINE_DATABASE_URL", second_db)
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(corpus))
-    with postgres_instance(server_url) as instance:   # a backfill of every bucket
-        result = execute(fresh_defs(), instance, tags={"dagster/asset_partition_range_start": "b000",
-                                                       "dagster/asset_partition_range_end": "b063"})
+    with postgres_instance(server_url) as instance:  # a backfill of every bucket
+        result = execute(
+            fresh_defs(),
+            instance,
+            tags={"dagster/asset_partition_range_start": "b000", "dagster/asset_partition_range_end": "b063"},
+        )
         assert result.success
 
     via_cli, via_dagster = _state(database_url), _state(second_db)

@@ -31,13 +31,12 @@ from pipeline_assets_tests.conftest import (
 )
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 
-MODEL_ID = f"openai/{FAKE_MODEL}"          # dimension unknown up front: no "@16" suffix
+MODEL_ID = f"openai/{FAKE_MODEL}"  # dimension unknown up front: no "@16" suffix
 JSON_EXPORT_KEYS = {"document_id", "source_uri", "chunk_index", "text", "model", "embedding"}
 UNREACHABLE_DB = "postgresql://nobody@127.0.0.1:1/x"
 
 
 # -- helpers ------------------------------------------------------------------
-
 
 
 def cli_json(*args: str, env: dict):
@@ -46,7 +45,8 @@ def cli_json(*args: str, env: dict):
         return json.loads(proc.stdout)
     except ValueError:
         raise AssertionError(
-            f"pipeline-assets {' '.join(args)} printed no JSON:\n{proc.stdout}\n{proc.stderr}") from None
+            f"pipeline-assets {' '.join(args)} printed no JSON:\n{proc.stdout}\n{proc.stderr}"
+        ) from None
 
 
 def digest(conn, table: str, order: str) -> str:
@@ -58,8 +58,6 @@ def digest(conn, table: str, order: str) -> str:
 
 def distinct_chunk_texts(conn) -> list[str]:
     return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
-
-
 
 
 def assert_one_line_error(proc, *, secret: str | None = None) -> str:
@@ -80,8 +78,10 @@ def export_rows(env: dict) -> list[dict]:
 
 def dump_app_schema(conn) -> str:
     """The text of every row of every table in schema app."""
-    tables = [r[0] for r in conn.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'app' ORDER BY 1")]
+    tables = [
+        r[0]
+        for r in conn.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = 'app' ORDER BY 1")
+    ]
     parts = []
     for t in tables:
         parts.append(conn.execute(f"SELECT coalesce(string_agg(x::text, E'\\n'), '') FROM app.{t} x").fetchone()[0])
@@ -105,6 +105,7 @@ def fresh_db(server_url):
 
 
 # -- migrate ------------------------------------------------------------------
+
 
 def test_migrate_twice_second_applies_nothing(env, fresh_db):
     env = {**env, "PIPELINE_DATABASE_URL": fresh_db}
@@ -137,6 +138,7 @@ def test_two_concurrent_migrates_on_new_database(env, fresh_db):
 
 # -- ingest -------------------------------------------------------------------
 
+
 def test_ingest_twice_is_a_byte_identical_noop(env, fake, clean_db, corpus):
     conn = clean_db
     write_corpus(corpus, 300)
@@ -147,8 +149,12 @@ def test_ingest_twice_is_a_byte_identical_noop(env, fake, clean_db, corpus):
     distinct = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
     assert first["enqueued"] == distinct
     assert job_counts(conn) == {"pending": distinct}
-    tables = (("app.embedding_jobs", "t.job_id"), ("app.chunks", "t.doc_pk, t.chunk_index"),
-              ("app.documents", "t.doc_pk"), ("app.stage_runs", "t.doc_pk, t.stage"))
+    tables = (
+        ("app.embedding_jobs", "t.job_id"),
+        ("app.chunks", "t.doc_pk, t.chunk_index"),
+        ("app.documents", "t.doc_pk"),
+        ("app.stage_runs", "t.doc_pk, t.stage"),
+    )
     before = {t: digest(conn, t, o) for t, o in tables}
 
     second = cli_json("ingest", str(corpus), "--json", env=env)
@@ -162,6 +168,7 @@ def test_ingest_twice_is_a_byte_identical_noop(env, fake, clean_db, corpus):
 
 
 # -- embed --------------------------------------------------------------------
+
 
 def test_embed_summary_vectors_reuse_and_dedup(env, fake, clean_db, corpus):
     conn = clean_db
@@ -180,10 +187,15 @@ def test_embed_summary_vectors_reuse_and_dedup(env, fake, clean_db, corpus):
     assert s["documents"] == n_docs
     assert s["chunks"] == n_chunks
     assert s["embedded"] == distinct
-    assert conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (MODEL_ID,)).fetchone()[0] \
-        == distinct
-    assert s["provider_calls"] == fake.stats["requests"] \
-        == conn.execute("SELECT count(*) FROM app.provider_calls").fetchone()[0] >= 1
+    assert (
+        conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (MODEL_ID,)).fetchone()[0] == distinct
+    )
+    assert (
+        s["provider_calls"]
+        == fake.stats["requests"]
+        == conn.execute("SELECT count(*) FROM app.provider_calls").fetchone()[0]
+        >= 1
+    )
     assert s["failed"] == 0 and s["coverage"] == f"{distinct}/{distinct}"
     assert job_counts(conn) == {"ready": distinct}
     assert assert_vectors_match(conn, fake) == n_chunks
@@ -207,9 +219,14 @@ def test_edit_and_delete_supersede_old_content(env, fake, clean_db, corpus):
     conn = clean_db
     paths = write_corpus(corpus, 5)
     cli("embed", str(corpus), env=env)
-    old = {doc: conn.execute(
-        "SELECT c.chunk_checksum, c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-        " WHERE d.document_id = %s", (doc,)).fetchall() for doc in ("doc0000.md", "doc0001.md")}
+    old = {
+        doc: conn.execute(
+            "SELECT c.chunk_checksum, c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+            " WHERE d.document_id = %s",
+            (doc,),
+        ).fetchall()
+        for doc in ("doc0000.md", "doc0001.md")
+    }
     assert all(old.values())
 
     new_text = "# doc 0 rewritten\n\ncompletely new words zebra quokka axolotl"
@@ -227,17 +244,20 @@ def test_edit_and_delete_supersede_old_content(env, fake, clean_db, corpus):
     assert {r["document_id"] for r in rows} == {"doc0000.md", "doc0002.md", "doc0003.md", "doc0004.md"}
 
     for checksum, _ in old["doc0000.md"] + old["doc0001.md"]:
-        status = conn.execute("SELECT status FROM app.embedding_jobs WHERE chunk_checksum = %s AND model_id = %s",
-                              (checksum, MODEL_ID)).fetchone()[0]
+        status = conn.execute(
+            "SELECT status FROM app.embedding_jobs WHERE chunk_checksum = %s AND model_id = %s", (checksum, MODEL_ID)
+        ).fetchone()[0]
         assert status == "superseded"
-        assert conn.execute("SELECT count(*) FROM app.embeddings WHERE chunk_checksum = %s",
-                            (checksum,)).fetchone()[0] == 0
-    assert conn.execute("SELECT status FROM app.documents WHERE document_id = 'doc0001.md'").fetchone()[0] \
-        == "deleted"
+        assert (
+            conn.execute("SELECT count(*) FROM app.embeddings WHERE chunk_checksum = %s", (checksum,)).fetchone()[0]
+            == 0
+        )
+    assert conn.execute("SELECT status FROM app.documents WHERE document_id = 'doc0001.md'").fetchone()[0] == "deleted"
     assert assert_vectors_match(conn, fake) == len(rows)
 
 
 # -- status -------------------------------------------------------------------
+
 
 def test_status_json_after_embed(env, fake, clean_db, corpus):
     conn = clean_db
@@ -260,6 +280,7 @@ def test_status_json_after_embed(env, fake, clean_db, corpus):
 
 
 # -- dead letters ---------------------------------------------------------------
+
 
 def test_dlq_poison_quarantine_and_requeue(env, fake, clean_db, corpus):
     conn = clean_db
@@ -290,10 +311,13 @@ def test_dlq_poison_quarantine_and_requeue(env, fake, clean_db, corpus):
         "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = 'poisoned.md'"
     ).fetchone()[0]
     for text in distinct_chunk_texts(conn):
-        row = conn.execute("""SELECT j.status, e.embedding FROM app.chunks c
+        row = conn.execute(
+            """SELECT j.status, e.embedding FROM app.chunks c
                               JOIN app.embedding_jobs j USING (chunk_checksum)
                               LEFT JOIN app.embeddings e USING (chunk_checksum, model_id)
-                              WHERE c.text = %s LIMIT 1""", (text,)).fetchone()
+                              WHERE c.text = %s LIMIT 1""",
+            (text,),
+        ).fetchone()
         if text == poison_text:
             assert row[0] == "failed" and row[1] is None
         else:
@@ -312,6 +336,7 @@ def test_dlq_poison_quarantine_and_requeue(env, fake, clean_db, corpus):
 
 # -- export / search --------------------------------------------------------------
 
+
 def test_export_jsonl_contract(env, fake, clean_db, corpus):
     conn = clean_db
     write_corpus(corpus, 7)
@@ -326,7 +351,8 @@ def test_export_jsonl_contract(env, fake, clean_db, corpus):
         assert np.allclose(r["embedding"], fake.vector_for(r["text"]), atol=1e-6)
         assert r["source_uri"] == (corpus / r["document_id"]).resolve().as_uri()
     assert [(r["document_id"], r["chunk_index"]) for r in rows] == sorted(
-        (r["document_id"], r["chunk_index"]) for r in rows)
+        (r["document_id"], r["chunk_index"]) for r in rows
+    )
 
 
 def test_search_nearest_first(env, fake, clean_db, corpus):
@@ -335,7 +361,8 @@ def test_search_nearest_first(env, fake, clean_db, corpus):
     cli("embed", str(corpus), env=env)
     target_doc, target_idx, target_text = conn.execute(
         "SELECT d.document_id, c.chunk_index, c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-        " WHERE d.document_id = 'doc0004.md' ORDER BY c.chunk_index LIMIT 1").fetchone()
+        " WHERE d.document_id = 'doc0004.md' ORDER BY c.chunk_index LIMIT 1"
+    ).fetchone()
     hits = cli_json("search", target_text, "-k", "3", "--mode", "vector", "--json", env=env)
     assert len(hits) == 3
     distances = [h["distance"] for h in hits]
@@ -352,6 +379,7 @@ def test_search_nearest_first(env, fake, clean_db, corpus):
 
 # -- reconcile ------------------------------------------------------------------------
 
+
 def test_reconcile_noop_then_repairs_deleted_vector(env, fake, clean_db, corpus):
     conn = clean_db
     write_corpus(corpus, 6)
@@ -367,8 +395,10 @@ def test_reconcile_noop_then_repairs_deleted_vector(env, fake, clean_db, corpus)
     assert conn.execute("DELETE FROM app.embeddings WHERE chunk_checksum = %s", (checksum,)).rowcount == 1
     r = cli_json("reconcile", "--json", env=env)
     assert r["repaired_vectors"] == 1
-    assert conn.execute("SELECT status FROM app.embedding_jobs WHERE chunk_checksum = %s",
-                        (checksum,)).fetchone()[0] == "pending"
+    assert (
+        conn.execute("SELECT status FROM app.embedding_jobs WHERE chunk_checksum = %s", (checksum,)).fetchone()[0]
+        == "pending"
+    )
     cli("work", "--until-idle", env=env)
     distinct = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
     assert job_counts(conn) == {"ready": distinct}
@@ -379,14 +409,17 @@ def test_reconcile_noop_then_repairs_deleted_vector(env, fake, clean_db, corpus)
 
 # -- rerun ----------------------------------------------------------------------------
 
+
 def test_rerun_stale_extract_reextracts_without_new_work(env, fake, clean_db, corpus):
     conn = clean_db
     write_corpus(corpus, 5)
     cli("embed", str(corpus), env=env)
-    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} \
-        == {"extract-1"}
-    jobs_before = conn.execute("SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs"
-                               " ORDER BY job_id").fetchall()
+    assert {r[0] for r in conn.execute("SELECT code_version FROM app.stage_runs WHERE stage = 'extract'")} == {
+        "extract-1"
+    }
+    jobs_before = conn.execute(
+        "SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs ORDER BY job_id"
+    ).fetchall()
     vectors_before = digest(conn, "app.embeddings", "t.chunk_checksum, t.model_id")
     fake.reset_stats()
 
@@ -396,8 +429,12 @@ def test_rerun_stale_extract_reextracts_without_new_work(env, fake, clean_db, co
     rows = conn.execute("SELECT status, code_version, attempts FROM app.stage_runs WHERE stage = 'extract'").fetchall()
     assert len(rows) == 5 and all(r[:2] == ("succeeded", "extract-2") and r[2] == 2 for r in rows)
     assert {r[0] for r in conn.execute("SELECT extractor_version FROM app.documents")} == {"extract-2"}
-    assert conn.execute("SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs"
-                        " ORDER BY job_id").fetchall() == jobs_before
+    assert (
+        conn.execute(
+            "SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs ORDER BY job_id"
+        ).fetchall()
+        == jobs_before
+    )
     assert digest(conn, "app.embeddings", "t.chunk_checksum, t.model_id") == vectors_before
     # Nothing to do for a worker, and nothing is stale any more.
     w = cli_json("work", "--until-idle", "--json", env=env2)
@@ -408,6 +445,7 @@ def test_rerun_stale_extract_reextracts_without_new_work(env, fake, clean_db, co
 
 
 # -- bad input ------------------------------------------------------------------------
+
 
 def test_missing_directory_is_one_line_error(env, fake, clean_db, tmp_path):
     for cmd in ("ingest", "embed"):
@@ -430,8 +468,9 @@ def test_wrong_api_key_is_fatal_and_touches_nothing(env, fake, clean_db, corpus)
     conn = clean_db
     write_corpus(corpus, 6)
     cli("ingest", str(corpus), env=env)
-    before = conn.execute("SELECT job_id, status, attempts, error_class, error_message FROM app.embedding_jobs"
-                          " ORDER BY job_id").fetchall()
+    before = conn.execute(
+        "SELECT job_id, status, attempts, error_class, error_message FROM app.embedding_jobs ORDER BY job_id"
+    ).fetchall()
     assert before and all(r[1:] == ("pending", 0, None, None) for r in before)
     key = "sk-wrongkey123456"
     bad = {**env, "OPENAI_API_KEY": key}
@@ -444,8 +483,9 @@ def test_wrong_api_key_is_fatal_and_touches_nothing(env, fake, clean_db, corpus)
     assert key not in verbose.stdout + verbose.stderr and "Traceback" not in verbose.stderr
     assert fake.stats["responses_by_status"].get(401, 0) >= 2
     assert fake.stats["billed_inputs"] == 0
-    after = conn.execute("SELECT job_id, status, attempts, error_class, error_message FROM app.embedding_jobs"
-                         " ORDER BY job_id").fetchall()
+    after = conn.execute(
+        "SELECT job_id, status, attempts, error_class, error_message FROM app.embedding_jobs ORDER BY job_id"
+    ).fetchall()
     assert after == before
     assert key not in dump_app_schema(conn)
     assert "wrongkey" not in dump_app_schema(conn)
@@ -457,8 +497,9 @@ def test_unknown_model_is_fatal_and_touches_nothing(env, clean_db, corpus):
     with FakeOpenAI(dim=FAKE_DIM, models={FAKE_MODEL}) as strict:
         menv = {**env, "OPENAI_BASE_URL": strict.base_url, "PIPELINE_EMBEDDING_MODEL": "nope"}
         cli("ingest", str(corpus), env=menv)
-        before = conn.execute("SELECT job_id, model_id, status, attempts FROM app.embedding_jobs"
-                              " ORDER BY job_id").fetchall()
+        before = conn.execute(
+            "SELECT job_id, model_id, status, attempts FROM app.embedding_jobs ORDER BY job_id"
+        ).fetchall()
         assert before and all(r[1:] == ("openai/nope", "pending", 0) for r in before)
         proc = cli("work", "--until-idle", env=menv, check=False, timeout=60)
         line = assert_one_line_error(proc)
@@ -467,8 +508,7 @@ def test_unknown_model_is_fatal_and_touches_nothing(env, clean_db, corpus):
         assert strict.stats["billed_inputs"] == 0
         embed = cli("embed", str(corpus), env=menv, check=False, timeout=60)
         assert_one_line_error(embed)
-    after = conn.execute("SELECT job_id, model_id, status, attempts FROM app.embedding_jobs"
-                         " ORDER BY job_id").fetchall()
+    after = conn.execute("SELECT job_id, model_id, status, attempts FROM app.embedding_jobs ORDER BY job_id").fetchall()
     assert after == before
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
 
@@ -484,13 +524,22 @@ def test_search_provider_failure_is_one_line_error(env, fake, clean_db, corpus):
     assert "401" in line or "auth" in line, line
     with FakeOpenAI(dim=FAKE_DIM, models={FAKE_MODEL}) as strict:
         # (search reads the served model whatever is configured; --model picks another)
-        proc = cli("search", "w1", "--json", "--model", "nope", env={**env, "OPENAI_BASE_URL": strict.base_url},
-                   check=False, timeout=60)
+        proc = cli(
+            "search",
+            "w1",
+            "--json",
+            "--model",
+            "nope",
+            env={**env, "OPENAI_BASE_URL": strict.base_url},
+            check=False,
+            timeout=60,
+        )
         assert strict.stats["responses_by_status"].get(404, 0) == 1
     assert_one_line_error(proc)
 
 
 # -- signals --------------------------------------------------------------------------
+
 
 def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
     conn = clean_db
@@ -504,8 +553,11 @@ def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
         wait_until(lambda: job_counts(conn).get("ready", 0) >= 4, timeout=30, what="some jobs ready")
         # Stall the provider so calls are in flight (and would not return soon) when the signal lands.
         fake.latency = 600
-        wait_until(lambda: (lambda st: st["requests"] > sum(st["responses_by_status"].values()))(fake.stats),
-                   timeout=60, what="a provider call in flight")
+        wait_until(
+            lambda: (lambda st: st["requests"] > sum(st["responses_by_status"].values()))(fake.stats),
+            timeout=60,
+            what="a provider call in flight",
+        )
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         _out, err = proc.communicate(timeout=300)
@@ -521,8 +573,13 @@ def test_work_exits_promptly_on_sigterm(env, fake, clean_db, corpus):
     assert "processing" not in counts, counts
     assert 4 <= counts.get("ready", 0) < total, counts
     # Jobs not done were handed back without losing an attempt.
-    assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status <> 'ready'"
-                        " AND (status <> 'pending' OR attempts <> 0 OR lease_owner IS NOT NULL)").fetchone()[0] == 0
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM app.embedding_jobs WHERE status <> 'ready'"
+            " AND (status <> 'pending' OR attempts <> 0 OR lease_owner IS NOT NULL)"
+        ).fetchone()[0]
+        == 0
+    )
     # A later run finishes the rest.
     fake.latency = 0.0
     cli("work", "--until-idle", env=env)
@@ -542,7 +599,7 @@ def test_model_change_then_retire_old_model(env, fake, clean_db, tmp_path):
     listed = {m["name"]: m for m in json.loads(cli("models", "list", "--json", env=new_env).stdout)}
     assert listed[FAKE_MODEL]["ready"] == listed["fake-embed-v2"]["ready"] > 0
     assert listed[FAKE_MODEL]["served"] and not listed["fake-embed-v2"]["served"]
-    cli("models", "serve", "fake-embed-v2", env=new_env)   # the served model cannot be retired
+    cli("models", "serve", "fake-embed-v2", env=new_env)  # the served model cannot be retired
     out = cli("models", "retire", FAKE_MODEL, env=new_env).stdout
     assert out.startswith("retired openai/fake-embed")
     (corpus / "doc0000.md").write_text("new content after the model change")
@@ -560,9 +617,7 @@ def test_the_lazy_command_table_names_every_command_of_every_module():
     hold exactly the commands the modules define (a new command is added to both)."""
     from pipeline_assets.cli import root
 
-    defined = {name: module for module in set(root.COMMAND_MODULES.values())
-               for name in root.module_commands(module)}
+    defined = {name: module for module in set(root.COMMAND_MODULES.values()) for name in root.module_commands(module)}
     assert defined == root.COMMAND_MODULES
-    modules = {p.stem for p in (Path(root.__file__).parent).glob("*.py")
-               if "COMMANDS = " in p.read_text()}
+    modules = {p.stem for p in (Path(root.__file__).parent).glob("*.py") if "COMMANDS = " in p.read_text()}
     assert modules == set(root.COMMAND_MODULES.values())

@@ -50,8 +50,6 @@ def assert_ledger_matches_bill(conn, fake, env) -> int:
     return extra_billed
 
 
-
-
 @pytest.fixture
 def corpus(tmp_path):
     return tmp_path / "corpus"
@@ -63,8 +61,9 @@ def test_two_workers_claim_each_job_once(env, fake, clean_db, corpus):
     cli("ingest", str(corpus), env=env)
     fake.latency = 0.02
     env = {**env, "PIPELINE_BATCH_INPUTS": "4"}
-    workers = [start_cli("work", "--until-idle", "--concurrency", "2", "--worker-id", f"w{i}", env=env)
-               for i in range(2)]
+    workers = [
+        start_cli("work", "--until-idle", "--concurrency", "2", "--worker-id", f"w{i}", env=env) for i in range(2)
+    ]
     for w in workers:
         assert w.wait(timeout=120) == 0, w.stderr.read()
     conn = clean_db
@@ -84,8 +83,15 @@ def test_two_workers_claim_each_job_once(env, fake, clean_db, corpus):
 def test_crash_before_provider_call(env, fake, clean_db, corpus):
     write_corpus(corpus, 10)
     cli("ingest", str(corpus), env=env)
-    crashing = start_cli("work", "--until-idle", "--lease-seconds", "1", "--concurrency", "1",
-                         env={**env, "PIPELINE_CRASHPOINT": "after_claim"})
+    crashing = start_cli(
+        "work",
+        "--until-idle",
+        "--lease-seconds",
+        "1",
+        "--concurrency",
+        "1",
+        env={**env, "PIPELINE_CRASHPOINT": "after_claim"},
+    )
     wait_for_line(crashing, "CRASHPOINT after_claim")
     kill_group(crashing)
     conn = clean_db
@@ -108,8 +114,15 @@ def test_crash_before_provider_call(env, fake, clean_db, corpus):
 def test_crash_after_call_before_commit(env, fake, clean_db, corpus):
     write_corpus(corpus, 10)
     cli("ingest", str(corpus), env=env)
-    crashing = start_cli("work", "--until-idle", "--lease-seconds", "1", "--concurrency", "1",
-                         env={**env, "PIPELINE_CRASHPOINT": "after_call"})
+    crashing = start_cli(
+        "work",
+        "--until-idle",
+        "--lease-seconds",
+        "1",
+        "--concurrency",
+        "1",
+        env={**env, "PIPELINE_CRASHPOINT": "after_call"},
+    )
     wait_for_line(crashing, "CRASHPOINT after_call")
     kill_group(crashing)
     conn = clean_db
@@ -117,8 +130,9 @@ def test_crash_after_call_before_commit(env, fake, clean_db, corpus):
     assert billed_before > 0  # the provider computed and billed...
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0  # ...nothing committed
     # ...but the ledger had counted the send before it went out: unanswered, possibly billed.
-    assert conn.execute("""SELECT outcome, billed, inputs, answered_at FROM app.provider_calls""").fetchall() \
-        == [("sent", "maybe", billed_before, None)]
+    assert conn.execute("""SELECT outcome, billed, inputs, answered_at FROM app.provider_calls""").fetchall() == [
+        ("sent", "maybe", billed_before, None)
+    ]
     cli("work", "--until-idle", env=env)
     texts = chunk_texts(conn)
     assert job_counts(conn) == {"ready": len(texts)}
@@ -191,8 +205,10 @@ def test_stale_source_result_is_superseded(env, fake, clean_db, corpus):
     conn = clean_db
     old, new = "SLOWDOC the first version of this document", "the second version, edited during the call"
     assert fake.billed_count(old) == 1  # the old text was computed...
-    rows = dict(conn.execute("""SELECT c.text, j.status FROM app.embedding_jobs j
-                                LEFT JOIN app.chunks c ON c.chunk_checksum = j.chunk_checksum""").fetchall())
+    rows = dict(
+        conn.execute("""SELECT c.text, j.status FROM app.embedding_jobs j
+                                LEFT JOIN app.chunks c ON c.chunk_checksum = j.chunk_checksum""").fetchall()
+    )
     assert rows == {None: "superseded", new: "ready"}  # ...but never became current
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 1
     exported = [json.loads(line) for line in cli("export", env=env).stdout.splitlines()]
@@ -206,14 +222,24 @@ def test_expired_lease_late_completion_refused(env, fake, clean_db, corpus):
     cli("ingest", str(corpus), env=env)
     conn = clean_db
     fake.slow_marker, fake.slow_seconds = "SLOWDOC", 2.0
-    stalled = start_cli("work", "--until-idle", "--json", "--lease-seconds", "1", "--worker-id", "stalled",
-                        env={**env, "PIPELINE_CALL_TIMEOUT": "60"})
+    stalled = start_cli(
+        "work",
+        "--until-idle",
+        "--json",
+        "--lease-seconds",
+        "1",
+        "--worker-id",
+        "stalled",
+        env={**env, "PIPELINE_CALL_TIMEOUT": "60"},
+    )
     wait_until(lambda: fake.stats["requests"] >= 1, what="the stalled worker's call")
     os.killpg(stalled.pid, signal.SIGSTOP)  # the worker stalls: no heartbeat, no progress
     try:
         fake.slow_marker = None
-        wait_until(lambda: conn.execute(
-            "SELECT lease_expires_at < now() FROM app.embedding_jobs").fetchone()[0], what="lease expiry")
+        wait_until(
+            lambda: conn.execute("SELECT lease_expires_at < now() FROM app.embedding_jobs").fetchone()[0],
+            what="lease expiry",
+        )
         taken = json.loads(cli("work", "--until-idle", "--json", "--worker-id", "rescuer", env=env).stdout)
         assert taken["embedded"] == 1 and taken["rescued"] >= 1
         # The stall cost a fault, not an attempt: one attempt for the rescuer's claim.
@@ -240,10 +266,14 @@ def test_poison_input_dead_lettered_rest_completes(env, fake, clean_db, corpus):
     env = {**env, "PIPELINE_MAX_ATTEMPTS": "3"}
     cli("embed", str(corpus), env=env)
     conn = clean_db
-    failed = dict(conn.execute("""SELECT c.text, j.error_class || ':' || j.attempts FROM app.embedding_jobs j
-                                  JOIN app.chunks c USING (chunk_checksum) WHERE j.status = 'failed'""").fetchall())
-    assert failed == {"this chunk is POISON to the provider": "bad_input:1",
-                      "this chunk always loses its connection DROPME": "connection:3"}
+    failed = dict(
+        conn.execute("""SELECT c.text, j.error_class || ':' || j.attempts FROM app.embedding_jobs j
+                                  JOIN app.chunks c USING (chunk_checksum) WHERE j.status = 'failed'""").fetchall()
+    )
+    assert failed == {
+        "this chunk is POISON to the provider": "bad_input:1",
+        "this chunk always loses its connection DROPME": "connection:3",
+    }
     texts = chunk_texts(conn)
     ready = conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0]
     assert ready == len(texts) - 2
@@ -255,7 +285,9 @@ def test_poison_input_dead_lettered_rest_completes(env, fake, clean_db, corpus):
     assert max(fake.billed_count(t) for t in texts if "DROPME" not in t) <= 1 + free
     dlq = json.loads(cli("dlq", "list", "--json", env=env).stdout)
     assert {(d["error_class"], tuple(d["documents"])) for d in dlq} == {
-        ("bad_input", ("doc0007.md",)), ("connection", ("doc0021.md",))}
+        ("bad_input", ("doc0007.md",)),
+        ("connection", ("doc0021.md",)),
+    }
 
 
 # 9 -------------------------------------------------------------------------
@@ -270,8 +302,9 @@ def test_reconcile_repairs_missed_change_and_delete(env, fake, clean_db, corpus)
     report = json.loads(cli("reconcile", "--json", env=env).stdout)
     assert report["changed"] == 1 and report["deleted"] == 1 and report["enqueued"] >= 1
     cli("work", "--until-idle", env=env)
-    exported = {r["document_id"]: r["text"] for r in
-                (json.loads(line) for line in cli("export", env=env).stdout.splitlines())}
+    exported = {
+        r["document_id"]: r["text"] for r in (json.loads(line) for line in cli("export", env=env).stdout.splitlines())
+    }
     assert "doc0002.md" not in exported
     assert exported["doc0001.md"] == "a changed document that no event announced"
     assert old_text not in exported.values()

@@ -35,8 +35,15 @@ MAX_ATTEMPTS = 3
 
 def crash_once(env: dict, crashpoint: str, concurrency: int = 1) -> bool:
     """Run a worker until it reaches ``crashpoint`` and SIGKILL it (True), or until it finishes (False)."""
-    worker = start_cli("work", "--until-idle", "--concurrency", str(concurrency), "--lease-seconds", "1",
-                       env={**env, "PIPELINE_CRASHPOINT": crashpoint})
+    worker = start_cli(
+        "work",
+        "--until-idle",
+        "--concurrency",
+        str(concurrency),
+        "--lease-seconds",
+        "1",
+        env={**env, "PIPELINE_CRASHPOINT": crashpoint},
+    )
     try:
         wait_for_line(worker, "CRASHPOINT after_call")
     except AssertionError:
@@ -72,8 +79,9 @@ def test_repeated_crashes_do_not_dead_letter_innocent_jobs(env, fake, clean_db, 
 
 
 @pytest.mark.parametrize("concurrency, documents", [(1, 6), (4, 6), (4, 30)])
-def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_bound(env, fake, clean_db, tmp_path,
-                                                                                  concurrency, documents):
+def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_bound(
+    env, fake, clean_db, tmp_path, concurrency, documents
+):
     """Alone in its worker process too: with several threads, the claims of the others are over before
     a suspect's runs, so no neighbour is charged for its crash."""
     corpus = tmp_path / "c"
@@ -89,12 +97,15 @@ def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_boun
     crashes = 0
     while crash_once(env, "after_call:OOMPOISON", concurrency):
         crashes += 1
-        held = conn.execute("""SELECT j.attempts, j.faults FROM app.embedding_jobs j
-                               JOIN app.chunks c USING (chunk_checksum) WHERE c.text = %s""", (poison,)).fetchone()
-        assert crashes <= bound, (f"{crashes} crashes and the poison is not dead-lettered: {job_counts(conn)}, "
-                                  f"its (attempts, faults): {held}")
-    print(f"\npoison dead-lettered after {crashes} crashes, sent {fake.billed_count(poison)} times "
-          f"(bound {bound})")
+        held = conn.execute(
+            """SELECT j.attempts, j.faults FROM app.embedding_jobs j
+                               JOIN app.chunks c USING (chunk_checksum) WHERE c.text = %s""",
+            (poison,),
+        ).fetchone()
+        assert crashes <= bound, (
+            f"{crashes} crashes and the poison is not dead-lettered: {job_counts(conn)}, its (attempts, faults): {held}"
+        )
+    print(f"\npoison dead-lettered after {crashes} crashes, sent {fake.billed_count(poison)} times (bound {bound})")
     # The poison alone is dead-lettered, within the bound; its neighbours are ready.
     assert job_counts(conn) == {"ready": len(texts) - 1, "failed": 1}
     failed = conn.execute("""SELECT c.text, j.attempts, j.faults, j.error_class FROM app.embedding_jobs j
@@ -104,20 +115,25 @@ def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_boun
     assert failed[3] == "lease_expired", failed
     assert crashes == fake.billed_count(poison) <= bound
     assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 1
-    stored = conn.execute("SELECT c.text, e.embedding FROM app.embeddings e JOIN app.chunks c USING (chunk_checksum)"
-                          ).fetchall()
+    stored = conn.execute(
+        "SELECT c.text, e.embedding FROM app.embeddings e JOIN app.chunks c USING (chunk_checksum)"
+    ).fetchall()
     assert sorted(t for t, _ in stored) == sorted(t for t in texts if t != poison)
     assert all(np.allclose(v.to_numpy(), fake.vector_for(t), atol=1e-6) for t, v in stored)
     if concurrency == 1:
         assert_ledger_matches_bill(conn, fake, env)
     else:  # a killed worker's other threads may have recorded sends that never reached the provider
         ledger = conn.execute("SELECT coalesce(sum(sends - 1), 0) FROM app.input_sends").fetchone()[0]
-        unknown = conn.execute("SELECT coalesce(sum(inputs), 0) FROM app.provider_calls WHERE answered_at IS NULL"
-                               ).fetchone()[0]
+        unknown = conn.execute(
+            "SELECT coalesce(sum(inputs), 0) FROM app.provider_calls WHERE answered_at IS NULL"
+        ).fetchone()[0]
         billed = sum(n - 1 for n in fake.stats["billed_by_text"].values())
         assert billed <= ledger <= billed + unknown
     # Its history tells the story: a rescue per crash, the last ones charged.
-    outcomes = [r[0] for r in conn.execute("""SELECT a.outcome FROM app.job_attempts a
+    outcomes = [
+        r[0]
+        for r in conn.execute("""SELECT a.outcome FROM app.job_attempts a
                                               JOIN app.embedding_jobs j USING (job_id)
-                                              WHERE j.status = 'failed' ORDER BY a.attempt_id""")]
+                                              WHERE j.status = 'failed' ORDER BY a.attempt_id""")
+    ]
     assert outcomes == ["rescued"] * crashes

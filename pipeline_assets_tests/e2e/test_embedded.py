@@ -25,8 +25,7 @@ LOCAL_MODEL_ID = "local/hashing-words-v2@512"
 
 def embedded_env(home: Path) -> dict:
     """The environment of a user with nothing configured but PIPELINE_HOME: embedded DB, local model."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PIPELINE_", "OPENAI_", "PGSERVER_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_", "PGSERVER_"))}
     env["PIPELINE_HOME"] = str(home)
     return env
 
@@ -63,7 +62,7 @@ def new_home():
     made: list[Path] = []
 
     def make(name: str = "home") -> Path:
-        h = server_home(f"pipeline-tests-{name}-") / name   # outside pytest's root (see server_home)
+        h = server_home(f"pipeline-tests-{name}-") / name  # outside pytest's root (see server_home)
         made.append(h)
         return h
 
@@ -76,8 +75,6 @@ def new_home():
 @pytest.fixture
 def home(new_home):
     return new_home()
-
-
 
 
 def test_embedded_server_survives_sigkilled_worker_group(home, tmp_path):
@@ -99,9 +96,10 @@ def test_embedded_server_survives_sigkilled_worker_group(home, tmp_path):
     worker = start_cli("work", env=env)  # local model, no --until-idle: runs until killed
     try:
         with psycopg.connect(url, autocommit=True) as c:
-            wait_until(lambda: c.execute(
-                "SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] > 0,
-                what="the worker to embed something")
+            wait_until(
+                lambda: c.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] > 0,
+                what="the worker to embed something",
+            )
             assert c.execute("SELECT DISTINCT model_id FROM app.embedding_jobs").fetchall() == [(LOCAL_MODEL_ID,)]
     finally:
         kill_group(worker)
@@ -157,8 +155,7 @@ def test_two_ingests_on_fresh_home_share_one_server(new_home, tmp_path, when, de
         assert rows == [(p.name, 1) for p in migrations.migration_files()]
         assert c.execute("SELECT count(*) FROM app.models").fetchone()[0] == 1
         distinct = c.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
-        assert c.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'pending'").fetchone()[0] \
-            == distinct
+        assert c.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'pending'").fetchone()[0] == distinct
 
 
 def test_server_started_by_a_worker_survives_its_group_sigkill(home, tmp_path):
@@ -211,11 +208,16 @@ def test_pgdata_held_by_a_standalone_backend_is_a_one_line_error(home):
     pgdata = home / "pgdata"
     single = subprocess.Popen(
         [str(POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION] / "postgres"), "--single", "-D", str(pgdata), "postgres"],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        user="pgserver" if os.geteuid() == 0 else None)
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        user="pgserver" if os.geteuid() == 0 else None,
+    )
     try:
-        wait_until(lambda: (pgdata / "postmaster.pid").exists()
-                   and (pgdata / "postmaster.pid").read_text().startswith("-"), what="the standalone backend")
+        wait_until(
+            lambda: (pgdata / "postmaster.pid").exists() and (pgdata / "postmaster.pid").read_text().startswith("-"),
+            what="the standalone backend",
+        )
         proc = cli("status", "--json", env=env, check=False, timeout=120)
     finally:
         single.stdin.close()

@@ -84,9 +84,24 @@ def _start_worker(index: int, env: dict, logs: Path, run: int) -> subprocess.Pop
     out = open(logs / f"worker{index}-run{run}.log", "w")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline_assets.cli", "work", "--concurrency", str(CONCURRENCY),
-             "--lease-seconds", str(LEASE_SECONDS), "--worker-id", f"soak{index}"],
-            env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "pipeline_assets.cli",
+                "work",
+                "--concurrency",
+                str(CONCURRENCY),
+                "--lease-seconds",
+                str(LEASE_SECONDS),
+                "--worker-id",
+                f"soak{index}",
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     finally:
         out.close()
 
@@ -101,9 +116,14 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
     corpus, logs = tmp_path / "corpus", tmp_path / "logs"
     corpus.mkdir()
     logs.mkdir()
-    run_env = {**env, "PIPELINE_BATCH_INPUTS": str(BATCH_INPUTS), "PIPELINE_CHUNK_TOKENS": "48",
-               "PIPELINE_CHUNK_OVERLAP": "8", "PIPELINE_MAX_ATTEMPTS": "10",
-               "PIPELINE_CALL_TIMEOUT": "10"}  # no call times out: only kills, stops and drops lose answers
+    run_env = {
+        **env,
+        "PIPELINE_BATCH_INPUTS": str(BATCH_INPUTS),
+        "PIPELINE_CHUNK_TOKENS": "48",
+        "PIPELINE_CHUNK_OVERLAP": "8",
+        "PIPELINE_MAX_ATTEMPTS": "10",
+        "PIPELINE_CALL_TIMEOUT": "10",
+    }  # no call times out: only kills, stops and drops lose answers
     serial = iter(range(10**6))
     docs: dict[str, str] = {}
 
@@ -133,9 +153,14 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
 
     ingest()
     fake.latency = LATENCY
-    fake.configure(random_faults=RANDOM_FAULTS, fault_seed=SEED, drop_rate=DROP_RATE, short_rate=SHORT_RATE,
-                   slow_rate=SLOW_RATE,
-                   slow_seconds=SLOW_SECONDS)
+    fake.configure(
+        random_faults=RANDOM_FAULTS,
+        fault_seed=SEED,
+        drop_rate=DROP_RATE,
+        short_rate=SHORT_RATE,
+        slow_rate=SLOW_RATE,
+        slow_seconds=SLOW_SECONDS,
+    )
 
     runs = kills = stops = ingests = edits = deletes = adds = 0
     exits: list[str] = []
@@ -211,8 +236,9 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
                 kills += 1
-                exits.append(f"worker {i} ignored SIGTERM for {STOP_GRACE_SECONDS} s (its stacks at 20 s last): "
-                             f"{_tail(log, 80)}")
+                exits.append(
+                    f"worker {i} ignored SIGTERM for {STOP_GRACE_SECONDS} s (its stacks at 20 s last): {_tail(log, 80)}"
+                )
     if failures:
         raise failures[0]
     soak_stats = fake.stats
@@ -234,48 +260,69 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
     ledger_inputs, ledger_calls, unanswered = conn.execute(
         "SELECT coalesce(sum(inputs), 0), count(*), count(*) FILTER (WHERE answered_at IS NULL)"
         " FROM app.provider_calls WHERE model_id = %s AND billed IN ('yes', 'maybe') AND inputs > 0",
-        (MODEL_ID,)).fetchone()
-    sends = {bytes(c): n for c, n in conn.execute(
-        "SELECT chunk_checksum, sends FROM app.input_sends WHERE model_id = %s", (MODEL_ID,))}
+        (MODEL_ID,),
+    ).fetchone()
+    sends = {
+        bytes(c): n
+        for c, n in conn.execute("SELECT chunk_checksum, sends FROM app.input_sends WHERE model_id = %s", (MODEL_ID,))
+    }
     ledger_duplicates = sum(n - 1 for n in sends.values() if n > 1)
     fake_duplicates = sum(n - 1 for n in billed_by_text.values() if n > 1)
-    print(f"\nfault soak: {SOAK_SECONDS:.0f}s seed={SEED} worker runs={runs} kills={kills} stops={stops} "
-          f"self-exits={len(exits)} ingests={ingests} (edits={edits} deletes={deletes} adds={adds}) | faults met: "
-          f"429={by_status.get(429, 0)} 500={by_status.get(500, 0)} 503={by_status.get(503, 0)} "
-          f"dropped={soak_stats['dropped']} ({soak_stats['dropped_inputs']} inputs) "
-          f"short={soak_stats['short']} ({soak_stats['short_inputs']} inputs) slow={soak_stats['slow']} "
-          f"requests={stats['requests']} | billed={billed} unique={unique} duplicate bills={fake_duplicates} "
-          f"bound={bound} (revived={revived}) | ledger calls={ledger_calls} inputs={ledger_inputs} "
-          f"duplicates={ledger_duplicates} "
-          f"unanswered calls={unanswered} | reconcile {reconcile_seconds:.1f}s + drain "
-          f"{drain_seconds - reconcile_seconds:.1f}s embedded={drained['embedded']}")
+    print(
+        f"\nfault soak: {SOAK_SECONDS:.0f}s seed={SEED} worker runs={runs} kills={kills} stops={stops} "
+        f"self-exits={len(exits)} ingests={ingests} (edits={edits} deletes={deletes} adds={adds}) | faults met: "
+        f"429={by_status.get(429, 0)} 500={by_status.get(500, 0)} 503={by_status.get(503, 0)} "
+        f"dropped={soak_stats['dropped']} ({soak_stats['dropped_inputs']} inputs) "
+        f"short={soak_stats['short']} ({soak_stats['short_inputs']} inputs) slow={soak_stats['slow']} "
+        f"requests={stats['requests']} | billed={billed} unique={unique} duplicate bills={fake_duplicates} "
+        f"bound={bound} (revived={revived}) | ledger calls={ledger_calls} inputs={ledger_inputs} "
+        f"duplicates={ledger_duplicates} "
+        f"unanswered calls={unanswered} | reconcile {reconcile_seconds:.1f}s + drain "
+        f"{drain_seconds - reconcile_seconds:.1f}s embedded={drained['embedded']}"
+    )
 
     # No worker gave up on its own (faults of the provider are not the worker's).
     assert not exits, "\n".join(exits)
     # Nothing stuck, nothing dead-lettered: current content ready, the rest superseded.
     counts = job_counts(conn)
-    failed = conn.execute("SELECT error_class, count(*) FROM app.embedding_jobs WHERE status = 'failed'"
-                          " GROUP BY 1").fetchall()
+    failed = conn.execute(
+        "SELECT error_class, count(*) FROM app.embedding_jobs WHERE status = 'failed' GROUP BY 1"
+    ).fetchall()
     assert set(counts) <= {"ready", "superseded"}, f"jobs left: {counts}; failed by error class: {failed}"
-    current = {bytes(c) for (c,) in conn.execute(
-        "SELECT DISTINCT c.chunk_checksum FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-        " WHERE d.status = 'current'")}
-    ready = {bytes(c) for (c,) in conn.execute(
-        "SELECT chunk_checksum FROM app.embedding_jobs WHERE model_id = %s AND status = 'ready'", (MODEL_ID,))}
-    vectors = {bytes(c) for (c,) in conn.execute(
-        "SELECT chunk_checksum FROM app.embeddings WHERE model_id = %s", (MODEL_ID,))}
+    current = {
+        bytes(c)
+        for (c,) in conn.execute(
+            "SELECT DISTINCT c.chunk_checksum FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+            " WHERE d.status = 'current'"
+        )
+    }
+    ready = {
+        bytes(c)
+        for (c,) in conn.execute(
+            "SELECT chunk_checksum FROM app.embedding_jobs WHERE model_id = %s AND status = 'ready'", (MODEL_ID,)
+        )
+    }
+    vectors = {
+        bytes(c) for (c,) in conn.execute("SELECT chunk_checksum FROM app.embeddings WHERE model_id = %s", (MODEL_ID,))
+    }
     assert ready == current, f"{len(current - ready)} current chunks not ready, {len(ready - current)} stale ready"
     assert vectors == current, f"{len(current - vectors)} without a vector, {len(vectors - current)} stale vectors"
     assert_vectors_match(conn, fake)  # each equal to the provider's vector for its exact text
-    assert {(d,) for d in docs} == set(conn.execute(
-        "SELECT document_id FROM app.documents WHERE status = 'current'").fetchall())
+    assert {(d,) for d in docs} == set(
+        conn.execute("SELECT document_id FROM app.documents WHERE status = 'current'").fetchall()
+    )
     # Duplicate spend is bounded by what a kill or a stop had in flight, and what was lost on the way.
     assert billed <= bound, f"billed {billed} inputs > bound {bound}"
     # The ledger counts every billed input (per input and in total) ...
-    undercounted = {t: (n, sends.get(hashlib.sha256(t.encode()).digest(), 0)) for t, n in billed_by_text.items()
-                    if sends.get(hashlib.sha256(t.encode()).digest(), 0) < n}
-    assert not undercounted, f"{len(undercounted)} inputs billed more often than the ledger counted, e.g. " \
-                             f"{list(undercounted.values())[:5]} (billed, counted)"
+    undercounted = {
+        t: (n, sends.get(hashlib.sha256(t.encode()).digest(), 0))
+        for t, n in billed_by_text.items()
+        if sends.get(hashlib.sha256(t.encode()).digest(), 0) < n
+    }
+    assert not undercounted, (
+        f"{len(undercounted)} inputs billed more often than the ledger counted, e.g. "
+        f"{list(undercounted.values())[:5]} (billed, counted)"
+    )
     assert ledger_inputs >= billed
     assert ledger_duplicates >= fake_duplicates
     # ... and over-counts only sends whose answer it could not see: a worker killed or stopped mid-call.

@@ -55,10 +55,12 @@ def provider(model_dir):
 
 
 def test_vectors_are_unit_length_and_do_not_depend_on_their_batch(provider):
-    texts = ["retry with exponential backoff and jitter",
-             "A much longer sentence about PostgreSQL autovacuum, dead tuples and table bloat, "
-             "padded well past the others so that the batch is padded too.",
-             "sourdough"]
+    texts = [
+        "retry with exponential backoff and jitter",
+        "A much longer sentence about PostgreSQL autovacuum, dead tuples and table bloat, "
+        "padded well past the others so that the batch is padded too.",
+        "sourdough",
+    ]
     together = provider.embed(texts)
     assert together.tokens == sum(provider.count_tokens(texts))
     for text, vec in zip(texts, together.vectors):
@@ -73,9 +75,11 @@ def test_a_call_runs_shortest_first_in_small_batches_and_keeps_its_order(model_d
     is padded to little more than its inputs hold, and the vectors come back in the caller's order,
     the same as each input embedded alone (no padding, no batch-mates)."""
     short = ["sourdough starter", "vacuum", "retry budget", "jitter"]
-    long = [f"Autovacuum removes dead tuples from table {i}; without it the table bloats, index scans slow "
-            "down and transaction id wraparound eventually forces an emergency vacuum of the whole cluster."
-            for i in range(4)]
+    long = [
+        f"Autovacuum removes dead tuples from table {i}; without it the table bloats, index scans slow "
+        "down and transaction id wraparound eventually forces an emergency vacuum of the whole cluster."
+        for i in range(4)
+    ]
     texts = [t for pair in zip(short * 4, long * 4) for t in pair]  # short, long, short, long, ...
     p = OnnxProvider(model_dir, batch_inputs=len(texts))
     session = p._load()
@@ -105,9 +109,11 @@ def test_inference_uses_the_cores_the_process_may_run_on(provider):
     assert options.intra_op_num_threads == len(os.sched_getaffinity(0))
     assert options.inter_op_num_threads == 1
     # Narrowed to one core (as taskset or a container's cpuset does): one thread, whatever the machine has.
-    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from pipeline_assets.providers.onnx_local import session_options; "
-            "print(session_options().intra_op_num_threads)")
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from pipeline_assets.providers.onnx_local import session_options; "
+        "print(session_options().intra_op_num_threads)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "1"
 
@@ -135,8 +141,12 @@ def test_the_model_id_carries_the_model_and_its_version(model_dir, tmp_path):
     settings = Settings.from_env({"PIPELINE_EMBEDDING_MODEL": "local-onnx", "PIPELINE_LOCAL_MODEL_DIR": str(model_dir)})
     spec = provider_for(settings.provider_config()).spec
     assert spec.model_id.startswith("onnx/all-MiniLM-L6-v2-int8-") and spec.model_id.endswith("@384")
-    assert (spec.max_input_tokens, spec.special_tokens, spec.tokenizer, spec.max_chunk_tokens) == (256, 2, "WordPiece",
-                                                                                                   169)
+    assert (spec.max_input_tokens, spec.special_tokens, spec.tokenizer, spec.max_chunk_tokens) == (
+        256,
+        2,
+        "WordPiece",
+        169,
+    )
     other = tmp_path / model_dir.name
     shutil.copytree(model_dir, other)
     (other / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
@@ -156,13 +166,18 @@ def test_a_missing_directory_is_one_clear_error(tmp_path):
 
 # -- end to end, offline: embed the bundled corpus, rerun, relevance ----------------------------
 
+
 @pytest.fixture(scope="module")
 def both_models(database_url, model_dir, tmp_path_factory):
     """The bundled corpus embedded by the hashing model (served) and by the local model, on the same chunks."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
-    env.update(PIPELINE_DATABASE_URL=database_url, PIPELINE_HOME=str(tmp_path_factory.mktemp("home")),
-               PIPELINE_CHUNK_TOKENS=CHUNK_TOKENS, PIPELINE_CHUNK_OVERLAP=CHUNK_OVERLAP,
-               PIPELINE_LOCAL_MODEL_DIR=str(model_dir))
+    env.update(
+        PIPELINE_DATABASE_URL=database_url,
+        PIPELINE_HOME=str(tmp_path_factory.mktemp("home")),
+        PIPELINE_CHUNK_TOKENS=CHUNK_TOKENS,
+        PIPELINE_CHUNK_OVERLAP=CHUNK_OVERLAP,
+        PIPELINE_LOCAL_MODEL_DIR=str(model_dir),
+    )
     cli("embed", str(CORPUS), env=env, timeout=300)
     local_env = {**env, "PIPELINE_EMBEDDING_MODEL": "local-onnx"}
     out = cli("embed", str(CORPUS), "--json", env=local_env, timeout=600)
@@ -178,9 +193,12 @@ def test_embed_of_the_bundled_corpus_with_the_local_model(both_models, conn):
     model_id = report["model"]
     assert model_id.startswith("onnx/all-MiniLM-L6-v2-int8-")
     wanted = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
-    dims = conn.execute("SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)), "
-                        "min(abs(vector_norm(embedding) - 1)), max(abs(vector_norm(embedding) - 1)) "
-                        "FROM app.embeddings WHERE model_id = %s", (model_id,)).fetchone()
+    dims = conn.execute(
+        "SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)), "
+        "min(abs(vector_norm(embedding) - 1)), max(abs(vector_norm(embedding) - 1)) "
+        "FROM app.embeddings WHERE model_id = %s",
+        (model_id,),
+    ).fetchone()
     assert dims[0] == wanted > 100 and dims[1] == dims[2] == 384 and dims[4] < 1e-4
     assert conn.execute("SELECT max(token_count) FROM app.chunks").fetchone()[0] <= int(CHUNK_TOKENS)
     # A rerun of the whole corpus sends nothing again.
@@ -217,6 +235,7 @@ def test_relevance_of_the_local_model_beats_the_hashing_model(both_models):
 
 # -- the chunk size follows the model's window by default ---------------------------------------
 
+
 @pytest.fixture
 def own_database(server_url, migrated_template):
     """A fresh database of its own: this corpus is chunked otherwise than ``both_models``'s."""
@@ -230,8 +249,12 @@ def own_database(server_url, migrated_template):
 
 def test_without_chunk_settings_the_chunks_fit_the_window(own_database, model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
-    env.update(PIPELINE_DATABASE_URL=own_database, PIPELINE_HOME=str(tmp_path / "home"),
-               PIPELINE_EMBEDDING_MODEL="local-onnx", PIPELINE_LOCAL_MODEL_DIR=str(model_dir))
+    env.update(
+        PIPELINE_DATABASE_URL=own_database,
+        PIPELINE_HOME=str(tmp_path / "home"),
+        PIPELINE_EMBEDDING_MODEL="local-onnx",
+        PIPELINE_LOCAL_MODEL_DIR=str(model_dir),
+    )
     shown = json.loads(cli("settings", "--json", env=env).stdout)
     assert (shown["PIPELINE_CHUNK_TOKENS"], shown["PIPELINE_CHUNK_OVERLAP"]) == (169, 21)
     assert shown["input_limits"]["error"] is None
@@ -239,8 +262,9 @@ def test_without_chunk_settings_the_chunks_fit_the_window(own_database, model_di
     with psycopg.connect(own_database) as conn:
         texts = [r[0] for r in conn.execute("SELECT DISTINCT ON (chunk_checksum) text FROM app.chunks")]
         longest = conn.execute("SELECT max(token_count) FROM app.chunks").fetchone()[0]
-        vectors = conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s",
-                               (report["model"],)).fetchone()[0]
+        vectors = conn.execute(
+            "SELECT count(*) FROM app.embeddings WHERE model_id = %s", (report["model"],)
+        ).fetchone()[0]
         failed = conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status <> 'ready'").fetchone()[0]
         version = conn.execute("SELECT DISTINCT chunker_version FROM app.documents WHERE status = 'current'").fetchall()
     assert len(texts) > 100 and vectors == len(texts) and failed == 0

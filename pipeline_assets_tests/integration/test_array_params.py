@@ -22,13 +22,16 @@ def test_ids_arrive_as_the_same_bigint_array(conn, values):
     param = arrays.int8(conn, values)
     assert isinstance(param, arrays.Int8Array)
     for placeholder in ("%(a)s::bigint[]", "%(a)b::bigint[]", "%(a)s"):
-        same, back = conn.execute(f"SELECT {placeholder} = %(b)s::bigint[], {placeholder}",
-                                  {"a": param, "b": list(values)}).fetchone()
+        same, back = conn.execute(
+            f"SELECT {placeholder} = %(b)s::bigint[], {placeholder}", {"a": param, "b": list(values)}
+        ).fetchone()
         assert (same, back) == (True, values), placeholder
     # As the queue's statements use them: a membership test and an unnest beside another array.
     assert conn.execute("SELECT 2 = ANY(%(a)s)", {"a": param}).fetchone()[0] is (2 in values)
-    rows = conn.execute("SELECT i, k FROM unnest(%(a)s::bigint[], %(b)s::int[]) WITH ORDINALITY AS u(i, k)",
-                        {"a": param, "b": [0] * len(values)}).fetchall()
+    rows = conn.execute(
+        "SELECT i, k FROM unnest(%(a)s::bigint[], %(b)s::int[]) WITH ORDINALITY AS u(i, k)",
+        {"a": param, "b": [0] * len(values)},
+    ).fetchall()
     assert [i for i, _ in rows] == values
 
 
@@ -36,8 +39,10 @@ def test_ids_arrive_as_the_same_bigint_array(conn, values):
 def test_checksums_arrive_as_the_same_bytea_array(conn, values):
     param = arrays.bytea(conn, values)
     assert isinstance(param, arrays.ByteaArray)
-    same, n, back = conn.execute("SELECT %(a)b::bytea[] = %(b)b::bytea[], cardinality(%(a)b::bytea[]),"
-                                 " %(a)b::bytea[]", {"a": param, "b": list(values)}).fetchone()
+    same, n, back = conn.execute(
+        "SELECT %(a)b::bytea[] = %(b)b::bytea[], cardinality(%(a)b::bytea[]), %(a)b::bytea[]",
+        {"a": param, "b": list(values)},
+    ).fetchone()
     assert (same, n) == (True, len(values))
     assert [bytes(v) for v in back] == values
 

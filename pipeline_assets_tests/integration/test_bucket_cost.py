@@ -43,17 +43,22 @@ def test_the_scan_of_one_bucket_compares_only_its_files(clean_db, tmp_path):
     assert mine and others
 
     def scan_bucket() -> observations.Scan:
-        return observations.scan(conn, root.resolve(), max_bytes=1 << 20,
-                                 keep=lambda d: buckets.bucket_of(d, N) == BUCKET, in_buckets=([BUCKET], N))
+        return observations.scan(
+            conn,
+            root.resolve(),
+            max_bytes=1 << 20,
+            keep=lambda d: buckets.bucket_of(d, N) == BUCKET,
+            in_buckets=([BUCKET], N),
+        )
 
-    observations.scan(conn, root.resolve(), max_bytes=1 << 20)   # every file observed (and read) once
+    observations.scan(conn, root.resolve(), max_bytes=1 << 20)  # every file observed (and read) once
     write_settled(root / others[0], "changed, and longer than before\n")
     os.remove(root / others[1])
     write_settled(root / mine[0], "changed, and longer than before\n")
     done = scan_bucket()
     assert (done.present, done.hashed, done.gone) == (len(mine), 1, 0)
     rows = dict(conn.execute("SELECT document_id, checksum IS NULL FROM app.source_observations").fetchall())
-    assert rows[others[1]] is False     # gone from disk, but another bucket's: not marked gone by this scan
+    assert rows[others[1]] is False  # gone from disk, but another bucket's: not marked gone by this scan
     os.remove(root / mine[1])
     assert scan_bucket().gone == 1
 
@@ -68,8 +73,9 @@ def test_bucket_of_is_the_sql_function(clean_db):
     ids = [f"d{i}/{'é' * (i % 3)}naïve-文書-{i}.txt" for i in range(1500)]
     ids += ["", "a", "\U0001d518nicode \U0001f642", "tab\tand\nnewline", "x" * 500, "bad\udcffbyte"[:3]]
     for n in (1, 7, 64, 4096):
-        rows = dict(clean_db.execute("SELECT d, app.document_bucket(d, %s) FROM unnest(%s::text[]) AS d",
-                                     (n, ids)).fetchall())
+        rows = dict(
+            clean_db.execute("SELECT d, app.document_bucket(d, %s) FROM unnest(%s::text[]) AS d", (n, ids)).fetchall()
+        )
         assert {d: buckets.bucket_of(d, n) for d in ids} == rows
 
 
@@ -77,8 +83,11 @@ def _rows_read(plan: dict, tables: set[str]) -> int:
     """Rows the plan's scans of ``tables`` produced or filtered out, over all their loops."""
     read = 0
     if plan.get("Relation Name") in tables:
-        read += (plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0)
-                 + plan.get("Rows Removed by Index Recheck", 0)) * plan.get("Actual Loops", 1)
+        read += (
+            plan.get("Actual Rows", 0)
+            + plan.get("Rows Removed by Filter", 0)
+            + plan.get("Rows Removed by Index Recheck", 0)
+        ) * plan.get("Actual Loops", 1)
     return read + sum(_rows_read(child, tables) for child in plan.get("Plans", []))
 
 
@@ -101,11 +110,15 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     conn.execute("ANALYZE app.source_observations")
     mine = sum(buckets.bucket_of(d, N) == BUCKET for d in ids)
     params = {"root": root, "n": N, "buckets": [BUCKET], "sample": 20, "model": "m", "after": "", "limit": docs}
-    for name, tables in (("bucket_current_pks", {"documents"}),
-                         ("bucket_states", {"documents"}), ("unobserved_current", {"documents"}),
-                         ("unsynced", {"source_observations"})):
-        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + getattr(bucket_rows.BUCKETS, name),
-                            params).fetchone()[0][0]["Plan"]
+    for name, tables in (
+        ("bucket_current_pks", {"documents"}),
+        ("bucket_states", {"documents"}),
+        ("unobserved_current", {"documents"}),
+        ("unsynced", {"source_observations"}),
+    ):
+        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + getattr(bucket_rows.BUCKETS, name), params).fetchone()[
+            0
+        ][0]["Plan"]
         assert _rows_read(plan, tables) <= 2 * mine, (name, mine, plan)
     assert len(bucket_documents(conn, root, [BUCKET], N)) == mine
 
@@ -113,10 +126,23 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
 def _register(conn, root: str, ids: list[str]) -> None:
     source = conn.execute(DOCS.register_source, {"root": root, "kind": "folder"}).fetchone()[0]
     k = len(ids)
-    conn.execute(DOCS.upsert_documents, {
-        "source": source, "chunker": "c1", "ids": ids, "uris": ids, "checksums": [b"x"] * k, "sizes": [1] * k,
-        "text_checksums": [b"t"] * k, "counts": [0] * k, "classes": [None] * k, "messages": [None] * k,
-        "exts": ["md"] * k, "tokens": [None] * k})
+    conn.execute(
+        DOCS.upsert_documents,
+        {
+            "source": source,
+            "chunker": "c1",
+            "ids": ids,
+            "uris": ids,
+            "checksums": [b"x"] * k,
+            "sizes": [1] * k,
+            "text_checksums": [b"t"] * k,
+            "counts": [0] * k,
+            "classes": [None] * k,
+            "messages": [None] * k,
+            "exts": ["md"] * k,
+            "tokens": [None] * k,
+        },
+    )
 
 
 def test_rows_without_a_stored_bucket_are_found_then_filled(clean_db, database_url):
@@ -124,7 +150,7 @@ def test_rows_without_a_stored_bucket_are_found_then_filled(clean_db, database_u
     still find them (by the hash), fill_buckets stores theirs, and a scheme change clears them."""
     conn = clean_db
     ids = [f"early-{i}.md" for i in range(300)]
-    _register(conn, "/early", ids)        # no scheme yet: written without a bucket
+    _register(conn, "/early", ids)  # no scheme yet: written without a bucket
     assert conn.execute("SELECT count(*) FROM app.documents WHERE bucket IS NULL").fetchone()[0] == 300
     conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
     mine = sorted((d for d in ids if buckets.bucket_of(d, N) == BUCKET), key=str.encode)

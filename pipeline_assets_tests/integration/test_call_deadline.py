@@ -26,8 +26,15 @@ DRIP_TEXT = "DRIP an answer that trickles in forever"
 
 
 def provider(fake: FakeOpenAI, timeout: float) -> OpenAIProvider:
-    return OpenAIProvider(FAKE_MODEL, api_key="test-key", base_url=fake.base_url, dimensions=None, timeout=timeout,
-                          max_batch_inputs=16, max_batch_tokens=10_000)
+    return OpenAIProvider(
+        FAKE_MODEL,
+        api_key="test-key",
+        base_url=fake.base_url,
+        dimensions=None,
+        timeout=timeout,
+        max_batch_inputs=16,
+        max_batch_tokens=10_000,
+    )
 
 
 def test_a_dripping_answer_ends_at_the_deadline_as_a_retryable_timeout(fake):
@@ -92,7 +99,7 @@ def test_deadlines_are_per_thread(fake):
     fast.join(60)
     assert not fast.is_alive() and not isinstance(outcomes["fast"], ProviderError), outcomes
     assert "drip" not in outcomes, "the drip ended before the fast call: the interleaving was not forced"
-    drip.join(60)          # its deadline (5 s), not the 120 s drip
+    drip.join(60)  # its deadline (5 s), not the 120 s drip
     assert not drip.is_alive(), "the dripping call outlived its deadline"
     assert isinstance(outcomes["drip"], ProviderError) and outcomes["drip"].error_class == "timeout"
 
@@ -114,7 +121,7 @@ def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_pat
     # not as many 120 s drips (not even one).
     sends = fake.billed_count(DRIP_TEXT)
     assert FREE_FAULTS + 2 <= sends <= MAX_EVIDENCE_FAULTS - 1 + FREE_FAULTS + 2
-    assert elapsed < 300, elapsed   # against a hang only: one drip alone would be an hour
+    assert elapsed < 300, elapsed  # against a hang only: one drip alone would be an hour
     conn = clean_db
     assert job_counts(conn) == {"ready": 1, "failed": 1}
     assert conn.execute("""SELECT j.error_class, j.attempts FROM app.embedding_jobs j
@@ -126,8 +133,11 @@ def test_work_until_idle_exits_when_an_answer_drips(env, fake, clean_db, tmp_pat
                             WHERE outcome <> 'ok' AND inputs > 0 ORDER BY call_id""").fetchall()
     assert [(o, b, a) for o, b, _, a in calls] == [("timeout", "maybe", True)] * sends
     assert all(tokens > 0 for _, _, tokens, _ in calls)
-    counted = conn.execute("""SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum)
-                              WHERE c.text = %s""", (DRIP_TEXT,)).fetchone()[0]
+    counted = conn.execute(
+        """SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum)
+                              WHERE c.text = %s""",
+        (DRIP_TEXT,),
+    ).fetchone()[0]
     assert counted == fake.billed_count(DRIP_TEXT) == sends
     spend = json.loads(cli("status", "--json", env=env).stdout)["spend"][f"openai/{FAKE_MODEL}"]
     assert (spend["duplicate_inputs"], spend["extra_sends"]) == (1, sends - 1)

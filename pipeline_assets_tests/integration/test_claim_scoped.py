@@ -39,9 +39,14 @@ def _store(pool, model_id: str, scope: list[int]) -> PostgresJobStore:
 
 
 def _doc_of_jobs(conn, job_ids: list[int]) -> set[str]:
-    return {r[0] for r in conn.execute(
-        """SELECT DISTINCT d.document_id FROM app.embedding_jobs j JOIN app.chunks c USING (chunk_checksum)
-           JOIN app.documents d USING (doc_pk) WHERE j.job_id = ANY(%s)""", (job_ids,))}
+    return {
+        r[0]
+        for r in conn.execute(
+            """SELECT DISTINCT d.document_id FROM app.embedding_jobs j JOIN app.chunks c USING (chunk_checksum)
+           JOIN app.documents d USING (doc_pk) WHERE j.job_id = ANY(%s)""",
+            (job_ids,),
+        )
+    }
 
 
 def test_claims_only_the_scopes_jobs(pool, docs, conn):
@@ -52,30 +57,34 @@ def test_claims_only_the_scopes_jobs(pool, docs, conn):
     assert all(j.text and j.attempts == 1 and not j.probe for j in jobs)
     own = conn.execute("SELECT count(*) FROM app.chunks WHERE doc_pk = %s", (pks["doc0001.md"],)).fetchone()[0]
     assert len(jobs) == own
-    assert store.claim(owner="w/2", limit=100, lease_seconds=LEASE) == []      # nothing left in scope
+    assert store.claim(owner="w/2", limit=100, lease_seconds=LEASE) == []  # nothing left in scope
     counts = dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall())
-    assert counts["processing"] == own and counts["pending"] > 0              # the others still wait
+    assert counts["processing"] == own and counts["pending"] > 0  # the others still wait
     assert _store(pool, model_id, []).claim(owner="w/3", limit=10, lease_seconds=LEASE) == []  # empty scope
 
 
 def test_the_breaker_gates_the_scoped_claim_like_claim(pool, docs, conn):
     model_id, pks = docs
     store = _store(pool, model_id, [pks["doc0000.md"]])
-    conn.execute("""INSERT INTO app.provider_state (model_id, consecutive_failures, tripped, paused_until)
-                    VALUES (%s, 5, true, now() + interval '1 hour')""", (model_id,))
-    assert store.claim(owner="w/1", limit=100, lease_seconds=LEASE) == []      # paused: nobody claims
-    conn.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second' WHERE model_id = %s",
-                 (model_id,))
-    probe = store.claim(owner="w/2", limit=100, lease_seconds=LEASE)          # half-open: one probe claim
+    conn.execute(
+        """INSERT INTO app.provider_state (model_id, consecutive_failures, tripped, paused_until)
+                    VALUES (%s, 5, true, now() + interval '1 hour')""",
+        (model_id,),
+    )
+    assert store.claim(owner="w/1", limit=100, lease_seconds=LEASE) == []  # paused: nobody claims
+    conn.execute(
+        "UPDATE app.provider_state SET paused_until = now() - interval '1 second' WHERE model_id = %s", (model_id,)
+    )
+    probe = store.claim(owner="w/2", limit=100, lease_seconds=LEASE)  # half-open: one probe claim
     assert probe and all(j.probe for j in probe)
     assert conn.execute("SELECT probe_owner FROM app.provider_state").fetchone()[0] == "w/2"
     other = _store(pool, model_id, [pks["doc0002.md"]])
-    assert other.claim(owner="w/3", limit=100, lease_seconds=LEASE) == []     # the slot is taken
+    assert other.claim(owner="w/3", limit=100, lease_seconds=LEASE) == []  # the slot is taken
     store.release_probe("w/2")
     # A scope with nothing waiting does not take the slot, though other documents' jobs wait.
     assert store.claim(owner="w/4", limit=100, lease_seconds=LEASE) == []
     assert conn.execute("SELECT probe_owner FROM app.provider_state").fetchone()[0] is None
-    assert other.claim(owner="w/5", limit=100, lease_seconds=LEASE)           # the next probe goes out
+    assert other.claim(owner="w/5", limit=100, lease_seconds=LEASE)  # the next probe goes out
 
 
 def test_a_give_back_the_lease_fence_refuses_is_counted_as_refused(pool, docs, conn):
@@ -85,18 +94,25 @@ def test_a_give_back_the_lease_fence_refuses_is_counted_as_refused(pool, docs, c
 
     model_id, pks = docs
     report = WorkerReport()
-    late = PostgresJobStore(pool, model_id=model_id, worker_id="late", backoff_base=0.05, backoff_cap=0.2,
-                            scope=[pks["doc0000.md"]], observers=[ReportCounts(report)])
+    late = PostgresJobStore(
+        pool,
+        model_id=model_id,
+        worker_id="late",
+        backoff_base=0.05,
+        backoff_cap=0.2,
+        scope=[pks["doc0000.md"]],
+        observers=[ReportCounts(report)],
+    )
     held = [j.job_id for j in late.claim(owner="late/1", limit=100, lease_seconds=LEASE)]
     assert held
-    conn.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
-                 " WHERE job_id = ANY(%s)", (held,))
+    conn.execute(
+        "UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = ANY(%s)", (held,)
+    )
     assert _store(pool, model_id, [pks["doc0000.md"]]).rescue() == len(held)
     conn.execute("UPDATE app.embedding_jobs SET available_at = now() WHERE job_id = ANY(%s)", (held,))
     taken = _store(pool, model_id, [pks["doc0000.md"]]).claim(owner="other/1", limit=100, lease_seconds=LEASE)
     assert sorted(j.job_id for j in taken) == sorted(held)
     late.give_back_all([("late/1", held)])
     assert report.refused == len(held)
-    owners = {r[0] for r in conn.execute("SELECT lease_owner FROM app.embedding_jobs WHERE job_id = ANY(%s)",
-                                         (held,))}
+    owners = {r[0] for r in conn.execute("SELECT lease_owner FROM app.embedding_jobs WHERE job_id = ANY(%s)", (held,))}
     assert owners == {"other/1"}  # the give-back took nothing from the new holder

@@ -71,16 +71,21 @@ def _set_read_only(conn: psycopg.Connection, on: bool, *, spare: tuple[int, ...]
     """Flip this module's database read-only (ending every session but ``conn``'s and ``spare``) or back."""
     name = conn.info.dbname
     if WHOLE_SERVER:
-        conn.execute("ALTER SYSTEM SET default_transaction_read_only = on" if on
-                     else "ALTER SYSTEM RESET default_transaction_read_only")
+        conn.execute(
+            "ALTER SYSTEM SET default_transaction_read_only = on"
+            if on
+            else "ALTER SYSTEM RESET default_transaction_read_only"
+        )
         conn.execute("SELECT pg_reload_conf()")
         return
     if on:
         conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
         # What a promotion does to the old primary's clients: their sessions end (admin_shutdown).
-        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                     "WHERE datname = current_database() AND pid <> pg_backend_pid() AND pid <> ALL(%s)",
-                     (list(spare),))
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() AND pid <> ALL(%s)",
+            (list(spare),),
+        )
     else:
         conn.execute(f'ALTER DATABASE "{name}" RESET default_transaction_read_only')
 
@@ -97,27 +102,34 @@ def test_a_read_only_database_is_waited_out_and_charges_nothing(env, fake, clean
     worker = start_cli("work", "--until-idle", "--json", "--concurrency", "2", "--worker-id", "rider", env=env)
     log = Lines(worker.stderr)
     try:
-        wait_until(lambda: conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'"
-                                        ).fetchone()[0] >= 6, what="the worker to be mid-run")
+        wait_until(
+            lambda: conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] >= 6,
+            what="the worker to be mid-run",
+        )
         _set_read_only(admin, True, spare=(conn.info.backend_pid,))
         flipped = time.monotonic()
-        wait_until(lambda: log.find("database unavailable (") or worker.poll() is not None, timeout=60,
-                   what="the worker's wait line")
+        wait_until(
+            lambda: log.find("database unavailable (") or worker.poll() is not None,
+            timeout=60,
+            what="the worker's wait line",
+        )
         waiting = log.find("database unavailable (")
         assert waiting is not None and worker.poll() is None, f"the worker exited ({worker.poll()}): {log.text()}"
         assert "the worker waits and retries, charging no job" in waiting
         # status says what is true while it waits: the database refuses writes, workers wait.
         status = cli("status", env=env).stdout
-        assert "database: READ-ONLY (transaction_read_only = on): workers cannot record progress; they wait" \
-            in status, status
+        assert (
+            "database: READ-ONLY (transaction_read_only = on): workers cannot record progress; they wait" in status
+        ), status
         assert json.loads(cli("status", "--json", env=env).stdout)["database"]["read_only"] is True
         time.sleep(HOLD_SECONDS)  # the failover's length: the worker must simply outlast it
         assert worker.poll() is None, log.text()  # still up
         held_for = time.monotonic() - flipped
         _set_read_only(admin, False)
         restored = time.monotonic()
-        resumed = wait_until(lambda: log.find("database available again after"), timeout=60,
-                             what="the worker's resume line")
+        resumed = wait_until(
+            lambda: log.find("database available again after"), timeout=60, what="the worker's resume line"
+        )
         resumed_after = time.monotonic() - restored
         waited = float(re.search(r"available again after ([0-9.]+) s", resumed).group(1))
         out, _ = worker.communicate(timeout=120)
@@ -128,8 +140,10 @@ def test_a_read_only_database_is_waited_out_and_charges_nothing(env, fake, clean
             stop_group(worker)
     err = log.text()
     print("".join(line for line in err.splitlines(keepends=True) if "pipeline_assets.jobs.worker" in line))
-    print(f"\nread-only for {held_for:.1f} s: the worker waited {waited:.1f} s and resumed "
-          f"{resumed_after:.1f} s after the restore (seen by this test's log reader)")
+    print(
+        f"\nread-only for {held_for:.1f} s: the worker waited {waited:.1f} s and resumed "
+        f"{resumed_after:.1f} s after the restore (seen by this test's log reader)"
+    )
     assert worker.returncode == 0, err
     assert "Traceback" not in err, err
     report = json.loads(out)

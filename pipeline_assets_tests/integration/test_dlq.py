@@ -35,10 +35,13 @@ def corpus(tmp_path) -> Path:
 
 
 def _job_of(conn, document_id: str) -> int:
-    return conn.execute("""SELECT j.job_id FROM app.chunks c JOIN app.documents d USING (doc_pk)
+    return conn.execute(
+        """SELECT j.job_id FROM app.chunks c JOIN app.documents d USING (doc_pk)
                            JOIN app.job_keys k ON k.chunk_checksum = c.chunk_checksum
                            JOIN app.embedding_jobs j ON j.job_id = k.job_id
-                           WHERE d.document_id = %s""", (document_id,)).fetchone()[0]
+                           WHERE d.document_id = %s""",
+        (document_id,),
+    ).fetchone()[0]
 
 
 def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, corpus):
@@ -69,7 +72,10 @@ def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, co
 
     groups = {(g["kind"], g["error_class"]): g for g in cli_json("dlq", "list", "--groups", env=env)}
     assert {k: g["items"] for k, g in groups.items()} == {
-        ("job", "bad_input"): 2, ("job", "http_503"): 2, ("document", "unsupported_binary"): 1}
+        ("job", "bad_input"): 2,
+        ("job", "http_503"): 2,
+        ("document", "unsupported_binary"): 1,
+    }
     for g in groups.values():
         assert g["discarded"] == 0 and g["first_seen"] <= g["last_seen"]
     text = cli("dlq", "list", env=env).stdout
@@ -86,7 +92,9 @@ def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, co
     shown = cli_json("dlq", "show", str(p1), env=env)
     history = shown["history"]
     assert [(a["attempt"], a["outcome"], a["status"], a["error_class"]) for a in history] == [
-        (1, "given_back", "pending", "http_500"), (1, "failed", "failed", "bad_input")]
+        (1, "given_back", "pending", "http_500"),
+        (1, "failed", "failed", "bad_input"),
+    ]
     assert {a["worker"] for a in history} == {WORKER}
     assert all(a["lease"].startswith(f"{WORKER}/") for a in history)
     assert history[0]["at"] <= history[1]["at"]
@@ -100,8 +108,16 @@ def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, co
     assert bad.returncode == 1 and bad.stderr.startswith("error: ") and len(bad.stderr.splitlines()) == 1
     assert "999999" in bad.stderr and conn.execute("SELECT count(*) FROM app.dlq_discards").fetchone()[0] == 0
     recent_before, total_before = reports.dead_letter_growth(conn)
-    done = cli("dlq", "discard", str(p1), "--reason", "upstream text is garbage; key sk-abcdef123456 test-key",
-               "--by", "alice", env=env)
+    done = cli(
+        "dlq",
+        "discard",
+        str(p1),
+        "--reason",
+        "upstream text is garbage; key sk-abcdef123456 test-key",
+        "--by",
+        "alice",
+        env=env,
+    )
     assert done.stdout.strip() == "discarded jobs=1 documents=0"
     assert reports.dead_letter_growth(conn) == (recent_before - 1, total_before - 1)
     assert reports.dead_letter_discarded(conn) == 1
@@ -124,8 +140,9 @@ def test_dlq_groups_history_requeue_by_class_and_discard(env, fake, clean_db, co
     cli("work", "--until-idle", "--worker-id", WORKER, env=env)
     status = dict(conn.execute("SELECT job_id, status FROM app.embedding_jobs").fetchall())
     assert status.pop(p1) == "failed" and set(status.values()) == {"ready"}
-    poison1 = conn.execute("SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                           " WHERE d.document_id = 'poison1.md'").fetchone()[0]
+    poison1 = conn.execute(
+        "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = 'poison1.md'"
+    ).fetchone()[0]
     assert fake.billed_count(poison1) == 0  # the discarded input was never sent again
     assert cli("dlq", "requeue", "--all", env=env).stdout.startswith("requeued=0 ")
 
@@ -152,17 +169,25 @@ def test_dlq_quarantined_documents_requeue_by_class_and_discard(env, fake, clean
     assert any(s["stage"] == "extract" and s["error_class"] == "too_large" for s in src["stages"])
     assert cli("dlq", "show", "nope.md", env=small, check=False).stderr.startswith("error: no job or document")
 
-    assert cli("dlq", "discard", "blob.bin", "--reason", "not text, never will be", env=small).stdout.strip() \
+    assert (
+        cli("dlq", "discard", "blob.bin", "--reason", "not text, never will be", env=small).stdout.strip()
         == "discarded jobs=0 documents=1"
+    )
     groups = {(g["kind"], g["error_class"]): g for g in cli_json("dlq", "list", "--groups", env=small)}
-    assert (groups[("document", "unsupported_binary")]["items"],
-            groups[("document", "unsupported_binary")]["discarded"]) == (0, 1)
-    assert cli("dlq", "requeue", "--error-class", "unsupported_binary", env=small).stdout.strip() \
+    assert (
+        groups[("document", "unsupported_binary")]["items"],
+        groups[("document", "unsupported_binary")]["discarded"],
+    ) == (0, 1)
+    assert (
+        cli("dlq", "requeue", "--error-class", "unsupported_binary", env=small).stdout.strip()
         == "requeued=0 superseded=0 documents=0 still_quarantined=0"
+    )
 
     # The limit raised (the fix), the class requeued: re-extracted, chunked, then embedded.
-    assert cli("dlq", "requeue", "--error-class", "too_large", env=env).stdout.strip() \
+    assert (
+        cli("dlq", "requeue", "--error-class", "too_large", env=env).stdout.strip()
         == "requeued=0 superseded=0 documents=1 still_quarantined=0"
+    )
     assert conn.execute("SELECT status FROM app.documents WHERE document_id = 'huge.txt'").fetchone()[0] == "current"
     cli("work", "--until-idle", env=env)
     assert set(job_counts(conn)) == {"ready"}
@@ -177,19 +202,27 @@ def test_dlq_quarantined_documents_requeue_by_class_and_discard(env, fake, clean
 
 # -- the history trigger, without the CLI ----------------------------------------------------
 
-SPEC = ModelSpec(provider="test", name="dlq", dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                 max_batch_tokens=1000)
+SPEC = ModelSpec(
+    provider="test", name="dlq", dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+)
 
 
 def _seed(conn, texts: list[str], max_attempts: int) -> list[int]:
     from pipeline_assets.registry import models
+
     models.ensure_model(conn, SPEC)
     source_id = conn.execute("INSERT INTO app.sources (root) VALUES ('/dlq') RETURNING source_id").fetchone()[0]
-    doc_pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status)"
-                          " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk", (source_id,)).fetchone()[0]
+    doc_pk = conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
+        " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk",
+        (source_id,),
+    ).fetchone()[0]
     for i, t in enumerate(texts):
-        conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 1, 0, 1)", (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+        conn.execute(
+            "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+            " char_end) VALUES (%s, %s, %s, %s, 1, 0, 1)",
+            (doc_pk, i, hashlib.sha256(t.encode()).digest(), t),
+        )
     transitions.enqueue_for_docs(conn, [doc_pk], max_attempts)
     return [r[0] for r in conn.execute("SELECT job_id FROM app.embedding_jobs ORDER BY job_id")]
 
@@ -211,24 +244,29 @@ def test_history_is_bounded_and_the_success_path_writes_none(clean_db):
     n = dlq.ATTEMPTS_KEPT_PER_JOB + 5
     for i in range(n):
         [j] = transitions.claim(conn, model_id=model, owner=f"w/x/{i + 3}", limit=1, lease_seconds=30)
-        job_helpers.fail_retryable(conn, owner=f"w/x/{i + 3}", job_ids=[j.job_id], delays=[0.0],
-                                   error_class="http_503", message=f"failure {i}")
-    rows = conn.execute("SELECT attempt, outcome, error_message FROM app.job_attempts WHERE job_id = %s"
-                        " ORDER BY attempt_id", (flaky,)).fetchall()
+        job_helpers.fail_retryable(
+            conn, owner=f"w/x/{i + 3}", job_ids=[j.job_id], delays=[0.0], error_class="http_503", message=f"failure {i}"
+        )
+    rows = conn.execute(
+        "SELECT attempt, outcome, error_message FROM app.job_attempts WHERE job_id = %s ORDER BY attempt_id", (flaky,)
+    ).fetchall()
     assert len(rows) == dlq.ATTEMPTS_KEPT_PER_JOB
     assert rows[0] == (6, "retry", "failure 5") and rows[-1] == (n, "retry", f"failure {n - 1}")
     # A throttle and a rescue say so.
     [j] = transitions.claim(conn, model_id=model, owner="w/x/t", limit=1, lease_seconds=30)
-    job_helpers.give_back(conn, owner="w/x/t", job_ids=[flaky], error_class="throttled", message="429",
-                          throttled=True)
+    job_helpers.give_back(conn, owner="w/x/t", job_ids=[flaky], error_class="throttled", message="429", throttled=True)
     [j] = transitions.claim(conn, model_id=model, owner="w/x/r", limit=1, lease_seconds=0)
     conn.execute("SELECT pg_sleep(0.01)")
     transitions.rescue_expired(conn)
-    last = conn.execute("SELECT outcome, actor, error_class FROM app.job_attempts WHERE job_id = %s"
-                        " ORDER BY attempt_id DESC LIMIT 2", (flaky,)).fetchall()
+    last = conn.execute(
+        "SELECT outcome, actor, error_class FROM app.job_attempts WHERE job_id = %s ORDER BY attempt_id DESC LIMIT 2",
+        (flaky,),
+    ).fetchall()
     assert last == [("rescued", "w/x/r", "lease_expired"), ("throttled", "w/x/t", "throttled")]
-    assert conn.execute("SELECT count(*) FROM app.job_attempts WHERE job_id = %s",
-                        (flaky,)).fetchone()[0] == dlq.ATTEMPTS_KEPT_PER_JOB
+    assert (
+        conn.execute("SELECT count(*) FROM app.job_attempts WHERE job_id = %s", (flaky,)).fetchone()[0]
+        == dlq.ATTEMPTS_KEPT_PER_JOB
+    )
 
 
 def test_every_dlq_query_is_used():

@@ -1,4 +1,5 @@
 """Tests for the fake OpenAI embeddings server, exercised through the real ``openai`` SDK."""
+
 from __future__ import annotations
 
 import base64
@@ -43,8 +44,12 @@ def client(server):
 def raw_post(srv: FakeOpenAI, body: dict) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
     try:
-        conn.request("POST", "/v1/embeddings", json.dumps(body),
-                     {"Authorization": "Bearer test-key", "Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/embeddings",
+            json.dumps(body),
+            {"Authorization": "Bearer test-key", "Content-Type": "application/json"},
+        )
         r = conn.getresponse()
         return r.status, dict(r.getheaders()), json.loads(r.read())
     finally:
@@ -156,7 +161,7 @@ def test_drop_next_bills_but_connection_errors(server, client):
     t0 = time.monotonic()
     with pytest.raises(openai.APIConnectionError):
         client.embeddings.create(model=MODEL, input="dropped")
-    assert time.monotonic() - t0 < 4.5   # an abort, not the client's 5 s timeout
+    assert time.monotonic() - t0 < 4.5  # an abort, not the client's 5 s timeout
     assert server.billed_count("dropped") == 1 and server.stats["dropped"] == 1
     client.embeddings.create(model=MODEL, input="dropped")  # next one succeeds
     assert server.billed_count("dropped") == 2
@@ -192,7 +197,7 @@ def test_hold_marker_waits_for_release(server, client):
     t = threading.Thread(target=lambda: answers.append(client.embeddings.create(model=MODEL, input="HOLD me")))
     t.start()
     wait_until(lambda: server.held == 1, timeout=60, what="the request to reach the hold")
-    client.embeddings.create(model=MODEL, input="not held")   # answered while the other waits
+    client.embeddings.create(model=MODEL, input="not held")  # answered while the other waits
     assert t.is_alive() and not answers
     server.release()
     t.join(60)
@@ -206,7 +211,7 @@ def test_slow_marker_times_out_and_stop_is_prompt():
         t0 = time.monotonic()
         with pytest.raises(openai.APITimeoutError):
             c.embeddings.create(model=MODEL, input="very SLOW text")
-        assert time.monotonic() - t0 < 30   # the client's timeout, not the 60 s answer
+        assert time.monotonic() - t0 < 30  # the client's timeout, not the 60 s answer
         c.embeddings.create(model=MODEL, input="fast text")  # other requests unaffected
     # stop() while a slow request is in flight
     slow_client = make_client(srv, timeout=120)
@@ -223,7 +228,7 @@ def test_slow_marker_times_out_and_stop_is_prompt():
     wait_until(lambda: srv.stats["slow"] >= 2, what="the slow request to be in its sleep")
     t0 = time.monotonic()
     srv.stop()
-    assert time.monotonic() - t0 < 30   # it interrupted the 60 s sleep
+    assert time.monotonic() - t0 < 30  # it interrupted the 60 s sleep
     th.join(60)
     assert not th.is_alive() and isinstance(outcome[0], openai.APIConnectionError)
     slow_client.close()
@@ -233,7 +238,7 @@ def test_global_latency(server, client):
     server.latency = 0.2
     t0 = time.monotonic()
     client.embeddings.create(model=MODEL, input="a")
-    assert 0.19 <= time.monotonic() - t0 < 10   # the latency is applied (the upper bound: a loaded machine)
+    assert 0.19 <= time.monotonic() - t0 < 10  # the latency is applied (the upper bound: a loaded machine)
 
 
 def test_rpm_limit():
@@ -292,9 +297,13 @@ def test_stats_and_faults_endpoints_in_thread_mode(server, client):
 
 # ---- process mode ----------------------------------------------------------------------------
 def test_process_mode():
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0",
-                             "--dim", "8", "--rpm", "1000"],
-                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", "--dim", "8", "--rpm", "1000"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
@@ -309,8 +318,7 @@ def test_process_mode():
             stats = fetch_stats(base_url)
             assert stats["requests"] == 1 and stats["billed_by_text"] == {"p": 1, "q": 1}
             assert stats["responses_by_status"] == {200: 1}
-            state = post_faults(base_url, fail_next={"n": 1, "status": 503, "retry_after": "0.5"},
-                                poison_marker="BAD")
+            state = post_faults(base_url, fail_next={"n": 1, "status": 503, "retry_after": "0.5"}, poison_marker="BAD")
             assert state["fail_next"] == 1 and state["poison_marker"] == "BAD"
             with pytest.raises(openai.InternalServerError) as ei:
                 c.embeddings.create(model=MODEL, input="p")

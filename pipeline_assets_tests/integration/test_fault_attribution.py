@@ -53,8 +53,11 @@ def assert_vectors_match_except(conn, fake, text: str) -> None:
     """Every current chunk but ``text`` has exactly the provider's vector for its own text."""
     import numpy as np
 
-    rows = conn.execute("""SELECT DISTINCT c.text, e.embedding FROM app.chunks c
-                           JOIN app.embeddings e USING (chunk_checksum) WHERE c.text <> %s""", (text,)).fetchall()
+    rows = conn.execute(
+        """SELECT DISTINCT c.text, e.embedding FROM app.chunks c
+                           JOIN app.embeddings e USING (chunk_checksum) WHERE c.text <> %s""",
+        (text,),
+    ).fetchall()
     assert rows and all(np.allclose(np.asarray(v.to_numpy()), fake.vector_for(t), atol=1e-6) for t, v in rows)
 
 
@@ -66,26 +69,34 @@ def _billed(fake) -> tuple[int, dict[str, int]]:
 @pytest.mark.parametrize("seed", range(DROP_RUNS))
 def test_dropped_answers_dead_letter_nothing(env, fake, clean_db, tmp_path, seed):
     write_corpus(tmp_path / "c", DOCUMENTS)
-    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "PIPELINE_BATCH_INPUTS": str(BATCH_INPUTS),
-               "PIPELINE_CALL_TIMEOUT": CALL_TIMEOUT}
+    run_env = {
+        **env,
+        "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
+        "PIPELINE_BATCH_INPUTS": str(BATCH_INPUTS),
+        "PIPELINE_CALL_TIMEOUT": CALL_TIMEOUT,
+    }
     cli("ingest", str(tmp_path / "c"), env=run_env)
     conn = clean_db
     texts = _texts(conn)
     fake.configure(drop_rate=DROP_RATE, fault_seed=1000 + seed)
     out = cli("work", "--until-idle", "--json", env=run_env, timeout=300)
     stats = fake.stats
-    print(f"\nseed {seed}: requests={stats['requests']} dropped={stats['dropped']} "
-          f"({stats['dropped_inputs']} inputs) billed={stats['billed_inputs']} unique={len(texts)} "
-          f"{out.stdout.strip()}")
-    failed = conn.execute("SELECT error_class, attempts, faults FROM app.embedding_jobs WHERE status = 'failed'"
-                          ).fetchall()
+    print(
+        f"\nseed {seed}: requests={stats['requests']} dropped={stats['dropped']} "
+        f"({stats['dropped_inputs']} inputs) billed={stats['billed_inputs']} unique={len(texts)} "
+        f"{out.stdout.strip()}"
+    )
+    failed = conn.execute(
+        "SELECT error_class, attempts, faults FROM app.embedding_jobs WHERE status = 'failed'"
+    ).fetchall()
     assert job_counts(conn) == {"ready": len(texts)}, f"dead-lettered: {failed}"
     assert_vectors_match(conn, fake)
     # Extra bills: exactly one per input of each dropped answer (it is sent again), none otherwise
     # (a dropped trivial check, "ping", is not an input of the corpus: the ledger counts those).
     billed, by_text = _billed(fake)
-    dropped_checks = conn.execute("SELECT count(*) FROM app.provider_calls WHERE inputs = 0 AND billed = 'maybe'"
-                                  ).fetchone()[0]
+    dropped_checks = conn.execute(
+        "SELECT count(*) FROM app.provider_calls WHERE inputs = 0 AND billed = 'maybe'"
+    ).fetchone()[0]
     assert billed == len(texts) + stats["dropped_inputs"] - dropped_checks
     assert set(by_text) == set(texts)
 
@@ -108,21 +119,24 @@ def test_a_poison_input_is_dead_lettered_alone_with_bounded_sends(env, fake, cle
     sends = fake.billed_count(poison)  # a dropped request is billed: every send of it is on the bill
     print(f"\npoison: {sends} sends (bound {POISON_SENDS_BOUND}); requests={fake.stats['requests']}")
     assert sends <= POISON_SENDS_BOUND
-    ledger = conn.execute("SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum)"
-                          " WHERE c.text = %s", (poison,)).fetchone()[0]
+    ledger = conn.execute(
+        "SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum) WHERE c.text = %s", (poison,)
+    ).fetchone()[0]
     assert ledger == sends  # the spend ledger counted each of them
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == len(texts) - 1
     assert_vectors_match_except(conn, fake, poison)
 
 
-@pytest.mark.parametrize("fault", [
-    # every answer one embedding short, its other indexes intact
-    pytest.param(("short_rate", "short", "got "), id="one-embedding-short"),
-    # the right count, but one index twice and one missing: which vector is whose?
-    pytest.param(("bad_index_rate", "bad_index", "got indexes "), id="duplicate-index"),
-])
-def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes(env, fake, clean_db, tmp_path,
-                                                                                 fault):
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # every answer one embedding short, its other indexes intact
+        pytest.param(("short_rate", "short", "got "), id="one-embedding-short"),
+        # the right count, but one index twice and one missing: which vector is whose?
+        pytest.param(("bad_index_rate", "bad_index", "got indexes "), id="duplicate-index"),
+    ],
+)
+def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes(env, fake, clean_db, tmp_path, fault):
     rate, counted, says = fault
     write_corpus(tmp_path / "c", 20)
     cli("ingest", str(tmp_path / "c"), env=env)
@@ -150,8 +164,12 @@ def test_a_proxy_that_drops_an_embedding_stops_the_worker_then_a_rerun_completes
     assert set(job_counts(conn)) <= {"pending", "retry"}
     assert conn.execute("SELECT max(attempts), max(faults) FROM app.embedding_jobs").fetchone() == (0, 0)
     # The answers were billed: the ledger counts them as (possibly) billed.
-    assert conn.execute("SELECT count(*) FROM app.provider_calls WHERE billed IN ('yes', 'maybe')"
-                        " AND inputs > 0").fetchone()[0] == broken
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM app.provider_calls WHERE billed IN ('yes', 'maybe') AND inputs > 0"
+        ).fetchone()[0]
+        == broken
+    )
     setattr(fake, rate, 0.0)  # the proxy is fixed
     cli("work", "--until-idle", env=env, timeout=120)
     assert job_counts(conn) == {"ready": len(texts)}

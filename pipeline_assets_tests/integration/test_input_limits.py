@@ -34,12 +34,23 @@ def one_line_error(proc) -> str:
 
 # -- the rule ---------------------------------------------------------------------------------
 
+
 def test_a_cl100k_window_is_exact_and_a_foreign_one_is_bounded():
-    openai_model = ModelSpec(provider="openai", name="m", dimension=4, max_input_tokens=8191,
-                             max_batch_inputs=1, max_batch_tokens=1)
+    openai_model = ModelSpec(
+        provider="openai", name="m", dimension=4, max_input_tokens=8191, max_batch_inputs=1, max_batch_tokens=1
+    )
     assert openai_model.max_chunk_tokens == 8191
-    bert = ModelSpec(provider="onnx", name="m", dimension=4, max_input_tokens=256, max_batch_inputs=1,
-                     max_batch_tokens=1, tokenizer="WordPiece", tokens_per_chunk_token=1.5, special_tokens=2)
+    bert = ModelSpec(
+        provider="onnx",
+        name="m",
+        dimension=4,
+        max_input_tokens=256,
+        max_batch_inputs=1,
+        max_batch_tokens=1,
+        tokenizer="WordPiece",
+        tokens_per_chunk_token=1.5,
+        special_tokens=2,
+    )
     assert bert.max_chunk_tokens == 169  # (256 - [CLS] - [SEP]) / 1.5
     check_chunk_size(169, [ModelLimit.of(bert), ModelLimit.of(openai_model)])
     with pytest.raises(ChunkTooLarge) as refused:
@@ -52,6 +63,7 @@ def test_a_cl100k_window_is_exact_and_a_foreign_one_is_bounded():
 
 def test_a_server_models_window_comes_from_its_setting():
     base = {"OPENAI_API_KEY": "k", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+
     def provider(**env: str):
         return provider_for(Settings.from_env({**base, **env}).provider_config())
 
@@ -70,11 +82,13 @@ def test_a_server_models_window_comes_from_its_setting():
 
 # -- refused before any call, at every entry point ----------------------------------------------
 
+
 def test_the_default_chunk_size_follows_the_configured_models_window():
     base = {"OPENAI_API_KEY": "k", "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
     assert chunking(Settings.from_env({})) == (512, 64)  # the hashing model: 8191 cl100k tokens
-    small = Settings.from_env({**base, "PIPELINE_EMBEDDING_MODEL": "bge-small",
-                               "PIPELINE_MODEL_MAX_INPUT_TOKENS": "256"})
+    small = Settings.from_env(
+        {**base, "PIPELINE_EMBEDDING_MODEL": "bge-small", "PIPELINE_MODEL_MAX_INPUT_TOKENS": "256"}
+    )
     assert chunking(small) == (169, 21)  # (256 - 2) / 1.5, and the same eighth of it overlapping
     assert chunker_for(small).version == "tok-window-1/cl100k/169/21"
     assert chunking(small.replace(chunk_overlap=30)) == (169, 30)
@@ -97,12 +111,15 @@ def small_window(env, clean_db):
 
 
 def test_embed_with_512_token_chunks_and_a_256_token_model_is_refused_before_any_call(
-        small_window, fake, conn, tmp_path):
+    small_window, fake, conn, tmp_path
+):
     write_corpus(tmp_path / "c", 3)
     line = one_line_error(cli("embed", str(tmp_path / "c"), env=small_window, check=False))
-    assert line == (f"error: PIPELINE_CHUNK_TOKENS=512 is too large for model {MODEL_ID}: its input window is "
-                    "256 model tokens, which fits at most 169 cl100k tokens; set PIPELINE_CHUNK_TOKENS=169 or "
-                    "less (inputs are never truncated)")
+    assert line == (
+        f"error: PIPELINE_CHUNK_TOKENS=512 is too large for model {MODEL_ID}: its input window is "
+        "256 model tokens, which fits at most 169 cl100k tokens; set PIPELINE_CHUNK_TOKENS=169 or "
+        "less (inputs are never truncated)"
+    )
     assert fake.stats["requests"] == 0
     assert conn.execute("SELECT count(*) FROM app.documents").fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM app.provider_calls").fetchone()[0] == 0
@@ -110,8 +127,9 @@ def test_embed_with_512_token_chunks_and_a_256_token_model_is_refused_before_any
     ok = {**small_window, "PIPELINE_CHUNK_TOKENS": "169"}
     cli("embed", str(tmp_path / "c"), env=ok)
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 3
-    row = conn.execute("SELECT max_input_tokens, max_chunk_tokens, tokenizer FROM app.models WHERE model_id = %s",
-                       (MODEL_ID,)).fetchone()
+    row = conn.execute(
+        "SELECT max_input_tokens, max_chunk_tokens, tokenizer FROM app.models WHERE model_id = %s", (MODEL_ID,)
+    ).fetchone()
     assert row == (256, 169, "model")
 
 
@@ -123,19 +141,29 @@ def test_settings_checks_the_configured_and_every_active_model(small_window, con
     report = json.loads(fits.stdout)["input_limits"]
     assert report["error"] is None and [m["fits"] for m in report["models"]] == [True]
     # An active model in the database with a smaller window is checked too.
-    models.ensure_model(conn, ModelSpec(provider="test", name="tiny", dimension=4, max_input_tokens=100,
-                                        max_batch_inputs=1, max_batch_tokens=1))
+    models.ensure_model(
+        conn,
+        ModelSpec(
+            provider="test", name="tiny", dimension=4, max_input_tokens=100, max_batch_inputs=1, max_batch_tokens=1
+        ),
+    )
     proc = cli("settings", env={**small_window, "PIPELINE_CHUNK_TOKENS": "160"}, check=False)
-    assert one_line_error(proc) == ("error: PIPELINE_CHUNK_TOKENS=160 is too large for model test/tiny@4: its "
-                                    "input window is 100 tokens; set PIPELINE_CHUNK_TOKENS=100 or less "
-                                    "(inputs are never truncated)")
+    assert one_line_error(proc) == (
+        "error: PIPELINE_CHUNK_TOKENS=160 is too large for model test/tiny@4: its "
+        "input window is 100 tokens; set PIPELINE_CHUNK_TOKENS=100 or less "
+        "(inputs are never truncated)"
+    )
 
 
 def test_worker_start_checks_every_active_model(env, clean_db, conn, fake, tmp_path):
     write_corpus(tmp_path / "c", 2)
     cli("ingest", str(tmp_path / "c"), env=env)
-    models.ensure_model(conn, ModelSpec(provider="test", name="tiny", dimension=4, max_input_tokens=100,
-                                        max_batch_inputs=1, max_batch_tokens=1))
+    models.ensure_model(
+        conn,
+        ModelSpec(
+            provider="test", name="tiny", dimension=4, max_input_tokens=100, max_batch_inputs=1, max_batch_tokens=1
+        ),
+    )
     before = conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1 ORDER BY 1").fetchall()
     line = one_line_error(cli("work", "--until-idle", env=env, check=False))
     assert "PIPELINE_CHUNK_TOKENS=512 is too large for model test/tiny@4" in line
@@ -174,13 +202,19 @@ class _TruncatingHandler(BaseHTTPRequestHandler):
         data, kept = [], 0
         for i, text in enumerate(body["input"]):
             raw = text.encode()
-            pieces = [raw[j:j + 2] for j in range(0, len(raw), 2)][:WINDOW]
+            pieces = [raw[j : j + 2] for j in range(0, len(raw), 2)][:WINDOW]
             kept += len(pieces)
             seed = int.from_bytes(hashlib.sha256(b"".join(pieces)).digest()[:8], "little")
             vec = np.random.default_rng(seed).standard_normal(8)
             data.append({"object": "embedding", "index": i, "embedding": (vec / np.linalg.norm(vec)).tolist()})
-        out = json.dumps({"object": "list", "data": data, "model": body["model"],
-                          "usage": {"prompt_tokens": kept, "total_tokens": kept}}).encode()
+        out = json.dumps(
+            {
+                "object": "list",
+                "data": data,
+                "model": body["model"],
+                "usage": {"prompt_tokens": kept, "total_tokens": kept},
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(out)))
@@ -205,9 +239,15 @@ def test_status_shows_usage_that_reveals_truncation(env, clean_db, conn, truncat
     words = "international development organization information environmental responsibility".split()
     for i in range(3):
         (tmp_path / "c" / f"d{i}.md").write_text(" ".join(words[(i + j) % len(words)] for j in range(120)) + "\n")
-    server_env = {**env, "OPENAI_BASE_URL": truncating_server, "PIPELINE_EMBEDDING_MODEL": "cutting-model",
-                  "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(WINDOW), "PIPELINE_CHUNK_TOKENS": "40",
-                  "PIPELINE_CHUNK_OVERLAP": "4", "PIPELINE_BATCH_INPUTS": "1"}
+    server_env = {
+        **env,
+        "OPENAI_BASE_URL": truncating_server,
+        "PIPELINE_EMBEDDING_MODEL": "cutting-model",
+        "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(WINDOW),
+        "PIPELINE_CHUNK_TOKENS": "40",
+        "PIPELINE_CHUNK_OVERLAP": "4",
+        "PIPELINE_BATCH_INPUTS": "1",
+    }
     cli("embed", str(tmp_path / "c"), env=server_env)
     chunks = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks").fetchone()[0]
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == chunks
@@ -215,8 +255,9 @@ def test_status_shows_usage_that_reveals_truncation(env, clean_db, conn, truncat
     (limit,) = [m for m in status["input_limits"] if m["model_id"] == "openai/cutting-model"]
     assert limit["max_input_tokens"] == WINDOW and limit["max_chunk_tokens"] == 41
     assert limit["chunks_over_window"] == 0  # the chunk size fits: the server's tokenizer is what cut them
-    cut = conn.execute("SELECT count(DISTINCT chunk_checksum) FROM app.chunks WHERE (octet_length(text) + 1) / 2 >= %s",
-                       (WINDOW,)).fetchone()[0]
+    cut = conn.execute(
+        "SELECT count(DISTINCT chunk_checksum) FROM app.chunks WHERE (octet_length(text) + 1) / 2 >= %s", (WINDOW,)
+    ).fetchone()[0]
     assert cut > 0 and limit["truncated_inputs"] == limit["truncated_calls"] == cut
     text = cli("status", env=server_env).stdout
     assert "input window openai/cutting-model: 64 model tokens" in text
@@ -225,9 +266,11 @@ def test_status_shows_usage_that_reveals_truncation(env, clean_db, conn, truncat
 
 # -- a server's model with no known window: refused until it is given -----------------------------
 
-WINDOW_LINE = ("the input window of model {model} is unknown (not one of the provider's models); set "
-               "PIPELINE_MODEL_MAX_INPUT_TOKENS to it, in the model's own tokens (512 for e5-small or bge-small), "
-               "so that no chunk is truncated by the server")
+WINDOW_LINE = (
+    "the input window of model {model} is unknown (not one of the provider's models); set "
+    "PIPELINE_MODEL_MAX_INPUT_TOKENS to it, in the model's own tokens (512 for e5-small or bge-small), "
+    "so that no chunk is truncated by the server"
+)
 
 
 @pytest.fixture
@@ -236,8 +279,9 @@ def no_window(env, clean_db):
     return {k: v for k, v in env.items() if k != "PIPELINE_MODEL_MAX_INPUT_TOKENS"}
 
 
-def test_a_model_without_a_known_window_is_refused_at_models_add_and_worker_start(no_window, conn, fake, tmp_path,
-                                                                                 monkeypatch):
+def test_a_model_without_a_known_window_is_refused_at_models_add_and_worker_start(
+    no_window, conn, fake, tmp_path, monkeypatch
+):
     import dagster as dg
 
     from pipeline_assets_tests.dagster_helpers import bucket_of, execute, fresh_defs
@@ -250,7 +294,7 @@ def test_a_model_without_a_known_window_is_refused_at_models_add_and_worker_star
     line = one_line_error(cli("embed", str(tmp_path / "c"), env=no_window, check=False))
     assert line == "error: " + WINDOW_LINE.format(model=MODEL_ID)
     assert conn.execute("SELECT count(*) FROM app.documents").fetchone()[0] == 0
-    cli("ingest", str(tmp_path / "c"), env=no_window)     # no provider call: not refused
+    cli("ingest", str(tmp_path / "c"), env=no_window)  # no provider call: not refused
     jobs = conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall()
     assert jobs == [("pending", 2)]
     line = one_line_error(cli("work", "--until-idle", env=no_window, check=False))
@@ -263,8 +307,9 @@ def test_a_model_without_a_known_window_is_refused_at_models_add_and_worker_star
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(tmp_path / "c"))
     result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key=bucket_of("doc0000.md"))
     assert not result.success
-    assert result.failure_data_for_node("embeddings").user_failure_data.description == \
-        WINDOW_LINE.format(model=MODEL_ID)
+    assert result.failure_data_for_node("embeddings").user_failure_data.description == WINDOW_LINE.format(
+        model=MODEL_ID
+    )
     assert fake.stats["requests"] == 0
     assert conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall() == jobs
     # Given the window, the same model works; `settings` names the setting while it is missing.
@@ -275,9 +320,11 @@ def test_a_model_without_a_known_window_is_refused_at_models_add_and_worker_star
 
 def test_the_offline_model_needs_no_window_setting(env, clean_db, conn, tmp_path):
     """The quick start (no key: the offline model, whose window is known) works with nothing set."""
-    offline = {k: v for k, v in env.items()
-               if not k.startswith("OPENAI_") and k not in ("PIPELINE_EMBEDDING_MODEL",
-                                                            "PIPELINE_MODEL_MAX_INPUT_TOKENS")}
+    offline = {
+        k: v
+        for k, v in env.items()
+        if not k.startswith("OPENAI_") and k not in ("PIPELINE_EMBEDDING_MODEL", "PIPELINE_MODEL_MAX_INPUT_TOKENS")
+    }
     write_corpus(tmp_path / "c", 2)
     cli("embed", str(tmp_path / "c"), env=offline)
     (model,) = [r[0] for r in conn.execute("SELECT model_id FROM app.models")]

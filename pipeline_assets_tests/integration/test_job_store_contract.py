@@ -33,6 +33,7 @@ def world(request):
 
 # -- claim ------------------------------------------------------------------------------------
 
+
 def test_claim_takes_batches_in_queue_order(world):
     store = world.store()
     _, jobs = world.enqueue(5)
@@ -92,6 +93,7 @@ def test_observers_are_told_what_was_claimed_applied_and_rescued(world):
 
 # -- leases -----------------------------------------------------------------------------------
 
+
 def test_an_expired_lease_is_rescued_as_a_fault_and_claimed_again(world):
     store = world.store()
     _, [job] = world.enqueue(1)
@@ -101,7 +103,12 @@ def test_an_expired_lease_is_rescued_as_a_fault_and_claimed_again(world):
     assert store.rescue() == 1
     row = world.job(job)
     assert (row.status, row.attempts, row.faults, row.lease_owner, row.error_class) == (
-        "pending", 0, 1, None, "lease_expired")
+        "pending",
+        0,
+        1,
+        None,
+        "lease_expired",
+    )
     [again] = store.claim(owner=B, limit=1, lease_seconds=LEASE)
     assert (again.job_id, again.attempts, again.faults, again.crashed) == (job, 1, 1, True)
 
@@ -136,6 +143,7 @@ def test_the_heartbeat_keeps_a_lease_only_for_its_holder(world):
 
 # -- each transition --------------------------------------------------------------------------
 
+
 def test_complete_stores_the_vector_and_settles_the_answer(world):
     store = world.store()
     _, jobs = world.enqueue(2)
@@ -143,7 +151,9 @@ def test_complete_stores_the_vector_and_settles_the_answer(world):
     call = store.record_send(claimed, 6)
     assert world.call(call)[:2] == ("sent", ledger.MAYBE_BILLED)
     assert store.apply(A, [Complete(tuple(jobs), (vec(), vec(2)))], answer=Answer(call, 7, 0.1)) == {
-        jobs[0]: "ready", jobs[1]: "ready"}
+        jobs[0]: "ready",
+        jobs[1]: "ready",
+    }
     assert world.job(jobs[0]).has_vector and world.job(jobs[0]).lease_owner is None
     assert world.call(call) == ("ok", ledger.BILLED, 7)
     assert not store.outstanding()
@@ -168,8 +178,7 @@ def test_give_back_returns_the_attempt_and_counts_throttles_and_faults(world):
     store = world.store()
     _, [job] = world.enqueue(1)
     store.claim(owner=A, limit=1, lease_seconds=LEASE)
-    assert store.apply(A, [GiveBack((job,), throttled=True, faulted=True, error_class="throttled")]) == {
-        job: "pending"}
+    assert store.apply(A, [GiveBack((job,), throttled=True, faulted=True, error_class="throttled")]) == {job: "pending"}
     row = world.job(job)
     assert (row.attempts, row.throttles, row.faults, row.error_class) == (0, 1, 1, "throttled")
 
@@ -189,8 +198,15 @@ def test_a_split_isolates_once_and_applies_mixed_outcomes_together(world):
     store.claim(owner=A, limit=4, lease_seconds=LEASE)
     assert store.apply(A, [Isolate(tuple(jobs))]) == dict.fromkeys(jobs, "processing")
     assert store.apply(A, [Isolate(tuple(jobs))]) == {}  # already isolated
-    became = store.apply(A, [Complete((jobs[0],), (vec(),)), Fail((jobs[1],), "bad", "m"),
-                             Complete((jobs[2],), (vec(),)), GiveBack((jobs[3],))])
+    became = store.apply(
+        A,
+        [
+            Complete((jobs[0],), (vec(),)),
+            Fail((jobs[1],), "bad", "m"),
+            Complete((jobs[2],), (vec(),)),
+            GiveBack((jobs[3],)),
+        ],
+    )
     assert became == {jobs[0]: "ready", jobs[1]: "failed", jobs[2]: "ready", jobs[3]: "pending"}
     [alone] = store.claim(owner=B, limit=4, lease_seconds=LEASE)
     assert alone.isolate and world.job(jobs[3]).isolate
@@ -198,13 +214,17 @@ def test_a_split_isolates_once_and_applies_mixed_outcomes_together(world):
 
 # -- supersede ---------------------------------------------------------------------------------
 
+
 def test_content_gone_while_held_is_superseded_not_stored(world):
     store = world.store()
     _, jobs = world.enqueue(3)
     store.claim(owner=A, limit=3, lease_seconds=LEASE)
     world.drop_content(jobs[1])
     assert store.apply(A, [Complete(tuple(jobs), (vec(), vec(), vec()))]) == {
-        jobs[0]: "ready", jobs[1]: "superseded", jobs[2]: "ready"}
+        jobs[0]: "ready",
+        jobs[1]: "superseded",
+        jobs[2]: "ready",
+    }
     assert not world.job(jobs[1]).has_vector
     assert store.apply(A, []) == {}
 
@@ -220,10 +240,19 @@ def test_a_claim_without_text_is_superseded_by_its_holder(world):
 
 # -- fencing -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("change", [
-    lambda j: Complete((j,), (vec(),)), lambda j: Retry((j,), (0.0,), "e", "m"), lambda j: GiveBack((j,)),
-    lambda j: Fail((j,), "e", "m"), lambda j: Supersede((j,)), lambda j: Isolate((j,))],
-    ids=["complete", "retry", "give_back", "fail", "supersede", "isolate"])
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda j: Complete((j,), (vec(),)),
+        lambda j: Retry((j,), (0.0,), "e", "m"),
+        lambda j: GiveBack((j,)),
+        lambda j: Fail((j,), "e", "m"),
+        lambda j: Supersede((j,)),
+        lambda j: Isolate((j,)),
+    ],
+    ids=["complete", "retry", "give_back", "fail", "supersede", "isolate"],
+)
 def test_a_stale_holder_moves_nothing(world, change):
     store = world.store()
     _, [job] = world.enqueue(1)
@@ -244,6 +273,7 @@ def test_a_finished_job_refuses_a_second_completion(world):
 
 
 # -- faults: the breaker, the ledger ------------------------------------------------------------
+
 
 def test_a_tripped_breaker_lets_one_probe_through_after_its_pause(world):
     store = world.store(base=1.0, cap=60.0)

@@ -37,14 +37,42 @@ MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p != VALUES)
 
 # KEDA 2.x (keda.sh/v1alpha1): the spec fields of its ScaledObject and TriggerAuthentication
 # CRDs and the metadata of its `postgresql` scaler, as its documentation lists them.
-KEDA_SCALED_OBJECT_SPEC = {"scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
-                           "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced",
-                           "triggers"}
+KEDA_SCALED_OBJECT_SPEC = {
+    "scaleTargetRef",
+    "pollingInterval",
+    "cooldownPeriod",
+    "initialCooldownPeriod",
+    "idleReplicaCount",
+    "minReplicaCount",
+    "maxReplicaCount",
+    "fallback",
+    "advanced",
+    "triggers",
+}
 KEDA_TRIGGER = {"type", "metadata", "authenticationRef", "metricType", "name", "useCachedMetrics"}
-KEDA_POSTGRESQL_METADATA = {"connectionFromEnv", "host", "port", "userName", "passwordFromEnv", "dbName",
-                            "sslmode", "query", "targetQueryValue", "activationTargetQueryValue", "metricName"}
-KEDA_TRIGGER_AUTH_SPEC = {"secretTargetRef", "env", "hashiCorpVault", "azureKeyVault", "podIdentity",
-                          "configMapTargetRef", "awsSecretManager", "gcpSecretManager"}
+KEDA_POSTGRESQL_METADATA = {
+    "connectionFromEnv",
+    "host",
+    "port",
+    "userName",
+    "passwordFromEnv",
+    "dbName",
+    "sslmode",
+    "query",
+    "targetQueryValue",
+    "activationTargetQueryValue",
+    "metricName",
+}
+KEDA_TRIGGER_AUTH_SPEC = {
+    "secretTargetRef",
+    "env",
+    "hashiCorpVault",
+    "azureKeyVault",
+    "podIdentity",
+    "configMapTargetRef",
+    "awsSecretManager",
+    "gcpSecretManager",
+}
 
 
 def _docs(path: Path) -> list[dict]:
@@ -66,7 +94,7 @@ def test_every_manifest_is_valid_for_the_stated_kubernetes_version():
         for doc in _docs(path):
             if doc["apiVersion"].startswith("keda.sh/"):
                 crds += 1
-                continue     # no schema in kubernetes-validate: test_keda_objects checks them
+                continue  # no schema in kubernetes-validate: test_keda_objects checks them
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)  # raises ValidationError
             checked += 1
     assert checked >= 4 and crds == 2
@@ -106,7 +134,8 @@ def test_keda_objects():
 def test_the_trigger_query_is_the_status_backlog_query():
     [trigger] = _objects()[("ScaledObject", "pipeline-worker")]["spec"]["triggers"]
     assert trigger["metadata"]["query"] == REPORTS.backlog, (
-        "deploy/k8s/worker-scaledobject.yaml's query must be sql/queries/reports.sql's `backlog`, verbatim")
+        "deploy/k8s/worker-scaledobject.yaml's query must be sql/queries/reports.sql's `backlog`, verbatim"
+    )
 
 
 def test_the_trigger_query_counts_the_backlog_status_reports(env, clean_db, tmp_path):
@@ -119,8 +148,11 @@ def test_the_trigger_query_counts_the_backlog_status_reports(env, clean_db, tmp_
     assert len(ids) >= 10
     # Two retrying, one in flight, two ready-looking, one dead letter, one superseded; the rest pending.
     conn.execute("UPDATE app.embedding_jobs SET status = 'retry' WHERE job_id = ANY(%s)", (ids[0:2],))
-    conn.execute("UPDATE app.embedding_jobs SET status = 'processing', lease_owner = 'x/y/1', "
-                 "lease_expires_at = now() + interval '1 hour' WHERE job_id = %s", (ids[2],))
+    conn.execute(
+        "UPDATE app.embedding_jobs SET status = 'processing', lease_owner = 'x/y/1', "
+        "lease_expires_at = now() + interval '1 hour' WHERE job_id = %s",
+        (ids[2],),
+    )
     conn.execute("UPDATE app.embedding_jobs SET status = 'failed' WHERE job_id = %s", (ids[3],))
     conn.execute("UPDATE app.embedding_jobs SET status = 'superseded' WHERE job_id = %s", (ids[4],))
     by_status = dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY 1").fetchall())
@@ -129,7 +161,7 @@ def test_the_trigger_query_counts_the_backlog_status_reports(env, clean_db, tmp_
 
     [trigger] = _objects()[("ScaledObject", "pipeline-worker")]["spec"]["triggers"]
     rows = conn.execute(trigger["metadata"]["query"]).fetchall()
-    assert rows == [(expected,)]       # one row, one integer: what KEDA's scaler reads
+    assert rows == [(expected,)]  # one row, one integer: what KEDA's scaler reads
     assert json.loads(cli("status", "--json", env=env).stdout)["backlog"] == expected
     assert f"backlog: {expected} " in cli("status", env=env).stdout
 
@@ -145,12 +177,13 @@ def test_the_worker_stops_within_its_grace_period_and_the_grace_within_the_lease
     stop_takes_at_most = IDLE_POLL_SECONDS + SHUTDOWN_GRACE_SECONDS + 2 * CONNECT_TIMEOUT_SECONDS
     assert stop_takes_at_most < grace < DEFAULT_LEASE_SECONDS, (stop_takes_at_most, grace)
     [container] = pod["containers"]
-    assert "--lease-seconds" not in container["command"]   # the default lease the bound assumes
+    assert "--lease-seconds" not in container["command"]  # the default lease the bound assumes
     # SIGTERM reaches `work` itself (no shell in between), and the PDB covers these pods.
     assert container["command"][:2] == ["pipeline-assets", "work"]
     pdb = objects[("PodDisruptionBudget", "pipeline-worker")]
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"][
-        "labels"].items()
+    assert (
+        pdb["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
     assert pdb["spec"].get("maxUnavailable") == 1
 
 
@@ -161,7 +194,7 @@ def test_commands_settings_and_secrets_of_the_manifests():
     config = objects[("ConfigMap", "pipeline-config")]["data"]
     unknown = set(config) - _settings_env()
     assert not unknown, f"pipeline-config sets variables that are no setting: {unknown}"
-    Settings.from_env(config)   # a bad value is a SettingsError naming the variable
+    Settings.from_env(config)  # a bad value is a SettingsError naming the variable
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
     compose = yaml.safe_load((REPO / "deploy" / "compose.yaml").read_text())
     for (kind, name), obj in objects.items():
@@ -176,7 +209,7 @@ def test_commands_settings_and_secrets_of_the_manifests():
             ctx = click.Context(main)
             sub = main.get_command(ctx, command[1])
             assert sub is not None, command
-            sub.make_context(command[1], list(command[2:]), parent=ctx)   # raises on an unknown option
+            sub.make_context(command[1], list(command[2:]), parent=ctx)  # raises on an unknown option
             refs = {ref["configMapRef"]["name"] for ref in container["envFrom"] if "configMapRef" in ref}
             assert refs == {"pipeline-config"}
             env = {e["name"]: e["value"] for e in container.get("env", [])}
@@ -187,10 +220,12 @@ def test_commands_settings_and_secrets_of_the_manifests():
     migrate = objects[("Job", "pipeline-migrate")]["spec"]["template"]["spec"]["containers"][0]
     assert migrate["command"] == ["pipeline-assets", "migrate"]
     assert {e["name"]: e["value"] for e in migrate["env"]}["PIPELINE_DATABASE_URL"].startswith(
-        "postgresql://pipeline_owner@")
+        "postgresql://pipeline_owner@"
+    )
     worker = objects[("Deployment", "pipeline-worker")]["spec"]["template"]["spec"]["containers"][0]
     assert {e["name"]: e["value"] for e in worker["env"]}["PIPELINE_DATABASE_URL"].startswith(
-        "postgresql://pipeline_worker@pgbouncer:6432/")
+        "postgresql://pipeline_worker@pgbouncer:6432/"
+    )
     assert config["PIPELINE_DATABASE_URL"].startswith("postgresql://pipeline_worker@")
     for path in [*MANIFESTS, VALUES]:
         text = path.read_text()
@@ -205,51 +240,152 @@ def test_commands_settings_and_secrets_of_the_manifests():
 # keys must be among its keys; None is a value of any shape (a Kubernetes type, a free object);
 # a one-item list is a list of that item.
 _IMAGE = {"repository": None, "tag": None, "pullPolicy": None}
-_K8S_COMMON = {k: None for k in ("env", "envConfigMaps", "envSecrets", "deploymentLabels", "labels",
-                                 "nodeSelector", "affinity", "tolerations", "podSecurityContext",
-                                 "securityContext", "resources", "readinessProbe", "livenessProbe",
-                                 "startupProbe", "annotations", "schedulerName", "volumeMounts", "volumes",
-                                 "initContainerResources")}
+_K8S_COMMON = {
+    k: None
+    for k in (
+        "env",
+        "envConfigMaps",
+        "envSecrets",
+        "deploymentLabels",
+        "labels",
+        "nodeSelector",
+        "affinity",
+        "tolerations",
+        "podSecurityContext",
+        "securityContext",
+        "resources",
+        "readinessProbe",
+        "livenessProbe",
+        "startupProbe",
+        "annotations",
+        "schedulerName",
+        "volumeMounts",
+        "volumes",
+        "initContainerResources",
+    )
+}
 _TICKS = {"purgeAfterDays": None}
 CHART_SCHEMA_KEYS = {
-    "global": {"postgresqlSecretName": None, "dagsterHome": None, "serviceAccountName": None,
-               "celeryConfigSecretName": None},
-    "postgresql": {"image": _IMAGE, "enabled": None, "postgresqlHost": None, "postgresqlUsername": None,
-                   "postgresqlPassword": None, "postgresqlDatabase": None, "postgresqlParams": None,
-                   "postgresqlScheme": None, "service": {"port": None}},
+    "global": {
+        "postgresqlSecretName": None,
+        "dagsterHome": None,
+        "serviceAccountName": None,
+        "celeryConfigSecretName": None,
+    },
+    "postgresql": {
+        "image": _IMAGE,
+        "enabled": None,
+        "postgresqlHost": None,
+        "postgresqlUsername": None,
+        "postgresqlPassword": None,
+        "postgresqlDatabase": None,
+        "postgresqlParams": None,
+        "postgresqlScheme": None,
+        "service": {"port": None},
+    },
     "generatePostgresqlPasswordSecret": None,
     "generateCeleryConfigSecret": None,
-    "dagsterWebserver": {**_K8S_COMMON, "replicaCount": None, "image": _IMAGE, "nameOverride": None,
-                         "pathPrefix": None, "service": None, "workspace": None, "enableReadOnly": None,
-                         "dbStatementTimeout": None, "dbPoolRecycle": None, "logLevel": None},
-    "dagsterDaemon": {**_K8S_COMMON, "enabled": None, "image": _IMAGE, "heartbeatTolerance": None,
-                      "runMonitoring": None, "runRetries": None,
-                      "runCoordinator": {"enabled": None, "type": None,
-                                         "config": {"queuedRunCoordinator": {
-                                             "maxConcurrentRuns": None, "tagConcurrencyLimits": None,
-                                             "dequeueIntervalSeconds": None, "dequeueNumWorkers": None,
-                                             "dequeueUseThreads": None, "blockOpConcurrencyLimitedRuns": None},
-                                             "customRunCoordinator": None}},
-                      "sensors": {"useThreads": None, "numWorkers": None, "numSubmitWorkers": None},
-                      "schedules": {"useThreads": None, "numWorkers": None, "numSubmitWorkers": None}},
+    "dagsterWebserver": {
+        **_K8S_COMMON,
+        "replicaCount": None,
+        "image": _IMAGE,
+        "nameOverride": None,
+        "pathPrefix": None,
+        "service": None,
+        "workspace": None,
+        "enableReadOnly": None,
+        "dbStatementTimeout": None,
+        "dbPoolRecycle": None,
+        "logLevel": None,
+    },
+    "dagsterDaemon": {
+        **_K8S_COMMON,
+        "enabled": None,
+        "image": _IMAGE,
+        "heartbeatTolerance": None,
+        "runMonitoring": None,
+        "runRetries": None,
+        "runCoordinator": {
+            "enabled": None,
+            "type": None,
+            "config": {
+                "queuedRunCoordinator": {
+                    "maxConcurrentRuns": None,
+                    "tagConcurrencyLimits": None,
+                    "dequeueIntervalSeconds": None,
+                    "dequeueNumWorkers": None,
+                    "dequeueUseThreads": None,
+                    "blockOpConcurrencyLimitedRuns": None,
+                },
+                "customRunCoordinator": None,
+            },
+        },
+        "sensors": {"useThreads": None, "numWorkers": None, "numSubmitWorkers": None},
+        "schedules": {"useThreads": None, "numWorkers": None, "numSubmitWorkers": None},
+    },
     "dagster-user-deployments": {
-        "enabled": None, "enableSubchart": None, "imagePullSecrets": None,
-        "deployments": [{**_K8S_COMMON, "name": None, "image": _IMAGE, "dagsterApiGrpcArgs": None,
-                         "codeServerArgs": None, "includeConfigInLaunchedRuns": {"enabled": None},
-                         "deploymentNamespace": None, "port": None, "initContainers": None,
-                         "sidecarContainers": None}]},
-    "runLauncher": {"type": None, "config": {
-        "k8sRunLauncher": {"image": None, "imagePullPolicy": None, "jobNamespace": None,
-                           "loadInclusterConfig": None, "kubeconfigFile": None, "envConfigMaps": None,
-                           "envSecrets": None, "envVars": None, "volumeMounts": None, "volumes": None,
-                           "labels": None, "failPodOnRunFailure": None, "resources": None,
-                           "schedulerName": None, "securityContext": None, "runK8sConfig": None},
-        "celeryK8sRunLauncher": None, "customRunLauncher": None}},
+        "enabled": None,
+        "enableSubchart": None,
+        "imagePullSecrets": None,
+        "deployments": [
+            {
+                **_K8S_COMMON,
+                "name": None,
+                "image": _IMAGE,
+                "dagsterApiGrpcArgs": None,
+                "codeServerArgs": None,
+                "includeConfigInLaunchedRuns": {"enabled": None},
+                "deploymentNamespace": None,
+                "port": None,
+                "initContainers": None,
+                "sidecarContainers": None,
+            }
+        ],
+    },
+    "runLauncher": {
+        "type": None,
+        "config": {
+            "k8sRunLauncher": {
+                "image": None,
+                "imagePullPolicy": None,
+                "jobNamespace": None,
+                "loadInclusterConfig": None,
+                "kubeconfigFile": None,
+                "envConfigMaps": None,
+                "envSecrets": None,
+                "envVars": None,
+                "volumeMounts": None,
+                "volumes": None,
+                "labels": None,
+                "failPodOnRunFailure": None,
+                "resources": None,
+                "schedulerName": None,
+                "securityContext": None,
+                "runK8sConfig": None,
+            },
+            "celeryK8sRunLauncher": None,
+            "customRunLauncher": None,
+        },
+    },
     "additionalInstanceConfig": None,
     "retention": {"enabled": None, "sensor": _TICKS, "schedule": _TICKS, "autoMaterialize": _TICKS},
     "telemetry": {"enabled": None},
-    **{k: None for k in ("rabbitmq", "redis", "flower", "ingress", "imagePullSecrets", "computeLogManager",
-                         "scheduler", "pythonLogs", "busybox", "migrate", "serviceAccount")},
+    **{
+        k: None
+        for k in (
+            "rabbitmq",
+            "redis",
+            "flower",
+            "ingress",
+            "imagePullSecrets",
+            "computeLogManager",
+            "scheduler",
+            "pythonLogs",
+            "busybox",
+            "migrate",
+            "serviceAccount",
+        )
+    },
 }
 
 
@@ -269,8 +405,9 @@ def _unknown_keys(value, schema, path="") -> list[str]:
 
 def test_the_checker_finds_an_unknown_key():
     assert _unknown_keys({"postgresql": {"postgresqlHots": "x"}}, CHART_SCHEMA_KEYS) == [".postgresql.postgresqlHots"]
-    assert _unknown_keys({"dagster-user-deployments": {"deployments": [{"codeServerArg": []}]}},
-                         CHART_SCHEMA_KEYS) == [".dagster-user-deployments.deployments[0].codeServerArg"]
+    assert _unknown_keys({"dagster-user-deployments": {"deployments": [{"codeServerArg": []}]}}, CHART_SCHEMA_KEYS) == [
+        ".dagster-user-deployments.deployments[0].codeServerArg"
+    ]
 
 
 def test_the_dagster_values_use_the_charts_keys_and_this_deployment():
@@ -286,7 +423,7 @@ def test_the_dagster_values_use_the_charts_keys_and_this_deployment():
     code = compose["services"]["code-location"]["command"]
     [deployment] = values["dagster-user-deployments"]["deployments"]
     assert values["dagster-user-deployments"]["enabled"] is True
-    assert deployment["codeServerArgs"] == code[code.index("-m"):]
+    assert deployment["codeServerArgs"] == code[code.index("-m") :]
     assert deployment["port"] == int(code[code.index("-p") + 1])
     image = compose["services"]["code-location"]["image"]
     for part in (deployment, values["dagsterWebserver"], values["dagsterDaemon"]):
@@ -297,8 +434,11 @@ def test_the_dagster_values_use_the_charts_keys_and_this_deployment():
     assert [s["name"] for s in deployment["envSecrets"]] == ["pipeline-worker"]
     assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True
     dagster_env = compose["services"]["code-location"]["environment"]
-    for key in ("DAGSTER_EVENT_BATCH_SIZE", "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS",
-                "PIPELINE_EMBED_WORKERS"):
+    for key in (
+        "DAGSTER_EVENT_BATCH_SIZE",
+        "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS",
+        "PIPELINE_EMBED_WORKERS",
+    ):
         assert deployment["env"][key] == str(dagster_env[key]), key
     assert set(k for k in deployment["env"] if k.startswith("PIPELINE_")) <= _settings_env()
     assert values["global"]["dagsterHome"] == dagster_env["DAGSTER_HOME"]
@@ -307,7 +447,16 @@ def test_the_dagster_values_use_the_charts_keys_and_this_deployment():
     assert dagster_env["PIPELINE_SOURCE_DIR"] in mount
     # The kubernetes-typed parts (volumes, mounts) are valid Kubernetes objects.
     for vol in deployment["volumes"]:
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
-                                      "spec": {"containers": [{"name": "c", "image": "i",
-                                                               "volumeMounts": deployment["volumeMounts"]}],
-                                               "volumes": [vol]}}, KUBERNETES_VERSION, strict=True)
+        kubernetes_validate.validate(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "x"},
+                "spec": {
+                    "containers": [{"name": "c", "image": "i", "volumeMounts": deployment["volumeMounts"]}],
+                    "volumes": [vol],
+                },
+            },
+            KUBERNETES_VERSION,
+            strict=True,
+        )

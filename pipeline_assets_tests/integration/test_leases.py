@@ -26,23 +26,31 @@ def test_heartbeat_keeps_a_slow_healthy_call_from_being_stolen(env, fake, clean_
     conn = clean_db
     run_env = {**env, "PIPELINE_CALL_TIMEOUT": "600", "PIPELINE_WORKER_DEAD_AFTER": "60"}
     fake.hold("SLOWDOC")
-    holder = start_cli("work", "--until-idle", "--json", "--lease-seconds", "6", "--worker-id", "holder",
-                       env=run_env)
+    holder = start_cli("work", "--until-idle", "--json", "--lease-seconds", "6", "--worker-id", "holder", env=run_env)
     other = None
     try:
         wait_until(lambda: fake.held == 1, what="the slow call to reach the fake")
         (claimed_until,) = conn.execute("SELECT lease_expires_at FROM app.embedding_jobs").fetchone()
         # Past the lease the job was claimed with (a beat may already have moved it: later still).
-        wait_until(lambda: conn.execute("SELECT now() > %s", (claimed_until,)).fetchone()[0],
-                   what="the claim's own lease to pass")
-        row = conn.execute("SELECT status, lease_owner LIKE '%%holder%%', lease_expires_at > now(), attempts "
-                           "FROM app.embedding_jobs").fetchone()
+        wait_until(
+            lambda: conn.execute("SELECT now() > %s", (claimed_until,)).fetchone()[0],
+            what="the claim's own lease to pass",
+        )
+        row = conn.execute(
+            "SELECT status, lease_owner LIKE '%%holder%%', lease_expires_at > now(), attempts FROM app.embedding_jobs"
+        ).fetchone()
         assert row == ("processing", True, True, 1), f"the lease was not extended: {row}"
         # The other worker rescues expired leases every second and stays until the job is done.
         other = start_cli("work", "--until-idle", "--json", "--worker-id", "other", env=run_env)
-        wait_until(lambda: conn.execute("SELECT now() > started_at + interval '3 seconds' FROM app.workers "
-                                        "WHERE worker_id = 'other'").fetchone() == (True,),
-                   what="the other worker to have run for a few seconds")
+        wait_until(
+            lambda: (
+                conn.execute(
+                    "SELECT now() > started_at + interval '3 seconds' FROM app.workers WHERE worker_id = 'other'"
+                ).fetchone()
+                == (True,)
+            ),
+            what="the other worker to have run for a few seconds",
+        )
     finally:
         fake.release()
     out, err = holder.communicate(timeout=120)
@@ -67,5 +75,7 @@ def test_per_call_timeout_turns_a_stall_into_a_retryable_failure(env, fake, clea
     cli("embed", str(corpus), env=env, timeout=60)
     conn = clean_db
     assert job_counts(conn) == {"ready": 1, "failed": 1}
-    assert conn.execute("SELECT error_class, attempts FROM app.embedding_jobs WHERE status = 'failed'"
-                        ).fetchone() == ("timeout", 2)
+    assert conn.execute("SELECT error_class, attempts FROM app.embedding_jobs WHERE status = 'failed'").fetchone() == (
+        "timeout",
+        2,
+    )

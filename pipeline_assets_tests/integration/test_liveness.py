@@ -47,23 +47,27 @@ def test_killed_worker_claims_are_rescued_in_seconds_not_a_lease(env, fake, clea
     fake.latency = 0.0
     held = conn.execute("""SELECT lease_owner, extract(epoch FROM lease_expires_at - now())
                            FROM app.embedding_jobs WHERE status = 'processing'""").fetchall()
-    leases_end = conn.execute("SELECT min(lease_expires_at) FROM app.embedding_jobs"
-                              " WHERE status = 'processing'").fetchone()[0]
+    leases_end = conn.execute(
+        "SELECT min(lease_expires_at) FROM app.embedding_jobs WHERE status = 'processing'"
+    ).fetchone()[0]
     in_flight = len(held)
     assert in_flight == 20  # one full claim, sent as one request
     assert all(lease > 3000 for _, lease in held)  # its lease alone would hold them for an hour
     # Lease owners are the worker's UUID prefix and a claim sequence; the prefix is its liveness row.
     assert all(re.fullmatch(rf"victim/{UUID}/\d+", owner) for owner, _ in held)
     prefix = held[0][0].rsplit("/", 1)[0] + "/"
-    assert conn.execute("SELECT worker_id FROM app.workers WHERE owner_prefix = %s", (prefix,)).fetchone() \
-        == ("victim",)
+    assert conn.execute("SELECT worker_id FROM app.workers WHERE owner_prefix = %s", (prefix,)).fetchone() == (
+        "victim",
+    )
 
     restarted = json.loads(cli("work", "--until-idle", "--json", "--worker-id", "restarted", env=env).stdout)
     recovery = time.monotonic() - killed_at
     wait_until(lambda: fake.stats["billed_inputs"] >= len(texts) + in_flight, what="the dead call's bill")
     duplicates = sum(1 for t in texts if fake.billed_count(t) == 2)
-    print(f"\nrecovery after SIGKILL with {in_flight} inputs in flight: the restarted worker finished the "
-          f"corpus {recovery:.1f} s after the kill; {duplicates} inputs billed twice")
+    print(
+        f"\nrecovery after SIGKILL with {in_flight} inputs in flight: the restarted worker finished the "
+        f"corpus {recovery:.1f} s after the kill; {duplicates} inputs billed twice"
+    )
     # Not the lease: the corpus was finished (on the database's clock) before the dead worker's
     # leases would have expired, so they were rescued for its death, not for their expiry.
     assert conn.execute("SELECT now() < %s", (leases_end,)).fetchone()[0], recovery
@@ -114,21 +118,26 @@ def q(conn):
     doc = conn.execute("""INSERT INTO app.documents (source_id, document_id, source_uri, status)
                           SELECT source_id, 'd', 'd', 'current' FROM app.sources RETURNING doc_pk""").fetchone()[0]
     for i in range(3):
-        conn.execute("""INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,
+        conn.execute(
+            """INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,
                                                 char_start, char_end)
-                        VALUES (%s, %s, sha256(%s::bytea), %s, 1, 0, 1)""", (doc, i, f"t{i}".encode(), f"t{i}"))
+                        VALUES (%s, %s, sha256(%s::bytea), %s, 1, 0, 1)""",
+            (doc, i, f"t{i}".encode(), f"t{i}"),
+        )
     transitions.enqueue_missing(conn, max_attempts=5)
     return conn
 
 
 def worker_row(conn, prefix: str, *, alive_for: float, silent_for: float, dead_after: float = 5.0) -> None:
     """A worker row: beating since `alive_for` s ago, last beat `silent_for` s ago."""
-    conn.execute("""INSERT INTO app.workers (owner_prefix, worker_id, model_id, host, pid, alive_since, beat_at,
+    conn.execute(
+        """INSERT INTO app.workers (owner_prefix, worker_id, model_id, host, pid, alive_since, beat_at,
                                              alive_until)
                     VALUES (%(p)s, %(p)s, %(m)s, 'h', 1, now() - make_interval(secs => %(alive)s),
                             now() - make_interval(secs => %(silent)s),
                             now() - make_interval(secs => %(silent)s) + make_interval(secs => %(d)s))""",
-                 {"p": prefix, "m": MODEL, "alive": alive_for, "silent": silent_for, "d": dead_after})
+        {"p": prefix, "m": MODEL, "alive": alive_for, "silent": silent_for, "d": dead_after},
+    )
 
 
 def claim(conn, owner: str, limit: int = 1) -> list[int]:
@@ -136,19 +145,23 @@ def claim(conn, owner: str, limit: int = 1) -> list[int]:
 
 
 def status_of(conn, job_id: int) -> tuple:
-    return conn.execute("SELECT status, error_class, lease_owner FROM app.embedding_jobs WHERE job_id = %s",
-                        (job_id,)).fetchone()
+    return conn.execute(
+        "SELECT status, error_class, lease_owner FROM app.embedding_jobs WHERE job_id = %s", (job_id,)
+    ).fetchone()
 
 
-@pytest.mark.parametrize("rescuer, alive_for, rescues", [
-    ("veteran/", 60, True),   # beating long before the victim's deadline (3 s ago)
-    ("early/", 4, True),      # started 4 s ago: beating when the deadline passed
-    ("fresh/", 1, False),     # started 1 s ago (or back after a gap): it cannot tell yet
-    (None, 0, False),         # no live rescuer (reconcile): leases only
-])
+@pytest.mark.parametrize(
+    "rescuer, alive_for, rescues",
+    [
+        ("veteran/", 60, True),  # beating long before the victim's deadline (3 s ago)
+        ("early/", 4, True),  # started 4 s ago: beating when the deadline passed
+        ("fresh/", 1, False),  # started 1 s ago (or back after a gap): it cannot tell yet
+        (None, 0, False),  # no live rescuer (reconcile): leases only
+    ],
+)
 def test_dead_owner_is_rescued_by_a_rescuer_that_was_beating_meanwhile(q, rescuer, alive_for, rescues):
-    worker_row(q, "dead/", alive_for=60, silent_for=8)       # dead after 5 s: its deadline was 3 s ago
-    worker_row(q, "alive/", alive_for=60, silent_for=0.5)    # beating
+    worker_row(q, "dead/", alive_for=60, silent_for=8)  # dead after 5 s: its deadline was 3 s ago
+    worker_row(q, "alive/", alive_for=60, silent_for=0.5)  # beating
     if rescuer:
         worker_row(q, rescuer, alive_for=alive_for, silent_for=0.2)
     [dead_job] = claim(q, "dead/1")
@@ -165,8 +178,9 @@ def test_an_outage_that_silenced_everyone_condemns_nobody(q):
     worker_row(q, "a/", alive_for=60, silent_for=20)
     worker_row(q, "b/", alive_for=60, silent_for=20)
     [job] = claim(q, "b/1")
-    q.execute(leases.WORKERS.beat, {"prefix": "a/", "worker": "a", "model": MODEL, "host": "h", "pid": 1,
-                                    "dead_after": 5.0})
+    q.execute(
+        leases.WORKERS.beat, {"prefix": "a/", "worker": "a", "model": MODEL, "host": "h", "pid": 1, "dead_after": 5.0}
+    )
     assert transitions.rescue_expired(q, rescuer="a/") == {"retry": 0, "failed": 0, "superseded": 0}
     assert status_of(q, job)[0] == "processing"
     # b never comes back: once a has beaten for a whole window, b is dead.
@@ -178,22 +192,35 @@ def test_a_rescued_job_waits_out_the_backoff_of_its_faults(q):
     ids = claim(q, "gone/1", limit=3)
     q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'")
     assert transitions.rescue_expired(q, base=100.0, cap=30.0) == {"retry": 3, "failed": 0, "superseded": 0}
-    waits = [r[0] for r in q.execute("""SELECT extract(epoch FROM available_at - now()) FROM app.embedding_jobs
-                                        WHERE job_id = ANY(%s)""", (ids,))]
+    waits = [
+        r[0]
+        for r in q.execute(
+            """SELECT extract(epoch FROM available_at - now()) FROM app.embedding_jobs
+                                        WHERE job_id = ANY(%s)""",
+            (ids,),
+        )
+    ]
     assert all(0 <= w <= 30.0 for w in waits), waits  # uniform(0, min(cap, base * 2^faults))
     assert len(set(waits)) == 3  # full jitter: not one herd
     assert claim(q, "next/1", limit=3) == []  # not available at once
 
 
 def test_the_liveness_row_is_kept_fresh_and_left_on_a_clean_stop(database_url, q):
-    live = leases.Liveness(lambda: db.connect(database_url), owner_prefix="me/", worker_id="me", model_id=MODEL,
-                           dead_after=0.5).start()
+    live = leases.Liveness(
+        lambda: db.connect(database_url), owner_prefix="me/", worker_id="me", model_id=MODEL, dead_after=0.5
+    ).start()
     try:
-        first = q.execute("SELECT beat_at, alive_until - beat_at FROM app.workers WHERE owner_prefix = 'me/'"
-                          ).fetchone()
+        first = q.execute(
+            "SELECT beat_at, alive_until - beat_at FROM app.workers WHERE owner_prefix = 'me/'"
+        ).fetchone()
         assert first[1].total_seconds() == pytest.approx(0.5)
-        wait_until(lambda: q.execute("SELECT beat_at > %s FROM app.workers WHERE owner_prefix = 'me/'",
-                                     (first[0],)).fetchone()[0], timeout=60, what="a second beat")
+        wait_until(
+            lambda: q.execute(
+                "SELECT beat_at > %s FROM app.workers WHERE owner_prefix = 'me/'", (first[0],)
+            ).fetchone()[0],
+            timeout=60,
+            what="a second beat",
+        )
     finally:
         live.stop()
     assert q.execute("SELECT count(*) FROM app.workers WHERE owner_prefix = 'me/'").fetchone()[0] == 0

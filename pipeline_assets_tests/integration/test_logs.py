@@ -43,8 +43,9 @@ def test_piped_stderr_is_json_lines_with_the_job_context(env, fake, clean_db, tm
     assert len(dead) == 1, about_jobs
     (d,) = dead
     assert d["level"] == "warning" and d["document_id"] == "bad.md" and d["worker_id"] == "log-w1"
-    failed_job = clean_db.execute("SELECT job_id, attempts, error_class FROM app.embedding_jobs"
-                                  " WHERE status = 'failed'").fetchall()
+    failed_job = clean_db.execute(
+        "SELECT job_id, attempts, error_class FROM app.embedding_jobs WHERE status = 'failed'"
+    ).fetchall()
     assert failed_job == [(d["job_id"], d["attempt"], d["error_class"])]  # the 500 may have cost it one attempt
     retried = [r for r in about_jobs if "will retry" in r["message"]]
     assert retried, "the 500 was not logged per job"

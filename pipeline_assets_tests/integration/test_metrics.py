@@ -27,8 +27,11 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} of one scrape."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _try_scrape(port: int):
@@ -53,8 +56,16 @@ def test_work_metrics_match_the_provider_and_the_database(env, fake, clean_db, t
     fake.latency = 0.05  # long enough to scrape while it works
     fake.fail_next(3, 429, retry_after="0.3")
     port = _free_port()
-    proc = start_cli("work", "--concurrency", "2", "--metrics-port", str(port), "--worker-id", "metrics-w1",
-                     env={**env, "PIPELINE_BATCH_INPUTS": "4"})
+    proc = start_cli(
+        "work",
+        "--concurrency",
+        "2",
+        "--metrics-port",
+        str(port),
+        "--worker-id",
+        "metrics-w1",
+        env={**env, "PIPELINE_BATCH_INPUTS": "4"},
+    )
     try:
         first = wait_until(lambda port=port: _try_scrape(port), timeout=60, what="the metrics endpoint")
         # While it runs: the gauges and counters are there (the worker may still be starting).
@@ -62,7 +73,7 @@ def test_work_metrics_match_the_provider_and_the_database(env, fake, clean_db, t
         assert any(n == "pipeline_provider_latency_seconds_bucket" for n, _ in first)
         wait_until(lambda: job_counts(conn).get("ready", 0) == wanted, timeout=120, what="every job ready")
 
-        def settled():     # the jobs gauge is cached from the database for a moment: until it shows that
+        def settled():  # the jobs gauge is cached from the database for a moment: until it shows that
             sample = scrape(port)
             gauge = {dict(ls)["status"]: v for (n, ls), v in sample.items() if n == "pipeline_jobs"}
             return sample if gauge == job_counts(conn) else None
@@ -132,8 +143,9 @@ def test_a_scrape_without_the_database_repeats_the_last_values(database_url, cle
     from pipeline_assets.store import db
 
     clean_db.execute("INSERT INTO app.models (model_id, provider, name) VALUES ('m', 'test', 'm')")
-    clean_db.execute("INSERT INTO app.provider_state (model_id, tripped, paused_until) "
-                     "VALUES ('m', true, now() + interval '1 hour')")
+    clean_db.execute(
+        "INSERT INTO app.provider_state (model_id, tripped, paused_until) VALUES ('m', true, now() + interval '1 hour')"
+    )
     pool = db.make_pool(database_url, min_size=1, max_size=1)
     try:
         collector = DatabaseCollector(pool, cache_seconds=0.0)
@@ -142,19 +154,23 @@ def test_a_scrape_without_the_database_repeats_the_last_values(database_url, cle
 
         def read() -> dict:
             text = generate_latest(registry).decode()
-            return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                    for f in text_string_to_metric_families(text) for s in f.samples}
+            return {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+            }
 
         first = read()
         assert total(first, "pipeline_breaker_state", model="m", state="open") == 1
         with pool.connection():  # the pool's only connection: the collector cannot get one
             started = time.monotonic()
             stale = read()
-            assert time.monotonic() - started < 30   # the collector gave up waiting for a connection
+            assert time.monotonic() - started < 30  # the collector gave up waiting for a connection
         assert total(stale, "pipeline_metrics_database_errors_total") == 1
         assert total(stale, "pipeline_breaker_state", model="m", state="open") == 1  # the last values
-        clean_db.execute("UPDATE app.provider_state SET tripped = false, paused_until = '-infinity'"
-                         " WHERE model_id = 'm'")
+        clean_db.execute(
+            "UPDATE app.provider_state SET tripped = false, paused_until = '-infinity' WHERE model_id = 'm'"
+        )
         fresh = read()
         assert total(fresh, "pipeline_breaker_state", model="m", state="closed") == 1
         assert total(fresh, "pipeline_metrics_database_errors_total") == 1

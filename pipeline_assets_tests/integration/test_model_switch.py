@@ -28,7 +28,7 @@ from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 
 OLD = f"openai/{FAKE_MODEL}"
 NEW_NAME, NEW_DIMS = "fake-embed-2", 8
-NEW = f"openai/{NEW_NAME}@{NEW_DIMS}"   # another dimension: a query embedded by the wrong model cannot even run
+NEW = f"openai/{NEW_NAME}@{NEW_DIMS}"  # another dimension: a query embedded by the wrong model cannot even run
 
 
 def vectors_of(conn, model_id: str) -> int:
@@ -36,19 +36,23 @@ def vectors_of(conn, model_id: str) -> int:
 
 
 def index_exists(conn, model_id: str) -> bool:
-    return conn.execute("SELECT count(*) FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
-                        (vector_index.index_name(model_id),)).fetchone()[0] == 1
+    return (
+        conn.execute(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
+            (vector_index.index_name(model_id),),
+        ).fetchone()[0]
+        == 1
+    )
 
 
-def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fake, clean_db, tmp_path,
-                                                                        monkeypatch):
+def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fake, clean_db, tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_BATCH_INPUTS", "2")  # many small requests: the budget stops mid-way
     corpus = tmp_path / "corpus"
     write_corpus(corpus, 24, words=600)
     settings = Settings.from_env()
     with db.make_pool(db.database_url(settings.database_config()), max_size=6) as pool:
         embed_directory(Runtime.build(settings), pool, corpus)
-        assert model_admin.served_model_id(pool) == OLD      # the first model is served at once
+        assert model_admin.served_model_id(pool) == OLD  # the first model is served at once
         query = clean_db.execute("SELECT text FROM app.chunks ORDER BY chunk_checksum LIMIT 1").fetchone()[0]
 
         added = model_admin.add(settings, pool, NEW_NAME, dimensions=NEW_DIMS)
@@ -56,7 +60,7 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
         assert added["model_id"] == NEW and added["new"] and added["enqueued"] == wanted >= 40
         assert not added["served"] and added["coverage"]["ready"] == 0
 
-        answers: list[tuple[float, float, str, int, float]] = []   # (start, end, model, hits, best distance)
+        answers: list[tuple[float, float, str, int, float]] = []  # (start, end, model, hits, best distance)
         errors: list[BaseException] = []
         stop = threading.Event()
 
@@ -66,8 +70,15 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
                     started = time.monotonic()
                     rt = model_runtime.served_runtime(settings, pool)
                     hits = search_uc.search(rt, pool, query, 3, mode="vector")
-                    answers.append((started, time.monotonic(), rt.model_id, len(hits),
-                                    min((h["distance"] for h in hits), default=9.0)))
+                    answers.append(
+                        (
+                            started,
+                            time.monotonic(),
+                            rt.model_id,
+                            len(hits),
+                            min((h["distance"] for h in hits), default=9.0),
+                        )
+                    )
                 except BaseException as exc:
                     errors.append(exc)
                     return
@@ -83,21 +94,23 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
         new_settings = settings.replace(embedding_model=NEW_NAME, embedding_dimensions=NEW_DIMS)
         # Half built, forced (not hoped for by timing): a run token budget of half the corpus stops
         # the worker with the new model partly embedded.
-        tokens = clean_db.execute("SELECT sum(token_count) FROM (SELECT DISTINCT ON (chunk_checksum) token_count "
-                                  "FROM app.chunks) t").fetchone()[0]
+        tokens = clean_db.execute(
+            "SELECT sum(token_count) FROM (SELECT DISTINCT ON (chunk_checksum) token_count FROM app.chunks) t"
+        ).fetchone()[0]
         with pytest.raises(BudgetExhausted):
-            work(Runtime.build(new_settings.replace(run_token_budget=tokens // 2)), pool, until_idle=True,
-                 concurrency=1)
+            work(
+                Runtime.build(new_settings.replace(run_token_budget=tokens // 2)), pool, until_idle=True, concurrency=1
+            )
         half = models.coverage(clean_db, NEW)
         assert 0 < half.ready < half.wanted
-        with pytest.raises(model_admin.NotCovered) as refused:   # `models serve` refuses a half-built model
+        with pytest.raises(model_admin.NotCovered) as refused:  # `models serve` refuses a half-built model
             model_admin.serve(pool, NEW_NAME)
         partial = refused.value.coverage
         assert 0 < partial.ready < partial.wanted
         assert "search stays on the served model" in str(refused.value)
         wait_for(lambda: len(answers) > 10, "searches while the new model is half built")
         serve_started = time.monotonic()
-        work(Runtime.build(new_settings), pool, until_idle=True, concurrency=1)   # the rest
+        work(Runtime.build(new_settings), pool, until_idle=True, concurrency=1)  # the rest
         served = model_admin.serve(pool, NEW_NAME)
         serve_done = time.monotonic()
         assert served["changed"] and served["previous"] == OLD and served["missing"] == 0
@@ -107,7 +120,7 @@ def test_search_answers_from_the_old_model_until_the_new_one_is_complete(env, fa
         thread.join(timeout=30)
 
     assert not errors, errors
-    assert len(answers) >= 16   # 11 or more while half built, 5 or more after the switch (waited for)
+    assert len(answers) >= 16  # 11 or more while half built, 5 or more after the switch (waited for)
     assert all(n == 3 for _, _, _, n, _ in answers), "a search answered with fewer than k hits"
     # The query is a chunk's own text: the best hit is that chunk (distance ~0) under whichever
     # model answered, so the query was embedded by the model whose vectors were read.
@@ -169,8 +182,12 @@ def test_serve_force_retire_and_purge_after_the_grace_period(env, fake, clean_db
     assert report["purged_models"] == 1 and report["purged_vectors"] == wanted
     assert vectors_of(clean_db, OLD) == 0 and not index_exists(clean_db, OLD)
     assert vectors_of(clean_db, NEW) == wanted
-    assert clean_db.execute("SELECT count(*) FROM app.embedding_jobs WHERE model_id = %s AND status <> 'superseded'",
-                            (OLD,)).fetchone()[0] == 0
+    assert (
+        clean_db.execute(
+            "SELECT count(*) FROM app.embedding_jobs WHERE model_id = %s AND status <> 'superseded'", (OLD,)
+        ).fetchone()[0]
+        == 0
+    )
     assert cli("models", "purge", env={**env, "PIPELINE_MODEL_RETIRE_GRACE": "0"}).stdout.strip() == "nothing to purge"
     old_row = next(r for r in json.loads(cli("models", "list", "--json", env=env).stdout) if r["model_id"] == OLD)
     assert old_row["purged_at"] and not old_row["active"] and not old_row["served"]
@@ -204,13 +221,22 @@ def model_admin_served(env: dict) -> str:
 
 def test_a_served_model_this_installation_cannot_build_is_one_line(env, clean_db):
     """An offline embedder replaced by a new version: its vectors are served, its code is gone."""
-    gone = ModelSpec(provider="local", name="local-hashing", id_name="hashing-gone-v0", dimension=4,
-                     max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000)
-    assert models.ensure_model(clean_db, gone)           # the first model: served at once
+    gone = ModelSpec(
+        provider="local",
+        name="local-hashing",
+        id_name="hashing-gone-v0",
+        dimension=4,
+        max_input_tokens=100,
+        max_batch_inputs=10,
+        max_batch_tokens=1000,
+    )
+    assert models.ensure_model(clean_db, gone)  # the first model: served at once
     settings = Settings.from_env()
     url = db.database_url(settings.database_config())
     with db.make_pool(url, max_size=2) as pool, pytest.raises(ConfigError) as refused:
         model_runtime.served_runtime(settings, pool)
-    assert str(refused.value) == ("this installation cannot embed a query with the served model "
-                                  f"local/hashing-gone-v0@4; `pipeline-assets models serve {OLD}` once it covers "
-                                  "the corpus (`models list`), or `search --model NAME`")
+    assert str(refused.value) == (
+        "this installation cannot embed a query with the served model "
+        f"local/hashing-gone-v0@4; `pipeline-assets models serve {OLD}` once it covers "
+        "the corpus (`models list`), or `search --model NAME`"
+    )

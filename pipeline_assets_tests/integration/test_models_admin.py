@@ -26,22 +26,28 @@ from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, write_co
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 OTHER_MODEL = "fake-embed-2"
-REFUSAL = (f"error: model {MODEL_ID} was retired; run `pipeline-assets models activate {MODEL_ID}` "
-           "to use it again")
-SPEC = ModelSpec(provider="test", name="adm", dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                 max_batch_tokens=1000)
+REFUSAL = f"error: model {MODEL_ID} was retired; run `pipeline-assets models activate {MODEL_ID}` to use it again"
+SPEC = ModelSpec(
+    provider="test", name="adm", dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+)
 
 
 def add_document(conn, texts: list[str], name: str = "d") -> int:
-    source_id = conn.execute("INSERT INTO app.sources (root) VALUES ('/adm') ON CONFLICT (root) DO UPDATE"
-                             " SET root = EXCLUDED.root RETURNING source_id").fetchone()[0]
-    doc_pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
-                          " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
-                          (source_id, name, f"file:///{name}", b"\x01")).fetchone()[0]
+    source_id = conn.execute(
+        "INSERT INTO app.sources (root) VALUES ('/adm') ON CONFLICT (root) DO UPDATE"
+        " SET root = EXCLUDED.root RETURNING source_id"
+    ).fetchone()[0]
+    doc_pk = conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
+        " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
+        (source_id, name, f"file:///{name}", b"\x01"),
+    ).fetchone()[0]
     for i, t in enumerate(texts):
-        conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
-                     (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+        conn.execute(
+            "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+            " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
+            (doc_pk, i, hashlib.sha256(t.encode()).digest(), t),
+        )
     return doc_pk
 
 
@@ -59,7 +65,8 @@ def test_every_command_configured_with_a_retired_model_is_refused_until_activate
     cli("embed", str(corpus), env=env)
     # The served model cannot be retired: another one is added, embedded and served first.
     assert cli("models", "retire", FAKE_MODEL, env=env, check=False).stderr.startswith(
-        f"error: model {MODEL_ID} is served")
+        f"error: model {MODEL_ID} is served"
+    )
     cli("models", "add", OTHER_MODEL, env=env)
     cli("work", "--until-idle", env={**env, "PIPELINE_EMBEDDING_MODEL": OTHER_MODEL})
     cli("models", "serve", OTHER_MODEL, env=env)
@@ -125,8 +132,12 @@ def exported_model(clean_db):
     doc = add_document(conn, texts)
     transitions.enqueue_for_docs(conn, [doc], 3)
     jobs = transitions.claim(conn, model_id=SPEC.model_id, owner="w", limit=len(texts), lease_seconds=60)
-    job_helpers.complete(conn, owner="w", job_ids=[j.job_id for j in jobs],
-                         vectors=[np.array([1, 0, 0, int(j.text.split()[1])], dtype=np.float32) for j in jobs])
+    job_helpers.complete(
+        conn,
+        owner="w",
+        job_ids=[j.job_id for j in jobs],
+        vectors=[np.array([1, 0, 0, int(j.text.split()[1])], dtype=np.float32) for j in jobs],
+    )
     return len(texts)
 
 
@@ -156,7 +167,7 @@ def test_an_export_stopped_early_leaves_the_connection_clean(database_url, expor
         rows = search_uc.export(pool, SPEC.model_id)
         assert next(rows)["model"] == "adm"
         rows.close()
-        with pool.connection(timeout=60) as conn:   # a connection left checked out never comes
+        with pool.connection(timeout=60) as conn:  # a connection left checked out never comes
             assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
             assert conn.execute("SELECT count(*) FROM pg_cursors").fetchone()[0] == 0
         assert sum(1 for _ in search_uc.export(pool, SPEC.model_id)) == exported_model

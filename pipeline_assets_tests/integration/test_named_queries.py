@@ -30,8 +30,14 @@ QUERY_DIR = queries.sql_dir() / "queries"
 
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
-    "jobs/transitions.py", "registry/models.py", "registry/vector_index.py", "jobs/ledger.py", "jobs/status.py",
-    "store/reports.py", "store/retrieval.py", "store/stage_runs.py",
+    "jobs/transitions.py",
+    "registry/models.py",
+    "registry/vector_index.py",
+    "jobs/ledger.py",
+    "jobs/status.py",
+    "store/reports.py",
+    "store/retrieval.py",
+    "store/stage_runs.py",
     "jobs/provider_state.py",
 ]
 # Every family in sql/queries/ (a new file is checked the day it lands).
@@ -104,8 +110,9 @@ def test_every_family_file_loads(path):
 
 
 def test_the_families_of_this_module_exist():
-    assert {"jobs", "models", "ledger", "reports", "retrieval", "stage_runs", "documents",
-            "migrations"} <= set(FAMILIES)
+    assert {"jobs", "models", "ledger", "reports", "retrieval", "stage_runs", "documents", "migrations"} <= set(
+        FAMILIES
+    )
 
 
 def _package_sources() -> dict[str, str]:
@@ -182,11 +189,17 @@ def test_owned_modules_build_no_sql_with_fstrings(module):
 
 def test_report_other_modules_with_fstring_sql():
     """Not an assertion for modules owned elsewhere: a warning listing them."""
-    offenders = {module: hits for module, text in _package_sources().items()
-                 if module not in OWNED and (hits := _fstring_sql(text))}
+    offenders = {
+        module: hits
+        for module, text in _package_sources().items()
+        if module not in OWNED and (hits := _fstring_sql(text))
+    }
     if offenders:
-        warnings.warn("SQL built with f-strings in: " + "; ".join(
-            f"{m} lines {[line for line, _ in hits]}" for m, hits in sorted(offenders.items())), stacklevel=1)
+        warnings.warn(
+            "SQL built with f-strings in: "
+            + "; ".join(f"{m} lines {[line for line, _ in hits]}" for m, hits in sorted(offenders.items())),
+            stacklevel=1,
+        )
 
 
 # --------------------------------------------------------------------------- psycopg.sql templates
@@ -206,8 +219,10 @@ def test_templates_have_exactly_their_fields():
     assert _fields(stage_runs.STAGE_RUNS.refresh_embed) == _fields(stage_runs.STAGE_RUNS.embed_counts) == {"state"}
     assert _fields(queries.load("estimates").summary) == {"wanted"}
     # A table source's templates: identifiers composed with sql.Identifier, types from the catalog.
-    table_fields = {"table_source": {"table", "id", "text", "updated", "id_type", "updated_type"},
-                    "change_log": {"table", "id", "text", "id_name"}}
+    table_fields = {
+        "table_source": {"table", "id", "text", "updated", "id_type", "updated_type"},
+        "change_log": {"table", "id", "text", "id_name"},
+    }
     for family, allowed in table_fields.items():
         for name in queries.load(family).names():
             assert _fields(getattr(queries.load(family), name)) <= allowed, (family, name)
@@ -216,20 +231,33 @@ def test_templates_have_exactly_their_fields():
         for name in fam.names():
             if family in table_fields:
                 continue
-            if (family, name) not in {("models", "create_hnsw_index"), ("models", "drop_index"),
-                                      ("retrieval", "nearest"),
-                                      ("jobs", "enqueue"), ("jobs", "claim"), ("migrations", "create_database"),
-                                      ("stage_runs", "embed_state"), ("stage_runs", "refresh_embed"),
-                                      ("stage_runs", "embed_counts"), ("estimates", "summary")} \
-                    and family != "roles":
+            if (family, name) not in {
+                ("models", "create_hnsw_index"),
+                ("models", "drop_index"),
+                ("retrieval", "nearest"),
+                ("jobs", "enqueue"),
+                ("jobs", "claim"),
+                ("migrations", "create_database"),
+                ("stage_runs", "embed_state"),
+                ("stage_runs", "refresh_embed"),
+                ("stage_runs", "embed_counts"),
+                ("estimates", "summary"),
+            } and family != "roles":
                 assert "{" not in getattr(fam, name), (family, name)
 
 
 def test_index_template_quotes_what_it_interpolates():
-    text = sql.SQL(models.MODELS.create_hnsw_index).format(
-        name=sql.Identifier("embeddings_hnsw_x"), kind=sql.Identifier("halfvec"),
-        opclass=sql.Identifier("halfvec_cosine_ops"), dim=sql.Literal(3072), model=sql.Literal("o'brien/m@16")
-    ).as_string(None)
+    text = (
+        sql.SQL(models.MODELS.create_hnsw_index)
+        .format(
+            name=sql.Identifier("embeddings_hnsw_x"),
+            kind=sql.Identifier("halfvec"),
+            opclass=sql.Identifier("halfvec_cosine_ops"),
+            dim=sql.Literal(3072),
+            model=sql.Literal("o'brien/m@16"),
+        )
+        .as_string(None)
+    )
     assert 'CREATE INDEX CONCURRENTLY IF NOT EXISTS "embeddings_hnsw_x" ON app.embeddings' in text
     assert '"halfvec"(3072)) "halfvec_cosine_ops"' in text
     assert "model_id = 'o''brien/m@16'" in text
@@ -268,12 +296,16 @@ def test_check_constraint_allows_exactly_the_job_statuses(conn):
 
 # Literals in jobs.sql that are not job states (anything else must be a JobStatus).
 NOT_STATUS_LITERALS = {
-    "lease_expired", "lease expired before completion (worker died or stalled)",  # error class / message
-    "worker_dead", "its worker process stopped beating (died) before completion",  # error class / message
-    "-infinity",                                                                   # timestamps
-    "app.embedding_jobs", "job_id",                                                # pg_get_serial_sequence
-    "synchronous_commit", "off",                                                   # set_config (claim)
-    "/",                                                   # a lease owner's worker prefix (rescue_expired)
+    "lease_expired",
+    "lease expired before completion (worker died or stalled)",  # error class / message
+    "worker_dead",
+    "its worker process stopped beating (died) before completion",  # error class / message
+    "-infinity",  # timestamps
+    "app.embedding_jobs",
+    "job_id",  # pg_get_serial_sequence
+    "synchronous_commit",
+    "off",  # set_config (claim)
+    "/",  # a lease owner's worker prefix (rescue_expired)
 }
 
 
@@ -298,23 +330,29 @@ def test_status_literals_in_jobs_sql_are_job_statuses():
 
 # --------------------------------------------------------------------------- the moved SQL, end to end
 
-SPEC = ModelSpec(provider="test", name="o'named", dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                 max_batch_tokens=1000)
+SPEC = ModelSpec(
+    provider="test", name="o'named", dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+)
 MODEL = SPEC.model_id
 
 
 def _seed_document(conn, document_id: str, texts: list[str]) -> tuple[int, list[bytes]]:
     source_id = conn.execute(
         "INSERT INTO app.sources (root) VALUES ('/named-queries') ON CONFLICT (root) DO UPDATE SET root = EXCLUDED.root"
-        " RETURNING source_id").fetchone()[0]
+        " RETURNING source_id"
+    ).fetchone()[0]
     doc_pk = conn.execute(
         "INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
         " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
-        (source_id, document_id, f"file:///{document_id}", b"\x01\xab")).fetchone()[0]
+        (source_id, document_id, f"file:///{document_id}", b"\x01\xab"),
+    ).fetchone()[0]
     sums = [hashlib.sha256(t.encode()).digest() for t in texts]
     for i, (s, t) in enumerate(zip(sums, texts)):
-        conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)", (doc_pk, i, s, t))
+        conn.execute(
+            "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+            " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
+            (doc_pk, i, s, t),
+        )
     return doc_pk, sums
 
 
@@ -331,18 +369,24 @@ def test_read_paths_run_against_a_real_database(clean_db):
     assert {c.token_count for c in claimed} == {3} and not any(c.probe for c in claimed)
     by_text = {c.text: c for c in claimed}
     vectors = {"alpha": [1, 0, 0, 0], "beta": [0, 1, 0, 0]}
-    ready, _ = job_helpers.complete(conn, owner="w", job_ids=[by_text[t].job_id for t in vectors],
-                                    vectors=[np.array(v, dtype=np.float32) for v in vectors.values()])
+    ready, _ = job_helpers.complete(
+        conn,
+        owner="w",
+        job_ids=[by_text[t].job_id for t in vectors],
+        vectors=[np.array(v, dtype=np.float32) for v in vectors.values()],
+    )
     assert len(ready) == 2
-    assert job_helpers.fail_terminal(conn, owner="w", job_ids=[by_text["gamma"].job_id], error_class="bad",
-                                     message="m") == [by_text["gamma"].job_id]
+    assert job_helpers.fail_terminal(
+        conn, owner="w", job_ids=[by_text["gamma"].job_id], error_class="bad", message="m"
+    ) == [by_text["gamma"].job_id]
     assert transitions.outstanding(conn, MODEL) == (False, False)
 
     # The index of a model id with a quote in it (the literal is quoted by psycopg.sql).
     vector_index.build(conn, MODEL, 4)
     vector_index.build(conn, MODEL, 4)  # idempotent
-    [(indexdef,)] = conn.execute("SELECT indexdef FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s",
-                                 (models._index_name(MODEL),)).fetchall()
+    [(indexdef,)] = conn.execute(
+        "SELECT indexdef FROM pg_indexes WHERE schemaname = 'app' AND indexname = %s", (models._index_name(MODEL),)
+    ).fetchall()
     assert "vector(4)" in indexdef and "'test/o''named@4'" in indexdef
 
     hits = search_uc.nearest(conn, MODEL, np.array([1, 0.1, 0, 0], dtype=np.float32), k=2)
@@ -364,8 +408,14 @@ def test_read_paths_run_against_a_real_database(clean_db):
     summary = reports.document_summaries(conn, "/named-queries", ["doc-a", "nope"])
     assert list(summary) == ["doc-a"]
     s = summary["doc-a"]
-    assert (s.doc_pk, s.status, s.source_checksum, s.text_checksum, s.chunks, s.tokens) == \
-        (doc_pk, "current", "01ab", None, 3, 9)
+    assert (s.doc_pk, s.status, s.source_checksum, s.text_checksum, s.chunks, s.tokens) == (
+        doc_pk,
+        "current",
+        "01ab",
+        None,
+        3,
+        9,
+    )
     assert s.chunks_digest == hashlib.sha256(b"".join(sums)).hexdigest()
     per_doc, total = reports.embedding_coverage(conn, "/named-queries", ["doc-a"], MODEL)
     assert per_doc == {"doc-a": reports.Coverage(wanted=3, ready=2, failed=1, waiting=0)}
@@ -375,17 +425,48 @@ def test_read_paths_run_against_a_real_database(clean_db):
 
     assert stage_runs.refresh_embed(conn, MODEL) == 1
     [target] = stage_runs.rerun_targets(conn, stage="embed", failed_only=True)
-    assert target == stage_runs.RerunTarget(root="/named-queries", document_id="doc-a", stage="embed",
-                                        status="failed", error_class="bad", code_version=MODEL)
+    assert target == stage_runs.RerunTarget(
+        root="/named-queries",
+        document_id="doc-a",
+        stage="embed",
+        status="failed",
+        error_class="bad",
+        code_version=MODEL,
+    )
 
-    ledger.record_call(conn, model_id=MODEL, worker_id="w", jobs=claimed[:2], tokens=7, outcome="ok",
-                       status=200, latency=0.01, billed=True)
+    ledger.record_call(
+        conn,
+        model_id=MODEL,
+        worker_id="w",
+        jobs=claimed[:2],
+        tokens=7,
+        outcome="ok",
+        status=200,
+        latency=0.01,
+        billed=True,
+    )
     assert ledger.tokens_today(conn, MODEL) == 7
-    assert database_status(conn).spend[MODEL] == {"calls": 1, "tokens": 7, "inputs_ok": 2, "failed_calls": 0,
-                                                    "duplicate_inputs": 0, "extra_sends": 0}
+    assert database_status(conn).spend[MODEL] == {
+        "calls": 1,
+        "tokens": 7,
+        "inputs_ok": 2,
+        "failed_calls": 0,
+        "duplicate_inputs": 0,
+        "extra_sends": 0,
+    }
 
-    assert models.list_models(conn) == [{"model_id": MODEL, "name": "o'named", "provider": "test", "dimension": 4,
-                                         "active": True, "ready": 2, "outstanding": 0, "index": "ready"}]
+    assert models.list_models(conn) == [
+        {
+            "model_id": MODEL,
+            "name": "o'named",
+            "provider": "test",
+            "dimension": 4,
+            "active": True,
+            "ready": 2,
+            "outstanding": 0,
+            "index": "ready",
+        }
+    ]
     assert transitions.requeue_failed(conn, all_failed=True) == {JobStatus.PENDING: 1, JobStatus.SUPERSEDED: 0}
     assert models.active_model_ids(conn) == [MODEL]
     assert models.retire(conn, MODEL) == 1

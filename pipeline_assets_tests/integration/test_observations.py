@@ -33,9 +33,9 @@ def _tricky_tree(tmp_path: Path) -> Path:
     (root / "broken.md").symlink_to(root / "nope.md")
     os.mkfifo(root / "pipe")
     raw = os.fsencode(str(root))
-    with open(raw + b"/caf\xe9.md", "wb") as f:      # not UTF-8: an escaped id
+    with open(raw + b"/caf\xe9.md", "wb") as f:  # not UTF-8: an escaped id
         f.write(b"latin-1 name")
-    with open(raw + b"/caf%E9.md", "wb") as f:       # a real name equal to that escape: it keeps the id
+    with open(raw + b"/caf%E9.md", "wb") as f:  # a real name equal to that escape: it keeps the id
         f.write(b"real name")
     return root
 
@@ -60,8 +60,12 @@ def test_walk_fails_like_the_scan(tmp_path):
 
 
 def _observed(conn, root: Path) -> dict[str, tuple]:
-    return {d: (c, s, m) for d, c, s, m in conn.execute(
-        "SELECT document_id, checksum, size, mtime_ns FROM app.source_observations WHERE root = %s", [str(root)])}
+    return {
+        d: (c, s, m)
+        for d, c, s, m in conn.execute(
+            "SELECT document_id, checksum, size, mtime_ns FROM app.source_observations WHERE root = %s", [str(root)]
+        )
+    }
 
 
 def _age(path: Path, seconds: float = 3600) -> None:
@@ -77,30 +81,33 @@ def test_scan_compares_in_the_database_and_reads_only_what_it_must(clean_db, tmp
     monkeypatch.setattr(observations, "READ_BATCH", 2)
     reads: list[str] = []
     real = folder_source.file_checksum
-    monkeypatch.setattr(folder_source, "file_checksum",
-                        lambda item, mb: reads.append(item.document_id) or real(item, mb))
+    monkeypatch.setattr(
+        folder_source, "file_checksum", lambda item, mb: reads.append(item.document_id) or real(item, mb)
+    )
     root = tmp_path / "src"
     (root / "d").mkdir(parents=True)
     for i in range(6):
         (root / "d" / f"old{i}.md").write_text(f"settled {i}")
         _age(root / "d" / f"old{i}.md")
-    (root / "fresh.md").write_text("just written")                 # racy: read now
-    (root / "link.md").symlink_to(root / "d" / "old0.md")           # its item, not root/link.md, is read
+    (root / "fresh.md").write_text("just written")  # racy: read now
+    (root / "link.md").symlink_to(root / "d" / "old0.md")  # its item, not root/link.md, is read
     _age(root / "link.md")
     first = observations.scan(conn, root, max_bytes=1 << 20)
     assert (first.present, first.unread, first.hashed, first.gone) == (8, 7, 1, 0)
     assert reads == ["fresh.md"]
     seen = _observed(conn, root)
     assert all(observations.is_unread(seen[f"d/old{i}.md"][0]) for i in range(6))
-    assert seen["fresh.md"][0] == real(folder_source.source_item(root, "fresh.md", str(root / "fresh.md"), 12, 0),
-                                       1 << 20) and seen["fresh.md"][2] == 0   # racy: mtime 0, read again
+    assert (
+        seen["fresh.md"][0] == real(folder_source.source_item(root, "fresh.md", str(root / "fresh.md"), 12, 0), 1 << 20)
+        and seen["fresh.md"][2] == 0
+    )  # racy: mtime 0, read again
 
     reads.clear()
-    for i in range(3):   # changed: read in batches of two
+    for i in range(3):  # changed: read in batches of two
         (root / "d" / f"old{i}.md").write_text(f"changed {i}!")
         _age(root / "d" / f"old{i}.md")
     (root / "d" / "old5.md").unlink()
-    _age(root / "fresh.md")   # settled now: read once more (its observation has mtime 0), then trusted
+    _age(root / "fresh.md")  # settled now: read once more (its observation has mtime 0), then trusted
     os.utime(root / "link.md", (time.time() - 7200, time.time() - 7200), follow_symlinks=False)
     (root / "d" / "old0.md").touch()
     _age(root / "d" / "old0.md", 7200)
@@ -110,11 +117,11 @@ def test_scan_compares_in_the_database_and_reads_only_what_it_must(clean_db, tmp
     seen = _observed(conn, root)
     assert seen["d/old5.md"][0] is None
     assert not any(observations.is_unread(seen[f"d/old{i}.md"][0]) for i in range(3))
-    assert seen["link.md"][0] == seen["d/old0.md"][0]       # the symlink was read through its item
+    assert seen["link.md"][0] == seen["d/old0.md"][0]  # the symlink was read through its item
 
     reads.clear()
     third = observations.scan(conn, root, max_bytes=1 << 20)
-    assert reads == [] and (third.hashed, third.written, third.gone) == (0, 0, 0)   # the prefilter vouches
+    assert reads == [] and (third.hashed, third.written, third.gone) == (0, 0, 0)  # the prefilter vouches
 
 
 def test_a_scan_of_some_buckets_sees_only_theirs_gone_and_never_an_empty_source_as_gone(clean_db, tmp_path):
@@ -130,7 +137,7 @@ def test_a_scan_of_some_buckets_sees_only_theirs_gone_and_never_an_empty_source_
     mine = observations.scan(conn, root, max_bytes=1 << 20, keep=lambda doc: doc in ("a.md", "c.md"))
     assert (mine.present, mine.gone) == (1, 1)
     seen = _observed(conn, root)
-    assert seen["a.md"][0] is None and seen["b.md"][0] is not None   # b.md is another bucket's to mark
+    assert seen["a.md"][0] is None and seen["b.md"][0] is not None  # b.md is another bucket's to mark
     (root / "c.md").unlink()
     empty = observations.scan(conn, root, max_bytes=1 << 20)
     assert (empty.empty_refused, empty.gone) == (2, 0)

@@ -20,8 +20,20 @@ import time
 
 from pipeline_assets_tests.conftest import REPO, cli, kill_group, start_cli, wait_until, write_corpus
 
-SUMMARY_KEYS = ["model", "documents", "documents_changed", "quarantined", "deleted", "chunks", "embedded",
-                "reused", "failed", "provider_calls", "coverage", "seconds"]
+SUMMARY_KEYS = [
+    "model",
+    "documents",
+    "documents_changed",
+    "quarantined",
+    "deleted",
+    "chunks",
+    "embedded",
+    "reused",
+    "failed",
+    "provider_calls",
+    "coverage",
+    "seconds",
+]
 
 
 def test_piped_output_is_unchanged(env, fake, clean_db, tmp_path):
@@ -44,8 +56,13 @@ def _run_on_a_terminal(args: list[str], env: dict, timeout: float = 120) -> tupl
     """Run the CLI with stderr on a pseudo-terminal (80x24), stdout on a pipe."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", *args], cwd=REPO,
-                            env={**env, "TERM": "xterm-256color"}, stdout=subprocess.PIPE, stderr=slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets.cli", *args],
+        cwd=REPO,
+        env={**env, "TERM": "xterm-256color"},
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    )
     os.close(slave)
     chunks = []
     deadline = time.monotonic() + timeout
@@ -73,15 +90,19 @@ def test_a_terminal_gets_a_progress_bar(env, fake, clean_db, tmp_path):
     (corpus / "bad.md").write_text("# bad\n\nPOISONED input\n")
     fake.poison_marker = "POISONED"  # one dead letter: a warning printed above the bar, not through it
     fake.latency = 0.05
-    code, out, term = _run_on_a_terminal(["embed", str(corpus), "--concurrency", "1"],
-                                         {**env, "PIPELINE_BATCH_INPUTS": "4"})
+    code, out, term = _run_on_a_terminal(
+        ["embed", str(corpus), "--concurrency", "1"], {**env, "PIPELINE_BATCH_INPUTS": "4"}
+    )
     assert code == 0, term
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", term)
     assert "embedding" in plain and "jobs/s" in plain and "eta" in plain, plain[-2000:]
     assert "31/31" in plain, plain[-2000:]  # the bar ends at the whole queue (the dead letter counts)
     flat = " ".join(plain.split())  # the terminal is 100 columns wide: a long line wraps
-    assert re.search(r"\d WARNING pipeline_assets.jobs: job dead-lettered \(bad_input\) \[job_id=\d+ "
-                     r"document_id=bad.md attempt=1 ", flat), plain[-3000:]
+    assert re.search(
+        r"\d WARNING pipeline_assets.jobs: job dead-lettered \(bad_input\) \[job_id=\d+ "
+        r"document_id=bad.md attempt=1 ",
+        flat,
+    ), plain[-3000:]
     (line,) = out.splitlines()  # stdout is still the one summary line
     assert "embedded=30 " in line
 
@@ -100,7 +121,7 @@ def test_status_watch_runs_until_ctrl_c(env, clean_db):
     proc = start_cli("status", "--watch", "0.2", env=env)
     seen = []
 
-    def refreshes() -> int:        # what it printed so far (read in its own thread: a pipe blocks)
+    def refreshes() -> int:  # what it printed so far (read in its own thread: a pipe blocks)
         return "".join(seen).count("status at ")
 
     reader = threading.Thread(target=lambda: seen.extend(iter(proc.stdout.readline, "")), daemon=True)

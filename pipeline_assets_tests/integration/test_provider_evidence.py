@@ -54,8 +54,9 @@ def _billed(fake) -> dict[str, int]:
 
 
 def _ledger_sends(conn, text: str) -> int:
-    return conn.execute("SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum)"
-                        " WHERE c.text = %s", (text,)).fetchone()[0]
+    return conn.execute(
+        "SELECT s.sends FROM app.input_sends s JOIN app.chunks c USING (chunk_checksum) WHERE c.text = %s", (text,)
+    ).fetchone()[0]
 
 
 def test_an_input_left_out_of_every_answer_is_dead_lettered_alone(env, fake, clean_db, tmp_path):
@@ -74,8 +75,10 @@ def test_an_input_left_out_of_every_answer_is_dead_lettered_alone(env, fake, cle
                           JOIN app.chunks c USING (chunk_checksum) WHERE j.status = 'failed'""").fetchone()
     assert row == ("bad_response", MAX_ATTEMPTS, bad)
     sends = fake.billed_count(bad)  # an answer that left it out was billed: every send is on the bill
-    print(f"\nfiltered input: {sends} sends (bound {SENDS_BOUND}); requests={fake.stats['requests']}, "
-          f"omitted={fake.stats['omitted']}")
+    print(
+        f"\nfiltered input: {sends} sends (bound {SENDS_BOUND}); requests={fake.stats['requests']}, "
+        f"omitted={fake.stats['omitted']}"
+    )
     assert MAX_ATTEMPTS <= sends <= SENDS_BOUND
     assert _ledger_sends(conn, bad) == sends  # the ledger counted each of them
     billed = _billed(fake)
@@ -83,8 +86,9 @@ def test_an_input_left_out_of_every_answer_is_dead_lettered_alone(env, fake, cle
     # A neighbour is billed once per request it shared with the filtered input before that went alone, plus once.
     assert max(n for t, n in billed.items() if t != bad) <= sends - MAX_ATTEMPTS + 1
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 39
-    rows = conn.execute("SELECT DISTINCT c.text FROM app.chunks c JOIN app.embeddings e USING (chunk_checksum)"
-                        ).fetchall()
+    rows = conn.execute(
+        "SELECT DISTINCT c.text FROM app.chunks c JOIN app.embeddings e USING (chunk_checksum)"
+    ).fetchall()
     assert bad not in {r[0] for r in rows}
 
 
@@ -96,8 +100,7 @@ def test_a_provider_answering_nothing_usable_stops_the_worker_across_restarts(en
     fake.short_rate = 1.0  # every answer one embedding short, even an answer to a single input
     first = cli("work", "--until-idle", env=env, check=False, timeout=HANG_SECONDS)
     lines = first.stderr.strip().splitlines()
-    assert first.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: unmatched_answers: "), \
-        first.stderr
+    assert first.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: unmatched_answers: "), first.stderr
     assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in lines[0]
     after_stop = _billed(fake)
     print(f"\nfirst run: {sum(after_stop.values())} inputs billed, {fake.stats['requests']} requests")
@@ -106,8 +109,9 @@ def test_a_provider_answering_nothing_usable_stops_the_worker_across_restarts(en
     for restart in range(3):
         again = cli("work", "--until-idle", env=env, check=False, timeout=HANG_SECONDS)
         lines = again.stderr.strip().splitlines()
-        assert again.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: unmatched_answers: "), \
+        assert again.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: unmatched_answers: "), (
             again.stderr
+        )
         assert _billed(fake) == after_stop, f"restart {restart} billed inputs again"
     assert conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 0
     assert set(job_counts(conn)) <= {"pending", "retry"}
@@ -134,8 +138,10 @@ def test_random_provider_wide_failures_do_not_shrink_requests(env, fake, clean_d
     out = cli("work", "--until-idle", "--json", env=run_env, timeout=HANG_SECONDS)
     sizes = [r[0] for r in conn.execute("SELECT inputs FROM app.provider_calls WHERE inputs > 0 ORDER BY call_id")]
     stats = fake.stats
-    print(f"\nharsh: requests={stats['requests']} by_status={stats['responses_by_status']} sizes={sizes} "
-          f"report={json.loads(out.stdout)}")
+    print(
+        f"\nharsh: requests={stats['requests']} by_status={stats['responses_by_status']} sizes={sizes} "
+        f"report={json.loads(out.stdout)}"
+    )
     assert job_counts(conn) == {"ready": len(texts)}
     assert stats["responses_by_status"].get(429, 0) > 0 and stats["responses_by_status"].get(500, 0) > 0
     assert min(sizes) > 1, "a request was shrunk to a single input by random provider-wide failures"
@@ -146,8 +152,12 @@ def test_random_provider_wide_failures_do_not_shrink_requests(env, fake, clean_d
 def test_a_poison_input_under_random_failures_is_isolated_with_bounded_sends(env, fake, clean_db, tmp_path):
     write_corpus(tmp_path / "c", 60)
     (tmp_path / "c" / "poison.md").write_text("# poison\n\nDROPME every request holding this is cut off\n")
-    run_env = {**env, "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS), "PIPELINE_BATCH_INPUTS": "16",
-               "PIPELINE_CALL_TIMEOUT": "60"}
+    run_env = {
+        **env,
+        "PIPELINE_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
+        "PIPELINE_BATCH_INPUTS": "16",
+        "PIPELINE_CALL_TIMEOUT": "60",
+    }
     cli("ingest", str(tmp_path / "c"), env=run_env)
     conn = clean_db
     texts = _texts(conn)
@@ -178,23 +188,36 @@ def test_the_first_probe_after_an_outage_reaches_the_provider_within_seconds(env
     worker = start_cli("work", env=run_env)
     try:
         # The worker met the outage: the breaker tripped (5 failures in a row).
-        wait_until(lambda: conn.execute("SELECT tripped FROM app.provider_state").fetchone() == (True,),
-                   timeout=HANG_SECONDS, what="the breaker to trip")
+        wait_until(
+            lambda: conn.execute("SELECT tripped FROM app.provider_state").fetchone() == (True,),
+            timeout=HANG_SECONDS,
+            what="the breaker to trip",
+        )
         outage_started = time.time()
-        wait_until(lambda: time.time() - outage_started >= OUTAGE_SECONDS, timeout=OUTAGE_SECONDS + 10,
-                   interval=0.5, what="the outage to last")
+        wait_until(
+            lambda: time.time() - outage_started >= OUTAGE_SECONDS,
+            timeout=OUTAGE_SECONDS + 10,
+            interval=0.5,
+            what="the outage to last",
+        )
         during = fake.stats["requests"]
         fake.random_faults = []
         recovered = time.time()
-        first = wait_until(lambda: [t for t in fake.stats["arrivals"] if t >= recovered], timeout=HANG_SECONDS,
-                           what="a request after the recovery")[0]
-        wait_until(lambda: job_counts(conn) == {"ready": len(texts)}, timeout=HANG_SECONDS,
-                   what="the corpus to complete")
+        first = wait_until(
+            lambda: [t for t in fake.stats["arrivals"] if t >= recovered],
+            timeout=HANG_SECONDS,
+            what="a request after the recovery",
+        )[0]
+        wait_until(
+            lambda: job_counts(conn) == {"ready": len(texts)}, timeout=HANG_SECONDS, what="the corpus to complete"
+        )
         done = time.time()
     finally:
         stop_group(worker)
-    print(f"\noutage: {during} requests in {OUTAGE_SECONDS + (recovered - outage_started - OUTAGE_SECONDS):.0f} s; "
-          f"first request {first - recovered:.1f} s after recovery, complete {done - recovered:.1f} s after")
+    print(
+        f"\noutage: {during} requests in {OUTAGE_SECONDS + (recovered - outage_started - OUTAGE_SECONDS):.0f} s; "
+        f"first request {first - recovered:.1f} s after recovery, complete {done - recovered:.1f} s after"
+    )
     assert first - recovered <= 10.0
     # Not hammered: once the breaker tripped, a probe per pause (at least half the probe interval),
     # not a request per claim loop; before it, at most a check (CHECK_TRIES trivial requests) per failure.

@@ -37,6 +37,7 @@ def chunk_texts(conn) -> list[str]:
 
 # 1 -- a failed or empty half-open probe releases its slot; the pause follows Retry-After ---------
 
+
 def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path):
     """30% of requests 429 (Retry-After: 1), 10% 500, default backoff settings:
     every chunk ready in under a minute, nothing billed twice."""
@@ -50,12 +51,15 @@ def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path
     run_env = {**env, "PIPELINE_BATCH_INPUTS": "8", "PIPELINE_BACKOFF_BASE": "1", "PIPELINE_BACKOFF_CAP": "60"}
     started = time.monotonic()
     # An hour's lease: a failed or empty probe that kept its slot for a lease would stall for an hour.
-    out = json.loads(cli("work", "--until-idle", "--json", "--lease-seconds", LONG_LEASE, env=run_env,
-                         timeout=HANG_SECONDS).stdout)
+    out = json.loads(
+        cli("work", "--until-idle", "--json", "--lease-seconds", LONG_LEASE, env=run_env, timeout=HANG_SECONDS).stdout
+    )
     wall = time.monotonic() - started
     stats = fake.stats
-    print(f"\nitem 1: wall={wall:.1f}s requests={stats['requests']} by_status={stats['responses_by_status']} "
-          f"billed_inputs={stats['billed_inputs']} unique_inputs={len(texts)} report={out}")
+    print(
+        f"\nitem 1: wall={wall:.1f}s requests={stats['requests']} by_status={stats['responses_by_status']} "
+        f"billed_inputs={stats['billed_inputs']} unique_inputs={len(texts)} report={out}"
+    )
     assert job_counts(conn) == {"ready": len(texts)}
     assert wall < HANG_SECONDS
     # 429 and 500 are not billed by the fake; no answer was lost: nothing may be billed twice.
@@ -71,12 +75,16 @@ def _queue(conn, n: int, model: str = "probe"):
     from pipeline_assets.providers import ModelSpec
     from pipeline_assets.registry import models
 
-    spec = ModelSpec(provider="test", name=model, dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                     max_batch_tokens=1000)
+    spec = ModelSpec(
+        provider="test", name=model, dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+    )
     models.ensure_model(conn, spec)
     src = conn.execute("INSERT INTO app.sources (root) VALUES ('/probe') RETURNING source_id").fetchone()[0]
-    doc = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status)"
-                       " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk", (src,)).fetchone()[0]
+    doc = conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
+        " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk",
+        (src,),
+    ).fetchone()[0]
     for i in range(n):
         conn.execute("INSERT INTO app.chunks VALUES (%s, %s, %s, 't', 1, 0, 1)", (doc, i, bytes([i + 1])))
     transitions.enqueue_for_docs(conn, [doc], 5)
@@ -98,18 +106,20 @@ def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, c
     assert transitions.claim(conn, model_id=model, owner="b", limit=1, lease_seconds=30) == []  # one probe at a time
     # The probe is throttled with Retry-After: 1.5: the pause is 1.5 s, not the probe's 30 s lease.
     job_helpers.give_back(conn, owner="a", job_ids=[probe[0].job_id], delay=1.5, throttled=True)
-    with conn.transaction():   # one now() for the pause and its reading: no slack for a slow machine
+    with conn.transaction():  # one now() for the pause and its reading: no slack for a slow machine
         provider_state.provider_failure(conn, model, trip=True, floor=1.5, base=1.0, cap=60.0, threshold=5)
         paused_for, probe_owner = conn.execute(
-            "SELECT extract(epoch FROM paused_until - now()), probe_owner FROM app.provider_state").fetchone()
+            "SELECT extract(epoch FROM paused_until - now()), probe_owner FROM app.provider_state"
+        ).fetchone()
     assert 1.4 <= float(paused_for) <= 1.5 and probe_owner is None
     assert transitions.claim(conn, model_id=model, owner="b", limit=1, lease_seconds=30) == []  # still paused
     _pause_over(conn)
     again = transitions.claim(conn, model_id=model, owner="b", limit=1, lease_seconds=30)
     assert [j.probe for j in again] == [True]  # the next probe goes out as soon as the pause ends
     # A throttle is counted on the job (and costs no attempt).
-    assert conn.execute("SELECT throttles, attempts FROM app.embedding_jobs WHERE job_id = %s",
-                        (probe[0].job_id,)).fetchone() == (1, 0)
+    assert conn.execute(
+        "SELECT throttles, attempts FROM app.embedding_jobs WHERE job_id = %s", (probe[0].job_id,)
+    ).fetchone() == (1, 0)
 
 
 def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
@@ -127,8 +137,10 @@ def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
     # At the threshold, a failure pauses again (a full-jitter backoff without a Retry-After).
     for _ in range(4):
         provider_state.provider_failure(conn, model, trip=False, floor=0.0, base=10.0, cap=10.0, threshold=5)
-    assert conn.execute("SELECT paused_until >= updated_at, probe_owner FROM app.provider_state").fetchone() \
-        == (True, None)
+    assert conn.execute("SELECT paused_until >= updated_at, probe_owner FROM app.provider_state").fetchone() == (
+        True,
+        None,
+    )
 
 
 def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
@@ -149,6 +161,7 @@ def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
     class Pool:  # PostgresJobStore over this one connection
         def connection(self):
             import contextlib
+
             return contextlib.nullcontext(conn)
 
     PostgresJobStore(Pool(), model_id=model, worker_id="w", backoff_base=1, backoff_cap=1).release_probe("b")
@@ -156,6 +169,7 @@ def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
 
 
 # 2 -- Retry-After is capped, and status says so --------------------------------------------------
+
 
 def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake, clean_db, tmp_path):
     write_corpus(tmp_path / "c", 6)
@@ -165,7 +179,7 @@ def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake
     run_env = {**env, "PIPELINE_RETRY_AFTER_CAP": "1"}
     started = time.monotonic()
     cli("work", "--until-idle", env=run_env, timeout=HANG_SECONDS)
-    assert time.monotonic() - started < HANG_SECONDS   # capped at 1 s, not the day asked for
+    assert time.monotonic() - started < HANG_SECONDS  # capped at 1 s, not the day asked for
     assert job_counts(conn) == {"ready": len(chunk_texts(conn))}
     assert fake.stats["responses_by_status"][429] == 1
     data = json.loads(cli("status", "--json", env=run_env).stdout)
@@ -173,15 +187,17 @@ def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake
     assert data["breaker"]["openai/fake-embed"]["state"] == "closed"
     # While the breaker is open, status says for how long.
     from pipeline_assets.jobs import provider_state
+
     provider_state.pause_provider(conn, "openai/fake-embed", 120)
     lines = cli("status", env=run_env).stdout.splitlines()
     breaker = next(line for line in lines if line.startswith("breaker openai/fake-embed:"))
     assert breaker.split(":", 1)[1].split()[0] == "open"
-    assert 60 < float(breaker.split("paused_for=")[1].split("s")[0]) <= 120   # a slow machine: seconds pass
+    assert 60 < float(breaker.split("paused_for=")[1].split("s")[0]) <= 120  # a slow machine: seconds pass
     assert "retry-after cap: 1s (PIPELINE_RETRY_AFTER_CAP)" in lines
 
 
 # 3 -- an always-throttled input is dead-lettered; the rest of the corpus moves ---------------------
+
 
 def test_an_always_throttled_input_is_dead_lettered_and_the_rest_completes(env, fake, clean_db, tmp_path):
     write_corpus(tmp_path / "c", 12)
@@ -203,10 +219,11 @@ def test_an_always_throttled_input_is_dead_lettered_and_the_rest_completes(env, 
     assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 1
     assert fake.stats["billed_inputs"] == len(texts) - 1
     print(f"\nitem 3: wall={wall:.1f}s requests={fake.stats['requests']} by_status={fake.stats['responses_by_status']}")
-    assert wall < HANG_SECONDS   # a hang bound: the bug was a model stalled forever
+    assert wall < HANG_SECONDS  # a hang bound: the bug was a model stalled forever
 
 
 # 5 -- faults that are not an item's ------------------------------------------------------------------
+
 
 def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt(env, fake, clean_db, tmp_path):
     write_corpus(tmp_path / "c", 23)
@@ -223,8 +240,9 @@ def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt
     assert fake.billed_count("ping") == 1
     # The 500 is the provider's and the request's: no input paid an attempt for it; each
     # counts the fault (which would shrink its next requests to a quarter: 23 still fit in one).
-    assert conn.execute("SELECT min(attempts), max(attempts), min(faults), max(faults)"
-                        " FROM app.embedding_jobs").fetchone() == (1, 1, 1, 1)
+    assert conn.execute(
+        "SELECT min(attempts), max(attempts), min(faults), max(faults) FROM app.embedding_jobs"
+    ).fetchone() == (1, 1, 1, 1)
     assert fake.stats["billed_inputs"] == 23 + 1
 
 
@@ -238,8 +256,9 @@ def test_only_a_split_for_a_bad_input_isolates(conn, clean_db):
     assert transitions.apply(conn, "b", [Isolate(tuple(ids))]) == [(Isolate(tuple(ids)), {})]  # not the holder
     transitions.apply(conn, "a", [Isolate(tuple(ids[:2]))])  # a split of a batch refused for a bad input
     job_helpers.give_back(conn, owner="a", job_ids=ids[:3])  # e.g. a throttle cut the split short
-    job_helpers.fail_retryable(conn, owner="a", job_ids=ids[3:], delays=[0.0, 0.0], error_class="http_500",
-                               message="boom")
+    job_helpers.fail_retryable(
+        conn, owner="a", job_ids=ids[3:], delays=[0.0, 0.0], error_class="http_500", message="boom"
+    )
     again = transitions.claim(conn, model_id=model, owner="c", limit=5, lease_seconds=30)
     assert {j.job_id: j.isolate for j in again} == {i: i in ids[:2] for i in ids}
     requests = request_plan.plan_requests(again, max_inputs=10, max_tokens=1000)
@@ -307,8 +326,10 @@ def test_an_unreachable_database_is_waited_for_a_refusing_one_is_counted():
     assert faults.count(psycopg.errors.AdminShutdown("terminating connection")) == (1, True)
     # A failover: the standby being promoted refuses connections, then writes, for a while.
     assert faults.count(psycopg.errors.CannotConnectNow("the database system is starting up")) == (1, True)
-    assert faults.count(psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only "
-                                                              "transaction")) == (1, True)
+    assert faults.count(psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction")) == (
+        1,
+        True,
+    )
     assert faults.count(db.DatabaseUnavailable("cannot connect to database")) == (1, True)
     assert faults.count(psycopg.errors.InsufficientPrivilege("permission denied")) == (1, False)
     assert faults.count(psycopg.errors.QueryCanceled("statement timeout")) == (2, False)
@@ -321,8 +342,15 @@ def test_an_unreachable_database_is_waited_for_a_refusing_one_is_counted():
 def test_an_answer_with_the_right_count_but_a_wrong_index_is_unmatched(fake, texts):
     """Each input's vector is the one carrying its index: a duplicate or missing index is an
     unusable answer of the provider (as a wrong count is), never vectors stored by position."""
-    provider = OpenAIProvider(FAKE_MODEL, api_key="test-key", base_url=fake.base_url, dimensions=None,
-                              timeout=10, max_batch_inputs=16, max_batch_tokens=10_000)
+    provider = OpenAIProvider(
+        FAKE_MODEL,
+        api_key="test-key",
+        base_url=fake.base_url,
+        dimensions=None,
+        timeout=10,
+        max_batch_inputs=16,
+        max_batch_tokens=10_000,
+    )
     try:
         assert len(provider.embed(texts).vectors) == len(texts)  # a sound answer passes
         fake.bad_index_rate = 1.0

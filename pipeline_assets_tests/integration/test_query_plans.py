@@ -47,21 +47,39 @@ from pipeline_assets.jobs import ledger, transitions
 from pipeline_assets.store import db, queries
 
 MODEL = "test/plans@8"
-DOCUMENTS, CHUNKS_PER_DOCUMENT = 45_000, 4        # 180,000 current chunks
-HISTORY = 90_000                                   # superseded jobs whose content is gone
+DOCUMENTS, CHUNKS_PER_DOCUMENT = 45_000, 4  # 180,000 current chunks
+HISTORY = 90_000  # superseded jobs whose content is gone
 JOB_TABLES = {"embedding_jobs", "job_keys"}
 BATCH = 64
 
 # Whole-set reconcile statements: one pass over the table is their job.
-SET_BASED = {"supersede_unwanted", "revive_wanted", "repair_missing_vectors", "drop_orphan_keys",
-             "enqueue_missing"}
+SET_BASED = {"supersede_unwanted", "revive_wanted", "repair_missing_vectors", "drop_orphan_keys", "enqueue_missing"}
 # Statements that never touch a job table.
-NO_JOB_TABLE = {"release_probe", "provider_failure", "provider_healthy", "enqueue_scope_docs",
-                "enqueue_scope_missing", "provider_pause", "provider_unusable", "provider_unusable_count",
-                "provider_usable"}
+NO_JOB_TABLE = {
+    "release_probe",
+    "provider_failure",
+    "provider_healthy",
+    "enqueue_scope_docs",
+    "enqueue_scope_missing",
+    "provider_pause",
+    "provider_unusable",
+    "provider_unusable_count",
+    "provider_usable",
+}
 # The statements the issue names; each must exist (a rename shows here, not as a silent skip).
-REQUIRED = {"claim_all", "claim_docs", "complete", "extend_lease", "rescue_expired", "give_back", "fail_retryable",
-            "outstanding", "supersede_unwanted_among", "revive_wanted_among", "enqueue_docs"}
+REQUIRED = {
+    "claim_all",
+    "claim_docs",
+    "complete",
+    "extend_lease",
+    "rescue_expired",
+    "give_back",
+    "fail_retryable",
+    "outstanding",
+    "supersede_unwanted_among",
+    "revive_wanted_among",
+    "enqueue_docs",
+}
 
 # The live queue, by share of the 180,000 current chunks (the rest is ready).
 LIVE = [("failed", 2), ("retry", 2), ("processing", 1), ("pending", 5)]
@@ -77,16 +95,22 @@ def big_queue(database_url):
     # server's role); on a server where the role is not one, the load is slower.
     with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
         conn.execute("SET session_replication_role = replica")
-    conn.execute("INSERT INTO app.models (model_id, provider, name, dimension) VALUES (%s, 'test', 'plans', 8)",
-                 (MODEL,))
+    conn.execute(
+        "INSERT INTO app.models (model_id, provider, name, dimension) VALUES (%s, 'test', 'plans', 8)", (MODEL,)
+    )
     source = conn.execute("INSERT INTO app.sources (root) VALUES ('/plans') RETURNING source_id").fetchone()[0]
-    conn.execute("""INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count)
+    conn.execute(
+        """INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count)
                     SELECT %s, 'd/' || g, 'd/' || g, 'current', %s FROM generate_series(1, %s) g""",
-                 (source, CHUNKS_PER_DOCUMENT, DOCUMENTS))
-    conn.execute("""INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,
+        (source, CHUNKS_PER_DOCUMENT, DOCUMENTS),
+    )
+    conn.execute(
+        """INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,
                                             char_start, char_end)
                     SELECT d.doc_pk, k, sha256(int8send(d.doc_pk * 10 + k)), 'c', 1, 0, 1
-                    FROM app.documents d CROSS JOIN generate_series(0, %s - 1) k""", (CHUNKS_PER_DOCUMENT,))
+                    FROM app.documents d CROSS JOIN generate_series(0, %s - 1) k""",
+        (CHUNKS_PER_DOCUMENT,),
+    )
     # Status by chunk: every 100 chunks, the first 90 ready, then the live queue's shares.
     cases, low = [], 90
     for status, share in LIVE:
@@ -94,11 +118,15 @@ def big_queue(database_url):
         low += share
     status_of = sql.SQL("CASE WHEN mod(n, 100) < 90 THEN 'ready' {} END").format(sql.SQL(" ").join(cases))
     with conn.transaction():  # a job and its key commit together (deferred foreign keys)
-        conn.execute("""INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts, updated_at)
+        conn.execute(
+            """INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts, updated_at)
                         SELECT sha256(('gone' || g)::bytea), %s, 'superseded', 1,
                                now() - random() * interval '30 days'
-                        FROM generate_series(1, %s) g""", (MODEL, HISTORY))
-        conn.execute(sql.SQL("""
+                        FROM generate_series(1, %s) g""",
+            (MODEL, HISTORY),
+        )
+        conn.execute(
+            sql.SQL("""
             INSERT INTO app.embedding_jobs (chunk_checksum, model_id, status, attempts, available_at,
                                             lease_owner, lease_expires_at, updated_at)
             SELECT checksum, %(m)s, status, 1, now() + (random() * 600 - 300) * interval '1 second',
@@ -112,50 +140,93 @@ def big_queue(database_url):
                   FROM app.documents d CROSS JOIN generate_series(0, {per} - 1) k) c,
                  LATERAL (SELECT {status} AS status) s
             ORDER BY array_position(ARRAY['ready', 'failed', 'retry', 'processing', 'pending'], status), n
-            """).format(per=sql.Literal(CHUNKS_PER_DOCUMENT), status=status_of), {"m": MODEL})
+            """).format(per=sql.Literal(CHUNKS_PER_DOCUMENT), status=status_of),
+            {"m": MODEL},
+        )
         conn.execute("""INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
                         SELECT chunk_checksum, model_id, job_id FROM app.embedding_jobs""")
     conn.execute("""INSERT INTO app.embeddings (chunk_checksum, model_id, embedding)
                     SELECT chunk_checksum, model_id, '[1,0,0,0,0,0,0,0]' FROM app.embedding_jobs
                     WHERE status = 'ready'""")
     for i in range(4):
-        conn.execute("""INSERT INTO app.workers (owner_prefix, worker_id, model_id, host, pid, alive_since,
+        conn.execute(
+            """INSERT INTO app.workers (owner_prefix, worker_id, model_id, host, pid, alive_since,
                                                  alive_until)
                         VALUES (%s, %s, %s, 'h', 1, now() - interval '1 minute', now() + interval '5 seconds')""",
-                     (f"w{i}/00000000-0000-0000-0000-00000000000{i}/", f"w{i}", MODEL))
+            (f"w{i}/00000000-0000-0000-0000-00000000000{i}/", f"w{i}", MODEL),
+        )
     conn.execute("INSERT INTO app.provider_state (model_id) VALUES (%s)", (MODEL,))
     conn.execute("RESET session_replication_role")
     loaded = time.monotonic() - started
     conn.execute("VACUUM ANALYZE")  # as autovacuum would have (and B4 does)
-    print(f"\nloaded {conn.execute('SELECT count(*) FROM app.embedding_jobs').fetchone()[0]} jobs in {loaded:.1f} s, "
-          f"vacuum analyze {time.monotonic() - started - loaded:.1f} s")
+    print(
+        f"\nloaded {conn.execute('SELECT count(*) FROM app.embedding_jobs').fetchone()[0]} jobs in {loaded:.1f} s, "
+        f"vacuum analyze {time.monotonic() - started - loaded:.1f} s"
+    )
     yield conn
     conn.close()
 
 
 def _params(conn) -> dict:
     """One set of realistic parameters, a superset of every statement's."""
-    owner = conn.execute("SELECT lease_owner FROM app.embedding_jobs WHERE status = 'processing'"
-                         " ORDER BY job_id LIMIT 1").fetchone()[0]
-    held = [r[0] for r in conn.execute("SELECT job_id FROM app.embedding_jobs WHERE lease_owner = %s"
-                                       " ORDER BY job_id LIMIT %s", (owner, BATCH))]
-    failed = [r[0] for r in conn.execute("SELECT job_id FROM app.embedding_jobs WHERE status = 'failed'"
-                                         " ORDER BY job_id LIMIT 10")]
+    owner = conn.execute(
+        "SELECT lease_owner FROM app.embedding_jobs WHERE status = 'processing' ORDER BY job_id LIMIT 1"
+    ).fetchone()[0]
+    held = [
+        r[0]
+        for r in conn.execute(
+            "SELECT job_id FROM app.embedding_jobs WHERE lease_owner = %s ORDER BY job_id LIMIT %s", (owner, BATCH)
+        )
+    ]
+    failed = [
+        r[0]
+        for r in conn.execute("SELECT job_id FROM app.embedding_jobs WHERE status = 'failed' ORDER BY job_id LIMIT 10")
+    ]
     docs = [r[0] for r in conn.execute("SELECT doc_pk FROM app.documents ORDER BY doc_pk DESC LIMIT 200")]
-    checksums = [bytes(r[0]) for r in conn.execute(
-        "SELECT chunk_checksum FROM app.chunks WHERE doc_pk = ANY(%s)", (docs,))]
+    checksums = [
+        bytes(r[0]) for r in conn.execute("SELECT chunk_checksum FROM app.chunks WHERE doc_pk = ANY(%s)", (docs,))
+    ]
     vector = np.zeros(8, dtype=np.float32)
     vector[0] = 1.0
     rescuer = "w0/00000000-0000-0000-0000-000000000000/"
-    return {"model": MODEL, "owner": owner, "limit": BATCH, "lease": 60.0, "ids": held,
-            "vecs": [vector] * len(held), "delays": [1.0] * len(held), "delay": 0.0, "cls": "timeout",
-            "msg": "timed out", "throttled": False, "job_ids": held, "vectors": [vector] * len(held),
-            "error_class": "timeout", "message": "timed out", "faulted": False, "rescuer": rescuer,
-            "base": 1.0, "cap": 60.0, "free_faults": 6,
-            "checksums": checksums, "models": [MODEL] * len(checksums), "all": False,
-            "max_attempts": 5, "docs": docs, "trip": True, "floor": 1.0, "threshold": 5, "probe_cap": 5.0,
-            "failed_ids": failed, "call": 1, "tokens": len(held), "latency_ms": 5, "outcome": "ok",
-            "http_status": 200, "billed": "yes"}
+    return {
+        "model": MODEL,
+        "owner": owner,
+        "limit": BATCH,
+        "lease": 60.0,
+        "ids": held,
+        "vecs": [vector] * len(held),
+        "delays": [1.0] * len(held),
+        "delay": 0.0,
+        "cls": "timeout",
+        "msg": "timed out",
+        "throttled": False,
+        "job_ids": held,
+        "vectors": [vector] * len(held),
+        "error_class": "timeout",
+        "message": "timed out",
+        "faulted": False,
+        "rescuer": rescuer,
+        "base": 1.0,
+        "cap": 60.0,
+        "free_faults": 6,
+        "checksums": checksums,
+        "models": [MODEL] * len(checksums),
+        "all": False,
+        "max_attempts": 5,
+        "docs": docs,
+        "trip": True,
+        "floor": 1.0,
+        "threshold": 5,
+        "probe_cap": 5.0,
+        "failed_ids": failed,
+        "call": 1,
+        "tokens": len(held),
+        "latency_ms": 5,
+        "outcome": "ok",
+        "http_status": 200,
+        "billed": "yes",
+    }
 
 
 def _statements() -> dict[str, sql.Composable]:
@@ -167,7 +238,8 @@ def _statements() -> dict[str, sql.Composable]:
         if name in ("enqueue", "claim"):  # templates with their scopes (and the claim's batch size)
             for scope in [n for n in jobs.names() if n.startswith(f"{name}_scope_")]:
                 out[scope.replace("_scope", "")] = sql.SQL(getattr(jobs, name)).format(
-                    scope=sql.SQL(getattr(jobs, scope)), **({"limit": sql.Literal(BATCH)} if name == "claim" else {}))
+                    scope=sql.SQL(getattr(jobs, scope)), **({"limit": sql.Literal(BATCH)} if name == "claim" else {})
+                )
             continue
         if "_scope_" in name:
             continue
@@ -183,8 +255,9 @@ def _nodes(plan: dict, repeated: bool = False):
     children = plan.get("Plans", [])
     outer_rows = next((c.get("Plan Rows", 1) for c in children if c.get("Parent Relationship") == "Outer"), 1)
     for child in children:
-        inner = (plan["Node Type"] == "Nested Loop" and child.get("Parent Relationship") == "Inner"
-                 and outer_rows > 1) or child.get("Parent Relationship") == "SubPlan"
+        inner = (
+            plan["Node Type"] == "Nested Loop" and child.get("Parent Relationship") == "Inner" and outer_rows > 1
+        ) or child.get("Parent Relationship") == "SubPlan"
         yield from _nodes(child, repeated or inner)
 
 
@@ -203,8 +276,11 @@ def test_queue_statements_do_not_scan_the_job_table(big_queue):
         run = dict(params, ids=params["failed_ids"]) if name == "requeue_failed" else params
         plan = _plan(conn, statement, run)
         planned[name] = plan["Total Cost"]
-        seq = [(n["Relation Name"], n.get("Plan Rows"), again) for n, again in _nodes(plan)
-               if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in JOB_TABLES]
+        seq = [
+            (n["Relation Name"], n.get("Plan Rows"), again)
+            for n, again in _nodes(plan)
+            if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in JOB_TABLES
+        ]
         if name in SET_BASED:
             if any(again for *_, again in seq):
                 quadratic[name] = seq
@@ -227,34 +303,56 @@ def test_claim_and_complete_cost_follows_the_batch_not_the_table(big_queue):
     params = _params(conn)
     params["owner"] = "w1/00000000-0000-0000-0000-000000000001/999999"
     with conn.transaction(force_rollback=True):
-        claim = conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(jobs.claim).format(
-            scope=sql.SQL(jobs.claim_scope_all), limit=sql.Literal(BATCH)), params).fetchone()[0][0]
-        claimed = [r[0] for r in conn.execute("SELECT job_id FROM app.embedding_jobs WHERE lease_owner = %s",
-                                              (params["owner"],))]
+        claim = conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ")
+            + sql.SQL(jobs.claim).format(scope=sql.SQL(jobs.claim_scope_all), limit=sql.Literal(BATCH)),
+            params,
+        ).fetchone()[0][0]
+        claimed = [
+            r[0]
+            for r in conn.execute("SELECT job_id FROM app.embedding_jobs WHERE lease_owner = %s", (params["owner"],))
+        ]
         assert len(claimed) == BATCH
         vector = params["vecs"][0]
-        checksums = [bytes(r[0]) for r in conn.execute(
-            "SELECT chunk_checksum FROM app.embedding_jobs WHERE job_id = ANY(%s)", (claimed,))]
+        checksums = [
+            bytes(r[0])
+            for r in conn.execute("SELECT chunk_checksum FROM app.embedding_jobs WHERE job_id = ANY(%s)", (claimed,))
+        ]
         call = ledger.record_send(conn, model_id=MODEL, worker_id="w1", checksums=checksums, tokens=BATCH)
         # The successful answer's one statement: the call settled, the jobs completed, their vectors stored.
-        complete = conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(jobs.complete),
-                                dict(params, job_ids=claimed, vectors=[vector] * len(claimed), call=call, tokens=BATCH)
-                                ).fetchone()[0][0]
-        assert conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE job_id = ANY(%s) AND status = 'ready'",
-                            (claimed,)).fetchone()[0] == BATCH
-        assert conn.execute("SELECT outcome, billed, tokens, answered_at IS NOT NULL FROM app.provider_calls"
-                            " WHERE call_id = %s", (call,)).fetchone() == ("ok", "yes", BATCH, True)
+        complete = conn.execute(
+            sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + sql.SQL(jobs.complete),
+            dict(params, job_ids=claimed, vectors=[vector] * len(claimed), call=call, tokens=BATCH),
+        ).fetchone()[0][0]
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM app.embedding_jobs WHERE job_id = ANY(%s) AND status = 'ready'", (claimed,)
+            ).fetchone()[0]
+            == BATCH
+        )
+        assert conn.execute(
+            "SELECT outcome, billed, tokens, answered_at IS NOT NULL FROM app.provider_calls WHERE call_id = %s",
+            (call,),
+        ).fetchone() == ("ok", "yes", BATCH, True)
         # Every job won: the supersede of the refused ones (lost) probed no row of the job table.
-        lost = [n for n, _ in _nodes(complete["Plan"]) if n.get("Relation Name") == "embedding_jobs"
-                and n["Node Type"] == "ModifyTable" and n.get("Operation") == "Update" and n.get("Actual Rows") == 0]
+        lost = [
+            n
+            for n, _ in _nodes(complete["Plan"])
+            if n.get("Relation Name") == "embedding_jobs"
+            and n["Node Type"] == "ModifyTable"
+            and n.get("Operation") == "Update"
+            and n.get("Actual Rows") == 0
+        ]
         assert lost and all(_probed(n) == 0 for n in lost), lost
 
     def buffers(p: dict) -> int:
         top = p["Plan"]
         return top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
 
-    print(f"\njob table {pages} pages; claim of {BATCH}: {buffers(claim)} buffers, {claim['Execution Time']:.1f} ms;"
-          f" complete: {buffers(complete)} buffers, {complete['Execution Time']:.1f} ms")
+    print(
+        f"\njob table {pages} pages; claim of {BATCH}: {buffers(claim)} buffers, {claim['Execution Time']:.1f} ms;"
+        f" complete: {buffers(complete)} buffers, {complete['Execution Time']:.1f} ms"
+    )
     # About 20 buffers per job (index descents, the rows, their index entries); a
     # sequential scan would read every page of the table.
     for name, p in (("claim", claim), ("complete", complete)):
@@ -273,23 +371,32 @@ def test_the_claim_is_planned_once_per_connection_and_its_plan_follows_the_batch
     for scoped in (False, True):
         numbered = _numbered(transitions.claim_statement(scoped, BATCH).decode())
         plan = conn.execute(sql.SQL("EXPLAIN (GENERIC_PLAN, FORMAT JSON) ") + sql.SQL(numbered)).fetchone()[0][0]
-        seq = [n["Relation Name"] for n, _ in _nodes(plan["Plan"])
-               if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in JOB_TABLES]
+        seq = [
+            n["Relation Name"]
+            for n, _ in _nodes(plan["Plan"])
+            if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in JOB_TABLES
+        ]
         assert not seq, (scoped, seq)
     with conn.transaction(force_rollback=True):
         # 5 runs before psycopg prepares it, 5 custom plans before the server may go generic
         for i in range(13):
-            assert len(transitions.claim(conn, model_id=MODEL, owner=f"generic/{i}", limit=BATCH,
-                                         lease_seconds=60)) == BATCH
-        generic, custom = conn.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements"
-                                       " WHERE statement LIKE '%%SKIP LOCKED%%'").fetchone()
+            assert (
+                len(transitions.claim(conn, model_id=MODEL, owner=f"generic/{i}", limit=BATCH, lease_seconds=60))
+                == BATCH
+            )
+        generic, custom = conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%%SKIP LOCKED%%'"
+        ).fetchone()
     assert (generic, custom) == (3, 5)
 
 
 def _probed(plan: dict) -> int:
     """Rows the scans under a plan node read (actual rows times loops)."""
-    return sum(int(n.get("Actual Rows", 0) * n.get("Actual Loops", 1)) for n, _ in _nodes(plan)
-               if "Scan" in n["Node Type"] and n.get("Relation Name") == "embedding_jobs")
+    return sum(
+        int(n.get("Actual Rows", 0) * n.get("Actual Loops", 1))
+        for n, _ in _nodes(plan)
+        if "Scan" in n["Node Type"] and n.get("Relation Name") == "embedding_jobs"
+    )
 
 
 def _numbered(text: str) -> str:

@@ -28,9 +28,13 @@ def listed(out: str) -> list[str]:
 
 
 def extract_rows(conn) -> dict[str, tuple[str, str, int]]:
-    return {r[0]: tuple(r[1:]) for r in conn.execute(
-        "SELECT d.document_id, s.status, s.code_version, s.attempts FROM app.stage_runs s "
-        "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'")}
+    return {
+        r[0]: tuple(r[1:])
+        for r in conn.execute(
+            "SELECT d.document_id, s.status, s.code_version, s.attempts FROM app.stage_runs s "
+            "JOIN app.documents d USING (doc_pk) WHERE s.stage = 'extract'"
+        )
+    }
 
 
 def mixed_corpus(root: Path) -> tuple[list[str], list[str]]:
@@ -49,8 +53,12 @@ def test_a_pdf_only_fix_reextracts_only_pdfs_and_bills_nothing(env, fake, clean_
     pdfs, others = mixed_corpus(corpus)
     cli("embed", str(corpus), env=env)
     assert {v[:2] for v in extract_rows(conn).values()} == {("succeeded", "extract-1")}
-    assert conn.execute("SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                        " WHERE d.document_id LIKE '%.pdf'").fetchone()[0] >= 2
+    assert (
+        conn.execute(
+            "SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id LIKE '%.pdf'"
+        ).fetchone()[0]
+        >= 2
+    )
     jobs_before = conn.execute("SELECT job_id, status, attempts FROM app.embedding_jobs ORDER BY 1").fetchall()
     fake.reset_stats()
 
@@ -63,8 +71,10 @@ def test_a_pdf_only_fix_reextracts_only_pdfs_and_bills_nothing(env, fake, clean_
     rows = extract_rows(conn)
     assert {d: rows[d] for d in pdfs} == {d: ("succeeded", "extract-2", 2) for d in pdfs}
     assert {d: rows[d] for d in others} == {d: ("succeeded", "extract-1", 1) for d in others}
-    assert dict(conn.execute("SELECT document_id, extractor_version FROM app.documents")) == \
-        {**{d: "extract-2" for d in pdfs}, **{d: "extract-1" for d in others}}
+    assert dict(conn.execute("SELECT document_id, extractor_version FROM app.documents")) == {
+        **{d: "extract-2" for d in pdfs},
+        **{d: "extract-1" for d in others},
+    }
     # Same texts -> same chunks -> the jobs are untouched and a worker sends nothing.
     assert conn.execute("SELECT job_id, status, attempts FROM app.embedding_jobs ORDER BY 1").fetchall() == jobs_before
     work = json.loads(cli("work", "--until-idle", "--json", env=env2).stdout)
@@ -91,10 +101,14 @@ def test_filters_combine_and_dry_run_changes_nothing(env, fake, clean_db, corpus
     assert dry("--error-class", "unsupported_binary", "--document", "b/*") == ["b/blob.bin"]
     assert dry("--error-class", "too_large") == []
     assert dry("--stage", "chunk", "--status", "skipped", "--document", "*/blob.*") == ["a/blob.bin", "b/blob.bin"]
-    assert dry("--status", "succeeded", "--document", "a/doc000?.md", "--document", "b/doc0001.md") == \
-        ["a/doc0000.md", "a/doc0001.md", "a/doc0002.md", "b/doc0001.md"]
-    assert dry("--document", "a/doc_000%.md") == []          # LIKE's own wildcards are literal
-    assert extract_rows(conn) == before                       # a dry run changed nothing
+    assert dry("--status", "succeeded", "--document", "a/doc000?.md", "--document", "b/doc0001.md") == [
+        "a/doc0000.md",
+        "a/doc0001.md",
+        "a/doc0002.md",
+        "b/doc0001.md",
+    ]
+    assert dry("--document", "a/doc_000%.md") == []  # LIKE's own wildcards are literal
+    assert extract_rows(conn) == before  # a dry run changed nothing
 
     # Re-extract a/doc* under extract-2 only; --before-version then finds the rest.
     env2 = {**env, "PIPELINE_EXTRACTOR_VERSION": "extract-2"}
@@ -102,14 +116,18 @@ def test_filters_combine_and_dry_run_changes_nothing(env, fake, clean_db, corpus
     rest = ["a/blob.bin", "b/blob.bin", "b/doc0000.md", "b/doc0001.md"]
     assert dry("--before-version", "extract-2", env=env2) == rest
     assert dry("--stale", env=env2) == rest
-    assert dry("--before-version", "extract-2", "--status", "succeeded", "--document", "b/*", env=env2) == \
-        ["b/doc0000.md", "b/doc0001.md"]
+    assert dry("--before-version", "extract-2", "--status", "succeeded", "--document", "b/*", env=env2) == [
+        "b/doc0000.md",
+        "b/doc0001.md",
+    ]
     assert dry("--before-version", "extract-1", env=env2) == []
-    assert dry("--before-version", "other-3", env=env2) == []   # another name: not "before" it
+    assert dry("--before-version", "other-3", env=env2) == []  # another name: not "before" it
 
     # Misuse is one line and exit status 1.
-    for args, needle in ((("--before-version", "latest"), "must end with a number"),
-                         (("--stage", "embed", "--stale"), "embed stage's version is its model")):
+    for args, needle in (
+        (("--before-version", "latest"), "must end with a number"),
+        (("--stage", "embed", "--stale"), "embed stage's version is its model"),
+    ):
         proc = cli("rerun", *args, env=env, check=False)
         assert proc.returncode == 1 and proc.stderr.startswith("error: ") and needle in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -155,21 +173,42 @@ def test_the_query_finds_each_documents_format_as_extract_text_does(clean_db):
 
     conn = clean_db
     versions = ExtractorVersions.of_formats({"text": "T-1", "html": "H-1", "pdf": "P-1"})
-    ids = ["a.PDF", "b.tar.pdf", "dir.pdf/readme", "dir.pdf/x.Html", "x.", "y", "n/.pdf", "c..htm",
-           "d.Md", "e.pdf.txt", "f.unknown", "g/h.pdf"]
+    ids = [
+        "a.PDF",
+        "b.tar.pdf",
+        "dir.pdf/readme",
+        "dir.pdf/x.Html",
+        "x.",
+        "y",
+        "n/.pdf",
+        "c..htm",
+        "d.Md",
+        "e.pdf.txt",
+        "f.unknown",
+        "g/h.pdf",
+    ]
     source = conn.execute("INSERT INTO app.sources (root) VALUES ('/fmt') RETURNING source_id").fetchone()[0]
     for doc in ids:
-        pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status) "
-                          "VALUES (%s, %s, %s, 'current') RETURNING doc_pk", (source, doc, doc)).fetchone()[0]
-        conn.execute("INSERT INTO app.stage_runs (doc_pk, stage, status, code_version) "
-                     "VALUES (%s, 'extract', 'succeeded', %s)", (pk, versions.of(doc)))
+        pk = conn.execute(
+            "INSERT INTO app.documents (source_id, document_id, source_uri, status) "
+            "VALUES (%s, %s, %s, 'current') RETURNING doc_pk",
+            (source, doc, doc),
+        ).fetchone()[0]
+        conn.execute(
+            "INSERT INTO app.stage_runs (doc_pk, stage, status, code_version) VALUES (%s, 'extract', 'succeeded', %s)",
+            (pk, versions.of(doc)),
+        )
     assert {versions.of(d) for d in ids} == {"T-1", "H-1", "P-1"}
 
     def stale(v: ExtractorVersions) -> list[str]:
-        return sorted(t.document_id for t in stage_runs.rerun_targets(
-            conn, stage="extract", not_version=v.default, versions_by_extension=v.by_extension()))
+        return sorted(
+            t.document_id
+            for t in stage_runs.rerun_targets(
+                conn, stage="extract", not_version=v.default, versions_by_extension=v.by_extension()
+            )
+        )
 
-    assert stale(versions) == []                                    # each row has its own format's version
+    assert stale(versions) == []  # each row has its own format's version
     bumped = ExtractorVersions.of_formats({"text": "T-1", "html": "H-1", "pdf": "P-2"})
     assert stale(bumped) == sorted(d for d in ids if versions.of(d) == "P-1")
     assert stale(bumped) == ["a.PDF", "b.tar.pdf", "g/h.pdf"]
@@ -182,8 +221,9 @@ def test_the_walk_through_on_the_bundled_corpus_selects_its_one_pdf(env, fake, c
     cli("ingest", str(bundled), env=env)
     env2 = {**env, "PIPELINE_EXTRACTOR_VERSION": "pdf=extract-2"}
     assert listed(cli("rerun", "--stale", "--dry-run", env=env2).stdout) == ["ops/capacity-planning.pdf"]
-    assert listed(cli("rerun", "--stale", "--document", "ops/*", "--dry-run", env=env2).stdout) == \
-        ["ops/capacity-planning.pdf"]
+    assert listed(cli("rerun", "--stale", "--document", "ops/*", "--dry-run", env=env2).stdout) == [
+        "ops/capacity-planning.pdf"
+    ]
     assert cli("rerun", "--stale", env=env2).stdout.strip() == "reran extract for 1 document(s)"
     assert extract_rows(conn)["ops/capacity-planning.pdf"] == ("succeeded", "extract-2", 2)
     assert {v[1:] for k, v in extract_rows(conn).items() if not k.endswith(".pdf")} == {("extract-1", 1)}
@@ -205,7 +245,7 @@ def test_rerun_stale_pages_through_every_target(env, fake, clean_db, corpus, mon
     reads: list[int] = []
     real = stage_runs.rerun_targets
 
-    def two_at_most(conn, **filters):   # a page of the query is never more than 2 rows
+    def two_at_most(conn, **filters):  # a page of the query is never more than 2 rows
         rows = real(conn, **{**filters, "limit": min(filters.get("limit", 2), 2)})
         reads.append(len(rows))
         return rows

@@ -56,11 +56,19 @@ def _as(url: str, role: str) -> str:
 
 def _env(url: str, fake, tmp_path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
-    env.update({
-        "PIPELINE_DATABASE_URL": url, "OPENAI_API_KEY": "test-key", "OPENAI_BASE_URL": fake.base_url,
-        "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
-        "PIPELINE_BACKOFF_BASE": "0.05", "PIPELINE_BACKOFF_CAP": "0.2", "PIPELINE_CALL_TIMEOUT": "5",
-        "PIPELINE_HOME": str(tmp_path / "home")})
+    env.update(
+        {
+            "PIPELINE_DATABASE_URL": url,
+            "OPENAI_API_KEY": "test-key",
+            "OPENAI_BASE_URL": fake.base_url,
+            "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL,
+            "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
+            "PIPELINE_BACKOFF_BASE": "0.05",
+            "PIPELINE_BACKOFF_CAP": "0.2",
+            "PIPELINE_CALL_TIMEOUT": "5",
+            "PIPELINE_HOME": str(tmp_path / "home"),
+        }
+    )
     return env
 
 
@@ -79,20 +87,21 @@ def migrated(deployment, tmp_path_factory):
     out = cli("migrate", env={**env, "PIPELINE_DATABASE_URL": _as(admin_url, names.owner)}).stdout
     assert "001_core.sql" in out
     with psycopg.connect(admin_url) as admin:
-        owners = {r[0] for r in admin.execute(
-            "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'app'")}
+        owners = {r[0] for r in admin.execute("SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'app'")}
     assert owners == {names.owner}
     return admin_url, names
 
 
 def test_the_worker_role_cannot_change_the_schema(migrated):
     admin_url, names = migrated
-    ddl = ["CREATE TABLE app.intruder (x int)",
-           "ALTER TABLE app.embedding_jobs ADD COLUMN intruder int",
-           "DROP TABLE app.embedding_jobs",
-           "CREATE INDEX intruder ON app.embeddings (model_id)",
-           "CREATE FUNCTION app.intruder() RETURNS int LANGUAGE sql AS 'SELECT 1'",
-           "TRUNCATE app.embedding_jobs"]
+    ddl = [
+        "CREATE TABLE app.intruder (x int)",
+        "ALTER TABLE app.embedding_jobs ADD COLUMN intruder int",
+        "DROP TABLE app.embedding_jobs",
+        "CREATE INDEX intruder ON app.embeddings (model_id)",
+        "CREATE FUNCTION app.intruder() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        "TRUNCATE app.embedding_jobs",
+    ]
     for role in (names.worker, names.reader):
         with psycopg.connect(_as(admin_url, role), autocommit=True) as conn:
             conn.execute("SET default_transaction_read_only = off")  # the privileges alone refuse it
@@ -138,8 +147,12 @@ def test_everything_works_under_the_worker_role(migrated, fake, tmp_path):
     owner_env = _env(_as(admin_url, names.owner), fake, tmp_path)
     cli("models", "index", FAKE_MODEL, env=owner_env)
     with psycopg.connect(admin_url) as conn:
-        assert conn.execute("SELECT count(*) FROM pg_indexes WHERE schemaname = 'app' "
-                            "AND indexname LIKE 'embeddings_hnsw_%'").fetchone()[0] == 1
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM pg_indexes WHERE schemaname = 'app' AND indexname LIKE 'embeddings_hnsw_%'"
+            ).fetchone()[0]
+            == 1
+        )
 
 
 def test_a_later_migrations_table_is_the_workers_at_once(migrated):
@@ -163,8 +176,17 @@ def test_print_shows_the_statements_without_running_them(deployment):
     admin_url, _ = deployment
     names = db_roles.RoleNames("p_own", "p_wrk", "p_rdr")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
-    out = cli("roles", "--print", "--owner", names.owner, "--worker", names.worker, "--reader", names.reader,
-              env={**env, "PIPELINE_DATABASE_URL": admin_url}).stdout
+    out = cli(
+        "roles",
+        "--print",
+        "--owner",
+        names.owner,
+        "--worker",
+        names.worker,
+        "--reader",
+        names.reader,
+        env={**env, "PIPELINE_DATABASE_URL": admin_url},
+    ).stdout
     assert 'CREATE ROLE "p_wrk" LOGIN;' in out
     assert 'ALTER DEFAULT PRIVILEGES FOR ROLE "p_own" IN SCHEMA app' in out
     assert "PASSWORD" not in out
@@ -180,31 +202,40 @@ def test_a_workers_connections_are_what_the_sizing_counts(migrated, fake, tmp_pa
     worker_env = _env(_as(admin_url, names.worker), fake, tmp_path)
     write_corpus(tmp_path / "sizing", 40, prefix="size")
     cli("ingest", str(tmp_path / "sizing"), env=worker_env)
-    fake.latency = 0.2      # calls in flight while it is counted
+    fake.latency = 0.2  # calls in flight while it is counted
     concurrency = 3
     proc = start_cli("work", "--concurrency", str(concurrency), env=worker_env)
     seen: list[int] = []
     try:
         with psycopg.connect(admin_url, autocommit=True) as admin:
+
             def busy() -> bool:
-                seen.append(admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s",
-                                          (names.worker,)).fetchone()[0])
-                return admin.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'processing'"
-                                     ).fetchone()[0] >= concurrency
+                seen.append(
+                    admin.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (names.worker,)
+                    ).fetchone()[0]
+                )
+                return (
+                    admin.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'processing'").fetchone()[0]
+                    >= concurrency
+                )
+
             wait_until(busy, timeout=60, what="the worker's calls in flight")
-            for _ in range(10):      # a few samples while it works
+            for _ in range(10):  # a few samples while it works
                 busy()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=120) == 0
-            assert admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s",
-                                 (names.worker,)).fetchone()[0] == 0
+            assert (
+                admin.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (names.worker,)).fetchone()[0]
+                == 0
+            )
     finally:
         fake.latency = 0.0
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     print(f"worker connections (concurrency {concurrency}): max {max(seen)}")
-    assert max(seen) <= concurrency + 2 + 1 + 1 + 1   # job pool, liveness, the command's pool, a build
+    assert max(seen) <= concurrency + 2 + 1 + 1 + 1  # job pool, liveness, the command's pool, a build
 
 
 def test_a_model_switch_and_purge_under_the_worker_role(migrated, fake, tmp_path):
@@ -229,7 +260,7 @@ def test_a_model_switch_and_purge_under_the_worker_role(migrated, fake, tmp_path
     assert report["purged_models"] == 1
     with psycopg.connect(admin_url) as conn:
         assert conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (old,)).fetchone()[0] == 0
-        assert vector_index.exists(conn, old)      # left for the owner
+        assert vector_index.exists(conn, old)  # left for the owner
     owner_env = _env(_as(admin_url, names.owner), fake, tmp_path)
     assert cli("models", "purge", env={**owner_env, "PIPELINE_MODEL_RETIRE_GRACE": "0"}).returncode == 0
     with psycopg.connect(admin_url) as conn:
@@ -247,8 +278,9 @@ def test_a_pending_migration_under_the_worker_role_says_who_migrates(migrated, f
     for args in (("status",), ("work", "--until-idle")):
         proc = cli(*args, env=worker_env, check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-        assert proc.stderr.startswith("error: the database is not migrated to this release and role "
-                                      f"{names.worker} may not migrate it"), proc.stderr
+        assert proc.stderr.startswith(
+            f"error: the database is not migrated to this release and role {names.worker} may not migrate it"
+        ), proc.stderr
         assert "`pipeline-assets migrate` as the schema's owner role" in proc.stderr
         assert PASSWORD not in proc.stderr
     # The ledger as it was: up to date, the worker role starts again.

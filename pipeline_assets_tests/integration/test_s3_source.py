@@ -56,9 +56,9 @@ def _text(n: int) -> str:
 def test_embed_follows_edits_deletes_and_renames_and_never_downloads_unchanged(s3, s3_env, database_url):
     for n in range(4):
         _put(s3, f"docs/d{n}.md", _text(n))
-    _put(s3, "other/outside.md", _text(9))             # not under the prefix
+    _put(s3, "other/outside.md", _text(9))  # not under the prefix
     out = cli("embed", SOURCE, env=s3_env)
-    assert out.returncode == 0, (out.stdout + out.stderr)
+    assert out.returncode == 0, out.stdout + out.stderr
     assert _docs(database_url) == {f"s3://{BUCKET}/docs/d{n}.md": "current" for n in range(4)}
     assert sorted(s3.downloads(BUCKET)) == [f"docs/d{n}.md" for n in range(4)]
 
@@ -66,18 +66,22 @@ def test_embed_follows_edits_deletes_and_renames_and_never_downloads_unchanged(s
     again = cli("ingest", SOURCE, "--json", env=s3_env)
     assert again.returncode == 0, again.stdout
     assert '"unchanged": 4' in again.stdout
-    assert len(s3.downloads(BUCKET)) == before          # the rerun read nothing
+    assert len(s3.downloads(BUCKET)) == before  # the rerun read nothing
 
-    _put(s3, "docs/d0.md", _text(100))                  # edit
-    s3.client().delete_object(Bucket=BUCKET, Key="docs/d1.md")                            # delete
-    s3.client().copy_object(Bucket=BUCKET, Key="docs/moved.md", CopySource=f"{BUCKET}/docs/d2.md")   # rename
+    _put(s3, "docs/d0.md", _text(100))  # edit
+    s3.client().delete_object(Bucket=BUCKET, Key="docs/d1.md")  # delete
+    s3.client().copy_object(Bucket=BUCKET, Key="docs/moved.md", CopySource=f"{BUCKET}/docs/d2.md")  # rename
     s3.client().delete_object(Bucket=BUCKET, Key="docs/d2.md")
     out = cli("embed", SOURCE, "--json", env=s3_env)
-    assert out.returncode == 0, (out.stdout + out.stderr)
-    assert _docs(database_url) == {f"s3://{BUCKET}/docs/d0.md": "current", f"s3://{BUCKET}/docs/d1.md": "deleted",
-                                   f"s3://{BUCKET}/docs/d2.md": "deleted", f"s3://{BUCKET}/docs/d3.md": "current",
-                                   f"s3://{BUCKET}/docs/moved.md": "current"}
-    assert sorted(s3.downloads(BUCKET)[before:]) == ["docs/d0.md", "docs/moved.md"]   # d3 unchanged: not read
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _docs(database_url) == {
+        f"s3://{BUCKET}/docs/d0.md": "current",
+        f"s3://{BUCKET}/docs/d1.md": "deleted",
+        f"s3://{BUCKET}/docs/d2.md": "deleted",
+        f"s3://{BUCKET}/docs/d3.md": "current",
+        f"s3://{BUCKET}/docs/moved.md": "current",
+    }
+    assert sorted(s3.downloads(BUCKET)[before:]) == ["docs/d0.md", "docs/moved.md"]  # d3 unchanged: not read
     with psycopg.connect(database_url) as conn:
         kind = conn.execute("SELECT kind, root FROM app.sources").fetchall()
     assert kind == [("s3", SOURCE)]
@@ -89,9 +93,9 @@ def test_size_guard_applies_from_the_listing(s3, s3_env, database_url):
     _put(s3, "docs/small.md", _text(1))
     _put(s3, "docs/big.md", "x" * 5000)
     out = cli("ingest", SOURCE, "--json", env={**s3_env, "PIPELINE_MAX_INPUT_BYTES": "4096"})
-    assert out.returncode == 0, (out.stdout + out.stderr)
+    assert out.returncode == 0, out.stdout + out.stderr
     assert _docs(database_url)[f"s3://{BUCKET}/docs/big.md"] == "quarantined"
-    assert s3.downloads(BUCKET) == ["docs/small.md"]    # the big one: never downloaded
+    assert s3.downloads(BUCKET) == ["docs/small.md"]  # the big one: never downloaded
 
 
 def test_unreachable_endpoint_is_one_line_and_tombstones_nothing(s3, s3_env, database_url):
@@ -163,19 +167,23 @@ def test_a_listing_that_changes_while_read_converges(s3, s3_env, clean_db, datab
     source = open_source(SOURCE, rt.settings.source_config())
     listed = source.items
 
-    def changing():   # after the listing's first item: one object deleted, one added
+    def changing():  # after the listing's first item: one object deleted, one added
         for i, item in enumerate(listed()):
             yield item
             if i == 0:
                 s3.client().delete_object(Bucket=BUCKET, Key="docs/d1.md")
                 _put(s3, "docs/late.md", _text(7))
 
-    source.items = changing   # type: ignore[method-assign]
+    source.items = changing  # type: ignore[method-assign]
     ingest_all(clean_db, source, rt.options)
-    source.items = listed     # type: ignore[method-assign]
+    source.items = listed  # type: ignore[method-assign]
     ingest_all(clean_db, source, rt.options)
-    assert _docs(database_url) == {f"s3://{BUCKET}/docs/d0.md": "current", f"s3://{BUCKET}/docs/d1.md": "deleted",
-                                   f"s3://{BUCKET}/docs/d2.md": "current", f"s3://{BUCKET}/docs/late.md": "current"}
+    assert _docs(database_url) == {
+        f"s3://{BUCKET}/docs/d0.md": "current",
+        f"s3://{BUCKET}/docs/d1.md": "deleted",
+        f"s3://{BUCKET}/docs/d2.md": "current",
+        f"s3://{BUCKET}/docs/late.md": "current",
+    }
 
 
 def test_sensor_scan_of_an_unchanged_bucket_reads_nothing(s3, s3_env, clean_db):
@@ -190,7 +198,7 @@ def test_sensor_scan_of_an_unchanged_bucket_reads_nothing(s3, s3_env, clean_db):
     s3.client().delete_object(Bucket=BUCKET, Key="docs/d4.md")
     third = observations.scan(clean_db, source, max_bytes=1 << 20)
     assert (third.present, third.written, third.gone) == (4, 1, 1)
-    assert s3.downloads(BUCKET) == []                   # the sensor never downloads an object
+    assert s3.downloads(BUCKET) == []  # the sensor never downloads an object
 
 
 def test_the_dagster_sensor_follows_an_s3_prefix(s3, s3_env, clean_db, monkeypatch, server_url, database_url):
@@ -204,7 +212,7 @@ def test_the_dagster_sensor_follows_an_s3_prefix(s3, s3_env, clean_db, monkeypat
         defs = fresh_defs()
         tick = evaluate_sensor(source_documents_sensor, defs, instance)
         (request,) = tick.run_requests
-        assert s3.downloads(BUCKET) == []                 # the sensor lists; it never downloads
+        assert s3.downloads(BUCKET) == []  # the sensor lists; it never downloads
         assert execute(defs, instance, request).success
         assert _docs(database_url) == {f"s3://{BUCKET}/docs/d{n}.md": "current" for n in range(3)}
         assert sorted(s3.downloads(BUCKET)) == [f"docs/d{n}.md" for n in range(3)]
@@ -221,19 +229,27 @@ def test_the_dagster_sensor_follows_an_s3_prefix(s3, s3_env, clean_db, monkeypat
         changed = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
         for run in changed.run_requests:
             assert execute(defs, instance, run).success
-        assert _docs(database_url) == {f"s3://{BUCKET}/docs/d0.md": "current", f"s3://{BUCKET}/docs/d1.md": "current",
-                                       f"s3://{BUCKET}/docs/d2.md": "deleted"}
+        assert _docs(database_url) == {
+            f"s3://{BUCKET}/docs/d0.md": "current",
+            f"s3://{BUCKET}/docs/d1.md": "current",
+            f"s3://{BUCKET}/docs/d2.md": "deleted",
+        }
         assert s3.downloads(BUCKET)[before:] == ["docs/d0.md"]
 
         # refresh_documents by s3 id: only that object read.
         _put(s3, "docs/d1.md", "refreshed words for one object")
-        refresh = defs.resolve_job_def("refresh_documents").execute_in_process(instance=instance, run_config={
-            "ops": {"refresh_documents_op": {"config": {"document_ids": [f"s3://{BUCKET}/docs/d1.md"]}}}})
+        refresh = defs.resolve_job_def("refresh_documents").execute_in_process(
+            instance=instance,
+            run_config={"ops": {"refresh_documents_op": {"config": {"document_ids": [f"s3://{BUCKET}/docs/d1.md"]}}}},
+        )
         assert refresh.success
-        assert s3.downloads(BUCKET)[before + 1:] == ["docs/d1.md"]
+        assert s3.downloads(BUCKET)[before + 1 :] == ["docs/d1.md"]
         with psycopg.connect(database_url) as conn:
-            text = conn.execute("SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d USING (doc_pk) "
-                                "WHERE d.document_id = %s", (f"s3://{BUCKET}/docs/d1.md",)).fetchone()[0]
+            text = conn.execute(
+                "SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d USING (doc_pk) "
+                "WHERE d.document_id = %s",
+                (f"s3://{BUCKET}/docs/d1.md",),
+            ).fetchone()[0]
         assert "refreshed words" in text
 
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
@@ -249,15 +265,20 @@ def test_same_bytes_under_a_new_etag_are_read_once(s3, s3_env, database_url):
     assert cli("ingest", SOURCE, env=s3_env).returncode == 0
     client = s3.client()
     upload = client.create_multipart_upload(Bucket=BUCKET, Key="docs/a.md")
-    part = client.upload_part(Bucket=BUCKET, Key="docs/a.md", UploadId=upload["UploadId"], PartNumber=1,
-                              Body=_text(1).encode())
-    client.complete_multipart_upload(Bucket=BUCKET, Key="docs/a.md", UploadId=upload["UploadId"],
-                                     MultipartUpload={"Parts": [{"ETag": part["ETag"], "PartNumber": 1}]})
+    part = client.upload_part(
+        Bucket=BUCKET, Key="docs/a.md", UploadId=upload["UploadId"], PartNumber=1, Body=_text(1).encode()
+    )
+    client.complete_multipart_upload(
+        Bucket=BUCKET,
+        Key="docs/a.md",
+        UploadId=upload["UploadId"],
+        MultipartUpload={"Parts": [{"ETag": part["ETag"], "PartNumber": 1}]},
+    )
     before = len(s3.downloads(BUCKET))
     assert cli("ingest", SOURCE, env=s3_env).returncode == 0
-    assert len(s3.downloads(BUCKET)) == before + 1      # the new ETag: read once
+    assert len(s3.downloads(BUCKET)) == before + 1  # the new ETag: read once
     assert cli("ingest", SOURCE, env=s3_env).returncode == 0
-    assert len(s3.downloads(BUCKET)) == before + 1      # recorded under it: not read again
+    assert len(s3.downloads(BUCKET)) == before + 1  # recorded under it: not read again
 
 
 def test_reads_go_in_parallel_within_the_bound(s3, s3_env):
@@ -272,20 +293,20 @@ def test_reads_go_in_parallel_within_the_bound(s3, s3_env):
     source = open_source(SOURCE, Settings.from_env().source_config())
     items = list(source.items())
     lock, now, peak = threading.Lock(), [0], [0]
-    real_get = source._get   # type: ignore[attr-defined]
+    real_get = source._get  # type: ignore[attr-defined]
 
     def counted(item, max_bytes):
         with lock:
             now[0] += 1
             peak[0] = max(peak[0], now[0])
         try:
-            time.sleep(0.05)   # every read in flight at once overlaps the others
+            time.sleep(0.05)  # every read in flight at once overlaps the others
             return real_get(item, max_bytes)
         finally:
             with lock:
                 now[0] -= 1
 
-    source._get = counted   # type: ignore[attr-defined]
+    source._get = counted  # type: ignore[attr-defined]
     read = list(source.read_all(items, 1 << 20))
     assert [i.document_id for i, _ in read] == [i.document_id for i in items]
     assert all(isinstance(data, bytes) for _, data in read)

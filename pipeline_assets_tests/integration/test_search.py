@@ -28,11 +28,11 @@ MODEL_ID = "local/hashing-words-v2@512"
 
 DOCS = {
     "kettle.md": "# Descaling a kettle\n\nLimescale builds up in a kettle in hard water areas. Boil vinegar "
-                 "and water, let it stand for an hour, rinse twice.\n",
+    "and water, let it stand for an hour, rinse twice.\n",
     "orchard.md": "# Pruning apple trees\n\nPrune apple trees in late winter while they are dormant. Remove "
-                  "crossing branches and keep the centre open to light and air.\n",
+    "crossing branches and keep the centre open to light and air.\n",
     "tides.md": "# Reading a tide table\n\nHigh and low water times shift by about fifty minutes a day; "
-                "spring tides follow the full and the new moon.\n",
+    "spring tides follow the full and the new moon.\n",
 }
 
 
@@ -148,9 +148,13 @@ def test_text_search_reads_the_gin_index(offline, tmp_path, clean_db):
     cli("ingest", str(corpus), env=offline)
     with clean_db.transaction():
         clean_db.execute("SET LOCAL enable_seqscan = off")
-        plan = "\n".join(r[0] for r in clean_db.execute(
-            "EXPLAIN " + retrieval.RETRIEVAL.text_ranked,
-            {"words": "apple trees", "limit": 3, "k1": 1.2, "b": 0.75, "common_ratio": 0.1, "common_floor": 1}))
+        plan = "\n".join(
+            r[0]
+            for r in clean_db.execute(
+                "EXPLAIN " + retrieval.RETRIEVAL.text_ranked,
+                {"words": "apple trees", "limit": 3, "k1": 1.2, "b": 0.75, "common_ratio": 0.1, "common_floor": 1},
+            )
+        )
     assert "chunks_text_search" in plan and "Seq Scan on chunks" not in plan, plan
 
 
@@ -168,12 +172,16 @@ def test_migration_010_indexes_chunks_written_before_it(server_url, tmp_path):
         with db.connect(psycopg.conninfo.make_conninfo(server_url, dbname=name)) as conn:
             db.migrate(conn, before)
             source = conn.execute("INSERT INTO app.sources (root) VALUES ('/old') RETURNING source_id").fetchone()[0]
-            doc = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status)"
-                               " VALUES (%s, 'old.md', 'file:///old.md', 'current') RETURNING doc_pk",
-                               (source,)).fetchone()[0]
-            conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,"
-                         " char_start, char_end) VALUES (%s, 0, '\\x01', 'Pruning apple trees in winter', 5, 0, 29)",
-                         (doc,))
+            doc = conn.execute(
+                "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
+                " VALUES (%s, 'old.md', 'file:///old.md', 'current') RETURNING doc_pk",
+                (source,),
+            ).fetchone()[0]
+            conn.execute(
+                "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,"
+                " char_start, char_end) VALUES (%s, 0, '\\x01', 'Pruning apple trees in winter', 5, 0, 29)",
+                (doc,),
+            )
             assert "010_chunk_text_search.sql" in db.migrate(conn)
             hits = search_uc.text_search(conn, "when do I prune an apple tree?", 3)
             assert [(h["document_id"], h["chunk_index"]) for h in hits] == [("old.md", 0)]
@@ -194,8 +202,9 @@ def test_offline_embedder_drops_stop_words_and_joins_inflections():
     assert terms("How do I retry without the herd?") == ["retri", "without", "herd"]
     assert terms("retries retrying retried") == ["retri"] * 3
     p = LocalHashingProvider()
-    a, b, c, stop = p.embed(["retrying failed requests", "retries of a failed request",
-                             "baking bread with a starter", "the of and to"]).vectors
+    a, b, c, stop = p.embed(
+        ["retrying failed requests", "retries of a failed request", "baking bread with a starter", "the of and to"]
+    ).vectors
     assert float(a @ b) > 0.6 > 0.1 > abs(float(a @ c))
     assert np.isclose(np.linalg.norm(stop), 1.0)  # stop words only: a fixed unit vector, no NaN
     assert (a < 0).any() and (a > 0).any()  # signed hashing

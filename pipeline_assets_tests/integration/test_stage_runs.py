@@ -35,17 +35,24 @@ def runtime(model: str = FAKE_MODEL) -> Runtime:
 
 def embed_rows(conn) -> dict[tuple[str, str], tuple]:
     """(document_id, model) -> (status, error_class, attempts) of every stored embed row."""
-    return {(doc, model): (st, cls, att) for doc, model, st, cls, att in conn.execute(
-        """SELECT d.document_id, s.model_id, s.status, s.error_class, s.attempts
-           FROM app.stage_runs s JOIN app.documents d USING (doc_pk) WHERE s.stage = 'embed'""")}
+    return {
+        (doc, model): (st, cls, att)
+        for doc, model, st, cls, att in conn.execute(
+            """SELECT d.document_id, s.model_id, s.status, s.error_class, s.attempts
+           FROM app.stage_runs s JOIN app.documents d USING (doc_pk) WHERE s.stage = 'embed'"""
+        )
+    }
 
 
 def fail_job_of(conn, document_id: str, model_id: str) -> None:
-    conn.execute("""UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input',
+    conn.execute(
+        """UPDATE app.embedding_jobs SET status = 'failed', error_class = 'bad_input',
                            error_message = 'rejected', updated_at = now()
                     WHERE model_id = %s AND chunk_checksum = (
                         SELECT c.chunk_checksum FROM app.chunks c JOIN app.documents d USING (doc_pk)
-                        WHERE d.document_id = %s ORDER BY c.chunk_index LIMIT 1)""", (model_id, document_id))
+                        WHERE d.document_id = %s ORDER BY c.chunk_index LIMIT 1)""",
+        (model_id, document_id),
+    )
 
 
 def test_two_models_keep_one_embed_row_each(pool, clean_db, tmp_path):
@@ -85,12 +92,12 @@ def test_two_models_keep_one_embed_row_each(pool, clean_db, tmp_path):
     assert st.stages["embed"] == {"failed": 1, "succeeded": 2}
     # extract and chunk rows are untouched by the key change (model_id '').
     assert st.stages["extract"] == {"succeeded": 3} and st.stages["chunk"] == {"succeeded": 3}
-    assert {r[0] for r in conn.execute("SELECT DISTINCT model_id FROM app.stage_runs WHERE stage <> 'embed'")} \
-        == {""}
+    assert {r[0] for r in conn.execute("SELECT DISTINCT model_id FROM app.stage_runs WHERE stage <> 'embed'")} == {""}
 
     # A requeued dead letter that then succeeds: its stored 'failed' row is refreshed by the next run.
-    conn.execute("UPDATE app.embedding_jobs SET status = 'pending', attempts = 0, available_at = now()"
-                 " WHERE status = 'failed'")
+    conn.execute(
+        "UPDATE app.embedding_jobs SET status = 'pending', attempts = 0, available_at = now() WHERE status = 'failed'"
+    )
     embed.work(b, pool, until_idle=True, poll_seconds=0.05)
     assert embed_rows(conn)[("doc0001.md", model_b)][0] == "succeeded"
 
@@ -148,7 +155,7 @@ def readonly_url(database_url):
     """A real role that can only SELECT in the test database, and whose transactions are read-only."""
     role = "ro_" + uuid.uuid4().hex[:10]
     with psycopg.connect(database_url, autocommit=True) as admin:
-        admin.execute(f'CREATE ROLE "{role}" LOGIN PASSWORD \'ro-pass\'')
+        admin.execute(f"CREATE ROLE \"{role}\" LOGIN PASSWORD 'ro-pass'")
         admin.execute(f'GRANT USAGE ON SCHEMA app TO "{role}"')
         admin.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA app TO "{role}"')
         admin.execute(f'ALTER ROLE "{role}" SET default_transaction_read_only = on')

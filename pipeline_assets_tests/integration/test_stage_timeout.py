@@ -40,45 +40,51 @@ POOL = 2
 
 def _ingest(conn, corpus, chunker: Chunker | None = None, **config):
     config.setdefault("extract_processes", POOL)
-    return ingest_directory(conn, corpus, IngestOptions(chunker=chunker or Chunker(),
-                                                        config=IngestConfig(max_bytes=1 << 20, **config)))
+    return ingest_directory(
+        conn, corpus, IngestOptions(chunker=chunker or Chunker(), config=IngestConfig(max_bytes=1 << 20, **config))
+    )
 
 
 def _assert_only_poison_quarantined(conn, report, error_class):
     assert report.quarantined == 1 and report.errors == {error_class: 1}, report
-    rows = dict(conn.execute("SELECT document_id, status || ':' || coalesce(error_class, '')"
-                             " FROM app.documents").fetchall())
+    rows = dict(
+        conn.execute("SELECT document_id, status || ':' || coalesce(error_class, '') FROM app.documents").fetchall()
+    )
     assert rows == {"a-poison.md": f"quarantined:{error_class}", "b-fine.md": "current:", "c-fine.md": "current:"}
     assert conn.execute("SELECT count(*) FROM app.chunks").fetchone()[0] == 2
-    stage = conn.execute("SELECT s.status, s.error_class FROM app.stage_runs s JOIN app.documents d USING (doc_pk)"
-                         " WHERE d.document_id = 'a-poison.md' AND s.stage = 'extract'").fetchone()
+    stage = conn.execute(
+        "SELECT s.status, s.error_class FROM app.stage_runs s JOIN app.documents d USING (doc_pk)"
+        " WHERE d.document_id = 'a-poison.md' AND s.stage = 'extract'"
+    ).fetchone()
     assert stage == ("failed", error_class)
 
 
 def test_a_stalling_parser_quarantines_only_its_document(clean_db, tmp_path):
     started = time.monotonic()
     report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("stall"))
-    assert time.monotonic() - started < 60           # cut at its deadline, not the 300 s stall
+    assert time.monotonic() - started < 60  # cut at its deadline, not the 300 s stall
     _assert_only_poison_quarantined(clean_db, report, "timeout")
     # What the user reads (status, dlq show): where the parser was stuck, and that it was tried twice.
-    message = clean_db.execute("SELECT error_message FROM app.documents"
-                               " WHERE document_id = 'a-poison.md'").fetchone()[0]
-    assert "(2 times, each in a fresh process); stuck in _stall (pipeline_assets_tests/poison_chunker.py:" \
-        in message, message
+    message = clean_db.execute("SELECT error_message FROM app.documents WHERE document_id = 'a-poison.md'").fetchone()[
+        0
+    ]
+    assert "(2 times, each in a fresh process); stuck in _stall (pipeline_assets_tests/poison_chunker.py:" in message, (
+        message
+    )
 
 
 def test_a_stall_in_c_code_is_killed_at_its_deadline(clean_db, tmp_path):
     # A signal handler cannot run inside one C call (SIGALRM fired only after it ended).
     started = time.monotonic()
     report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("stall_in_c"))
-    assert time.monotonic() - started < 60           # killed at its deadline, not minutes later
+    assert time.monotonic() - started < 60  # killed at its deadline, not minutes later
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
 
 def test_a_parser_that_swallows_exceptions_is_still_stopped(clean_db, tmp_path):
     started = time.monotonic()
     report = _ingest(clean_db, _corpus(tmp_path), stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("swallow"))
-    assert time.monotonic() - started < 60           # stopped at its deadline, not after 300 s
+    assert time.monotonic() - started < 60  # stopped at its deadline, not after 300 s
     _assert_only_poison_quarantined(clean_db, report, "timeout")
 
 
@@ -87,11 +93,14 @@ def test_the_limit_holds_off_the_main_thread(clean_db, tmp_path):
     corpus = _corpus(tmp_path)
     result = {}
     started = time.monotonic()
-    t = threading.Thread(target=lambda: result.update(report=_ingest(
-        clean_db, corpus, stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("stall"))))
+    t = threading.Thread(
+        target=lambda: result.update(
+            report=_ingest(clean_db, corpus, stage_timeout=STAGE_TIMEOUT, chunker=PoisonChunker("stall"))
+        )
+    )
     t.start()
     t.join(120)
-    assert not t.is_alive() and time.monotonic() - started < 60   # not the 300 s stall
+    assert not t.is_alive() and time.monotonic() - started < 60  # not the 300 s stall
     _assert_only_poison_quarantined(clean_db, result["report"], "timeout")
 
 
@@ -206,7 +215,7 @@ def test_a_call_submitted_to_a_dead_child_is_answered_even_if_its_replacement_di
         assert box.call(0, "warm") == "warm"
         os.kill(box.pids[0], signal.SIGKILL)  # an idle child gone (the OOM killer, say)
         box._children[0].proc.join(30)
-        assert box.submit("x", 0, "x")        # its pipe is broken: to a new child, which dies too
+        assert box.submit("x", 0, "x")  # its pipe is broken: to a new child, which dies too
         assert box.take() == ("x", "x") and len(started) == 3
 
 
@@ -241,32 +250,40 @@ def test_a_pool_of_children_writes_what_one_child_writes(clean_db, tmp_path):
         path.write_text(f"<html><body><p>{words}</p></body></html>" if i % 4 == 0 else f"# doc {i}\n\n{words}\n")
 
     def written(processes: int) -> tuple[list, list, dict]:
-        clean_db.execute("TRUNCATE app.sources, app.documents, app.chunks, app.embedding_jobs, app.job_keys,"
-                         " app.stage_runs CASCADE")
+        clean_db.execute(
+            "TRUNCATE app.sources, app.documents, app.chunks, app.embedding_jobs, app.job_keys, app.stage_runs CASCADE"
+        )
         report = _ingest(clean_db, corpus, extract_processes=processes, chunker=Chunker(max_tokens=64, overlap=8))
-        docs = clean_db.execute("SELECT document_id, status, source_checksum, text_checksum FROM app.documents"
-                                " ORDER BY document_id").fetchall()
-        chunks = clean_db.execute("SELECT d.document_id, c.chunk_index, c.chunk_checksum, c.text, c.token_count,"
-                                  " c.char_start, c.char_end FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                                  " ORDER BY 1, 2").fetchall()
+        docs = clean_db.execute(
+            "SELECT document_id, status, source_checksum, text_checksum FROM app.documents ORDER BY document_id"
+        ).fetchall()
+        chunks = clean_db.execute(
+            "SELECT d.document_id, c.chunk_index, c.chunk_checksum, c.text, c.token_count,"
+            " c.char_start, c.char_end FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+            " ORDER BY 1, 2"
+        ).fetchall()
         assert report.scanned == 120 and report.new == 120 and report.quarantined == 0, report
         return docs, chunks, {k: v for k, v in report.as_dict().items() if k != "errors"}
 
     serial = written(1)
     assert len(serial[1]) > 200  # several chunks per document
     assert written(POOL) == serial
+
+
 def test_the_child_does_not_outlive_a_killed_parent(tmp_path):
     import subprocess
     import sys
 
     # A script without a main guard: the child must not run it again.
     script = tmp_path / "unguarded.py"
-    script.write_text("import os, signal\n"
-                      "from pipeline_assets.content.sandbox import Sandbox\n"
-                      "box = Sandbox(abs, timeout=5, memory_limit=0)\n"
-                      "assert box.call(-1) == 1\n"
-                      "print(box.pids[0], flush=True)\n"
-                      "os.kill(os.getpid(), signal.SIGKILL)\n")
+    script.write_text(
+        "import os, signal\n"
+        "from pipeline_assets.content.sandbox import Sandbox\n"
+        "box = Sandbox(abs, timeout=5, memory_limit=0)\n"
+        "assert box.call(-1) == 1\n"
+        "print(box.pids[0], flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     child = int(proc.stdout.split()[0])
     deadline = time.monotonic() + 10

@@ -28,10 +28,12 @@ from pipeline_assets.registry import models
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
 
-SPEC = ModelSpec(provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                 max_batch_tokens=1000)
-SPEC2 = ModelSpec(provider="test", name="m2", dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                  max_batch_tokens=1000)
+SPEC = ModelSpec(
+    provider="test", name="m", dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+)
+SPEC2 = ModelSpec(
+    provider="test", name="m2", dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+)
 MODEL = SPEC.model_id
 MODEL2 = SPEC2.model_id
 OWNER = "worker-1"
@@ -56,8 +58,7 @@ def vec(x: float) -> np.ndarray:
 _labels = iter(range(10**9))
 
 
-def seed(conn, n: int = 1, *, max_attempts: int = 5, labels: list[str] | None = None,
-         model: str = MODEL) -> list[int]:
+def seed(conn, n: int = 1, *, max_attempts: int = 5, labels: list[str] | None = None, model: str = MODEL) -> list[int]:
     """A new current document with n chunks (fresh checksums unless labels are given), enqueued.
 
     Returns the job ids of ``model`` for those chunks, in chunk order.
@@ -68,29 +69,38 @@ def seed(conn, n: int = 1, *, max_attempts: int = 5, labels: list[str] | None = 
     doc_pk = add_document(conn)
     add_chunks(conn, doc_pk, sums)
     transitions.enqueue_for_docs(conn, [doc_pk], max_attempts)
-    rows = dict(conn.execute(
-        "SELECT chunk_checksum, job_id FROM app.embedding_jobs WHERE model_id = %s AND chunk_checksum = ANY(%s)",
-        (model, sums)).fetchall())
+    rows = dict(
+        conn.execute(
+            "SELECT chunk_checksum, job_id FROM app.embedding_jobs WHERE model_id = %s AND chunk_checksum = ANY(%s)",
+            (model, sums),
+        ).fetchall()
+    )
     return [rows[s] for s in sums]
 
 
 def add_document(conn) -> int:
     source_id = conn.execute(
         "INSERT INTO app.sources (root) VALUES ('/test-source') ON CONFLICT (root) DO UPDATE SET root = EXCLUDED.root"
-        " RETURNING source_id").fetchone()[0]
+        " RETURNING source_id"
+    ).fetchone()[0]
     document_id = f"doc-{next(_labels)}"
     return conn.execute(
         "INSERT INTO app.documents (source_id, document_id, source_uri, status) VALUES (%s, %s, %s, 'current')"
-        " RETURNING doc_pk", (source_id, document_id, f"file:///{document_id}")).fetchone()[0]
+        " RETURNING doc_pk",
+        (source_id, document_id, f"file:///{document_id}"),
+    ).fetchone()[0]
 
 
 def add_chunks(conn, doc_pk: int, sums: list[bytes]) -> None:
-    start = conn.execute("SELECT coalesce(max(chunk_index) + 1, 0) FROM app.chunks WHERE doc_pk = %s",
-                         (doc_pk,)).fetchone()[0]
+    start = conn.execute(
+        "SELECT coalesce(max(chunk_index) + 1, 0) FROM app.chunks WHERE doc_pk = %s", (doc_pk,)
+    ).fetchone()[0]
     for i, s in enumerate(sums):
         conn.execute(
             "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end)"
-            " VALUES (%s, %s, %s, %s, 3, 0, 10)", (doc_pk, start + i, s, f"text of {s.hex()[:12]}"))
+            " VALUES (%s, %s, %s, %s, 3, 0, 10)",
+            (doc_pk, start + i, s, f"text of {s.hex()[:12]}"),
+        )
 
 
 def checksum_of(conn, job_id: int) -> bytes:
@@ -113,22 +123,25 @@ class Job:
     attempts: int
     max_attempts: int
     lease_owner: str | None
-    lease_in: float | None       # lease_expires_at - now(), seconds
-    available_in: float          # available_at - now(), seconds
+    lease_in: float | None  # lease_expires_at - now(), seconds
+    available_in: float  # available_at - now(), seconds
     error_class: str | None
     error_message: str | None
-    vector: np.ndarray | None    # the app.embeddings row, if any
+    vector: np.ndarray | None  # the app.embeddings row, if any
 
 
 def job(conn, job_id: int) -> Job:
-    r = conn.execute("""
+    r = conn.execute(
+        """
         SELECT j.status, j.attempts, j.max_attempts, j.lease_owner,
                extract(epoch FROM j.lease_expires_at - now())::float8,
                extract(epoch FROM j.available_at - now())::float8,
                j.error_class, j.error_message, e.embedding
         FROM app.embedding_jobs j
         LEFT JOIN app.embeddings e ON e.chunk_checksum = j.chunk_checksum AND e.model_id = j.model_id
-        WHERE j.job_id = %s""", (job_id,)).fetchone()
+        WHERE j.job_id = %s""",
+        (job_id,),
+    ).fetchone()
     assert r is not None, f"job {job_id} does not exist"
     vector = None if r[8] is None else np.asarray(r[8].to_numpy())
     return Job(*r[:8], vector)
@@ -140,8 +153,10 @@ def claim_ids(conn, *, owner: str = OWNER, limit: int = 100, lease: float = LEAS
 
 def hold(conn, job_id: int, *, owner: str = OWNER, lease: float = LEASE) -> None:
     """Claim exactly this job: other claimable jobs are pushed out of reach for the claim and put back."""
-    hide = ("UPDATE app.embedding_jobs SET available_at = available_at {} interval '100 years'"
-            " WHERE job_id <> %s AND status IN ('pending', 'retry')")
+    hide = (
+        "UPDATE app.embedding_jobs SET available_at = available_at {} interval '100 years'"
+        " WHERE job_id <> %s AND status IN ('pending', 'retry')"
+    )
     conn.execute(hide.format("+"), (job_id,))
     try:
         assert claim_ids(conn, owner=owner, lease=lease) == [job_id]
@@ -172,8 +187,9 @@ def to_state(conn, state: str, *, max_attempts: int = 5, owner: str = OWNER) -> 
     if state == "processing":
         return jid
     if state == "retry":
-        assert job_helpers.fail_retryable(conn, owner=owner, job_ids=[jid], delays=[0.0], error_class="e",
-                                    message="m") == {jid: "retry"}
+        assert job_helpers.fail_retryable(
+            conn, owner=owner, job_ids=[jid], delays=[0.0], error_class="e", message="m"
+        ) == {jid: "retry"}
     elif state == "ready":
         assert job_helpers.complete(conn, owner=owner, job_ids=[jid], vectors=[vec(1)]) == ([jid], [])
     elif state == "failed":
@@ -213,7 +229,7 @@ def test_claim_pending_to_processing(q):
     assert j.status == "processing"
     assert j.attempts == 1
     assert j.lease_owner == OWNER
-    assert_about(j.lease_in, LEASE)          # lease expiry from the database clock
+    assert_about(j.lease_in, LEASE)  # lease expiry from the database clock
     assert j.error_class is None
     assert j.vector is None
 
@@ -264,8 +280,9 @@ def test_pending_not_claimed_before_available_at(q):
 def test_paused_provider_blocks_claims_of_that_model_only(q):
     models.ensure_model(q, SPEC2)
     ids1 = seed(q, 3, model=MODEL)
-    ids2 = [r[0] for r in q.execute("SELECT job_id FROM app.embedding_jobs WHERE model_id = %s ORDER BY job_id",
-                                    (MODEL2,))]
+    ids2 = [
+        r[0] for r in q.execute("SELECT job_id FROM app.embedding_jobs WHERE model_id = %s ORDER BY job_id", (MODEL2,))
+    ]
     assert len(ids2) == 3
 
     assert provider_state.pause_provider(q, MODEL, 60) == 1
@@ -277,8 +294,7 @@ def test_paused_provider_blocks_claims_of_that_model_only(q):
     assert provider_state.pause_provider(q, MODEL, 1) == 2
     assert claim_ids(q, model=MODEL) == []
 
-    q.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second' WHERE model_id = %s",
-              (MODEL,))
+    q.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second' WHERE model_id = %s", (MODEL,))
     assert sorted(claim_ids(q, model=MODEL)) == sorted(ids1)
 
 
@@ -325,8 +341,11 @@ def test_concurrent_claims_never_share_a_job(q, database_url):
     assert set(a) & set(b) == set()
     assert set(a) | set(b) == set(ids)
     # Every job was claimed exactly once: one attempt each, owned by the thread that got it.
-    rows = dict(q.execute("SELECT job_id, lease_owner FROM app.embedding_jobs "
-                          "WHERE status = 'processing' AND attempts = 1").fetchall())
+    rows = dict(
+        q.execute(
+            "SELECT job_id, lease_owner FROM app.embedding_jobs WHERE status = 'processing' AND attempts = 1"
+        ).fetchall()
+    )
     assert len(rows) == 200
     assert all(rows[i] == "t1" for i in a) and all(rows[i] == "t2" for i in b)
 
@@ -337,8 +356,7 @@ def test_claim_never_takes_a_job_out_of(q, state):
     before = job(q, jid)
     assert claim_ids(q, owner=OTHER) == []
     after = job(q, jid)
-    assert (after.status, after.attempts, after.lease_owner) == (before.status, before.attempts,
-                                                                   before.lease_owner)
+    assert (after.status, after.attempts, after.lease_owner) == (before.status, before.attempts, before.lease_owner)
 
 
 # --------------------------------------------------------------------------- complete
@@ -374,8 +392,7 @@ def test_complete_refused_for_wrong_owner(q):
 def test_complete_refused_after_lease_rescued(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s",
-              (jid,))
+    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s", (jid,))
     assert transitions.rescue_expired(q) == {"retry": 1, "failed": 0, "superseded": 0}
 
     assert job_helpers.complete(q, owner=OWNER, job_ids=[jid], vectors=[vec(1)]) == ([], [])
@@ -434,12 +451,13 @@ def test_second_completion_refused_and_vector_kept(q):
 def test_fail_retryable_processing_to_retry(q):
     a, b = seed(q, 2)
     assert sorted(claim_ids(q)) == sorted([a, b])
-    moved = job_helpers.fail_retryable(q, owner=OWNER, job_ids=[a, b], delays=[10.0, 300.0], error_class="http_500",
-                                 message="server error")
+    moved = job_helpers.fail_retryable(
+        q, owner=OWNER, job_ids=[a, b], delays=[10.0, 300.0], error_class="http_500", message="server error"
+    )
     assert moved == {a: "retry", b: "retry"}
     for jid, delay in ((a, 10.0), (b, 300.0)):
         j = job(q, jid)
-        assert (j.status, j.attempts) == ("retry", 1)          # the attempt is kept, not reset
+        assert (j.status, j.attempts) == ("retry", 1)  # the attempt is kept, not reset
         assert_about(j.available_in, delay)
         assert_no_lease(j)
         assert (j.error_class, j.error_message) == ("http_500", "server error")
@@ -450,11 +468,13 @@ def test_fail_retryable_exhausted_goes_to_failed(q):
     [jid] = seed(q, 1, max_attempts=2)
     hold(q, jid)
     assert job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="1") == {
-        jid: "retry"}
+        jid: "retry"
+    }
     hold(q, jid)
     assert job(q, jid).attempts == 2
-    assert job_helpers.fail_retryable(q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="timeout",
-                                message="2") == {jid: "failed"}
+    assert job_helpers.fail_retryable(
+        q, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="timeout", message="2"
+    ) == {jid: "failed"}
     j = job(q, jid)
     assert (j.status, j.attempts, j.error_class) == ("failed", 2, "timeout")
     assert_no_lease(j)
@@ -477,8 +497,9 @@ def test_fail_retryable_refused_for_non_owner_and_non_processing(q):
 def test_give_back_first_attempt_to_pending(q):
     [jid] = seed(q, 1)
     hold(q, jid)
-    assert job_helpers.give_back(q, owner=OWNER, job_ids=[jid], delay=20.0, error_class="http_429",
-                           message="slow down") == [jid]
+    assert job_helpers.give_back(
+        q, owner=OWNER, job_ids=[jid], delay=20.0, error_class="http_429", message="slow down"
+    ) == [jid]
     j = job(q, jid)
     assert (j.status, j.attempts) == ("pending", 0)
     assert_about(j.available_in, 20.0)
@@ -576,8 +597,7 @@ def test_jobs_of_a_retired_model_never_wait_for_a_worker(q):
     job_helpers.fail_terminal(q, owner=OWNER, job_ids=[dead], error_class="bad_input", message="x")
     job_helpers.complete(q, owner=OWNER, job_ids=[done], vectors=[np.ones(4, dtype=np.float32)])
     models.retire(q, MODEL)
-    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s",
-              (held,))
+    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = %s", (held,))
     assert transitions.rescue_expired(q) == {"retry": 0, "failed": 0, "superseded": 1}
     assert transitions.requeue_failed(q, [dead]) == {"pending": 0, "superseded": 1}
     q.execute("DELETE FROM app.embeddings")
@@ -594,8 +614,10 @@ def test_rescue_expired(q):
     expired, exhausted, alive = seed(q, 3, max_attempts=1)
     q.execute("UPDATE app.embedding_jobs SET max_attempts = 5 WHERE job_id = %s", (expired,))
     assert sorted(claim_ids(q)) == sorted([expired, exhausted, alive])
-    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = ANY(%s)",
-              ([expired, exhausted],))
+    q.execute(
+        "UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = ANY(%s)",
+        ([expired, exhausted],),
+    )
 
     assert transitions.rescue_expired(q) == {"retry": 2, "failed": 0, "superseded": 0}
 
@@ -613,13 +635,16 @@ def test_rescue_expired(q):
     assert sorted(claim_ids(q, owner=OTHER)) == sorted([expired, exhausted])
 
 
-@pytest.mark.parametrize("faults, held_with, max_attempts, became, attempts", [
-    (FREE_FAULTS - 1, None, 1, "pending", 0),      # alone but not yet a suspect: a fault
-    (FREE_FAULTS, "claim", 1, "pending", 0),       # a suspect, but with another job in its claim: a fault
-    (FREE_FAULTS, "process", 1, "pending", 0),     # ... or in another claim of its process: a fault
-    (FREE_FAULTS, "other process", 2, "retry", 1),  # a suspect alone in its process: its attempt stays used
-    (FREE_FAULTS, None, 1, "failed", 1),           # ... and failed when they are used up
-])
+@pytest.mark.parametrize(
+    "faults, held_with, max_attempts, became, attempts",
+    [
+        (FREE_FAULTS - 1, None, 1, "pending", 0),  # alone but not yet a suspect: a fault
+        (FREE_FAULTS, "claim", 1, "pending", 0),  # a suspect, but with another job in its claim: a fault
+        (FREE_FAULTS, "process", 1, "pending", 0),  # ... or in another claim of its process: a fault
+        (FREE_FAULTS, "other process", 2, "retry", 1),  # a suspect alone in its process: its attempt stays used
+        (FREE_FAULTS, None, 1, "failed", 1),  # ... and failed when they are used up
+    ],
+)
 def test_rescue_charges_only_a_suspect_alone_in_its_process(q, faults, held_with, max_attempts, became, attempts):
     """Lease owners are `worker/run/claim`: the rescue judges a job by all its process held."""
     jid, other = seed(q, 2, max_attempts=max_attempts)
@@ -630,14 +655,16 @@ def test_rescue_charges_only_a_suspect_alone_in_its_process(q, faults, held_with
         hold(q, jid, owner="w/run/1")
         if held_with is not None:
             hold(q, other, owner="w/run/2" if held_with == "process" else "w/other-run/1")
-    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
-              " WHERE status = 'processing'")
+    q.execute(
+        "UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE status = 'processing'"
+    )
     transitions.rescue_expired(q)
     j = job(q, jid)
     charged = became != "pending"
     assert (j.status, j.attempts) == (became, attempts)
-    assert q.execute("SELECT faults FROM app.embedding_jobs WHERE job_id = %s", (jid,)).fetchone()[0] \
-        == faults + (0 if charged else 1)
+    assert q.execute("SELECT faults FROM app.embedding_jobs WHERE job_id = %s", (jid,)).fetchone()[0] == faults + (
+        0 if charged else 1
+    )
 
 
 def test_a_job_the_rescue_would_charge_is_a_suspect_whatever_the_fault_evidence(q):
@@ -650,13 +677,15 @@ def test_a_job_the_rescue_would_charge_is_a_suspect_whatever_the_fault_evidence(
 
     poison, neighbour, flaky = seed(q, 3, max_attempts=3)
     q.execute("UPDATE app.embedding_jobs SET faults = %s WHERE job_id = %s", (FREE_FAULTS - 1, poison))
-    q.execute("UPDATE app.embedding_jobs SET faults = %s, error_class = 'timeout' WHERE job_id = %s",
-              (FREE_FAULTS, flaky))
+    q.execute(
+        "UPDATE app.embedding_jobs SET faults = %s, error_class = 'timeout' WHERE job_id = %s", (FREE_FAULTS, flaky)
+    )
     hide = "UPDATE app.embedding_jobs SET available_at = available_at {} interval '100 years' WHERE job_id = %s"
     q.execute(hide.format("+"), (flaky,))
     assert sorted(claim_ids(q, owner="w/run/1")) == sorted([poison, neighbour])
-    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
-              " WHERE status = 'processing'")
+    q.execute(
+        "UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE status = 'processing'"
+    )
     transitions.rescue_expired(q)  # held with a neighbour: a fault each, nobody charged
     q.execute(hide.format("-"), (flaky,))
     q.execute("UPDATE app.embedding_jobs SET available_at = now() - interval '1 second'")
@@ -669,13 +698,19 @@ def test_a_job_the_rescue_would_charge_is_a_suspect_whatever_the_fault_evidence(
         assert suspect(by_id[flaky], threshold) == (threshold == 1), threshold
     kept, back = alone_if_suspect(sorted(claimed, key=lambda j: j.job_id != poison), MAX_EVIDENCE_FAULTS)
     assert [j.job_id for j in kept] == [poison]
-    q.execute("UPDATE app.embedding_jobs SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL"
-              " WHERE job_id = ANY(%s)", ([j.job_id for j in back],))
-    q.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
-              " WHERE status = 'processing'")
+    q.execute(
+        "UPDATE app.embedding_jobs SET status = 'pending', lease_owner = NULL, lease_expires_at = NULL"
+        " WHERE job_id = ANY(%s)",
+        ([j.job_id for j in back],),
+    )
+    q.execute(
+        "UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE status = 'processing'"
+    )
     transitions.rescue_expired(q)  # alone in its process: charged
-    assert q.execute("SELECT attempts, faults FROM app.embedding_jobs WHERE job_id = %s",
-                     (poison,)).fetchone() == (1, FREE_FAULTS)
+    assert q.execute("SELECT attempts, faults FROM app.embedding_jobs WHERE job_id = %s", (poison,)).fetchone() == (
+        1,
+        FREE_FAULTS,
+    )
 
 
 # --------------------------------------------------------------------------- requeue_failed
@@ -772,7 +807,7 @@ def test_supersede_unwanted_with_checksum_filter(q):
 
 
 def test_revive_wanted(q):
-    back = to_state(q, "superseded")          # to_state restores a chunk: wanted again
+    back = to_state(q, "superseded")  # to_state restores a chunk: wanted again
     still_gone = to_state(q, "superseded")
     drop_chunks(q, still_gone)
     q.execute("UPDATE app.embedding_jobs SET error_class = 'old', attempts = 3 WHERE job_id = %s", (back,))
@@ -872,8 +907,9 @@ def test_unique_constraint_rejects_duplicate_job(q):
     [_jid] = seed(q, 1, labels=["dup"])
     # The identity lives in app.job_keys (written once; the state row stays narrow).
     with pytest.raises(psycopg.errors.UniqueViolation):
-        q.execute("INSERT INTO app.job_keys (chunk_checksum, model_id, job_id) VALUES (%s, %s, -1)",
-                  (checksum("dup"), MODEL))
+        q.execute(
+            "INSERT INTO app.job_keys (chunk_checksum, model_id, job_id) VALUES (%s, %s, -1)", (checksum("dup"), MODEL)
+        )
     assert q.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0] == 1
 
 
@@ -926,8 +962,9 @@ def apply(conn, op: str, jid: int) -> int:
         ready, superseded = job_helpers.complete(conn, owner=OWNER, job_ids=[jid], vectors=[vec(5)])
         return len(ready) + len(superseded)
     if name == "fail_retryable":
-        return len(job_helpers.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0],
-                                              error_class="e", message="m"))
+        return len(
+            job_helpers.fail_retryable(conn, owner=OWNER, job_ids=[jid], delays=[0.0], error_class="e", message="m")
+        )
     if name == "give_back":
         return len(job_helpers.give_back(conn, owner=OWNER, job_ids=[jid]))
     if name == "fail_terminal":
@@ -947,8 +984,18 @@ def apply(conn, op: str, jid: int) -> int:
 
 def test_edge_table_is_complete():
     names = {op.split("/")[0] for op in EDGES}
-    assert names == {"claim", "complete", "fail_retryable", "give_back", "fail_terminal", "rescue_expired",
-                     "requeue_failed", "supersede_unwanted", "revive_wanted", "repair_missing_vectors"}
+    assert names == {
+        "claim",
+        "complete",
+        "fail_retryable",
+        "give_back",
+        "fail_terminal",
+        "rescue_expired",
+        "requeue_failed",
+        "supersede_unwanted",
+        "revive_wanted",
+        "repair_missing_vectors",
+    }
     targets = {(src, dst) for edges in EDGES.values() for src, dst in edges.items()}
     assert all(dst in STATES and src in STATES for src, dst in targets)
     assert set(CONTEXT) <= set(EDGES)
@@ -965,8 +1012,10 @@ def test_transition_table(q, op):
         if not ctx.get("wanted", True):
             drop_chunks(q, jid)
         if "attempts" in ctx:
-            q.execute("UPDATE app.embedding_jobs SET attempts = %s WHERE job_id = %s",
-                      (3 if ctx["attempts"] == "max" else ctx["attempts"], jid))
+            q.execute(
+                "UPDATE app.embedding_jobs SET attempts = %s WHERE job_id = %s",
+                (3 if ctx["attempts"] == "max" else ctx["attempts"], jid),
+            )
         if "faults" in ctx:
             q.execute("UPDATE app.embedding_jobs SET faults = %s WHERE job_id = %s", (ctx["faults"], jid))
         if ctx.get("expired"):
@@ -981,7 +1030,10 @@ def test_transition_table(q, op):
         if expected is None:
             assert moved == 0, f"{op}: {state} must be refused"
             assert (after.status, after.attempts, after.lease_owner) == (
-                before.status, before.attempts, before.lease_owner), f"{op}: {state} changed"
+                before.status,
+                before.attempts,
+                before.lease_owner,
+            ), f"{op}: {state} changed"
         else:
             assert moved == 1, f"{op}: {state} -> {expected} did not move"
             assert after.status == expected, f"{op}: {state} -> {after.status}, expected {expected}"
@@ -989,7 +1041,6 @@ def test_transition_table(q, op):
                 assert_no_lease(after)
             if expected != "ready":
                 assert after.vector is None, f"{op}: {state} -> {expected} left a vector"
-
 
 
 # --------------------------------------------------------------------------- concurrent supersede
@@ -1020,6 +1071,7 @@ def test_supersede_unwanted_racing_a_completion_deletes_its_vector(q, database_u
     hold(q, jid)
     result: dict[str, object] = {}
     with db.connect(database_url) as worker, db.connect(database_url) as ingest:
+
         def run_ingest() -> None:
             try:
                 with ingest.transaction():

@@ -58,31 +58,50 @@ from pipeline_assets.registry import models
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import LONG_PROFILE
 
-_COMMON = dict(database=None, deadline=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("pipeline-jobs-default", max_examples=50, stateful_step_count=50, derandomize=False,
-                          **_COMMON)
-settings.register_profile("pipeline-jobs-long", max_examples=600, stateful_step_count=120, derandomize=False,
-                          **_COMMON)
+_COMMON = dict(
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "pipeline-jobs-default", max_examples=50, stateful_step_count=50, derandomize=False, **_COMMON
+)
+settings.register_profile("pipeline-jobs-long", max_examples=600, stateful_step_count=120, derandomize=False, **_COMMON)
 PROFILE = "pipeline-jobs-long" if LONG_PROFILE else "pipeline-jobs-default"
 
-SPECS = [ModelSpec(provider="prop", name=name, dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                   max_batch_tokens=1000) for name in ("m1", "m2")]
+SPECS = [
+    ModelSpec(provider="prop", name=name, dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000)
+    for name in ("m1", "m2")
+]
 MODELS = [s.model_id for s in SPECS]
-LABELS = [f"c{i}" for i in range(6)]            # the content pool: one checksum per label
+LABELS = [f"c{i}" for i in range(6)]  # the content pool: one checksum per label
 SUMS = [hashlib.sha256(label.encode()).digest() for label in LABELS]
 DOCS = 3
 # (doc, label): c2 and c3 are shared by two documents, c5 is wanted by nobody yet
 INITIAL = {(0, 0), (0, 1), (0, 2), (1, 2), (1, 3), (1, 4), (2, 3)}
 MAX_ATTEMPTS = 3
-LEASE = 3600.0      # a lease never expires by itself during an example: expire_lease does it
-FAR = 3600.0        # a delay that is "later" until the clock is moved forward
+LEASE = 3600.0  # a lease never expires by itself during an example: expire_lease does it
+FAR = 3600.0  # a delay that is "later" until the clock is moved forward
 ALL_TABLES = """app.sources, app.documents, app.chunks, app.embedding_jobs, app.job_keys, app.embeddings,
                 app.stage_runs, app.provider_state, app.provider_calls, app.input_sends_until_032, app.workers,
                 app.models"""
 
-STATE_COLUMNS = ("job_id", "chunk_checksum", "model_id", "status", "attempts", "max_attempts", "lease_owner",
-                 "leased", "expired", "available", "available_far", "throttles", "faults")
+STATE_COLUMNS = (
+    "job_id",
+    "chunk_checksum",
+    "model_id",
+    "status",
+    "attempts",
+    "max_attempts",
+    "lease_owner",
+    "leased",
+    "expired",
+    "available",
+    "available_far",
+    "throttles",
+    "faults",
+)
 
 
 @dataclass(frozen=True)
@@ -94,12 +113,12 @@ class Row:
     attempts: int
     max_attempts: int
     lease_owner: str | None
-    leased: bool          # lease_expires_at IS NOT NULL
+    leased: bool  # lease_expires_at IS NOT NULL
     expired: bool | None  # lease_expires_at < now()
-    available: bool       # available_at <= now()
-    available_far: bool   # available_at > now() + FAR/2: a long delay was applied
+    available: bool  # available_at <= now()
+    available_far: bool  # available_at > now() + FAR/2: a long delay was applied
     throttles: int
-    faults: int           # transient faults charged to its requests instead of to it
+    faults: int  # transient faults charged to its requests instead of to it
 
 
 @dataclass
@@ -124,10 +143,14 @@ class JobStateMachine(RuleBasedStateMachine):
         for spec in SPECS:
             models.ensure_model(c, spec)
         source = c.execute("INSERT INTO app.sources (root) VALUES ('/prop') RETURNING source_id").fetchone()[0]
-        self.doc_pks = [c.execute(
-            "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
-            " VALUES (%s, %s, %s, 'current') RETURNING doc_pk", (source, f"d{d}", f"file:///d{d}")).fetchone()[0]
-            for d in range(DOCS)]
+        self.doc_pks = [
+            c.execute(
+                "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
+                " VALUES (%s, %s, %s, 'current') RETURNING doc_pk",
+                (source, f"d{d}", f"file:///d{d}"),
+            ).fetchone()[0]
+            for d in range(DOCS)
+        ]
         self.members: set[tuple[int, int]] = set()
         for doc, label in sorted(INITIAL):
             self._insert_chunk(doc, label)
@@ -143,7 +166,9 @@ class JobStateMachine(RuleBasedStateMachine):
     def _insert_chunk(self, doc: int, label: int) -> None:
         self.conn.execute(
             "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end)"
-            " VALUES (%s, %s, %s, %s, 3, 0, 10)", (self.doc_pks[doc], label, SUMS[label], f"text of {LABELS[label]}"))
+            " VALUES (%s, %s, %s, %s, 3, 0, 10)",
+            (self.doc_pks[doc], label, SUMS[label], f"text of {LABELS[label]}"),
+        )
         self.members.add((doc, label))
 
     def _rows(self) -> dict[int, Row]:
@@ -155,8 +180,10 @@ class JobStateMachine(RuleBasedStateMachine):
         return {r[0]: Row(*r) for r in rows}
 
     def _vectors(self) -> dict[tuple[bytes, str], np.ndarray]:
-        return {(s, m): np.asarray(v.to_numpy()) for s, m, v in
-                self.conn.execute("SELECT chunk_checksum, model_id, embedding FROM app.embeddings")}
+        return {
+            (s, m): np.asarray(v.to_numpy())
+            for s, m, v in self.conn.execute("SELECT chunk_checksum, model_id, embedding FROM app.embeddings")
+        }
 
     def _wanted_sums(self) -> set[bytes]:
         return {SUMS[label] for _, label in self.members}
@@ -170,7 +197,8 @@ class JobStateMachine(RuleBasedStateMachine):
         self.seen = self._rows()
         self.breaker_waits = self.conn.execute(
             "SELECT EXISTS (SELECT 1 FROM app.provider_state"
-            " WHERE tripped AND (paused_until > now() OR probe_until > now()))").fetchone()[0]
+            " WHERE tripped AND (paused_until > now() OR probe_until > now()))"
+        ).fetchone()[0]
 
     def _live_claims(self) -> list[Claim]:
         held = {r.lease_owner for r in self.seen.values() if r.status == "processing"}
@@ -217,15 +245,24 @@ class JobStateMachine(RuleBasedStateMachine):
         c = self.conn
         owner = self._owner()
         with c.transaction():  # one now() for the oracle and the claim
-            active, tripped, pause_over, probe_free = c.execute("""
+            active, tripped, pause_over, probe_free = c.execute(
+                """
                 SELECT m.active, coalesce(p.tripped, false), coalesce(p.paused_until <= now(), true),
                        coalesce(p.probe_until <= now(), true)
                 FROM app.models m LEFT JOIN app.provider_state p USING (model_id)
-                WHERE m.model_id = %s""", (model,)).fetchone()
-            waiting = [r[0] for r in c.execute("""
+                WHERE m.model_id = %s""",
+                (model,),
+            ).fetchone()
+            waiting = [
+                r[0]
+                for r in c.execute(
+                    """
                 SELECT job_id FROM app.embedding_jobs
                 WHERE model_id = %s AND status IN ('pending', 'retry') AND available_at <= now()
-                ORDER BY available_at, job_id""", (model,))]
+                ORDER BY available_at, job_id""",
+                    (model,),
+                )
+            ]
             before = self._rows()
             jobs = transitions.claim(c, model_id=model, owner=owner, limit=limit, lease_seconds=LEASE)
         if not jobs:  # as JobStore.claim: an empty claim frees a probe slot it took
@@ -268,8 +305,9 @@ class JobStateMachine(RuleBasedStateMachine):
         held = self._held(claim, before)
         vecs = {i: self._vector() for i in claim.job_ids}
         wanted = self._wanted_sums()
-        ready, superseded = job_helpers.complete(c, owner=claim.owner, job_ids=claim.job_ids,
-                                                 vectors=[vecs[i] for i in claim.job_ids])
+        ready, superseded = job_helpers.complete(
+            c, owner=claim.owner, job_ids=claim.job_ids, vectors=[vecs[i] for i in claim.job_ids]
+        )
         expect_ready = {i for i in held if before[i].chunk_checksum in wanted and self.active[before[i].model_id]}
         assert set(ready) == expect_ready, f"complete: ready {sorted(ready)}, expected {sorted(expect_ready)}"
         assert set(superseded) == set(held) - expect_ready, f"complete: superseded {sorted(superseded)}"
@@ -302,8 +340,9 @@ class JobStateMachine(RuleBasedStateMachine):
         claim, lost = stale[pick % len(stale)]
         claim.late = True
         before, vectors_before = self._rows(), self._vectors()
-        result = job_helpers.complete(self.conn, owner=claim.owner, job_ids=lost,
-                                      vectors=[self._vector() for _ in lost])
+        result = job_helpers.complete(
+            self.conn, owner=claim.owner, job_ids=lost, vectors=[self._vector() for _ in lost]
+        )
         assert result == ([], []), f"stale owner {claim.owner} won {result}"
         after, vectors_after = self._rows(), self._vectors()
         assert after == before, "a stale completion changed job rows"
@@ -324,13 +363,25 @@ class JobStateMachine(RuleBasedStateMachine):
         claim, before, held = self._pick_live(pick)
         # As the worker after a 5xx: count a provider failure (it trips the breaker
         # after BREAKER_THRESHOLD in a row), then move the jobs.
-        provider_state.provider_failure(self.conn, claim.model_id, trip=False, floor=0.0, base=0.0, cap=0.0,
-                                     threshold=BREAKER_THRESHOLD)
-        moved = job_helpers.fail_retryable(self.conn, owner=claim.owner, job_ids=claim.job_ids,
-                                           delays=[FAR if far else 0.0] * len(claim.job_ids),
-                                           error_class="server_error", message="HTTP 500")
-        expected = {i: "superseded" if not self.active[before[i].model_id]
-                    else "failed" if before[i].attempts >= before[i].max_attempts else "retry" for i in held}
+        provider_state.provider_failure(
+            self.conn, claim.model_id, trip=False, floor=0.0, base=0.0, cap=0.0, threshold=BREAKER_THRESHOLD
+        )
+        moved = job_helpers.fail_retryable(
+            self.conn,
+            owner=claim.owner,
+            job_ids=claim.job_ids,
+            delays=[FAR if far else 0.0] * len(claim.job_ids),
+            error_class="server_error",
+            message="HTTP 500",
+        )
+        expected = {
+            i: "superseded"
+            if not self.active[before[i].model_id]
+            else "failed"
+            if before[i].attempts >= before[i].max_attempts
+            else "retry"
+            for i in held
+        }
         assert moved == expected, f"fail_retryable moved {moved}, expected {expected}"
         after = self._rows()
         for i in held:
@@ -346,8 +397,9 @@ class JobStateMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 10**6))
     def fail_terminal(self, pick):
         claim, before, held = self._pick_live(pick)
-        moved = job_helpers.fail_terminal(self.conn, owner=claim.owner, job_ids=claim.job_ids,
-                                          error_class="bad_input", message="HTTP 400")
+        moved = job_helpers.fail_terminal(
+            self.conn, owner=claim.owner, job_ids=claim.job_ids, error_class="bad_input", message="HTTP 400"
+        )
         assert sorted(moved) == sorted(held)
         after = self._rows()
         for i in held:
@@ -360,14 +412,25 @@ class JobStateMachine(RuleBasedStateMachine):
         claim, before, held = self._pick_live(pick)
         if throttled:  # as the worker after a 429: trip the shared breaker for the Retry-After
             provider_state.pause_provider(self.conn, claim.model_id, delay)
-        moved = job_helpers.give_back(self.conn, owner=claim.owner, job_ids=claim.job_ids, delay=delay,
-                                      error_class="rate_limited" if throttled else None, throttled=throttled)
+        moved = job_helpers.give_back(
+            self.conn,
+            owner=claim.owner,
+            job_ids=claim.job_ids,
+            delay=delay,
+            error_class="rate_limited" if throttled else None,
+            throttled=throttled,
+        )
         assert sorted(moved) == sorted(held)
         after = self._rows()
         for i in held:
             b, r = before[i], after[i]
-            status = ("superseded" if not self.active[b.model_id]   # nobody may claim it again
-                      else "pending" if b.attempts <= 1 else "retry")
+            status = (
+                "superseded"
+                if not self.active[b.model_id]  # nobody may claim it again
+                else "pending"
+                if b.attempts <= 1
+                else "retry"
+            )
             assert (r.status, r.lease_owner, r.leased) == (status, None, False)
             assert r.attempts == max(b.attempts - 1, 0), "a give-back used an attempt"
             assert r.throttles == b.throttles + (1 if throttled else 0)
@@ -388,8 +451,12 @@ class JobStateMachine(RuleBasedStateMachine):
         self._give_back(pick, delay, throttled=True)
 
     @precondition(lambda self: self._live_claims())
-    @rule(pick=st.integers(0, 10**6), short=st.booleans(), unmatched=st.integers(0, 1),
-          health=st.sampled_from([decisions.ANSWERS, decisions.DOWN, decisions.UNUSABLE]))
+    @rule(
+        pick=st.integers(0, 10**6),
+        short=st.booleans(),
+        unmatched=st.integers(0, 1),
+        health=st.sampled_from([decisions.ANSWERS, decisions.DOWN, decisions.UNUSABLE]),
+    )
     def unusable_answer(self, pick, short, unmatched, health):
         """As the worker after a dropped answer (the connection cut after billing) or a short
         one (an embedding missing), with the provider answering others or not: the real
@@ -397,14 +464,22 @@ class JobStateMachine(RuleBasedStateMachine):
         others the failure costs no attempt unless the job failed alone past its free faults
         (then it is a retry), and counts a fault; otherwise it costs nothing."""
         claim, before, held = self._pick_live(pick)
-        jobs = [ClaimedJob(i, before[i].chunk_checksum, before[i].attempts, before[i].max_attempts, "t",
-                           faults=before[i].faults) for i in held]
+        jobs = [
+            ClaimedJob(
+                i, before[i].chunk_checksum, before[i].attempts, before[i].max_attempts, "t", faults=before[i].faults
+            )
+            for i in held
+        ]
         if not jobs:
             return
-        error = (ProviderError(RETRYABLE, BAD_RESPONSE, f"expected {len(jobs)} vectors, got 0")
-                 if short else ProviderError(RETRYABLE, "connection", "connection error", billed_maybe=True))
-        outcome = decisions.decide(error, jobs, config_ok=True, base=0.0, cap=0.0, poll_seconds=0.0,
-                                   health=health, unusable_in_a_row=unmatched)
+        error = (
+            ProviderError(RETRYABLE, BAD_RESPONSE, f"expected {len(jobs)} vectors, got 0")
+            if short
+            else ProviderError(RETRYABLE, "connection", "connection error", billed_maybe=True)
+        )
+        outcome = decisions.decide(
+            error, jobs, config_ok=True, base=0.0, cap=0.0, poll_seconds=0.0, health=health, unusable_in_a_row=unmatched
+        )
         vectors = self._vectors()
         if isinstance(outcome, outcomes.Stop):  # too many unusable answers: handed back untouched
             assert health == decisions.UNUSABLE and unmatched + 1 >= decisions.MAX_UNMATCHED_ANSWERS
@@ -438,8 +513,10 @@ class JobStateMachine(RuleBasedStateMachine):
         """The database clock passes a lease (or all of them): the worker died or stalled."""
         ids = [r.job_id for r in self._by_content(self.seen) if r.status == "processing"]
         target = ids if every else [ids[pick % len(ids)]]
-        self.conn.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
-                          " WHERE job_id = ANY(%s)", (target,))
+        self.conn.execute(
+            "UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE job_id = ANY(%s)",
+            (target,),
+        )
 
     @precondition(lambda self: self._any(lambda r: r.status == "processing" and r.expired))
     @rule(backoff=st.booleans())
@@ -450,11 +527,12 @@ class JobStateMachine(RuleBasedStateMachine):
             counts = transitions.rescue_expired(self.conn, base=base, cap=cap)
         after = self._rows()
         expired = [i for i, r in before.items() if r.status == "processing" and r.expired]
+
         # A crash is the claim's fault: the attempt given back and a fault counted, unless the
         # job was the only one rescued from its worker process (the owner up to its last '/')
         # after FREE_FAULTS faults (then charged).
         def process(owner: str) -> str:
-            return owner[:owner.rindex("/") + 1] if "/" in owner else owner
+            return owner[: owner.rindex("/") + 1] if "/" in owner else owner
 
         processes = [process(before[i].lease_owner) for i in expired]
         expected, attempts, faults = {}, {}, {}
@@ -472,7 +550,12 @@ class JobStateMachine(RuleBasedStateMachine):
         for i in expired:
             r = after[i]
             assert (r.status, r.lease_owner, r.leased, r.attempts, r.faults) == (
-                expected[i], None, False, attempts[i], faults[i]), f"rescue of job {i}: {r}"
+                expected[i],
+                None,
+                False,
+                attempts[i],
+                faults[i],
+            ), f"rescue of job {i}: {r}"
             if not backoff:
                 assert r.available
         counted = {i: "retry" if v == "pending" else v for i, v in expected.items()}
@@ -480,16 +563,19 @@ class JobStateMachine(RuleBasedStateMachine):
         assert dict(counts) == want, f"rescue counted {counts}, expected {want}"
         self._assert_unchanged(before, after, set(before) - set(expired), "rescue")
 
-    @precondition(lambda self: self.breaker_waits
-                  or self._any(lambda r: r.status in ("pending", "retry") and not r.available))
+    @precondition(
+        lambda self: self.breaker_waits or self._any(lambda r: r.status in ("pending", "retry") and not r.available)
+    )
     @rule()
     def tick(self):
         """The database clock moves two hours on: every delay, backoff and breaker pause is over
         (leases are left alone: expire_lease does those)."""
         c = self.conn
         c.execute("UPDATE app.embedding_jobs SET available_at = available_at - interval '2 hours'")
-        c.execute("UPDATE app.provider_state SET paused_until = paused_until - interval '2 hours',"
-                  " probe_until = probe_until - interval '2 hours'")
+        c.execute(
+            "UPDATE app.provider_state SET paused_until = paused_until - interval '2 hours',"
+            " probe_until = probe_until - interval '2 hours'"
+        )
 
     # ------------------------------------------------------------------ content
     @precondition(lambda self: self.members)
@@ -501,15 +587,20 @@ class JobStateMachine(RuleBasedStateMachine):
         s = SUMS[label]
         before = self._rows()
         with self.conn.transaction():
-            self.conn.execute("DELETE FROM app.chunks WHERE doc_pk = %s AND chunk_index = %s",
-                              (self.doc_pks[doc], label))
+            self.conn.execute(
+                "DELETE FROM app.chunks WHERE doc_pk = %s AND chunk_index = %s", (self.doc_pks[doc], label)
+            )
             self.members.discard((doc, label))
             n = transitions.supersede_unwanted(self.conn, [s])
         after = self._rows()
         still_wanted = s in self._wanted_sums()
-        moved = [i for i, r in before.items()
-                 if r.chunk_checksum == s and not still_wanted
-                 and r.status in ("pending", "retry", "processing", "ready", "failed")]
+        moved = [
+            i
+            for i, r in before.items()
+            if r.chunk_checksum == s
+            and not still_wanted
+            and r.status in ("pending", "retry", "processing", "ready", "failed")
+        ]
         assert n == len(moved), f"drop_chunk superseded {n}, expected {len(moved)}"
         for i in moved:
             assert (after[i].status, after[i].lease_owner, after[i].leased) == ("superseded", None, False)
@@ -533,12 +624,16 @@ class JobStateMachine(RuleBasedStateMachine):
         new = set(after) - set(before)
         have = {(r.chunk_checksum, r.model_id) for r in before.values()}
         expected_new = {m for m in MODELS if self.active[m] and (s, m) not in have}
-        assert {after[i].model_id for i in new} == expected_new and all(after[i].chunk_checksum == s for i in new), \
+        assert {after[i].model_id for i in new} == expected_new and all(after[i].chunk_checksum == s for i in new), (
             f"restore_chunk enqueued {[(after[i].chunk_checksum.hex()[:8], after[i].model_id) for i in new]}"
+        )
         for i in new:
             assert (after[i].status, after[i].attempts, after[i].max_attempts) == ("pending", 0, MAX_ATTEMPTS)
-        revived = [i for i, r in before.items()
-                   if r.chunk_checksum == s and r.status == "superseded" and self.active[r.model_id]]
+        revived = [
+            i
+            for i, r in before.items()
+            if r.chunk_checksum == s and r.status == "superseded" and self.active[r.model_id]
+        ]
         for i in revived:
             assert (after[i].status, after[i].attempts) == ("pending", 0)
         self._assert_unchanged(before, after, set(before) - set(revived), "restore_chunk")
@@ -578,8 +673,11 @@ class JobStateMachine(RuleBasedStateMachine):
             assert (revived, enqueued) == (0, 0) and after == before
             return
         wanted = self._wanted_sums()
-        expect_revived = [i for i, r in before.items()
-                          if r.status == "superseded" and r.chunk_checksum in wanted and self.active[r.model_id]]
+        expect_revived = [
+            i
+            for i, r in before.items()
+            if r.status == "superseded" and r.chunk_checksum in wanted and self.active[r.model_id]
+        ]
         have = {(r.chunk_checksum, r.model_id) for r in before.values()}
         expect_new = {(s, model) for s in wanted if (s, model) not in have}
         assert revived == len(expect_revived), f"activate revived {revived}, expected {len(expect_revived)}"
@@ -611,8 +709,9 @@ class JobStateMachine(RuleBasedStateMachine):
     def _drain(self) -> None:
         c = self.conn
         self.tick()
-        c.execute("UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second'"
-                  " WHERE status = 'processing'")
+        c.execute(
+            "UPDATE app.embedding_jobs SET lease_expires_at = now() - interval '1 second' WHERE status = 'processing'"
+        )
         self.rescue(backoff=False)
         for _ in range(50):
             progressed = False
@@ -632,8 +731,9 @@ class JobStateMachine(RuleBasedStateMachine):
             for m in MODELS:
                 if self.active[m]:
                     r = by_key.get((s, m))
-                    assert r is not None and r.status in ("ready", "failed"), \
+                    assert r is not None and r.status in ("ready", "failed"), (
                         f"after the drain, wanted ({s.hex()[:8]}, {m}) is {r}"
+                    )
         stuck = [r for r in rows.values() if self.active[r.model_id] and r.status in ("pending", "retry", "processing")]
         assert not stuck, f"after the drain, jobs of active models are still queued: {stuck}"
 
@@ -658,20 +758,24 @@ class JobStateMachine(RuleBasedStateMachine):
         ready = {(r.chunk_checksum, r.model_id) for r in rows.values() if r.status == "ready"}
         assert set(vectors) == ready, (
             f"vectors without a ready job: {[(s.hex()[:8], m) for s, m in set(vectors) - ready]}; "
-            f"ready jobs without a vector: {[(s.hex()[:8], m) for s, m in ready - set(vectors)]}")
+            f"ready jobs without a vector: {[(s.hex()[:8], m) for s, m in ready - set(vectors)]}"
+        )
         for key, v in vectors.items():
-            assert key in self.expected_vectors and np.array_equal(v, self.expected_vectors[key]), \
+            assert key in self.expected_vectors and np.array_equal(v, self.expected_vectors[key]), (
                 f"the vector of {key[0].hex()[:8]}/{key[1]} is not the winning completion's"
+            )
         wanted = self._wanted_sums()
         for r in rows.values():
             if r.status == "ready" and self.active[r.model_id]:
                 assert r.chunk_checksum in wanted, f"ready job {r.job_id} of an active model has no current chunk"
             if r.status in ("pending", "retry", "processing"):
                 assert r.chunk_checksum in wanted, f"{r.status} job {r.job_id} has no current chunk"
-            assert (r.status == "processing") == (r.lease_owner is not None) == r.leased, \
+            assert (r.status == "processing") == (r.lease_owner is not None) == r.leased, (
                 f"job {r.job_id}: status {r.status} with lease {r.lease_owner!r}"
-            assert r.attempts >= 0 and (r.attempts <= r.max_attempts or r.status == "failed"), \
+            )
+            assert r.attempts >= 0 and (r.attempts <= r.max_attempts or r.status == "failed"), (
                 f"job {r.job_id}: {r.attempts} attempts of {r.max_attempts} while {r.status}"
+            )
         keys = c.execute("""
             SELECT (SELECT count(*) FROM app.job_keys),
                    (SELECT count(*) FROM app.embedding_jobs),
@@ -684,8 +788,9 @@ class JobStateMachine(RuleBasedStateMachine):
             for m in MODELS:
                 if self.active[m]:
                     r = by_key.get((s, m))
-                    assert r is not None and r.status != "superseded", \
+                    assert r is not None and r.status != "superseded", (
                         f"wanted content {s.hex()[:8]} of active model {m} has job {r}"
+                    )
         assert dict(c.execute("SELECT model_id, active FROM app.models")) == self.active
         if self.check_retired_queue:
             waiting = [r for r in rows.values() if r.status in ("pending", "retry") and not self.active[r.model_id]]
@@ -720,20 +825,28 @@ def test_retired_model_jobs_never_wait(clean_db, how):
     conn = clean_db
     models.ensure_model(conn, SPECS[0])
     source = conn.execute("INSERT INTO app.sources (root) VALUES ('/prop') RETURNING source_id").fetchone()[0]
-    doc = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status)"
-                       " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk", (source,)).fetchone()[0]
-    conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                 " char_end) VALUES (%s, 0, %s, 'text', 3, 0, 4)", (doc, SUMS[0]))
+    doc = conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
+        " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk",
+        (source,),
+    ).fetchone()[0]
+    conn.execute(
+        "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+        " char_end) VALUES (%s, 0, %s, 'text', 3, 0, 4)",
+        (doc, SUMS[0]),
+    )
     transitions.enqueue_for_docs(conn, [doc], MAX_ATTEMPTS)
     [job] = transitions.claim(conn, model_id=MODELS[0], owner="w/1", limit=1, lease_seconds=LEASE)
     models.retire(conn, MODELS[0])
     if how == "fail_retryable":
-        moved = job_helpers.fail_retryable(conn, owner="w/1", job_ids=[job.job_id], delays=[0.0],
-                                           error_class="server_error", message="HTTP 500")
+        moved = job_helpers.fail_retryable(
+            conn, owner="w/1", job_ids=[job.job_id], delays=[0.0], error_class="server_error", message="HTTP 500"
+        )
         assert list(moved) == [job.job_id]
     else:
-        assert job_helpers.give_back(conn, owner="w/1", job_ids=[job.job_id], throttled=how == "throttle") \
-            == [job.job_id]
+        assert job_helpers.give_back(conn, owner="w/1", job_ids=[job.job_id], throttled=how == "throttle") == [
+            job.job_id
+        ]
     status = conn.execute("SELECT status FROM app.embedding_jobs WHERE job_id = %s", (job.job_id,)).fetchone()[0]
     assert model_admin.reactivate(conn, MODELS[0], MAX_ATTEMPTS)[0]
     revived = conn.execute("SELECT status FROM app.embedding_jobs WHERE job_id = %s", (job.job_id,)).fetchone()[0]

@@ -23,8 +23,10 @@ def _create(conn, rows: int = 12) -> None:
     conn.execute("DROP SCHEMA IF EXISTS src CASCADE")
     conn.execute("DROP SCHEMA IF EXISTS pipeline_changes CASCADE")
     conn.execute("CREATE SCHEMA src")
-    conn.execute("CREATE TABLE src.notes (id bigint PRIMARY KEY, body text,"
-                 " updated_at timestamptz NOT NULL DEFAULT clock_timestamp())")
+    conn.execute(
+        "CREATE TABLE src.notes (id bigint PRIMARY KEY, body text,"
+        " updated_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+    )
     with conn.cursor() as cur:
         cur.executemany("INSERT INTO src.notes (id, body) VALUES (%s, %s)", [(i, _text(i)) for i in range(rows)])
 
@@ -44,8 +46,12 @@ def test_embed_a_table_then_a_rerun_sends_nothing(env, notes, fake):
     first = _embed(env)
     assert first["documents_changed"] == 12 and first["embedded"] >= 12
     billed = fake.stats["billed_inputs"]
-    assert notes.execute("SELECT count(*) FROM app.documents WHERE document_id LIKE 'table:src.notes/%%'"
-                         " AND status = 'current'").fetchone()[0] == 12
+    assert (
+        notes.execute(
+            "SELECT count(*) FROM app.documents WHERE document_id LIKE 'table:src.notes/%%' AND status = 'current'"
+        ).fetchone()[0]
+        == 12
+    )
     again = _embed(env)
     assert (again["documents"], again["documents_changed"], again["provider_calls"]) == (0, 0, 0)
     assert fake.stats["billed_inputs"] == billed
@@ -60,9 +66,11 @@ def test_embed_a_table_then_a_rerun_sends_nothing(env, notes, fake):
 
 
 def test_errors_are_one_line(env, notes):
-    for source, expected in [("table:src.notes?id=id&text=content", "error: table source src.notes: no column content"),
-                             ("table:src.gone?id=id&text=body", "error: table source src.gone: no such table or view"),
-                             ("table:src.notes?id=id&text=body;drop", "is not a column name")]:
+    for source, expected in [
+        ("table:src.notes?id=id&text=content", "error: table source src.notes: no column content"),
+        ("table:src.gone?id=id&text=body", "error: table source src.gone: no such table or view"),
+        ("table:src.notes?id=id&text=body;drop", "is not a column name"),
+    ]:
         proc = cli("ingest", source, env=env, check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
@@ -76,8 +84,7 @@ def test_install_triggers_without_the_privilege_is_one_line(env, notes, database
     notes.execute(f"GRANT SELECT ON src.notes TO {role}")
     try:
         url = psycopg.conninfo.make_conninfo(database_url, user=role, password="never-shown-pw")
-        proc = cli("source", "install-triggers", SOURCE, env={**env, "PIPELINE_SOURCE_DATABASE_URL": url},
-                   check=False)
+        proc = cli("source", "install-triggers", SOURCE, env={**env, "PIPELINE_SOURCE_DATABASE_URL": url}, check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
         assert "cannot install the change log" in proc.stderr and "TRIGGER" in proc.stderr
         assert "never-shown-pw" not in proc.stderr + proc.stdout
@@ -101,13 +108,13 @@ def test_a_table_in_another_database_followed_through_the_change_log(env, clean_
             _create(src)
             env2 = {**env, "PIPELINE_SOURCE_DATABASE_URL": url}
             assert "change log installed" in cli("source", "install-triggers", SOURCE, env=env2).stdout
-            assert _embed(env2)["documents_changed"] == 12   # the first scan of a table is a full one
+            assert _embed(env2)["documents_changed"] == 12  # the first scan of a table is a full one
             src.execute("INSERT INTO src.notes (id, body) VALUES (12, %s)", (_text(12),))
             assert src.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 1
             report = json.loads(cli("ingest", SOURCE, "--json", env=env2).stdout)
             assert (report["new"], report["scanned"]) == (1, 1)
             assert src.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 0  # consumed
-            src.execute("UPDATE src.notes SET body = %s WHERE id = 5", (_text(5, 1),))   # updated_at untouched
+            src.execute("UPDATE src.notes SET body = %s WHERE id = 5", (_text(5, 1),))  # updated_at untouched
             src.execute("DELETE FROM src.notes WHERE id = 6")
             report = json.loads(cli("ingest", SOURCE, "--json", env=env2).stdout)
             assert (report["changed"], report["deleted"], report["scanned"]) == (1, 1, 1)
@@ -124,8 +131,9 @@ def test_a_table_in_another_database_followed_through_the_change_log(env, clean_
             assert report["deleted"] == 12
             assert clean_db.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 0
             assert "change log removed" in cli("source", "uninstall-triggers", SOURCE, env=env2).stdout
-            assert src.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'pipeline_changes%%'"
-                               ).fetchone()[0] == 0
+            assert (
+                src.execute("SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'pipeline_changes%%'").fetchone()[0] == 0
+            )
     finally:
         with psycopg.connect(server_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -144,8 +152,8 @@ def test_a_crash_before_the_log_is_consumed_re_reads_it(env, notes):
     finally:
         kill_group(proc)
     docs = dict(notes.execute("SELECT document_id, status FROM app.documents").fetchall())
-    assert (docs["table:src.notes/2"], docs["table:src.notes/3"]) == ("current", "deleted")   # committed
-    assert notes.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 2     # not consumed
+    assert (docs["table:src.notes/2"], docs["table:src.notes/3"]) == ("current", "deleted")  # committed
+    assert notes.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 2  # not consumed
     report = json.loads(cli("ingest", SOURCE, "--json", env=env).stdout)
     assert (report["scanned"], report["unchanged"], report["changed"], report["deleted"]) == (1, 1, 0, 0)
     assert notes.execute("SELECT count(*) FROM pipeline_changes.log").fetchone()[0] == 0
@@ -162,4 +170,4 @@ def test_wrong_credentials_or_no_server_is_one_line_and_tombstones_nothing(env, 
         assert "expired-secret-pw" not in proc.stderr + proc.stdout
     assert notes.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == 12
     notes.execute("DELETE FROM src.notes WHERE id = 0")
-    assert json.loads(cli("ingest", SOURCE, "--json", env=env).stdout)["deleted"] == 1   # converges
+    assert json.loads(cli("ingest", SOURCE, "--json", env=env).stdout)["deleted"] == 1  # converges

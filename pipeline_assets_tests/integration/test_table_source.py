@@ -27,8 +27,9 @@ SOURCE = "table:src.docs?id=id&text=body&updated=updated_at"
 
 
 def _options(allow_empty: bool = False, max_bytes: int = 1 << 20) -> IngestOptions:
-    return IngestOptions(chunker=Chunker(max_tokens=32, overlap=4), config=IngestConfig(max_bytes=max_bytes),
-                         allow_empty=allow_empty)
+    return IngestOptions(
+        chunker=Chunker(max_tokens=32, overlap=4), config=IngestConfig(max_bytes=max_bytes), allow_empty=allow_empty
+    )
 
 
 def _text(i: int, v: int = 0) -> str:
@@ -61,14 +62,23 @@ def table(database_url, source):
 
 
 def _docs(conn) -> dict[str, str]:
-    return dict(conn.execute("SELECT document_id, status || coalesce(':' || error_class, '') FROM app.documents"
-                             " WHERE document_id LIKE 'table:%'").fetchall())
+    return dict(
+        conn.execute(
+            "SELECT document_id, status || coalesce(':' || error_class, '') FROM app.documents"
+            " WHERE document_id LIKE 'table:%'"
+        ).fetchall()
+    )
 
 
 def _current_text(conn, doc_id: str) -> str:
-    return " ".join(r[0] for r in conn.execute(
-        "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = %s"
-        " ORDER BY c.chunk_index", (doc_id,)))
+    return " ".join(
+        r[0]
+        for r in conn.execute(
+            "SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = %s"
+            " ORDER BY c.chunk_index",
+            (doc_id,),
+        )
+    )
 
 
 # -- the source string -------------------------------------------------------------------------
@@ -79,22 +89,26 @@ def test_the_source_string_names_identifiers_only():
     assert spec.row_id("table:app_data.Notes/42") == "42" and spec.row_id("table:other.t/42") is None
     assert parse_table_source(spec.uri) == spec
     assert parse_table_source("table:docs?id=id&text=t").schema == "public"
-    for bad, why in [("table:s.t?id=id", "missing text"),
-                     ("table:s.t?id=id&text=body;drop table x", "not a column name"),
-                     ("table:s.t?id=id&text=lower(body)", "not a column name"),
-                     ("table:s.t?id=id&text=a&text=b", "given twice"),
-                     ("table:s.t?id=id&text=a&where=x", "unknown option"),
-                     ("table:s.t where 1=1?id=id&text=a", "identifiers only"),
-                     ("table:a.b.c?id=id&text=a", "identifiers only")]:
+    for bad, why in [
+        ("table:s.t?id=id", "missing text"),
+        ("table:s.t?id=id&text=body;drop table x", "not a column name"),
+        ("table:s.t?id=id&text=lower(body)", "not a column name"),
+        ("table:s.t?id=id&text=a&text=b", "given twice"),
+        ("table:s.t?id=id&text=a&where=x", "unknown option"),
+        ("table:s.t where 1=1?id=id&text=a", "identifiers only"),
+        ("table:a.b.c?id=id&text=a", "identifiers only"),
+    ]:
         with pytest.raises(TableSourceError, match=why):
             parse_table_source(bad)
 
 
 def test_missing_table_column_or_grant_is_one_line(database_url, source):
     with db.connect(database_url) as src:
-        for text, expected in [("table:src.nope?id=id&text=body", "src.nope: no such table or view"),
-                               ("table:src.docs?id=id&text=content", "src.docs: no column content"),
-                               ("table:src.docs?id=id&text=body&updated=ts", "src.docs: no column ts")]:
+        for text, expected in [
+            ("table:src.nope?id=id&text=body", "src.nope: no such table or view"),
+            ("table:src.docs?id=id&text=content", "src.docs: no column content"),
+            ("table:src.docs?id=id&text=body&updated=ts", "src.docs: no column ts"),
+        ]:
             with pytest.raises(TableSourceError) as e:
                 open_table(src, parse_table_source(text))
             assert str(e.value).endswith(expected) and "\n" not in str(e.value)
@@ -131,7 +145,7 @@ def test_edits_deletes_inserts_and_truncate_are_followed(source, table, way):
 
     c.execute("TRUNCATE src.docs")
     with pytest.raises(TableSourceError, match="is empty but 19 of its rows were ingested"):
-        scan_table(c, table, _options(), way=way)   # as an empty folder: refused unless meant
+        scan_table(c, table, _options(), way=way)  # as an empty folder: refused unless meant
     assert set(_docs(c).values()) == {"current", "deleted"}
     report, _ = scan_table(c, table, _options(allow_empty=True), way=way)
     assert report.deleted == 19
@@ -150,7 +164,7 @@ def test_an_unchanged_table_lists_and_reads_no_row(source, table):
     for v, way in ((2, FULL), (3, WATERMARK)):
         c.execute("UPDATE src.docs SET body = %s WHERE id = 7", (_text(7, v),))  # updated_at left alone
         report, scan = scan_table(c, table, _options(), way=way)
-        assert report.changed == 1 and scan.rows_read == 1, way   # the one row's text
+        assert report.changed == 1 and scan.rows_read == 1, way  # the one row's text
         assert f"version {v}" in _current_text(c, "table:src.docs/7")
     assert scan.rows_listed < 40  # the rows at the mark, then one bucket's rows
 
@@ -167,8 +181,12 @@ def test_null_and_empty_text_are_counted_skips_and_oversize_is_quarantined(sourc
     assert docs["table:src.docs/1"] == docs["table:src.docs/2"] == "quarantined:empty_text"
     assert docs["table:src.docs/3"] == "quarantined:too_large"
     assert sum(v == "current" for v in docs.values()) == 17
-    assert c.execute("SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                     " WHERE d.status <> 'current'").fetchone()[0] == 0
+    assert (
+        c.execute(
+            "SELECT count(*) FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.status <> 'current'"
+        ).fetchone()[0]
+        == 0
+    )
     # Unchanged: nothing read again, the quarantines stand; a text for row 1 makes it a document.
     report, scan = scan_table(c, table, _options(max_bytes=4096), way=FULL)
     assert (report.scanned, scan.rows_read) == (0, 0)

@@ -33,13 +33,15 @@ def pending(conn) -> int:
 
 def not_as_computed(conn) -> int:
     """Chunks whose stored vector is not the one the server computes from their text now."""
-    return conn.execute("SELECT count(*) FROM app.chunks WHERE text_search IS DISTINCT FROM"
-                        " to_tsvector('english'::regconfig, text)").fetchone()[0]
+    return conn.execute(
+        "SELECT count(*) FROM app.chunks WHERE text_search IS DISTINCT FROM to_tsvector('english'::regconfig, text)"
+    ).fetchone()[0]
 
 
 def ranking(conn, query: str = QUERY, k: int = 50) -> list[tuple[str, int, float]]:
-    return [(h["document_id"], h["chunk_index"], round(h["text_rank"], 9))
-            for h in search_uc.text_search(conn, query, k)]
+    return [
+        (h["document_id"], h["chunk_index"], round(h["text_rank"], 9)) for h in search_uc.text_search(conn, query, k)
+    ]
 
 
 def ingest_leaving_the_vectors(database_url: str, corpus, documents: int) -> None:
@@ -62,8 +64,9 @@ def test_an_ingest_computes_the_vectors_at_its_end(env, fake, clean_db, tmp_path
     assert pending(clean_db) == 0 and not_as_computed(clean_db) == 0
 
 
-def test_chunks_left_unfilled_are_searched_from_their_text_until_a_drain_fills_them(env, fake, clean_db,
-                                                                                 database_url, tmp_path):
+def test_chunks_left_unfilled_are_searched_from_their_text_until_a_drain_fills_them(
+    env, fake, clean_db, database_url, tmp_path
+):
     corpus = tmp_path / "c"
     write_corpus(corpus, DOCS)
     rt = Runtime.build(Settings.from_env())
@@ -74,14 +77,14 @@ def test_chunks_left_unfilled_are_searched_from_their_text_until_a_drain_fills_t
         chunks = clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
         assert pending(clean_db) == chunks
         unfilled = ranking(clean_db)
-        assert len(unfilled) >= 2   # found from their text
+        assert len(unfilled) >= 2  # found from their text
         # The worker's drain (`work --until-idle`, as `embed` runs it) computes them beside the index.
         report = work(rt, pool, until_idle=True, poll_seconds=0.05)
         assert report.embedded == chunks
     finally:
         pool.close()
     assert pending(clean_db) == 0 and not_as_computed(clean_db) == 0
-    assert ranking(clean_db) == unfilled   # the same hits, the same scores
+    assert ranking(clean_db) == unfilled  # the same hits, the same scores
 
 
 def test_embed_leaves_every_chunk_with_its_vector(env, fake, clean_db, tmp_path):
@@ -97,8 +100,9 @@ def test_fill_skips_rows_another_transaction_holds(clean_db, database_url, env, 
     ingest_leaving_the_vectors(database_url, tmp_path / "c", 2)
     total = pending(clean_db)
     with db.connect(database_url) as holder, holder.transaction():
-        held = holder.execute("SELECT doc_pk, chunk_index FROM app.chunks ORDER BY doc_pk, chunk_index LIMIT 1"
-                              " FOR UPDATE").fetchall()
+        held = holder.execute(
+            "SELECT doc_pk, chunk_index FROM app.chunks ORDER BY doc_pk, chunk_index LIMIT 1 FOR UPDATE"
+        ).fetchall()
         with db.connect(database_url) as filler:
             assert text_search.fill(filler) == total - len(held)
     assert pending(clean_db) == len(held)
@@ -122,16 +126,20 @@ def test_migration_042_keeps_the_stored_vectors_of_an_existing_database(server_u
             source = conn.execute("INSERT INTO app.sources (root) VALUES ('/old') RETURNING source_id").fetchone()[0]
 
             def chunk(document_id: str, text: str) -> None:
-                doc = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status)"
-                                   " VALUES (%s, %s, %s, 'current') RETURNING doc_pk",
-                                   (source, document_id, f"file:///{document_id}")).fetchone()[0]
-                conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,"
-                             " char_start, char_end) VALUES (%s, 0, %s, %s, 5, 0, %s)",
-                             (doc, uuid.uuid4().bytes, text, len(text)))
+                doc = conn.execute(
+                    "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
+                    " VALUES (%s, %s, %s, 'current') RETURNING doc_pk",
+                    (source, document_id, f"file:///{document_id}"),
+                ).fetchone()[0]
+                conn.execute(
+                    "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count,"
+                    " char_start, char_end) VALUES (%s, 0, %s, %s, 5, 0, %s)",
+                    (doc, uuid.uuid4().bytes, text, len(text)),
+                )
 
             chunk("old.md", "Pruning apple trees in winter")
             assert "042_chunk_text_search_filled_after.sql" in db.migrate(conn)
-            assert pending(conn) == 0 and not_as_computed(conn) == 0   # kept, not recomputed to NULL
+            assert pending(conn) == 0 and not_as_computed(conn) == 0  # kept, not recomputed to NULL
             chunk("new.md", "Apple blossom in spring; prune after the harvest")
             assert pending(conn) == 1
             query = "when do I prune an apple tree?"
@@ -159,5 +167,5 @@ def test_a_cancelled_background_fill_stops_inside_its_batch(clean_db, database_u
                 break
             time.sleep(0.05)
         background.cancel(timeout=10.0)
-        assert background.done and background.filled == 0   # the thread ended, inside the held lock
-    assert pending(clean_db) == total                         # the batch rolled back
+        assert background.done and background.filled == 0  # the thread ended, inside the held lock
+    assert pending(clean_db) == total  # the batch rolled back

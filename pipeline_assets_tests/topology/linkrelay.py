@@ -37,14 +37,21 @@ class Relay:
     def __init__(self, upstream: tuple[str, int], delay: float, loss: float, rto: float, seed: int | None) -> None:
         self.upstream, self.delay, self.loss, self.rto = upstream, delay, loss, rto
         self.rng = random.Random(seed)
-        self.stats = {"connections": 0, "chunks_up": 0, "chunks_down": 0, "stalls_up": 0, "stalls_down": 0,
-                      "bytes_up": 0, "bytes_down": 0}
+        self.stats = {
+            "connections": 0,
+            "chunks_up": 0,
+            "chunks_down": 0,
+            "stalls_up": 0,
+            "stalls_down": 0,
+            "bytes_up": 0,
+            "bytes_down": 0,
+        }
 
     async def handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.stats["connections"] += 1
         try:
             await self.relay(client_r, client_w)
-        except asyncio.CancelledError:      # the relay is stopping: the connection just closes
+        except asyncio.CancelledError:  # the relay is stopping: the connection just closes
             client_w.close()
 
     async def relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
@@ -53,8 +60,10 @@ class Relay:
         except OSError:
             client_w.close()
             return
-        pumps = [asyncio.create_task(self.pump(client_r, server_w, "up")),
-                 asyncio.create_task(self.pump(server_r, client_w, "down"))]
+        pumps = [
+            asyncio.create_task(self.pump(client_r, server_w, "up")),
+            asyncio.create_task(self.pump(server_r, client_w, "down")),
+        ]
         # Either side closing closes both (a half-open relay would hold the peer's connection).
         await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         for task in pumps:
@@ -70,13 +79,13 @@ class Relay:
 
         async def read() -> None:
             last_due = 0.0
-            with contextlib.suppress(OSError):       # a reset ends the direction as an EOF does
+            with contextlib.suppress(OSError):  # a reset ends the direction as an EOF does
                 while data := await reader.read(READ_SIZE):
                     due = loop.time() + self.delay
                     if self.rng.random() < self.loss:
                         due += self.rto
                         self.stats[f"stalls_{direction}"] += 1
-                    last_due = max(due, last_due)     # in order: never before the chunk ahead of it
+                    last_due = max(due, last_due)  # in order: never before the chunk ahead of it
                     self.stats[f"chunks_{direction}"] += 1
                     self.stats[f"bytes_{direction}"] += len(data)
                     await queue.put((last_due, data))

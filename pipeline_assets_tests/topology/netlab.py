@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 PREFIX = "topo"
 NAME_RE = re.compile(rf"^{PREFIX}(\d+)(?:-|t$)")
-SUBNET_BASE = ipaddress.ip_network("10.213.0.0/16")   # a /24 of it is chosen per session
+SUBNET_BASE = ipaddress.ip_network("10.213.0.0/16")  # a /24 of it is chosen per session
 BRIDGE = "br0"
 COMMAND_TIMEOUT = 30
 
@@ -90,9 +90,11 @@ def remove_leftovers() -> list[str]:
 
 def _free_subnet() -> ipaddress.IPv4Network:
     """A /24 of SUBNET_BASE no route here covers, chosen from the pid (bounded: 256 candidates)."""
-    routes = [ipaddress.ip_network(r.split()[0]) for r in ip("-4", "route", "show", "table", "all",
-                                                              check=False).stdout.splitlines()
-              if r and r.split()[0][0].isdigit()]
+    routes = [
+        ipaddress.ip_network(r.split()[0])
+        for r in ip("-4", "route", "show", "table", "all", check=False).stdout.splitlines()
+        if r and r.split()[0][0].isdigit()
+    ]
     subnets = list(SUBNET_BASE.subnets(new_prefix=24))
     start = os.getpid() % len(subnets)
     for i in range(len(subnets)):
@@ -105,8 +107,9 @@ def _free_subnet() -> ipaddress.IPv4Network:
 @dataclass
 class Lab:
     """The namespaces, links and addresses of one session; :meth:`close` removes all of them."""
+
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
-    hosts: dict[str, str] = field(default_factory=dict)     # host -> its address
+    hosts: dict[str, str] = field(default_factory=dict)  # host -> its address
     subnet: ipaddress.IPv4Network | None = None
     _next: int = 2
 
@@ -166,8 +169,11 @@ class Lab:
     def netem_supported(self) -> bool:
         """Whether this kernel has the netem qdisc (tried on the lab's own test port, then removed)."""
         cmd = ["ip", "netns", "exec", self.lab_ns, "tc", "qdisc"]
-        done = subprocess.run([*cmd, "add", "dev", "p-test", "root", "netem", "delay", "1ms"], capture_output=True,
-                              timeout=COMMAND_TIMEOUT)
+        done = subprocess.run(
+            [*cmd, "add", "dev", "p-test", "root", "netem", "delay", "1ms"],
+            capture_output=True,
+            timeout=COMMAND_TIMEOUT,
+        )
         subprocess.run([*cmd, "del", "dev", "p-test", "root"], capture_output=True, timeout=COMMAND_TIMEOUT)
         return done.returncode == 0
 
@@ -177,11 +183,14 @@ class Lab:
         host and that peer (a prio qdisc whose third band has the netem, chosen by a u32 filter).
         None removes it."""
         for ns, dev, match in ((self.ns(host), "eth0", "dst"), (self.lab_ns, self.port(host), "src")):
+
             def tc(*args: str, check: bool = True, ns: str = ns) -> None:
-                done = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True,
-                                      timeout=COMMAND_TIMEOUT)
+                done = subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT
+                )
                 if check and done.returncode != 0:
                     raise LabError(f"tc {' '.join(args)} on {host}: {done.stderr.strip()}")
+
             tc("qdisc", "del", "dev", dev, "root", check=False)
             if spec is None:
                 continue
@@ -190,8 +199,25 @@ class Lab:
                 continue
             tc("qdisc", "add", "dev", dev, "root", "handle", "1:", "prio")
             tc("qdisc", "add", "dev", dev, "parent", "1:3", "handle", "30:", "netem", *spec.split())
-            tc("filter", "add", "dev", dev, "parent", "1:0", "protocol", "ip", "prio", "1", "u32",
-               "match", "ip", match, f"{peer}/32", "flowid", "1:3")
+            tc(
+                "filter",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:0",
+                "protocol",
+                "ip",
+                "prio",
+                "1",
+                "u32",
+                "match",
+                "ip",
+                match,
+                f"{peer}/32",
+                "flowid",
+                "1:3",
+            )
 
     def close(self) -> None:
         """Kill every process in the hosts' namespaces, delete the namespaces and the test link."""

@@ -35,17 +35,20 @@ def counts(conn: psycopg.Connection) -> dict[str, int]:
 
 def assert_vectors(conn: psycopg.Connection) -> int:
     """Every current chunk has exactly one vector, the provider's vector for its text."""
-    rows = conn.execute("""
+    rows = conn.execute(
+        """
         SELECT c.text, e.embedding FROM app.chunks c
         JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
         LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s""",
-                        (MODEL_ID,)).fetchall()
+        (MODEL_ID,),
+    ).fetchall()
     assert rows
     for text, vec in rows:
         assert vec is not None, f"no vector for {text[:40]!r}"
         assert np.allclose(np.asarray(vec.to_numpy()), _vector(text, DIM), atol=1e-6), text[:40]
-    twice = conn.execute("SELECT count(*) FROM (SELECT 1 FROM app.embeddings GROUP BY chunk_checksum, model_id"
-                         " HAVING count(*) > 1) x").fetchone()[0]
+    twice = conn.execute(
+        "SELECT count(*) FROM (SELECT 1 FROM app.embeddings GROUP BY chunk_checksum, model_id HAVING count(*) > 1) x"
+    ).fetchone()[0]
     assert twice == 0
     return len(rows)
 
@@ -58,8 +61,14 @@ def new_database(topo: Topology, name: str, docs: int, *, words: int = 20, hold:
         admin.execute(f'CREATE DATABASE "{name}"')
     src = topo.tmp / f"corpus-{name}"
     write_corpus(src, docs, prefix=name, words=words)
-    done = subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "ingest", str(src)],
-                          env=topo.pipeline_env(name), cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline_assets.cli", "ingest", str(src)],
+        env=topo.pipeline_env(name),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     conn = topo.connect(name)
     if hold:
@@ -78,28 +87,58 @@ def scalar(conn: psycopg.Connection, query: str, params=None):
     return conn.execute(query, params).fetchone()[0]
 
 
-def drain(topo: Topology, conn: psycopg.Connection, dbname: str, hosts: list[str], *,
-          timeout: float = 300, args: tuple[str, ...] = (), **extra: str) -> dict:
+def drain(
+    topo: Topology,
+    conn: psycopg.Connection,
+    dbname: str,
+    hosts: list[str],
+    *,
+    timeout: float = 300,
+    args: tuple[str, ...] = (),
+    **extra: str,
+) -> dict:
     """Start a worker on each host, wait until all registered, release the jobs, wait until none is
     left to do; return the drain window from the spend ledger (first send to last answer)."""
     total = scalar(conn, "SELECT count(*) FROM app.embedding_jobs")
     procs = [topo.start_worker(h, dbname, *args, **extra) for h in hosts]
     try:
-        wait_until(lambda: scalar(conn, "SELECT count(*) FROM app.workers") >= len(hosts)
-                   or any(p.poll() is not None for p in procs), timeout=120, interval=0.2,
-                   what="the workers to register")
+        wait_until(
+            lambda: (
+                scalar(conn, "SELECT count(*) FROM app.workers") >= len(hosts)
+                or any(p.poll() is not None for p in procs)
+            ),
+            timeout=120,
+            interval=0.2,
+            what="the workers to register",
+        )
         assert all(p.poll() is None for p in procs), [topo.log_tail(f"worker-{h}-{dbname}") for h in hosts]
         conn.execute("UPDATE app.embedding_jobs SET available_at = now()")
-        wait_until(lambda: scalar(conn, "SELECT count(*) FROM app.embedding_jobs WHERE status IN"
-                                        " ('ready', 'failed', 'superseded')") >= total
-                   or any(p.poll() is not None for p in procs), timeout=timeout, interval=0.2, what="the drain")
+        wait_until(
+            lambda: (
+                scalar(
+                    conn, "SELECT count(*) FROM app.embedding_jobs WHERE status IN ('ready', 'failed', 'superseded')"
+                )
+                >= total
+                or any(p.poll() is not None for p in procs)
+            ),
+            timeout=timeout,
+            interval=0.2,
+            what="the drain",
+        )
         assert all(p.poll() is None for p in procs), [topo.log_tail(f"worker-{h}-{dbname}") for h in hosts]
     finally:
         topo.stop_workers(procs)
-    window, calls = conn.execute("SELECT extract(epoch FROM max(answered_at) - min(called_at)), count(*)"
-                                 " FROM app.provider_calls WHERE billed = 'yes'").fetchone()
-    return {"jobs": total, "window_s": float(window), "calls": calls,
-            "jobs_per_s": round(total / float(window), 1), "counts": counts(conn)}
+    window, calls = conn.execute(
+        "SELECT extract(epoch FROM max(answered_at) - min(called_at)), count(*)"
+        " FROM app.provider_calls WHERE billed = 'yes'"
+    ).fetchone()
+    return {
+        "jobs": total,
+        "window_s": float(window),
+        "calls": calls,
+        "jobs_per_s": round(total / float(window), 1),
+        "counts": counts(conn),
+    }
 
 
 def location_loaded(topo: Topology) -> bool:
@@ -110,8 +149,9 @@ def location_loaded(topo: Topology) -> bool:
         entries = data["workspaceOrError"]["locationEntries"]
     except (OSError, AssertionError):
         return False
-    return any(e["loadStatus"] == "LOADED" and e["locationOrLoadError"]["__typename"] == "RepositoryLocation"
-               for e in entries)
+    return any(
+        e["loadStatus"] == "LOADED" and e["locationOrLoadError"]["__typename"] == "RepositoryLocation" for e in entries
+    )
 
 
 def graphql_runs(topo: Topology) -> list[dict]:
@@ -138,14 +178,14 @@ def reconnect(topo: Topology, name: str) -> psycopg.Connection:
             return topo.connect(name)
         except DatabaseUnavailable:
             return None
+
     return wait_until(attempt, timeout=60, interval=0.5, what="the database to accept connections")
 
 
 def round_trip_s(topo: Topology, endpoint: str, dbname: str, samples: int = 5) -> float:
     """The median time of ``SELECT 1`` through PgBouncer at ``endpoint`` (ADDR:PORT)."""
     url = f"postgresql://{DB_ROLE}@{endpoint}/{dbname}"
-    with psycopg.connect(url, password=DB_PASSWORD, autocommit=True, connect_timeout=30,
-                         prepare_threshold=None) as c:
+    with psycopg.connect(url, password=DB_PASSWORD, autocommit=True, connect_timeout=30, prepare_threshold=None) as c:
         times = []
         for _ in range(samples):
             t = time.monotonic()
@@ -165,4 +205,5 @@ def wait_current_and_ready(topo: Topology, conn: psycopg.Connection, documents: 
         current = scalar(conn, "SELECT count(*) FROM app.documents WHERE status = 'current'")
         c = counts(conn)
         return current == documents and bool(c) and set(c) == {"ready"}
+
     wait_until(done, timeout=timeout, interval=1, what=f"{documents} documents current and embedded")

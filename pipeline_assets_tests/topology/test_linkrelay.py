@@ -46,6 +46,7 @@ def echo():
             except TimeoutError:
                 continue
             threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
     t = threading.Thread(target=accept, daemon=True)
     t.start()
     yield srv.getsockname()[1]
@@ -56,9 +57,22 @@ def echo():
 
 def start_relay(upstream: int, *args: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_assets_tests.topology.linkrelay",
-                             "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{upstream}", *args],
-                            cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline_assets_tests.topology.linkrelay",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--upstream",
+            f"127.0.0.1:{upstream}",
+            *args,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     assert "listening" in json.loads(proc.stdout.readline())
     return proc, port
@@ -89,7 +103,7 @@ def test_each_round_trip_crosses_the_delay_twice_and_order_is_kept(echo):
             # Many writes back to back: delivered whole and in order, though each chunk is delayed.
             burst = b"".join(b"<%04d>" % i for i in range(2000))
             for i in range(0, len(burst), 60):
-                conn.sendall(burst[i:i + 60])
+                conn.sendall(burst[i : i + 60])
             got = b""
             while len(got) < len(burst):
                 got += conn.recv(65536)
@@ -106,8 +120,7 @@ def test_a_lost_chunk_stalls_one_rto_and_what_follows_waits_behind_it(echo):
     second, written right behind it and not lost, still arrives after it (TCP's in-order delivery)."""
     rto, loss = 0.3, 0.5
     seed = next(s for s in range(1000) if (r := random.Random(s)).random() < loss <= r.random())
-    proc, port = start_relay(echo, "--delay", str(DELAY), "--loss", str(loss), "--rto", str(rto),
-                             "--seed", str(seed))
+    proc, port = start_relay(echo, "--delay", str(DELAY), "--loss", str(loss), "--rto", str(rto), "--seed", str(seed))
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
             started = time.monotonic()

@@ -33,8 +33,7 @@ from pipeline_assets_tests.topology.scenarios import (
 )
 
 _why_not = missing_requirements()
-pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""),
-              pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""), pytest.mark.timeout(900)]
 
 # Every bucket holds documents from a few hundred on; the short profile's 1,000 keep each worker host
 # busy, and each 5 s tick of the source sensor lists a fifth of the files (the ticks run for the whole
@@ -60,9 +59,9 @@ def test_corpus_made_current_by_the_sensor_and_embedded_by_the_worker_hosts(topo
         current = scalar(conn, "SELECT count(*) FROM app.documents WHERE status = 'current'")
         c = counts(conn)
         return current == CORPUS_DOCS and c and set(c) == {"ready"}
+
     wait_until(done, timeout=480, interval=1, what="the corpus to be current and embedded")
-    FIGURES["corpus"] = {"documents": CORPUS_DOCS, "seconds": round(time.monotonic() - started, 1),
-                         "load": load()}
+    FIGURES["corpus"] = {"documents": CORPUS_DOCS, "seconds": round(time.monotonic() - started, 1), "load": load()}
     chunks = assert_vectors(conn)
     stats = topo.provider_stats(brief=False)
     billed = stats["billed_by_text"]
@@ -72,11 +71,20 @@ def test_corpus_made_current_by_the_sensor_and_embedded_by_the_worker_hosts(topo
         runs = graphql_runs(topo)
         busy = [r for r in runs if r["status"] in ("QUEUED", "NOT_STARTED", "STARTING", "STARTED")]
         return None if busy or not runs else runs
+
     runs = wait_until(runs_settled, timeout=240, interval=1, what="the Dagster runs to finish")
     assert {r["status"] for r in runs} == {"SUCCESS"}, runs
-    status = json.loads(subprocess.run([sys.executable, "-m", "pipeline_assets.cli", "status", "--json"],
-                                       env=topo.pipeline_env(), cwd=REPO, capture_output=True, text=True,
-                                       timeout=120, check=True).stdout)
+    status = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "pipeline_assets.cli", "status", "--json"],
+            env=topo.pipeline_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    )
     assert status["jobs"].get("ready") == chunks
     assert status["documents"].get("current") == CORPUS_DOCS
     assert status["coverage"][MODEL_ID]["ratio"] == 1.0
@@ -97,20 +105,26 @@ def test_code_server_killed_during_a_run(topo):
     write_corpus(topo.source / "late", 300, prefix="late", words=40)
     workers = [topo.start_worker(h, "pipeline") for h in topo.worker_hosts]
     try:
+
         def a_new_run_started():
             return [r for r in graphql_runs(topo) if r["runId"] not in known and r["status"] == "STARTED"]
+
         running = wait_until(a_new_run_started, timeout=180, interval=0.2, what="a sensor run to start")
         code = topo.services["code"]
         code.send_signal(9)
         code.wait(timeout=30)
         killed_at = time.monotonic()
-        time.sleep(2)                     # the supervisor's restart delay
+        time.sleep(2)  # the supervisor's restart delay
         topo.start_code_server()
         wait_current_and_ready(topo, conn, before + 300, workers, timeout=420)
         converged = time.monotonic() - killed_at
         wait_until(lambda: location_loaded(topo), timeout=180, interval=1, what="the webserver to reload the location")
-        FIGURES["code_server_killed"] = {"run": running[0]["jobName"], "converged_s": round(converged, 1),
-                                         "ui_location_back_s": round(time.monotonic() - killed_at, 1), "load": load()}
+        FIGURES["code_server_killed"] = {
+            "run": running[0]["jobName"],
+            "converged_s": round(converged, 1),
+            "ui_location_back_s": round(time.monotonic() - killed_at, 1),
+            "load": load(),
+        }
     finally:
         topo.stop_workers(workers)
     assert_vectors(conn)
@@ -123,6 +137,7 @@ def test_backfill_launched_through_the_webserver_graphql(topo):
     """A backfill of every bucket of documents and chunks launched through the webserver's GraphQL
     (as the UI does): its runs succeed on the code host and, nothing having changed, bill nothing."""
     from pipeline_assets.defs.partitions import bucket_key
+
     conn = main_conn(topo)
     wait_until(lambda: location_loaded(topo), timeout=180, interval=1, what="the code location in the webserver")
     stats_before = topo.provider_stats(brief=False)["billed_by_text"]
@@ -133,17 +148,26 @@ def test_backfill_launched_through_the_webserver_graphql(topo):
     result = topo.graphql(
         """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
              __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
-        {"p": {"partitionsByAssets": [{"assetKey": {"path": ["documents"]}, "partitions": every},
-                                      {"assetKey": {"path": ["chunks"]}, "partitions": every}]}}
+        {
+            "p": {
+                "partitionsByAssets": [
+                    {"assetKey": {"path": ["documents"]}, "partitions": every},
+                    {"assetKey": {"path": ["chunks"]}, "partitions": every},
+                ]
+            }
+        },
     )["launchPartitionBackfill"]
     assert result["__typename"] == "LaunchBackfillSuccess", result
     backfill_id = result["backfillId"]
 
     def finished():
-        runs = topo.graphql("""query($v: String!) { runsOrError(filter: {tags: [{key: "dagster/backfill",
+        runs = topo.graphql(
+            """query($v: String!) { runsOrError(filter: {tags: [{key: "dagster/backfill",
                                  value: $v}]}) { ... on Runs { results { runId status } } } }""",
-                            {"v": backfill_id})["runsOrError"]["results"]
+            {"v": backfill_id},
+        )["runsOrError"]["results"]
         return runs if runs and all(r["status"] in ("SUCCESS", "FAILURE", "CANCELED") for r in runs) else None
+
     runs = wait_until(finished, timeout=300, interval=1, what="the backfill's runs")
     FIGURES["backfill"] = {"runs": len(runs), "seconds": round(time.monotonic() - started, 1), "load": load()}
     assert {r["status"] for r in runs} == {"SUCCESS"}, runs

@@ -32,8 +32,7 @@ from pipeline_assets_tests.topology.scenarios import (
 )
 
 _why_not = missing_requirements()
-pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""),
-              pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""), pytest.mark.timeout(900)]
 
 WITH_DAGSTER = False
 # One-chunk documents. The short profile checks the outcomes (every job ready, one vector each,
@@ -42,7 +41,7 @@ WITH_DAGSTER = False
 LATENCY_JOBS = 2400 if LONG_PROFILE else 1200
 LATENCY_BATCH = 8
 LATENCY_ROUNDS = 2 if LONG_PROFILE else 1
-LINK_DELAY_S, LINK_LOSS, LINK_RTO_S = 0.05, 0.01, 0.2   # one way; per packet (relay: per chunk); Linux's min RTO
+LINK_DELAY_S, LINK_LOSS, LINK_RTO_S = 0.05, 0.01, 0.2  # one way; per packet (relay: per chunk); Linux's min RTO
 
 
 # ---- scenarios ----------------------------------------------------------------------------------
@@ -62,29 +61,51 @@ def test_partition_a_worker_host_cut_off_mid_call(topo):
     def start(host: str):
         metrics = ("--metrics-port", "9108", "--metrics-host", topo.addr(host)) if host == cut else ()
         return topo.start_worker(host, "part", *args, *metrics, **opts)
+
     procs = [start(cut)]
     try:
         # The cut-off host alone first: both its requests are at the provider when its link goes down.
-        wait_until(lambda: scalar(conn, "SELECT count(*) FROM app.workers") >= 1, timeout=120, interval=0.2,
-                   what="the worker to register")
+        wait_until(
+            lambda: scalar(conn, "SELECT count(*) FROM app.workers") >= 1,
+            timeout=120,
+            interval=0.2,
+            what="the worker to register",
+        )
         before = topo.provider_stats()["requests"]
         conn.execute("UPDATE app.embedding_jobs SET available_at = now()")
-        wait_until(lambda: topo.provider_stats()["requests"] >= before + concurrency, timeout=60, interval=0.02,
-                   what="the cut-off host's requests to reach the provider")
+        wait_until(
+            lambda: topo.provider_stats()["requests"] >= before + concurrency,
+            timeout=60,
+            interval=0.02,
+            what="the cut-off host's requests to reach the provider",
+        )
         topo.lab.link_down(cut)
         down_at = time.monotonic()
         procs += [start(h) for h in topo.worker_hosts if h != cut]
-        held = scalar(conn, "SELECT count(*) FROM app.embedding_jobs WHERE status = 'processing'"
-                            " AND lease_owner LIKE %s", (worker_id + "/%",))
-        wait_until(lambda: scalar(conn, "SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'") == docs,
-                   timeout=180, interval=0.2, what="the other hosts to finish the cut-off host's jobs")
+        held = scalar(
+            conn,
+            "SELECT count(*) FROM app.embedding_jobs WHERE status = 'processing' AND lease_owner LIKE %s",
+            (worker_id + "/%",),
+        )
+        wait_until(
+            lambda: scalar(conn, "SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'") == docs,
+            timeout=180,
+            interval=0.2,
+            what="the other hosts to finish the cut-off host's jobs",
+        )
         rescued = scalar(conn, "SELECT count(*) FROM app.job_attempts WHERE outcome = 'rescued'")
-        time.sleep(max(0.0, 2 * lease - (time.monotonic() - down_at)))   # the cut outlasts the lease
+        time.sleep(max(0.0, 2 * lease - (time.monotonic() - down_at)))  # the cut outlasts the lease
         down_s = time.monotonic() - down_at
         topo.lab.link_up(cut)
-        fenced = wait_until(lambda: metric(topo, cut, 9108, 'pipeline_worker_jobs_total{outcome="refused"}')
-                            + metric(topo, cut, 9108, 'pipeline_worker_jobs_total{outcome="superseded"}'),
-                            timeout=120, interval=0.5, what="the cut-off host's late answers to be fenced")
+        fenced = wait_until(
+            lambda: (
+                metric(topo, cut, 9108, 'pipeline_worker_jobs_total{outcome="refused"}')
+                + metric(topo, cut, 9108, 'pipeline_worker_jobs_total{outcome="superseded"}')
+            ),
+            timeout=120,
+            interval=0.5,
+            what="the cut-off host's late answers to be fenced",
+        )
         assert all(p.poll() is None for p in procs), [topo.log_tail(f"worker-{h}-part") for h in topo.worker_hosts]
     finally:
         topo.lab.link_up(cut)
@@ -95,9 +116,16 @@ def test_partition_a_worker_host_cut_off_mid_call(topo):
     billed = billed_for(topo, "part")
     extra = sum(billed.values()) - docs
     ledger = scalar(conn, "SELECT coalesce(sum(sends - 1), 0) FROM app.input_sends")
-    FIGURES["partition"] = {"held_at_cut": held, "rescued": rescued, "fenced": fenced, "down_s": round(down_s, 1),
-                            "extra_bill_inputs": extra, "ledger_duplicates": ledger,
-                            "bound": concurrency * batch, "load": load()}
+    FIGURES["partition"] = {
+        "held_at_cut": held,
+        "rescued": rescued,
+        "fenced": fenced,
+        "down_s": round(down_s, 1),
+        "extra_bill_inputs": extra,
+        "ledger_duplicates": ledger,
+        "bound": concurrency * batch,
+        "load": load(),
+    }
     assert held > 0 and rescued >= 1 and fenced >= 1, FIGURES["partition"]
     assert len(billed) == docs
     assert 0 <= extra <= concurrency * batch, FIGURES["partition"]
@@ -115,20 +143,25 @@ def test_database_restarted_and_read_only_for_20_seconds(topo):
     procs = [topo.start_worker(h, "restart", "--concurrency", "2", **opts) for h in topo.worker_hosts]
     ready_sql = "SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'"
     try:
-        wait_until(lambda: scalar(conn, "SELECT count(*) FROM app.workers") >= 3, timeout=120, interval=0.2,
-                   what="the workers to register")
+        wait_until(
+            lambda: scalar(conn, "SELECT count(*) FROM app.workers") >= 3,
+            timeout=120,
+            interval=0.2,
+            what="the workers to register",
+        )
         conn.execute("UPDATE app.embedding_jobs SET available_at = now()")
         wait_until(lambda: scalar(conn, ready_sql) >= docs // 6, timeout=120, interval=0.1, what="some progress")
         conn.close()
         topo.pg_ctl("restart", "-m", "fast", "-w", "-t", "120")
         conn = reconnect(topo, "restart")
-        wait_until(lambda: scalar(conn, ready_sql) >= docs // 2, timeout=180, interval=0.2,
-                   what="progress after the restart")
+        wait_until(
+            lambda: scalar(conn, ready_sql) >= docs // 2, timeout=180, interval=0.2, what="progress after the restart"
+        )
         with topo.admin() as admin:
             admin.execute("ALTER SYSTEM SET default_transaction_read_only = on")
             admin.execute("SELECT pg_reload_conf()")
         read_only_from = scalar(conn, ready_sql)
-        time.sleep(20)                          # the fault's length, as the scenario states it
+        time.sleep(20)  # the fault's length, as the scenario states it
         during = scalar(conn, ready_sql) - read_only_from
         with topo.admin() as admin:
             admin.execute("ALTER SYSTEM RESET default_transaction_read_only")
@@ -144,8 +177,11 @@ def test_database_restarted_and_read_only_for_20_seconds(topo):
     assert counts(conn) == {"ready": docs}
     assert_vectors(conn)
     billed = billed_for(topo, "restart")
-    FIGURES["db_restart_read_only"] = {"completed_while_read_only": during,
-                                       "extra_bill_inputs": sum(billed.values()) - docs, "load": load()}
+    FIGURES["db_restart_read_only"] = {
+        "completed_while_read_only": during,
+        "extra_bill_inputs": sum(billed.values()) - docs,
+        "load": load(),
+    }
     assert during == 0, "nothing completes while the database refuses writes"
     assert scalar(conn, "SELECT count(*) FROM app.embedding_jobs WHERE attempts > 1") == 0, "nothing charged"
     conn.close()
@@ -180,7 +216,7 @@ def test_latency_and_loss_on_every_worker_link_to_the_db_host(topo):
         assert r_clean["counts"] == {"ready": jobs} and r_slow["counts"] == {"ready": jobs}, rounds
         assert_vectors(slow)
     overhead = None
-    if mechanism == "relay":      # the control: the same relays forwarding at once, nothing lost
+    if mechanism == "relay":  # the control: the same relays forwarding at once, nothing lost
         bare = copy_database(topo, "lat_t", "lat_relay0")
         drained.append(bare)
         with topo.slow_links(topo.worker_hosts, delay=0.0, loss=0.0, rto=0.0):
@@ -189,13 +225,18 @@ def test_latency_and_loss_on_every_worker_link_to_the_db_host(topo):
     clean_s = sum(r["clean"]["window_s"] for r in rounds)
     slow_s = sum(r["slow"]["window_s"] for r in rounds)
     FIGURES["latency_loss"] = {
-        "mechanism": mechanism, "jobs": jobs, "rounds": rounds, "select_1_through_relay_s": rtt and round(rtt, 3),
-        "relay_stats": relayed, "throughput_vs_clean": round(clean_s / slow_s, 2),
+        "mechanism": mechanism,
+        "jobs": jobs,
+        "rounds": rounds,
+        "select_1_through_relay_s": rtt and round(rtt, 3),
+        "relay_stats": relayed,
+        "throughput_vs_clean": round(clean_s / slow_s, 2),
         "clean_jobs_per_s": round(len(rounds) * jobs / clean_s, 1),
         "slow_jobs_per_s": round(len(rounds) * jobs / slow_s, 1),
-        "relay_without_delay": overhead and {"jobs_per_s": overhead["jobs_per_s"],
-                                             "vs_clean": round(clean_s / len(rounds) / overhead["window_s"], 2)},
-        "load": load()}
+        "relay_without_delay": overhead
+        and {"jobs_per_s": overhead["jobs_per_s"], "vs_clean": round(clean_s / len(rounds) / overhead["window_s"], 2)},
+        "load": load(),
+    }
     print(f"\nlatency and loss applied with {mechanism}:", json.dumps(FIGURES["latency_loss"]), file=sys.stderr)
     if mechanism == "relay":
         assert rtt is not None and rtt >= 2 * LINK_DELAY_S, "a round trip through the relay crosses both delays"

@@ -27,12 +27,11 @@ from pipeline_assets_tests.topology.scenarios import (
 )
 
 _why_not = missing_requirements()
-pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""),
-              pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""), pytest.mark.timeout(900)]
 
 WITH_DAGSTER = False
 SCALE_JOBS, SCALE_ROUNDS = 960, 2
-SCALE_FLOOR = 2.0     # measured 2.80 quiet, 2.33 at load 15-17 on 2 cores (the target 2.7 needs a quiet machine)
+SCALE_FLOOR = 2.0  # measured 2.80 quiet, 2.33 at load 15-17 on 2 cores (the target 2.7 needs a quiet machine)
 
 
 # ---- scenarios ----------------------------------------------------------------------------------
@@ -75,22 +74,46 @@ def test_a_worker_host_clock_ten_minutes_off(topo):
     topo.provider_faults(latency=0.2)
     opts = {"PIPELINE_BATCH_INPUTS": "8", "PIPELINE_WORKER_DEAD_AFTER": "3"}
     skew = {topo.worker_hosts[0]: "+10m", topo.worker_hosts[1]: "-10m"}
-    for host, offset in skew.items():     # the skew is real where the worker runs
-        seen = float(subprocess.run(topo.lab.exec_prefix(host) + topo.faketime_prefix(offset)
-                                    + [sys.executable, "-c", "import time; print(time.time())"],
-                                    capture_output=True, text=True, timeout=60, check=True).stdout)
+    for host, offset in skew.items():  # the skew is real where the worker runs
+        seen = float(
+            subprocess.run(
+                topo.lab.exec_prefix(host)
+                + topo.faketime_prefix(offset)
+                + [sys.executable, "-c", "import time; print(time.time())"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+        )
         assert abs(seen - time.time() - (600 if offset.startswith("+") else -600)) < 30, (host, seen)
-    procs = [topo.start_worker(h, "clock", "--concurrency", "2", "--lease-seconds", "5",
-                               faketime=skew.get(h), **opts) for h in topo.worker_hosts]
+    procs = [
+        topo.start_worker(h, "clock", "--concurrency", "2", "--lease-seconds", "5", faketime=skew.get(h), **opts)
+        for h in topo.worker_hosts
+    ]
     try:
-        wait_until(lambda: scalar(conn, "SELECT count(*) FROM app.workers") >= 3, timeout=120, interval=0.2,
-                   what="the workers to register")
+        wait_until(
+            lambda: scalar(conn, "SELECT count(*) FROM app.workers") >= 3,
+            timeout=120,
+            interval=0.2,
+            what="the workers to register",
+        )
         conn.execute("UPDATE app.embedding_jobs SET available_at = now()")
-        wait_until(lambda: scalar(conn, "SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'") >= docs
-                   or any(p.poll() is not None for p in procs), timeout=240, interval=0.2, what="the drain")
+        wait_until(
+            lambda: (
+                scalar(conn, "SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'") >= docs
+                or any(p.poll() is not None for p in procs)
+            ),
+            timeout=240,
+            interval=0.2,
+            what="the drain",
+        )
         assert all(p.poll() is None for p in procs), [topo.log_tail(f"worker-{h}-clock") for h in topo.worker_hosts]
-        per_worker = dict(conn.execute("SELECT worker_id, sum(inputs) FROM app.provider_calls"
-                                       " WHERE billed = 'yes' GROUP BY 1").fetchall())
+        per_worker = dict(
+            conn.execute(
+                "SELECT worker_id, sum(inputs) FROM app.provider_calls WHERE billed = 'yes' GROUP BY 1"
+            ).fetchall()
+        )
     finally:
         topo.stop_workers(procs)
         topo.provider_faults(latency=0.0)
@@ -98,8 +121,11 @@ def test_a_worker_host_clock_ten_minutes_off(topo):
     assert_vectors(conn)
     rescued = scalar(conn, "SELECT count(*) FROM app.job_attempts WHERE outcome = 'rescued'")
     billed = billed_for(topo, "clock")
-    FIGURES["clock_skew"] = {"inputs_per_worker": {k: int(v) for k, v in per_worker.items()}, "rescued": rescued,
-                             "load": load()}
+    FIGURES["clock_skew"] = {
+        "inputs_per_worker": {k: int(v) for k, v in per_worker.items()},
+        "rescued": rescued,
+        "load": load(),
+    }
     assert rescued == 0, FIGURES["clock_skew"]
     assert all(per_worker.get(f"{h}-clock", 0) > 0 for h in skew), "the skewed hosts did work"
     assert len(billed) == docs and set(billed.values()) == {1}

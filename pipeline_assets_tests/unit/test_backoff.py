@@ -15,7 +15,7 @@ DRAWS = 2000
 @pytest.mark.parametrize("attempt", range(11))
 def test_full_jitter_is_uniform_over_zero_to_bound(attempt):
     base, cap = 1, 60
-    bound = min(cap, base * 2 ** attempt)
+    bound = min(cap, base * 2**attempt)
     rng = random.Random(1000 + attempt)
     draws = [backoff.full_jitter(attempt, base=base, cap=cap, rng=rng) for _ in range(DRAWS)]
 
@@ -34,7 +34,7 @@ def test_full_jitter_bounds_double_until_the_cap():
         bounds.append(max(backoff.full_jitter(attempt, base=1, cap=60, rng=rng) for _ in range(500)))
     # The observed maximum tracks 1, 2, 4, ... 32, then 60 (capped).
     for attempt, observed in enumerate(bounds):
-        expected = min(60, 2 ** attempt)
+        expected = min(60, 2**attempt)
         assert 0.9 * expected < observed <= expected, (attempt, observed, expected)
 
 

@@ -17,8 +17,23 @@ from pipeline_assets.content.identity import chunk_checksum
 
 def sample_text(n_words: int = 3000, seed: int = 7) -> str:
     rnd = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "délta", "漢字", "😀", "the", "of", "pipeline",
-             "embedding", "idempotent", "x" * 25, "12345", "naïve", "über"]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "délta",
+        "漢字",
+        "😀",
+        "the",
+        "of",
+        "pipeline",
+        "embedding",
+        "idempotent",
+        "x" * 25,
+        "12345",
+        "naïve",
+        "über",
+    ]
     out = []
     for _ in range(n_words):
         out.append(rnd.choice(words))
@@ -33,7 +48,7 @@ def check_invariants(text: str, chunks: list[Chunk], chunker: Chunker) -> None:
     prev_start = -1
     for i, c in enumerate(chunks):
         assert c.index == i
-        assert c.text == text[c.char_start:c.char_end]  # exact slice
+        assert c.text == text[c.char_start : c.char_end]  # exact slice
         assert c.text  # never empty
         assert c.checksum == chunk_checksum(c.text)
         assert c.token_count == count_tokens(c.text) <= chunker.max_tokens
@@ -49,8 +64,12 @@ def test_constants_and_version():
     c = Chunker()
     assert (c.max_tokens, c.overlap) == (DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_OVERLAP) == (512, 64)
     assert c.version == f"{CHUNKER_ALGORITHM}/cl100k/512/64" == "tok-window-1/cl100k/512/64"
-    versions = {Chunker().version, Chunker(256, 64).version, Chunker(512, 32).version,
-                Chunker(512, 64, hard_limit=8191).version}
+    versions = {
+        Chunker().version,
+        Chunker(256, 64).version,
+        Chunker(512, 32).version,
+        Chunker(512, 64, hard_limit=8191).version,
+    }
     assert len(versions) == 3  # hard_limit does not change output
 
 
@@ -100,7 +119,7 @@ def test_overlap_between_consecutive_chunks():
     assert len(chunks) > 10
     for a, b in itertools.pairwise(chunks):
         assert b.char_start < a.char_end  # shared text
-        shared = text[b.char_start:a.char_end]
+        shared = text[b.char_start : a.char_end]
         assert 0 < count_tokens(shared) <= 16 + 2  # ~overlap tokens
     no_overlap = Chunker(64, 0).chunk(text)
     assert all(b.char_start == a.char_end for a, b in itertools.pairwise(no_overlap))

@@ -111,15 +111,20 @@ def test_every_pipeline_variable_is_a_real_setting_with_a_valid_value(compose):
     assert "PIPELINE_DATABASE_URL" in seen
     for name in APP_SERVICES:
         url = _env(compose["services"][name])["PIPELINE_DATABASE_URL"]
-        host = "@pgbouncer:" if name == "worker" else "@postgres:"   # the workers through the pooler
+        host = "@pgbouncer:" if name == "worker" else "@postgres:"  # the workers through the pooler
         assert url.startswith("postgresql://") and host in url, (name, url)
 
 
 def test_the_dagster_processes_share_one_instance(compose):
     services = compose["services"]
     envs = [_env(services[name]) for name in DAGSTER_SERVICES]
-    for key in ("DAGSTER_HOME", "DAGSTER_PG_URL", "DAGSTER_EVENT_BATCH_SIZE",
-                "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "PIPELINE_DATABASE_URL"):
+    for key in (
+        "DAGSTER_HOME",
+        "DAGSTER_PG_URL",
+        "DAGSTER_EVENT_BATCH_SIZE",
+        "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS",
+        "PIPELINE_DATABASE_URL",
+    ):
         values = {env.get(key) for env in envs}
         assert len(values) == 1 and None not in values, (key, values)
     env = envs[0]
@@ -183,28 +188,35 @@ def test_the_run_launcher_example_passes_the_runs_the_same_environment(compose):
     lines = (DEPLOY / "dagster.yaml").read_text().splitlines()
     start = lines.index("# run_launcher:")
     block = [lines[start][2:]]
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("#  "):
             break
         block.append(line[2:])
     launcher = yaml.safe_load("\n".join(block))["run_launcher"]
     assert (launcher["module"], launcher["class"]) == ("dagster_docker", "DockerRunLauncher")
     assert launcher["config"]["network"] == f"{compose['name']}_default"
-    wanted = {k for k in _env(compose["services"]["code-location"])
-              if k.startswith("PIPELINE_") or k in ("DAGSTER_PG_URL", "DAGSTER_EVENT_BATCH_SIZE",
-                                                     "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS")}
+    wanted = {
+        k
+        for k in _env(compose["services"]["code-location"])
+        if k.startswith("PIPELINE_")
+        or k in ("DAGSTER_PG_URL", "DAGSTER_EVENT_BATCH_SIZE", "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS")
+    }
     wanted |= {"OPENAI_API_KEY", "PGPASSWORD"}
     assert wanted <= set(launcher["config"]["env_vars"]), wanted - set(launcher["config"]["env_vars"])
 
 
 # --------------------------------------------------------------------------- the tested topology
 
+
 def _port_table() -> dict[str, int]:
     """docs/operations.md's ports table: `| part | process | port | ... |` -> {part: port}."""
     text = (REPO / "docs" / "operations.md").read_text()
     section = text.split("### Ports", 1)[1].split("\n#", 1)[0]
-    rows = [[c.strip(" `") for c in line.strip().strip("|").split("|")]
-            for line in section.splitlines() if line.startswith("|")]
+    rows = [
+        [c.strip(" `") for c in line.strip().strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("|")
+    ]
     return {r[0]: int(r[2]) for r in rows[2:] if r[2].isdigit()}
 
 
@@ -220,7 +232,7 @@ def test_compose_is_the_tested_topology(compose):
     assert int(bouncer["LISTEN_PORT"]) == ports["pgbouncer"]
     worker_url = psycopg.conninfo.conninfo_to_dict(_env(services["worker"])["PIPELINE_DATABASE_URL"])
     assert (worker_url["host"], int(worker_url["port"])) == ("pgbouncer", ports["pgbouncer"])
-    for name in ("migrate", *DAGSTER_SERVICES):   # session features (advisory locks): never the pooler
+    for name in ("migrate", *DAGSTER_SERVICES):  # session features (advisory locks): never the pooler
         url = psycopg.conninfo.conninfo_to_dict(_env(services[name])["PIPELINE_DATABASE_URL"])
         assert (url["host"], int(url["port"])) == ("postgres", ports["postgres"]), name
     dagster_url = _env(services["daemon"])["DAGSTER_PG_URL"]

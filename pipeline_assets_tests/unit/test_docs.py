@@ -105,8 +105,8 @@ def test_the_readme_is_short_and_keeps_the_two_commands():
     assert len(text.splitlines()) <= MAX_README_LINES, "the README is for a five-minute read: move detail to docs/"
     quick = text.split("## Quick start", 1)[1].split("```", 2)[1]
     commands = [line.split("#", 1)[0].strip() for line in quick.splitlines() if line.strip()]
-    assert "pipeline-assets embed examples/corpus" in commands   # the main job, no key, no server
-    assert "pytest -q" in commands                                # the tests, exactly what CI runs
+    assert "pipeline-assets embed examples/corpus" in commands  # the main job, no key, no server
+    assert "pytest -q" in commands  # the tests, exactly what CI runs
     assert (REPO / ".ci" / "run").read_text().rstrip().endswith("pytest -q")
 
 

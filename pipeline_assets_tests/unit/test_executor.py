@@ -64,15 +64,36 @@ class Rig:
 
 @pytest.fixture
 def rig(fake):
-    provider = OpenAIProvider(FAKE_MODEL, api_key="test-key", base_url=fake.base_url, dimensions=None,
-                              timeout=10, max_batch_inputs=BATCH, max_batch_tokens=10_000)
+    provider = OpenAIProvider(
+        FAKE_MODEL,
+        api_key="test-key",
+        base_url=fake.base_url,
+        dimensions=None,
+        timeout=10,
+        max_batch_inputs=BATCH,
+        max_batch_tokens=10_000,
+    )
     clock = ManualClock()
     queue = MemoryQueue(clock=clock)
     report = WorkerReport()
-    store = MemoryJobStore(queue, model_id=provider.spec.model_id, run="w/x/", backoff_base=BACKOFF_BASE,
-                           backoff_cap=BACKOFF_CAP, observers=[ReportCounts(report)])
-    executor = Executor(provider, store, ExecutorConfig(), poll_seconds=0.05, lease_seconds=LEASE, report=report,
-                        stopping=Stopping(threading.Event()), view=ProviderView(store.register_model(provider.spec)))
+    store = MemoryJobStore(
+        queue,
+        model_id=provider.spec.model_id,
+        run="w/x/",
+        backoff_base=BACKOFF_BASE,
+        backoff_cap=BACKOFF_CAP,
+        observers=[ReportCounts(report)],
+    )
+    executor = Executor(
+        provider,
+        store,
+        ExecutorConfig(),
+        poll_seconds=0.05,
+        lease_seconds=LEASE,
+        report=report,
+        stopping=Stopping(threading.Event()),
+        view=ProviderView(store.register_model(provider.spec)),
+    )
     try:
         yield Rig(fake, clock, queue, store, executor, report)
     finally:
@@ -174,8 +195,11 @@ def test_the_heartbeat_extends_healthy_leases_only(rig):
     beat = threading.Thread(target=leases.heartbeat, args=(rig.executor.leases, rig.store, HEARTBEAT_LEASE, stop))
     beat.start()
     try:
-        wait_until(lambda: rig.queue.jobs[healthy[0]].lease_expires_at == rig.clock.now + HEARTBEAT_LEASE,
-                   timeout=WAIT, what="the healthy lease extended")
+        wait_until(
+            lambda: rig.queue.jobs[healthy[0]].lease_expires_at == rig.clock.now + HEARTBEAT_LEASE,
+            timeout=WAIT,
+            what="the healthy lease extended",
+        )
     finally:
         stop.set()
         beat.join(WAIT)
@@ -191,7 +215,8 @@ def test_one_5xx_on_a_batch_costs_no_attempt_and_isolates_nothing(rig):
     rig.run()
     assert rig.status(*jobs) == ["pending"] * 3
     assert [(rig.queue.jobs[j].attempts, rig.queue.jobs[j].faults, rig.queue.jobs[j].isolate) for j in jobs] == [
-        (0, 1, False)] * 3
+        (0, 1, False)
+    ] * 3
 
 
 def test_an_unmatchable_answer_is_given_back_and_billed_as_maybe(rig):

@@ -72,8 +72,9 @@ def test_chunker(monkeypatch):
 
 
 def test_secrets_are_never_shown():
-    s = Settings.from_env({"OPENAI_API_KEY": "sk-secret-value-123",
-                           "PIPELINE_DATABASE_URL": "postgresql://u:hunter2@db:5432/x"})
+    s = Settings.from_env(
+        {"OPENAI_API_KEY": "sk-secret-value-123", "PIPELINE_DATABASE_URL": "postgresql://u:hunter2@db:5432/x"}
+    )
     shown = repr(s) + str(s.describe())
     assert "sk-secret-value-123" not in shown and "hunter2" not in shown
     assert s.describe()["OPENAI_API_KEY"] == "set"
@@ -89,8 +90,9 @@ def test_overrides_and_replace_keep_unset_values():
 
 def test_docs_list_every_setting_from_the_one_place():
     page = (REPO / "docs" / "configuration.md").read_text()
-    assert reference_table() in page, "docs/configuration.md's settings table is stale: " \
-                                      "paste `pipeline-assets settings --reference`"
+    assert reference_table() in page, (
+        "docs/configuration.md's settings table is stale: paste `pipeline-assets settings --reference`"
+    )
 
 
 def test_no_environment_read_outside_settings():
@@ -123,13 +125,23 @@ def test_a_password_containing_at_is_fully_redacted():
 
 def test_ingest_guard_settings(monkeypatch):
     s = Settings.from_env({})
-    assert s.ingest_batch_bytes == 64 * 1024 * 1024 and s.extract_memory == 2 * 1024 ** 3
+    assert s.ingest_batch_bytes == 64 * 1024 * 1024 and s.extract_memory == 2 * 1024**3
     assert s.max_text_chars == 20_000_000 and s.max_chunks_per_document == 20_000
-    s = Settings.from_env({"PIPELINE_INGEST_BATCH_BYTES": "1000", "PIPELINE_MAX_TEXT_CHARS": "50",
-                           "PIPELINE_MAX_CHUNKS_PER_DOCUMENT": "3", "PIPELINE_EXTRACT_MEMORY": "0"})
+    s = Settings.from_env(
+        {
+            "PIPELINE_INGEST_BATCH_BYTES": "1000",
+            "PIPELINE_MAX_TEXT_CHARS": "50",
+            "PIPELINE_MAX_CHUNKS_PER_DOCUMENT": "3",
+            "PIPELINE_EXTRACT_MEMORY": "0",
+        }
+    )
     assert (s.ingest_batch_bytes, s.max_text_chars, s.max_chunks_per_document, s.extract_memory) == (1000, 50, 3, 0)
-    for env, value in (("PIPELINE_INGEST_BATCH_BYTES", "0"), ("PIPELINE_MAX_TEXT_CHARS", "0"),
-                       ("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", "-1"), ("PIPELINE_EXTRACT_MEMORY", "-1")):
+    for env, value in (
+        ("PIPELINE_INGEST_BATCH_BYTES", "0"),
+        ("PIPELINE_MAX_TEXT_CHARS", "0"),
+        ("PIPELINE_MAX_CHUNKS_PER_DOCUMENT", "-1"),
+        ("PIPELINE_EXTRACT_MEMORY", "-1"),
+    ):
         with pytest.raises(SettingsError, match=env):
             Settings.from_env({env: value})
     from pipeline_assets.app.runtime import Runtime

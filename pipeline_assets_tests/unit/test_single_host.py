@@ -18,20 +18,27 @@ SCANNED = ("pipeline_assets/**/*.py", "sql/**/*.sql", "deploy/**/*", "dagster.ya
 
 # (file, the line's text without surrounding space) -> why it is legitimate.
 ALLOWED = {
-    ("pipeline_assets/app/metrics.py", 'def serve(self, port: int, host: str = "127.0.0.1") -> tuple[str, int]:'):
-        "a default: `work --metrics-host` passes the address (0.0.0.0 in compose and k8s)",
-    ("pipeline_assets/cli/pipeline.py",
-     '@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics '
-     'server binds.")'):
-        "a default of an option: the metrics server is private unless told otherwise (it has no auth)",
-    ("pipeline_assets/cli/server.py", '@click.option("--host", default="127.0.0.1", show_default=True)'):
-        "`dev --host`: the one-machine Dagster UI of a developer",
-    ("pipeline_assets/cli/devserver.py",
-     'def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int = 3000) -> int:'):
-        "the default of `dev`'s host, passed by its --host option",
-    ("deploy/compose.yaml",
-     '- "127.0.0.1:3000:3000"   # no authentication in Dagster OSS: publish behind a proxy that has it'):
-        "the webserver published on the Docker host's loopback for a proxy there (it has no authentication)",
+    (
+        "pipeline_assets/app/metrics.py",
+        'def serve(self, port: int, host: str = "127.0.0.1") -> tuple[str, int]:',
+    ): "a default: `work --metrics-host` passes the address (0.0.0.0 in compose and k8s)",
+    (
+        "pipeline_assets/cli/pipeline.py",
+        '@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address the metrics '
+        'server binds.")',
+    ): "a default of an option: the metrics server is private unless told otherwise (it has no auth)",
+    (
+        "pipeline_assets/cli/server.py",
+        '@click.option("--host", default="127.0.0.1", show_default=True)',
+    ): "`dev --host`: the one-machine Dagster UI of a developer",
+    (
+        "pipeline_assets/cli/devserver.py",
+        'def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int = 3000) -> int:',
+    ): "the default of `dev`'s host, passed by its --host option",
+    (
+        "deploy/compose.yaml",
+        '- "127.0.0.1:3000:3000"   # no authentication in Dagster OSS: publish behind a proxy that has it',
+    ): "the webserver published on the Docker host's loopback for a proxy there (it has no authentication)",
 }
 
 
@@ -61,7 +68,9 @@ def test_the_pattern_finds_loopback_addresses():
 def test_no_loopback_address_outside_the_listed_defaults():
     found = _occurrences()
     unexpected = sorted(found - set(ALLOWED))
-    assert not unexpected, "a loopback address that would break on several hosts (make it a setting or " \
-                           "an option, or list it with its reason):\n" + "\n".join(map(str, unexpected))
+    assert not unexpected, (
+        "a loopback address that would break on several hosts (make it a setting or "
+        "an option, or list it with its reason):\n" + "\n".join(map(str, unexpected))
+    )
     stale = sorted(set(ALLOWED) - found)
     assert not stale, f"listed but gone (drop them from ALLOWED): {stale}"

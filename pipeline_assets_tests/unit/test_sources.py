@@ -29,8 +29,16 @@ def _write(root: Path, rel: str, data: bytes = b"x") -> Path:
 
 
 def test_scan_order_ids_and_hidden(tmp_path):
-    for rel in ["b.txt", "a.txt", "sub/z.md", "sub/deeper/c.txt", "A.txt",
-                ".hidden.txt", ".git/config", "sub/.secret/x.txt"]:
+    for rel in [
+        "b.txt",
+        "a.txt",
+        "sub/z.md",
+        "sub/deeper/c.txt",
+        "A.txt",
+        ".hidden.txt",
+        ".git/config",
+        "sub/.secret/x.txt",
+    ]:
         _write(tmp_path, rel)
     ids = [item.document_id for item in scan_directory(tmp_path)]
     assert ids == ["A.txt", "a.txt", "b.txt", "sub/deeper/c.txt", "sub/z.md"]
@@ -132,8 +140,18 @@ def test_document_ids_that_could_leave_the_root_are_refused(tmp_path):
     root = tmp_path / "root"
     _write(root, "a.txt")
     _write(tmp_path, "secret.txt", b"secret")
-    for bad in ["../secret.txt", "/etc/passwd", str(tmp_path / "secret.txt"), "a/../../secret.txt", "./a.txt",
-                ".hidden", "sub/.git/config", "a//b", "", "nul\0"]:
+    for bad in [
+        "../secret.txt",
+        "/etc/passwd",
+        str(tmp_path / "secret.txt"),
+        "a/../../secret.txt",
+        "./a.txt",
+        ".hidden",
+        "sub/.git/config",
+        "a//b",
+        "",
+        "nul\0",
+    ]:
         assert document_id_problem(bad), bad
         with pytest.raises(ValueError, match="refused"):
             item_for(root, bad)
@@ -226,7 +244,7 @@ def test_too_large_without_reading(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", no_open)
     monkeypatch.setattr(os, "open", no_open)
-    with pytest.raises(ExtractError) as e:   # refused before any open (both are patched to fail)
+    with pytest.raises(ExtractError) as e:  # refused before any open (both are patched to fail)
         read_guarded(item, Settings().max_input_bytes)
     assert e.value.error_class == "too_large"
     assert "exceeds limit 20971520" in str(e.value)
@@ -241,13 +259,26 @@ def test_a_file_that_grows_after_fstat_is_read_whole_or_refused(tmp_path, monkey
     (item,) = list(scan_directory(tmp_path))
     real_fstat, real_stat = os.fstat, os.stat
 
-    def shrunk(st):   # the file "grows" from 2 bytes to 5 between the size checks and the read
-        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid, 2,
-                               st.st_atime, st.st_mtime, st.st_ctime))
+    def shrunk(st):  # the file "grows" from 2 bytes to 5 between the size checks and the read
+        return os.stat_result(
+            (
+                st.st_mode,
+                st.st_ino,
+                st.st_dev,
+                st.st_nlink,
+                st.st_uid,
+                st.st_gid,
+                2,
+                st.st_atime,
+                st.st_mtime,
+                st.st_ctime,
+            )
+        )
 
     monkeypatch.setattr(os, "fstat", lambda fd: shrunk(real_fstat(fd)))
-    monkeypatch.setattr(os, "stat", lambda path, *a, **k: shrunk(real_stat(path)) if Path(path) == p
-                        else real_stat(path, *a, **k))
+    monkeypatch.setattr(
+        os, "stat", lambda path, *a, **k: shrunk(real_stat(path)) if Path(path) == p else real_stat(path, *a, **k)
+    )
     if limit >= 5:
         assert read_guarded(item, limit) == b"hello"
     else:

@@ -13,9 +13,11 @@ NOT_AT_START = ("dagster", "onnxruntime", "tokenizers", "openai", "tiktoken", "r
 
 
 def test_the_work_and_embed_commands_start_without_what_they_may_not_use():
-    probe = ("import json, sys\n"
-             "import pipeline_assets.cli.root, pipeline_assets.cli.pipeline\n"
-             "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n")
+    probe = (
+        "import json, sys\n"
+        "import pipeline_assets.cli.root, pipeline_assets.cli.pipeline\n"
+        "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert "click" in loaded and "psycopg" in loaded  # the probe did load the commands

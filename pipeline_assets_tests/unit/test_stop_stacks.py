@@ -24,8 +24,9 @@ HANGS_AFTER_SIGTERM = textwrap.dedent("""
 
 
 def test_a_stop_that_hangs_dumps_the_stacks_once():
-    out = subprocess.run([sys.executable, "-c", HANGS_AFTER_SIGTERM], cwd=REPO, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", HANGS_AFTER_SIGTERM], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "stuck_in_the_stop_path" in out.stderr, out.stderr
     assert out.stderr.count("most recent call first") == 1, out.stderr

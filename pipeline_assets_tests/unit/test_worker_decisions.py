@@ -39,11 +39,21 @@ RETRY_AFTER_CAP, MAX_THROTTLES = 300.0, 10
 SEED = 1234
 
 
-def job(job_id: int, *, attempts: int = 1, max_attempts: int = 5, text: str | None = "x",
-        tokens: int | None = 10, probe: bool = False, throttles: int = 0, isolate: bool = False,
-        faults: int = 0) -> ClaimedJob:
-    return ClaimedJob(job_id, job_id.to_bytes(4, "big"), attempts, max_attempts, text, tokens, probe, throttles,
-                      isolate, faults)
+def job(
+    job_id: int,
+    *,
+    attempts: int = 1,
+    max_attempts: int = 5,
+    text: str | None = "x",
+    tokens: int | None = 10,
+    probe: bool = False,
+    throttles: int = 0,
+    isolate: bool = False,
+    faults: int = 0,
+) -> ClaimedJob:
+    return ClaimedJob(
+        job_id, job_id.to_bytes(4, "big"), attempts, max_attempts, text, tokens, probe, throttles, isolate, faults
+    )
 
 
 def ids(requests) -> list[list[int]]:
@@ -63,35 +73,90 @@ PLANS = [
     pytest.param([job(1, text=None)], 10, 100, [], id="only unwanted jobs"),
     pytest.param([job(1), job(2, isolate=True), job(3)], 10, 100, [[2], [1, 3]], id="an isolated job goes alone"),
     pytest.param([job(1, isolate=True), job(2, isolate=True)], 10, 100, [[1], [2]], id="every isolated job alone"),
-    pytest.param([job(1), job(2), job(3, isolate=True), job(4)], 2, 100, [[3], [1, 2], [4]],
-                 id="an isolated job goes out at once; the open batch keeps filling"),
+    pytest.param(
+        [job(1), job(2), job(3, isolate=True), job(4)],
+        2,
+        100,
+        [[3], [1, 2], [4]],
+        id="an isolated job goes out at once; the open batch keeps filling",
+    ),
     # A retry after a 5xx, a timeout or a crash isolates nobody (one 5xx on a
     # 23-input batch used to become 23 requests).
-    pytest.param([job(i, attempts=2) for i in range(1, 24)], 256, 10_000, [list(range(1, 24))],
-                 id="retried jobs (5xx, crash) still travel together"),
-    pytest.param([job(1, throttles=1), job(2), job(3, throttles=1)], 10, 100, [[1, 2, 3]],
-                 id="one throttle does not shrink"),
-    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER) for i in range(1, 9)], 8, 1000, [[1, 2, 3, 4], [5, 6, 7, 8]],
-                 id="repeated throttles halve the request"),
-    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER + 1) for i in range(1, 5)], 8, 1000,
-                 [[1, 2], [3, 4]], id="each further throttle halves again"),
-    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER, tokens=10) for i in range(1, 5)], 100, 40,
-                 [[1, 2], [3, 4]], id="the token bound halves too"),
-    pytest.param([job(1), job(2, throttles=5), job(3), job(4, throttles=5), job(5, throttles=5),
-                  job(6, throttles=5)], 64, 1000, [[1, 3], [2, 4], [5, 6]],
-                 id="throttled jobs travel only with jobs throttled as often"),
-    pytest.param([job(i, throttles=THROTTLE_SHRINK_AFTER) for i in range(1, 14)], 256, 100_000,
-                 [list(range(1, 8)), list(range(8, 14))], id="a throttled group far below the batch is halved too"),
+    pytest.param(
+        [job(i, attempts=2) for i in range(1, 24)],
+        256,
+        10_000,
+        [list(range(1, 24))],
+        id="retried jobs (5xx, crash) still travel together",
+    ),
+    pytest.param(
+        [job(1, throttles=1), job(2), job(3, throttles=1)], 10, 100, [[1, 2, 3]], id="one throttle does not shrink"
+    ),
+    pytest.param(
+        [job(i, throttles=THROTTLE_SHRINK_AFTER) for i in range(1, 9)],
+        8,
+        1000,
+        [[1, 2, 3, 4], [5, 6, 7, 8]],
+        id="repeated throttles halve the request",
+    ),
+    pytest.param(
+        [job(i, throttles=THROTTLE_SHRINK_AFTER + 1) for i in range(1, 5)],
+        8,
+        1000,
+        [[1, 2], [3, 4]],
+        id="each further throttle halves again",
+    ),
+    pytest.param(
+        [job(i, throttles=THROTTLE_SHRINK_AFTER, tokens=10) for i in range(1, 5)],
+        100,
+        40,
+        [[1, 2], [3, 4]],
+        id="the token bound halves too",
+    ),
+    pytest.param(
+        [job(1), job(2, throttles=5), job(3), job(4, throttles=5), job(5, throttles=5), job(6, throttles=5)],
+        64,
+        1000,
+        [[1, 3], [2, 4], [5, 6]],
+        id="throttled jobs travel only with jobs throttled as often",
+    ),
+    pytest.param(
+        [job(i, throttles=THROTTLE_SHRINK_AFTER) for i in range(1, 14)],
+        256,
+        100_000,
+        [list(range(1, 8)), list(range(8, 14))],
+        id="a throttled group far below the batch is halved too",
+    ),
     pytest.param([job(1, throttles=40)], 8, 1000, [[1]], id="shrinking stops at one input"),
     # Transient faults shrink a job's requests to a quarter each; FREE_FAULTS of them: alone.
-    pytest.param([job(i, faults=1) for i in range(1, 10)], 16, 1000, [[1, 2, 3, 4], [5, 6, 7, 8], [9]],
-                 id="one fault: a quarter of the batch"),
-    pytest.param([job(1), job(2, faults=2), job(3), job(4), job(5, faults=2)], 16, 1000, [[2], [5], [1, 3, 4]],
-                 id="the most faulted go first; their cap bounds their request"),
-    pytest.param([job(1), job(2, faults=1), job(3)], 8, 1000, [[2, 1], [3]],
-                 id="a faulted job travels with fresh ones, within its cap"),
-    pytest.param([job(1, faults=FREE_FAULTS), job(2, faults=FREE_FAULTS)], 2048, 10_000, [[1], [2]],
-                 id="past the free faults: alone, whatever the batch"),
+    pytest.param(
+        [job(i, faults=1) for i in range(1, 10)],
+        16,
+        1000,
+        [[1, 2, 3, 4], [5, 6, 7, 8], [9]],
+        id="one fault: a quarter of the batch",
+    ),
+    pytest.param(
+        [job(1), job(2, faults=2), job(3), job(4), job(5, faults=2)],
+        16,
+        1000,
+        [[2], [5], [1, 3, 4]],
+        id="the most faulted go first; their cap bounds their request",
+    ),
+    pytest.param(
+        [job(1), job(2, faults=1), job(3)],
+        8,
+        1000,
+        [[2, 1], [3]],
+        id="a faulted job travels with fresh ones, within its cap",
+    ),
+    pytest.param(
+        [job(1, faults=FREE_FAULTS), job(2, faults=FREE_FAULTS)],
+        2048,
+        10_000,
+        [[1], [2]],
+        id="past the free faults: alone, whatever the batch",
+    ),
 ]
 
 
@@ -102,18 +167,29 @@ def test_plan_requests(jobs, max_inputs, max_tokens, expected):
 
 def test_plan_requests_keeps_every_wanted_job_exactly_once():
     rng = random.Random(SEED)
-    jobs = [job(i, attempts=rng.choice([1, 1, 1, 2]), text=rng.choice(["x", "x", None]),
-                tokens=rng.randint(1, 50), throttles=rng.choice([0, 0, 1, 2, 3, 9]),
-                isolate=rng.random() < 0.1, faults=rng.choice([0, 0, 0, 1, 2, 5])) for i in range(1, 300)]
+    jobs = [
+        job(
+            i,
+            attempts=rng.choice([1, 1, 1, 2]),
+            text=rng.choice(["x", "x", None]),
+            tokens=rng.randint(1, 50),
+            throttles=rng.choice([0, 0, 1, 2, 3, 9]),
+            isolate=rng.random() < 0.1,
+            faults=rng.choice([0, 0, 0, 1, 2, 5]),
+        )
+        for i in range(1, 300)
+    ]
     requests = plan_requests(jobs, max_inputs=7, max_tokens=120)
     planned = [j.job_id for r in requests for j in r]
     assert sorted(planned) == sorted(j.job_id for j in jobs if j.text is not None)
     for r in requests:
         level = halvings(r[0].throttles)
         assert 1 <= len(r) <= min(max(1, 7 >> level), min(fault_cap(j.faults, 7) for j in r))
-        assert len(r) == 1 or (sum(j.token_count for j in r) <= max(1, 120 >> level)
-                               and not any(j.isolate for j in r)
-                               and {halvings(j.throttles) for j in r} == {level})
+        assert len(r) == 1 or (
+            sum(j.token_count for j in r) <= max(1, 120 >> level)
+            and not any(j.isolate for j in r)
+            and {halvings(j.throttles) for j in r} == {level}
+        )
 
 
 def test_unwanted():
@@ -122,23 +198,49 @@ def test_unwanted():
 
 # -- decide -----------------------------------------------------------------------------------
 
-def err(kind: str, error_class: str = "e", *, status: int | None = None, retry_after: float | None = None,
-        message: str = "boom") -> ProviderError:
+
+def err(
+    kind: str,
+    error_class: str = "e",
+    *,
+    status: int | None = None,
+    retry_after: float | None = None,
+    message: str = "boom",
+) -> ProviderError:
     return ProviderError(kind, error_class, message, status, retry_after)
 
 
-def run(error: ProviderError, jobs, *, config_ok: bool | None = True, seed: int = SEED, unusable: int = 0,
-        health: str | None = ANSWERS, fault_threshold: int = 1, throttle_threshold: int = THROTTLE_SHRINK_AFTER):
-    return decide(error, jobs, config_ok=config_ok, base=BASE, cap=CAP, poll_seconds=POLL,
-                  retry_after_cap=RETRY_AFTER_CAP, max_throttles=MAX_THROTTLES, unusable_in_a_row=unusable,
-                  health=health, fault_threshold=fault_threshold, throttle_threshold=throttle_threshold,
-                  rng=random.Random(seed))
+def run(
+    error: ProviderError,
+    jobs,
+    *,
+    config_ok: bool | None = True,
+    seed: int = SEED,
+    unusable: int = 0,
+    health: str | None = ANSWERS,
+    fault_threshold: int = 1,
+    throttle_threshold: int = THROTTLE_SHRINK_AFTER,
+):
+    return decide(
+        error,
+        jobs,
+        config_ok=config_ok,
+        base=BASE,
+        cap=CAP,
+        poll_seconds=POLL,
+        retry_after_cap=RETRY_AFTER_CAP,
+        max_throttles=MAX_THROTTLES,
+        unusable_in_a_row=unusable,
+        health=health,
+        fault_threshold=fault_threshold,
+        throttle_threshold=throttle_threshold,
+        rng=random.Random(seed),
+    )
 
 
 def expected_delays(jobs, retry_after=None, seed=SEED):
     rng = random.Random(seed)
-    return tuple(backoff.retry_delay(j.attempts, base=BASE, cap=CAP, retry_after=retry_after, rng=rng)
-                 for j in jobs)
+    return tuple(backoff.retry_delay(j.attempts, base=BASE, cap=CAP, retry_after=retry_after, rng=rng) for j in jobs)
 
 
 def fault_delay(level: int, retry_after=None, seed=SEED) -> float:
@@ -156,8 +258,11 @@ def faulted(ids, delay, cls, floor=0.0) -> Apply:
 
 
 def throttled(ids, delay, floor, pause) -> Apply:
-    return Apply((GiveBack(ids, delay, "rate_limited", "boom", throttled=True),),
-                 BreakerFailure(trip=False, floor=floor, pause_only=True), pause)
+    return Apply(
+        (GiveBack(ids, delay, "rate_limited", "boom", throttled=True),),
+        BreakerFailure(trip=False, floor=floor, pause_only=True),
+        pause,
+    )
 
 
 def fail(ids, cls, message="boom", **kw) -> Apply:
@@ -171,83 +276,205 @@ DECISIONS = [
     # RETRYABLE: the provider's (breaker) and the request's, not the inputs': given back without
     # an attempt, a fault counted on each (their next requests shrink); charged only to a job failing alone
     # after its free faults.
-    pytest.param(err(RETRYABLE, "server_error", status=503), FIVE, True,
-                 faulted((1, 2, 3, 4, 5), fault_delay(0), "server_error"), id="retryable batch: the request's"),
-    pytest.param(err(RETRYABLE, "timeout"), ONE, None, faulted((1,), fault_delay(0), "timeout"),
-                 id="retryable needs no config probe; a first fault alone is free too"),
-    pytest.param(err(RETRYABLE, "server_error", status=503, retry_after=30.0), TWO, True,
-                 faulted((1, 2), 30.0, "server_error", floor=30.0), id="retryable: Retry-After is the floor"),
-    pytest.param(err(RETRYABLE, "server_error"), [job(1, attempts=5, max_attempts=5), job(2, faults=2)], True,
-                 faulted((1, 2), fault_delay(2), "server_error"),
-                 id="retryable batch: even a last attempt is not used; backoff over the most faults"),
-    pytest.param(err(RETRYABLE, "connection"), ALONE, True,
-                 charged((1,), expected_delays(ALONE), "connection"),
-                 id="retryable alone past its free faults: charged"),
-    pytest.param(err(RETRYABLE, "connection"), [job(1, faults=FREE_FAULTS), job(2)], True,
-                 faulted((1, 2), fault_delay(FREE_FAULTS), "connection"),
-                 id="retryable: not alone, not charged"),
-    pytest.param(err(RETRYABLE, BAD_RESPONSE, message="expected 5 vectors, got 4"), FIVE, True,
-                 Apply((GiveBack((1, 2, 3, 4, 5), fault_delay(0), BAD_RESPONSE, "expected 5 vectors, got 4",
-                                 faulted=True),), charged=True),
-                 id="an unmatchable answer while the provider answers others: the request's, a fault counted"),
+    pytest.param(
+        err(RETRYABLE, "server_error", status=503),
+        FIVE,
+        True,
+        faulted((1, 2, 3, 4, 5), fault_delay(0), "server_error"),
+        id="retryable batch: the request's",
+    ),
+    pytest.param(
+        err(RETRYABLE, "timeout"),
+        ONE,
+        None,
+        faulted((1,), fault_delay(0), "timeout"),
+        id="retryable needs no config probe; a first fault alone is free too",
+    ),
+    pytest.param(
+        err(RETRYABLE, "server_error", status=503, retry_after=30.0),
+        TWO,
+        True,
+        faulted((1, 2), 30.0, "server_error", floor=30.0),
+        id="retryable: Retry-After is the floor",
+    ),
+    pytest.param(
+        err(RETRYABLE, "server_error"),
+        [job(1, attempts=5, max_attempts=5), job(2, faults=2)],
+        True,
+        faulted((1, 2), fault_delay(2), "server_error"),
+        id="retryable batch: even a last attempt is not used; backoff over the most faults",
+    ),
+    pytest.param(
+        err(RETRYABLE, "connection"),
+        ALONE,
+        True,
+        charged((1,), expected_delays(ALONE), "connection"),
+        id="retryable alone past its free faults: charged",
+    ),
+    pytest.param(
+        err(RETRYABLE, "connection"),
+        [job(1, faults=FREE_FAULTS), job(2)],
+        True,
+        faulted((1, 2), fault_delay(FREE_FAULTS), "connection"),
+        id="retryable: not alone, not charged",
+    ),
+    pytest.param(
+        err(RETRYABLE, BAD_RESPONSE, message="expected 5 vectors, got 4"),
+        FIVE,
+        True,
+        Apply(
+            (GiveBack((1, 2, 3, 4, 5), fault_delay(0), BAD_RESPONSE, "expected 5 vectors, got 4", faulted=True),),
+            charged=True,
+        ),
+        id="an unmatchable answer while the provider answers others: the request's, a fault counted",
+    ),
     # THROTTLED: the provider's state: give back, trip the breaker, pause here.
-    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=7.0), TWO, True,
-                 throttled((1, 2), 7.0, 7.0, 7.0), id="throttled with Retry-After"),
-    pytest.param(err(THROTTLED, "rate_limited", status=429), ONE, None, throttled((1,), 0.0, 0.0, POLL),
-                 id="throttled without Retry-After pauses one poll"),
-    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=0.1), ONE, True,
-                 throttled((1,), 0.1, 0.1, POLL), id="throttled: local pause at least one poll"),
-    pytest.param(err(THROTTLED, "rate_limited", status=429), [job(1, attempts=5, max_attempts=5)], True,
-                 throttled((1,), 0.0, 0.0, POLL), id="throttled costs no attempt, even the last"),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429, retry_after=7.0),
+        TWO,
+        True,
+        throttled((1, 2), 7.0, 7.0, 7.0),
+        id="throttled with Retry-After",
+    ),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429),
+        ONE,
+        None,
+        throttled((1,), 0.0, 0.0, POLL),
+        id="throttled without Retry-After pauses one poll",
+    ),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429, retry_after=0.1),
+        ONE,
+        True,
+        throttled((1,), 0.1, 0.1, POLL),
+        id="throttled: local pause at least one poll",
+    ),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429),
+        [job(1, attempts=5, max_attempts=5)],
+        True,
+        throttled((1,), 0.0, 0.0, POLL),
+        id="throttled costs no attempt, even the last",
+    ),
     # Retry-After is capped (a proxy's 86400 must not hold every worker for a day).
-    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=86400.0), ONE, True,
-                 throttled((1,), RETRY_AFTER_CAP, RETRY_AFTER_CAP, RETRY_AFTER_CAP),
-                 id="throttled: Retry-After capped"),
-    pytest.param(err(RETRYABLE, "http_503", status=503, retry_after=86400.0), ALONE, True,
-                 charged((1,), (RETRY_AFTER_CAP,), "http_503", floor=RETRY_AFTER_CAP),
-                 id="retryable: Retry-After capped"),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429, retry_after=86400.0),
+        ONE,
+        True,
+        throttled((1,), RETRY_AFTER_CAP, RETRY_AFTER_CAP, RETRY_AFTER_CAP),
+        id="throttled: Retry-After capped",
+    ),
+    pytest.param(
+        err(RETRYABLE, "http_503", status=503, retry_after=86400.0),
+        ALONE,
+        True,
+        charged((1,), (RETRY_AFTER_CAP,), "http_503", floor=RETRY_AFTER_CAP),
+        id="retryable: Retry-After capped",
+    ),
     # Throttles are counted; a lone input throttled past the cap is dead-lettered.
-    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES - 1)],
-                 True, throttled((1,), 2.0, 2.0, 2.0), id="throttled: the cap-th throttle is still given back"),
-    pytest.param(err(THROTTLED, "rate_limited", status=429, retry_after=2.0), [job(1, throttles=MAX_THROTTLES)],
-                 True, fail((1,), THROTTLED_TOO_OFTEN,
-                            f"throttled {MAX_THROTTLES + 1} times, alone in its request (cap {MAX_THROTTLES}): boom",
-                            breaker=BreakerFailure(trip=False, floor=2.0, pause_only=True), pause=2.0),
-                 id="throttled past the cap alone: dead-lettered, every worker still pauses"),
-    pytest.param(err(THROTTLED, "rate_limited", status=429), [job(1, throttles=50), job(2, throttles=50)], True,
-                 throttled((1, 2), 0.0, 0.0, POLL),
-                 id="throttled past the cap in a batch: given back (the next request is smaller)"),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429, retry_after=2.0),
+        [job(1, throttles=MAX_THROTTLES - 1)],
+        True,
+        throttled((1,), 2.0, 2.0, 2.0),
+        id="throttled: the cap-th throttle is still given back",
+    ),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429, retry_after=2.0),
+        [job(1, throttles=MAX_THROTTLES)],
+        True,
+        fail(
+            (1,),
+            THROTTLED_TOO_OFTEN,
+            f"throttled {MAX_THROTTLES + 1} times, alone in its request (cap {MAX_THROTTLES}): boom",
+            breaker=BreakerFailure(trip=False, floor=2.0, pause_only=True),
+            pause=2.0,
+        ),
+        id="throttled past the cap alone: dead-lettered, every worker still pauses",
+    ),
+    pytest.param(
+        err(THROTTLED, "rate_limited", status=429),
+        [job(1, throttles=50), job(2, throttles=50)],
+        True,
+        throttled((1, 2), 0.0, 0.0, POLL),
+        id="throttled past the cap in a batch: given back (the next request is smaller)",
+    ),
     # TERMINAL: the input is bad, unless the configuration is.
-    pytest.param(err(TERMINAL, "bad_request", status=400), ONE, None, ProbeConfig(),
-                 id="terminal: probe the configuration first"),
-    pytest.param(err(TERMINAL, "bad_request", status=400), FIVE, None, ProbeConfig(),
-                 id="terminal batch: probe the configuration first"),
-    pytest.param(err(TERMINAL, "bad_request", status=400), ONE, True, fail((1,), "bad_request"),
-                 id="terminal single: dead-lettered"),
-    pytest.param(err(TERMINAL, "too_large", status=413), [job(1, attempts=1, max_attempts=5)], True,
-                 fail((1,), "too_large"), id="terminal single: attempts left do not matter"),
-    pytest.param(err(TERMINAL, "bad_request", status=400), TWO, True,
-                 Split(((job(1),), (job(2),))), id="terminal pair: split"),
-    pytest.param(err(TERMINAL, "bad_request", status=400), FIVE, True,
-                 Split((tuple(FIVE[:2]), tuple(FIVE[2:]))), id="terminal batch: split in halves"),
-    pytest.param(err(TERMINAL, "bad_request", status=400, message="dimensions not supported"), FIVE, False,
-                 Stop((1, 2, 3, 4, 5), ProviderError(FATAL, "config_rejected", "dimensions not supported", 400)),
-                 id="terminal when the config probe fails: stop"),
-    pytest.param(err(TERMINAL, "bad_request", status=400), ONE, False,
-                 Stop((1,), ProviderError(FATAL, "config_rejected", "boom", 400)),
-                 id="terminal single when the config probe fails: stop"),
+    pytest.param(
+        err(TERMINAL, "bad_request", status=400), ONE, None, ProbeConfig(), id="terminal: probe the configuration first"
+    ),
+    pytest.param(
+        err(TERMINAL, "bad_request", status=400),
+        FIVE,
+        None,
+        ProbeConfig(),
+        id="terminal batch: probe the configuration first",
+    ),
+    pytest.param(
+        err(TERMINAL, "bad_request", status=400),
+        ONE,
+        True,
+        fail((1,), "bad_request"),
+        id="terminal single: dead-lettered",
+    ),
+    pytest.param(
+        err(TERMINAL, "too_large", status=413),
+        [job(1, attempts=1, max_attempts=5)],
+        True,
+        fail((1,), "too_large"),
+        id="terminal single: attempts left do not matter",
+    ),
+    pytest.param(
+        err(TERMINAL, "bad_request", status=400), TWO, True, Split(((job(1),), (job(2),))), id="terminal pair: split"
+    ),
+    pytest.param(
+        err(TERMINAL, "bad_request", status=400),
+        FIVE,
+        True,
+        Split((tuple(FIVE[:2]), tuple(FIVE[2:]))),
+        id="terminal batch: split in halves",
+    ),
+    pytest.param(
+        err(TERMINAL, "bad_request", status=400, message="dimensions not supported"),
+        FIVE,
+        False,
+        Stop((1, 2, 3, 4, 5), ProviderError(FATAL, "config_rejected", "dimensions not supported", 400)),
+        id="terminal when the config probe fails: stop",
+    ),
+    pytest.param(
+        err(TERMINAL, "bad_request", status=400),
+        ONE,
+        False,
+        Stop((1,), ProviderError(FATAL, "config_rejected", "boom", 400)),
+        id="terminal single when the config probe fails: stop",
+    ),
     # FATAL: auth and configuration: hand back untouched and stop.
-    pytest.param(err(FATAL, "auth", status=401), FIVE, None,
-                 Stop((1, 2, 3, 4, 5), ProviderError(FATAL, "auth", "boom", 401)), id="fatal: 401"),
-    pytest.param(err(FATAL, "model_not_found", status=404), [job(1, attempts=5, max_attempts=5)], True,
-                 Stop((1,), ProviderError(FATAL, "model_not_found", "boom", 404)),
-                 id="fatal: exhausted attempts are not touched"),
+    pytest.param(
+        err(FATAL, "auth", status=401),
+        FIVE,
+        None,
+        Stop((1, 2, 3, 4, 5), ProviderError(FATAL, "auth", "boom", 401)),
+        id="fatal: 401",
+    ),
+    pytest.param(
+        err(FATAL, "model_not_found", status=404),
+        [job(1, attempts=5, max_attempts=5)],
+        True,
+        Stop((1,), ProviderError(FATAL, "model_not_found", "boom", 404)),
+        id="fatal: exhausted attempts are not touched",
+    ),
 ]
 
 
 def same_error(a: ProviderError, b: ProviderError) -> bool:
-    return (a.kind, a.error_class, a.message, a.status, a.retry_after) == \
-           (b.kind, b.error_class, b.message, b.status, b.retry_after)
+    return (a.kind, a.error_class, a.message, a.status, a.retry_after) == (
+        b.kind,
+        b.error_class,
+        b.message,
+        b.status,
+        b.retry_after,
+    )
 
 
 @pytest.mark.parametrize("error, jobs, config_ok, expected", DECISIONS)
@@ -262,8 +489,10 @@ def test_decide(error, jobs, config_ok, expected):
 
 
 def test_decide_is_deterministic_with_a_seeded_rng():
-    for error, jobs in ((err(RETRYABLE, "timeout"), [job(1, attempts=4, faults=FREE_FAULTS)]),
-                        (err(RETRYABLE, "timeout"), [job(1, faults=2), job(2)])):
+    for error, jobs in (
+        (err(RETRYABLE, "timeout"), [job(1, attempts=4, faults=FREE_FAULTS)]),
+        (err(RETRYABLE, "timeout"), [job(1, faults=2), job(2)]),
+    ):
         first, again = run(error, jobs, seed=7), run(error, jobs, seed=7)
         assert first == again
         assert run(error, jobs, seed=8) != first
@@ -273,7 +502,7 @@ def test_decide_is_deterministic_with_a_seeded_rng():
 def test_retry_delays_are_full_jitter_bounded_by_the_attempt(attempts):
     jobs = [job(i, attempts=attempts, max_attempts=20) for i in range(200)]
     delays = retry_delays(jobs, base=BASE, cap=CAP, rng=random.Random(SEED))
-    bound = min(CAP, BASE * 2 ** attempts)
+    bound = min(CAP, BASE * 2**attempts)
     assert all(0.0 <= d <= bound for d in delays)
     assert max(delays) > 0.8 * bound
 
@@ -292,8 +521,7 @@ def test_a_few_unusable_answers_in_a_row_even_to_a_trivial_input_stop_the_worker
     for seen in range(MAX_UNMATCHED_ANSWERS - 1):
         out = run(error, FIVE, unusable=seen, health=UNUSABLE)
         assert isinstance(out, Apply) and out.unusable and out.changes[0].faulted is False and not out.charged
-    out = run(error, [job(1, attempts=5, max_attempts=5), job(2)], unusable=MAX_UNMATCHED_ANSWERS - 1,
-              health=UNUSABLE)
+    out = run(error, [job(1, attempts=5, max_attempts=5), job(2)], unusable=MAX_UNMATCHED_ANSWERS - 1, health=UNUSABLE)
     assert isinstance(out, Stop) and out.job_ids == (1, 2)  # handed back untouched
     assert out.error.kind == FATAL and out.error.error_class == TOO_MANY_UNMATCHED_ANSWERS
     assert f"{MAX_UNMATCHED_ANSWERS} answers in a row" in out.error.message
@@ -305,8 +533,9 @@ def test_a_transient_failure_asks_whether_the_provider_answers_others_first():
     assert isinstance(run(err(THROTTLED, "rate_limited", status=429), FIVE, health=None), Apply)
 
 
-@pytest.mark.parametrize("error", [err(RETRYABLE, "server_error", status=503), err(RETRYABLE, "timeout"),
-                                   err(RETRYABLE, BAD_RESPONSE)])
+@pytest.mark.parametrize(
+    "error", [err(RETRYABLE, "server_error", status=503), err(RETRYABLE, "timeout"), err(RETRYABLE, BAD_RESPONSE)]
+)
 def test_while_the_provider_answers_nobody_a_failure_is_its_alone(error):
     """An outage of any length counts nothing on the jobs (no request shrinks, no attempt is
     used, however many faults they met) and comes back after a short spread-out delay."""
@@ -323,8 +552,9 @@ def test_faults_below_the_evidence_threshold_keep_the_batch_and_are_not_charged(
     from it on a quarter per fault; alone, FREE_FAULTS past it, an attempt is charged."""
     k = 8
     assert fault_cap(k - 1, 256, k) == 256 and fault_cap(k, 256, k) == 64 and fault_cap(k + 3, 256, k) == 1
-    assert ids(plan_requests([job(i, faults=k - 1) for i in range(1, 11)], max_inputs=256, max_tokens=10**6,
-                             fault_threshold=k)) == [list(range(1, 11))]
+    assert ids(
+        plan_requests([job(i, faults=k - 1) for i in range(1, 11)], max_inputs=256, max_tokens=10**6, fault_threshold=k)
+    ) == [list(range(1, 11))]
     alone = [job(1, faults=k - 2 + FREE_FAULTS)]
     out = run(err(RETRYABLE, "timeout"), alone, fault_threshold=k)
     assert isinstance(out.changes[0], GiveBack) and out.changes[0].faulted
@@ -335,12 +565,14 @@ def test_faults_below_the_evidence_threshold_keep_the_batch_and_are_not_charged(
 def test_throttles_below_the_evidence_threshold_keep_the_batch():
     k = 7
     assert halvings(k - 1, k) == 0 and halvings(k, k) == 1
-    assert ids(plan_requests([job(i, throttles=k - 1) for i in range(1, 11)], max_inputs=256, max_tokens=10**6,
-                             throttle_threshold=k)) == [list(range(1, 11))]
+    assert ids(
+        plan_requests(
+            [job(i, throttles=k - 1) for i in range(1, 11)], max_inputs=256, max_tokens=10**6, throttle_threshold=k
+        )
+    ) == [list(range(1, 11))]
     # The cap on a lone input's throttles moves up with the threshold.
     lone = [job(1, throttles=MAX_THROTTLES + k - THROTTLE_SHRINK_AFTER - 1)]
-    assert isinstance(run(err(THROTTLED, "rate_limited", status=429), lone, throttle_threshold=k).changes[0],
-                      GiveBack)
+    assert isinstance(run(err(THROTTLED, "rate_limited", status=429), lone, throttle_threshold=k).changes[0], GiveBack)
 
 
 def _simulate(fails, *, jobs: int, batch: int, max_attempts: int = 5, rng: random.Random) -> tuple[dict, dict]:
@@ -375,8 +607,9 @@ def test_a_poison_input_is_dead_lettered_alone_with_bounded_sends():
     """An input that breaks every request holding it (a dropped connection each time) ends in the
     dead-letter queue alone, after at most FREE_FAULTS + max_attempts sends; nothing else is."""
     poison = 37
-    sends, dead = _simulate(lambda r, _: any(j.job_id == poison for j in r), jobs=300, batch=256,
-                            rng=random.Random(SEED))
+    sends, dead = _simulate(
+        lambda r, _: any(j.job_id == poison for j in r), jobs=300, batch=256, rng=random.Random(SEED)
+    )
     assert dead == {poison: 5}
     assert sends[poison] <= FREE_FAULTS + 5 <= 12
     assert max(n for i, n in sends.items() if i != poison) <= FREE_FAULTS + 1
@@ -420,10 +653,18 @@ def test_config_probe_then_split_isolates_the_bad_input():
 
 # -- worker errors and the answer's dimension ------------------------------------------------------
 
+
 def test_worker_error_gives_back_without_an_attempt_and_without_blaming_the_provider():
     jobs = [job(1), job(2, attempts=5, max_attempts=5)]
-    out = worker_error(RuntimeError("permission denied sk-abcdefghijklmnop"), jobs, consecutive=1, unavailable=False,
-                       base=BASE, cap=CAP, rng=random.Random(SEED))
+    out = worker_error(
+        RuntimeError("permission denied sk-abcdefghijklmnop"),
+        jobs,
+        consecutive=1,
+        unavailable=False,
+        base=BASE,
+        cap=CAP,
+        rng=random.Random(SEED),
+    )
     (back,) = out.changes  # no attempt used: even the job on its last attempt is not failed
     assert isinstance(back, GiveBack) and not back.faulted and not back.throttled
     assert back.job_ids == (1, 2)
@@ -433,21 +674,31 @@ def test_worker_error_gives_back_without_an_attempt_and_without_blaming_the_prov
     assert out.stop is None and out.breaker is None
 
 
-@pytest.mark.parametrize("consecutive, unavailable, stops", [
-    (1, False, False),
-    (MAX_CONSECUTIVE_WORKER_FAULTS - 1, False, False),
-    (MAX_CONSECUTIVE_WORKER_FAULTS, False, True),
-    (MAX_CONSECUTIVE_WORKER_FAULTS + 5, False, True),
-    (MAX_CONSECUTIVE_WORKER_FAULTS + 5, True, False),  # an unreachable database is waited for
-])
+@pytest.mark.parametrize(
+    "consecutive, unavailable, stops",
+    [
+        (1, False, False),
+        (MAX_CONSECUTIVE_WORKER_FAULTS - 1, False, False),
+        (MAX_CONSECUTIVE_WORKER_FAULTS, False, True),
+        (MAX_CONSECUTIVE_WORKER_FAULTS + 5, False, True),
+        (MAX_CONSECUTIVE_WORKER_FAULTS + 5, True, False),  # an unreachable database is waited for
+    ],
+)
 def test_worker_error_stops_after_a_few_in_a_row(consecutive, unavailable, stops):
-    out = worker_error(ValueError("boom\nsecond line"), [job(1)], consecutive=consecutive, unavailable=unavailable,
-                       base=BASE, cap=CAP, rng=random.Random(SEED))
+    out = worker_error(
+        ValueError("boom\nsecond line"),
+        [job(1)],
+        consecutive=consecutive,
+        unavailable=unavailable,
+        base=BASE,
+        cap=CAP,
+        rng=random.Random(SEED),
+    )
     assert (out.stop is not None) == stops
     if stops:
         assert "\n" not in out.stop and out.stop.endswith("ValueError: boom second line")
         assert f"after {consecutive} faults" in out.stop
-    assert 0.0 <= out.changes[0].delay <= min(CAP, BASE * 2 ** consecutive)
+    assert 0.0 <= out.changes[0].delay <= min(CAP, BASE * 2**consecutive)
 
 
 def test_bad_vectors_retry_only_the_non_finite_ones_as_a_provider_fault():
@@ -486,6 +737,7 @@ def test_check_vectors(dimensions, expected, message):
 
 # -- a crash suspect is claimed alone ----------------------------------------------------------------
 
+
 def test_a_claim_holding_a_crash_suspect_keeps_it_alone():
     """A job with FREE_FAULTS faults travels alone in its claim: should it crash the worker,
     the rescue finds it alone and charges it, not its neighbours."""
@@ -509,7 +761,7 @@ def test_a_suspects_claim_runs_alone_in_its_process():
 
     gate, stop = SuspectGate(), threading.Event()
     events: list[str] = []
-    gate.enter(stop)                       # another thread's claim is running
+    gate.enter(stop)  # another thread's claim is running
     suspect_entered = threading.Event()
 
     def suspect() -> None:
@@ -519,7 +771,7 @@ def test_a_suspects_claim_runs_alone_in_its_process():
             events.append("suspect runs")
             newcomer = threading.Thread(target=late_claim)
             newcomer.start()
-            newcomer.join(0.3)             # it cannot start while the suspect runs
+            newcomer.join(0.3)  # it cannot start while the suspect runs
             events.append("suspect ends")
         gate.leave()
         newcomer.join(10)
@@ -533,12 +785,12 @@ def test_a_suspects_claim_runs_alone_in_its_process():
     t.start()
     assert suspect_entered.wait(10)
     t.join(0.3)
-    assert events == []                    # waiting for the claim already held
-    gate.leave()                           # ... which ends
+    assert events == []  # waiting for the claim already held
+    gate.leave()  # ... which ends
     t.join(10)
     assert events == ["suspect runs", "suspect ends", "late claim runs"]
     # A stop lets a waiting suspect through (what runs then hands its jobs back).
-    gate.enter(stop)                       # another thread's claim, never ending
+    gate.enter(stop)  # another thread's claim, never ending
     gate.enter(stop)
     stop.set()
     with gate.alone(stop):
@@ -556,8 +808,8 @@ def test_a_process_holds_one_suspect_at_a_time():
     from pipeline_assets.jobs.suspects import SuspectGate
 
     gate, stop = SuspectGate(), threading.Event()
-    gate.enter(stop)                       # a third thread's claim is running
-    gate.enter(stop)                       # the thread that claims the second suspect entered meanwhile
+    gate.enter(stop)  # a third thread's claim is running
+    gate.enter(stop)  # the thread that claims the second suspect entered meanwhile
     first_waits, first_done = threading.Event(), threading.Event()
     turns: list[object] = []
 
@@ -573,6 +825,7 @@ def test_a_process_holds_one_suspect_at_a_time():
     t.start()
     assert first_waits.wait(10)
     wait_until(lambda: gate._waiting == 1, timeout=10, what="the first suspect waiting for its turn")
+
     def second_suspect() -> None:
         with gate.alone(stop) as turn:
             turns.append(("second", turn))
@@ -582,10 +835,10 @@ def test_a_process_holds_one_suspect_at_a_time():
     second.join(10)
     alive = second.is_alive()
     if alive:
-        stop.set()                         # it waits (the defect): let it through, then fail
+        stop.set()  # it waits (the defect): let it through, then fail
     assert not alive and turns == [("second", False)]  # turned away, not waiting
-    gate.leave()                           # the turned-away thread leaves (it handed its job back)
-    gate.leave()                           # the third thread's claim ends: the first runs alone
+    gate.leave()  # the turned-away thread leaves (it handed its job back)
+    gate.leave()  # the third thread's claim ends: the first runs alone
     assert first_done.wait(10)
     t.join(10)
     assert turns == [("second", False), ("first", True)]

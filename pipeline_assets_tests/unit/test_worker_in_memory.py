@@ -20,8 +20,9 @@ from pipeline_assets_tests.conftest import FAKE_MODEL
 CHUNKS = 40
 BATCH = 8
 BACKOFF = {"PIPELINE_BACKOFF_BASE": "0.01", "PIPELINE_BACKOFF_CAP": "0.05"}
-CONFIG = Settings.from_env(BACKOFF).worker_config(concurrency=2, until_idle=True, poll_seconds=0.02,
-                                                  build_index=False, batch_inputs=BATCH)
+CONFIG = Settings.from_env(BACKOFF).worker_config(
+    concurrency=2, until_idle=True, poll_seconds=0.02, build_index=False, batch_inputs=BATCH
+)
 
 
 def checksum(text: str) -> bytes:
@@ -30,16 +31,27 @@ def checksum(text: str) -> bytes:
 
 @pytest.fixture
 def provider(fake):
-    p = OpenAIProvider(FAKE_MODEL, api_key="test-key", base_url=fake.base_url, dimensions=None, timeout=10,
-                       max_batch_inputs=16, max_batch_tokens=10_000)
+    p = OpenAIProvider(
+        FAKE_MODEL,
+        api_key="test-key",
+        base_url=fake.base_url,
+        dimensions=None,
+        timeout=10,
+        max_batch_inputs=16,
+        max_batch_tokens=10_000,
+    )
     yield p
     p.close()
 
 
 def worker_on(queue: MemoryQueue, provider, texts: list[str]) -> tuple[Worker, list[int]]:
     queue.add_content(1, [(checksum(t), t, len(t.split())) for t in texts])
-    store = MemoryJobStore(queue, model_id=provider.spec.model_id, backoff_base=CONFIG.executor.backoff_base,
-                           backoff_cap=CONFIG.executor.backoff_cap)
+    store = MemoryJobStore(
+        queue,
+        model_id=provider.spec.model_id,
+        backoff_base=CONFIG.executor.backoff_base,
+        backoff_cap=CONFIG.executor.backoff_cap,
+    )
     worker = Worker("", provider, CONFIG, store=store)
     store.observers.append(ReportCounts(worker.report))  # the report counts what was applied
     queue.add_model(provider.spec.model_id)

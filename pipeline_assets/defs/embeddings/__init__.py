@@ -20,4 +20,5 @@ def definitions(settings: Settings) -> dg.Definitions:
         assets=[build_embeddings(code_versions(settings)["embeddings"], n, concurrency_pool)],
         asset_checks=[build_coverage_check(n)],
         jobs=[EMBED_JOB],
-        sensors=[embed_after_sync])
+        sensors=[embed_after_sync],
+    )

@@ -48,37 +48,71 @@ def embedding_version(model_id: str, state: bucket_rows.BucketState, cov: bucket
     return bucket_rows.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
 
 
-def _embed(rt: Runtime, db_pool: ConnectionPool, root: str, bucket_ids: list[int], n: int, in_process: bool,
-           embedding_run: EmbeddingRunResource, partitions: int) -> BucketsEmbedded:
+def _embed(
+    rt: Runtime,
+    db_pool: ConnectionPool,
+    root: str,
+    bucket_ids: list[int],
+    n: int,
+    in_process: bool,
+    embedding_run: EmbeddingRunResource,
+    partitions: int,
+) -> BucketsEmbedded:
     """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
     try:
-        return embed_buckets(rt, db_pool, root, bucket_ids, n, poll_seconds=WORKER_POLL_SECONDS,
-                             in_process=in_process, deadline_seconds=embedding_run.deadline(rt.settings))
+        return embed_buckets(
+            rt,
+            db_pool,
+            root,
+            bucket_ids,
+            n,
+            poll_seconds=WORKER_POLL_SECONDS,
+            in_process=in_process,
+            deadline_seconds=embedding_run.deadline(rt.settings),
+        )
     except FatalProviderError as exc:
-        raise dg.Failure(description=f"embedding provider refused the configuration: {exc}",
-                         allow_retries=False) from None
+        raise dg.Failure(
+            description=f"embedding provider refused the configuration: {exc}", allow_retries=False
+        ) from None
     except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
         cov = exc.coverage
         why = "deadline passed" if isinstance(exc, EmbedDeadlineExceeded) else "embedding stopped"
-        raise dg.Failure(description=f"{why}: {exc}", allow_retries=isinstance(exc, EmbedDeadlineExceeded),
-                         metadata={"chunks": cov.wanted, "ready": cov.ready, "failed": cov.failed,
-                                   "outstanding": exc.outstanding, "partitions": partitions,
-                                   "in_process": in_process, "model": rt.model_id}) from None
+        raise dg.Failure(
+            description=f"{why}: {exc}",
+            allow_retries=isinstance(exc, EmbedDeadlineExceeded),
+            metadata={
+                "chunks": cov.wanted,
+                "ready": cov.ready,
+                "failed": cov.failed,
+                "outstanding": exc.outstanding,
+                "partitions": partitions,
+                "in_process": in_process,
+                "model": rt.model_id,
+            },
+        ) from None
 
 
-def _preflight(context: dg.AssetExecutionContext, rt: Runtime, db_pool: ConnectionPool, root: str,
-               bucket_ids: list[int], n: int) -> estimate.Estimate:
+def _preflight(
+    context: dg.AssetExecutionContext, rt: Runtime, db_pool: ConnectionPool, root: str, bucket_ids: list[int], n: int
+) -> estimate.Estimate:
     """Before one model's part of an embeddings run enqueues or sends anything: what it would send
     (``app.estimate.for_buckets``), logged and recorded as an observation of the asset, so the run's
     event log and the asset's page show it while the run is still to spend."""
     est = estimate.for_buckets(db_pool, rt.provider.spec, rt.settings.price_per_million_tokens, root, bucket_ids, n)
     context.log.info(f"preflight: {est.describe()}")
-    context.log_event(dg.AssetObservation(
-        asset_key=context.asset_key, description="preflight: what this run would send",
-        metadata={"preflight": True, "buckets": len(bucket_ids), **{k: v for k, v in est.as_dict().items()
-                                                                 if v is not None}}))
+    context.log_event(
+        dg.AssetObservation(
+            asset_key=context.asset_key,
+            description="preflight: what this run would send",
+            metadata={
+                "preflight": True,
+                "buckets": len(bucket_ids),
+                **{k: v for k, v in est.as_dict().items() if v is not None},
+            },
+        )
+    )
     return est
 
 
@@ -86,23 +120,39 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
     """The asset over ``n`` buckets x the model keys (a factory: the bucket count, the code
     version and whether runs embed in-process, hence hold ``concurrency_pool``, are the settings')."""
     spec: dict[str, Any] = dict(group_name=GROUP, kinds={"postgres"})
-    with warnings.catch_warnings():   # backfill_policy and this mapping are "beta" in 1.13
+    with warnings.catch_warnings():  # backfill_policy and this mapping are "beta" in 1.13
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
-        warnings.filterwarnings("ignore", message=".*MultiToSingleDimensionPartitionMapping.*",
-                                category=dg.BetaWarning)
+        warnings.filterwarnings("ignore", message=".*MultiToSingleDimensionPartitionMapping.*", category=dg.BetaWarning)
 
-        @dg.asset(name="embeddings", code_version=code_version, pool=concurrency_pool,
-                  partitions_def=embedding_partitions(n), backfill_policy=dg.BackfillPolicy.single_run(),
-                  deps=[dg.AssetDep(key, partition_mapping=dg.MultiToSingleDimensionPartitionMapping(
-                      partition_dimension_name=BUCKET_DIMENSION)) for key in (CHUNKS, SOURCE_FILES)], **spec,
-                  description="Vectors of the buckets' chunks, per bucket x model (app.embeddings): one column per "
-                              "active model of the registry. A run ends when the chunks of its own buckets are ready "
-                              "or failed for its models (a worker in the run embeds them, or external `work` "
-                              "processes do), or fails at its deadline with the counts. Per partition: coverage "
-                              "and failed document ids.")
-        def embeddings(context: dg.AssetExecutionContext, postgres: PostgresResource,
-                       embedding_provider: EmbeddingProviderResource, source: SourceDirectoryResource,
-                       embedding_run: EmbeddingRunResource) -> dg.MaterializeResult:
+        @dg.asset(
+            name="embeddings",
+            code_version=code_version,
+            pool=concurrency_pool,
+            partitions_def=embedding_partitions(n),
+            backfill_policy=dg.BackfillPolicy.single_run(),
+            deps=[
+                dg.AssetDep(
+                    key,
+                    partition_mapping=dg.MultiToSingleDimensionPartitionMapping(
+                        partition_dimension_name=BUCKET_DIMENSION
+                    ),
+                )
+                for key in (CHUNKS, SOURCE_FILES)
+            ],
+            **spec,
+            description="Vectors of the buckets' chunks, per bucket x model (app.embeddings): one column per "
+            "active model of the registry. A run ends when the chunks of its own buckets are ready "
+            "or failed for its models (a worker in the run embeds them, or external `work` "
+            "processes do), or fails at its deadline with the counts. Per partition: coverage "
+            "and failed document ids.",
+        )
+        def embeddings(
+            context: dg.AssetExecutionContext,
+            postgres: PostgresResource,
+            embedding_provider: EmbeddingProviderResource,
+            source: SourceDirectoryResource,
+            embedding_run: EmbeddingRunResource,
+        ) -> dg.MaterializeResult:
             """Embed the buckets' chunks with each model of the run's partitions, first (the rest of
             the queue is others' work).
 
@@ -126,7 +176,7 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             totals: dict[str, int] = {}
             documents = 0
             waited = 0.0
-            put_off: list[str] = []   # models whose index build was left for later (an ingest runs)
+            put_off: list[str] = []  # models whose index build was left for later (an ingest runs)
             for model_id, bucket_ids in per_model.items():
                 try:
                     rt = model_runtime.runtime_of(settings, db_pool, model_id, dagster_run_id=context.run.run_id)
@@ -142,34 +192,50 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                 for b in bucket_ids:
                     bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
                     versions[key] = embedding_version(model_id, states[b], bucket_cov)
-                    meta: dict[str, Any] = {"chunks": bucket_cov.chunks, "ready": bucket_cov.ready,
-                                            "failed": bucket_cov.failed, "waiting": bucket_cov.waiting}
+                    meta: dict[str, Any] = {
+                        "chunks": bucket_cov.chunks,
+                        "ready": bucket_cov.ready,
+                        "failed": bucket_cov.failed,
+                        "waiting": bucket_cov.waiting,
+                    }
                     if bucket_cov.failed_ids:
                         meta["failed_ids"] = ", ".join(bucket_cov.failed_ids)
                     context.add_asset_metadata(meta, partition_key=key)
                 work, after = done.work, done.after
                 # "reused": ready vectors this run did not make.
-                for name, value in (("estimated_inputs", est.send_inputs), ("estimated_tokens", est.send_tokens),
-                                    ("chunks", after.wanted), ("embedded", work.embedded),
-                                    ("reused", max(after.ready - work.embedded, 0)),
-                                    ("superseded", work.superseded), ("failed", after.failed),
-                                    ("waiting", after.waiting), ("enqueued", done.enqueued), ("retried", work.retried),
-                                    ("throttled", work.throttled), ("provider_calls", work.provider_calls),
-                                    ("tokens", work.tokens), ("ready", after.ready)):
+                for name, value in (
+                    ("estimated_inputs", est.send_inputs),
+                    ("estimated_tokens", est.send_tokens),
+                    ("chunks", after.wanted),
+                    ("embedded", work.embedded),
+                    ("reused", max(after.ready - work.embedded, 0)),
+                    ("superseded", work.superseded),
+                    ("failed", after.failed),
+                    ("waiting", after.waiting),
+                    ("enqueued", done.enqueued),
+                    ("retried", work.retried),
+                    ("throttled", work.throttled),
+                    ("provider_calls", work.provider_calls),
+                    ("tokens", work.tokens),
+                    ("ready", after.ready),
+                ):
                     totals[name] = totals.get(name, 0) + int(value)
                 documents = max(documents, sum(state.documents for state in states.values()))
                 waited += done.waited_seconds
             ready = totals.pop("ready", 0)
-            return dg.MaterializeResult(data_version=dg.DataVersion(run_version(versions)), metadata={
-                "model": ", ".join(per_model),
-                **totals,
-                "coverage_ratio": round(ready / totals["chunks"], 6) if totals.get("chunks") else 1.0,
-                "partitions": len(keys),
-                "documents": documents,
-                "in_process": in_process,
-                "waited_seconds": round(waited, 3),
-                "duration_seconds": round(time.monotonic() - started, 3),
-                **({"vector_index": " ".join(put_off)} if put_off else {}),
-            })
+            return dg.MaterializeResult(
+                data_version=dg.DataVersion(run_version(versions)),
+                metadata={
+                    "model": ", ".join(per_model),
+                    **totals,
+                    "coverage_ratio": round(ready / totals["chunks"], 6) if totals.get("chunks") else 1.0,
+                    "partitions": len(keys),
+                    "documents": documents,
+                    "in_process": in_process,
+                    "waited_seconds": round(waited, 3),
+                    "duration_seconds": round(time.monotonic() - started, 3),
+                    **({"vector_index": " ".join(put_off)} if put_off else {}),
+                },
+            )
 
     return embeddings

@@ -27,13 +27,19 @@ def build_coverage_check(n: int) -> dg.AssetChecksDefinition:
         # Dagster types the decorated function as returning one AssetCheckResult; a partitioned
         # check yields one evaluation per partition and then its Output (Dagster's documented shape).
         @dg.asset_check(  # type: ignore[arg-type]
-                        asset=EMBEDDINGS, name=COVERAGE_CHECK, partitions_def=embedding_partitions(n),
-                        description="Per bucket x model of the run: every current chunk of the bucket's "
-                                    "documents has a ready vector for the model (none failed, none still "
-                                    "waiting).")
-        def partition_embedded(context: dg.AssetCheckExecutionContext, postgres: PostgresResource,
-                               embedding_provider: EmbeddingProviderResource,
-                               source: SourceDirectoryResource) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
+            asset=EMBEDDINGS,
+            name=COVERAGE_CHECK,
+            partitions_def=embedding_partitions(n),
+            description="Per bucket x model of the run: every current chunk of the bucket's "
+            "documents has a ready vector for the model (none failed, none still "
+            "waiting).",
+        )
+        def partition_embedded(
+            context: dg.AssetCheckExecutionContext,
+            postgres: PostgresResource,
+            embedding_provider: EmbeddingProviderResource,
+            source: SourceDirectoryResource,
+        ) -> Iterator[dg.AssetCheckEvaluation | dg.Output]:
             per_model = keys_by_model(context.op_execution_context.partition_keys)
             root = source.source(embedding_provider.settings()).key
             for model_id, bucket_ids in per_model.items():
@@ -48,11 +54,29 @@ def build_coverage_check(n: int) -> dg.AssetChecksDefinition:
 
 def _coverage_evaluation(key: str, cov: bucket_rows.BucketCoverage, model_id: str) -> dg.AssetCheckEvaluation:
     passed = cov.ready == cov.chunks and cov.failed == 0 and cov.waiting == 0
-    metadata: dict = {"model": model_id, "chunks": cov.chunks, "ready": cov.ready, "failed": cov.failed,
-                      "waiting": cov.waiting}
+    metadata: dict = {
+        "model": model_id,
+        "chunks": cov.chunks,
+        "ready": cov.ready,
+        "failed": cov.failed,
+        "waiting": cov.waiting,
+    }
     if cov.failed_ids:
         metadata["failed_ids"] = ", ".join(cov.failed_ids)
-    why = None if passed else (f"{cov.chunks - cov.ready} of {cov.chunks} chunk(s) lack a ready vector "
-                               f"({cov.failed} failed, {cov.waiting} waiting); see `pipeline-assets dlq list`")
-    return dg.AssetCheckEvaluation(asset_key=EMBEDDINGS, check_name=COVERAGE_CHECK, partition=key, passed=passed,
-                                   metadata=metadata, severity=dg.AssetCheckSeverity.ERROR, description=why)
+    why = (
+        None
+        if passed
+        else (
+            f"{cov.chunks - cov.ready} of {cov.chunks} chunk(s) lack a ready vector "
+            f"({cov.failed} failed, {cov.waiting} waiting); see `pipeline-assets dlq list`"
+        )
+    )
+    return dg.AssetCheckEvaluation(
+        asset_key=EMBEDDINGS,
+        check_name=COVERAGE_CHECK,
+        partition=key,
+        passed=passed,
+        metadata=metadata,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=why,
+    )

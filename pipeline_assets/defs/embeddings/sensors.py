@@ -64,36 +64,60 @@ def embed_request(run: dg.DagsterRun, models: Sequence[str]) -> dg.RunRequest | 
     if span is None or not models:
         return None
     first, last = span
-    bucket_index(first), bucket_index(last)   # bucket keys, or a ValueError
+    bucket_index(first), bucket_index(last)  # bucket keys, or a ValueError
     tags = {k: run.tags[k] for k in KEPT_TAGS if k in run.tags}
     tags[AFTER_RUN_TAG] = run.run_id
     start, end = embedding_key(first, models[0]), embedding_key(last, models[-1])
     if start == end:
-        return dg.RunRequest(run_key=f"embed-after:{run.run_id}", partition_key=start, tags=tags,
-                             job_name=EMBED_JOB_NAME)
-    return dg.RunRequest(run_key=f"embed-after:{run.run_id}", job_name=EMBED_JOB_NAME,
-                         tags={**tags, RANGE_START_TAG: str(start), RANGE_END_TAG: str(end)})
+        return dg.RunRequest(
+            run_key=f"embed-after:{run.run_id}", partition_key=start, tags=tags, job_name=EMBED_JOB_NAME
+        )
+    return dg.RunRequest(
+        run_key=f"embed-after:{run.run_id}",
+        job_name=EMBED_JOB_NAME,
+        tags={**tags, RANGE_START_TAG: str(start), RANGE_END_TAG: str(end)},
+    )
 
 
-@dg.sensor(name=SENSOR_NAME, job=EMBED_JOB, minimum_interval_seconds=EMBED_SENSOR_INTERVAL_SECONDS,
-           default_status=dg.DefaultSensorStatus.RUNNING,
-           description="After each successful sync_documents run: one embed_documents run over its buckets x "
-                       "every active model (only content without a vector for a model is sent). Keeps the "
-                       "model partitions the registry's active models.")
+@dg.sensor(
+    name=SENSOR_NAME,
+    job=EMBED_JOB,
+    minimum_interval_seconds=EMBED_SENSOR_INTERVAL_SECONDS,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="After each successful sync_documents run: one embed_documents run over its buckets x "
+    "every active model (only content without a vector for a model is sent). Keeps the "
+    "model partitions the registry's active models.",
+)
 def embed_after_sync(context: dg.SensorEvaluationContext, postgres: PostgresResource) -> dg.SensorResult:
     after = float(context.cursor) if context.cursor else None
-    runs = [record for job in CHAINED_JOBS for record in context.instance.get_run_records(
-        dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.SUCCESS],
-                      updated_after=datetime.datetime.fromtimestamp(after, datetime.UTC) if after else None),
-        limit=SYNC_RUNS_PER_TICK if after else 1, order_by="update_timestamp", ascending=after is not None)]
+    runs = [
+        record
+        for job in CHAINED_JOBS
+        for record in context.instance.get_run_records(
+            dg.RunsFilter(
+                job_name=job,
+                statuses=[dg.DagsterRunStatus.SUCCESS],
+                updated_after=datetime.datetime.fromtimestamp(after, datetime.UTC) if after else None,
+            ),
+            limit=SYNC_RUNS_PER_TICK if after else 1,
+            order_by="update_timestamp",
+            ascending=after is not None,
+        )
+    ]
     requests, models = model_keys(context.instance, model_admin.active_model_ids(postgres.pool()))
-    run_requests = [r for record in sorted(runs, key=lambda rec: rec.update_timestamp)
-                    if chains(record.dagster_run) and (r := embed_request(record.dagster_run, models)) is not None]
+    run_requests = [
+        r
+        for record in sorted(runs, key=lambda rec: rec.update_timestamp)
+        if chains(record.dagster_run) and (r := embed_request(record.dagster_run, models)) is not None
+    ]
     newest = max((record.update_timestamp.timestamp() for record in runs), default=after)
     if not run_requests:
-        return dg.SensorResult(dynamic_partitions_requests=requests,
-                               cursor=str(newest) if newest else context.cursor,
-                               skip_reason=f"no finished sync run to embed after ({len(models)} model(s))")
+        return dg.SensorResult(
+            dynamic_partitions_requests=requests,
+            cursor=str(newest) if newest else context.cursor,
+            skip_reason=f"no finished sync run to embed after ({len(models)} model(s))",
+        )
     context.log.info(f"{len(run_requests)} embeddings run(s) over {len(models)} model(s): {', '.join(models)}")
-    return dg.SensorResult(run_requests=run_requests, dynamic_partitions_requests=requests,
-                           cursor=str(newest) if newest else None)
+    return dg.SensorResult(
+        run_requests=run_requests, dynamic_partitions_requests=requests, cursor=str(newest) if newest else None
+    )

@@ -11,5 +11,9 @@ from pipeline_assets.settings import Settings
 
 def definitions(settings: Settings) -> dg.Definitions:
     """The domain under ``settings``: the schedule's cron."""
-    return dg.Definitions(assets=[EMBEDDING_STORE_SPEC], asset_checks=STORE_CHECKS, jobs=[HEALTH_JOB],
-                          schedules=[build_health_schedule(settings.dagster_config().health_cron)])
+    return dg.Definitions(
+        assets=[EMBEDDING_STORE_SPEC],
+        asset_checks=STORE_CHECKS,
+        jobs=[HEALTH_JOB],
+        schedules=[build_health_schedule(settings.dagster_config().health_cron)],
+    )

@@ -16,7 +16,10 @@ def definitions(settings: Settings) -> dg.Definitions:
     """The domain under ``settings``: code versions, bucket count, the source sensor's interval."""
     config = settings.dagster_config()
     return dg.Definitions(
-        assets=[source_files_spec(config.partition_buckets),
-                build_ingest(code_versions(settings), config.partition_buckets)],
+        assets=[
+            source_files_spec(config.partition_buckets),
+            build_ingest(code_versions(settings), config.partition_buckets),
+        ],
         jobs=[SYNC_JOB, refresh_job],
-        sensors=[build_source_sensor(config.source_sensor_interval), rerun_stale_documents_sensor])
+        sensors=[build_source_sensor(config.source_sensor_interval), rerun_stale_documents_sensor],
+    )

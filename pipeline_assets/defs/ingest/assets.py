@@ -33,8 +33,12 @@ def _counts(report: IngestReport) -> dict[str, int]:
 
 
 def document_metadata(state: bucket_rows.BucketState) -> dict[str, Any]:
-    meta: dict[str, Any] = {"documents": state.documents, "current": state.current, "quarantined": state.quarantined,
-                  "text_digest": state.text_digest}
+    meta: dict[str, Any] = {
+        "documents": state.documents,
+        "current": state.current,
+        "quarantined": state.quarantined,
+        "text_digest": state.text_digest,
+    }
     if state.quarantined_ids:
         meta["quarantined_ids"] = ", ".join(state.quarantined_ids)
     return meta
@@ -44,22 +48,39 @@ def chunk_metadata(state: bucket_rows.BucketState) -> dict[str, Any]:
     return {"chunk_count": state.chunks, "tokens": state.tokens, "chunks_digest": state.chunks_digest}
 
 
-def ingest_materializations(instance: dg.DagsterInstance, states: Mapping[int, bucket_rows.BucketState],
-                            extra: Mapping[int, dict], versions: Mapping[str, str],
-                            ) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
+def ingest_materializations(
+    instance: dg.DagsterInstance,
+    states: Mapping[int, bucket_rows.BucketState],
+    extra: Mapping[int, dict],
+    versions: Mapping[str, str],
+) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
     """A ``documents`` and a ``chunks`` materialization for each bucket of ``extra`` (its own
     metadata added), from a step that does not own them (reconciliation, refresh_documents),
     with the data and code versions an asset run records (``provenance``). Returns each
     bucket's chunks (data version, storage id): the input of its ``embeddings``."""
     source = latest_observation(instance, SOURCE_FILES)
-    docs = yield from versioned_events(instance, DOCUMENTS, versions["documents"], {
-        bucket_key(b): ({**document_metadata(states[b]), **more}, states[b].text_digest)
-        for b, more in sorted(extra.items())},
-        {bucket_key(b): {SOURCE_FILES: source} for b in extra})
-    return (yield from versioned_events(instance, CHUNKS, versions["chunks"], {
-        bucket_key(b): ({**chunk_metadata(states[b]), **more}, states[b].chunks_digest)
-        for b, more in sorted(extra.items())},
-        {key: {DOCUMENTS: docs[key], SOURCE_FILES: source} for key in docs}))
+    docs = yield from versioned_events(
+        instance,
+        DOCUMENTS,
+        versions["documents"],
+        {
+            bucket_key(b): ({**document_metadata(states[b]), **more}, states[b].text_digest)
+            for b, more in sorted(extra.items())
+        },
+        {bucket_key(b): {SOURCE_FILES: source} for b in extra},
+    )
+    return (
+        yield from versioned_events(
+            instance,
+            CHUNKS,
+            versions["chunks"],
+            {
+                bucket_key(b): ({**chunk_metadata(states[b]), **more}, states[b].chunks_digest)
+                for b, more in sorted(extra.items())
+            },
+            {key: {DOCUMENTS: docs[key], SOURCE_FILES: source} for key in docs},
+        )
+    )
 
 
 def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinition:
@@ -68,22 +89,40 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
     v = code_versions
     common: dict[str, Any] = dict(partitions_def=bucket_partitions(n), backfill_policy=dg.BackfillPolicy.single_run())
     spec: dict[str, Any] = dict(group_name=GROUP, kinds={"postgres"})
-    with warnings.catch_warnings():   # backfill_policy is "beta" in 1.13; it is the point of this layout
+    with warnings.catch_warnings():  # backfill_policy is "beta" in 1.13; it is the point of this layout
         warnings.filterwarnings("ignore", message=".*backfill_policy.*", category=dg.BetaWarning)
 
         @dg.multi_asset(
-            name=INGEST_OP, can_subset=False, **common,
-            specs=[dg.AssetSpec(DOCUMENTS, deps=[SOURCE_FILES], code_version=v["documents"], **spec,
-                                description="Source documents extracted to text, by bucket of document ids. "
-                                            "Materialized together with chunks. Code version: the extractor "
-                                            "version of every format; per partition: its counts, its "
-                                            "quarantined ids and a digest of its documents' text."),
-                   dg.AssetSpec(CHUNKS, deps=[DOCUMENTS, SOURCE_FILES], code_version=v["chunks"], **spec,
-                                description="Current chunks of each bucket's documents in app.chunks, enqueued "
-                                            "for embedding. Per partition: chunk and token counts, a digest.")])
-        def ingest(context: dg.AssetExecutionContext, postgres: PostgresResource,
-                   embedding_provider: EmbeddingProviderResource,
-                   source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult]:
+            name=INGEST_OP,
+            can_subset=False,
+            **common,
+            specs=[
+                dg.AssetSpec(
+                    DOCUMENTS,
+                    deps=[SOURCE_FILES],
+                    code_version=v["documents"],
+                    **spec,
+                    description="Source documents extracted to text, by bucket of document ids. "
+                    "Materialized together with chunks. Code version: the extractor "
+                    "version of every format; per partition: its counts, its "
+                    "quarantined ids and a digest of its documents' text.",
+                ),
+                dg.AssetSpec(
+                    CHUNKS,
+                    deps=[DOCUMENTS, SOURCE_FILES],
+                    code_version=v["chunks"],
+                    **spec,
+                    description="Current chunks of each bucket's documents in app.chunks, enqueued "
+                    "for embedding. Per partition: chunk and token counts, a digest.",
+                ),
+            ],
+        )
+        def ingest(
+            context: dg.AssetExecutionContext,
+            postgres: PostgresResource,
+            embedding_provider: EmbeddingProviderResource,
+            source: SourceDirectoryResource,
+        ) -> Iterator[dg.MaterializeResult]:
             """Bring the buckets current: changed and stale documents only; unchanged files are not read."""
             started = time.monotonic()
             keys = list(context.partition_keys)
@@ -94,8 +133,9 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
             try:
                 # A rerun after a code fix re-extracts the stale documents only; source changes are the source
                 # sensor's run (a backfill or a "materialize" from the UI does both).
-                done = bk.sync_buckets(rt, postgres.pool(), src, bucket_ids, n,
-                                       source_changes=RERUN_TAG not in context.run.tags)
+                done = bk.sync_buckets(
+                    rt, postgres.pool(), src, bucket_ids, n, source_changes=RERUN_TAG not in context.run.tags
+                )
             except bucket_rows.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
             with postgres.connection() as conn:
@@ -103,19 +143,30 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
             for b, state in states.items():
                 context.add_asset_metadata(document_metadata(state), asset_key=DOCUMENTS, partition_key=bucket_key(b))
                 context.add_asset_metadata(chunk_metadata(state), asset_key=CHUNKS, partition_key=bucket_key(b))
-            run_meta: dict[str, Any] = {"partitions": len(keys), "source": src.describe(), "source_root": root,
-                        "source_kind": src.kind, "files_read": done.scan.hashed,
-                        "changed_documents": done.changed, "stale_documents": done.stale,
-                        "gone_documents": done.gone}
+            run_meta: dict[str, Any] = {
+                "partitions": len(keys),
+                "source": src.describe(),
+                "source_root": root,
+                "source_kind": src.kind,
+                "files_read": done.scan.hashed,
+                "changed_documents": done.changed,
+                "stale_documents": done.stale,
+                "gone_documents": done.gone,
+            }
             yield dg.MaterializeResult(
-                asset_key=DOCUMENTS, data_version=dg.DataVersion(run_version(
-                    {bucket_key(b): s.text_digest for b, s in states.items()})),
-                metadata={**_counts(done.report), **run_meta, "duration_seconds": round(time.monotonic() - started, 3)})
+                asset_key=DOCUMENTS,
+                data_version=dg.DataVersion(run_version({bucket_key(b): s.text_digest for b, s in states.items()})),
+                metadata={**_counts(done.report), **run_meta, "duration_seconds": round(time.monotonic() - started, 3)},
+            )
             yield dg.MaterializeResult(
-                asset_key=CHUNKS, data_version=dg.DataVersion(run_version(
-                    {bucket_key(b): s.chunks_digest for b, s in states.items()})),
-                metadata={"partitions": len(keys), "chunks": sum(s.chunks for s in states.values()),
-                          "tokens": sum(s.tokens for s in states.values())})
+                asset_key=CHUNKS,
+                data_version=dg.DataVersion(run_version({bucket_key(b): s.chunks_digest for b, s in states.items()})),
+                metadata={
+                    "partitions": len(keys),
+                    "chunks": sum(s.chunks for s in states.values()),
+                    "tokens": sum(s.tokens for s in states.values()),
+                },
+            )
 
     return ingest
 
@@ -124,7 +175,11 @@ def source_files_spec(n: int) -> dg.AssetSpec:
     """The source's files by bucket, observed by the source sensor (never materialized): a
     bucket observed after its ``documents`` materialization with another data version shows
     that partition STALE until a run brings it current."""
-    return dg.AssetSpec(SOURCE_FILES, partitions_def=bucket_partitions(n), group_name=GROUP,
-                        description="The source's files by bucket. The source_documents sensor records an "
-                                    "observation of each bucket with new, changed or gone files (data version: "
-                                    "a digest of them), so documents shows that bucket stale until its run.")
+    return dg.AssetSpec(
+        SOURCE_FILES,
+        partitions_def=bucket_partitions(n),
+        group_name=GROUP,
+        description="The source's files by bucket. The source_documents sensor records an "
+        "observation of each bucket with new, changed or gone files (data version: "
+        "a digest of them), so documents shows that bucket stale until its run.",
+    )

@@ -31,7 +31,7 @@ from pipeline_assets.defs.run_requests import (
     range_request,
 )
 
-RERUN_SCAN_LIMIT = 100_000   # stale targets of the source one tick reads (the run redoes every one)
+RERUN_SCAN_LIMIT = 100_000  # stale targets of the source one tick reads (the run redoes every one)
 RERUN_CURSOR_VERSION = 1
 # Seconds between ticks: how long a restart with a code fix waits for its rerun, at most.
 RERUN_INTERVAL_SECONDS = 10
@@ -72,8 +72,9 @@ def decode_rerun_cursor(raw: str | None) -> RerunCursor | None:
         data = json.loads(raw)
         if data.get("v") == RERUN_CURSOR_VERSION:
             clean = data.get("c")
-            return RerunCursor(int(data["e"]), int(data["g"]), str(clean[0]) if clean else None,
-                               float(clean[1]) if clean else 0.0)
+            return RerunCursor(
+                int(data["e"]), int(data["g"]), str(clean[0]) if clean else None, float(clean[1]) if clean else 0.0
+            )
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         pass
     return None
@@ -115,17 +116,23 @@ def retry_wait(instance: dg.DagsterInstance, rerun_tag: str, now: float) -> tupl
     return failures, max(0.0, ended_at + backoff - now)
 
 
-@dg.sensor(name=SENSOR_NAME, job=SYNC_JOB, minimum_interval_seconds=RERUN_INTERVAL_SECONDS,
-           default_status=dg.DefaultSensorStatus.RUNNING,
-           description="After an extractor or chunker version bump: one run over every bucket that "
-                       "re-extracts exactly the documents whose stage ran under another code version "
-                       "(app.rerun.select; the extractor's is per format). A failed rerun is requested again "
-                       "after a backoff (60 s doubling per failure in a row, at most an hour).")
-def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                                 embedding_provider: EmbeddingProviderResource,
-                                 source: SourceDirectoryResource) -> dg.SensorResult | dg.SkipReason:
-    in_flight = context.instance.get_runs_count(
-        dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
+@dg.sensor(
+    name=SENSOR_NAME,
+    job=SYNC_JOB,
+    minimum_interval_seconds=RERUN_INTERVAL_SECONDS,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="After an extractor or chunker version bump: one run over every bucket that "
+    "re-extracts exactly the documents whose stage ran under another code version "
+    "(app.rerun.select; the extractor's is per format). A failed rerun is requested again "
+    "after a backoff (60 s doubling per failure in a row, at most an hour).",
+)
+def rerun_stale_documents_sensor(
+    context: dg.SensorEvaluationContext,
+    postgres: PostgresResource,
+    embedding_provider: EmbeddingProviderResource,
+    source: SourceDirectoryResource,
+) -> dg.SensorResult | dg.SkipReason:
+    in_flight = context.instance.get_runs_count(dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
     if in_flight:
         # The targets of a running rerun are still stale in the database; wait for it.
         return dg.SkipReason(f"{in_flight} rerun run(s) still in flight")
@@ -135,28 +142,35 @@ def rerun_stale_documents_sensor(context: dg.SensorEvaluationContext, postgres: 
     versions = f"{ext_version}:{chunk_version}"
     now = time.time()
     if state.clean_under(versions, now):
-        return dg.SkipReason(f"nothing stale under extract={ext_version} chunk={chunk_version} (checked "
-                             f"{now - state.clean_at:.0f} s ago; checked again after {RERUN_RECHECK_SECONDS} s "
-                             "or when a code version changes)")
+        return dg.SkipReason(
+            f"nothing stale under extract={ext_version} chunk={chunk_version} (checked "
+            f"{now - state.clean_at:.0f} s ago; checked again after {RERUN_RECHECK_SECONDS} s "
+            "or when a code version changes)"
+        )
     rerun_tag = f"extract={ext_version} chunk={chunk_version}"
     failures, wait = retry_wait(context.instance, rerun_tag, now)
     if wait > 0:
-        return dg.SkipReason(f"the rerun under {rerun_tag} failed {failures} time(s) in a row; requested again "
-                             f"in {wait:.0f} s (backoff {RERUN_RETRY_BASE_SECONDS:.0f} s doubling per failure, "
-                             f"at most {RERUN_RETRY_CAP_SECONDS:.0f} s)")
+        return dg.SkipReason(
+            f"the rerun under {rerun_tag} failed {failures} time(s) in a row; requested again "
+            f"in {wait:.0f} s (backoff {RERUN_RETRY_BASE_SECONDS:.0f} s doubling per failure, "
+            f"at most {RERUN_RETRY_CAP_SECONDS:.0f} s)"
+        )
     root = source.source(rt.settings).key
     # The same selection as `pipeline-assets rerun --stale`, for both stages.
-    targets = rerun_uc.select(rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True, root=root,
-                              limit=RERUN_SCAN_LIMIT)
+    targets = rerun_uc.select(
+        rt, postgres.pool(), stages_=rerun_uc.VERSIONED_STAGES, stale=True, root=root, limit=RERUN_SCAN_LIMIT
+    )
     docs = sorted({t.document_id for t in targets})
     epoch, generation = state.epoch, state.generation
     if not docs:
-        return dg.SensorResult(cursor=encode_rerun_cursor(epoch, generation, (versions, now)),
-                               skip_reason=f"nothing stale under extract={ext_version} chunk={chunk_version}")
+        return dg.SensorResult(
+            cursor=encode_rerun_cursor(epoch, generation, (versions, now)),
+            skip_reason=f"nothing stale under extract={ext_version} chunk={chunk_version}",
+        )
     key = f"rerun@{epoch}.{generation}@{versions}:{len(docs)}:{batch_digest((d, versions) for d in docs)}"
-    tags = {TRIGGER_TAG: SENSOR_NAME, RERUN_TAG: rerun_tag,
-            GENERATION_TAG: f"{epoch}.{generation}"}
+    tags = {TRIGGER_TAG: SENSOR_NAME, RERUN_TAG: rerun_tag, GENERATION_TAG: f"{epoch}.{generation}"}
     last = bucket_key(rt.settings.partition_buckets - 1)
     context.log.info(f"{len(docs)} stale document(s) -> one run over every bucket, generation {epoch}.{generation}")
-    return dg.SensorResult(run_requests=[range_request(bucket_key(0), last, key, tags)],
-                           cursor=encode_rerun_cursor(epoch, generation + 1))
+    return dg.SensorResult(
+        run_requests=[range_request(bucket_key(0), last, key, tags)], cursor=encode_rerun_cursor(epoch, generation + 1)
+    )

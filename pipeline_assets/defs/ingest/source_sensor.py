@@ -29,8 +29,8 @@ from pipeline_assets.providers import model_id_for
 from pipeline_assets.store import bucket_rows, source_observations
 
 SENSOR_NAME = "source_documents"
-CURSOR_VERSION = 2          # {"v": 2, "g": generation[, "f": the last failed run handled]}
-LEGACY_CURSOR_VERSION = 1   # {"v": 1, "g": generation, "d": {document: checksum}}: seeds the table once
+CURSOR_VERSION = 2  # {"v": 2, "g": generation[, "f": the last failed run handled]}
+LEGACY_CURSOR_VERSION = 1  # {"v": 1, "g": generation, "d": {document: checksum}}: seeds the table once
 
 
 class SourceScanError(Exception):
@@ -38,6 +38,7 @@ class SourceScanError(Exception):
 
 
 # -- cursor -------------------------------------------------------------------
+
 
 def decode_cursor(raw: str | None) -> tuple[int | None, dict[str, str]]:
     """(generation, legacy {document_id: checksum} map); generation None without a readable cursor."""
@@ -95,9 +96,12 @@ def _bucket_of(key: str) -> int:
 
 
 # -- source changes -------------------------------------------------------------------
-def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                 embedding_provider: EmbeddingProviderResource,
-                 source: SourceDirectoryResource) -> dg.SensorResult:
+def _scan_source(
+    context: dg.SensorEvaluationContext,
+    postgres: PostgresResource,
+    embedding_provider: EmbeddingProviderResource,
+    source: SourceDirectoryResource,
+) -> dg.SensorResult:
     settings = embedding_provider.settings()
     try:
         src = source.source(settings)
@@ -107,14 +111,17 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
     root = src.key
     generation, legacy = decode_cursor(context.cursor)
     handled = decode_handled_failure(context.cursor)
-    in_flight = context.instance.get_runs_count(
-        dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
+    in_flight = context.instance.get_runs_count(dg.RunsFilter(tags={TRIGGER_TAG: SENSOR_NAME}, statuses=IN_FLIGHT))
     if in_flight and generation is not None and not legacy:
         # Backpressure, before the scan: a walk of a large source costs seconds of the
         # machine the run is using, and what changed is found by the next free tick's scan.
-        return dg.SensorResult(cursor=encode_cursor(generation, handled), skip_reason=(
-            f"{in_flight} run(s) of this sensor still queued or running; the source is scanned "
-            "again on the next tick after they end"))
+        return dg.SensorResult(
+            cursor=encode_cursor(generation, handled),
+            skip_reason=(
+                f"{in_flight} run(s) of this sensor still queued or running; the source is scanned "
+                "again on the next tick after they end"
+            ),
+        )
     with postgres.connection() as conn:
         n = bucket_rows.check_buckets(conn, settings.partition_buckets)
         if legacy and generation is not None:
@@ -123,9 +130,11 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
             found = observations.scan(conn, src, max_bytes=settings.max_input_bytes)
         except SourceError as exc:
             raise SourceScanError(f"cannot scan {src.describe()}: {exc}; nothing is deleted on that account") from None
-        context.log.info(f"{found.present} file(s): {found.hashed} read, {found.unread} new (read by the run), "
-                         f"{found.written} observation(s) written, "
-                         f"{found.gone} gone, {found.unreadable} unreadable")
+        context.log.info(
+            f"{found.present} file(s): {found.hashed} read, {found.unread} new (read by the run), "
+            f"{found.written} observation(s) written, "
+            f"{found.gone} gone, {found.unreadable} unreadable"
+        )
         if generation is None:
             generation = source_observations.latest_generation(conn, root) or 0
         failed = None if in_flight else _unhandled_failure(context.instance, handled)
@@ -134,31 +143,47 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
             # those it synced but did not embed (its embeddings step failed or was cancelled).
             span_of = _run_buckets(failed)
             if span_of is not None:
-                unembedded = source_observations.unsync_unembedded(conn, root, span_of[0], span_of[1], n,
-                                                                   model_id_for(settings.provider_config()))
-                context.log.info(f"run {failed.run_id} ended {failed.status.value}: {unembedded} file(s) it "
-                                 "synced but did not embed are requested again after the backoff")
+                unembedded = source_observations.unsync_unembedded(
+                    conn, root, span_of[0], span_of[1], n, model_id_for(settings.provider_config())
+                )
+                context.log.info(
+                    f"run {failed.run_id} ended {failed.status.value}: {unembedded} file(s) it "
+                    "synced but did not embed are requested again after the backoff"
+                )
             handled = failed.run_id
         # Unchanged (a legacy map cursor shrinks to its generation).
         cursor = encode_cursor(generation, handled)
         if found.empty_refused:
-            return dg.SensorResult(cursor=cursor, skip_reason=(
-                f"source {src.describe()} is empty but {found.empty_refused} documents were seen before; "
-                "refusing to delete them all"))
+            return dg.SensorResult(
+                cursor=cursor,
+                skip_reason=(
+                    f"source {src.describe()} is empty but {found.empty_refused} documents were seen before; "
+                    "refusing to delete them all"
+                ),
+            )
         # None of the sensor's runs in flight: the requests of earlier generations have ended.
         retries = None if in_flight else source_observations.schedule_retries(conn, root, generation)
         todo = source_observations.pending_buckets(conn, root, generation, n)
         if not todo:
-            waiting = (f"; {retries.waiting} file(s) of failed or cancelled runs requested again in "
-                       f"{retries.next_in:.0f} s" if retries and retries.waiting else "")
-            return dg.SensorResult(cursor=cursor, skip_reason=(
-                f"no change among {found.present} documents ({found.hashed} file(s) read){waiting}"))
+            waiting = (
+                f"; {retries.waiting} file(s) of failed or cancelled runs requested again in {retries.next_in:.0f} s"
+                if retries and retries.waiting
+                else ""
+            )
+            return dg.SensorResult(
+                cursor=cursor,
+                skip_reason=(f"no change among {found.present} documents ({found.hashed} file(s) read){waiting}"),
+            )
         files = sum(p.documents for p in todo)
-        if in_flight:   # a cursor that was empty or legacy: the tick above seeded the table first
+        if in_flight:  # a cursor that was empty or legacy: the tick above seeded the table first
             # Backpressure: nothing is marked requested, so the next free tick asks for all of it.
-            return dg.SensorResult(cursor=cursor, skip_reason=(
-                f"{in_flight} run(s) of this sensor still queued or running; {files} change(s) in "
-                f"{len(todo)} bucket(s) wait for the next tick"))
+            return dg.SensorResult(
+                cursor=cursor,
+                skip_reason=(
+                    f"{in_flight} run(s) of this sensor still queued or running; {files} change(s) in "
+                    f"{len(todo)} bucket(s) wait for the next tick"
+                ),
+            )
         # The first request covers every bucket, so the empty ones are materialized (empty) too and
         # the UI shows the corpus complete instead of "missing" buckets no file hashes to.
         first, last = span([0, n - 1] if generation == 0 else [p.bucket for p in todo])
@@ -166,24 +191,35 @@ def _scan_source(context: dg.SensorEvaluationContext, postgres: PostgresResource
         key = f"sync@g{generation}:{len(todo)}:{digest}:{first}..{last}"
         source_observations.mark_buckets_requested(conn, root, [p.bucket for p in todo], n, generation)
     new, gone = sum(p.new for p in todo), sum(p.gone for p in todo)
-    context.log.info(f"new={new} changed={files - new - gone} gone={gone} in {len(todo)} bucket(s): "
-                     f"one run over {first}..{last}")
+    context.log.info(
+        f"new={new} changed={files - new - gone} gone={gone} in {len(todo)} bucket(s): one run over {first}..{last}"
+    )
     request = range_request(first, last, key, {TRIGGER_TAG: SENSOR_NAME})
     # What the sensor saw, per bucket with pending files: documents shows those buckets stale
     # (a new data version of source_files) until the run's materialization records it.
-    seen = [dg.AssetObservation(SOURCE_FILES, partition=bucket_key(p.bucket), metadata={"pending_files": p.documents},
-                                tags={DATA_VERSION_TAG: f"g{generation}:{p.digest}"}) for p in todo]
+    seen = [
+        dg.AssetObservation(
+            SOURCE_FILES,
+            partition=bucket_key(p.bucket),
+            metadata={"pending_files": p.documents},
+            tags={DATA_VERSION_TAG: f"g{generation}:{p.digest}"},
+        )
+        for p in todo
+    ]
     return dg.SensorResult(run_requests=[request], asset_events=seen, cursor=encode_cursor(generation + 1, handled))
 
 
 def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS) -> dg.SensorDefinition:
     """The source sensor, ticking every ``interval_seconds`` (``Settings.source_sensor_interval``)."""
     return dg.sensor(
-        name=SENSOR_NAME, jobs=[SYNC_JOB], minimum_interval_seconds=interval_seconds,
+        name=SENSOR_NAME,
+        jobs=[SYNC_JOB],
+        minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
-                    "read) and requests one run over the buckets of new, changed and vanished documents; "
-                    "nothing while its earlier runs are in flight.")(_scan_source)
+        "read) and requests one run over the buckets of new, changed and vanished documents; "
+        "nothing while its earlier runs are in flight.",
+    )(_scan_source)
 
 
 source_documents_sensor = build_source_sensor()

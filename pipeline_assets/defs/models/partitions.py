@@ -17,8 +17,10 @@ import dagster as dg
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS, MODEL_PARTITIONS_NAME, is_model_key
 
 
-def model_keys(instance: dg.DagsterInstance, active: Sequence[str],
-               ) -> tuple[list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest], list[str]]:
+def model_keys(
+    instance: dg.DagsterInstance,
+    active: Sequence[str],
+) -> tuple[list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest], list[str]]:
     """(the requests that make the model keys ``active``, the keys in partition order after them)."""
     current = list(instance.get_dynamic_partitions(MODEL_PARTITIONS_NAME))
     wanted = [m for m in active if is_model_key(m)]

@@ -26,20 +26,25 @@ SWITCH_INTERVAL_SECONDS = 30
 
 
 def _coverage_metadata(cov: Coverage | None) -> dict[str, int]:
-    if cov is None:   # not read: no switch pending
+    if cov is None:  # not read: no switch pending
         return {}
-    return {"coverage_ready": cov.ready, "coverage_wanted": cov.wanted, "missing": cov.missing,
-            "waiting": cov.waiting, "failed": cov.failed}
+    return {
+        "coverage_ready": cov.ready,
+        "coverage_wanted": cov.wanted,
+        "missing": cov.missing,
+        "waiting": cov.waiting,
+        "failed": cov.failed,
+    }
 
 
-DONE = "served:"   # cursor prefix: the configured model has been served once under this configuration
+DONE = "served:"  # cursor prefix: the configured model has been served once under this configuration
 
 
 def parse_cursor(cursor: str | None) -> tuple[str | None, bool]:
     """(the configured model the sensor saw last, whether it has been served since)."""
     if not cursor:
         return None, False
-    return (cursor[len(DONE):], True) if cursor.startswith(DONE) else (cursor, False)
+    return (cursor[len(DONE) :], True) if cursor.startswith(DONE) else (cursor, False)
 
 
 def switch_events(outcome: model_follow.ModelFollowed, last_seen: str | None) -> list[dg.AssetObservation]:
@@ -48,26 +53,49 @@ def switch_events(outcome: model_follow.ModelFollowed, last_seen: str | None) ->
     events = []
     cov = outcome.coverage
     if outcome.model_id != last_seen:
-        events.append(dg.AssetObservation(EMBEDDING_STORE, metadata={
-            "event": "model_configured", "model": outcome.model_id, "previous_configured": last_seen or "",
-            "served_model": outcome.served or "", "newly_registered": outcome.added,
-            "enqueued": outcome.enqueued, **_coverage_metadata(cov)}))
+        events.append(
+            dg.AssetObservation(
+                EMBEDDING_STORE,
+                metadata={
+                    "event": "model_configured",
+                    "model": outcome.model_id,
+                    "previous_configured": last_seen or "",
+                    "served_model": outcome.served or "",
+                    "newly_registered": outcome.added,
+                    "enqueued": outcome.enqueued,
+                    **_coverage_metadata(cov),
+                },
+            )
+        )
     if outcome.switched:
-        events.append(dg.AssetObservation(EMBEDDING_STORE, metadata={
-            "event": "model_served", "model": outcome.model_id, "served_model": outcome.served,
-            "previous_model": outcome.switched_from or "", "retired_model": outcome.retired or "",
-            **_coverage_metadata(cov)}))
+        events.append(
+            dg.AssetObservation(
+                EMBEDDING_STORE,
+                metadata={
+                    "event": "model_served",
+                    "model": outcome.model_id,
+                    "served_model": outcome.served,
+                    "previous_model": outcome.switched_from or "",
+                    "retired_model": outcome.retired or "",
+                    **_coverage_metadata(cov),
+                },
+            )
+        )
     return events
 
 
-@dg.sensor(name=SENSOR_NAME, minimum_interval_seconds=SWITCH_INTERVAL_SECONDS,
-           default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Follows PIPELINE_EMBEDDING_MODEL without downtime: registers a new model (jobs for every "
-                       "current chunk), keeps search on the served model until the new one covers the corpus, "
-                       "then serves it and retires the old one. Each step is an observation on embedding_store. "
-                       "Keeps the model partitions of embeddings the registry's active models.")
-def model_switch_sensor(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                        embedding_provider: EmbeddingProviderResource) -> dg.SensorResult:
+@dg.sensor(
+    name=SENSOR_NAME,
+    minimum_interval_seconds=SWITCH_INTERVAL_SECONDS,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Follows PIPELINE_EMBEDDING_MODEL without downtime: registers a new model (jobs for every "
+    "current chunk), keeps search on the served model until the new one covers the corpus, "
+    "then serves it and retires the old one. Each step is an observation on embedding_store. "
+    "Keeps the model partitions of embeddings the registry's active models.",
+)
+def model_switch_sensor(
+    context: dg.SensorEvaluationContext, postgres: PostgresResource, embedding_provider: EmbeddingProviderResource
+) -> dg.SensorResult:
     # A retired configured model raises ModelRetired: a failed tick, its one line in the UI.
     rt = embedding_provider.runtime()
     last_seen, done = parse_cursor(context.cursor)
@@ -81,14 +109,20 @@ def model_switch_sensor(context: dg.SensorEvaluationContext, postgres: PostgresR
         for event in events:
             context.log.info(f"{event.metadata['event'].value}: {model_id} (served: {served})")
         said = "; ".join(f"{e.metadata['event'].value} {model_id}" for e in events)
-        return dg.SensorResult(asset_events=events, cursor=cursor, dynamic_partitions_requests=keys,
-                               skip_reason=dg.SkipReason(f"{said} (served: {served})"))
+        return dg.SensorResult(
+            asset_events=events,
+            cursor=cursor,
+            dynamic_partitions_requests=keys,
+            skip_reason=dg.SkipReason(f"{said} (served: {served})"),
+        )
     cov = outcome.coverage
     if served == model_id:
         why = f"serving the configured model {model_id}"
     elif done:
-        why = (f"serving {served}, served by hand after the configured {model_id} was; "
-               "left as it is (`pipeline-assets models serve` changes it)")
+        why = (
+            f"serving {served}, served by hand after the configured {model_id} was; "
+            "left as it is (`pipeline-assets models serve` changes it)"
+        )
     else:
         progress = f"{cov.ready}/{cov.wanted} ({cov.describe_missing()})" if cov is not None else "coverage not read"
         why = f"serving {served} until {model_id} covers the corpus: {progress}"

@@ -11,5 +11,9 @@ from pipeline_assets.settings import Settings
 
 def definitions(settings: Settings) -> dg.Definitions:
     """The domain under ``settings``: the schedule's cron."""
-    return dg.Definitions(assets=[reconciliation], jobs=[RECONCILE_JOB], sensors=SENSORS,
-                          schedules=[build_reconcile_schedule(settings.dagster_config().reconcile_cron)])
+    return dg.Definitions(
+        assets=[reconciliation],
+        jobs=[RECONCILE_JOB],
+        sensors=SENSORS,
+        schedules=[build_reconcile_schedule(settings.dagster_config().reconcile_cron)],
+    )

@@ -25,17 +25,25 @@ from pipeline_assets.store.documents import touched_since
 
 
 class ReconcileConfig(dg.Config):
-    rescan: bool = True   # false: repair the job table only; no source file is read
+    rescan: bool = True  # false: repair the job table only; no source file is read
 
 
-@dg.asset(name="reconciliation", group_name=GROUP, kinds={"postgres"},
-          description="Re-scan every ingested source and repair the job table (core reconcile(); "
-                      "config rescan: false repairs the job table only). Buckets of the watched source in "
-                      "which it added, changed or tombstoned documents get documents/chunks "
-                      "materializations. Its counts are numeric metadata.")
-def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, postgres: PostgresResource,
-                   embedding_provider: EmbeddingProviderResource,
-                   source: SourceDirectoryResource) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
+@dg.asset(
+    name="reconciliation",
+    group_name=GROUP,
+    kinds={"postgres"},
+    description="Re-scan every ingested source and repair the job table (core reconcile(); "
+    "config rescan: false repairs the job table only). Buckets of the watched source in "
+    "which it added, changed or tombstoned documents get documents/chunks "
+    "materializations. Its counts are numeric metadata.",
+)
+def reconciliation(
+    context: dg.AssetExecutionContext,
+    config: ReconcileConfig,
+    postgres: PostgresResource,
+    embedding_provider: EmbeddingProviderResource,
+    source: SourceDirectoryResource,
+) -> Iterator[dg.MaterializeResult | dg.AssetMaterialization]:
     started = time.monotonic()
     rt = embedding_provider.runtime(dagster_run_id=context.run.run_id)
     root = source.source(rt.settings).key
@@ -49,14 +57,28 @@ def reconciliation(context: dg.AssetExecutionContext, config: ReconcileConfig, p
         states = bucket_rows.states_of(conn, root, list(touched), n)
     for problem in report.missing_sources:
         context.log.warning(problem)
-    yield from ingest_materializations(context.instance, states, {b: {
-        "reported_by": "reconciliation", "changed_documents": ", ".join(docs[:bucket_rows.SAMPLE_IDS]),
-        "changed_count": len(docs)} for b, docs in touched.items()}, code_versions(rt.settings))
+    yield from ingest_materializations(
+        context.instance,
+        states,
+        {
+            b: {
+                "reported_by": "reconciliation",
+                "changed_documents": ", ".join(docs[: bucket_rows.SAMPLE_IDS]),
+                "changed_count": len(docs),
+            }
+            for b, docs in touched.items()
+        },
+        code_versions(rt.settings),
+    )
     counts = {k: int(v) for k, v in report.as_dict().items() if isinstance(v, int)}
-    metadata: dict = {**counts, "missing_sources": len(report.missing_sources),
-                      "buckets_reported": len(touched),
-                      "documents_reported": sum(len(d) for d in touched.values()), "source_root": root,
-                      "duration_seconds": round(time.monotonic() - started, 3)}
+    metadata: dict = {
+        **counts,
+        "missing_sources": len(report.missing_sources),
+        "buckets_reported": len(touched),
+        "documents_reported": sum(len(d) for d in touched.values()),
+        "source_root": root,
+        "duration_seconds": round(time.monotonic() - started, 3),
+    }
     if report.missing_sources:
         metadata["missing_source_errors"] = "\n".join(report.missing_sources)
     yield dg.MaterializeResult(metadata=metadata)

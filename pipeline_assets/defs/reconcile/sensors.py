@@ -30,19 +30,22 @@ RUN_FAILURE_RECONCILE_INTERVAL_SECONDS = 600
 RUN_FAILURE_TRIGGER = "run_failure"
 
 
-
 def _reconciliation_active(instance: dg.DagsterInstance) -> bool:
-    return bool(instance.get_run_records(dg.RunsFilter(job_name=RECONCILE_JOB_NAME, statuses=IN_FLIGHT),
-                                         limit=1))
+    return bool(instance.get_run_records(dg.RunsFilter(job_name=RECONCILE_JOB_NAME, statuses=IN_FLIGHT), limit=1))
 
 
-@dg.sensor(name="reconcile_on_dead_letters", job=RECONCILE_JOB, minimum_interval_seconds=DLQ_SENSOR_INTERVAL_SECONDS,
-           default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Requests a reconciliation when the dead-letter queue grew by more than "
-                       "PIPELINE_DLQ_GROWTH_PER_HOUR in the last hour (the dead_letter_growth check's "
-                       "threshold) and has grown since the last request.")
-def reconcile_on_dead_letters(context: dg.SensorEvaluationContext, postgres: PostgresResource,
-                              embedding_provider: EmbeddingProviderResource) -> dg.RunRequest | dg.SkipReason:
+@dg.sensor(
+    name="reconcile_on_dead_letters",
+    job=RECONCILE_JOB,
+    minimum_interval_seconds=DLQ_SENSOR_INTERVAL_SECONDS,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Requests a reconciliation when the dead-letter queue grew by more than "
+    "PIPELINE_DLQ_GROWTH_PER_HOUR in the last hour (the dead_letter_growth check's "
+    "threshold) and has grown since the last request.",
+)
+def reconcile_on_dead_letters(
+    context: dg.SensorEvaluationContext, postgres: PostgresResource, embedding_provider: EmbeddingProviderResource
+) -> dg.RunRequest | dg.SkipReason:
     threshold = embedding_provider.settings().dagster_config().dlq_growth_per_hour
     with postgres.connection() as conn:
         recent, total = reports.dead_letter_growth(conn, HOUR_SECONDS)
@@ -50,8 +53,9 @@ def reconcile_on_dead_letters(context: dg.SensorEvaluationContext, postgres: Pos
     if recent <= threshold:
         return dg.SkipReason(f"{recent} job(s) failed in the last hour (threshold {threshold}/h)")
     if asked_at is not None and total <= asked_at:
-        return dg.SkipReason(f"{recent} failed in the last hour, but no new failure since the last request "
-                             f"({total} failed in all)")
+        return dg.SkipReason(
+            f"{recent} failed in the last hour, but no new failure since the last request ({total} failed in all)"
+        )
     if _reconciliation_active(context.instance):
         return dg.SkipReason("a reconciliation is already queued or running")
     context.update_cursor(json.dumps({"failed_total": total}))
@@ -60,20 +64,24 @@ def reconcile_on_dead_letters(context: dg.SensorEvaluationContext, postgres: Pos
 
 def _repaired_since(instance: dg.DagsterInstance, seconds: float) -> float | None:
     """Seconds since the latest reconciliation this sensor requested, if within ``seconds``."""
-    records = instance.get_run_records(dg.RunsFilter(job_name=RECONCILE_JOB_NAME,
-                                                     tags={"pipeline/trigger": RUN_FAILURE_TRIGGER}), limit=1)
+    records = instance.get_run_records(
+        dg.RunsFilter(job_name=RECONCILE_JOB_NAME, tags={"pipeline/trigger": RUN_FAILURE_TRIGGER}), limit=1
+    )
     if not records:
         return None
     age = time.time() - records[0].create_timestamp.timestamp()
     return age if age < seconds else None
 
 
-@dg.run_failure_sensor(name="reconcile_on_run_failure", request_job=RECONCILE_JOB,
-                       default_status=dg.DefaultSensorStatus.RUNNING,
-                       description="Requests a repair of the job table (lost leases rescued, missing jobs "
-                                   "enqueued; no source file read) when a run of this code location fails, at most "
-                                   "one per 10 minutes; not for a failed reconciliation. The failed run's source "
-                                   "changes are requested again by the source sensor.")
+@dg.run_failure_sensor(
+    name="reconcile_on_run_failure",
+    request_job=RECONCILE_JOB,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Requests a repair of the job table (lost leases rescued, missing jobs "
+    "enqueued; no source file read) when a run of this code location fails, at most "
+    "one per 10 minutes; not for a failed reconciliation. The failed run's source "
+    "changes are requested again by the source sensor.",
+)
 def reconcile_on_run_failure(context: dg.RunFailureSensorContext) -> dg.RunRequest | dg.SkipReason:
     run = context.dagster_run
     if run.job_name == RECONCILE_JOB_NAME:
@@ -82,11 +90,15 @@ def reconcile_on_run_failure(context: dg.RunFailureSensorContext) -> dg.RunReque
         return dg.SkipReason("a reconciliation is already queued or running")
     age = _repaired_since(context.instance, RUN_FAILURE_RECONCILE_INTERVAL_SECONDS)
     if age is not None:
-        return dg.SkipReason(f"a repair after a failed run was requested {age:.0f} s ago (at most one per "
-                             f"{RUN_FAILURE_RECONCILE_INTERVAL_SECONDS} s)")
-    return dg.RunRequest(run_key=f"after-failed-run:{run.run_id}",
-                         run_config={"ops": {"reconciliation": {"config": {"rescan": False}}}},
-                         tags={"pipeline/trigger": RUN_FAILURE_TRIGGER, "pipeline/failed_run": run.run_id})
+        return dg.SkipReason(
+            f"a repair after a failed run was requested {age:.0f} s ago (at most one per "
+            f"{RUN_FAILURE_RECONCILE_INTERVAL_SECONDS} s)"
+        )
+    return dg.RunRequest(
+        run_key=f"after-failed-run:{run.run_id}",
+        run_config={"ops": {"reconciliation": {"config": {"rescan": False}}}},
+        tags={"pipeline/trigger": RUN_FAILURE_TRIGGER, "pipeline/failed_run": run.run_id},
+    )
 
 
 SENSORS = [reconcile_on_dead_letters, reconcile_on_run_failure]
