@@ -39,6 +39,7 @@ from pipeline_assets.app.ingest_writes import DatabaseThread
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.process import Extractor, ExtractSpec, KnownDocument, Processed, process_items
+from pipeline_assets.content.server_process import start_server_soon
 from pipeline_assets.content.source import Item, Source, SourceError
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import running_ingests, transitions
@@ -100,6 +101,7 @@ def register_model(conn: psycopg.Connection, rt: Runtime) -> int:
 def ingest_source(rt: Runtime, pool: ConnectionPool, source: Source | Path) -> IngestReport:
     """`ingest SOURCE`: the whole source; documents gone from it are tombstoned. Marked
     running meanwhile (``running_ingests``: no worker builds a vector index until it ends)."""
+    start_server_soon()  # the extraction children's server starts while the ingest is set up
     with running_ingests.marked(lambda: db.pool_connect(pool)), pool.connection() as conn:
         enqueued = register_model(conn, rt)
         report = ingest_all(conn, source, rt.options)
@@ -111,6 +113,7 @@ def ingest_documents(rt: Runtime, pool: ConnectionPool, source: Source | Path,
                      document_ids: Iterable[str]) -> IngestReport:
     """Some documents of a source (Dagster partitions, a rerun, vanished items); marked running
     meanwhile, as ``ingest_source``."""
+    start_server_soon()
     with running_ingests.marked(lambda: db.pool_connect(pool)), pool.connection() as conn:
         enqueued = register_model(conn, rt)
         report = ingest_ids(conn, source, document_ids, rt.options)
