@@ -40,6 +40,11 @@ def source_roots(conn: psycopg.Connection) -> list[str]:
     return [r[0] for r in conn.execute(DOCS.sources)]
 
 
+def has_documents(conn: psycopg.Connection, source_id: int) -> bool:
+    """Whether the source has any document row, whatever its status."""
+    return bool(queries.scalar(conn, DOCS.has_documents, {"source": source_id}))
+
+
 def known_documents(conn: psycopg.Connection, source_id: int, ids: Sequence[str]) -> dict[str, KnownDocument]:
     with conn.cursor(row_factory=class_row(KnownDocument)) as cur:
         cur.execute(DOCS.existing, {"source": source_id, "ids": list(ids)})

@@ -220,7 +220,13 @@ def _with_known(conn: psycopg.Connection, db_thread: DatabaseThread, source_id: 
                 report: IngestReport, size: int) -> Iterator[tuple[list[Item], dict[str, KnownDocument]]]:
     """Batches of ``size`` items with what the database holds of them, looked up in the database
     thread (before the transactions waiting there) ``LOOKUPS_AHEAD`` batches ahead of the one
-    handed out."""
+    handed out. A source without a document row yet has nothing to look up (this ingest's own
+    batches hold other documents: a listing names a document once)."""
+    if not db_thread.result(db_thread.lookup(documents.has_documents, conn, source_id)):
+        for batch in _batches(items, size):
+            report.scanned += len(batch)
+            yield batch, {}
+        return
     ahead: deque[tuple[list[Item], Future[dict[str, KnownDocument]]]] = deque()
     for batch in _batches(items, size):
         report.scanned += len(batch)

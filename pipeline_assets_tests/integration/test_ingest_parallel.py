@@ -89,3 +89,21 @@ def test_extraction_goes_on_while_a_batch_waits_to_be_written(clean_db, database
                                                                               extracted_while_locked)
     assert result["report"].new == n and result["report"].chunks == n, result["report"]
     assert clean_db.execute("SELECT count(*) FROM app.documents WHERE status = 'current'").fetchone()[0] == n
+
+
+def test_a_source_without_documents_looks_nothing_up_and_a_second_ingest_finds_them(clean_db, tmp_path, monkeypatch):
+    lookups = []
+    real_known = documents.known_documents
+
+    def known(conn, source_id, ids):
+        lookups.append(len(ids))
+        return real_known(conn, source_id, ids)
+
+    monkeypatch.setattr(documents, "known_documents", known)
+    corpus = _corpus(tmp_path, 25)
+    options = IngestOptions(chunker=Chunker(), config=IngestConfig(batch_documents=10))
+    first = ingest_directory(clean_db, corpus, options)
+    assert first.new == 25 and lookups == [], (first, lookups)
+    second = ingest_directory(clean_db, corpus, options)
+    assert second.unchanged == 25 and second.new == 0 and sorted(lookups) == [5, 10, 10], (second, lookups)
+    assert clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0] == 25
