@@ -62,6 +62,8 @@ INVALID_DOCUMENT_ID = "invalid_document_id"
 # Batches whose lookup (what the database knows of their documents) is queued before the batch
 # is handed out: the next batch's documents are known by the time the extraction needs them.
 LOOKUPS_AHEAD = 1
+# How long an interrupted ingest waits for the server to cancel its running statement.
+CANCEL_SECONDS = 5.0
 
 
 @dataclass
@@ -257,7 +259,8 @@ def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, item
             setattr(report, key, getattr(report, key) + written.get(key, 0))
 
     with Extractor(spec, timeout=config.stage_timeout, memory_limit=config.extract_memory,
-                   processes=config.extract_processes) as extractor, DatabaseThread() as db_thread:
+                   processes=config.extract_processes) as extractor, \
+            DatabaseThread(cancel=lambda: conn.cancel_safe(timeout=CANCEL_SECONDS)) as db_thread:
         seen: list[str] = []
         todo: list[Processed] = []
         held = 0

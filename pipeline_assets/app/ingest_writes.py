@@ -10,12 +10,13 @@ once). At most ``writes_ahead`` transactions wait or run (their documents are wh
 memory): ``write`` waits for the oldest beyond that. A statement that raises stops the rest (they
 are skipped): its error is raised in the caller by the next ``result``, ``write`` or ``finish``.
 Leaving the ``with`` block on an error of the caller's waits for the transactions queued (they
-commit, as they would have before the error); on an interrupt (KeyboardInterrupt, SystemExit)
-only for the statement running now.
+commit, as they would have before the error); on an interrupt (KeyboardInterrupt, SystemExit, a
+run's cancellation) only for the statement running now, which ``cancel`` (if given) ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -39,7 +40,7 @@ class _Skipped(Exception):
 class DatabaseThread:
     """Runs one ingest's statements in a thread of its own (see the module docstring)."""
 
-    def __init__(self, *, writes_ahead: int = WRITES_AHEAD) -> None:
+    def __init__(self, *, writes_ahead: int = WRITES_AHEAD, cancel: Callable[[], None] | None = None) -> None:
         self._lookups: deque[_Call] = deque()
         self._writes: deque[_Call] = deque()
         self._queued: deque[tuple[Future[Any], Callable[[Any], None]]] = deque()  # writes not harvested
@@ -47,6 +48,7 @@ class DatabaseThread:
         self._error: BaseException | None = None
         self._closing = False
         self._dropping = False
+        self._cancel = cancel   # ends the statement running now (an interrupt does not wait for it)
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._serve, name="ingest-db", daemon=True)
         self._thread.start()
@@ -62,6 +64,9 @@ class DatabaseThread:
             # kept, as a batch written before the error would be); an interrupt: they are skipped.
             self._dropping = kind is not None and not issubclass(kind, Exception)
             self._wake.notify()
+        if self._dropping and self._cancel is not None:
+            with contextlib.suppress(Exception):
+                self._cancel()
         self._thread.join()
 
     def _serve(self) -> None:

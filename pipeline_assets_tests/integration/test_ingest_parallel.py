@@ -107,3 +107,45 @@ def test_a_source_without_documents_looks_nothing_up_and_a_second_ingest_finds_t
     second = ingest_directory(clean_db, corpus, options)
     assert second.unchanged == 25 and second.new == 0 and sorted(lookups) == [5, 10, 10], (second, lookups)
     assert clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0] == 25
+
+
+class _Interrupt(BaseException):
+    """What a run's cancellation raises in the ingesting thread (like KeyboardInterrupt)."""
+
+
+def test_an_interrupted_ingest_does_not_wait_for_a_batch_stuck_on_a_lock(clean_db, database_url, tmp_path,
+                                                                         monkeypatch):
+    batch = 5
+    real_take = process.Extractor.take
+    taken = []
+
+    def take(self):
+        taken.append(1)
+        if len(taken) > 2 * batch:   # the first batch's transaction waits for the lock held below
+            raise _Interrupt
+        return real_take(self)
+
+    monkeypatch.setattr(process.Extractor, "take", take)
+    corpus = _corpus(tmp_path, 40)
+    outcome: dict = {}
+
+    def run():
+        try:
+            ingest_directory(clean_db, corpus, IngestOptions(
+                chunker=Chunker(), config=IngestConfig(batch_documents=batch, extract_processes=1)))
+        except _Interrupt as exc:
+            outcome["interrupted"] = exc
+
+    with psycopg.connect(database_url, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", (documents.INGEST_WRITE_LOCK_KEY,))
+        try:
+            ingest = threading.Thread(target=run)
+            ingest.start()
+            ingest.join(WAIT_SECONDS)   # the lock is still held: only a cancelled statement lets it end
+            ended_while_locked = not ingest.is_alive()
+        finally:
+            holder.execute("SELECT pg_advisory_unlock(%s)", (documents.INGEST_WRITE_LOCK_KEY,))
+            ingest.join(WAIT_SECONDS)
+    assert ended_while_locked and "interrupted" in outcome
+    assert clean_db.execute("SELECT count(*) FROM app.documents").fetchone()[0] == 0  # nothing half-written
+    assert clean_db.execute("SELECT 1").fetchone() == (1,)   # the connection is usable again

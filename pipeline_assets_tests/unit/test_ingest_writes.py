@@ -81,3 +81,21 @@ def test_leaving_on_an_error_of_the_callers_still_commits_what_was_queued():
         db.write(ran.append, lambda: ran.append("w2"))
         raise RuntimeError("the listing failed")
     assert ran == ["w1", "w2"]
+
+
+def test_an_interrupt_cancels_the_statement_running_and_skips_the_rest():
+    ran = []
+    released, started = threading.Event(), threading.Event()
+
+    def stuck():   # a statement waiting on a lock, say, until the server cancels it
+        started.set()
+        if not released.wait(WAIT_SECONDS):
+            ran.append("never cancelled")
+        raise RuntimeError("canceling statement due to user request")
+
+    with pytest.raises(KeyboardInterrupt), DatabaseThread(writes_ahead=10, cancel=released.set) as db:
+        db.write(ran.append, stuck)
+        db.write(ran.append, lambda: ran.append("after"))
+        assert started.wait(WAIT_SECONDS)
+        raise KeyboardInterrupt
+    assert ran == []
