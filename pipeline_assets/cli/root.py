@@ -26,7 +26,7 @@ COMMAND_MODULES = {
     "source": "source",
 }
 # Commands that extract documents: the extraction children's server starts while they import.
-EXTRACTING_COMMANDS = ("embed", "ingest")
+EXTRACTING = ("embed", "ingest")
 
 
 def module_commands(module: str) -> dict[str, click.Command]:
@@ -43,7 +43,7 @@ class LazyGroup(click.Group):
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
                                                                              list[str]]:
-        if args and args[0] in EXTRACTING_COMMANDS:
+        if args and args[0] in EXTRACTING:
             from pipeline_assets.content.server_process import start_server_soon
 
             start_server_soon()
