@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -28,14 +29,35 @@ WORDS = ("lease heartbeat checksum chunk vector model provider retry backoff jit
          "tombstone reconcile supersede revive export search coverage dead letter").split()
 
 
-def write_corpus(root: Path, n: int) -> None:
-    """n distinct documents of ~1-3 kB (one or two chunks each)."""
-    for i in range(n):
-        folder = root / f"{i // 1000:03d}"
-        if i % 1000 == 0:
-            folder.mkdir(parents=True)
-        words = [WORDS[(i * 7 + k * k) % len(WORDS)] for k in range(150 + (i % 3) * 150)]
-        (folder / f"doc-{i:06d}.md").write_text(f"# Document {i}\n\n" + " ".join(words) + f"\n\nEnd {i}.\n")
+# Documents per folder of the corpus, and per task of the processes that write it.
+FOLDER_DOCUMENTS = 1000
+
+
+def document_text(i: int) -> str:
+    """The text of document ``i`` (~1-3 kB: one or two chunks)."""
+    words = [WORDS[(i * 7 + k * k) % len(WORDS)] for k in range(150 + (i % 3) * 150)]
+    return f"# Document {i}\n\n" + " ".join(words) + f"\n\nEnd {i}.\n"
+
+
+def document_path(i: int) -> str:
+    """Where document ``i`` is, under the corpus root (sorted paths are in the order of ``i``)."""
+    return f"{i // FOLDER_DOCUMENTS:03d}/doc-{i:06d}.md"
+
+
+def _write_folder(task: tuple[str, int, int]) -> None:
+    root, start, stop = task
+    (Path(root) / document_path(start)).parent.mkdir(parents=True)
+    for i in range(start, stop):
+        (Path(root) / document_path(i)).write_text(document_text(i))
+
+
+def write_corpus(root: Path, n: int, processes: int = 0) -> None:
+    """n distinct documents of ~1-3 kB (one or two chunks each), a folder per task in a pool of
+    ``processes`` (0: one per usable core); nothing is held in memory (1M documents in minutes)."""
+    tasks = [(str(root), start, min(start + FOLDER_DOCUMENTS, n)) for start in range(0, n, FOLDER_DOCUMENTS)]
+    with multiprocessing.get_context("fork").Pool(processes or len(os.sched_getaffinity(0))) as pool:
+        for _ in pool.imap_unordered(_write_folder, tasks):
+            pass
 
 
 def embed(directory: str, env: dict) -> tuple[dict, float]:

@@ -69,3 +69,22 @@ PARENT_LOCK = threading.Lock()
 def under_the_parents_lock(value: object) -> object:
     with PARENT_LOCK:
         return value
+
+
+class RendezvousChunker(Chunker):
+    """A chunker whose first call in each process waits (up to ``wait_seconds``) until ``peers``
+    processes have called it, each leaving a file named by its pid in ``directory``: a document
+    chunked while no other child runs at the same time fails (``extract_failed``)."""
+
+    def __init__(self, directory: str, peers: int = 2, wait_seconds: float = 20.0) -> None:
+        super().__init__()
+        self.directory, self.peers, self.wait_seconds = directory, peers, wait_seconds
+
+    def chunk(self, text: str) -> list[Chunk]:
+        open(os.path.join(self.directory, str(os.getpid())), "w").close()
+        deadline = time.monotonic() + self.wait_seconds
+        while len(os.listdir(self.directory)) < self.peers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no peer chunked at the same time within {self.wait_seconds:g} s")
+            time.sleep(0.01)
+        return super().chunk(text)

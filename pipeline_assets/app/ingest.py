@@ -11,7 +11,8 @@ source are tombstoned after a complete scan.
 Guards (``app.ingest_config``): one transaction holds at most ``batch_documents`` documents and,
 past ``batch_bytes`` of chunk text, is written at once; extraction
 runs in a bounded pool of child processes (``content.process.Extractor``,
-PIPELINE_EXTRACT_PROCESSES), which keep extracting while a batch is written; every failure of one
+PIPELINE_EXTRACT_PROCESSES: one per usable core by default) and the transactions in a thread of
+their own (``app.ingest_writes``), so reading, extracting and writing overlap; every failure of one
 document is that document's quarantine; a transaction the server aborts for a
 deadlock is retried (TX_ATTEMPTS) instead of aborting the ingest or reconcile.
 
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TypeVar
@@ -32,9 +35,11 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import document_writes
+from pipeline_assets.app.ingest_writes import DatabaseThread
 from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.process import Extractor, ExtractSpec, KnownDocument, Processed, process_items
+from pipeline_assets.content.server_process import start_server_soon
 from pipeline_assets.content.source import Item, Source, SourceError
 from pipeline_assets.counts import Counts
 from pipeline_assets.jobs import running_ingests, transitions
@@ -54,6 +59,11 @@ RETRYABLE_TX_ERRORS = (psycopg.errors.DeadlockDetected, psycopg.errors.Serializa
 # Error class counted in IngestReport.errors for a document id that is refused
 # (absolute, '..', hidden, another source's; see Source.id_problem): nothing is read or written.
 INVALID_DOCUMENT_ID = "invalid_document_id"
+# Batches whose lookup (what the database knows of their documents) is queued before the batch
+# is handed out: the next batch's documents are known by the time the extraction needs them.
+LOOKUPS_AHEAD = 1
+# How long an interrupted ingest waits for the server to cancel its running statement.
+CANCEL_SECONDS = 5.0
 
 
 @dataclass
@@ -93,6 +103,7 @@ def register_model(conn: psycopg.Connection, rt: Runtime) -> int:
 def ingest_source(rt: Runtime, pool: ConnectionPool, source: Source | Path) -> IngestReport:
     """`ingest SOURCE`: the whole source; documents gone from it are tombstoned. Marked
     running meanwhile (``running_ingests``: no worker builds a vector index until it ends)."""
+    start_server_soon()  # the extraction children's server starts while the ingest is set up
     with running_ingests.marked(lambda: db.pool_connect(pool)), pool.connection() as conn:
         enqueued = register_model(conn, rt)
         report = ingest_all(conn, source, rt.options)
@@ -104,6 +115,7 @@ def ingest_documents(rt: Runtime, pool: ConnectionPool, source: Source | Path,
                      document_ids: Iterable[str]) -> IngestReport:
     """Some documents of a source (Dagster partitions, a rerun, vanished items); marked running
     meanwhile, as ``ingest_source``."""
+    start_server_soon()
     with running_ingests.marked(lambda: db.pool_connect(pool)), pool.connection() as conn:
         enqueued = register_model(conn, rt)
         report = ingest_ids(conn, source, document_ids, rt.options)
@@ -206,32 +218,53 @@ def _batches(items: Iterator[Item], size: int) -> Iterator[list[Item]]:
         yield batch
 
 
-def _with_known(conn: psycopg.Connection, source_id: int, items: Iterator[Item],
+def _with_known(conn: psycopg.Connection, db_thread: DatabaseThread, source_id: int, items: Iterator[Item],
                 report: IngestReport, size: int) -> Iterator[tuple[list[Item], dict[str, KnownDocument]]]:
-    """Batches of ``size`` items with what the database holds of them, looked up lazily: a
-    batch's lookup runs when the previous batch has been handed out."""
+    """Batches of ``size`` items with what the database holds of them, looked up in the database
+    thread (before the transactions waiting there) ``LOOKUPS_AHEAD`` batches ahead of the one
+    handed out. A source without a document row yet has nothing to look up (this ingest's own
+    batches hold other documents: a listing names a document once)."""
+    if not db_thread.result(db_thread.lookup(documents.has_documents, conn, source_id)):
+        for batch in _batches(items, size):
+            report.scanned += len(batch)
+            yield batch, {}
+        return
+    ahead: deque[tuple[list[Item], Future[dict[str, KnownDocument]]]] = deque()
     for batch in _batches(items, size):
         report.scanned += len(batch)
-        yield batch, document_writes.known_documents(conn, source_id, [i.document_id for i in batch])
+        ahead.append((batch, db_thread.lookup(document_writes.known_documents, conn, source_id,
+                                              [i.document_id for i in batch])))
+        if len(ahead) > LOOKUPS_AHEAD:
+            done, known = ahead.popleft()
+            yield done, db_thread.result(known)
+    while ahead:
+        done, known = ahead.popleft()
+        yield done, db_thread.result(known)
 
 
 def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, items: Iterator[Item],
                   options: IngestOptions, report: IngestReport, *, record_seen: bool) -> None:
     """Process and write ``items``: one transaction per ``batch_documents`` documents done, or
     sooner once the results hold ``batch_bytes`` of chunk text (``options.config``). Documents
-    are extracted in ``extract_processes`` children, which keep working on the
-    documents queued on them while a transaction is written. The chunks' text-search vectors
-    are computed after the last transaction (``store.text_search``), unless
-    ``options.text_search_later``."""
+    are extracted in ``extract_processes`` children and the transactions run in a thread of their
+    own (``ingest_writes.DatabaseThread``, in order): reading, extracting and writing overlap.
+    The chunks' text-search vectors are computed after the last transaction
+    (``store.text_search``), unless ``options.text_search_later``."""
     config = options.config
     spec = ExtractSpec(chunker=options.chunker, decode_errors=config.decode_errors,
                        max_text_chars=config.max_text_chars, max_chunks=config.max_chunks)
+
+    def count(written: dict[str, int]) -> None:
+        for key in ("chunks", "enqueued", "revived", "superseded"):
+            setattr(report, key, getattr(report, key) + written.get(key, 0))
+
     with Extractor(spec, timeout=config.stage_timeout, memory_limit=config.extract_memory,
-                   processes=config.extract_processes) as extractor:
+                   processes=config.extract_processes) as extractor, \
+            DatabaseThread(cancel=lambda: conn.cancel_safe(timeout=CANCEL_SECONDS)) as db_thread:
         seen: list[str] = []
         todo: list[Processed] = []
         held = 0
-        known = _with_known(conn, source_id, items, report, config.batch_documents)
+        known = _with_known(conn, db_thread, source_id, items, report, config.batch_documents)
         for item, old, processed in process_items(source, known, extractor=extractor, max_bytes=config.max_bytes,
                                                   extractor_version=options.extractor_version, force=options.force):
             seen.append(item.document_id)
@@ -248,18 +281,20 @@ def _ingest_items(conn: psycopg.Connection, source: Source, source_id: int, item
             else:
                 report.unchanged += 1
             if held >= config.batch_bytes or len(seen) >= config.batch_documents:
-                _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
+                db_thread.write(count, _write, conn, source_id, seen, todo, options, record_seen)
                 seen, todo, held = [], [], 0
-        _write(conn, source_id, seen, todo, options, report, record_seen=record_seen)
+        db_thread.write(count, _write, conn, source_id, seen, todo, options, record_seen)
+        db_thread.finish()
     if not options.text_search_later:
         text_search.fill(conn)
 
 
 def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list[Processed],
-           options: IngestOptions, report: IngestReport, *, record_seen: bool) -> None:
-    """One ingest transaction: the ids seen, the documents processed (retried on a deadlock)."""
+           options: IngestOptions, record_seen: bool) -> dict[str, int]:
+    """One ingest transaction: the ids seen, the documents processed (retried on a deadlock).
+    Returns the counts written (chunks, enqueued, revived, superseded)."""
     if not todo and not (record_seen and seen):
-        return
+        return {}
 
     def transaction() -> dict[str, int]:
         with conn.transaction():
@@ -273,9 +308,7 @@ def _write(conn: psycopg.Connection, source_id: int, seen: list[str], todo: list
                 chunker_version=options.chunker.version, max_attempts=options.config.max_attempts,
                 config_hash=options.config_hash, dagster_run_id=options.dagster_run_id)
 
-    counts = _retrying(transaction)
-    for key in ("chunks", "enqueued", "revived", "superseded"):
-        setattr(report, key, getattr(report, key) + counts.get(key, 0))
+    return _retrying(transaction)
 
 
 # The names older revisions have (benchmarks that compare revisions import them).

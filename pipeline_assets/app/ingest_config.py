@@ -21,9 +21,9 @@ DEFAULT_MAX_INPUT_BYTES = 20 * 1024 * 1024
 DEFAULT_STAGE_TIMEOUT_SECONDS = 60.0
 # Address space one extraction may add (a PDF that inflates, a pathological HTML tree); 0 = none.
 DEFAULT_EXTRACT_MEMORY = 2 * 1024 ** 3
-# Extraction children per ingest (0: one per CPU the process may use); why one by default:
+# Extraction children per ingest (0: one per CPU the process may use, its affinity mask):
 # docs/decisions/0001-one-extraction-child.md.
-DEFAULT_EXTRACT_PROCESSES = 1
+DEFAULT_EXTRACT_PROCESSES = 0
 # A small PDF can inflate to far more text than its bytes: what one document may cost in memory,
 # chunk rows and provider tokens.
 DEFAULT_MAX_TEXT_CHARS = 20_000_000

@@ -25,6 +25,8 @@ COMMAND_MODULES = {
     "stop-db": "server", "dev": "server", "dagster-env": "server",
     "source": "source",
 }
+# Commands that extract documents: the extraction children's server starts while they import.
+EXTRACTING = ("embed", "ingest")
 
 
 def module_commands(module: str) -> dict[str, click.Command]:
@@ -38,6 +40,14 @@ class LazyGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMAND_MODULES)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
+                                                                             list[str]]:
+        if args and args[0] in EXTRACTING:
+            from pipeline_assets.content.server_process import start_server_soon
+
+            start_server_soon()
+        return super().resolve_command(ctx, args)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         module = COMMAND_MODULES.get(cmd_name)

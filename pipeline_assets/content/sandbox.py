@@ -9,7 +9,7 @@ deadline starts when its child is free for it; past it the child is SIGKILLed, t
 ``timeout`` (naming where the child was stuck) and the calls behind it go to a new child. A call
 killed or whose child died is tried once more in a fresh child (``CALL_ATTEMPTS``). A child's
 address space may grow by ``memory_limit`` bytes (RLIMIT_AS): beyond it, MemoryError in the child.
-Why one child by default: docs/decisions/0001-one-extraction-child.md.
+How many an ingest uses: docs/decisions/0001-one-extraction-child.md.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from typing import Any
@@ -50,3 +51,15 @@ class ServerProcess(ForkServerProcess):
     def _Popen(process_obj: Any) -> _Popen:
         forkserver.set_forkserver_preload(list(PRELOAD_MODULES))  # read when the server starts
         return _Popen(process_obj)
+
+
+def start_server() -> None:
+    """Start this process's extraction server (with ``PRELOAD_MODULES``) unless it runs already."""
+    forkserver.set_forkserver_preload(list(PRELOAD_MODULES))
+    forkserver.ensure_running()
+
+
+def start_server_soon() -> None:
+    """``start_server`` in a thread of its own: the server's start (an interpreter and the
+    extraction code's imports, ~0.3 s) overlaps what the caller does before its first child."""
+    threading.Thread(target=start_server, name="extraction-server-start", daemon=True).start()

@@ -47,6 +47,11 @@ def write_lock(conn: psycopg.Connection) -> None:
     conn.execute(DOCS.write_lock, {"key": INGEST_WRITE_LOCK_KEY})
 
 
+def has_documents(conn: psycopg.Connection, source_id: int) -> bool:
+    """Whether the source has any document row, whatever its status."""
+    return bool(queries.scalar(conn, DOCS.has_documents, {"source": source_id}))
+
+
 def register_source(conn: psycopg.Connection, source: SourceRef) -> int:
     """The source's row (its key and kind), created on first use."""
     return queries.scalar(conn, DOCS.register_source, {"root": source.key, "kind": source.kind})

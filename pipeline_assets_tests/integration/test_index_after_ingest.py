@@ -122,10 +122,11 @@ def paused_ingest(monkeypatch):
     real_write = ingest._write
 
     def write_then_pause(*args, **kwargs):
-        real_write(*args, **kwargs)
+        written = real_write(*args, **kwargs)
         if args[3] and not paused.is_set():
             paused.set()
             resume.wait(PAUSE_TIMEOUT_SECONDS)
+        return written
 
     monkeypatch.setattr(ingest, "_write", write_then_pause)
     return paused, resume

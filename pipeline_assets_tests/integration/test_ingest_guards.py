@@ -193,6 +193,10 @@ def test_a_deadlocked_ingest_transaction_is_retried(clean_db, database_url, tmp_
     deadlocks_before = clean_db.execute("SELECT deadlocks FROM pg_stat_database"
                                         " WHERE datname = current_database()").fetchone()[0]
     other, watcher = db.connect(database_url), db.connect(database_url)
+    # The server looks for the deadlock in the ingest's session (which waits first), and only
+    # once both wait, whatever the machine's load: ingest is the one it aborts.
+    clean_db.execute("SET deadlock_timeout = '5s'")
+    other.execute("SET deadlock_timeout = '600s'")
     try:
         # Another session holds the row ingest will update ...
         other.execute("BEGIN")
@@ -224,6 +228,7 @@ def test_a_deadlocked_ingest_transaction_is_retried(clean_db, database_url, tmp_
     finally:
         other.close()
         watcher.close()
+        clean_db.execute("RESET deadlock_timeout")
     assert "error" not in outcome, outcome.get("error")
     assert outcome["report"].changed == 1
     deadlocks = clean_db.execute("SELECT deadlocks FROM pg_stat_database"

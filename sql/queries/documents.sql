@@ -33,6 +33,10 @@ COPY ingest_seen (document_id) FROM STDIN
 -- name: current_count
 SELECT count(*) FROM app.documents WHERE source_id = %(source)s AND status <> 'deleted'
 
+-- name: has_documents
+-- Whether a source has any document row (any status): an ingest of a source without one looks nothing up.
+SELECT EXISTS (SELECT 1 FROM app.documents WHERE source_id = %(source)s)
+
 -- name: existing
 -- What ingest knows of some documents, to skip the unchanged ones.
 SELECT document_id, source_checksum, extractor_version, chunker_version, status, error_class, size_bytes,
