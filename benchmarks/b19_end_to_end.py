@@ -107,7 +107,7 @@ def tokenize_alone(texts: list[str]) -> float:
     enc = get_encoding()
     started = time.perf_counter()
     for i in range(0, len(texts), TOKENIZE_SLICE):
-        enc.encode_ordinary_batch(texts[i:i + TOKENIZE_SLICE], num_threads=usable_cores())
+        enc.encode_ordinary_batch(texts[i : i + TOKENIZE_SLICE], num_threads=usable_cores())
     return time.perf_counter() - started
 
 
@@ -131,8 +131,10 @@ def copy_alone(conn: psycopg.Connection, rows: list[tuple], dim: int, first_id: 
 def bare_tables(url: str, dim: int) -> Iterator[psycopg.Connection]:
     with psycopg.connect(url, autocommit=True) as conn:
         register_vector(conn)
-        conn.execute("CREATE TABLE bench_chunks (doc_pk bigint, chunk_index int, chunk_checksum bytea, text text,"
-                     " token_count int, char_start int, char_end int)")
+        conn.execute(
+            "CREATE TABLE bench_chunks (doc_pk bigint, chunk_index int, chunk_checksum bytea, text text,"
+            " token_count int, char_start int, char_end int)"
+        )
         conn.execute(f"CREATE TABLE bench_vectors (id bigint, v vector({dim}))")
         try:
             yield conn
@@ -140,8 +142,9 @@ def bare_tables(url: str, dim: int) -> Iterator[psycopg.Connection]:
             conn.execute("DROP TABLE bench_chunks, bench_vectors")
 
 
-def floor(url: str, pool: multiprocessing.pool.Pool, n: int, base_url: str, a: argparse.Namespace,
-          threads: int, batch: int) -> dict:
+def floor(
+    url: str, pool: multiprocessing.pool.Pool, n: int, base_url: str, a: argparse.Namespace, threads: int, batch: int
+) -> dict:
     """The composite floor, a slice of the corpus at a time (its texts and rows computed untimed):
     tokenization, the SDK alone (after an untimed pass that warms the fake's vectors, so neither
     side pays for them) and binary COPY, each summed over the slices."""
@@ -185,15 +188,26 @@ class TreeRss:
 
 def run_embed(corpus: Path, env: dict, checkout: Path = REPO) -> dict:
     started, epoch0 = time.perf_counter(), time.time()
-    proc = subprocess.Popen([*CLI, "embed", str(corpus), "--json"], env=env, cwd=checkout, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*CLI, "embed", str(corpus), "--json"],
+        env=env,
+        cwd=checkout,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     rss = TreeRss(proc.pid)
     out, err = proc.communicate(timeout=TIMEOUT_SECONDS)
     wall = time.perf_counter() - started
     peak = rss.stop()
     assert proc.returncode == 0, err[-2000:]
-    return {"wall_s": round(wall, 3), "peak_rss_mb": peak, "summary": json.loads(out), "epoch0": epoch0,
-            "epoch1": epoch0 + wall}
+    return {
+        "wall_s": round(wall, 3),
+        "peak_rss_mb": peak,
+        "summary": json.loads(out),
+        "epoch0": epoch0,
+        "epoch1": epoch0 + wall,
+    }
 
 
 def startup(env: dict, checkout: Path = REPO) -> float:
@@ -201,18 +215,37 @@ def startup(env: dict, checkout: Path = REPO) -> float:
     runs = []
     for _ in range(STARTUP_RUNS):
         started = time.perf_counter()
-        subprocess.run([*CLI, "work", "--until-idle"], env=env, cwd=checkout, check=True, capture_output=True,
-                       timeout=600)
+        subprocess.run(
+            [*CLI, "work", "--until-idle"], env=env, cwd=checkout, check=True, capture_output=True, timeout=600
+        )
         runs.append(time.perf_counter() - started)
     return round(statistics.median(runs), 3)
 
 
-MEDIANS = ("tokenize_s", "sdk_s", "copy_s", "floor_s", "embed_s", "embed_before_first_send_s", "embed_working_s",
-           "embed_after_last_answer_s", "peak_rss_mb", "ratio")
+MEDIANS = (
+    "tokenize_s",
+    "sdk_s",
+    "copy_s",
+    "floor_s",
+    "embed_s",
+    "embed_before_first_send_s",
+    "embed_working_s",
+    "embed_after_last_answer_s",
+    "peak_rss_mb",
+    "ratio",
+)
 
 
-def one_round(corpus: Path, checkout: Path, pool: multiprocessing.pool.Pool, base_url: str,
-              a: argparse.Namespace, threads: int, batch: int, first: bool) -> dict:
+def one_round(
+    corpus: Path,
+    checkout: Path,
+    pool: multiprocessing.pool.Pool,
+    base_url: str,
+    a: argparse.Namespace,
+    threads: int,
+    batch: int,
+    first: bool,
+) -> dict:
     """The floor and `embed` on a fresh database the checkout migrates itself."""
     with fresh_database("e2e", migrate=False) as url:
         env = cli_env(url, base_url, a.dim)
@@ -234,11 +267,17 @@ def one_round(corpus: Path, checkout: Path, pool: multiprocessing.pool.Pool, bas
         assert unsearchable == 0, unsearchable
         # Where embed's time went: start-up and ingest (to the first send), sending, then the
         # bulk index build, the summary and the exit (after the last answer).
-        r.update(embed_before_first_send_s=float(first_call) - embed["epoch0"],
-                 embed_working_s=float(last - first_call),
-                 embed_after_last_answer_s=embed["epoch1"] - float(last))
-        r.update(embed_s=embed["wall_s"], peak_rss_mb=embed["peak_rss_mb"],
-                 ratio=r["floor_s"] / embed["wall_s"], load_average=os.getloadavg())
+        r.update(
+            embed_before_first_send_s=float(first_call) - embed["epoch0"],
+            embed_working_s=float(last - first_call),
+            embed_after_last_answer_s=embed["epoch1"] - float(last),
+        )
+        r.update(
+            embed_s=embed["wall_s"],
+            peak_rss_mb=embed["peak_rss_mb"],
+            ratio=r["floor_s"] / embed["wall_s"],
+            load_average=os.getloadavg(),
+        )
         if first:
             r["startup_empty_queue_s"] = startup(env, checkout)
     return r
@@ -249,8 +288,11 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=10_000)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--rounds", type=int, default=1, help="rounds of floor + embed (fresh database each); medians")
-    p.add_argument("--checkouts", default=str(REPO),
-                   help="comma-separated checkouts whose CLI runs `embed`, alternating within each round")
+    p.add_argument(
+        "--checkouts",
+        default=str(REPO),
+        help="comma-separated checkouts whose CLI runs `embed`, alternating within each round",
+    )
     a = p.parse_args()
     checkouts = [Path(c).resolve() for c in a.checkouts.split(",")]
     settings = Settings.from_env()
@@ -258,30 +300,45 @@ def main() -> None:
     fake, base_url = start_fake(a.dim)
     rounds: dict[Path, list[dict]] = {c: [] for c in checkouts}
     try:
-        with tempfile.TemporaryDirectory(prefix="b19-") as tmp, \
-                multiprocessing.get_context("fork").Pool(usable_cores()) as pool:
+        with (
+            tempfile.TemporaryDirectory(prefix="b19-") as tmp,
+            multiprocessing.get_context("fork").Pool(usable_cores()) as pool,
+        ):
             corpus = Path(tmp) / "corpus"
             started = time.perf_counter()
             write_corpus(corpus, a.docs)
             corpus_s = round(time.perf_counter() - started, 1)
             for i in range(a.rounds):
                 for checkout in checkouts:
-                    rounds[checkout].append(one_round(corpus, checkout, pool, base_url, a, threads, batch,
-                                                      first=i == 0))
+                    rounds[checkout].append(
+                        one_round(corpus, checkout, pool, base_url, a, threads, batch, first=i == 0)
+                    )
     finally:
         fake.terminate()
         fake.wait(10)
     results = []
     for checkout, runs in rounds.items():
         med = {k: round(statistics.median(r[k] for r in runs), 3) for k in MEDIANS}
-        results.append({"checkout": str(checkout), **med, "startup_empty_queue_s": runs[0]["startup_empty_queue_s"],
-                        "embed_chunks_per_s": round(runs[0]["chunks"] / med["embed_s"], 1),
-                        "targets": {f"ratio_ge_{TARGET_RATIO}": med["ratio"] >= TARGET_RATIO},
-                        "rounds_raw": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
-                                       for r in runs]})
-    head = {"docs": a.docs, "chunks": rounds[checkouts[0]][0]["chunks"], "corpus_written_s": corpus_s,
-            "dim": a.dim, "threads": threads, "batch": batch, "model": MODEL,
-            "rounds": a.rounds}
+        results.append(
+            {
+                "checkout": str(checkout),
+                **med,
+                "startup_empty_queue_s": runs[0]["startup_empty_queue_s"],
+                "embed_chunks_per_s": round(runs[0]["chunks"] / med["embed_s"], 1),
+                "targets": {f"ratio_ge_{TARGET_RATIO}": med["ratio"] >= TARGET_RATIO},
+                "rounds_raw": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in runs],
+            }
+        )
+    head = {
+        "docs": a.docs,
+        "chunks": rounds[checkouts[0]][0]["chunks"],
+        "corpus_written_s": corpus_s,
+        "dim": a.dim,
+        "threads": threads,
+        "batch": batch,
+        "model": MODEL,
+        "rounds": a.rounds,
+    }
     emit({**head, **results[0]} if len(results) == 1 else {**head, "checkouts": results})
 
 

@@ -35,15 +35,26 @@ def one_run(corpus: Path, checkout: str, overrides: dict[str, str]) -> dict:
         settle(url)
         load = os.getloadavg()[0]
         started, epoch0 = time.perf_counter(), time.time()
-        proc = subprocess.run([*CLI, "ingest", str(corpus)], env=env, cwd=checkout, capture_output=True, text=True,
-                              timeout=TIMEOUT_SECONDS)
+        proc = subprocess.run(
+            [*CLI, "ingest", str(corpus)],
+            env=env,
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_SECONDS,
+        )
         wall = time.perf_counter() - started
         assert proc.returncode == 0, proc.stderr[-2000:]
         with psycopg.connect(url) as conn:
-            first, last = conn.execute("SELECT extract(epoch FROM min(created_at)), extract(epoch FROM max(created_at))"
-                                       " FROM app.documents").fetchone()
-    return {"first_s": round(float(first) - epoch0, 3), "last_s": round(float(last) - epoch0, 3),
-            "wall_s": round(wall, 3), "load": round(load, 2)}
+            first, last = conn.execute(
+                "SELECT extract(epoch FROM min(created_at)), extract(epoch FROM max(created_at)) FROM app.documents"
+            ).fetchone()
+    return {
+        "first_s": round(float(first) - epoch0, 3),
+        "last_s": round(float(last) - epoch0, 3),
+        "wall_s": round(wall, 3),
+        "load": round(load, 2),
+    }
 
 
 def main() -> None:
@@ -64,9 +75,19 @@ def main() -> None:
         for _ in range(a.rounds):
             for name, (checkout, overrides) in variants.items():
                 runs[name].append(one_run(corpus, checkout, overrides))
-    emit({"docs": a.docs, "rounds": a.rounds, "variants": {
-        name: {**{k: round(statistics.median(r[k] for r in rs), 3) for k in ("first_s", "last_s", "wall_s")},
-               "runs": rs} for name, rs in runs.items()}})
+    emit(
+        {
+            "docs": a.docs,
+            "rounds": a.rounds,
+            "variants": {
+                name: {
+                    **{k: round(statistics.median(r[k] for r in rs), 3) for k in ("first_s", "last_s", "wall_s")},
+                    "runs": rs,
+                }
+                for name, rs in runs.items()
+            },
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ from _common import REPO, emit, fresh_database
 from pipeline_assets.store import db
 
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]  # the `pipeline-assets` entry point
-WORDS = ("lease heartbeat checksum chunk vector model provider retry backoff jitter queue ledger "
-         "tombstone reconcile supersede revive export search coverage dead letter").split()
+WORDS = (
+    "lease heartbeat checksum chunk vector model provider retry backoff jitter queue ledger "
+    "tombstone reconcile supersede revive export search coverage dead letter"
+).split()
 
 
 # Documents per folder of the corpus, and per task of the processes that write it.
@@ -62,8 +64,9 @@ def write_corpus(root: Path, n: int, processes: int = 0) -> None:
 
 def embed(directory: str, env: dict) -> tuple[dict, float]:
     started = time.perf_counter()
-    proc = subprocess.run([*CLI, "embed", directory, "--json"], env=env, cwd=REPO, check=True,
-                          stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        [*CLI, "embed", directory, "--json"], env=env, cwd=REPO, check=True, stdout=subprocess.PIPE, text=True
+    )
     return json.loads(proc.stdout), round(time.perf_counter() - started, 2)
 
 
@@ -77,8 +80,7 @@ def main() -> None:
     p.add_argument("--documents", type=int, default=10_000)
     args = p.parse_args()
     # The offline local provider, whatever the caller's environment says.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
     with fresh_database("b3") as url, tempfile.TemporaryDirectory(prefix="b3-") as tmp:
         write_corpus(Path(tmp), args.documents)
         env["PIPELINE_DATABASE_URL"] = url
@@ -87,7 +89,8 @@ def main() -> None:
         second, t2 = embed(tmp, env)
         calls_after_second = ledger_calls(url)
     out = {
-        "benchmark": "b3_rerun", "documents": args.documents,
+        "benchmark": "b3_rerun",
+        "documents": args.documents,
         "first": {"seconds": t1, "summary": first},
         "second": {"seconds": t2, "summary": second},
         "provider_calls_second_run": second["provider_calls"],
@@ -96,8 +99,9 @@ def main() -> None:
         # the CLI's own timer (after imports and start-up): ingest + work + status
         "time_ratio_in_process": round(second["seconds"] / first["seconds"], 3),
     }
-    out["targets"] = {"provider_calls_second_run==0": second["provider_calls"] == 0
-                      and calls_after_second == calls_after_first}
+    out["targets"] = {
+        "provider_calls_second_run==0": second["provider_calls"] == 0 and calls_after_second == calls_after_first
+    }
     emit(out)
 
 

@@ -21,7 +21,7 @@ def _stall() -> None:
 
 def _stall_in_c() -> None:
     # One C call that never returns to the interpreter: a signal handler cannot run inside it.
-    sum(range(10 ** 11))
+    sum(range(10**11))
 
 
 def _swallow() -> None:
@@ -44,8 +44,14 @@ def _bug() -> None:
     raise KeyError("a parser bug")
 
 
-BEHAVIOURS = {"stall": _stall, "stall_in_c": _stall_in_c, "swallow": _swallow, "inflate": _inflate,
-              "crash": _crash, "bug": _bug}
+BEHAVIOURS = {
+    "stall": _stall,
+    "stall_in_c": _stall_in_c,
+    "swallow": _swallow,
+    "inflate": _inflate,
+    "crash": _crash,
+    "bug": _bug,
+}
 
 
 class PoisonChunker(Chunker):

@@ -23,7 +23,8 @@ from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import observations
 from pipeline_assets.app import rerun as rerun_uc
-from pipeline_assets.app.ingest import IngestReport, ingest_documents
+from pipeline_assets.app.ingest import ingest_documents
+from pipeline_assets.app.ingest_batches import IngestReport
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.source import Source

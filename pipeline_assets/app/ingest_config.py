@@ -20,7 +20,7 @@ DEFAULT_MAX_INPUT_BYTES = 20 * 1024 * 1024
 # Wall-clock limit of extract + chunk per document; over it twice (each in a fresh process): `timeout`.
 DEFAULT_STAGE_TIMEOUT_SECONDS = 60.0
 # Address space one extraction may add (a PDF that inflates, a pathological HTML tree); 0 = none.
-DEFAULT_EXTRACT_MEMORY = 2 * 1024 ** 3
+DEFAULT_EXTRACT_MEMORY = 2 * 1024**3
 # Extraction children per ingest (0: one per CPU the process may use, its affinity mask):
 # docs/decisions/0001-one-extraction-child.md.
 DEFAULT_EXTRACT_PROCESSES = 0
@@ -51,14 +51,17 @@ class IngestConfig:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS  # of each job enqueued
 
     def __post_init__(self) -> None:
-        check(self, [
-            (self.decode_errors in DECODE_POLICIES, "decode_errors", f"must be one of {DECODE_POLICIES}"),
-            (self.max_bytes > 0, "max_bytes", "must be positive"),
-            (self.extract_memory >= 0, "extract_memory", "must not be negative"),
-            (self.extract_processes >= 0, "extract_processes", "must not be negative"),
-            (self.max_text_chars > 0, "max_text_chars", "must be positive"),
-            (self.max_chunks > 0, "max_chunks", "must be positive"),
-            (self.batch_bytes > 0, "batch_bytes", "must be positive"),
-            (self.batch_documents >= 1, "batch_documents", "must be at least 1"),
-            (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
-        ])
+        check(
+            self,
+            [
+                (self.decode_errors in DECODE_POLICIES, "decode_errors", f"must be one of {DECODE_POLICIES}"),
+                (self.max_bytes > 0, "max_bytes", "must be positive"),
+                (self.extract_memory >= 0, "extract_memory", "must not be negative"),
+                (self.extract_processes >= 0, "extract_processes", "must not be negative"),
+                (self.max_text_chars > 0, "max_text_chars", "must be positive"),
+                (self.max_chunks > 0, "max_chunks", "must be positive"),
+                (self.batch_bytes > 0, "batch_bytes", "must be positive"),
+                (self.batch_documents >= 1, "batch_documents", "must be at least 1"),
+                (self.max_attempts >= 1, "max_attempts", "must be at least 1"),
+            ],
+        )

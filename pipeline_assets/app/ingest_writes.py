@@ -1,17 +1,14 @@
 """One ingest's database statements in a thread of their own, so reading and extraction go on
 while a batch is written.
 
-Every statement of an ingest (what the database knows of the next documents, the batches'
-transactions) runs on the ingest's one connection, in this thread alone, one at a time, until
-``finish`` returns (or the ``with`` block ends). The transactions run in the order queued; a
-lookup queued runs before the transactions still waiting (never during one): it reads documents
-of batches not handed out yet, which no queued transaction writes (a listing names a document
-once). At most ``writes_ahead`` transactions wait or run (their documents are what it holds in
-memory): ``write`` waits for the oldest beyond that. A statement that raises stops the rest (they
-are skipped): its error is raised in the caller by the next ``result``, ``write`` or ``finish``.
-Leaving the ``with`` block on an error of the caller's waits for the transactions queued (they
-commit, as they would have before the error); on an interrupt (KeyboardInterrupt, SystemExit, a
-run's cancellation) only for the statement running now, which ``cancel`` (if given) ends.
+Every statement of an ingest runs on its one connection, in this thread alone, one at a time,
+until ``finish`` returns. Transactions run in the order queued; a lookup runs before the
+transactions still waiting (never during one): it reads documents of batches not handed out
+yet, which no queued transaction writes. At most ``writes_ahead`` transactions wait or run.
+A statement that raises stops the rest: its error is raised in the caller by the next
+``result``, ``write`` or ``finish``. Leaving the ``with`` block on the caller's error waits for
+the transactions queued (they commit); on an interrupt (KeyboardInterrupt, SystemExit, a run's
+cancellation) only for the statement running now, which ``cancel`` (if given) ends.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ class DatabaseThread:
         self._error: BaseException | None = None
         self._closing = False
         self._dropping = False
-        self._cancel = cancel   # ends the statement running now (an interrupt does not wait for it)
+        self._cancel = cancel  # ends the statement running now (an interrupt does not wait for it)
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._serve, name="ingest-db", daemon=True)
         self._thread.start()
@@ -56,8 +53,7 @@ class DatabaseThread:
     def __enter__(self) -> DatabaseThread:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         with self._wake:
             self._closing = True
             # An error of the caller's: the transactions queued still commit (what was done is

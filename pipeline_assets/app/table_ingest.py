@@ -1,5 +1,5 @@
 """How a table source finds its changes without a complete listing; the changed rows are read and
-written through ingest's own path (``ingest._ingest_items``).
+written through ingest's own path (``ingest_batches.ingest_items``).
 
 ``scan_table`` works one of three ways (docs/sources.md, a PostgreSQL table): **full** (the table's
 digest, then per bucket, then the rows of differing buckets), **watermark** (``&updated=COL``: rows
@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from pipeline_assets.app import document_writes
-from pipeline_assets.app import ingest as ingest_mod
-from pipeline_assets.app.ingest import IngestReport
+from pipeline_assets.app import document_writes, ingest_batches
+from pipeline_assets.app.ingest_batches import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.jobs import crashpoints
 from pipeline_assets.store import change_log, documents, queries
@@ -174,7 +173,7 @@ class _Scan:
             items = self.source.rows(page, self.options.config.max_bytes)
             self.scan.rows_read += len(items)
             page_report = IngestReport()
-            ingest_mod._ingest_items(
+            ingest_batches.ingest_items(
                 self.conn, self.source, self.source_id, iter(items), self.options, page_report, record_seen=False
             )
             self.report.add(page_report)
@@ -204,6 +203,6 @@ class _Scan:
                 self.conn.execute(ROWS.forget_rows, {"source": self.key, "ids": row_ids})
                 return [len(pks), superseded]
 
-        deleted, superseded = ingest_mod._retrying(tombstone)
+        deleted, superseded = ingest_batches.retrying(tombstone)
         self.report.deleted += deleted
         self.report.superseded += superseded

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from pipeline_assets.app import observations
-from pipeline_assets.app.ingest import IngestReport
+from pipeline_assets.app.ingest_batches import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError

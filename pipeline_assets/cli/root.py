@@ -18,11 +18,22 @@ from pipeline_assets.settings import Settings, SettingsError
 # Each top-level command and the module (pipeline_assets.cli.<module>) whose COMMANDS hold it;
 # test_cli keeps this in step with the modules.
 COMMAND_MODULES = {
-    "migrate": "database", "roles": "database", "rerun": "rerun",
-    "ingest": "pipeline", "work": "pipeline", "embed": "pipeline", "reconcile": "pipeline",
-    "status": "reading", "search": "reading", "export": "reading", "settings": "reading",
-    "dlq": "dlq", "models": "models",
-    "stop-db": "server", "dev": "server", "dagster-env": "server",
+    "migrate": "database",
+    "roles": "database",
+    "rerun": "rerun",
+    "ingest": "pipeline",
+    "work": "pipeline",
+    "embed": "pipeline",
+    "reconcile": "pipeline",
+    "status": "reading",
+    "search": "reading",
+    "export": "reading",
+    "settings": "reading",
+    "dlq": "dlq",
+    "models": "models",
+    "stop-db": "server",
+    "dev": "server",
+    "dagster-env": "server",
     "source": "source",
 }
 # Commands that extract documents: the extraction children's server starts while they import.
@@ -41,8 +52,9 @@ class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMAND_MODULES)
 
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
-                                                                             list[str]]:
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
         if args and args[0] in EXTRACTING:
             from pipeline_assets.content.server_process import start_server_soon
 
@@ -56,8 +68,13 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup)
 @click.option("-v", "--verbose", is_flag=True, help="Log progress to stderr.")
-@click.option("--log-format", type=click.Choice(logs.FORMATS), default="auto", show_default=True,
-              help="Log lines on stderr: JSON (auto: when stderr is not a terminal) or readable text.")
+@click.option(
+    "--log-format",
+    type=click.Choice(logs.FORMATS),
+    default="auto",
+    show_default=True,
+    help="Log lines on stderr: JSON (auto: when stderr is not a terminal) or readable text.",
+)
 @click.pass_context
 def main(ctx: click.Context, verbose: bool, log_format: str) -> None:
     """Idempotent embedding pipeline: documents -> chunks -> embeddings in PostgreSQL."""

@@ -60,8 +60,7 @@ class Sandbox:
     def __enter__(self) -> Sandbox:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
     @property
@@ -184,8 +183,9 @@ class Sandbox:
             tried = f" ({attempt} times, each in a fresh process)" if attempt > 1 else ""
             if not answered:
                 stuck = f"; stuck in {where}" if where else ""
-                return tag, ExtractError(TIMEOUT, f"extract and chunk took longer than {self.timeout:g} s"
-                                                  f"{tried}{stuck}")
+                return tag, ExtractError(
+                    TIMEOUT, f"extract and chunk took longer than {self.timeout:g} s{tried}{stuck}"
+                )
             hint = " (SIGKILL: the OOM killer?)" if code == -signal.SIGKILL else ""
             return tag, ExtractError(CHILD_DIED, f"the extraction process died{tried}, exit code {code}{hint}")
         child.head_started = time.monotonic()  # the child is free for its next call now

@@ -25,8 +25,11 @@ class _Popen(popen_forkserver.Popen):
     make start children of its own), nor pays for importing it."""
 
     def _launch(self, process_obj: Any) -> None:
-        prep_data = {key: value for key, value in spawn.get_preparation_data(process_obj._name).items()
-                     if key not in ("init_main_from_name", "init_main_from_path")}
+        prep_data = {
+            key: value
+            for key, value in spawn.get_preparation_data(process_obj._name).items()
+            if key not in ("init_main_from_name", "init_main_from_path")
+        }
         buf = io.BytesIO()
         set_spawning_popen(self)
         try:

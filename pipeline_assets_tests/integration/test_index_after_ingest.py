@@ -18,7 +18,7 @@ import dagster as dg
 import pytest
 from psycopg import sql
 
-from pipeline_assets.app import ingest
+from pipeline_assets.app import ingest, ingest_batches
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key
 from pipeline_assets.jobs import running_ingests
@@ -43,8 +43,9 @@ PAUSE_TIMEOUT_SECONDS = 120
 @pytest.fixture(autouse=True)
 def no_vector_index(conn):
     """clean_db keeps indexes: each test starts without the model's."""
-    for (name,) in conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'app'"
-                                " AND indexname LIKE 'embeddings_hnsw_%%'").fetchall():
+    for (name,) in conn.execute(
+        "SELECT indexname FROM pg_indexes WHERE schemaname = 'app' AND indexname LIKE 'embeddings_hnsw_%%'"
+    ).fetchall():
         conn.execute(sql.SQL("DROP INDEX app.{}").format(sql.Identifier(name)))
 
 
@@ -56,8 +57,9 @@ def ready(conn) -> int:
     return conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0]
 
 
-def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fake, clean_db, database_url, tmp_path,
-                                                                        monkeypatch, caplog):
+def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(
+    env, fake, clean_db, database_url, tmp_path, monkeypatch, caplog
+):
     corpus = tmp_path / "c"
     write_corpus(corpus, DOCS)
     paused, resume = paused_ingest(monkeypatch)
@@ -66,9 +68,17 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
     done: dict = {}
     ingesting = threading.Thread(target=lambda: done.setdefault("report", ingest.ingest_source(rt, pool, corpus)))
     stop = threading.Event()
-    working = threading.Thread(target=lambda: done.setdefault("work", Worker(
-        database_url, rt.provider, rt.settings.worker_config(concurrency=2, poll_seconds=0.05, index_quiet_seconds=0.2),
-        stop_event=stop).run()))
+    working = threading.Thread(
+        target=lambda: done.setdefault(
+            "work",
+            Worker(
+                database_url,
+                rt.provider,
+                rt.settings.worker_config(concurrency=2, poll_seconds=0.05, index_quiet_seconds=0.2),
+                stop_event=stop,
+            ).run(),
+        )
+    )
     caplog.set_level(logging.INFO, logger="pipeline_assets.jobs.worker")
     try:
         ingesting.start()
@@ -83,8 +93,11 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
             assert running_ingests.any_running(c)
         # A long-running worker drains, stays drained past its quiet period, and still waits.
         working.start()
-        wait_until(lambda: index_exists(clean_db) or "drained while an ingest runs" in caplog.text,
-                   timeout=60, what="the long-running worker's drain")
+        wait_until(
+            lambda: index_exists(clean_db) or "drained while an ingest runs" in caplog.text,
+            timeout=60,
+            what="the long-running worker's drain",
+        )
         assert not index_exists(clean_db)
         assert vector_index.state(clean_db, MODEL_ID, FAKE_DIM) == vector_index.MISSING
     finally:
@@ -93,33 +106,38 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(env, fak
     try:
         assert done["report"].scanned == DOCS
         with db.connect(database_url) as c:
-            assert not running_ingests.any_running(c)   # the ingest's mark went with it
+            assert not running_ingests.any_running(c)  # the ingest's mark went with it
         chunks = clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
-        wait_until(lambda: ready(clean_db) == chunks and vector_index.state(clean_db, MODEL_ID, FAKE_DIM)
-                   == vector_index.READY, timeout=60, what="every chunk ready and the index built")
+        wait_until(
+            lambda: (
+                ready(clean_db) == chunks and vector_index.state(clean_db, MODEL_ID, FAKE_DIM) == vector_index.READY
+            ),
+            timeout=60,
+            what="every chunk ready and the index built",
+        )
     finally:
         stop.set()
         if working.is_alive():
             working.join(30)
         pool.close()
     assert done["work"].embedded == chunks - first
-    billed = fake.stats["billed_by_text"]   # every chunk sent and billed once
+    billed = fake.stats["billed_by_text"]  # every chunk sent and billed once
     assert sum(billed.values()) == len(billed) == chunks
 
 
 def paused_ingest(monkeypatch):
     """The hook: after its first committed batch with chunks, the ingest waits for the test.
     Returns (paused, resume) events."""
-    real_items = ingest._ingest_items
+    real_items = ingest_batches.ingest_items
 
     def in_small_batches(conn, source, source_id, items, options, report, **kwargs):
         """Several ingest transactions: two documents each."""
         small = dataclasses.replace(options, config=dataclasses.replace(options.config, batch_documents=2))
         return real_items(conn, source, source_id, items, small, report, **kwargs)
 
-    monkeypatch.setattr(ingest, "_ingest_items", in_small_batches)
+    monkeypatch.setattr(ingest, "ingest_items", in_small_batches)
     paused, resume = threading.Event(), threading.Event()
-    real_write = ingest._write
+    real_write = ingest_batches.write
 
     def write_then_pause(*args, **kwargs):
         written = real_write(*args, **kwargs)
@@ -128,12 +146,13 @@ def paused_ingest(monkeypatch):
             resume.wait(PAUSE_TIMEOUT_SECONDS)
         return written
 
-    monkeypatch.setattr(ingest, "_write", write_then_pause)
+    monkeypatch.setattr(ingest_batches, "write", write_then_pause)
     return paused, resume
 
 
-def test_an_embeddings_run_beside_a_paused_ingest_leaves_the_index_to_the_next_run(env, fake, clean_db, database_url,
-                                                                                  tmp_path, monkeypatch):
+def test_an_embeddings_run_beside_a_paused_ingest_leaves_the_index_to_the_next_run(
+    env, fake, clean_db, database_url, tmp_path, monkeypatch
+):
     """The Dagster path follows the workers' rule: an in-process embeddings run whose model's queue
     drains while an ingest runs does not build the index, says so in its metadata, and the next run
     that drains after the ingest builds it."""
@@ -160,7 +179,7 @@ def test_an_embeddings_run_beside_a_paused_ingest_leaves_the_index_to_the_next_r
         wait_until(paused.is_set, timeout=60, what="the ingest's first batch")
         first = clean_db.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0]
         assert first > 0
-        meta = embeddings_run()   # embeds the first batch: the model's whole queue is idle at its end
+        meta = embeddings_run()  # embeds the first batch: the model's whole queue is idle at its end
         assert ready(clean_db) == first and meta["embedded"] == first
         assert not index_exists(clean_db)
         assert vector_index.state(clean_db, MODEL_ID, FAKE_DIM) == vector_index.MISSING
@@ -175,13 +194,13 @@ def test_an_embeddings_run_beside_a_paused_ingest_leaves_the_index_to_the_next_r
             assert not running_ingests.any_running(c)
         chunks = clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
         assert chunks > first
-        meta = embeddings_run()   # the next run embeds the rest, drains, and builds the index
+        meta = embeddings_run()  # the next run embeds the rest, drains, and builds the index
         assert meta["embedded"] == chunks - first and "vector_index" not in meta
         assert ready(clean_db) == chunks
         assert vector_index.state(clean_db, MODEL_ID, FAKE_DIM) == vector_index.READY
     finally:
         pool.close()
-    billed = fake.stats["billed_by_text"]   # every chunk sent and billed once
+    billed = fake.stats["billed_by_text"]  # every chunk sent and billed once
     assert sum(billed.values()) == len(billed) == chunks
 
 

@@ -27,13 +27,15 @@ SECRET = "the private key that lives outside the source"
 
 
 def _options(force: bool = False, **config) -> IngestOptions:
-    return IngestOptions(chunker=Chunker(max_tokens=32, overlap=4), config=IngestConfig(max_bytes=1 << 20, **config),
-                         force=force)
+    return IngestOptions(
+        chunker=Chunker(max_tokens=32, overlap=4), config=IngestConfig(max_bytes=1 << 20, **config), force=force
+    )
 
 
 def _docs(conn) -> dict[str, str]:
-    return dict(conn.execute("SELECT document_id, status || ':' || coalesce(error_class, '')"
-                             " FROM app.documents").fetchall())
+    return dict(
+        conn.execute("SELECT document_id, status || ':' || coalesce(error_class, '') FROM app.documents").fetchall()
+    )
 
 
 def _nothing_holds_the_secret(conn) -> None:
@@ -56,12 +58,18 @@ def test_a_link_out_of_the_root_is_quarantined_and_never_read(clean_db, tmp_path
     (corpus / "keys").symlink_to(outside.parent, target_is_directory=True)
     (corpus / "inside-link.md").symlink_to(corpus / "doc0000.md")
     report = ingest_directory(clean_db, corpus, _options())
-    assert _docs(clean_db) == {"doc0000.md": "current:", "doc0001.md": "current:", "inside-link.md": "current:",
-                               "key.md": "quarantined:outside_root"}
+    assert _docs(clean_db) == {
+        "doc0000.md": "current:",
+        "doc0001.md": "current:",
+        "inside-link.md": "current:",
+        "key.md": "quarantined:outside_root",
+    }
     assert report.errors == {"outside_root": 1}
     _nothing_holds_the_secret(clean_db)
-    stage = clean_db.execute("SELECT s.status, s.error_class FROM app.stage_runs s JOIN app.documents d"
-                             " USING (doc_pk) WHERE d.document_id = 'key.md' AND s.stage = 'extract'").fetchone()
+    stage = clean_db.execute(
+        "SELECT s.status, s.error_class FROM app.stage_runs s JOIN app.documents d"
+        " USING (doc_pk) WHERE d.document_id = 'key.md' AND s.stage = 'extract'"
+    ).fetchone()
     assert stage == ("failed", "outside_root")
     again = ingest_directory(clean_db, corpus, _options())  # the same quarantine is not rewritten
     assert again.unchanged == 4 and again.quarantined == 0
@@ -131,14 +139,20 @@ def test_text_and_chunk_caps_quarantine_only_their_document(clean_db, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "small.md").write_text("a short note")
-    (corpus / "long.md").write_text("word " * 2000)       # 10,000 characters
-    (corpus / "many.md").write_text("x y " * 400)          # 1,600 characters, ~25 chunks of 32 tokens
+    (corpus / "long.md").write_text("word " * 2000)  # 10,000 characters
+    (corpus / "many.md").write_text("x y " * 400)  # 1,600 characters, ~25 chunks of 32 tokens
     report = ingest_directory(clean_db, corpus, _options(max_text_chars=5_000, max_chunks=10))
-    assert _docs(clean_db) == {"small.md": "current:", "long.md": "quarantined:text_too_large",
-                               "many.md": "quarantined:too_many_chunks"}
+    assert _docs(clean_db) == {
+        "small.md": "current:",
+        "long.md": "quarantined:text_too_large",
+        "many.md": "quarantined:too_many_chunks",
+    }
     assert report.errors == {"text_too_large": 1, "too_many_chunks": 1}
-    counts = dict(clean_db.execute("SELECT d.document_id, count(c.*) FROM app.documents d"
-                                   " LEFT JOIN app.chunks c USING (doc_pk) GROUP BY 1").fetchall())
+    counts = dict(
+        clean_db.execute(
+            "SELECT d.document_id, count(c.*) FROM app.documents d LEFT JOIN app.chunks c USING (doc_pk) GROUP BY 1"
+        ).fetchall()
+    )
     assert counts == {"small.md": 1, "long.md": 0, "many.md": 0}
     # Raised caps let them through on the next ingest (a quarantine is not sticky).
     ingest_directory(clean_db, corpus, _options(force=True))
@@ -171,9 +185,13 @@ def test_a_fifo_in_the_source_never_blocks(clean_db, tmp_path):
     write_corpus(corpus, 2)
     os.mkfifo(corpus / "pipe.md")
     result = {}
-    t = threading.Thread(target=lambda: result.update(
-        full=ingest_directory(clean_db, corpus, _options()),
-        named=ingest_paths(clean_db, corpus, ["pipe.md", "doc0000.md"], _options(force=True))), daemon=True)
+    t = threading.Thread(
+        target=lambda: result.update(
+            full=ingest_directory(clean_db, corpus, _options()),
+            named=ingest_paths(clean_db, corpus, ["pipe.md", "doc0000.md"], _options(force=True)),
+        ),
+        daemon=True,
+    )
     t.start()
     t.join(30)
     if t.is_alive():
@@ -190,8 +208,9 @@ def test_a_deadlocked_ingest_transaction_is_retried(clean_db, database_url, tmp_
     write_corpus(corpus, 3)
     ingest_directory(clean_db, corpus, _options())
     (corpus / "doc0001.md").write_text("changed, so ingest must update its row")
-    deadlocks_before = clean_db.execute("SELECT deadlocks FROM pg_stat_database"
-                                        " WHERE datname = current_database()").fetchone()[0]
+    deadlocks_before = clean_db.execute(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+    ).fetchone()[0]
     other, watcher = db.connect(database_url), db.connect(database_url)
     # The server looks for the deadlock in the ingest's session (which waits first), and only
     # once both wait, whatever the machine's load: ingest is the one it aborts.
@@ -212,10 +231,9 @@ def test_a_deadlocked_ingest_transaction_is_retried(clean_db, database_url, tmp_
         ingest = threading.Thread(target=run)
         ingest.start()
         pid = clean_db.info.backend_pid
-        deadline = time.monotonic() + 120   # generous: only bounds a failure
+        deadline = time.monotonic() + 120  # generous: only bounds a failure
         while time.monotonic() < deadline:  # ... until ingest, holding the write lock, waits for it
-            waiting = watcher.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
-                                      (pid,)).fetchone()
+            waiting = watcher.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
             if waiting and waiting[0] == "Lock":
                 break
             time.sleep(0.02)
@@ -231,11 +249,14 @@ def test_a_deadlocked_ingest_transaction_is_retried(clean_db, database_url, tmp_
         clean_db.execute("RESET deadlock_timeout")
     assert "error" not in outcome, outcome.get("error")
     assert outcome["report"].changed == 1
-    deadlocks = clean_db.execute("SELECT deadlocks FROM pg_stat_database"
-                                 " WHERE datname = current_database()").fetchone()[0]
+    deadlocks = clean_db.execute(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+    ).fetchone()[0]
     assert deadlocks > deadlocks_before  # the deadlock really happened
-    text = clean_db.execute("SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d USING (doc_pk)"
-                            " WHERE d.document_id = 'doc0001.md'").fetchone()[0]
+    text = clean_db.execute(
+        "SELECT string_agg(c.text, '') FROM app.chunks c JOIN app.documents d USING (doc_pk)"
+        " WHERE d.document_id = 'doc0001.md'"
+    ).fetchone()[0]
     assert text == "changed, so ingest must update its row"
 
 

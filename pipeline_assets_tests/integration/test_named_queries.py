@@ -27,6 +27,7 @@ from pipeline_assets_tests import job_helpers
 
 PACKAGE = Path(queries.__file__).resolve().parents[1]
 QUERY_DIR = queries.sql_dir() / "queries"
+MAX_QUERY_COMMENT_LINES = 3
 
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
@@ -107,6 +108,21 @@ def test_every_family_file_loads(path):
     assert names
     for name in names:
         assert name == name.lower(), f"{path.name}: {name} is not snake_case"
+
+
+@pytest.mark.parametrize("path", sorted(QUERY_DIR.glob("*.sql")), ids=lambda p: p.stem)
+def test_a_query_comment_is_at_most_three_lines(path):
+    long = {}
+    for block in path.read_text().split("-- name:")[1:]:
+        name, *lines = block.splitlines()
+        comments = 0
+        for line in lines:
+            if not line.startswith("--"):
+                break
+            comments += 1
+        if comments > MAX_QUERY_COMMENT_LINES:
+            long[name.strip()] = comments
+    assert not long, f"{path.name}: queries with over {MAX_QUERY_COMMENT_LINES} comment lines: {long}"
 
 
 def test_the_families_of_this_module_exist():

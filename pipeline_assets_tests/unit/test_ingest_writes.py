@@ -24,7 +24,7 @@ def test_lookups_run_before_the_transactions_waiting_and_these_in_order():
 
     with DatabaseThread(writes_ahead=10) as db:
         db.write(done.append, first)
-        assert started.wait(WAIT_SECONDS)   # running: the others wait behind it
+        assert started.wait(WAIT_SECONDS)  # running: the others wait behind it
         db.write(done.append, lambda: ran.append("w2") or "w2")
         db.write(done.append, lambda: ran.append("w3") or "w3")
         looked = db.lookup(lambda: ran.append("lookup") or "known")
@@ -66,7 +66,7 @@ def test_at_most_writes_ahead_transactions_are_queued():
         caller = threading.Thread(target=db.write, args=(queued.append, lambda: "third"))
         caller.start()
         caller.join(0.2)
-        assert caller.is_alive() and queued == []   # the third waits for the first to commit
+        assert caller.is_alive() and queued == []  # the third waits for the first to commit
         gate.set()
         caller.join(WAIT_SECONDS)
         assert not caller.is_alive()
@@ -87,7 +87,7 @@ def test_an_interrupt_cancels_the_statement_running_and_skips_the_rest():
     ran = []
     released, started = threading.Event(), threading.Event()
 
-    def stuck():   # a statement waiting on a lock, say, until the server cancels it
+    def stuck():  # a statement waiting on a lock, say, until the server cancels it
         started.set()
         if not released.wait(WAIT_SECONDS):
             ran.append("never cancelled")

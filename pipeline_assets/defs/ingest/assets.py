@@ -17,7 +17,7 @@ from typing import Any
 import dagster as dg
 
 from pipeline_assets.app import buckets as bk
-from pipeline_assets.app.ingest import IngestReport
+from pipeline_assets.app.ingest_batches import IngestReport
 from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, GROUP, SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.provenance import latest_observation, run_version, versioned_events
