@@ -10,7 +10,7 @@ import uuid
 import psycopg
 import pytest
 
-from pipeline_assets.app import embed, embed_documents
+from pipeline_assets.app import embed, embed_selection
 from pipeline_assets.app import status as status_uc
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.reconcile import reconcile
@@ -142,7 +142,7 @@ def test_embed_documents_refreshes_its_documents_even_when_nothing_was_sent(pool
     ingest_source(a, pool, src)
     embed.work(a, pool, until_idle=True, poll_seconds=0.05)
     conn.execute("DELETE FROM app.stage_runs WHERE stage = 'embed'")
-    done = embed_documents.embed_and_wait(a, pool, src, ["doc0001.md"], poll_seconds=0.05)
+    done = embed_selection.embed_and_wait(a, pool, src, ["doc0001.md"], poll_seconds=0.05)
     assert done.work.embedded == 0
     assert embed_rows(conn) == {("doc0001.md", a.model_id): ("succeeded", None, 1)}
 
