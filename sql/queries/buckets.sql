@@ -2,6 +2,7 @@
 -- migration 017): the stored bucket count and what a bucket run must redo.
 
 -- name: stored_buckets
+-- The bucket count the partitions were made with.
 SELECT buckets FROM app.partition_scheme
 
 -- name: store_buckets

@@ -3,6 +3,7 @@
 -- {table}, {id}, {text} are psycopg.sql.Identifier; {id_name} a literal.
 
 -- name: create_schema
+-- The change log's own schema, beside the user's table.
 CREATE SCHEMA IF NOT EXISTS pipeline_changes
 
 -- name: create_log
@@ -16,6 +17,7 @@ CREATE TABLE IF NOT EXISTS pipeline_changes.log (
 )
 
 -- name: create_log_index
+-- The change log read per source in sequence order.
 CREATE INDEX IF NOT EXISTS log_source_seq ON pipeline_changes.log (source, seq)
 
 -- name: create_function
@@ -47,15 +49,19 @@ END
 $fn$
 
 -- name: drop_row_trigger
+-- Remove the row trigger from the user's table (uninstall).
 DROP TRIGGER IF EXISTS pipeline_changes_row ON {table}
 
 -- name: drop_update_trigger
+-- Remove the update trigger from the user's table (uninstall).
 DROP TRIGGER IF EXISTS pipeline_changes_update ON {table}
 
 -- name: drop_truncate_trigger
+-- Remove the truncate trigger from the user's table (uninstall).
 DROP TRIGGER IF EXISTS pipeline_changes_truncate ON {table}
 
 -- name: create_row_trigger
+-- Log every inserted or deleted row id of the user's table.
 CREATE TRIGGER pipeline_changes_row AFTER INSERT OR DELETE ON {table}
 FOR EACH ROW EXECUTE FUNCTION pipeline_changes.record({id_name})
 
@@ -66,6 +72,7 @@ FOR EACH ROW WHEN (OLD.{id} IS DISTINCT FROM NEW.{id} OR OLD.{text} IS DISTINCT 
 EXECUTE FUNCTION pipeline_changes.record({id_name})
 
 -- name: create_truncate_trigger
+-- Log a TRUNCATE of the user's table (every row changed).
 CREATE TRIGGER pipeline_changes_truncate AFTER TRUNCATE ON {table}
 FOR EACH STATEMENT EXECUTE FUNCTION pipeline_changes.record({id_name})
 
@@ -89,7 +96,9 @@ SELECT seq, row_id, op FROM pipeline_changes.log WHERE source = %(source)s ORDER
 DELETE FROM pipeline_changes.log WHERE seq = ANY(%(seqs)s)
 
 -- name: pending_count
+-- Changes logged for a source and not consumed yet.
 SELECT count(*) FROM pipeline_changes.log WHERE source = %(source)s
 
 -- name: log_exists
+-- Whether the change log is installed in this database.
 SELECT to_regclass('pipeline_changes.log') IS NOT NULL

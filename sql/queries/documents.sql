@@ -7,17 +7,21 @@
 SELECT pg_advisory_xact_lock(%(key)s)
 
 -- name: register_source
+-- A source's id by its root, registered on first sight.
 INSERT INTO app.sources (root, kind) VALUES (%(root)s, %(kind)s)
 ON CONFLICT (root) DO UPDATE SET root = EXCLUDED.root
 RETURNING source_id
 
 -- name: sources
+-- Every registered source root, oldest first.
 SELECT root FROM app.sources ORDER BY source_id
 
 -- name: mark_scanned
+-- Record that a source's complete scan ended now.
 UPDATE app.sources SET last_scan_at = now() WHERE source_id = %(source)s
 
 -- name: db_now
+-- The database clock (what stage rows and scans are compared with).
 SELECT now()
 
 -- name: create_seen
@@ -25,12 +29,15 @@ SELECT now()
 CREATE TEMP TABLE IF NOT EXISTS ingest_seen (document_id text PRIMARY KEY)
 
 -- name: truncate_seen
+-- Empty this session's list of the ids a scan has seen.
 TRUNCATE ingest_seen
 
 -- name: copy_seen
+-- Add ids a scan has seen to this session's list.
 COPY ingest_seen (document_id) FROM STDIN
 
 -- name: current_count
+-- A source's documents not deleted (the empty-listing guard compares with it).
 SELECT count(*) FROM app.documents WHERE source_id = %(source)s AND status <> 'deleted'
 
 -- name: has_documents
@@ -59,6 +66,7 @@ WHERE d.source_id = %(source)s AND d.status <> 'deleted' AND d.document_id = ANY
 RETURNING d.doc_pk
 
 -- name: delete_chunks
+-- Drop documents' chunks before their new ones; returns the checksums they had.
 DELETE FROM app.chunks WHERE doc_pk = ANY(%(pks)s) RETURNING chunk_checksum
 
 -- name: upsert_documents
@@ -84,6 +92,7 @@ SET source_uri = EXCLUDED.source_uri, source_checksum = EXCLUDED.source_checksum
 RETURNING d.document_id, d.doc_pk
 
 -- name: copy_chunks
+-- Write chunks in one binary COPY.
 COPY app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end) FROM STDIN
 
 -- name: record_stage_runs

@@ -3,6 +3,7 @@
 -- that carries its content (the first by document id; none once nothing does).
 
 -- name: job_context
+-- What a log line says of a job: attempts and the document of its chunk.
 SELECT j.job_id, j.attempts,
        (SELECT d.document_id FROM app.chunks c JOIN app.documents d ON d.doc_pk = c.doc_pk
         WHERE c.chunk_checksum = k.chunk_checksum ORDER BY d.document_id LIMIT 1) AS document_id

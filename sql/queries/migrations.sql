@@ -5,9 +5,11 @@
 SELECT pg_advisory_xact_lock(%(key)s)
 
 -- name: create_schema
+-- The application's schema, before any migration.
 CREATE SCHEMA IF NOT EXISTS app
 
 -- name: create_ledger
+-- The ledger of applied migrations.
 CREATE TABLE IF NOT EXISTS app.schema_migrations (
     version    text PRIMARY KEY,
     applied_at timestamptz NOT NULL DEFAULT now())
@@ -17,9 +19,11 @@ CREATE TABLE IF NOT EXISTS app.schema_migrations (
 SELECT to_regclass('app.schema_migrations') IS NOT NULL
 
 -- name: applied
+-- The migrations applied so far.
 SELECT version FROM app.schema_migrations
 
 -- name: record
+-- Record a migration as applied (in its own transaction).
 INSERT INTO app.schema_migrations (version) VALUES (%(version)s)
 
 -- name: database_exists

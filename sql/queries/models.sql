@@ -59,6 +59,7 @@ UPDATE app.models SET active = true, retired_at = NULL, purged_at = NULL
 WHERE model_id = %(model)s AND NOT active
 
 -- name: dimension
+-- A model's vector dimension (NULL until known).
 SELECT dimension FROM app.models WHERE model_id = %(model)s
 
 -- name: record_dimension
@@ -76,6 +77,7 @@ SELECT pg_has_role(current_user, c.relowner, 'USAGE') FROM pg_class c WHERE c.oi
 SELECT pg_try_advisory_lock(%(namespace)s, hashtext(%(name)s))
 
 -- name: unlock_index_build
+-- Release the build lock of a model's index.
 SELECT pg_advisory_unlock(%(namespace)s, hashtext(%(name)s))
 
 -- name: index_build_inputs
@@ -129,6 +131,7 @@ WHERE model_id = {model}
 DROP INDEX CONCURRENTLY IF EXISTS app.{name}
 
 -- name: is_active
+-- Whether a model is active (NULL: never registered).
 SELECT active FROM app.models WHERE model_id = %(model)s
 
 -- name: resolve_model_id
@@ -141,6 +144,7 @@ ORDER BY active DESC, created_at DESC LIMIT 1
 SELECT model_id, dimension FROM app.models WHERE active ORDER BY model_id
 
 -- name: active_model_ids
+-- The active models, in a stable order.
 SELECT model_id FROM app.models WHERE active ORDER BY model_id
 
 -- name: model_row
@@ -148,6 +152,7 @@ SELECT model_id FROM app.models WHERE active ORDER BY model_id
 SELECT model_id, name, provider, dimension, active FROM app.models WHERE model_id = %(model)s
 
 -- name: list_models
+-- Every model with its job counts by state, for `models list`.
 SELECT m.model_id, m.name, m.provider, m.dimension, m.active,
        count(j.job_id) FILTER (WHERE j.status = 'ready') AS ready,
        count(j.job_id) FILTER (WHERE j.status IN ('pending', 'retry', 'processing')) AS outstanding
@@ -225,6 +230,7 @@ WHERE m.model_id = %(model)s AND NOT m.active AND m.purged_at IS NULL
 FOR UPDATE
 
 -- name: purge_vectors
+-- Delete a retired model's vectors.
 DELETE FROM app.embeddings WHERE model_id = %(model)s
 
 -- name: supersede_purged_jobs
@@ -236,4 +242,5 @@ SET status = 'superseded', lease_owner = NULL, lease_expires_at = NULL, updated_
 WHERE model_id = %(model)s AND status <> 'superseded'
 
 -- name: mark_purged
+-- Record that a retired model's vectors are gone.
 UPDATE app.models SET purged_at = now() WHERE model_id = %(model)s

@@ -12,6 +12,7 @@ CREATE TEMP TABLE observations_walked (
 ) ON COMMIT DROP
 
 -- name: walk_copy
+-- A scan's walk of the source into this session's table.
 COPY observations_walked (document_id, size, mtime_ns, kept, checksum) FROM STDIN
 
 -- name: stage_listed
@@ -26,6 +27,7 @@ WHERE w.kept AND w.checksum IS NOT NULL
        OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns)
 
 -- name: walk_analyze
+-- Statistics of the walk, so its comparison is planned on real counts.
 ANALYZE observations_walked
 
 -- name: stage_unread
@@ -77,6 +79,7 @@ CREATE TEMP TABLE observations_in (
 ) ON COMMIT DROP
 
 -- name: stage_copy
+-- The changed files' checksums into this session's table.
 COPY observations_in (document_id, checksum, size, mtime_ns) FROM STDIN
 
 -- name: upsert_staged

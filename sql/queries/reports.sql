@@ -2,6 +2,7 @@
 -- growth, per-document and health read models. The Dagster layer holds no SQL of its own.
 
 -- name: status_by_model
+-- Jobs by model and state, for `status`.
 SELECT model_id, status, count(*) AS n FROM app.embedding_jobs GROUP BY model_id, status ORDER BY 1, 2
 
 -- name: backlog
@@ -17,6 +18,7 @@ SELECT stage, status, count(*) AS n FROM app.stage_runs WHERE stage <> 'embed'
 GROUP BY stage, status ORDER BY 1, 2
 
 -- name: documents
+-- Documents by state, for `status`.
 SELECT status, count(*) AS n FROM app.documents GROUP BY status ORDER BY 1
 
 -- name: sources
@@ -29,6 +31,7 @@ FROM app.sources s LEFT JOIN app.documents d ON d.source_id = s.source_id
 GROUP BY s.source_id ORDER BY s.source_id
 
 -- name: quarantined_count
+-- Documents quarantined (the dead letters of extraction).
 SELECT count(*) AS n FROM app.documents WHERE status = 'quarantined'
 
 -- name: coverage

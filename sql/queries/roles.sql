@@ -3,6 +3,7 @@
 -- statement can run again and change nothing.
 
 -- name: role_exists
+-- Whether a role exists.
 SELECT 1 FROM pg_roles WHERE rolname = %(name)s
 
 -- name: create_role
@@ -10,6 +11,7 @@ SELECT 1 FROM pg_roles WHERE rolname = %(name)s
 CREATE ROLE {role} LOGIN
 
 -- name: current_database
+-- The database the grants are made on.
 SELECT current_database()
 
 -- name: grant_database_owner
@@ -25,6 +27,7 @@ GRANT CONNECT, TEMPORARY ON DATABASE {database} TO {role}
 CREATE EXTENSION IF NOT EXISTS vector
 
 -- name: create_schema
+-- The application's schema, owned by the owner role.
 CREATE SCHEMA IF NOT EXISTS app AUTHORIZATION {owner}
 
 -- name: grant_schema_usage
@@ -32,6 +35,7 @@ CREATE SCHEMA IF NOT EXISTS app AUTHORIZATION {owner}
 GRANT USAGE ON SCHEMA app TO {role}
 
 -- name: grant_worker_tables
+-- The worker role reads and writes rows, never DDL.
 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA app TO {worker}
 
 -- name: grant_worker_sequences
@@ -43,6 +47,7 @@ GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA app TO {worker}
 GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA app TO {role}
 
 -- name: grant_reader_tables
+-- The reader role reads.
 GRANT SELECT ON ALL TABLES IN SCHEMA app TO {reader}
 
 -- name: default_worker_tables
@@ -51,12 +56,15 @@ ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app
     GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO {worker}
 
 -- name: default_worker_sequences
+-- Sequences created later are usable by the worker role too.
 ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app GRANT USAGE, SELECT ON SEQUENCES TO {worker}
 
 -- name: default_functions
+-- Functions created later are callable by the role.
 ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app GRANT EXECUTE ON FUNCTIONS TO {role}
 
 -- name: default_reader_tables
+-- Tables created later are readable by the reader role too.
 ALTER DEFAULT PRIVILEGES FOR ROLE {owner} IN SCHEMA app GRANT SELECT ON TABLES TO {reader}
 
 -- name: reader_read_only

@@ -24,9 +24,11 @@ WHERE d.status = 'current' AND {scope}
 GROUP BY d.doc_pk, m.model_id
 
 -- name: embed_models_one
+-- The embed stage of one model (a fragment of the stage queries).
 m.model_id = %(model)s
 
 -- name: embed_models_active
+-- The embed stage of every active model (a fragment of the stage queries).
 m.active
 
 -- name: embed_scope_all

@@ -20,12 +20,15 @@ CREATE TEMP TABLE IF NOT EXISTS table_listed (
 )
 
 -- name: listed_truncate
+-- Empty this session's listing of the user's table.
 TRUNCATE table_listed
 
 -- name: listed_copy
+-- The user's table listed (row id, its hash, its version) into this session's table.
 COPY table_listed (row_id, id_hash, version) FROM STDIN
 
 -- name: listed_analyze
+-- Statistics of the listing before it is compared.
 ANALYZE table_listed
 
 -- name: listed_changed
@@ -56,12 +59,15 @@ ON CONFLICT (source, row_id) DO UPDATE SET id_hash = EXCLUDED.id_hash, version =
 DELETE FROM app.table_rows WHERE source = %(source)s AND row_id = ANY(%(ids)s)
 
 -- name: stored_count
+-- Rows stored for a table source.
 SELECT count(*) FROM app.table_rows WHERE source = %(source)s
 
 -- name: watermark
+-- How far a table source's version column has been read.
 SELECT watermark FROM app.table_marks WHERE source = %(source)s
 
 -- name: set_watermark
+-- Move a table source's watermark.
 INSERT INTO app.table_marks (source, watermark) VALUES (%(source)s, %(mark)s)
 ON CONFLICT (source) DO UPDATE SET watermark = EXCLUDED.watermark, marked_at = now()
 
@@ -74,8 +80,10 @@ SELECT EXISTS (SELECT 1 FROM app.source_observations WHERE root = %(root)s)
 SELECT rows, digest FROM app.table_observed WHERE source = %(source)s
 
 -- name: set_observed_digest
+-- The row count and digest a table source last saw (a cheap no-change check).
 INSERT INTO app.table_observed (source, rows, digest) VALUES (%(source)s, %(rows)s, %(digest)s)
 ON CONFLICT (source) DO UPDATE SET rows = EXCLUDED.rows, digest = EXCLUDED.digest, observed_at = now()
 
 -- name: forget_observed_digest
+-- Forget a table source's digest (the next scan compares rows).
 DELETE FROM app.table_observed WHERE source = %(source)s
