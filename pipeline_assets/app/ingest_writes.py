@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,6 +27,11 @@ T = TypeVar("T")
 # Batch transactions waiting or running at most: one written while the next is collected and
 # queued keeps the database busy without holding more than a few batches' documents.
 WRITES_AHEAD = 2
+
+# An interrupted ingest cancels the statement running, again every CANCEL_AGAIN_SECONDS while the
+# thread lives, for at most CANCEL_FOR_SECONDS (then it waits for the statement to end).
+CANCEL_AGAIN_SECONDS = 0.25
+CANCEL_FOR_SECONDS = 30.0
 
 _Call = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
 
@@ -61,8 +67,13 @@ class DatabaseThread:
             self._dropping = kind is not None and not issubclass(kind, Exception)
             self._wake.notify()
         if self._dropping and self._cancel is not None:
-            with contextlib.suppress(Exception):
-                self._cancel()
+            # Again while the thread lives: a statement that began just after a cancel request
+            # (the next of the same transaction, a lock wait) is ended by the next one.
+            deadline = time.monotonic() + CANCEL_FOR_SECONDS
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    self._cancel()
+                self._thread.join(CANCEL_AGAIN_SECONDS)
         self._thread.join()
 
     def _serve(self) -> None:

@@ -4,6 +4,7 @@ ones, the first error raised in the caller and nothing run after it."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -99,3 +100,33 @@ def test_an_interrupt_cancels_the_statement_running_and_skips_the_rest():
         assert started.wait(WAIT_SECONDS)
         raise KeyboardInterrupt
     assert ran == []
+
+
+def test_an_interrupt_also_cancels_a_statement_begun_after_its_first_cancel():
+    """The first cancel request reaches a statement that ends by itself; the next statement of the
+    same transaction then waits on a lock: the cancel is sent again while the thread lives."""
+    ran = []
+    first_running, waiting, released = threading.Event(), threading.Event(), threading.Event()
+    cancels = []
+
+    def transaction():
+        first_running.set()
+        time.sleep(0.5)  # a statement the first cancel request reaches, or misses: it ends anyway
+        waiting.set()  # the next statement: a lock wait only a cancel ends
+        if not released.wait(WAIT_SECONDS):
+            ran.append("never cancelled")
+        raise RuntimeError("canceling statement due to user request")
+
+    def cancel():  # the server ends only the statement running when the request arrives
+        cancels.append(waiting.is_set())
+        if waiting.is_set():
+            released.set()
+
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), DatabaseThread(writes_ahead=10, cancel=cancel) as db:
+        db.write(ran.append, transaction)
+        assert first_running.wait(WAIT_SECONDS)
+        raise KeyboardInterrupt
+    assert ran == [] and released.is_set(), (ran, cancels)
+    assert cancels[0] is False and cancels[-1] is True  # the first request came before the lock wait
+    assert time.monotonic() - began < WAIT_SECONDS / 2
