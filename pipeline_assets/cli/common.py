@@ -104,12 +104,17 @@ def pairs(d: dict) -> list[str]:
 # A command still running this long after SIGTERM/SIGINT writes every thread's stack to stderr
 # (its log) once, naming where a stop hangs; below the deployment's 30 s grace before SIGKILL.
 STOP_STACKS_AFTER_SECONDS = 20.0
+# A signal on which a worker writes every thread's stack to stderr at once (``kill -USR1 PID``); a
+# C-level handler, so it answers even when the main thread is blocked.
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 def stop_on_signals(stacks_after: float = STOP_STACKS_AFTER_SECONDS) -> threading.Event:
     """SIGTERM/SIGINT stop claiming; the worker hands back what it holds and exits. Still
-    running ``stacks_after`` seconds after the first signal, it dumps its threads' stacks."""
+    running ``stacks_after`` seconds after the first signal, it dumps its threads' stacks;
+    ``STACKS_SIGNAL`` dumps them at any time."""
     stop = threading.Event()
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
     def on_signal(signum: int, frame: object) -> None:
         if not stop.is_set():

@@ -37,3 +37,35 @@ def test_a_stop_that_ends_in_time_dumps_nothing():
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "most recent call first" not in out.stderr, out.stderr
+
+
+# Blocks its main thread in a wait no signal interrupts (a lock another thread holds), then is
+# asked for its stacks: the C-level handler answers all the same.
+BLOCKED_MAIN_THREAD = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    from pipeline_assets.cli.common import STACKS_SIGNAL, stop_on_signals
+
+    stop_on_signals()
+    held = threading.Lock()
+    held.acquire()
+
+    def ask():
+        time.sleep(0.5)
+        os.kill(os.getpid(), STACKS_SIGNAL)
+        time.sleep(1)
+        sys.stderr.flush()
+        os._exit(0)
+
+    def main_thread_blocked_here():
+        held.acquire()
+
+    threading.Thread(target=ask).start()
+    main_thread_blocked_here()
+""")
+
+
+def test_the_stacks_signal_answers_while_the_main_thread_is_blocked():
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCKED_MAIN_THREAD], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert "main_thread_blocked_here" in out.stderr, out.stderr
