@@ -3,6 +3,7 @@ root group, a pool, a runtime, and printing as text or JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import json
@@ -114,11 +115,14 @@ def stop_on_signals(stacks_after: float = STOP_STACKS_AFTER_SECONDS) -> threadin
     running ``stacks_after`` seconds after the first signal, it dumps its threads' stacks;
     ``STACKS_SIGNAL`` dumps them at any time."""
     stop = threading.Event()
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    # Only where stderr is a file (a command run in-process by a test captures it: no dump there).
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
     def on_signal(signum: int, frame: object) -> None:
         if not stop.is_set():
-            faulthandler.dump_traceback_later(stacks_after, exit=False)
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                faulthandler.dump_traceback_later(stacks_after, exit=False)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
