@@ -105,6 +105,8 @@ def pairs(d: dict) -> list[str]:
 # A command still running this long after SIGTERM/SIGINT writes every thread's stack to stderr
 # (its log) once, naming where a stop hangs; below the deployment's 30 s grace before SIGKILL.
 STOP_STACKS_AFTER_SECONDS = 20.0
+# The signals that stop a worker (it hands back what it holds and exits).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # A signal on which a worker writes every thread's stack to stderr at once (``kill -USR1 PID``); a
 # C-level handler, so it answers even when the main thread is blocked.
 STACKS_SIGNAL = signal.SIGUSR1
@@ -125,6 +127,9 @@ def stop_on_signals(stacks_after: float = STOP_STACKS_AFTER_SECONDS) -> threadin
                 faulthandler.dump_traceback_later(stacks_after, exit=False)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
+    # A parent may have started this process with them blocked (a mask is inherited through exec):
+    # blocked, they would stay pending for ever. Unblocked here, before the worker starts its threads.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     return stop

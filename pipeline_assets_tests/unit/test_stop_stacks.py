@@ -69,3 +69,22 @@ def test_the_stacks_signal_answers_while_the_main_thread_is_blocked():
         [sys.executable, "-c", BLOCKED_MAIN_THREAD], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert "main_thread_blocked_here" in out.stderr, out.stderr
+
+
+# Started with SIGTERM blocked, as a parent that blocks it while spawning leaves a child.
+STARTED_WITH_SIGTERM_BLOCKED = textwrap.dedent("""
+    import os, signal
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    from pipeline_assets.cli.common import stop_on_signals
+
+    stop = stop_on_signals()
+    os.kill(os.getpid(), signal.SIGTERM)
+    print("stopped" if stop.wait(10) else "SIGTERM never seen")
+""")
+
+
+def test_a_worker_started_with_sigterm_blocked_still_stops_on_it():
+    out = subprocess.run(
+        [sys.executable, "-c", STARTED_WITH_SIGTERM_BLOCKED], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "stopped", (out.stdout, out.stderr)
