@@ -239,10 +239,10 @@ class Executor:
             self.store.apply(owner, [GiveBack(outcome.job_ids)])
             self.stopping.stop(fatal=outcome.error)
         elif isinstance(outcome, Apply):
+            if outcome.pause:  # first: this process's other threads see it before the database round trip
+                self.view.paused_until = time.monotonic() + outcome.pause
             if outcome.breaker is not None:
                 self.store.provider_failure(outcome.breaker)
-            if outcome.pause:
-                self.view.paused_until = time.monotonic() + outcome.pause
             if outcome.unusable:
                 log.info(
                     "the provider answered nothing usable even to a single trivial input "
