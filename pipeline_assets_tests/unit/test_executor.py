@@ -134,6 +134,23 @@ def test_a_throttle_gives_the_batch_back_and_pauses_every_claim(rig):
     assert len(rig.store.claim(owner=OTHER, limit=BATCH, lease_seconds=LEASE)) == 2
 
 
+def test_a_throttle_pauses_this_process_before_the_breaker_is_written(rig, monkeypatch):
+    """The other threads of the worker see the pause at once, not one database round trip later
+    (a fast provider let one start another call in that time)."""
+    seen = []
+    write_breaker = rig.store.provider_failure
+
+    def provider_failure(*args, **kwargs):
+        seen.append(rig.executor.view.paused)
+        return write_breaker(*args, **kwargs)
+
+    monkeypatch.setattr(rig.store, "provider_failure", provider_failure)
+    rig.add("a", "b")
+    rig.fake.fail_next(1, 429, retry_after=5)
+    rig.run()
+    assert seen == [True]
+
+
 def test_a_nan_vector_retries_only_its_input(rig):
     rig.fake.nan_marker = "NAN"
     jobs = rig.add("good one", "bad NAN", "good two")
