@@ -13,14 +13,14 @@ cancellation) only for the statement running now, which ``cancel`` (if given) en
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, TypeVar
+
+from pipeline_assets.store.background import cancel_until_done
 
 T = TypeVar("T")
 
@@ -28,9 +28,8 @@ T = TypeVar("T")
 # queued keeps the database busy without holding more than a few batches' documents.
 WRITES_AHEAD = 2
 
-# An interrupted ingest cancels the statement running, again every CANCEL_AGAIN_SECONDS while the
-# thread lives, for at most CANCEL_FOR_SECONDS (then it waits for the statement to end).
-CANCEL_AGAIN_SECONDS = 0.25
+# An interrupted ingest cancels the statement running while the thread lives
+# (``store.background.cancel_until_done``), for at most CANCEL_FOR_SECONDS, then waits for it to end.
 CANCEL_FOR_SECONDS = 30.0
 
 _Call = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
@@ -69,11 +68,8 @@ class DatabaseThread:
         if self._dropping and self._cancel is not None:
             # Again while the thread lives: a statement that began just after a cancel request
             # (the next of the same transaction, a lock wait) is ended by the next one.
-            deadline = time.monotonic() + CANCEL_FOR_SECONDS
-            while self._thread.is_alive() and time.monotonic() < deadline:
-                with contextlib.suppress(Exception):
-                    self._cancel()
-                self._thread.join(CANCEL_AGAIN_SECONDS)
+            cancel = self._cancel
+            cancel_until_done(self._thread, lambda _left: cancel(), CANCEL_FOR_SECONDS)
         self._thread.join()
 
     def _serve(self) -> None:

@@ -16,6 +16,21 @@ CANCEL_SECONDS = 5.0
 CANCEL_AGAIN_SECONDS = 0.25
 
 
+def cancel_until_done(
+    thread: threading.Thread, cancel: Callable[[float], object], timeout: float, again: float = CANCEL_AGAIN_SECONDS
+) -> None:
+    """Call ``cancel(seconds left)`` every ``again`` seconds while ``thread`` lives, for at most
+    ``timeout`` seconds: a statement that began just after one cancel request is ended by the next."""
+    deadline = time.monotonic() + timeout
+    while thread.is_alive():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        with contextlib.suppress(Exception):
+            cancel(left)
+        thread.join(min(again, max(0.0, deadline - time.monotonic())))
+
+
 class BackgroundWork:
     """Runs ``work(conn)`` once in a daemon thread on a connection from ``connect``.
 
@@ -47,18 +62,14 @@ class BackgroundWork:
         """Stop the work within ``timeout`` seconds: ``stopped`` is set and the running
         statement cancelled, again every ``CANCEL_AGAIN_SECONDS`` while the thread lives (a
         statement that began just after a cancel is cancelled by the next one)."""
-        deadline = time.monotonic() + timeout
         self.stopped.set()
-        while self._thread.is_alive():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            with self._lock:
-                conn = None if self.done else self._conn
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.cancel_safe(timeout=left)
-            self._thread.join(min(CANCEL_AGAIN_SECONDS, max(0.0, deadline - time.monotonic())))
+        cancel_until_done(self._thread, self._cancel_statement, timeout)
+
+    def _cancel_statement(self, timeout: float) -> None:
+        with self._lock:
+            conn = None if self.done else self._conn
+        if conn is not None:
+            conn.cancel_safe(timeout=timeout)
 
     def work(self, conn: psycopg.Connection) -> None:
         raise NotImplementedError
