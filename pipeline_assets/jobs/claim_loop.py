@@ -46,7 +46,7 @@ class ClaimLoop:
         self.executor = executor
         self.store = store
         self.config = config
-        self.stop = stopping.event
+        self.stop_event = stopping.event
         self._stopping = stopping
         self._wake = wake
         self._db_wait = db_wait
@@ -68,7 +68,7 @@ class ClaimLoop:
 
     def _claim_loop(self, index: int) -> None:
         executor = self.executor
-        while not self.stop.is_set():
+        while not self.stop_event.is_set():
             reason = self._token_budget.exceeded(self.report.tokens)
             if reason is not None:
                 self._stopping.stop(budget=reason)
@@ -76,18 +76,18 @@ class ClaimLoop:
             # A slot of the worker's send limit (fewer requests in flight while the provider fails);
             # waiting for one, the thread holds nothing: idle for `--until-idle`.
             self.idle[index] = True
-            if not executor.view.limit.acquire(self.stop, self.config.poll_seconds):
+            if not executor.view.limit.acquire(self.stop_event, self.config.poll_seconds):
                 break
-            self._suspects.enter(self.stop)
+            self._suspects.enter(self.stop_event)
             try:
                 wait = self._claim_once(index)
             finally:
                 self._suspects.leave()
                 executor.view.limit.release()
             if wait == WAIT_FOR_DATABASE:
-                self._db_wait.pause(self.stop)
+                self._db_wait.pause(self.stop_event)
             elif wait == WAIT_A_POLL:
-                self.stop.wait(self.config.poll_seconds)
+                self.stop_event.wait(self.config.poll_seconds)
 
     def _claim_once(self, index: int) -> str | None:
         """Claim a batch and run it; returns how to wait before the next claim (None: not at all)."""

@@ -241,11 +241,11 @@ def worker_error(
     the worker stops, unless the database is merely ``unavailable`` (a restart:
     the worker waits for it, as its main loop does)."""
     message = sanitize(f"{type(exc).__name__}: {exc}")
-    stop = None
+    stop_reason = None
     if not unavailable and consecutive >= MAX_CONSECUTIVE_WORKER_FAULTS:
-        stop = (
+        stop_reason = (
             f"worker stopped after {consecutive} faults of its own in a row (database or infrastructure; "
             f"the jobs were given back, no attempt used): {message}"
         )
     delay = backoff.full_jitter(consecutive, base=base, cap=cap, rng=rng)
-    return Apply((GiveBack(tuple(j.job_id for j in jobs), delay, WORKER_ERROR, message),), stop=stop)
+    return Apply((GiveBack(tuple(j.job_id for j in jobs), delay, WORKER_ERROR, message),), stop_reason=stop_reason)

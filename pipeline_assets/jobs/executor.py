@@ -66,7 +66,7 @@ class Executor:
     checks: ProviderChecks = field(init=False)  # the trivial requests that ask the provider itself
 
     def __post_init__(self) -> None:
-        self.checks = ProviderChecks(self.provider, self.store, self.report, self.view, stop=self.stopping.event)
+        self.checks = ProviderChecks(self.provider, self.store, self.report, self.view, stop_event=self.stopping.event)
 
     def check_at_start(self) -> None:
         """Before claiming anything: stop at once if the provider still answers nothing usable
@@ -136,8 +136,8 @@ class Executor:
                 )
             else:
                 log.exception("could not hand back jobs; they return when their lease expires")
-        if outcome.stop is not None:
-            self.stopping.stop(fault=outcome.stop)
+        if outcome.stop_reason is not None:
+            self.stopping.stop(fault=outcome.stop_reason)
 
     def release_now(self, owner: str, jobs: Sequence[ClaimedJob]) -> None:
         """Hand claimed jobs back at once, untouched (no attempt used, nothing counted)."""

@@ -70,10 +70,10 @@ class LeaseStore(Protocol):
     def extend_leases(self, held: Sequence[tuple[str, list[int]]], lease_seconds: float) -> None: ...
 
 
-def heartbeat(leases: HeldLeases, store: LeaseStore, lease_seconds: float, stop: threading.Event) -> None:
-    """Extend live leases every third of a lease until ``stop``."""
+def heartbeat(leases: HeldLeases, store: LeaseStore, lease_seconds: float, stop_event: threading.Event) -> None:
+    """Extend live leases every third of a lease until ``stop_event`` is set."""
     interval = max(0.2, lease_seconds / 3)
-    while not stop.wait(interval):
+    while not stop_event.wait(interval):
         live = leases.live()
         if not live:
             continue

@@ -32,7 +32,7 @@ class Apply:
     breaker: BreakerFailure | None = None  # count a provider failure (None: not the provider's)
     pause: float = 0.0  # send nothing more from this worker's held claims for this long
     unusable: bool = False  # nothing usable even to a trivial input: counts towards stopping
-    stop: str | None = None  # too many faults of our own in a row: stop with this one line
+    stop_reason: str | None = None  # too many faults of our own in a row: stop with this one line
     charged: bool = False  # the failure points at the request's inputs, not at the provider
 
 

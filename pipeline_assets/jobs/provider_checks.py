@@ -61,7 +61,7 @@ class ProviderChecks:
     view: ProviderView
     # Set when the worker stops: no trivial request is sent after it (a stop is never held up
     # by up to ``CHECK_TRIES`` calls to a slow provider).
-    stop: threading.Event = field(default_factory=threading.Event)
+    stop_event: threading.Event = field(default_factory=threading.Event)
 
     def check_provider(self, sent_at: float) -> str:
         """Does the provider answer others? ``ANSWERS`` if a usable answer came
@@ -76,7 +76,7 @@ class ProviderChecks:
             checked_at, verdict = self.view.checked
             if checked_at >= sent_at:
                 return verdict
-            if self.stop.is_set():
+            if self.stop_event.is_set():
                 return DOWN  # stopping: nothing more is sent, so nothing more is asked
             checked_at = time.monotonic()
             for _ in range(CHECK_TRIES):  # a flaky provider fails one trivial request, rarely all
@@ -86,7 +86,7 @@ class ProviderChecks:
                     err is None
                     or err.kind not in (RETRYABLE, THROTTLED)
                     or err.error_class == BAD_RESPONSE
-                    or self.stop.is_set()
+                    or self.stop_event.is_set()
                 ):
                     break
             if err is None and result is not None and len(result.vectors) == 1:
@@ -107,7 +107,7 @@ class ProviderChecks:
         """Before claiming anything: if the provider's last answers (any worker's) were unusable up
         to the stop, one trivial request decides; the error to stop with at once, or None."""
         self.view.unusable = self.store.provider_unusable(count=False)
-        if self.view.unusable < MAX_UNMATCHED_ANSWERS or self.stop.is_set():
+        if self.view.unusable < MAX_UNMATCHED_ANSWERS or self.stop_event.is_set():
             return None
         self.view.had_failure = True
         if self.check_provider(time.monotonic()) != UNUSABLE:

@@ -32,14 +32,14 @@ class SendLimit:
     def limit(self) -> int:
         return int(self._limit)
 
-    def acquire(self, stop: threading.Event, poll: float) -> bool:
+    def acquire(self, stop_event: threading.Event, poll: float) -> bool:
         """Wait for a slot (False: the worker is stopping; no slot taken)."""
         with self._cond:
             while self._in_flight >= int(self._limit):
-                if stop.is_set():
+                if stop_event.is_set():
                     return False
                 self._cond.wait(poll)
-            if stop.is_set():
+            if stop_event.is_set():
                 return False
             self._in_flight += 1
             return True

@@ -35,9 +35,9 @@ class SuspectGate:
         self._alone = False  # a suspect's claim is running
         self._waiting = 0  # suspects' claims waiting to run alone
 
-    def enter(self, stop: threading.Event) -> None:
+    def enter(self, stop_event: threading.Event) -> None:
         with self._cond:
-            while (self._alone or self._waiting) and not stop.is_set():
+            while (self._alone or self._waiting) and not stop_event.is_set():
                 self._cond.wait(STOP_CHECK_SECONDS)
             self._held += 1
 
@@ -47,7 +47,7 @@ class SuspectGate:
             self._cond.notify_all()
 
     @contextmanager
-    def alone(self, stop: threading.Event) -> Iterator[bool]:
+    def alone(self, stop_event: threading.Event) -> Iterator[bool]:
         """Run the body as the only claim of this process (the caller entered): yields True
         once it is, or False at once while another suspect's claim waits or runs alone (the
         caller hands its suspect back: the process holds one suspect at a time)."""
@@ -58,7 +58,7 @@ class SuspectGate:
                 turned_away = False
                 self._held -= 1
                 self._waiting += 1
-                while (self._held or self._alone) and not stop.is_set():
+                while (self._held or self._alone) and not stop_event.is_set():
                     self._cond.wait(STOP_CHECK_SECONDS)
                 self._waiting -= 1
                 self._alone = True

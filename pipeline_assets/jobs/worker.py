@@ -70,14 +70,14 @@ class Worker:
         # Lease owners (one per claim: ``ClaimLoop``) all start with this worker's prefix (a UUID
         # per Worker), its row in app.workers: when it stops beating, its claims are rescued.
         self._owner_prefix = f"{self.worker_id}/{uuid.uuid4()}/"
-        self.stop = stop_event or threading.Event()
+        self.stop_event = stop_event or threading.Event()
         self.report = WorkerReport()
         # The queue; None: run() opens a PostgresJobStore (with its pool) on ``url``. A store given
         # here (MemoryJobStore) runs without a database and without a liveness row (with
         # ``build_index`` off: the index build needs the database).
         self.store: JobStore | None = store
         self._own_store = store is None
-        self._stopping = Stopping(self.stop)
+        self._stopping = Stopping(self.stop_event)
         # Wakes the main loop before its poll when a thread finds the queue empty or the index
         # build ends, so `--until-idle` exits when the work is done, not up to a poll later.
         self._wake = threading.Event()
@@ -175,14 +175,14 @@ class Worker:
             target=leases.heartbeat,
             name="heartbeat",
             daemon=True,
-            args=(executor.leases, store, self.config.lease_seconds, self.stop),
+            args=(executor.leases, store, self.config.lease_seconds, self.stop_event),
         )
         for t in threads:
             t.start()
         heartbeat.start()
         next_rescue = 0.0
         try:
-            while not self.stop.is_set():
+            while not self.stop_event.is_set():
                 self._wake.clear()  # a wake-up during this beat's checks is kept for the wait below
                 try:
                     now = time.monotonic()
@@ -210,7 +210,7 @@ class Worker:
                         log.warning("database fault in the worker's main loop: %s", exc)
                 self._wake.wait(self.config.poll_seconds)  # a stop is seen within a poll
         finally:
-            self.stop.set()
+            self.stop_event.set()
             if self._drain.index_build is not None:
                 self._drain.index_build.cancel()  # an unfinished build is left INVALID; the next one replaces it
             if self._drain.text_fill is not None:

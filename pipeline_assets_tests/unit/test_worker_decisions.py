@@ -671,7 +671,7 @@ def test_worker_error_gives_back_without_an_attempt_and_without_blaming_the_prov
     assert back.delay == random.Random(SEED).uniform(0.0, min(CAP, BASE * 2))
     assert back.error_class == "worker_error"
     assert back.message.startswith("RuntimeError: permission denied") and "sk-abcdefghijklmnop" not in back.message
-    assert out.stop is None and out.breaker is None
+    assert out.stop_reason is None and out.breaker is None
 
 
 @pytest.mark.parametrize(
@@ -694,10 +694,10 @@ def test_worker_error_stops_after_a_few_in_a_row(consecutive, unavailable, stops
         cap=CAP,
         rng=random.Random(SEED),
     )
-    assert (out.stop is not None) == stops
+    assert (out.stop_reason is not None) == stops
     if stops:
-        assert "\n" not in out.stop and out.stop.endswith("ValueError: boom second line")
-        assert f"after {consecutive} faults" in out.stop
+        assert "\n" not in out.stop_reason and out.stop_reason.endswith("ValueError: boom second line")
+        assert f"after {consecutive} faults" in out.stop_reason
     assert 0.0 <= out.changes[0].delay <= min(CAP, BASE * 2**consecutive)
 
 
