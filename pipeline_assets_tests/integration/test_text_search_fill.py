@@ -118,6 +118,33 @@ def test_a_worker_fills_the_vectors_while_its_queue_still_holds_work(env, fake, 
     assert pending(clean_db) == 0 and not_as_computed(clean_db) == 0
 
 
+def test_chunks_committed_after_the_first_fill_are_filled_at_the_drain(env, fake, clean_db, database_url, tmp_path):
+    """The worker's first fill ended while the queue still held work; an ingest then leaves more
+    chunks unfilled (another `embed`'s): the drain computes them before `--until-idle` exits."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    write_corpus(first, 3)
+    (first / "held.md").write_text("# held\n\nHELDCHUNK pruning apple trees\n")
+    write_corpus(second, 3, prefix="later")
+    rt = Runtime.build(Settings.from_env())
+    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
+    pool = db.make_pool(database_url)
+    fake.hold("HELDCHUNK")
+    reports: list = []
+    runner = threading.Thread(target=lambda: reports.append(work(rt, pool, until_idle=True, poll_seconds=0.05)))
+    try:
+        ingest.ingest_source(later, pool, first)
+        runner.start()
+        wait_until(lambda: fake.held >= 1 and pending(clean_db) == 0, timeout=60, what="the first fill")
+        ingest.ingest_source(later, pool, second)
+        assert pending(clean_db) > 0
+    finally:
+        fake.release()
+        runner.join(120)
+        pool.close()
+    assert reports and not runner.is_alive()
+    assert pending(clean_db) == 0 and not_as_computed(clean_db) == 0
+
+
 def test_embed_leaves_every_chunk_with_its_vector(env, fake, clean_db, tmp_path):
     corpus = tmp_path / "c"
     write_corpus(corpus, DOCS)
