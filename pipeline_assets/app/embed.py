@@ -122,8 +122,8 @@ def embed_directory(
     """`embed SOURCE`: ingest the source, work until idle, and summarise."""
     started = time.monotonic()
     input_limits.check_input_limits(rt.settings, pool, rt.provider.spec)  # before the ingest, not after
-    # The chunks' text-search vectors are computed by the worker when its queue drains, beside the
-    # vector index build (a core the build leaves idle); what a worker stopped early left, here
+    # The chunks' text-search vectors are computed by the worker from its first beat, beside the
+    # sending (again when its queue drains); what a worker stopped early left, here
     # (not once stopped by a signal: the next ingest or drain computes them; search reads the text).
     ing = ingest_source(
         dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True)), pool, root

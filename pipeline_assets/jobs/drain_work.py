@@ -1,10 +1,11 @@
-"""What a worker does once its queue has drained: build the model's missing vector index (in
-bulk: far cheaper than per insert during a backfill) and compute the chunks' missing text-search
-vectors beside it, each on a connection of its own beside the worker's main loop
-(``registry.background_build``, ``text_search``); an error is a logged warning. When is
-``running_ingests.index_build_decision``'s: no build while an ingest runs and, unless
-`--until-idle`, before the queue has stayed empty for ``index_quiet_seconds``. The worker
-cancels both when it stops.
+"""A worker's work beside its main loop, each on a connection of its own, an error a logged
+warning: the chunks' missing text-search vectors, computed from the worker's first beat with
+work queued (beside the sending, so the fill is not left for after the last answer) and again
+when the queue drains; and, once drained, the model's missing vector index (in bulk: far cheaper
+than per insert during a backfill; ``registry.background_build``). When the build starts is
+``running_ingests.index_build_decision``'s: not while an ingest runs and, unless `--until-idle`,
+not before the queue has stayed empty for ``index_quiet_seconds``. The worker cancels both when
+it stops.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ log = logging.getLogger("pipeline_assets.jobs.worker")  # the worker's log
 
 
 class DrainWork:
-    """One worker's index build and text-search fill; ``on_done`` is told when either ends."""
+    """One worker's text-search fill and index build; ``on_done`` is told when either ends."""
 
     def __init__(
         self,
@@ -39,13 +40,17 @@ class DrainWork:
         self.config = config
         self._on_done = on_done
         self.index_build: BackgroundBuild | None = None  # started when the queue drains
-        self.text_fill: text_search.BackgroundFill | None = None  # beside it: chunks' text-search vectors
+        self.text_fill: text_search.BackgroundFill | None = None  # chunks' text-search vectors
         self._drained_since: float | None = None  # the queue empty at every beat since (monotonic)
         self._deferred_for_ingest = False  # the build was put off while an ingest runs (logged once)
 
     def busy(self) -> None:
-        """The queue holds work again: the quiet time before a build starts over."""
+        """The queue holds work: the quiet time before a build starts over. The worker's first
+        fill starts now, beside the sending (chunks an ingest left without their text-search
+        vectors: ``embed``'s, or a concurrent ingest's batches already committed)."""
         self._drained_since = None
+        if self.text_fill is None and self.config.build_index:
+            self._start_fill()
 
     def drained(self, ingest_running: Callable[[], bool], dimension: int | None) -> bool:
         """The queue is empty: start the build and the fill when due. Returns whether `--until-idle`
@@ -79,6 +84,10 @@ class DrainWork:
             memory_cap=self.config.index_build_memory,
             session=self.config.prepare,
         ).start()
-        if fill is None:  # chunks an ingest left without their text-search vectors, on another connection
-            self.text_fill = fill = text_search.BackgroundFill(self._connect, on_done=self._on_done).start()
+        if fill is None or fill.done:  # what is left (chunks committed since the last pass), beside the build
+            fill = self._start_fill()
         return build.done and fill.done
+
+    def _start_fill(self) -> text_search.BackgroundFill:
+        self.text_fill = fill = text_search.BackgroundFill(self._connect, on_done=self._on_done).start()
+        return fill

@@ -82,7 +82,7 @@ class Worker:
         # build ends, so `--until-idle` exits when the work is done, not up to a poll later.
         self._wake = threading.Event()
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
-        # The index build and the text-search fill, started when the queue drains.
+        # The text-search fill (from the first beat with work queued) and the index build (at a drain).
         self._drain = DrainWork(self._connect, self.model_id, config, on_done=self._wake.set)
         self._token_budget = TokenBudget(
             self.model_id, per_run=config.run_token_budget, daily=config.daily_token_budget

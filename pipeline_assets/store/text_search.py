@@ -5,7 +5,8 @@ computes them, ``FILL_BATCH_CHUNKS`` per transaction, skipping rows another tran
 holds. Full-text search reads a chunk whose vector is still NULL from its text, so every
 current chunk is searchable whether it is filled or not; filling only makes it fast.
 An ingest fills at its end, unless its caller fills beside other work (``embed``: its
-worker, when its queue drains, beside the vector index build; ``BackgroundFill``).
+worker, from its first beat with work queued, beside the sending, and again when its queue
+drains; ``BackgroundFill``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def pending(conn: psycopg.Connection) -> int:
 
 
 class BackgroundFill(BackgroundWork):
-    """``fill`` beside a worker's index build, on a connection of its own; ``cancel`` stops it
+    """``fill`` beside a worker's main loop, on a connection of its own; ``cancel`` stops it
     at once (its running batch rolls back). A failure is logged: search reads the text meanwhile."""
 
     def __init__(

@@ -1,7 +1,8 @@
 """The chunks' text-search vectors are computed after the ingest writes the chunks.
 
 The chunk COPY writes them NULL; an ingest computes them at its end, `embed` leaves them to its
-worker's drain (beside the vector index build). Until then full-text search reads such a chunk
+worker, which computes them from its first beat with work queued (beside the sending, not after
+the last answer) and again when its queue drains. Until then full-text search reads such a chunk
 from its text: it is found, and ranked, exactly as once its vector is computed. Migration 042
 turns the generated column into a plain one on a database with data, keeping its values.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import threading
 import time
 import uuid
 
@@ -21,7 +23,7 @@ from pipeline_assets.app.embed import work
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, queries, text_search
-from pipeline_assets_tests.conftest import cli, write_corpus
+from pipeline_assets_tests.conftest import cli, wait_until, write_corpus
 
 DOCS = 12
 QUERY = "w5 w12 document"
@@ -85,6 +87,62 @@ def test_chunks_left_unfilled_are_searched_from_their_text_until_a_drain_fills_t
         pool.close()
     assert pending(clean_db) == 0 and not_as_computed(clean_db) == 0
     assert ranking(clean_db) == unfilled  # the same hits, the same scores
+
+
+def test_a_worker_fills_the_vectors_while_its_queue_still_holds_work(env, fake, clean_db, database_url, tmp_path):
+    """The fill runs beside the sending: with an answer held (the queue not drained), every chunk
+    gets its vector; the drain is left with the index build alone."""
+    corpus = tmp_path / "c"
+    write_corpus(corpus, DOCS)
+    (corpus / "held.md").write_text("# held\n\nHELDCHUNK pruning apple trees\n")
+    rt = Runtime.build(Settings.from_env())
+    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
+    pool = db.make_pool(database_url)
+    fake.hold("HELDCHUNK")
+    reports: list = []
+    runner = threading.Thread(target=lambda: reports.append(work(rt, pool, until_idle=True, poll_seconds=0.05)))
+    try:
+        ingest.ingest_source(later, pool, corpus)
+        chunks = clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
+        assert pending(clean_db) == chunks
+        runner.start()
+        wait_until(lambda: fake.held >= 1, timeout=60, what="the held request")
+        wait_until(lambda: pending(clean_db) == 0, timeout=60, what="the fill while an answer is held")
+        outstanding = clean_db.execute("SELECT count(*) FROM app.embedding_jobs WHERE status <> 'ready'").fetchone()[0]
+        assert outstanding >= 1  # the queue had not drained
+    finally:
+        fake.release()
+        runner.join(120)
+        pool.close()
+    assert reports and reports[0].embedded == chunks
+    assert pending(clean_db) == 0 and not_as_computed(clean_db) == 0
+
+
+def test_chunks_committed_after_the_first_fill_are_filled_at_the_drain(env, fake, clean_db, database_url, tmp_path):
+    """The worker's first fill ended while the queue still held work; an ingest then leaves more
+    chunks unfilled (another `embed`'s): the drain computes them before `--until-idle` exits."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    write_corpus(first, 3)
+    (first / "held.md").write_text("# held\n\nHELDCHUNK pruning apple trees\n")
+    write_corpus(second, 3, prefix="later")
+    rt = Runtime.build(Settings.from_env())
+    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
+    pool = db.make_pool(database_url)
+    fake.hold("HELDCHUNK")
+    reports: list = []
+    runner = threading.Thread(target=lambda: reports.append(work(rt, pool, until_idle=True, poll_seconds=0.05)))
+    try:
+        ingest.ingest_source(later, pool, first)
+        runner.start()
+        wait_until(lambda: fake.held >= 1 and pending(clean_db) == 0, timeout=60, what="the first fill")
+        ingest.ingest_source(later, pool, second)
+        assert pending(clean_db) > 0
+    finally:
+        fake.release()
+        runner.join(120)
+        pool.close()
+    assert reports and not runner.is_alive()
+    assert pending(clean_db) == 0 and not_as_computed(clean_db) == 0
 
 
 def test_embed_leaves_every_chunk_with_its_vector(env, fake, clean_db, tmp_path):
