@@ -124,7 +124,8 @@ class Chunker:
             return []
         # Lone surrogates cannot be UTF-8 encoded; tiktoken would silently
         # replace them and shift offsets, so replace them 1:1 up front.
-        text = _SURROGATES.sub("\ufffd", text)
+        if not text.isascii():  # an ASCII text has none (and is not scanned)
+            text = _SURROGATES.sub("\ufffd", text)
         length = len(text)
         enc = get_encoding()
         tokens = enc.encode_ordinary(text)
