@@ -3,10 +3,11 @@
 Each round runs every variant once, alternating, each on a fresh database it migrates itself. Per run:
 `first_s` and `last_s`, process start to the start of the first and of the last ingest transaction
 (documents.created_at), `wall_s` (the process, with the text-search fill and the exit), `chunks_per_s`
-(chunks / wall_s), and CPU seconds: `cli_cpu_s` (the command, its extraction server and children:
+(chunks / wall_s) and `to_last_chunks_per_s` (chunks / last_s: `embed`'s ingest, which leaves the fill
+for later), and CPU seconds: `cli_cpu_s` (the command, its extraction server and children:
 /proc sampled every 50 ms, the command's own from wait4) and `db_cpu_s` (the database server's
-processes over the run: the postmaster's reaped children and its live ones). Medians; `ratio` is
-each variant's median chunks/s over the first variant's.
+processes over the run: the postmaster's reaped children and its live ones). Medians; `ratio` and
+`to_last_ratio` are each variant's median rates over the first variant's.
 
     python benchmarks/b19_ingest.py --docs 10000 --rounds 5 old=/path/to/old new=. \
         one_child=.:PIPELINE_EXTRACT_PROCESSES=1
@@ -124,13 +125,14 @@ def one_run(corpus: Path, checkout: str, overrides: dict[str, str]) -> dict:
         "wall_s": round(wall, 3),
         "chunks": chunks,
         "chunks_per_s": round(chunks / wall, 1),
+        "to_last_chunks_per_s": round(chunks / (float(last) - epoch0), 1),
         "cli_cpu_s": round(cli_cpu, 2),
         "db_cpu_s": round(db_cpu, 2),
         "load": round(load, 2),
     }
 
 
-KEYS = ("first_s", "last_s", "wall_s", "chunks_per_s", "cli_cpu_s", "db_cpu_s")
+KEYS = ("first_s", "last_s", "wall_s", "chunks_per_s", "to_last_chunks_per_s", "cli_cpu_s", "db_cpu_s")
 
 
 def main() -> None:
@@ -153,13 +155,18 @@ def main() -> None:
                 runs[name].append(one_run(corpus, checkout, overrides))
                 print(name, runs[name][-1], file=sys.stderr, flush=True)
     medians = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in KEYS} for name, rs in runs.items()}
-    base = next(iter(medians.values()))["chunks_per_s"]
+    base = next(iter(medians.values()))
     emit(
         {
             "docs": a.docs,
             "rounds": a.rounds,
             "variants": {
-                name: {**medians[name], "ratio": round(medians[name]["chunks_per_s"] / base, 3), "runs": rs}
+                name: {
+                    **medians[name],
+                    "ratio": round(medians[name]["chunks_per_s"] / base["chunks_per_s"], 3),
+                    "to_last_ratio": round(medians[name]["to_last_chunks_per_s"] / base["to_last_chunks_per_s"], 3),
+                    "runs": rs,
+                }
                 for name, rs in runs.items()
             },
         }
