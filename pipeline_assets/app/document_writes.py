@@ -42,9 +42,9 @@ def write_documents(
 ) -> dict[str, int]:
     """One ingest batch inside the caller's transaction: the ids ``seen`` recorded (a complete scan's),
     the ingest write lock taken (``documents.write_lock``), the documents upserted with their stage
-    rows, their chunks replaced, jobs enqueued, revived and superseded. Five round trips whatever
-    the batch holds (the first three statements are pipelined). Returns counts (chunks, enqueued,
-    revived, superseded)."""
+    rows, their chunks replaced, jobs enqueued, revived and superseded. Four round trips whatever
+    the batch holds (the first three statements pipelined, a COPY, the jobs' statement), two more
+    when content was dropped. Returns counts (chunks, enqueued, revived, superseded)."""
     columns: dict[str, list] = {
         "exts": [extractor_version.of(p.item.document_id) for p in todo],
         "ids": [p.item.document_id for p in todo],
