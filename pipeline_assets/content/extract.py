@@ -131,7 +131,8 @@ class ExtractorVersions:
 
 def normalise(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
-    text = _SURROGATES.sub("\ufffd", text)
+    if not text.isascii():  # an ASCII text has none (and is not scanned)
+        text = _SURROGATES.sub("\ufffd", text)
     return text.strip()
 
 

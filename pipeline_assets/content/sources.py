@@ -42,6 +42,7 @@ NOT_REGULAR = "not_regular_file"  # became a FIFO, socket, device or directory a
 
 # Undecodable bytes of a file name, as os.fsdecode represents them (surrogateescape).
 _ESCAPED_BYTES = re.compile("[\udc80-\udcff%]")
+_UNDECODABLE = re.compile("[\udc80-\udcff]")  # what os.fsdecode makes of bytes that are not UTF-8
 _ESCAPE = re.compile("%(25|[89A-F][0-9A-F])")
 # Opened without blocking (a FIFO would block open() forever), never as a terminal.
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -66,7 +67,7 @@ class SourceItem:
 # -- ids ------------------------------------------------------------------------------------
 def escape_name(name: str) -> str:
     """A file name fit to store: unchanged if valid UTF-8, else undecodable bytes as %XX and % as %25."""
-    if not any("\udc80" <= ch <= "\udcff" for ch in name):
+    if name.isascii() or not _UNDECODABLE.search(name):
         return name
     return _ESCAPED_BYTES.sub(lambda m: "%25" if m.group() == "%" else f"%{ord(m.group()) - 0xDC00:02X}", name)
 

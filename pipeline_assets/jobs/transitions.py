@@ -226,6 +226,18 @@ def enqueue_for_docs(conn: psycopg.Connection, doc_pks: Sequence[int], max_attem
     ).rowcount
 
 
+def enqueue_chunks(conn: psycopg.Connection, checksums: Sequence[bytes], max_attempts: int) -> tuple[int, int]:
+    """Jobs for chunks this transaction has just written (``checksums`` distinct): enqueued for every
+    active model without one, revived where superseded. Returns (enqueued, revived); a cost that
+    follows the batch, not the job table."""
+    if not checksums:
+        return 0, 0
+    enqueued, revived = queries.one_row(
+        conn, JOBS.enqueue_chunks, {"checksums": arrays.bytea(conn, checksums), "max_attempts": max_attempts}
+    )
+    return enqueued, revived
+
+
 def enqueue_missing(conn: psycopg.Connection, max_attempts: int) -> int:
     return conn.execute(_enqueue(JOBS.enqueue_scope_missing), {"max_attempts": max_attempts}).rowcount
 

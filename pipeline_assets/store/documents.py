@@ -89,10 +89,9 @@ def start_scan(conn: psycopg.Connection) -> datetime:
     return started
 
 
-def record_seen(conn: psycopg.Connection, ids: Iterable[str]) -> None:
-    with conn.cursor().copy(DOCS.copy_seen) as copy:
-        for doc_id in ids:
-            copy.write_row((doc_id,))
+def record_seen(conn: psycopg.Connection, ids: Sequence[str]) -> None:
+    """Add ids to this session's list of those a complete scan has seen (``start_scan``)."""
+    conn.execute(DOCS.insert_seen, {"ids": list(ids)})
 
 
 def current_count(conn: psycopg.Connection, source_id: int) -> int:
@@ -103,28 +102,39 @@ def mark_scanned(conn: psycopg.Connection, source_id: int) -> None:
     conn.execute(DOCS.mark_scanned, {"source": source_id})
 
 
-def upsert_documents(
-    conn: psycopg.Connection, source_id: int, chunker_version: str, columns: dict[str, list]
-) -> dict[str, int]:
+def write_documents(
+    conn: psycopg.Connection,
+    source_id: int,
+    chunker_version: str,
+    config_hash: str,
+    dagster_run_id: str | None,
+    columns: dict[str, list],
+) -> tuple[dict[str, int], set[bytes]]:
     """Upsert one row per document from ``columns`` (ids, uris, checksums, sizes, tokens, exts,
-    text_checksums, counts, classes, messages: one entry each per document); {document_id: doc_pk}."""
-    rows = conn.execute(DOCS.upsert_documents, {"source": source_id, "chunker": chunker_version, **columns}).fetchall()
-    return dict(rows)
+    text_checksums, counts, classes, messages: one entry each per document), delete their chunks and
+    write their extract and chunk stage rows, in one statement. Returns ({document_id: doc_pk}, the
+    checksums of the chunks deleted)."""
+    params = {"source": source_id, "chunker": chunker_version, "config": config_hash, "run": dagster_run_id}
+    pk_of: dict[str, int] = {}
+    dropped: set[bytes] = set()
+    for document_id, doc_pk, checksum in conn.execute(DOCS.write_documents, {**params, **columns}).fetchall():
+        if document_id is None:
+            dropped.add(checksum)
+        else:
+            pk_of[document_id] = doc_pk
+    return pk_of, dropped
+
+
+# The column types of ``copy_chunks`` (a binary COPY), in ``ChunkRow``'s order.
+CHUNK_COPY_TYPES = ["int8", "int4", "bytea", "text", "int4", "int4", "int4"]
 
 
 def copy_chunks(conn: psycopg.Connection, rows: Iterable[ChunkRow]) -> None:
     """Write chunk rows (their documents' old chunks already deleted)."""
     with conn.cursor().copy(DOCS.copy_chunks) as copy:
+        copy.set_types(CHUNK_COPY_TYPES)
         for row in rows:
             copy.write_row(row)
-
-
-def record_stage_runs(
-    conn: psycopg.Connection, config_hash: str, dagster_run_id: str | None, columns: dict[str, list]
-) -> None:
-    """Upsert the extract and chunk rows of documents just written (``columns``: pks, stages,
-    statuses, classes, messages, versions, checksums; one entry each per row)."""
-    conn.execute(DOCS.record_stage_runs, {"config": config_hash, "run": dagster_run_id, **columns})
 
 
 def touched_since(conn: psycopg.Connection, root: str, since: datetime) -> list[TouchedDocument]:

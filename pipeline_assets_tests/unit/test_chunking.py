@@ -3,13 +3,20 @@ import random
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pipeline_assets.content import chunking
 from pipeline_assets.content.chunking import (
     CHUNKER_ALGORITHM,
     DEFAULT_CHUNK_OVERLAP,
     DEFAULT_CHUNK_TOKENS,
     Chunk,
     Chunker,
+    _encode,
+    _learn_tokens,
+    _slice_tokens,
+    _starts_of,
     count_tokens,
 )
 from pipeline_assets.content.identity import chunk_checksum
@@ -187,3 +194,67 @@ def test_one_megabyte_speed():
     # machine, so the bound holds on a loaded one too.
     assert elapsed < 30.0, elapsed
     check_invariants(text, chunks, chunker)
+
+
+# Characters around which cl100k's pieces are decided: ASCII and other letters, digits, contractions,
+# spaces, tabs, line ends, symbols, multi-byte characters.
+_TRICKY = [
+    "a",
+    "Z",
+    "é",
+    "漢",
+    "😀",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\r\n",
+    "\n\n",
+    "'s",
+    "'ll",
+    "'T",
+    "1",
+    "123456",
+    ".",
+    "!?",
+    "-",
+    "_",
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    parts=st.lists(st.sampled_from([*_TRICKY, "word", "The", "x" * 30]), min_size=1, max_size=80),
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), min_size=2, max_size=2),
+)
+def test_a_slice_reuses_the_whole_texts_tokens_exactly(parts, cuts):
+    """The tokens a slice is given from the whole text's (between its sync points) are the
+    tokens of the slice encoded on its own, wherever the slice starts and ends."""
+    text = "".join(parts)
+    tokens = _encode(text)
+    _learn_tokens(tokens)
+    cum = list(itertools.accumulate(map(_starts_of.__getitem__, tokens), initial=0))
+    start, end = sorted(c % (len(text) + 1) for c in cuts)
+    if start == end:
+        return
+    assert _slice_tokens(text, tokens, cum, start, end) == _encode(text[start:end])
+
+
+def test_chunks_of_prose_reuse_the_whole_texts_tokens(monkeypatch):
+    """Long lines of words: each chunk's tokens come from the whole text's, only a word or two at
+    each end is encoded again; the chunks are those of encoding every slice on its own (the
+    invariants)."""
+    text = "# Title\n\n" + " ".join(f"word{i % 97} alpha beta" for i in range(3000))
+    chunker = Chunker(128, 16)
+    reference = chunker.chunk(text)
+    encoded: list[int] = []
+    real = chunking._encode
+
+    def counting(piece: str) -> list[int]:
+        encoded.append(len(piece))
+        return real(piece)
+
+    check_invariants(text, reference, chunker)
+    monkeypatch.setattr(chunking, "_encode", counting)
+    assert chunker.chunk(text) == reference
+    assert len(reference) > 20 and sum(encoded) < len(text) // 10  # ~ two words per chunk, not the text again

@@ -259,6 +259,39 @@ INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
 OVERRIDING SYSTEM VALUE
 SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
 
+-- name: enqueue_chunks
+-- The distinct checksums of chunks this transaction wrote: a job per active model without one, superseded
+-- ones revived; returns (enqueued, revived). OFFSET 0 keeps each key's probe an index lookup (a subplan),
+-- never a scan of job_keys, whatever the statistics (a first ingest has none).
+WITH wanted AS (
+    SELECT c.chunk_checksum, m.model_id
+    FROM unnest(%(checksums)s::bytea[]) AS c(chunk_checksum) CROSS JOIN app.models m
+    WHERE m.active
+      AND NOT EXISTS (SELECT 1 FROM app.job_keys k WHERE k.chunk_checksum = c.chunk_checksum
+                                                     AND k.model_id = m.model_id OFFSET 0)
+), keyed AS (
+    INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
+    SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
+    FROM wanted w
+    ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+    RETURNING chunk_checksum, model_id, job_id
+), enqueued AS (
+    INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
+    OVERRIDING SYSTEM VALUE
+    SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
+    RETURNING 1
+), revived AS (
+    UPDATE app.embedding_jobs j
+    SET status = 'pending', attempts = 0, throttles = 0, faults = 0, available_at = now(),
+        error_class = NULL, error_message = NULL, updated_at = now()
+    FROM app.job_keys k
+    WHERE k.chunk_checksum = ANY(%(checksums)s::bytea[]) AND j.job_id = k.job_id
+      AND j.status = 'superseded'
+      AND EXISTS (SELECT 1 FROM app.models m WHERE m.model_id = j.model_id AND m.active)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM enqueued), (SELECT count(*) FROM revived)
+
 -- name: enqueue_scope_docs
 -- The chunks of some documents (an ingest batch); ON CONFLICT skips known keys.
 c.doc_pk = ANY(%(docs)s)
