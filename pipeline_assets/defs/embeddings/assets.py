@@ -29,6 +29,7 @@ from pipeline_assets.defs.resources import (
     PostgresResource,
     SourceDirectoryResource,
 )
+from pipeline_assets.defs.run_requests import pending_buckets
 from pipeline_assets.jobs.worker import FatalProviderError
 from pipeline_assets.providers import ConfigError
 from pipeline_assets.store import bucket_rows
@@ -177,20 +178,31 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             documents = 0
             waited = 0.0
             put_off: list[str] = []  # models whose index build was left for later (an ingest runs)
+            pending = pending_buckets(context.run.tags)
             for model_id, bucket_ids in per_model.items():
                 try:
                     rt = model_runtime.runtime_of(settings, db_pool, model_id, dagster_run_id=context.run.run_id)
                 except ConfigError as exc:
                     raise dg.Failure(description=str(exc), allow_retries=False) from None
-                est = _preflight(context, rt, db_pool, root, bucket_ids, n)
-                done = _embed(rt, db_pool, root, bucket_ids, n, in_process, embedding_run, len(keys))
+                # After a source sensor's bucket run: its changed buckets are embedded and waited on;
+                # the rest of the range is recorded as it is.
+                work_ids = bucket_ids if pending is None else sorted(set(bucket_ids) & set(pending))
+                est = _preflight(context, rt, db_pool, root, work_ids, n)
+                done = _embed(rt, db_pool, root, work_ids, n, in_process, embedding_run, len(keys))
+                context.log.info(
+                    f"{model_id}: {len(work_ids)} of {len(bucket_ids)} bucket(s) embedded and waited on "
+                    f"({done.waited_seconds:.2f} s waited)"
+                )
                 if done.index_put_off:
                     context.log.info(done.index_put_off)
                     put_off.append(done.index_put_off)
+                rest = sorted(set(bucket_ids) - set(work_ids))
                 with postgres.connection() as conn:
                     states = bucket_rows.states_of(conn, root, bucket_ids, n)
+                    others = bucket_rows.coverage_of_buckets(conn, root, rest, n, model_id) if rest else {}
+                coverage = {**others, **done.per_bucket}
                 for b in bucket_ids:
-                    bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
+                    bucket_cov, key = coverage[b], embedding_key(b, model_id)
                     versions[key] = embedding_version(model_id, states[b], bucket_cov)
                     meta: dict[str, Any] = {
                         "chunks": bucket_cov.chunks,
@@ -230,6 +242,7 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                     **totals,
                     "coverage_ratio": round(ready / totals["chunks"], 6) if totals.get("chunks") else 1.0,
                     "partitions": len(keys),
+                    "waited_buckets": len(bucket_ids) if pending is None else len(work_ids),
                     "documents": documents,
                     "in_process": in_process,
                     "waited_seconds": round(waited, 3),
