@@ -18,6 +18,8 @@ from pipeline_assets_tests.conftest import write_corpus
 from pipeline_assets_tests.dagster_helpers import (
     EMBED_JOB,
     SYNC_JOB,
+    configured_model,
+    embed_range_tags,
     evaluate_sensor,
     execute,
     fresh_defs,
@@ -59,6 +61,10 @@ def _stated(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(folder_source, "walk", counting)
     return stated
+
+
+def _pending(request: dg.RunRequest) -> dict[str, str]:
+    return {PENDING_TAG: request.tags[PENDING_TAG]}
 
 
 def _tick(defs, instance, cursor: str | None = None):
@@ -106,6 +112,13 @@ def _synced(defs, instance, corpus) -> str:
     return tick.cursor
 
 
+def _sync_only(defs, instance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
+    """The sync run a request describes, alone (its embeddings run is the sensor's: ``_embed_after``)."""
+    return defs.resolve_job_def(SYNC_JOB).execute_in_process(
+        instance=instance, tags=dict(request.tags), partition_key=request.partition_key, raise_on_error=False
+    )
+
+
 def _embed_after(defs, instance, sync_run_id: str) -> dg.ExecuteInProcessResult:
     """The embeddings run embed_after_sync requests after the sync run (its tags as it has them)."""
     tick = evaluate_sensor(embed_after_sync, defs, instance)
@@ -135,7 +148,7 @@ def test_a_sensor_range_run_syncs_only_its_pending_buckets(corpus, conn, fake, i
 
     stated = _stated(monkeypatch)
     billed = fake.stats["billed_inputs"]
-    synced = execute(defs, instance, request, job=SYNC_JOB)
+    synced = _sync_only(defs, instance, request)
     assert synced.success
     assert stated == []  # no walk: the tick has just observed the source
     assert "edited far apart" in _text(conn, first) and "edited far apart" in _text(conn, last)
@@ -188,7 +201,7 @@ def test_a_sensor_run_also_syncs_a_file_waiting_out_its_backoff_in_its_range(cor
     (request,) = tick.run_requests
     assert request.tags[PENDING_TAG] == f"{_bucket(first)},{_bucket(last)}"
     billed = fake.stats["billed_inputs"]
-    synced = execute(defs, instance, request, job=SYNC_JOB)
+    synced = _sync_only(defs, instance, request)
     assert synced.success
     # Inside the range, the waiting file is synced as a full run syncs it (its bucket is not
     # recorded fresh without it), and the run's tag names its bucket for the embeddings run.
@@ -196,6 +209,16 @@ def test_a_sensor_run_also_syncs_a_file_waiting_out_its_backoff_in_its_range(cor
     tagged = instance.get_run_by_id(synced.run_id).tags[PENDING_TAG]
     assert tagged == ",".join(str(b) for b in sorted({_bucket(first), _bucket(last), _bucket(middle)}))
     keys = requested_keys(instance, request)
+    # An embeddings run tagged with the first and last buckets only (as one requested before the
+    # sync run named the middle one) waits on the middle bucket too: its chunk is outstanding.
+    model = configured_model()
+    early = execute(defs, instance, job=EMBED_JOB, tags={**embed_range_tags(keys, [model]), **_pending(request)})
+    assert early.success
+    assert fake.stats["billed_inputs"] == billed + 3
+    meta = {k: v.value for k, v in early.asset_materializations_for_node("embeddings")[0].metadata.items()}
+    assert meta["waited_buckets"] == 3 and meta["embedded"] == 3
+    assert all(e.passed for e in early.get_asset_check_evaluations())
+    # The sensor's embeddings run (the extended tag): nothing left to send.
     embedded = _embed_after(defs, instance, synced.run_id)
     assert fake.stats["billed_inputs"] == billed + 3
     meta = {k: v.value for k, v in embedded.asset_materializations_for_node("embeddings")[0].metadata.items()}
