@@ -37,8 +37,11 @@ no OPENAI_API_KEY: the offline model; sensors on as shipped)
      ONE_PARTITION_RUNS buckets one after the other; seconds from the launch to the run's end (the
      median is the figure), the run's own start-to-end, and provider calls and re-extractions (0).
   4c. ``edit_to_served``: EDITED_DOCUMENTS files rewritten on disk at once; seconds until every one
-     is current with its new text and a ready vector for every active model (the source sensor
-     finds them: its interval is reported beside the figure).
+     is current with its new text and a ready vector for every active model (the database's times;
+     the poll's sighting is reported too), ``--edit-rounds`` times (the median); the source
+     sensor finds them: ``tick_to_served_s`` counts from the tick that requested their run (a
+     change waits at most one interval for it), and a timeline says where the time went (the
+     tick, each run's launch and its steps' log lines).
   5. ``parser_fix_rerun``: `dev` stopped, restarted with PIPELINE_EXTRACTOR_VERSION=html=<bumped>;
      seconds from the webserver answering (and from the restart) until every .html document
      carries the new extractor version in app.documents (the figure: the last extract or chunk
@@ -53,7 +56,7 @@ Every wait has a deadline and says what it was waiting for when it expires. `dev
 process group, then SIGKILL to whatever of its processes is left) and both embedded servers
 (`pipeline-assets stop-db`) are stopped on every exit, Ctrl-C and errors included.
 
-    python benchmarks/b10_dagster_scale.py [--documents 10000 | --quick] [--keep]
+    python benchmarks/b10_dagster_scale.py [--documents 10000 | --quick] [--keep] [--phases P,...]
 
 Prints one JSON line on stdout (progress on stderr).
 """
