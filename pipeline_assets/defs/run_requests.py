@@ -4,7 +4,7 @@ with the job names, tags and run keys that let Dagster deduplicate a re-evaluate
 and the run statuses that count as in flight (backpressure)."""
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import dagster as dg
 
@@ -14,6 +14,9 @@ EMBED_JOB_NAME = "embed_documents"  # defs/embeddings/jobs.py
 TRIGGER_TAG = "pipeline/trigger"  # the sensor that asked for a run
 RERUN_TAG = "pipeline/rerun"  # a rerun after a code-version bump: stale documents only
 GENERATION_TAG = "pipeline/rerun_generation"  # "{epoch}.{generation}" of the rerun tick that asked
+# The buckets of a source sensor's range run that hold what its tick observed pending
+# ("3,17,42"): the run syncs and embeds those and records the rest of its range as it is.
+PENDING_TAG = "pipeline/pending_buckets"
 RANGE_START_TAG = "dagster/asset_partition_range_start"
 RANGE_END_TAG = "dagster/asset_partition_range_end"
 PARTITION_TAG = "dagster/partition"
@@ -51,3 +54,20 @@ def run_span(run: dg.DagsterRun) -> tuple[str, str] | None:
         return tags[RANGE_START_TAG], tags[RANGE_END_TAG]
     key = tags.get(PARTITION_TAG)
     return (key, key) if key else None
+
+
+def encode_buckets(bucket_ids: Iterable[int]) -> str:
+    """The value of PENDING_TAG: bucket numbers, ascending, comma-separated."""
+    return ",".join(str(b) for b in sorted(set(bucket_ids)))
+
+
+def pending_buckets(tags: Mapping[str, str]) -> list[int] | None:
+    """The buckets a run's PENDING_TAG names; None without the tag (or with an unreadable one):
+    the run syncs every bucket of its range."""
+    value = tags.get(PENDING_TAG)
+    if value is None:
+        return None
+    try:
+        return sorted({int(part) for part in value.split(",") if part})
+    except ValueError:
+        return None

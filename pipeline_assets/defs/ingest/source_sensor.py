@@ -1,15 +1,15 @@
 """``source_documents``: new, changed and deleted documents become ONE run over their buckets.
 
-A tick scans the source (observations in PostgreSQL, ``app/observations.py``: an unchanged
-file is not read) and requests one ``sync_documents`` run over the partition range spanning
-the buckets with pending files, keyed ``sync@g{n}:{buckets}:{digest}:{first}..{last}``: the
-digest covers every pending (document, checksum), ``n`` is the cursor generation the tick
-started from, so a re-evaluated tick repeats its key and Dagster launches nothing twice. The
-cursor holds only ``n`` (``{"v": 2, "g": n[, "f": last failed run handled]}``); a legacy map
-cursor seeds the table. While a run of this sensor is in flight a tick requests nothing and
-does not scan. Files of a failed or cancelled run (sync or its embeddings run) are requested
-again after a backoff (``source_observations.schedule_retries``). A source that cannot be scanned is a
-failed tick; an empty source that had documents is a skip; neither deletes anything.
+A tick scans the source (observations in PostgreSQL, ``app/observations.py``: an unchanged file
+is not read) and requests one ``sync_documents`` run over the range spanning the buckets with
+pending files, tagged with those buckets (``PENDING_TAG``: the run syncs only them, without a
+walk), keyed ``sync@g{n}:{buckets}:{digest}:{first}..{last}`` (the digest covers every pending
+(document, checksum), ``n`` is the cursor generation the tick started from: a re-evaluated tick
+repeats its key and Dagster launches nothing twice). The cursor holds only ``n`` (``{"v": 2, "g":
+n[, "f": last failed run handled]}``); a legacy map cursor seeds the table. While a run of this
+sensor is in flight a tick requests nothing and does not scan. Files of a failed or cancelled run
+(sync or its embeddings run) are requested again after a backoff (``schedule_retries``). A source
+that cannot be scanned is a failed tick; an empty one that had documents a skip: nothing deleted.
 """
 
 import json
@@ -24,7 +24,15 @@ from pipeline_assets.defs.keys import SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_index, bucket_key, span, split_key
 from pipeline_assets.defs.provenance import DATA_VERSION_TAG
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import IN_FLIGHT, TRIGGER_TAG, batch_digest, range_request, run_span
+from pipeline_assets.defs.run_requests import (
+    IN_FLIGHT,
+    PENDING_TAG,
+    TRIGGER_TAG,
+    batch_digest,
+    encode_buckets,
+    range_request,
+    run_span,
+)
 from pipeline_assets.providers import model_id_for
 from pipeline_assets.store import bucket_rows, source_observations
 
@@ -194,7 +202,10 @@ def _scan_source(
     context.log.info(
         f"new={new} changed={files - new - gone} gone={gone} in {len(todo)} bucket(s): one run over {first}..{last}"
     )
-    request = range_request(first, last, key, {TRIGGER_TAG: SENSOR_NAME})
+    tags = {TRIGGER_TAG: SENSOR_NAME}
+    if generation:  # the first request syncs every bucket in full (what no scan has observed yet too)
+        tags[PENDING_TAG] = encode_buckets(p.bucket for p in todo)
+    request = range_request(first, last, key, tags)
     # What the sensor saw, per bucket with pending files: documents shows those buckets stale
     # (a new data version of source_files) until the run's materialization records it.
     seen = [
