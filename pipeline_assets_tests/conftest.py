@@ -71,25 +71,32 @@ def marked_processes(needle: str = "") -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_dagster_process_survives():
-    """Session end: no `dagster` process started by this session is left (a `dagster dev` whose
-    code server or gRPC child outlived it). Requested first, so checked after every other teardown."""
+def no_process_survives():
+    """Session end: no process started (directly or not) by this test process is left: a `dagster
+    dev` code server or gRPC child that outlived it, a run's compute-log `tail -F`, a CLI process.
+    Requested first, so checked after every other teardown; what is left is killed, then reported."""
     yield
-
-    def leftovers() -> list[psutil.Process]:
-        # Not leaks: Dagster's compute-log watchers (watch_orphans.py) of this very process, which
-        # in-process runs start and which exit with it.
-        return [p for p in marked_processes("dagster") if "watch_orphans.py" not in " ".join(p.info["cmdline"] or [])]
-
     with contextlib.suppress(AssertionError):
-        wait_until(lambda: not leftovers(), timeout=30, what="dagster processes of the tests to exit")
-    left = leftovers()
+        wait_until(lambda: not leftover_processes(), timeout=30, what="the processes of the tests to exit")
+    left = leftover_processes()
     for p in left:
         with contextlib.suppress(psutil.Error):
             p.kill()  # do not leak them past the failure either
-    assert not left, "dagster processes outlived the tests: " + "; ".join(
-        " ".join(p.info["cmdline"] or [])[:160] for p in left
+    assert not left, "processes outlived the tests: " + "; ".join(
+        f"{p.pid} " + " ".join(p.info["cmdline"] or [])[:160] for p in left
     )
+
+
+def leftover_processes() -> list[psutil.Process]:
+    """The live processes this test process started, but for a shared embedded server
+    (PIPELINE_TEST_HOME's, which is meant to outlive the session) and its children."""
+    shared: set[int] = set()
+    if os.environ.get("PIPELINE_TEST_HOME"):
+        with contextlib.suppress(OSError, ValueError, psutil.Error):
+            pid_file = Path(os.environ["PIPELINE_TEST_HOME"]) / "pgdata" / "postmaster.pid"
+            postmaster = psutil.Process(int(pid_file.read_text().split()[0]))
+            shared = {postmaster.pid, *(c.pid for c in postmaster.children(recursive=True))}
+    return [p for p in marked_processes() if p.pid not in shared]
 
 
 # The slowest modules, slowest first (each module's summed test time, measured in a whole run). With
