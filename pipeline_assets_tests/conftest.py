@@ -36,8 +36,9 @@ FAKE_DIM = 16
 LONG_PROFILE = os.environ.get("PIPELINE_TEST_PROFILE") == "long"
 
 # Every process this test process starts inherits this marker (one value per xdist worker), so what
-# the suite started can be found at the end even after it was re-parented or left its session.
-SESSION_MARKER = "PIPELINE_TESTS_SESSION"
+# the suite started can be found at the end even after it was re-parented or left its session. Not
+# PIPELINE_-prefixed: the tests that build a clean environment drop those, and must keep this one.
+SESSION_MARKER = "PYTEST_PIPELINE_SESSION"
 os.environ[SESSION_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 # The runs a test executes in-process write their events as `pipeline-assets dev`'s runs do (one
 # planned event per asset and range, events written in batches): a 64-bucket run's events otherwise
@@ -87,16 +88,24 @@ def no_process_survives():
     )
 
 
+MULTIPROCESSING_HELPER = "-c from multiprocessing."
+
+
 def leftover_processes() -> list[psutil.Process]:
     """The live processes this test process started, but for a shared embedded server
-    (PIPELINE_TEST_HOME's, which is meant to outlive the session) and its children."""
-    shared: set[int] = set()
+    (PIPELINE_TEST_HOME's, which is meant to outlive the session) and its children, and this
+    process's multiprocessing helpers (resource tracker, forkserver), which exit with it."""
+    kept: set[int] = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if MULTIPROCESSING_HELPER in " ".join(child.cmdline()):
+                kept.add(child.pid)
     if os.environ.get("PIPELINE_TEST_HOME"):
         with contextlib.suppress(OSError, ValueError, psutil.Error):
             pid_file = Path(os.environ["PIPELINE_TEST_HOME"]) / "pgdata" / "postmaster.pid"
             postmaster = psutil.Process(int(pid_file.read_text().split()[0]))
-            shared = {postmaster.pid, *(c.pid for c in postmaster.children(recursive=True))}
-    return [p for p in marked_processes() if p.pid not in shared]
+            kept |= {postmaster.pid, *(c.pid for c in postmaster.children(recursive=True))}
+    return [p for p in marked_processes() if p.pid not in kept]
 
 
 # The slowest modules, slowest first (each module's summed test time, measured in a whole run). With
