@@ -325,8 +325,9 @@ def _engines(instance: dg.DagsterInstance) -> list:
 
 
 # The in-process runs of a test capture no step output: the instance's default (local) compute-log
-# manager mirrors each step's stdout and stderr through a `tail -F` and a watcher process, two
-# processes per stream and step, which a run ended by an exception in the test could leave behind.
+# manager mirrors each step's stdout and stderr through a `tail -F` and a Python watcher process
+# (four processes per step, in the test's own process tree). What the tests assert is in the event
+# log and the database, not in the captured output.
 NO_COMPUTE_LOGS = """
 compute_logs:
   module: dagster._core.storage.noop_compute_log_manager
