@@ -36,8 +36,9 @@ FAKE_DIM = 16
 LONG_PROFILE = os.environ.get("PIPELINE_TEST_PROFILE") == "long"
 
 # Every process this test process starts inherits this marker (one value per xdist worker), so what
-# the suite started can be found at the end even after it was re-parented or left its session.
-SESSION_MARKER = "PIPELINE_TESTS_SESSION"
+# the suite started can be found at the end even after it was re-parented or left its session. Not
+# PIPELINE_-prefixed: the tests that build a clean environment drop those, and must keep this one.
+SESSION_MARKER = "PYTEST_PIPELINE_SESSION"
 os.environ[SESSION_MARKER] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 # The runs a test executes in-process write their events as `pipeline-assets dev`'s runs do (one
 # planned event per asset and range, events written in batches): a 64-bucket run's events otherwise
@@ -71,25 +72,40 @@ def marked_processes(needle: str = "") -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_dagster_process_survives():
-    """Session end: no `dagster` process started by this session is left (a `dagster dev` whose
-    code server or gRPC child outlived it). Requested first, so checked after every other teardown."""
+def no_process_survives():
+    """Session end: no process started (directly or not) by this test process is left: a `dagster
+    dev` code server or gRPC child that outlived it, a run's compute-log `tail -F`, a CLI process.
+    Requested first, so checked after every other teardown; what is left is killed, then reported."""
     yield
-
-    def leftovers() -> list[psutil.Process]:
-        # Not leaks: Dagster's compute-log watchers (watch_orphans.py) of this very process, which
-        # in-process runs start and which exit with it.
-        return [p for p in marked_processes("dagster") if "watch_orphans.py" not in " ".join(p.info["cmdline"] or [])]
-
     with contextlib.suppress(AssertionError):
-        wait_until(lambda: not leftovers(), timeout=30, what="dagster processes of the tests to exit")
-    left = leftovers()
+        wait_until(lambda: not leftover_processes(), timeout=30, what="the processes of the tests to exit")
+    left = leftover_processes()
     for p in left:
         with contextlib.suppress(psutil.Error):
             p.kill()  # do not leak them past the failure either
-    assert not left, "dagster processes outlived the tests: " + "; ".join(
-        " ".join(p.info["cmdline"] or [])[:160] for p in left
+    assert not left, "processes outlived the tests: " + "; ".join(
+        f"{p.pid} " + " ".join(p.info["cmdline"] or [])[:160] for p in left
     )
+
+
+MULTIPROCESSING_HELPER = "-c from multiprocessing."
+
+
+def leftover_processes() -> list[psutil.Process]:
+    """The live processes this test process started, but for a shared embedded server
+    (PIPELINE_TEST_HOME's, which is meant to outlive the session) and its children, and this
+    process's multiprocessing helpers (resource tracker, forkserver), which exit with it."""
+    kept: set[int] = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if MULTIPROCESSING_HELPER in " ".join(child.cmdline()):
+                kept.add(child.pid)
+    if os.environ.get("PIPELINE_TEST_HOME"):
+        with contextlib.suppress(OSError, ValueError, psutil.Error):
+            pid_file = Path(os.environ["PIPELINE_TEST_HOME"]) / "pgdata" / "postmaster.pid"
+            postmaster = psutil.Process(int(pid_file.read_text().split()[0]))
+            kept |= {postmaster.pid, *(c.pid for c in postmaster.children(recursive=True))}
+    return [p for p in marked_processes() if p.pid not in kept]
 
 
 # The slowest modules, slowest first (each module's summed test time, measured in a whole run). With
@@ -98,16 +114,16 @@ def no_dagster_process_survives():
 # first): a long module collected late would otherwise run alone at the end.
 SLOW_MODULES = [
     "test_dagster_webserver",
-    "test_topology_faults",
-    "test_dagster_sensors",
-    "test_topology_scale",
-    "test_dagster_dev_command",
-    "test_topology",
-    "test_provider_evidence",
-    "test_embedded",
-    "test_stage_timeout",
     "test_dagster_commands",
+    "test_topology_scale",
+    "test_dagster_sensors",
     "test_crash_attribution",
+    "test_stage_timeout",
+    "test_topology_faults",
+    "test_embedded",
+    "test_provider_evidence",
+    "test_topology",
+    "test_dagster_dev_command",
     "test_dagster_assets",
     "test_contract",
     "test_state_machine_property",

@@ -324,9 +324,21 @@ def _engines(instance: dg.DagsterInstance) -> list:
     return found
 
 
+# The in-process runs of a test capture no step output: the instance's default (local) compute-log
+# manager mirrors each step's stdout and stderr through a `tail -F` and a Python watcher process
+# (four processes per step, in the test's own process tree). What the tests assert is in the event
+# log and the database, not in the captured output.
+NO_COMPUTE_LOGS = """
+compute_logs:
+  module: dagster._core.storage.noop_compute_log_manager
+  class: NoOpComputeLogManager
+"""
+
+
 @contextmanager
 def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
-    """A Dagster instance on PostgreSQL storage (a fresh database), configured as `pipeline-assets dev` does.
+    """A Dagster instance on PostgreSQL storage (a fresh database), configured as `pipeline-assets dev`
+    does but for compute logs (none).
 
     SQLite storage writes each event in its own transaction: a range run of a few
     hundred partitions takes minutes there against seconds on PostgreSQL. The fresh
@@ -335,7 +347,7 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
     name = copy_of_dagster_template(server_url)
     url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
     with tempfile.TemporaryDirectory() as home:
-        (Path(home) / "dagster.yaml").write_text(dagster_instance.instance_yaml())
+        (Path(home) / "dagster.yaml").write_text(dagster_instance.instance_yaml() + NO_COMPUTE_LOGS)
         with _instance_env(url):
             instance = dg.DagsterInstance.from_config(home)
             # Pooled connections, as dagster-webserver holds them (`optimize_for_webserver`; no

@@ -20,6 +20,9 @@ MAX_PARTITION_BUCKETS = 4096
 # How often the source sensor scans the source: how long an edit waits for its run at most, against
 # a walk of the source (an observation per file, read only when its size or mtime changed) per tick.
 DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS = 30
+# The files of a failed or cancelled source-sensor run are requested again after this long, twice
+# as long after each further failure of the same bytes (at most an hour): not at every tick.
+DEFAULT_SOURCE_RETRY_BASE_SECONDS = 60.0
 DEFAULT_RECONCILE_CRON = "0 * * * *"
 DEFAULT_HEALTH_CRON = "*/15 * * * *"
 # The dead-letter growth check warns above this many new failures per hour.
@@ -38,6 +41,7 @@ DEFAULT_EMBED_RUN_DEADLINE_SECONDS = 3600.0
 class DagsterConfig:
     partition_buckets: int = DEFAULT_PARTITION_BUCKETS  # of a new database; a database keeps its count
     source_sensor_interval: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
+    source_retry_base: float = DEFAULT_SOURCE_RETRY_BASE_SECONDS
     reconcile_cron: str = DEFAULT_RECONCILE_CRON
     health_cron: str = DEFAULT_HEALTH_CRON
     dlq_growth_per_hour: int = DEFAULT_DLQ_GROWTH_PER_HOUR
@@ -54,6 +58,7 @@ class DagsterConfig:
                     f"must be between 1 and {MAX_PARTITION_BUCKETS}",
                 ),
                 (self.source_sensor_interval >= 1, "source_sensor_interval", "must be at least 1"),
+                (self.source_retry_base > 0, "source_retry_base", "must be positive"),
                 (self.embed_workers in EMBED_WORKER_MODES, "embed_workers", f"must be one of {EMBED_WORKER_MODES}"),
                 (self.embed_run_deadline > 0, "embed_run_deadline", "must be positive"),
             ],

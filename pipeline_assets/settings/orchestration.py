@@ -12,6 +12,7 @@ from pipeline_assets.defs.dagster_config import (
     DEFAULT_HEALTH_CRON,
     DEFAULT_PARTITION_BUCKETS,
     DEFAULT_RECONCILE_CRON,
+    DEFAULT_SOURCE_RETRY_BASE_SECONDS,
     DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
     DagsterConfig,
 )
@@ -24,6 +25,12 @@ class DagsterSettings:
         "PIPELINE_SOURCE_SENSOR_INTERVAL",
         DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
         "seconds between two scans of the source by the source sensor",
+    )
+    source_retry_base: float = setting(
+        "PIPELINE_SOURCE_RETRY_BASE",
+        DEFAULT_SOURCE_RETRY_BASE_SECONDS,
+        "the files of a failed or cancelled source-sensor run are requested again after this long, "
+        "doubling per further failure, at most an hour (s)",
     )
     reconcile_cron: str = setting("PIPELINE_RECONCILE_CRON", DEFAULT_RECONCILE_CRON, "the reconciliation schedule")
     health_cron: str = setting("PIPELINE_HEALTH_CRON", DEFAULT_HEALTH_CRON, "the asset-check schedule")
@@ -52,6 +59,7 @@ class DagsterSettings:
         return DagsterConfig(
             partition_buckets=self.partition_buckets,
             source_sensor_interval=self.source_sensor_interval,
+            source_retry_base=self.source_retry_base,
             reconcile_cron=self.reconcile_cron,
             health_cron=self.health_cron,
             dlq_growth_per_hour=self.dlq_growth_per_hour,

@@ -19,11 +19,10 @@ from pipeline_assets.store import queries
 
 OBS = queries.load("observations")
 
-# A file whose requested run ended without syncing it is requested again after
-# RETRY_BASE_SECONDS, then twice as long after each further failed request of the
-# same bytes, at most RETRY_CAP_SECONDS: a persistently failing run is retried
+# A file whose requested run ended without syncing it is requested again after the
+# caller's ``retry_base`` seconds, then twice as long after each further failed request
+# of the same bytes, at most RETRY_CAP_SECONDS: a persistently failing run is retried
 # about once an hour, not at every tick.
-RETRY_BASE_SECONDS = 60.0
 RETRY_CAP_SECONDS = 3600.0
 
 # The name of the server-side cursor over the walked files a scan has to read.
@@ -160,11 +159,12 @@ class Retries:
     next_in: float | None  # seconds until the first is due (None: none waiting)
 
 
-def schedule_retries(conn: psycopg.Connection, root: Path | str, generation: int) -> Retries:
+def schedule_retries(conn: psycopg.Connection, root: Path | str, generation: int, *, retry_base: float) -> Retries:
     """At a tick with none of the sensor's runs in flight (so every request of an earlier generation
-    has ended): give the files those requests left unsynced their time to be requested again, and
-    say how many still wait."""
-    params = {"root": str(root), "generation": generation, "base": RETRY_BASE_SECONDS, "cap": RETRY_CAP_SECONDS}
+    has ended): give the files those requests left unsynced their time to be requested again (after
+    ``retry_base`` seconds, doubling per failed request, at most RETRY_CAP_SECONDS), and say how
+    many still wait."""
+    params = {"root": str(root), "generation": generation, "base": retry_base, "cap": RETRY_CAP_SECONDS}
     conn.execute(OBS.schedule_retries, params)
     row = conn.execute(OBS.waiting_retries, params).fetchone()
     waiting, next_in = row if row is not None else (0, None)

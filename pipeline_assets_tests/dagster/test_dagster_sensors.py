@@ -295,6 +295,7 @@ def test_a_file_back_before_its_run_is_left_current(corpus, conn, fake, instance
 def test_a_failed_run_is_requested_again(corpus, conn, instance, monkeypatch):
     from pipeline_assets.app import buckets
 
+    monkeypatch.setenv("PIPELINE_SOURCE_RETRY_BASE", "37")  # the backoff is the configured one
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
     assert execute(defs, instance, tick.run_requests[0]).success
@@ -313,6 +314,8 @@ def test_a_failed_run_is_requested_again(corpus, conn, instance, monkeypatch):
     monkeypatch.setattr(buckets, "ingest_documents", real)
     held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)  # backing off
     assert not held.run_requests and "1 file(s) of failed or cancelled runs requested again in" in held.skip_message
+    attempts, due_in = _retry_state(conn, "doc0002.md")
+    assert attempts == 1 and 20 < due_in <= 37, due_in
     _retries_due(conn)
     again = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
     (retry,) = again.run_requests

@@ -302,7 +302,10 @@ class Topology:
 
     def _start_dagster(self) -> None:
         env = self.pipeline_env(
-            PIPELINE_EMBED_WORKERS="external", PIPELINE_SOURCE_SENSOR_INTERVAL="5", PIPELINE_WORKER_DEAD_AFTER="3"
+            PIPELINE_EMBED_WORKERS="external",
+            PIPELINE_SOURCE_SENSOR_INTERVAL="5",
+            PIPELINE_SOURCE_RETRY_BASE="5",
+            PIPELINE_WORKER_DEAD_AFTER="3",
         )
         # The instance prepared as a deployment does (migrations, the dagster database, dagster.yaml).
         done = subprocess.run(

@@ -73,6 +73,7 @@ def test_defaults_are_the_named_constants():
     assert DagsterConfig() == DagsterConfig(
         partition_buckets=dc.DEFAULT_PARTITION_BUCKETS,
         source_sensor_interval=dc.DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
+        source_retry_base=dc.DEFAULT_SOURCE_RETRY_BASE_SECONDS,
         reconcile_cron=dc.DEFAULT_RECONCILE_CRON,
         health_cron=dc.DEFAULT_HEALTH_CRON,
         dlq_growth_per_hour=dc.DEFAULT_DLQ_GROWTH_PER_HOUR,
@@ -127,6 +128,7 @@ def test_an_empty_environment_builds_the_default_configs():
         (DatabaseConfig, "pool_mode", "statement"),
         (DagsterConfig, "partition_buckets", dc.MAX_PARTITION_BUCKETS + 1),
         (DagsterConfig, "embed_workers", "elsewhere"),
+        (DagsterConfig, "source_retry_base", 0.0),
         (ProviderConfig, "batch_inputs", 0),
         (ProviderConfig, "dimensions", 0),
         (ProviderConfig, "max_input_tokens", -1),
@@ -205,6 +207,7 @@ REACHES = [
     ("PIPELINE_MAX_INPUT_BYTES", "1234", "source_config", lambda c: c.max_bytes, 1234),
     ("PIPELINE_PARTITION_BUCKETS", "8", "dagster_config", lambda c: c.partition_buckets, 8),
     ("PIPELINE_SOURCE_SENSOR_INTERVAL", "5", "dagster_config", lambda c: c.source_sensor_interval, 5),
+    ("PIPELINE_SOURCE_RETRY_BASE", "2.5", "dagster_config", lambda c: c.source_retry_base, 2.5),
     ("PIPELINE_RECONCILE_CRON", "5 * * * *", "dagster_config", lambda c: c.reconcile_cron, "5 * * * *"),
     ("PIPELINE_HEALTH_CRON", "0 0 * * *", "dagster_config", lambda c: c.health_cron, "0 0 * * *"),
     ("PIPELINE_DLQ_GROWTH_PER_HOUR", "3", "dagster_config", lambda c: c.dlq_growth_per_hour, 3),

@@ -170,7 +170,10 @@ def _scan_source(
                 ),
             )
         # None of the sensor's runs in flight: the requests of earlier generations have ended.
-        retries = None if in_flight else source_observations.schedule_retries(conn, root, generation)
+        retry_base = settings.dagster_config().source_retry_base
+        retries = (
+            None if in_flight else source_observations.schedule_retries(conn, root, generation, retry_base=retry_base)
+        )
         todo = source_observations.pending_buckets(conn, root, generation, n)
         if not todo:
             waiting = (

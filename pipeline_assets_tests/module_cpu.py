@@ -1,0 +1,57 @@
+"""A pytest plugin: the CPU-seconds and wall time of each test module, one JSON line per module.
+
+    PIPELINE_MODULE_CPU_OUT=/tmp/modules.jsonl python -m pytest -q -n 0 -p pipeline_assets_tests.module_cpu
+
+The CPU is that of a cgroup v1 ``cpuacct`` group when ``PIPELINE_MODULE_CPU_CGROUP`` names its
+directory (put the shell that starts pytest into it first: then every process the tests start,
+PostgreSQL servers and Dagster daemons included, is counted, even after it left the process tree);
+otherwise this process's own CPU and that of its children it waited for. A module's figure runs from
+the setup of its first test to the teardown of its last (module fixtures included); run with
+``-n 0``, so modules do not overlap. CPU-seconds are what a loaded machine distorts least.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+OUT_ENV = "PIPELINE_MODULE_CPU_OUT"
+CGROUP_ENV = "PIPELINE_MODULE_CPU_CGROUP"
+_current: dict = {}
+
+
+def _cpu_seconds() -> float:
+    cgroup = os.environ.get(CGROUP_ENV)
+    if cgroup:
+        return int((Path(cgroup) / "cpuacct.usage").read_text()) / 1e9
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _current.get("module") != _module(item):
+        _current.update(module=_module(item), cpu=_cpu_seconds(), wall=time.monotonic(), load=os.getloadavg()[0])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    if nextitem is not None and _module(nextitem) == _module(item):
+        return
+    record = {
+        "module": _module(item),
+        "cpu_s": round(_cpu_seconds() - _current["cpu"], 1),
+        "wall_s": round(time.monotonic() - _current["wall"], 1),
+        "load": [round(_current["load"], 1), round(os.getloadavg()[0], 1)],
+    }
+    _current.clear()
+    with open(os.environ.get(OUT_ENV, "module-cpu.jsonl"), "a") as out:
+        out.write(json.dumps(record) + "\n")
