@@ -8,6 +8,7 @@ import faulthandler
 import functools
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -112,23 +113,69 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STACKS_SIGNAL = signal.SIGUSR1
 
 
+# The stop callback the signal watcher calls (the last ``stop_on_signals``'s): one watcher per process.
+_stop_now: Callable[[], None] | None = None
+_watcher_lock = threading.Lock()
+_watcher: threading.Thread | None = None
+_wakeup: socket.socket | None = None  # the fd's socket, kept open for the life of the process
+
+
+def _watch_stop_signals() -> None:
+    """Read the signal numbers Python's C-level handler writes to the wakeup fd, in a thread: a stop
+    is seen even while the main thread is inside one long C call, where Python's own handler waits
+    for it to return. Started once per process, from the main thread."""
+    global _watcher, _wakeup
+    with _watcher_lock:
+        if _watcher is not None:
+            return
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        try:
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: Python's handler alone
+            reader.close()
+            writer.close()
+            return
+        _wakeup = writer
+        stop_numbers = {int(sig) for sig in STOP_SIGNALS}
+
+        def watch() -> None:
+            while data := reader.recv(64):
+                callback = _stop_now
+                if callback is not None and stop_numbers.intersection(data):
+                    callback()
+
+        _watcher = threading.Thread(target=watch, name="stop-signals", daemon=True)
+        _watcher.start()
+
+
 def stop_on_signals(stacks_after: float = STOP_STACKS_AFTER_SECONDS) -> threading.Event:
     """SIGTERM/SIGINT stop claiming; the worker hands back what it holds and exits. Still
     running ``stacks_after`` seconds after the first signal, it dumps its threads' stacks;
-    ``STACKS_SIGNAL`` dumps them at any time."""
+    ``STACKS_SIGNAL`` dumps them at any time. The stop is set by Python's handler and, at once,
+    by a thread reading the signal wakeup fd (``_watch_stop_signals``)."""
+    global _stop_now
     stop = threading.Event()
     # Only where stderr is a file (a command run in-process by a test captures it: no dump there).
     with contextlib.suppress(AttributeError, ValueError, OSError):
         faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    armed = threading.Lock()
+
+    def stop_now() -> None:
+        with armed:  # the handler and the watcher may both call it: the dump is armed once
+            if not stop.is_set():
+                with contextlib.suppress(AttributeError, ValueError, OSError):
+                    faulthandler.dump_traceback_later(stacks_after, exit=False)
+                stop.set()
 
     def on_signal(signum: int, frame: object) -> None:
-        if not stop.is_set():
-            with contextlib.suppress(AttributeError, ValueError, OSError):
-                faulthandler.dump_traceback_later(stacks_after, exit=False)
-        stop.set()
+        if not stop.is_set():  # the watcher may have set it already (then its lock may be held)
+            stop_now()
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
+    _stop_now = stop_now
+    _watch_stop_signals()
     # A parent may have started this process with them blocked (a mask is inherited through exec):
     # blocked, they would stay pending for ever. Unblocked here, before the worker starts its threads.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

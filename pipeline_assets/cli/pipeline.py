@@ -61,6 +61,7 @@ def work(
     as_json: bool,
 ) -> None:
     """Claim and process embedding jobs (until SIGTERM, or --until-idle)."""
+    stop_event = stop_on_signals()  # first: a stop during the start-up is a stop, not lost
     rt = runtime()
     with pool() as p, work_progress(p, enabled=None if until_idle else False) as bar:
         metrics = None if metrics_port is None else _serve_metrics(rt, p, metrics_host, metrics_port)
@@ -77,7 +78,7 @@ def work(
             until_idle=until_idle,
             lease_seconds=lease_seconds,
             worker_id=worker_id,
-            stop_event=stop_on_signals(),
+            stop_event=stop_event,
             observe=observe,
         )
     emit(report.as_dict(), as_json, pairs)
@@ -102,6 +103,7 @@ def _serve_metrics(rt: Runtime, p: ConnectionPool, host: str, port: int) -> Work
 @expected_errors
 def embed(source: str, concurrency: int | None, allow_empty: bool, as_json: bool) -> None:
     """Ingest SOURCE (a directory, s3://BUCKET/PREFIX), then work until idle: the one-shot job."""
+    stop_event = stop_on_signals()  # first: a stop during the start-up is a stop, not lost
     rt = runtime(allow_empty=allow_empty)
     src = open_source(source, settings().source_config())
     with pool() as p, work_progress(p) as bar:
@@ -110,7 +112,7 @@ def embed(source: str, concurrency: int | None, allow_empty: bool, as_json: bool
             p,
             src,
             concurrency=concurrency or DEFAULT_CONCURRENCY,
-            stop_event=stop_on_signals(),
+            stop_event=stop_event,
             observe=bar.observe,
         )
     emit(summary.as_dict(), as_json, pairs)

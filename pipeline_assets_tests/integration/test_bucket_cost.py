@@ -127,10 +127,12 @@ def _register(conn, root: str, ids: list[str]) -> None:
     source = conn.execute(DOCS.register_source, {"root": root, "kind": "folder"}).fetchone()[0]
     k = len(ids)
     conn.execute(
-        DOCS.upsert_documents,
+        DOCS.write_documents,
         {
             "source": source,
             "chunker": "c1",
+            "config": "cfg",
+            "run": None,
             "ids": ids,
             "uris": ids,
             "checksums": [b"x"] * k,
