@@ -64,6 +64,8 @@ LEASE_SECONDS = 3
 # How long a worker may take to stop after SIGTERM: the grace the deployment gives it
 # (terminationGracePeriodSeconds in deploy/k8s/worker.yaml).
 STOP_GRACE_SECONDS = 30
+# How long a freshly started worker is left to install its signal handlers before the final SIGTERM.
+WORKER_STARTUP_SECONDS = 3.0
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -166,11 +168,13 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
     exits: list[str] = []
     failures: list[BaseException] = []
     workers: dict[int, tuple[subprocess.Popen, Path]] = {}
+    started_at: dict[int, float] = {}
 
     def start(i: int) -> None:
         nonlocal runs
         runs += 1
         workers[i] = (_start_worker(i, run_env, logs, runs), logs / f"worker{i}-run{runs}.log")
+        started_at[i] = time.monotonic()
 
     def mutate(deadline: float) -> None:
         """Edits, deletes and adds of random documents, each batch followed by an ingest
@@ -225,6 +229,10 @@ def test_fault_soak(env, fake, clean_db, tmp_path):
             start(i)
     finally:
         mutator.join()
+        # A graceful stop is for a started worker: one restarted just now is given its start-up
+        # first (a SIGTERM inside a process's exec and interpreter start, before its handlers exist,
+        # was seen lost in CI: always the worker restarted < 0.1 s before, never a running one).
+        time.sleep(max(0.0, max(started_at.values(), default=0.0) + WORKER_STARTUP_SECONDS - time.monotonic()))
         for proc, _log in workers.values():  # a graceful stop: held claims are handed back
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
