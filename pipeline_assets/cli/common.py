@@ -159,18 +159,17 @@ def stop_on_signals(stacks_after: float = STOP_STACKS_AFTER_SECONDS) -> threadin
     # Only where stderr is a file (a command run in-process by a test captures it: no dump there).
     with contextlib.suppress(AttributeError, ValueError, OSError):
         faulthandler.register(STACKS_SIGNAL, all_threads=True)
-    armed = threading.Lock()
 
     def stop_now() -> None:
-        with armed:  # the handler and the watcher may both call it: the dump is armed once
-            if not stop.is_set():
-                with contextlib.suppress(AttributeError, ValueError, OSError):
-                    faulthandler.dump_traceback_later(stacks_after, exit=False)
-                stop.set()
+        # The handler and the watcher may both get here: arming the dump again only reschedules
+        # the one timer, so the dump still comes once.
+        if not stop.is_set():
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                faulthandler.dump_traceback_later(stacks_after, exit=False)
+            stop.set()
 
     def on_signal(signum: int, frame: object) -> None:
-        if not stop.is_set():  # the watcher may have set it already (then its lock may be held)
-            stop_now()
+        stop_now()
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
