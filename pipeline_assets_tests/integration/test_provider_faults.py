@@ -99,7 +99,7 @@ def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, c
     from pipeline_assets.jobs import provider_state, transitions
 
     model = _queue(conn, 4)
-    provider_state.pause_provider(conn, model, 60)
+    job_helpers.pause_provider(conn, model, 60)
     _pause_over(conn)
     probe = transitions.claim(conn, model_id=model, owner="a", limit=1, lease_seconds=30)
     assert [j.probe for j in probe] == [True]
@@ -126,7 +126,7 @@ def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
     from pipeline_assets.jobs import provider_state, transitions
 
     model = _queue(conn, 4)
-    provider_state.pause_provider(conn, model, 60)
+    job_helpers.pause_provider(conn, model, 60)
     _pause_over(conn)
     assert transitions.claim(conn, model_id=model, owner="a", limit=1, lease_seconds=30)[0].probe
     # One 5xx (below the breaker's threshold) on the probe: its job backs off on its
@@ -144,12 +144,12 @@ def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
 
 
 def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
-    from pipeline_assets.jobs import provider_state, transitions
+    from pipeline_assets.jobs import transitions
     from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 
     model = _queue(conn, 2)
     conn.execute("UPDATE app.embedding_jobs SET available_at = now() + interval '1 hour'")
-    provider_state.pause_provider(conn, model, 60)
+    job_helpers.pause_provider(conn, model, 60)
     _pause_over(conn)
     assert transitions.claim(conn, model_id=model, owner="a", limit=5, lease_seconds=30) == []
     assert conn.execute("SELECT probe_owner, probe_until > now() FROM app.provider_state").fetchone() == (None, False)
@@ -186,9 +186,7 @@ def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake
     assert data["retry_after_cap"] == 1.0
     assert data["breaker"]["openai/fake-embed"]["state"] == "closed"
     # While the breaker is open, status says for how long.
-    from pipeline_assets.jobs import provider_state
-
-    provider_state.pause_provider(conn, "openai/fake-embed", 120)
+    job_helpers.pause_provider(conn, "openai/fake-embed", 120)
     lines = cli("status", env=run_env).stdout.splitlines()
     breaker = next(line for line in lines if line.startswith("breaker openai/fake-embed:"))
     assert breaker.split(":", 1)[1].split()[0] == "open"
