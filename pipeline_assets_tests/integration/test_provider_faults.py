@@ -14,10 +14,9 @@ import pytest
 
 from pipeline_assets.providers import RETRYABLE, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
-from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
+from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
 
 # The measured scenario of item 1: 30 documents of two chunks each.
 SOAK_DOCUMENTS = 30
@@ -340,15 +339,7 @@ def test_an_unreachable_database_is_waited_for_a_refusing_one_is_counted():
 def test_an_answer_with_the_right_count_but_a_wrong_index_is_unmatched(fake, texts):
     """Each input's vector is the one carrying its index: a duplicate or missing index is an
     unusable answer of the provider (as a wrong count is), never vectors stored by position."""
-    provider = OpenAIProvider(
-        FAKE_MODEL,
-        api_key="test-key",
-        base_url=fake.base_url,
-        dimensions=None,
-        timeout=10,
-        max_batch_inputs=16,
-        max_batch_tokens=10_000,
-    )
+    provider = fake.provider()
     try:
         assert len(provider.embed(texts).vectors) == len(texts)  # a sound answer passes
         fake.bad_index_rate = 1.0
