@@ -43,7 +43,7 @@ from psycopg import sql
 from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.settings import Settings
 
-# The target: the worker through the CLI at least this share of the SDK alone.
+# The target: the worker through the CLI at least this share of the SDK alone.
 TARGET_RATIO = 0.6
 ROUNDS = 3  # interleaved rounds of (a), (c) and (b); medians reported
 

@@ -18,7 +18,7 @@ from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
 
-# The measured scenario of item 1: 30 documents of two chunks each.
+# The soak's corpus: 30 documents of two chunks each.
 SOAK_DOCUMENTS = 30
 SOAK_WORDS = 300  # ~600 tokens: two 512-token chunks per document
 # The requirement: this corpus under these faults in under 60 s; it takes about 10 s on a quiet
@@ -34,7 +34,7 @@ def chunk_texts(conn) -> list[str]:
     return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
 
 
-# 1 -- a failed or empty half-open probe releases its slot; the pause follows Retry-After ---------
+# -- a failed or empty half-open probe releases its slot; the pause follows Retry-After ---------
 
 
 def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path):
@@ -56,7 +56,7 @@ def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path
     wall = time.monotonic() - started
     stats = fake.stats
     print(
-        f"\nitem 1: wall={wall:.1f}s requests={stats['requests']} by_status={stats['responses_by_status']} "
+        f"\nsoak: wall={wall:.1f}s requests={stats['requests']} by_status={stats['responses_by_status']} "
         f"billed_inputs={stats['billed_inputs']} unique_inputs={len(texts)} report={out}"
     )
     assert job_counts(conn) == {"ready": len(texts)}
@@ -167,7 +167,7 @@ def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
     assert transitions.claim(conn, model_id=model, owner="c", limit=1, lease_seconds=30)[0].probe
 
 
-# 2 -- Retry-After is capped, and status says so --------------------------------------------------
+# -- Retry-After is capped, and status says so --------------------------------------------------
 
 
 def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake, clean_db, tmp_path):
@@ -193,7 +193,7 @@ def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake
     assert "retry-after cap: 1s (PIPELINE_RETRY_AFTER_CAP)" in lines
 
 
-# 3 -- an always-throttled input is dead-lettered; the rest of the corpus moves ---------------------
+# -- an always-throttled input is dead-lettered; the rest of the corpus moves ---------------------
 
 
 def test_an_always_throttled_input_is_dead_lettered_and_the_rest_completes(env, fake, clean_db, tmp_path):
@@ -215,11 +215,14 @@ def test_an_always_throttled_input_is_dead_lettered_and_the_rest_completes(env, 
     # Throttles cost the innocent inputs no attempt, and nothing was billed twice.
     assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 1
     assert fake.stats["billed_inputs"] == len(texts) - 1
-    print(f"\nitem 3: wall={wall:.1f}s requests={fake.stats['requests']} by_status={fake.stats['responses_by_status']}")
+    print(
+        f"\nthrottled input: wall={wall:.1f}s requests={fake.stats['requests']}"
+        f" by_status={fake.stats['responses_by_status']}"
+    )
     assert wall < HANG_SECONDS  # a hang bound: the bug was a model stalled forever
 
 
-# 5 -- faults that are not an item's ------------------------------------------------------------------
+# -- other faults ------------------------------------------------------------------
 
 
 def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt(env, fake, clean_db, tmp_path):
