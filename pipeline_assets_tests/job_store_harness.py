@@ -64,7 +64,7 @@ def store_options(
     observers: Sequence = (),
     base: float = 0.0,
     cap: float = 0.0,
-    run: str | None = None,
+    worker_run: str | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments both stores take: a contract test's options, no backoff by default."""
     return {
@@ -72,7 +72,7 @@ def store_options(
         "worker_id": "w",
         "backoff_base": base,
         "backoff_cap": cap,
-        "run": run,
+        "worker_run": worker_run,
         "scope": scope,
         "observers": observers,
     }

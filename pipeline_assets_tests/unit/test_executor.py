@@ -70,7 +70,7 @@ def rig(fake):
     store = MemoryJobStore(
         queue,
         model_id=provider.spec.model_id,
-        run="w/x/",
+        worker_run="w/x/",
         backoff_base=BACKOFF_BASE,
         backoff_cap=BACKOFF_CAP,
         observers=[ReportCounts(report)],
