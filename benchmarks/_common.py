@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
 import uuid
@@ -100,3 +101,20 @@ def emit(result: dict) -> None:
 
 def rate(n: int, seconds: float) -> float:
     return round(n / seconds, 1) if seconds > 0 else float("inf")
+
+
+def start_fake(*options: str) -> tuple[subprocess.Popen, str]:
+    """The fake OpenAI server in a process of its own (``options``: its command line, e.g.
+    ``--dim 64 --latency 0.2``); (the process, its base URL) once it serves."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", *options],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"fake server did not start: {line!r}")
+    return proc, line.split(" ", 1)[1]

@@ -49,7 +49,7 @@ def child(root: str) -> None:
     path = Path(root)
     with db.open_pool(settings.database_config()) as pool:
         with pool.connection() as conn:
-            n = bucket_rows.fixed_buckets(conn, settings.partition_buckets)
+            n = bucket_rows.fixed_bucket_count(conn, settings.partition_buckets)
         base = rss_mb()
         started = time.perf_counter()
         synced = buckets.sync_buckets(rt, pool, path, range(n), n)

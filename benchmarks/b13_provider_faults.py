@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import openai
-from _common import REPO, emit, fresh_database
+from _common import REPO, emit, fresh_database, start_fake
 
 from pipeline_assets.store import db
 from pipeline_assets_tests.fake_openai import fetch_stats, post_faults
@@ -56,20 +56,6 @@ def write_corpus(root: Path, n: int, *, two_chunks_in: int = 9, of: int = 11) ->
         words = 300 if i % of < two_chunks_in else 60
         body = " ".join(f"w{(i * 7 + j) % 997}" for j in range(words))
         (root / f"doc{i:04d}.md").write_text(f"# doc {i}\n\n{body}\n")
-
-
-def start_fake() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", "--dim", str(DIM)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline().strip()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"fake server did not start: {line!r}")
-    return proc, line.split(" ", 1)[1]
 
 
 def worker_env(url: str, base_url: str) -> dict:
@@ -236,7 +222,7 @@ def main() -> None:
         "concurrency": THREADS,
         "load_before": os.getloadavg(),
     }
-    fake, base_url = start_fake()
+    fake, base_url = start_fake("--dim", str(DIM))
     try:
         with tempfile.TemporaryDirectory(prefix="b13-") as tmp:
             corpus = Path(tmp) / "c"

@@ -36,28 +36,16 @@ import time
 from pathlib import Path
 
 import psycopg
-from _common import REPO, emit, fresh_database, rate
+from _common import REPO, emit, fresh_database, rate, start_fake
 from _sdk_alone import KEY, MODEL, sdk_alone
 from psycopg import sql
 
 from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.settings import Settings
 
-# The target: the worker through the CLI at least this share of the SDK alone.
+# The target: the worker through the CLI at least this share of the SDK alone.
 TARGET_RATIO = 0.6
 ROUNDS = 3  # interleaved rounds of (a), (c) and (b); medians reported
-
-
-def start_fake(dim: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline_assets_tests.fake_openai", "--port", "0", "--dim", str(dim), "--api-key", KEY],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline().strip()
-    assert line.startswith("READY "), line
-    return proc, line.split(" ", 1)[1]
 
 
 def write_corpus(root: Path, n: int) -> list[str]:
@@ -161,7 +149,7 @@ def main() -> None:
     a = p.parse_args()
     settings = Settings.from_env()
     threads, batch = DEFAULT_CONCURRENCY, settings.provider_config().request_inputs
-    fake, base_url = start_fake(a.dim)
+    fake, base_url = start_fake("--dim", str(a.dim), "--api-key", KEY)
     try:
         with fresh_database("clisdk") as url, tempfile.TemporaryDirectory(prefix="b1cli-") as tmp:
             texts = write_corpus(Path(tmp) / "corpus", a.docs)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, emit, fresh_database
+from _common import REPO, emit, fresh_database, start_fake
 
 from pipeline_assets.store import db
 from pipeline_assets_tests.fake_openai import count_tokens, fetch_stats
@@ -48,34 +48,6 @@ def write_corpus(root: Path, n: int) -> int:
     return total
 
 
-def start_fake() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline_assets_tests.fake_openai",
-            "--port",
-            "0",
-            "--dim",
-            str(DIM),
-            "--latency",
-            str(LATENCY),
-            "--rpm",
-            str(RPM),
-            "--tpm",
-            str(TPM),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline().strip()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"fake server did not start: {line!r}")
-    return proc, line.split(" ", 1)[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--documents", type=int, default=5600)
@@ -93,7 +65,7 @@ def main() -> None:
             "PIPELINE_BATCH_TOKENS": args.batch_tokens,
         },
     }
-    fake, base_url = start_fake()
+    fake, base_url = start_fake("--dim", str(DIM), "--latency", str(LATENCY), "--rpm", str(RPM), "--tpm", str(TPM))
     try:
         with fresh_database("b2") as url, tempfile.TemporaryDirectory(prefix="b2-") as tmp:
             corpus_tokens = write_corpus(Path(tmp), args.documents)

@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 
 import psycopg
-from _common import REPO, emit, fresh_database, server_url, with_dbname
+from _common import REPO, emit, fresh_database, server_url, start_fake, with_dbname
 from psycopg import sql
 
 from pipeline_assets_tests.fake_openai import fetch_stats
@@ -57,30 +57,6 @@ def write_corpus(root: Path, n: int) -> None:
         if i % 1000 == 0:
             folder.mkdir(parents=True)
         (folder / f"doc-{i:06d}.md").write_text(f"# Document {i}\n\nScale-out item {i}: claim, call, complete.\n")
-
-
-def start_fake(latency: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline_assets_tests.fake_openai",
-            "--port",
-            "0",
-            "--dim",
-            str(DIM),
-            "--latency",
-            str(latency),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline().strip()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"fake server did not start: {line!r}")
-    return proc, line.split(" ", 1)[1]
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
@@ -201,7 +177,7 @@ def main() -> None:
         "workers": {"concurrency": args.concurrency, "PIPELINE_BATCH_INPUTS": args.batch_inputs},
         "documents": args.documents,
     }
-    fake, base_url = start_fake(args.latency)
+    fake, base_url = start_fake("--dim", str(DIM), "--latency", str(args.latency))
     rounds: list[list[dict]] = []
     try:
         with fresh_database("b7") as template, tempfile.TemporaryDirectory(prefix="b7-") as tmp:

@@ -6,7 +6,7 @@ one partition of a separate source is materialized through Dagster
 local provider). Reported: the run's wall time, the inputs it sent (from the
 spend ledger) against its own chunk count, the backlog left pending; and, as
 the "before" baseline, the time a worker takes to drain the whole queue
-(what an embeddings run used to wait for).
+(what an embeddings run would wait for if it drained the queue).
 
     python benchmarks/b9_partition_backlog.py [--backlog-documents 2000] [--words 1500]
 """

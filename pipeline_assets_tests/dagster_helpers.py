@@ -171,21 +171,21 @@ def execute(
     return PipelineResult([synced, run(EMBED_JOB, key, embed_tags)])
 
 
-def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, buckets: int = 64) -> list[str]:
+def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, bucket_count: int = 64) -> list[str]:
     """The bucket keys a run request covers (one key, or a range in partition order)."""
     if request.partition_key:
         return [request.partition_key]
-    order = [bucket_key(i) for i in range(buckets)]
+    order = [bucket_key(i) for i in range(bucket_count)]
     start = order.index(request.tags["dagster/asset_partition_range_start"])
     end = order.index(request.tags["dagster/asset_partition_range_end"])
     return order[start : end + 1]
 
 
-def bucket_of(document_id: str, buckets: int = 64) -> str:
+def bucket_of(document_id: str, bucket_count: int = 64) -> str:
     """The partition key of a document's bucket."""
     from pipeline_assets.app.buckets import bucket_of as index
 
-    return bucket_key(index(document_id, buckets))
+    return bucket_key(index(document_id, bucket_count))
 
 
 def materialization_metadata(result: dg.ExecuteInProcessResult, asset: str) -> dict:

@@ -64,9 +64,12 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline_assets.providers.openai_provider import OpenAIProvider
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 FAULT_FIELDS = (
@@ -313,6 +316,21 @@ class FakeOpenAI:
     @property
     def base_url(self) -> str:
         return f"http://{self._host}:{self.port}/v1"
+
+    def provider(self, *, timeout: float = 10.0, max_batch_inputs: int = 16) -> OpenAIProvider:
+        """The project's OpenAI provider (the real SDK) on this server, model ``conftest.FAKE_MODEL``."""
+        from pipeline_assets.providers.openai_provider import OpenAIProvider
+        from pipeline_assets_tests.conftest import FAKE_MODEL
+
+        return OpenAIProvider(
+            FAKE_MODEL,
+            api_key=self.api_key or "test-key",
+            base_url=self.base_url,
+            dimensions=None,
+            timeout=timeout,
+            max_batch_inputs=max_batch_inputs,
+            max_batch_tokens=10_000,
+        )
 
     def _track(self, conn: socket.socket, add: bool) -> None:
         with self._lock:

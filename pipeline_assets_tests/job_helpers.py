@@ -1,6 +1,6 @@
 """One transition at a time, for tests and benchmarks: each is one
 ``transitions.apply`` of a single change on a connection, returning what moved
-(the worker applies batches through ``JobStore.apply``)."""
+(the worker applies batches through ``JobStore.apply``); and a breaker tripped for a while."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import psycopg
+from psycopg.rows import dict_row
 
 from pipeline_assets.jobs.changes import Complete, Fail, GiveBack, Retry
+from pipeline_assets.jobs.provider_state import JOBS
 from pipeline_assets.jobs.status import JobStatus
 from pipeline_assets.jobs.transitions import apply, became
 
@@ -59,3 +61,19 @@ def fail_terminal(
     conn: psycopg.Connection, *, owner: str, job_ids: Sequence[int], error_class: str, message: str
 ) -> list[int]:
     return list(became(apply(conn, owner, [Fail(tuple(job_ids), error_class, message)])))
+
+
+def pause_provider(conn: psycopg.Connection, model_id: str, seconds: float) -> int:
+    """Trip the breaker for exactly ``seconds`` (never shortening a longer pause);
+    returns the consecutive failure count."""
+    params = {
+        "model": model_id,
+        "trip": True,
+        "floor": seconds,
+        "base": 0.0,
+        "cap": 0.0,
+        "threshold": 1,
+        "probe_cap": 0.0,
+    }
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(JOBS.provider_failure, params).fetchall()[0]["consecutive_failures"]

@@ -11,6 +11,7 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,26 @@ class ManualClock:
         return self.now
 
 
+def store_options(
+    *,
+    scope: Sequence[int] | None = None,
+    observers: Sequence = (),
+    base: float = 0.0,
+    cap: float = 0.0,
+    worker_run: str | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments both stores take: a contract test's options, no backoff by default."""
+    return {
+        "model_id": MODEL,
+        "worker_id": "w",
+        "backoff_base": base,
+        "backoff_cap": cap,
+        "worker_run": worker_run,
+        "scope": scope,
+        "observers": observers,
+    }
+
+
 def _checksums(n: int) -> list[bytes]:
     return [hashlib.sha256(f"chunk-{next(_labels)}".encode()).digest() for _ in range(n)]
 
@@ -68,25 +89,9 @@ class MemoryHarness:
         self.queue.add_model(MODEL, SPEC.dimension)
         self._docs = itertools.count(1)
 
-    def store(
-        self,
-        *,
-        scope: Sequence[int] | None = None,
-        observers: Sequence = (),
-        base: float = 0.0,
-        cap: float = 0.0,
-        run: str | None = None,
-    ) -> JobStore:
-        return MemoryJobStore(
-            self.queue,
-            model_id=MODEL,
-            worker_id="w",
-            backoff_base=base,
-            backoff_cap=cap,
-            run=run,
-            scope=scope,
-            observers=observers,
-        )
+    def store(self, **options: Any) -> JobStore:
+        """A store of the model ``MODEL`` for the worker "w" (see ``store_options``)."""
+        return MemoryJobStore(self.queue, **store_options(**options))
 
     def enqueue(self, n: int, *, max_attempts: int = 5) -> tuple[int, list[int]]:
         """A new document of ``n`` new chunks, enqueued: (its doc_pk, its job ids in queue order)."""
@@ -126,25 +131,9 @@ class PostgresHarness:
         self.conn, self.pool = conn, pool
         models.ensure_model(conn, SPEC)
 
-    def store(
-        self,
-        *,
-        scope: Sequence[int] | None = None,
-        observers: Sequence = (),
-        base: float = 0.0,
-        cap: float = 0.0,
-        run: str | None = None,
-    ) -> JobStore:
-        return PostgresJobStore(
-            self.pool,
-            model_id=MODEL,
-            worker_id="w",
-            backoff_base=base,
-            backoff_cap=cap,
-            run=run,
-            scope=scope,
-            observers=observers,
-        )
+    def store(self, **options: Any) -> JobStore:
+        """A store of the model ``MODEL`` for the worker "w" (see ``store_options``)."""
+        return PostgresJobStore(self.pool, **store_options(**options))
 
     def enqueue(self, n: int, *, max_attempts: int = 5) -> tuple[int, list[int]]:
         sums = _checksums(n)

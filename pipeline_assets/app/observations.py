@@ -1,7 +1,7 @@
 """What the source sensor observed, kept in PostgreSQL (app.source_observations).
 
 * ``scan``: a file whose (size, mtime_ns) equal the stored ones is not read, nor a new one (an
-  ``unread_checksum`` placeholder until its bucket run records its bytes' checksum); changed files
+  ``UNREAD`` placeholder checksum until its bucket run records its bytes'); changed files
   are hashed and upserted, missing ones marked gone; one modified within ``RACY_NS`` is read again.
 * The observations' table (store/source_observations.py) also holds what a tick requests per
   bucket and the backoff before a failed request's files are requested again.
@@ -26,11 +26,6 @@ from pipeline_assets.store import source_observations
 RACY_NS = 2_000_000_000  # a file modified this close (ns) to its scan is read again on the next one
 UNREAD = "~"  # starts the placeholder checksum of a new file no scan has read (never hex)
 READ_BATCH = 2_000  # rows of files to read fetched at a time from the scan's comparison
-
-
-def unread_checksum(size: int, mtime_ns: int) -> str:
-    """The placeholder observation of a new file that was listed but not read."""
-    return f"{UNREAD}{size}.{mtime_ns}"
 
 
 def is_unread(checksum: str | None) -> bool:

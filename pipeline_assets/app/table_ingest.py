@@ -22,13 +22,11 @@ from pipeline_assets.app import document_writes, ingest_batches
 from pipeline_assets.app.ingest_batches import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.jobs import crashpoints
-from pipeline_assets.store import change_log, documents, queries
-from pipeline_assets.store.table_source import BUCKET_MASK, READ_PAGE_ROWS, TableSourceError
+from pipeline_assets.store import change_log, documents, table_rows
+from pipeline_assets.store.table_source import READ_PAGE_ROWS, TableSourceError
 
 if TYPE_CHECKING:
     from pipeline_assets.app.table_source import TableSource
-
-ROWS = queries.load("table_rows")
 
 # How a scan finds the changed rows.
 FULL, WATERMARK, CHANGE_LOG = "full", "watermark", "change_log"
@@ -64,7 +62,7 @@ def scan_table(
         entries = change_log.read(source.table)
         scan.log_entries = len(entries.seqs)
         # A TRUNCATE, or a table never scanned (its rows from before the triggers are in no entry).
-        if entries.truncated or not queries.scalar(conn, ROWS.stored_count, {"source": source.key}):
+        if entries.truncated or not table_rows.stored_count(conn, source.key):
             run.full()
         else:
             run.rows(entries.row_ids)
@@ -99,7 +97,7 @@ class _Scan:
         An empty table whose rows were ingested is refused unless ``allow_empty`` (a wrong
         database or a truncated table: tombstoning everything must be meant)."""
         theirs_total = self.table.total()
-        ours_total = tuple(queries.one_row(self.conn, ROWS.stored_total, {"source": self.key}))
+        ours_total = table_rows.stored_total(self.conn, self.key)
         if theirs_total == ours_total:
             return []
         if theirs_total[0] == 0 and not self.options.allow_empty:
@@ -109,30 +107,17 @@ class _Scan:
                 "is intended)"
             )
         theirs = self.table.digest()
-        ours = {
-            b: (n, x) for b, n, x in self.conn.execute(ROWS.stored_digest, {"source": self.key, "mask": BUCKET_MASK})
-        }
+        ours = table_rows.stored_digest(self.conn, self.key)
         return sorted(b for b in theirs.keys() | ours.keys() if theirs.get(b) != ours.get(b))
 
     def _listed(self, rows: Iterable[tuple[object, ...]]) -> None:
-        """Copy a streamed listing (row_id, id_hash, version, ...) into ``table_listed``."""
-        self.conn.execute(ROWS.listed_create)
-        self.conn.execute(ROWS.listed_truncate)
-        with self.conn.cursor().copy(ROWS.listed_copy) as copy:
-            for row in rows:
-                copy.write_row(row[:3])
-                self.scan.rows_listed += 1
-        self.conn.execute(ROWS.listed_analyze)
+        """Copy a streamed listing (row_id, id_hash, version, ...) into the database to compare."""
+        self.scan.rows_listed += table_rows.copy_listing(self.conn, rows)
 
     def _read_changed(self) -> None:
         """Read and ingest the listed rows that changed, a page at a time (keyset on the id)."""
         after = ""
-        while page := [
-            r[0]
-            for r in self.conn.execute(
-                ROWS.listed_changed, {"source": self.key, "after": after, "limit": READ_PAGE_ROWS}
-            )
-        ]:
+        while page := table_rows.listed_changed(self.conn, self.key, after=after, limit=READ_PAGE_ROWS):
             self.rows(page)
             after = page[-1]
 
@@ -144,8 +129,7 @@ class _Scan:
         self.scan.buckets_listed += len(buckets)
         self._listed(self.table.list_buckets(buckets))
         self._read_changed()
-        params = {"source": self.key, "mask": BUCKET_MASK, "buckets": buckets, "limit": READ_PAGE_ROWS}
-        while gone := [r[0] for r in self.conn.execute(ROWS.listed_gone, params)]:
+        while gone := table_rows.listed_gone(self.conn, self.key, buckets, limit=READ_PAGE_ROWS):
             self._gone(gone)  # forgets them: the next page is the next ones
 
     def full(self) -> None:
@@ -154,16 +138,16 @@ class _Scan:
         self._mark(newest)
 
     def watermark(self) -> None:
-        stored = self.conn.execute(ROWS.watermark, {"source": self.key}).fetchone()
+        stored = table_rows.watermark(self.conn, self.key)
         newest = self.table.newest_updated()  # before the listing: a row updated meanwhile is listed next time
-        self._listed(self.table.list_updated(stored[0] if stored else None))
+        self._listed(self.table.list_updated(stored))
         self._read_changed()
         self._mark(newest)
         self._check_buckets(self._differing())  # deletes, late commits, texts changed alone
 
     def _mark(self, newest: str | None) -> None:
         if newest is not None:
-            self.conn.execute(ROWS.set_watermark, {"source": self.key, "mark": newest})
+            table_rows.set_watermark(self.conn, self.key, newest)
 
     # -- reading and writing -----------------------------------------------------------
     def rows(self, row_ids: list[str]) -> None:
@@ -178,14 +162,12 @@ class _Scan:
             )
             self.report.add(page_report)
             if items:  # the documents are committed: their versions are what was ingested
-                self.conn.execute(
-                    ROWS.record_rows,
-                    {
-                        "source": self.key,
-                        "ids": [i.row_id for i in items],
-                        "hashes": [i.row.id_hash for i in items if i.row],
-                        "versions": [i.row.version for i in items if i.row],
-                    },
+                table_rows.record_rows(
+                    self.conn,
+                    self.key,
+                    [i.row_id for i in items],
+                    [i.row.id_hash for i in items if i.row],
+                    [i.row.version for i in items if i.row],
                 )
             present = {i.row_id for i in items}
             self._gone([r for r in page if r not in present])
@@ -200,7 +182,7 @@ class _Scan:
                 documents.write_lock(self.conn)
                 pks = documents.tombstone_ids(self.conn, self.source_id, doc_ids)
                 superseded = document_writes.tombstone(self.conn, pks)
-                self.conn.execute(ROWS.forget_rows, {"source": self.key, "ids": row_ids})
+                table_rows.forget_rows(self.conn, self.key, row_ids)
                 return [len(pks), superseded]
 
         deleted, superseded = ingest_batches.retrying(tombstone)

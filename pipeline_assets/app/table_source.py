@@ -22,7 +22,7 @@ from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.content.extract import TOO_LARGE, ExtractError
 from pipeline_assets.content.source import Item, Observed, ReadOutcome, SourceError, token_checksum
 from pipeline_assets.settings import redact_text
-from pipeline_assets.store import change_log, db, table_observed
+from pipeline_assets.store import change_log, db, table_rows
 from pipeline_assets.store.table_source import (
     LOCK_TIMEOUT,
     READ_PAGE_ROWS,
@@ -194,7 +194,7 @@ class TableSource:
         try:
             table = self.table
             installed = change_log.is_installed(table)
-            observed = table_observed.observed_any(conn, self.key)
+            observed = table_rows.observed_any(conn, self.key)
             if not installed:
                 return self._observe_by_digest(conn, table, complete, observed, keep)
             if keep is not None:
@@ -225,15 +225,15 @@ class TableSource:
         keep: Callable[[str], bool] | None,
     ) -> observations.Scan:
         before = table.total()
-        stored = table_observed.observed_digest(conn, self.key)
+        stored = table_rows.observed_digest(conn, self.key)
         if observed and stored is not None and stored == before:
             return observations.Scan(present=before[0])
         if keep is not None:
             return complete()  # some buckets only: the digest of the whole is not vouched for
-        table_observed.forget_observed_digest(conn, self.key)
+        table_rows.forget_observed_digest(conn, self.key)
         result = complete()
         if table.total() == before:  # the table held still while it was listed
-            table_observed.set_observed_digest(conn, self.key, before[0], before[1])
+            table_rows.set_observed_digest(conn, self.key, before[0], before[1])
         return result
 
     def ingest_changes(self, conn: psycopg.Connection, options: IngestOptions, *, whole: bool = False) -> IngestReport:

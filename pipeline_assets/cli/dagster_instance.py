@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Dagster settings read from the environment by the processes that create runs
 # (webserver, daemon) and execute them. A single-run backfill of N partitions
 # otherwise writes 3N "planned" events and 3N materializations one row (and,
-# with dagster-postgres' NullPool, one connection) at a time: measured 153 s for
-# 1,000 partitions, 10 s with these. The cost: Dagster no longer marks the
+# with dagster-postgres' NullPool, one connection) at a time; these batch them
+# (B10's backfills run with them, docs/benchmarks.md). The cost: Dagster no longer marks the
 # partitions of a FAILED range run as failed in its UI (the run shows failed; the
 # per-item state lives in app.stage_runs and the job table, as designed).
 RUN_EVENT_SETTINGS = {

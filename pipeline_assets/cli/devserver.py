@@ -34,7 +34,7 @@ from pipeline_assets.providers import model_id_for
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
-from pipeline_assets.store.bucket_rows import fixed_buckets
+from pipeline_assets.store.bucket_rows import fixed_bucket_count
 
 PATH_SETTINGS = ("PIPELINE_SOURCE_DIR",)
 STOP_TIMEOUT_SECONDS = 30
@@ -48,7 +48,7 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
     with db.session(pipeline_url) as conn:
         # Migrations applied once, before webserver, daemon and runs start; the
         # database's bucket count (fixed by its first use) is what every process uses.
-        buckets = fixed_buckets(conn, settings.partition_buckets)
+        bucket_count = fixed_bucket_count(conn, settings.partition_buckets)
         # The model columns of embeddings: the registry's active models and the configured one (which
         # the first run registers), so they exist before any sensor ticks (and after an upgrade).
         configured = model_id_for(settings.provider_config())
@@ -63,7 +63,7 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
             "DAGSTER_HOME": str(dagster_home),
             DAGSTER_URL_ENV: dagster_url,
             "PIPELINE_HOME": str(home),
-            BUCKETS_ENV: str(buckets),
+            BUCKETS_ENV: str(bucket_count),
         }
     )
     # The services run in DAGSTER_HOME: relative paths keep meaning what they meant here.

@@ -35,8 +35,8 @@ def bucket_indexes(keys: Iterable[str]) -> list[int]:
     return [bucket_index(k) for k in keys]
 
 
-def bucket_partitions(buckets: int) -> dg.StaticPartitionsDefinition:
-    return dg.StaticPartitionsDefinition([bucket_key(i) for i in range(buckets)])
+def bucket_partitions(bucket_count: int) -> dg.StaticPartitionsDefinition:
+    return dg.StaticPartitionsDefinition([bucket_key(i) for i in range(bucket_count)])
 
 
 def span(buckets: Iterable[int]) -> tuple[str, str]:
@@ -54,9 +54,9 @@ MODEL_PARTITIONS = dg.DynamicPartitionsDefinition(name=MODEL_PARTITIONS_NAME)
 KEY_DELIMITERS = frozenset("|,[]")
 
 
-def embedding_partitions(buckets: int) -> dg.MultiPartitionsDefinition:
+def embedding_partitions(bucket_count: int) -> dg.MultiPartitionsDefinition:
     return dg.MultiPartitionsDefinition(
-        {BUCKET_DIMENSION: bucket_partitions(buckets), MODEL_DIMENSION: MODEL_PARTITIONS}
+        {BUCKET_DIMENSION: bucket_partitions(bucket_count), MODEL_DIMENSION: MODEL_PARTITIONS}
     )
 
 

@@ -84,7 +84,6 @@ class Isolate:  # jobs.sql: mark_isolated
 
 
 Change = Complete | Retry | GiveBack | Fail | Supersede | Isolate
-KINDS = (Complete, Retry, GiveBack, Fail, Supersede, Isolate)
 
 
 def merged(changes: Sequence[Change]) -> list[Change]:

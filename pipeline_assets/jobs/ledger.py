@@ -30,7 +30,7 @@ def record_send(
     worker_id: str,
     checksums: Sequence[bytes],
     tokens: int,
-    run: str | None = None,
+    worker_run: str | None = None,
 ) -> int:
     """Count a send before it goes out: one statement in its own transaction,
     committed (without waiting for its WAL flush) when this returns; returns the
@@ -42,7 +42,7 @@ def record_send(
         {
             "model": model_id,
             "worker": worker_id,
-            "run": run,
+            "worker_run": worker_run,
             "tokens": tokens,
             "checksums": arrays.bytea(conn, checksums),
         },
@@ -106,5 +106,5 @@ def record_call(
 
 def tokens_today(conn: psycopg.Connection, model_id: str, *, excluding_run: str | None = None) -> int:
     """Tokens billed (or possibly billed) for the model since midnight UTC, except
-    those sent by the worker run ``excluding_run`` (``run`` of ``record_send``)."""
-    return queries.scalar(conn, LEDGER.tokens_today, {"model": model_id, "run": excluding_run})
+    those sent by the worker run ``excluding_run`` (``worker_run`` of ``record_send``)."""
+    return queries.scalar(conn, LEDGER.tokens_today, {"model": model_id, "worker_run": excluding_run})

@@ -38,14 +38,14 @@ class MemoryJobStore:
         worker_id: str = "w",
         backoff_base: float = 0.0,
         backoff_cap: float = 0.0,
-        run: str | None = None,
+        worker_run: str | None = None,
         scope: Sequence[int] | None = None,
         observers: Sequence[JobObserver] = (),
     ) -> None:
         self.queue = queue
         self.model_id = model_id
         self.worker_id = worker_id
-        self.run = run
+        self.worker_run = worker_run
         self.scope = list(scope) if scope is not None else None
         self.observers = list(observers)
         self._base = backoff_base
@@ -174,7 +174,7 @@ class MemoryJobStore:
     # -- spend and the provider's state ----------------------------------------------------
     def record_send(self, jobs: Sequence[ClaimedJob], tokens: int) -> int:
         with self.queue.lock:
-            self.queue.calls.append(Call(self.model_id, self.run, tuple(j.chunk_checksum for j in jobs), tokens))
+            self.queue.calls.append(Call(self.model_id, self.worker_run, tuple(j.chunk_checksum for j in jobs), tokens))
             return len(self.queue.calls)
 
     def record_outcome(
@@ -203,7 +203,7 @@ class MemoryJobStore:
             return sum(
                 c.tokens
                 for c in self.queue.calls
-                if c.model_id == self.model_id and (self.run is None or c.run != self.run)
+                if c.model_id == self.model_id and (self.worker_run is None or c.worker_run != self.worker_run)
             )
 
     def provider_failure(self, breaker: BreakerFailure) -> None:

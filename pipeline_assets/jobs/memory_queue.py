@@ -72,7 +72,7 @@ class Call:
     """One provider call in the ledger (app.provider_calls)."""
 
     model_id: str
-    run: str | None
+    worker_run: str | None
     checksums: tuple[bytes, ...]
     tokens: int
     outcome: str = "sent"

@@ -42,7 +42,7 @@ class PostgresJobStore:
         worker_id: str,
         backoff_base: float,
         backoff_cap: float,
-        run: str | None = None,
+        worker_run: str | None = None,
         scope: Sequence[int] | None = None,
         observers: Sequence[JobObserver] = (),
     ) -> None:
@@ -51,7 +51,7 @@ class PostgresJobStore:
         self.scope = list(scope) if scope is not None else None
         self.model_id = model_id
         self.worker_id = worker_id
-        self.run = run  # this worker run (its lease-owner prefix), recorded with its sends
+        self.worker_run = worker_run  # this worker run (its lease-owner prefix), recorded with its sends
         self.observers = list(observers)
         self._base = backoff_base  # the breaker's pause without a Retry-After
         self._cap = backoff_cap
@@ -186,7 +186,7 @@ class PostgresJobStore:
                 conn,
                 model_id=self.model_id,
                 worker_id=self.worker_id,
-                run=self.run,
+                worker_run=self.worker_run,
                 checksums=[j.chunk_checksum for j in jobs],
                 tokens=tokens,
             )
@@ -210,7 +210,7 @@ class PostgresJobStore:
     def tokens_today_of_others(self) -> int:
         """The model's tokens today, except this worker run's (it counts its own as they are answered)."""
         with self.pool.connection() as conn:
-            return ledger.tokens_today(conn, self.model_id, excluding_run=self.run)
+            return ledger.tokens_today(conn, self.model_id, excluding_run=self.worker_run)
 
     def provider_failure(self, breaker: BreakerFailure) -> None:
         with self.pool.connection() as conn:

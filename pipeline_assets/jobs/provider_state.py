@@ -66,17 +66,6 @@ def provider_pause(
     )
 
 
-def pause_provider(conn: psycopg.Connection, model_id: str, seconds: float) -> int:
-    """Trip the breaker for exactly ``seconds`` (never shortening a longer pause);
-    returns the consecutive failure count."""
-    row = _row(
-        conn,
-        JOBS.provider_failure,
-        {"model": model_id, "trip": True, "floor": seconds, "base": 0.0, "cap": 0.0, "threshold": 1, "probe_cap": 0.0},
-    )
-    return row["consecutive_failures"]
-
-
 def provider_healthy(conn: psycopg.Connection, model_id: str) -> None:
     conn.execute(JOBS.provider_healthy, {"model": model_id})
 

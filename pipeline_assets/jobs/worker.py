@@ -118,7 +118,7 @@ class Worker:
                 pool,
                 model_id=self.model_id,
                 worker_id=self.worker_id,
-                run=self._owner_prefix,
+                worker_run=self._owner_prefix,
                 backoff_base=self.config.executor.backoff_base,
                 backoff_cap=self.config.executor.backoff_cap,
                 scope=self.config.scope,

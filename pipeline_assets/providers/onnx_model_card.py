@@ -20,7 +20,6 @@ TOKENIZER_FILE = "tokenizer.json"
 MODEL_FILES = ("model.onnx", "onnx/model.onnx")
 # The window when the model card names none: BERT's position embeddings.
 DEFAULT_MAX_SEQ_LENGTH = 512
-POOLING_MODES = ("mean", "cls")
 # Hex digits of the content digest kept in the model id.
 VERSION_DIGITS = 12
 

@@ -4,9 +4,9 @@ faster while it fits in ``maintenance_work_mem``), at most the configured cap
 
 from __future__ import annotations
 
-# Per vector, the element and its neighbour lists (m = 16) plus the vector itself. Measured on
-# pgvector 0.8 from the tuples a build holds before it reports "graph no longer fits": 713-723
-# bytes + 4 per dimension (vector) or 2 (halfvec), from 8 to 2,100 dimensions.
+# Per vector, the element and its neighbour lists (m = 16) plus the vector itself: these bytes
+# + 4 per dimension (vector) or 2 (halfvec), as pgvector 0.8 holds them (calibrated by B16, which
+# reports the formula against the build's own count: docs/benchmarks.md).
 GRAPH_BYTES_PER_VECTOR = 720
 VALUE_BYTES_PER_DIMENSION = {"vector": 4, "halfvec": 2}
 # Headroom over that estimate (allocation slack, a build's fixed structures).

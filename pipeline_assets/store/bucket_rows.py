@@ -37,7 +37,7 @@ def selected(bucket_ids: Iterable[int], bucket_count: int) -> list[int] | None:
     return None if len(chosen) >= bucket_count else chosen
 
 
-def fixed_buckets(conn: psycopg.Connection, configured: int) -> int:
+def fixed_bucket_count(conn: psycopg.Connection, configured: int) -> int:
     """The database's bucket count; the first call on a database stores ``configured``."""
     conn.execute(BUCKETS.store_buckets, {"buckets": configured})
     return int(queries.scalar(conn, BUCKETS.stored_buckets))
@@ -45,7 +45,7 @@ def fixed_buckets(conn: psycopg.Connection, configured: int) -> int:
 
 def check_buckets(conn: psycopg.Connection, configured: int) -> int:
     """``configured`` if it is the database's bucket count, else BucketCountMismatch (one line)."""
-    stored = fixed_buckets(conn, configured)
+    stored = fixed_bucket_count(conn, configured)
     if stored != configured:
         raise BucketCountMismatch(
             f"this database's documents are in {stored} buckets (fixed when it was first used), but "

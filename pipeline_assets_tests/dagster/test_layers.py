@@ -88,17 +88,13 @@ def test_layers_import_only_downwards():
 
 # What executes SQL: a statement, a cursor, a COPY, or the named-query loader.
 _RUNS_SQL = re.compile(r"\bqueries\.(?:load|scalar|one_row)\(|\.execute\(|\.cursor\(|\.copy\(")
-# app/ modules whose table access has not moved to store/ yet.
-APP_SQL_PENDING = {"table_ingest.py"}
 
 
 def test_app_runs_no_sql_itself():
     """app/ holds use cases: the SQL they need runs in store/ (or the queue's and the registry's
     modules), next to its family in sql/queries/."""
     running = sorted(
-        str(p.relative_to(REPO))
-        for p in (PACKAGE / "app").glob("*.py")
-        if p.name not in APP_SQL_PENDING and _RUNS_SQL.search(p.read_text())
+        str(p.relative_to(REPO)) for p in (PACKAGE / "app").glob("*.py") if _RUNS_SQL.search(p.read_text())
     )
     assert not running, f"app/ modules that execute SQL themselves: {running}"
 

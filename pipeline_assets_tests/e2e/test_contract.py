@@ -79,19 +79,17 @@ def test_two_workers_claim_each_job_once(env, fake, clean_db, corpus):
     assert assert_ledger_matches_bill(conn, fake, env) == 0
 
 
+def crashing_worker(env: dict, point: str):
+    """A `work` process (one thread, 1 s leases) that stops dead at the crash point ``point``."""
+    args = ("work", "--until-idle", "--lease-seconds", "1", "--concurrency", "1")
+    return start_cli(*args, env={**env, "PIPELINE_CRASHPOINT": point})
+
+
 # 2 -------------------------------------------------------------------------
 def test_crash_before_provider_call(env, fake, clean_db, corpus):
     write_corpus(corpus, 10)
     cli("ingest", str(corpus), env=env)
-    crashing = start_cli(
-        "work",
-        "--until-idle",
-        "--lease-seconds",
-        "1",
-        "--concurrency",
-        "1",
-        env={**env, "PIPELINE_CRASHPOINT": "after_claim"},
-    )
+    crashing = crashing_worker(env, "after_claim")
     wait_for_line(crashing, "CRASHPOINT after_claim")
     kill_group(crashing)
     conn = clean_db
@@ -114,15 +112,7 @@ def test_crash_before_provider_call(env, fake, clean_db, corpus):
 def test_crash_after_call_before_commit(env, fake, clean_db, corpus):
     write_corpus(corpus, 10)
     cli("ingest", str(corpus), env=env)
-    crashing = start_cli(
-        "work",
-        "--until-idle",
-        "--lease-seconds",
-        "1",
-        "--concurrency",
-        "1",
-        env={**env, "PIPELINE_CRASHPOINT": "after_call"},
-    )
+    crashing = crashing_worker(env, "after_call")
     wait_for_line(crashing, "CRASHPOINT after_call")
     kill_group(crashing)
     conn = clean_db

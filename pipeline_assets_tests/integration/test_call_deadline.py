@@ -18,28 +18,14 @@ import pytest
 from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
 from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets.providers import RETRYABLE, ProviderError, deadline
-from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, wait_until
-from pipeline_assets_tests.fake_openai import FakeOpenAI
 
 DRIP_TEXT = "DRIP an answer that trickles in forever"
 
 
-def provider(fake: FakeOpenAI, timeout: float) -> OpenAIProvider:
-    return OpenAIProvider(
-        FAKE_MODEL,
-        api_key="test-key",
-        base_url=fake.base_url,
-        dimensions=None,
-        timeout=timeout,
-        max_batch_inputs=16,
-        max_batch_tokens=10_000,
-    )
-
-
 def test_a_dripping_answer_ends_at_the_deadline_as_a_retryable_timeout(fake):
     fake.drip_marker, fake.drip_seconds = "DRIP", 600.0
-    p = provider(fake, timeout=1.0)
+    p = fake.provider(timeout=1.0)
     started = time.monotonic()
     with pytest.raises(ProviderError) as caught:
         p.embed([DRIP_TEXT])
@@ -58,12 +44,12 @@ def test_a_dripping_answer_ends_at_the_deadline_as_a_retryable_timeout(fake):
 def test_the_deadline_covers_the_whole_call_not_each_read(fake):
     """Each read gets data in time (every 50 ms); the whole answer takes 3 s."""
     fake.drip_marker, fake.drip_seconds = "DRIP", 3.0
-    p = provider(fake, timeout=1.5)
+    p = fake.provider(timeout=1.5)
     # A per-read timeout never fires here (a byte every 50 ms): that it times out at all is the proof.
     with pytest.raises(ProviderError, match="timeout"):
         p.embed([DRIP_TEXT])
     # With a deadline well beyond the drip, the same answer is taken.
-    slow_but_in_time = provider(fake, timeout=60.0)
+    slow_but_in_time = fake.provider(timeout=60.0)
     result = slow_but_in_time.embed([DRIP_TEXT])
     assert np.allclose(result.vectors[0], fake.vector_for(DRIP_TEXT), atol=1e-6)
 
@@ -80,7 +66,7 @@ def test_deadlines_are_per_thread(fake):
     """
     fake.drip_marker, fake.drip_seconds = "DRIP", 120.0
     fake.hold("FAST")
-    p = provider(fake, timeout=5.0)
+    p = fake.provider(timeout=5.0)
     outcomes: dict[str, object] = {}
 
     def run(name: str, text: str) -> None:

@@ -31,7 +31,7 @@ from pipeline_assets_tests.fake_openai import FakeOpenAI
 SMALL, LARGE = "text-embedding-3-small", "text-embedding-3-large"
 SMALL_ID, LARGE_ID = f"openai/{SMALL}@{FAKE_DIM}", f"openai/{LARGE}@{FAKE_DIM}"
 POISON = "POISONWORD"
-# The estimate against the bill: the issue allows 2%; counted alike, they are equal.
+# The estimate against the bill: within 2% (the requirement); counted alike, they are equal.
 TOLERANCE = 0.02
 
 

@@ -14,7 +14,7 @@ stored vectors and the provider's bill.
   completes.
 
 ``PIPELINE_DROP_RUNS`` sets how many seeds the dropped-answer check runs (default 3;
-the issue's check is 20).
+20 for a thorough run).
 """
 
 from __future__ import annotations

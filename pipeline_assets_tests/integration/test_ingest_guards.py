@@ -50,7 +50,7 @@ def outside(tmp_path):
     return secret
 
 
-# -- item 10: the source root ----------------------------------------------------------------
+# -- the source root --------------------------------------------------------------------------
 def test_a_link_out_of_the_root_is_quarantined_and_never_read(clean_db, tmp_path, outside):
     corpus = tmp_path / "corpus"
     write_corpus(corpus, 2)
@@ -91,7 +91,7 @@ def test_ids_that_leave_the_root_are_refused(clean_db, tmp_path, outside):
     assert document_id_problem("doc0000.md") is None and document_id_problem("caf%E9.md") is None
 
 
-# -- item 11: names that are not UTF-8 -------------------------------------------------------
+# -- names that are not UTF-8 ----------------------------------------------------------------
 def _write_latin1_name(corpus, name: bytes, text: str) -> None:
     with open(os.path.join(os.fsencode(corpus), name), "wb") as f:
         f.write(text.encode())
@@ -134,7 +134,7 @@ def test_reconcile_goes_on_to_every_source(clean_db, tmp_path):
     assert docs["doc0001.md"] == "deleted:" and docs["other0002.md"] == "deleted:"
 
 
-# -- item 12: caps, batches, FIFOs -----------------------------------------------------------
+# -- caps, batches, FIFOs --------------------------------------------------------------------
 def test_text_and_chunk_caps_quarantine_only_their_document(clean_db, tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -302,8 +302,8 @@ def test_a_throttle_pauses_every_claim_without_tripping(world):
 
 
 def test_failed_sends_are_settled_by_whether_they_may_have_been_billed(world):
-    store = world.store(run="w/a/")
-    other = world.store(run="w/b/")
+    store = world.store(worker_run="w/a/")
+    other = world.store(worker_run="w/b/")
     refused, lost = store.record_send([], 5), store.record_send([], 8)
     other.record_send([], 100)
     store.record_failure(refused, ProviderError(RETRYABLE, "http_500", "m", status=500), 0.1)

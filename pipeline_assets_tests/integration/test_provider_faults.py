@@ -14,12 +14,11 @@ import pytest
 
 from pipeline_assets.providers import RETRYABLE, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
-from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
+from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
 
-# The measured scenario of item 1: 30 documents of two chunks each.
+# The soak's corpus: 30 documents of two chunks each.
 SOAK_DOCUMENTS = 30
 SOAK_WORDS = 300  # ~600 tokens: two 512-token chunks per document
 # The requirement: this corpus under these faults in under 60 s; it takes about 10 s on a quiet
@@ -35,7 +34,7 @@ def chunk_texts(conn) -> list[str]:
     return [r[0] for r in conn.execute("SELECT DISTINCT text FROM app.chunks ORDER BY 1")]
 
 
-# 1 -- a failed or empty half-open probe releases its slot; the pause follows Retry-After ---------
+# -- a failed or empty half-open probe releases its slot; the pause follows Retry-After ---------
 
 
 def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path):
@@ -57,7 +56,7 @@ def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path
     wall = time.monotonic() - started
     stats = fake.stats
     print(
-        f"\nitem 1: wall={wall:.1f}s requests={stats['requests']} by_status={stats['responses_by_status']} "
+        f"\nsoak: wall={wall:.1f}s requests={stats['requests']} by_status={stats['responses_by_status']} "
         f"billed_inputs={stats['billed_inputs']} unique_inputs={len(texts)} report={out}"
     )
     assert job_counts(conn) == {"ready": len(texts)}
@@ -99,7 +98,7 @@ def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, c
     from pipeline_assets.jobs import provider_state, transitions
 
     model = _queue(conn, 4)
-    provider_state.pause_provider(conn, model, 60)
+    job_helpers.pause_provider(conn, model, 60)
     _pause_over(conn)
     probe = transitions.claim(conn, model_id=model, owner="a", limit=1, lease_seconds=30)
     assert [j.probe for j in probe] == [True]
@@ -126,7 +125,7 @@ def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
     from pipeline_assets.jobs import provider_state, transitions
 
     model = _queue(conn, 4)
-    provider_state.pause_provider(conn, model, 60)
+    job_helpers.pause_provider(conn, model, 60)
     _pause_over(conn)
     assert transitions.claim(conn, model_id=model, owner="a", limit=1, lease_seconds=30)[0].probe
     # One 5xx (below the breaker's threshold) on the probe: its job backs off on its
@@ -144,12 +143,12 @@ def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
 
 
 def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
-    from pipeline_assets.jobs import provider_state, transitions
+    from pipeline_assets.jobs import transitions
     from pipeline_assets.jobs.pg_job_store import PostgresJobStore
 
     model = _queue(conn, 2)
     conn.execute("UPDATE app.embedding_jobs SET available_at = now() + interval '1 hour'")
-    provider_state.pause_provider(conn, model, 60)
+    job_helpers.pause_provider(conn, model, 60)
     _pause_over(conn)
     assert transitions.claim(conn, model_id=model, owner="a", limit=5, lease_seconds=30) == []
     assert conn.execute("SELECT probe_owner, probe_until > now() FROM app.provider_state").fetchone() == (None, False)
@@ -168,7 +167,7 @@ def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
     assert transitions.claim(conn, model_id=model, owner="c", limit=1, lease_seconds=30)[0].probe
 
 
-# 2 -- Retry-After is capped, and status says so --------------------------------------------------
+# -- Retry-After is capped, and status says so --------------------------------------------------
 
 
 def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake, clean_db, tmp_path):
@@ -186,9 +185,7 @@ def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake
     assert data["retry_after_cap"] == 1.0
     assert data["breaker"]["openai/fake-embed"]["state"] == "closed"
     # While the breaker is open, status says for how long.
-    from pipeline_assets.jobs import provider_state
-
-    provider_state.pause_provider(conn, "openai/fake-embed", 120)
+    job_helpers.pause_provider(conn, "openai/fake-embed", 120)
     lines = cli("status", env=run_env).stdout.splitlines()
     breaker = next(line for line in lines if line.startswith("breaker openai/fake-embed:"))
     assert breaker.split(":", 1)[1].split()[0] == "open"
@@ -196,7 +193,7 @@ def test_a_day_long_retry_after_is_capped_and_status_shows_the_breaker(env, fake
     assert "retry-after cap: 1s (PIPELINE_RETRY_AFTER_CAP)" in lines
 
 
-# 3 -- an always-throttled input is dead-lettered; the rest of the corpus moves ---------------------
+# -- an always-throttled input is dead-lettered; the rest of the corpus moves ---------------------
 
 
 def test_an_always_throttled_input_is_dead_lettered_and_the_rest_completes(env, fake, clean_db, tmp_path):
@@ -218,11 +215,14 @@ def test_an_always_throttled_input_is_dead_lettered_and_the_rest_completes(env, 
     # Throttles cost the innocent inputs no attempt, and nothing was billed twice.
     assert conn.execute("SELECT max(attempts) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] == 1
     assert fake.stats["billed_inputs"] == len(texts) - 1
-    print(f"\nitem 3: wall={wall:.1f}s requests={fake.stats['requests']} by_status={fake.stats['responses_by_status']}")
+    print(
+        f"\nthrottled input: wall={wall:.1f}s requests={fake.stats['requests']}"
+        f" by_status={fake.stats['responses_by_status']}"
+    )
     assert wall < HANG_SECONDS  # a hang bound: the bug was a model stalled forever
 
 
-# 5 -- faults that are not an item's ------------------------------------------------------------------
+# -- other faults ------------------------------------------------------------------
 
 
 def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt(env, fake, clean_db, tmp_path):
@@ -342,15 +342,7 @@ def test_an_unreachable_database_is_waited_for_a_refusing_one_is_counted():
 def test_an_answer_with_the_right_count_but_a_wrong_index_is_unmatched(fake, texts):
     """Each input's vector is the one carrying its index: a duplicate or missing index is an
     unusable answer of the provider (as a wrong count is), never vectors stored by position."""
-    provider = OpenAIProvider(
-        FAKE_MODEL,
-        api_key="test-key",
-        base_url=fake.base_url,
-        dimensions=None,
-        timeout=10,
-        max_batch_inputs=16,
-        max_batch_tokens=10_000,
-    )
+    provider = fake.provider()
     try:
         assert len(provider.embed(texts).vectors) == len(texts)  # a sound answer passes
         fake.bad_index_rate = 1.0

@@ -66,7 +66,7 @@ NO_JOB_TABLE = {
     "provider_unusable_count",
     "provider_usable",
 }
-# The statements the issue names; each must exist (a rename shows here, not as a silent skip).
+# The statements whose plans are checked; each must exist (a rename shows here, not as a silent skip).
 REQUIRED = {
     "claim_all",
     "claim_docs",

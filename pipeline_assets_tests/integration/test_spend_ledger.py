@@ -92,19 +92,19 @@ def test_send_then_outcome_row_by_row(conn):
     def sends() -> dict:
         return {bytes(k): n for k, n in conn.execute("SELECT chunk_checksum, sends FROM app.input_sends")}
 
-    lost = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a, b], tokens=50, run="run-1/")
+    lost = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a, b], tokens=50, worker_run="run-1/")
     assert sends() == {a: 1, b: 1}
     assert ledger.tokens_today(conn, model) == 50  # possibly billed, at its estimate
     assert ledger.tokens_today(conn, model, excluding_run="run-2/") == 50  # another run counts it
     assert ledger.tokens_today(conn, model, excluding_run="run-1/") == 0  # its own run counts answers
-    refused = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a], tokens=25, run="run-2/")
+    refused = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a], tokens=25, worker_run="run-2/")
     assert sends() == {a: 2, b: 1}
     for _ in range(2):  # settled once: a second outcome changes nothing
         ledger.record_outcome(
             conn, call_id=refused, outcome="http_429", status=429, latency=0.1, billed=ledger.NOT_BILLED, tokens=0
         )
     assert sends() == {a: 1, b: 1}
-    answered = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a, b], tokens=50, run="run-2/")
+    answered = ledger.record_send(conn, model_id=model, worker_id="w", checksums=[a, b], tokens=50, worker_run="run-2/")
     ledger.record_outcome(
         conn, call_id=answered, outcome="ok", status=200, latency=0.2, billed=ledger.BILLED, tokens=48
     )

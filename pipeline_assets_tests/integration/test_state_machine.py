@@ -21,7 +21,7 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from pipeline_assets.jobs import provider_state, transitions
+from pipeline_assets.jobs import transitions
 from pipeline_assets.jobs.request_plan import FREE_FAULTS
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
@@ -285,13 +285,13 @@ def test_paused_provider_blocks_claims_of_that_model_only(q):
     ]
     assert len(ids2) == 3
 
-    assert provider_state.pause_provider(q, MODEL, 60) == 1
+    assert job_helpers.pause_provider(q, MODEL, 60) == 1
     assert claim_ids(q, model=MODEL) == []
     assert all(job(q, i).status == "pending" and job(q, i).attempts == 0 for i in ids1)
     assert sorted(claim_ids(q, model=MODEL2)) == ids2
 
     # A second pause counts a consecutive failure and never shortens the pause.
-    assert provider_state.pause_provider(q, MODEL, 1) == 2
+    assert job_helpers.pause_provider(q, MODEL, 1) == 2
     assert claim_ids(q, model=MODEL) == []
 
     q.execute("UPDATE app.provider_state SET paused_until = now() - interval '1 second' WHERE model_id = %s", (MODEL,))

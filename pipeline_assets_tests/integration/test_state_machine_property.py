@@ -411,7 +411,7 @@ class JobStateMachine(RuleBasedStateMachine):
     def _give_back(self, pick: int, delay: float, throttled: bool) -> None:
         claim, before, held = self._pick_live(pick)
         if throttled:  # as the worker after a 429: trip the shared breaker for the Retry-After
-            provider_state.pause_provider(self.conn, claim.model_id, delay)
+            job_helpers.pause_provider(self.conn, claim.model_id, delay)
         moved = job_helpers.give_back(
             self.conn,
             owner=claim.owner,

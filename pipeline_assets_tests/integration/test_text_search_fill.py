@@ -16,6 +16,7 @@ import time
 import uuid
 
 import psycopg
+from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import ingest
 from pipeline_assets.app import search as search_uc
@@ -89,18 +90,25 @@ def test_chunks_left_unfilled_are_searched_from_their_text_until_a_drain_fills_t
     assert ranking(clean_db) == unfilled  # the same hits, the same scores
 
 
-def test_a_worker_fills_the_vectors_while_its_queue_still_holds_work(env, fake, clean_db, database_url, tmp_path):
-    """The fill runs beside the sending: with an answer held (the queue not drained), every chunk
-    gets its vector; the drain is left with the index build alone."""
-    corpus = tmp_path / "c"
-    write_corpus(corpus, DOCS)
-    (corpus / "held.md").write_text("# held\n\nHELDCHUNK pruning apple trees\n")
+def held_worker(fake, database_url: str) -> tuple[Runtime, ConnectionPool, threading.Thread, list]:
+    """(a runtime whose ingests leave the vectors to the worker, a pool, a worker thread not yet
+    started, its reports): the fake holds the answer of "HELDCHUNK" until released."""
     rt = Runtime.build(Settings.from_env())
     later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
     pool = db.make_pool(database_url)
     fake.hold("HELDCHUNK")
     reports: list = []
     runner = threading.Thread(target=lambda: reports.append(work(rt, pool, until_idle=True, poll_seconds=0.05)))
+    return later, pool, runner, reports
+
+
+def test_a_worker_fills_the_vectors_while_its_queue_still_holds_work(env, fake, clean_db, database_url, tmp_path):
+    """The fill runs beside the sending: with an answer held (the queue not drained), every chunk
+    gets its vector; the drain is left with the index build alone."""
+    corpus = tmp_path / "c"
+    write_corpus(corpus, DOCS)
+    (corpus / "held.md").write_text("# held\n\nHELDCHUNK pruning apple trees\n")
+    later, pool, runner, reports = held_worker(fake, database_url)
     try:
         ingest.ingest_source(later, pool, corpus)
         chunks = clean_db.execute("SELECT count(*) FROM app.chunks").fetchone()[0]
@@ -125,12 +133,7 @@ def test_chunks_committed_after_the_first_fill_are_filled_at_the_drain(env, fake
     write_corpus(first, 3)
     (first / "held.md").write_text("# held\n\nHELDCHUNK pruning apple trees\n")
     write_corpus(second, 3, prefix="later")
-    rt = Runtime.build(Settings.from_env())
-    later = dataclasses.replace(rt, options=dataclasses.replace(rt.options, text_search_later=True))
-    pool = db.make_pool(database_url)
-    fake.hold("HELDCHUNK")
-    reports: list = []
-    runner = threading.Thread(target=lambda: reports.append(work(rt, pool, until_idle=True, poll_seconds=0.05)))
+    later, pool, runner, reports = held_worker(fake, database_url)
     try:
         ingest.ingest_source(later, pool, first)
         runner.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from pipeline_assets_tests import job_helpers
 from pipeline_assets_tests.conftest import cli, job_counts, write_corpus
 
 
@@ -79,7 +80,7 @@ def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
     for i in range(4):
         conn.execute("INSERT INTO app.chunks VALUES (%s, %s, %s, 't', 1, 0, 1)", (doc, i, bytes([i + 1])))
     transitions.enqueue_for_docs(conn, [doc], 5)
-    provider_state.pause_provider(conn, spec.model_id, 60)
+    job_helpers.pause_provider(conn, spec.model_id, 60)
     assert transitions.claim(conn, model_id=spec.model_id, owner="a", limit=1, lease_seconds=30) == []
     # A call that was already in flight and succeeds cannot cut the pause short.
     provider_state.provider_healthy(conn, spec.model_id)

@@ -236,7 +236,7 @@ def test_a_failing_index_build_is_a_warning_for_the_worker_and_one_line_for_mode
     assert index_row(clean_db, MODEL_ID)[0] is True
 
 
-# --------------------------------------------------------------------------- concurrency (item 9)
+# --------------------------------------------------------------------------- concurrency
 
 
 def test_a_completion_commits_while_the_index_builds(clean_db, database_url, blocker):

@@ -22,8 +22,7 @@ from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
 from pipeline_assets.jobs.provider_checks import CHECK_TRIES, ProviderView
 from pipeline_assets.jobs.report import ReportCounts, WorkerReport
-from pipeline_assets.providers.openai_provider import OpenAIProvider
-from pipeline_assets_tests.conftest import FAKE_MODEL, wait_until
+from pipeline_assets_tests.conftest import wait_until
 from pipeline_assets_tests.job_store_harness import ManualClock
 
 LEASE = 30.0
@@ -64,22 +63,14 @@ class Rig:
 
 @pytest.fixture
 def rig(fake):
-    provider = OpenAIProvider(
-        FAKE_MODEL,
-        api_key="test-key",
-        base_url=fake.base_url,
-        dimensions=None,
-        timeout=10,
-        max_batch_inputs=BATCH,
-        max_batch_tokens=10_000,
-    )
+    provider = fake.provider(max_batch_inputs=BATCH)
     clock = ManualClock()
     queue = MemoryQueue(clock=clock)
     report = WorkerReport()
     store = MemoryJobStore(
         queue,
         model_id=provider.spec.model_id,
-        run="w/x/",
+        worker_run="w/x/",
         backoff_base=BACKOFF_BASE,
         backoff_cap=BACKOFF_CAP,
         observers=[ReportCounts(report)],

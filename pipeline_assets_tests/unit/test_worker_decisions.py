@@ -81,7 +81,7 @@ PLANS = [
         id="an isolated job goes out at once; the open batch keeps filling",
     ),
     # A retry after a 5xx, a timeout or a crash isolates nobody (one 5xx on a
-    # 23-input batch used to become 23 requests).
+    # 23-input batch stays one request).
     pytest.param(
         [job(i, attempts=2) for i in range(1, 24)],
         256,

@@ -13,9 +13,7 @@ from pipeline_assets.jobs.memory_job_store import MemoryJobStore
 from pipeline_assets.jobs.memory_queue import MemoryQueue
 from pipeline_assets.jobs.report import ReportCounts
 from pipeline_assets.jobs.worker import FatalProviderError, Worker
-from pipeline_assets.providers.openai_provider import OpenAIProvider
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.conftest import FAKE_MODEL
 
 CHUNKS = 40
 BATCH = 8
@@ -31,15 +29,7 @@ def checksum(text: str) -> bytes:
 
 @pytest.fixture
 def provider(fake):
-    p = OpenAIProvider(
-        FAKE_MODEL,
-        api_key="test-key",
-        base_url=fake.base_url,
-        dimensions=None,
-        timeout=10,
-        max_batch_inputs=16,
-        max_batch_tokens=10_000,
-    )
+    p = fake.provider()
     yield p
     p.close()
 

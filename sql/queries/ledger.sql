@@ -10,7 +10,7 @@ WITH async AS (
 )
 INSERT INTO app.provider_calls (model_id, worker_id, worker_run, inputs, checksums, tokens, outcome, http_status,
                                 latency_ms, billed, called_at)
-SELECT %(model)s, %(worker)s, %(run)s, cardinality(%(checksums)b::bytea[]), %(checksums)b::bytea[], %(tokens)s,
+SELECT %(model)s, %(worker)s, %(worker_run)s, cardinality(%(checksums)b::bytea[]), %(checksums)b::bytea[], %(tokens)s,
        'sent', NULL, 0, 'maybe', clock_timestamp()
 FROM async
 RETURNING call_id
@@ -39,4 +39,4 @@ VALUES (%(model)s, %(worker)s, cardinality(%(checksums)s::bytea[]), %(checksums)
 -- (NULL: none excepted), which counts its own as they are answered.
 SELECT coalesce(sum(tokens), 0) AS tokens FROM app.provider_calls
 WHERE model_id = %(model)s AND called_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-  AND (%(run)s::text IS NULL OR worker_run IS DISTINCT FROM %(run)s)
+  AND (%(worker_run)s::text IS NULL OR worker_run IS DISTINCT FROM %(worker_run)s)

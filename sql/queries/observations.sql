@@ -31,9 +31,9 @@ WHERE w.kept AND w.checksum IS NOT NULL
 ANALYZE observations_walked
 
 -- name: stage_unread
--- New files (no observation) modified before %(settled_before)s: staged with the
--- placeholder checksum ``observations.unread_checksum`` makes (%(unread)s, size,
--- '.', mtime), without reading them: the bucket run that ingests them reads them.
+-- New files (no observation) modified before %(settled_before)s: staged with a
+-- placeholder checksum (``observations.UNREAD``, size, '.', mtime), without reading
+-- them: the bucket run that ingests them reads them.
 INSERT INTO observations_in (document_id, checksum, size, mtime_ns)
 SELECT w.document_id, %(unread)s || w.size || '.' || w.mtime_ns, w.size, w.mtime_ns
 FROM observations_walked w

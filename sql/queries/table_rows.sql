@@ -1,5 +1,5 @@
--- What the pipeline last read of a table source's rows, app.table_rows and
--- app.table_marks (pipeline_assets/store/table_rows.py).
+-- What the pipeline last read of a table source: app.table_rows, app.table_marks and
+-- app.table_observed (pipeline_assets/store/table_rows.py).
 
 -- name: stored_digest
 -- The stored rows' digest per bucket, as the source's digest_full computes it.
