@@ -16,13 +16,11 @@ from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.content import folder_source
 from pipeline_assets.defs.ingest.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.ingest.source_sensor import decode_cursor, source_documents_sensor
-from pipeline_assets.defs.partitions import bucket_key, embedding_key
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import stage_runs
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
-    EMBED_JOB,
-    SYNC_JOB,
     bucket_of,
     evaluate_sensor,
     execute,
@@ -724,8 +722,8 @@ def test_buckets_a_backfill_already_synced_are_not_requested_again(corpus, conn,
 
 
 def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(corpus, conn, fake, instance):
-    """The bucket run ingests the edit (the file is synced), then the embeddings run after it fails:
-    the document's new chunks have no vector. The next free tick hands the file to the same backoff
+    """The sensor's run ingests the edit (the file is synced), then its embeddings fail: the
+    document's new chunks have no vector. The next free tick hands the file to the same backoff
     as an unsynced one, and the run requested after it embeds them."""
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
@@ -733,22 +731,11 @@ def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(
     (corpus / "doc0001.md").write_text("# doc 1\n\ningested but never embedded by its run\n")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
-    tags = {k: v for k, v in request.tags.items() if k != "dagster/partition"}
-    assert (
-        defs.resolve_job_def(SYNC_JOB)
-        .execute_in_process(  # the bucket run alone: the file is synced
-            instance=instance, partition_key=request.partition_key, tags=tags
-        )
-        .success
-    )
-    failed = defs.resolve_job_def(EMBED_JOB).execute_in_process(  # no worker comes before its deadline
-        instance=instance,
-        partition_key=str(embedding_key(request.partition_key, MODEL_ID)),
-        tags=tags,
-        raise_on_error=False,
-        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}},
-    )
+    assert request.job_name == "sync_and_embed"
+    no_worker = {"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}}
+    failed = execute(defs, instance, request, run_config=no_worker)  # no worker comes before its deadline
     assert not failed.success
+    assert failed.is_node_success("sync_pending") and failed.is_node_failed("embed_synced")
     text, chunks, vectors = _served(conn, "doc0001.md")
     assert "never embedded" in text and vectors < chunks  # synced, not searchable
     assert conn.execute(
