@@ -54,6 +54,10 @@ def _tick(defs, instance, cursor: str | None = None):
     return tick
 
 
+def _run_tags(request: dg.RunRequest) -> dict[str, str]:
+    return {k: v for k, v in request.tags.items() if k != "dagster/partition"}
+
+
 def _bucket(doc: str) -> int:
     return bk.bucket_of(doc, N)
 
@@ -93,7 +97,9 @@ def test_an_edit_is_synced_and_embedded_by_the_one_run_the_sensor_requests(corpu
     (request,) = tick.run_requests
     billed = fake.stats["billed_inputs"]
 
-    result = execute(defs, instance, request, job=request.job_name)  # that run alone, nothing chained
+    result = defs.resolve_job_def(request.job_name).execute_in_process(  # that run alone, nothing chained
+        instance=instance, partition_key=request.partition_key, tags=_run_tags(request), raise_on_error=False
+    )
     assert result.success
     for doc in edited:  # served: the new text, a vector for every chunk of it
         text, chunks, vectors = _served(conn, doc)
@@ -135,7 +141,11 @@ def test_a_bucket_is_not_fresh_before_its_vectors_nor_after_a_change_seen_during
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sync_and_embed, "embed_or_fail", between)
-    assert execute(defs, instance, request, job=request.job_name).success
+    assert (
+        defs.resolve_job_def(request.job_name)
+        .execute_in_process(instance=instance, partition_key=request.partition_key, tags=_run_tags(request))
+        .success
+    )
     assert seen == {
         "documents": {low: "FRESH", high: "FRESH"},
         "embeddings": {low: "STALE", high: "STALE"},  # synced, not embedded yet
