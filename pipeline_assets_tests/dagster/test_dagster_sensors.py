@@ -27,6 +27,7 @@ from pipeline_assets_tests.dagster_helpers import (
     fresh_defs,
     postgres_instance,
     requested_keys,
+    served,
 )
 
 ALL = [bucket_key(i) for i in range(64)]
@@ -336,17 +337,6 @@ def _retry_state(conn, document_id: str) -> tuple[int, float | None]:
     ).fetchone()
 
 
-def _served(conn, document_id: str) -> tuple[str, int, int]:
-    """(text of its current chunks, chunks, chunks with a vector of the model): what search can find."""
-    return conn.execute(
-        "SELECT coalesce(string_agg(c.text, '' ORDER BY c.chunk_index), ''), count(c.chunk_index), "
-        "count(e.chunk_checksum) FROM app.documents d JOIN app.chunks c USING (doc_pk) "
-        "LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s "
-        "WHERE d.document_id = %s AND d.status = 'current'",
-        (MODEL_ID, document_id),
-    ).fetchone()
-
-
 def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable(
     corpus, conn, fake, instance, monkeypatch, env
 ):
@@ -360,7 +350,7 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
     watching = evaluate_sensor(repair, defs, instance)
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
     assert execute(defs, instance, tick.run_requests[0]).success
-    old_text, chunks, vectors = _served(conn, "doc0001.md")
+    old_text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert chunks == vectors > 0
 
     (corpus / "doc0001.md").write_text("# doc 1\n\nthe edit that has to reach search\n")
@@ -383,7 +373,7 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
         instance=instance, run_config=fix.run_config, tags=fix.tags, raise_on_error=False
     )
     assert repaired.success
-    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)  # still found, on its old vectors
+    assert served(conn, "doc0001.md", MODEL_ID) == (old_text, chunks, vectors)  # still found, on its old vectors
 
     # The next tick does not drop the edit: it waits out the backoff, then asks again.
     held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
@@ -413,18 +403,18 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
     assert not held.run_requests
     attempts, wait = _retry_state(conn, "doc0001.md")
     assert attempts == 3 and 230 < wait <= 240
-    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)
+    assert served(conn, "doc0001.md", MODEL_ID) == (old_text, chunks, vectors)
 
     # The hourly (full) reconciliation re-ingests the file meanwhile: its new chunks have no vector
     # yet, so the bucket run that embeds them is due at once, not after the backoff.
     full = defs.resolve_job_def("reconcile_job").execute_in_process(instance=instance, raise_on_error=False)
     assert full.success
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "the edit that has to reach search" in text and vectors < chunks
     tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
     (last,) = tick.run_requests
     assert execute(defs, instance, last).success
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "the edit that has to reach search" in text and chunks == vectors > 0
     assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message
     hits = json.loads(cli("search", "the edit that has to reach search", "--json", env=env).stdout)
@@ -736,7 +726,7 @@ def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(
     failed = execute(defs, instance, request, run_config=no_worker)  # no worker comes before its deadline
     assert not failed.success
     assert failed.is_node_success("sync_pending") and failed.is_node_failed("embed_synced")
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "never embedded" in text and vectors < chunks  # synced, not searchable
     assert conn.execute(
         "SELECT synced = checksum FROM app.source_observations WHERE document_id = 'doc0001.md'"
@@ -753,6 +743,6 @@ def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(
     (retry,) = tick.run_requests
     assert retry.partition_key == bucket_of("doc0001.md") and retry.run_key != request.run_key
     assert execute(defs, instance, retry).success
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "never embedded" in text and chunks == vectors > 0
     assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message

@@ -23,6 +23,7 @@ from pipeline_assets_tests.dagster_helpers import (
     latest_materializations,
     postgres_instance,
     requested_keys,
+    served,
     stale_status,
 )
 
@@ -62,17 +63,6 @@ def _bucket(doc: str) -> int:
     return bk.bucket_of(doc, N)
 
 
-def _served(conn, doc: str) -> tuple[str, int, int]:
-    """(text of its current chunks, chunks, chunks with a vector of the model): what search finds."""
-    return conn.execute(
-        "SELECT coalesce(string_agg(c.text, '' ORDER BY c.chunk_index), ''), count(c.chunk_index), "
-        "count(e.chunk_checksum) FROM app.documents d JOIN app.chunks c USING (doc_pk) "
-        "LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s "
-        "WHERE d.document_id = %s AND d.status = 'current'",
-        (MODEL_ID, doc),
-    ).fetchone()
-
-
 def _edited_far_apart(defs, instance, corpus):
     """The corpus synced and embedded (the first tick's run), then the documents of the lowest and the
     highest bucket edited: (the tick that requests their run, the two documents, the range's keys,
@@ -102,7 +92,7 @@ def test_an_edit_is_synced_and_embedded_by_the_one_run_the_sensor_requests(corpu
     )
     assert result.success
     for doc in edited:  # served: the new text, a vector for every chunk of it
-        text, chunks, vectors = _served(conn, doc)
+        text, chunks, vectors = served(conn, doc, MODEL_ID)
         assert "to be served by one run" in text and chunks == vectors > 0, (doc, chunks, vectors)
     assert fake.stats["billed_inputs"] == billed + 2  # the two edited chunks, nothing else
     # No second run for it, and the next tick finds nothing to do.
