@@ -8,9 +8,8 @@ embeds them; the first request, every bucket in full, is a ``sync_documents`` ru
 checksum), ``n`` the cursor generation the tick started from: a re-evaluated tick repeats its key).
 The cursor holds only ``n`` (``{"v": 2, "g": n[, "f": last failed run handled]}``); a legacy map
 cursor seeds the table. While a run of this sensor is in flight a tick neither scans nor requests.
-Files of a failed or cancelled run (its sync or its embeddings) are requested again after a
-backoff (``schedule_retries``). A source that cannot be scanned fails the tick; an empty one that
-had documents is a skip: nothing deleted.
+Files of a failed or cancelled run are requested again after a backoff (``schedule_retries``).
+A source that cannot be scanned fails the tick; an empty one that had documents is a skip.
 """
 
 import json
