@@ -171,6 +171,17 @@ def execute(
     return PipelineResult([synced, run(EMBED_JOB, key, embed_tags)])
 
 
+def served(conn, document_id: str, model_id: str) -> tuple[str, int, int]:
+    """(text of its current chunks, chunks, chunks with a vector of the model): what search can find."""
+    return conn.execute(
+        "SELECT coalesce(string_agg(c.text, '' ORDER BY c.chunk_index), ''), count(c.chunk_index), "
+        "count(e.chunk_checksum) FROM app.documents d JOIN app.chunks c USING (doc_pk) "
+        "LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s "
+        "WHERE d.document_id = %s AND d.status = 'current'",
+        (model_id, document_id),
+    ).fetchone()
+
+
 def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, bucket_count: int = 64) -> list[str]:
     """The bucket keys a run request covers (one key, or a range in partition order)."""
     if request.partition_key:

@@ -10,6 +10,8 @@ import dagster as dg
 
 SYNC_JOB_NAME = "sync_documents"  # defs/ingest/jobs.py
 EMBED_JOB_NAME = "embed_documents"  # defs/embeddings/jobs.py
+# The source sensor's run after a change: both of the above for its buckets (defs/ingest/sync_and_embed.py).
+SYNC_EMBED_JOB_NAME = "sync_and_embed"
 
 TRIGGER_TAG = "pipeline/trigger"  # the sensor that asked for a run
 RERUN_TAG = "pipeline/rerun"  # a rerun after a code-version bump: stale documents only

@@ -70,8 +70,14 @@ def test_definitions_load_with_the_lineage_graph(monkeypatch):
     assert versions["embeddings"] == "vectors-1"  # not the model: the model is a partition
     assert repo.get_job("sync_documents").asset_layer.executable_asset_keys == set(INGEST_KEYS)
     assert repo.get_job("embed_documents").asset_layer.executable_asset_keys == {dg.AssetKey("embeddings")}
+    # The source sensor's run after a change: its sync, then its embeddings (holding the pool), one run.
+    sync_and_embed = repo.get_job("sync_and_embed")
+    assert [n.name for n in sync_and_embed.graph.nodes_in_topological_order] == ["sync_pending", "embed_synced"]
+    assert sync_and_embed.graph.node_named("embed_synced").definition.pool == "embedding_worker"
+    assert sync_and_embed.partitions_def.get_partition_keys() == buckets
     for job in (
         "sync_documents",
+        "sync_and_embed",
         "embed_documents",
         "reconcile_job",
         "pipeline_health",
@@ -298,7 +304,9 @@ def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkey
 
 def test_the_bucket_count_follows_the_setting(monkeypatch):
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
-    graph = fresh_defs().get_repository_def().asset_graph
+    repo = fresh_defs().get_repository_def()
+    graph = repo.asset_graph
+    assert repo.get_job("sync_and_embed").partitions_def.get_partition_keys() == [f"b{i:03d}" for i in range(8)]
     for key in INGEST_KEYS:
         assert graph.get(key).partitions_def.get_partition_keys() == [f"b{i:03d}" for i in range(8)]
     dims = {d.name: d.partitions_def for d in graph.get(dg.AssetKey("embeddings")).partitions_def.partitions_defs}

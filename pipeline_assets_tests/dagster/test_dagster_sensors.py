@@ -16,19 +16,18 @@ from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.content import folder_source
 from pipeline_assets.defs.ingest.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.ingest.source_sensor import decode_cursor, source_documents_sensor
-from pipeline_assets.defs.partitions import bucket_key, embedding_key
+from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import stage_runs
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
 from pipeline_assets_tests.dagster_helpers import (
-    EMBED_JOB,
-    SYNC_JOB,
     bucket_of,
     evaluate_sensor,
     execute,
     fresh_defs,
     postgres_instance,
     requested_keys,
+    served,
 )
 
 ALL = [bucket_key(i) for i in range(64)]
@@ -338,17 +337,6 @@ def _retry_state(conn, document_id: str) -> tuple[int, float | None]:
     ).fetchone()
 
 
-def _served(conn, document_id: str) -> tuple[str, int, int]:
-    """(text of its current chunks, chunks, chunks with a vector of the model): what search can find."""
-    return conn.execute(
-        "SELECT coalesce(string_agg(c.text, '' ORDER BY c.chunk_index), ''), count(c.chunk_index), "
-        "count(e.chunk_checksum) FROM app.documents d JOIN app.chunks c USING (doc_pk) "
-        "LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s "
-        "WHERE d.document_id = %s AND d.status = 'current'",
-        (MODEL_ID, document_id),
-    ).fetchone()
-
-
 def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable(
     corpus, conn, fake, instance, monkeypatch, env
 ):
@@ -362,7 +350,7 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
     watching = evaluate_sensor(repair, defs, instance)
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
     assert execute(defs, instance, tick.run_requests[0]).success
-    old_text, chunks, vectors = _served(conn, "doc0001.md")
+    old_text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert chunks == vectors > 0
 
     (corpus / "doc0001.md").write_text("# doc 1\n\nthe edit that has to reach search\n")
@@ -385,7 +373,7 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
         instance=instance, run_config=fix.run_config, tags=fix.tags, raise_on_error=False
     )
     assert repaired.success
-    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)  # still found, on its old vectors
+    assert served(conn, "doc0001.md", MODEL_ID) == (old_text, chunks, vectors)  # still found, on its old vectors
 
     # The next tick does not drop the edit: it waits out the backoff, then asks again.
     held = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
@@ -415,18 +403,18 @@ def test_a_changed_file_whose_run_failed_is_requested_again_and_stays_searchable
     assert not held.run_requests
     attempts, wait = _retry_state(conn, "doc0001.md")
     assert attempts == 3 and 230 < wait <= 240
-    assert _served(conn, "doc0001.md") == (old_text, chunks, vectors)
+    assert served(conn, "doc0001.md", MODEL_ID) == (old_text, chunks, vectors)
 
     # The hourly (full) reconciliation re-ingests the file meanwhile: its new chunks have no vector
     # yet, so the bucket run that embeds them is due at once, not after the backoff.
     full = defs.resolve_job_def("reconcile_job").execute_in_process(instance=instance, raise_on_error=False)
     assert full.success
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "the edit that has to reach search" in text and vectors < chunks
     tick = evaluate_sensor(source_documents_sensor, defs, instance, held.cursor)
     (last,) = tick.run_requests
     assert execute(defs, instance, last).success
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "the edit that has to reach search" in text and chunks == vectors > 0
     assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message
     hits = json.loads(cli("search", "the edit that has to reach search", "--json", env=env).stdout)
@@ -724,8 +712,8 @@ def test_buckets_a_backfill_already_synced_are_not_requested_again(corpus, conn,
 
 
 def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(corpus, conn, fake, instance):
-    """The bucket run ingests the edit (the file is synced), then the embeddings run after it fails:
-    the document's new chunks have no vector. The next free tick hands the file to the same backoff
+    """The sensor's run ingests the edit (the file is synced), then its embeddings fail: the
+    document's new chunks have no vector. The next free tick hands the file to the same backoff
     as an unsynced one, and the run requested after it embeds them."""
     defs = fresh_defs()
     tick = evaluate_sensor(source_documents_sensor, defs, instance)
@@ -733,23 +721,12 @@ def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(
     (corpus / "doc0001.md").write_text("# doc 1\n\ningested but never embedded by its run\n")
     tick = evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor)
     (request,) = tick.run_requests
-    tags = {k: v for k, v in request.tags.items() if k != "dagster/partition"}
-    assert (
-        defs.resolve_job_def(SYNC_JOB)
-        .execute_in_process(  # the bucket run alone: the file is synced
-            instance=instance, partition_key=request.partition_key, tags=tags
-        )
-        .success
-    )
-    failed = defs.resolve_job_def(EMBED_JOB).execute_in_process(  # no worker comes before its deadline
-        instance=instance,
-        partition_key=str(embedding_key(request.partition_key, MODEL_ID)),
-        tags=tags,
-        raise_on_error=False,
-        run_config={"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}},
-    )
+    assert request.job_name == "sync_and_embed"
+    no_worker = {"resources": {"embedding_run": {"config": {"in_process": False, "deadline_seconds": 0.5}}}}
+    failed = execute(defs, instance, request, run_config=no_worker)  # no worker comes before its deadline
     assert not failed.success
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    assert failed.is_node_success("sync_pending") and failed.is_node_failed("embed_synced")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "never embedded" in text and vectors < chunks  # synced, not searchable
     assert conn.execute(
         "SELECT synced = checksum FROM app.source_observations WHERE document_id = 'doc0001.md'"
@@ -766,6 +743,6 @@ def test_a_run_that_synced_a_file_but_failed_to_embed_it_has_it_requested_again(
     (retry,) = tick.run_requests
     assert retry.partition_key == bucket_of("doc0001.md") and retry.run_key != request.run_key
     assert execute(defs, instance, retry).success
-    text, chunks, vectors = _served(conn, "doc0001.md")
+    text, chunks, vectors = served(conn, "doc0001.md", MODEL_ID)
     assert "never embedded" in text and chunks == vectors > 0
     assert "no change" in evaluate_sensor(source_documents_sensor, defs, instance, tick.cursor).skip_message

@@ -555,13 +555,11 @@ def _stale_status(server: DevServer, asset: str, partition: str) -> tuple[str, l
 
 
 def _sensor_runs_done(server: DevServer, before: set[str]) -> list[dict] | None:
-    """The source sensor's bucket run and the embeddings run after it that are not in ``before``,
-    once both have finished."""
+    """The source sensor's run after a change (it syncs and embeds: one run, nothing after it) that is
+    not in ``before``, once it has finished."""
     runs = [r for r in _runs_tagged(server, "pipeline/trigger", "source_documents") if r["runId"] not in before]
-    jobs = sorted(r["jobName"] for r in runs)
-    return (
-        runs if jobs == ["embed_documents", "sync_documents"] and all(r["status"] in FINISHED for r in runs) else None
-    )
+    jobs = [r["jobName"] for r in runs]
+    return runs if jobs == ["sync_and_embed"] and all(r["status"] in FINISHED for r in runs) else None
 
 
 def _ensure_source_sensor_running(server: DevServer) -> None:
@@ -614,7 +612,7 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
             return [
                 r
                 for r in _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
-                if r["runId"] not in before and r["jobName"] == "sync_documents"
+                if r["runId"] not in before and r["jobName"] == "sync_and_embed"
             ]
 
         (held,) = _wait(requested, RUN_TIMEOUT, "the sensor's run for the edit", dev_server.proc, interval=1.0)

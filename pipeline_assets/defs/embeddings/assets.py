@@ -24,7 +24,8 @@ from pipeline_assets.app import estimate, model_runtime
 from pipeline_assets.app.embed_selection import BucketsEmbedded, embed_buckets
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.vector_wait import EmbedDeadlineExceeded, EmbedIncomplete
-from pipeline_assets.defs.keys import CHUNKS, GROUP, SOURCE_FILES
+from pipeline_assets.defs.embeddings.records import coverage_metadata, embedding_version, run_counts
+from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS, GROUP, SOURCE_FILES
 from pipeline_assets.defs.partitions import BUCKET_DIMENSION, embedding_key, embedding_partitions, keys_by_model
 from pipeline_assets.defs.provenance import run_version
 from pipeline_assets.defs.resources import (
@@ -43,17 +44,11 @@ from pipeline_assets.store import bucket_rows
 # worker at once; the others' steps wait for the slot.
 EMBEDDING_POOL = "embedding_worker"
 
-# The embeddings run's worker polls for claimable jobs this often (a retry
-# coming due), instead of the CLI's 0.5 s.
+# The embeddings run's worker polls for claimable jobs (a retry coming due) this often, not the CLI's 0.5 s.
 WORKER_POLL_SECONDS = 0.1
 
 
-def embedding_version(model_id: str, state: bucket_rows.BucketState, cov: bucket_rows.BucketCoverage) -> str:
-    """One ``embeddings`` partition's data version: the model, the bucket's chunks, its coverage."""
-    return bucket_rows.digest([model_id, state.chunks_digest, f"{cov.ready}/{cov.chunks}"])
-
-
-def _embed(
+def embed_or_fail(
     rt: Runtime,
     db_pool: ConnectionPool,
     root: str,
@@ -99,8 +94,13 @@ def _embed(
         ) from None
 
 
-def _preflight(
-    context: dg.AssetExecutionContext, rt: Runtime, db_pool: ConnectionPool, root: str, bucket_ids: list[int], n: int
+def preflight(
+    context: dg.AssetExecutionContext | dg.OpExecutionContext,
+    rt: Runtime,
+    db_pool: ConnectionPool,
+    root: str,
+    bucket_ids: list[int],
+    n: int,
 ) -> estimate.Estimate:
     """Before one model's part of an embeddings run enqueues or sends anything: what it would send
     (``app.estimate.for_buckets``), logged and recorded as an observation of the asset, so the run's
@@ -109,7 +109,7 @@ def _preflight(
     context.log.info(f"preflight: {est.describe()}")
     context.log_event(
         dg.AssetObservation(
-            asset_key=context.asset_key,
+            asset_key=EMBEDDINGS,
             description="preflight: what this run would send",
             metadata={
                 "preflight": True,
@@ -223,8 +223,8 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
 
                 def embed(ids: list[int], rt: Runtime = rt) -> tuple[estimate.Estimate, BucketsEmbedded]:
                     """The preflight, then the embedding and the wait, of some buckets for this model."""
-                    est = _preflight(context, rt, db_pool, root, ids, n)
-                    return est, _embed(rt, db_pool, root, ids, n, in_process, embedding_run, len(keys))
+                    est = preflight(context, rt, db_pool, root, ids, n)
+                    return est, embed_or_fail(rt, db_pool, root, ids, n, in_process, embedding_run, len(keys))
 
                 if pending is None:
                     work_ids, others = bucket_ids, dict[int, bucket_rows.BucketCoverage]()
@@ -244,34 +244,9 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                 for b in bucket_ids:
                     bucket_cov, key = coverage[b], embedding_key(b, model_id)
                     versions[key] = embedding_version(model_id, states[b], bucket_cov)
-                    meta: dict[str, Any] = {
-                        "chunks": bucket_cov.chunks,
-                        "ready": bucket_cov.ready,
-                        "failed": bucket_cov.failed,
-                        "waiting": bucket_cov.waiting,
-                    }
-                    if bucket_cov.failed_ids:
-                        meta["failed_ids"] = ", ".join(bucket_cov.failed_ids)
-                    context.add_asset_metadata(meta, partition_key=key)
-                work, after = done.work, done.after
-                # "reused": ready vectors this run did not make.
-                for name, value in (
-                    ("estimated_inputs", est.send_inputs),
-                    ("estimated_tokens", est.send_tokens),
-                    ("chunks", after.wanted),
-                    ("embedded", work.embedded),
-                    ("reused", max(after.ready - work.embedded, 0)),
-                    ("superseded", work.superseded),
-                    ("failed", after.failed),
-                    ("waiting", after.waiting),
-                    ("enqueued", done.enqueued),
-                    ("retried", work.retried),
-                    ("throttled", work.throttled),
-                    ("provider_calls", work.provider_calls),
-                    ("tokens", work.tokens),
-                    ("ready", after.ready),
-                ):
-                    totals[name] = totals.get(name, 0) + int(value)
+                    context.add_asset_metadata(coverage_metadata(bucket_cov), partition_key=key)
+                for name, value in run_counts(est, done).items():
+                    totals[name] = totals.get(name, 0) + value
                 documents = max(documents, sum(state.documents for state in states.values()))
                 waited += done.waited_seconds
             ready = totals.pop("ready", 0)

@@ -46,13 +46,13 @@ def build_coverage_check(n: int) -> dg.AssetChecksDefinition:
                 with postgres.connection() as conn:
                     coverage = bucket_rows.coverage_of_buckets(conn, root, bucket_ids, n, model_id)
                 for b, cov in coverage.items():
-                    yield _coverage_evaluation(embedding_key(b, model_id), cov, model_id)
+                    yield coverage_evaluation(embedding_key(b, model_id), cov, model_id)
             yield dg.Output(None)  # the check's output: its evaluations are the events above
 
     return partition_embedded
 
 
-def _coverage_evaluation(key: str, cov: bucket_rows.BucketCoverage, model_id: str) -> dg.AssetCheckEvaluation:
+def coverage_evaluation(key: str, cov: bucket_rows.BucketCoverage, model_id: str) -> dg.AssetCheckEvaluation:
     passed = cov.ready == cov.chunks and cov.failed == 0 and cov.waiting == 0
     metadata: dict = {
         "model": model_id,

@@ -54,12 +54,14 @@ def ingest_materializations(
     states: Mapping[int, bucket_rows.BucketState],
     extra: Mapping[int, dict],
     versions: Mapping[str, str],
+    source: tuple[str, int | None] | None = None,
 ) -> Generator[dg.AssetMaterialization, None, dict[str, tuple[str, int]]]:
     """A ``documents`` and a ``chunks`` materialization for each bucket of ``extra`` (its own
-    metadata added), from a step that does not own them (reconciliation, refresh_documents),
-    with the data and code versions an asset run records (``provenance``). Returns each
+    metadata added), from a step that does not own them (reconciliation, refresh_documents,
+    sync_and_embed), with the data and code versions an asset run records (``provenance``;
+    ``source``: the ``source_files`` observation synced from, default the latest). Returns each
     bucket's chunks (data version, storage id): the input of its ``embeddings``."""
-    source = latest_observation(instance, SOURCE_FILES)
+    source = source or latest_observation(instance, SOURCE_FILES)
     docs = yield from versioned_events(
         instance,
         DOCUMENTS,

@@ -21,7 +21,7 @@ from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.app.vector_wait import EmbedIncomplete
 from pipeline_assets.content.source import Source, SourceError
-from pipeline_assets.defs.embeddings.assets import embedding_version
+from pipeline_assets.defs.embeddings.records import embedding_version
 from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS, SOURCE_FILES
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, embedding_key, is_model_key

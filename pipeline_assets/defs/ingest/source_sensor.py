@@ -1,15 +1,15 @@
 """``source_documents``: new, changed and deleted documents become ONE run over their buckets.
 
 A tick scans the source (observations in PostgreSQL, ``app/observations.py``: an unchanged file
-is not read) and requests one ``sync_documents`` run over the range spanning the buckets with
-pending files, tagged with those buckets (``PENDING_TAG``: the run syncs only them, without a
-walk), keyed ``sync@g{n}:{buckets}:{digest}:{first}..{last}`` (the digest covers every pending
-(document, checksum), ``n`` is the cursor generation the tick started from: a re-evaluated tick
-repeats its key and Dagster launches nothing twice). The cursor holds only ``n`` (``{"v": 2, "g":
-n[, "f": last failed run handled]}``); a legacy map cursor seeds the table. While a run of this
-sensor is in flight a tick requests nothing and does not scan. Files of a failed or cancelled run
-(sync or its embeddings run) are requested again after a backoff (``schedule_retries``). A source
-that cannot be scanned is a failed tick; an empty one that had documents a skip: nothing deleted.
+is not read) and requests one ``sync_and_embed`` run over the range spanning the buckets with
+pending files, tagged with those buckets (``PENDING_TAG``: the run syncs them without a walk and
+embeds them; the first request, every bucket in full, is a ``sync_documents`` run), keyed
+``sync@g{n}:{buckets}:{digest}:{first}..{last}`` (the digest covers every pending (document,
+checksum), ``n`` the cursor generation the tick started from: a re-evaluated tick repeats its key).
+The cursor holds only ``n`` (``{"v": 2, "g": n[, "f": last failed run handled]}``); a legacy map
+cursor seeds the table. While a run of this sensor is in flight a tick neither scans nor requests.
+Files of a failed or cancelled run are requested again after a backoff (``schedule_retries``).
+A source that cannot be scanned fails the tick; an empty one that had documents is a skip.
 """
 
 import json
@@ -18,8 +18,10 @@ import dagster as dg
 
 from pipeline_assets.app import observations
 from pipeline_assets.content.source import SourceError
-from pipeline_assets.defs.dagster_config import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
+from pipeline_assets.defs.dagster_config import DEFAULT_PARTITION_BUCKETS, DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
+from pipeline_assets.defs.embeddings.assets import EMBEDDING_POOL
 from pipeline_assets.defs.ingest.jobs import SYNC_JOB
+from pipeline_assets.defs.ingest.sync_and_embed import build_sync_and_embed_job
 from pipeline_assets.defs.keys import SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_index, bucket_key, span, split_key
 from pipeline_assets.defs.provenance import DATA_VERSION_TAG
@@ -27,6 +29,8 @@ from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresRe
 from pipeline_assets.defs.run_requests import (
     IN_FLIGHT,
     PENDING_TAG,
+    SYNC_EMBED_JOB_NAME,
+    SYNC_JOB_NAME,
     TRIGGER_TAG,
     batch_digest,
     encode_buckets,
@@ -206,9 +210,11 @@ def _scan_source(
         f"new={new} changed={files - new - gone} gone={gone} in {len(todo)} bucket(s): one run over {first}..{last}"
     )
     tags = {TRIGGER_TAG: SENSOR_NAME}
+    job_name = SYNC_JOB_NAME
     if generation:  # the first request syncs every bucket in full (what no scan has observed yet too)
         tags[PENDING_TAG] = encode_buckets(p.bucket for p in todo)
-    request = range_request(first, last, key, tags)
+        job_name = SYNC_EMBED_JOB_NAME  # one run syncs and embeds them: one launch, no sensor between
+    request = range_request(first, last, key, tags, job_name=job_name)
     # What the sensor saw, per bucket with pending files: documents shows those buckets stale
     # (a new data version of source_files) until the run's materialization records it.
     seen = [
@@ -223,16 +229,22 @@ def _scan_source(
     return dg.SensorResult(run_requests=[request], asset_events=seen, cursor=encode_cursor(generation + 1, handled))
 
 
-def build_source_sensor(interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS) -> dg.SensorDefinition:
-    """The source sensor, ticking every ``interval_seconds`` (``Settings.source_sensor_interval``)."""
+def build_source_sensor(
+    interval_seconds: int = DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS,
+    sync_and_embed: dg.JobDefinition | None = None,
+) -> dg.SensorDefinition:
+    """The source sensor, ticking every ``interval_seconds`` (``Settings.source_sensor_interval``),
+    requesting ``sync_documents`` and ``sync_and_embed`` (default: over the default bucket count,
+    embedding in the ``embedding_worker`` pool)."""
+    job = sync_and_embed or build_sync_and_embed_job(DEFAULT_PARTITION_BUCKETS, EMBEDDING_POOL)
     return dg.sensor(
         name=SENSOR_NAME,
-        jobs=[SYNC_JOB],
+        jobs=[SYNC_JOB, job],
         minimum_interval_seconds=interval_seconds,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Scans the source directory (observations kept in PostgreSQL; unchanged files are not "
-        "read) and requests one run over the buckets of new, changed and vanished documents; "
-        "nothing while its earlier runs are in flight.",
+        "read) and requests one run that syncs and embeds the buckets of new, changed and vanished "
+        "documents; nothing while its earlier runs are in flight.",
     )(_scan_source)
 
 
