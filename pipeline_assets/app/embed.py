@@ -46,7 +46,8 @@ def work(
     observe: Callable[[Worker], None] | None = None,
 ) -> WorkerReport:
     """Claim and embed until ``stop_event`` is set (or, ``until_idle``, until nothing is
-    claimable, waiting or leased); then refresh the embed stage rows of the documents it touched.
+    claimable, waiting or leased); the embed stage rows of the documents it touched are written
+    when its queue drains (beside the index build) and brought up to date when it ends.
 
     Raises the worker's FatalProviderError / BudgetExhausted with their one-line messages.
     """
@@ -59,13 +60,14 @@ def work(
         lease_seconds=lease_seconds or None,
         poll_seconds=poll_seconds or None,
     )
-    worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=stop_event)
-    if observe is not None:  # metrics and progress read its report while it runs
-        observe(worker)
     with pool.connection() as conn:
         since = stage_runs.clock(conn)
+    # The stage rows are written at the drain, beside the index build; here only what changed since.
+    worker = Worker(db.pool_url(pool), rt.provider, config, stop_event=stop_event, stages_since=since)
+    if observe is not None:  # metrics and progress read its report while it runs
+        observe(worker)
     report = worker.run()
-    _record_touched(pool, rt.model_id, since)
+    _record_touched(pool, rt.model_id, worker.stages_until or since)
     return report
 
 

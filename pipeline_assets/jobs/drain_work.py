@@ -2,7 +2,8 @@
 warning: the chunks' missing text-search vectors, computed from the worker's first beat with
 work queued (beside the sending, so the fill is not left for after the last answer) and again
 when the queue drains; and, once drained, the model's missing vector index (in bulk: far cheaper
-than per insert during a backfill; ``registry.background_build``). When the build starts is
+than per insert during a backfill; ``registry.background_build``) and, beside it, the embed stage
+rows of what the run touched (``stage_runs.BackgroundStages``, when given the run's start). When the build starts is
 ``running_ingests.index_build_decision``'s: not while an ingest runs and, unless `--until-idle`,
 not before the queue has stayed empty for ``index_quiet_seconds``. The worker cancels both when
 it stops.
@@ -13,13 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 
 import psycopg
 
 from pipeline_assets.jobs import running_ingests
 from pipeline_assets.jobs.worker_config import WorkerConfig
 from pipeline_assets.registry.background_build import BackgroundBuild
-from pipeline_assets.store import text_search
+from pipeline_assets.store import stage_runs, text_search
 
 log = logging.getLogger("pipeline_assets.jobs.worker")  # the worker's log
 
@@ -34,13 +36,17 @@ class DrainWork:
         config: WorkerConfig,
         *,
         on_done: Callable[[], object],
+        stages_since: datetime | None = None,
     ) -> None:
         self._connect = connect
+        self._stages_since = stages_since
         self.model_id = model_id
         self.config = config
         self._on_done = on_done
         self.index_build: BackgroundBuild | None = None  # started when the queue drains
         self.text_fill: text_search.BackgroundFill | None = None  # chunks' text-search vectors
+        # The embed stage rows of what the run touched since ``stages_since``, beside the build.
+        self.stages: stage_runs.BackgroundStages | None = None
         self._drained_since: float | None = None  # the queue empty at every beat since (monotonic)
         self._deferred_for_ingest = False  # the build was put off while an ingest runs (logged once)
 
@@ -60,7 +66,7 @@ class DrainWork:
             return True
         build, fill = self.index_build, self.text_fill
         if build is not None and not build.retry_due(time.monotonic()):
-            return build.done and (fill is None or fill.done)
+            return build.done and (fill is None or fill.done) and (self.stages is None or self.stages.done)
         now = time.monotonic()
         if self._drained_since is None:
             self._drained_since = now
@@ -86,7 +92,11 @@ class DrainWork:
         ).start()
         if fill is None or fill.done:  # what is left (chunks committed since the last pass), beside the build
             fill = self._start_fill()
-        return build.done and fill.done
+        if self._stages_since is not None and self.stages is None:
+            self.stages = stage_runs.BackgroundStages(
+                self._connect, self.model_id, self._stages_since, on_done=self._on_done
+            ).start()
+        return build.done and fill.done and (self.stages is None or self.stages.done)
 
     def _start_fill(self) -> text_search.BackgroundFill:
         self.text_fill = fill = text_search.BackgroundFill(self._connect, on_done=self._on_done).start()

@@ -219,11 +219,11 @@ def _enqueue(scope: str) -> sql.Composed:
 
 
 def enqueue_for_docs(conn: psycopg.Connection, doc_pks: Sequence[int], max_attempts: int) -> int:
+    """Jobs for the current chunks of some documents, for every active model without one; returns
+    how many. Each key is probed in the index: a cost that follows the documents, not the job table."""
     if not doc_pks:
         return 0
-    return conn.execute(
-        _enqueue(JOBS.enqueue_scope_docs), {"docs": list(doc_pks), "max_attempts": max_attempts}
-    ).rowcount
+    return conn.execute(JOBS.enqueue_docs, {"docs": list(doc_pks), "max_attempts": max_attempts}).rowcount
 
 
 def enqueue_chunks(conn: psycopg.Connection, checksums: Sequence[bytes], max_attempts: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from datetime import datetime
 
 import psycopg
 
@@ -61,6 +62,7 @@ class Worker:
         *,
         stop_event: threading.Event | None = None,
         store: JobStore | None = None,
+        stages_since: datetime | None = None,
     ) -> None:
         self.url = url
         self.provider = provider
@@ -83,11 +85,18 @@ class Worker:
         self._wake = threading.Event()
         self._batch = min(config.batch_inputs or provider.spec.max_batch_inputs, provider.spec.max_batch_inputs)
         # The text-search fill (from the first beat with work queued) and the index build (at a drain).
-        self._drain = DrainWork(self._connect, self.model_id, config, on_done=self._wake.set)
+        # ``stages_since``: the run's start (database clock), for the embed stage rows written at the drain.
+        self._drain = DrainWork(self._connect, self.model_id, config, on_done=self._wake.set, stages_since=stages_since)
         self._token_budget = TokenBudget(
             self.model_id, per_run=config.run_token_budget, daily=config.daily_token_budget
         )
         self._db_wait = DatabaseWait()  # replaced by run(), with its pool
+
+    @property
+    def stages_until(self) -> datetime | None:
+        """The clock the embed stage rows written at the drain are complete up to (None: not written)."""
+        stages = self._drain.stages
+        return stages.until if stages is not None else None
 
     # -- lifecycle -------------------------------------------------------
     def _connect(self) -> psycopg.Connection:
@@ -215,6 +224,8 @@ class Worker:
                 self._drain.index_build.cancel()  # an unfinished build is left INVALID; the next one replaces it
             if self._drain.text_fill is not None:
                 self._drain.text_fill.cancel()  # what it left is computed by the next ingest or drain
+            if self._drain.stages is not None:
+                self._drain.stages.cancel()  # unfinished: the end of the run records the rows
             deadline = time.monotonic() + SHUTDOWN_GRACE_SECONDS
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))

@@ -11,7 +11,8 @@ the same derivation in its read query.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -20,6 +21,9 @@ from psycopg import sql
 from psycopg.rows import class_row
 
 from pipeline_assets.store import queries
+from pipeline_assets.store.background import BackgroundWork
+
+log = logging.getLogger(__name__)
 
 STAGE_RUNS = queries.load("stage_runs")
 
@@ -64,6 +68,45 @@ def refresh_embed_touched(conn: psycopg.Connection, model_id: str, since: dateti
     its vector or failed since ``since`` (the database clock before the run), and
     those whose stored row says failed."""
     return conn.execute(_refresh(STAGE_RUNS.embed_scope_touched), {"model": model_id, "since": since}).rowcount
+
+
+def refresh_embed_drained(conn: psycopg.Connection, model_id: str, since: datetime) -> datetime | None:
+    """``refresh_embed_touched`` when a worker's queue drains, proving what it covers: the database
+    clock ``until`` when no job of the model was outstanding in its snapshot (a later
+    ``refresh_embed_touched(since=until)`` then adds everything it could not see), else None."""
+    query = sql.SQL(STAGE_RUNS.refresh_embed_drained).format(refresh=_refresh(STAGE_RUNS.embed_scope_touched))
+    row = conn.execute(query, {"model": model_id, "since": since}).fetchone()
+    assert row is not None  # an aggregate: always one row
+    until, outstanding, _written = row
+    return None if outstanding else until
+
+
+class BackgroundStages(BackgroundWork):
+    """``refresh_embed_drained`` beside a worker's index build, on a connection of its own; ``until``
+    is what it returned (None until then, or if it failed: the run's end refreshes from ``since``)."""
+
+    def __init__(
+        self,
+        connect: Callable[[], psycopg.Connection],
+        model_id: str,
+        since: datetime,
+        *,
+        on_done: Callable[[], object] | None = None,
+    ) -> None:
+        super().__init__(connect, name="embed-stages", on_done=on_done)
+        self.model_id = model_id
+        self.since = since
+        self.until: datetime | None = None
+
+    def work(self, conn: psycopg.Connection) -> None:
+        self.until = refresh_embed_drained(conn, self.model_id, self.since)
+
+    def failed(self, exc: Exception) -> None:
+        if not self.stopped.is_set():
+            log.warning(
+                "could not record the embed stage at the drain (the end of the run records it): %s",
+                " ".join(str(exc).split()),
+            )
 
 
 def embed_counts(conn: psycopg.Connection) -> tuple[dict[str, int], dict[str, dict[str, int]]]:

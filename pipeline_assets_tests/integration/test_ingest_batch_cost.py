@@ -9,6 +9,7 @@ from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.chunking import Chunker
+from pipeline_assets.jobs import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets_tests.conftest import write_corpus
@@ -55,6 +56,27 @@ def test_a_batch_enqueue_probes_job_keys_and_never_scans_it(queued, tmp_path):
     assert report.new == 60 and report.enqueued == report.chunks > 0, report
     assert conn.execute("SELECT count(*) FROM app.embedding_jobs").fetchone()[0] == EARLIER_JOBS + report.chunks
     assert _seq_scans(conn, "app.job_keys") == before  # three batches: each probed the index per key
+
+
+def test_enqueue_for_documents_probes_job_keys_and_never_scans_it(queued, tmp_path):
+    """A rerun or a vector wait enqueues the missing jobs of some documents: one index probe per
+    key, whatever the statistics, and a job per chunk whose key was missing."""
+    conn = queued
+    report = ingest_directory(conn, write_corpus(tmp_path / "c", 60)[0].parent, _options())
+    pks = [r[0] for r in conn.execute("SELECT doc_pk FROM app.documents WHERE status = 'current'")]
+    with conn.transaction():  # their jobs are gone (a job and its key go together)
+        conn.execute("DELETE FROM app.embedding_jobs j USING app.chunks c WHERE j.chunk_checksum = c.chunk_checksum")
+        conn.execute("DELETE FROM app.job_keys k USING app.chunks c WHERE k.chunk_checksum = c.chunk_checksum")
+    before = _seq_scans(conn, "app.job_keys")
+    assert transitions.enqueue_for_docs(conn, pks, max_attempts=5) == report.chunks > 0
+    assert _seq_scans(conn, "app.job_keys") == before
+    jobs = conn.execute(
+        """SELECT count(*), count(*) FILTER (WHERE j.status = 'pending' AND j.model_id = %s)
+           FROM app.chunks c JOIN app.job_keys k USING (chunk_checksum) JOIN app.embedding_jobs j USING (job_id)""",
+        (SPEC.model_id,),
+    ).fetchone()
+    assert jobs == (report.chunks, report.chunks)
+    assert transitions.enqueue_for_docs(conn, pks, max_attempts=5) == 0  # known keys: nothing more
 
 
 def test_a_batch_writes_the_stage_rows_jobs_and_supersedes_what_it_replaced(queued, tmp_path):

@@ -233,6 +233,7 @@ def test_templates_have_exactly_their_fields():
     assert _fields(transitions.JOBS.claim) == {"scope", "limit"}
     assert _fields(stage_runs.STAGE_RUNS.embed_state) == {"models", "scope"}
     assert _fields(stage_runs.STAGE_RUNS.refresh_embed) == _fields(stage_runs.STAGE_RUNS.embed_counts) == {"state"}
+    assert _fields(stage_runs.STAGE_RUNS.refresh_embed_drained) == {"refresh"}
     assert _fields(queries.load("estimates").summary) == {"wanted"}
     # A table source's templates: identifiers composed with sql.Identifier, types from the catalog.
     table_fields = {
@@ -256,6 +257,7 @@ def test_templates_have_exactly_their_fields():
                 ("migrations", "create_database"),
                 ("stage_runs", "embed_state"),
                 ("stage_runs", "refresh_embed"),
+                ("stage_runs", "refresh_embed_drained"),
                 ("stage_runs", "embed_counts"),
                 ("estimates", "summary"),
             } and family != "roles":

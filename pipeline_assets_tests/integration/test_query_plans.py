@@ -59,7 +59,6 @@ NO_JOB_TABLE = {
     "release_probe",
     "provider_failure",
     "provider_healthy",
-    "enqueue_scope_docs",
     "enqueue_scope_missing",
     "provider_pause",
     "provider_unusable",

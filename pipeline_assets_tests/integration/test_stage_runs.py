@@ -5,6 +5,7 @@ nothing (run by a real role that can only SELECT)."""
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 
 import psycopg
@@ -15,9 +16,10 @@ from pipeline_assets.app import status as status_uc
 from pipeline_assets.app.ingest import ingest_source, register_model
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.registry import background_build
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, stage_runs
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL, cli, wait_until, write_corpus
 
 SECOND_MODEL = "fake-embed-b"
 
@@ -145,6 +147,66 @@ def test_embed_documents_refreshes_its_documents_even_when_nothing_was_sent(pool
     done = embed_selection.embed_and_wait(a, pool, src, ["doc0001.md"], poll_seconds=0.05)
     assert done.work.embedded == 0
     assert embed_rows(conn) == {("doc0001.md", a.model_id): ("succeeded", None, 1)}
+
+
+def test_the_rows_are_written_at_the_drain_beside_the_index_build(pool, clean_db, tmp_path, monkeypatch):
+    """While the index builds, the rows already say what the run did; what changes after the drain
+    (a document embedded, a job failed) is in the rows when the run ends."""
+    conn = clean_db
+    src = tmp_path / "src"
+    write_corpus(src, 3)
+    a = runtime()
+    ingest_source(a, pool, src)
+    build_started, release = threading.Event(), threading.Event()
+    real_build = background_build.build
+
+    def held_build(*args, **kwargs):
+        build_started.set()
+        release.wait(120)
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(background_build, "build", held_build)
+    run = threading.Thread(target=embed.work, args=(a, pool), kwargs={"until_idle": True, "poll_seconds": 0.05})
+    run.start()
+    try:
+        assert build_started.wait(120)
+        drained = {(f"doc000{i}.md", a.model_id): ("succeeded", None, 1) for i in range(3)}
+        wait_until(lambda: embed_rows(conn) == drained, timeout=30, what="the rows written at the drain")
+        # After the drain: a new document embedded by the same run, and a job that failed.
+        (src / "late.md").write_text("# late\n\nwritten while the index builds\n")
+        ingest_source(a, pool, src)
+        wait_until(
+            lambda: conn.execute("SELECT count(*) FROM app.embeddings").fetchone()[0] == 4,
+            timeout=60,
+            what="the late document's vector",
+        )
+        fail_job_of(conn, "doc0001.md", a.model_id)
+    finally:
+        release.set()
+        run.join(120)
+    assert not run.is_alive()
+    rows = embed_rows(conn)
+    assert rows == {
+        **drained,
+        ("doc0001.md", a.model_id): ("failed", "bad_input", 1),
+        ("late.md", a.model_id): ("succeeded", None, 1),
+    }
+
+
+def test_a_drain_refresh_with_work_outstanding_vouches_for_nothing(pool, clean_db, tmp_path):
+    """With a job of the model still outstanding the drain refresh vouches for nothing (None); with
+    none, it returns its clock, and the rows it wrote hold."""
+    conn = clean_db
+    write_corpus(tmp_path / "src", 2)
+    a = runtime()
+    ingest_source(a, pool, tmp_path / "src")
+    since = stage_runs.clock(conn)
+    assert stage_runs.refresh_embed_drained(conn, a.model_id, since) is None
+    embed.work(a, pool, until_idle=True, poll_seconds=0.05)
+    conn.execute("DELETE FROM app.stage_runs WHERE stage = 'embed'")
+    until = stage_runs.refresh_embed_drained(conn, a.model_id, since)
+    assert until is not None and until >= since
+    assert set(embed_rows(conn).values()) == {("succeeded", None, 1)} and len(embed_rows(conn)) == 2
 
 
 # --------------------------------------------------------------------------- a read-only status

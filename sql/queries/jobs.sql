@@ -259,6 +259,26 @@ INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
 OVERRIDING SYSTEM VALUE
 SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
 
+-- name: enqueue_docs
+-- The chunks of some documents (a rerun, a vector wait): a job per active model without one. As
+-- enqueue_chunks, OFFSET 0 keeps each key's probe an index lookup, never a scan of job_keys.
+WITH wanted AS (
+    SELECT DISTINCT c.chunk_checksum, m.model_id
+    FROM app.chunks c CROSS JOIN app.models m
+    WHERE m.active AND c.doc_pk = ANY(%(docs)s::bigint[])
+      AND NOT EXISTS (SELECT 1 FROM app.job_keys k WHERE k.chunk_checksum = c.chunk_checksum
+                                                     AND k.model_id = m.model_id OFFSET 0)
+), keyed AS (
+    INSERT INTO app.job_keys (chunk_checksum, model_id, job_id)
+    SELECT w.chunk_checksum, w.model_id, nextval(pg_get_serial_sequence('app.embedding_jobs', 'job_id'))
+    FROM wanted w
+    ON CONFLICT (chunk_checksum, model_id) DO NOTHING
+    RETURNING chunk_checksum, model_id, job_id
+)
+INSERT INTO app.embedding_jobs (job_id, chunk_checksum, model_id, max_attempts)
+OVERRIDING SYSTEM VALUE
+SELECT job_id, chunk_checksum, model_id, %(max_attempts)s FROM keyed
+
 -- name: enqueue_chunks
 -- The distinct checksums of chunks this transaction wrote: a job per active model without one, superseded
 -- ones revived; returns (enqueued, revived). OFFSET 0 keeps each key's probe an index lookup (a subplan),
@@ -291,10 +311,6 @@ WITH wanted AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM enqueued), (SELECT count(*) FROM revived)
-
--- name: enqueue_scope_docs
--- The chunks of some documents (an ingest batch); ON CONFLICT skips known keys.
-c.doc_pk = ANY(%(docs)s)
 
 -- name: enqueue_scope_missing
 -- Every chunk whose key is missing (reconcile, a model seen for the first time):

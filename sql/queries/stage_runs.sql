@@ -70,6 +70,18 @@ WHERE (s.status, s.attempts, s.code_version, s.source_checksum, s.error_class, s
       IS DISTINCT FROM (EXCLUDED.status, EXCLUDED.attempts, EXCLUDED.code_version, EXCLUDED.source_checksum,
                         EXCLUDED.error_class, EXCLUDED.finished_at)
 
+-- name: refresh_embed_drained
+-- refresh_embed (the field "refresh", composed, RETURNING 1) in a statement that also reads the clock
+-- and whether a job of the model is outstanding, all in its one snapshot: with none outstanding, every
+-- job transition older than "until" is in the rows written (a later one is dated from "until" on).
+WITH written AS ({refresh} RETURNING 1)
+SELECT now() AS until,
+       (SELECT min(available_at) FROM app.embedding_jobs
+        WHERE model_id = %(model)s AND status IN ('pending', 'retry')) IS NOT NULL
+       OR EXISTS (SELECT 1 FROM app.embedding_jobs WHERE status = 'processing' AND model_id = %(model)s)
+           AS outstanding,
+       (SELECT count(*) FROM written) AS written
+
 -- name: embed_counts
 -- The embed stage as status shows it, from the jobs ("state": embed_state), never stored: documents
 -- per model and status, and per document over every active model (model_id NULL).
