@@ -446,15 +446,25 @@ def job_counts(conn) -> dict[str, int]:
     return dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY status").fetchall())
 
 
-def wait_until(predicate, timeout: float = 120, interval: float = 0.05, what: str = "condition"):
+WAIT_FIRST_INTERVAL, WAIT_MAX_INTERVAL = 0.05, 0.5
+
+
+def wait_until(predicate, timeout: float = 120, interval: float | None = None, what: str = "condition"):
     """Poll until predicate() is truthy; return its value. The default deadline is generous (a
-    CLI process imports for many seconds on a loaded machine): it only bounds a failure."""
+    CLI process imports for many seconds on a loaded machine): it only bounds a failure.
+
+    ``interval`` polls at that fixed rate (a transient state to catch); without it the polls start
+    20 times a second and slow down to twice a second, so a long wait costs few predicate calls
+    (a query, a process scan) and a short one still returns within a tick of its condition."""
     deadline = time.monotonic() + timeout
+    pause = WAIT_FIRST_INTERVAL if interval is None else interval
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(interval)
+        time.sleep(pause)
+        if interval is None:
+            pause = min(WAIT_MAX_INTERVAL, pause * 1.25)
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -8,6 +8,8 @@ PostgreSQL servers and Dagster daemons included, is counted, even after it left 
 otherwise this process's own CPU and that of its children it waited for. A module's figure runs from
 the setup of its first test to the teardown of its last (module fixtures included); run with
 ``-n 0``, so modules do not overlap. CPU-seconds are what a loaded machine distorts least.
+With ``PIPELINE_MODULE_CPU_TESTS=1`` each test gets a line of its own too (``"test"``: its node id;
+setup, call and teardown, module fixtures included where they are built or torn down).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import pytest
 
 OUT_ENV = "PIPELINE_MODULE_CPU_OUT"
 CGROUP_ENV = "PIPELINE_MODULE_CPU_CGROUP"
+TESTS_ENV = "PIPELINE_MODULE_CPU_TESTS"
 _current: dict = {}
+_test: dict = {}
 
 
 def _cpu_seconds() -> float:
@@ -39,11 +43,20 @@ def _module(item: pytest.Item) -> str:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if _current.get("module") != _module(item):
         _current.update(module=_module(item), cpu=_cpu_seconds(), wall=time.monotonic(), load=os.getloadavg()[0])
+    _test.update(cpu=_cpu_seconds(), wall=time.monotonic())
+
+
+def _write(record: dict) -> None:
+    with open(os.environ.get(OUT_ENV, "module-cpu.jsonl"), "a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     yield
+    if os.environ.get(TESTS_ENV) and _test:
+        cpu, wall = _cpu_seconds() - _test["cpu"], time.monotonic() - _test["wall"]
+        _write({"test": item.nodeid, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1)})
     if nextitem is not None and _module(nextitem) == _module(item):
         return
     record = {
@@ -53,5 +66,4 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         "load": [round(_current["load"], 1), round(os.getloadavg()[0], 1)],
     }
     _current.clear()
-    with open(os.environ.get(OUT_ENV, "module-cpu.jsonl"), "a") as out:
-        out.write(json.dumps(record) + "\n")
+    _write(record)
