@@ -3,13 +3,12 @@
     PIPELINE_MODULE_CPU_OUT=/tmp/modules.jsonl python -m pytest -q -n 0 -p pipeline_assets_tests.module_cpu
 
 The CPU is that of a cgroup v1 ``cpuacct`` group when ``PIPELINE_MODULE_CPU_CGROUP`` names its
-directory (put the shell that starts pytest into it first: then every process the tests start,
-PostgreSQL servers and Dagster daemons included, is counted, even after it left the process tree);
-otherwise this process's own CPU and that of its children it waited for. A module's figure runs from
-the setup of its first test to the teardown of its last (module fixtures included); run with
-``-n 0``, so modules do not overlap. CPU-seconds are what a loaded machine distorts least.
-With ``PIPELINE_MODULE_CPU_TESTS=1`` each test gets a line of its own too (``"test"``: its node id;
-setup, call and teardown, module fixtures included where they are built or torn down).
+directory (put the shell that starts pytest into it first: every process the tests start, PostgreSQL
+servers and Dagster daemons included, is counted, even after it left the process tree); otherwise
+this process's own CPU and that of its children it waited for. A module's figure runs from the setup
+of its first test to the teardown of its last (module fixtures included). Under xdist each worker
+moves into a group of its own below the named one (``gw0``...), so modules running side by side are
+counted apart (the named group keeps the total). ``PIPELINE_MODULE_CPU_TESTS=1``: a line per test too.
 """
 
 from __future__ import annotations
@@ -26,6 +25,15 @@ CGROUP_ENV = "PIPELINE_MODULE_CPU_CGROUP"
 TESTS_ENV = "PIPELINE_MODULE_CPU_TESTS"
 _current: dict = {}
 _test: dict = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    cgroup, worker = os.environ.get(CGROUP_ENV), os.environ.get("PYTEST_XDIST_WORKER")
+    if cgroup and worker:  # before this worker starts anything (its PostgreSQL server included)
+        own = Path(cgroup) / worker
+        own.mkdir(exist_ok=True)
+        (own / "cgroup.procs").write_text(str(os.getpid()))
+        os.environ[CGROUP_ENV] = str(own)
 
 
 def _cpu_seconds() -> float:
