@@ -8,7 +8,8 @@ servers and Dagster daemons included, is counted, even after it left the process
 this process's own CPU and that of its children it waited for. A module's figure runs from the setup
 of its first test to the teardown of its last (module fixtures included). Under xdist each worker
 moves into a group of its own below the named one (``gw0``...), so modules running side by side are
-counted apart (the named group keeps the total). ``PIPELINE_MODULE_CPU_TESTS=1``: a line per test too.
+counted apart (the named group keeps the total). ``PIPELINE_MODULE_CPU_TESTS=1``: a line per test
+too; a failed test gets a line (``"failed"``) when it fails.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def _write(record: dict) -> None:
     with open(os.environ.get(OUT_ENV, "module-cpu.jsonl"), "a") as out:
         out.write(json.dumps(record) + "\n")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed:  # a failure is known as it happens, not only in the summary at the session's end
+        _write({"failed": report.nodeid, "when": report.when})
 
 
 @pytest.hookimpl(hookwrapper=True)
