@@ -25,6 +25,17 @@ CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 START_TIMEOUT = 30.0  # seconds for the browser to open its DevTools port
 PAGE_TIMEOUT = 60.0  # seconds for a page's rendered text to show what a test waits for
 WINDOW = (1400, 900)  # the screenshot size
+BACKGROUND_OFF = (
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--disable-sync",
+    "--no-default-browser-check",
+    "--mute-audio",
+    "--metrics-recording-only",
+    "--disable-features=Translate,MediaRouter,OptimizationHints",
+)
 
 
 def chromium_path() -> str | None:
@@ -46,6 +57,9 @@ class Browser:
                 "--no-sandbox",
                 "--disable-gpu",
                 "--no-first-run",
+                # No background work beside the page (what automation tools pass): no component
+                # updates, sync, extensions or other network chatter of the browser's own.
+                *BACKGROUND_OFF,
                 "--remote-debugging-port=0",
                 f"--user-data-dir={self._profile}",
                 f"--window-size={WINDOW[0]},{WINDOW[1]}",

@@ -6,7 +6,8 @@ bucket run (and the daemon's embeddings run after it), the partition's page in a
 backfill of all 64 buckets that launches two runs (documents and chunks by bucket; embeddings by
 bucket x model), not 64 or 128, the source sensor through the daemon, and that what the UI shows
 per partition (counts, FRESH/STALE) agrees with `status --json` and with the files on disk. The
-fixture stops the source sensor before the corpus is written, so each test decides what runs.
+fixture stops the source sensor (and the sensors no test here uses) before the corpus is written,
+so each test decides what runs.
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ REPO_SELECTOR = {"repositoryLocationName": "pipeline_assets", "repositoryName": 
 SOURCE_SENSOR = {**REPO_SELECTOR, "sensorName": "source_documents"}
 ASSETS = [{"path": ["documents"]}, {"path": ["chunks"]}, {"path": ["embeddings"]}]
 FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
+# Sensors no test here exercises (test_dagster_sensors and test_dagster_reconcile evaluate them):
+# stopped with the source sensor, so their ticks (every 10 to 60 s for the whole module, each a
+# Dagster instance and queries) cost nothing; embed_after_sync and model_switch keep running.
+UNUSED_SENSORS = ("rerun_stale_documents", "reconcile_on_dead_letters", "reconcile_on_run_failure")
 RUN_TIMEOUT = 300  # seconds: generous, the machine is shared
+# A binary file (quarantined) the source sensor's test writes into the bucket the UI test edits.
+BLOB = next(f"blob{i}.bin" for i in range(5000) if bucket_of(f"blob{i}.bin") == bucket_of(DOCS[10]))
 
 
 # Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
@@ -91,33 +98,30 @@ class DevServer:
             "runOrError"
         ]["status"]
 
-    def sensor(self) -> dict:
+    def sensor(self, name: str = SOURCE_SENSOR["sensorName"]) -> dict:
         return self.gql(
             """query($s: SensorSelector!) { sensorOrError(sensorSelector: $s) {
                              ... on Sensor { id sensorState { status ticks(limit: 10) { status timestamp } } } } }""",
-            {"s": SOURCE_SENSOR},
+            {"s": {**REPO_SELECTOR, "sensorName": name}},
         )["sensorOrError"]
 
     def sensor_ticks(self) -> list[dict]:
         return self.sensor()["sensorState"]["ticks"]
 
-    def stop_source_sensor(self) -> None:
-        """Stop the source sensor (RUNNING by default) and wait until no tick of it is in progress."""
+    def stop_sensor(self, name: str = SOURCE_SENSOR["sensorName"]) -> None:
+        """Stop a sensor (RUNNING by default) and wait until no tick of it is in progress."""
         stopped = self.gql(
             """mutation($id: String!) { stopSensor(id: $id) { __typename
                                 ... on StopSensorMutationResult { instigationState { status } } } }""",
-            {"id": self.sensor()["id"]},
+            {"id": self.sensor(name)["id"]},
         )["stopSensor"]
         assert stopped["__typename"] == "StopSensorMutationResult", stopped
-        _wait(
-            lambda: (
-                self.sensor()["sensorState"]["status"] == "STOPPED"
-                and all(t["status"] != "STARTED" for t in self.sensor_ticks())
-            ),
-            60,
-            "the source sensor to stop",
-            self.proc,
-        )
+
+        def stopped_and_idle() -> bool:
+            state = self.sensor(name)["sensorState"]
+            return state["status"] == "STOPPED" and all(t["status"] != "STARTED" for t in state["ticks"])
+
+        _wait(stopped_and_idle, 60, f"the {name} sensor to stop", self.proc)
 
 
 def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, interval: float = 0.5):
@@ -187,7 +191,8 @@ def dev_server(database_url, server_url, tmp_path_factory):
                 "the webserver and the code location",
                 proc,
             )
-            server.stop_source_sensor()
+            for name in (SOURCE_SENSOR["sensorName"], *UNUSED_SENSORS):
+                server.stop_sensor(name)
             write_corpus(corpus, N_DOCUMENTS, words=30)
             yield server
         finally:
@@ -410,13 +415,15 @@ def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkey
 
 def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buckets(dev_server, database_url):
     """The sensor daemon accepts the partition-range RunRequest: one run over the span of the buckets
-    of the changed, new and deleted documents, bringing exactly those documents current."""
-    edited, deleted, added = DOCS[5], DOCS[6], f"doc{N_DOCUMENTS:04d}.md"
+    of the changed, new and deleted documents, bringing exactly those documents current (and
+    quarantining a new binary file, whose bucket the UI test below then finds synced by this run)."""
+    edited, deleted, added, blob = DOCS[5], DOCS[6], f"doc{N_DOCUMENTS:04d}.md", BLOB
     corpus = dev_server.corpus
     (corpus / edited).write_text("# edited\n\nwords this document never had before today\n")
     (corpus / deleted).unlink()
     (corpus / added).write_text("# added\n\na document written while the sensor was stopped\n")
-    changed_buckets = sorted({bucket_of(d) for d in (edited, deleted, added)})
+    (corpus / blob).write_bytes(b"\x00\x01binary\x00" * 64)  # quarantined: unsupported_binary
+    changed_buckets = sorted({bucket_of(d) for d in (edited, deleted, added, blob)})
     started = dev_server.gql(
         """mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
              __typename ... on Sensor { sensorState { status } } ... on PythonError { message } } }""",
@@ -453,22 +460,23 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     first, last = tags["dagster/asset_partition_range_start"], tags["dagster/asset_partition_range_end"]
     assert first <= changed_buckets[0] and changed_buckets[-1] <= last
     assert tags["dagster/run_key"].startswith("sync@g0:")
-    # The run ingested exactly the two changed files and tombstoned the deleted one; the prefilter
-    # kept it from reading any unchanged file (it reads a changed one again only if the sensor's tick
-    # hashed it within the racy-mtime window: 0 or 2, depending on when the tick came).
-    ((run, meta),) = _latest_metadata(dev_server, "documents", [bucket_of(added)]).values()
-    assert run == runs[0]["runId"]
-    assert (meta["changed_documents"], meta["gone_documents"]) == (2, 1) and meta["files_read"] <= 2
+    # The run ingested exactly the three new or changed files and tombstoned the deleted one; the
+    # prefilter kept it from reading any unchanged file (it reads a changed one again only if the
+    # sensor's tick hashed it within the racy-mtime window: 0 to 3, depending on when the tick came).
+    for key in (bucket_of(added), bucket_of(blob)):
+        ((run, meta),) = _latest_metadata(dev_server, "documents", [key]).values()
+        assert run == runs[0]["runId"], key
+    assert (meta["changed_documents"], meta["gone_documents"]) == (3, 1) and meta["files_read"] <= 3
     root = str(corpus.resolve())
     with psycopg.connect(database_url) as conn:
-        summaries = reports.document_summaries(conn, root, [edited, deleted, added])
+        summaries = reports.document_summaries(conn, root, [edited, deleted, added, blob])
         _, cov = reports.embedding_coverage(conn, root, [edited, added], MODEL)
         edited_text = conn.execute(
             """SELECT c.text FROM app.chunks c JOIN app.documents d USING (doc_pk)
                                       WHERE d.document_id = %s AND d.status = 'current'""",
             (edited,),
         ).fetchall()
-    assert summaries[deleted].status == "deleted"
+    assert summaries[deleted].status == "deleted" and summaries[blob].status == "quarantined"
     assert summaries[edited].status == summaries[added].status == "current"
     assert any("never had before today" in t for (t,) in edited_text)
     assert cov.wanted == cov.ready > 0
@@ -582,28 +590,19 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
     run is not FRESH once the source sensor has observed the edit (it is again after the run)."""
     edited = DOCS[10]
     key = bucket_of(edited)
-    blob = next(f"blob{i}.bin" for i in range(5000) if bucket_of(f"blob{i}.bin") == key)
     corpus = dev_server.corpus
-    # A binary file (quarantined: unsupported_binary) in the edited document's bucket, through the
-    # source sensor: the bucket's latest run is then one of the sensor's.
-    before = {r["runId"] for r in _runs_tagged(dev_server, "pipeline/trigger", "source_documents")}
-    (corpus / blob).write_bytes(b"\x00\x01binary\x00" * 64)
-    _ensure_source_sensor_running(dev_server)
-    runs = _wait(
-        lambda: _sensor_runs_done(dev_server, before),
-        2 * RUN_TIMEOUT,
-        "the sensor's runs (blob)",
-        dev_server.proc,
-        interval=1.0,
-    )
-    assert all(r["status"] == "SUCCESS" for r in runs), runs
+    # The bucket's latest run is the source sensor's of the test above, which quarantined a binary
+    # file in it (BLOB, unsupported_binary): shown FRESH, the file named in its metadata.
+    sensor_runs = _runs_tagged(dev_server, "pipeline/trigger", "source_documents")
+    ((run, meta),) = _latest_metadata(dev_server, "documents", [key]).values()
+    assert run in {r["runId"] for r in sensor_runs if r["jobName"] == "sync_documents"}
+    assert meta["quarantined"] >= 1 and BLOB in meta["quarantined_ids"]
     assert _stale_status(dev_server, "documents", key)[0] == "FRESH"
-    ((_, meta),) = _latest_metadata(dev_server, "documents", [key]).values()
-    assert meta["quarantined"] >= 1 and blob in meta["quarantined_ids"]
+    _ensure_source_sensor_running(dev_server)
 
     # The edit, observed by the sensor; its run is held at its first write to app.documents (a SHARE
     # lock lets the sensor read but no run write), so the partition is seen between the two.
-    before |= {r["runId"] for r in runs}
+    before = {r["runId"] for r in sensor_runs}
     with psycopg.connect(database_url) as hold:
         hold.execute("LOCK TABLE app.documents IN SHARE MODE")
         (corpus / edited).write_text("# edited for the truth test\n\ntext the run has not read yet\n")

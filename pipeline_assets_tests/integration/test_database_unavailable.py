@@ -104,6 +104,7 @@ def test_a_read_only_database_is_waited_out_and_charges_nothing(env, fake, clean
     try:
         wait_until(
             lambda: conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status = 'ready'").fetchone()[0] >= 6,
+            interval=0.05,  # a state of a few seconds: caught at a fixed 20 Hz
             what="the worker to be mid-run",
         )
         _set_read_only(admin, True, spare=(conn.info.backend_pid,))

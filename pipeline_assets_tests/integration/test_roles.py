@@ -220,7 +220,7 @@ def test_a_workers_connections_are_what_the_sizing_counts(migrated, fake, tmp_pa
                     >= concurrency
                 )
 
-            wait_until(busy, timeout=60, what="the worker's calls in flight")
+            wait_until(busy, timeout=60, interval=0.05, what="the worker's calls in flight")
             for _ in range(10):  # a few samples while it works
                 busy()
             proc.send_signal(signal.SIGTERM)
