@@ -49,9 +49,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import psycopg
-from _common import REPO, emit, fresh_database, settle
-from _sdk_alone import MODEL, sdk_alone
-from b1_cli_sdk import cli_env, start_fake
+from _common import REPO, emit, fresh_database, settle, start_fake
+from _sdk_alone import KEY, MODEL, sdk_alone
+from b1_cli_sdk import cli_env
 from b3_rerun import FOLDER_DOCUMENTS, document_path, document_text, write_corpus
 from pgvector.psycopg import register_vector
 
@@ -322,7 +322,7 @@ def main() -> None:
     checkouts = [Path(c).resolve() for c in a.checkouts.split(",")]
     settings = Settings.from_env()
     threads, batch = DEFAULT_CONCURRENCY, settings.provider_config().request_inputs
-    fake, base_url = start_fake(a.dim)
+    fake, base_url = start_fake("--dim", str(a.dim), "--api-key", KEY)
     rounds: dict[Path, list[dict]] = {c: [] for c in checkouts}
     try:
         with (

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 import psycopg
-from _common import REPO, emit, fresh_database, settle
-from b1_cli_sdk import cli_env, start_fake
+from _common import REPO, emit, fresh_database, settle, start_fake
+from _sdk_alone import KEY
+from b1_cli_sdk import cli_env
 from b3_rerun import write_corpus
 
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]
@@ -74,7 +75,7 @@ def main() -> None:
     p.add_argument("--checkouts", default=str(REPO), help="comma-separated checkouts to run the CLI from")
     a = p.parse_args()
     checkouts = [str(Path(c).resolve()) for c in a.checkouts.split(",")]
-    fake, base_url = start_fake(a.dim)
+    fake, base_url = start_fake("--dim", str(a.dim), "--api-key", KEY)
     runs = []
     try:
         with tempfile.TemporaryDirectory(prefix="b19b-") as tmp:
