@@ -90,7 +90,7 @@ from _common import REPO
 from pipeline_assets.content.extract import EXTRACTOR_VERSIONS
 from pipeline_assets.defs.dagster_config import DEFAULT_SOURCE_SENSOR_INTERVAL_SECONDS
 from pipeline_assets.defs.partitions import BUCKET_DIMENSION, MODEL_DIMENSION
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.store import embedded_postgres
 
 QUICK_DOCUMENTS = 300

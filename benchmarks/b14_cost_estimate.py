@@ -24,7 +24,7 @@ from _common import Timer, emit, fresh_database, settle
 
 from pipeline_assets.app import estimate
 from pipeline_assets.content.chunking import get_encoding
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets.store import db

@@ -59,7 +59,7 @@ from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.content.chunking import get_encoding
 from pipeline_assets.content.extract import extract_text
 from pipeline_assets.content.sandbox import usable_cores
-from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
+from pipeline_assets.jobqueue.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.registry.index_memory import build_memory
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.settings import Settings

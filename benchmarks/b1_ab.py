@@ -97,7 +97,7 @@ def child(tree: Path, jobs: int, dim: int, timing: bool, vacuum: bool) -> None:
     import b1_core  # this tree's
     from _common import fresh_database
 
-    from pipeline_assets.jobs.worker import Worker, WorkerConfig
+    from pipeline_assets.jobqueue.worker import Worker, WorkerConfig
     from pipeline_assets.registry import models
     from pipeline_assets.settings import Settings
     from pipeline_assets.store import db
@@ -156,7 +156,7 @@ def wrap_store_methods() -> dict:
     """Count calls and wall seconds of every public JobStore method (summed over threads)."""
     import threading
 
-    from pipeline_assets.jobs.pg_job_store import PostgresJobStore
+    from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
 
     totals: dict[str, list] = {}
     lock = threading.Lock()

@@ -33,8 +33,8 @@ from pgvector.psycopg import register_vector
 
 from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.runtime import IngestOptions, chunker_for
-from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.worker import Worker
+from pipeline_assets.jobqueue import transitions
+from pipeline_assets.jobqueue.worker import Worker
 from pipeline_assets.providers import EmbedResult, ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings

@@ -1,7 +1,7 @@
 """What every component's configuration shares: its one-line error for a value out of range.
 
 Each component keeps a small frozen config with its defaults as named constants beside it
-(``jobs.executor_config``, ``jobs.worker_config``, ``app.ingest_config``, ``app.source_config``,
+(``jobqueue.executor_config``, ``jobqueue.worker_config``, ``app.ingest_config``, ``app.source_config``,
 ``store.database_config``, ``defs.dagster_config``, ``providers.provider_config``);
 ``Settings`` reads the environment and builds them. Config modules import nothing else of the
 package, so every layer (and ``settings``) may import them.

@@ -10,10 +10,10 @@ import numpy as np
 import psycopg
 from psycopg.rows import dict_row
 
-from pipeline_assets.jobs.changes import Complete, Fail, GiveBack, Retry
-from pipeline_assets.jobs.provider_state import JOBS
-from pipeline_assets.jobs.status import JobStatus
-from pipeline_assets.jobs.transitions import apply, became
+from pipeline_assets.jobqueue.changes import Complete, Fail, GiveBack, Retry
+from pipeline_assets.jobqueue.provider_state import JOBS
+from pipeline_assets.jobqueue.status import JobStatus
+from pipeline_assets.jobqueue.transitions import apply, became
 
 
 def complete(

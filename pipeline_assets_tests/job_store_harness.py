@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline_assets.jobs import leases, transitions
-from pipeline_assets.jobs.job_store import JobStore
-from pipeline_assets.jobs.memory_job_store import MemoryJobStore
-from pipeline_assets.jobs.memory_queue import MemoryQueue
-from pipeline_assets.jobs.pg_job_store import PostgresJobStore
+from pipeline_assets.jobqueue import leases, transitions
+from pipeline_assets.jobqueue.job_store import JobStore
+from pipeline_assets.jobqueue.memory_job_store import MemoryJobStore
+from pipeline_assets.jobqueue.memory_queue import MemoryQueue
+from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 

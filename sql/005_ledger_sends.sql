@@ -1,5 +1,5 @@
 -- The spend ledger records each send BEFORE the request goes out, in its own
--- short transaction, and its outcome after (pipeline_assets/jobs/ledger.py).
+-- short transaction, and its outcome after (pipeline_assets/jobqueue/ledger.py).
 --
 -- A call row starts as outcome 'sent', billed 'maybe', with the estimated
 -- tokens of its inputs, and each input's send is counted in app.input_sends at

@@ -1,4 +1,4 @@
--- Worker liveness (pipeline_assets/jobs/leases.py): one row per running worker
+-- Worker liveness (pipeline_assets/jobqueue/leases.py): one row per running worker
 -- (one Worker in a process), refreshed every second or so by its own thread on
 -- its own connection. Its lease owners all start with owner_prefix
 -- (`worker-id/uuid/`), so the claims of a worker that stopped beating (killed,

@@ -1,4 +1,4 @@
--- Ingests in progress (pipeline_assets/jobs/running_ingests.py): one row per running
+-- Ingests in progress (pipeline_assets/jobqueue/running_ingests.py): one row per running
 -- ingest, kept alive by a beat from its own thread and deleted when the ingest ends.
 -- A worker whose queue drains builds the vector index only when no row is alive:
 -- an index built while an ingest still inserts is maintained by every later insert,

@@ -22,7 +22,7 @@ from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import rerun as rerun_uc
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.providers import sanitize
 from pipeline_assets.store import dead_letter_rows
 from pipeline_assets.store.stage_runs import RerunTarget

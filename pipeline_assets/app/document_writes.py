@@ -10,7 +10,7 @@ import psycopg
 
 from pipeline_assets.content.extract import ExtractorVersions
 from pipeline_assets.content.process import KnownDocument, Processed
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.store import documents
 from pipeline_assets.store.documents import ChunkRow
 

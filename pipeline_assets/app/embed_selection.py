@@ -14,7 +14,7 @@ from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import vector_wait
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs.worker import WorkerReport
+from pipeline_assets.jobqueue.worker import WorkerReport
 from pipeline_assets.store import bucket_rows, reports
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pipeline_assets.app.runtime import IngestOptions, Runtime
 from pipeline_assets.content.folder_source import as_source
 from pipeline_assets.content.server_process import start_server_soon
 from pipeline_assets.content.source import Item, Source, SourceError
-from pipeline_assets.jobs import running_ingests, transitions
+from pipeline_assets.jobqueue import running_ingests, transitions
 from pipeline_assets.registry import models
 from pipeline_assets.store import db, documents
 

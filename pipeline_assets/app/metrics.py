@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from pipeline_assets.jobs.status import JobStatus
-from pipeline_assets.jobs.worker import Worker
+from pipeline_assets.jobqueue.status import JobStatus
+from pipeline_assets.jobqueue.worker import Worker
 from pipeline_assets.providers import EmbedResult, Provider, ProviderError
 from pipeline_assets.store import reports
 

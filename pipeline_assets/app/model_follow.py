@@ -9,7 +9,7 @@ import dataclasses
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.registry import models
 from pipeline_assets.store import documents
 

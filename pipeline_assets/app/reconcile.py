@@ -23,7 +23,7 @@ from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source, SourceError
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.store import documents, stage_runs
 
 

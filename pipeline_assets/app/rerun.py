@@ -24,7 +24,7 @@ from pipeline_assets.app import estimate
 from pipeline_assets.app.ingest import ingest_documents, register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.source_registry import open_source
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.store import documents as documents_
 from pipeline_assets.store import stage_runs
 from pipeline_assets.store.stage_runs import RerunTarget

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs.worker import Worker, WorkerReport
+from pipeline_assets.jobqueue.worker import Worker, WorkerReport
 from pipeline_assets.store import db
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pipeline_assets.app.ingest_config import DEFAULT_MAX_INPUT_BYTES
 from pipeline_assets.component_config import check
-from pipeline_assets.jobs.executor_config import DEFAULT_BACKOFF_BASE_SECONDS, DEFAULT_BACKOFF_CAP_SECONDS
+from pipeline_assets.jobqueue.executor_config import DEFAULT_BACKOFF_BASE_SECONDS, DEFAULT_BACKOFF_CAP_SECONDS
 from pipeline_assets.store.database_config import DatabaseConfig
 
 
@@ -26,7 +26,7 @@ class SourceConfig:
     table_database_url: str | None = field(default=None, repr=False)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     max_bytes: int = DEFAULT_MAX_INPUT_BYTES  # a row's text over it stays on the server
-    crashpoint: str | None = None  # tests only: freeze at a named point (``jobs.crashpoints``)
+    crashpoint: str | None = None  # tests only: freeze at a named point (``jobqueue.crashpoints``)
 
     def __post_init__(self) -> None:
         check(

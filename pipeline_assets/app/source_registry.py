@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.content.folder_source import FolderSource
 from pipeline_assets.content.source import Source, SourceError
-from pipeline_assets.jobs.backoff import full_jitter
+from pipeline_assets.jobqueue.backoff import full_jitter
 
 Opener = Callable[[str, SourceConfig], Source]
 

@@ -10,7 +10,7 @@ from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import input_limits
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue.status import JobStatus
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import reports, stage_runs

@@ -21,7 +21,7 @@ import psycopg
 from pipeline_assets.app import document_writes, ingest_batches
 from pipeline_assets.app.ingest_batches import IngestReport
 from pipeline_assets.app.runtime import IngestOptions
-from pipeline_assets.jobs import crashpoints
+from pipeline_assets.jobqueue import crashpoints
 from pipeline_assets.store import change_log, documents, table_rows
 from pipeline_assets.store.table_source import READ_PAGE_ROWS, TableSourceError
 

@@ -18,8 +18,8 @@ from pipeline_assets.app import input_limits
 from pipeline_assets.app.ingest import register_model
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.scoped_worker import ScopedWorker
-from pipeline_assets.jobs import running_ingests, transitions
-from pipeline_assets.jobs.worker import FatalProviderError, WorkerReport
+from pipeline_assets.jobqueue import running_ingests, transitions
+from pipeline_assets.jobqueue.worker import FatalProviderError, WorkerReport
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, reports, stage_runs

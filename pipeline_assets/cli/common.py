@@ -22,7 +22,7 @@ from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.sources import SourceError
-from pipeline_assets.jobs.worker import BudgetExhausted, FatalProviderError, WorkerFault
+from pipeline_assets.jobqueue.worker import BudgetExhausted, FatalProviderError, WorkerFault
 from pipeline_assets.providers import ConfigError, ProviderError
 from pipeline_assets.settings import Settings, SettingsError, redact_text
 from pipeline_assets.store import db

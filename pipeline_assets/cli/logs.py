@@ -3,7 +3,7 @@
 ``auto``: JSON lines when stderr is not a terminal (a service, a pipe, a log
 collector), readable lines when it is. A record's job context (``job_id``,
 ``document_id``, ``attempt``, ``worker_id``, ``model_id``, ``error_class``,
-``rescued``; set with ``extra=`` by ``jobs/job_log.py``) becomes JSON fields,
+``rescued``; set with ``extra=`` by ``jobqueue/job_log.py``) becomes JSON fields,
 or ``key=value`` after a readable line. Messages and tracebacks are passed
 through the same redaction as error lines (credentials, passwords in URLs);
 no log line carries document text.

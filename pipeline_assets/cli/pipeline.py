@@ -13,14 +13,14 @@ from pipeline_assets.app import reconcile as reconcile_uc
 from pipeline_assets.app.source_registry import open_source
 from pipeline_assets.cli.common import emit, expected_errors, pairs, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import work_progress
-from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
+from pipeline_assets.jobqueue.worker_config import DEFAULT_CONCURRENCY
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
 
     from pipeline_assets.app.metrics import WorkMetrics
     from pipeline_assets.app.runtime import Runtime
-    from pipeline_assets.jobs.worker import Worker
+    from pipeline_assets.jobqueue.worker import Worker
 
 
 @click.command()

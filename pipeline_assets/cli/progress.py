@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
     from rich.progress import Progress, ProgressColumn, Task, TaskID, Text
 
-from pipeline_assets.jobs.worker import Worker
+from pipeline_assets.jobqueue.worker import Worker
 
 # How often the bar re-reads the worker's counters (seconds).
 REFRESH_SECONDS = 0.25

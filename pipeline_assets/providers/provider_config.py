@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline_assets.component_config import check
-from pipeline_assets.jobs.executor_config import DEFAULT_CALL_TIMEOUT_SECONDS
+from pipeline_assets.jobqueue.executor_config import DEFAULT_CALL_TIMEOUT_SECONDS
 
 # PIPELINE_EMBEDDING_MODEL of the offline hashing model (``providers.local``, the default without a
 # key) and of the local ONNX model (``providers.onnx_local``, an optional extra).

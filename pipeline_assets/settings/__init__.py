@@ -19,8 +19,8 @@ from typing import Any
 
 from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.component_config import InvalidConfig
-from pipeline_assets.jobs.executor_config import ExecutorConfig
-from pipeline_assets.jobs.worker_config import WorkerConfig
+from pipeline_assets.jobqueue.executor_config import ExecutorConfig
+from pipeline_assets.jobqueue.worker_config import WorkerConfig
 from pipeline_assets.settings.content import ContentSettings
 from pipeline_assets.settings.locations import LocationSettings
 from pipeline_assets.settings.orchestration import DagsterSettings

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline_assets.jobs.executor_config import DEFAULT_CALL_TIMEOUT_SECONDS
+from pipeline_assets.jobqueue.executor_config import DEFAULT_CALL_TIMEOUT_SECONDS
 from pipeline_assets.providers.provider_config import (
     DEFAULT_BATCH_INPUTS,
     DEFAULT_BATCH_TOKENS,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline_assets.jobs.executor_config import (
+from pipeline_assets.jobqueue.executor_config import (
     DEFAULT_BACKOFF_BASE_SECONDS,
     DEFAULT_BACKOFF_CAP_SECONDS,
     DEFAULT_MAX_THROTTLES,
     DEFAULT_RETRY_AFTER_CAP_SECONDS,
 )
-from pipeline_assets.jobs.worker_config import DEFAULT_WORKER_DEAD_AFTER_SECONDS, NO_TOKEN_BUDGET
+from pipeline_assets.jobqueue.worker_config import DEFAULT_WORKER_DEAD_AFTER_SECONDS, NO_TOKEN_BUDGET
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY, DEFAULT_MODEL_RETIRE_GRACE_SECONDS
 from pipeline_assets.settings.reading import setting
 

@@ -32,10 +32,10 @@ ALLOWED = {
     "providers": {"settings", "content"},
     "store": {"settings"},
     "registry": {"settings", "providers", "store"},
-    "jobs": {"settings", "providers", "store", "content", "registry"},
-    "app": {"settings", "providers", "store", "content", "registry", "jobs"},
-    "defs": {"settings", "providers", "store", "content", "registry", "jobs", "app"},
-    "cli": {"settings", "settings_reference", "providers", "store", "content", "registry", "jobs", "app", "defs"},
+    "jobqueue": {"settings", "providers", "store", "content", "registry"},
+    "app": {"settings", "providers", "store", "content", "registry", "jobqueue"},
+    "defs": {"settings", "providers", "store", "content", "registry", "jobqueue", "app"},
+    "cli": {"settings", "settings_reference", "providers", "store", "content", "registry", "jobqueue", "app", "defs"},
 }
 
 
@@ -47,7 +47,7 @@ def _layer(path: Path) -> str:
 
 
 def _target(name: str) -> str:
-    """The layer an imported name (``pipeline_assets.jobs.worker_config.WorkerConfig``) is in."""
+    """The layer an imported name (``pipeline_assets.jobqueue.worker_config.WorkerConfig``) is in."""
     parts = name.split(".")[1:]
     return "config" if any(p.endswith("_config") for p in parts) else parts[0]
 

@@ -14,8 +14,8 @@ import signal
 
 import pytest
 
-from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 from pipeline_assets_tests.conftest import (
     assert_vectors_match,
     cli,

@@ -18,7 +18,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 from pipeline_assets_tests.conftest import (
     assert_vectors_match,
     cli,

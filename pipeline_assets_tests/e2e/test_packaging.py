@@ -198,7 +198,7 @@ def test_wheel_holds_every_subpackage_the_sql_and_py_typed(wheel):
     assert {
         "pipeline_assets",
         "pipeline_assets/content",
-        "pipeline_assets/jobs",
+        "pipeline_assets/jobqueue",
         "pipeline_assets/store",
         "pipeline_assets/app",
         "pipeline_assets/defs",

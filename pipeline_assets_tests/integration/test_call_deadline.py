@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 from pipeline_assets.providers import RETRYABLE, ProviderError, deadline
 from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, wait_until
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs.pg_job_store import PostgresJobStore
+from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
@@ -90,7 +90,7 @@ def test_the_breaker_gates_the_scoped_claim_like_claim(pool, docs, conn):
 def test_a_give_back_the_lease_fence_refuses_is_counted_as_refused(pool, docs, conn):
     """A worker that lost its lease (another claimed the jobs) and stops: its give-back changes
     nothing, and its report says how many it could not hand back."""
-    from pipeline_assets.jobs.report import ReportCounts, WorkerReport
+    from pipeline_assets.jobqueue.report import ReportCounts, WorkerReport
 
     model_id, pks = docs
     report = WorkerReport()

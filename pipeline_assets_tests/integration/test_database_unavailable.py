@@ -140,7 +140,7 @@ def test_a_read_only_database_is_waited_out_and_charges_nothing(env, fake, clean
         if worker.poll() is None:
             stop_group(worker)
     err = log.text()
-    print("".join(line for line in err.splitlines(keepends=True) if "pipeline_assets.jobs.worker" in line))
+    print("".join(line for line in err.splitlines(keepends=True) if "pipeline_assets.jobqueue.worker" in line))
     print(
         f"\nread-only for {held_for:.1f} s: the worker waited {waited:.1f} s and resumed "
         f"{resumed_after:.1f} s after the restore (seen by this test's log reader)"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipeline_assets.app import dlq
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import dead_letter_rows, queries, reports
 from pipeline_assets_tests import job_helpers

@@ -24,10 +24,10 @@ import time
 
 import pytest
 
-from pipeline_assets.jobs.decisions import MAX_UNMATCHED_ANSWERS
-from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
-from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
+from pipeline_assets.jobqueue.decisions import MAX_UNMATCHED_ANSWERS
+from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
 
 DOCUMENTS = 60

@@ -21,8 +21,8 @@ from psycopg import sql
 from pipeline_assets.app import ingest, ingest_batches
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key
-from pipeline_assets.jobs import running_ingests
-from pipeline_assets.jobs.worker import Worker
+from pipeline_assets.jobqueue import running_ingests
+from pipeline_assets.jobqueue.worker import Worker
 from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
@@ -79,7 +79,7 @@ def test_a_worker_beside_a_paused_ingest_builds_the_index_only_after_it(
             ).run(),
         )
     )
-    caplog.set_level(logging.INFO, logger="pipeline_assets.jobs.worker")
+    caplog.set_level(logging.INFO, logger="pipeline_assets.jobqueue.worker")
     try:
         ingesting.start()
         wait_until(paused.is_set, timeout=60, what="the ingest's first batch")

@@ -9,7 +9,7 @@ from pipeline_assets.app.ingest import ingest_directory
 from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.chunking import Chunker
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets_tests.conftest import write_corpus

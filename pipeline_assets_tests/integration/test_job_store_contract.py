@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_assets.jobs import ledger
-from pipeline_assets.jobs.changes import Complete, Fail, GiveBack, Isolate, JobObserver, Retry, Supersede
-from pipeline_assets.jobs.job_store import Answer
-from pipeline_assets.jobs.outcomes import BreakerFailure
+from pipeline_assets.jobqueue import ledger
+from pipeline_assets.jobqueue.changes import Complete, Fail, GiveBack, Isolate, JobObserver, Retry, Supersede
+from pipeline_assets.jobqueue.job_store import Answer
+from pipeline_assets.jobqueue.outcomes import BreakerFailure
 from pipeline_assets.providers import RETRYABLE, ProviderError
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_store_harness as harness

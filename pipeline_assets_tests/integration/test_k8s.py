@@ -22,8 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pipeline_assets.jobs.worker import SHUTDOWN_GRACE_SECONDS
-from pipeline_assets.jobs.worker_config import DEFAULT_LEASE_SECONDS, IDLE_POLL_SECONDS
+from pipeline_assets.jobqueue.worker import SHUTDOWN_GRACE_SECONDS
+from pipeline_assets.jobqueue.worker_config import DEFAULT_LEASE_SECONDS, IDLE_POLL_SECONDS
 from pipeline_assets.settings import Settings
 from pipeline_assets.store.db import CONNECT_TIMEOUT_SECONDS
 from pipeline_assets.store.reports import REPORTS
@@ -171,7 +171,7 @@ def test_the_worker_stops_within_its_grace_period_and_the_grace_within_the_lease
     deployment = objects[("Deployment", "pipeline-worker")]
     pod = deployment["spec"]["template"]["spec"]
     grace = pod["terminationGracePeriodSeconds"]
-    # What `work` does on SIGTERM (jobs/worker.py): a stop is seen within a poll, the calls in
+    # What `work` does on SIGTERM (jobqueue/worker.py): a stop is seen within a poll, the calls in
     # flight get SHUTDOWN_GRACE_SECONDS, then the give-back and the leave are two round trips,
     # each bounded by the connect timeout when the database is away.
     stop_takes_at_most = IDLE_POLL_SECONDS + SHUTDOWN_GRACE_SECONDS + 2 * CONNECT_TIMEOUT_SECONDS

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pipeline_assets.jobs import leases, transitions
+from pipeline_assets.jobqueue import leases, transitions
 from pipeline_assets.store import db
 from pipeline_assets_tests.conftest import (
     assert_vectors_match,

@@ -61,7 +61,7 @@ def test_text_format_is_readable_and_carries_the_context(env, fake, clean_db, tm
     cli("ingest", str(corpus), env=env)
     proc = cli("--log-format", "text", "work", "--until-idle", "--worker-id", "log-w2", env=env)
     (line,) = [ln for ln in proc.stderr.splitlines() if "dead-lettered" in ln]
-    assert " WARNING pipeline_assets.jobs: job dead-lettered" in line
+    assert " WARNING pipeline_assets.jobqueue: job dead-lettered" in line
     assert "document_id=bad.md" in line and "worker_id=log-w2" in line and "attempt=1" in line
     assert "job_id=" in line
     for ln in proc.stderr.splitlines():

@@ -19,7 +19,7 @@ from pipeline_assets.app import model_admin, model_runtime
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.embed import embed_directory, work
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs.worker import BudgetExhausted
+from pipeline_assets.jobqueue.worker import BudgetExhausted
 from pipeline_assets.providers import ConfigError, ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings

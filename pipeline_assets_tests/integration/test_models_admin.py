@@ -16,7 +16,7 @@ from pipeline_assets.app import model_admin
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.ingest import register_model
 from pipeline_assets.app.runtime import Runtime
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings

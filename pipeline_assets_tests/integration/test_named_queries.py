@@ -18,8 +18,8 @@ from psycopg import sql
 from pipeline_assets.app import dlq
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.status import database_status
-from pipeline_assets.jobs import ledger, transitions
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue import ledger, transitions
+from pipeline_assets.jobqueue.status import JobStatus
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.store import queries, reports, retrieval, stage_runs
@@ -31,15 +31,15 @@ MAX_QUERY_COMMENT_LINES = 3
 
 # The modules whose SQL moved to sql/queries/ (their f-string check is an assertion).
 OWNED = [
-    "jobs/transitions.py",
+    "jobqueue/transitions.py",
     "registry/models.py",
     "registry/vector_index.py",
-    "jobs/ledger.py",
-    "jobs/status.py",
+    "jobqueue/ledger.py",
+    "jobqueue/status.py",
     "store/reports.py",
     "store/retrieval.py",
     "store/stage_runs.py",
-    "jobs/provider_state.py",
+    "jobqueue/provider_state.py",
 ]
 # Every family in sql/queries/ (a new file is checked the day it lands).
 FAMILIES = sorted(p.stem for p in QUERY_DIR.glob("*.sql"))

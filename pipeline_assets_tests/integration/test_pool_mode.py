@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_assets.jobs.worker import Worker
+from pipeline_assets.jobqueue.worker import Worker
 from pipeline_assets.providers.local import LocalHashingProvider
 from pipeline_assets.settings import Settings, SettingsError
 from pipeline_assets.store import db

@@ -99,7 +99,7 @@ def test_a_terminal_gets_a_progress_bar(env, fake, clean_db, tmp_path):
     assert "31/31" in plain, plain[-2000:]  # the bar ends at the whole queue (the dead letter counts)
     flat = " ".join(plain.split())  # the terminal is 100 columns wide: a long line wraps
     assert re.search(
-        r"\d WARNING pipeline_assets.jobs: job dead-lettered \(bad_input\) \[job_id=\d+ "
+        r"\d WARNING pipeline_assets.jobqueue: job dead-lettered \(bad_input\) \[job_id=\d+ "
         r"document_id=bad.md attempt=1 ",
         flat,
     ), plain[-3000:]

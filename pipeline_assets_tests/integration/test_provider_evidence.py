@@ -23,11 +23,11 @@ import time
 
 import pytest
 
-from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL
-from pipeline_assets.jobs.decisions import MAX_UNMATCHED_ANSWERS
-from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
-from pipeline_assets.jobs.provider_checks import CHECK_TRIES
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue.breaker_config import BREAKER_PROBE_INTERVAL
+from pipeline_assets.jobqueue.decisions import MAX_UNMATCHED_ANSWERS
+from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
+from pipeline_assets.jobqueue.provider_checks import CHECK_TRIES
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 from pipeline_assets_tests.conftest import (
     assert_vectors_match,
     cli,

@@ -70,7 +70,7 @@ def test_corpus_completes_under_random_429_and_500(env, fake, clean_db, tmp_path
 
 def _queue(conn, n: int, model: str = "probe"):
     """A model with n pending jobs (no provider): returns its model id."""
-    from pipeline_assets.jobs import transitions
+    from pipeline_assets.jobqueue import transitions
     from pipeline_assets.providers import ModelSpec
     from pipeline_assets.registry import models
 
@@ -95,7 +95,7 @@ def _pause_over(conn) -> None:
 
 
 def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, clean_db):
-    from pipeline_assets.jobs import provider_state, transitions
+    from pipeline_assets.jobqueue import provider_state, transitions
 
     model = _queue(conn, 4)
     job_helpers.pause_provider(conn, model, 60)
@@ -122,7 +122,7 @@ def test_a_failed_probe_frees_the_slot_and_the_pause_follows_retry_after(conn, c
 
 
 def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
-    from pipeline_assets.jobs import provider_state, transitions
+    from pipeline_assets.jobqueue import provider_state, transitions
 
     model = _queue(conn, 4)
     job_helpers.pause_provider(conn, model, 60)
@@ -143,8 +143,8 @@ def test_a_failed_5xx_probe_frees_the_slot_at_once(conn, clean_db):
 
 
 def test_a_probe_claim_that_finds_nothing_holds_no_slot(conn, clean_db):
-    from pipeline_assets.jobs import transitions
-    from pipeline_assets.jobs.pg_job_store import PostgresJobStore
+    from pipeline_assets.jobqueue import transitions
+    from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
 
     model = _queue(conn, 2)
     conn.execute("UPDATE app.embedding_jobs SET available_at = now() + interval '1 hour'")
@@ -247,8 +247,8 @@ def test_one_5xx_on_a_batch_does_not_isolate_its_inputs_nor_cost_them_an_attempt
 
 
 def test_only_a_split_for_a_bad_input_isolates(conn, clean_db):
-    from pipeline_assets.jobs import request_plan, transitions
-    from pipeline_assets.jobs.changes import Isolate
+    from pipeline_assets.jobqueue import request_plan, transitions
+    from pipeline_assets.jobqueue.changes import Isolate
 
     model = _queue(conn, 5)
     held = transitions.claim(conn, model_id=model, owner="a", limit=5, lease_seconds=30)
@@ -318,7 +318,7 @@ def test_an_unreachable_database_is_waited_for_a_refusing_one_is_counted():
     import psycopg
     from psycopg_pool import PoolTimeout
 
-    from pipeline_assets.jobs.faults import FaultCounter
+    from pipeline_assets.jobqueue.faults import FaultCounter
 
     faults = FaultCounter()
     assert faults.count(psycopg.OperationalError("server closed the connection unexpectedly")) == (1, True)

@@ -43,7 +43,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pipeline_assets.jobs import ledger, transitions
+from pipeline_assets.jobqueue import ledger, transitions
 from pipeline_assets.store import db, queries
 
 MODEL = "test/plans@8"

@@ -10,7 +10,7 @@ import uuid
 import psycopg
 import pytest
 
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.store import migrations
 
 MODEL = "test/links@4"

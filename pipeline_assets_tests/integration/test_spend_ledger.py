@@ -12,10 +12,10 @@ import json
 
 import numpy as np
 
-from pipeline_assets.jobs import ledger
-from pipeline_assets.jobs.changes import Complete
-from pipeline_assets.jobs.job_store import Answer
-from pipeline_assets.jobs.pg_job_store import PostgresJobStore
+from pipeline_assets.jobqueue import ledger
+from pipeline_assets.jobqueue.changes import Complete
+from pipeline_assets.jobqueue.job_store import Answer
+from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets.store import db

@@ -2,7 +2,7 @@
 
 Each test builds the minimal rows itself (model, source, document, chunks with
 chosen checksums, jobs via ``transitions.enqueue_for_docs``), drives the jobs through
-the functions of ``pipeline_assets.jobs.transitions`` against the real database, and
+the functions of ``pipeline_assets.jobqueue.transitions`` against the real database, and
 asserts on the resulting rows: status, attempts, lease, available_at relative to
 the database clock, error_class and the presence of the app.embeddings row.
 Refused transitions are asserted too: the function reports nothing moved and
@@ -21,8 +21,8 @@ import psycopg
 import psycopg.errors
 import pytest
 
-from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue import transitions
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets.store import db
@@ -672,8 +672,8 @@ def test_a_job_the_rescue_would_charge_is_a_suspect_whatever_the_fault_evidence(
     the last a crash, is a suspect even while the provider's failure rate raises the evidence
     threshold (a fresh process that has seen a few answers: 3-5), so its claim holds it alone
     and its next crash is charged. The same faults from the provider make no suspect there."""
-    from pipeline_assets.jobs.decisions import alone_if_suspect, suspect
-    from pipeline_assets.jobs.evidence import MAX_EVIDENCE_FAULTS
+    from pipeline_assets.jobqueue.decisions import alone_if_suspect, suspect
+    from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
 
     poison, neighbour, flaky = seed(q, 3, max_attempts=3)
     q.execute("UPDATE app.embedding_jobs SET faults = %s WHERE job_id = %s", (FREE_FAULTS - 1, poison))

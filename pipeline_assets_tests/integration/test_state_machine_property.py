@@ -1,6 +1,6 @@
 """The job state machine under hypothesis: random interleavings of every transition.
 
-A ``RuleBasedStateMachine`` drives the functions of ``pipeline_assets.jobs.transitions``
+A ``RuleBasedStateMachine`` drives the functions of ``pipeline_assets.jobqueue.transitions``
 and ``pipeline_assets.registry.models`` (activate: ``app.model_admin.reactivate``)
 against the real PostgreSQL, the way workers,
 ingest, reconcile and a person would: claim, complete by the lease holder or by a
@@ -49,9 +49,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from pipeline_assets.app import model_admin
-from pipeline_assets.jobs import decisions, outcomes, provider_state, request_plan, transitions
-from pipeline_assets.jobs.breaker_config import BREAKER_THRESHOLD
-from pipeline_assets.jobs.changes import ClaimedJob
+from pipeline_assets.jobqueue import decisions, outcomes, provider_state, request_plan, transitions
+from pipeline_assets.jobqueue.breaker_config import BREAKER_THRESHOLD
+from pipeline_assets.jobqueue.changes import ClaimedJob
 from pipeline_assets.providers import RETRYABLE, ModelSpec, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
 from pipeline_assets.registry import models

@@ -63,7 +63,7 @@ def test_repeated_5xx_trips_the_breaker_then_half_open_probe_closes_it(env, fake
 
 
 def test_half_open_admits_one_probe_at_a_time(conn, clean_db):
-    from pipeline_assets.jobs import provider_state, transitions
+    from pipeline_assets.jobqueue import provider_state, transitions
     from pipeline_assets.providers import ModelSpec
     from pipeline_assets.registry import models
 

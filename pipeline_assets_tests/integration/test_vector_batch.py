@@ -11,7 +11,7 @@ import pytest
 from pgvector.psycopg import register_vector
 from psycopg.types import TypeInfo
 
-from pipeline_assets.jobs import transitions
+from pipeline_assets.jobqueue import transitions
 from pipeline_assets.registry import models
 from pipeline_assets.store import db, vectors
 from pipeline_assets_tests import job_helpers

@@ -28,8 +28,8 @@ from pipeline_assets.app import search as search_uc
 from pipeline_assets.app.ingest_config import IngestConfig
 from pipeline_assets.app.reconcile import reconcile
 from pipeline_assets.app.runtime import IngestOptions, Runtime, chunker_for
-from pipeline_assets.jobs import transitions
-from pipeline_assets.jobs.worker import Worker
+from pipeline_assets.jobqueue import transitions
+from pipeline_assets.jobqueue.worker import Worker
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import background_build, index_memory, models, vector_index
 from pipeline_assets.settings import Settings

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from pipeline_assets.jobs import backoff
+from pipeline_assets.jobqueue import backoff
 
 DRAWS = 2000
 

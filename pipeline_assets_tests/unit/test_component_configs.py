@@ -20,13 +20,13 @@ from pipeline_assets.app.source_config import SourceConfig
 from pipeline_assets.component_config import InvalidConfig
 from pipeline_assets.defs import dagster_config as dc
 from pipeline_assets.defs.dagster_config import DagsterConfig
-from pipeline_assets.jobs import executor_config as ec
-from pipeline_assets.jobs import worker_config as wc
-from pipeline_assets.jobs.executor_config import ExecutorConfig
-from pipeline_assets.jobs.memory_job_store import MemoryJobStore
-from pipeline_assets.jobs.memory_queue import MemoryQueue
-from pipeline_assets.jobs.worker import BudgetExhausted, Worker
-from pipeline_assets.jobs.worker_config import WorkerConfig
+from pipeline_assets.jobqueue import executor_config as ec
+from pipeline_assets.jobqueue import worker_config as wc
+from pipeline_assets.jobqueue.executor_config import ExecutorConfig
+from pipeline_assets.jobqueue.memory_job_store import MemoryJobStore
+from pipeline_assets.jobqueue.memory_queue import MemoryQueue
+from pipeline_assets.jobqueue.worker import BudgetExhausted, Worker
+from pipeline_assets.jobqueue.worker_config import WorkerConfig
 from pipeline_assets.providers import provider_config as pc
 from pipeline_assets.providers import provider_for
 from pipeline_assets.providers.local import LocalHashingProvider

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from pipeline_assets.jobs import leases, ledger
-from pipeline_assets.jobs.changes import Complete
-from pipeline_assets.jobs.decisions import DOWN
-from pipeline_assets.jobs.executor import Executor, Stopping
-from pipeline_assets.jobs.executor_config import ExecutorConfig
-from pipeline_assets.jobs.memory_job_store import MemoryJobStore
-from pipeline_assets.jobs.memory_queue import MemoryQueue
-from pipeline_assets.jobs.provider_checks import CHECK_TRIES, ProviderView
-from pipeline_assets.jobs.report import ReportCounts, WorkerReport
+from pipeline_assets.jobqueue import leases, ledger
+from pipeline_assets.jobqueue.changes import Complete
+from pipeline_assets.jobqueue.decisions import DOWN
+from pipeline_assets.jobqueue.executor import Executor, Stopping
+from pipeline_assets.jobqueue.executor_config import ExecutorConfig
+from pipeline_assets.jobqueue.memory_job_store import MemoryJobStore
+from pipeline_assets.jobqueue.memory_queue import MemoryQueue
+from pipeline_assets.jobqueue.provider_checks import CHECK_TRIES, ProviderView
+from pipeline_assets.jobqueue.report import ReportCounts, WorkerReport
 from pipeline_assets_tests.conftest import wait_until
 from pipeline_assets_tests.job_store_harness import ManualClock
 

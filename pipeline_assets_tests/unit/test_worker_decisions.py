@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from pipeline_assets.jobs import backoff
-from pipeline_assets.jobs.answer_checks import BAD_VECTOR, bad_vectors, check_vectors, without
-from pipeline_assets.jobs.changes import ClaimedJob, Fail, GiveBack, Retry
-from pipeline_assets.jobs.decisions import (
+from pipeline_assets.jobqueue import backoff
+from pipeline_assets.jobqueue.answer_checks import BAD_VECTOR, bad_vectors, check_vectors, without
+from pipeline_assets.jobqueue.changes import ClaimedJob, Fail, GiveBack, Retry
+from pipeline_assets.jobqueue.decisions import (
     ANSWERS,
     DOWN,
     MAX_CONSECUTIVE_WORKER_FAULTS,
@@ -21,8 +21,8 @@ from pipeline_assets.jobs.decisions import (
     retry_delays,
     worker_error,
 )
-from pipeline_assets.jobs.outcomes import Apply, BreakerFailure, CheckProvider, ProbeConfig, Split, Stop
-from pipeline_assets.jobs.request_plan import (
+from pipeline_assets.jobqueue.outcomes import Apply, BreakerFailure, CheckProvider, ProbeConfig, Split, Stop
+from pipeline_assets.jobqueue.request_plan import (
     FREE_FAULTS,
     THROTTLE_SHRINK_AFTER,
     fault_cap,
@@ -548,7 +548,7 @@ def test_while_the_provider_answers_nobody_a_failure_is_its_alone(error):
 
 
 def test_faults_below_the_evidence_threshold_keep_the_batch_and_are_not_charged():
-    """Random provider-wide faults: below the threshold (jobs.evidence) nothing shrinks;
+    """Random provider-wide faults: below the threshold (jobqueue.evidence) nothing shrinks;
     from it on a quarter per fault; alone, FREE_FAULTS past it, an attempt is charged."""
     k = 8
     assert fault_cap(k - 1, 256, k) == 256 and fault_cap(k, 256, k) == 64 and fault_cap(k + 3, 256, k) == 1
@@ -741,8 +741,8 @@ def test_check_vectors(dimensions, expected, message):
 def test_a_claim_holding_a_crash_suspect_keeps_it_alone():
     """A job with FREE_FAULTS faults travels alone in its claim: should it crash the worker,
     the rescue finds it alone and charges it, not its neighbours."""
-    from pipeline_assets.jobs.decisions import alone_if_suspect
-    from pipeline_assets.jobs.request_plan import FREE_FAULTS
+    from pipeline_assets.jobqueue.decisions import alone_if_suspect
+    from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 
     plain = [job(1), job(2, faults=FREE_FAULTS - 1)]
     assert alone_if_suspect(plain) == (plain, [])
@@ -757,7 +757,7 @@ def test_a_suspects_claim_runs_alone_in_its_process():
     wait until it is over; a stop lets everyone through."""
     import threading
 
-    from pipeline_assets.jobs.suspects import SuspectGate
+    from pipeline_assets.jobqueue.suspects import SuspectGate
 
     gate, stop = SuspectGate(), threading.Event()
     events: list[str] = []
@@ -805,7 +805,7 @@ def test_a_process_holds_one_suspect_at_a_time():
     not be the only job of its dead process (it would get a fault, not be charged)."""
     import threading
 
-    from pipeline_assets.jobs.suspects import SuspectGate
+    from pipeline_assets.jobqueue.suspects import SuspectGate
 
     gate, stop = SuspectGate(), threading.Event()
     gate.enter(stop)  # a third thread's claim is running

@@ -9,10 +9,10 @@ import hashlib
 
 import pytest
 
-from pipeline_assets.jobs.memory_job_store import MemoryJobStore
-from pipeline_assets.jobs.memory_queue import MemoryQueue
-from pipeline_assets.jobs.report import ReportCounts
-from pipeline_assets.jobs.worker import FatalProviderError, Worker
+from pipeline_assets.jobqueue.memory_job_store import MemoryJobStore
+from pipeline_assets.jobqueue.memory_queue import MemoryQueue
+from pipeline_assets.jobqueue.report import ReportCounts
+from pipeline_assets.jobqueue.worker import FatalProviderError, Worker
 from pipeline_assets.settings import Settings
 
 CHUNKS = 40

@@ -1,4 +1,4 @@
--- The context of a log line about jobs (jobs/job_log.py), read only when that
+-- The context of a log line about jobs (jobqueue/job_log.py), read only when that
 -- line is going to be written: each job's attempts so far and one document
 -- that carries its content (the first by document id; none once nothing does).
 

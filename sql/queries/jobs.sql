@@ -1,4 +1,4 @@
--- The job state machine's SQL (jobs/transitions.py; the table: docs/state-machine.md). Each
+-- The job state machine's SQL (jobqueue/transitions.py; the table: docs/state-machine.md). Each
 -- transition is one UPDATE guarded by the state(s) it leaves (and the lease); returned rows are what
 -- moved. Status literals are JobStatus values (test_named_queries.py).
 

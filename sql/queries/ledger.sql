@@ -1,4 +1,4 @@
--- The spend ledger (jobs/ledger.py): app.provider_calls, one row per call with its inputs'
+-- The spend ledger (jobqueue/ledger.py): app.provider_calls, one row per call with its inputs'
 -- checksums; the view app.input_sends counts each input's billed or possibly billed sends.
 
 -- name: record_send

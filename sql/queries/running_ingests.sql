@@ -1,4 +1,4 @@
--- Ingests in progress (pipeline_assets/jobs/running_ingests.py): app.running_ingests.
+-- Ingests in progress (pipeline_assets/jobqueue/running_ingests.py): app.running_ingests.
 
 -- name: begin
 -- An ingest starts: alive until now() + alive_for; rows of ingests dead for a day are forgotten.

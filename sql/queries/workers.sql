@@ -1,4 +1,4 @@
--- Worker liveness (pipeline_assets/jobs/leases.py): app.workers. The rescue of
+-- Worker liveness (pipeline_assets/jobqueue/leases.py): app.workers. The rescue of
 -- a dead worker's claims is jobs.sql's rescue_expired.
 
 -- name: beat

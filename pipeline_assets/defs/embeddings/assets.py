@@ -35,7 +35,7 @@ from pipeline_assets.defs.resources import (
     SourceDirectoryResource,
 )
 from pipeline_assets.defs.run_requests import pending_buckets
-from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.jobqueue.worker import FatalProviderError
 from pipeline_assets.providers import ConfigError
 from pipeline_assets.store import bucket_rows
 

@@ -32,7 +32,7 @@ from pipeline_assets.defs.resources import (
     PostgresResource,
     SourceDirectoryResource,
 )
-from pipeline_assets.jobs.worker import FatalProviderError
+from pipeline_assets.jobqueue.worker import FatalProviderError
 from pipeline_assets.providers import ConfigError
 from pipeline_assets.store import bucket_rows, source_observations
 

@@ -3,7 +3,7 @@
 
 Each method is atomic under the queue's lock, as each PostgreSQL statement (or
 short transaction) is; every transition of a held job is fenced by its lease
-owner (the transitions themselves: ``jobs.memory_transitions``). Time is the
+owner (the transitions themselves: ``jobqueue.memory_transitions``). Time is the
 queue's clock: leases expire and pauses end when it passes. For unit tests of
 the worker and the executor; never a production queue. Its ledger has no day
 boundary: ``tokens_today_of_others`` counts every call.
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline_assets.jobs import ledger, memory_transitions
-from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
-from pipeline_assets.jobs.changes import Change, ClaimedJob, GiveBack, JobObserver, merged
-from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
-from pipeline_assets.jobs.memory_queue import CRASH_ERRORS, NEVER, Call, MemoryJob, MemoryModel, MemoryQueue
-from pipeline_assets.jobs.memory_transitions import MAX_DOUBLINGS
-from pipeline_assets.jobs.outcomes import BreakerFailure
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue import ledger, memory_transitions
+from pipeline_assets.jobqueue.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
+from pipeline_assets.jobqueue.changes import Change, ClaimedJob, GiveBack, JobObserver, merged
+from pipeline_assets.jobqueue.job_store import Answer, failure_billing, tell
+from pipeline_assets.jobqueue.memory_queue import CRASH_ERRORS, NEVER, Call, MemoryJob, MemoryModel, MemoryQueue
+from pipeline_assets.jobqueue.memory_transitions import MAX_DOUBLINGS
+from pipeline_assets.jobqueue.outcomes import BreakerFailure
+from pipeline_assets.jobqueue.status import JobStatus
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry.models import ModelRetired
 

@@ -7,10 +7,10 @@ given are held by the change's owner); each function returns what the jobs becam
 
 from __future__ import annotations
 
-from pipeline_assets.jobs.changes import Change, Complete, Fail, GiveBack, Isolate, Retry, Supersede
-from pipeline_assets.jobs.memory_queue import MemoryJob, MemoryQueue
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue.changes import Change, Complete, Fail, GiveBack, Isolate, Retry, Supersede
+from pipeline_assets.jobqueue.memory_queue import MemoryJob, MemoryQueue
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue.status import JobStatus
 
 # The largest exponent of a backoff (as jobs.sql caps it).
 MAX_DOUBLINGS = 30

@@ -7,8 +7,8 @@ extends the leases of healthy calls; the per-call deadline bounds a stalled one.
 A liveness thread keeps this worker's row in app.workers fresh. The main thread
 rescues expired leases and the claims of dead workers, and decides when to stop.
 
-What happens to a claim is ``jobs.executor``'s (pure decisions: ``jobs.decisions``); a
-claim thread's loop is ``jobs.claim_loop``'s, the work at a drain ``jobs.drain_work``'s;
+What happens to a claim is ``jobqueue.executor``'s (pure decisions: ``jobqueue.decisions``); a
+claim thread's loop is ``jobqueue.claim_loop``'s, the work at a drain ``jobqueue.drain_work``'s;
 this module starts the threads, runs the main loop and stops them.
 """
 
@@ -24,18 +24,18 @@ from datetime import datetime
 
 import psycopg
 
-from pipeline_assets.jobs import job_log, leases
-from pipeline_assets.jobs.budget import TokenBudget
-from pipeline_assets.jobs.claim_loop import ClaimLoop
-from pipeline_assets.jobs.drain_work import DrainWork
-from pipeline_assets.jobs.executor import Executor, Stopping
-from pipeline_assets.jobs.faults import DatabaseWait, WorkerFault, database_unavailable
-from pipeline_assets.jobs.job_store import JobStore
-from pipeline_assets.jobs.pg_job_store import PostgresJobStore
-from pipeline_assets.jobs.provider_checks import ProviderView
-from pipeline_assets.jobs.report import ReportCounts, WorkerReport
-from pipeline_assets.jobs.send_limit import SendLimit
-from pipeline_assets.jobs.worker_config import WorkerConfig
+from pipeline_assets.jobqueue import job_log, leases
+from pipeline_assets.jobqueue.budget import TokenBudget
+from pipeline_assets.jobqueue.claim_loop import ClaimLoop
+from pipeline_assets.jobqueue.drain_work import DrainWork
+from pipeline_assets.jobqueue.executor import Executor, Stopping
+from pipeline_assets.jobqueue.faults import DatabaseWait, WorkerFault, database_unavailable
+from pipeline_assets.jobqueue.job_store import JobStore
+from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
+from pipeline_assets.jobqueue.provider_checks import ProviderView
+from pipeline_assets.jobqueue.report import ReportCounts, WorkerReport
+from pipeline_assets.jobqueue.send_limit import SendLimit
+from pipeline_assets.jobqueue.worker_config import WorkerConfig
 from pipeline_assets.providers import Provider
 from pipeline_assets.store import db
 

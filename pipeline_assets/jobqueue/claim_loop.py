@@ -1,5 +1,5 @@
 """A worker's claim threads: each loops claim -> run (``Executor``, a suspect's claim alone:
-``jobs.suspects``) until the worker stops or a token budget is reached. A thread claims while
+``jobqueue.suspects``) until the worker stops or a token budget is reached. A thread claims while
 holding a slot of the send limit and the suspect gate; between claims it waits out an
 unavailable database or a poll. ``idle`` says which threads hold nothing (for `--until-idle`).
 """
@@ -10,16 +10,16 @@ import itertools
 import logging
 import threading
 
-from pipeline_assets.jobs import suspects
-from pipeline_assets.jobs.budget import TokenBudget
-from pipeline_assets.jobs.executor import Executor, Stopping
-from pipeline_assets.jobs.faults import DatabaseWait
-from pipeline_assets.jobs.job_store import JobStore
-from pipeline_assets.jobs.report import WorkerReport
-from pipeline_assets.jobs.suspects import SuspectGate
-from pipeline_assets.jobs.worker_config import WorkerConfig
+from pipeline_assets.jobqueue import suspects
+from pipeline_assets.jobqueue.budget import TokenBudget
+from pipeline_assets.jobqueue.executor import Executor, Stopping
+from pipeline_assets.jobqueue.faults import DatabaseWait
+from pipeline_assets.jobqueue.job_store import JobStore
+from pipeline_assets.jobqueue.report import WorkerReport
+from pipeline_assets.jobqueue.suspects import SuspectGate
+from pipeline_assets.jobqueue.worker_config import WorkerConfig
 
-log = logging.getLogger("pipeline_assets.jobs.worker")  # the worker's log
+log = logging.getLogger("pipeline_assets.jobqueue.worker")  # the worker's log
 
 # How a claim thread waits before its next claim.
 WAIT_FOR_DATABASE = "database"  # the database is unavailable: its backoff

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.jobs.changes import Change, ClaimedJob, Fail, GiveBack, JobObserver, Retry
-from pipeline_assets.jobs.decisions import WORKER_ERROR
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue.changes import Change, ClaimedJob, Fail, GiveBack, JobObserver, Retry
+from pipeline_assets.jobqueue.decisions import WORKER_ERROR
+from pipeline_assets.jobqueue.status import JobStatus
 from pipeline_assets.store import queries
 
-log = logging.getLogger("pipeline_assets.jobs")
+log = logging.getLogger("pipeline_assets.jobqueue")
 
 JOB_LOG = queries.load("job_log")
 

@@ -23,7 +23,7 @@ from psycopg_pool import PoolTimeout
 
 from pipeline_assets.store.db import DatabaseUnavailable
 
-log = logging.getLogger("pipeline_assets.jobs.worker")
+log = logging.getLogger("pipeline_assets.jobqueue.worker")
 
 # SQLSTATEs of a server going away or not accepting connections yet
 # (admin_shutdown, crash_shutdown, cannot_connect_now); class 08 is connection loss.

@@ -1,7 +1,7 @@
 """The queue interface the worker and the executor depend on: ``JobStore``.
 
-Implementations: ``jobs.pg_job_store.PostgresJobStore`` (PostgreSQL, the
-named queries of sql/queries/jobs.sql) and ``jobs.memory_job_store.MemoryJobStore``
+Implementations: ``jobqueue.pg_job_store.PostgresJobStore`` (PostgreSQL, the
+named queries of sql/queries/jobs.sql) and ``jobqueue.memory_job_store.MemoryJobStore``
 (in memory, for unit tests). Both pass one contract suite
 (pipeline_assets_tests/integration/test_job_store_contract.py). Every transition of a held
 job is guarded by its lease owner (the fence): a holder whose lease was lost
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pipeline_assets.jobs import ledger
-from pipeline_assets.jobs.changes import Change, ClaimedJob, JobObserver
-from pipeline_assets.jobs.outcomes import BreakerFailure
+from pipeline_assets.jobqueue import ledger
+from pipeline_assets.jobqueue.changes import Change, ClaimedJob, JobObserver
+from pipeline_assets.jobqueue.outcomes import BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue.status import JobStatus
 
 # A job claimed under one of these errors was last lost with its worker (jobs.sql rescue_expired).
 CRASH_ERRORS = ("lease_expired", "worker_dead")

@@ -2,7 +2,7 @@
 its requests. Pure: no database, no provider, no clock.
 
 ``plan_requests`` groups a claim's jobs into requests bounded by inputs and tokens; a job whose
-faults or throttles are evidence against its inputs (``jobs.evidence``) travels in smaller requests,
+faults or throttles are evidence against its inputs (``jobqueue.evidence``) travels in smaller requests,
 until it is alone (docs/state-machine.md, Failures).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline_assets.jobs.changes import ClaimedJob
+from pipeline_assets.jobqueue.changes import ClaimedJob
 
 # A job's request is halved once for every throttle from this one on: one 429
 # is the provider's weather; repeated ones on the same inputs suggest a request
@@ -20,7 +20,7 @@ THROTTLE_SHRINK_AFTER = 3
 MAX_HALVINGS = 62
 
 # Transient faults (5xx, timeout, dropped connection, unusable answer) a job
-# may meet, counted from the evidence threshold ``k`` (``jobs.evidence``: 2 for a
+# may meet, counted from the evidence threshold ``k`` (``jobqueue.evidence``: 2 for a
 # healthy provider, at most MAX_EVIDENCE_FAULTS = 8), without being charged an
 # attempt. From the k-th fault on, each one divides the job's requests by
 # 2**FAULT_SHRINK_BITS (a quarter: 256 -> 64 -> 16 -> 4 -> 1, the default batch
@@ -37,7 +37,7 @@ FAULT_SHRINK_BITS = 2
 
 def halvings(throttles: int, threshold: int = THROTTLE_SHRINK_AFTER) -> int:
     """How many times a job's requests are halved after ``throttles`` throttles
-    (``threshold``: the throttles that are evidence, ``jobs.evidence``)."""
+    (``threshold``: the throttles that are evidence, ``jobqueue.evidence``)."""
     return min(MAX_HALVINGS, max(0, throttles - threshold + 1))
 
 
@@ -76,7 +76,7 @@ def plan_requests(
     per further throttle. So a request the provider never accepts is whittled
     down to the one input it refuses, and the rest of its batch goes through.
     ``fault_threshold`` and ``throttle_threshold`` are the counts from which
-    faults and throttles are evidence against a job (``jobs.evidence``): below
+    faults and throttles are evidence against a job (``jobqueue.evidence``): below
     them a job's requests keep the batch size.
     """
     wanted = [j for j in jobs if j.text is not None]

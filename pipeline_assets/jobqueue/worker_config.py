@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline_assets.component_config import check
-from pipeline_assets.jobs.executor_config import ExecutorConfig
+from pipeline_assets.jobqueue.executor_config import ExecutorConfig
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY, MIN_INDEX_BUILD_MEMORY
 
 # Provider requests in flight per worker process (`work --concurrency`).

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import psycopg
 
-from pipeline_assets.jobs.faults import database_unavailable
+from pipeline_assets.jobqueue.faults import database_unavailable
 from pipeline_assets.store import queries
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class HeldLeases:
 
 
 class LeaseStore(Protocol):
-    """What the heartbeat needs of the queue (``jobs.job_store.JobStore``)."""
+    """What the heartbeat needs of the queue (``jobqueue.job_store.JobStore``)."""
 
     def extend_leases(self, held: Sequence[tuple[str, list[int]]], lease_seconds: float) -> None: ...
 

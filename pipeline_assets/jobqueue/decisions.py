@@ -1,11 +1,11 @@
 """The worker's decisions, as pure functions: no database, no provider, no clock.
 
-``decide`` maps a provider error and the jobs of its request to an outcome (``jobs.outcomes``:
+``decide`` maps a provider error and the jobs of its request to an outcome (``jobqueue.outcomes``:
 ``Apply`` transitions, ``Split`` a bad input away, ``Stop``, or ask ``ProbeConfig`` /
 ``CheckProvider`` and decide again); ``worker_error`` handles a fault of our own;
 ``alone_if_suspect`` keeps a suspect alone in its claim (which jobs share a request is
-``jobs.request_plan``'s; a successful answer is judged by ``jobs.answer_checks``). The
-transitions are the plain values of ``jobs.changes``; the worker carries the outcomes out
+``jobqueue.request_plan``'s; a successful answer is judged by ``jobqueue.answer_checks``). The
+transitions are the plain values of ``jobqueue.changes``; the worker carries the outcomes out
 through ``JobStore.apply``. Who is charged for a fault, and when the worker stops:
 docs/state-machine.md, "Who pays for a fault".
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from pipeline_assets.jobs import backoff
-from pipeline_assets.jobs.changes import ClaimedJob, Fail, GiveBack, Retry
-from pipeline_assets.jobs.outcomes import Apply, BreakerFailure, CheckProvider, Outcome, ProbeConfig, Split, Stop
-from pipeline_assets.jobs.request_plan import FREE_FAULTS, THROTTLE_SHRINK_AFTER, fault_level
+from pipeline_assets.jobqueue import backoff
+from pipeline_assets.jobqueue.changes import ClaimedJob, Fail, GiveBack, Retry
+from pipeline_assets.jobqueue.outcomes import Apply, BreakerFailure, CheckProvider, Outcome, ProbeConfig, Split, Stop
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS, THROTTLE_SHRINK_AFTER, fault_level
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError, sanitize
 
 # Answers in a row with nothing usable in them, even to one trivial input (a
@@ -50,8 +50,8 @@ THROTTLED_TOO_OFTEN = "throttled_too_often"
 
 
 def suspect(job: ClaimedJob, threshold: int = 1) -> bool:
-    """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobs.evidence``),
-    worked alone in its process (``jobs.suspects``): its next crash may be its own doing. After
+    """A job that met ``FREE_FAULTS`` faults past the evidence threshold (``jobqueue.evidence``),
+    worked alone in its process (``jobqueue.suspects``): its next crash may be its own doing. After
     a crash (``crashed``) every fault counts, as ``rescue_expired`` counts them."""
     return fault_level(job.faults, 1 if job.crashed else threshold) >= FREE_FAULTS
 
@@ -113,7 +113,7 @@ def decide(
     yet; asked only after a transient failure), ``unusable_in_a_row`` the
     unusable answers to single trivial inputs recorded in a row (every worker),
     ``fault_threshold``/``throttle_threshold`` the evidence thresholds
-    (``jobs.evidence``).
+    (``jobqueue.evidence``).
     """
     ids = tuple(j.job_id for j in jobs)
     retry_after = error.retry_after

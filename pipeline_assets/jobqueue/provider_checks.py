@@ -2,8 +2,8 @@
 
 ``ProviderView`` (shared by the worker's threads): its dimension, the configuration probe's answer,
 a local pause after a throttle, whether a failure was seen, when it last answered usably, the
-outcomes of recent requests (``jobs.evidence``) and the limit on requests in flight
-(``jobs.send_limit``). ``ProviderChecks`` sends the trivial requests (``"ping"``, one token each, in
+outcomes of recent requests (``jobqueue.evidence``) and the limit on requests in flight
+(``jobqueue.send_limit``). ``ProviderChecks`` sends the trivial requests (``"ping"``, one token each, in
 the ledger): the configuration probe after a 400, and whether the provider answers others after a
 transient failure or, at start, after the unusable answers that stopped a worker.
 """
@@ -14,13 +14,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pipeline_assets.jobs import ledger
-from pipeline_assets.jobs.decisions import ANSWERS, DOWN, MAX_UNMATCHED_ANSWERS, TOO_MANY_UNMATCHED_ANSWERS, UNUSABLE
-from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE, ProviderRates
-from pipeline_assets.jobs.job_store import JobStore
-from pipeline_assets.jobs.report import WorkerReport
-from pipeline_assets.jobs.send_limit import SendLimit
-from pipeline_assets.jobs.worker_config import DEFAULT_CONCURRENCY
+from pipeline_assets.jobqueue import ledger
+from pipeline_assets.jobqueue.decisions import (
+    ANSWERS,
+    DOWN,
+    MAX_UNMATCHED_ANSWERS,
+    TOO_MANY_UNMATCHED_ANSWERS,
+    UNUSABLE,
+)
+from pipeline_assets.jobqueue.evidence import FAULT, SUCCESS, THROTTLE, ProviderRates
+from pipeline_assets.jobqueue.job_store import JobStore
+from pipeline_assets.jobqueue.report import WorkerReport
+from pipeline_assets.jobqueue.send_limit import SendLimit
+from pipeline_assets.jobqueue.worker_config import DEFAULT_CONCURRENCY
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, EmbedResult, Provider, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
 

@@ -1,6 +1,6 @@
 """The transitions of held jobs, as plain values (no database here).
 
-The worker's pure decisions (``jobs.decisions``) return these; ``transitions.apply`` (through
+The worker's pure decisions (``jobqueue.decisions``) return these; ``transitions.apply`` (through
 ``JobStore.apply``) applies a batch under a lease owner, one guarded statement per kind (its
 named query in sql/queries/jobs.sql, named on each class), and returns what each job became.
 Complete: processing -> ready, or superseded when the content is no longer wanted.

@@ -30,7 +30,7 @@ class ExecutorConfig:
     backoff_cap: float = DEFAULT_BACKOFF_CAP_SECONDS
     retry_after_cap: float = DEFAULT_RETRY_AFTER_CAP_SECONDS
     max_throttles: int = DEFAULT_MAX_THROTTLES
-    crashpoint: str | None = None  # tests only: freeze at a named point (``jobs.crashpoints``)
+    crashpoint: str | None = None  # tests only: freeze at a named point (``jobqueue.crashpoints``)
 
     def __post_init__(self) -> None:
         check(

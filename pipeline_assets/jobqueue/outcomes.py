@@ -1,4 +1,4 @@
-"""What the worker's decisions (``jobs.decisions``, ``jobs.answer_checks``) return, as plain
+"""What the worker's decisions (``jobqueue.decisions``, ``jobqueue.answer_checks``) return, as plain
 values: ``Apply`` (transitions, with a breaker count, a pause or a stop), ``Split`` (isolate a
 bad input), ``Stop`` (hand back untouched, stop the worker), ``ProbeConfig`` and
 ``CheckProvider`` (ask, then decide again). ``BreakerFailure`` is the provider failure every
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline_assets.jobs.changes import Change, ClaimedJob
+from pipeline_assets.jobqueue.changes import Change, ClaimedJob
 from pipeline_assets.providers import ProviderError
 
 

@@ -4,8 +4,8 @@ docs/state-machine.md).
 Knows nothing of providers, workers or Dagster. Each function is one short statement (or one
 short transaction) and returns which jobs it moved. The SQL is sql/queries/jobs.sql
 (``JOBS.<name>``); the states are ``JobStatus``; the transitions of held jobs are the values of
-``jobs.changes``, applied by ``apply`` (one statement per kind). The provider's state that
-every worker shares (breaker, pause, unusable answers) is ``jobs.provider_state``'s.
+``jobqueue.changes``, applied by ``apply`` (one statement per kind). The provider's state that
+every worker shares (breaker, pause, unusable answers) is ``jobqueue.provider_state``'s.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowMaker, dict_row
 
-from pipeline_assets.jobs import ledger
-from pipeline_assets.jobs.changes import (
+from pipeline_assets.jobqueue import ledger
+from pipeline_assets.jobqueue.changes import (
     Change,
     ClaimedJob,
     Complete,
@@ -31,8 +31,8 @@ from pipeline_assets.jobs.changes import (
     merged,
     params,
 )
-from pipeline_assets.jobs.request_plan import FREE_FAULTS
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
+from pipeline_assets.jobqueue.status import JobStatus
 from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.vectors import param as vectors_param
 

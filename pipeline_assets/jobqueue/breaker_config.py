@@ -1,4 +1,5 @@
-"""The bounds of a model's shared circuit breaker (``JobStore.record_failure``: the stores and ``jobs.transitions``)."""
+"""The bounds of a model's shared circuit breaker (``JobStore.record_failure``: the stores and
+``jobqueue.transitions``)."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from pipeline_assets.jobs import decisions
-from pipeline_assets.jobs.changes import ClaimedJob
-from pipeline_assets.jobs.executor import Executor
+from pipeline_assets.jobqueue import decisions
+from pipeline_assets.jobqueue.changes import ClaimedJob
+from pipeline_assets.jobqueue.executor import Executor
 
 # How often a waiting thread looks at its stop event.
 STOP_CHECK_SECONDS = 0.5

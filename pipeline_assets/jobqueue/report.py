@@ -6,8 +6,8 @@ import threading
 from dataclasses import dataclass, field
 
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobs.changes import Change, Complete, Fail, GiveBack, JobObserver, Retry, Supersede
-from pipeline_assets.jobs.status import JobStatus
+from pipeline_assets.jobqueue.changes import Change, Complete, Fail, GiveBack, JobObserver, Retry, Supersede
+from pipeline_assets.jobqueue.status import JobStatus
 
 
 @dataclass

@@ -3,10 +3,10 @@
 Each method takes a pooled connection only for its own statement (or short
 transaction), so a slow provider call holds no connection, no transaction and
 no row lock. ``claim`` takes a batch (of the whole queue or of a scope of
-documents); ``apply`` applies a batch of transitions (``jobs.changes``) of a
+documents); ``apply`` applies a batch of transitions (``jobqueue.changes``) of a
 claim, one statement per kind, and returns what each job became; observers
-(``jobs.job_log``, the worker's report) are told what was claimed and applied.
-Underneath: ``jobs.transitions`` (the guarded state machine), ``jobs.ledger``
+(``jobqueue.job_log``, the worker's report) are told what was claimed and applied.
+Underneath: ``jobqueue.transitions`` (the guarded state machine), ``jobqueue.ledger``
 (spend) and ``registry.models`` (the model registry).
 """
 
@@ -18,11 +18,11 @@ from collections.abc import Sequence
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from pipeline_assets.jobs import ledger, provider_state, running_ingests, transitions
-from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
-from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
-from pipeline_assets.jobs.job_store import Answer, failure_billing, tell
-from pipeline_assets.jobs.outcomes import BreakerFailure
+from pipeline_assets.jobqueue import ledger, provider_state, running_ingests, transitions
+from pipeline_assets.jobqueue.breaker_config import BREAKER_PROBE_INTERVAL, BREAKER_THRESHOLD
+from pipeline_assets.jobqueue.changes import Change, ClaimedJob, Complete, GiveBack, JobObserver, merged
+from pipeline_assets.jobqueue.job_store import Answer, failure_billing, tell
+from pipeline_assets.jobqueue.outcomes import BreakerFailure
 from pipeline_assets.providers import ModelSpec, ProviderError
 from pipeline_assets.registry import models
 
@@ -31,7 +31,7 @@ COMPLETE_RETRIES = 3
 
 
 class PostgresJobStore:
-    """``jobs.job_store.JobStore`` over a connection pool (the claim's SKIP LOCKED
+    """``jobqueue.job_store.JobStore`` over a connection pool (the claim's SKIP LOCKED
     lets any number of workers share the queue)."""
 
     def __init__(

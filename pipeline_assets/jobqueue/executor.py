@@ -1,8 +1,8 @@
-"""One claim, executed: plan its requests (``jobs.request_plan``), call the provider outside any
-transaction, decide (``jobs.decisions``) and apply the transitions it decided (``JobStore.apply``),
+"""One claim, executed: plan its requests (``jobqueue.request_plan``), call the provider outside any
+transaction, decide (``jobqueue.decisions``) and apply the transitions it decided (``JobStore.apply``),
 after River's executor/completer split: this module decides what each job becomes; the store
 applies it. What it asks the provider itself (the configuration probe, whether it answers others)
-is ``jobs.provider_checks``'. ``Stopping`` holds why the worker stops (the first reason wins).
+is ``jobqueue.provider_checks``'. ``Stopping`` holds why the worker stops (the first reason wins).
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from typing import TypeVar
 import numpy as np
 import psycopg
 
-from pipeline_assets.jobs import answer_checks, crashpoints, decisions, request_plan
-from pipeline_assets.jobs.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
-from pipeline_assets.jobs.decisions import DOWN
-from pipeline_assets.jobs.evidence import FAULT, SUCCESS, THROTTLE
-from pipeline_assets.jobs.executor_config import ExecutorConfig
-from pipeline_assets.jobs.faults import DatabaseWait, FaultCounter, one_line
-from pipeline_assets.jobs.job_store import Answer, JobStore
-from pipeline_assets.jobs.leases import HeldLeases
-from pipeline_assets.jobs.outcomes import Apply, CheckProvider, Outcome, ProbeConfig, Split, Stop
-from pipeline_assets.jobs.provider_checks import ProviderChecks, ProviderView, embed
-from pipeline_assets.jobs.report import WorkerReport
+from pipeline_assets.jobqueue import answer_checks, crashpoints, decisions, request_plan
+from pipeline_assets.jobqueue.changes import Change, ClaimedJob, Complete, GiveBack, Isolate, Supersede
+from pipeline_assets.jobqueue.decisions import DOWN
+from pipeline_assets.jobqueue.evidence import FAULT, SUCCESS, THROTTLE
+from pipeline_assets.jobqueue.executor_config import ExecutorConfig
+from pipeline_assets.jobqueue.faults import DatabaseWait, FaultCounter, one_line
+from pipeline_assets.jobqueue.job_store import Answer, JobStore
+from pipeline_assets.jobqueue.leases import HeldLeases
+from pipeline_assets.jobqueue.outcomes import Apply, CheckProvider, Outcome, ProbeConfig, Split, Stop
+from pipeline_assets.jobqueue.provider_checks import ProviderChecks, ProviderView, embed
+from pipeline_assets.jobqueue.report import WorkerReport
 from pipeline_assets.providers import RETRYABLE, THROTTLED, Provider, ProviderError
 
-log = logging.getLogger("pipeline_assets.jobs.worker")
+log = logging.getLogger("pipeline_assets.jobqueue.worker")
 
 T = TypeVar("T")
 

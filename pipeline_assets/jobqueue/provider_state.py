@@ -1,7 +1,7 @@
 """The provider's state every worker shares (app.provider_state), one statement each
 (sql/queries/jobs.sql): the circuit breaker (failures counted, tripped, its half-open probe
 slot), a throttle's pause of every worker, and the unusable answers in a row. Its threshold
-and probe interval: ``jobs.breaker_config``; the claim reads this state (``transitions.claim``).
+and probe interval: ``jobqueue.breaker_config``; the claim reads this state (``transitions.claim``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import psycopg
 from psycopg.rows import dict_row
 
-from pipeline_assets.jobs.breaker_config import BREAKER_PROBE_INTERVAL
+from pipeline_assets.jobqueue.breaker_config import BREAKER_PROBE_INTERVAL
 from pipeline_assets.store import queries
 
 JOBS = queries.load("jobs")

@@ -18,12 +18,12 @@ from datetime import datetime
 
 import psycopg
 
-from pipeline_assets.jobs import running_ingests
-from pipeline_assets.jobs.worker_config import WorkerConfig
+from pipeline_assets.jobqueue import running_ingests
+from pipeline_assets.jobqueue.worker_config import WorkerConfig
 from pipeline_assets.registry.background_build import BackgroundBuild
 from pipeline_assets.store import stage_runs, text_search
 
-log = logging.getLogger("pipeline_assets.jobs.worker")  # the worker's log
+log = logging.getLogger("pipeline_assets.jobqueue.worker")  # the worker's log
 
 
 class DrainWork:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from pipeline_assets.jobs.changes import ClaimedJob, Retry
-from pipeline_assets.jobs.decisions import retry_delays
-from pipeline_assets.jobs.outcomes import Apply, BreakerFailure, Stop
+from pipeline_assets.jobqueue.changes import ClaimedJob, Retry
+from pipeline_assets.jobqueue.decisions import retry_delays
+from pipeline_assets.jobqueue.outcomes import Apply, BreakerFailure, Stop
 from pipeline_assets.providers import FATAL, ProviderError
 
 # The error class of an answer carrying a NaN or infinite vector.
