@@ -36,9 +36,15 @@ def fresh_defs() -> dg.Definitions:
 
 
 def evaluate_sensor(
-    sensor: dg.SensorDefinition, defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None = None
+    sensor: dg.SensorDefinition,
+    defs: dg.Definitions,
+    instance: dg.DagsterInstance,
+    cursor: str | None = None,
+    *,
+    record_events: bool = False,
 ):
-    """One tick as the daemon runs it: evaluate, then apply the dynamic-partition requests.
+    """One tick as the daemon runs it: evaluate, then apply the dynamic-partition requests (and,
+    ``record_events``, write its asset events to the event log, as the daemon does).
 
     Returns the SensorExecutionData (run_requests resolved, cursor, skip_message).
     """
@@ -59,6 +65,9 @@ def evaluate_sensor(
         else:
             for key in request.partition_keys:
                 instance.delete_dynamic_partition(request.partitions_def_name, key)
+    if record_events:
+        for event in data.asset_events or []:
+            instance.report_runless_asset_event(event)
     return data
 
 

@@ -52,10 +52,7 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
 
 def tick(defs, instance, cursor):
     """One evaluation as the daemon runs it, its asset events written to the event log."""
-    data = evaluate_sensor(model_switch_sensor, defs, instance, cursor=cursor)
-    for event in data.asset_events:
-        instance.report_runless_asset_event(event)
-    return data
+    return evaluate_sensor(model_switch_sensor, defs, instance, cursor=cursor, record_events=True)
 
 
 def served_search() -> str:

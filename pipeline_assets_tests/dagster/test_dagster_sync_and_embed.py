@@ -49,10 +49,7 @@ def instance(server_url):
 
 def _tick(defs, instance, cursor: str | None = None):
     """A source sensor tick, its observations of ``source_files`` recorded as the daemon records them."""
-    tick = evaluate_sensor(source_documents_sensor, defs, instance, cursor)
-    for event in tick.asset_events or []:
-        instance.report_runless_asset_event(event)
-    return tick
+    return evaluate_sensor(source_documents_sensor, defs, instance, cursor, record_events=True)
 
 
 def _run_tags(request: dg.RunRequest) -> dict[str, str]:
