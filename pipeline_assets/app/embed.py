@@ -21,9 +21,10 @@ from pipeline_assets.app.ingest import ingest_source
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.source import Source
 from pipeline_assets.counts import Counts
-from pipeline_assets.jobqueue.faults import DatabaseWait, database_unavailable, one_line
+from pipeline_assets.jobqueue.faults import DatabaseWait, database_unavailable
 from pipeline_assets.jobqueue.worker import Worker, WorkerReport
 from pipeline_assets.jobqueue.worker_config import DEFAULT_CONCURRENCY
+from pipeline_assets.messages import one_line
 from pipeline_assets.store import db, reports, stage_runs, text_search
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.content.sources import SourceError
 from pipeline_assets.jobqueue.worker import BudgetExhausted, FatalProviderError, WorkerFault
+from pipeline_assets.messages import one_line
 from pipeline_assets.providers import ConfigError, ProviderError
 from pipeline_assets.settings import Settings, SettingsError, redact_text
 from pipeline_assets.store import db
@@ -58,7 +59,7 @@ T = TypeVar("T")
 
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit status 1."""
-    click.echo(f"error: {redact_text(' '.join(message.split()))}", err=True)
+    click.echo(f"error: {redact_text(one_line(message))}", err=True)
     sys.exit(1)
 
 

@@ -30,6 +30,7 @@ from pipeline_assets.cli.dagster_instance import (
     instance_yaml,
     sqlalchemy_url,
 )
+from pipeline_assets.messages import one_line
 from pipeline_assets.providers import model_id_for
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
@@ -129,7 +130,7 @@ def run_dagster_env(settings: Settings | None = None) -> int:
     try:
         exported, added = dagster_env(settings or Settings.from_env())
     except PREPARE_ERRORS as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
     print(export_lines(exported), flush=True)
     print(
@@ -174,7 +175,7 @@ def run_dev(settings: Settings | None = None, host: str = "127.0.0.1", port: int
     try:
         env, dagster_home = prepare(settings or Settings.from_env())
     except PREPARE_ERRORS as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 1
     print(f"Dagster UI: http://{host}:{port}  (DAGSTER_HOME={dagster_home}; Ctrl-C stops it)", flush=True)
     stopping = {"signals": 0}

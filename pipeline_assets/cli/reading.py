@@ -16,6 +16,7 @@ from pipeline_assets.app import search as search_uc
 from pipeline_assets.app import status as status_uc
 from pipeline_assets.cli.common import emit, expected_errors, fail, pool, runtime, settings, stop_on_signals
 from pipeline_assets.cli.progress import WATCH_SECONDS, watch_status
+from pipeline_assets.messages import one_line
 from pipeline_assets.settings import Settings
 from pipeline_assets.settings_reference import reference_table
 from pipeline_assets.store import db
@@ -161,7 +162,7 @@ def search(query: str, k: int, model: str | None, mode: str, as_json: bool) -> N
 
     def lines(rows: list[dict]) -> Iterator[str]:
         for h in rows:
-            snippet = " ".join(h["text"].split())[:100]
+            snippet = one_line(h["text"])[:100]
             distance = "-" if h["distance"] is None else f"{h['distance']:.4f}"
             yield f"{h['score']:.4f} {distance} {h['document_id']}#{h['chunk_index']}: {snippet}"
 
@@ -212,7 +213,7 @@ def _limit_report(s: Settings) -> dict:
             return input_limits.input_limit_report(s, p)
     except EXPECTED_DB as exc:
         report = input_limits.input_limit_report(s)
-        report["warnings"].append(f"active models not checked: {' '.join(str(exc).split())[:200]}")
+        report["warnings"].append(f"active models not checked: {one_line(exc)[:200]}")
         return report
 
 

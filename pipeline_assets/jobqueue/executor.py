@@ -22,12 +22,13 @@ from pipeline_assets.jobqueue.changes import Change, ClaimedJob, Complete, GiveB
 from pipeline_assets.jobqueue.decisions import DOWN
 from pipeline_assets.jobqueue.evidence import FAULT, SUCCESS, THROTTLE
 from pipeline_assets.jobqueue.executor_config import ExecutorConfig
-from pipeline_assets.jobqueue.faults import DatabaseWait, FaultCounter, one_line
+from pipeline_assets.jobqueue.faults import DatabaseWait, FaultCounter
 from pipeline_assets.jobqueue.job_store import Answer, JobStore
 from pipeline_assets.jobqueue.leases import HeldLeases
 from pipeline_assets.jobqueue.outcomes import Apply, CheckProvider, Outcome, ProbeConfig, Split, Stop
 from pipeline_assets.jobqueue.provider_checks import ProviderChecks, ProviderView, embed
 from pipeline_assets.jobqueue.report import WorkerReport
+from pipeline_assets.messages import one_line
 from pipeline_assets.providers import RETRYABLE, THROTTLED, Provider, ProviderError
 
 log = logging.getLogger("pipeline_assets.jobqueue.worker")
@@ -105,7 +106,7 @@ class Executor:
             if self.db_wait.failed(exc):
                 pass  # logged once per outage; the give-back below waits for the database
             elif isinstance(exc, psycopg.Error):
-                log.warning("database fault; claim given back: %s", " ".join(str(exc).split()))
+                log.warning("database fault; claim given back: %s", one_line(exc))
             else:
                 log.exception("batch failed in the worker")
             self.release(owner, jobs, exc)

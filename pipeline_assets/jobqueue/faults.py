@@ -21,6 +21,7 @@ from typing import TypeVar
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from pipeline_assets.messages import one_line
 from pipeline_assets.store.db import DatabaseUnavailable
 
 log = logging.getLogger("pipeline_assets.jobqueue.worker")
@@ -70,10 +71,6 @@ def why_unavailable(exc: BaseException) -> str:
     return {"57P01": "shutting down", "57P02": "crashed", "57P03": "not accepting connections yet"}.get(
         state or "", "unreachable"
     )
-
-
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 class FaultCounter:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pipeline_assets.component_config import ERROR_MESSAGE_MAX_CHARS
+from pipeline_assets.messages import one_line
 
 if TYPE_CHECKING:  # numpy only where vectors are made
     import numpy as np
@@ -122,7 +123,7 @@ def register_secret(value: str) -> None:
 
 def sanitize(message: str, limit: int = ERROR_MESSAGE_MAX_CHARS) -> str:
     """Remove anything that looks like a credential, flatten, truncate."""
-    text = " ".join(str(message).split())
+    text = one_line(message)
     for secret in _SECRETS:
         text = text.replace(secret, "[redacted]")
     for pattern in _KEY_PATTERNS:

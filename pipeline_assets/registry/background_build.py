@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import psycopg
 
+from pipeline_assets.messages import one_line
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
-from pipeline_assets.registry.vector_index import EXACT, MISSING, READY, IndexBuildError, IndexNotOwned, build, one_line
+from pipeline_assets.registry.vector_index import EXACT, MISSING, READY, IndexBuildError, IndexNotOwned, build
 from pipeline_assets.store.background import BackgroundWork
 
 log = logging.getLogger("pipeline_assets.registry.vector_index")  # the index's log

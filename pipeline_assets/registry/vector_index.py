@@ -20,6 +20,7 @@ import time
 import psycopg
 from psycopg import sql
 
+from pipeline_assets.messages import one_line
 from pipeline_assets.registry.index_memory import build_memory, graph_bytes
 from pipeline_assets.registry.registry_config import DEFAULT_INDEX_BUILD_MEMORY
 from pipeline_assets.store import queries
@@ -268,8 +269,3 @@ def _drop_quietly(conn: psycopg.Connection, name: str) -> None:
         conn.execute(_drop(name))
     except psycopg.Error as exc:
         log.warning("could not drop the invalid index %s (the next build will): %s", name, one_line(exc))
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__

@@ -18,6 +18,7 @@ from pgvector.psycopg.vector import register_vector_info
 from psycopg.types import TypeInfo
 from psycopg_pool import ConnectionPool
 
+from pipeline_assets.messages import one_line
 from pipeline_assets.settings import redact_text
 from pipeline_assets.store import arrays, embedded_postgres, migrations, vectors
 from pipeline_assets.store.database_config import DatabaseConfig
@@ -58,7 +59,7 @@ def connect(url: str, *, autocommit: bool = True, prepare: bool = True) -> psyco
             url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS, prepare_threshold=_threshold(prepare)
         )
     except psycopg.OperationalError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = one_line(exc, first=True)
         raise DatabaseUnavailable(f"cannot connect to database {redact_text(url)}: {first}") from None
     _configure(conn)
     return conn

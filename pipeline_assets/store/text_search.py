@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import psycopg
 
+from pipeline_assets.messages import one_line
 from pipeline_assets.store import queries
 from pipeline_assets.store.background import BackgroundWork
 
@@ -66,5 +67,5 @@ class BackgroundFill(BackgroundWork):
         log.warning(
             "could not compute the chunks' text-search vectors (search reads their text "
             "meanwhile; the next ingest or drain computes them): %s",
-            " ".join(str(exc).split()),
+            one_line(exc),
         )
