@@ -31,17 +31,12 @@ class ModelFollowed:
 def follow_configured(rt: Runtime, pool: ConnectionPool, *, switch: bool = True) -> ModelFollowed:
     """A model change without downtime, done by the Dagster layer (``defs/models/sensors.py``) each tick.
 
-    1. ``add`` the configured model (a new one gets jobs for every current chunk);
-       a retired one is refused (``ModelRetired``), as everywhere.
-    2. While another model is served, keep serving it; once the configured model
-       covers every current chunk, serve it and retire the one it replaced (whose
-       vectors reconcile deletes after the grace period).
-
-    ``switch=False`` does step 1 only (the caller already switched to this model
-    once: a person who served another one since is not overruled).
-
-    Returns what happened (``ModelFollowed``); the configured model's coverage is
-    None when no switch is pending (it reads every current chunk).
+    ``add`` the configured model (a new one gets jobs for every current chunk; a retired one raises
+    ``ModelRetired``, as everywhere). While another model is served it stays served; once the configured
+    model covers every current chunk it is served and the one it replaced retired (reconcile deletes
+    those vectors after the grace period). ``switch=False`` only adds: the caller switched to this model
+    once already, and a person who served another one since is not overruled. The result's coverage is
+    None when no switch is pending (reading it reads every current chunk).
     """
     model_id = rt.model_id
     with pool.connection() as conn, conn.transaction():

@@ -51,23 +51,17 @@ def scan(
     keep: Callable[[str], bool] | None = None,
     in_buckets: tuple[Sequence[int], int] | None = None,
 ) -> Scan:
-    """List ``source`` and bring its observations up to date. Raises SourceError if it
-    cannot be listed. An empty source does not mark everything gone (``empty_refused``).
-    ``keep``: only the documents it accepts are observed (and only they can be gone):
-    a bucket run scans its own buckets. ``in_buckets`` (ids, count): ``keep`` is exactly
-    membership of those buckets, so only their files are compared in the database and
-    only their observations can be gone (selected in the database): past the walk's
-    listing, the scan costs what the buckets hold.
+    """List ``source`` and bring its observations up to date; SourceError if it cannot be listed.
 
-    The listing is streamed into a temporary table and compared with the stored observations
-    there: the scan holds no row per item, only the items it has to fingerprint (changed,
-    racy) one batch at a time, and the handles of those few the source cannot find by id
-    (a folder's symlinks and escaped names). An item whose listing carries its fingerprint
-    (a content token) is compared in the database and never read.
-
-    A source with a change feed of its own (``follow_changes``: a table's change log)
-    observes only what the feed names, and calls ``complete`` for a complete listing
-    when the feed cannot vouch (its first scan, a TRUNCATE)."""
+    An empty source marks nothing gone (``empty_refused``). ``keep``: only the documents it accepts are
+    observed, and only they can be gone (a bucket run scans its own buckets); ``in_buckets`` (ids, count)
+    says ``keep`` is exactly those buckets, so only their rows are compared and selected in the database.
+    The listing is streamed into a temporary table and compared there: the scan holds only the items it
+    must fingerprint (changed, racy), a batch at a time, and never reads an item whose listing carries a
+    content token. A source with a change feed of its own (``follow_changes``: a table's change log)
+    observes only what the feed names, and calls ``complete`` for a whole listing when the feed cannot
+    vouch (its first scan, a TRUNCATE).
+    """
     source = as_source(source)
     follow = getattr(source, "follow_changes", None)
 

@@ -100,20 +100,14 @@ def decide(
 ) -> Outcome:
     """What to do with the jobs of a request the provider refused.
 
-    ``config_ok`` is the configuration probe's answer (None: not asked yet).
-    After a 400 the probe is asked first: if a trivial input fails too, the
-    "bad input" is the configuration and the worker stops instead of
-    dead-lettering the corpus. ``base``/``cap`` bound the backoff,
-    ``poll_seconds`` is the shortest local pause after a throttle,
-    ``retry_after_cap`` bounds the provider's Retry-After (a proxy's 86400
-    would hold every worker for a day), ``max_throttles`` the throttles a
-    single input may take before it is dead-lettered (``throttled_too_often``;
-    moved up by as many as the throttle evidence threshold is above its
-    lowest), ``health`` what the provider does for others (None: not asked
-    yet; asked only after a transient failure), ``unusable_in_a_row`` the
-    unusable answers to single trivial inputs recorded in a row (every worker),
-    ``fault_threshold``/``throttle_threshold`` the evidence thresholds
-    (``jobqueue.evidence``).
+    ``config_ok``: the configuration probe's answer (None: not asked yet); after a 400 it is asked first,
+    and if a trivial input fails too the worker stops instead of dead-lettering the corpus. ``base`` and
+    ``cap`` bound the backoff, ``poll_seconds`` is the shortest pause after a throttle, ``retry_after_cap``
+    bounds the provider's Retry-After, ``max_throttles`` the throttles one input may take before it is
+    dead-lettered (``throttled_too_often``; raised by as much as the throttle evidence threshold is above
+    its lowest). ``health``: what the provider does for others (None: not asked yet; asked only after a
+    transient failure); ``unusable_in_a_row``: unusable answers to single trivial inputs in a row (every
+    worker); ``fault_threshold``/``throttle_threshold``: the evidence thresholds (``jobqueue.evidence``).
     """
     ids = tuple(j.job_id for j in jobs)
     retry_after = error.retry_after

@@ -97,21 +97,13 @@ class FaultCounter:
 class DatabaseWait:
     """The database's unavailability as a worker's threads see it, shared by them.
 
-    ``failed(exc)`` tells whether an error is the database's unavailability; the
-    first one of an outage logs the line ``database unavailable (...): the
-    worker waits ...`` (and a later one of another kind, e.g. read-only after a
-    shutdown, says so once). ``ok()`` after a successful write ends the outage
-    and logs ``database available again after N s``. ``pause(stop)`` sleeps
-    before the next try; ``ride_out(step, stop)`` runs a step until it
-    succeeds, an error other than unavailability is raised, or ``stop`` is set.
-
-    The first error of an outage, and every read-only error, also calls
-    ``on_unavailable`` (the worker drains its pool): the pooled connections of
-    a server that went away are dead, and a connection that met a read-only
-    server is replaced by a new one, which reaches the new primary when the
-    connection string names several hosts (``target_session_attrs=read-write``);
-    a session opened while the database was read-only does not stay read-only
-    after it is writable.
+    ``failed(exc)``: whether an error is the database's unavailability. An outage's first one logs
+    ``database unavailable (...): the worker waits ...`` (a later one of another kind, e.g. read-only,
+    says so once) and calls ``on_unavailable``, as every read-only error does: the worker drains its
+    pool, so dead and read-only connections are replaced and a new one reaches the new primary where the
+    URL names several hosts (``target_session_attrs=read-write``). ``ok()`` after a successful write ends
+    the outage (``database available again after N s``). ``pause(stop)`` sleeps before the next try;
+    ``ride_out(step, stop)`` runs a step until it succeeds, raises another error, or ``stop`` is set.
     """
 
     def __init__(

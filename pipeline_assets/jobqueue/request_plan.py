@@ -62,22 +62,15 @@ def plan_requests(
     fault_threshold: int = 1,
     throttle_threshold: int = THROTTLE_SHRINK_AFTER,
 ) -> list[list[ClaimedJob]]:
-    """Group jobs into requests bounded by inputs and tokens.
+    """Group jobs into requests bounded by inputs and tokens; jobs without text are left out.
 
-    Jobs without text (no current chunk carries their checksum) are left out.
-    A job marked ``isolate`` (it was in a batch refused for a bad input whose
-    split was cut short) goes alone: if it is the poison, it no longer drags
-    innocent neighbours through its retries. A job that met transient faults
-    goes in a request of at most ``fault_cap`` inputs (the jobs with the most
-    faults go first, so a request's cap is its first job's). Jobs throttled
-    repeatedly (from the ``THROTTLE_SHRINK_AFTER``th throttle on) travel only
-    with jobs throttled as often, and their requests shrink: at most half of
-    that group's inputs, and at most the batch (inputs and tokens) halved once
-    per further throttle. So a request the provider never accepts is whittled
-    down to the one input it refuses, and the rest of its batch goes through.
-    ``fault_threshold`` and ``throttle_threshold`` are the counts from which
-    faults and throttles are evidence against a job (``jobqueue.evidence``): below
-    them a job's requests keep the batch size.
+    A job marked ``isolate`` (in a batch refused for a bad input whose split was cut short) goes alone,
+    so a poison input no longer drags neighbours through its retries. A job with faults goes in a request
+    of at most ``fault_cap`` inputs (most faults first: a request's cap is its first job's). Jobs
+    throttled ``throttle_threshold`` times or more travel only with jobs throttled as often, in requests
+    of at most half their group and of the batch (inputs and tokens) halved once per further throttle: a
+    request the provider never accepts is whittled down to the one input it refuses. Below
+    ``fault_threshold`` and ``throttle_threshold`` (``jobqueue.evidence``) a job keeps the batch size.
     """
     wanted = [j for j in jobs if j.text is not None]
     if all(not j.isolate and j.faults < fault_threshold and j.throttles < throttle_threshold for j in wanted):
