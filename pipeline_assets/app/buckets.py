@@ -65,7 +65,6 @@ class BucketSync:
     stale: int = 0  # another extractor/chunker version: re-extracted
     gone: int = 0  # files gone: tombstoned
     report: IngestReport = field(default_factory=IngestReport)
-    touched: set[int] = field(default_factory=set)  # buckets with a document ingested or tombstoned
 
 
 def sync_buckets(
@@ -76,17 +75,15 @@ def sync_buckets(
     bucket_count: int,
     *,
     source_changes: bool = True,
-    observed: Sequence[int] | None = None,
+    observed: bool = False,
 ) -> BucketSync:
     """Bring the documents of ``bucket_ids`` (of ``bucket_count``) current with the source and the code.
 
     ``source_changes=False`` (the rerun sensor's run after a code fix): only the stale
     documents are re-extracted; the source is not scanned, and what changed in it is
     the source sensor's next run. ``observed`` (the source sensor's run): the sensor's tick
-    has just scanned the source and found pending files in these buckets only, so there is
-    no walk: the files its observations hold unsynced are synced (in any of ``bucket_ids``:
-    also those waiting out a failed request's backoff, as a full run syncs them), documents
-    without an observed file are looked for in ``observed`` only, stale ones in every bucket.
+    has just scanned the source, so there is no walk: the files its observations hold unsynced
+    in ``bucket_ids`` are synced, and their documents without an observed file tombstoned.
     The work goes in pages of SYNC_PAGE_DOCUMENTS documents, each read, ingested and recorded
     before the next: a run's memory is bounded by a page, not by what its buckets hold."""
     source = as_source(source)
@@ -99,7 +96,7 @@ def sync_buckets(
         bucket_rows.check_buckets(conn, bucket_count)
     bucket_rows.fill_buckets(pool)
     with pool.connection() as conn:
-        if source_changes and observed is None:
+        if source_changes and not observed:
             done.scan = observations.scan(
                 conn,
                 source,
@@ -118,15 +115,12 @@ def sync_buckets(
                 break
             after = rows[-1][0]
             _sync_page(rt, pool, source, rows, done)
-            done.touched.update(bucket_of(doc, bucket_count) for doc, _, in_store in rows if not in_store)
         if not done.scan.empty_refused:
-            looked = chosen if observed is None else bucket_rows.selected(observed, bucket_count)
             with pool.connection() as conn:
-                orphans = [] if looked == [] else bucket_rows.unobserved_current(conn, root, looked, bucket_count)
+                orphans = [] if chosen == [] else bucket_rows.unobserved_current(conn, root, chosen, bucket_count)
             for page in _pages(orphans):
                 done.report.add(ingest_documents(rt, pool, source, page))
             done.gone += len(orphans)
-            done.touched.update(bucket_of(doc, bucket_count) for doc in orphans)
     # After the changed documents: those are current now, and only the rest is stale. Selected in
     # the database for this source and these buckets, a page at a time (the extract pass brings a
     # document's chunk stage current too, so the chunk pass finds only what is stale there alone).
@@ -143,7 +137,6 @@ def sync_buckets(
         ):
             done.report.add(ingest_documents(rt, pool, source, [t.document_id for t in targets]))
             done.stale += len(targets)
-            done.touched.update(bucket_of(t.document_id, bucket_count) for t in targets)
     return done
 
 

@@ -1,6 +1,8 @@
 """The source sensor's run after a change syncs AND embeds the buckets of its edits: one run, no second
 launch and no sensor interval before the vectors; what it records stays true (a bucket is FRESH only
-once its vectors are, and a change observed during the run leaves it STALE), and no other run follows."""
+once its vectors are, and a change observed during the run leaves it STALE), and no other run follows.
+It does not walk the source again; a range run of ``sync_documents`` (the UI's "Materialize", a
+backfill) walks it and syncs every bucket."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import dagster as dg
 import pytest
 
 from pipeline_assets.app import buckets as bk
+from pipeline_assets.content import folder_source
 from pipeline_assets.defs.embeddings.sensors import embed_after_sync
 from pipeline_assets.defs.ingest import sync_and_embed
 from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
@@ -22,6 +25,7 @@ from pipeline_assets_tests.dagster_helpers import (
     fresh_defs,
     latest_materializations,
     postgres_instance,
+    range_tags,
     requested_keys,
     served,
     stale_status,
@@ -52,6 +56,29 @@ def _tick(defs, instance, cursor: str | None = None):
     return evaluate_sensor(source_documents_sensor, defs, instance, cursor, record_events=True)
 
 
+def _stated(monkeypatch) -> list[str]:
+    """The files a walk of the folder stats (examines), by document id."""
+    stated: list[str] = []
+    real = folder_source.walk
+
+    def counting(root, keep=None):
+        for row in real(root, keep):
+            if row[1] != folder_source.NOT_STATED:
+                stated.append(row[0])
+            yield row
+
+    monkeypatch.setattr(folder_source, "walk", counting)
+    return stated
+
+
+def _text(conn, doc: str) -> str:
+    return conn.execute(
+        "SELECT coalesce(string_agg(c.text, ''), '') FROM app.chunks c JOIN app.documents d USING (doc_pk) "
+        "WHERE d.document_id = %s AND d.status = 'current'",
+        (doc,),
+    ).fetchone()[0]
+
+
 def _run_tags(request: dg.RunRequest) -> dict[str, str]:
     return {k: v for k, v in request.tags.items() if k != "dagster/partition"}
 
@@ -78,16 +105,18 @@ def _edited_far_apart(defs, instance, corpus):
     return tick, edited, keys, after_sync.cursor
 
 
-def test_an_edit_is_synced_and_embedded_by_the_one_run_the_sensor_requests(corpus, conn, fake, instance):
+def test_an_edit_is_synced_and_embedded_by_the_one_run_the_sensor_requests(corpus, conn, fake, instance, monkeypatch):
     defs = fresh_defs()
     tick, edited, keys, after_sync = _edited_far_apart(defs, instance, corpus)
     (request,) = tick.run_requests
     billed = fake.stats["billed_inputs"]
+    stated = _stated(monkeypatch)
 
     result = defs.resolve_job_def(request.job_name).execute_in_process(  # that run alone, nothing chained
         instance=instance, partition_key=request.partition_key, tags=_run_tags(request), raise_on_error=False
     )
     assert result.success
+    assert stated == []  # no walk: the tick has just observed the source
     for doc in edited:  # served: the new text, a vector for every chunk of it
         text, chunks, vectors = served(conn, doc, MODEL_ID)
         assert "to be served by one run" in text and chunks == vectors > 0, (doc, chunks, vectors)
@@ -140,3 +169,21 @@ def test_a_bucket_is_not_fresh_before_its_vectors_nor_after_a_change_seen_during
     # The run embedded both, but ``high`` changed after its sync read the source: never FRESH.
     for asset in ("documents", "chunks", "embeddings"):
         assert stale_status(defs, instance, asset, [low, high]) == {low: "FRESH", high: "STALE"}, asset
+
+
+def test_a_range_run_of_sync_documents_walks_and_syncs_every_bucket(corpus, conn, fake, instance, monkeypatch):
+    defs = fresh_defs()
+    _edited_far_apart(defs, instance, corpus)  # the first run, and two edits the sensor has seen
+    docs = sorted((f"doc{i:04d}.md" for i in range(DOCS)), key=_bucket)
+    first, last, between = docs[0], docs[-1], docs[len(docs) // 2]
+    # Edited behind the sensor's back (no tick): a "Materialize" of the range finds it itself.
+    (corpus / between).write_text("# between\n\nedited without a tick\n")
+    stated = _stated(monkeypatch)
+    keys = [bucket_key(b) for b in range(_bucket(first), _bucket(last) + 1)]
+    result = execute(defs, instance, job="sync_documents", tags=range_tags(keys))
+    assert result.success
+    assert set(stated) == set(docs)  # the range spans every document's bucket
+    assert "edited without a tick" in _text(conn, between)
+    assert "to be served by one run" in _text(conn, first) and "to be served by one run" in _text(conn, last)
+    run_meta = {k: v.value for k, v in result.asset_materializations_for_node("ingest")[0].metadata.items()}
+    assert run_meta["walked_source"] is True and run_meta["partitions"] == len(keys)

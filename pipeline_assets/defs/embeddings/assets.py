@@ -5,16 +5,12 @@ Per model of its partition keys, a run first records the preflight (what it woul
 current documents: it ends when their chunks are ready or failed for that model, embedding
 them itself (``in_process``, in the ``embedding_worker`` concurrency pool) or waiting for
 external ``work`` processes (``EmbeddingRunResource``), and fails with the counts at its
-deadline. Only content without a vector for a model is sent. After a source sensor's run (tag
-``pipeline/pending_buckets``) it does that for the tagged buckets and those with chunks neither
-ready nor failed; the rest of its range is recorded from its current coverage. Code version
-``vectors-1``: the model is a partition, not code.
+deadline. Only content without a vector for a model is sent. Code version ``vectors-1``: the
+model is a partition, not code.
 """
 
-import dataclasses
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -34,7 +30,6 @@ from pipeline_assets.defs.resources import (
     PostgresResource,
     SourceDirectoryResource,
 )
-from pipeline_assets.defs.run_requests import pending_buckets
 from pipeline_assets.jobqueue.worker import FatalProviderError
 from pipeline_assets.providers import ConfigError
 from pipeline_assets.store import bucket_rows
@@ -121,38 +116,6 @@ def preflight(
     return est
 
 
-def _changed_first(
-    db_pool: ConnectionPool,
-    root: str,
-    bucket_ids: list[int],
-    pending: list[int],
-    n: int,
-    model_id: str,
-    embed: Callable[[list[int]], tuple[estimate.Estimate, BucketsEmbedded]],
-) -> tuple[list[int], estimate.Estimate, BucketsEmbedded, dict[int, bucket_rows.BucketCoverage]]:
-    """After a source sensor's bucket run: embed and wait on its changed buckets first (so the
-    edits are served before anything else is read), then on any other bucket of the range with
-    chunks neither ready nor failed. Returns the buckets waited on, the estimate and what was
-    done (both passes summed), and the other buckets' coverage as read."""
-    work_ids = sorted(set(bucket_ids) & set(pending))
-    est, done = embed(work_ids)
-    rest = sorted(set(bucket_ids) - set(work_ids))
-    with db_pool.connection() as conn:
-        others = bucket_rows.coverage_of_buckets(conn, root, rest, n, model_id) if rest else {}
-    behind = sorted(b for b, cov in others.items() if cov.ready + cov.failed < cov.chunks)
-    if not behind:
-        return work_ids, est, done, others
-    more_est, more = embed(sorted({*work_ids, *behind}))  # the changed ones are done: a quick wait
-    counts = {f.name: getattr(done.work, f.name) for f in dataclasses.fields(done.work)}
-    more.work.add(**{name: value for name, value in counts.items() if isinstance(value, int)})
-    more.enqueued += done.enqueued
-    more.waited_seconds += done.waited_seconds
-    both = dataclasses.replace(
-        more_est, send_inputs=more_est.send_inputs + est.send_inputs, send_tokens=more_est.send_tokens + est.send_tokens
-    )
-    return sorted({*work_ids, *behind}), both, more, {b: c for b, c in others.items() if b not in behind}
-
-
 def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) -> dg.AssetsDefinition:
     """The asset over ``n`` buckets x the model keys (a factory: the bucket count, the code
     version and whether runs embed in-process, hence hold ``concurrency_pool``, are the settings')."""
@@ -214,25 +177,16 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
             documents = 0
             waited = 0.0
             put_off: list[str] = []  # models whose index build was left for later (an ingest runs)
-            pending = pending_buckets(context.run.tags)
             for model_id, bucket_ids in per_model.items():
                 try:
                     rt = model_runtime.runtime_of(settings, db_pool, model_id, dagster_run_id=context.run.run_id)
                 except ConfigError as exc:
                     raise dg.Failure(description=str(exc), allow_retries=False) from None
 
-                def embed(ids: list[int], rt: Runtime = rt) -> tuple[estimate.Estimate, BucketsEmbedded]:
-                    """The preflight, then the embedding and the wait, of some buckets for this model."""
-                    est = preflight(context, rt, db_pool, root, ids, n)
-                    return est, embed_or_fail(rt, db_pool, root, ids, n, in_process, embedding_run, len(keys))
-
-                if pending is None:
-                    work_ids, others = bucket_ids, dict[int, bucket_rows.BucketCoverage]()
-                    est, done = embed(work_ids)
-                else:
-                    work_ids, est, done, others = _changed_first(db_pool, root, bucket_ids, pending, n, model_id, embed)
+                est = preflight(context, rt, db_pool, root, bucket_ids, n)
+                done = embed_or_fail(rt, db_pool, root, bucket_ids, n, in_process, embedding_run, len(keys))
                 context.log.info(
-                    f"{model_id}: {len(work_ids)} of {len(bucket_ids)} bucket(s) embedded and waited on "
+                    f"{model_id}: {len(bucket_ids)} bucket(s) embedded and waited on "
                     f"({done.waited_seconds:.2f} s waited)"
                 )
                 if done.index_put_off:
@@ -240,9 +194,8 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                     put_off.append(done.index_put_off)
                 with postgres.connection() as conn:
                     states = bucket_rows.states_of(conn, root, bucket_ids, n)
-                coverage = {**others, **done.per_bucket}
                 for b in bucket_ids:
-                    bucket_cov, key = coverage[b], embedding_key(b, model_id)
+                    bucket_cov, key = done.per_bucket[b], embedding_key(b, model_id)
                     versions[key] = embedding_version(model_id, states[b], bucket_cov)
                     context.add_asset_metadata(coverage_metadata(bucket_cov), partition_key=key)
                 for name, value in run_counts(est, done).items():
@@ -257,7 +210,6 @@ def build_embeddings(code_version: str, n: int, concurrency_pool: str | None) ->
                     **totals,
                     "coverage_ratio": round(ready / totals["chunks"], 6) if totals.get("chunks") else 1.0,
                     "partitions": len(keys),
-                    "waited_buckets": len(bucket_ids) if pending is None else len(work_ids),
                     "documents": documents,
                     "in_process": in_process,
                     "waited_seconds": round(waited, 3),

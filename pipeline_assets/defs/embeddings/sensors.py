@@ -25,7 +25,6 @@ from pipeline_assets.defs.resources import PostgresResource
 from pipeline_assets.defs.run_requests import (
     EMBED_JOB_NAME,
     GENERATION_TAG,
-    PENDING_TAG,
     RANGE_END_TAG,
     RANGE_START_TAG,
     RERUN_TAG,
@@ -44,8 +43,7 @@ BACKFILL_TAG = "dagster/backfill"
 # The jobs whose bucket runs are followed: ours, and the asset job the UI's "Materialize" launches.
 CHAINED_JOBS = (SYNC_JOB_NAME, "__ASSET_JOB")
 # Tags of the sync run its embeddings run keeps (whose run it is, for the sensors' backpressure).
-# PENDING_TAG: the buckets the sync run changed, the only ones its embeddings run waits on.
-KEPT_TAGS = (TRIGGER_TAG, RERUN_TAG, GENERATION_TAG, PENDING_TAG)
+KEPT_TAGS = (TRIGGER_TAG, RERUN_TAG, GENERATION_TAG)
 
 
 def chains(run: dg.DagsterRun) -> bool:

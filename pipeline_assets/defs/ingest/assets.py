@@ -3,8 +3,8 @@
 Per run, ``app.buckets.sync_buckets`` brings its buckets current with the source and the
 code: new and changed files ingested, stale documents re-extracted, gone ones tombstoned,
 unchanged files not read. A run tagged ``pipeline/rerun`` (the rerun sensor's) re-extracts
-the stale documents only and does not scan the source; one tagged ``pipeline/pending_buckets``
-(the source sensor's) syncs what the sensor observed, without a walk. Per partition it records its counts,
+the stale documents only and does not scan the source (the source sensor's runs after a change are
+``sync_and_embed``'s, ``sync_and_embed.py``). Per partition it records its counts,
 quarantined ids (at most ``store.bucket_rows.SAMPLE_IDS``) and digests; a one-bucket run records
 the bucket's data version, a range run one version for the range (``provenance.run_version``).
 Code versions: the extractor version of every format, and the chunker's.
@@ -23,7 +23,7 @@ from pipeline_assets.defs.keys import CHUNKS, DOCUMENTS, GROUP, SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_indexes, bucket_key, bucket_partitions
 from pipeline_assets.defs.provenance import latest_observation, run_version, versioned_events
 from pipeline_assets.defs.resources import EmbeddingProviderResource, PostgresResource, SourceDirectoryResource
-from pipeline_assets.defs.run_requests import PENDING_TAG, RERUN_TAG, encode_buckets, pending_buckets
+from pipeline_assets.defs.run_requests import RERUN_TAG
 from pipeline_assets.store import bucket_rows
 
 INGEST_OP = "ingest"
@@ -134,24 +134,14 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
             src = source.source(rt.settings)
             root = src.key
             rerun = RERUN_TAG in context.run.tags
-            pending = None if rerun else pending_buckets(context.run.tags)
-            observed = None if pending is None else sorted(set(pending) & set(bucket_ids))
             try:
                 # A rerun after a code fix re-extracts the stale documents only; source changes are the source
                 # sensor's run (a backfill or a "materialize" from the UI does both, walking the source).
-                done = bk.sync_buckets(
-                    rt, postgres.pool(), src, bucket_ids, n, source_changes=not rerun, observed=observed
-                )
+                done = bk.sync_buckets(rt, postgres.pool(), src, bucket_ids, n, source_changes=not rerun)
             except bucket_rows.BucketCountMismatch as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
-            if observed is not None and not done.touched <= set(observed):
-                # The embeddings run after this one waits on the buckets this tag names: all it changed.
-                context.instance.add_run_tags(
-                    context.run.run_id, {PENDING_TAG: encode_buckets({*observed, *done.touched})}
-                )
             context.log.info(
-                f"synced {'every' if observed is None else len({*observed, *done.touched})} of {len(keys)} "
-                f"bucket(s) ({'walked the source' if observed is None and not rerun else 'no walk'}): "
+                f"synced {len(keys)} bucket(s) ({'no walk' if rerun else 'walked the source'}): "
                 f"{done.changed} changed, {done.stale} stale, {done.gone} gone "
                 f"in {time.monotonic() - started:.2f} s"
             )
@@ -169,8 +159,7 @@ def build_ingest(code_versions: Mapping[str, str], n: int) -> dg.AssetsDefinitio
                 "changed_documents": done.changed,
                 "stale_documents": done.stale,
                 "gone_documents": done.gone,
-                "synced_buckets": len(keys) if observed is None else len({*observed, *done.touched}),
-                "walked_source": not rerun and observed is None,
+                "walked_source": not rerun,
             }
             yield dg.MaterializeResult(
                 asset_key=DOCUMENTS,

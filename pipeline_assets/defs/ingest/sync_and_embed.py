@@ -85,7 +85,7 @@ def build_sync_and_embed_job(n: int, concurrency_pool: str | None) -> dg.JobDefi
         observed = latest_observation(context.instance, SOURCE_FILES)
         try:
             src = source.source(rt.settings)
-            done = bk.sync_buckets(rt, postgres.pool(), src, bucket_ids, n, observed=bucket_ids)
+            done = bk.sync_buckets(rt, postgres.pool(), src, bucket_ids, n, observed=True)
         except (SourceError, bucket_rows.BucketCountMismatch) as exc:
             raise dg.Failure(description=str(exc), allow_retries=False) from None
         context.log.info(
