@@ -11,6 +11,8 @@ model is a partition, not code.
 
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import dagster as dg
@@ -43,6 +45,20 @@ EMBEDDING_POOL = "embedding_worker"
 WORKER_POLL_SECONDS = 0.1
 
 
+@contextmanager
+def refused_as_failure() -> Iterator[None]:
+    """A refusal no retry can mend, as a Dagster failure without retries: the provider refused the
+    configuration (``FatalProviderError``), or the model's window is unknown or too small (``ConfigError``)."""
+    try:
+        yield
+    except FatalProviderError as exc:
+        raise dg.Failure(
+            description=f"embedding provider refused the configuration: {exc}", allow_retries=False
+        ) from None
+    except ConfigError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from None
+
+
 def embed_or_fail(
     rt: Runtime,
     db_pool: ConnectionPool,
@@ -55,22 +71,17 @@ def embed_or_fail(
 ) -> BucketsEmbedded:
     """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
     try:
-        return embed_buckets(
-            rt,
-            db_pool,
-            root,
-            bucket_ids,
-            n,
-            poll_seconds=WORKER_POLL_SECONDS,
-            in_process=in_process,
-            deadline_seconds=embedding_run.deadline(rt.settings),
-        )
-    except FatalProviderError as exc:
-        raise dg.Failure(
-            description=f"embedding provider refused the configuration: {exc}", allow_retries=False
-        ) from None
-    except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
-        raise dg.Failure(description=str(exc), allow_retries=False) from None
+        with refused_as_failure():
+            return embed_buckets(
+                rt,
+                db_pool,
+                root,
+                bucket_ids,
+                n,
+                poll_seconds=WORKER_POLL_SECONDS,
+                in_process=in_process,
+                deadline_seconds=embedding_run.deadline(rt.settings),
+            )
     except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
         cov = exc.coverage
         why = "deadline passed" if isinstance(exc, EmbedDeadlineExceeded) else "embedding stopped"

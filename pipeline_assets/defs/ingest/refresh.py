@@ -21,6 +21,7 @@ from pipeline_assets.app.ingest import ingest_documents
 from pipeline_assets.app.runtime import code_versions
 from pipeline_assets.app.vector_wait import EmbedIncomplete
 from pipeline_assets.content.source import Source, SourceError
+from pipeline_assets.defs.embeddings.assets import refused_as_failure
 from pipeline_assets.defs.embeddings.records import embedding_version
 from pipeline_assets.defs.ingest.assets import ingest_materializations
 from pipeline_assets.defs.keys import CHUNKS, EMBEDDINGS, SOURCE_FILES
@@ -32,8 +33,6 @@ from pipeline_assets.defs.resources import (
     PostgresResource,
     SourceDirectoryResource,
 )
-from pipeline_assets.jobqueue.worker import FatalProviderError
-from pipeline_assets.providers import ConfigError
 from pipeline_assets.store import bucket_rows, source_observations
 
 REFRESH_JOB_NAME = "refresh_documents"
@@ -98,20 +97,15 @@ def refresh_documents_op(
     with postgres.connection() as conn:  # the source sensor's next scan finds them synced, not pending
         source_observations.mark_synced_as_stored(conn, root, ids)
     try:
-        done = embed_and_wait(
-            rt,
-            db_pool,
-            root,
-            ids,
-            in_process=embedding_run.embeds_in_process(rt.settings),
-            deadline_seconds=embedding_run.deadline(rt.settings),
-        )
-    except FatalProviderError as exc:
-        raise dg.Failure(
-            description=f"embedding provider refused the configuration: {exc}", allow_retries=False
-        ) from None
-    except ConfigError as exc:  # the model's window unknown, or the chunks too large for it
-        raise dg.Failure(description=str(exc), allow_retries=False) from None
+        with refused_as_failure():
+            done = embed_and_wait(
+                rt,
+                db_pool,
+                root,
+                ids,
+                in_process=embedding_run.embeds_in_process(rt.settings),
+                deadline_seconds=embedding_run.deadline(rt.settings),
+            )
     except EmbedIncomplete as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from None
     if done.index_put_off:
