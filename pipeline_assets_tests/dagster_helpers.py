@@ -27,7 +27,7 @@ from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, e
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import bucket_rows, migrations, reports
-from pipeline_assets_tests.conftest import write_corpus
+from pipeline_assets_tests.data_helpers import write_corpus
 
 
 def fresh_defs() -> dg.Definitions:

@@ -20,15 +20,7 @@ from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, e
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import bucket_rows, reports
-from pipeline_assets_tests.conftest import (
-    FAKE_MODEL,
-    bucket_documents,
-    job_counts,
-    kill_group,
-    start_cli,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     bucket_states,
@@ -43,6 +35,8 @@ from pipeline_assets_tests.dagster_helpers import (
     range_tags,
     stale_status,
 )
+from pipeline_assets_tests.data_helpers import bucket_documents, job_counts, write_corpus
+from pipeline_assets_tests.processes import kill_group, start_cli, wait_until
 
 DOCS = [f"doc{i:04d}.md" for i in range(4)]
 ALL = [bucket_key(i) for i in range(64)]

@@ -12,7 +12,7 @@ from pipeline_assets.defs.partitions import bucket_key, embedding_key, split_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import reports
-from pipeline_assets_tests.conftest import FAKE_MODEL, job_counts
+from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     check_results,
@@ -21,6 +21,7 @@ from pipeline_assets_tests.dagster_helpers import (
     range_tags,
     watched_corpus,
 )
+from pipeline_assets_tests.data_helpers import job_counts
 
 KEYS = [f"doc{i:04d}.md" for i in range(12)]
 MODEL = f"openai/{FAKE_MODEL}"

@@ -27,7 +27,7 @@ from pipeline_assets.cli.dagster_instance import DAGSTER_URL_ENV
 from pipeline_assets.defs.models import instance_setup
 from pipeline_assets.defs.partitions import bucket_index
 from pipeline_assets.store import reports
-from pipeline_assets_tests.conftest import FAKE_MODEL, REPO, cli
+from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     DAGSTER,
     bucket_of,
@@ -36,6 +36,7 @@ from pipeline_assets_tests.dagster_helpers import (
     latest_data_versions,
     latest_materializations,
 )
+from pipeline_assets_tests.processes import REPO, cli
 
 # Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
 # machine): a generous deadline against a hang.

@@ -20,8 +20,8 @@ from pipeline_assets.defs.keys import ASSET_KEYS, INGEST_KEYS
 from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryResource
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations
-from pipeline_assets_tests.conftest import REPO
 from pipeline_assets_tests.dagster_helpers import fresh_defs
+from pipeline_assets_tests.processes import REPO
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,6 @@ from pipeline_assets.defs.keys import RECONCILIATION
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.reconcile.jobs import RECONCILE_JOB_NAME
 from pipeline_assets.store import reports
-from pipeline_assets_tests.conftest import job_counts
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     evaluate_sensor,
@@ -26,6 +25,7 @@ from pipeline_assets_tests.dagster_helpers import (
     stale_status,
     watched_corpus,
 )
+from pipeline_assets_tests.data_helpers import job_counts
 
 KEYS = [f"doc{i:04d}.md" for i in range(4)]
 NEW_DOC = "doc0009.md"

@@ -19,7 +19,7 @@ from pipeline_assets.defs.ingest.source_sensor import decode_cursor, source_docu
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import stage_runs
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
     evaluate_sensor,
@@ -29,6 +29,8 @@ from pipeline_assets_tests.dagster_helpers import (
     requested_keys,
     served,
 )
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli
 
 ALL = [bucket_key(i) for i in range(64)]
 

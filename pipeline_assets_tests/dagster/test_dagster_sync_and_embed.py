@@ -18,7 +18,7 @@ from pipeline_assets.defs.keys import SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.provenance import DATA_VERSION_TAG
 from pipeline_assets.defs.run_requests import PENDING_TAG
-from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     evaluate_sensor,
     execute,
@@ -30,6 +30,7 @@ from pipeline_assets_tests.dagster_helpers import (
     served,
     stale_status,
 )
+from pipeline_assets_tests.data_helpers import write_corpus
 
 N = 64
 DOCS = 40

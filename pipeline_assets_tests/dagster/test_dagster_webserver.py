@@ -33,17 +33,11 @@ from pipeline_assets.cli.dagster_instance import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.store import reports
 from pipeline_assets_tests.browser import Browser, chromium_path
-from pipeline_assets_tests.conftest import (
-    FAKE_DIM,
-    FAKE_MODEL,
-    FAKE_WINDOW,
-    LONG_PROFILE,
-    cli,
-    stop_group,
-    write_corpus,
-)
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE
 from pipeline_assets_tests.dagster_helpers import bucket_of, copy_of_dagster_template
+from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
+from pipeline_assets_tests.processes import cli, stop_group
 
 # What is tested does not depend on the corpus's size as long as every one of the 64 buckets holds
 # documents (from 330 documents on): one backfill run, not 64, and 64 per-bucket materializations and

@@ -13,8 +13,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pipeline_assets_tests.conftest import _with_dbname, cli, write_corpus
+from pipeline_assets_tests.conftest import _with_dbname
 from pipeline_assets_tests.dagster_helpers import execute, fresh_defs, postgres_instance
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "pipeline_assets"

@@ -18,18 +18,10 @@ import psycopg
 import pytest
 
 from pipeline_assets.store import migrations
-from pipeline_assets_tests.conftest import (
-    FAKE_DIM,
-    FAKE_MODEL,
-    _with_dbname,
-    assert_vectors_match,
-    cli,
-    job_counts,
-    start_cli,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, _with_dbname
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
+from pipeline_assets_tests.processes import cli, start_cli, wait_until
 
 MODEL_ID = f"openai/{FAKE_MODEL}"  # dimension unknown up front: no "@16" suffix
 JSON_EXPORT_KEYS = {"document_id", "source_uri", "chunk_index", "text", "model", "embedding"}

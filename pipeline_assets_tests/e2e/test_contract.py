@@ -16,16 +16,8 @@ import pytest
 
 from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
 from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
-from pipeline_assets_tests.conftest import (
-    assert_vectors_match,
-    cli,
-    job_counts,
-    kill_group,
-    start_cli,
-    wait_for_line,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
+from pipeline_assets_tests.processes import cli, kill_group, start_cli, wait_for_line, wait_until
 
 JOBS_SNAPSHOT = "SELECT job_id, chunk_checksum, status, attempts FROM app.embedding_jobs ORDER BY 1"
 

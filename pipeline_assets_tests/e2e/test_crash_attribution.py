@@ -19,16 +19,9 @@ import numpy as np
 import pytest
 
 from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
-from pipeline_assets_tests.conftest import (
-    assert_vectors_match,
-    cli,
-    job_counts,
-    kill_group,
-    start_cli,
-    wait_for_line,
-    write_corpus,
-)
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
 from pipeline_assets_tests.e2e.test_contract import assert_ledger_matches_bill
+from pipeline_assets_tests.processes import cli, kill_group, start_cli, wait_for_line
 
 MAX_ATTEMPTS = 3
 

@@ -18,7 +18,9 @@ import psycopg
 import pytest
 
 from pipeline_assets.store import embedded_postgres, migrations
-from pipeline_assets_tests.conftest import cli, kill_group, server_home, start_cli, wait_until, write_corpus
+from pipeline_assets_tests.conftest import server_home
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli, kill_group, start_cli, wait_until
 
 LOCAL_MODEL_ID = "local/hashing-words-v2@512"
 

@@ -42,7 +42,9 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline_assets_tests.conftest import FAKE_MODEL, LONG_PROFILE, REPO, assert_vectors_match, cli, job_counts
+from pipeline_assets_tests.conftest import FAKE_MODEL, LONG_PROFILE
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts
+from pipeline_assets_tests.processes import REPO, cli
 
 SEED = int(os.environ.get("PIPELINE_SOAK_SEED", "20250108"))
 SOAK_SECONDS = float(os.environ.get("PIPELINE_SOAK_SECONDS", "120" if LONG_PROFILE else "15"))

@@ -33,8 +33,9 @@ from pipeline_assets.providers import ProviderError, provider_for
 from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import REPO, _with_dbname, cli
+from pipeline_assets_tests.conftest import _with_dbname
 from pipeline_assets_tests.e2e.test_search_relevance import QUESTIONS, README_QUERY
+from pipeline_assets_tests.processes import REPO, cli
 
 CORPUS = REPO / "examples" / "corpus"
 HASHING_MODEL_ID = "local/hashing-words-v2@512"

@@ -23,15 +23,9 @@ import subprocess
 import sys
 import time
 
-from pipeline_assets_tests.conftest import (
-    FAKE_MODEL,
-    REPO,
-    assert_vectors_match,
-    cli,
-    job_counts,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
+from pipeline_assets_tests.processes import REPO, cli, wait_until
 
 WORKERS = 4
 DOCUMENTS = 300  # one chunk each

@@ -17,7 +17,7 @@ from pipeline_assets.app import model_runtime
 from pipeline_assets.app import search as search_uc
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import REPO, cli
+from pipeline_assets_tests.processes import REPO, cli
 
 CORPUS = REPO / "examples" / "corpus"
 LOCAL_MODEL_ID = "local/hashing-words-v2@512"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_assets_tests.conftest import REPO, cli
+from pipeline_assets_tests.processes import REPO, cli
 
 SERVER_MODEL = "multilingual-e5-small-q4"
 MODEL_ID = f"openai/{SERVER_MODEL}"  # dimension discovered from the first answer

@@ -16,7 +16,7 @@ from pipeline_assets.app import buckets, observations
 from pipeline_assets.content.folder_source import walk
 from pipeline_assets.content.source import NOT_STATED
 from pipeline_assets.store import bucket_rows, queries, source_observations
-from pipeline_assets_tests.conftest import bucket_documents
+from pipeline_assets_tests.data_helpers import bucket_documents
 
 DOCS = queries.load("documents")
 

@@ -18,7 +18,9 @@ import pytest
 from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
 from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 from pipeline_assets.providers import RETRYABLE, ProviderError, deadline
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, wait_until
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import job_counts
+from pipeline_assets_tests.processes import cli, wait_until
 
 DRIP_TEXT = "DRIP an answer that trickles in forever"
 

@@ -10,7 +10,8 @@ from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import FAKE_MODEL, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import write_corpus
 
 LEASE = 30.0
 

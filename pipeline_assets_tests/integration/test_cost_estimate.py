@@ -24,9 +24,11 @@ from pipeline_assets.providers import ModelSpec
 from pipeline_assets.providers.pricing import OPENAI_PRICES_PER_MILLION, price_per_million
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import FAKE_DIM, cli, job_counts, write_corpus
+from pipeline_assets_tests.conftest import FAKE_DIM
 from pipeline_assets_tests.dagster_helpers import execute, fresh_defs, materialization_metadata, range_tags
+from pipeline_assets_tests.data_helpers import job_counts, write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
+from pipeline_assets_tests.processes import cli
 
 SMALL, LARGE = "text-embedding-3-small", "text-embedding-3-large"
 SMALL_ID, LARGE_ID = f"openai/{SMALL}@{FAKE_DIM}", f"openai/{LARGE}@{FAKE_DIM}"

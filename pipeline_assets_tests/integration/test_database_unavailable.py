@@ -29,15 +29,8 @@ import time
 import psycopg
 
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import (
-    assert_vectors_match,
-    cli,
-    job_counts,
-    start_cli,
-    stop_group,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
+from pipeline_assets_tests.processes import cli, start_cli, stop_group, wait_until
 
 HOLD_SECONDS = float(os.environ.get("PIPELINE_TEST_READ_ONLY_HOLD", "2"))
 WHOLE_SERVER = os.environ.get("PIPELINE_TEST_READ_ONLY_SYSTEM") == "1"

@@ -19,7 +19,8 @@ from pipeline_assets.jobqueue import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.store import dead_letter_rows, queries, reports
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.conftest import cli, job_counts, write_corpus
+from pipeline_assets_tests.data_helpers import job_counts, write_corpus
+from pipeline_assets_tests.processes import cli
 
 WORKER = "dlq-test-worker"
 POISON = "POISON"

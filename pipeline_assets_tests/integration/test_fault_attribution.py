@@ -28,7 +28,8 @@ from pipeline_assets.jobqueue.decisions import MAX_UNMATCHED_ANSWERS
 from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
 from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
 from pipeline_assets.jobqueue.worker_config import DEFAULT_CONCURRENCY
-from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
+from pipeline_assets_tests.processes import cli
 
 DOCUMENTS = 60
 DROP_RATE = 0.3

@@ -26,7 +26,7 @@ from pipeline_assets.jobqueue.worker import Worker
 from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, cli, wait_until, write_corpus
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     EMBED_JOB,
     embed_range_tags,
@@ -34,6 +34,8 @@ from pipeline_assets_tests.dagster_helpers import (
     fresh_defs,
     materialization_metadata,
 )
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli, wait_until
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 DOCS = 24

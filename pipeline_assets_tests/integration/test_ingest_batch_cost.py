@@ -12,7 +12,7 @@ from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.jobqueue import transitions
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
-from pipeline_assets_tests.conftest import write_corpus
+from pipeline_assets_tests.data_helpers import write_corpus
 
 SPEC = ModelSpec(
     provider="test", name="cost", dimension=4, max_input_tokens=8191, max_batch_inputs=10, max_batch_tokens=1000

@@ -21,7 +21,8 @@ from pipeline_assets.app.runtime import IngestOptions
 from pipeline_assets.content.chunking import Chunker
 from pipeline_assets.content.sources import document_id_problem
 from pipeline_assets.store import db, documents
-from pipeline_assets_tests.conftest import cli, write_corpus
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli
 
 SECRET = "the private key that lives outside the source"
 

@@ -19,7 +19,9 @@ from pipeline_assets.providers import ChunkTooLarge, ModelLimit, ModelSpec, chec
 from pipeline_assets.providers.limits import FOREIGN_TOKENS_PER_CHUNK_TOKEN
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 

@@ -27,7 +27,8 @@ from pipeline_assets.jobqueue.worker_config import DEFAULT_LEASE_SECONDS, IDLE_P
 from pipeline_assets.settings import Settings
 from pipeline_assets.store.db import CONNECT_TIMEOUT_SECONDS
 from pipeline_assets.store.reports import REPORTS
-from pipeline_assets_tests.conftest import REPO, cli, write_corpus
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import REPO, cli
 
 K8S = REPO / "deploy" / "k8s"
 # The Kubernetes version the manifests are validated against (and documented for).

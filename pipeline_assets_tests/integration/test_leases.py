@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from pipeline_assets_tests.conftest import cli, job_counts, start_cli, wait_until
+from pipeline_assets_tests.data_helpers import job_counts
+from pipeline_assets_tests.processes import cli, start_cli, wait_until
 
 
 def test_heartbeat_keeps_a_slow_healthy_call_from_being_stolen(env, fake, clean_db, tmp_path):

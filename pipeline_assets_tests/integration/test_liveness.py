@@ -17,15 +17,8 @@ import pytest
 
 from pipeline_assets.jobqueue import leases, transitions
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import (
-    assert_vectors_match,
-    cli,
-    job_counts,
-    kill_group,
-    start_cli,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
+from pipeline_assets_tests.processes import cli, kill_group, start_cli, wait_until
 
 UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 

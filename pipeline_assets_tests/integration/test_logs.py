@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 
-from pipeline_assets_tests.conftest import cli, write_corpus
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli
 
 KEY = "sk-logtestkey1234567890"
 POISON = "POISONED"

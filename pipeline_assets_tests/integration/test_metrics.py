@@ -12,7 +12,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, start_cli, wait_until, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import job_counts, write_corpus
+from pipeline_assets_tests.processes import cli, start_cli, wait_until
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 

@@ -24,7 +24,9 @@ from pipeline_assets.providers import ConfigError, ModelSpec
 from pipeline_assets.registry import models, vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli
 
 OLD = f"openai/{FAKE_MODEL}"
 NEW_NAME, NEW_DIMS = "fake-embed-2", 8

@@ -22,7 +22,9 @@ from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, retrieval
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import job_counts, write_corpus
+from pipeline_assets_tests.processes import cli
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 OTHER_MODEL = "fake-embed-2"

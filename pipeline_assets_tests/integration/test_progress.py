@@ -18,7 +18,8 @@ import termios
 import threading
 import time
 
-from pipeline_assets_tests.conftest import REPO, cli, kill_group, start_cli, wait_until, write_corpus
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import REPO, cli, kill_group, start_cli, wait_until
 
 SUMMARY_KEYS = [
     "model",

@@ -28,15 +28,8 @@ from pipeline_assets.jobqueue.decisions import MAX_UNMATCHED_ANSWERS
 from pipeline_assets.jobqueue.evidence import MAX_EVIDENCE_FAULTS
 from pipeline_assets.jobqueue.provider_checks import CHECK_TRIES
 from pipeline_assets.jobqueue.request_plan import FREE_FAULTS
-from pipeline_assets_tests.conftest import (
-    assert_vectors_match,
-    cli,
-    job_counts,
-    start_cli,
-    stop_group,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
+from pipeline_assets_tests.processes import cli, start_cli, stop_group, wait_until
 
 MAX_ATTEMPTS = 5
 # The stated bound on the sends of an input that breaks every request holding it (docs/state-machine.md).

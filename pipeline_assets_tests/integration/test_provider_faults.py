@@ -16,7 +16,8 @@ from pipeline_assets.providers import RETRYABLE, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
 from pipeline_assets.store import db
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.conftest import assert_vectors_match, cli, job_counts, write_corpus
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
+from pipeline_assets_tests.processes import cli
 
 # The soak's corpus: 30 documents of two chunks each.
 SOAK_DOCUMENTS = 30

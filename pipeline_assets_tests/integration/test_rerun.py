@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, job_counts, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import job_counts, write_corpus
+from pipeline_assets_tests.processes import cli
 from pipeline_assets_tests.unit.test_extract import make_pdf
 
 MODEL_ID = f"openai/{FAKE_MODEL}"

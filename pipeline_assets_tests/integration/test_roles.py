@@ -19,15 +19,9 @@ import pytest
 from pipeline_assets.registry import vector_index
 from pipeline_assets.store import db
 from pipeline_assets.store import roles as db_roles
-from pipeline_assets_tests.conftest import (
-    FAKE_MODEL,
-    FAKE_WINDOW,
-    assert_vectors_match,
-    cli,
-    start_cli,
-    wait_until,
-    write_corpus,
-)
+from pipeline_assets_tests.conftest import FAKE_MODEL, FAKE_WINDOW
+from pipeline_assets_tests.data_helpers import assert_vectors_match, write_corpus
+from pipeline_assets_tests.processes import cli, start_cli, wait_until
 
 PASSWORD = "r0le-s3cret"
 

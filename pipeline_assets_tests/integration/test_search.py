@@ -22,7 +22,7 @@ from pipeline_assets.providers.local import LocalHashingProvider, terms
 from pipeline_assets.registry import vector_index
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, queries, retrieval
-from pipeline_assets_tests.conftest import cli
+from pipeline_assets_tests.processes import cli
 
 MODEL_ID = "local/hashing-words-v2@512"
 

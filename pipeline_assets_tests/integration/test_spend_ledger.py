@@ -19,8 +19,10 @@ from pipeline_assets.jobqueue.pg_job_store import PostgresJobStore
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.registry import models
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import FAKE_MODEL, assert_vectors_match, cli, job_counts, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts, write_corpus
 from pipeline_assets_tests.integration.test_state_machine import claim_ids, drop_chunks, seed
+from pipeline_assets_tests.processes import cli
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 

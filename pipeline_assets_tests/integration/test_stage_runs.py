@@ -19,7 +19,9 @@ from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.registry import background_build
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, stage_runs
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, wait_until, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli, wait_until
 
 SECOND_MODEL = "fake-embed-b"
 

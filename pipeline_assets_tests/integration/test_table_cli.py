@@ -10,7 +10,8 @@ import uuid
 import psycopg
 import pytest
 
-from pipeline_assets_tests.conftest import _with_dbname, cli, kill_group, start_cli, wait_for_line
+from pipeline_assets_tests.conftest import _with_dbname
+from pipeline_assets_tests.processes import cli, kill_group, start_cli, wait_for_line
 
 SOURCE = "table:src.notes?id=id&text=body&updated=updated_at"
 

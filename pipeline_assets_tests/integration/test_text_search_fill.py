@@ -24,7 +24,8 @@ from pipeline_assets.app.embed import work
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, queries, text_search
-from pipeline_assets_tests.conftest import cli, wait_until, write_corpus
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import cli, wait_until
 
 DOCS = 12
 QUERY = "w5 w12 document"

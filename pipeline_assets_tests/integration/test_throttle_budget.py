@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.conftest import cli, job_counts, write_corpus
+from pipeline_assets_tests.data_helpers import job_counts, write_corpus
+from pipeline_assets_tests.processes import cli
 
 
 def calls(conn):

@@ -35,8 +35,10 @@ from pipeline_assets.registry import background_build, index_memory, models, vec
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, retrieval
 from pipeline_assets_tests import job_helpers
-from pipeline_assets_tests.conftest import FAKE_MODEL, cli, wait_until, write_corpus
+from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
+from pipeline_assets_tests.processes import cli, wait_until
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 

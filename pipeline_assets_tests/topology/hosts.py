@@ -38,7 +38,8 @@ from pathlib import Path
 
 import psycopg
 
-from pipeline_assets_tests.conftest import FAKE_MODEL, FAKE_WINDOW, REPO, stop_group, wait_until
+from pipeline_assets_tests.conftest import FAKE_MODEL, FAKE_WINDOW
+from pipeline_assets_tests.processes import REPO, stop_group, wait_until
 from pipeline_assets_tests.topology.netlab import Lab
 
 PG_USER = "pgserver"  # the unprivileged OS user the embedded server runs as too

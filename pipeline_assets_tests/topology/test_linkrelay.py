@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from pipeline_assets_tests.conftest import REPO, stop_group
+from pipeline_assets_tests.processes import REPO, stop_group
 
 pytestmark = pytest.mark.timeout(120)
 DELAY = 0.05

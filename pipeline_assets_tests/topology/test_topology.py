@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-from pipeline_assets_tests.conftest import LONG_PROFILE, REPO, wait_until, write_corpus
+from pipeline_assets_tests.conftest import LONG_PROFILE
+from pipeline_assets_tests.data_helpers import write_corpus
+from pipeline_assets_tests.processes import REPO, wait_until
 from pipeline_assets_tests.topology.hosts import missing_requirements
 from pipeline_assets_tests.topology.scenarios import (
     FIGURES,

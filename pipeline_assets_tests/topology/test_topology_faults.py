@@ -14,7 +14,8 @@ import time
 import psycopg
 import pytest
 
-from pipeline_assets_tests.conftest import LONG_PROFILE, wait_until
+from pipeline_assets_tests.conftest import LONG_PROFILE
+from pipeline_assets_tests.processes import wait_until
 from pipeline_assets_tests.topology.hosts import missing_requirements
 from pipeline_assets_tests.topology.scenarios import (
     FIGURES,

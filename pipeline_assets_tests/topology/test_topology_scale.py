@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pipeline_assets_tests.conftest import wait_until
+from pipeline_assets_tests.processes import wait_until
 from pipeline_assets_tests.topology.hosts import missing_requirements
 from pipeline_assets_tests.topology.scenarios import (
     FIGURES,

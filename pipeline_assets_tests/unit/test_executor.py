@@ -22,8 +22,8 @@ from pipeline_assets.jobqueue.memory_job_store import MemoryJobStore
 from pipeline_assets.jobqueue.memory_queue import MemoryQueue
 from pipeline_assets.jobqueue.provider_checks import CHECK_TRIES, ProviderView
 from pipeline_assets.jobqueue.report import ReportCounts, WorkerReport
-from pipeline_assets_tests.conftest import wait_until
 from pipeline_assets_tests.job_store_harness import ManualClock
+from pipeline_assets_tests.processes import wait_until
 
 LEASE = 30.0
 HEARTBEAT_LEASE = 0.6  # a third of it is the heartbeat's interval, in real seconds

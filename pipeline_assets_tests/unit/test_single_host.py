@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from pipeline_assets_tests.conftest import REPO
+from pipeline_assets_tests.processes import REPO
 
 LOOPBACK = re.compile(r"127\.0\.0\.1|\blocalhost\b|\[::1\]|(?<![\w:])::1\b")
 SCANNED = ("pipeline_assets/**/*.py", "sql/**/*.sql", "deploy/**/*", "dagster.yaml", "workspace.yaml")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from pipeline_assets_tests.conftest import REPO
+from pipeline_assets_tests.processes import REPO
 
 # Stops on the signal, then hangs in a named function instead of returning.
 HANGS_AFTER_SIGTERM = textwrap.dedent("""

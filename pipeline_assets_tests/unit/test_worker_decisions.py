@@ -32,7 +32,7 @@ from pipeline_assets.jobqueue.request_plan import (
 )
 from pipeline_assets.providers import FATAL, RETRYABLE, TERMINAL, THROTTLED, ProviderError
 from pipeline_assets.providers.base import BAD_RESPONSE
-from pipeline_assets_tests.conftest import wait_until
+from pipeline_assets_tests.processes import wait_until
 
 BASE, CAP, POLL = 1.0, 60.0, 0.5
 RETRY_AFTER_CAP, MAX_THROTTLES = 300.0, 10

@@ -1,0 +1,60 @@
+"""What tests write and check in the database: corpora, the documents of some buckets (the oracle
+of the per-bucket reads), the jobs by status, and vectors checked against the fake server's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline_assets_tests.conftest import FAKE_MODEL
+
+
+def write_corpus(root: Path, n: int, *, prefix: str = "doc", words: int = 60) -> list[Path]:
+    """n small distinct markdown documents."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        p = root / f"{prefix}{i:04d}.md"
+        body = " ".join(f"w{(i * 7 + j) % 997}" for j in range(words))
+        p.write_text(f"# {prefix} {i}\n\n{body}\n")
+        paths.append(p)
+    return paths
+
+
+BUCKET_DOCUMENTS = """\
+SELECT d.document_id FROM app.documents d JOIN app.sources s ON s.source_id = d.source_id
+    WHERE s.root = %(root)s AND d.status <> 'deleted'
+      AND (d.bucket = ANY(%(buckets)s::int[])
+           OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[]))
+    ORDER BY d.document_id COLLATE "C"
+"""
+
+
+def bucket_documents(conn, root: str, bucket_ids, bucket_count: int) -> list[str]:
+    """The source's documents (current or quarantined) in some buckets, by their stored bucket or,
+    without one, by the hash: the oracle of the per-bucket reads."""
+    return [
+        r[0]
+        for r in conn.execute(BUCKET_DOCUMENTS, {"root": root, "n": bucket_count, "buckets": sorted(set(bucket_ids))})
+    ]
+
+
+def job_counts(conn) -> dict[str, int]:
+    return dict(conn.execute("SELECT status, count(*) FROM app.embedding_jobs GROUP BY status").fetchall())
+
+
+def assert_vectors_match(conn, fake, model_id: str = f"openai/{FAKE_MODEL}") -> int:
+    """Every current chunk has a vector, and it is exactly the fake's vector for the chunk text."""
+    import numpy as np
+
+    rows = conn.execute(
+        """
+        SELECT c.text, e.embedding FROM app.chunks c
+        JOIN app.documents d ON d.doc_pk = c.doc_pk AND d.status = 'current'
+        LEFT JOIN app.embeddings e ON e.chunk_checksum = c.chunk_checksum AND e.model_id = %s""",
+        (model_id,),
+    ).fetchall()
+    assert rows, "no current chunks"
+    for text, vec in rows:
+        assert vec is not None, f"no vector for current chunk {text[:40]!r}"
+        assert np.allclose(vec.to_numpy(), fake.vector_for(text), atol=1e-6), text[:40]
+    return len(rows)
