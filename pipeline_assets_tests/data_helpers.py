@@ -1,10 +1,14 @@
-"""What tests write and check in the database: corpora, the documents of some buckets (the oracle
-of the per-bucket reads), the jobs by status, and vectors checked against the fake server's."""
+"""What tests write and check in the database: corpora, the oracles of the per-bucket reads (a
+bucket's documents, its state from their summaries), the jobs by status, and vectors checked
+against the fake server's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline_assets.app.buckets import bucket_of
+from pipeline_assets.store import bucket_rows, reports
 from pipeline_assets_tests.conftest import FAKE_MODEL
 
 
@@ -58,3 +62,31 @@ def assert_vectors_match(conn, fake, model_id: str = f"openai/{FAKE_MODEL}") -> 
         assert vec is not None, f"no vector for current chunk {text[:40]!r}"
         assert np.allclose(vec.to_numpy(), fake.vector_for(text), atol=1e-6), text[:40]
     return len(rows)
+
+
+def bucket_states(
+    summaries: dict[str, reports.DocumentSummary], buckets: Sequence[int], n: int
+) -> dict[int, bucket_rows.BucketState]:
+    """Each bucket's state computed in Python from its documents' summaries (every bucket asked
+    for, empty or not): the oracle ``bucket_rows.states_of`` (one grouped query) must agree with."""
+    members: dict[int, list[reports.DocumentSummary]] = {b: [] for b in buckets}
+    for doc in sorted(summaries):
+        s = summaries[doc]
+        if s.status != "deleted":
+            members.setdefault(bucket_of(doc, n), []).append(s)
+    states = {}
+    for bucket, docs in members.items():
+        quarantined = [s.document_id for s in docs if s.status == "quarantined"]
+        states[bucket] = bucket_rows.BucketState(
+            documents=len(docs),
+            current=sum(s.status == "current" for s in docs),
+            quarantined=len(quarantined),
+            chunks=sum(s.chunks for s in docs),
+            tokens=sum(s.tokens for s in docs),
+            text_digest=bucket_rows.digest(
+                f"{s.document_id}={s.text_checksum or f'{s.status}:{s.error_class}'}" for s in docs
+            ),
+            chunks_digest=bucket_rows.digest(f"{s.document_id}={s.chunks_digest}" for s in docs),
+            quarantined_ids=quarantined[: bucket_rows.SAMPLE_IDS],
+        )
+    return states

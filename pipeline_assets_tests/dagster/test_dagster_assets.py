@@ -23,7 +23,6 @@ from pipeline_assets.store import bucket_rows, reports
 from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     bucket_of,
-    bucket_states,
     check_results,
     embed_range_tags,
     evaluate_sensor,
@@ -31,11 +30,11 @@ from pipeline_assets_tests.dagster_helpers import (
     fresh_defs,
     latest_data_versions,
     materialization_metadata,
-    postgres_instance,
     range_tags,
     stale_status,
 )
-from pipeline_assets_tests.data_helpers import bucket_documents, job_counts, write_corpus
+from pipeline_assets_tests.dagster_instances import postgres_instance
+from pipeline_assets_tests.data_helpers import bucket_documents, bucket_states, job_counts, write_corpus
 from pipeline_assets_tests.processes import kill_group, start_cli, wait_until
 
 DOCS = [f"doc{i:04d}.md" for i in range(4)]

@@ -28,14 +28,9 @@ from pipeline_assets.defs.models import instance_setup
 from pipeline_assets.defs.partitions import bucket_index
 from pipeline_assets.store import reports
 from pipeline_assets_tests.conftest import FAKE_MODEL
-from pipeline_assets_tests.dagster_helpers import (
-    DAGSTER,
-    bucket_of,
-    bucket_states,
-    command_env,
-    latest_data_versions,
-    latest_materializations,
-)
+from pipeline_assets_tests.dagster_helpers import bucket_of, latest_data_versions, latest_materializations
+from pipeline_assets_tests.dagster_instances import DAGSTER, command_env
+from pipeline_assets_tests.data_helpers import bucket_states
 from pipeline_assets_tests.processes import REPO, cli
 
 # Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded

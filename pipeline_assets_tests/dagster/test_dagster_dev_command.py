@@ -18,7 +18,9 @@ import pytest
 from pipeline_assets.defs.partitions import bucket_index
 from pipeline_assets.store import reports
 from pipeline_assets_tests.conftest import FAKE_MODEL
-from pipeline_assets_tests.dagster_helpers import DAGSTER, bucket_of, bucket_states, command_env
+from pipeline_assets_tests.dagster_helpers import bucket_of
+from pipeline_assets_tests.dagster_instances import DAGSTER, command_env
+from pipeline_assets_tests.data_helpers import bucket_states
 from pipeline_assets_tests.processes import REPO, stop_group
 
 # dagster dev starts several Dagster processes (each imports Dagster: tens of seconds on a loaded

@@ -28,11 +28,11 @@ from pipeline_assets_tests.dagster_helpers import (
     execute,
     fresh_defs,
     latest_materializations,
-    postgres_instance,
     range_tags,
     stale_status,
     watched_corpus,
 )
+from pipeline_assets_tests.dagster_instances import postgres_instance
 
 OLD, NEW_NAME = f"openai/{FAKE_MODEL}", "fake-embed-2"
 NEW = f"openai/{NEW_NAME}"

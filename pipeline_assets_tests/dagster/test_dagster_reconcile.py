@@ -20,11 +20,11 @@ from pipeline_assets_tests.dagster_helpers import (
     execute,
     fresh_defs,
     latest_materializations,
-    postgres_instance,
     range_tags,
     stale_status,
     watched_corpus,
 )
+from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import job_counts
 
 KEYS = [f"doc{i:04d}.md" for i in range(4)]

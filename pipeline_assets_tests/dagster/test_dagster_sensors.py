@@ -25,10 +25,10 @@ from pipeline_assets_tests.dagster_helpers import (
     evaluate_sensor,
     execute,
     fresh_defs,
-    postgres_instance,
     requested_keys,
     served,
 )
+from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.processes import cli
 

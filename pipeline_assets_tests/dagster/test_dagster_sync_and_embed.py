@@ -24,12 +24,12 @@ from pipeline_assets_tests.dagster_helpers import (
     execute,
     fresh_defs,
     latest_materializations,
-    postgres_instance,
     range_tags,
     requested_keys,
     served,
     stale_status,
 )
+from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import write_corpus
 
 N = 64

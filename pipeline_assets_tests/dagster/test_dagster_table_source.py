@@ -11,7 +11,8 @@ import pytest
 
 from pipeline_assets.app.table_source import TableSource
 from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
-from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs, postgres_instance
+from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs
+from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.processes import cli
 
 SOURCE = "table:src.pages?id=id&text=body"

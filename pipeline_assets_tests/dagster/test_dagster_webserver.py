@@ -34,7 +34,8 @@ from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.store import reports
 from pipeline_assets_tests.browser import Browser, chromium_path
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE
-from pipeline_assets_tests.dagster_helpers import bucket_of, copy_of_dagster_template
+from pipeline_assets_tests.dagster_helpers import bucket_of
+from pipeline_assets_tests.dagster_instances import copy_of_dagster_template
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 from pipeline_assets_tests.processes import cli, stop_group

@@ -14,7 +14,8 @@ import psycopg
 import pytest
 
 from pipeline_assets_tests.conftest import _with_dbname
-from pipeline_assets_tests.dagster_helpers import execute, fresh_defs, postgres_instance
+from pipeline_assets_tests.dagster_helpers import execute, fresh_defs
+from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.processes import cli
 

@@ -18,7 +18,8 @@ from pipeline_assets.content.s3_source import S3Source
 from pipeline_assets.content.source import SourceError
 from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets.settings import Settings
-from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs, postgres_instance
+from pipeline_assets_tests.dagster_helpers import evaluate_sensor, execute, fresh_defs
+from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.processes import cli
 from pipeline_assets_tests.s3_server import S3Server, free_port
 
