@@ -38,7 +38,7 @@ import openai
 from _common import REPO, emit, fresh_database, start_fake
 
 from pipeline_assets.store import db
-from pipeline_assets_tests.fake_openai import fetch_stats, post_faults
+from pipeline_assets_tests.fake_openai_wire import fetch_stats, post_faults
 
 DIM = 64
 MODEL = "fake-embed"

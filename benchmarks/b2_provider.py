@@ -25,7 +25,7 @@ from pathlib import Path
 from _common import REPO, emit, fresh_database, start_fake
 
 from pipeline_assets.store import db
-from pipeline_assets_tests.fake_openai import count_tokens, fetch_stats
+from pipeline_assets_tests.fake_openai_wire import count_tokens, fetch_stats
 
 RPM, TPM, LATENCY, DIM = 3000, 1_000_000, 0.2, 64
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]  # the `pipeline-assets` entry point

@@ -44,7 +44,7 @@ import psycopg
 from _common import REPO, emit, fresh_database, server_url, start_fake, with_dbname
 from psycopg import sql
 
-from pipeline_assets_tests.fake_openai import fetch_stats
+from pipeline_assets_tests.fake_openai_wire import fetch_stats
 
 DIM = 64
 CLI = [sys.executable, "-m", "pipeline_assets.cli"]  # the `pipeline-assets` entry point

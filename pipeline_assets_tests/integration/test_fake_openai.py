@@ -16,7 +16,8 @@ import numpy as np
 import openai
 import pytest
 
-from pipeline_assets_tests.fake_openai import FakeOpenAI, count_tokens, fetch_stats, post_faults
+from pipeline_assets_tests.fake_openai import FakeOpenAI
+from pipeline_assets_tests.fake_openai_wire import count_tokens, fetch_stats, post_faults
 from pipeline_assets_tests.processes import wait_until
 
 MODEL = "text-embedding-3-small"

@@ -292,12 +292,12 @@ class Topology:
         wait_until(answers, timeout=60, interval=0.2, what="the fake provider to answer")
 
     def provider_stats(self, brief: bool = True) -> dict:
-        from pipeline_assets_tests.fake_openai import fetch_stats
+        from pipeline_assets_tests.fake_openai_wire import fetch_stats
 
         return fetch_stats(self.provider_url, brief=brief)
 
     def provider_faults(self, **fields) -> dict:
-        from pipeline_assets_tests.fake_openai import post_faults
+        from pipeline_assets_tests.fake_openai_wire import post_faults
 
         return post_faults(self.provider_url, **fields)
 

@@ -18,7 +18,7 @@ import psycopg
 from pipeline_assets.store.db import DatabaseUnavailable
 from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.data_helpers import write_corpus
-from pipeline_assets_tests.fake_openai import _vector
+from pipeline_assets_tests.fake_openai_wire import _vector
 from pipeline_assets_tests.processes import REPO, wait_until
 from pipeline_assets_tests.topology.hosts import DB_PASSWORD, DB_ROLE, DIM, Topology
 
