@@ -20,7 +20,8 @@ from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.fake_openai_wire import _vector
 from pipeline_assets_tests.processes import REPO, wait_until
-from pipeline_assets_tests.topology.hosts import DB_PASSWORD, DB_ROLE, DIM, Topology
+from pipeline_assets_tests.topology.hosts import Topology
+from pipeline_assets_tests.topology.services import DB_PASSWORD, DB_ROLE, DIM
 
 MODEL_ID = f"openai/{FAKE_MODEL}"
 FIGURES: dict = {}

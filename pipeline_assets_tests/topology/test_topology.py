@@ -19,7 +19,6 @@ import pytest
 from pipeline_assets_tests.conftest import LONG_PROFILE
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.processes import REPO, wait_until
-from pipeline_assets_tests.topology.hosts import missing_requirements
 from pipeline_assets_tests.topology.scenarios import (
     FIGURES,
     MODEL_ID,
@@ -33,6 +32,7 @@ from pipeline_assets_tests.topology.scenarios import (
     scalar,
     wait_current_and_ready,
 )
+from pipeline_assets_tests.topology.services import missing_requirements
 
 _why_not = missing_requirements()
 pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""), pytest.mark.timeout(900)]

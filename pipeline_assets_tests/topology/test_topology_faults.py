@@ -16,7 +16,6 @@ import pytest
 
 from pipeline_assets_tests.conftest import LONG_PROFILE
 from pipeline_assets_tests.processes import wait_until
-from pipeline_assets_tests.topology.hosts import missing_requirements
 from pipeline_assets_tests.topology.scenarios import (
     FIGURES,
     assert_vectors,
@@ -31,6 +30,7 @@ from pipeline_assets_tests.topology.scenarios import (
     round_trip_s,
     scalar,
 )
+from pipeline_assets_tests.topology.services import missing_requirements
 
 _why_not = missing_requirements()
 pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""), pytest.mark.timeout(900)]
