@@ -61,7 +61,7 @@ def no_process_survives():
     )
 
 
-# The slowest modules, slowest first (each module's summed test time, measured in a whole run). With
+# The slowest modules, slowest first (each module's summed test time in a whole run). With
 # `--dist loadfile` a worker takes the next module in collection order when it is nearly out of
 # work, so the longest start first and the short ones fill in around them (longest processing time
 # first): a long module collected late would otherwise run alone at the end.

@@ -261,7 +261,7 @@ def read_guarded(item: SourceItem, max_bytes: int) -> bytes:
             )
         os.set_blocking(fd, True)
         # Read what fstat promised and one byte more, not max_bytes + 1 at once: a read that
-        # size allocates its whole buffer first (20 MB by default, ~0.1 ms per small file). One
+        # size allocates its whole buffer first (max_bytes, for every small file). One
         # byte more than promised means the file grew meanwhile: read on, up to the limit.
         want = min(opened.st_size, max_bytes) + 1
         data = f.read(want)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from .base import ConfigError, ModelSpec
 
-# Model tokens per cl100k token assumed for a tokenizer other than cl100k. Measured on
-# the bundled corpus with all-MiniLM-L6-v2's WordPiece over 128-token chunks: mean 0.99,
-# 99th percentile 1.23, largest 1.38. 1.5 keeps every prose chunk inside the window.
+# Model tokens per cl100k token assumed for a tokenizer other than cl100k: above the largest ratio
+# WordPiece showed on the bundled corpus, so every prose chunk stays inside the window
+# (docs/benchmarks.md#figures-behind-constants).
 FOREIGN_TOKENS_PER_CHUNK_TOKEN = 1.5
 # Tokens a server's model (not OpenAI's) is assumed to add to each input: BERT's
 # [CLS] and [SEP], XLM-R's <s> and </s>.

