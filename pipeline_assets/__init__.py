@@ -1,7 +1,7 @@
 """Idempotent embedding pipeline: documents -> chunks -> embeddings in PostgreSQL.
 
-The core (this package minus the ``dagster_*`` modules and ``definitions``)
-never imports Dagster; the Dagster layer is a thin adapter on top of it.
+Nothing outside ``defs/`` imports Dagster: the Dagster layer is a thin adapter over the use
+cases in ``app/`` (the layers: docs/architecture.md).
 """
 
 __version__ = "0.1.0"
