@@ -72,14 +72,6 @@ def _stated(monkeypatch) -> list[str]:
     return stated
 
 
-def _text(conn, doc: str) -> str:
-    return conn.execute(
-        "SELECT coalesce(string_agg(c.text, ''), '') FROM app.chunks c JOIN app.documents d USING (doc_pk) "
-        "WHERE d.document_id = %s AND d.status = 'current'",
-        (doc,),
-    ).fetchone()[0]
-
-
 def _run_tags(request: dg.RunRequest) -> dict[str, str]:
     return {k: v for k, v in request.tags.items() if k != "dagster/partition"}
 
@@ -184,7 +176,7 @@ def test_a_range_run_of_sync_documents_walks_and_syncs_every_bucket(corpus, conn
     result = execute(defs, instance, job="sync_documents", tags=range_tags(keys))
     assert result.success
     assert set(stated) == set(docs)  # the range spans every document's bucket
-    assert "edited without a tick" in _text(conn, between)
-    assert "to be served by one run" in _text(conn, first) and "to be served by one run" in _text(conn, last)
+    assert "edited without a tick" in served(conn, between, MODEL_ID)[0]
+    assert all("to be served by one run" in served(conn, doc, MODEL_ID)[0] for doc in (first, last))
     run_meta = {k: v.value for k, v in result.asset_materializations_for_node("ingest")[0].metadata.items()}
     assert run_meta["walked_source"] is True and run_meta["partitions"] == len(keys)
