@@ -156,9 +156,9 @@ def location_loaded(topo: Topology) -> bool:
 
 def sensor_ticked_since(topo: Topology, since: float, sensor: str = "source_documents") -> bool:
     """The daemon evaluated ``sensor`` through the code server after ``since`` (epoch seconds): a
-    tick that ended SKIPPED or SUCCESS. The daemon keeps its own copy of the workspace, refreshed
-    once a minute: a location that failed to load while the code server was down stays failed there
-    (backfills fail, sensors error) after the webserver shows it loaded again."""
+    tick that ended SKIPPED or SUCCESS. The daemon keeps its own copy of the workspace: a location
+    that failed to load while the code server was down stays failed there until it reloads
+    (backfills fail without a run, sensor ticks fail), whatever the webserver shows."""
     selector = {"repositoryLocationName": "pipeline_assets", "repositoryName": "__repository__", "sensorName": sensor}
     try:
         found = topo.graphql(
