@@ -3,11 +3,11 @@
 One server for the module (start-up is the expensive part), over a corpus of 400 documents in
 the 64 document buckets (1,000 with PIPELINE_TEST_PROFILE=long): a smoke test that launches one
 bucket run (and the daemon's embeddings run after it), the partition's page in a browser, a
-backfill of all 64 buckets that launches two runs (documents and chunks by bucket; embeddings by
-bucket x model), not 64 or 128, the source sensor through the daemon, and that what the UI shows
-per partition (counts, FRESH/STALE) agrees with `status --json` and with the files on disk. The
-fixture stops the source sensor (and the sensors no test here uses) before the corpus is written,
-so each test decides what runs.
+second model's column and a backfill of all 64 buckets x both models that launches three runs
+(documents and chunks by bucket; embeddings by bucket, one per model), not 64 or 192, the source
+sensor through the daemon, and that what the UI shows per partition (counts, FRESH/STALE) agrees
+with `status --json` and with the files on disk. The fixture stops the source sensor (and the
+sensors no test here uses) before the corpus is written, so each test decides what runs.
 """
 
 from __future__ import annotations
@@ -331,10 +331,41 @@ def test_ui_in_headless_chromium_shows_the_assets_and_the_run_metadata(dev_serve
         assert re.search(rf"\b{name} {value}\b", metadata), f"{name}={value} not in {metadata[:300]}"
 
 
-def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkeypatch):
-    """The UI's backfill of the three assets over every bucket (and the model): one run of documents
-    and chunks over the 64 buckets, then one of embeddings over the 64 buckets x the model
-    (BackfillPolicy.single_run on a multi-partitioned asset: one range per model)."""
+def _add_second_model(server: DevServer, database_url: str) -> str:
+    """`models add` of a second model (the registry only); its id once the daemon's sensors have
+    made it a column of embeddings (a key of the model dimension, after the configured model's)."""
+    from pipeline_assets.app import model_admin
+    from pipeline_assets.settings import Settings
+    from pipeline_assets.store import db
+
+    settings = Settings.from_env().replace(
+        database_url=database_url,
+        openai_api_key="test-key",
+        openai_base_url=server.env["OPENAI_BASE_URL"],
+        model_max_input_tokens=FAKE_WINDOW,
+    )
+    with db.make_pool(database_url, max_size=2) as pool:
+        added = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
+    keys_q = """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
+                  partitionKeysByDimension { name partitionKeys } } } }"""
+
+    def model_keys():
+        dims = server.gql(keys_q)["assetNodeOrError"]["partitionKeysByDimension"]
+        keys = next(d["partitionKeys"] for d in dims if d["name"] == "model")
+        return keys if added in keys else None
+
+    models = _wait(model_keys, RUN_TIMEOUT, "the new model's column", server.proc, interval=1.0)
+    assert models == [MODEL, added]
+    return added
+
+
+def test_backfill_of_all_64_buckets_and_two_model_columns_is_three_runs(dev_server, database_url, monkeypatch):
+    """The UI's backfill of the three assets over every bucket and both models (a second one added
+    by `models add` gets its column from the daemon's sensors): one run of documents and chunks over
+    the 64 buckets, then one of embeddings per model over the 64 buckets x that model
+    (BackfillPolicy.single_run on a multi-partitioned asset groups the subset by its smaller
+    dimension), not 64 or 192; each model's vectors for every chunk, per-bucket metadata that adds up."""
+    added = _add_second_model(dev_server, database_url)
     started = time.monotonic()
     every = {"range": {"start": BUCKETS[0], "end": BUCKETS[-1]}}
     result = dev_server.gql(
@@ -347,7 +378,7 @@ def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkey
                     {"assetKey": {"path": ["chunks"]}, "partitions": every},
                     {
                         "assetKey": {"path": ["embeddings"]},
-                        "partitions": {"range": {"start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{MODEL}"}},
+                        "partitions": {"range": {"start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{added}"}},
                     },
                 ]
             }
@@ -358,54 +389,66 @@ def test_backfill_of_all_64_buckets_is_two_runs(dev_server, database_url, monkey
 
     def finished_runs():
         runs = _runs_tagged(dev_server, "dagster/backfill", backfill_id)
-        done = len(runs) == 2 and all(r["status"] in FINISHED for r in runs)
+        done = len(runs) == 3 and all(r["status"] in FINISHED for r in runs)
         return runs if done else None
 
     runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
     wall = time.monotonic() - started
     run_seconds = sum(r["endTime"] - r["startTime"] for r in runs)
-    gap = max(r["startTime"] for r in runs) - min(r["endTime"] for r in runs)
     print(
-        f"\nBACKFILL {len(BUCKETS)} buckets, {N_DOCUMENTS} documents: runs launched={len(runs)} "
-        f"wall={wall:.1f}s (run time {run_seconds:.1f}s; between the runs {gap:.1f}s; the rest is the "
-        "backfill daemon and run start)"
+        f"\nBACKFILL {len(BUCKETS)} buckets x 2 models, {N_DOCUMENTS} documents: runs launched={len(runs)} "
+        f"wall={wall:.1f}s (run time {run_seconds:.1f}s; the rest is the backfill daemon and run start)"
     )
-    assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"]
+    assert [r["status"] for r in runs] == ["SUCCESS"] * 3
     sync_id = _latest_metadata(dev_server, "documents", BUCKETS[:1])[BUCKETS[0]][0]
-    (run_id,) = [r["runId"] for r in runs if r["runId"] != sync_id]
+    ranges = {
+        r["runId"]: (t["dagster/asset_partition_range_start"], t["dagster/asset_partition_range_end"])
+        for r in runs
+        for t in [{x["key"]: x["value"] for x in r["tags"]}]
+    }
+    assert ranges[sync_id] == (BUCKETS[0], BUCKETS[-1])
+    embed_runs = {m: run for run, (first, last) in ranges.items() for m in (MODEL, added) if first.endswith(f"|{m}")}
+    assert {m: ranges[run] for m, run in embed_runs.items()} == {
+        m: (f"{BUCKETS[0]}|{m}", f"{BUCKETS[-1]}|{m}") for m in (MODEL, added)
+    }
     root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
         summaries = reports.document_summaries(conn, root, DOCS)
         per_doc, cov = reports.embedding_coverage(conn, root, DOCS, MODEL)
+        _, cov_added = reports.embedding_coverage(conn, root, DOCS, added)
     assert len(summaries) == N_DOCUMENTS and all(s.status == "current" for s in summaries.values())
-    assert cov.wanted == cov.ready > 0
+    assert cov.wanted == cov.ready > 0 and cov_added.wanted == cov_added.ready == cov.wanted
     # Every bucket has a materialization of that one run, with its own counts: they add up to the corpus.
     expected = Counter(bucket_of(d) for d in DOCS)
-    for asset, run in (("documents", sync_id), ("embeddings", run_id)):
-        latest = _latest_metadata(dev_server, asset, BUCKETS)
-        assert sorted(latest) == BUCKETS and {r for r, _ in latest.values()} == {run}, asset
     documents = _latest_metadata(dev_server, "documents", BUCKETS)
+    assert sorted(documents) == BUCKETS and {r for r, _ in documents.values()} == {sync_id}
     assert {k: m["documents"] for k, (_, m) in documents.items()} == {k: expected[k] for k in BUCKETS}
-    embeddings = _latest_metadata(dev_server, "embeddings", BUCKETS)
     chunks_by_bucket = Counter()
     for doc, c in per_doc.items():
         chunks_by_bucket[bucket_of(doc)] += c.wanted
-    assert {k: (m["chunks"], m["ready"]) for k, (_, m) in embeddings.items()} == {
-        k: (chunks_by_bucket[k], chunks_by_bucket[k]) for k in BUCKETS
-    }
-    # One coverage evaluation per bucket of the run, all passed: 64, never one per document.
+    for model in (MODEL, added):
+        cells = _latest_metadata(dev_server, "embeddings_", [f"{k}|{model}" for k in BUCKETS])
+        assert {c: r for c, (r, _) in cells.items()} == {f"{k}|{model}": embed_runs[model] for k in BUCKETS}, model
+        assert {c.split("|")[0]: (m["chunks"], m["ready"]) for c, (_, m) in cells.items()} == {
+            k: (chunks_by_bucket[k], chunks_by_bucket[k]) for k in BUCKETS
+        }, model
+    # One coverage evaluation per bucket of each embeddings run, all passed: 64, never one per document.
     dagster_db = dev_server.env["PIPELINE_DAGSTER_DATABASE"]
     monkeypatch.setenv(DAGSTER_URL_ENV, sqlalchemy_url(psycopg.conninfo.make_conninfo(database_url, dbname=dagster_db)))
     instance = dg.DagsterInstance.from_config(str(dev_server.dagster_home))  # the real instance
     try:
-        evaluations = [
-            e.dagster_event.event_specific_data
-            for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
-        ]
+        evaluations = {
+            model: [
+                e.dagster_event.event_specific_data
+                for e in instance.all_logs(run, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+            ]
+            for model, run in embed_runs.items()
+        }
     finally:
         instance.dispose()
-    assert sorted(e.partition for e in evaluations) == [f"{k}|{MODEL}" for k in BUCKETS]
-    assert all(e.passed for e in evaluations)
+    for model, found in evaluations.items():
+        assert sorted(e.partition for e in found) == [f"{k}|{model}" for k in BUCKETS], model
+        assert all(e.passed for e in found), model
 
 
 def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buckets(dev_server, database_url):
@@ -474,73 +517,6 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     assert summaries[deleted].status == "deleted" and summaries[blob].status == "quarantined"
     assert summaries[edited].status == summaries[added].status == "current"
     assert any("never had before today" in t for (t,) in edited_text)
-    assert cov.wanted == cov.ready > 0
-
-
-def test_a_backfill_of_two_model_columns_is_one_run_per_model(dev_server, database_url):
-    """A second model (`models add`: the registry only) gets its column from the daemon's sensors; a
-    backfill of every bucket x both models launches one run per model (Dagster's single-run policy
-    groups a multi-partition subset by its smaller dimension), and only the new model's vectors are
-    sent."""
-    from pipeline_assets.app import model_admin
-    from pipeline_assets.settings import Settings
-    from pipeline_assets.store import db
-
-    settings = Settings.from_env().replace(
-        database_url=database_url,
-        openai_api_key="test-key",
-        openai_base_url=dev_server.env["OPENAI_BASE_URL"],
-        model_max_input_tokens=FAKE_WINDOW,
-    )
-    with db.make_pool(database_url, max_size=2) as pool:
-        added = model_admin.add(settings, pool, "fake-embed-2")["model_id"]
-    keys_q = """{ assetNodeOrError(assetKey: {path: ["embeddings"]}) { ... on AssetNode {
-                  partitionKeysByDimension { name partitionKeys } } } }"""
-
-    def model_keys():
-        dims = dev_server.gql(keys_q)["assetNodeOrError"]["partitionKeysByDimension"]
-        keys = next(d["partitionKeys"] for d in dims if d["name"] == "model")
-        return keys if added in keys else None
-
-    models = _wait(model_keys, RUN_TIMEOUT, "the new model's column", dev_server.proc, interval=1.0)
-    assert models == [MODEL, added]
-    started = time.monotonic()
-    result = dev_server.gql(
-        """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) {
-             __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
-        {
-            "p": {
-                "partitionsByAssets": [
-                    {
-                        "assetKey": {"path": ["embeddings"]},
-                        "partitions": {"range": {"start": f"{BUCKETS[0]}|{MODEL}", "end": f"{BUCKETS[-1]}|{added}"}},
-                    }
-                ]
-            }
-        },
-    )["launchPartitionBackfill"]
-    assert result["__typename"] == "LaunchBackfillSuccess", result
-
-    def finished_runs():
-        runs = _runs_tagged(dev_server, "dagster/backfill", result["backfillId"])
-        return runs if len(runs) == 2 and all(r["status"] in FINISHED for r in runs) else None
-
-    runs = _wait(finished_runs, 2 * RUN_TIMEOUT, "the backfill's runs", dev_server.proc, interval=1.0)
-    print(
-        f"\nBACKFILL 64 buckets x 2 models: runs launched={len(runs)} wall={time.monotonic() - started:.1f}s "
-        f"(run time {sum(r['endTime'] - r['startTime'] for r in runs):.1f}s)"
-    )
-    assert [r["status"] for r in runs] == ["SUCCESS", "SUCCESS"]
-    ranges = sorted(
-        (t["dagster/asset_partition_range_start"], t["dagster/asset_partition_range_end"])
-        for r in runs
-        for t in [{x["key"]: x["value"] for x in r["tags"]}]
-    )
-    assert ranges == sorted([(f"{BUCKETS[0]}|{m}", f"{BUCKETS[-1]}|{m}") for m in (MODEL, added)])
-    root = str(dev_server.corpus.resolve())
-    with psycopg.connect(database_url) as conn:
-        current = [r[0] for r in conn.execute("SELECT document_id FROM app.documents WHERE status = 'current'")]
-        _, cov = reports.embedding_coverage(conn, root, current, added)
     assert cov.wanted == cov.ready > 0
 
 

@@ -157,6 +157,24 @@ def location_loaded(topo: Topology) -> bool:
     )
 
 
+def sensor_ticked_since(topo: Topology, since: float, sensor: str = "source_documents") -> bool:
+    """The daemon evaluated ``sensor`` through the code server after ``since`` (epoch seconds): a
+    tick that ended SKIPPED or SUCCESS. The daemon keeps its own copy of the workspace: a location
+    that failed to load while the code server was down stays failed there until it reloads
+    (backfills fail without a run, sensor ticks fail), whatever the webserver shows."""
+    selector = {"repositoryLocationName": "pipeline_assets", "repositoryName": "__repository__", "sensorName": sensor}
+    try:
+        found = topo.graphql(
+            """query($s: SensorSelector!) { sensorOrError(sensorSelector: $s) {
+                 ... on Sensor { sensorState { ticks(limit: 5) { status timestamp } } } } }""",
+            {"s": selector},
+        )["sensorOrError"]
+    except (OSError, AssertionError):
+        return False
+    ticks = (found.get("sensorState") or {}).get("ticks") or []
+    return any(t["status"] in ("SKIPPED", "SUCCESS") and t["timestamp"] > since for t in ticks)
+
+
 def graphql_runs(topo: Topology) -> list[dict]:
     data = topo.graphql("""{ runsOrError(limit: 500) { ... on Runs { results { runId status jobName } } } }""")
     return data["runsOrError"]["results"]
