@@ -1,12 +1,13 @@
 """Dagster's storage for `pipeline-assets dev`: dagster-postgres' storages with their connections
 pooled, as dagster-webserver pools its own, instead of one new connection per read or write.
 
-dagster-postgres (SQLAlchemy's NullPool) starts a PostgreSQL backend for every storage call, 3-4 ms
-of the server's CPU (docs/benchmarks.md), in the daemon's loops, sensor evaluations and runs. Here
-each storage of a process holds one connection; calls beside it (up to ``POOL_OVERFLOW``) open one
-and close it after. No statement timeout. The tables, the config (``postgres_url``...) and the
-instance ref are dagster-postgres' own. As in the webserver, a held connection that a PostgreSQL
-restart closed fails the one call that finds it; SQLAlchemy then replaces the pool's connections.
+dagster-postgres (SQLAlchemy's NullPool) starts a PostgreSQL backend for every storage call (B20:
+several ms of the server's CPU each, docs/benchmarks.md), in the daemon's loops, sensor
+evaluations and runs. Here each storage of a process holds one connection; calls beside it (up to
+``POOL_OVERFLOW``) open one and close it after. No statement timeout. The tables, the config
+(``postgres_url``...) and the instance ref are dagster-postgres' own. As in the webserver, a held
+connection that a PostgreSQL restart closed fails the one call that finds it; SQLAlchemy then
+replaces the pool's connections.
 """
 
 from collections.abc import Mapping

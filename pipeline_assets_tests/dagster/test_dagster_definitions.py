@@ -306,7 +306,7 @@ def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkey
 def test_the_dev_instance_keeps_its_storage_connections(server_url, tmp_path, monkeypatch):
     """The instance `pipeline-assets dev` writes (daemon, sensors, runs all use it) pools its storages'
     connections as the webserver does: 150 reads and writes open a handful of server sessions, where
-    dagster-postgres alone opens one (a PostgreSQL backend, 3-4 ms of its CPU) for each."""
+    dagster-postgres alone opens one (a PostgreSQL backend, several ms of its CPU) for each."""
     name = copy_of_dagster_template(server_url)
     url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
     (tmp_path / "dagster.yaml").write_text(dagster_instance.instance_yaml())
