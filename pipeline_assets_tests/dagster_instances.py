@@ -67,7 +67,7 @@ def copy_of_dagster_template(server_url: str) -> str:
 
 
 def _engines(instance: dg.DagsterInstance) -> list:
-    """The SQLAlchemy engines of an instance's storages (a `storage: postgres` instance wraps
+    """The SQLAlchemy engines of an instance's storages (a unified storage, ours or `storage: postgres`, wraps
     dagster-postgres' three storages in legacy adapters)."""
     found = []
     for storage in (instance.event_log_storage, instance.run_storage, instance.schedule_storage):
@@ -110,10 +110,9 @@ def postgres_instance(server_url: str) -> Iterator[dg.DagsterInstance]:
         (Path(home) / "dagster.yaml").write_text(dagster_instance.instance_yaml() + NO_COMPUTE_LOGS)
         with _instance_env(url):
             instance = dg.DagsterInstance.from_config(home)
-            # Pooled connections, as dagster-webserver holds them (`optimize_for_webserver`; no
-            # statement timeout here): dagster-postgres otherwise opens a new connection, a new
-            # server backend, for every event it stores and every read. What a run stores is the
-            # same either way.
+            # The storage pools its connections already (defs/pooled_storage.py); here with more
+            # overflow, for the threads of a test that runs beside a run. What a run stores is
+            # the same either way.
             instance.optimize_for_webserver(statement_timeout=0, pool_recycle=3600, max_overflow=20)
             try:
                 yield instance

@@ -29,14 +29,20 @@ RUN_EVENT_SETTINGS = {
 # the root reads too. An installed wheel without the checkout around it uses
 # this copy (test_dagster_definitions keeps the two equal).
 INSTANCE_SETTINGS_FILE = REPO / "dagster.yaml"
+# The storage class (a module the Dagster processes import; this one does not).
+POOLED_STORAGE_MODULE, POOLED_STORAGE_CLASS = "pipeline_assets.defs.pooled_storage", "PooledPostgresStorage"
 STORAGE_YAML = f"""\
 # Written by `pipeline-assets dev` at every start; edits here are overwritten.
-# Storage (runs, event log, schedules) in PostgreSQL through dagster-postgres;
+# Storage (runs, event log, schedules) in PostgreSQL through dagster-postgres, each
+# process holding its connections in a pool (pipeline_assets/defs/pooled_storage.py);
 # the URL (postgresql+psycopg2://...) comes from ${DAGSTER_URL_ENV}.
 storage:
-  postgres:
-    postgres_url:
-      env: {DAGSTER_URL_ENV}
+  custom:
+    module: {POOLED_STORAGE_MODULE}
+    class: {POOLED_STORAGE_CLASS}
+    config:
+      postgres_url:
+        env: {DAGSTER_URL_ENV}
 """
 INSTANCE_SETTINGS = """\
 run_coordinator:

@@ -21,6 +21,7 @@ from pipeline_assets.defs.resources import PostgresResource, SourceDirectoryReso
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import migrations
 from pipeline_assets_tests.dagster_helpers import fresh_defs
+from pipeline_assets_tests.dagster_instances import copy_of_dagster_template
 from pipeline_assets_tests.processes import REPO
 
 
@@ -302,6 +303,37 @@ def test_deploy_dagster_yaml_works_on_real_postgres(server_url, tmp_path, monkey
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def test_the_dev_instance_keeps_its_storage_connections(server_url, tmp_path, monkeypatch):
+    """The instance `pipeline-assets dev` writes (daemon, sensors, runs all use it) pools its storages'
+    connections as the webserver does: 150 reads and writes open a handful of server sessions, where
+    dagster-postgres alone opens one (a PostgreSQL backend, several ms of its CPU) for each."""
+    name = copy_of_dagster_template(server_url)
+    url = psycopg.conninfo.make_conninfo(server_url, dbname=name)
+    (tmp_path / "dagster.yaml").write_text(dagster_instance.instance_yaml())
+    monkeypatch.setenv(dagster_instance.DAGSTER_URL_ENV, dagster_instance.sqlalchemy_url(url))
+
+    def sessions() -> int:  # established to the database so far (this one included)
+        query = "SELECT sessions FROM pg_stat_database WHERE datname = current_database()"
+        with psycopg.connect(url) as conn:
+            return conn.execute(query).fetchone()[0]
+
+    try:
+        instance = dg.DagsterInstance.from_config(str(tmp_path))
+        try:
+            before = sessions()
+            for i in range(50):
+                instance.add_dynamic_partitions("model", [f"m{i}"])
+                assert instance.get_dynamic_partitions("model")[-1] == f"m{i}"
+                assert instance.get_runs(limit=1) == []
+            opened = sessions() - before
+        finally:
+            instance.dispose()
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    assert opened <= 10, f"{opened} sessions for 150 storage calls"
+
+
 def test_the_bucket_count_follows_the_setting(monkeypatch):
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
     repo = fresh_defs().get_repository_def()
@@ -343,7 +375,11 @@ def test_the_root_dagster_yaml_is_what_dev_writes_and_loads_without_storage(tmp_
     assert "storage" not in yaml.safe_load(root)
     assert yaml.safe_load(root) == yaml.safe_load(dagster_instance.INSTANCE_SETTINGS)
     written = yaml.safe_load(dagster_instance.instance_yaml())
-    assert written["storage"]["postgres"]["postgres_url"] == {"env": dagster_instance.DAGSTER_URL_ENV}
+    assert written["storage"]["custom"] == {
+        "module": "pipeline_assets.defs.pooled_storage",
+        "class": "PooledPostgresStorage",
+        "config": {"postgres_url": {"env": dagster_instance.DAGSTER_URL_ENV}},
+    }
     (tmp_path / "dagster.yaml").write_text(root)
     instance = dg.DagsterInstance.from_config(str(tmp_path))
     try:
