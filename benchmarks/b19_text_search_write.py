@@ -10,10 +10,12 @@ autovacuum off, so each step is timed on its own) in one of these ways, alternat
   generated  binary COPY into the table with the vector a STORED generated column (no partial
           index: nothing is ever unfilled), then VACUUM
   alone   to_tsvector of every chunk's text, nothing written (the part no way of writing avoids)
+  gin_after  as fill, with the GIN index dropped before the fill and built once after it
+  nolock  as fill, the batch's rows not locked first (no FOR UPDATE SKIP LOCKED)
 Each step reports the CPU-seconds of its backend (/proc, the server on this machine), its wall
 seconds and the WAL bytes it wrote; medians of the rounds.
 
-    python benchmarks/b19_text_search_write.py [--docs 10000] [--rounds 3]
+    python benchmarks/b19_text_search_write.py [--docs 10000] [--rounds 3] [--ways fill,gin_after,nolock]
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ CREATE TRIGGER bench_tsv BEFORE INSERT ON app.chunks_bench FOR EACH ROW EXECUTE 
 """
 
 
+WAYS = ("fill", "trigger", "generated", "alone", "gin_after", "nolock")
+
+
 def cpu_seconds(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
@@ -92,10 +97,13 @@ def copy_rows(conn: psycopg.Connection, rows: list[tuple]) -> None:
             copy.write_row(row)
 
 
-def fill(conn: psycopg.Connection) -> None:
+NOLOCK = FILL.replace("FOR UPDATE SKIP LOCKED", "")
+
+
+def fill(conn: psycopg.Connection, statement: str = FILL) -> None:
     while True:
         with conn.transaction():
-            done = conn.execute(FILL, {"limit": FILL_BATCH_CHUNKS}).rowcount
+            done = conn.execute(statement, {"limit": FILL_BATCH_CHUNKS}).rowcount
         if done < FILL_BATCH_CHUNKS:
             return
 
@@ -121,8 +129,16 @@ def one(url: str, way: str, rows: list[tuple]) -> dict:
             if way == "generated":
                 conn.execute(GENERATED)
             r["copy"] = step(conn, pid, lambda: copy_rows(conn, rows))
-            if way == "fill":
+            if way == "gin_after":
+                conn.execute("DROP INDEX app.chunks_bench_text_search_idx")
+            if way in ("fill", "gin_after"):
                 r["fill"] = step(conn, pid, lambda: fill(conn))
+            if way == "nolock":
+                r["fill"] = step(conn, pid, lambda: fill(conn, NOLOCK))
+            if way == "gin_after":
+                r["gin"] = step(
+                    conn, pid, lambda: conn.execute("CREATE INDEX ON app.chunks_bench USING gin (text_search)")
+                )
             r["vacuum"] = step(conn, pid, lambda: conn.execute("VACUUM (PARALLEL 0) app.chunks_bench"))
             unfilled = conn.execute("SELECT count(*) FROM app.chunks_bench WHERE text_search IS NULL").fetchone()[0]
             assert unfilled == 0, unfilled
@@ -135,10 +151,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--docs", type=int, default=10_000)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ways", default="fill,trigger,generated,alone", help=f"comma-separated, of: {','.join(WAYS)}")
     a = p.parse_args()
     with multiprocessing.get_context("fork").Pool(usable_cores()) as pool:
         rows = [row for _, slice_rows in corpus_slices(pool, a.docs) for row in slice_rows]
-    ways = ("fill", "trigger", "generated", "alone")
+    ways = a.ways.split(",")
     runs: dict[str, list[dict]] = {w: [] for w in ways}
     load0 = os.getloadavg()
     with fresh_database("tsw") as url:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import click
 
-from pipeline_assets.cli import logs
+from pipeline_assets.cli import logs, process_exit
 from pipeline_assets.settings import Settings, SettingsError
 
 # Each top-level command and the module (pipeline_assets.cli.<module>) whose COMMANDS hold it;
@@ -60,6 +62,24 @@ class LazyGroup(click.Group):
 
             start_server_soon()
         return super().resolve_command(ctx, args)
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """Run the command. As the process's own entry (arguments from sys.argv, standalone), the
+        process then ends without the interpreter's teardown (``process_exit.end``); a caller that
+        passes the arguments (a test's CliRunner) gets click's own exit."""
+        try:
+            return super().main(args, prog_name, complete_var, standalone_mode=standalone_mode, **extra)
+        except SystemExit as exc:
+            if args is not None or not standalone_mode:
+                raise
+            process_exit.end(exc.code)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         module = COMMAND_MODULES.get(cmd_name)
