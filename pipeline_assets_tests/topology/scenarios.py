@@ -183,8 +183,16 @@ def sensor_ticked_since(topo: Topology, since: float, sensor: str = "source_docu
     return any(t["status"] in ("SKIPPED", "SUCCESS") and t["timestamp"] > since for t in ticks)
 
 
-def graphql_runs(topo: Topology) -> list[dict]:
-    data = topo.graphql("""{ runsOrError(limit: 500) { ... on Runs { results { runId status jobName } } } }""")
+def graphql_runs(topo: Topology, trigger: str | None = None) -> list[dict]:
+    """The deployment's runs; with ``trigger``, those a sensor of that name asked for (its tag)."""
+    if trigger is None:
+        data = topo.graphql("""{ runsOrError(limit: 500) { ... on Runs { results { runId status jobName } } } }""")
+    else:
+        data = topo.graphql(
+            """query($v: String!) { runsOrError(limit: 500, filter: {tags: [{key: "pipeline/trigger",
+                 value: $v}]}) { ... on Runs { results { runId status jobName } } } }""",
+            {"v": trigger},
+        )
     return data["runsOrError"]["results"]
 
 
