@@ -48,7 +48,9 @@ def session_options() -> Any:
     CPU affinity, which a container or ``taskset`` narrows, not the machine's count), no inter-op
     parallelism (the graph runs node after node), every graph optimisation, and the CPU memory
     arena (without it every inference maps and faults in its activations afresh); the arena keeps
-    the largest batch's allocation, bounded by INFERENCE_BATCH_INPUTS inputs of the window."""
+    the largest batch's allocation, bounded by INFERENCE_BATCH_INPUTS inputs of the window. Idle
+    threads sleep instead of spinning between inferences (the cores stay free for the rest of the
+    worker, its database and provider calls)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -58,6 +60,8 @@ def session_options() -> Any:
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.enable_cpu_mem_arena = True
+    for pool in ("intra_op", "inter_op"):
+        options.add_session_config_entry(f"session.{pool}.allow_spinning", "0")
     return options
 
 

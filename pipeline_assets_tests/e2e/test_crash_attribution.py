@@ -71,7 +71,9 @@ def test_repeated_crashes_do_not_dead_letter_innocent_jobs(env, fake, clean_db, 
     assert_ledger_matches_bill(conn, fake, env)
 
 
-@pytest.mark.parametrize("concurrency, documents", [(1, 6), (4, 6), (4, 30)])
+# One thread on a small corpus (the ledger agrees with the bill exactly); four threads on a corpus
+# that keeps them all busy, so innocent claims are in flight beside the poison's on every crash.
+@pytest.mark.parametrize("concurrency, documents", [(1, 6), (4, 30)])
 def test_an_input_that_crashes_its_worker_alone_is_dead_lettered_within_the_bound(
     env, fake, clean_db, tmp_path, concurrency, documents
 ):

@@ -109,6 +109,9 @@ def test_inference_uses_the_cores_the_process_may_run_on(provider):
     options = provider._load().get_session_options()
     assert options.intra_op_num_threads == len(os.sched_getaffinity(0))
     assert options.inter_op_num_threads == 1
+    # Idle threads sleep: they do not spin on the cores between inferences.
+    for pool in ("intra_op", "inter_op"):
+        assert options.get_session_config_entry(f"session.{pool}.allow_spinning") == "0"
     # Narrowed to one core (as taskset or a container's cpuset does): one thread, whatever the machine has.
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "

@@ -79,6 +79,14 @@ def new_database(topo: Topology, name: str, docs: int, *, words: int = 20, hold:
     return conn
 
 
+def drop_corpus(topo: Topology, name: str, docs: int, *, words: int = 40) -> None:
+    """``docs`` documents (prefix ``name``) appear at once in the watched directory, under ``name/``:
+    written beside it, then renamed into it, so no sensor tick sees a part of them."""
+    staging = topo.tmp / f"staging-{name}"
+    write_corpus(staging, docs, prefix=name, words=words)
+    staging.rename(topo.source / name)
+
+
 def copy_database(topo: Topology, template: str, name: str) -> psycopg.Connection:
     with topo.admin() as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
@@ -175,9 +183,26 @@ def sensor_ticked_since(topo: Topology, since: float, sensor: str = "source_docu
     return any(t["status"] in ("SKIPPED", "SUCCESS") and t["timestamp"] > since for t in ticks)
 
 
-def graphql_runs(topo: Topology) -> list[dict]:
-    data = topo.graphql("""{ runsOrError(limit: 500) { ... on Runs { results { runId status jobName } } } }""")
+def graphql_runs(topo: Topology, trigger: str | None = None) -> list[dict]:
+    """The deployment's runs; with ``trigger``, those a sensor of that name asked for (its tag)."""
+    if trigger is None:
+        data = topo.graphql("""{ runsOrError(limit: 500) { ... on Runs { results { runId status jobName } } } }""")
+    else:
+        data = topo.graphql(
+            """query($v: String!) { runsOrError(limit: 500, filter: {tags: [{key: "pipeline/trigger",
+                 value: $v}]}) { ... on Runs { results { runId status jobName } } } }""",
+            {"v": trigger},
+        )
     return data["runsOrError"]["results"]
+
+
+def run_steps(topo: Topology, run_id: str) -> tuple[str, dict[str, str | None]]:
+    """A run's status and its steps' (``{step key: IN_PROGRESS | SUCCESS | FAILURE | SKIPPED}``)."""
+    run = topo.graphql(
+        """query($id: ID!) { runOrError(runId: $id) { ... on Run { status stepStats { stepKey status } } } }""",
+        {"id": run_id},
+    )["runOrError"]
+    return run["status"], {s["stepKey"]: s["status"] for s in run["stepStats"]}
 
 
 def metric(topo: Topology, host: str, port: int, name: str) -> float:

@@ -16,8 +16,10 @@ import time
 
 import pytest
 
+from pipeline_assets.defs.ingest.sync_and_embed import EMBED_OP, SYNC_OP
+from pipeline_assets.defs.reconcile.jobs import RECONCILE_JOB_NAME
+from pipeline_assets.defs.run_requests import EMBED_JOB_NAME, SYNC_EMBED_JOB_NAME, SYNC_JOB_NAME
 from pipeline_assets_tests.conftest import LONG_PROFILE
-from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.processes import REPO, wait_until
 from pipeline_assets_tests.topology.scenarios import (
     FIGURES,
@@ -25,10 +27,12 @@ from pipeline_assets_tests.topology.scenarios import (
     assert_vectors,
     billed_for,
     counts,
+    drop_corpus,
     graphql_runs,
     load,
     location_loaded,
     main_conn,
+    run_steps,
     scalar,
     sensor_ticked_since,
     wait_current_and_ready,
@@ -38,18 +42,23 @@ from pipeline_assets_tests.topology.services import missing_requirements
 _why_not = missing_requirements()
 pytestmark = [pytest.mark.skipif(_why_not is not None, reason=_why_not or ""), pytest.mark.timeout(900)]
 
-# Every bucket holds documents from a few hundred on; the short profile's 1,000 keep each worker host
-# busy, and each 5 s tick of the source sensor lists a fifth of the files (the ticks run for the whole
-# module). The long profile keeps the 5,000-document corpus.
-CORPUS_DOCS = 5000 if LONG_PROFILE else 1000
+# The short profile's 400 documents: six a bucket on average (a few buckets empty: the first run
+# materializes those too); every 5 s tick of the source sensor lists the whole source (the ticks run
+# for the whole module). The long profile keeps the 5,000-document corpus.
+CORPUS_DOCS = 5000 if LONG_PROFILE else 400
+# Documents added while the deployment runs: one sync_and_embed run over their buckets.
+LATE_DOCS = 40
+BUSY = ("QUEUED", "NOT_STARTED", "STARTING", "STARTED")
+SOURCE_SENSOR = "source_documents"  # the runs it asks for, and the embeddings run after its sync
 
 
 # ---- scenarios ----------------------------------------------------------------------------------
 def test_corpus_made_current_by_the_sensor_and_embedded_by_the_worker_hosts(topo):
     """CORPUS_DOCS documents dropped in the watched directory: the source sensor (code host, via the
     daemon) brings every bucket current, the three worker hosts embed every chunk through PgBouncer,
-    every input billed once; `status` agrees with the database, the Dagster runs succeeded."""
-    write_corpus(topo.source, CORPUS_DOCS, prefix="corpus", words=40)
+    every input billed once; `status` agrees with the database, the Dagster runs succeeded: the
+    sensor's sync run and the embeddings run the sync is followed by (nothing left in flight)."""
+    drop_corpus(topo, "corpus", CORPUS_DOCS)
     started = time.monotonic()
     workers = [topo.start_worker(h, "pipeline") for h in topo.worker_hosts]
     conn = topo.connect("pipeline")
@@ -71,12 +80,13 @@ def test_corpus_made_current_by_the_sensor_and_embedded_by_the_worker_hosts(topo
     assert len(billed) == chunks and set(billed.values()) == {1}, "every input billed exactly once"
 
     def runs_settled() -> list[dict] | None:
-        runs = graphql_runs(topo)
-        busy = [r for r in runs if r["status"] in ("QUEUED", "NOT_STARTED", "STARTING", "STARTED")]
-        return None if busy or not runs else runs
+        runs = graphql_runs(topo, SOURCE_SENSOR)
+        busy = [r for r in runs if r["status"] in BUSY]
+        return None if busy or EMBED_JOB_NAME not in {r["jobName"] for r in runs} else runs
 
-    runs = wait_until(runs_settled, timeout=240, interval=1, what="the Dagster runs to finish")
+    runs = wait_until(runs_settled, timeout=240, interval=1, what="the sync run and the embeddings run after it")
     assert {r["status"] for r in runs} == {"SUCCESS"}, runs
+    assert sorted(r["jobName"] for r in runs) == [EMBED_JOB_NAME, SYNC_JOB_NAME], runs
     status = json.loads(
         subprocess.run(
             [sys.executable, "-m", "pipeline_assets.cli", "status", "--json"],
@@ -99,29 +109,57 @@ def test_corpus_made_current_by_the_sensor_and_embedded_by_the_worker_hosts(topo
 
 
 def test_code_server_killed_during_a_run(topo):
-    """The code server (where runs execute) SIGKILLed while a sensor-launched run is in progress,
-    then started again, as a supervisor would: the next sensor tick (or the failed run's retry)
-    converges; every new document current and embedded, every input billed once."""
+    """The code server (where runs execute) SIGKILLed while a sensor-launched run is in progress: the
+    late documents' sync_and_embed run, its sync done and its embeddings step waiting for the worker
+    hosts (none running yet). The daemon's sensor ticks fail while it is down; it is started again,
+    as a supervisor would, and a worker host then. The one path to convergence: the run's process
+    outlives the code server and the run succeeds, no relaunch, retry or reconciliation run. Every
+    new document current and embedded, every input billed once; the webserver shows the location
+    loaded and the daemon's sensors tick through the restarted code server."""
     conn = main_conn(topo)
     before = scalar(conn, "SELECT count(*) FROM app.documents WHERE status = 'current'")
     known = {r["runId"] for r in graphql_runs(topo)}
-    write_corpus(topo.source / "late", 300, prefix="late", words=40)
-    workers = [topo.start_worker(h, "pipeline") for h in topo.worker_hosts]
+    drop_corpus(topo, "late", LATE_DOCS)
+
+    def embedding_step_running() -> str | None:
+        runs = [r for r in graphql_runs(topo, SOURCE_SENSOR) if r["runId"] not in known]
+        assert len(runs) <= 1 and all(r["jobName"] == SYNC_EMBED_JOB_NAME for r in runs), runs
+        if not runs or runs[0]["status"] != "STARTED":
+            assert not runs or runs[0]["status"] in BUSY, runs
+            return None
+        status, steps = run_steps(topo, runs[0]["runId"])
+        assert status in BUSY and "FAILURE" not in steps.values(), (status, steps)
+        return runs[0]["runId"] if steps.get(SYNC_OP) == "SUCCESS" and steps.get(EMBED_OP) == "IN_PROGRESS" else None
+
+    run_id = wait_until(embedding_step_running, timeout=180, interval=0.5, what="the run's embeddings step")
+    synced = scalar(conn, "SELECT count(*) FROM app.documents WHERE status = 'current'")
+    assert synced == before + LATE_DOCS, "the run's sync is done: its embeddings step waits for the workers"
+    unreachable = "Unable to reach the user code server for sensor"
+    failed_ticks = topo.log_tail("daemon", lines=10**6).count(unreachable)
+    code = topo.services["code"]
+    code.send_signal(9)
+    code.wait(timeout=30)
+    killed_at = time.monotonic()
+    wait_until(
+        lambda: topo.log_tail("daemon", lines=10**6).count(unreachable) > failed_ticks,
+        timeout=120,
+        interval=1,
+        what="a sensor tick of the daemon to fail while the code server is down",
+    )
+    assert run_steps(topo, run_id)[0] == "STARTED", "the run is in progress while the code server is down"
+    restarted = time.time()
+    topo.start_code_server()
+    workers = [topo.start_worker(topo.worker_hosts[0], "pipeline")]  # one host embeds the few late ones
     try:
-
-        def a_new_run_started():
-            return [r for r in graphql_runs(topo) if r["runId"] not in known and r["status"] == "STARTED"]
-
-        running = wait_until(a_new_run_started, timeout=180, interval=0.2, what="a sensor run to start")
-        code = topo.services["code"]
-        code.send_signal(9)
-        code.wait(timeout=30)
-        killed_at = time.monotonic()
-        time.sleep(2)  # the supervisor's restart delay
-        restarted = time.time()
-        topo.start_code_server()
-        wait_current_and_ready(topo, conn, before + 300, workers, timeout=420)
+        wait_current_and_ready(topo, conn, before + LATE_DOCS, workers, timeout=420)
         converged = time.monotonic() - killed_at
+
+        def run_ended() -> str | None:
+            status = run_steps(topo, run_id)[0]
+            return None if status in BUSY else status
+
+        ended = wait_until(run_ended, timeout=180, interval=0.5, what="the killed run to end")
+        assert ended == "SUCCESS", (ended, topo.log_tail("daemon"))
         wait_until(lambda: location_loaded(topo), timeout=180, interval=1, what="the webserver to reload the location")
         ui_back = time.monotonic() - killed_at
         # The whole deployment is back, the daemon too (its workspace is its own): its sensors tick
@@ -133,7 +171,7 @@ def test_code_server_killed_during_a_run(topo):
             what="a sensor tick of the daemon through the restarted code server",
         )
         FIGURES["code_server_killed"] = {
-            "run": running[0]["jobName"],
+            "run": SYNC_EMBED_JOB_NAME,
             "converged_s": round(converged, 1),
             "ui_location_back_s": round(ui_back, 1),
             "daemon_back_s": round(time.monotonic() - killed_at, 1),
@@ -141,9 +179,13 @@ def test_code_server_killed_during_a_run(topo):
         }
     finally:
         topo.stop_workers(workers)
+    new_runs = [r for r in graphql_runs(topo, SOURCE_SENSOR) if r["runId"] not in known]
+    assert [(r["runId"], r["status"]) for r in new_runs] == [(run_id, "SUCCESS")], "no relaunch or retry"
+    others = [r for r in graphql_runs(topo) if r["runId"] not in known and r["runId"] != run_id]
+    assert all(r["jobName"] != RECONCILE_JOB_NAME and r["status"] == "SUCCESS" for r in others), others
     assert_vectors(conn)
     billed = billed_for(topo, "late")
-    assert len(billed) == 300 and set(billed.values()) == {1}, "every new input billed once"
+    assert len(billed) == LATE_DOCS and set(billed.values()) == {1}, "every new input billed once"
     conn.close()
 
 
