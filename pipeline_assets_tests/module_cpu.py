@@ -8,7 +8,8 @@ servers and Dagster daemons included, is counted, even after it left the process
 this process's own CPU and that of its children it waited for. A module's figure runs from the setup
 of its first test to the teardown of its last (module fixtures included). Under xdist each worker
 moves into a group of its own below the named one (``gw0``...), so modules running side by side are
-counted apart (the named group keeps the total). ``PIPELINE_MODULE_CPU_TESTS=1``: a line per test
+counted apart (the named group keeps the total). Each module's line names its worker and its start
+(epoch seconds), so a run's timeline per worker can be drawn from the file. ``PIPELINE_MODULE_CPU_TESTS=1``: a line per test
 too; a failed test gets a line (``"failed"``) when it fails.
 """
 
@@ -51,7 +52,9 @@ def _module(item: pytest.Item) -> str:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if _current.get("module") != _module(item):
-        _current.update(module=_module(item), cpu=_cpu_seconds(), wall=time.monotonic(), load=os.getloadavg()[0])
+        _current.update(
+            module=_module(item), cpu=_cpu_seconds(), wall=time.monotonic(), start=time.time(), load=os.getloadavg()[0]
+        )
     _test.update(cpu=_cpu_seconds(), wall=time.monotonic())
 
 
@@ -78,6 +81,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         "cpu_s": round(_cpu_seconds() - _current["cpu"], 1),
         "wall_s": round(time.monotonic() - _current["wall"], 1),
         "load": [round(_current["load"], 1), round(os.getloadavg()[0], 1)],
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "start": round(_current["start"], 1),
     }
     _current.clear()
     _write(record)
