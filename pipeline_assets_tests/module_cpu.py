@@ -9,8 +9,8 @@ this process's own CPU and that of its children it waited for. A module's figure
 of its first test to the teardown of its last (module fixtures included). Under xdist each worker
 moves into a group of its own below the named one (``gw0``...), so modules running side by side are
 counted apart (the named group keeps the total). Each module's line names its worker and its start
-(epoch seconds), so a run's timeline per worker can be drawn from the file. ``PIPELINE_MODULE_CPU_TESTS=1``: a line per test
-too; a failed test gets a line (``"failed"``) when it fails.
+(epoch seconds), so a run's timeline per worker can be drawn from the file.
+``PIPELINE_MODULE_CPU_TESTS=1``: a line per test too; a failed test gets a line (``"failed"``) when it fails.
 """
 
 from __future__ import annotations
