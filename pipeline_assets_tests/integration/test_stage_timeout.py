@@ -225,7 +225,7 @@ def test_a_stuck_call_in_one_child_does_not_hold_up_or_lose_the_others():
     from pipeline_assets.content.sandbox_child import MAX_QUEUED_CALLS
 
     quick = 4 * MAX_QUEUED_CALLS
-    with Sandbox(_nap, timeout=30.0, memory_limit=0, processes=POOL) as box:
+    with Sandbox(_nap, timeout=10.0, memory_limit=0, processes=POOL) as box:
         outcomes = []
         for i, args in enumerate([(3600, "stuck")] + [(0, f"v{k}") for k in range(quick)]):
             while not box.submit(i, *args):

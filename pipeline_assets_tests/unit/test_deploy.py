@@ -20,6 +20,7 @@ import psycopg
 import pytest
 import yaml
 
+from pipeline_assets.cli import dagster_instance
 from pipeline_assets.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,7 +133,9 @@ def test_the_dagster_processes_share_one_instance(compose):
     # The instance file is deploy/dagster.yaml, copied to DAGSTER_HOME in the image, and reads that URL.
     assert re.search(rf"COPY deploy/dagster.yaml {re.escape(env['DAGSTER_HOME'])}/dagster.yaml", _dockerfile())
     instance = yaml.safe_load((DEPLOY / "dagster.yaml").read_text())
-    assert instance["storage"]["postgres"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
+    # The same storage as the instances `pipeline-assets dev` and `dagster-env` write (pooled connections).
+    assert instance["storage"] == yaml.safe_load(dagster_instance.STORAGE_YAML)["storage"]
+    assert instance["storage"]["custom"]["config"]["postgres_url"] == {"env": "DAGSTER_PG_URL"}
     # The webserver and daemon load the code location over gRPC from its service;
     # the workspace file passes Dagster's own schema (pinned Dagster, internal module).
     from dagster._core.workspace.config_schema import ensure_workspace_config
