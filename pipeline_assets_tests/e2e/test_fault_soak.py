@@ -30,6 +30,7 @@ from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts
 from pipeline_assets_tests.processes import REPO, cli
 
 SEED = int(os.environ.get("PIPELINE_SOAK_SEED", "20250108"))
+# 15 s meets every fault several times; the long profile soaks for longer.
 SOAK_SECONDS = float(os.environ.get("PIPELINE_SOAK_SECONDS", "120" if LONG_PROFILE else "15"))
 WORKERS = 3
 CONCURRENCY = 2
