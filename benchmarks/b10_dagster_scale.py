@@ -1,64 +1,15 @@
-"""B10: Dagster at corpus scale: the UI flows through `pipeline-assets dev`,
-each beside the command line doing the same work in the same run.
+"""B10: the Dagster layer at a corpus's size: each UI flow beside the command line doing the same work.
 
-N small one-chunk documents (90 % .md/.txt, 10 % .html, deterministic) are written to a temporary
-directory, and a copy of it for the CLI. Then, one after the other (a 2-core machine: nothing
-measured runs beside anything else measured):
-
-CLI (its own fresh PIPELINE_HOME, embedded server started and migrated before any timing)
-  * ``cli.embed_s``: ``pipeline-assets embed COPY`` (process wall time)
-  * ``cli.noop_ingest_s`` + ``cli.noop_reconcile_s``: ``pipeline-assets ingest COPY`` then
-    ``pipeline-assets reconcile`` on the unchanged copy (the CLI's no-op resync; also
-    ``cli.noop_embed_s``, a second ``embed COPY``)
-  * ``cli.parser_fix_rerun_s``: ``PIPELINE_EXTRACTOR_VERSION=html=<bumped> pipeline-assets rerun --stale``
-
-Dagster (``pipeline-assets dev`` on a free port, a fresh PIPELINE_HOME, PIPELINE_SOURCE_DIR = the corpus,
-no OPENAI_API_KEY: the offline model; sensors on as shipped)
-  1. ``sensor_to_embedded_s``: from the webserver answering (code location loaded) until every
-     document is current and every chunk of a current document has a ready job for every active
-     model (SQL on the pipeline database: the full coverage query only once the queues are idle,
-     and never more than 1/POLL_COST_FACTOR of the time). ``..._from_dev_start_s`` counts
-     from the `dev` process start. ``sensor_to_last_vector_s``: the same start until the last
-     answer in the spend ledger, the CLI figure's end point; the target ratio uses it (the poll
-     sees the end later, by up to one poll interval).
-  2. ``asset_page``: headless Chromium (pipeline_assets_tests/browser.py) opens
-     /assets/embeddings?view=partitions after Dagster's first-visit dialog was dismissed on another
-     page; seconds from navigation until the page shows the asset and no "Loading" is left
-     (first and second visit), plus the GraphQL partitionStats round trip.
-  3. ``refresh_one_document``: one .md file rewritten, ``refresh_documents`` launched through
-     GraphQL ``launchRun`` with ``runConfigData`` for that document only; seconds from the launch
-     to the run's SUCCESS, and whether the new text is in app.chunks right then.
-  4. ``noop_backfill``: after the runs settle, ``launchPartitionBackfill`` of every partition of
-     documents, chunks and embeddings (bucket x model); seconds from the launch until
-     the backfill is done (its status final and all its runs finished); provider calls and
-     re-extractions during it (both should be 0).
-  4b. ``one_partition``: the UI's "Materialize" of one ``embeddings`` partition (bucket x model)
-     with nothing changed in it: ``launchRun`` of the asset job with the partition's tags, for
-     ONE_PARTITION_RUNS buckets one after the other; seconds from the launch to the run's end (the
-     median is the figure), the run's own start-to-end, and provider calls and re-extractions (0).
-  4c. ``edit_to_served``: EDITED_DOCUMENTS files rewritten on disk at once; seconds until every one
-     is current with its new text and a ready vector for every active model (the database's times;
-     the poll's sighting is reported too), ``--edit-rounds`` times (the median); the source
-     sensor finds them: ``tick_to_served_s`` counts from the tick that requested their run (a
-     change waits at most one interval for it), and a timeline says where the time went (the
-     tick, each run's launch and its steps' log lines).
-  5. ``parser_fix_rerun``: `dev` stopped, restarted with PIPELINE_EXTRACTOR_VERSION=html=<bumped>;
-     seconds from the webserver answering (and from the restart) until every .html document
-     carries the new extractor version in app.documents (the figure: the last extract or chunk
-     stage row to finish; the poll's own sighting is reported too); how many non-HTML documents were
-     re-extracted and how many provider calls were made meanwhile (both should be 0).
-  6. ``rss``: every 0.5 s over the whole run, the RSS of the `dev` process and all its descendants
-     (pipeline-assets dev, dagster dev, webserver, daemon, code server, run workers) summed; the
-     peak, per phase and per role. The embedded PostgreSQL (postmaster + backends, RSS summed,
-     so shared buffers count once per backend) is reported apart.
-
-Every wait has a deadline and says what it was waiting for when it expires. `dev` (SIGINT to its
-process group, then SIGKILL to whatever of its processes is left) and both embedded servers
-(`pipeline-assets stop-db`) are stopped on every exit, Ctrl-C and errors included.
+N one-chunk documents (10 % .html) through `pipeline-assets dev` (a fresh PIPELINE_HOME, offline model,
+sensors on as shipped) and through the CLI on a copy, one phase after the other: the source sensor to
+every document embedded (against `embed`), the embeddings partitions page in headless Chromium, one
+document refreshed by run config, a no-op backfill (against `ingest` + `reconcile`), one partition's
+no-op run, edits until served, a parser fix (against `rerun --stale`) and the peak RSS of every Dagster
+process. Every wait has a deadline and says what it waited for; `dev` and both embedded servers are
+stopped on every exit, Ctrl-C and errors included. Prints one JSON line on stdout (progress on stderr);
+each phase and key: benchmarks/README.md, B10.
 
     python benchmarks/b10_dagster_scale.py [--documents 10000 | --quick] [--keep] [--phases P,...]
-
-Prints one JSON line on stdout (progress on stderr).
 """
 
 from __future__ import annotations

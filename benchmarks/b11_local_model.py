@@ -1,23 +1,11 @@
 """B11: the local ONNX model (all-MiniLM-L6-v2, int8) beside onnxruntime alone, on this CPU.
 
-* `rounds`: the same texts through onnxruntime alone and through ``OnnxProvider.embed``,
-  alternating (which goes first alternates too), ``--rounds`` times; each round's texts/s and
-  `ratio` = provider ÷ onnxruntime alone, and their median (`ratio_median`, target ≥ 0.9).
-  The texts are the chunks `embed examples/corpus` makes for this model with no chunk setting
-  (chunk size fitted to its window: 169 / 21), cycled to ``--texts``, in corpus order.
-  *onnxruntime alone* is what a user of onnxruntime writes from the model card: the fast
-  tokenizer's ``encode_batch`` padded to each batch's longest input, an ``InferenceSession``
-  with its default options, batches of 32 in the order given, mean pooling and normalisation
-  in numpy. The provider gets the same texts in calls of PIPELINE_LOCAL_BATCH_INPUTS (32), as a
-  worker hands them over. `max_abs_difference`: the largest difference between the two vectors
-  of a text.
-* `embed` (skipped with ``--no-embed``): the end-to-end `pipeline-assets embed examples/corpus`
-  (a real CLI process: ingest, chunk, embed, store; embedded server already running) with the
-  local model and no chunk setting, in a fresh database, next to the same command with the
-  offline hashing model at the same chunk size (`ratio_to_hashing`).
-* `load`: the load average before and after (the figures mean little above ~1 on 2 cores).
-
-Needs the local extra (pip install -e ".[local]"); offline.
+`rounds`: the same texts (the chunks `embed examples/corpus` makes for this model) through onnxruntime
+alone, as its model card has a user write it, and through ``OnnxProvider.embed``, alternating,
+``--rounds`` times; `ratio_median` = provider ÷ onnxruntime alone (target ≥ 0.9). `embed` (unless
+``--no-embed``): `pipeline-assets embed examples/corpus` with the local model next to the offline
+hashing model. `load`: the load average before and after. Needs the local extra
+(pip install -e ".[local]"); offline. Prints one JSON object; each key: benchmarks/README.md, B11.
 
     python benchmarks/b11_local_model.py [--texts 256] [--rounds 5] [--no-embed]
 """

@@ -1,18 +1,12 @@
 """B12: the memory of a bucket run as the corpus grows.
 
-A Dagster run over every bucket (a sensor's first run, a backfill) executes two
-use cases in its run worker: ``sync_buckets`` (the documents and chunks assets)
-and ``embed_buckets`` (the embeddings asset). This runs exactly those, in a
-process of their own, over N and FACTOR*N documents (each in a fresh database,
-offline model, all buckets in one call as a run over every partition does) and
-reports what each adds to the process's peak RSS. Dagster's own machinery is
-left out (it does not grow with the corpus: B10 shows the other processes flat);
-what this measures is the part that does.
+Runs the two use cases a Dagster run over every bucket executes in its run worker (``sync_buckets``,
+then ``embed_buckets``; offline model, all buckets in one call) in a process of their own, over N and
+FACTOR*N documents (a fresh database each), and reports what each adds to the process's peak RSS.
+Dagster's own processes are left out (B10 shows them flat with the corpus). Target: the large corpus's
+peak within 1.25x the small one's, as B5 asks of the command line.
 
     python benchmarks/b12_bucket_run_memory.py [--documents 10000] [--factor 4]
-
-The target: the run's memory does not grow with the corpus (the large corpus's
-peak within 1.25x the small one's, as B5 asks of the command line).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """B13: a flaky provider and a provider outage, against a plain retrying client.
 
-The fake OpenAI server (pipeline_assets_tests.fake_openai, process mode) answers
-requests with random faults drawn per request (seeded per run):
-
-* ``harsh``: 50% 429 (Retry-After: 1) + 30% 500; ``mild``: 30% 429 + 10% 500.
-  200 documents (~364 chunks). The real worker (`pipeline-assets work
-  --until-idle`, a process, default concurrency and batch) against a baseline
-  that simply retries: the openai SDK with ``max_retries=0``, the same batch
-  size and as many threads, each request sent again after its Retry-After
-  (at once without one) until answered. Reported: medians over ``--runs`` of
-  each one's seconds from its first request reaching the provider to its last
-  answer (stored, for the worker), and the ratio worker / baseline (target
-  <= 2); ``process_seconds`` is the whole run (the worker's includes its
-  interpreter start-up and the vector index build at the end).
-* ``outage``: 60 documents; 503 to everything from the worker's start until
-  the breaker has tripped and ``--outage-seconds`` more have passed; then the
-  provider is back. Reported: seconds from recovery to the first request
-  reaching the provider (target <= 10) and to the whole corpus ready (target
-  <= 15), and the requests sent during the outage.
+The fake OpenAI server (process mode) with faults drawn per request, seeded per run (``harsh``,
+``mild``): the real worker (`pipeline-assets work --until-idle`) against the openai SDK with
+``max_retries=0`` resending each request after its Retry-After; medians over ``--runs`` of first
+request to last answer and the ratio worker / baseline (target <= 2). ``outage``: 503 to everything
+until the breaker has tripped and ``--outage-seconds`` more have passed; seconds from recovery to the
+first request (target <= 10) and to every job ready (target <= 15). The fault mixes, the corpus and
+each key: benchmarks/README.md, B13.
 
     python benchmarks/b13_provider_faults.py [--runs 3] [--outage-seconds 40] [--skip-outage]
 """

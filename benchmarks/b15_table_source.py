@@ -1,17 +1,11 @@
 """B15: a 1M-row PostgreSQL table as a source (`table:src.docs?id=id&text=body&updated=updated_at`).
 
-* ``unchanged``: the unchanged check (``scan_table``, the full checksum way: the
-  per-bucket digest computed by the database against the stored one) against
-  ``SELECT count(*), sum(hashtext(body))`` of the same table; median of 3 each,
-  interleaved. ``ratio`` = baseline seconds / check seconds (target >= 0.3). The
-  watermark way's unchanged check (rows at the mark listed, the id digest) too.
-* ``updated``: 1,000 rows updated (body and updated_at), then the seconds until
-  their new chunks' jobs are in the job table, through the change log (triggers
-  installed) and through the watermark; the full way for reference.
-
-The stored change tokens of the 1M rows are seeded with the tokens the source
-computes (what a full ingest records); the 1,000 rows to update are ingested for
-real first, so the timed scans replace their chunks and enqueue their jobs.
+``unchanged``: the unchanged check (``scan_table``, the checksum way; the watermark way too) against
+``SELECT count(*), sum(hashtext(body))`` of the same table, interleaved, median of 3; ``ratio`` =
+baseline / check (target >= 0.3). ``updated``: 1,000 rows updated, then the seconds until their new
+chunks' jobs are in the job table, through the change log, the watermark and the checksums. The
+stored row tokens are seeded as a full ingest leaves them; the rows to update are ingested for real
+first. Prints one JSON object; each key: benchmarks/README.md, B15.
 
     python benchmarks/b15_table_source.py [--rows 1000000] [--updates 1000]
 """

@@ -1,18 +1,11 @@
 """B16: the vector index build at scale, and its memory estimate.
 
-Loads N random unit vectors of D dimensions for one model straight into
-app.embeddings (binary COPY, no provider), then builds the model's HNSW index
-exactly as a worker's drain does (``vector_index.build``: CONCURRENTLY, with
-maintenance_work_mem sized from N x D, capped by PIPELINE_INDEX_BUILD_MEMORY).
-Prints the build's time, the memory it was given, the graph estimate, the
-peak proportional memory (PSS) of the builder and its parallel workers, the
-index size on disk, and whether the graph fitted in memory (pgvector says so
-in a notice when it does not).
-
-``--calibrate`` instead checks the estimate's per-vector bytes against
-pgvector's own accounting at several dimensions: a serial build given a small
-maintenance_work_mem reports after how many tuples its graph stopped fitting,
-which is the graph's bytes per vector.
+Loads N random unit vectors of D dimensions straight into app.embeddings (binary COPY, no provider),
+then builds the model's HNSW index as a worker's drain does (``vector_index.build``) and prints the
+build's time, the memory it was given, the graph estimate, the peak PSS of the builder and its
+parallel workers, the index size on disk and whether the graph fitted in memory. ``--calibrate``
+instead checks the estimate's bytes per vector against pgvector's own accounting at several
+dimensions. How each is measured: benchmarks/README.md, B16.
 
     python benchmarks/b16_index_build.py [--vectors 1000000] [--dim 256]
     python benchmarks/b16_index_build.py --calibrate

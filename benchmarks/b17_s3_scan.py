@@ -1,17 +1,11 @@
 """B17: the S3 source's unchanged scan against a plain paged listing, same client, same bucket.
 
-A moto server (``moto[server]``, S3-compatible, on 127.0.0.1) is started as a child
-process holding ``--objects`` small objects (put into its store before it serves, so
-the set-up costs seconds, not a PUT per object). Then, interleaved, ``--rounds`` times:
-
-* ``listing``: a plain paged listing of the prefix with the source's client (obstore,
-  1000 keys a page), counting the objects: the floor any scan pays;
-* ``scan``: the source sensor's scan of the same, unchanged, prefix
-  (``observations.scan`` over ``S3Source``, after a first scan recorded every object):
-  the listing, copied into PostgreSQL and compared there; nothing downloaded.
-
-Prints JSON: the best time of each and ``ratio = listing / scan`` (target >= 0.7), and
-the objects the server served a GET of during the unchanged scans (must be 0).
+A moto server (``moto[server]``, on 127.0.0.1) child process holds ``--objects`` small objects (put
+into its store before it serves). Interleaved, ``--rounds`` times: ``listing``, a paged listing of the
+prefix with the source's client (obstore, 1000 keys a page: the floor any scan pays), and ``scan``,
+the source sensor's scan of the same unchanged prefix (``observations.scan`` over ``S3Source``, after
+a first scan recorded every object). Prints JSON: the best time of each, ``ratio = listing / scan``
+(target >= 0.7) and the objects the server served a GET of during the unchanged scans (must be 0).
 
     python benchmarks/b17_s3_scan.py [--objects 100000] [--rounds 3]
 """

@@ -1,25 +1,14 @@
 """B18: a bucket costs what it holds: one bucket's no-op run against the whole corpus's.
 
-N documents (b10's generator) are embedded with the command line (`embed`, offline
-model; not timed) in a fresh database. Then, in this process, the Dagster runs a
-partition materialization makes (the bucket run ``sync_documents`` and the
-``embeddings`` run chained to it, executed in-process as the definitions tests do,
-on an ephemeral instance): first one run over every bucket (it records what the
-command line ingested as synced), then, timed, with nothing changed:
-
-* ``one_bucket_s``: one bucket's runs (median of ``--repeat``);
-* ``all_buckets_s``: one run over every bucket (a no-op backfill's single run);
-* ``ratio``: one bucket over all of them. A bucket holds 1/64 of the corpus, so
-  a run that costs what its partition holds is near 1/64 plus the runs' fixed
-  cost; one that scans the corpus is near 1.
+N documents (b10's generator) embedded by `embed` (offline model, not timed); then, in this process,
+the runs a partition materialization makes (``sync_documents`` and the chained ``embeddings`` run,
+in-process, ephemeral instance): one over every bucket, then, timed with nothing changed,
+``one_bucket_s`` (median of ``--repeat``) and ``all_buckets_s``; ``ratio`` = one / all. A bucket holds
+1/64 of the corpus: a run that costs what it holds is near 1/64 plus the runs' fixed cost, one that
+scans the corpus near 1. Target: one bucket ≤ 10 s at 100,000 documents. ``--keep DIR`` and
+``--reuse DIR`` (another checkout timed on the same data): benchmarks/README.md, B18.
 
     python benchmarks/b18_bucket_cost.py [--documents 10000] [--repeat 3]
-
-``--keep DIR`` writes and embeds the corpus once, keeps it and its database
-(``DIR/corpus``, ``DIR/url``), and times nothing; ``--reuse DIR`` times the runs
-on them (another checkout can then be timed on the same data, interleaved).
-
-Target: one bucket ≤ 10 s at 100,000 documents.
 """
 
 from __future__ import annotations

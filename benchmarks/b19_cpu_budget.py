@@ -1,15 +1,11 @@
 """B19's CPU budget: where one `embed DIR` spends its CPU-seconds, by role, against the floor's.
 
-On a 2-core machine `embed` is CPU-bound on both cores (wall ~ total CPU / 2), so CPU-seconds, not
-wall time, say what a change can win; they are measured the same under `nice` or beside other work.
-One round on a fresh database of the server under PIPELINE_HOME (use a server of your own: its
-postmaster's children are all counted), with b19_end_to_end's corpus, fake and floor:
-  embed  every SAMPLE_SECONDS: the CPU of each thread of `embed` (threads named after their Python
-         names by a start-up hook), of its child processes (extraction), of every server process
-         (attributed to what pg_stat_activity shows it running: backend type and statement), of the
-         fake; split by phase (to the first send, sending, after the last answer)
-  floor  tokenization, the SDK alone (with the fake), binary COPY, the HNSW build alone: this
-         process's, the fake's and the server's CPU-seconds around each
+On 2 cores `embed` is CPU-bound (wall ~ total CPU / 2), so CPU-seconds, the same under `nice` or beside
+other work, say what a change can win. One round on a fresh database of the server under PIPELINE_HOME
+(a server of your own: all its postmaster's children are counted), with b19_end_to_end's corpus, fake
+and floor: the CPU of each thread of `embed`, of its children, of every server process (by what it
+runs) and of the fake, split by phase; the floor's parts with the CPU-seconds around each.
+What each row means: benchmarks/README.md, B19.
 
     python benchmarks/b19_cpu_budget.py [--docs 10000] [--dim 256] [--top 40]
 """

@@ -1,31 +1,14 @@
 """B19: `pipeline-assets embed DIR` end to end against the composite floor, side by side.
 
-One run, one zero-latency OpenAI-compatible fake (`python -m pipeline_assets_tests.fake_openai`),
-N documents (b3's corpus: ~1-3 kB markdown, one or two chunks each, written by a process per usable
-core: `corpus_written_s`), each round on a fresh database:
-  floor  = (1) cl100k tokenization of the documents' texts alone (tiktoken's batch encoder,
-               one thread per usable core)
-         + (2) the openai SDK alone sending the chunk texts `embed` sends (same threads and
-               batch as the worker: benchmarks/_sdk_alone.py)
-         + (3) binary COPY of the same rows: the chunks (7 columns, as ingest writes them) into a
-               bare table, and one vector per chunk into a bare `vector(DIM)` table
-  index  = pgvector's HNSW build alone over that bare vector table (plain CREATE INDEX, the same
-           opclass and maintenance_work_mem sizing as the pipeline's): reported beside the floor as
-           `ratio_with_index` = (floor + index) / embed, since `embed` leaves a built index; the
-           target stays on `ratio`
-  embed  = `pipeline-assets embed DIR --json` as a user runs it (a process: interpreter, imports,
-           ingest, work until idle, exit), with the peak RSS of its process tree (sampled)
-  ratio  = floor / embed wall time (target >= 0.6)
-The floor is measured FLOOR_SLICE_DOCS documents at a time (their texts and chunk rows computed
-untimed by a process per usable core, then dropped): memory is bounded whatever N.
-Also `startup`: `pipeline-assets work --until-idle` on an empty queue (interpreter to exit).
-The fake's vectors are warmed by an untimed SDK pass of each slice first, so neither side pays for them
-(the fake keeps the last 100,000: past that, `embed` computes most of its own).
-`--checkouts OLD,NEW`: each round runs floor + embed once per checkout (its CLI, on a fresh database
-it migrates with its own migrations), alternating; medians per checkout.
+One zero-latency OpenAI-compatible fake, N documents (b3's corpus), a fresh database per round.
+floor = cl100k tokenization of the texts alone + the openai SDK alone sending the chunk texts `embed`
+sends (benchmarks/_sdk_alone.py) + binary COPY of the same rows; `embed` = `pipeline-assets embed DIR
+--json` as a process; `ratio` = floor / embed wall time (target >= 0.6); `ratio_with_index` adds
+pgvector's HNSW build alone to the floor. The floor is measured a slice of documents at a time, so
+memory is bounded whatever N. `--checkouts OLD,NEW` alternates checkouts within each round (medians
+per checkout). Each part and key: benchmarks/README.md, B19.
 
     python benchmarks/b19_end_to_end.py [--docs 10000] [--dim 256] [--rounds 1]
-    python benchmarks/b19_end_to_end.py --docs 100000
     python benchmarks/b19_end_to_end.py --docs 10000 --rounds 3 --checkouts /path/to/old,.
 """
 

@@ -1,16 +1,11 @@
 """B19, the end of `embed`: when to build a fresh model's HNSW index, measured.
 
-N random vectors (DIM dimensions) are inserted in batches the size of the worker's completions
-(`INSERT ... SELECT FROM unnest`, one statement per batch, autocommit) into a table shaped like
-app.embeddings, with the same partial expression index (`hnsw ((embedding::vector(DIM))
-vector_cosine_ops) WHERE model_id = ...`, CONCURRENTLY, maintenance_work_mem 512 MB), in
-three orders, each on a fresh database, alternating:
-  after       inserts, then one bulk build (what `embed` and a draining worker do)
-  before      the build on the empty table, then the inserts (each insert maintains the graph)
-  concurrent  the build started after the first batch, beside the remaining inserts
-An order that has not finished after --cap-seconds stops inserting and reports how many rows
-it had inserted by then (a lower bound on its total time: the cap).
-  ratio_<order> = <order>'s total wall time / after's (above 1: after is cheaper)
+N random vectors inserted in the worker's completion batches into a table shaped like app.embeddings
+with the same partial HNSW index (CONCURRENTLY, maintenance_work_mem 512 MB), in three orders, a fresh
+database each, alternating: `after` (the inserts, then one bulk build: what `embed` and a draining
+worker do), `before` (the build on the empty table, then the inserts) and `concurrent` (the build
+started after the first batch, beside the rest). `ratio_<order>` = its wall time / after's (above 1:
+after is cheaper); an order past --cap-seconds stops and reports the rows it had inserted.
 
     python benchmarks/b19_index_order.py [--vectors 13333] [--dim 256] [--rounds 1]
     python benchmarks/b19_index_order.py --vectors 100000 --orders after,before --cap-seconds 120

@@ -1,19 +1,11 @@
 """B19: what the chunks' text-search vectors cost the server, by how they are written.
 
-The chunk rows of N documents (b3's corpus, as ingest writes them) go into a scratch copy of
-app.chunks (its indexes: primary key, checksum, GIN, the partial index of chunks still unfilled;
-autovacuum off, so each step is timed on its own) in one of these ways, alternating per round:
-  fill    binary COPY with the vector NULL, then the fill that computed it before migration 046
-          (an UPDATE of 2,000 unfilled chunks per transaction), then VACUUM (what autovacuum
-          does after the fill)
-  trigger binary COPY with the vector computed by a BEFORE INSERT trigger, then VACUUM
-  generated  binary COPY into the table with the vector a STORED generated column (no partial
-          index: nothing is ever unfilled), then VACUUM
-  alone   to_tsvector of every chunk's text, nothing written (the part no way of writing avoids)
-  gin_after  as fill, with the GIN index dropped before the fill and built once after it
-  nolock  as fill, the batch's rows not locked first (no FOR UPDATE SKIP LOCKED)
-Each step reports the CPU-seconds of its backend (/proc, the server on this machine), its wall
-seconds and the WAL bytes it wrote; medians of the rounds.
+The chunk rows of N documents (b3's corpus, as ingest writes them) go into a scratch copy of app.chunks
+(its indexes; autovacuum off, so each step is timed on its own) in each of the ``--ways``, alternating
+per round: `fill` (COPY with the vector NULL, an UPDATE per 2,000 unfilled chunks, VACUUM), `trigger`,
+`generated`, `alone` (to_tsvector only, nothing written), `gin_after` and `nolock`. Each step reports
+its backend's CPU-seconds (the server on this machine), wall seconds and WAL bytes; medians of the
+rounds. Each way: benchmarks/README.md, B19.
 
     python benchmarks/b19_text_search_write.py [--docs 10000] [--rounds 3] [--ways fill,gin_after,nolock]
 """

@@ -1,23 +1,14 @@
 """B1 A/B: the worker phase of B1 on two trees, interleaved, in one run.
 
-Tree A is a baseline revision extracted with ``git archive <rev> | tar -x``
-(default 50bb427, the tree before the provider-fault guards); tree B is this checkout. Each round
-runs one subprocess per tree (its ``sys.path`` pointing at that tree only, so
-each measures its own worker, migrations and ``benchmarks/b1_core.py``
-ZeroLatencyProvider): it ingests N one-chunk documents into a fresh database of
-its own and times only the worker draining them (concurrency 4, 100 inputs per
-batch, no index build), as B1 does; a VACUUM ANALYZE between the two (unless
---no-vacuum) keeps the maintenance the ingest triggered (autovacuum, the chunks'
-GIN pending list) out of the timed drain. The order of the two trees alternates
-between rounds. Prints JSON: every round's jobs/s, the medians and B / A, and
-the median CPU (worker process + database server) per job of each tree.
+Tree A is ``--rev`` extracted with ``git archive <rev> | tar -x``, tree B this checkout. Each round runs
+one subprocess per tree (its ``sys.path`` that tree only: its own worker, migrations and
+ZeroLatencyProvider), which ingests N one-chunk documents into a fresh database and times only the
+worker draining them (concurrency 4, 100 inputs per batch, no index build), as B1 does; a VACUUM
+ANALYZE before the drain (unless --no-vacuum) keeps the maintenance the ingest triggered out of it.
+The order of the trees alternates between rounds. Prints JSON: every round's jobs/s, the medians,
+B / A, and each tree's median CPU per job. Every flag: benchmarks/README.md, B1 A/B.
 
-    python benchmarks/b1_ab.py [--rev 50bb427] [--jobs 20000] [--rounds 3] [--dim 256]
-                               [--timing]   # calls and seconds of each JobStore method
-                               [--no-vacuum] [--also TREE ...]
-
-Both trees use the same server: PIPELINE_DATABASE_URL, or the embedded one
-under PIPELINE_HOME (started here, once).
+    python benchmarks/b1_ab.py [--rev 50bb427] [--jobs 20000] [--rounds 3] [--dim 256] [--timing]
 """
 
 from __future__ import annotations

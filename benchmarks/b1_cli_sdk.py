@@ -1,26 +1,14 @@
 """B1 (CLI): `pipeline-assets work --until-idle` against the openai SDK alone, side by side.
 
-One run, one fake provider process (benchmarks' zero-latency OpenAI-compatible
-server: `python -m pipeline_assets_tests.fake_openai`), the same texts:
-  (a) the openai SDK alone (max_retries=0), the worker's default threads and
-      batch, sending every text once                          -> inputs/s (the ceiling)
-  (b) `pipeline-assets work --until-idle` (a real process) over the same texts,
-      ingested beforehand                                     -> jobs/s
-  (c) the SDK alone as a process of its own (interpreter start, `import openai`, the
-      client, every text sent once, exit)                     -> its wall time
-(b) is reported three ways: while working (first send to last answer, from the
-spend ledger app.provider_calls: what the worker itself sustains; ratio to (a)),
-to the last answer (process start to the last answer: also the interpreter, the
-CLI's imports, the pool; ratio to (c), which pays its own interpreter and import)
-and end to end (process start to exit: also the bulk HNSW index build that
-`work --until-idle` waits for when the queue drains; ratio to (a) and to (c)).
-The fake's vectors are warmed by an untimed SDK pass first, so neither side
-pays for computing them. Each round starts with no vector and no index.
+One zero-latency fake provider process (`python -m pipeline_assets_tests.fake_openai`), the same texts,
+interleaved rounds each starting with no vector and no index: (a) the openai SDK alone with the
+worker's threads and batch (the ceiling, inputs/s); (b) `pipeline-assets work --until-idle` over the
+same texts, ingested beforehand, timed while working, to the last answer and end to end; (c) the SDK
+alone as a process of its own. The fake's vectors are warmed by an untimed pass first. --profile runs
+(b) once more under py-spy and writes folded stacks. Each ratio and key: benchmarks/README.md,
+"B1 CLI against the SDK".
 
     python benchmarks/b1_cli_sdk.py [--docs 10000] [--dim 256] [--rounds 3] [--profile out.txt]
-
---profile runs (b) once more under py-spy (pip install py-spy) and writes its
-top functions (`py-spy record --format raw`, folded stacks) to the file.
 """
 
 from __future__ import annotations

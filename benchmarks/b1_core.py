@@ -1,15 +1,11 @@
 """B1: core throughput of the job table, with no provider cost.
 
-Measured side by side in one run, on one fresh database:
-  (a) ingest_directory over N one-chunk documents           -> chunks/s
-  (b) the real Worker, zero-latency provider (claim -> embed -> complete,
-      concurrency 4, 100 inputs per batch)                   -> jobs/s
-  (c) raw binary COPY of N vectors into a bare table         -> rows/s
-  (d) naive baseline: claim 1 / complete 1 per transaction   -> jobs/s
-  (e) pgqueuer 1.6 draining N no-op jobs (QueueManager)      -> jobs/s
-Diagnostics: the per-model HNSW index built in bulk after the drain (what the
-worker does when the queue empties) against COPY into a table that maintains an
-HNSW index row by row.
+Measured side by side in one run, on one fresh database: (a) ingest_directory over N one-chunk
+documents (chunks/s); (b) the real Worker with a zero-latency provider (claim -> embed -> complete,
+concurrency 4, 100 inputs per batch; jobs/s); (c) raw binary COPY of N vectors into a bare table
+(rows/s); (d) the naive baseline, claim 1 / complete 1 per transaction (jobs/s); (e) pgqueuer 1.6
+draining N no-op jobs (jobs/s). Diagnostics: the per-model HNSW index built in bulk after the drain
+against COPY into a table that maintains an HNSW index row by row.
 
     python benchmarks/b1_core.py [--chunks 20000] [--dim 256] [--naive-jobs 2000]
 """

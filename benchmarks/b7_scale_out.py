@@ -1,28 +1,12 @@
 """B7: scale-out: jobs/s of 1, 2 and 4 worker processes on one queue.
 
-The scale-out path is many `pipeline-assets work` processes (replicas, on any
-number of hosts) against one PostgreSQL. This measures what adding processes
-buys on one queue: a corpus of N one-chunk documents is ingested once into a
-template database, its jobs held back (available_at = infinity); each
-measurement copies it (CREATE DATABASE ... TEMPLATE), starts K real worker
-processes (`work --concurrency C --worker-id b7-i`), waits until all K have
-registered (app.workers), releases the jobs, waits until every job is ready
-and stops the workers with SIGTERM. The provider is the fake OpenAI server
-(process mode, over HTTP) answering after a fixed latency.
-
-Latency 20 ms by default, not zero: a provider round trip is never free, and
-with zero latency each process is pure CPU (HTTP, JSON, SQL), so on a small
-machine K processes would only measure how the cores are shared. At 20 ms a
-worker's threads wait on the provider as they do in production, and what the
-numbers show is whether the queue (claim with FOR UPDATE SKIP LOCKED, the
-fenced completion, the spend ledger) lets more processes add throughput.
-`--latency 0` measures the CPU-bound case.
-
-jobs/s = jobs / the drain window (first provider send to last answer, from the
-spend ledger), so process start-up is not counted; `wall_s` includes it.
-Rounds are interleaved (1, 2, 4 worker processes, then again) and the median
-over the rounds is reported for each count. Also checked in every run: every
-job ready and every input sent exactly once (`duplicate_sends` = 0).
+N one-chunk documents are ingested once into a template database, their jobs held back; each
+measurement copies it, starts K real `pipeline-assets work` processes, waits until all K are registered
+(app.workers), releases the jobs, waits until every job is ready and stops the workers (SIGTERM). The
+fake OpenAI server (process mode) answers after ``--latency`` (20 ms: at zero each process is pure CPU
+and K processes measure only how the cores are shared; `--latency 0` measures that case). jobs/s =
+jobs / the drain window from the spend ledger (start-up not counted; `wall_s` includes it); rounds
+interleaved, the median per count. Checked every run: every job ready, every input sent exactly once.
 
     python benchmarks/b7_scale_out.py [--documents 8000] [--concurrency 4] [--batch-inputs 32]
                                       [--latency 0.02] [--rounds 3] [--workers 1,2,4]

@@ -1,21 +1,11 @@
 """B8: the source sensor (`source_documents`) over 100,000 small files.
 
-Evaluates the real sensor as the daemon does (``build_sensor_context`` with the
-project's resources, a Dagster instance on local storage, the pipeline database
-a fresh one on the embedded server) and measures:
-
-* ``first_tick_s``: an empty observation table: every file read and stored; the
-  tick requests ONE run over the buckets holding them (bucket partitions).
-* ``unchanged_tick_s``: after every document was requested, a tick over
-  the unchanged tree, evaluated with freshly built definitions and resources
-  (as after a code reload: nothing of the sensor kept in the process); median
-  of 3, with the number of files it read (``files_read``, must be 0).
-* ``changed_tick_s``: one file rewritten: one file read, one run requested.
-* cursor sizes: after (the generation) and before (the whole {document: checksum}
-  map the old sensor kept, computed from the same checksums).
-* ``before``: the sensor of commit a050b3a (checksums in the cursor, an
-  in-process cache) evaluated on the same tree: its unchanged tick with a cold
-  cache (after a code reload every file is read again) and with a warm one.
+Evaluates the real sensor as the daemon does (``build_sensor_context``, the project's resources, a
+Dagster instance on local storage, a fresh pipeline database): ``first_tick_s`` (every file read and
+stored, one run requested), ``unchanged_tick_s`` (definitions built afresh, as after a code reload;
+median of 3; ``files_read`` must be 0), ``changed_tick_s`` (one file rewritten: one read, one run),
+the cursor's size, and ``before``: the sensor of commit a050b3a (checksums in the cursor, an
+in-process cache) on the same tree, cold and warm (unless ``--skip-before``).
 
     python benchmarks/b8_source_sensor.py [--documents 100000] [--skip-before]
 """

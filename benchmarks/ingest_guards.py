@@ -1,18 +1,13 @@
 """Ingest throughput with the ingest guards.
 
-Writes a synthetic corpus of N documents (default 2,000: 80% markdown of about
-1.5 KB, 10% HTML, 10% text of about 12 KB, several chunks each), then times
-``ingest_directory`` into a fresh database: a cold pass (everything new:
-read, checksum, extract and chunk in the extraction child, COPY, enqueue) and
-a warm pass (nothing changed: scan, read, checksum, skip). Each pass runs
-``--repeat`` times on a fresh database; the best and median docs/s are printed,
-and docs per CPU second of the client (this process and the extraction child,
-not the database server), which other load on a shared machine disturbs less.
+Writes a synthetic corpus of N documents (80% markdown of about 1.5 KB, 10% HTML, 10% text of about
+12 KB, several chunks each), then times ``ingest_directory`` into a fresh database: a cold pass
+(everything new) and a warm pass (nothing changed), each ``--repeat`` times; prints the best and median
+docs/s, and docs per CPU second of the client (this process and its extraction child, not the
+server), which other load on a shared machine disturbs less. It uses only ``ingest_directory`` and
+``IngestOptions``, so a copy of an older checkout runs the same script.
 
     python benchmarks/ingest_guards.py [--docs 2000] [--repeat 3]
-
-To compare with the code before the guards, run the same script from a copy of
-the older checkout (it only uses ``ingest_directory`` and ``IngestOptions``).
 """
 
 from __future__ import annotations

@@ -2,18 +2,14 @@
 
     python docs/refresh_screenshots.py
 
-Starts `pipeline-assets dev` on the bundled example (a fresh PIPELINE_HOME in a
-temporary directory, the offline model configured: no database server), waits
-for the source sensor's bucket run and the embeddings run after it, then opens
-the asset graph and one partition's page in headless Chromium
-(pipeline_assets_tests/browser.py, the same driver as test_dagster_webserver.py)
-and saves docs/asset-graph.png and docs/partition.png.
-
-Then the model-switch walk-through: `pipeline-assets models add` a second model
-(text-embedding-3-small, answered by the test suite's stand-in OpenAI server,
-pipeline_assets_tests/fake_openai.py: no key, no network), a backfill of half of
-its column through GraphQL, and docs/model-columns.png: embeddings' partitions,
-the offline model's column full, the new one half filled in.
+Starts `pipeline-assets dev` on the bundled example (a fresh PIPELINE_HOME in a temporary directory, the
+offline model: no database server), waits for the source sensor's bucket run and the embeddings run
+after it, then opens the asset graph and one partition's page in headless Chromium
+(pipeline_assets_tests/browser.py, test_dagster_webserver.py's driver) and saves docs/asset-graph.png
+and docs/partition.png. Then the model-switch walk-through: `pipeline-assets models add` a second model
+(text-embedding-3-small, answered by pipeline_assets_tests/fake_openai.py: no key, no network), a
+backfill of half of its column through GraphQL, and docs/model-columns.png (the offline model's column
+full, the new one half filled in).
 """
 
 from __future__ import annotations

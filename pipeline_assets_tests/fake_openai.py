@@ -1,17 +1,11 @@
 """A fake OpenAI-compatible embeddings server for tests and benchmarks (stdlib + numpy only).
 
-Thread mode::
-
-    with FakeOpenAI(dim=16) as srv:
-        client = openai.OpenAI(api_key="test-key", base_url=srv.base_url, max_retries=0)
-        srv.fail_next(1, 429, retry_after="0.2")          # faults are set directly
-
-Process mode (benchmarks / multi-process tests)::
-
-    python -m pipeline_assets_tests.fake_openai --port 0 --dim 16 [--latency S] [--rpm N] [--tpm N]
-
-prints ``READY <base_url>`` and serves until SIGTERM. In both modes ``GET /_stats`` returns the stats JSON
-(``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes the fields of :meth:`FakeOpenAI.configure`.
+Thread mode: ``with FakeOpenAI(dim=16) as srv:``, a client on ``srv.base_url``, faults set directly
+(``srv.fail_next(1, 429, retry_after="0.2")``). Process mode (benchmarks, multi-process tests):
+``python -m pipeline_assets_tests.fake_openai --port 0 --dim 16 [--latency S] [--rpm N] [--tpm N]``
+prints ``READY <base_url>`` and serves until SIGTERM. In both modes ``GET /_stats`` returns the stats
+JSON (``?brief=1`` omits ``billed_by_text``) and ``POST /_faults`` takes the fields of
+:meth:`FakeOpenAI.configure`.
 
 How a request is answered: ``fake_openai_answers``; parsing, vectors, the HTTP handler and the admin
 client (``fetch_stats``, ``post_faults``): ``fake_openai_wire``."""

@@ -1,29 +1,15 @@
-"""How the fake OpenAI server answers. ``POST /v1/embeddings`` is processed in this order:
- 1. sleep ``latency`` (+ ``slow_seconds`` if an input contains ``slow_marker``, or with probability
-    ``slow_rate``, drawn from the ``fault_seed`` generator); stop() aborts it; then, if an input
-    contains ``hold_marker`` (thread mode), wait until :meth:`FakeOpenAI.release` (``held`` counts
-    the requests that arrived there: a test waits for that, not for a duration);
- 2. ``fail_next`` -> canned status (optional Retry-After header), not billed; then ``random_faults``
-    (``[[probability, status, retry_after or null], ...]``, drawn once per request from a generator
-    seeded by ``fault_seed``) -> that status, not billed; then ``throttle_marker`` (an input containing
-    it) -> 429 with ``Retry-After: 1`` on every request, not billed (a request the provider never accepts);
-    then ``error_marker`` (an input containing it) -> 503 on every request, not billed (a request the
-    provider always fails while it answers others);
- 3. auth (missing/wrong Bearer key -> 401 ``invalid_api_key``), model (-> 404 ``model_not_found``),
-    validation (-> 400), ``poison_marker`` (-> 400 naming the index; whole request, nothing billed);
- 4. rpm/tpm sliding 60 s window -> 429 + Retry-After/retry-after-ms/x-ratelimit-*, not billed;
- 5. vectors computed (NaN for an input containing ``nan_marker``) and BILLED; then ``drop_next``/``drop_marker``
-    (or ``drop_rate``) abort the connection without a response (SDK raises ``openai.APIConnectionError``);
-    with probability ``short_rate`` the answer loses its last embedding (a broken proxy), an
-    answer leaves out the embedding of every input containing ``omit_marker`` (a proxy that
-    filters one input: billed, the others' indexes intact; stats["omitted"] counts them), with
-    probability ``bad_index_rate`` its last embedding carries a wrong ``index`` (the right count, one
-    index twice and one missing; one input: an index out of range); otherwise the
-    OpenAI-shaped JSON is sent
-    (a piece every ``DRIP_INTERVAL`` over ``drip_seconds`` if an input contains ``drip_marker``).
-
-stats["dropped_inputs"], ["short"] and ["short_inputs"], ["bad_index"] and ["omitted"] count what those
-faults cost (billed, nothing usable back).
+"""How the fake OpenAI server answers ``POST /v1/embeddings``, in this order (``Answering._embeddings``):
+1. sleep ``latency`` (+ ``slow_seconds`` for ``slow_marker`` or ``slow_rate``; stop() aborts it); with
+   ``hold_marker``, wait for :meth:`FakeOpenAI.release` (``held`` counts arrivals: tests wait on it);
+2. not billed: ``fail_next``'s canned status, then ``random_faults`` (``[[probability, status,
+   retry_after or null], ...]``, one draw per request from ``fault_seed``), then ``throttle_marker``
+   (429, ``Retry-After: 1``, every time) and ``error_marker`` (503 every time);
+3. auth (401), model (404), validation (400), ``poison_marker`` (400 naming the index), not billed;
+4. the rpm/tpm sliding 60 s window -> 429 with Retry-After and x-ratelimit-* headers, not billed;
+5. vectors computed (NaN for ``nan_marker``) and BILLED; then ``drop_next``/``drop_marker``/``drop_rate``
+   cut the connection, ``short_rate`` loses the last embedding, ``omit_marker`` the marked inputs',
+   ``bad_index_rate`` repeats one index; ``drip_marker`` sends the answer in pieces. stats
+   ``dropped_inputs``, ``short``, ``short_inputs``, ``bad_index``, ``omitted`` count those faults.
 """
 
 from __future__ import annotations
@@ -153,9 +139,9 @@ class Answering:
                         fail = (int(status), retry_after, None)
                         break
                     draw -= probability
-        if fail is None and has(self.throttle_marker):
+        if fail is None and has(self.throttle_marker):  # a request the provider never accepts
             fail = (429, "1", None)
-        if fail is None and has(self.error_marker):
+        if fail is None and has(self.error_marker):  # one the provider always fails, answering others
             fail = (503, None, None)
         if fail:
             status, retry_after, body = fail
@@ -236,7 +222,7 @@ class Answering:
                 not drop and not short and self.bad_index_rate > 0 and self._fault_rng.random() < self.bad_index_rate
             )
             s["bad_index"] += bad_index
-        if drop:
+        if drop:  # billed, no response: the SDK raises openai.APIConnectionError
             return self._drop(h)
         enc = (lambda v: base64.b64encode(v.tobytes()).decode("ascii")) if fmt == "base64" else np.ndarray.tolist
         data = [{"object": "embedding", "index": i, "embedding": enc(v)} for i, v in enumerate(vecs)]
@@ -255,7 +241,7 @@ class Answering:
             "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
-        if has(self.drip_marker):
+        if has(self.drip_marker):  # a piece every DRIP_INTERVAL over drip_seconds
             return self._drip(h, json.dumps(answer).encode())
         self._respond(h, 200, answer, rl_headers)
 

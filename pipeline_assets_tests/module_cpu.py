@@ -2,15 +2,13 @@
 
     PIPELINE_MODULE_CPU_OUT=/tmp/modules.jsonl python -m pytest -q -n 0 -p pipeline_assets_tests.module_cpu
 
-The CPU is that of a cgroup v1 ``cpuacct`` group when ``PIPELINE_MODULE_CPU_CGROUP`` names its
-directory (put the shell that starts pytest into it first: every process the tests start, PostgreSQL
-servers and Dagster daemons included, is counted, even after it left the process tree); otherwise
-this process's own CPU and that of its children it waited for. A module's figure runs from the setup
-of its first test to the teardown of its last (module fixtures included). Under xdist each worker
-moves into a group of its own below the named one (``gw0``...), so modules running side by side are
-counted apart (the named group keeps the total). Each module's line names its worker and its start
-(epoch seconds), so a run's timeline per worker can be drawn from the file.
-``PIPELINE_MODULE_CPU_TESTS=1``: a line per test too; a failed test gets a line (``"failed"``) when it fails.
+The CPU is that of a cgroup v1 ``cpuacct`` group when ``PIPELINE_MODULE_CPU_CGROUP`` names its directory
+(put the shell that starts pytest into it first: every process the tests start, PostgreSQL servers and
+Dagster daemons included, is counted, even after it left the process tree); otherwise this process's own
+CPU and that of its children it waited for. A module's figure runs from the setup of its first test to
+the teardown of its last (module fixtures included). Under xdist each worker moves into a group of its
+own below the named one (``gw0``...; the named group keeps the total). Each line names its worker and
+its start (epoch seconds). ``PIPELINE_MODULE_CPU_TESTS=1``: a line per test too (``"failed"`` if so).
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
 """Fault soak: the whole pipeline under every fault at once, then reconcile and drain.
 
-Several real worker processes (``pipeline-assets work --concurrency 2``) run against
-the fake provider while it answers a random share of requests with 429 (with a
-Retry-After), 500 and 503, drops a share of billed answers (connection aborted after
-billing), answers a share one embedding short (billed; an answer that cannot be matched
-to its inputs: nothing stored, nothing charged) and makes a share of calls slow (longer
-than the lease: only the heartbeat keeps them). Meanwhile the test SIGKILLs random workers (and restarts
-them) and edits, deletes and adds random documents, each followed by
-``pipeline-assets ingest``. After the soak the faults stop, the workers are stopped
-(SIGTERM), ``reconcile`` runs and ``work --until-idle`` drains.
-
-Pass means:
-
-* every current chunk has exactly one ready vector, equal to the provider's vector
-  for its exact text; every other job is ``superseded``: nothing is stuck (no
-  pending, retry, processing) and nothing was dead-lettered;
-* billed inputs <= unique inputs + the inputs of dropped and short answers (billed,
-  then lost: they must be sent again) + revived content (superseded, then wanted again)
-  + (kills + stops) x the in-flight bound (concurrency x batch inputs per worker);
-* the spend ledger agrees with the provider's bill: every billed input is counted
-  (per input, and in total), and the ledger counts more than the provider billed
-  only by sends whose fate it cannot know (a worker killed or stopped mid-call);
-  app.provider_calls and app.input_sends agree with each other;
-* no worker exited on its own.
-
-Everything random comes from one seed, ``PIPELINE_SOAK_SEED`` (the interleaving of
-processes does not). ``PIPELINE_SOAK_SECONDS`` sets the soak's length (default 15 s, every fault is met
-several times; 120 s with ``PIPELINE_TEST_PROFILE=long``); ``pytest -s`` shows a one-line summary.
+Real workers (`work --concurrency 2`) against the fake provider answering a random share of requests
+with 429 (Retry-After), 500 and 503, dropped and one-embedding-short billed answers, and calls slower
+than the lease (only the heartbeat keeps them), while the test SIGKILLs and restarts workers and edits,
+deletes and adds documents (each followed by `ingest`); then the faults stop, the workers get SIGTERM,
+`reconcile` and `work --until-idle` run. Pass: every current chunk has exactly one ready vector, the
+provider's for its text; every other job superseded, none stuck or dead-lettered; billed inputs <=
+unique + dropped and short + revived + (kills + stops) x concurrency x batch inputs; the ledger (calls
+and sends agreeing) counts every billed input, more only by sends a kill or stop left unknown; no
+worker exited on its own. Randomness: ``PIPELINE_SOAK_SEED``; length: ``PIPELINE_SOAK_SECONDS`` (15 s;
+120 s under ``PIPELINE_TEST_PROFILE=long``); ``pytest -s`` prints a one-line summary.
 """
 
 from __future__ import annotations
@@ -47,6 +30,7 @@ from pipeline_assets_tests.data_helpers import assert_vectors_match, job_counts
 from pipeline_assets_tests.processes import REPO, cli
 
 SEED = int(os.environ.get("PIPELINE_SOAK_SEED", "20250108"))
+# 15 s meets every fault several times; the long profile soaks for longer.
 SOAK_SECONDS = float(os.environ.get("PIPELINE_SOAK_SECONDS", "120" if LONG_PROFILE else "15"))
 WORKERS = 3
 CONCURRENCY = 2

@@ -1,17 +1,14 @@
 """Past one machine: many `work` processes on one PostgreSQL queue.
 
-Four real worker processes (``python -m pipeline_assets.cli work``, each with its
-own ``--worker-id``, as replicas on four hosts would be) wait on an empty
-queue; then a corpus of a few hundred chunks is ingested and they share it
-through the job table alone (``FOR UPDATE SKIP LOCKED``, leases). The fake
-OpenAI server (over HTTP, driven by the real SDK) answers after a short
-latency, so every worker has calls in flight at the same time.
+Four real worker processes (``python -m pipeline_assets.cli work``, each its own ``--worker-id``, as
+replicas on four hosts would be) wait on an empty queue; then a corpus of a few hundred chunks is
+ingested and they share it through the job table alone (``FOR UPDATE SKIP LOCKED``, leases), against
+the fake OpenAI server (over HTTP, the real SDK) answering after a short latency, so calls overlap.
 
-Pass means each job was claimed exactly once (one attempt, one lease) and
-nothing was sent twice: the provider billed every chunk text exactly once, the
-spend ledger (``app.provider_calls``, ``app.input_sends``) counts one send per
-input and agrees with the bill, every chunk has its provider vector, and all
-four workers did part of the work.
+Pass: each job claimed exactly once (one attempt, one lease) and nothing sent twice: the provider
+billed every chunk text exactly once, the spend ledger (``app.provider_calls``, ``app.input_sends``)
+counts one send per input and agrees with the bill, every chunk has its provider vector, and all four
+workers did part of the work.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
-"""The database's unavailability is never the items' fault: a worker under a database
-that turns read-only (a failover to a standby being promoted, a storage guard) and
-drops its connections (admin_shutdown) waits, charges nothing and resumes.
+"""The database's unavailability is never the items' fault: a worker under a database that turns
+read-only (a standby being promoted, a storage guard) and drops its connections (admin_shutdown)
+waits, charges nothing and resumes.
 
-A real `work` process against the fake provider; the database is made read-only the
-way a failover looks from a client, for this module's database only (the embedded
-server is shared by the suite): ``ALTER DATABASE ... SET default_transaction_read_only``
-reaches only new sessions, so every backend of the database is terminated as well
-(the worker's existing connections see admin_shutdown, 57P01, and the sessions they
-reconnect are read-only: 25006 on every write). The restore resets the setting
-without ending the sessions opened meanwhile, which stay read-only until the worker
-replaces them, as a client connected to a standby must.
-
-PIPELINE_TEST_READ_ONLY_HOLD sets how long the database stays read-only once the
-worker said it waits (default 2 s; the 20 s of a failover by hand).
-PIPELINE_TEST_READ_ONLY_SYSTEM=1 flips the whole server instead (``ALTER SYSTEM`` and a
-reload: the worker's existing sessions turn read-only without ending, a storage
-guard's way), only for a run of this module alone on a server of its own session.
+A real `work` process against the fake provider; only this module's database turns read-only (the
+embedded server is shared): ``ALTER DATABASE ... SET default_transaction_read_only`` reaches new
+sessions only, so every backend of the database is terminated too (57P01, then 25006 on every write of
+the reconnected sessions). The restore leaves sessions opened meanwhile read-only until the worker
+replaces them, as on a standby. ``PIPELINE_TEST_READ_ONLY_HOLD``: seconds read-only once the worker said
+it waits (default 2; 20 for a failover by hand). ``PIPELINE_TEST_READ_ONLY_SYSTEM=1`` flips the whole
+server (``ALTER SYSTEM`` + reload: sessions turn read-only without ending), for this module alone on a
+server of its own.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""Provider faults charged where the evidence says, black-box: the real
-``pipeline-assets work`` process, the real openai SDK, the fake provider as a real
-HTTP server on 127.0.0.1 and the real PostgreSQL; every assertion is on rows,
-stored vectors and the provider's bill.
+"""Provider faults charged where the evidence says, black-box: the real ``pipeline-assets work``
+process, the real openai SDK, the fake provider as a real HTTP server on 127.0.0.1 and the real
+PostgreSQL; every assertion is on rows, stored vectors and the provider's bill.
 
-* Dropped answers (billed, then the connection cut) on batched requests are the
-  provider's and the request's: they dead-letter nobody; each costs one more bill
-  per input it carried, no more.
-* A poison input (every request holding it is dropped) is dead-lettered alone,
-  after at most ``MAX_EVIDENCE_FAULTS - 1 + FREE_FAULTS + max_attempts`` sends.
-* A proxy that drops an embedding from every answer, even from the answer to one
-  trivial input, stops the worker with one line after a few answers: nothing
-  stored, nothing dead-lettered, no attempt used; once the proxy is fixed a rerun
-  completes.
-
-``PIPELINE_DROP_RUNS`` sets how many seeds the dropped-answer check runs (default 3;
-20 for a thorough run).
+* Dropped answers (billed, then the connection cut) on batched requests dead-letter nobody; each costs
+  one more bill per input it carried, no more.
+* A poison input (every request holding it dropped) is dead-lettered alone, after at most
+  ``MAX_EVIDENCE_FAULTS - 1 + FREE_FAULTS + max_attempts`` sends.
+* A proxy that drops an embedding from every answer, even to one trivial input, stops the worker with
+  one line after a few answers: nothing stored or dead-lettered, no attempt used; once fixed, a rerun
+  completes. ``PIPELINE_DROP_RUNS``: the dropped-answer check's seeds (default 3; 20 to be thorough).
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""Provider faults judged on evidence, black-box: the real ``pipeline-assets work`` (in
-process or as a real process), the real openai SDK, the fake provider as a real HTTP
-server and the real PostgreSQL; assertions are on rows, vectors, the ledger and the
-fake's bill.
+"""Provider faults judged on evidence, black-box: the real ``pipeline-assets work`` (in process or as a
+real process), the real openai SDK, the fake provider as a real HTTP server and the real PostgreSQL;
+assertions are on rows, vectors, the ledger and the fake's bill.
 
-* One input the provider never answers (a proxy leaves its vector out of every answer)
-  is isolated and dead-lettered alone, within the stated bound on its sends; its 39
-  neighbours complete.
-* A provider that answers nothing usable, even to one trivial input, stops the worker
-  with one line, and the stop survives restarts: a restarted worker asks one trivial
-  input and stops again without billing the corpus.
-* Failures spread across every request (random 429s and 500s) are the provider's: the
-  requests are not shrunk to single inputs, and the corpus completes; a poison input is
-  still isolated with bounded sends.
-* After an outage longer than the backoff cap, the first request reaches the provider
-  within 10 s of its recovery (the fake records when each request arrived).
+* One input the provider never answers (a proxy leaves its vector out of every answer) is
+  dead-lettered alone, within the stated bound on its sends; its 39 neighbours complete.
+* A provider answering nothing usable, even to one trivial input, stops the worker with one line, and
+  the stop survives restarts: a restarted worker asks one trivial input and stops without billing more.
+* Failures spread across every request (random 429s and 500s) are the provider's: requests are not
+  shrunk to single inputs and the corpus completes; a poison input is still isolated, sends bounded.
+* After an outage longer than the backoff cap, the first request reaches the provider within 10 s of
+  its recovery (the fake records when each request arrived).
 """
 
 from __future__ import annotations

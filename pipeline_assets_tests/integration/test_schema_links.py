@@ -205,7 +205,7 @@ def test_migration_009_repairs_what_the_old_schema_allowed(scratch_url, tmp_path
 
 def test_no_code_deletes_a_model_row():
     """A vector's model is guaranteed through its job (app.embeddings.model_id has no foreign key of
-    its own since migration 031): that holds only while nothing deletes from app.models. Retire and
+    its own): that holds only while nothing deletes from app.models. Retire and
     purge keep the row; this pins it for every statement the package can run."""
     import re
     from pathlib import Path

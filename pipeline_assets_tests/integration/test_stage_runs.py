@@ -115,7 +115,7 @@ def test_a_work_run_refreshes_only_the_documents_it_touched(pool, clean_db, tmp_
     embed.work(a, pool, until_idle=True, poll_seconds=0.05)
     assert len(embed_rows(conn)) == 4
     # A marker on the rows of two documents the next run will not touch (any refresh of
-    # them, the old whole-corpus one included, would write 'succeeded' back).
+    # them, a whole-corpus one included, would write 'succeeded' back).
     conn.execute("""UPDATE app.stage_runs SET status = 'skipped' WHERE stage = 'embed' AND doc_pk IN (
                     SELECT doc_pk FROM app.documents WHERE document_id IN ('doc0000.md', 'doc0001.md'))""")
 

@@ -1,38 +1,14 @@
 """The job state machine under hypothesis: random interleavings of every transition.
 
-A ``RuleBasedStateMachine`` drives the functions of ``pipeline_assets.jobqueue.transitions``
-and ``pipeline_assets.registry.models`` (activate: ``app.model_admin.reactivate``)
-against the real PostgreSQL, the way workers,
-ingest, reconcile and a person would: claim, complete by the lease holder or by a
-stale owner, expire a lease, rescue, give back, fail (retryable and terminal),
-throttle (give back with a delay, the shared breaker paused), drop and restore a
-chunk (as ingest does: chunk rows replaced, then ``supersede_unwanted`` /
-``enqueue_for_docs`` + ``revive_wanted`` in the same transaction), retire and
-reactivate a model, requeue the dead letter, and move the database clock forward
-(timestamps are moved into the past; nothing sleeps).
-
-Each rule checks its own effect against the rows read just before it (in the same
-transaction where ``now()`` matters, so the oracle and the transition see one
-clock). After every rule the invariants hold:
-
-* a vector exists exactly when its job is ``ready``, and it is the vector of the
-  completion that won (a stale owner's completion wins nothing, stores nothing);
-* every ready job of an active model has a current chunk carrying its checksum;
-  every pending, retry or processing job too;
-* ``processing`` exactly when a lease (owner and expiry) is set;
-* ``app.job_keys`` and ``app.embedding_jobs`` are one-to-one, same identity;
-* attempts stay within ``[0, max_attempts]`` unless the job is ``failed``;
-* every wanted (checksum, active model) has a job that is not ``superseded``.
-
-The drain rule (and every example's teardown) moves the clock past every lease,
-backoff and breaker pause, rescues, then claims and completes until nothing is
-claimable: every wanted (checksum, active model) is then ``ready`` or ``failed``.
-
-Normal run: a fixed seed and 50 examples of up to 50 steps (about 10 s on an idle 2-core
-machine, some 35 s beside the rest of the suite; it was 80 examples until the suite had to fit
-in 6 minutes). ``PIPELINE_TEST_PROFILE=long`` runs 600 examples of up to 120 steps
-(about 8 minutes), randomly seeded; a failure prints its steps and a
-``@reproduce_failure`` blob.
+A ``RuleBasedStateMachine`` drives ``pipeline_assets.jobqueue.transitions``, ``registry.models`` and
+``app.model_admin.reactivate`` against the real PostgreSQL as workers, ingest, reconcile and a person
+would: claim, complete (by the lease holder or a stale owner), expire a lease, rescue, give back, fail
+(retryable, terminal), throttle, drop and restore a chunk, retire and reactivate a model, requeue the
+dead letter, and move the clock (timestamps into the past; nothing sleeps). Each rule checks its own
+effect against the rows read just before it; after every rule the invariants of ``check`` hold; the
+drain rule (and every teardown) leaves every wanted (checksum, active model) ``ready`` or ``failed``.
+Normal run: a fixed seed, 50 examples of up to 50 steps. ``PIPELINE_TEST_PROFILE=long``: 600 examples
+of up to 120 steps, randomly seeded. A failure prints its steps and a ``@reproduce_failure`` blob.
 """
 
 from __future__ import annotations
@@ -64,6 +40,7 @@ _COMMON = dict(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# The default profile is sized to the suite's time budget; the long one explores.
 settings.register_profile(
     "pipeline-jobs-default", max_examples=50, stateful_step_count=50, derandomize=False, **_COMMON
 )
@@ -751,6 +728,12 @@ class JobStateMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ invariants
     @invariant()
     def check(self):
+        """After every rule: a vector exists exactly when its job is ``ready``, and it is the winning
+        completion's (a stale owner's stores nothing); every ready job of an active model, and every
+        pending, retry or processing job, has a current chunk carrying its checksum; ``processing``
+        exactly when a lease (owner and expiry) is set; ``app.job_keys`` and ``app.embedding_jobs``
+        are one-to-one; attempts within ``[0, max_attempts]`` unless ``failed``; every wanted
+        (checksum, active model) has a job that is not ``superseded``."""
         c = self.conn
         self._observe()
         rows = self.seen

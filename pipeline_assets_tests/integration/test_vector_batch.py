@@ -1,7 +1,7 @@
 """A completion's vectors go to the server as one binary vector[] encoded in one
 numpy pass (pipeline_assets/store/vectors.py), not vector by vector through
 pgvector's adapter: the server must receive exactly the same values, and
-whatever does not form one (n, dim) array is still sent the old way."""
+whatever does not form one (n, dim) array is sent vector by vector."""
 
 from __future__ import annotations
 

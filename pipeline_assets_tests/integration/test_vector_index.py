@@ -490,7 +490,7 @@ def test_build_memory_follows_the_graph_within_the_cap_and_never_below_the_sessi
 def test_a_build_is_given_the_memory_of_its_graph_up_to_the_cap(clean_db):
     """With a session holding 1 MB, a build sized from its vectors keeps its ~3 MB graph in memory;
     capped at 1 MB it spills (pgvector says so), and either way the session keeps its own setting.
-    Before: every build took a fixed 512MB whatever it held (a 1M-vector graph spilled to disk)."""
+    A fixed size would waste memory on a small graph and spill a large one (1M vectors) to disk."""
     conn = clean_db
     s = spec(64, "mem")
     seed_vectors(conn, s, 3000)  # ~3 MB of graph: (720 + 4 x 64) bytes each

