@@ -18,6 +18,7 @@ from pipeline_assets.defs.keys import SOURCE_FILES
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.defs.provenance import DATA_VERSION_TAG
 from pipeline_assets.defs.run_requests import PENDING_TAG
+from pipeline_assets.store import bucket_rows
 from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
     evaluate_sensor,
@@ -72,6 +73,19 @@ def _stated(monkeypatch) -> list[str]:
     return stated
 
 
+def _grouped_coverage_reads(monkeypatch) -> list[list[int]]:
+    """The buckets of each ``coverage_of_buckets`` read (the check's own grouped read)."""
+    reads: list[list[int]] = []
+    real = bucket_rows.coverage_of_buckets
+
+    def counting(conn, root, bucket_ids, bucket_count, model_id):
+        reads.append(list(bucket_ids))
+        return real(conn, root, bucket_ids, bucket_count, model_id)
+
+    monkeypatch.setattr(bucket_rows, "coverage_of_buckets", counting)
+    return reads
+
+
 def _run_tags(request: dg.RunRequest) -> dict[str, str]:
     return {k: v for k, v in request.tags.items() if k != "dagster/partition"}
 
@@ -104,6 +118,7 @@ def test_an_edit_is_synced_and_embedded_by_the_one_run_the_sensor_requests(corpu
     (request,) = tick.run_requests
     billed = fake.stats["billed_inputs"]
     stated = _stated(monkeypatch)
+    grouped_reads = _grouped_coverage_reads(monkeypatch)
 
     result = defs.resolve_job_def(request.job_name).execute_in_process(  # that run alone, nothing chained
         instance=instance, partition_key=request.partition_key, tags=_run_tags(request), raise_on_error=False
@@ -128,6 +143,13 @@ def test_an_edit_is_synced_and_embedded_by_the_one_run_the_sensor_requests(corpu
         assert stale_status(defs, instance, asset, keys) == {k: "FRESH" for k in keys}, asset
     checks = result.get_asset_check_evaluations()
     assert sorted(e.partition.split("|")[0] for e in checks) == changed and all(e.passed for e in checks)
+    # The checks judge what the cells record (one snapshot), without a second read over the buckets.
+    recorded = {
+        m.partition: {k: m.metadata[k].value for k in ("chunks", "ready", "failed", "waiting")}
+        for m in result.asset_materializations_for_node(sync_and_embed.EMBED_OP)
+    }
+    assert {e.partition: {k: e.metadata[k].value for k in recorded[e.partition]} for e in checks} == recorded
+    assert grouped_reads == []
 
 
 def test_a_bucket_is_not_fresh_before_its_vectors_nor_after_a_change_seen_during_the_run(
