@@ -1,5 +1,6 @@
-"""Dagster's storage for `pipeline-assets dev`: dagster-postgres' storages with their connections
-pooled, as dagster-webserver pools its own, instead of one new connection per read or write.
+"""Dagster's storage for every instance we configure (`pipeline-assets dev`, `dagster-env`,
+deploy/dagster.yaml): dagster-postgres' storages with their connections pooled, as dagster-webserver
+pools its own, instead of one new connection per read or write.
 
 dagster-postgres (SQLAlchemy's NullPool) starts a PostgreSQL backend for every storage call (B20:
 several ms of the server's CPU each, docs/benchmarks.md), in the daemon's loops, sensor
