@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -11,11 +12,27 @@ from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStal
 from dagster._core.definitions.partitions.context import partition_loading_context
 from dagster._core.loader import LoadingContextForTest
 
+from pipeline_assets.defs.dagster_config import DEFAULT_PARTITION_BUCKETS
 from pipeline_assets.defs.definitions import build_definitions
 from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, embedding_key
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.data_helpers import write_corpus
+
+# The bucket count of the in-process modules (the ``in_process_buckets`` fixture sets it): what they
+# test holds for any count, and Dagster's bookkeeping per partition (events, staleness) costs in
+# proportion to it. The modules on the UI's path (the dev server, `dagster dev`, the topology) keep 64.
+IN_PROCESS_BUCKETS = 10
+
+
+def configured_buckets() -> int:
+    """The bucket count of the test's environment (PIPELINE_PARTITION_BUCKETS, else the product's)."""
+    return int(os.environ.get("PIPELINE_PARTITION_BUCKETS", DEFAULT_PARTITION_BUCKETS))
+
+
+def bucket_keys(bucket_count: int) -> list[str]:
+    """Every bucket's partition key, in partition order."""
+    return [bucket_key(i) for i in range(bucket_count)]
 
 
 def fresh_defs() -> dg.Definitions:
@@ -179,21 +196,22 @@ def served(conn, document_id: str, model_id: str) -> tuple[str, int, int]:
     ).fetchone()
 
 
-def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, bucket_count: int = 64) -> list[str]:
-    """The bucket keys a run request covers (one key, or a range in partition order)."""
+def requested_keys(instance: dg.DagsterInstance, request: dg.RunRequest, bucket_count: int | None = None) -> list[str]:
+    """The bucket keys a run request covers (one key, or a range in partition order); buckets of the
+    environment's count unless given."""
     if request.partition_key:
         return [request.partition_key]
-    order = [bucket_key(i) for i in range(bucket_count)]
+    order = bucket_keys(bucket_count or configured_buckets())
     start = order.index(request.tags["dagster/asset_partition_range_start"])
     end = order.index(request.tags["dagster/asset_partition_range_end"])
     return order[start : end + 1]
 
 
-def bucket_of(document_id: str, bucket_count: int = 64) -> str:
-    """The partition key of a document's bucket."""
+def bucket_of(document_id: str, bucket_count: int | None = None) -> str:
+    """The partition key of a document's bucket (of the environment's count unless given)."""
     from pipeline_assets.app.buckets import bucket_of as index
 
-    return bucket_key(index(document_id, bucket_count))
+    return bucket_key(index(document_id, bucket_count or configured_buckets()))
 
 
 def materialization_metadata(result: dg.ExecuteInProcessResult, asset: str) -> dict:

@@ -22,6 +22,8 @@ from pipeline_assets.settings import Settings
 from pipeline_assets.store import bucket_rows, reports
 from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
+    IN_PROCESS_BUCKETS,
+    bucket_keys,
     bucket_of,
     check_results,
     embed_range_tags,
@@ -38,7 +40,9 @@ from pipeline_assets_tests.data_helpers import bucket_documents, bucket_states, 
 from pipeline_assets_tests.processes import kill_group, start_cli, wait_until
 
 DOCS = [f"doc{i:04d}.md" for i in range(4)]
-ALL = [bucket_key(i) for i in range(64)]
+N = IN_PROCESS_BUCKETS
+ALL = bucket_keys(N)
+pytestmark = pytest.mark.usefixtures("in_process_buckets")
 
 
 @pytest.fixture
@@ -138,14 +142,14 @@ def test_a_backfill_of_every_bucket_is_one_run_with_per_bucket_metadata(corpus, 
     empty = next(k for k in ALL if k not in {bucket_of(d) for d in DOCS})
     assert docs[empty]["documents"] == 0 and embs[empty]["chunks"] == 0
     emb = materialization_metadata(result, "embeddings")
-    assert emb["partitions"] == 64 and emb["coverage_ratio"] == 1.0
+    assert emb["partitions"] == N and emb["coverage_ratio"] == 1.0
     assert emb["embedded"] == sum(s.chunks for s in summaries.values())
     assert {e.partition for e in result.get_asset_check_evaluations()} == {  # one per bucket (and model)
         str(embedding_key(k, f"openai/{FAKE_MODEL}")) for k in ALL
     }
     # A range run records one version for the range (Dagster 1.13), never a bucket's own.
     versions = latest_data_versions(instance, "documents", ALL)
-    assert len(set(versions.values())) == 1 and next(iter(versions.values())).startswith("range:64:")
+    assert len(set(versions.values())) == 1 and next(iter(versions.values())).startswith(f"range:{N}:")
 
     # Nothing changed: the no-op backfill reads no file and calls no provider.
     billed = fake.stats["billed_inputs"]
@@ -200,19 +204,19 @@ def test_documents_and_chunks_cannot_be_materialized_apart(corpus, conn, fake):
 
 
 def test_a_bucket_count_other_than_the_databases_fails_with_one_line(corpus, conn, fake, monkeypatch):
-    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success  # fixes 64
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success  # fixes N
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
     result = execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000")
     assert not result.success
     description = result.failure_data_for_node("ingest").user_failure_data.description
-    assert "64 buckets" in description and "PIPELINE_PARTITION_BUCKETS=64" in description
+    assert f"{N} buckets" in description and f"PIPELINE_PARTITION_BUCKETS={N}" in description
     assert "\n" not in description
 
 
 def test_refresh_and_reconciliation_runs_check_the_bucket_count_too(corpus, conn, fake, monkeypatch):
-    """Every run that reports buckets checks the count: with 8 configured on a 64-bucket database,
+    """Every run that reports buckets checks the count: with 8 configured on a database of N buckets,
     refresh_documents and the reconciliation fail with one line before changing anything."""
-    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success  # fixes 64
+    assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), partition_key="b000").success  # fixes N
     billed = fake.stats["billed_inputs"]
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", "8")
     (corpus / "doc0001.md").write_text("# edited\n\nwords nobody ingested yet\n")
@@ -227,7 +231,7 @@ def test_refresh_and_reconciliation_runs_check_the_bucket_count_too(corpus, conn
     for result, node in ((refresh, "refresh_documents_op"), (reconcile, "reconciliation")):
         assert not result.success
         description = result.failure_data_for_node(node).user_failure_data.description
-        assert "64 buckets" in description and "PIPELINE_PARTITION_BUCKETS=64" in description
+        assert f"{N} buckets" in description and f"PIPELINE_PARTITION_BUCKETS={N}" in description
         assert "\n" not in description
     after = conn.execute("SELECT document_id, status, source_checksum FROM app.documents ORDER BY 1").fetchall()
     assert after == before and fake.stats["billed_inputs"] == billed
@@ -435,7 +439,7 @@ def test_bucket_states_grouped_in_sql_are_the_summaries_own(corpus, conn, fake):
         ingest_source(rt, pool, corpus)
         (corpus / "doc0002.md").unlink()
         ingest_source(rt, pool, corpus)
-    root, n = str(corpus.resolve()), 64
+    root, n = str(corpus.resolve()), N
     buckets = list(range(n))
     from_sql = bucket_rows.states_of(conn, root, buckets, n)
     summaries = reports.document_summaries(conn, root, bucket_documents(conn, root, buckets, n))
@@ -452,7 +456,7 @@ def test_bucket_coverage_grouped_in_sql_is_the_documents_own(corpus, conn, fake)
     with dg.build_resources(build_resources(Settings.from_env())) as res:
         rt, pool = res.embedding_provider.runtime(), res.postgres.pool()
         ingest_source(rt, pool, corpus)
-        root, n, model = str(corpus.resolve()), 64, rt.model_id
+        root, n, model = str(corpus.resolve()), N, rt.model_id
         buckets = list(range(n))
         ids = bucket_documents(conn, root, buckets, n)
         for step in ("waiting", "embedded"):
@@ -502,7 +506,7 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
         os.utime(corpus / f"doc{i:04d}.md", (time.time() - 3600,) * 2)
     with dg.build_resources(build_resources(Settings.from_env())) as res:
         rt, pool = res.embedding_provider.runtime(), res.postgres.pool()
-        first = bk.sync_buckets(rt, pool, corpus, range(64), 64)
+        first = bk.sync_buckets(rt, pool, corpus, range(N), N)
         assert (first.changed, first.gone, first.report.new) == (9, 0, 9) and calls and max(calls) <= 2
         assert sum(calls) == 9
         assert (
@@ -515,11 +519,11 @@ def test_a_bucket_run_works_in_pages_of_bounded_size(corpus, conn, fake, monkeyp
         for gone in ("doc0002.md", "doc0005.md", "doc0007.md"):
             (corpus / gone).unlink()
         calls.clear()
-        second = bk.sync_buckets(rt, pool, corpus, range(64), 64)
+        second = bk.sync_buckets(rt, pool, corpus, range(N), N)
         assert (second.changed, second.gone, second.report.changed, second.report.deleted) == (1, 3, 1, 3)
         assert max(calls) <= 2 and sum(calls) == 4
         calls.clear()
-        third = bk.sync_buckets(rt, pool, corpus, range(64), 64)
+        third = bk.sync_buckets(rt, pool, corpus, range(N), N)
         assert (third.changed, third.gone, third.stale, calls) == (0, 0, 0, [])
     statuses = dict(conn.execute("SELECT document_id, status FROM app.documents").fetchall())
     assert sorted(d for d, s in statuses.items() if s == "deleted") == ["doc0002.md", "doc0005.md", "doc0007.md"]
@@ -538,8 +542,8 @@ def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_document
         os.utime(corpus / f"doc{i:04d}.md", (time.time() - 3600,) * 2)
     docs = sorted(p.name for p in corpus.iterdir())
     assert execute(fresh_defs(), dg.DagsterInstance.ephemeral(), tags=range_tags(ALL)).success
-    wanted = sorted({bucket_index(d, 64) for d in docs[:6]})
-    inside = [d for d in docs if bucket_index(d, 64) in wanted]
+    wanted = sorted({bucket_index(d, N) for d in docs[:2]})
+    inside = [d for d in docs if bucket_index(d, N) in wanted]
     assert 3 <= len(inside) < len(docs)
 
     monkeypatch.setenv("PIPELINE_EXTRACTOR_VERSION", "extract-2")
@@ -554,7 +558,7 @@ def test_a_bucket_run_after_a_version_bump_reads_only_its_buckets_stale_document
 
     monkeypatch.setattr(stage_runs, "rerun_targets", recorded)
     with dg.build_resources(build_resources(Settings.from_env())) as res:
-        done = bk.sync_buckets(res.embedding_provider.runtime(), res.postgres.pool(), corpus, wanted, 64)
+        done = bk.sync_buckets(res.embedding_provider.runtime(), res.postgres.pool(), corpus, wanted, N)
     assert done.stale == len(inside) and done.changed == 0
     assert reads and max(len(r) for r in reads) <= 2
     assert sorted(d for r in reads for d in r) == inside  # only its buckets' documents, each once

@@ -16,11 +16,12 @@ from pipeline_assets.app.runtime import chunker_for
 from pipeline_assets.content import folder_source
 from pipeline_assets.defs.ingest.rerun_sensor import rerun_stale_documents_sensor
 from pipeline_assets.defs.ingest.source_sensor import decode_cursor, source_documents_sensor
-from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import stage_runs
 from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.dagster_helpers import (
+    IN_PROCESS_BUCKETS,
+    bucket_keys,
     bucket_of,
     evaluate_sensor,
     execute,
@@ -32,7 +33,8 @@ from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.processes import cli
 
-ALL = [bucket_key(i) for i in range(64)]
+ALL = bucket_keys(IN_PROCESS_BUCKETS)
+pytestmark = pytest.mark.usefixtures("in_process_buckets")
 
 HOUR_NS = 3600 * 10**9
 MODEL_ID = f"openai/{FAKE_MODEL}"
