@@ -1,10 +1,10 @@
 """`pipeline-assets dev` for real: webserver + daemon on PostgreSQL storage, driven through GraphQL.
 
-One server for the module (start-up is the expensive part), over a corpus of 400 documents in
-the 64 document buckets (1,000 with PIPELINE_TEST_PROFILE=long): a smoke test that launches one
+One server for the module (start-up is the expensive part), over a corpus of 60 documents in 10
+document buckets (1,000 in the product's 64 with PIPELINE_TEST_PROFILE=long): a smoke test that launches one
 bucket run (and the daemon's embeddings run after it), the partition's page in a browser, a
-second model's column and a backfill of all 64 buckets x both models that launches three runs
-(documents and chunks by bucket; embeddings by bucket, one per model), not 64 or 192, the source
+second model's column and a backfill of every bucket x both models that launches three runs
+(documents and chunks by bucket; embeddings by bucket, one per model), not one per cell, the source
 sensor through the daemon, and that what the UI shows per partition (counts, FRESH/STALE) agrees
 with `status --json` and with the files on disk. The fixture stops the source sensor (and the
 sensors no test here uses) before the corpus is written, so each test decides what runs.
@@ -30,21 +30,21 @@ import psycopg
 import pytest
 
 from pipeline_assets.cli.dagster_instance import DAGSTER_URL_ENV, sqlalchemy_url
-from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.store import reports
 from pipeline_assets_tests.browser import Browser, chromium_path
 from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE
-from pipeline_assets_tests.dagster_helpers import bucket_of
+from pipeline_assets_tests.dagster_helpers import bucket_keys, bucket_of
 from pipeline_assets_tests.dagster_instances import copy_of_dagster_template
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.fake_openai import FakeOpenAI
 from pipeline_assets_tests.processes import cli, stop_group
 
-# What is tested does not depend on the corpus's size as long as every one of the 64 buckets holds
-# documents (from 330 documents on): one backfill run, not 64, and 64 per-bucket materializations and
+# What is tested holds for any bucket count and corpus size as long as every bucket holds documents
+# (10 buckets: from 40 documents on): one backfill run, not one per bucket, and per-bucket materializations and
 # checks whose counts add up. The long profile keeps the 1,000-document corpus.
-N_DOCUMENTS = 1000 if LONG_PROFILE else 400
-BUCKETS = [bucket_key(i) for i in range(64)]
+N = 64 if LONG_PROFILE else 10
+N_DOCUMENTS = 1000 if LONG_PROFILE else 60
+BUCKETS = bucket_keys(N)
 DOCS = [f"doc{i:04d}.md" for i in range(N_DOCUMENTS)]
 MODEL = f"openai/{FAKE_MODEL}"
 REPO_SELECTOR = {"repositoryLocationName": "pipeline_assets", "repositoryName": "__repository__"}
@@ -57,7 +57,7 @@ FINISHED = ("SUCCESS", "FAILURE", "CANCELED")
 UNUSED_SENSORS = ("rerun_stale_documents", "reconcile_on_dead_letters", "reconcile_on_run_failure")
 RUN_TIMEOUT = 300  # seconds: generous, the machine is shared
 # A binary file (quarantined) the source sensor's test writes into the bucket the UI test edits.
-BLOB = next(f"blob{i}.bin" for i in range(5000) if bucket_of(f"blob{i}.bin") == bucket_of(DOCS[10]))
+BLOB = next(f"blob{i}.bin" for i in range(5000) if bucket_of(f"blob{i}.bin", N) == bucket_of(DOCS[10], N))
 
 
 # Each test starts several Dagster processes (each imports Dagster: tens of seconds on a loaded
@@ -164,7 +164,7 @@ def dev_server(database_url, server_url, tmp_path_factory):
                 "PIPELINE_SOURCE_SENSOR_INTERVAL": "5",
             }
         )
-        env.pop("PIPELINE_PARTITION_BUCKETS", None)
+        env["PIPELINE_PARTITION_BUCKETS"] = str(N)
         log = open(base / "server.log", "w")
         proc = subprocess.Popen(
             [
@@ -268,7 +268,7 @@ def _latest_metadata(server: DevServer, asset: str, keys: list[str]) -> dict[str
 
 
 def _bucket_docs(key: str) -> list[str]:
-    return [d for d in DOCS if bucket_of(d) == key]
+    return [d for d in DOCS if bucket_of(d, N) == key]
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +276,7 @@ def bucket_run(dev_server) -> tuple[str, str, str]:
     """(bucket key, bucket run id, embeddings run id) of one bucket materialized through GraphQL: the
     smoke test checks the runs, the browser test the page that shows them (one pair for both; each
     run starts a process)."""
-    key = bucket_of(DOCS[0])
+    key = bucket_of(DOCS[0], N)
     return key, *_materialize_bucket(dev_server, key)
 
 
@@ -284,7 +284,7 @@ def test_webserver_smoke_graphql_asset_graph_and_one_bucket_run(dev_server, data
     assert {"documents", "chunks", "embeddings", "embedding_store", "reconciliation"} <= dev_server.asset_keys()
     key, run_id, embed_run_id = bucket_run
     members = _bucket_docs(key)
-    assert 1 < len(members) < 60  # a bucket is a slice of the corpus (~1/64 of it)
+    assert 1 < len(members) < N_DOCUMENTS // 2  # a bucket is a slice of the corpus (~1/N of it)
     root = str(dev_server.corpus.resolve())
     with psycopg.connect(database_url) as conn:
         # The run brought exactly its bucket's documents current and embedded, nothing else.
@@ -359,12 +359,12 @@ def _add_second_model(server: DevServer, database_url: str) -> str:
     return added
 
 
-def test_backfill_of_all_64_buckets_and_two_model_columns_is_three_runs(dev_server, database_url, monkeypatch):
+def test_backfill_of_every_bucket_and_two_model_columns_is_three_runs(dev_server, database_url, monkeypatch):
     """The UI's backfill of the three assets over every bucket and both models (a second one added
     by `models add` gets its column from the daemon's sensors): one run of documents and chunks over
-    the 64 buckets, then one of embeddings per model over the 64 buckets x that model
+    the buckets, then one of embeddings per model over the buckets x that model
     (BackfillPolicy.single_run on a multi-partitioned asset groups the subset by its smaller
-    dimension), not 64 or 192; each model's vectors for every chunk, per-bucket metadata that adds up."""
+    dimension), not one per bucket or cell; each model's vectors for every chunk, per-bucket metadata that adds up."""
     added = _add_second_model(dev_server, database_url)
     started = time.monotonic()
     every = {"range": {"start": BUCKETS[0], "end": BUCKETS[-1]}}
@@ -419,20 +419,20 @@ def test_backfill_of_all_64_buckets_and_two_model_columns_is_three_runs(dev_serv
     assert len(summaries) == N_DOCUMENTS and all(s.status == "current" for s in summaries.values())
     assert cov.wanted == cov.ready > 0 and cov_added.wanted == cov_added.ready == cov.wanted
     # Every bucket has a materialization of that one run, with its own counts: they add up to the corpus.
-    expected = Counter(bucket_of(d) for d in DOCS)
+    expected = Counter(bucket_of(d, N) for d in DOCS)
     documents = _latest_metadata(dev_server, "documents", BUCKETS)
     assert sorted(documents) == BUCKETS and {r for r, _ in documents.values()} == {sync_id}
     assert {k: m["documents"] for k, (_, m) in documents.items()} == {k: expected[k] for k in BUCKETS}
     chunks_by_bucket = Counter()
     for doc, c in per_doc.items():
-        chunks_by_bucket[bucket_of(doc)] += c.wanted
+        chunks_by_bucket[bucket_of(doc, N)] += c.wanted
     for model in (MODEL, added):
         cells = _latest_metadata(dev_server, "embeddings_", [f"{k}|{model}" for k in BUCKETS])
         assert {c: r for c, (r, _) in cells.items()} == {f"{k}|{model}": embed_runs[model] for k in BUCKETS}, model
         assert {c.split("|")[0]: (m["chunks"], m["ready"]) for c, (_, m) in cells.items()} == {
             k: (chunks_by_bucket[k], chunks_by_bucket[k]) for k in BUCKETS
         }, model
-    # One coverage evaluation per bucket of each embeddings run, all passed: 64, never one per document.
+    # One coverage evaluation per bucket of each embeddings run, all passed: one per bucket, never one per document.
     dagster_db = dev_server.env["PIPELINE_DAGSTER_DATABASE"]
     monkeypatch.setenv(DAGSTER_URL_ENV, sqlalchemy_url(psycopg.conninfo.make_conninfo(database_url, dbname=dagster_db)))
     instance = dg.DagsterInstance.from_config(str(dev_server.dagster_home))  # the real instance
@@ -461,7 +461,7 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     (corpus / deleted).unlink()
     (corpus / added).write_text("# added\n\na document written while the sensor was stopped\n")
     (corpus / blob).write_bytes(b"\x00\x01binary\x00" * 64)  # quarantined: unsupported_binary
-    changed_buckets = sorted({bucket_of(d) for d in (edited, deleted, added, blob)})
+    changed_buckets = sorted({bucket_of(d, N) for d in (edited, deleted, added, blob)})
     started = dev_server.gql(
         """mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
              __typename ... on Sensor { sensorState { status } } ... on PythonError { message } } }""",
@@ -501,7 +501,7 @@ def test_source_sensor_through_the_daemon_launches_one_run_over_the_changed_buck
     # The run ingested exactly the three new or changed files and tombstoned the deleted one; the
     # prefilter kept it from reading any unchanged file (it reads a changed one again only if the
     # sensor's tick hashed it within the racy-mtime window: 0 to 3, depending on when the tick came).
-    for key in (bucket_of(added), bucket_of(blob)):
+    for key in (bucket_of(added, N), bucket_of(blob, N)):
         ((run, meta),) = _latest_metadata(dev_server, "documents", [key]).values()
         assert run == runs[0]["runId"], key
     assert (meta["changed_documents"], meta["gone_documents"]) == (3, 1) and meta["files_read"] <= 3
@@ -560,7 +560,7 @@ def test_ui_partitions_agree_with_status_and_an_edit_is_not_shown_fresh(dev_serv
     add up to what `status --json` says, and a bucket whose document was edited on disk after its
     run is not FRESH once the source sensor has observed the edit (it is again after the run)."""
     edited = DOCS[10]
-    key = bucket_of(edited)
+    key = bucket_of(edited, N)
     corpus = dev_server.corpus
     # The bucket's latest run is the source sensor's of the test above, which quarantined a binary
     # file in it (BLOB, unsupported_binary): shown FRESH, the file named in its metadata.
