@@ -26,6 +26,33 @@ WHERE o.root = %(root)s
 ORDER BY o.document_id
 LIMIT %(limit)s
 
+-- name: live_versions
+-- The distinct (extractor version, chunker version, extension) of a source's live documents, as
+-- rerun_targets reads them ('' for none): a skip scan of documents_live_versions, one index
+-- descent per combination, whatever the source holds.
+WITH RECURSIVE src AS (
+    SELECT source_id FROM app.sources WHERE root = %(root)s
+), v AS (
+    (SELECT coalesce(d.extractor_version, '') AS e, coalesce(d.chunker_version, '') AS c,
+            coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '') AS x
+     FROM app.documents d, src
+     WHERE d.source_id = src.source_id AND d.status <> 'deleted'
+     ORDER BY 1, 2, 3
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.e, nxt.c, nxt.x
+    FROM v, src, LATERAL (
+        SELECT coalesce(d.extractor_version, '') AS e, coalesce(d.chunker_version, '') AS c,
+               coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '') AS x
+        FROM app.documents d
+        WHERE d.source_id = src.source_id AND d.status <> 'deleted'
+          AND (coalesce(d.extractor_version, ''), coalesce(d.chunker_version, ''),
+               coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '')) > (v.e, v.c, v.x)
+        ORDER BY 1, 2, 3
+        LIMIT 1) nxt
+)
+SELECT e, c, x FROM v
+
 -- name: unobserved_current
 -- Documents of the source in some buckets that are not quarantined or deleted
 -- but have no observed file: their files left before any scan saw them.
