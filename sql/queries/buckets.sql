@@ -30,22 +30,20 @@ LIMIT %(limit)s
 -- The distinct (extractor version, chunker version, extension) of a source's live documents, as
 -- rerun_targets reads them ('' for none): a skip scan of documents_live_versions, one index
 -- descent per combination, whatever the source holds.
-WITH RECURSIVE src AS (
-    SELECT source_id FROM app.sources WHERE root = %(root)s
-), v AS (
+WITH RECURSIVE v AS (
     (SELECT coalesce(d.extractor_version, '') AS e, coalesce(d.chunker_version, '') AS c,
             coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '') AS x
-     FROM app.documents d, src
-     WHERE d.source_id = src.source_id AND d.status <> 'deleted'
+     FROM app.documents d
+     WHERE d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
      ORDER BY 1, 2, 3
      LIMIT 1)
     UNION ALL
     SELECT nxt.e, nxt.c, nxt.x
-    FROM v, src, LATERAL (
+    FROM v, LATERAL (
         SELECT coalesce(d.extractor_version, '') AS e, coalesce(d.chunker_version, '') AS c,
                coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '') AS x
         FROM app.documents d
-        WHERE d.source_id = src.source_id AND d.status <> 'deleted'
+        WHERE d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
           AND (coalesce(d.extractor_version, ''), coalesce(d.chunker_version, ''),
                coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '')) > (v.e, v.c, v.x)
         ORDER BY 1, 2, 3
@@ -55,14 +53,27 @@ SELECT e, c, x FROM v
 
 -- name: unobserved_current
 -- Documents of the source in some buckets that are not quarantined or deleted
--- but have no observed file: their files left before any scan saw them.
-SELECT d.document_id
-FROM app.documents d
-JOIN app.sources s ON s.source_id = d.source_id
-WHERE s.root = %(root)s AND d.status <> 'deleted'
-  AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
-  AND NOT EXISTS (SELECT 1 FROM app.source_observations o
-                  WHERE o.root = s.root AND o.document_id = d.document_id AND o.checksum IS NOT NULL)
+-- but have no observed file: their files left before any scan saw them. The
+-- buckets' live documents and present observed files are merged by (bucket, id),
+-- both read from an index alone (documents_live_bucket, source_observations_present);
+-- what is left is checked by id (an observed file whose bucket is not filled yet).
+SELECT c.document_id
+FROM (SELECT d.document_id
+      FROM app.documents d
+      WHERE d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
+        AND (%(buckets)s::int[] IS NULL OR d.bucket = ANY(%(buckets)s::int[]))
+        AND NOT EXISTS (SELECT 1 FROM app.source_observations o
+                        WHERE o.root = %(root)s AND o.bucket = d.bucket AND o.document_id = d.document_id
+                          AND (%(buckets)s::int[] IS NULL OR o.bucket = ANY(%(buckets)s::int[]))
+                          AND o.checksum IS NOT NULL)
+      UNION ALL
+      SELECT d.document_id
+      FROM app.documents d
+      WHERE d.bucket IS NULL AND %(buckets)s::int[] IS NOT NULL
+        AND d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
+        AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])) c
+WHERE NOT EXISTS (SELECT 1 FROM app.source_observations o
+                  WHERE o.root = %(root)s AND o.document_id = c.document_id AND o.checksum IS NOT NULL)
 
 -- name: mark_synced
 -- The files a bucket run brought current, at the checksum it saw.
