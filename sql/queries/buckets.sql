@@ -52,11 +52,9 @@ WITH RECURSIVE v AS (
 SELECT e, c, x FROM v
 
 -- name: unobserved_current
--- Documents of the source in some buckets that are not quarantined or deleted
--- but have no observed file: their files left before any scan saw them. The
--- buckets' live documents and present observed files are merged by (bucket, id),
--- both read from an index alone (documents_live_bucket, source_observations_present);
--- what is left is checked by id (an observed file whose bucket is not filled yet).
+-- Live documents of the source in some buckets without an observed file (their files left before any
+-- scan saw them): the two indexes documents_live_bucket and source_observations_present merged by
+-- (bucket, id), no row read; what is left is checked by id (an observation without a bucket yet).
 SELECT c.document_id
 FROM (SELECT d.document_id
       FROM app.documents d
