@@ -62,7 +62,8 @@ def buckets_of(document_ids: Iterable[str], bucket_count: int) -> dict[int, list
 
 @dataclass
 class BucketSync:
-    """What a bucket run did (counts: a run over a million documents holds no list of them)."""
+    """What a bucket run did: counts, and the documents by id only up to LISTED_DOCUMENTS (a run
+    over a million documents holds no list of them)."""
 
     scan: observations.Scan
     changed: int = 0  # new or changed bytes: ingested
