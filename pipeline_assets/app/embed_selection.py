@@ -96,7 +96,7 @@ class BucketsEmbedded:
 
     work: WorkerReport
     enqueued: int
-    documents: int  # current documents in the buckets
+    documents: int  # current documents waited for (the buckets', or the changed ones: embed_changed)
     before: reports.Coverage
     after: reports.Coverage
     per_bucket: dict[int, bucket_rows.BucketCoverage]
