@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import observations
@@ -38,6 +39,9 @@ BUCKET_HASH_HEX = 15
 # files, stale documents): bounds the run's memory (about 1 kB per document in flight)
 # whatever its buckets hold.
 SYNC_PAGE_DOCUMENTS = 10_000
+# Documents a bucket run lists by id (``BucketSync.documents``) for the embeddings after it;
+# past this many it lists none, and they embed its buckets whole.
+LISTED_DOCUMENTS = 2_000
 _DROPPED_BITS = 64 - 4 * BUCKET_HASH_HEX
 
 
@@ -58,13 +62,22 @@ def buckets_of(document_ids: Iterable[str], bucket_count: int) -> dict[int, list
 
 @dataclass
 class BucketSync:
-    """What a bucket run did (counts: a run over a million documents holds no list of them)."""
+    """What a bucket run did: counts, and the documents by id only up to LISTED_DOCUMENTS (a run
+    over a million documents holds no list of them)."""
 
     scan: observations.Scan
     changed: int = 0  # new or changed bytes: ingested
     stale: int = 0  # another extractor/chunker version: re-extracted
     gone: int = 0  # files gone: tombstoned
     report: IngestReport = field(default_factory=IngestReport)
+    # Every document it ingested, recorded or tombstoned, by id; None past LISTED_DOCUMENTS.
+    documents: list[str] | None = field(default_factory=list)
+
+    def touched(self, ids: Iterable[str]) -> None:
+        if self.documents is not None:
+            self.documents.extend(ids)
+            if len(self.documents) > LISTED_DOCUMENTS:
+                self.documents = None
 
 
 def sync_buckets(
@@ -120,11 +133,15 @@ def sync_buckets(
                 orphans = [] if chosen == [] else bucket_rows.unobserved_current(conn, root, chosen, bucket_count)
             for page in _pages(orphans):
                 done.report.add(ingest_documents(rt, pool, source, page))
+                done.touched(page)
             done.gone += len(orphans)
     # After the changed documents: those are current now, and only the rest is stale. Selected in
     # the database for this source and these buckets, a page at a time (the extract pass brings a
-    # document's chunk stage current too, so the chunk pass finds only what is stale there alone).
-    for stage in rerun_uc.VERSIONED_STAGES:
+    # document's chunk stage current too, so the chunk pass finds only what is stale there alone),
+    # for the stages where some live document of the source has another version at all.
+    with pool.connection() as conn:
+        stages = stale_stages(rt, conn, root)
+    for stage in stages:
         for targets in rerun_uc.pages(
             rt,
             pool,
@@ -135,9 +152,27 @@ def sync_buckets(
             bucket_count=bucket_count,
             page_size=SYNC_PAGE_DOCUMENTS,
         ):
-            done.report.add(ingest_documents(rt, pool, source, [t.document_id for t in targets]))
+            ids = [t.document_id for t in targets]
+            done.report.add(ingest_documents(rt, pool, source, ids))
+            done.touched(ids)
             done.stale += len(targets)
     return done
+
+
+def stale_stages(rt: Runtime, conn: psycopg.Connection, root: str) -> tuple[str, ...]:
+    """The versioned stages (extract, chunk) in which some live document of the source may have
+    another version than the current one (for extract, its extension's): from the distinct
+    versions the documents carry (``bucket_rows.live_versions``), without reading them. A stage
+    left out has no stale document; one listed may (``rerun_uc.pages`` selects them)."""
+    versions = rt.options.extractor_version
+    by_extension, default = versions.by_extension(), versions.default
+    present = bucket_rows.live_versions(conn, root)
+    out = []
+    if any(extract != by_extension.get(ext, default) for extract, _, ext in present):
+        out.append("extract")
+    if any(chunk != rt.options.chunker.version for _, chunk, _ in present):
+        out.append("chunk")
+    return tuple(stage for stage in rerun_uc.VERSIONED_STAGES if stage in out)
 
 
 def _sync_page(
@@ -165,6 +200,7 @@ def _sync_page(
             source_observations.forget_gone(conn, root, gone)
     done.changed += len(changed)
     done.gone += len(gone)
+    done.touched(doc for doc, _, _ in rows)
 
 
 def _pages(ids: list[str]) -> Iterator[list[str]]:

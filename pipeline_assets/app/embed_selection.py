@@ -96,7 +96,7 @@ class BucketsEmbedded:
 
     work: WorkerReport
     enqueued: int
-    documents: int  # current documents in the buckets
+    documents: int  # current documents waited for (the buckets', or the changed ones: embed_changed)
     before: reports.Coverage
     after: reports.Coverage
     per_bucket: dict[int, bucket_rows.BucketCoverage]
@@ -151,4 +151,65 @@ def embed_buckets(
         in_process=in_process,
         waited_seconds=waited.seconds,
         index_put_off=waited.index_put_off,
+    )
+
+
+def embed_changed(
+    rt: Runtime,
+    pool: ConnectionPool,
+    root: Path | str,
+    document_ids: Sequence[str],
+    bucket_ids: Sequence[int],
+    bucket_count: int,
+    *,
+    poll_seconds: float | None = None,
+    in_process: bool = True,
+    deadline_seconds: float | None = None,
+) -> BucketsEmbedded:
+    """``embed_buckets`` for a run that knows which documents of its buckets changed (every one
+    it ingested, recorded or tombstoned): ``embed_and_wait`` for those alone, then ONE read of
+    the buckets' coverage, whole buckets, for what the run records. If that read shows other
+    chunks of the buckets outstanding (a concurrent run, an earlier failure), ``embed_buckets``
+    waits for the buckets whole: nothing is reported embedded that is not."""
+    changed = embed_and_wait(
+        rt,
+        pool,
+        root,
+        document_ids,
+        poll_seconds=poll_seconds,
+        in_process=in_process,
+        deadline_seconds=deadline_seconds,
+    )
+    with pool.connection() as conn:
+        per_bucket, total = bucket_rows.coverage_and_total(conn, str(root), bucket_ids, bucket_count, rt.model_id)
+    if vector_wait.outstanding(total):
+        log.info(
+            "%d chunk(s) of the buckets besides the %d changed document(s) are outstanding: waiting for the buckets",
+            vector_wait.outstanding(total),
+            len(document_ids),
+        )
+        whole = embed_buckets(
+            rt,
+            pool,
+            root,
+            bucket_ids,
+            bucket_count,
+            poll_seconds=poll_seconds,
+            in_process=in_process,
+            deadline_seconds=deadline_seconds,
+        )
+        whole.enqueued += changed.enqueued
+        counted = ("embedded", "superseded", "failed", "retried", "throttled", "provider_calls", "tokens")
+        whole.work.add(**{k: getattr(changed.work, k) for k in counted})
+        return whole
+    return BucketsEmbedded(
+        work=changed.work,
+        enqueued=changed.enqueued,
+        documents=sum(1 for s in changed.summaries.values() if s.status == "current"),
+        before=changed.before,
+        after=total,
+        per_bucket=per_bucket,
+        in_process=in_process,
+        waited_seconds=changed.waited_seconds,
+        index_put_off=changed.index_put_off,
     )

@@ -22,7 +22,7 @@ from psycopg_pool import ConnectionPool
 from pipeline_assets.counts import Counts
 from pipeline_assets.providers import ModelSpec
 from pipeline_assets.providers.pricing import price_per_million, tokens_exact
-from pipeline_assets.store import estimates
+from pipeline_assets.store import estimates, reports
 
 TOKENS_PER_MILLION = 1_000_000
 
@@ -130,4 +130,20 @@ def for_buckets(
     waits for (dead-lettered content stays dead-lettered)."""
     with pool.connection() as conn:
         row = estimates.of_buckets(conn, spec.model_id, root, bucket_ids, bucket_count)
+    return _estimate(row, spec, configured_price, requeue_failed=False)
+
+
+def for_document_ids(
+    pool: ConnectionPool,
+    spec: ModelSpec,
+    configured_price: float | None,
+    root: Path | str,
+    document_ids: Sequence[str],
+) -> Estimate:
+    """``for_buckets`` for some documents of a source (ids): the current ones' chunks, what an
+    embeddings run over them enqueues and waits for (dead-lettered content stays dead-lettered)."""
+    with pool.connection() as conn:
+        summaries = reports.document_summaries(conn, str(root), document_ids)
+        pks = [s.doc_pk for s in summaries.values() if s.status == "current"]
+        row = estimates.of_documents(conn, spec.model_id, pks)
     return _estimate(row, spec, configured_price, requeue_failed=False)

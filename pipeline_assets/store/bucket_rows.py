@@ -92,6 +92,12 @@ def unobserved_current(
     ]
 
 
+def live_versions(conn: psycopg.Connection, root: str) -> set[tuple[str, str, str]]:
+    """The distinct (extractor version, chunker version, extension) of the source's live documents
+    ('' for none; the extension lower case, with its dot): a few index descents, not a read of them."""
+    return {(e, c, x) for e, c, x in conn.execute(BUCKETS.live_versions, {"root": root})}
+
+
 def mark_synced(conn: psycopg.Connection, root: str, synced: dict[str, str]) -> None:
     """The files a bucket run brought current, at the checksum it saw ({document id: checksum})."""
     ids = list(synced)

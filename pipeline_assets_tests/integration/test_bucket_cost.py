@@ -123,6 +123,62 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     assert len(bucket_documents(conn, root, [BUCKET], N)) == mine
 
 
+def _nodes(plan: dict):
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def test_the_statements_of_a_run_after_an_edit_read_the_edit_not_the_buckets(clean_db):
+    """Of 6,400 synced documents in 64 buckets, 3 changed: the run over 18 buckets finds them through
+    an index (not by reading the buckets' observed files), learns that no live document has another
+    extractor or chunker version from a few index descents (not by reading the documents), and finds
+    the documents without an observed file by merging two indexes, visiting no row of either table."""
+    conn = clean_db
+    docs = 6400
+    conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
+    root = "/corpus"
+    ids = [f"doc-{i:05d}.md" for i in range(docs)]
+    _register(conn, root, ids)
+    with conn.transaction():
+        conn.execute(source_observations.OBS.stage_create)
+        with conn.cursor().copy(source_observations.OBS.stage_copy) as copy:
+            for d in ids:
+                copy.write_row((d, "0123456789abcdef", 1, 1))
+        conn.execute(source_observations.OBS.upsert_staged, {"root": root})
+    conn.execute("UPDATE app.source_observations SET synced = checksum")
+    changed = ids[:3]
+    conn.execute(
+        "UPDATE app.source_observations SET checksum = 'fedcba9876543210' WHERE document_id = ANY(%s)", (changed,)
+    )
+    conn.execute("VACUUM ANALYZE app.documents")
+    conn.execute("VACUUM ANALYZE app.source_observations")
+    wanted = sorted({buckets.bucket_of(d, N) for d in changed} | set(range(0, 64, 4)))[:18]
+    params = {"root": root, "n": N, "buckets": wanted, "after": "", "limit": docs}
+    in_buckets = sum(buckets.bucket_of(d, N) in wanted for d in ids)
+
+    def explained(name: str) -> dict:
+        statement = getattr(bucket_rows.BUCKETS, name)
+        return conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).fetchone()[0][0]["Plan"]
+
+    tables = {"documents", "source_observations"}
+    plan = explained("unsynced")
+    assert _rows_read(plan, {"source_observations"}) <= len(changed), plan
+    assert sorted(r[0] for r in conn.execute(bucket_rows.BUCKETS.unsynced, params)) == changed
+    plan = explained("live_versions")
+    assert _rows_read(plan, {"documents"}) <= 4, plan  # one combination here, and the descent past it
+    assert bucket_rows.live_versions(conn, root) == {("md", "c1", ".md")}
+    plan = explained("unobserved_current")
+    read = [n for n in _nodes(plan) if n.get("Relation Name") in tables and _rows_read(n, tables)]
+    assert read and all(n["Node Type"] == "Index Only Scan" for n in read), [n["Node Type"] for n in read]
+    assert sum(n.get("Heap Fetches", 0) for n in read) == 0, plan
+    assert _rows_read(plan, tables) <= 2 * in_buckets
+    conn.execute("DELETE FROM app.source_observations WHERE document_id = %s", (ids[-1],))
+    assert bucket_rows.unobserved_current(conn, root, wanted, N) == (
+        [ids[-1]] if buckets.bucket_of(ids[-1], N) in wanted else []
+    )
+
+
 def _register(conn, root: str, ids: list[str]) -> None:
     source = conn.execute(DOCS.register_source, {"root": root, "kind": "folder"}).fetchone()[0]
     k = len(ids)

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_assets.app.buckets import stale_stages
+from pipeline_assets.app.runtime import Runtime
+from pipeline_assets.settings import Settings
 from pipeline_assets_tests.conftest import FAKE_MODEL
 from pipeline_assets_tests.data_helpers import job_counts, write_corpus
 from pipeline_assets_tests.processes import cli
@@ -39,6 +42,11 @@ def extract_rows(conn) -> dict[str, tuple[str, str, int]]:
     }
 
 
+def stale_in(env: dict, conn, root: Path) -> tuple[str, ...]:
+    """The stages a bucket run under ``env``'s settings reads stale documents in (its skip scan)."""
+    return stale_stages(Runtime.build(Settings.from_env(env)), conn, str(root.resolve()))
+
+
 def mixed_corpus(root: Path) -> tuple[list[str], list[str]]:
     """3 markdown, 2 HTML and 2 PDF documents: (PDF ids, the others)."""
     write_corpus(root, 3)
@@ -66,6 +74,7 @@ def test_a_pdf_only_fix_reextracts_only_pdfs_and_bills_nothing(env, fake, clean_
 
     # The PDF extractor's version is bumped; the others keep theirs.
     env2 = {**env, "PIPELINE_EXTRACTOR_VERSION": "pdf=extract-2"}
+    assert stale_in(env, conn, corpus) == () and stale_in(env2, conn, corpus) == ("extract",)
     assert listed(cli("rerun", "--stale", "--dry-run", env=env2).stdout) == pdfs
     assert listed(cli("rerun", "--stage", "chunk", "--stale", "--dry-run", env=env2).stdout) == []
     assert cli("rerun", "--stage", "extract", "--stale", env=env2).stdout.strip() == "reran extract for 2 document(s)"
@@ -83,6 +92,10 @@ def test_a_pdf_only_fix_reextracts_only_pdfs_and_bills_nothing(env, fake, clean_
     assert work["provider_calls"] == 0 and work["embedded"] == 0
     assert fake.stats["requests"] == 0 and fake.stats["billed_inputs"] == 0
     assert listed(cli("rerun", "--stale", "--dry-run", env=env2).stdout) == []
+    # A bucket run's skip scan agrees: nothing stale under the bump, the PDFs under the old versions,
+    # every chunk under another chunk size.
+    assert stale_in(env2, conn, corpus) == () and stale_in(env, conn, corpus) == ("extract",)
+    assert stale_in({**env2, "PIPELINE_CHUNK_TOKENS": "100"}, conn, corpus) == ("chunk",)
     # An ingest under the bumped version skips every unchanged document, PDFs included.
     assert '"changed": 0' in cli("ingest", str(corpus), "--json", env=env2).stdout
 

@@ -26,16 +26,52 @@ WHERE o.root = %(root)s
 ORDER BY o.document_id
 LIMIT %(limit)s
 
+-- name: live_versions
+-- The distinct (extractor version, chunker version, extension) of a source's live documents, as
+-- rerun_targets reads them ('' for none): a skip scan of documents_live_versions, one index
+-- descent per combination, whatever the source holds.
+WITH RECURSIVE v AS (
+    (SELECT coalesce(d.extractor_version, '') AS e, coalesce(d.chunker_version, '') AS c,
+            coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '') AS x
+     FROM app.documents d
+     WHERE d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
+     ORDER BY 1, 2, 3
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.e, nxt.c, nxt.x
+    FROM v, LATERAL (
+        SELECT coalesce(d.extractor_version, '') AS e, coalesce(d.chunker_version, '') AS c,
+               coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '') AS x
+        FROM app.documents d
+        WHERE d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
+          AND (coalesce(d.extractor_version, ''), coalesce(d.chunker_version, ''),
+               coalesce(lower(substring(d.document_id FROM '[^/](\.[^./]+)$')), '')) > (v.e, v.c, v.x)
+        ORDER BY 1, 2, 3
+        LIMIT 1) nxt
+)
+SELECT e, c, x FROM v
+
 -- name: unobserved_current
--- Documents of the source in some buckets that are not quarantined or deleted
--- but have no observed file: their files left before any scan saw them.
-SELECT d.document_id
-FROM app.documents d
-JOIN app.sources s ON s.source_id = d.source_id
-WHERE s.root = %(root)s AND d.status <> 'deleted'
-  AND (%(buckets)s::int[] IS NULL OR (d.bucket = ANY(%(buckets)s::int[]) OR d.bucket IS NULL AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])))
-  AND NOT EXISTS (SELECT 1 FROM app.source_observations o
-                  WHERE o.root = s.root AND o.document_id = d.document_id AND o.checksum IS NOT NULL)
+-- Live documents of the source in some buckets without an observed file (their files left before any
+-- scan saw them): the two indexes documents_live_bucket and source_observations_present merged by
+-- (bucket, id), no row read; what is left is checked by id (an observation without a bucket yet).
+SELECT c.document_id
+FROM (SELECT d.document_id
+      FROM app.documents d
+      WHERE d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
+        AND (%(buckets)s::int[] IS NULL OR d.bucket = ANY(%(buckets)s::int[]))
+        AND NOT EXISTS (SELECT 1 FROM app.source_observations o
+                        WHERE o.root = %(root)s AND o.bucket = d.bucket AND o.document_id = d.document_id
+                          AND (%(buckets)s::int[] IS NULL OR o.bucket = ANY(%(buckets)s::int[]))
+                          AND o.checksum IS NOT NULL)
+      UNION ALL
+      SELECT d.document_id
+      FROM app.documents d
+      WHERE d.bucket IS NULL AND %(buckets)s::int[] IS NOT NULL
+        AND d.source_id = (SELECT source_id FROM app.sources WHERE root = %(root)s) AND d.status <> 'deleted'
+        AND app.document_bucket(d.document_id, %(n)s) = ANY(%(buckets)s::int[])) c
+WHERE NOT EXISTS (SELECT 1 FROM app.source_observations o
+                  WHERE o.root = %(root)s AND o.document_id = c.document_id AND o.checksum IS NOT NULL)
 
 -- name: mark_synced
 -- The files a bucket run brought current, at the checksum it saw.

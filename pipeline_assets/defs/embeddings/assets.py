@@ -19,7 +19,7 @@ import dagster as dg
 from psycopg_pool import ConnectionPool
 
 from pipeline_assets.app import estimate, model_runtime
-from pipeline_assets.app.embed_selection import BucketsEmbedded, embed_buckets
+from pipeline_assets.app.embed_selection import BucketsEmbedded, embed_buckets, embed_changed
 from pipeline_assets.app.runtime import Runtime
 from pipeline_assets.app.vector_wait import EmbedDeadlineExceeded, EmbedIncomplete
 from pipeline_assets.defs.embeddings.records import coverage_metadata, embedding_version, run_counts
@@ -68,10 +68,25 @@ def embed_or_fail(
     in_process: bool,
     embedding_run: EmbeddingRunResource,
     partitions: int,
+    documents: list[str] | None = None,
 ) -> BucketsEmbedded:
-    """One model's part of an embeddings run: ``embed_buckets``, its failures as Dagster's."""
+    """One model's part of an embeddings run: ``embed_buckets`` (``embed_changed`` when the run
+    knows the ``documents`` of the buckets that changed), its failures as Dagster's."""
+    deadline = embedding_run.deadline(rt.settings)
     try:
         with refused_as_failure():
+            if documents is not None:
+                return embed_changed(
+                    rt,
+                    db_pool,
+                    root,
+                    documents,
+                    bucket_ids,
+                    n,
+                    poll_seconds=WORKER_POLL_SECONDS,
+                    in_process=in_process,
+                    deadline_seconds=deadline,
+                )
             return embed_buckets(
                 rt,
                 db_pool,
@@ -80,7 +95,7 @@ def embed_or_fail(
                 n,
                 poll_seconds=WORKER_POLL_SECONDS,
                 in_process=in_process,
-                deadline_seconds=embedding_run.deadline(rt.settings),
+                deadline_seconds=deadline,
             )
     except EmbedIncomplete as exc:  # the deadline passed, or the worker stopped (a token budget)
         cov = exc.coverage
@@ -107,11 +122,17 @@ def preflight(
     root: str,
     bucket_ids: list[int],
     n: int,
+    documents: list[str] | None = None,
 ) -> estimate.Estimate:
     """Before one model's part of an embeddings run enqueues or sends anything: what it would send
-    (``app.estimate.for_buckets``), logged and recorded as an observation of the asset, so the run's
-    event log and the asset's page show it while the run is still to spend."""
-    est = estimate.for_buckets(db_pool, rt.provider.spec, rt.settings.price_per_million_tokens, root, bucket_ids, n)
+    (``app.estimate.for_buckets``; ``for_document_ids`` when the run embeds ``documents`` of the
+    buckets alone), logged and recorded as an observation of the asset, so the run's event log and
+    the asset's page show it while the run is still to spend."""
+    price = rt.settings.price_per_million_tokens
+    if documents is None:
+        est = estimate.for_buckets(db_pool, rt.provider.spec, price, root, bucket_ids, n)
+    else:
+        est = estimate.for_document_ids(db_pool, rt.provider.spec, price, root, documents)
     context.log.info(f"preflight: {est.describe()}")
     context.log_event(
         dg.AssetObservation(

@@ -99,7 +99,7 @@ def build_sync_and_embed_job(n: int, concurrency_pool: str | None) -> dg.JobDefi
             context.instance, states, {b: {} for b in bucket_ids}, versions, observed
         )
         yield dg.Output(
-            {"buckets": bucket_ids, "chunks": chunks, "source": observed, "root": src.key},
+            {"buckets": bucket_ids, "chunks": chunks, "source": observed, "root": src.key, "documents": done.documents},
             metadata={
                 "buckets": len(bucket_ids),
                 "files_read": done.scan.hashed,
@@ -125,6 +125,9 @@ def build_sync_and_embed_job(n: int, concurrency_pool: str | None) -> dg.JobDefi
         started = time.monotonic()
         bucket_ids: list[int] = synced["buckets"]
         root: str = synced["root"]
+        # The documents the sync ingested, recorded or tombstoned (None: too many to list): their
+        # chunks alone are enqueued and waited for, then the buckets' coverage read once.
+        documents: list[str] | None = synced.get("documents")
         settings = embedding_provider.settings()
         in_process = embedding_run.embeds_in_process(settings)
         db_pool = postgres.pool()
@@ -138,8 +141,10 @@ def build_sync_and_embed_job(n: int, concurrency_pool: str | None) -> dg.JobDefi
                 rt = model_runtime.runtime_of(settings, db_pool, model_id, dagster_run_id=context.run_id)
             except ConfigError as exc:
                 raise dg.Failure(description=str(exc), allow_retries=False) from None
-            est = preflight(context, rt, db_pool, root, bucket_ids, n)
-            done = embed_or_fail(rt, db_pool, root, bucket_ids, n, in_process, embedding_run, len(bucket_ids))
+            est = preflight(context, rt, db_pool, root, bucket_ids, n, documents)
+            done = embed_or_fail(
+                rt, db_pool, root, bucket_ids, n, in_process, embedding_run, len(bucket_ids), documents
+            )
             context.log.info(f"{model_id}: {len(bucket_ids)} bucket(s) embedded ({done.waited_seconds:.2f} s waited)")
             if done.index_put_off:
                 context.log.info(done.index_put_off)
