@@ -69,6 +69,7 @@ TARGETS = {
     "one_partition_s": 10.0,
     "edit_after_interval_s": 15.0,
 }
+LARGEST_PROCESSES = 12  # processes listed with their own peak RSS in the JSON (rss.largest_processes)
 ONE_PARTITION_RUNS = 3  # partitions of embeddings materialized one by one (the median is the figure)
 EDITED_DOCUMENTS = 20  # files edited at once on disk for the edit-to-served figure
 # The phases after the sensor path, in the order they run (--phases picks some).
@@ -392,6 +393,8 @@ def role_of(cmdline: list[str]) -> str:
         return "code_server"
     if "dagster dev" in line or "-m dagster dev" in line:
         return "dagster_dev"
+    if "multiprocessing.forkserver" in line:
+        return "extraction"  # a run's extraction server and its children (its command line names pipeline_assets)
     if "pipeline-assets" in line or "pipeline_assets" in line:
         return "pipeline_assets_dev"
     return "other"
@@ -424,6 +427,7 @@ class RssSampler(threading.Thread):
         self.peak = {"dagster_mb": 0.0, "postgres_mb": 0.0, "dagster_processes": 0}
         self.by_phase: dict[str, float] = {}
         self.by_role: dict[str, float] = {}
+        self.by_process: dict[int, tuple[str, float]] = {}  # pid -> (role, its own peak MB)
         self.peak_sample: dict[str, float] = {}
         self.samples = 0
         self.other_cmdlines: set[str] = set()
@@ -484,6 +488,8 @@ class RssSampler(threading.Thread):
                     self.other_cmdlines.add(" ".join(cmdline)[:160])
                 total += rss
                 roles[role] = roles.get(role, 0.0) + rss / 2**20
+                if rss / 2**20 > self.by_process.get(p.pid, ("", 0.0))[1]:
+                    self.by_process[p.pid] = (role, rss / 2**20)
             pg = self._postgres() if self.samples % 4 == 0 else 0.0  # every 2 s: process_iter is not free
             mb = total / 2**20
             self.samples += 1
@@ -515,6 +521,10 @@ class RssSampler(threading.Thread):
             "at_peak": self.peak_sample,
             "dagster_peak_mb_by_phase": {k: round(v, 1) for k, v in self.by_phase.items()},
             "peak_mb_by_role": {k: round(v, 1) for k, v in sorted(self.by_role.items())},
+            "largest_processes": [
+                {"pid": pid, "role": role, "peak_mb": round(mb, 1)}
+                for pid, (role, mb) in sorted(self.by_process.items(), key=lambda item: -item[1][1])[:LARGEST_PROCESSES]
+            ],
             "other_cmdlines": sorted(self.other_cmdlines),
             "load_average_1min_at_phase_start": self.load_at_phase_start,
             "postgres_peak_mb": round(self.peak["postgres_mb"], 1),

@@ -9,7 +9,9 @@
 3. ``dagster dev -w workspace.yaml`` in its own session; SIGINT/SIGTERM is forwarded once, and
    run workers still going after it get SIGTERM, then SIGKILL.
 ``dagster-env`` prints steps 1-2 as ``export`` lines (with PIPELINE_PARTITION_BUCKETS), so
-Dagster's own commands use the same instance. This process never imports Dagster.
+Dagster's own commands use the same instance. This process never imports Dagster, numpy or a
+model's runtime (it lives as long as Dagster does): the child that prepares the instance builds
+the configured provider to learn its model id.
 """
 
 import os
@@ -31,7 +33,6 @@ from pipeline_assets.cli.dagster_instance import (
     sqlalchemy_url,
 )
 from pipeline_assets.messages import one_line
-from pipeline_assets.providers import model_id_for
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
@@ -46,14 +47,14 @@ def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str
     """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME)."""
     home = (home or settings.home_path).resolve()
     pipeline_url = settings.database_url or embedded_postgres.ensure_server(home)
-    with db.session(pipeline_url) as conn:
+    with db.session(pipeline_url, adapters=False) as conn:  # no vectors here: numpy stays unimported
         # Migrations applied once, before webserver, daemon and runs start; the
         # database's bucket count (fixed by its first use) is what every process uses.
         bucket_count = fixed_bucket_count(conn, settings.partition_buckets)
-        # The model columns of embeddings: the registry's active models and the configured one (which
-        # the first run registers), so they exist before any sensor ticks (and after an upgrade).
-        configured = model_id_for(settings.provider_config())
-        model_keys = list(dict.fromkeys([*models.active_model_ids(conn), configured]))
+        # The model columns of embeddings: the registry's active models here, and the configured one
+        # (which the first run registers) in ``setup_instance``'s child, so they exist before any sensor
+        # ticks (and after an upgrade).
+        model_keys = models.active_model_ids(conn)
     dagster_url = sqlalchemy_url(migrations.ensure_database(pipeline_url, settings.dagster_database))
     dagster_home = home / "dagster"
     dagster_home.mkdir(parents=True, exist_ok=True)
