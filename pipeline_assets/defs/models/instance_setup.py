@@ -3,11 +3,11 @@
 ``cli/devserver.py`` runs ``python -m`` this module with DAGSTER_HOME (then model ids) as
 arguments and the storage URL in the environment, so the long-lived `dev` process never
 imports Dagster, nor builds a provider: the configured model's id (what the Dagster processes
-read from the same environment) is added here. It creates Dagster's tables once (before the webserver and daemon race to),
-empties the per-document scheme's dynamic partition set ``documents`` (an upgrade of an
-instance of that scheme; docs/dagster.md), and adds the given model ids missing from the
-``model`` partition set, so the columns of ``embeddings`` exist before any sensor ticks.
-Prints the number of legacy partitions deleted (0 once done).
+read from the same environment) is added here. It creates Dagster's tables once (before the
+webserver and daemon race to), empties the per-document scheme's dynamic partition set
+``documents`` (an upgrade of an instance of that scheme; docs/dagster.md), and adds the model ids
+missing from the ``model`` partition set, so the columns of ``embeddings`` exist before any sensor
+ticks. Prints the number of legacy partitions deleted (0 once done).
 """
 
 import sys
