@@ -8,10 +8,8 @@
    processes only: no password is written to disk.
 3. ``dagster dev -w workspace.yaml`` in its own session; SIGINT/SIGTERM is forwarded once, and
    run workers still going after it get SIGTERM, then SIGKILL.
-``dagster-env`` prints steps 1-2 as ``export`` lines (with PIPELINE_PARTITION_BUCKETS), so
-Dagster's own commands use the same instance. This process never imports Dagster, numpy or a
-model's runtime (it lives as long as Dagster does): the child that prepares the instance builds
-the configured provider to learn its model id.
+``dagster-env`` prints steps 1-2 as ``export`` lines (with PIPELINE_PARTITION_BUCKETS) for Dagster's own
+commands. Up as long as Dagster, this process never imports it, numpy or a model's runtime (``prepare``).
 """
 
 import os
@@ -44,7 +42,8 @@ BUCKETS_ENV = "PIPELINE_PARTITION_BUCKETS"
 
 
 def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str], Path]:
-    """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME)."""
+    """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME). Its connection
+    registers no vector adapter and a child process learns the configured model's id: no numpy here."""
     home = (home or settings.home_path).resolve()
     pipeline_url = settings.database_url or embedded_postgres.ensure_server(home)
     with db.session(pipeline_url, adapters=False) as conn:  # no vectors here: numpy stays unimported
