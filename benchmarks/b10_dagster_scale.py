@@ -70,6 +70,7 @@ TARGETS = {
     "edit_after_interval_s": 15.0,
 }
 LARGEST_PROCESSES = 12  # processes listed with their own peak RSS in the JSON (rss.largest_processes)
+LAUNCHER_TAGS = ("dagster/sensor_name", "dagster/schedule_name", "dagster/backfill")
 ONE_PARTITION_RUNS = 3  # partitions of embeddings materialized one by one (the median is the figure)
 EDITED_DOCUMENTS = 20  # files edited at once on disk for the edit-to-served figure
 # The phases after the sensor path, in the order they run (--phases picks some).
@@ -428,7 +429,7 @@ class RssSampler(threading.Thread):
         self.by_phase: dict[str, float] = {}
         self.by_role: dict[str, float] = {}
         self.by_process: dict[int, tuple[str, float]] = {}  # pid -> (role, its own peak MB)
-        self.peak_sample: dict[str, float] = {}
+        self.peak_sample: dict = {}
         self.samples = 0
         self.other_cmdlines: set[str] = set()
         self.load_at_phase_start: dict[str, float] = {}
@@ -472,6 +473,7 @@ class RssSampler(threading.Thread):
         with self.lock:
             roles: dict[str, float] = {}
             role_by_pid: dict[int, str] = {}
+            sizes: list[tuple[float, int, str]] = []
             total = 0
             procs = self._tree()
             for p in procs:  # parents before children (children() walks the tree downwards)
@@ -488,6 +490,7 @@ class RssSampler(threading.Thread):
                     self.other_cmdlines.add(" ".join(cmdline)[:160])
                 total += rss
                 roles[role] = roles.get(role, 0.0) + rss / 2**20
+                sizes.append((rss / 2**20, p.pid, role))
                 if rss / 2**20 > self.by_process.get(p.pid, ("", 0.0))[1]:
                     self.by_process[p.pid] = (role, rss / 2**20)
             pg = self._postgres() if self.samples % 4 == 0 else 0.0  # every 2 s: process_iter is not free
@@ -497,6 +500,8 @@ class RssSampler(threading.Thread):
                 self.peak["dagster_mb"] = mb
                 self.peak["dagster_processes"] = len(procs)
                 self.peak_sample = {"phase": self.phase, **{r: round(v, 1) for r, v in roles.items()}}
+                self.peak_sample["epoch"] = round(time.time(), 1)
+                self.peak_sample["processes"] = [f"{pid} {role} {mb:.1f}" for mb, pid, role in sorted(sizes)[::-1]]
             self.peak["postgres_mb"] = max(self.peak["postgres_mb"], pg)
             self.by_phase[self.phase] = max(self.by_phase.get(self.phase, 0.0), mb)
             for r, v in roles.items():
@@ -617,7 +622,7 @@ class Dev:
         )
         return data["assetNodeOrError"].get("partitionStats")
 
-    RUN_FIELDS = "runId status creationTime startTime endTime tags { key value }"
+    RUN_FIELDS = "runId jobName status creationTime startTime endTime tags { key value }"
 
     def runs(self, statuses: list[str] | None = None, tags: list[dict] | None = None, limit: int = 2000) -> list[dict]:
         flt = {}
@@ -812,7 +817,23 @@ def summarize_runs(runs: list[dict]) -> dict:
         name = tags.get("pipeline/trigger") or (tags.get("dagster/backfill") and "backfill") or "other"
         jobs[name] = jobs.get(name, 0) + 1
     run_time = sum((r["endTime"] or 0) - (r["startTime"] or 0) for r in runs if r.get("startTime") and r.get("endTime"))
-    return {"count": len(runs), "by_status": by_status, "by_trigger": jobs, "run_seconds_total": round(run_time, 1)}
+    # Which runs overlapped (rss.at_peak.epoch says when the memory peaked): job, what launched it, epochs.
+    timeline = [
+        {
+            "job": r.get("jobName"),
+            "by": next((t["value"] for t in r.get("tags") or [] if t["key"] in LAUNCHER_TAGS), None),
+            "start": r.get("startTime"),
+            "end": r.get("endTime"),
+        }
+        for r in sorted(runs, key=lambda r: r.get("startTime") or 0)
+    ]
+    return {
+        "count": len(runs),
+        "by_status": by_status,
+        "by_trigger": jobs,
+        "run_seconds_total": round(run_time, 1),
+        "timeline": timeline,
+    }
 
 
 def safe(fn):
