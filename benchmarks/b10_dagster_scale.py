@@ -69,6 +69,8 @@ TARGETS = {
     "one_partition_s": 10.0,
     "edit_after_interval_s": 15.0,
 }
+LARGEST_PROCESSES = 12  # processes listed with their own peak RSS in the JSON (rss.largest_processes)
+LAUNCHER_TAGS = ("dagster/sensor_name", "dagster/schedule_name", "dagster/backfill")
 ONE_PARTITION_RUNS = 3  # partitions of embeddings materialized one by one (the median is the figure)
 EDITED_DOCUMENTS = 20  # files edited at once on disk for the edit-to-served figure
 # The phases after the sensor path, in the order they run (--phases picks some).
@@ -392,6 +394,8 @@ def role_of(cmdline: list[str]) -> str:
         return "code_server"
     if "dagster dev" in line or "-m dagster dev" in line:
         return "dagster_dev"
+    if "multiprocessing.forkserver" in line:
+        return "extraction"  # a run's extraction server and its children (its command line names pipeline_assets)
     if "pipeline-assets" in line or "pipeline_assets" in line:
         return "pipeline_assets_dev"
     return "other"
@@ -424,7 +428,8 @@ class RssSampler(threading.Thread):
         self.peak = {"dagster_mb": 0.0, "postgres_mb": 0.0, "dagster_processes": 0}
         self.by_phase: dict[str, float] = {}
         self.by_role: dict[str, float] = {}
-        self.peak_sample: dict[str, float] = {}
+        self.by_process: dict[int, tuple[str, float]] = {}  # pid -> (role, its own peak MB)
+        self.peak_sample: dict = {}
         self.samples = 0
         self.other_cmdlines: set[str] = set()
         self.load_at_phase_start: dict[str, float] = {}
@@ -468,6 +473,7 @@ class RssSampler(threading.Thread):
         with self.lock:
             roles: dict[str, float] = {}
             role_by_pid: dict[int, str] = {}
+            sizes: list[tuple[float, int, str]] = []
             total = 0
             procs = self._tree()
             for p in procs:  # parents before children (children() walks the tree downwards)
@@ -484,6 +490,9 @@ class RssSampler(threading.Thread):
                     self.other_cmdlines.add(" ".join(cmdline)[:160])
                 total += rss
                 roles[role] = roles.get(role, 0.0) + rss / 2**20
+                sizes.append((rss / 2**20, p.pid, role))
+                if rss / 2**20 > self.by_process.get(p.pid, ("", 0.0))[1]:
+                    self.by_process[p.pid] = (role, rss / 2**20)
             pg = self._postgres() if self.samples % 4 == 0 else 0.0  # every 2 s: process_iter is not free
             mb = total / 2**20
             self.samples += 1
@@ -491,6 +500,8 @@ class RssSampler(threading.Thread):
                 self.peak["dagster_mb"] = mb
                 self.peak["dagster_processes"] = len(procs)
                 self.peak_sample = {"phase": self.phase, **{r: round(v, 1) for r, v in roles.items()}}
+                self.peak_sample["epoch"] = round(time.time(), 1)
+                self.peak_sample["processes"] = [f"{pid} {role} {mb:.1f}" for mb, pid, role in sorted(sizes)[::-1]]
             self.peak["postgres_mb"] = max(self.peak["postgres_mb"], pg)
             self.by_phase[self.phase] = max(self.by_phase.get(self.phase, 0.0), mb)
             for r, v in roles.items():
@@ -515,6 +526,10 @@ class RssSampler(threading.Thread):
             "at_peak": self.peak_sample,
             "dagster_peak_mb_by_phase": {k: round(v, 1) for k, v in self.by_phase.items()},
             "peak_mb_by_role": {k: round(v, 1) for k, v in sorted(self.by_role.items())},
+            "largest_processes": [
+                {"pid": pid, "role": role, "peak_mb": round(mb, 1)}
+                for pid, (role, mb) in sorted(self.by_process.items(), key=lambda item: -item[1][1])[:LARGEST_PROCESSES]
+            ],
             "other_cmdlines": sorted(self.other_cmdlines),
             "load_average_1min_at_phase_start": self.load_at_phase_start,
             "postgres_peak_mb": round(self.peak["postgres_mb"], 1),
@@ -607,7 +622,7 @@ class Dev:
         )
         return data["assetNodeOrError"].get("partitionStats")
 
-    RUN_FIELDS = "runId status creationTime startTime endTime tags { key value }"
+    RUN_FIELDS = "runId jobName status creationTime startTime endTime tags { key value }"
 
     def runs(self, statuses: list[str] | None = None, tags: list[dict] | None = None, limit: int = 2000) -> list[dict]:
         flt = {}
@@ -802,7 +817,23 @@ def summarize_runs(runs: list[dict]) -> dict:
         name = tags.get("pipeline/trigger") or (tags.get("dagster/backfill") and "backfill") or "other"
         jobs[name] = jobs.get(name, 0) + 1
     run_time = sum((r["endTime"] or 0) - (r["startTime"] or 0) for r in runs if r.get("startTime") and r.get("endTime"))
-    return {"count": len(runs), "by_status": by_status, "by_trigger": jobs, "run_seconds_total": round(run_time, 1)}
+    # Which runs overlapped (rss.at_peak.epoch says when the memory peaked): job, what launched it, epochs.
+    timeline = [
+        {
+            "job": r.get("jobName"),
+            "by": next((t["value"] for t in r.get("tags") or [] if t["key"] in LAUNCHER_TAGS), None),
+            "start": r.get("startTime"),
+            "end": r.get("endTime"),
+        }
+        for r in sorted(runs, key=lambda r: r.get("startTime") or 0)
+    ]
+    return {
+        "count": len(runs),
+        "by_status": by_status,
+        "by_trigger": jobs,
+        "run_seconds_total": round(run_time, 1),
+        "timeline": timeline,
+    }
 
 
 def safe(fn):

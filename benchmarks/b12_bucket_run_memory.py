@@ -6,7 +6,13 @@ FACTOR*N documents (a fresh database each), and reports what each adds to the pr
 Dagster's own processes are left out (B10 shows them flat with the corpus). Target: the large corpus's
 peak within 1.25x the small one's, as B5 asks of the command line.
 
+``--keys N``: only what an embeddings run over every bucket does with its current documents' keys
+(``bucket_rows.current_pks``, ``transitions.enqueue_for_docs``, ``stage_runs.refresh_embed_docs``; one
+transaction, rolled back) over N one-chunk documents inserted in SQL, in a process of its own per
+checkout of ``--checkouts`` (default this one), in turn: its peak RSS before and after each call.
+
     python benchmarks/b12_bucket_run_memory.py [--documents 10000] [--factor 4]
+    python benchmarks/b12_bucket_run_memory.py --keys 1000000 [--checkouts OLD,NEW]
 """
 
 from __future__ import annotations
@@ -21,8 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import psycopg
 from _common import REPO, emit, fresh_database
 from b10_dagster_scale import write_corpus
+
+from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models
 
 
 def rss_mb() -> float:
@@ -87,14 +97,73 @@ def measure(n: int, env: dict) -> dict:
     return out
 
 
+# In a checkout's own interpreter (its PYTHONPATH, not this file's tree): the run's three calls on the keys.
+KEYS_CHILD = """
+import json, sys, time
+from pipeline_assets.jobqueue import transitions
+from pipeline_assets.store import bucket_rows, db, stage_runs
+def peak():  # VmHWM: this program's own (ru_maxrss keeps the forking parent's across exec)
+    return round(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024, 1)
+out, conn = {"base_mb": peak()}, db.connect(sys.argv[1], autocommit=False)
+for name, call in (
+    ("keys", lambda: bucket_rows.current_pks(conn, "/keys", range(64), 64)),
+    ("enqueue", lambda: transitions.enqueue_for_docs(conn, keys, 3)),
+    ("refresh", lambda: stage_runs.refresh_embed_docs(conn, "test/m@8", keys)),
+):
+    started = time.perf_counter()
+    value = call()
+    keys = value if name == "keys" else keys
+    rows = len(value) if name == "keys" else value
+    out[name] = {"rows": rows, "peak_mb": peak(), "s": round(time.perf_counter() - started, 1)}
+conn.rollback()
+print(json.dumps(out))
+"""
+
+
+def measure_keys(n: int, checkouts: list[Path]) -> dict:
+    """The keys' calls over ``n`` documents in each checkout, on one database."""
+    with fresh_database(f"b12keys_{n}") as url:
+        with psycopg.connect(url, autocommit=True) as conn:
+            (source,) = conn.execute("INSERT INTO app.sources (root) VALUES ('/keys') RETURNING source_id").fetchone()
+            conn.execute(
+                "INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count) "
+                "SELECT %s, 'd' || g, 'u' || g, 'current', 1 FROM generate_series(1, %s) g",
+                (source, n),
+            )
+            conn.execute(
+                "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end) "
+                "SELECT doc_pk, 0, sha256(document_id::bytea), document_id, 1, 0, 1 FROM app.documents"
+            )
+            models.ensure_model(conn, ModelSpec("test", "m", 8, 8191, 64, 10_000))  # test/m@8
+            conn.execute("VACUUM ANALYZE app.documents, app.chunks")
+        out = {}
+        for tree in checkouts:
+            proc = subprocess.run(
+                [sys.executable, "-c", KEYS_CHILD, url],
+                cwd=tree,
+                env={**os.environ, "PYTHONPATH": str(tree)},
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            out[str(tree)] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--documents", type=int, default=10_000)
     p.add_argument("--factor", type=int, default=4)
+    p.add_argument("--keys", type=int, help="only the embeddings run's calls on N documents' keys")
+    p.add_argument("--checkouts", default=str(REPO), help="comma-separated checkouts for --keys, in turn")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child)
+        return
+    if args.keys:
+        trees = [Path(c).resolve() for c in args.checkouts.split(",")]
+        emit({"benchmark": "b12_run_keys", "keys": args.keys, "by_checkout": measure_keys(args.keys, trees)})
         return
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_") and k != "PIPELINE_EMBEDDING_MODEL"}
     small, large = measure(args.documents, env), measure(args.documents * args.factor, env)

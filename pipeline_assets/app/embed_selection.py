@@ -121,7 +121,7 @@ def embed_buckets(
     embeddings run over 100k documents holds their keys, not their summaries)."""
     root_s = str(root)
 
-    def current_pks() -> list[int]:
+    def current_pks() -> Sequence[int]:
         with pool.connection() as conn:
             return bucket_rows.current_pks(conn, root_s, bucket_ids, bucket_count)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -91,7 +91,7 @@ class Waited(Generic[D]):
 def wait_for_vectors(
     rt: Runtime,
     pool: ConnectionPool,
-    current_pks: Callable[[], list[int]],
+    current_pks: Callable[[], Sequence[int]],
     read: Callable[[], tuple[D, reports.Coverage]],
     *,
     many: bool,
@@ -116,7 +116,7 @@ def wait_for_vectors(
         # It claims the model's whole queue: it starts at once, while the documents are read
         # (tens of seconds at 100,000 of them); a scoped worker needs their keys first.
         scoped = ScopedWorker(rt, pool, None, poll_seconds)
-    pks: list[int] = []
+    pks: Sequence[int] = ()
     try:
         pks = current_pks()
         with pool.connection() as conn:

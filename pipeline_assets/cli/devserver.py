@@ -8,8 +8,8 @@
    processes only: no password is written to disk.
 3. ``dagster dev -w workspace.yaml`` in its own session; SIGINT/SIGTERM is forwarded once, and
    run workers still going after it get SIGTERM, then SIGKILL.
-``dagster-env`` prints steps 1-2 as ``export`` lines (with PIPELINE_PARTITION_BUCKETS), so
-Dagster's own commands use the same instance. This process never imports Dagster.
+``dagster-env`` prints steps 1-2 as ``export`` lines (with PIPELINE_PARTITION_BUCKETS) for Dagster's own
+commands. Up as long as Dagster, this process never imports it, numpy or a model's runtime (``prepare``).
 """
 
 import os
@@ -31,7 +31,6 @@ from pipeline_assets.cli.dagster_instance import (
     sqlalchemy_url,
 )
 from pipeline_assets.messages import one_line
-from pipeline_assets.providers import model_id_for
 from pipeline_assets.registry import models
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db, embedded_postgres, migrations
@@ -43,17 +42,18 @@ BUCKETS_ENV = "PIPELINE_PARTITION_BUCKETS"
 
 
 def prepare(settings: Settings, home: Path | None = None) -> tuple[dict[str, str], Path]:
-    """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME)."""
+    """Databases, DAGSTER_HOME and dagster.yaml; return (child environment, DAGSTER_HOME). Its connection
+    registers no vector adapter and a child process learns the configured model's id: no numpy here."""
     home = (home or settings.home_path).resolve()
     pipeline_url = settings.database_url or embedded_postgres.ensure_server(home)
-    with db.session(pipeline_url) as conn:
+    with db.session(pipeline_url, adapters=False) as conn:  # no vectors here: numpy stays unimported
         # Migrations applied once, before webserver, daemon and runs start; the
         # database's bucket count (fixed by its first use) is what every process uses.
         bucket_count = fixed_bucket_count(conn, settings.partition_buckets)
-        # The model columns of embeddings: the registry's active models and the configured one (which
-        # the first run registers), so they exist before any sensor ticks (and after an upgrade).
-        configured = model_id_for(settings.provider_config())
-        model_keys = list(dict.fromkeys([*models.active_model_ids(conn), configured]))
+        # The model columns of embeddings: the registry's active models here, and the configured one
+        # (which the first run registers) in ``setup_instance``'s child, so they exist before any sensor
+        # ticks (and after an upgrade).
+        model_keys = models.active_model_ids(conn)
     dagster_url = sqlalchemy_url(migrations.ensure_database(pipeline_url, settings.dagster_database))
     dagster_home = home / "dagster"
     dagster_home.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,8 @@
-"""Servers: the embedded PostgreSQL (`stop-db`) and Dagster (`dev`, `dagster-env`)."""
+"""Servers: the embedded PostgreSQL (`stop-db`) and Dagster (`dev`, `dagster-env`).
+
+`dev` stays up as long as Dagster does, so this module imports only what `dev` uses: not
+``cli.common`` (the worker's stack and numpy come with it), which `stop-db` imports when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,24 @@ import sys
 
 import click
 
-from pipeline_assets.cli.common import expected_errors, settings
+from pipeline_assets.settings import Settings
 from pipeline_assets.store import embedded_postgres
 
 
+def settings() -> Settings:
+    """The Settings the root group read once (``cli.common.settings``, without importing ``cli.common``)."""
+    return click.get_current_context().find_root().obj
+
+
 @click.command("stop-db")
-@expected_errors
 def stop_db() -> None:
     """Stop the embedded PostgreSQL under PIPELINE_HOME (it otherwise outlives every command)."""
+    from pipeline_assets.cli.common import expected_errors
+
+    expected_errors(_stop_db)()
+
+
+def _stop_db() -> None:
     s = settings()
     home = s.home_path
     if s.database_url:

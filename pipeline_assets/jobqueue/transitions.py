@@ -223,7 +223,8 @@ def enqueue_for_docs(conn: psycopg.Connection, doc_pks: Sequence[int], max_attem
     how many. Each key is probed in the index: a cost that follows the documents, not the job table."""
     if not doc_pks:
         return 0
-    return conn.execute(JOBS.enqueue_docs, {"docs": list(doc_pks), "max_attempts": max_attempts}).rowcount
+    # One binary bigint[]: psycopg's list dumper costs ~250 bytes and ~20 us per key (a million: 20 s, 250 MB).
+    return conn.execute(JOBS.enqueue_docs, {"docs": arrays.int8(conn, doc_pks), "max_attempts": max_attempts}).rowcount
 
 
 def enqueue_chunks(conn: psycopg.Connection, checksums: Sequence[bytes], max_attempts: int) -> tuple[int, int]:

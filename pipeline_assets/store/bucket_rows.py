@@ -7,6 +7,7 @@ bucket run has to sync, then records as synced. The hash itself: ``app.buckets.b
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,9 +198,10 @@ def estimated_documents(conn: psycopg.Connection, root: str, bucket_ids: Sequenc
     return total * len(set(bucket_ids)) // bucket_count
 
 
-def current_pks(conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int) -> list[int]:
-    """The keys of the source's current documents in some buckets."""
-    return [r[0] for r in conn.execute(BUCKETS.bucket_current_pks, _filter(root, bucket_ids, bucket_count))]
+def current_pks(conn: psycopg.Connection, root: str, bucket_ids: Sequence[int], bucket_count: int) -> array[int]:
+    """The keys of the source's current documents in some buckets, 8 bytes each (not one Python int
+    each: a run over every bucket of a million documents holds them for its whole wait)."""
+    return array("q", (r[0] for r in conn.execute(BUCKETS.bucket_current_pks, _filter(root, bucket_ids, bucket_count))))
 
 
 def _filter(root: str, bucket_ids: Sequence[int], bucket_count: int) -> dict[str, Any]:

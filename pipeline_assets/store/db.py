@@ -3,7 +3,9 @@
 ``database_url(config)`` is PIPELINE_DATABASE_URL when set (never starting a
 server), otherwise the embedded server under PIPELINE_HOME. ``open_pool``
 resolves it, applies pending migrations once, and hands out a psycopg 3 pool
-with pgvector's adapter registered on every connection.
+with pgvector's adapter registered on every connection. A connection opened with
+``adapters=False`` (a process that only prepares the database) registers none, and
+numpy, which the adapters need, is then never imported.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from psycopg_pool import ConnectionPool
 
 from pipeline_assets.messages import one_line
 from pipeline_assets.settings import redact_text
-from pipeline_assets.store import arrays, embedded_postgres, migrations, vectors
+from pipeline_assets.store import embedded_postgres, migrations
 from pipeline_assets.store.database_config import DatabaseConfig
 
 # How long a new connection may take before the database counts as unreachable.
@@ -53,7 +55,7 @@ def _threshold(prepare: bool) -> int | None:
     return PREPARE_THRESHOLD if prepare else None
 
 
-def connect(url: str, *, autocommit: bool = True, prepare: bool = True) -> psycopg.Connection:
+def connect(url: str, *, autocommit: bool = True, prepare: bool = True, adapters: bool = True) -> psycopg.Connection:
     try:
         conn = psycopg.connect(
             url, autocommit=autocommit, connect_timeout=CONNECT_TIMEOUT_SECONDS, prepare_threshold=_threshold(prepare)
@@ -61,11 +63,14 @@ def connect(url: str, *, autocommit: bool = True, prepare: bool = True) -> psyco
     except psycopg.OperationalError as exc:
         first = one_line(exc, first=True)
         raise DatabaseUnavailable(f"cannot connect to database {redact_text(url)}: {first}") from None
-    _configure(conn)
+    if adapters:
+        _configure(conn)
     return conn
 
 
 def _configure(conn: psycopg.Connection) -> None:
+    from pipeline_assets.store import arrays, vectors  # numpy: only where adapters are registered
+
     arrays.register(conn)  # job ids and checksums in one pass
     # Only the vector type: pgvector's register_vector looks up four types (vector, bit, halfvec,
     # sparsevec), a catalog query each, on every new connection; halfvec is only cast to in SQL.
@@ -105,19 +110,20 @@ def make_pool(url: str, *, min_size: int = 1, max_size: int = 8, prepare: bool =
     return pool
 
 
-def migrate(conn: psycopg.Connection, directory: Path | None = None) -> list[str]:
-    """Apply pending migrations, then (re)register the vector type on ``conn``."""
+def migrate(conn: psycopg.Connection, directory: Path | None = None, *, adapters: bool = True) -> list[str]:
+    """Apply pending migrations, then (re)register the vector type on ``conn`` (``adapters``)."""
     applied = migrations.migrate(conn, directory)
-    _configure(conn)
+    if adapters:
+        _configure(conn)
     return applied
 
 
 @contextmanager
-def session(url: str, *, prepare: bool = True) -> Iterator[psycopg.Connection]:
-    """A migrated connection, closed on exit."""
-    conn = connect(url, prepare=prepare)
+def session(url: str, *, prepare: bool = True, adapters: bool = True) -> Iterator[psycopg.Connection]:
+    """A migrated connection, closed on exit; ``adapters=False``: without the array and vector adapters."""
+    conn = connect(url, prepare=prepare, adapters=adapters)
     try:
-        migrate(conn)
+        migrate(conn, adapters=adapters)
         yield conn
     finally:
         conn.close()

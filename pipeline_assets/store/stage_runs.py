@@ -21,7 +21,7 @@ from psycopg import sql
 from psycopg.rows import class_row
 
 from pipeline_assets.messages import one_line
-from pipeline_assets.store import queries
+from pipeline_assets.store import arrays, queries
 from pipeline_assets.store.background import BackgroundWork
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ def refresh_embed_docs(conn: psycopg.Connection, model_id: str, doc_pks: Sequenc
     """Store the embed rows of some documents for a model."""
     if not doc_pks:
         return 0
-    return conn.execute(_refresh(STAGE_RUNS.embed_scope_docs), {"model": model_id, "docs": list(doc_pks)}).rowcount
+    docs = arrays.int8(conn, doc_pks)  # one binary bigint[], as transitions.enqueue_for_docs sends them
+    return conn.execute(_refresh(STAGE_RUNS.embed_scope_docs), {"model": model_id, "docs": docs}).rowcount
 
 
 def refresh_embed_touched(conn: psycopg.Connection, model_id: str, since: datetime) -> int:

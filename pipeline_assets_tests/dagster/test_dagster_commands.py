@@ -15,6 +15,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import tempfile
 
 import dagster as dg
@@ -254,3 +255,29 @@ def test_dagster_env_with_no_database_is_one_error_line(setup):
     assert proc.returncode == 1 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()
     assert line.startswith("error:") and "Traceback" not in proc.stderr
+
+
+# What `pipeline-assets dev` must not hold while it supervises `dagster dev` (its children import them).
+NOT_IN_DEV = ("dagster", "numpy", "onnxruntime", "openai", "tiktoken", "tokenizers")
+
+
+def test_dev_prepares_the_instance_without_dagster_numpy_or_a_model_runtime(setup):
+    """`dev` (and `dagster-env`) prepare the databases and the instance, then only wait on `dagster dev`:
+    the modules loaded by then, in a fresh interpreter, hold none of what the Dagster processes use."""
+    run_env, _ = setup
+    probe = (
+        "import json, sys\n"
+        "from pipeline_assets.cli.root import main\n"
+        "try:\n"
+        "    main(['dagster-env'])\n"
+        "except SystemExit as exc:\n"
+        "    print(json.dumps({'exit': exc.code, 'modules': sorted({n.split('.')[0] for n in sys.modules})}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=run_env, cwd=REPO, capture_output=True, text=True, timeout=300, check=True
+    )
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert done["exit"] == 0, proc.stderr
+    assert "DAGSTER_HOME" in _exports(proc.stdout) and "64 document bucket(s)" in proc.stderr  # it prepared
+    assert "psycopg" in done["modules"]  # the probe did connect
+    assert not set(done["modules"]) & set(NOT_IN_DEV), sorted(set(done["modules"]) & set(NOT_IN_DEV))

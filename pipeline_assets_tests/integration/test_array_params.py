@@ -7,11 +7,15 @@ dumpers still sends the plain list."""
 from __future__ import annotations
 
 import os
+import tracemalloc
 
 import psycopg
 import pytest
 
-from pipeline_assets.store import arrays
+from pipeline_assets.jobqueue import transitions
+from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models
+from pipeline_assets.store import arrays, bucket_rows, stage_runs
 
 IDS = [1, 2, 2**31, 2**62, -5, 0]
 SUMS = [os.urandom(32) for _ in range(5)] + [b"", b"\x00" * 3]
@@ -61,3 +65,34 @@ def test_copy_of_a_bigint_array_keeps_psycopgs_dumper(conn):
         copy.set_types(["bigint[]", "bytea[]"])
         copy.write_row(([1, 2], [b"a"]))
     assert conn.execute("SELECT ids, sums FROM t").fetchone() == ([1, 2], [b"a"])
+
+
+def test_a_bucket_runs_document_keys_cost_bytes_a_key_not_an_object_each(clean_db):
+    """An embeddings run over every bucket reads its current documents' keys once, holds them for its
+    whole wait and sends them twice (the jobs to enqueue, the stage rows to refresh): held at 8 bytes
+    a key, each send a few bytes a key (psycopg's list dumper: ~250 bytes and ~20 us a key)."""
+    conn, n = clean_db, 50_000
+    (source,) = conn.execute("INSERT INTO app.sources (root) VALUES ('/keys') RETURNING source_id").fetchone()
+    conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count) "
+        "SELECT %s, 'd' || g, 'u' || g, 'current', 1 FROM generate_series(1, %s) g",
+        (source, n),
+    )
+    conn.execute(
+        "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end) "
+        "SELECT doc_pk, 0, sha256(document_id::bytea), document_id, 1, 0, 1 FROM app.documents"
+    )
+    models.ensure_model(conn, ModelSpec("test", "m", 8, 8191, 64, 10_000))
+    tracemalloc.start()
+    try:
+        keys = bucket_rows.current_pks(conn, "/keys", range(64), 64)  # every bucket: no filter
+        held, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        enqueued = transitions.enqueue_for_docs(conn, keys, 3)
+        written = stage_runs.refresh_embed_docs(conn, "test/m@8", keys)  # each document's embed row
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (len(keys), enqueued, written) == (n, n, n)  # every key arrived, twice
+    assert held < 16 * n, f"{held / n:.0f} bytes held a key"
+    assert peak - held < 40 * n, f"{(peak - held) / n:.0f} bytes a key to send them"
