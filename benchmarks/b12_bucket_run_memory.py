@@ -1,18 +1,11 @@
 """B12: the memory of a bucket run as the corpus grows.
 
-Runs the two use cases a Dagster run over every bucket executes in its run worker (``sync_buckets``,
-then ``embed_buckets``; offline model, all buckets in one call) in a process of their own, over N and
-FACTOR*N documents (a fresh database each), and reports what each adds to the process's peak RSS.
-Dagster's own processes are left out (B10 shows them flat with the corpus). Target: the large corpus's
-peak within 1.25x the small one's, as B5 asks of the command line.
-
-``--keys N``: only what an embeddings run over every bucket does with its current documents' keys
-(``bucket_rows.current_pks``, ``transitions.enqueue_for_docs``, ``stage_runs.refresh_embed_docs``; one
-transaction, rolled back) over N one-chunk documents inserted in SQL, in a process of its own per
-checkout of ``--checkouts`` (default this one), in turn: its peak RSS before and after each call.
-
-    python benchmarks/b12_bucket_run_memory.py [--documents 10000] [--factor 4]
-    python benchmarks/b12_bucket_run_memory.py --keys 1000000 [--checkouts OLD,NEW]
+Runs what a Dagster run over every bucket executes in its run worker (``sync_buckets``, then
+``embed_buckets``; offline model) in a process of its own over N and FACTOR*N documents, and reports
+what each adds to the peak RSS (Dagster's own processes: B10). Target: the large corpus's peak within
+1.25x the small one's. ``--keys N``: only an embeddings run's calls on its current documents' keys
+(``current_pks``, ``enqueue_for_docs``, ``refresh_embed_docs``; rolled back) over N one-chunk documents,
+per checkout of ``--checkouts``: peak RSS before and after each call. Usage: benchmarks/README.md.
 """
 
 from __future__ import annotations
