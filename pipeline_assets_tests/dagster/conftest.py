@@ -3,6 +3,7 @@
 import pytest
 
 from pipeline_assets_tests.dagster_helpers import IN_PROCESS_BUCKETS
+from pipeline_assets_tests.dagster_instances import postgres_instance
 
 
 @pytest.fixture
@@ -11,3 +12,11 @@ def in_process_buckets(monkeypatch) -> int:
     count of its first run)."""
     monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", str(IN_PROCESS_BUCKETS))
     return IN_PROCESS_BUCKETS
+
+
+@pytest.fixture
+def instance(server_url):
+    """A real instance on PostgreSQL, as `pipeline-assets dev` runs one: sensors need one they can hand to
+    other processes (and SQLite writes each of a range run's events in its own transaction)."""
+    with postgres_instance(server_url) as inst:
+        yield inst

@@ -6,11 +6,11 @@ it wait for them whole."""
 from __future__ import annotations
 
 import psycopg
-import pytest
 
 from pipeline_assets.defs.ingest import sync_and_embed
 from pipeline_assets.defs.partitions import bucket_key
 from pipeline_assets.store import queries
+from pipeline_assets_tests.dagster import test_dagster_sync_and_embed as sync_and_embed_tests
 from pipeline_assets_tests.dagster.test_dagster_sync_and_embed import (
     DOCS,
     MODEL_ID,
@@ -19,23 +19,8 @@ from pipeline_assets_tests.dagster.test_dagster_sync_and_embed import (
     _run_tags,
 )
 from pipeline_assets_tests.dagster_helpers import fresh_defs, served
-from pipeline_assets_tests.dagster_instances import postgres_instance
-from pipeline_assets_tests.data_helpers import write_corpus
 
-
-@pytest.fixture
-def corpus(env, clean_db, tmp_path, monkeypatch):
-    root = tmp_path / "corpus"
-    write_corpus(root, DOCS)
-    monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
-    clean_db.execute("TRUNCATE app.source_observations")
-    return root
-
-
-@pytest.fixture
-def instance(server_url):
-    with postgres_instance(server_url) as inst:
-        yield inst
+corpus = sync_and_embed_tests.corpus  # the fixture: the same corpus of DOCS documents
 
 
 def _with_neighbours(corpus, per_bucket: int = 3) -> list[str]:

@@ -24,7 +24,6 @@ from pipeline_assets_tests.dagster_helpers import (
     stale_status,
     watched_corpus,
 )
-from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import job_counts
 
 KEYS = [f"doc{i:04d}.md" for i in range(4)]
@@ -34,14 +33,6 @@ NEW_DOC = "doc0009.md"
 @pytest.fixture
 def corpus(env, clean_db, tmp_path, monkeypatch):
     return watched_corpus(tmp_path / "corpus", len(KEYS), monkeypatch)
-
-
-@pytest.fixture
-def instance(server_url):
-    """A real instance on PostgreSQL, as `pipeline-assets dev` runs one: sensors need one they can hand to
-    other processes (and SQLite writes each of a range run's events in its own transaction)."""
-    with postgres_instance(server_url) as inst:
-        yield inst
 
 
 def _reconciliations(instance: dg.DagsterInstance) -> list[dict]:

@@ -29,7 +29,6 @@ from pipeline_assets_tests.dagster_helpers import (
     requested_keys,
     served,
 )
-from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.processes import cli
 
@@ -47,12 +46,6 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
     clean_db.execute("TRUNCATE app.source_observations")  # the source sensor's memory
     return root
-
-
-@pytest.fixture
-def instance(server_url):
-    with postgres_instance(server_url) as inst:
-        yield inst
 
 
 def _docs(conn) -> dict[str, str]:

@@ -30,7 +30,6 @@ from pipeline_assets_tests.dagster_helpers import (
     served,
     stale_status,
 )
-from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.data_helpers import write_corpus
 
 N = 64
@@ -45,12 +44,6 @@ def corpus(env, clean_db, tmp_path, monkeypatch):
     monkeypatch.setenv("PIPELINE_SOURCE_DIR", str(root))
     clean_db.execute("TRUNCATE app.source_observations")
     return root
-
-
-@pytest.fixture
-def instance(server_url):
-    with postgres_instance(server_url) as inst:
-        yield inst
 
 
 def _tick(defs, instance, cursor: str | None = None):

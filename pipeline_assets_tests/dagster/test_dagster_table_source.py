@@ -12,7 +12,6 @@ import pytest
 from pipeline_assets.app.table_source import TableSource
 from pipeline_assets.defs.ingest.source_sensor import source_documents_sensor
 from pipeline_assets_tests.dagster_helpers import bucket_of, evaluate_sensor, execute, fresh_defs
-from pipeline_assets_tests.dagster_instances import postgres_instance
 from pipeline_assets_tests.processes import cli
 
 SOURCE = "table:src.pages?id=id&text=body"
@@ -34,12 +33,6 @@ def pages(env, clean_db, monkeypatch):
         cur.executemany("INSERT INTO src.pages VALUES (%s, %s)", [(i, _text(i)) for i in range(1, 4)])
     monkeypatch.setenv("PIPELINE_SOURCE", SOURCE)
     return c
-
-
-@pytest.fixture
-def instance(server_url):
-    with postgres_instance(server_url) as inst:
-        yield inst
 
 
 def _docs(conn) -> dict[str, str]:
