@@ -24,8 +24,7 @@ import psycopg
 from _common import REPO, emit, fresh_database
 from b10_dagster_scale import write_corpus
 
-from pipeline_assets.providers import ModelSpec
-from pipeline_assets.registry import models
+from pipeline_assets_tests.data_helpers import one_chunk_documents
 
 
 def rss_mb() -> float:
@@ -117,17 +116,7 @@ def measure_keys(n: int, checkouts: list[Path]) -> dict:
     """The keys' calls over ``n`` documents in each checkout, on one database."""
     with fresh_database(f"b12keys_{n}") as url:
         with psycopg.connect(url, autocommit=True) as conn:
-            (source,) = conn.execute("INSERT INTO app.sources (root) VALUES ('/keys') RETURNING source_id").fetchone()
-            conn.execute(
-                "INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count) "
-                "SELECT %s, 'd' || g, 'u' || g, 'current', 1 FROM generate_series(1, %s) g",
-                (source, n),
-            )
-            conn.execute(
-                "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end) "
-                "SELECT doc_pk, 0, sha256(document_id::bytea), document_id, 1, 0, 1 FROM app.documents"
-            )
-            models.ensure_model(conn, ModelSpec("test", "m", 8, 8191, 64, 10_000))  # test/m@8
+            one_chunk_documents(conn, "/keys", n)  # and the model test/m@8
             conn.execute("VACUUM ANALYZE app.documents, app.chunks")
         out = {}
         for tree in checkouts:

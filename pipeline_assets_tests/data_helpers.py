@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipeline_assets.app.buckets import bucket_of
+from pipeline_assets.providers import ModelSpec
+from pipeline_assets.registry import models
 from pipeline_assets.store import bucket_rows, reports
 from pipeline_assets_tests.conftest import FAKE_MODEL
 
@@ -22,6 +24,24 @@ def write_corpus(root: Path, n: int, *, prefix: str = "doc", words: int = 60) ->
         p.write_text(f"# {prefix} {i}\n\n{body}\n")
         paths.append(p)
     return paths
+
+
+def one_chunk_documents(conn, root: str, n: int) -> str:
+    """``n`` current documents of a new source ``root``, one chunk each, inserted in SQL, and the model
+    ``test/m@8`` registered (its id returned): a large store without extracting anything."""
+    (source,) = conn.execute("INSERT INTO app.sources (root) VALUES (%s) RETURNING source_id", (root,)).fetchone()
+    conn.execute(
+        "INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count) "
+        "SELECT %s, 'd' || g, 'u' || g, 'current', 1 FROM generate_series(1, %s) g",
+        (source, n),
+    )
+    conn.execute(
+        "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end) "
+        "SELECT doc_pk, 0, sha256(document_id::bytea), document_id, 1, 0, 1 FROM app.documents"
+    )
+    spec = ModelSpec("test", "m", 8, 8191, 64, 10_000)
+    models.ensure_model(conn, spec)
+    return spec.model_id
 
 
 BUCKET_DOCUMENTS = """\

@@ -13,9 +13,8 @@ import psycopg
 import pytest
 
 from pipeline_assets.jobqueue import transitions
-from pipeline_assets.providers import ModelSpec
-from pipeline_assets.registry import models
 from pipeline_assets.store import arrays, bucket_rows, stage_runs
+from pipeline_assets_tests.data_helpers import one_chunk_documents
 
 IDS = [1, 2, 2**31, 2**62, -5, 0]
 SUMS = [os.urandom(32) for _ in range(5)] + [b"", b"\x00" * 3]
@@ -72,24 +71,14 @@ def test_a_bucket_runs_document_keys_cost_bytes_a_key_not_an_object_each(clean_d
     whole wait and sends them twice (the jobs to enqueue, the stage rows to refresh): held at 8 bytes
     a key, each send a few bytes a key (psycopg's list dumper: ~250 bytes and ~20 us a key)."""
     conn, n = clean_db, 50_000
-    (source,) = conn.execute("INSERT INTO app.sources (root) VALUES ('/keys') RETURNING source_id").fetchone()
-    conn.execute(
-        "INSERT INTO app.documents (source_id, document_id, source_uri, status, chunk_count) "
-        "SELECT %s, 'd' || g, 'u' || g, 'current', 1 FROM generate_series(1, %s) g",
-        (source, n),
-    )
-    conn.execute(
-        "INSERT INTO app.chunks (doc_pk, chunk_index, chunk_checksum, text, token_count, char_start, char_end) "
-        "SELECT doc_pk, 0, sha256(document_id::bytea), document_id, 1, 0, 1 FROM app.documents"
-    )
-    models.ensure_model(conn, ModelSpec("test", "m", 8, 8191, 64, 10_000))
+    model_id = one_chunk_documents(conn, "/keys", n)
     tracemalloc.start()
     try:
         keys = bucket_rows.current_pks(conn, "/keys", range(64), 64)  # every bucket: no filter
         held, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         enqueued = transitions.enqueue_for_docs(conn, keys, 3)
-        written = stage_runs.refresh_embed_docs(conn, "test/m@8", keys)  # each document's embed row
+        written = stage_runs.refresh_embed_docs(conn, model_id, keys)  # each document's embed row
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -96,16 +96,8 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     not every row of the source: what they read is about what the bucket holds, not the corpus."""
     conn = clean_db
     docs = 6400
-    conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
     root = "/corpus"
-    ids = [f"doc-{i:05d}.md" for i in range(docs)]
-    _register(conn, root, ids)
-    with conn.transaction():
-        conn.execute(source_observations.OBS.stage_create)
-        with conn.cursor().copy(source_observations.OBS.stage_copy) as copy:
-            for d in ids:
-                copy.write_row((d, "0123456789abcdef", 1, 1))
-        conn.execute(source_observations.OBS.upsert_staged, {"root": root})
+    ids = _observed_corpus(conn, root, docs)
     conn.execute("ANALYZE app.documents")
     conn.execute("ANALYZE app.source_observations")
     mine = sum(buckets.bucket_of(d, N) == BUCKET for d in ids)
@@ -136,16 +128,8 @@ def test_the_statements_of_a_run_after_an_edit_read_the_edit_not_the_buckets(cle
     the documents without an observed file by merging two indexes, visiting no row of either table."""
     conn = clean_db
     docs = 6400
-    conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
     root = "/corpus"
-    ids = [f"doc-{i:05d}.md" for i in range(docs)]
-    _register(conn, root, ids)
-    with conn.transaction():
-        conn.execute(source_observations.OBS.stage_create)
-        with conn.cursor().copy(source_observations.OBS.stage_copy) as copy:
-            for d in ids:
-                copy.write_row((d, "0123456789abcdef", 1, 1))
-        conn.execute(source_observations.OBS.upsert_staged, {"root": root})
+    ids = _observed_corpus(conn, root, docs)
     conn.execute("UPDATE app.source_observations SET synced = checksum")
     changed = ids[:3]
     conn.execute(
@@ -177,6 +161,20 @@ def test_the_statements_of_a_run_after_an_edit_read_the_edit_not_the_buckets(cle
     assert bucket_rows.unobserved_current(conn, root, wanted, N) == (
         [ids[-1]] if buckets.bucket_of(ids[-1], N) in wanted else []
     )
+
+
+def _observed_corpus(conn, root: str, docs: int) -> list[str]:
+    """``docs`` documents of ``root`` in N buckets, each with an observed file (not yet synced)."""
+    conn.execute(bucket_rows.BUCKETS.store_buckets, {"buckets": N})
+    ids = [f"doc-{i:05d}.md" for i in range(docs)]
+    _register(conn, root, ids)
+    with conn.transaction():
+        conn.execute(source_observations.OBS.stage_create)
+        with conn.cursor().copy(source_observations.OBS.stage_copy) as copy:
+            for d in ids:
+                copy.write_row((d, "0123456789abcdef", 1, 1))
+        conn.execute(source_observations.OBS.upsert_staged, {"root": root})
+    return ids
 
 
 def _register(conn, root: str, ids: list[str]) -> None:
