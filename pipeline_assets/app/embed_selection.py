@@ -199,8 +199,7 @@ def embed_changed(
             deadline_seconds=deadline_seconds,
         )
         whole.enqueued += changed.enqueued
-        counted = ("embedded", "superseded", "failed", "retried", "throttled", "provider_calls", "tokens")
-        whole.work.add(**{k: getattr(changed.work, k) for k in counted})
+        whole.work.add(**{k: v for k, v in changed.work.as_dict().items() if isinstance(v, int)})
         return whole
     return BucketsEmbedded(
         work=changed.work,
