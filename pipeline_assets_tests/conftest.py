@@ -30,6 +30,11 @@ FAKE_DIM = 16
 # PIPELINE_TEST_PROFILE=long: the long profiles of the slow tests (a longer fault soak, more
 # hypothesis examples, the 1,000-document dev-server corpus). Unset: the short ones `pytest -q` runs.
 LONG_PROFILE = os.environ.get("PIPELINE_TEST_PROFILE") == "long"
+# The partition buckets of the in-process Dagster modules and the dev-server module: what they test
+# holds for any count, and Dagster's bookkeeping per partition (events, staleness) costs in proportion
+# to it. `dagster dev`'s module and the topology run the product's 64 (the UI path at the default), and
+# so does the dev-server module's long profile.
+TEST_BUCKETS = 10
 
 # The runs a test executes in-process write their events as `pipeline-assets dev`'s runs do (one
 # planned event per asset and range, events written in batches), not one row at a time.

@@ -19,11 +19,6 @@ from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets_tests.data_helpers import write_corpus
 
-# The bucket count of the in-process modules (the ``in_process_buckets`` fixture sets it): what they
-# test holds for any count, and Dagster's bookkeeping per partition (events, staleness) costs in
-# proportion to it. The modules on the UI's path (the dev server, `dagster dev`, the topology) keep 64.
-IN_PROCESS_BUCKETS = 10
-
 
 def configured_buckets() -> int:
     """The bucket count of the test's environment (PIPELINE_PARTITION_BUCKETS, else the product's)."""

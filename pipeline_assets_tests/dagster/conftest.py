@@ -2,16 +2,16 @@
 
 import pytest
 
-from pipeline_assets_tests.dagster_helpers import IN_PROCESS_BUCKETS
+from pipeline_assets_tests.conftest import TEST_BUCKETS
 from pipeline_assets_tests.dagster_instances import postgres_instance
 
 
 @pytest.fixture
 def in_process_buckets(monkeypatch) -> int:
-    """The test's database and definitions use IN_PROCESS_BUCKETS buckets (a clean database takes the
+    """The test's database and definitions use TEST_BUCKETS buckets (a clean database takes the
     count of its first run)."""
-    monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", str(IN_PROCESS_BUCKETS))
-    return IN_PROCESS_BUCKETS
+    monkeypatch.setenv("PIPELINE_PARTITION_BUCKETS", str(TEST_BUCKETS))
+    return TEST_BUCKETS
 
 
 @pytest.fixture

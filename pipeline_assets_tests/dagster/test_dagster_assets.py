@@ -20,9 +20,8 @@ from pipeline_assets.defs.partitions import MODEL_PARTITIONS_NAME, bucket_key, e
 from pipeline_assets.defs.resources import build_resources
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import bucket_rows, reports
-from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.conftest import FAKE_MODEL, TEST_BUCKETS
 from pipeline_assets_tests.dagster_helpers import (
-    IN_PROCESS_BUCKETS,
     bucket_keys,
     bucket_of,
     check_results,
@@ -40,7 +39,7 @@ from pipeline_assets_tests.data_helpers import bucket_documents, bucket_states, 
 from pipeline_assets_tests.processes import kill_group, start_cli, wait_until
 
 DOCS = [f"doc{i:04d}.md" for i in range(4)]
-N = IN_PROCESS_BUCKETS
+N = TEST_BUCKETS
 ALL = bucket_keys(N)
 pytestmark = pytest.mark.usefixtures("in_process_buckets")
 

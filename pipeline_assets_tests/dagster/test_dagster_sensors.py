@@ -18,9 +18,8 @@ from pipeline_assets.defs.ingest.rerun_sensor import rerun_stale_documents_senso
 from pipeline_assets.defs.ingest.source_sensor import decode_cursor, source_documents_sensor
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import stage_runs
-from pipeline_assets_tests.conftest import FAKE_MODEL
+from pipeline_assets_tests.conftest import FAKE_MODEL, TEST_BUCKETS
 from pipeline_assets_tests.dagster_helpers import (
-    IN_PROCESS_BUCKETS,
     bucket_keys,
     bucket_of,
     evaluate_sensor,
@@ -32,7 +31,7 @@ from pipeline_assets_tests.dagster_helpers import (
 from pipeline_assets_tests.data_helpers import write_corpus
 from pipeline_assets_tests.processes import cli
 
-ALL = bucket_keys(IN_PROCESS_BUCKETS)
+ALL = bucket_keys(TEST_BUCKETS)
 pytestmark = pytest.mark.usefixtures("in_process_buckets")
 
 HOUR_NS = 3600 * 10**9

@@ -32,7 +32,7 @@ import pytest
 from pipeline_assets.cli.dagster_instance import DAGSTER_URL_ENV, sqlalchemy_url
 from pipeline_assets.store import reports
 from pipeline_assets_tests.browser import Browser, chromium_path
-from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE
+from pipeline_assets_tests.conftest import FAKE_DIM, FAKE_MODEL, FAKE_WINDOW, LONG_PROFILE, TEST_BUCKETS
 from pipeline_assets_tests.dagster_helpers import bucket_keys, bucket_of
 from pipeline_assets_tests.dagster_instances import copy_of_dagster_template
 from pipeline_assets_tests.data_helpers import write_corpus
@@ -42,7 +42,7 @@ from pipeline_assets_tests.processes import cli, stop_group
 # What is tested holds for any bucket count and corpus size as long as every bucket holds documents
 # (10 buckets: from 40 documents on): one backfill run, not one per bucket, and per-bucket materializations and
 # checks whose counts add up. The long profile keeps the 1,000-document corpus.
-N = 64 if LONG_PROFILE else 10
+N = 64 if LONG_PROFILE else TEST_BUCKETS
 N_DOCUMENTS = 1000 if LONG_PROFILE else 60
 BUCKETS = bucket_keys(N)
 DOCS = [f"doc{i:04d}.md" for i in range(N_DOCUMENTS)]

@@ -17,10 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 
 import numpy as np
-import psycopg
 import pytest
 
 pytest.importorskip("onnxruntime", reason="the local extra is not installed: pip install -e '.[local]'")
@@ -33,14 +31,14 @@ from pipeline_assets.providers import ProviderError, provider_for
 from pipeline_assets.providers.onnx_local import OnnxProvider, prepare_minilm
 from pipeline_assets.settings import Settings
 from pipeline_assets.store import db
-from pipeline_assets_tests.conftest import _with_dbname
 from pipeline_assets_tests.e2e.test_search_relevance import QUESTIONS, README_QUERY
 from pipeline_assets_tests.processes import REPO, cli
 
 CORPUS = REPO / "examples" / "corpus"
 HASHING_MODEL_ID = "local/hashing-words-v2@512"
-# The README's chunk size for the local model: inside its 169-token bound (256 WordPiece tokens).
-CHUNK_TOKENS, CHUNK_OVERLAP = "160", "24"
+# What the local model's window (256 WordPiece tokens) makes the chunks with no chunk setting:
+# the hashing model's run is set to the same, so both models embed the same chunks.
+CHUNK_TOKENS, CHUNK_OVERLAP = "169", "21"
 
 
 @pytest.fixture(scope="module")
@@ -173,17 +171,17 @@ def test_a_missing_directory_is_one_clear_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def both_models(database_url, model_dir, tmp_path_factory):
-    """The bundled corpus embedded by the hashing model (served) and by the local model, on the same chunks."""
+    """The bundled corpus embedded by the hashing model (served) and by the local model, on the same
+    chunks: the local model's with no chunk setting (its window's), the hashing model's set to them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
     env.update(
         PIPELINE_DATABASE_URL=database_url,
         PIPELINE_HOME=str(tmp_path_factory.mktemp("home")),
-        PIPELINE_CHUNK_TOKENS=CHUNK_TOKENS,
-        PIPELINE_CHUNK_OVERLAP=CHUNK_OVERLAP,
         PIPELINE_LOCAL_MODEL_DIR=str(model_dir),
     )
-    cli("embed", str(CORPUS), env=env, timeout=300)
     local_env = {**env, "PIPELINE_EMBEDDING_MODEL": "local-onnx"}
+    env.update(PIPELINE_CHUNK_TOKENS=CHUNK_TOKENS, PIPELINE_CHUNK_OVERLAP=CHUNK_OVERLAP)
+    cli("embed", str(CORPUS), env=env, timeout=300)
     out = cli("embed", str(CORPUS), "--json", env=local_env, timeout=600)
     return env, local_env, json.loads(out.stdout)
 
@@ -222,6 +220,7 @@ def _scores(env: dict, model: str | None) -> dict[str, int]:
         for mode in ("vector", "hybrid"):
             top3 = {q: [h["document_id"] for h in search_uc.search(rt, pool, q, 3, mode)] for q, _ in QUESTIONS}
             out[mode] = sum(want in top3[q] for q, want in QUESTIONS)
+            out[f"{mode}_first"] = sum(top3[q][:1] == [want] for q, want in QUESTIONS)
         out["readme_first"] = search_uc.search(rt, pool, README_QUERY, 1, "vector")[0]["document_id"]
     return out
 
@@ -240,43 +239,24 @@ def test_relevance_of_the_local_model_beats_the_hashing_model(both_models):
 # -- the chunk size follows the model's window by default ---------------------------------------
 
 
-@pytest.fixture
-def own_database(server_url, migrated_template):
-    """A fresh database of its own: this corpus is chunked otherwise than ``both_models``'s."""
-    name = "t_local_model_window_" + uuid.uuid4().hex[:6]
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"')
-    yield _with_dbname(server_url, name)
-    with psycopg.connect(server_url, autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def test_without_chunk_settings_the_chunks_fit_the_window(own_database, model_dir, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "OPENAI_"))}
-    env.update(
-        PIPELINE_DATABASE_URL=own_database,
-        PIPELINE_HOME=str(tmp_path / "home"),
-        PIPELINE_EMBEDDING_MODEL="local-onnx",
-        PIPELINE_LOCAL_MODEL_DIR=str(model_dir),
-    )
-    shown = json.loads(cli("settings", "--json", env=env).stdout)
+def test_without_chunk_settings_the_chunks_fit_the_window(both_models, conn, model_dir):
+    """``both_models``'s local run has no chunk setting: its chunks are the window's, each whole in it."""
+    _env, local_env, report = both_models
+    assert not {"PIPELINE_CHUNK_TOKENS", "PIPELINE_CHUNK_OVERLAP"} & set(local_env)
+    shown = json.loads(cli("settings", "--json", env=local_env).stdout)
     assert (shown["PIPELINE_CHUNK_TOKENS"], shown["PIPELINE_CHUNK_OVERLAP"]) == (169, 21)
     assert shown["input_limits"]["error"] is None
-    report = json.loads(cli("embed", str(CORPUS), "--json", env=env, timeout=600).stdout)
-    with psycopg.connect(own_database) as conn:
-        texts = [r[0] for r in conn.execute("SELECT DISTINCT ON (chunk_checksum) text FROM app.chunks")]
-        longest = conn.execute("SELECT max(token_count) FROM app.chunks").fetchone()[0]
-        vectors = conn.execute(
-            "SELECT count(*) FROM app.embeddings WHERE model_id = %s", (report["model"],)
-        ).fetchone()[0]
-        failed = conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status <> 'ready'").fetchone()[0]
-        version = conn.execute("SELECT DISTINCT chunker_version FROM app.documents WHERE status = 'current'").fetchall()
+    texts = [r[0] for r in conn.execute("SELECT DISTINCT ON (chunk_checksum) text FROM app.chunks")]
+    longest = conn.execute("SELECT max(token_count) FROM app.chunks").fetchone()[0]
+    vectors = conn.execute("SELECT count(*) FROM app.embeddings WHERE model_id = %s", (report["model"],)).fetchone()[0]
+    failed = conn.execute("SELECT count(*) FROM app.embedding_jobs WHERE status <> 'ready'").fetchone()[0]
+    version = conn.execute("SELECT DISTINCT chunker_version FROM app.documents WHERE status = 'current'").fetchall()
     assert len(texts) > 100 and vectors == len(texts) and failed == 0
     assert longest <= 169 and version == [("tok-window-1/cl100k/169/21",)]
     p = OnnxProvider(model_dir, batch_inputs=32)
     assert max(p.count_tokens(texts)) <= p.card.max_seq_length  # every chunk whole in the 256-token window
     # Set past the window, it is refused with one line, before anything is chunked again.
-    refused = cli("embed", str(CORPUS), env={**env, "PIPELINE_CHUNK_TOKENS": "200"}, check=False)
+    refused = cli("embed", str(CORPUS), env={**local_env, "PIPELINE_CHUNK_TOKENS": "200"}, check=False)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert refused.stderr.startswith(f"error: PIPELINE_CHUNK_TOKENS=200 is too large for model {report['model']}: ")
     assert "set PIPELINE_CHUNK_TOKENS=169 or less" in refused.stderr and "Traceback" not in refused.stderr
