@@ -215,12 +215,15 @@ def test_unchanged_tick_reads_no_file(corpus, conn, fake, instance, monkeypatch)
     reads.clear()
     assert evaluate_sensor(source_documents_sensor, fresh_defs(), instance, cursor).skip_message
     assert reads == []
-    # Changed: only that file is read; one run for it.
+    # Changed: only that file is read; one run for it. Its mtime is set a minute ahead, so both
+    # ticks below start inside its racy window (observations.RACY_NS) however slow the machine is.
     (corpus / "doc0007.md").write_text("new words\n")
+    ahead = time.time_ns() + 60 * 10**9
+    os.utime(corpus / "doc0007.md", ns=(ahead, ahead))
     tick = evaluate_sensor(source_documents_sensor, fresh_defs(), instance, cursor)
     assert reads == ["doc0007.md"] and [r.partition_key for r in tick.run_requests] == [bucket_of("doc0007.md")]
     # Written just now: its mtime granule may still hide a same-size rewrite, so the next
-    # tick reads it once more (and nothing else); after that it is trusted.
+    # tick reads it once more (and nothing else); once settled it is trusted.
     reads.clear()
     assert evaluate_sensor(source_documents_sensor, fresh_defs(), instance, tick.cursor).skip_message
     assert reads == ["doc0007.md"]
