@@ -88,7 +88,6 @@ SLOW_MODULES = [
     "test_state_machine_property",
     "test_contract",
     "test_embedded",
-    "test_dagster_pending_buckets",
     "test_dagster_table_source",
     "test_provider_faults",
     "test_dagster_sync_and_embed",

@@ -66,7 +66,7 @@ def _pks(conn, ids: list[str]) -> set[int]:
 def test_the_run_after_an_edit_reads_the_edited_documents_not_their_buckets(corpus, conn, fake, instance, monkeypatch):
     """The sync and the embeddings of the run after an edit go by the edited documents: no statement
     lists the buckets' documents or their stale ones (no version changed), every document key it
-    sends is an edited one, and the buckets' coverage is read once; its cells still count the whole
+    sends is an edited one, and the buckets' coverage and states are read once each; its cells still count the whole
     bucket, the unchanged neighbours' vectors included."""
     neighbours = _with_neighbours(corpus)
     defs = fresh_defs()
@@ -85,6 +85,7 @@ def test_the_run_after_an_edit_reads_the_edited_documents_not_their_buckets(corp
     ran = [name for name, _ in sent]
     assert "buckets.bucket_current_pks" not in ran and "stage_runs.rerun_targets" not in ran, ran
     assert ran.count("buckets.bucket_coverage") == 1, ran
+    assert ran.count("buckets.bucket_states") == 1, ran  # the sync's, passed on to the embedding step
     # A key parameter is a list, or an Int8Array (one binary bigint[]) holding one.
     keys = [set(getattr(params["docs"], "values", params["docs"])) for _, params in sent if "docs" in params]
     assert keys and all(k <= _pks(conn, edited) for k in keys), (keys, _pks(conn, edited))

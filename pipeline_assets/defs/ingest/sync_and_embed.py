@@ -99,7 +99,14 @@ def build_sync_and_embed_job(n: int, concurrency_pool: str | None) -> dg.JobDefi
             context.instance, states, {b: {} for b in bucket_ids}, versions, observed
         )
         yield dg.Output(
-            {"buckets": bucket_ids, "chunks": chunks, "source": observed, "root": src.key, "documents": done.documents},
+            {
+                "buckets": bucket_ids,
+                "chunks": chunks,
+                "source": observed,
+                "root": src.key,
+                "documents": done.documents,
+                "states": states,
+            },
             metadata={
                 "buckets": len(bucket_ids),
                 "files_read": done.scan.hashed,
@@ -132,8 +139,12 @@ def build_sync_and_embed_job(n: int, concurrency_pool: str | None) -> dg.JobDefi
         in_process = embedding_run.embeds_in_process(settings)
         db_pool = postgres.pool()
         models = _models(context.instance, model_admin.active_model_ids(db_pool))
-        with postgres.connection() as conn:
-            states = bucket_rows.states_of(conn, root, bucket_ids, n)
+        # The buckets' states as this run's sync left them (its chunks' materializations record the
+        # same); read again only for the output of a run that did not pass them on.
+        states: dict[int, bucket_rows.BucketState] | None = synced.get("states")
+        if states is None:
+            with postgres.connection() as conn:
+                states = bucket_rows.states_of(conn, root, bucket_ids, n)
         code_version = code_versions(settings)["embeddings"]
         totals: dict[str, int] = {}
         for model_id in models:
