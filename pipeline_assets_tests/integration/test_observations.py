@@ -90,6 +90,8 @@ def test_scan_compares_in_the_database_and_reads_only_what_it_must(clean_db, tmp
         (root / "d" / f"old{i}.md").write_text(f"settled {i}")
         _age(root / "d" / f"old{i}.md")
     (root / "fresh.md").write_text("just written")  # racy: read now
+    ahead = time.time() + 60  # inside the scan's racy window however late the scan starts
+    os.utime(root / "fresh.md", (ahead, ahead))
     (root / "link.md").symlink_to(root / "d" / "old0.md")  # its item, not root/link.md, is read
     _age(root / "link.md")
     first = observations.scan(conn, root, max_bytes=1 << 20)
