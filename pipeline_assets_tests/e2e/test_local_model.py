@@ -239,7 +239,7 @@ def test_relevance_of_the_local_model_beats_the_hashing_model(both_models):
 # -- the chunk size follows the model's window by default ---------------------------------------
 
 
-def test_without_chunk_settings_the_chunks_fit_the_window(both_models, conn, model_dir):
+def test_without_chunk_settings_the_chunks_fit_the_window(both_models, conn, provider):
     """``both_models``'s local run has no chunk setting: its chunks are the window's, each whole in it."""
     _env, local_env, report = both_models
     assert not {"PIPELINE_CHUNK_TOKENS", "PIPELINE_CHUNK_OVERLAP"} & set(local_env)
@@ -253,8 +253,7 @@ def test_without_chunk_settings_the_chunks_fit_the_window(both_models, conn, mod
     version = conn.execute("SELECT DISTINCT chunker_version FROM app.documents WHERE status = 'current'").fetchall()
     assert len(texts) > 100 and vectors == len(texts) and failed == 0
     assert longest <= 169 and version == [("tok-window-1/cl100k/169/21",)]
-    p = OnnxProvider(model_dir, batch_inputs=32)
-    assert max(p.count_tokens(texts)) <= p.card.max_seq_length  # every chunk whole in the 256-token window
+    assert max(provider.count_tokens(texts)) <= provider.card.max_seq_length  # every chunk whole in the window
     # Set past the window, it is refused with one line, before anything is chunked again.
     refused = cli("embed", str(CORPUS), env={**local_env, "PIPELINE_CHUNK_TOKENS": "200"}, check=False)
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr

@@ -79,16 +79,20 @@ def test_bucket_of_is_the_sql_function(clean_db):
         assert {d: buckets.bucket_of(d, n) for d in ids} == rows
 
 
+def _nodes(plan: dict):
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
 def _rows_read(plan: dict, tables: set[str]) -> int:
     """Rows the plan's scans of ``tables`` produced or filtered out, over all their loops."""
-    read = 0
-    if plan.get("Relation Name") in tables:
-        read += (
-            plan.get("Actual Rows", 0)
-            + plan.get("Rows Removed by Filter", 0)
-            + plan.get("Rows Removed by Index Recheck", 0)
-        ) * plan.get("Actual Loops", 1)
-    return read + sum(_rows_read(child, tables) for child in plan.get("Plans", []))
+    return sum(
+        (n.get("Actual Rows", 0) + n.get("Rows Removed by Filter", 0) + n.get("Rows Removed by Index Recheck", 0))
+        * n.get("Actual Loops", 1)
+        for n in _nodes(plan)
+        if n.get("Relation Name") in tables
+    )
 
 
 def test_one_bucket_statements_read_only_its_rows(clean_db):
@@ -113,12 +117,6 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
         ][0]["Plan"]
         assert _rows_read(plan, tables) <= 2 * mine, (name, mine, plan)
     assert len(bucket_documents(conn, root, [BUCKET], N)) == mine
-
-
-def _nodes(plan: dict):
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from _nodes(child)
 
 
 def test_the_statements_of_a_run_after_an_edit_read_the_edit_not_the_buckets(clean_db):
