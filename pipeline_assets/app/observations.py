@@ -110,13 +110,14 @@ def _scan_all(
 
     with conn.transaction():
         source_observations.walk(conn, walked_rows())
+        source_observations.diff(conn, root_key, in_buckets)
         # Listed with their fingerprint: compared here, nothing read.
-        result.written += source_observations.stage_listed(conn, root_key)
+        result.written += source_observations.stage_listed(conn)
         # New and settled: nothing to compare their bytes with; the run that ingests them reads them.
-        result.unread = source_observations.stage_unread(conn, root_key, settled_before=settled_before, unread=UNREAD)
+        result.unread = source_observations.stage_unread(conn, settled_before=settled_before, unread=UNREAD)
         rows: list[source_observations.StagedRow] = []
         for doc, size, mtime_ns, *old in source_observations.walked_to_read(
-            conn, root_key, settled_before=settled_before, batch=READ_BATCH
+            conn, settled_before=settled_before, batch=READ_BATCH
         ):
             value = source.fingerprint(Observed(doc, size, mtime_ns, refs.get(doc)), max_bytes)
             result.hashed += 1
@@ -131,11 +132,8 @@ def _scan_all(
                 source_observations.stage(conn, rows)
                 rows = []
         source_observations.stage(conn, rows)
-        if in_buckets is None:
-            missing = source_observations.walked_missing(conn, root_key)
-            gone = missing if keep is None else [doc for doc in missing if keep(doc)]
-        else:
-            gone = source_observations.walked_missing_in_buckets(conn, root_key, *in_buckets)
+        missing = source_observations.walked_missing(conn)
+        gone = missing if keep is None or in_buckets is not None else [doc for doc in missing if keep(doc)]
         if not walked and gone:
             result.empty_refused, gone = len(gone), []
         source_observations.commit_staged(conn, root_key, gone)

@@ -1,8 +1,9 @@
 """What the source sensor observed, app.source_observations (SQL: ``sql/queries/observations.sql``).
 
-A scan's walk is copied into a temporary table and compared there (``walk``, ``stage_listed``,
-``stage_unread``, ``walked_to_read``, ``walked_missing``); what changed is staged and upserted in
-one statement (``stage``, ``commit_staged``). The rest reads and marks requests per bucket, and
+A scan's walk is copied into a temporary table and compared with the observations in one join
+(``walk``, ``diff``); ``stage_listed``, ``stage_unread``, ``walked_to_read`` and ``walked_missing``
+read only what differs. What changed is staged and upserted in one statement (``stage``,
+``commit_staged``). The rest reads and marks requests per bucket, and
 gives the files a request left unsynced their backoff (``schedule_retries``).
 """
 
@@ -41,29 +42,36 @@ def walk(conn: psycopg.Connection, rows: Iterable[WalkedRow]) -> None:
     with conn.cursor().copy(OBS.walk_copy) as copy:
         for row in rows:
             copy.write_row(row)
-    conn.execute(OBS.walk_analyze)
     conn.execute(OBS.stage_create)
 
 
-def stage_listed(conn: psycopg.Connection, root: str) -> int:
+def diff(conn: psycopg.Connection, root: str, in_buckets: tuple[Sequence[int], int] | None = None) -> None:
+    """Compare the walk with the observations once (of the buckets ``in_buckets`` = (ids, count)
+    when the walk holds only theirs); the statements below read only what differs."""
+    if in_buckets is None:
+        conn.execute(OBS.walk_diff, {"root": root})
+    else:
+        buckets, n = in_buckets
+        conn.execute(OBS.walk_diff_in_buckets, {"root": root, "buckets": sorted(set(buckets)), "n": n})
+
+
+def stage_listed(conn: psycopg.Connection) -> int:
     """Stage the walked items listed with a fingerprint that differs from their observation; how many."""
-    return conn.execute(OBS.stage_listed, {"root": root}).rowcount
+    return conn.execute(OBS.stage_listed).rowcount
 
 
-def stage_unread(conn: psycopg.Connection, root: str, *, settled_before: int, unread: str) -> int:
+def stage_unread(conn: psycopg.Connection, *, settled_before: int, unread: str) -> int:
     """Stage the new walked files modified before ``settled_before`` with a placeholder checksum
     (``unread``, size, '.', mtime), unread; how many."""
-    return conn.execute(OBS.stage_unread, {"root": root, "settled_before": settled_before, "unread": unread}).rowcount
+    return conn.execute(OBS.stage_unread, {"settled_before": settled_before, "unread": unread}).rowcount
 
 
-def walked_to_read(
-    conn: psycopg.Connection, root: str, *, settled_before: int, batch: int
-) -> Iterator[tuple[Any, ...]]:
+def walked_to_read(conn: psycopg.Connection, *, settled_before: int, batch: int) -> Iterator[tuple[Any, ...]]:
     """(document id, size, mtime_ns, old checksum, old size, old mtime_ns) of the walked files the
     prefilter cannot vouch for, ``batch`` rows per fetch (other statements may run between two)."""
     with conn.cursor(name=TO_READ_CURSOR) as cur:
         cur.itersize = batch
-        yield from cur.execute(OBS.walked_to_read, {"root": root, "settled_before": settled_before})
+        yield from cur.execute(OBS.walked_to_read, {"settled_before": settled_before})
 
 
 def stage(conn: psycopg.Connection, rows: Sequence[StagedRow]) -> None:
@@ -74,17 +82,9 @@ def stage(conn: psycopg.Connection, rows: Sequence[StagedRow]) -> None:
                 copy.write_row(row)
 
 
-def walked_missing(conn: psycopg.Connection, root: str) -> list[str]:
-    """Observed files the walk did not find, in any bucket."""
-    return [r[0] for r in conn.execute(OBS.walked_missing, {"root": root})]
-
-
-def walked_missing_in_buckets(conn: psycopg.Connection, root: str, buckets: Sequence[int], n: int) -> list[str]:
-    """Observed files of some buckets (of ``n``) the walk did not find."""
-    return [
-        r[0]
-        for r in conn.execute(OBS.walked_missing_in_buckets, {"root": root, "buckets": sorted(set(buckets)), "n": n})
-    ]
+def walked_missing(conn: psycopg.Connection) -> list[str]:
+    """Observed files the walk did not find (of the buckets ``diff`` compared)."""
+    return [r[0] for r in conn.execute(OBS.walked_missing)]
 
 
 def commit_staged(conn: psycopg.Connection, root: str, gone: Sequence[str]) -> None:

@@ -226,7 +226,7 @@ def test_a_bucket_walk_lists_every_file_but_examines_only_its_own(tmp_path):
     for name in names:
         (tmp_path / name).write_text("abc")
     mine = {d for d in names if buckets.bucket_of(d, N) == BUCKET}
-    walked = {doc: size for doc, size, _, _ in walk(tmp_path, lambda d: d in mine)}
+    walked = {doc: size for doc, size, *_ in walk(tmp_path, lambda d: d in mine)}
     assert set(walked) == set(names)
     assert {d for d, size in walked.items() if size != NOT_STATED} == mine
     assert all(walked[d] == 3 for d in mine)

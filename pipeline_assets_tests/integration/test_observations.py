@@ -3,6 +3,7 @@ exactly what the scan lists."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_walk_lists_exactly_what_the_scan_lists(tmp_path):
     root = _tricky_tree(tmp_path)
     scanned = {i.document_id: (i.size, i.mtime_ns, i.problem) for i in scan_directory(root)}
     walked = {}
-    for doc, size, mtime_ns, found in walk(root):
+    for doc, size, mtime_ns, found, _ in walk(root):
         assert doc not in walked, doc
         problem = found.problem if isinstance(found, SourceItem) else None
         walked[doc] = (size, mtime_ns, problem)
@@ -52,6 +53,27 @@ def test_walk_lists_exactly_what_the_scan_lists(tmp_path):
     assert {"top.md", "50%.md", "a/b/deep.txt", "link-in.md", "link-out.md", "caf%E9.md"} <= set(walked)
     assert walked["link-out.md"][2] == "outside_root"
     assert not any(d.startswith(".") or "/." in d or d.startswith("link-dir") for d in walked)
+
+
+def test_walk_gives_a_path_only_where_an_escaped_name_needs_one(tmp_path):
+    """A plain file at root/id carries no handle; one below a directory whose name is escaped in
+    its id carries its real path, and the sensor reads it through that path."""
+    root = tmp_path / "src"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "plain.md").write_text("plain")
+    raw = os.fsencode(str(root))
+    os.mkdir(raw + b"/d\xff")
+    with open(raw + b"/d\xff/in.md", "wb") as f:
+        f.write(b"below an undecodable name")
+    listed = {o.document_id: o for o in walk(root)}
+    assert set(listed) == {"a/plain.md", "d%FF/in.md"}
+    assert listed["a/plain.md"].ref is None
+    assert listed["d%FF/in.md"].ref == os.fsdecode(raw + b"/d\xff/in.md")
+    source = folder_source.FolderSource(root)
+    expected = hashlib.sha256(b"below an undecodable name").hexdigest()[
+        : len(source.fingerprint(listed["a/plain.md"], 100))
+    ]
+    assert source.fingerprint(listed["d%FF/in.md"], 100) == expected
 
 
 def test_walk_fails_like_the_scan(tmp_path):

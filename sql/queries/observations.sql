@@ -15,59 +15,70 @@ CREATE TEMP TABLE observations_walked (
 -- A scan's walk of the source into this session's table.
 COPY observations_walked (document_id, size, mtime_ns, kept, checksum) FROM STDIN
 
+-- name: walk_diff
+-- The walked items and the root's observations that differ: one join over the whole listing, into a
+-- table each comparison below then reads (an unchanged listing leaves it empty). ``walked`` NULL: an
+-- observed file (with a checksum) the walk did not find; ``observed`` NULL: no observation yet.
+CREATE TEMP TABLE observations_diff ON COMMIT DROP AS
+SELECT w.document_id AS walked, o.document_id AS observed, w.size, w.mtime_ns, w.kept, w.checksum AS listed,
+       o.checksum, o.size AS observed_size, o.mtime_ns AS observed_mtime_ns
+FROM observations_walked w
+FULL JOIN (SELECT document_id, checksum, size, mtime_ns FROM app.source_observations WHERE root = %(root)s) o
+  ON o.document_id = w.document_id
+WHERE (w.document_id IS NULL AND o.checksum IS NOT NULL)
+   OR (w.kept AND (o.document_id IS NULL OR o.checksum IS NULL OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns
+                   OR w.checksum IS NOT NULL AND o.checksum IS DISTINCT FROM w.checksum))
+
+-- name: walk_diff_in_buckets
+-- The same when the walk copied in only the files of some buckets (of %(n)s): each walked file
+-- against its own observation (by key), and the observed files of those buckets it did not find.
+CREATE TEMP TABLE observations_diff ON COMMIT DROP AS
+SELECT w.document_id AS walked, o.document_id AS observed, w.size, w.mtime_ns, w.kept, w.checksum AS listed,
+       o.checksum, o.size AS observed_size, o.mtime_ns AS observed_mtime_ns
+FROM observations_walked w
+LEFT JOIN app.source_observations o ON o.root = %(root)s AND o.document_id = w.document_id
+WHERE w.kept AND (o.document_id IS NULL OR o.checksum IS NULL OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns
+                  OR w.checksum IS NOT NULL AND o.checksum IS DISTINCT FROM w.checksum)
+UNION ALL
+SELECT NULL, o.document_id, NULL, NULL, NULL, NULL, o.checksum, o.size, o.mtime_ns
+FROM app.source_observations o
+WHERE o.root = %(root)s AND o.checksum IS NOT NULL
+  AND (o.bucket = ANY(%(buckets)s) OR o.bucket IS NULL AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s))
+  AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
+
 -- name: stage_listed
 -- Items listed with their fingerprint (an object's ETag, a row's version): staged
 -- when new or different from the observation, without reading anything.
 INSERT INTO observations_in (document_id, checksum, size, mtime_ns)
-SELECT w.document_id, w.checksum, w.size, w.mtime_ns
-FROM observations_walked w
-LEFT JOIN app.source_observations o ON o.root = %(root)s AND o.document_id = w.document_id
-WHERE w.kept AND w.checksum IS NOT NULL
-  AND (o.document_id IS NULL OR o.checksum IS DISTINCT FROM w.checksum
-       OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns)
-
--- name: walk_analyze
--- Statistics of the walk, so its comparison is planned on real counts.
-ANALYZE observations_walked
+SELECT walked, listed, size, mtime_ns
+FROM observations_diff
+WHERE kept AND listed IS NOT NULL
+  AND (observed IS NULL OR checksum IS DISTINCT FROM listed
+       OR observed_size <> size OR observed_mtime_ns <> mtime_ns)
 
 -- name: stage_unread
 -- New files (no observation) modified before %(settled_before)s: staged with a
 -- placeholder checksum (``observations.UNREAD``, size, '.', mtime), without reading
 -- them: the bucket run that ingests them reads them.
 INSERT INTO observations_in (document_id, checksum, size, mtime_ns)
-SELECT w.document_id, %(unread)s || w.size || '.' || w.mtime_ns, w.size, w.mtime_ns
-FROM observations_walked w
-WHERE w.kept AND w.checksum IS NULL AND w.mtime_ns < %(settled_before)s
-  AND NOT EXISTS (SELECT 1 FROM app.source_observations o
-                  WHERE o.root = %(root)s AND o.document_id = w.document_id)
+SELECT walked, %(unread)s || size || '.' || mtime_ns, size, mtime_ns
+FROM observations_diff
+WHERE kept AND listed IS NULL AND mtime_ns < %(settled_before)s AND observed IS NULL
 
 -- name: walked_to_read
 -- The walked files the prefilter cannot vouch for: new ones modified since
 -- %(settled_before)s (racy), gone ones back, and those whose size or mtime
 -- differ from the observation's; with that observation (NULLs: none).
-SELECT w.document_id, w.size, w.mtime_ns, o.checksum, o.size, o.mtime_ns
-FROM observations_walked w
-LEFT JOIN app.source_observations o ON o.root = %(root)s AND o.document_id = w.document_id
-WHERE w.kept AND w.checksum IS NULL
-  AND (CASE WHEN o.document_id IS NULL THEN w.mtime_ns >= %(settled_before)s
-            ELSE o.checksum IS NULL OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns END)
+SELECT walked, size, mtime_ns, checksum, observed_size, observed_mtime_ns
+FROM observations_diff
+WHERE kept AND listed IS NULL
+  AND (CASE WHEN observed IS NULL THEN mtime_ns >= %(settled_before)s
+            ELSE checksum IS NULL OR observed_size <> size OR observed_mtime_ns <> mtime_ns END)
 
 -- name: walked_missing
--- Observed files (with a checksum) the walk did not find, in any bucket: the
--- scan keeps those of its own buckets as gone.
-SELECT o.document_id
-FROM app.source_observations o
-WHERE o.root = %(root)s AND o.checksum IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
-
--- name: walked_missing_in_buckets
--- The same within some buckets (of %(n)s), when the walk copied in only their
--- files: the observations of other buckets are not sent back to be hashed.
-SELECT o.document_id
-FROM app.source_observations o
-WHERE o.root = %(root)s AND o.checksum IS NOT NULL
-  AND (o.bucket = ANY(%(buckets)s) OR o.bucket IS NULL AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s))
-  AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
+-- Observed files (with a checksum) the walk did not find (of the buckets a bucket scan
+-- compared): the scan keeps those it observes as gone.
+SELECT observed FROM observations_diff WHERE walked IS NULL
 
 -- name: stage_create
 -- The observations of one scan that changed, copied in before one upsert.
