@@ -119,6 +119,25 @@ def test_one_bucket_statements_read_only_its_rows(clean_db):
     assert len(bucket_documents(conn, root, [BUCKET], N)) == mine
 
 
+def test_a_bucket_scan_compares_only_its_buckets_observations(clean_db):
+    """A bucket scan's comparison reads that bucket's observations through the bucket index, not
+    every observation of the source, and finds the bucket's gone files among them."""
+    conn = clean_db
+    docs = 6400
+    root = "/corpus"
+    ids = _observed_corpus(conn, root, docs)
+    conn.execute("ANALYZE app.source_observations")
+    mine = [d for d in ids if buckets.bucket_of(d, N) == BUCKET]
+    with conn.transaction():
+        source_observations.walk(conn, ((d, 1, 1, True, None) for d in mine[1:]))  # mine[0] is gone
+        params = {"root": root, "n": N, "buckets": [BUCKET]}
+        statement = source_observations.OBS.walk_diff_in_buckets.split(" AS\n", 1)[1]
+        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params).fetchone()[0][0]["Plan"]
+        assert _rows_read(plan, {"source_observations"}) <= 2 * len(mine), (len(mine), plan)
+        source_observations.diff(conn, root, ([BUCKET], N))
+        assert source_observations.walked_missing(conn) == [mine[0]]
+
+
 def test_the_statements_of_a_run_after_an_edit_read_the_edit_not_the_buckets(clean_db):
     """Of 6,400 synced documents in 64 buckets, 3 changed: the run over 18 buckets finds them through
     an index (not by reading the buckets' observed files), learns that no live document has another

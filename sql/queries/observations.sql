@@ -30,21 +30,20 @@ WHERE (w.document_id IS NULL AND o.checksum IS NOT NULL)
                    OR w.checksum IS NOT NULL AND o.checksum IS DISTINCT FROM w.checksum))
 
 -- name: walk_diff_in_buckets
--- The same when the walk copied in only the files of some buckets (of %(n)s): each walked file
--- against its own observation (by key), and the observed files of those buckets it did not find.
+-- The same when the walk copied in only the files of some buckets (of %(n)s): compared with those
+-- buckets' observations alone, read through the bucket index, so a bucket scan costs its bucket.
 CREATE TEMP TABLE observations_diff ON COMMIT DROP AS
 SELECT w.document_id AS walked, o.document_id AS observed, w.size, w.mtime_ns, w.kept, w.checksum AS listed,
        o.checksum, o.size AS observed_size, o.mtime_ns AS observed_mtime_ns
 FROM observations_walked w
-LEFT JOIN app.source_observations o ON o.root = %(root)s AND o.document_id = w.document_id
-WHERE w.kept AND (o.document_id IS NULL OR o.checksum IS NULL OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns
-                  OR w.checksum IS NOT NULL AND o.checksum IS DISTINCT FROM w.checksum)
-UNION ALL
-SELECT NULL, o.document_id, NULL, NULL, NULL, NULL, o.checksum, o.size, o.mtime_ns
-FROM app.source_observations o
-WHERE o.root = %(root)s AND o.checksum IS NOT NULL
-  AND (o.bucket = ANY(%(buckets)s) OR o.bucket IS NULL AND app.document_bucket(o.document_id, %(n)s) = ANY(%(buckets)s))
-  AND NOT EXISTS (SELECT 1 FROM observations_walked w WHERE w.document_id = o.document_id)
+FULL JOIN (SELECT document_id, checksum, size, mtime_ns FROM app.source_observations
+           WHERE root = %(root)s
+             AND (bucket = ANY(%(buckets)s)
+                  OR bucket IS NULL AND app.document_bucket(document_id, %(n)s) = ANY(%(buckets)s))) o
+  ON o.document_id = w.document_id
+WHERE (w.document_id IS NULL AND o.checksum IS NOT NULL)
+   OR (w.kept AND (o.document_id IS NULL OR o.checksum IS NULL OR o.size <> w.size OR o.mtime_ns <> w.mtime_ns
+                   OR w.checksum IS NOT NULL AND o.checksum IS DISTINCT FROM w.checksum))
 
 -- name: stage_listed
 -- Items listed with their fingerprint (an object's ETag, a row's version): staged
