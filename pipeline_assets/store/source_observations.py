@@ -3,8 +3,8 @@
 A scan's walk is copied into a temporary table and compared with the observations in one join
 (``walk``, ``diff``); ``stage_listed``, ``stage_unread``, ``walked_to_read`` and ``walked_missing``
 read only what differs. What changed is staged and upserted in one statement (``stage``,
-``commit_staged``). The rest reads and marks requests per bucket, and
-gives the files a request left unsynced their backoff (``schedule_retries``).
+``commit_staged``). The rest reads and marks requests per bucket, and gives the files a request
+left unsynced their backoff (``schedule_retries``).
 """
 
 from __future__ import annotations
